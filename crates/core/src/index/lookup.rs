@@ -1,0 +1,142 @@
+//! Longest-prefix lookup: for a request's block keys, how many leading blocks each endpoint
+//! holds, and on which tiers.
+//!
+//! The walk keeps the set of endpoints that hold every block so far as bit-set words and
+//! intersects it with each block's holders, stopping when the set is empty. While every active
+//! endpoint holds the block on the GPU (the common case) a block costs a few word operations;
+//! only mixed-tier blocks are counted per endpoint.
+
+use serde::Serialize;
+
+use super::holders::WORD_BITS;
+use super::{EndpointId, KvIndex};
+use crate::event::Tier;
+use crate::keys::RouterKey;
+
+/// One endpoint's cached prefix of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PrefixMatch {
+    /// The endpoint.
+    pub endpoint: EndpointId,
+    /// Leading blocks held on any tier.
+    pub blocks: u32,
+    /// Of those, blocks whose fastest copy is on the GPU.
+    pub gpu_blocks: u32,
+    /// Of those, blocks whose fastest copy is in CPU memory.
+    pub cpu_blocks: u32,
+    /// Of those, blocks whose fastest copy is in storage.
+    pub storage_blocks: u32,
+}
+
+/// Every endpoint holding at least the first block, sorted by endpoint id.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PrefixMatches {
+    /// One entry per endpoint with a non-empty match.
+    pub matches: Vec<PrefixMatch>,
+}
+
+impl PrefixMatches {
+    /// The match for one endpoint (`None`: not even the first block).
+    pub fn get(&self, endpoint: EndpointId) -> Option<&PrefixMatch> {
+        self.matches.iter().find(|m| m.endpoint == endpoint)
+    }
+
+    /// Leading blocks `endpoint` holds (0 when none).
+    pub fn blocks(&self, endpoint: EndpointId) -> u32 {
+        self.get(endpoint).map_or(0, |m| m.blocks)
+    }
+}
+
+/// Per-slot tier counts for blocks walked while not every active endpoint had them on the GPU.
+struct TierCounts {
+    counts: Vec<[u32; 3]>,
+}
+
+pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMatches {
+    let slots = index.slots.len();
+    let words = slots.div_ceil(WORD_BITS);
+    let mut active: Vec<u64> = (0..words)
+        .map(|w| {
+            let lo = w * WORD_BITS;
+            let hi = (lo + WORD_BITS).min(slots);
+            (lo..hi)
+                .filter(|&s| index.slots[s].is_some())
+                .fold(0u64, |acc, s| acc | 1 << (s % WORD_BITS))
+        })
+        .collect();
+    let mut matches = Vec::new();
+    // Blocks every then-active endpoint held on the GPU.
+    let mut uniform_gpu = 0u32;
+    let mut mixed: Option<TierCounts> = None;
+    let mut walked = 0u32;
+
+    let mut finish = |slot: usize, len: u32, uniform: u32, mixed: &Option<TierCounts>| {
+        let extra = mixed.as_ref().map_or([0; 3], |m| m.counts[slot]);
+        if len > 0
+            && let Some(endpoint) = index.slots[slot]
+        {
+            matches.push(PrefixMatch {
+                endpoint,
+                blocks: len,
+                gpu_blocks: uniform + extra[Tier::Gpu as usize],
+                cpu_blocks: extra[Tier::Cpu as usize],
+                storage_blocks: extra[Tier::Storage as usize],
+            });
+        }
+    };
+
+    for key in keys {
+        if active.iter().all(|&w| w == 0) {
+            break;
+        }
+        let entry = index.blocks.get(key);
+        let mut all_gpu = true;
+        for (w, word) in active.iter_mut().enumerate() {
+            if *word == 0 {
+                continue;
+            }
+            let (held, gpu) =
+                entry.map_or((0, 0), |e| (e.holders.any_word(w), e.holders.gpu_word(w)));
+            let mut dropped = *word & !held;
+            while dropped != 0 {
+                let bit = dropped.trailing_zeros() as usize;
+                finish(w * WORD_BITS + bit, walked, uniform_gpu, &mixed);
+                dropped &= dropped - 1;
+            }
+            *word &= held;
+            all_gpu &= *word & !gpu == 0;
+        }
+        if all_gpu {
+            uniform_gpu += 1;
+        } else if let Some(entry) = entry {
+            let counts = mixed.get_or_insert_with(|| TierCounts {
+                counts: vec![[0; 3]; slots],
+            });
+            for (w, &word) in active.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let slot = w * WORD_BITS + bits.trailing_zeros() as usize;
+                    if let Some(tier) = entry.holders.best_tier(slot as u32) {
+                        counts.counts[slot][tier as usize] += 1;
+                    }
+                    bits &= bits - 1;
+                }
+            }
+        }
+        walked += 1;
+    }
+    for (w, &word) in active.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            finish(
+                w * WORD_BITS + bits.trailing_zeros() as usize,
+                walked,
+                uniform_gpu,
+                &mixed,
+            );
+            bits &= bits - 1;
+        }
+    }
+    matches.sort_unstable_by_key(|m| m.endpoint);
+    PrefixMatches { matches }
+}

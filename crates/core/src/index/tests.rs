@@ -1,0 +1,435 @@
+use std::collections::{BTreeSet, HashMap};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::event::{BlockRemoved, BlockStored};
+use crate::keys::router_keys;
+
+const BS: usize = 4;
+
+fn index() -> KvIndex {
+    KvIndex::new(IndexConfig {
+        block_size: BS,
+        capacity: 1 << 20,
+    })
+    .unwrap()
+}
+
+/// Engine hashes as an engine with hash seed `seed` would publish them for `tokens`.
+fn engine_hashes(seed: u64, tokens: &[u32]) -> Vec<EngineHash> {
+    router_keys(tokens, BS, None)
+        .unwrap()
+        .iter()
+        .map(|k| EngineHash(k.0.rotate_left(17) ^ seed))
+        .collect()
+}
+
+fn stored(seed: u64, tokens: &[u32], from: usize, to: usize, medium: &str) -> KvEvent {
+    let hashes = engine_hashes(seed, tokens);
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes[from..to].to_vec(),
+        parent_block_hash: from.checked_sub(1).map(|p| hashes[p]),
+        token_ids: tokens[from * BS..to * BS].to_vec(),
+        block_size: BS as u32,
+        medium: Some(medium.into()),
+        ..Default::default()
+    })
+}
+
+fn removed(seed: u64, tokens: &[u32], blocks: &[usize], medium: &str) -> KvEvent {
+    let hashes = engine_hashes(seed, tokens);
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: blocks.iter().map(|&b| hashes[b]).collect(),
+        medium: Some(medium.into()),
+        group_idx: None,
+    })
+}
+
+fn tokens(n_blocks: usize, salt: u32) -> Vec<u32> {
+    (0..(n_blocks * BS) as u32).map(|t| t * 7 + salt).collect()
+}
+
+const E0: EndpointId = EndpointId(0);
+const E1: EndpointId = EndpointId(1);
+
+#[test]
+fn stores_chain_under_their_parents_and_lookup_stops_at_first_miss() {
+    let mut ix = index();
+    let doc = tokens(6, 1);
+    ix.apply(
+        E0,
+        &[stored(9, &doc, 0, 3, "GPU"), stored(9, &doc, 3, 6, "GPU")],
+    );
+    ix.apply(E1, &[stored(5, &doc, 0, 2, "GPU")]);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let m = ix.lookup(&keys);
+    assert_eq!(m.blocks(E0), 6);
+    assert_eq!(m.blocks(E1), 2);
+    // A hole in the middle ends the prefix even if later blocks are held.
+    ix.apply(E0, &[removed(9, &doc, &[2], "GPU")]);
+    assert_eq!(ix.lookup(&keys).blocks(E0), 2);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().blocks_gpu, 5);
+}
+
+#[test]
+fn unknown_parent_is_an_orphan_not_a_guess() {
+    let mut ix = index();
+    let doc = tokens(4, 3);
+    ix.apply(E0, &[stored(1, &doc, 2, 4, "GPU")]);
+    let stats = ix.endpoint_stats(E0).unwrap();
+    assert_eq!(stats.orphan_blocks, 2);
+    assert_eq!(ix.block_count(), 0);
+}
+
+#[test]
+fn restores_are_idempotent_and_one_remove_forgets() {
+    let mut ix = index();
+    let doc = tokens(2, 0);
+    ix.apply(
+        E0,
+        &[stored(1, &doc, 0, 2, "GPU"), stored(1, &doc, 0, 2, "GPU")],
+    );
+    assert_eq!(ix.entry_count(), 2);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().blocks_gpu, 2);
+    ix.apply(E0, &[removed(1, &doc, &[0, 1], "GPU")]);
+    assert_eq!(ix.entry_count(), 0);
+    assert_eq!(ix.block_count(), 0);
+}
+
+#[test]
+fn tokenless_tier_events_attach_to_known_blocks_and_blocks_leave_with_their_last_tier() {
+    let mut ix = index();
+    let doc = tokens(3, 2);
+    let hashes = engine_hashes(4, &doc);
+    ix.apply(E0, &[stored(4, &doc, 0, 3, "GPU")]);
+    let offload = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![hashes[0], hashes[1], EngineHash(12345)],
+        medium: Some("cpu".into()),
+        block_size: 0,
+        ..Default::default()
+    });
+    ix.apply(E0, &[offload]);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().unknown_hashes, 1);
+    ix.apply(E0, &[removed(4, &doc, &[0, 1], "GPU")]);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let m = *ix.lookup(&keys).get(E0).unwrap();
+    assert_eq!((m.blocks, m.gpu_blocks, m.cpu_blocks), (3, 1, 2));
+    ix.apply(E0, &[removed(4, &doc, &[0], "CPU")]);
+    assert_eq!(ix.lookup(&keys).blocks(E0), 0);
+    assert!(
+        ix.resolve(E0, hashes[0]).is_none(),
+        "block left with its last tier"
+    );
+    assert!(ix.resolve(E0, hashes[1]).is_some());
+}
+
+#[test]
+fn clear_and_endpoint_removal_drop_only_that_endpoint() {
+    let mut ix = index();
+    let doc = tokens(3, 5);
+    ix.apply(E0, &[stored(1, &doc, 0, 3, "GPU")]);
+    ix.apply(E1, &[stored(1, &doc, 0, 3, "GPU")]);
+    ix.apply(E0, &[KvEvent::AllBlocksCleared]);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    assert_eq!(ix.lookup(&keys).blocks(E0), 0);
+    assert_eq!(ix.lookup(&keys).blocks(E1), 3);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().clears, 1);
+    ix.remove_endpoint(E1);
+    assert_eq!(ix.block_count(), 0);
+    assert_eq!(ix.entry_count(), 0);
+}
+
+#[test]
+fn refused_events_are_counted_and_change_nothing() {
+    let mut ix = index();
+    let doc = tokens(2, 0);
+    let KvEvent::BlockStored(good) = stored(1, &doc, 0, 2, "GPU") else {
+        unreachable!()
+    };
+    let wrong_size = BlockStored {
+        block_size: 16,
+        ..good.clone()
+    };
+    let short_tokens = BlockStored {
+        token_ids: good.token_ids[..5].to_vec(),
+        ..good.clone()
+    };
+    let bad_extra = BlockStored {
+        extra_keys: Some(vec![None]),
+        ..good.clone()
+    };
+    let other_group = BlockStored {
+        group_idx: Some(1),
+        ..good.clone()
+    };
+    for ev in [wrong_size, short_tokens, bad_extra, other_group] {
+        ix.apply(E0, &[KvEvent::BlockStored(ev)]);
+    }
+    let s = ix.endpoint_stats(E0).unwrap();
+    assert_eq!(s.block_size_mismatches, 2);
+    assert_eq!(s.malformed_blocks, 4);
+    assert_eq!(s.ignored_group_blocks, 2);
+    assert_eq!(ix.block_count(), 0);
+}
+
+#[test]
+fn lora_name_without_extra_keys_matches_lora_requests() {
+    let mut ix = index();
+    let doc = tokens(2, 0);
+    let KvEvent::BlockStored(mut ev) = stored(1, &doc, 0, 2, "GPU") else {
+        unreachable!()
+    };
+    ev.lora_name = Some("sql-lora".into());
+    ix.apply(E0, &[KvEvent::BlockStored(ev)]);
+    let extra = crate::keys::request_extra_keys(2, Some("sql-lora"), None);
+    let lora_keys = router_keys(&doc, BS, Some(&extra)).unwrap();
+    assert_eq!(ix.lookup(&lora_keys).blocks(E0), 2);
+    let plain = router_keys(&doc, BS, None).unwrap();
+    assert_eq!(
+        ix.lookup(&plain).blocks(E0),
+        0,
+        "base-model requests must not match"
+    );
+}
+
+#[test]
+fn many_endpoints_beyond_one_word_of_slots() {
+    let mut ix = index();
+    let doc = tokens(8, 11);
+    for e in 0..150u32 {
+        let blocks = (e as usize % 8) + 1;
+        ix.apply(
+            EndpointId(e),
+            &[stored(u64::from(e), &doc, 0, blocks, "GPU")],
+        );
+    }
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let m = ix.lookup(&keys);
+    for e in 0..150u32 {
+        assert_eq!(m.blocks(EndpointId(e)), (e % 8) + 1, "endpoint {e}");
+    }
+}
+
+#[test]
+fn capacity_bounds_the_index_and_drops_the_oldest_first() {
+    let mut ix = KvIndex::new(IndexConfig {
+        block_size: BS,
+        capacity: 100,
+    })
+    .unwrap();
+    let docs: Vec<Vec<u32>> = (0..40).map(|i| tokens(5, 1000 * i)).collect();
+    for doc in &docs {
+        ix.apply(E0, &[stored(1, doc, 0, 5, "GPU")]);
+        assert!(ix.entry_count() <= 100, "{}", ix.entry_count());
+    }
+    let stats = ix.endpoint_stats(E0).unwrap();
+    assert!(stats.capacity_evictions >= 100);
+    assert_eq!(stats.blocks_gpu as usize, ix.entry_count());
+    let newest = router_keys(&docs[39], BS, None).unwrap();
+    let oldest = router_keys(&docs[0], BS, None).unwrap();
+    assert_eq!(ix.lookup(&newest).blocks(E0), 5);
+    assert_eq!(ix.lookup(&oldest).blocks(E0), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Differential test against a naive reference model.
+
+/// The obvious implementation: per endpoint, engine hash → (router key, tiers).
+#[derive(Default)]
+struct Model {
+    endpoints: HashMap<EndpointId, HashMap<EngineHash, (RouterKey, BTreeSet<Tier>)>>,
+}
+
+impl Model {
+    fn apply(&mut self, e: EndpointId, event: &KvEvent) {
+        let map = self.endpoints.entry(e).or_default();
+        match event {
+            KvEvent::AllBlocksCleared => map.clear(),
+            KvEvent::BlockRemoved(r) => {
+                let tier = Tier::from_medium(r.medium.as_deref());
+                for h in &r.block_hashes {
+                    if let Some((_, tiers)) = map.get_mut(h) {
+                        tiers.remove(&tier);
+                        if tiers.is_empty() {
+                            map.remove(h);
+                        }
+                    }
+                }
+            }
+            KvEvent::BlockStored(s) => {
+                let tier = Tier::from_medium(s.medium.as_deref());
+                if s.token_ids.is_empty() {
+                    for h in &s.block_hashes {
+                        if let Some((_, tiers)) = map.get_mut(h) {
+                            tiers.insert(tier);
+                        }
+                    }
+                    return;
+                }
+                let parent = match s.parent_block_hash {
+                    None => ROOT_KEY,
+                    Some(p) => match map.get(&p) {
+                        Some((k, _)) => *k,
+                        None => return,
+                    },
+                };
+                let keys = crate::keys::router_keys_from(parent, &s.token_ids, BS, None).unwrap();
+                for (h, k) in s.block_hashes.iter().zip(keys) {
+                    map.entry(*h).or_insert((k, BTreeSet::new())).1.insert(tier);
+                }
+            }
+        }
+    }
+
+    fn lookup(&self, keys: &[RouterKey]) -> Vec<PrefixMatch> {
+        let mut out = Vec::new();
+        for (&e, map) in &self.endpoints {
+            let mut by_key: HashMap<RouterKey, BTreeSet<Tier>> = HashMap::new();
+            for (k, tiers) in map.values() {
+                by_key.entry(*k).or_default().extend(tiers);
+            }
+            let mut m = PrefixMatch {
+                endpoint: e,
+                blocks: 0,
+                gpu_blocks: 0,
+                cpu_blocks: 0,
+                storage_blocks: 0,
+            };
+            for k in keys {
+                let Some(best) = by_key.get(k).and_then(|t| t.first()) else {
+                    break;
+                };
+                m.blocks += 1;
+                match best {
+                    Tier::Gpu => m.gpu_blocks += 1,
+                    Tier::Cpu => m.cpu_blocks += 1,
+                    Tier::Storage => m.storage_blocks += 1,
+                }
+            }
+            if m.blocks > 0 {
+                out.push(m);
+            }
+        }
+        out.sort_unstable_by_key(|m| m.endpoint);
+        out
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store {
+        e: u32,
+        doc: usize,
+        from: usize,
+        to: usize,
+        tier: usize,
+    },
+    Offload {
+        e: u32,
+        doc: usize,
+        block: usize,
+        tier: usize,
+    },
+    Remove {
+        e: u32,
+        doc: usize,
+        block: usize,
+        tier: usize,
+    },
+    Clear {
+        e: u32,
+    },
+    RemoveEndpoint {
+        e: u32,
+    },
+}
+
+/// Documents sharing prefixes: doc i is base (i % 3) for its first (i % 4) + 1 blocks, then its
+/// own tokens, so endpoints hold overlapping chains.
+fn docs() -> Vec<Vec<u32>> {
+    (0..8)
+        .map(|i| {
+            let shared = (i % 4 + 1) * BS;
+            let mut t = tokens(6, (i % 3) as u32 * 100_000);
+            for (j, tok) in t.iter_mut().enumerate().skip(shared) {
+                *tok = 1_000_000 * (i as u32 + 1) + j as u32;
+            }
+            t
+        })
+        .collect()
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let e = 0u32..70; // more than one word of slots
+    prop_oneof![
+        6 => (e.clone(), 0usize..8, 0usize..6, 1usize..7, 0usize..3).prop_map(|(e, doc, from, len, tier)| {
+            let to = (from + len).min(6);
+            Op::Store { e, doc, from: from.min(to - 1), to, tier }
+        }),
+        2 => (e.clone(), 0usize..8, 0usize..6, 1usize..3).prop_map(|(e, doc, block, tier)| Op::Offload { e, doc, block, tier }),
+        3 => (e.clone(), 0usize..8, 0usize..6, 0usize..3).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
+        1 => e.clone().prop_map(|e| Op::Clear { e }),
+        1 => e.prop_map(|e| Op::RemoveEndpoint { e }),
+    ]
+}
+
+const MEDIA: [&str; 3] = ["GPU", "CPU", "STORAGE"];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn index_agrees_with_reference_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let docs = docs();
+        let mut ix = index();
+        let mut model = Model::default();
+        // Endpoints use one of two hash seeds: engines may or may not share hashing config.
+        let seed = |e: u32| u64::from(e % 2) * 0xdead_beef;
+        for op in &ops {
+            match *op {
+                Op::Store { e, doc, from, to, tier } => {
+                    let ev = stored(seed(e), &docs[doc], from, to, MEDIA[tier]);
+                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    model.apply(EndpointId(e), &ev);
+                }
+                Op::Offload { e, doc, block, tier } => {
+                    let ev = KvEvent::BlockStored(BlockStored {
+                        block_hashes: vec![engine_hashes(seed(e), &docs[doc])[block]],
+                        medium: Some(MEDIA[tier].into()),
+                        ..Default::default()
+                    });
+                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    model.apply(EndpointId(e), &ev);
+                }
+                Op::Remove { e, doc, block, tier } => {
+                    let ev = removed(seed(e), &docs[doc], &[block], MEDIA[tier]);
+                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    model.apply(EndpointId(e), &ev);
+                }
+                Op::Clear { e } => {
+                    ix.apply(EndpointId(e), &[KvEvent::AllBlocksCleared]);
+                    model.apply(EndpointId(e), &KvEvent::AllBlocksCleared);
+                }
+                Op::RemoveEndpoint { e } => {
+                    ix.remove_endpoint(EndpointId(e));
+                    model.endpoints.remove(&EndpointId(e));
+                }
+            }
+            let entries: usize = model.endpoints.values().map(HashMap::len).sum();
+            prop_assert_eq!(ix.entry_count(), entries);
+        }
+        for doc in &docs {
+            let keys = router_keys(doc, BS, None).unwrap();
+            for cut in [1, 3, 6] {
+                prop_assert_eq!(&ix.lookup(&keys[..cut]).matches, &model.lookup(&keys[..cut]));
+            }
+        }
+        for (e, map) in &model.endpoints {
+            let stats = ix.endpoint_stats(*e).unwrap();
+            let count = |t: Tier| map.values().filter(|(_, ts)| ts.contains(&t)).count() as u64;
+            prop_assert_eq!(stats.blocks_gpu, count(Tier::Gpu));
+            prop_assert_eq!(stats.blocks_cpu, count(Tier::Cpu));
+            prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! Block keys: the router's own fast key chain and vLLM's `sha256_cbor` block-hash chain.
+//!
+//! A prompt is cut into full blocks of `block_size` tokens (a trailing partial block is never
+//! cached, so it gets no key). Each block's key depends on its parent's key, its tokens and its
+//! extra keys (LoRA adapter name, `cache_salt` on the first block, ...), so equal keys mean equal
+//! prefixes. The router key is a 64-bit xxh3 chain, cheap enough to compute on every request;
+//! the vLLM chain reproduces the engine's own hashes bit for bit, for checking an engine's
+//! configuration and for publishing real hashes from the simulator.
+
+use ciborium_ll::{Encoder, Header, simple};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::CoreError;
+
+/// The router's 64-bit name for a block: a chain over (parent key, tokens, extra keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RouterKey(pub u64);
+
+/// Parent key of the first block of every chain.
+pub const ROOT_KEY: RouterKey = RouterKey(0x6b76_726f_7574_6521);
+
+/// vLLM's default block size (tokens per KV-cache block).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// One element of a block's extra-keys tuple, as vLLM hashes and publishes it.
+///
+/// vLLM puts the LoRA name, multimodal identifiers and `cache_salt` (first block only) into a
+/// tuple hashed with the block; events since 0.17 publish that tuple per block.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ExtraKey {
+    /// A signed integer (old `lora_int_id`, multimodal offsets).
+    Int(i64),
+    /// A text string (LoRA name, cache salt, multimodal identifier).
+    Str(String),
+    /// Raw bytes (prompt-embedding digests).
+    Bytes(Vec<u8>),
+    /// A nested tuple (multimodal `(identifier, offset)` pairs).
+    List(Vec<ExtraKey>),
+}
+
+/// The extra keys of one block: `None` when the block has none (vLLM hashes `None`).
+pub type BlockExtraKeys = Option<Vec<ExtraKey>>;
+
+/// Extra keys for every block of a request, as vLLM derives them for a plain text prompt:
+/// the LoRA name on every block, then the cache salt on the first block only.
+pub fn request_extra_keys(
+    num_blocks: usize,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Vec<BlockExtraKeys> {
+    (0..num_blocks)
+        .map(|i| {
+            let mut keys = Vec::new();
+            if let Some(lora) = lora_name {
+                keys.push(ExtraKey::Str(lora.to_owned()));
+            }
+            if i == 0
+                && let Some(salt) = cache_salt
+            {
+                keys.push(ExtraKey::Str(salt.to_owned()));
+            }
+            (!keys.is_empty()).then_some(keys)
+        })
+        .collect()
+}
+
+fn check_block_size(block_size: usize) -> Result<(), CoreError> {
+    if block_size == 0 {
+        return Err(CoreError::InvalidBlockSize(block_size));
+    }
+    Ok(())
+}
+
+fn check_extra_len(blocks: usize, extra: Option<&[BlockExtraKeys]>) -> Result<(), CoreError> {
+    match extra {
+        Some(extra) if extra.len() < blocks => Err(CoreError::ExtraKeysLength {
+            blocks,
+            extra: extra.len(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The router key of one block given its parent's key.
+pub fn router_key(parent: RouterKey, tokens: &[u32], extra: Option<&[ExtraKey]>) -> RouterKey {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(parent.0);
+    // Tokens hashed as little-endian u32s; a fixed-size stack buffer keeps this allocation-free.
+    let mut buf = [0u8; 256];
+    for chunk in tokens.chunks(buf.len() / 4) {
+        for (slot, token) in buf.chunks_exact_mut(4).zip(chunk) {
+            slot.copy_from_slice(&token.to_le_bytes());
+        }
+        hasher.update(&buf[..chunk.len() * 4]);
+    }
+    if let Some(extra) = extra {
+        // A marker separates tokens from extras so that no token sequence can imitate them.
+        hasher.update(&[0xff]);
+        hasher.update(&cbor_extra_keys(Some(extra)));
+    }
+    RouterKey(hasher.digest())
+}
+
+/// Router keys of every full block of `tokens`, starting a new chain at [`ROOT_KEY`].
+///
+/// `extra` holds one entry per block (or is `None` when no block has extra keys).
+pub fn router_keys(
+    tokens: &[u32],
+    block_size: usize,
+    extra: Option<&[BlockExtraKeys]>,
+) -> Result<Vec<RouterKey>, CoreError> {
+    router_keys_from(ROOT_KEY, tokens, block_size, extra)
+}
+
+/// Router keys of every full block of `tokens`, chained under `parent`.
+pub fn router_keys_from(
+    parent: RouterKey,
+    tokens: &[u32],
+    block_size: usize,
+    extra: Option<&[BlockExtraKeys]>,
+) -> Result<Vec<RouterKey>, CoreError> {
+    check_block_size(block_size)?;
+    let blocks = tokens.len() / block_size;
+    check_extra_len(blocks, extra)?;
+    let mut keys = Vec::with_capacity(blocks);
+    let mut parent = parent;
+    for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+        let block_extra = extra.and_then(|e| e[i].as_deref());
+        parent = router_key(parent, block, block_extra);
+        keys.push(parent);
+    }
+    Ok(keys)
+}
+
+/// A full 32-byte vLLM block digest (`sha256_cbor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct VllmDigest(pub [u8; 32]);
+
+impl VllmDigest {
+    /// The value vLLM publishes in KV events: the last 8 bytes, big-endian.
+    pub fn event_u64(&self) -> u64 {
+        let mut tail = [0u8; 8];
+        tail.copy_from_slice(&self.0[24..]);
+        u64::from_be_bytes(tail)
+    }
+
+    /// Lower-case hex of the 32 bytes.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// vLLM's `sha256_cbor` block-hash chain for one hash seed.
+///
+/// NONE_HASH (the first block's parent) is SHA-256 of the CBOR-encoded seed string: vLLM's
+/// default seed since 0.29 is `vllm-none-hash`, or the engine's `PYTHONHASHSEED` when set.
+#[derive(Clone, Debug)]
+pub struct VllmHasher {
+    none_hash: VllmDigest,
+}
+
+/// vLLM's default NONE_HASH seed string (0.29+).
+pub const VLLM_DEFAULT_SEED: &str = "vllm-none-hash";
+
+impl VllmHasher {
+    /// A hasher whose NONE_HASH comes from `seed`.
+    pub fn new(seed: &str) -> Self {
+        let seed_cbor = cbor(|enc| enc.text(seed, None));
+        Self {
+            none_hash: VllmDigest(Sha256::digest(seed_cbor).into()),
+        }
+    }
+
+    /// The chain's NONE_HASH.
+    pub fn none_hash(&self) -> VllmDigest {
+        self.none_hash
+    }
+
+    /// The digest of one block given its parent digest (`None` for the first block).
+    pub fn block_digest(
+        &self,
+        parent: Option<&VllmDigest>,
+        tokens: &[u32],
+        extra: Option<&[ExtraKey]>,
+    ) -> VllmDigest {
+        let parent = parent.unwrap_or(&self.none_hash);
+        let mut bytes = cbor(|enc| {
+            enc.push(Header::Array(Some(3)))?;
+            enc.bytes(&parent.0, None)?;
+            enc.push(Header::Array(Some(tokens.len())))?;
+            for &t in tokens {
+                enc.push(Header::Positive(u64::from(t)))?;
+            }
+            Ok(())
+        });
+        bytes.extend_from_slice(&cbor_extra_keys(extra));
+        VllmDigest(Sha256::digest(&bytes).into())
+    }
+
+    /// Digests of every full block of `tokens`, in order.
+    pub fn block_digests(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        extra: Option<&[BlockExtraKeys]>,
+    ) -> Result<Vec<VllmDigest>, CoreError> {
+        check_block_size(block_size)?;
+        let blocks = tokens.len() / block_size;
+        check_extra_len(blocks, extra)?;
+        let mut out: Vec<VllmDigest> = Vec::with_capacity(blocks);
+        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+            let block_extra = extra.and_then(|e| e[i].as_deref());
+            let digest = self.block_digest(out.last(), block, block_extra);
+            out.push(digest);
+        }
+        Ok(out)
+    }
+}
+
+/// Canonical CBOR of a block's extra-keys tuple (`null` when absent), as Python's
+/// `cbor2.dumps(..., canonical=True)` writes it.
+fn cbor_extra_keys(extra: Option<&[ExtraKey]>) -> Vec<u8> {
+    cbor(|enc| match extra {
+        None => enc.push(Header::Simple(simple::NULL)),
+        Some(keys) => write_cbor_list(enc, keys),
+    })
+}
+
+type CborEncoder<'a> = Encoder<&'a mut Vec<u8>>;
+
+/// Runs `write` against an in-memory CBOR encoder and returns the bytes.
+fn cbor(write: impl FnOnce(&mut CborEncoder<'_>) -> Result<(), std::io::Error>) -> Vec<u8> {
+    let mut buf = Vec::new();
+    write(&mut Encoder::from(&mut buf)).expect("writing CBOR to a Vec cannot fail");
+    buf
+}
+
+fn write_cbor_list(enc: &mut CborEncoder<'_>, keys: &[ExtraKey]) -> Result<(), std::io::Error> {
+    enc.push(Header::Array(Some(keys.len())))?;
+    for key in keys {
+        match key {
+            ExtraKey::Int(v) if *v >= 0 => enc.push(Header::Positive(*v as u64))?,
+            // CBOR negative integers carry -1 - v, which is the bitwise complement.
+            ExtraKey::Int(v) => enc.push(Header::Negative(!(*v) as u64))?,
+            ExtraKey::Str(s) => enc.text(s, None)?,
+            ExtraKey::Bytes(b) => enc.bytes(b, None)?,
+            ExtraKey::List(inner) => write_cbor_list(enc, inner)?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,16 @@
+//! Pure, synchronous logic at the heart of kvroute.
+//!
+//! This crate owns block keys and hash chains ([`keys`]), the typed KV-cache events that
+//! engines publish ([`event`]), and the KV block index that answers "which endpoint holds the
+//! longest prefix of this prompt" ([`index`]).
+//!
+//! It must not do I/O, spawn tasks or read the clock: time is always a parameter. That keeps
+//! every routing decision testable without a socket and lets an offline simulator run the very
+//! same code as the live router.
+
+pub mod error;
+pub mod event;
+pub mod index;
+pub mod keys;
+
+pub use error::CoreError;

@@ -1,1 +1,13 @@
-//! stub
+//! vLLM's wire formats and clients, for kvroute.
+//!
+//! - [`codec`]: the KV-event batch format of every vLLM release (decode and encode).
+//! - [`subscriber`]: live ingestion from an engine's ZMQ PUB socket with gap replay over its
+//!   ROUTER socket, feeding a [`kvroute_core::index::SharedIndex`].
+//! - [`publisher`]: a small publisher with vLLM's framing and replay, for demos and tests.
+//!
+//! This crate knows bytes and sockets; it makes no routing decisions.
+
+pub mod codec;
+mod error;
+
+pub use error::VllmError;

@@ -11,3 +11,5 @@ pub mod codec;
 mod error;
 
 pub use error::VllmError;
+pub mod publisher;
+pub mod subscriber;

@@ -90,6 +90,23 @@ impl EventLayout {
     }
 }
 
+/// `(major, minor, patch)` of a vLLM version string such as `0.23.0`, `v0.33.0rc1` or `0.14`.
+pub(crate) fn parse_version(version: &str) -> Result<(u32, u32, u32), VllmError> {
+    let bad = || VllmError::Version(version.to_owned());
+    let mut parts = version.trim().trim_start_matches('v').split('.');
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let patch: u32 = match parts.next() {
+        None => 0,
+        Some(p) => p
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(bad)?,
+    };
+    Ok((major, minor, patch))
+}
+
 fn hash_value(h: EngineHash, enc: HashEncoding) -> Value {
     match enc {
         HashEncoding::Int => Value::from(h.0),

@@ -8,9 +8,10 @@
 
 mod decode;
 mod encode;
-mod frame;
+pub(crate) mod frame;
 
 pub use decode::{DecodedBatch, decode_batch};
+pub(crate) use encode::parse_version;
 pub use encode::{EventLayout, HashEncoding, encode_batch};
 pub use frame::{RawMessage, parse_frames};
 

@@ -1,0 +1,157 @@
+//! One publisher's stream inside a subscriber: its sequencer, its counters, and how each
+//! [`Action`] is carried out against the sink.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvroute_core::event::KvEvent;
+use kvroute_core::index::EndpointId;
+use parking_lot::Mutex;
+use serde::Serialize;
+use tracing::{debug, info, warn};
+
+use super::EventSink;
+use super::sequencer::{Action, Sequencer};
+use crate::codec::{RawMessage, decode_batch};
+
+/// Running counters of one endpoint's event stream, for operators and tests.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FeedStats {
+    /// Whether the PUB connection is up now.
+    pub connected: bool,
+    /// Successful (re)connections.
+    pub connects: u64,
+    /// Connections lost.
+    pub disconnects: u64,
+    /// Batches decoded and applied.
+    pub batches: u64,
+    /// Events applied.
+    pub events: u64,
+    /// Blocks named by applied `BlockStored` events.
+    pub blocks_stored: u64,
+    /// Blocks named by applied `BlockRemoved` events.
+    pub blocks_removed: u64,
+    /// `AllBlocksCleared` events applied.
+    pub clears: u64,
+    /// Events of a type this version of kvroute does not know (skipped).
+    pub unknown_events: u64,
+    /// Payloads that failed to decode (skipped, logged).
+    pub decode_errors: u64,
+    /// Messages whose frames were not `[topic, seq, payload]`.
+    pub framing_errors: u64,
+    /// Messages whose topic was not the expected one.
+    pub topic_mismatches: u64,
+    /// Gaps seen in the live sequence.
+    pub gaps: u64,
+    /// Replay requests sent.
+    pub replays: u64,
+    /// Batches received from replay and applied.
+    pub replayed_batches: u64,
+    /// Gaps that replay could not fill.
+    pub unfilled_gaps: u64,
+    /// Batches lost in unfilled gaps.
+    pub lost_batches: u64,
+    /// Engine restarts detected (sequence went backwards).
+    pub restarts: u64,
+    /// Last applied sequence number.
+    pub last_seq: Option<u64>,
+    /// Engine timestamp of the last applied batch (seconds since the Unix epoch).
+    pub last_batch_ts: Option<f64>,
+    /// When the last batch was applied, by this machine's clock (ms since the Unix epoch).
+    pub last_applied_unix_ms: Option<u64>,
+}
+
+/// One publisher's stream.
+pub(crate) struct Feed {
+    pub(crate) endpoint: EndpointId,
+    pub(crate) name: String,
+    pub(crate) sequencer: Sequencer,
+    pub(crate) stats: Arc<Mutex<FeedStats>>,
+    pub(crate) sink: Arc<dyn EventSink>,
+}
+
+impl Feed {
+    pub(crate) fn new(
+        endpoint: EndpointId,
+        name: String,
+        can_replay: bool,
+        sink: Arc<dyn EventSink>,
+    ) -> Self {
+        Self {
+            endpoint,
+            name,
+            sequencer: Sequencer::new(can_replay),
+            stats: Arc::default(),
+            sink,
+        }
+    }
+
+    /// Carries out the sequencer's actions; returns the replay to request, if any.
+    pub(crate) fn execute(&mut self, actions: Vec<Action>, replayed: bool) -> Option<u64> {
+        let mut replay = None;
+        for action in actions {
+            match action {
+                Action::Apply(msg) => self.apply(&msg, replayed),
+                Action::Gap { from, to } => {
+                    info!(endpoint = %self.name, from, to, "gap in KV-event sequence");
+                    self.stats.lock().gaps += 1;
+                }
+                Action::RequestReplay(from) => {
+                    self.stats.lock().replays += 1;
+                    debug!(endpoint = %self.name, from, "requesting replay");
+                    replay = Some(from);
+                }
+                Action::Purge => {
+                    warn!(endpoint = %self.name, "event sequence went backwards: engine restarted, dropping its cached blocks");
+                    self.stats.lock().restarts += 1;
+                    self.sink.purge(self.endpoint);
+                }
+                Action::UnfilledGap { from, to } => {
+                    warn!(endpoint = %self.name, from, to, "KV events lost and not replayable: this endpoint's cache picture may be stale");
+                    let mut stats = self.stats.lock();
+                    stats.unfilled_gaps += 1;
+                    stats.lost_batches += to - from + 1;
+                    self.sink.unfilled_gap(self.endpoint, from, to);
+                }
+            }
+        }
+        replay
+    }
+
+    fn apply(&mut self, msg: &RawMessage, replayed: bool) {
+        match decode_batch(&msg.payload) {
+            Ok(decoded) => {
+                for unknown in &decoded.unknown_events {
+                    info!(endpoint = %self.name, event_type = %unknown, "skipping KV event of unknown type");
+                }
+                self.sink.apply(self.endpoint, msg.seq, &decoded.batch);
+                let mut stats = self.stats.lock();
+                stats.batches += 1;
+                stats.replayed_batches += u64::from(replayed);
+                stats.unknown_events += decoded.unknown_events.len() as u64;
+                stats.events += decoded.batch.events.len() as u64;
+                for event in &decoded.batch.events {
+                    match event {
+                        KvEvent::BlockStored(e) => {
+                            stats.blocks_stored += e.block_hashes.len() as u64
+                        }
+                        KvEvent::BlockRemoved(e) => {
+                            stats.blocks_removed += e.block_hashes.len() as u64
+                        }
+                        KvEvent::AllBlocksCleared => stats.clears += 1,
+                    }
+                }
+                stats.last_seq = Some(msg.seq);
+                stats.last_batch_ts = Some(decoded.batch.ts);
+                stats.last_applied_unix_ms = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_millis() as u64);
+            }
+            Err(e) => {
+                warn!(endpoint = %self.name, seq = msg.seq, error = %e, "dropping undecodable KV-event batch");
+                self.stats.lock().decode_errors += 1;
+            }
+        }
+    }
+}

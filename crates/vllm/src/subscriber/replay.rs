@@ -1,0 +1,111 @@
+//! Fetching missed batches from an engine's replay ROUTER socket.
+//!
+//! The request is `[empty, start_seq (8 bytes big-endian)]` from a DEALER (vLLM's ROUTER wants
+//! exactly `[identity, empty, start]`). The engine answers one message per buffered batch with
+//! `seq >= start`, then an end marker whose sequence is `-1` (all ones). Up to vLLM 0.25 a reply
+//! is `[empty, seq, payload]`; from 0.26 it carries the topic too, `[empty, topic, seq,
+//! payload]`. Both are accepted, told apart by their frame count. A fresh DEALER per replay
+//! keeps a dead replay socket from poisoning the next request.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::codec::{RawMessage, frame::parse_seq};
+
+/// The end-of-replay marker's sequence (`-1` as a signed 64-bit integer).
+pub const END_MARKER_SEQ: u64 = u64::MAX;
+
+/// One answer from a replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplayItem {
+    /// A replayed batch.
+    Batch(RawMessage),
+    /// The end marker: nothing more is buffered.
+    End,
+    /// The replay could not be completed.
+    Failed(String),
+}
+
+/// Parses one reply to a DEALER, in either framing.
+pub fn parse_replay_reply(frames: &[Bytes]) -> Result<ReplayItem, crate::VllmError> {
+    let frames = match frames.split_first() {
+        Some((first, rest)) if first.is_empty() => rest,
+        _ => frames,
+    };
+    let (topic, seq, payload) = match frames {
+        [seq, payload] => (Bytes::new(), seq, payload),
+        [topic, seq, payload] => (topic.clone(), seq, payload),
+        other => {
+            return Err(crate::VllmError::Framing(format!(
+                "replay reply has {} frames, expected [seq, payload] or [topic, seq, payload]",
+                other.len()
+            )));
+        }
+    };
+    let seq = parse_seq(seq)?;
+    if seq == END_MARKER_SEQ {
+        return Ok(ReplayItem::End);
+    }
+    Ok(ReplayItem::Batch(RawMessage {
+        topic,
+        seq,
+        payload: payload.clone(),
+    }))
+}
+
+/// Asks `address` for every batch from `start` on and sends each answer to `out`, ending with
+/// [`ReplayItem::End`] or [`ReplayItem::Failed`].
+pub async fn fetch_replay(
+    address: String,
+    start: u64,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    out: mpsc::Sender<ReplayItem>,
+) {
+    let result = fetch(&address, start, connect_timeout, idle_timeout, &out).await;
+    let last = match result {
+        Ok(()) => ReplayItem::End,
+        Err(reason) => ReplayItem::Failed(format!("{address}: {reason}")),
+    };
+    let _ = out.send(last).await;
+}
+
+async fn fetch(
+    address: &str,
+    start: u64,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    out: &mpsc::Sender<ReplayItem>,
+) -> Result<(), String> {
+    let mut options = SocketOptions::default();
+    options.connect_timeout(connect_timeout);
+    let mut dealer = DealerSocket::with_options(options);
+    dealer
+        .connect(address)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut request = ZmqMessage::from(Bytes::new());
+    request.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
+    dealer
+        .send(request)
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    loop {
+        let reply = tokio::time::timeout(idle_timeout, dealer.recv())
+            .await
+            .map_err(|_| format!("no answer within {idle_timeout:?}"))?
+            .map_err(|e| format!("receive: {e}"))?;
+        match parse_replay_reply(&reply.into_vec()).map_err(|e| e.to_string())? {
+            ReplayItem::Batch(msg) => {
+                if out.send(ReplayItem::Batch(msg)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            ReplayItem::End => return Ok(()),
+            ReplayItem::Failed(reason) => return Err(reason),
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The sequence-number logic of one publisher's stream, without any I/O.
+//!
+//! vLLM numbers its batches 0, 1, 2, ... per process. The sequencer decides, for each message
+//! that arrives live or from a replay, whether to apply it, skip it as a duplicate, ask for a
+//! replay (a gap, or a fresh connection), report a gap that replay could not fill, or purge the
+//! endpoint because the engine restarted (the sequence went backwards).
+
+use std::collections::BTreeMap;
+
+use crate::codec::RawMessage;
+
+/// Live messages held while a replay is in flight; past this the replay is abandoned.
+const MAX_PENDING: usize = 10_000;
+
+/// What the transport must do next, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Decode and apply this batch.
+    Apply(RawMessage),
+    /// Ask the engine's replay socket for every batch from this sequence on.
+    RequestReplay(u64),
+    /// The engine restarted: drop everything the index holds for it.
+    Purge,
+    /// Batches `from..=to` were missed on the live stream (a replay request follows if possible).
+    Gap {
+        /// First missing sequence.
+        from: u64,
+        /// Last missing sequence.
+        to: u64,
+    },
+    /// Batches `from..=to` are lost for good (no replay socket, or no longer buffered).
+    UnfilledGap {
+        /// First missing sequence.
+        from: u64,
+        /// Last missing sequence.
+        to: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Replay {
+    requested: u64,
+    seen_any: bool,
+    /// Replays in a row for the same hole (a reply can predate live messages held meanwhile).
+    attempt: u8,
+}
+
+/// Replays tried for one hole before it is declared lost.
+const MAX_ATTEMPTS: u8 = 3;
+
+/// Sequence state of one publisher.
+#[derive(Debug)]
+pub struct Sequencer {
+    can_replay: bool,
+    next: Option<u64>,
+    replay: Option<Replay>,
+    pending: BTreeMap<u64, RawMessage>,
+}
+
+impl Sequencer {
+    /// A sequencer for a publisher with (or without) a replay socket.
+    pub fn new(can_replay: bool) -> Self {
+        Self {
+            can_replay,
+            next: None,
+            replay: None,
+            pending: BTreeMap::new(),
+        }
+    }
+
+    /// The next sequence number expected, if any batch was seen.
+    pub fn next_expected(&self) -> Option<u64> {
+        self.next
+    }
+
+    /// Whether a replay is in flight.
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// The subscription (re)connected: catch up on what was published meanwhile (everything
+    /// still buffered, on a first connection).
+    pub fn on_connect(&mut self) -> Vec<Action> {
+        if !self.can_replay || self.replay.is_some() {
+            return Vec::new();
+        }
+        let from = self.next.unwrap_or(0);
+        self.start_replay(from)
+    }
+
+    fn start_replay(&mut self, from: u64) -> Vec<Action> {
+        self.start_attempt(from, 1)
+    }
+
+    fn start_attempt(&mut self, from: u64, attempt: u8) -> Vec<Action> {
+        self.replay = Some(Replay {
+            requested: from,
+            seen_any: false,
+            attempt,
+        });
+        vec![Action::RequestReplay(from)]
+    }
+
+    /// A message from the live PUB stream.
+    pub fn on_live(&mut self, msg: RawMessage) -> Vec<Action> {
+        if self.replay.is_some() {
+            return self.hold(msg);
+        }
+        self.accept(msg)
+    }
+
+    fn hold(&mut self, msg: RawMessage) -> Vec<Action> {
+        self.pending.insert(msg.seq, msg);
+        if self.pending.len() > MAX_PENDING {
+            // The replay is not coming; stop waiting rather than grow without bound.
+            return self.on_replay_failed();
+        }
+        Vec::new()
+    }
+
+    /// Applies an in-order message, or reacts to a gap or a backwards step.
+    fn accept(&mut self, msg: RawMessage) -> Vec<Action> {
+        let seq = msg.seq;
+        match self.next {
+            None => {
+                self.next = Some(seq + 1);
+                vec![Action::Apply(msg)]
+            }
+            Some(n) if seq == n => {
+                self.next = Some(n + 1);
+                vec![Action::Apply(msg)]
+            }
+            Some(_) if seq < self.next.unwrap_or(0) => {
+                // Live sequences never repeat: the engine restarted and counts from 0 again.
+                self.next = None;
+                let mut actions = vec![Action::Purge];
+                if self.can_replay && seq > 0 {
+                    // It published before we noticed: fetch those batches first.
+                    actions.extend(self.start_replay(0));
+                    self.pending.insert(seq, msg);
+                } else {
+                    self.next = Some(seq + 1);
+                    actions.push(Action::Apply(msg));
+                }
+                actions
+            }
+            Some(n) if self.can_replay => {
+                let mut actions = vec![Action::Gap {
+                    from: n,
+                    to: seq - 1,
+                }];
+                actions.extend(self.start_replay(n));
+                self.pending.insert(seq, msg);
+                actions
+            }
+            Some(n) => {
+                self.next = Some(seq + 1);
+                vec![
+                    Action::Gap {
+                        from: n,
+                        to: seq - 1,
+                    },
+                    Action::UnfilledGap {
+                        from: n,
+                        to: seq - 1,
+                    },
+                    Action::Apply(msg),
+                ]
+            }
+        }
+    }
+
+    /// A batch from the replay socket.
+    pub fn on_replayed(&mut self, msg: RawMessage) -> Vec<Action> {
+        let Some(replay) = &mut self.replay else {
+            return Vec::new(); // a late answer to an abandoned replay
+        };
+        let mut actions = Vec::new();
+        let first = !replay.seen_any;
+        replay.seen_any = true;
+        let expected = self.next.unwrap_or(replay.requested);
+        if first && msg.seq > expected {
+            // The engine's buffer no longer holds what we asked for.
+            actions.push(Action::UnfilledGap {
+                from: expected,
+                to: msg.seq - 1,
+            });
+            self.next = Some(msg.seq);
+        }
+        match self.next {
+            Some(n) if msg.seq < n => {}
+            Some(n) if msg.seq > n => {
+                actions.push(Action::UnfilledGap {
+                    from: n,
+                    to: msg.seq - 1,
+                });
+                self.next = Some(msg.seq + 1);
+                actions.push(Action::Apply(msg));
+            }
+            _ => {
+                self.next = Some(msg.seq + 1);
+                actions.push(Action::Apply(msg));
+            }
+        }
+        actions
+    }
+
+    /// The replay's end marker: apply what arrived live meanwhile.
+    pub fn on_replay_end(&mut self) -> Vec<Action> {
+        let Some(replay) = self.replay.take() else {
+            return Vec::new();
+        };
+        // Everything before the requested sequence is accounted for, even if nothing came back.
+        let next = *self.next.get_or_insert(replay.requested);
+        // A replay that filled its hole starts the count afresh for the next one.
+        let attempt = if next > replay.requested {
+            0
+        } else {
+            replay.attempt
+        };
+        self.drain(attempt)
+    }
+
+    /// The replay failed or timed out: whatever it should have filled is lost.
+    pub fn on_replay_failed(&mut self) -> Vec<Action> {
+        if self.replay.take().is_none() {
+            return Vec::new();
+        }
+        self.drain(MAX_ATTEMPTS)
+    }
+
+    /// Applies the live messages held during a replay. A hole left between them and the replay
+    /// (its reply was taken before they were published) is asked for again, a few times at most.
+    fn drain(&mut self, attempt: u8) -> Vec<Action> {
+        let mut actions = Vec::new();
+        while let Some((seq, msg)) = self.pending.pop_first() {
+            match self.next {
+                Some(n) if seq < n => {}
+                Some(n) if seq > n && attempt < MAX_ATTEMPTS => {
+                    self.pending.insert(seq, msg);
+                    actions.extend(self.start_attempt(n, attempt + 1));
+                    return actions;
+                }
+                Some(n) if seq > n => {
+                    actions.push(Action::UnfilledGap {
+                        from: n,
+                        to: seq - 1,
+                    });
+                    self.next = Some(seq + 1);
+                    actions.push(Action::Apply(msg));
+                }
+                _ => actions.extend(self.accept(msg)),
+            }
+        }
+        actions
+    }
+}
+
+#[cfg(test)]
+mod tests;

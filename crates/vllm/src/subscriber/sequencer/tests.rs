@@ -1,0 +1,167 @@
+use bytes::Bytes;
+use proptest::prelude::*;
+
+use super::*;
+
+fn msg(seq: u64) -> RawMessage {
+    RawMessage {
+        topic: Bytes::new(),
+        seq,
+        payload: Bytes::from(seq.to_be_bytes().to_vec()),
+    }
+}
+
+fn applied(actions: &[Action]) -> Vec<u64> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Apply(m) => Some(m.seq),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn first_connect_replays_from_zero_and_holds_live_messages() {
+    let mut s = Sequencer::new(true);
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(0)]);
+    assert!(s.on_live(msg(3)).is_empty(), "held during replay");
+    let mut out = Vec::new();
+    for seq in 0..3 {
+        out.extend(s.on_replayed(msg(seq)));
+    }
+    out.extend(s.on_replayed(msg(3))); // replay and live overlap
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![0, 1, 2, 3]);
+    assert_eq!(s.next_expected(), Some(4));
+}
+
+#[test]
+fn a_gap_asks_for_replay_from_the_first_missing_batch() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    assert_eq!(applied(&s.on_live(msg(0))), vec![0]);
+    assert_eq!(
+        s.on_live(msg(3)),
+        vec![Action::Gap { from: 1, to: 2 }, Action::RequestReplay(1)]
+    );
+    let mut out = s.on_replayed(msg(1));
+    out.extend(s.on_replayed(msg(2)));
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![1, 2, 3]);
+}
+
+#[test]
+fn a_replay_that_starts_late_reports_the_lost_range() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    let out = s.on_replayed(msg(40));
+    assert_eq!(out[0], Action::UnfilledGap { from: 0, to: 39 });
+    assert_eq!(applied(&out), vec![40]);
+}
+
+#[test]
+fn without_replay_a_gap_is_reported_and_the_stream_goes_on() {
+    let mut s = Sequencer::new(false);
+    assert!(s.on_connect().is_empty());
+    s.on_live(msg(5));
+    let out = s.on_live(msg(9));
+    assert_eq!(out[0], Action::Gap { from: 6, to: 8 });
+    assert_eq!(out[1], Action::UnfilledGap { from: 6, to: 8 });
+    assert_eq!(applied(&out), vec![9]);
+}
+
+#[test]
+fn a_backwards_sequence_is_a_restart() {
+    let mut s = Sequencer::new(false);
+    s.on_live(msg(7));
+    let out = s.on_live(msg(0));
+    assert_eq!(out, vec![Action::Purge, Action::Apply(msg(0))]);
+    // With replay, batches the new process published before we noticed are fetched.
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    s.on_live(msg(1));
+    s.on_live(msg(2));
+    assert_eq!(
+        s.on_live(msg(1)),
+        vec![Action::Purge, Action::RequestReplay(0)]
+    );
+    let mut out = s.on_replayed(msg(0));
+    out.extend(s.on_replayed(msg(1)));
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![0, 1]);
+}
+
+#[test]
+fn a_failed_replay_reports_the_gap_once_and_resumes() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    s.on_live(msg(4));
+    s.on_live(msg(5));
+    let out = s.on_replay_failed();
+    assert_eq!(out[0], Action::UnfilledGap { from: 1, to: 3 });
+    assert_eq!(applied(&out), vec![4, 5]);
+    assert!(!s.replaying());
+    // A late answer to the abandoned replay changes nothing.
+    assert!(s.on_replayed(msg(1)).is_empty());
+}
+
+proptest! {
+    /// With a replay socket that buffers everything, every batch is applied exactly once and in
+    /// order, however many live messages are lost and however replies interleave.
+    #[test]
+    fn lossy_live_stream_plus_replay_applies_everything_once_in_order(
+        n in 1u64..120,
+        drops in proptest::collection::vec(any::<bool>(), 120),
+        interleave in proptest::collection::vec(0usize..4, 120),
+    ) {
+        let mut s = Sequencer::new(true);
+        let mut out = Vec::new();
+        let mut queue: std::collections::VecDeque<Option<u64>> = Default::default(); // None = end
+        let push_replay = |actions: &[Action], published: u64, queue: &mut std::collections::VecDeque<Option<u64>>| {
+            for a in actions {
+                if let Action::RequestReplay(from) = a {
+                    for seq in *from..published {
+                        queue.push_back(Some(seq));
+                    }
+                    queue.push_back(None);
+                }
+            }
+        };
+        let a = s.on_connect();
+        push_replay(&a, 0, &mut queue);
+        out.extend(a);
+        for seq in 0..n {
+            if !drops[seq as usize] || seq == n - 1 {
+                let a = s.on_live(msg(seq));
+                push_replay(&a, seq + 1, &mut queue);
+                out.extend(a);
+            }
+            for _ in 0..interleave[seq as usize] {
+                let a = match queue.pop_front() {
+                    Some(Some(r)) => s.on_replayed(msg(r)),
+                    Some(None) => s.on_replay_end(),
+                    None => break,
+                };
+                push_replay(&a, seq + 1, &mut queue);
+                out.extend(a);
+            }
+        }
+        while let Some(item) = queue.pop_front() {
+            let a = match item {
+                Some(r) => s.on_replayed(msg(r)),
+                None => s.on_replay_end(),
+            };
+            push_replay(&a, n, &mut queue);
+            out.extend(a);
+        }
+        prop_assert_eq!(applied(&out), (0..n).collect::<Vec<_>>());
+        let lost = out.iter().any(|a| matches!(a, Action::UnfilledGap { .. } | Action::Purge));
+        prop_assert!(!lost, "nothing may be reported lost: {:?}", out);
+    }
+}

@@ -1,0 +1,364 @@
+//! Live ingestion over real ZMQ sockets on loopback: the subscriber against the built-in
+//! publisher, feeding a real index, checked against what the demo engine really caches.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
+use kvroute_core::keys::router_keys;
+use kvroute_vllm::codec::EventLayout;
+use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
+use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
+use kvroute_vllm::subscriber::{
+    EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, TopicSource, spawn_bound,
+    spawn_connected,
+};
+
+const E: EndpointId = EndpointId(7);
+
+fn patience() -> Duration {
+    let ms = std::env::var("KVROUTE_TEST_PATIENCE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15_000);
+    Duration::from_millis(ms)
+}
+
+/// Polls `check` until it holds or patience runs out; panics with `what` and the last state.
+async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
+    let deadline = Instant::now() + patience();
+    loop {
+        let (ok, state) = check();
+        if ok {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out waiting for {what}; last state: {state:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn new_index() -> Arc<SharedIndex> {
+    Arc::new(SharedIndex::new(
+        KvIndex::new(IndexConfig::default()).unwrap(),
+    ))
+}
+
+fn timing() -> Timing {
+    Timing {
+        connect_timeout: Duration::from_secs(2),
+        min_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(200),
+        replay_timeout: Duration::from_millis(1500),
+    }
+}
+
+async fn publisher(layout: EventLayout, framing: ReplayFraming, buffer_steps: usize) -> Publisher {
+    Publisher::bind(PublisherConfig {
+        address: "tcp://127.0.0.1:0".into(),
+        connect: false,
+        replay_address: Some("tcp://127.0.0.1:0".into()),
+        topic: "kv@127.0.0.1:8000@demo".into(),
+        layout,
+        replay_framing: framing,
+        buffer_steps,
+    })
+    .await
+    .unwrap()
+}
+
+fn subscribe(publisher: &Publisher, index: &Arc<SharedIndex>) -> SubscriberHandle {
+    spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: publisher.address().to_owned(),
+            replay: publisher.replay_address().map(str::to_owned),
+            topic: "kv@127.0.0.1:8000@demo".into(),
+        },
+        index.clone() as Arc<dyn EventSink>,
+        timing(),
+    )
+}
+
+fn stats(handle: &SubscriberHandle) -> FeedStats {
+    handle
+        .stats()
+        .into_iter()
+        .next()
+        .map(|(_, s)| s)
+        .unwrap_or_default()
+}
+
+/// For every conversation, the index's prefix for the endpoint equals the blocks the engine
+/// really caches (leading blocks, up to the first miss).
+fn index_matches_engine(index: &SharedIndex, engine: &DemoEngine) -> (bool, Vec<(u32, u32)>) {
+    let mut pairs = Vec::new();
+    for tokens in engine.conversations() {
+        let cached = engine
+            .block_hashes(tokens)
+            .iter()
+            .take_while(|h| engine.is_cached(**h))
+            .count() as u32;
+        let keys = router_keys(tokens, 16, None).unwrap();
+        pairs.push((cached, index.lookup(&keys).blocks(E)));
+    }
+    (pairs.iter().all(|(a, b)| a == b), pairs)
+}
+
+fn demo_engine(seed: u64) -> DemoEngine {
+    DemoEngine::new(DemoConfig {
+        capacity_blocks: 400,
+        seed,
+        ..DemoConfig::default()
+    })
+}
+
+async fn publish_steps(p: &mut Publisher, engine: &mut DemoEngine, n: usize) {
+    for i in 0..n {
+        let batch = engine.step(i as f64);
+        p.publish(&batch).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_follows_a_live_engine_with_eviction() {
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 10_000).await;
+    let index = new_index();
+    let handle = subscribe(&p, &index);
+    eventually("first connection", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    let mut engine = demo_engine(1);
+    publish_steps(&mut p, &mut engine, 150).await;
+    eventually("150 batches", || {
+        (stats(&handle).last_seq == Some(149), stats(&handle))
+    })
+    .await;
+    eventually("index equals engine cache", || {
+        index_matches_engine(&index, &engine)
+    })
+    .await;
+    let s = stats(&handle);
+    assert!(s.blocks_removed > 0, "the scenario must evict: {s:?}");
+    assert_eq!(
+        (s.gaps, s.unfilled_gaps, s.decode_errors, s.restarts),
+        (0, 0, 0, 0)
+    );
+    let index_stats = index.endpoint_stats(E).unwrap();
+    assert_eq!(index_stats.blocks_gpu as usize, engine.cached_blocks());
+    assert_eq!(index_stats.orphan_blocks, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_subscriber_learns_history_from_replay() {
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 10_000).await;
+    let mut engine = demo_engine(2);
+    publish_steps(&mut p, &mut engine, 60).await;
+    let index = new_index();
+    let handle = subscribe(&p, &index);
+    eventually("replayed history", || {
+        (stats(&handle).last_seq == Some(59), stats(&handle))
+    })
+    .await;
+    eventually("index equals engine cache", || {
+        index_matches_engine(&index, &engine)
+    })
+    .await;
+    assert_eq!(stats(&handle).replayed_batches, 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_gap_is_filled_from_replay_in_the_legacy_framing() {
+    let layout = EventLayout::for_vllm_version("0.23.0").unwrap();
+    let mut p = publisher(layout, ReplayFraming::Legacy, 10_000).await;
+    let index = new_index();
+    let handle = subscribe(&p, &index);
+    let mut engine = demo_engine(3);
+    eventually("first connection", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    publish_steps(&mut p, &mut engine, 10).await;
+    eventually("10 batches", || {
+        (stats(&handle).last_seq == Some(9), stats(&handle))
+    })
+    .await;
+    for i in 0..5 {
+        let batch = engine.step(100.0 + f64::from(i));
+        p.publish_lost(&batch);
+    }
+    publish_steps(&mut p, &mut engine, 5).await;
+    eventually("gap filled", || {
+        (stats(&handle).last_seq == Some(19), stats(&handle))
+    })
+    .await;
+    eventually("index equals engine cache", || {
+        index_matches_engine(&index, &engine)
+    })
+    .await;
+    let s = stats(&handle);
+    assert_eq!((s.gaps, s.unfilled_gaps, s.batches), (1, 0, 20), "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_older_than_the_replay_buffer_is_reported() {
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 3).await;
+    let index = new_index();
+    let handle = subscribe(&p, &index);
+    let mut engine = demo_engine(4);
+    eventually("first connection", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    publish_steps(&mut p, &mut engine, 2).await;
+    eventually("2 batches", || {
+        (stats(&handle).last_seq == Some(1), stats(&handle))
+    })
+    .await;
+    for i in 0..6 {
+        p.publish_lost(&engine.step(f64::from(i)));
+    }
+    publish_steps(&mut p, &mut engine, 1).await;
+    eventually("gap reported", || {
+        (stats(&handle).unfilled_gaps == 1, stats(&handle))
+    })
+    .await;
+    let s = stats(&handle);
+    // Sequences 2..=8 were asked for; the buffer (3 batches) held 6, 7, 8 only.
+    assert_eq!(s.lost_batches, 4, "{s:?}");
+    assert_eq!(s.last_seq, Some(8));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_purges_and_relearns() {
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 10_000).await;
+    let index = new_index();
+    let handle = subscribe(&p, &index);
+    let mut engine = demo_engine(5);
+    eventually("first connection", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    publish_steps(&mut p, &mut engine, 30).await;
+    eventually("30 batches", || {
+        (stats(&handle).last_seq == Some(29), stats(&handle))
+    })
+    .await;
+    p.restart();
+    let mut fresh = demo_engine(6);
+    publish_steps(&mut p, &mut fresh, 5).await;
+    eventually("restart seen", || {
+        (
+            stats(&handle).restarts == 1 && stats(&handle).last_seq == Some(4),
+            stats(&handle),
+        )
+    })
+    .await;
+    eventually("index equals the new engine", || {
+        index_matches_engine(&index, &fresh)
+    })
+    .await;
+    let (_, old) = index_matches_engine(&index, &engine);
+    let stale: Vec<_> = old.iter().filter(|(_, idx)| *idx > 0).collect();
+    let fresh_prefixes: usize = fresh.conversations().len();
+    assert!(
+        stale.len() <= fresh_prefixes,
+        "old engine's blocks must be gone: {stale:?}"
+    );
+    assert_eq!(
+        index.endpoint_stats(E).unwrap().blocks_gpu as usize,
+        fresh.cached_blocks()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_does_not_stall_a_live_one() {
+    let index = new_index();
+    let dead = spawn_connected(
+        EndpointSource {
+            endpoint: EndpointId(99),
+            name: "dead".into(),
+            publisher: "tcp://127.0.0.1:9".into(),
+            replay: Some("tcp://127.0.0.1:10".into()),
+            topic: String::new(),
+        },
+        index.clone() as Arc<dyn EventSink>,
+        timing(),
+    );
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 100).await;
+    let handle = subscribe(&p, &index);
+    let mut engine = demo_engine(7);
+    eventually("first connection", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    publish_steps(&mut p, &mut engine, 20).await;
+    eventually("index equals engine cache", || {
+        index_matches_engine(&index, &engine)
+    })
+    .await;
+    assert!(!stats(&dead).connected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bound_subscriber_demultiplexes_engines_by_topic() {
+    let index = new_index();
+    let resolver = Box::new(|topic: &str| {
+        let endpoint = kvroute_vllm::subscriber::endpoint_from_topic(topic)?;
+        let id = match endpoint {
+            "10.0.0.1:8000" => 1,
+            "10.0.0.2:8000" => 2,
+            _ => return None,
+        };
+        Some(TopicSource {
+            endpoint: EndpointId(id),
+            name: endpoint.to_owned(),
+            replay: None,
+        })
+    });
+    let bound = spawn_bound(
+        "tcp://127.0.0.1:0",
+        resolver,
+        index.clone() as Arc<dyn EventSink>,
+        timing(),
+    )
+    .await
+    .unwrap();
+    let mut engines = Vec::new();
+    for (i, host) in ["10.0.0.1", "10.0.0.2", "10.9.9.9"].iter().enumerate() {
+        let p = Publisher::bind(PublisherConfig {
+            address: bound.address.clone(),
+            connect: true,
+            replay_address: None,
+            topic: format!("kv@{host}:8000@demo"),
+            ..PublisherConfig::default()
+        })
+        .await
+        .unwrap();
+        engines.push((p, demo_engine(10 + i as u64)));
+    }
+    // A connecting PUB loses what it sends before the subscription reaches it (ZMQ's slow
+    // joiner): keep publishing until both known engines have been heard.
+    let mut step = 0.0;
+    let deadline = Instant::now() + patience();
+    while bound.handle.stats().len() < 2 && Instant::now() < deadline {
+        for (p, engine) in &mut engines {
+            p.restart();
+            engine.reset();
+            let batch = engine.step(step);
+            p.publish(&batch).await.unwrap();
+        }
+        step += 1.0;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let names: Vec<String> = bound.handle.stats().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        vec!["10.0.0.1:8000".to_string(), "10.0.0.2:8000".to_string()]
+    );
+    assert!(index.endpoint_stats(EndpointId(1)).is_some());
+    assert!(index.endpoint_stats(EndpointId(2)).is_some());
+}

@@ -35,10 +35,10 @@ pub enum ExtraKey {
     Int(i64),
     /// A text string (LoRA name, cache salt, multimodal identifier).
     Str(String),
-    /// Raw bytes (prompt-embedding digests).
-    Bytes(Vec<u8>),
     /// A nested tuple (multimodal `(identifier, offset)` pairs).
     List(Vec<ExtraKey>),
+    /// Raw bytes (prompt-embedding digests). In JSON they read back as a list of ints.
+    Bytes(Vec<u8>),
 }
 
 /// The extra keys of one block: `None` when the block has none (vLLM hashes `None`).

@@ -1,1 +1,51 @@
-fn main() {}
+//! `kvroute`: the command-line tool. Parses arguments, sets up logging and a runtime, and hands
+//! each command to its module; the logic lives in the library crates.
+
+mod commands;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// KV-cache-aware routing for vLLM fleets.
+#[derive(Parser)]
+#[command(name = "kvroute", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compute block keys for token ids: the router's key chain and vLLM's sha256_cbor hashes.
+    Hash(commands::hash::HashArgs),
+    /// Work with vLLM KV events: decode, watch a live engine, publish a demo stream.
+    #[command(subcommand)]
+    Events(commands::events::EventsCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_level = match &cli.command {
+        Command::Hash(_) => "warn",
+        Command::Events(cmd) => cmd.default_log_level(),
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .init();
+    let result = match cli.command {
+        Command::Hash(args) => commands::hash::run(args),
+        Command::Events(cmd) => commands::events::run(cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvroute: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! `kvroute hash`: block keys of a token sequence, for checking an engine's hashing.
+
+use std::io::Read;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use kvroute_core::keys::{BlockExtraKeys, VllmHasher, request_extra_keys, router_keys};
+use serde::Serialize;
+
+/// Arguments of `kvroute hash`.
+#[derive(Args)]
+pub struct HashArgs {
+    /// vLLM's NONE_HASH seed: the engine's PYTHONHASHSEED, or vLLM's default (0.29+).
+    #[arg(long, default_value = kvroute_core::keys::VLLM_DEFAULT_SEED)]
+    seed: String,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// LoRA adapter name (an extra key on every block).
+    #[arg(long, conflicts_with = "extra")]
+    lora: Option<String>,
+    /// cache_salt (an extra key on the first block).
+    #[arg(long, conflicts_with = "extra")]
+    cache_salt: Option<String>,
+    /// Explicit per-block extra keys as JSON, e.g. '[["my-lora","salt"],["my-lora"]]'.
+    #[arg(long)]
+    extra: Option<String>,
+}
+
+#[derive(Serialize)]
+struct BlockOut {
+    index: usize,
+    router_key: String,
+    vllm_digest: String,
+    vllm_u64: u64,
+}
+
+#[derive(Serialize)]
+struct HashOut {
+    seed: String,
+    block_size: usize,
+    tokens: usize,
+    none_hash: String,
+    blocks: Vec<BlockOut>,
+}
+
+/// Reads a JSON array of token ids on stdin and prints every full block's keys as JSON.
+pub fn run(args: HashArgs) -> anyhow::Result<ExitCode> {
+    if args.block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .context("reading stdin")?;
+    let tokens: Vec<u32> = serde_json::from_str(&input)
+        .context("stdin must be a JSON array of token ids (non-negative integers below 2^32)")?;
+    let blocks = tokens.len() / args.block_size;
+    let extra: Option<Vec<BlockExtraKeys>> = match &args.extra {
+        Some(json) => {
+            let mut extra: Vec<BlockExtraKeys> = serde_json::from_str(json)
+                .context("--extra must be a JSON list with one entry (list or null) per block")?;
+            if extra.len() < blocks {
+                bail!(
+                    "--extra has {} entries but the tokens make {blocks} full blocks",
+                    extra.len()
+                );
+            }
+            extra.truncate(blocks);
+            Some(extra)
+        }
+        None if args.lora.is_some() || args.cache_salt.is_some() => Some(request_extra_keys(
+            blocks,
+            args.lora.as_deref(),
+            args.cache_salt.as_deref(),
+        )),
+        None => None,
+    };
+    let hasher = VllmHasher::new(&args.seed);
+    let keys = router_keys(&tokens, args.block_size, extra.as_deref())?;
+    let digests = hasher.block_digests(&tokens, args.block_size, extra.as_deref())?;
+    let out = HashOut {
+        seed: args.seed,
+        block_size: args.block_size,
+        tokens: tokens.len(),
+        none_hash: hasher.none_hash().to_hex(),
+        blocks: keys
+            .iter()
+            .zip(&digests)
+            .enumerate()
+            .map(|(index, (key, digest))| BlockOut {
+                index,
+                router_key: format!("{:016x}", key.0),
+                vllm_digest: digest.to_hex(),
+                vllm_u64: digest.event_u64(),
+            })
+            .collect(),
+    };
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,145 @@
+//! The built `kvroute` binary, run as an operator would run it.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn kvroute(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvroute runs");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn hash_prints_vllm_hashes_for_the_fixture_cases() {
+    let fixtures = include_str!("../../core/tests/data/vllm-block-hashes.jsonl");
+    for line in fixtures.lines().filter(|l| !l.is_empty()) {
+        let case: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mut args = vec![
+            "hash".to_string(),
+            "--seed".into(),
+            case["seed"].as_str().unwrap().into(),
+            "--block-size".into(),
+            case["block_size"].to_string(),
+        ];
+        if !case["extra_keys"].is_null() {
+            args.push("--extra".into());
+            args.push(case["extra_keys"].to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = kvroute(&args, &case["token_ids"].to_string());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(got["none_hash"], case["none_hash"]);
+        let digests: Vec<&serde_json::Value> = got["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| &b["vllm_digest"])
+            .collect();
+        let u64s: Vec<&serde_json::Value> = got["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| &b["vllm_u64"])
+            .collect();
+        assert_eq!(
+            digests,
+            case["digests"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            u64s,
+            case["event_u64"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn hash_rejects_bad_input_with_a_clear_message() {
+    let out = kvroute(&["hash"], "[1, 2, -3]");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("JSON array of token ids"));
+    let out = kvroute(&["hash", "--block-size", "0"], "[1]");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
+}
+
+#[test]
+fn decode_prints_fixture_events_and_reports_bad_lines() {
+    let fixture = include_str!("../../vllm/tests/data/vllm-0.32.0.jsonl");
+    let mut input = String::new();
+    let mut expected = Vec::new();
+    for line in fixture.lines().filter(|l| !l.is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        input.push_str(v["payload_hex"].as_str().unwrap());
+        input.push('\n');
+        expected.extend(v["expect"].as_array().unwrap().clone());
+    }
+    input.push_str("not-hex\n");
+    input.push_str("c1\n");
+    let out = kvroute(&["events", "decode"], &input);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "bad lines make the exit status non-zero"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("line 6: not hex"), "{stderr}");
+    assert!(
+        stderr.contains("line 7: malformed KV-event batch"),
+        "{stderr}"
+    );
+    let events: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), expected.len());
+    for (got, want) in events.iter().zip(&expected) {
+        for (field, value) in want.as_object().unwrap() {
+            assert_eq!(&got[field], value, "field {field}");
+        }
+    }
+}
+
+#[test]
+fn demo_runs_and_the_index_matches_the_engines() {
+    let out = kvroute(
+        &["events", "demo", "--duration", "2s", "--engines", "2"],
+        "",
+    );
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("OK: the index matches every engine's cache"),
+        "{text}"
+    );
+}

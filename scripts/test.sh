@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite, runnable on a fresh machine: installs what the tests need (a local
+# Python venv with pyzmq and msgspec, for the vLLM-shaped publisher), checks formatting and
+# lints, then runs every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=".venv"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c 'import zmq, msgspec' 2>/dev/null; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+fi
+export KVROUTE_PYTHON="$PWD/$venv/bin/python"
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked

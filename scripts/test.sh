@@ -15,5 +15,10 @@ fi
 export KVROUTE_PYTHON="$PWD/$venv/bin/python"
 
 cargo fmt --all -- --check
+# kvroute-core stays pure: no async runtime, network or ZMQ in its dependency tree.
+if cargo tree -p kvroute-core -e normal --prefix none --locked | grep -E '^(tokio|hyper|zeromq|mio|socket2) '; then
+  echo "kvroute-core must not depend on I/O crates (see DESIGN: core is pure)" >&2
+  exit 1
+fi
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked

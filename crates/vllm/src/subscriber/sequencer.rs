@@ -53,6 +53,8 @@ const MAX_ATTEMPTS: u8 = 3;
 pub struct Sequencer {
     can_replay: bool,
     next: Option<u64>,
+    /// Highest sequence seen on the live stream (restart detection).
+    last_live: Option<u64>,
     replay: Option<Replay>,
     pending: BTreeMap<u64, RawMessage>,
 }
@@ -63,6 +65,7 @@ impl Sequencer {
         Self {
             can_replay,
             next: None,
+            last_live: None,
             replay: None,
             pending: BTreeMap::new(),
         }
@@ -103,10 +106,34 @@ impl Sequencer {
 
     /// A message from the live PUB stream.
     pub fn on_live(&mut self, msg: RawMessage) -> Vec<Action> {
+        // The live stream of one publisher process only ever moves forward, whatever replay
+        // does meanwhile: a live sequence at or below the last live one means a new process.
+        let restarted = self.last_live.is_some_and(|last| msg.seq <= last);
+        self.last_live = Some(msg.seq);
+        if restarted {
+            return self.restart(msg);
+        }
         if self.replay.is_some() {
             return self.hold(msg);
         }
         self.accept(msg)
+    }
+
+    /// The engine restarted and counts from 0 again: purge, then catch up on what the new
+    /// process published before we noticed.
+    fn restart(&mut self, msg: RawMessage) -> Vec<Action> {
+        self.next = None;
+        self.replay = None;
+        self.pending.clear();
+        let mut actions = vec![Action::Purge];
+        if self.can_replay && msg.seq > 0 {
+            actions.extend(self.start_replay(0));
+            self.pending.insert(msg.seq, msg);
+        } else {
+            self.next = Some(msg.seq + 1);
+            actions.push(Action::Apply(msg));
+        }
+        actions
     }
 
     fn hold(&mut self, msg: RawMessage) -> Vec<Action> {
@@ -130,20 +157,8 @@ impl Sequencer {
                 self.next = Some(n + 1);
                 vec![Action::Apply(msg)]
             }
-            Some(_) if seq < self.next.unwrap_or(0) => {
-                // Live sequences never repeat: the engine restarted and counts from 0 again.
-                self.next = None;
-                let mut actions = vec![Action::Purge];
-                if self.can_replay && seq > 0 {
-                    // It published before we noticed: fetch those batches first.
-                    actions.extend(self.start_replay(0));
-                    self.pending.insert(seq, msg);
-                } else {
-                    self.next = Some(seq + 1);
-                    actions.push(Action::Apply(msg));
-                }
-                actions
-            }
+            // Already delivered by a replay that overtook the live stream.
+            Some(n) if seq < n => Vec::new(),
             Some(n) if self.can_replay => {
                 let mut actions = vec![Action::Gap {
                     from: n,

@@ -96,6 +96,25 @@ fn a_backwards_sequence_is_a_restart() {
 }
 
 #[test]
+fn a_live_copy_of_a_replayed_batch_is_a_duplicate_not_a_restart() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    s.on_live(msg(2));
+    let mut out = s.on_replayed(msg(1));
+    out.extend(s.on_replayed(msg(2)));
+    out.extend(s.on_replayed(msg(3))); // replay overtakes the live stream
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![1, 2, 3]);
+    assert!(
+        s.on_live(msg(3)).is_empty(),
+        "late live copy of 3 is dropped"
+    );
+    assert_eq!(applied(&s.on_live(msg(4))), vec![4]);
+}
+
+#[test]
 fn a_failed_replay_reports_the_gap_once_and_resumes() {
     let mut s = Sequencer::new(true);
     s.on_connect();

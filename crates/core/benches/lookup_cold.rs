@@ -1,0 +1,77 @@
+//! Lookup latency with cold caches: before each timed lookup, 96 MiB (three times the last-level
+//! cache of the benchmark machine) is written, so the index's tables come from memory as they
+//! would for a request whose blocks no recent request touched. Criterion cannot exclude such a
+//! flush from its timing, so this target times single lookups itself and prints medians.
+//!
+//! The index also holds 1M unshared entries, so the request's blocks are scattered over a
+//! production-sized block table (and over many pages).
+//!
+//! Run with `cargo bench -p kvroute-core --bench lookup_cold`.
+
+// A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
+// (crates/core/clippy.toml) are for the library, not for its measurements.
+#![allow(clippy::disallowed_methods)]
+
+mod fixtures;
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use fixtures::prefix_index;
+
+/// Timed lookups per configuration.
+const ROUNDS: usize = 200;
+/// Unshared entries besides the request's, so that the block table is production-sized.
+const BACKGROUND: usize = 1_000_000;
+/// Bytes written between lookups to evict the caches.
+const FLUSH_BYTES: usize = 96 << 20;
+
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() - 1) * p / 100]
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn main() {
+    let mut flush = vec![0u8; FLUSH_BYTES];
+    println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
+    println!(
+        "{:>7} {:>9} {:>11} {:>11} {:>11} {:>9}",
+        "blocks", "endpoints", "warm p50", "cold p50", "cold p90", "cold/blk"
+    );
+    for blocks in [512usize, 8_192] {
+        for endpoints in [16usize, 64, 256] {
+            let (index, keys) = prefix_index(endpoints, blocks, BACKGROUND);
+            let mut warm = Vec::with_capacity(ROUNDS);
+            for _ in 0..ROUNDS {
+                let start = Instant::now();
+                black_box(index.lookup(black_box(&keys)));
+                warm.push(start.elapsed());
+            }
+            let mut cold = Vec::with_capacity(ROUNDS);
+            for round in 0..ROUNDS {
+                for line in flush.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(round as u8);
+                }
+                black_box(&mut flush);
+                let start = Instant::now();
+                black_box(index.lookup(black_box(&keys)));
+                cold.push(start.elapsed());
+            }
+            warm.sort_unstable();
+            cold.sort_unstable();
+            let cold_p50 = percentile(&cold, 50);
+            println!(
+                "{:>7} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
+                blocks,
+                endpoints,
+                micros(percentile(&warm, 50)),
+                micros(cold_p50),
+                micros(percentile(&cold, 90)),
+                micros(cold_p50) * 1e3 / blocks as f64,
+            );
+        }
+    }
+}

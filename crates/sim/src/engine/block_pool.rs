@@ -1,0 +1,314 @@
+//! A KV-cache block pool with vLLM's rules.
+//!
+//! Blocks hold `block_size` tokens. Only full blocks get a hash and enter the prefix cache.
+//! Blocks used by running requests are reference-counted; a block whose count drops to zero
+//! stays cached and joins the free queue, and allocation takes the least recently freed block
+//! first, evicting its cached content (one `BlockRemoved` per block, as vLLM emits). A request
+//! frees its blocks tail first, so the tail of a sequence is evicted before its shared head.
+//!
+//! With a CPU tier, a block evicted from the GPU moves to the CPU tier (its own capacity,
+//! least recently used out first) instead of disappearing, as an offloading connector would.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
+use kvroute_core::keys::{BlockExtraKeys, VllmDigest};
+
+/// Index of a GPU block.
+pub type BlockId = u32;
+
+#[derive(Debug, Clone, Default)]
+struct Block {
+    ref_count: u32,
+    /// Set while the block's content is in the prefix cache.
+    digest: Option<VllmDigest>,
+    /// Position in the free queue while `ref_count == 0`.
+    free_stamp: Option<u64>,
+}
+
+/// The GPU pool, its prefix cache, and the optional CPU tier.
+#[derive(Debug)]
+pub struct BlockPool {
+    block_size: usize,
+    blocks: Vec<Block>,
+    /// Free blocks by the order they were freed (least recently freed first).
+    free: BTreeMap<u64, BlockId>,
+    stamp: u64,
+    /// Content → the blocks holding it. Two running requests can compute the same block; the
+    /// content stays cached (and announced once) until its last copy is evicted.
+    cached: HashMap<VllmDigest, Vec<BlockId>>,
+    cpu: CpuTier,
+    /// Events produced since the last [`BlockPool::take_events`].
+    events: Vec<KvEvent>,
+}
+
+/// Blocks offloaded to host memory, by digest, least recently used first.
+#[derive(Debug, Default)]
+struct CpuTier {
+    capacity: usize,
+    by_digest: HashMap<VllmDigest, u64>,
+    lru: BTreeMap<u64, VllmDigest>,
+    stamp: u64,
+}
+
+impl CpuTier {
+    fn touch(&mut self, digest: VllmDigest) -> bool {
+        let new = match self.by_digest.insert(digest, self.stamp) {
+            Some(old) => {
+                self.lru.remove(&old);
+                false
+            }
+            None => true,
+        };
+        self.lru.insert(self.stamp, digest);
+        self.stamp += 1;
+        new
+    }
+}
+
+/// What a newly full run of blocks is: their digests, parent, tokens and extra hash keys.
+#[derive(Clone, Copy, Debug)]
+pub struct FullBlocks<'a> {
+    /// Digest of each block.
+    pub digests: &'a [VllmDigest],
+    /// Digest of the block before the first (`None` at the start of a sequence).
+    pub parent: Option<&'a VllmDigest>,
+    /// The blocks' tokens, concatenated.
+    pub tokens: &'a [u32],
+    /// Each block's extra hash keys (published in events as vLLM 0.17+ does).
+    pub extra: &'a [BlockExtraKeys],
+    /// LoRA adapter name, if any.
+    pub lora_name: Option<&'a str>,
+}
+
+impl FullBlocks<'_> {
+    fn stored_event(&self, start: usize, end: usize, block_size: usize) -> KvEvent {
+        let parent = if start == 0 {
+            self.parent
+        } else {
+            Some(&self.digests[start - 1])
+        };
+        let extra = &self.extra[start..end];
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: self.digests[start..end]
+                .iter()
+                .map(|d| EngineHash(d.event_u64()))
+                .collect(),
+            parent_block_hash: parent.map(|p| EngineHash(p.event_u64())),
+            token_ids: self.tokens[start * block_size..end * block_size].to_vec(),
+            block_size: block_size as u32,
+            medium: Some("GPU".into()),
+            lora_name: self.lora_name.map(str::to_owned),
+            extra_keys: extra.iter().any(Option::is_some).then(|| extra.to_vec()),
+            ..Default::default()
+        })
+    }
+}
+
+fn removed_event(digest: &VllmDigest, medium: &str) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![EngineHash(digest.event_u64())],
+        medium: Some(medium.into()),
+        group_idx: None,
+    })
+}
+
+impl BlockPool {
+    /// A pool of `gpu_blocks` blocks and a CPU tier of `cpu_blocks` (0: no CPU tier).
+    pub fn new(block_size: usize, gpu_blocks: usize, cpu_blocks: usize) -> Self {
+        let mut pool = Self {
+            block_size,
+            blocks: vec![Block::default(); gpu_blocks],
+            free: BTreeMap::new(),
+            stamp: 0,
+            cached: HashMap::new(),
+            cpu: CpuTier {
+                capacity: cpu_blocks,
+                ..CpuTier::default()
+            },
+            events: Vec::new(),
+        };
+        for id in 0..gpu_blocks as BlockId {
+            pool.push_free(id);
+        }
+        pool
+    }
+
+    fn push_free(&mut self, id: BlockId) {
+        let stamp = self.stamp;
+        self.stamp += 1;
+        self.blocks[id as usize].free_stamp = Some(stamp);
+        self.free.insert(stamp, id);
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the GPU pool.
+    pub fn capacity(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks that can be allocated now (free, cached or not).
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// vLLM's `kv_cache_usage_perc`: 1 - free/total, where evictable cached blocks count as free.
+    pub fn usage(&self) -> f64 {
+        if self.blocks.is_empty() {
+            return 0.0;
+        }
+        1.0 - self.free.len() as f64 / self.blocks.len() as f64
+    }
+
+    /// Distinct block contents in the GPU prefix cache.
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Blocks held by the CPU tier.
+    pub fn cpu_blocks(&self) -> usize {
+        self.cpu.by_digest.len()
+    }
+
+    /// The GPU block caching `digest`, if any.
+    pub fn lookup(&self, digest: &VllmDigest) -> Option<BlockId> {
+        self.cached.get(digest).and_then(|ids| ids.first().copied())
+    }
+
+    /// Whether the CPU tier holds `digest`.
+    pub fn in_cpu(&self, digest: &VllmDigest) -> bool {
+        self.cpu.by_digest.contains_key(digest)
+    }
+
+    /// Takes a reference on a cached block (a prefix hit), pulling it off the free queue.
+    pub fn touch(&mut self, id: BlockId) {
+        let block = &mut self.blocks[id as usize];
+        if let Some(stamp) = block.free_stamp.take() {
+            self.free.remove(&stamp);
+        }
+        block.ref_count += 1;
+    }
+
+    /// Allocates `n` fresh blocks, evicting the least recently freed cached content; `None`
+    /// (and nothing changed) when fewer than `n` are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if self.free.len() < n {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (_, id) = self.free.pop_first().expect("counted above");
+            let block = &mut self.blocks[id as usize];
+            block.free_stamp = None;
+            block.ref_count = 1;
+            if let Some(digest) = block.digest.take() {
+                let holders = self
+                    .cached
+                    .get_mut(&digest)
+                    .expect("cached blocks are mapped");
+                holders.retain(|&h| h != id);
+                if holders.is_empty() {
+                    self.cached.remove(&digest);
+                    self.events.push(removed_event(&digest, "GPU"));
+                    self.offload(digest);
+                }
+            }
+            out.push(id);
+        }
+        Some(out)
+    }
+
+    /// Moves an evicted block's content to the CPU tier, evicting that tier's oldest if full.
+    fn offload(&mut self, digest: VllmDigest) {
+        if self.cpu.capacity == 0 {
+            return;
+        }
+        if self.cpu.touch(digest) {
+            self.events.push(KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![EngineHash(digest.event_u64())],
+                medium: Some("CPU".into()),
+                ..Default::default()
+            }));
+        }
+        while self.cpu.by_digest.len() > self.cpu.capacity {
+            let (_, old) = self.cpu.lru.pop_first().expect("non-empty");
+            self.cpu.by_digest.remove(&old);
+            self.events.push(removed_event(&old, "CPU"));
+        }
+    }
+
+    /// Records a CPU-tier hit (loaded back to the GPU): refreshes its recency.
+    pub fn touch_cpu(&mut self, digest: VllmDigest) {
+        self.cpu.touch(digest);
+    }
+
+    /// Registers newly full blocks in the prefix cache: `blocks.digests[i]` is the content of
+    /// `ids[i]`. Content already cached in another block gains a holder but is not announced
+    /// again.
+    pub fn cache_full_blocks(&mut self, ids: &[BlockId], blocks: FullBlocks<'_>) {
+        let mut run_start: Option<usize> = None;
+        for (i, (&id, digest)) in ids.iter().zip(blocks.digests).enumerate() {
+            if self.blocks[id as usize].digest.is_some() {
+                // Already registered (cannot happen for fresh blocks; kept safe).
+                if let Some(start) = run_start.take() {
+                    self.events
+                        .push(blocks.stored_event(start, i, self.block_size));
+                }
+                continue;
+            }
+            self.blocks[id as usize].digest = Some(*digest);
+            let holders = self.cached.entry(*digest).or_default();
+            holders.push(id);
+            if holders.len() == 1 {
+                run_start.get_or_insert(i);
+            } else if let Some(start) = run_start.take() {
+                self.events
+                    .push(blocks.stored_event(start, i, self.block_size));
+            }
+        }
+        if let Some(start) = run_start {
+            self.events
+                .push(blocks.stored_event(start, ids.len(), self.block_size));
+        }
+    }
+
+    /// Drops one reference on each block, tail first, so that a sequence's tail is evicted
+    /// before its head.
+    pub fn free(&mut self, ids: &[BlockId]) {
+        for &id in ids.iter().rev() {
+            let block = &mut self.blocks[id as usize];
+            debug_assert!(block.ref_count > 0, "double free of block {id}");
+            block.ref_count = block.ref_count.saturating_sub(1);
+            if block.ref_count == 0 {
+                self.push_free(id);
+            }
+        }
+    }
+
+    /// Empties the prefix cache (vLLM's `reset_prefix_cache`); refused while blocks are in use.
+    pub fn reset(&mut self) -> bool {
+        if self.free.len() != self.blocks.len() {
+            return false;
+        }
+        for block in &mut self.blocks {
+            block.digest = None;
+        }
+        self.cached.clear();
+        self.cpu.by_digest.clear();
+        self.cpu.lru.clear();
+        self.events.push(KvEvent::AllBlocksCleared);
+        true
+    }
+
+    /// The KV events produced since the last call.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,89 @@
+//! How long one engine step takes.
+//!
+//! A step's time grows with the prompt tokens it prefills (compute-bound), the sequences it
+//! decodes and the context they attend to (memory-bound), and the blocks it loads back from the
+//! CPU tier (transfer-bound). Cached prompt tokens are not recomputed, which is the whole point
+//! of prefix caching and of routing to where the cache is.
+//!
+//! The defaults approximate Llama-3.1-8B in bf16 on one H100 SXM, from public figures:
+//! - H100 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3 (NVIDIA's datasheet); PCIe Gen5 x16,
+//!   ~50 GB/s per direction in practice for host transfers.
+//! - Llama-3.1-8B: ~8.0e9 parameters (16 GB of bf16 weights), 32 layers, 8 KV heads of dimension
+//!   128, so the KV cache costs 2 x 32 x 8 x 128 x 2 bytes = 128 KiB per token (Meta's model
+//!   card and config).
+//! - Prefill: ~2 x 8e9 = 16 GFLOP per token; at ~50% of peak that is ~32 us per token
+//!   (~31k tokens/s, in line with published vLLM prefill throughput for 8B models on H100).
+//! - Decode: each step streams the weights once (16 GB / 3.35 TB/s = ~4.8 ms) plus each
+//!   sequence's KV (128 KiB / 3.35 TB/s = ~39 ns per context token); a few us of per-sequence
+//!   overhead. That gives ~5-7 ms inter-token latency at low batch, as commonly reported.
+//! - CPU tier: one 16-token block is 2 MiB; at ~25 GB/s effective, ~80 us per block.
+
+use serde::{Deserialize, Serialize};
+
+/// Coefficients of the step-time model, in seconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LatencyModel {
+    /// Fixed cost of any step (weights streamed once, launches).
+    pub step_overhead_s: f64,
+    /// Per prompt token computed (not per cached token).
+    pub prefill_per_token_s: f64,
+    /// Per sequence decoded in the step.
+    pub decode_per_seq_s: f64,
+    /// Per context token attended by decoding sequences.
+    pub decode_per_context_token_s: f64,
+    /// Per block loaded from the CPU tier.
+    pub cpu_load_per_block_s: f64,
+}
+
+impl Default for LatencyModel {
+    fn default() -> Self {
+        Self {
+            step_overhead_s: 4.8e-3,
+            prefill_per_token_s: 32e-6,
+            decode_per_seq_s: 10e-6,
+            decode_per_context_token_s: 39e-9,
+            cpu_load_per_block_s: 80e-6,
+        }
+    }
+}
+
+/// The work of one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepWork {
+    /// Prompt tokens computed.
+    pub prefill_tokens: usize,
+    /// Sequences decoded.
+    pub decode_seqs: usize,
+    /// Context tokens of the decoded sequences.
+    pub context_tokens: usize,
+    /// Blocks loaded from the CPU tier.
+    pub cpu_blocks_loaded: usize,
+}
+
+impl LatencyModel {
+    /// Duration of a step doing `work`, in seconds (0 for no work).
+    pub fn step_seconds(&self, work: &StepWork) -> f64 {
+        if *work == StepWork::default() {
+            return 0.0;
+        }
+        self.step_overhead_s
+            + work.prefill_tokens as f64 * self.prefill_per_token_s
+            + work.decode_seqs as f64 * self.decode_per_seq_s
+            + work.context_tokens as f64 * self.decode_per_context_token_s
+            + work.cpu_blocks_loaded as f64 * self.cpu_load_per_block_s
+    }
+
+    /// Scales every coefficient by `factor` (a slower or faster engine).
+    pub fn scaled(&self, factor: f64) -> Self {
+        Self {
+            step_overhead_s: self.step_overhead_s * factor,
+            prefill_per_token_s: self.prefill_per_token_s * factor,
+            decode_per_seq_s: self.decode_per_seq_s * factor,
+            decode_per_context_token_s: self.decode_per_context_token_s * factor,
+            cpu_load_per_block_s: self.cpu_load_per_block_s * factor,
+        }
+    }
+}
+
+/// KV-cache bytes per token of Llama-3.1-8B in bf16 (see the module doc).
+pub const LLAMA_8B_KV_BYTES_PER_TOKEN: usize = 2 * 32 * 8 * 128 * 2;

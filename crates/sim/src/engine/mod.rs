@@ -1,0 +1,354 @@
+//! The engine model: one vLLM engine's prefix cache, continuous batching and step timing,
+//! pure and synchronous so that the simulated server and an offline cluster simulator run the
+//! same code. The caller adds requests and calls [`Engine::step`]; each step says how long it
+//! took, which tokens it produced and which KV events it published.
+
+pub mod block_pool;
+pub mod latency;
+mod request;
+
+use std::collections::VecDeque;
+
+use kvroute_core::event::KvEvent;
+use kvroute_core::keys::VllmHasher;
+use serde::Serialize;
+
+use crate::SimError;
+use block_pool::BlockPool;
+use latency::{LatencyModel, StepWork};
+use request::Sequence;
+pub use request::{EngineRequest, FinishReason, TokenOutput};
+
+/// Identifies a request inside one engine.
+pub type RequestId = u64;
+
+/// Settings of one simulated engine.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the GPU pool.
+    pub num_gpu_blocks: usize,
+    /// Blocks in the CPU offload tier (0: none).
+    pub num_cpu_blocks: usize,
+    /// Most sequences in the running batch.
+    pub max_num_seqs: usize,
+    /// Most tokens one step computes (chunked prefill budget).
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus output accepted.
+    pub max_model_len: usize,
+    /// vLLM's NONE_HASH seed.
+    pub hash_seed: String,
+    /// Step timing.
+    pub latency: LatencyModel,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_gpu_blocks: 4096,
+            num_cpu_blocks: 0,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 32_768,
+            hash_seed: kvroute_core::keys::VLLM_DEFAULT_SEED.to_owned(),
+            latency: LatencyModel::default(),
+        }
+    }
+}
+
+/// Gauges and counters with vLLM's meanings (they back the `/metrics` endpoint).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct EngineMetrics {
+    /// Requests in the running batch.
+    pub num_requests_running: usize,
+    /// Requests waiting to be scheduled.
+    pub num_requests_waiting: usize,
+    /// 1 - free/total GPU blocks (evictable cached blocks count as free).
+    pub kv_cache_usage: f64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found in the GPU prefix cache.
+    pub prefix_cache_hits: u64,
+    /// Tokens found in the CPU tier.
+    pub external_prefix_cache_hits: u64,
+    /// Requests preempted for lack of blocks.
+    pub num_preemptions: u64,
+    /// Prompt tokens received.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+    /// Blocks in the GPU prefix cache.
+    pub cached_blocks: usize,
+    /// Blocks in the CPU tier.
+    pub cpu_blocks: usize,
+}
+
+/// What one step did.
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// How long the step took, in engine seconds.
+    pub duration_s: f64,
+    /// One token per sequence that produced one.
+    pub tokens: Vec<TokenOutput>,
+    /// KV events the step published, in order.
+    pub events: Vec<KvEvent>,
+    /// The work the step did.
+    pub work: StepWork,
+}
+
+/// One simulated engine.
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    hasher: VllmHasher,
+    pool: BlockPool,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    metrics: EngineMetrics,
+}
+
+impl Engine {
+    /// An engine with an empty cache.
+    pub fn new(config: EngineConfig) -> Result<Self, SimError> {
+        if config.block_size == 0 || config.num_gpu_blocks == 0 || config.max_num_seqs == 0 {
+            return Err(SimError::Config(
+                "block size, GPU blocks and max sequences must all be at least 1".into(),
+            ));
+        }
+        if config.max_num_batched_tokens < config.block_size {
+            return Err(SimError::Config(format!(
+                "max_num_batched_tokens ({}) must be at least the block size ({})",
+                config.max_num_batched_tokens, config.block_size
+            )));
+        }
+        Ok(Self {
+            hasher: VllmHasher::new(&config.hash_seed),
+            pool: BlockPool::new(
+                config.block_size,
+                config.num_gpu_blocks,
+                config.num_cpu_blocks,
+            ),
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            metrics: EngineMetrics::default(),
+        })
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Queues a request. Refused when it could never fit (too long for the model or the pool).
+    pub fn add_request(&mut self, request: EngineRequest) -> Result<(), SimError> {
+        let total = request.prompt.len() + request.output.len();
+        if total > self.config.max_model_len {
+            return Err(SimError::TooLong {
+                tokens: total,
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        let blocks = total.div_ceil(self.config.block_size);
+        if blocks > self.config.num_gpu_blocks {
+            return Err(SimError::TooLong {
+                tokens: total,
+                max_model_len: self.config.num_gpu_blocks * self.config.block_size,
+            });
+        }
+        if request.prompt.is_empty() {
+            return Err(SimError::EmptyPrompt);
+        }
+        if request.output.is_empty() {
+            return Err(SimError::NoOutput);
+        }
+        self.metrics.prompt_tokens += request.prompt.len() as u64;
+        self.waiting
+            .push_back(Sequence::new(request, &self.hasher, self.config.block_size));
+        Ok(())
+    }
+
+    /// Cancels a request wherever it is; its blocks are freed (and stay cached).
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id() == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id() == id) {
+            let mut seq = self.running.remove(i);
+            self.pool.free(&seq.take_blocks());
+            return true;
+        }
+        false
+    }
+
+    /// Whether a step would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Empties the prefix cache, as vLLM's `/reset_prefix_cache` does; refused (false) while
+    /// requests hold blocks.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.running.is_empty() && self.pool.reset()
+    }
+
+    /// The KV events produced outside a step (a cache reset).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    /// Current gauges and counters.
+    pub fn metrics(&self) -> EngineMetrics {
+        EngineMetrics {
+            num_requests_running: self.running.len(),
+            num_requests_waiting: self.waiting.len(),
+            kv_cache_usage: self.pool.usage(),
+            cached_blocks: self.pool.cached_blocks(),
+            cpu_blocks: self.pool.cpu_blocks(),
+            ..self.metrics.clone()
+        }
+    }
+
+    /// Full blocks of `tokens` the engine would serve from its GPU cache right now (vLLM's
+    /// rule: the last prompt token is always computed). For tests and diagnostics.
+    pub fn cached_prefix_blocks(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> usize {
+        let mut seq = Sequence::new(
+            EngineRequest {
+                id: 0,
+                prompt: tokens.to_vec(),
+                output: Vec::new(),
+                lora_name: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+            },
+            &self.hasher,
+            self.config.block_size,
+        );
+        seq.lookup_blocks()
+            .iter()
+            .take_while(|d| self.pool.lookup(d).is_some())
+            .count()
+    }
+
+    /// Runs one scheduler step: continue running sequences (decode or the next prefill chunk),
+    /// preempting the newest when blocks run out, then admit waiting requests FCFS while the
+    /// token budget and batch size allow.
+    pub fn step(&mut self) -> StepOutput {
+        let bs = self.config.block_size;
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut work = StepWork::default();
+        // Tokens each scheduled sequence computes this step, by index in `running`.
+        let mut scheduled: Vec<usize> = Vec::with_capacity(self.running.len());
+
+        let mut i = 0;
+        while i < self.running.len() {
+            let want = self.running[i].tokens_to_compute().min(budget);
+            if want == 0 {
+                scheduled.push(0);
+                i += 1;
+                continue;
+            }
+            let needed = self.running[i].blocks_needed(want, bs);
+            match self.allocate_or_preempt(needed, i) {
+                Allocation::Granted(blocks) => {
+                    self.running[i].add_blocks(blocks);
+                    budget -= want;
+                    scheduled.push(want);
+                    i += 1;
+                }
+                Allocation::SelfPreempted => {} // running[i] is gone; do not advance
+            }
+        }
+
+        while self.running.len() < self.config.max_num_seqs && budget > 0 {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            let hit = seq.prefix_hit(&self.pool);
+            let computed = hit.total_blocks() * bs;
+            let want = (seq.len() - computed).min(budget);
+            let needed = (computed + want).div_ceil(bs) - hit.gpu.len();
+            // Take the hit blocks first, so allocating the rest cannot evict them.
+            for &id in &hit.gpu {
+                self.pool.touch(id);
+            }
+            let Some(blocks) = self.pool.allocate(needed) else {
+                self.pool.free(&hit.gpu);
+                self.waiting.push_front(seq);
+                break;
+            };
+            self.metrics.prefix_cache_queries += seq.len() as u64;
+            self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
+            self.metrics.external_prefix_cache_hits += (hit.cpu.len() * bs) as u64;
+            work.cpu_blocks_loaded += hit.cpu.len();
+            seq.admit(hit, blocks, &mut self.pool);
+            budget -= want;
+            scheduled.push(want);
+            self.running.push(seq);
+        }
+
+        let mut tokens = Vec::new();
+        for (seq, &n) in self.running.iter_mut().zip(&scheduled) {
+            if n == 0 {
+                continue;
+            }
+            if seq.in_prefill() {
+                work.prefill_tokens += n;
+            } else {
+                work.decode_seqs += 1;
+                work.context_tokens += seq.computed();
+            }
+            if let Some(out) = seq.advance(n, &mut self.pool) {
+                tokens.push(out);
+            }
+        }
+        self.metrics.generation_tokens += tokens.len() as u64;
+        let (finished, kept): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(Sequence::finished);
+        self.running = kept;
+        for mut seq in finished {
+            self.pool.free(&seq.take_blocks());
+        }
+        StepOutput {
+            duration_s: self.config.latency.step_seconds(&work),
+            tokens,
+            events: self.pool.take_events(),
+            work,
+        }
+    }
+
+    /// Allocates `needed` blocks for `running[index]`, preempting the newest running sequences
+    /// (possibly `index` itself) until they fit, as vLLM's recompute preemption does.
+    fn allocate_or_preempt(&mut self, needed: usize, index: usize) -> Allocation {
+        loop {
+            if let Some(blocks) = self.pool.allocate(needed) {
+                return Allocation::Granted(blocks);
+            }
+            let victim = self.running.len() - 1;
+            let mut seq = self.running.remove(victim);
+            self.pool.free(&seq.take_blocks());
+            seq.preempt();
+            self.metrics.num_preemptions += 1;
+            self.waiting.push_front(seq);
+            if victim == index {
+                return Allocation::SelfPreempted;
+            }
+        }
+    }
+}
+
+enum Allocation {
+    Granted(Vec<block_pool::BlockId>),
+    SelfPreempted,
+}
+
+#[cfg(test)]
+mod tests;

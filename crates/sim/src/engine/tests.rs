@@ -1,0 +1,203 @@
+use super::*;
+
+fn engine(gpu_blocks: usize) -> Engine {
+    Engine::new(EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: gpu_blocks,
+        max_num_batched_tokens: 64,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+fn request(id: RequestId, prompt: Vec<u32>, outputs: usize) -> EngineRequest {
+    EngineRequest {
+        id,
+        prompt,
+        output: (0..outputs as u32).map(|t| 90_000 + t).collect(),
+        lora_name: None,
+        cache_salt: None,
+    }
+}
+
+/// Steps until idle; returns every token output and the total simulated time.
+fn run(engine: &mut Engine) -> (Vec<TokenOutput>, f64, Vec<KvEvent>) {
+    let (mut tokens, mut time, mut events) = (Vec::new(), 0.0, Vec::new());
+    let mut guard = 0;
+    while engine.has_work() {
+        let out = engine.step();
+        tokens.extend(out.tokens);
+        events.extend(out.events);
+        time += out.duration_s;
+        guard += 1;
+        assert!(guard < 10_000, "engine does not make progress");
+    }
+    (tokens, time, events)
+}
+
+#[test]
+fn a_shared_prefix_is_reported_cached_and_prefills_faster() {
+    let mut e = engine(64);
+    let prompt: Vec<u32> = (0..40).collect();
+    e.add_request(request(1, prompt.clone(), 3)).unwrap();
+    let (first, t1, _) = run(&mut e);
+    assert_eq!(first.len(), 3);
+    assert_eq!(first[0].cached_tokens, 0);
+    let mut second_prompt = prompt.clone();
+    second_prompt.extend([500, 501, 502]);
+    e.add_request(request(2, second_prompt, 3)).unwrap();
+    let (second, t2, _) = run(&mut e);
+    // 40 shared tokens = 10 full blocks of 4.
+    assert_eq!(second[0].cached_tokens, 40);
+    assert!(t2 < t1, "cached prefill must be faster: {t2} vs {t1}");
+    let m = e.metrics();
+    assert_eq!(m.prefix_cache_queries, 83);
+    assert_eq!(m.prefix_cache_hits, 40);
+}
+
+#[test]
+fn the_last_prompt_token_is_always_computed() {
+    let mut e = engine(64);
+    let prompt: Vec<u32> = (0..16).collect();
+    e.add_request(request(1, prompt.clone(), 1)).unwrap();
+    run(&mut e);
+    e.add_request(request(2, prompt, 1)).unwrap();
+    let (out, _, _) = run(&mut e);
+    // 4 full blocks cached, but vLLM recomputes the last token, so only 3 blocks are hits.
+    assert_eq!(out[0].cached_tokens, 12);
+}
+
+#[test]
+fn salt_and_lora_isolate_caches() {
+    let mut e = engine(64);
+    let prompt: Vec<u32> = (0..40).collect();
+    e.add_request(request(1, prompt.clone(), 1)).unwrap();
+    run(&mut e);
+    let mut salted = request(2, prompt.clone(), 1);
+    salted.cache_salt = Some("tenant-b".into());
+    e.add_request(salted).unwrap();
+    let (out, _, _) = run(&mut e);
+    assert_eq!(out[0].cached_tokens, 0);
+    let mut lora = request(3, prompt, 1);
+    lora.lora_name = Some("sql".into());
+    e.add_request(lora).unwrap();
+    let (out, _, _) = run(&mut e);
+    assert_eq!(out[0].cached_tokens, 0);
+}
+
+#[test]
+fn events_describe_exactly_what_is_cached() {
+    // A small pool forces evictions; replaying the events into a set of hashes must give
+    // exactly the engine's cached blocks.
+    let mut e = engine(12);
+    let mut held = std::collections::HashSet::new();
+    for i in 0..30u32 {
+        let prompt: Vec<u32> = (0..(8 + i % 20)).map(|t| t + 1000 * (i % 4)).collect();
+        e.add_request(request(u64::from(i), prompt, 2)).unwrap();
+        let (_, _, events) = run(&mut e);
+        for ev in events {
+            match ev {
+                KvEvent::BlockStored(s) => {
+                    for h in s.block_hashes {
+                        assert!(held.insert(h), "stored twice without removal: {h:?}");
+                    }
+                }
+                KvEvent::BlockRemoved(r) => {
+                    for h in r.block_hashes {
+                        assert!(held.remove(&h), "removed a block never stored: {h:?}");
+                    }
+                }
+                KvEvent::AllBlocksCleared => held.clear(),
+            }
+        }
+        assert_eq!(held.len(), e.metrics().cached_blocks);
+    }
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget_and_batches_decode() {
+    let mut e = engine(256);
+    e.add_request(request(1, (0..150).collect(), 2)).unwrap();
+    e.add_request(request(2, (1000..1010).collect(), 2))
+        .unwrap();
+    let first = e.step();
+    assert_eq!(
+        first.work.prefill_tokens, 64,
+        "budget of 64 tokens per step"
+    );
+    let (rest, _, _) = run(&mut e);
+    assert_eq!(rest.len() + first.tokens.len(), 4);
+}
+
+#[test]
+fn too_long_or_empty_requests_are_refused() {
+    let mut e = engine(4);
+    assert!(matches!(
+        e.add_request(request(1, (0..20).collect(), 1)),
+        Err(SimError::TooLong { .. })
+    ));
+    assert!(matches!(
+        e.add_request(request(2, vec![], 1)),
+        Err(SimError::EmptyPrompt)
+    ));
+    assert!(matches!(
+        e.add_request(request(3, vec![1], 0)),
+        Err(SimError::NoOutput)
+    ));
+}
+
+#[test]
+fn preemption_under_block_pressure_still_completes_every_request() {
+    let mut e = engine(10);
+    for i in 0..6 {
+        e.add_request(request(
+            i,
+            (0..12).map(|t| t + 100 * i as u32).collect(),
+            10,
+        ))
+        .unwrap();
+    }
+    let (tokens, _, _) = run(&mut e);
+    assert_eq!(tokens.len(), 60);
+    assert!(e.metrics().num_preemptions > 0);
+    for i in 0..6 {
+        let mine: Vec<usize> = tokens
+            .iter()
+            .filter(|t| t.id == i)
+            .map(|t| t.index)
+            .collect();
+        assert_eq!(
+            mine,
+            (0..10).collect::<Vec<_>>(),
+            "request {i} tokens in order, once each"
+        );
+    }
+}
+
+#[test]
+fn cpu_tier_hits_count_as_cached_and_cost_a_transfer() {
+    let mut e = Engine::new(EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: 8,
+        num_cpu_blocks: 32,
+        max_num_batched_tokens: 64,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let a: Vec<u32> = (0..24).collect();
+    e.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut e);
+    // Another long prompt pushes a's blocks out of the GPU into the CPU tier.
+    e.add_request(request(2, (500..524).collect(), 1)).unwrap();
+    run(&mut e);
+    assert!(e.metrics().cpu_blocks > 0);
+    e.add_request(request(3, a, 1)).unwrap();
+    let step = e.step();
+    assert!(step.work.cpu_blocks_loaded > 0);
+    let (out, _, _) = run(&mut e);
+    let first = step.tokens.first().or(out.first()).unwrap();
+    assert_eq!(
+        first.cached_tokens, 20,
+        "5 of 6 blocks (last token recomputed)"
+    );
+}

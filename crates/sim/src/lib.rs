@@ -1,0 +1,10 @@
+//! `kvroute sim`: a simulated vLLM engine that behaves like the real one where routing cares.
+//!
+//! - [`engine`]: the pure engine model (vLLM's block pool and prefix cache, continuous batching
+//!   with chunked prefill and preemption, a step-time model), reusable offline.
+//! - `server` (next): the OpenAI API, `/metrics` and KV events around that model.
+
+pub mod engine;
+mod error;
+
+pub use error::SimError;

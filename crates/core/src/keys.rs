@@ -86,19 +86,31 @@ fn check_extra_len(blocks: usize, extra: Option<&[BlockExtraKeys]>) -> Result<()
 
 /// The router key of one block given its parent's key.
 pub fn router_key(parent: RouterKey, tokens: &[u32], extra: Option<&[ExtraKey]>) -> RouterKey {
-    let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(parent.0);
-    // Tokens hashed as little-endian u32s; a fixed-size stack buffer keeps this allocation-free.
-    let mut buf = [0u8; 256];
-    for chunk in tokens.chunks(buf.len() / 4) {
-        for (slot, token) in buf.chunks_exact_mut(4).zip(chunk) {
+    // Tokens are hashed as little-endian u32s, then (when present) a 0xff marker and the CBOR
+    // of the extra keys, so no token sequence can imitate them. Typical blocks fit a stack
+    // buffer and take xxh3's one-shot path, about 3x faster than its streaming state.
+    const STACK: usize = 512;
+    let extra_cbor = extra.map(|e| cbor_extra_keys(Some(e)));
+    let len = tokens.len() * 4 + extra_cbor.as_ref().map_or(0, |c| c.len() + 1);
+    if len <= STACK {
+        let mut buf = [0u8; STACK];
+        for (slot, token) in buf.chunks_exact_mut(4).zip(tokens) {
             slot.copy_from_slice(&token.to_le_bytes());
         }
-        hasher.update(&buf[..chunk.len() * 4]);
+        if let Some(cbor) = &extra_cbor {
+            let at = tokens.len() * 4;
+            buf[at] = 0xff;
+            buf[at + 1..len].copy_from_slice(cbor);
+        }
+        return RouterKey(xxhash_rust::xxh3::xxh3_64_with_seed(&buf[..len], parent.0));
     }
-    if let Some(extra) = extra {
-        // A marker separates tokens from extras so that no token sequence can imitate them.
+    let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(parent.0);
+    for token in tokens {
+        hasher.update(&token.to_le_bytes());
+    }
+    if let Some(cbor) = &extra_cbor {
         hasher.update(&[0xff]);
-        hasher.update(&cbor_extra_keys(Some(extra)));
+        hasher.update(cbor);
     }
     RouterKey(hasher.digest())
 }

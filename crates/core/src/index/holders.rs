@@ -136,11 +136,6 @@ impl Holders {
         Tier::ALL.into_iter().find(|&t| self.has(slot, t))
     }
 
-    /// How many slots (among the first `words` words) hold the block on any tier.
-    pub(crate) fn count_any(&self, words: usize) -> u32 {
-        (0..words).map(|w| self.any_word(w).count_ones()).sum()
-    }
-
     /// Whether the block is held only in the compact GPU word.
     #[cfg(test)]
     pub(crate) fn is_compact(&self) -> bool {

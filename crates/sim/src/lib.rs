@@ -2,9 +2,11 @@
 //!
 //! - [`engine`]: the pure engine model (vLLM's block pool and prefix cache, continuous batching
 //!   with chunked prefill and preemption, a step-time model), reusable offline.
-//! - `server` (next): the OpenAI API, `/metrics` and KV events around that model.
+//! - [`server`]: the OpenAI API, `/metrics` and KV events around that model, for a fleet of
+//!   engines in one process.
 
 pub mod engine;
 mod error;
+pub mod server;
 
 pub use error::SimError;

@@ -9,7 +9,9 @@
 
 pub mod codec;
 mod error;
+pub mod openai;
 
 pub use error::VllmError;
 pub mod publisher;
 pub mod subscriber;
+pub mod tokenizer;

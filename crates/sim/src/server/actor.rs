@@ -1,0 +1,204 @@
+//! The task that owns one engine: it takes requests, runs steps in (scaled) real time, hands
+//! tokens to waiting HTTP handlers and publishes the step's KV events.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::event::EventBatch;
+use parking_lot::Mutex;
+use rand::Rng;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tracing::warn;
+
+use super::faults::Faults;
+use super::metrics::Observed;
+use crate::engine::{Engine, EngineConfig, EngineRequest, RequestId, TokenOutput};
+
+/// What an HTTP handler receives for its request.
+#[derive(Debug)]
+pub enum Delivery {
+    /// One generated token.
+    Token(TokenOutput),
+    /// The engine restarted (or failed) before finishing the request.
+    Aborted(String),
+}
+
+/// Commands to an engine task.
+pub enum Command {
+    /// Run a request; tokens go to the sender.
+    Submit(EngineRequest, mpsc::UnboundedSender<Delivery>),
+    /// The client went away.
+    Abort(RequestId),
+    /// Empty the prefix cache; answers whether it did.
+    ResetCache(oneshot::Sender<bool>),
+    /// Restart: empty cache, events sequence back to 0, in-flight requests aborted.
+    Restart,
+}
+
+/// A batch of events on its way to the publisher, with when to send it and whether it is lost.
+pub struct Outgoing {
+    /// The batch.
+    pub batch: EventBatch,
+    /// Not before this instant (event delay fault).
+    pub not_before: Instant,
+    /// Lost in transit (kept for replay only).
+    pub lost: bool,
+    /// The engine restarted just before this batch.
+    pub restart: bool,
+}
+
+/// Shared state the HTTP side reads.
+pub struct EngineShared {
+    /// Latest engine metrics and latency observations.
+    pub observed: Mutex<Observed>,
+    /// Fault settings.
+    pub faults: Mutex<Faults>,
+}
+
+/// Runs the engine until the command channel closes.
+pub async fn run_engine(
+    config: EngineConfig,
+    time_scale: f64,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    events: mpsc::UnboundedSender<Outgoing>,
+    shared: Arc<EngineShared>,
+) {
+    let mut engine = Engine::new(config.clone()).expect("configuration validated at startup");
+    let mut waiters: HashMap<RequestId, (mpsc::UnboundedSender<Delivery>, Instant)> =
+        HashMap::new();
+    let mut clock = Instant::now();
+    let mut restart_pending = false;
+    loop {
+        // Take every queued command; block only when there is nothing to run.
+        loop {
+            let cmd = if engine.has_work() {
+                match commands.try_recv() {
+                    Ok(cmd) => cmd,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            } else {
+                match commands.recv().await {
+                    Some(cmd) => {
+                        clock = Instant::now();
+                        cmd
+                    }
+                    None => return,
+                }
+            };
+            match cmd {
+                Command::Submit(request, tx) => {
+                    let id = request.id;
+                    match engine.add_request(request) {
+                        Ok(()) => {
+                            waiters.insert(id, (tx, Instant::now()));
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Delivery::Aborted(e.to_string()));
+                        }
+                    }
+                }
+                Command::Abort(id) => {
+                    engine.abort(id);
+                    waiters.remove(&id);
+                }
+                Command::ResetCache(reply) => {
+                    let done = engine.reset_prefix_cache();
+                    let _ = reply.send(done);
+                    send_events(&events, engine.take_events(), &shared, false);
+                }
+                Command::Restart => {
+                    for (_, (tx, _)) in waiters.drain() {
+                        let _ = tx.send(Delivery::Aborted("the engine restarted".into()));
+                    }
+                    engine = Engine::new(config.clone()).expect("validated");
+                    restart_pending = true;
+                }
+            }
+            if !engine.has_work() && restart_pending {
+                send_events(
+                    &events,
+                    Vec::new(),
+                    &shared,
+                    std::mem::take(&mut restart_pending),
+                );
+            }
+        }
+        if !engine.has_work() {
+            continue;
+        }
+        let step = engine.step();
+        let slow = shared.faults.lock().slow_factor.max(0.01);
+        let engine_seconds = step.duration_s * slow;
+        clock = clock.max(Instant::now() - Duration::from_millis(50))
+            + Duration::from_secs_f64(engine_seconds / time_scale);
+        tokio::time::sleep_until(clock).await;
+        {
+            let mut observed = shared.observed.lock();
+            observed.metrics = engine.metrics();
+            for token in &step.tokens {
+                if let Some((_, submitted)) = waiters.get(&token.id)
+                    && token.index == 0
+                {
+                    // Reported latencies are in engine time: wall time scaled back.
+                    observed.observe_ttft(submitted.elapsed().as_secs_f64() * time_scale);
+                }
+            }
+        }
+        for token in step.tokens {
+            let id = token.id;
+            let finished = token.finished.is_some();
+            let gone = match waiters.get(&id) {
+                Some((tx, _)) => tx.send(Delivery::Token(token)).is_err(),
+                None => true,
+            };
+            if gone && !finished {
+                engine.abort(id);
+            }
+            if gone || finished {
+                waiters.remove(&id);
+            }
+        }
+        send_events(
+            &events,
+            step.events,
+            &shared,
+            std::mem::take(&mut restart_pending),
+        );
+    }
+}
+
+fn send_events(
+    events: &mpsc::UnboundedSender<Outgoing>,
+    batch: Vec<kvroute_core::event::KvEvent>,
+    shared: &EngineShared,
+    restart: bool,
+) {
+    if batch.is_empty() && !restart {
+        return;
+    }
+    let (delay, drop) = {
+        let faults = shared.faults.lock();
+        (faults.event_delay, faults.drop_event_fraction)
+    };
+    let lost = drop > 0.0 && rand::rng().random_bool(drop.clamp(0.0, 1.0));
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64();
+    let outgoing = Outgoing {
+        batch: EventBatch {
+            ts,
+            events: batch,
+            data_parallel_rank: Some(0),
+        },
+        not_before: Instant::now() + delay,
+        lost,
+        restart,
+    };
+    if events.send(outgoing).is_err() {
+        warn!("event publisher stopped");
+    }
+}

@@ -1,0 +1,45 @@
+//! Fault injection for reliability tests: lost and late events, slow or unhealthy engines.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Faults in force on one engine.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Faults {
+    /// Fraction of event batches lost in transit (still in the replay buffer).
+    pub drop_event_fraction: f64,
+    /// Extra delay before each event batch is published.
+    #[serde(rename = "event_delay_ms", with = "millis")]
+    pub event_delay: Duration,
+    /// Step time multiplier (2.0: twice as slow).
+    pub slow_factor: f64,
+    /// When false, `/health` answers 503 and requests are refused.
+    pub healthy: bool,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            drop_event_fraction: 0.0,
+            event_delay: Duration::ZERO,
+            slow_factor: 1.0,
+            healthy: true,
+        }
+    }
+}
+
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}

@@ -1,0 +1,535 @@
+//! The HTTP surface of one simulated engine: vLLM's OpenAI endpoints, tokenization, health,
+//! metrics, cache reset, and the simulator's own fault-injection endpoints.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use kvroute_vllm::openai::{ApiError, GenerationRequest, Input, parse_chat, parse_completion};
+use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::actor::{Command, Delivery, EngineShared};
+use super::faults::Faults;
+use super::metrics;
+use super::text::synthetic_completion;
+use crate::engine::{EngineConfig, EngineRequest};
+
+/// Default `max_tokens` for completions (vLLM's) and the cap used for chat when unset.
+const DEFAULT_COMPLETION_TOKENS: u32 = 16;
+const DEFAULT_CHAT_TOKENS: u32 = 512;
+
+/// Everything a handler needs about its engine.
+pub struct EngineHttp {
+    /// Served model name.
+    pub model: String,
+    /// LoRA adapters served besides the base model.
+    pub lora_modules: Vec<String>,
+    /// Index of the engine in the fleet (the `engine` metric label).
+    pub index: usize,
+    /// The engine's settings.
+    pub config: EngineConfig,
+    /// Commands to the engine task.
+    pub commands: mpsc::UnboundedSender<Command>,
+    /// Metrics and faults.
+    pub shared: Arc<EngineShared>,
+    /// Request id counter.
+    pub next_id: AtomicU64,
+}
+
+type AppState = Arc<EngineHttp>;
+
+/// The router of one engine's HTTP server.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/sim/faults", get(get_faults).post(set_faults))
+        .route("/sim/restart", post(restart))
+        .with_state(state)
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        e.to_json(),
+    )
+        .into_response()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, headers, body, Api::Completions).await
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, headers, body, Api::Chat).await
+}
+
+/// Validates a request and turns it into prompt tokens, adapter and output length.
+fn prepare(
+    state: &EngineHttp,
+    body: &[u8],
+    api: Api,
+) -> Result<(GenerationRequest, Vec<u32>, Option<String>, u32), ApiError> {
+    if !state.shared.faults.lock().healthy {
+        return Err(ApiError::new(503, "the engine is unhealthy"));
+    }
+    let request = match api {
+        Api::Completions => parse_completion(body)?,
+        Api::Chat => parse_chat(body)?,
+    };
+    let lora = if request.model == state.model {
+        None
+    } else if state.lora_modules.contains(&request.model) {
+        Some(request.model.clone())
+    } else {
+        return Err(ApiError::new(
+            404,
+            format!("The model `{}` does not exist.", request.model),
+        ));
+    };
+    let tokenizer = BuiltinTokenizer;
+    let prompt = match &request.input {
+        Input::Text(text) => tokenizer.encode(text),
+        Input::Tokens(tokens) => tokens.clone(),
+        Input::Chat(messages) => tokenizer.encode(&tokenizer.apply_chat_template(messages, true)),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
+    }
+    let max_len = state.config.max_model_len;
+    let default = match api {
+        Api::Completions => DEFAULT_COMPLETION_TOKENS,
+        Api::Chat => DEFAULT_CHAT_TOKENS.min(max_len.saturating_sub(prompt.len()).max(1) as u32),
+    };
+    let max_tokens = request.max_tokens.unwrap_or(default);
+    if prompt.len() + max_tokens as usize > max_len {
+        return Err(ApiError::new(
+            413,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
+                prompt.len() + max_tokens as usize,
+                prompt.len()
+            ),
+        ));
+    }
+    Ok((request, prompt, lora, max_tokens))
+}
+
+async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) -> Response {
+    let (request, prompt, lora, max_tokens) = match prepare(&state, &body, api) {
+        Ok(ok) => ok,
+        Err(e) => return error_response(&e),
+    };
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let seed = prompt
+        .iter()
+        .fold(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, t| {
+            h.rotate_left(5) ^ u64::from(*t)
+        });
+    let output = synthetic_completion(seed, max_tokens as usize);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let engine_request = EngineRequest {
+        id,
+        prompt,
+        output,
+        lora_name: lora,
+        cache_salt: request.cache_salt.clone(),
+    };
+    if state
+        .commands
+        .send(Command::Submit(engine_request, tx))
+        .is_err()
+    {
+        return error_response(&ApiError::new(503, "the engine stopped"));
+    }
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("{id}"));
+    let reply = Reply {
+        api,
+        id: match api {
+            Api::Completions => format!("cmpl-{request_id}"),
+            Api::Chat => format!("chatcmpl-{request_id}"),
+        },
+        model: request.model.clone(),
+        created: now_secs(),
+    };
+    let guard = AbortOnDrop {
+        id,
+        commands: state.commands.clone(),
+        armed: true,
+    };
+    let mut response = if request.stream {
+        stream_response(reply, rx, request.include_usage, guard)
+    } else {
+        collect_response(reply, rx, guard).await
+    };
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// Aborts the engine request if the HTTP side goes away before it finished.
+struct AbortOnDrop {
+    id: u64,
+    commands: mpsc::UnboundedSender<Command>,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+struct Reply {
+    api: Api,
+    id: String,
+    model: String,
+    created: u64,
+}
+
+impl Reply {
+    fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+        json!({
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    fn full(&self, text: &str, usage: Value) -> Value {
+        let choice = match self.api {
+            Api::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
+            Api::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
+        };
+        let object = match self.api {
+            Api::Completions => "text_completion",
+            Api::Chat => "chat.completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": usage})
+    }
+
+    fn chunk(&self, text: &str, first: bool, finish: bool) -> Value {
+        let finish_reason = if finish { json!("length") } else { Value::Null };
+        match self.api {
+            Api::Completions => {
+                json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}]})
+            }
+            Api::Chat => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": text})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}]})
+            }
+        }
+    }
+
+    fn usage_chunk(&self, usage: Value) -> Value {
+        let object = match self.api {
+            Api::Completions => "text_completion",
+            Api::Chat => "chat.completion.chunk",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage})
+    }
+}
+
+async fn collect_response(
+    reply: Reply,
+    mut rx: mpsc::UnboundedReceiver<Delivery>,
+    mut guard: AbortOnDrop,
+) -> Response {
+    let mut tokens = Vec::new();
+    let (mut prompt, mut cached) = (0, 0);
+    while let Some(delivery) = rx.recv().await {
+        match delivery {
+            Delivery::Token(t) => {
+                prompt = t.prompt_tokens;
+                cached = t.cached_tokens;
+                tokens.push(t.token);
+                if t.finished.is_some() {
+                    break;
+                }
+            }
+            Delivery::Aborted(reason) => {
+                guard.armed = false;
+                return error_response(&ApiError::new(
+                    if reason.contains("context length") {
+                        413
+                    } else {
+                        503
+                    },
+                    reason,
+                ));
+            }
+        }
+    }
+    guard.armed = false;
+    let text = BuiltinTokenizer.decode(&tokens);
+    let body = reply.full(&text, Reply::usage(prompt, tokens.len(), cached));
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+fn stream_response(
+    reply: Reply,
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    include_usage: bool,
+    guard: AbortOnDrop,
+) -> Response {
+    let mut count = 0usize;
+    let mut guard = Some(guard);
+    // The stream ends when the engine task drops its sender after the last token.
+    let stream = UnboundedReceiverStream::new(rx).flat_map(move |delivery| {
+        let mut out: Vec<Bytes> = Vec::new();
+        match delivery {
+            Delivery::Token(t) => {
+                let finished = t.finished.is_some();
+                out.push(sse(&reply.chunk(
+                    &BuiltinTokenizer.decode(&[t.token]),
+                    count == 0,
+                    finished,
+                )));
+                count += 1;
+                if finished {
+                    if include_usage {
+                        out.push(sse(&reply.usage_chunk(Reply::usage(
+                            t.prompt_tokens,
+                            count,
+                            t.cached_tokens,
+                        ))));
+                    }
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                    if let Some(mut g) = guard.take() {
+                        g.armed = false;
+                    }
+                }
+            }
+            Delivery::Aborted(reason) => {
+                let error = ApiError::new(503, reason);
+                out.push(Bytes::from(format!("data: {}\n\n", error.to_json())));
+                out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                if let Some(mut g) = guard.take() {
+                    g.armed = false;
+                }
+            }
+        }
+        futures::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .expect("static response parts are valid")
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let created = now_secs();
+    let mut data = vec![
+        json!({"id": state.model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": state.model, "parent": null, "max_model_len": state.config.max_model_len, "permission": []}),
+    ];
+    for lora in &state.lora_modules {
+        data.push(
+            json!({"id": lora, "object": "model", "created": created, "owned_by": "vllm",
+            "root": lora, "parent": state.model, "max_model_len": null, "permission": []}),
+        );
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error_response(&ApiError::bad_request(
+                format!("request body is not valid JSON: {e}"),
+                None,
+            ));
+        }
+    };
+    let tokenizer = BuiltinTokenizer;
+    let tokens = if let Some(prompt) = value.get("prompt").and_then(Value::as_str) {
+        tokenizer.encode(prompt)
+    } else if let Some(messages) = value.get("messages") {
+        let messages: Vec<ChatMessage> = match serde_json::from_value(messages.clone()) {
+            Ok(m) => m,
+            Err(e) => {
+                return error_response(&ApiError::bad_request(
+                    format!("messages: {e}"),
+                    Some("messages"),
+                ));
+            }
+        };
+        let generation = value
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        tokenizer.encode(&tokenizer.apply_chat_template(&messages, generation))
+    } else {
+        return error_response(&ApiError::bad_request(
+            "either prompt or messages is required",
+            None,
+        ));
+    };
+    axum::Json(json!({"count": tokens.len(), "max_model_len": state.config.max_model_len, "tokens": tokens})).into_response()
+}
+
+async fn detokenize(body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Detokenize {
+        tokens: Vec<u32>,
+    }
+    match serde_json::from_slice::<Detokenize>(&body) {
+        Ok(d) => axum::Json(json!({"prompt": BuiltinTokenizer.decode(&d.tokens)})).into_response(),
+        Err(e) => error_response(&ApiError::bad_request(
+            format!("tokens must be a list of token ids: {e}"),
+            Some("tokens"),
+        )),
+    }
+}
+
+async fn health(State(state): State<AppState>) -> StatusCode {
+    if state.shared.faults.lock().healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let text = metrics::render(
+        &state.shared.observed.lock(),
+        &state.config,
+        &state.model,
+        state.index,
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(state): State<AppState>) -> Response {
+    let (tx, rx) = oneshot::channel();
+    if state.commands.send(Command::ResetCache(tx)).is_err() {
+        return error_response(&ApiError::new(503, "the engine stopped"));
+    }
+    match rx.await {
+        Ok(true) => StatusCode::OK.into_response(),
+        _ => error_response(&ApiError::new(
+            409,
+            "the prefix cache cannot be reset while requests are running",
+        )),
+    }
+}
+
+async fn get_faults(State(state): State<AppState>) -> Response {
+    axum::Json(state.shared.faults.lock().clone()).into_response()
+}
+
+/// Merges the given fields into the engine's faults (fields not given keep their value).
+async fn set_faults(State(state): State<AppState>, body: Bytes) -> Response {
+    let mut faults = state.shared.faults.lock();
+    let mut current = serde_json::to_value(&*faults).expect("faults serialize");
+    let update: Value = match serde_json::from_slice(&body) {
+        Ok(Value::Object(map)) => Value::Object(map),
+        _ => {
+            return error_response(&ApiError::bad_request(
+                "body must be a JSON object of fault settings",
+                None,
+            ));
+        }
+    };
+    if let (Value::Object(cur), Value::Object(upd)) = (&mut current, update) {
+        for (k, v) in upd {
+            if !cur.contains_key(&k) {
+                return error_response(&ApiError::bad_request(
+                    format!("unknown fault setting {k:?}"),
+                    Some(&k),
+                ));
+            }
+            cur.insert(k, v);
+        }
+    }
+    match serde_json::from_value::<Faults>(current) {
+        Ok(new) => {
+            *faults = new.clone();
+            axum::Json(new).into_response()
+        }
+        Err(e) => error_response(&ApiError::bad_request(
+            format!("invalid fault settings: {e}"),
+            None,
+        )),
+    }
+}
+
+async fn restart(State(state): State<AppState>) -> Response {
+    if state.commands.send(Command::Restart).is_err() {
+        return error_response(&ApiError::new(503, "the engine stopped"));
+    }
+    StatusCode::OK.into_response()
+}

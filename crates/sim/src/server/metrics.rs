@@ -1,0 +1,171 @@
+//! `/metrics` in vLLM's names, types and labels (Prometheus text format 0.0.4, as vLLM's
+//! `prometheus_client` writes it), so scrapers written for vLLM read the simulator unchanged.
+
+use std::fmt::Write;
+
+use crate::engine::{EngineConfig, EngineMetrics};
+
+/// vLLM's `time_to_first_token_seconds` buckets.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// What the server has observed of one engine.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// Latest engine gauges and counters.
+    pub metrics: EngineMetrics,
+    ttft_buckets: [u64; TTFT_BUCKETS.len()],
+    ttft_sum: f64,
+    ttft_count: u64,
+}
+
+impl Observed {
+    /// Records one time to first token, in engine seconds.
+    pub fn observe_ttft(&mut self, seconds: f64) {
+        for (bucket, le) in self.ttft_buckets.iter_mut().zip(TTFT_BUCKETS) {
+            if seconds <= le {
+                *bucket += 1;
+            }
+        }
+        self.ttft_sum += seconds;
+        self.ttft_count += 1;
+    }
+}
+
+/// Renders the exposition for one engine.
+pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: usize) -> String {
+    let m = &observed.metrics;
+    let labels = format!("engine=\"{engine}\",model_name=\"{}\"", escape(model));
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, value: f64| {
+        let _ = writeln!(
+            out,
+            "# HELP vllm:{name} {help}\n# TYPE vllm:{name} gauge\nvllm:{name}{{{labels}}} {value}"
+        );
+    };
+    gauge(
+        "num_requests_running",
+        "Number of requests in model execution batches.",
+        m.num_requests_running as f64,
+    );
+    gauge(
+        "num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        m.num_requests_waiting as f64,
+    );
+    gauge(
+        "kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        m.kv_cache_usage,
+    );
+    let mut counter = |name: &str, help: &str, value: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP vllm:{name}_total {help}\n# TYPE vllm:{name}_total counter\nvllm:{name}_total{{{labels}}} {value}"
+        );
+    };
+    counter(
+        "prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        m.prefix_cache_queries,
+    );
+    counter(
+        "prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        m.prefix_cache_hits,
+    );
+    counter(
+        "external_prefix_cache_hits",
+        "External prefix cache hits from KV connector, in terms of number of cached tokens.",
+        m.external_prefix_cache_hits,
+    );
+    counter(
+        "num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        m.num_preemptions,
+    );
+    counter(
+        "prompt_tokens",
+        "Number of prefill tokens processed.",
+        m.prompt_tokens,
+    );
+    counter(
+        "generation_tokens",
+        "Number of generation tokens processed.",
+        m.generation_tokens,
+    );
+
+    let _ = writeln!(
+        out,
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds."
+    );
+    let _ = writeln!(out, "# TYPE vllm:time_to_first_token_seconds histogram");
+    for (count, le) in observed.ttft_buckets.iter().zip(TTFT_BUCKETS) {
+        let _ = writeln!(
+            out,
+            "vllm:time_to_first_token_seconds_bucket{{{labels},le=\"{le:?}\"}} {count}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "vllm:time_to_first_token_seconds_bucket{{{labels},le=\"+Inf\"}} {}",
+        observed.ttft_count
+    );
+    let _ = writeln!(
+        out,
+        "vllm:time_to_first_token_seconds_count{{{labels}}} {}",
+        observed.ttft_count
+    );
+    let _ = writeln!(
+        out,
+        "vllm:time_to_first_token_seconds_sum{{{labels}}} {}",
+        observed.ttft_sum
+    );
+
+    let _ = writeln!(
+        out,
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
+    );
+    let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
+    let _ = writeln!(
+        out,
+        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{engine}\",num_cpu_blocks=\"{}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"sha256_cbor\"}} 1.0",
+        config.block_size, config.num_cpu_blocks, config.num_gpu_blocks
+    );
+    out
+}
+
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_vllm_names_and_a_cumulative_histogram() {
+        let mut observed = Observed::default();
+        observed.metrics.num_requests_waiting = 3;
+        observed.metrics.prefix_cache_hits = 64;
+        observed.observe_ttft(0.03);
+        observed.observe_ttft(0.3);
+        let text = render(&observed, &EngineConfig::default(), "m\"x", 2);
+        assert!(
+            text.contains("vllm:num_requests_waiting{engine=\"2\",model_name=\"m\\\"x\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:prefix_cache_hits_total{engine=\"2\",model_name=\"m\\\"x\"} 64\n")
+        );
+        assert!(text.contains("le=\"0.04\"} 1\n"));
+        assert!(text.contains("le=\"0.5\"} 2\n"));
+        assert!(text.contains("le=\"+Inf\"} 2\n"));
+        assert!(text.contains("block_size=\"16\""));
+    }
+}

@@ -1,0 +1,220 @@
+//! The simulated vLLM server: for each engine, an HTTP server (OpenAI API, `/metrics`, ...), a
+//! task that runs the engine model in scaled real time, and a KV-event publisher (ZMQ PUB and
+//! replay ROUTER) speaking a chosen vLLM release's wire format.
+
+mod actor;
+pub mod faults;
+mod http;
+pub mod metrics;
+mod text;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use kvroute_vllm::codec::EventLayout;
+use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::SimError;
+use crate::engine::{Engine, EngineConfig};
+use actor::{Command, EngineShared, Outgoing};
+use faults::Faults;
+
+/// Settings of a simulated fleet (one or more engines in this process).
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Served model name.
+    pub model: String,
+    /// LoRA adapters served besides the base model.
+    pub lora_modules: Vec<String>,
+    /// Host to bind.
+    pub host: String,
+    /// HTTP port of engine 0; engine i uses port + i (0: any free port).
+    pub port: u16,
+    /// KV-event PUB port of engine 0; engine i uses + i (0: any free port).
+    pub events_port: u16,
+    /// Replay ROUTER port of engine 0; engine i uses + i (`None`: no replay; 0: any free port).
+    pub replay_port: Option<u16>,
+    /// Number of engines.
+    pub engines: usize,
+    /// Each engine's model.
+    pub engine: EngineConfig,
+    /// Simulated seconds per wall second (10: ten times faster than real time).
+    pub time_scale: f64,
+    /// vLLM release whose KV-event layout and replay framing to speak.
+    pub vllm_version: String,
+    /// KV-event topic (vLLM's default is empty).
+    pub topic: String,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    pub replay_buffer_steps: usize,
+    /// Faults every engine starts with.
+    pub faults: Faults,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            model: "sim-llama-3.1-8b".into(),
+            lora_modules: Vec::new(),
+            host: "127.0.0.1".into(),
+            port: 8001,
+            events_port: 5557,
+            replay_port: Some(6557),
+            engines: 1,
+            engine: EngineConfig::default(),
+            time_scale: 1.0,
+            vllm_version: "0.33.0".into(),
+            topic: String::new(),
+            replay_buffer_steps: 10_000,
+            faults: Faults::default(),
+        }
+    }
+}
+
+/// Where a running engine can be reached.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineEndpoint {
+    /// Index in the fleet.
+    pub index: usize,
+    /// HTTP base URL, e.g. `http://127.0.0.1:8001`.
+    pub url: String,
+    /// KV-event PUB address.
+    pub events: String,
+    /// Replay ROUTER address.
+    pub replay: Option<String>,
+}
+
+/// A running fleet; dropping it stops every engine.
+pub struct SimFleet {
+    /// The engines' addresses.
+    pub endpoints: Vec<EngineEndpoint>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for SimFleet {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+fn offset(base: u16, i: usize) -> Result<u16, SimError> {
+    if base == 0 {
+        return Ok(0);
+    }
+    u16::try_from(usize::from(base) + i)
+        .map_err(|_| SimError::Config(format!("port {base} + {i} is out of range")))
+}
+
+/// Starts every engine of the fleet on the current tokio runtime.
+pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
+    if config.engines == 0 {
+        return Err(SimError::Config("engines must be at least 1".into()));
+    }
+    if !(config.time_scale > 0.0 && config.time_scale.is_finite()) {
+        return Err(SimError::Config(
+            "time_scale must be a positive number".into(),
+        ));
+    }
+    Engine::new(config.engine.clone())?; // validates the engine settings once
+    let layout = EventLayout::for_vllm_version(&config.vllm_version)
+        .map_err(|e| SimError::Config(e.to_string()))?;
+    let framing = ReplayFraming::for_vllm_version(&config.vllm_version)
+        .map_err(|e| SimError::Config(e.to_string()))?;
+    let mut fleet = SimFleet {
+        endpoints: Vec::new(),
+        tasks: Vec::new(),
+    };
+    for i in 0..config.engines {
+        let publisher = Publisher::bind(PublisherConfig {
+            address: format!("tcp://{}:{}", config.host, offset(config.events_port, i)?),
+            connect: false,
+            replay_address: match config.replay_port {
+                Some(port) => Some(format!("tcp://{}:{}", config.host, offset(port, i)?)),
+                None => None,
+            },
+            topic: config.topic.clone(),
+            layout,
+            replay_framing: framing,
+            buffer_steps: config.replay_buffer_steps,
+        })
+        .await
+        .map_err(|e| SimError::Io(format!("engine {i}: {e}")))?;
+        let events = publisher.address().to_owned();
+        let replay = publisher.replay_address().map(str::to_owned);
+
+        let listener =
+            tokio::net::TcpListener::bind((config.host.as_str(), offset(config.port, i)?))
+                .await
+                .map_err(|e| SimError::Io(format!("engine {i}: binding HTTP port: {e}")))?;
+        let addr: SocketAddr = listener
+            .local_addr()
+            .map_err(|e| SimError::Io(e.to_string()))?;
+
+        let shared = Arc::new(EngineShared {
+            observed: Mutex::default(),
+            faults: Mutex::new(config.faults.clone()),
+        });
+        let (commands_tx, commands_rx) = mpsc::unbounded_channel::<Command>();
+        let (events_tx, events_rx) = mpsc::unbounded_channel::<Outgoing>();
+        fleet.tasks.push(tokio::spawn(actor::run_engine(
+            config.engine.clone(),
+            config.time_scale,
+            commands_rx,
+            events_tx,
+            shared.clone(),
+        )));
+        fleet
+            .tasks
+            .push(tokio::spawn(publish_events(publisher, events_rx, i)));
+        let app = http::router(Arc::new(http::EngineHttp {
+            model: config.model.clone(),
+            lora_modules: config.lora_modules.clone(),
+            index: i,
+            config: config.engine.clone(),
+            commands: commands_tx,
+            shared,
+            next_id: AtomicU64::new(1),
+        }));
+        fleet.tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                warn!(engine = i, error = %e, "HTTP server stopped");
+            }
+        }));
+        info!(engine = i, http = %addr, events = %events, replay = replay.as_deref().unwrap_or("-"), "simulated vLLM engine up");
+        fleet.endpoints.push(EngineEndpoint {
+            index: i,
+            url: format!("http://{addr}"),
+            events,
+            replay,
+        });
+    }
+    Ok(fleet)
+}
+
+async fn publish_events(
+    mut publisher: Publisher,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    engine: usize,
+) {
+    while let Some(out) = rx.recv().await {
+        if out.restart {
+            publisher.restart();
+        }
+        if out.batch.events.is_empty() {
+            continue;
+        }
+        tokio::time::sleep_until(out.not_before).await;
+        if out.lost {
+            publisher.publish_lost(&out.batch);
+        } else if let Err(e) = publisher.publish(&out.batch).await {
+            warn!(engine, error = %e, "cannot publish KV events");
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The parts of the OpenAI API (as vLLM serves it) that kvroute reads: the request fields that
+//! decide routing and generation, and OpenAI-shaped errors.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::tokenizer::ChatMessage;
+
+/// What a generation request asks for, parsed once.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationRequest {
+    /// The model (or LoRA adapter) name.
+    pub model: String,
+    /// The prompt.
+    pub input: Input,
+    /// Most tokens to generate (`max_tokens`, or chat's `max_completion_tokens`).
+    pub max_tokens: Option<u32>,
+    /// Stream the answer as server-sent events.
+    pub stream: bool,
+    /// Send a final usage chunk when streaming (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// vLLM's `cache_salt`: isolates this request's prefix cache.
+    pub cache_salt: Option<String>,
+}
+
+/// A request's prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// `/v1/completions` with a text prompt.
+    Text(String),
+    /// `/v1/completions` with token ids.
+    Tokens(Vec<u32>),
+    /// `/v1/chat/completions` messages.
+    Chat(Vec<ChatMessage>),
+}
+
+/// An error in OpenAI's shape, with its HTTP status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// What is wrong, for a person.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ErrorBody {
+    error: ErrorDetail,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ErrorDetail {
+    message: String,
+    #[serde(rename = "type")]
+    kind: String,
+    param: Option<String>,
+    code: u16,
+}
+
+impl ApiError {
+    /// 400: the body is malformed or a field is invalid.
+    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: 400,
+            message: message.into(),
+            param: param.map(str::to_owned),
+        }
+    }
+
+    /// Any status with a message.
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn to_json(&self) -> String {
+        let kind = match self.status {
+            400 => "BadRequestError",
+            404 => "NotFoundError",
+            413 => "RequestTooLargeError",
+            429 => "RateLimitError",
+            503 => "ServiceUnavailableError",
+            504 => "TimeoutError",
+            _ => "InternalServerError",
+        };
+        serde_json::to_string(&ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: kind.into(),
+                param: self.param.clone(),
+                code: self.status,
+            },
+        })
+        .expect("error bodies serialize")
+    }
+}
+
+fn field<'a>(body: &'a Value, name: &str) -> Option<&'a Value> {
+    body.get(name).filter(|v| !v.is_null())
+}
+
+fn optional_bool(body: &Value, name: &str) -> Result<bool, ApiError> {
+    match field(body, name) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::bad_request(
+            format!("{name} must be a boolean"),
+            Some(name),
+        )),
+    }
+}
+
+fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}"), None))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "request body must be a JSON object",
+            None,
+        ));
+    }
+    let model = match field(&value, "model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "model must be a non-empty string",
+                Some("model"),
+            ));
+        }
+        None => return Err(ApiError::bad_request("model is required", Some("model"))),
+    };
+    let max_tokens =
+        match field(&value, "max_completion_tokens").or_else(|| field(&value, "max_tokens")) {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "max_tokens must be a positive integer",
+                            Some("max_tokens"),
+                        )
+                    })?,
+            ),
+        };
+    let stream = optional_bool(&value, "stream")?;
+    let include_usage = match field(&value, "stream_options") {
+        None => false,
+        Some(opts) => optional_bool(opts, "include_usage")?,
+    };
+    let cache_salt = match field(&value, "cache_salt") {
+        None => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "cache_salt must be a non-empty string",
+                Some("cache_salt"),
+            ));
+        }
+    };
+    let request = GenerationRequest {
+        model,
+        input: Input::Text(String::new()),
+        max_tokens,
+        stream,
+        include_usage,
+        cache_salt,
+    };
+    Ok((value, request))
+}
+
+/// Parses a `/v1/completions` body (`prompt` as a string or token ids).
+pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let (value, mut request) = parse_common(body)?;
+    request.input = match field(&value, "prompt") {
+        Some(Value::String(s)) => Input::Text(s.clone()),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            Input::Text(items[0].as_str().unwrap_or_default().to_owned())
+        }
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => Input::Tokens(
+            items
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "prompt token ids must be integers in [0, 2^32)",
+                        Some("prompt"),
+                    )
+                })?,
+        ),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "prompt must be a string, a list of one string, or a list of token ids",
+                Some("prompt"),
+            ));
+        }
+        None => return Err(ApiError::bad_request("prompt is required", Some("prompt"))),
+    };
+    Ok(request)
+}
+
+/// Parses a `/v1/chat/completions` body (text `content`, or a list of text parts).
+pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let (value, mut request) = parse_common(body)?;
+    let Some(Value::Array(items)) = field(&value, "messages") else {
+        return Err(ApiError::bad_request(
+            "messages must be a list",
+            Some("messages"),
+        ));
+    };
+    if items.is_empty() {
+        return Err(ApiError::bad_request(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    let messages = items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            parse_message(m)
+                .map_err(|e| ApiError::bad_request(format!("messages[{i}]: {e}"), Some("messages")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    request.input = Input::Chat(messages);
+    Ok(request)
+}
+
+fn parse_message(m: &Value) -> Result<ChatMessage, String> {
+    let role = m
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or("role must be a string")?
+        .to_owned();
+    let content = match m.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(text)) => Ok(text),
+                    _ => Err("only text content parts are supported".to_string()),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .concat(),
+        Some(_) => return Err("content must be a string or a list of parts".into()),
+    };
+    Ok(ChatMessage { role, content })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_prompts_in_every_form() {
+        let r = parse_completion(br#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true,"stream_options":{"include_usage":true},"cache_salt":"s"}"#).unwrap();
+        assert_eq!(r.input, Input::Text("hi".into()));
+        assert_eq!(
+            (r.max_tokens, r.stream, r.include_usage),
+            (Some(5), true, true)
+        );
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        let r = parse_completion(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.input, Input::Tokens(vec![1, 2, 3]));
+        let r = parse_completion(br#"{"model":"m","prompt":["one"]}"#).unwrap();
+        assert_eq!(r.input, Input::Text("one".into()));
+    }
+
+    #[test]
+    fn chat_messages_with_string_or_parts() {
+        let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":3}"#).unwrap();
+        assert_eq!(
+            r.input,
+            Input::Chat(vec![ChatMessage {
+                role: "user".into(),
+                content: "ab".into()
+            }])
+        );
+        assert_eq!(r.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn bad_bodies_name_the_problem() {
+        let cases: [(&[u8], &str); 9] = [
+            (b"{", "not valid JSON"),
+            (b"[]", "JSON object"),
+            (br#"{"prompt":"x"}"#, "model is required"),
+            (br#"{"model":"m"}"#, "prompt is required"),
+            (br#"{"model":"m","prompt":[1,-2]}"#, "token ids"),
+            (
+                br#"{"model":"m","prompt":"x","max_tokens":0}"#,
+                "max_tokens",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","stream":"yes"}"#,
+                "stream must be a boolean",
+            ),
+            (br#"{"model":"m","prompt":{}}"#, "prompt must be"),
+            (
+                br#"{"model":"m","prompt":"x","cache_salt":7}"#,
+                "cache_salt",
+            ),
+        ];
+        for (body, want) in cases {
+            let e = parse_completion(body).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(
+                e.message.contains(want),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
+        }
+        let e = parse_chat(br#"{"model":"m","messages":[{"content":"x"}]}"#).unwrap_err();
+        assert!(e.message.contains("messages[0]: role"), "{}", e.message);
+        let json: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+        assert_eq!(json["error"]["code"], 400);
+        assert_eq!(json["error"]["param"], "messages");
+    }
+}

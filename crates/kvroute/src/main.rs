@@ -22,6 +22,8 @@ enum Command {
     /// Work with vLLM KV events: decode, watch a live engine, publish a demo stream.
     #[command(subcommand)]
     Events(commands::events::EventsCommand),
+    /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
+    Sim(commands::sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +31,7 @@ fn main() -> ExitCode {
     let default_level = match &cli.command {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
+        Command::Sim(_) => "info",
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(args),
         Command::Events(cmd) => commands::events::run(cmd),
+        Command::Sim(args) => commands::sim::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,8 +1,9 @@
 //! Pure, synchronous logic at the heart of kvroute.
 //!
 //! This crate owns block keys and hash chains ([`keys`]), the typed KV-cache events that
-//! engines publish ([`event`]), and the KV block index that answers "which endpoint holds the
-//! longest prefix of this prompt" ([`index`]).
+//! engines publish ([`event`]), the KV block index that answers "which endpoint holds the
+//! longest prefix of this prompt" ([`index`]), the router's own routing history ([`history`])
+//! and the scheduler that weighs cache against load ([`schedule`]).
 //!
 //! It must not do I/O, spawn tasks or read the clock: time is always a parameter. That keeps
 //! every routing decision testable without a socket and lets an offline simulator run the very
@@ -10,7 +11,9 @@
 
 pub mod error;
 pub mod event;
+pub mod history;
 pub mod index;
 pub mod keys;
+pub mod schedule;
 
 pub use error::CoreError;

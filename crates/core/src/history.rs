@@ -1,0 +1,183 @@
+//! The router's own memory of where it sent which block chains, for routing without engine
+//! events (approximate mode) and for the window before an engine's `BlockStored` arrives
+//! (the predicted overlay).
+//!
+//! Entries expire after a TTL and the whole history holds at most `capacity` (block, endpoint)
+//! entries, the oldest dropped first, so it never grows without bound. Time is passed in.
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+
+use crate::index::EndpointId;
+use crate::keys::RouterKey;
+
+/// Where blocks were recently sent.
+#[derive(Debug)]
+pub struct RoutingHistory {
+    ttl_s: f64,
+    capacity: usize,
+    entries: HashMap<RouterKey, Vec<(EndpointId, f64)>>,
+    /// Insertion order, for the capacity bound: (key, endpoint, expiry at insertion).
+    order: VecDeque<(RouterKey, EndpointId, f64)>,
+}
+
+impl RoutingHistory {
+    /// A history whose entries live `ttl_s` seconds, holding at most `capacity` entries.
+    pub fn new(ttl_s: f64, capacity: usize) -> Self {
+        Self {
+            ttl_s,
+            capacity: capacity.max(1),
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// Records that `keys` were sent to `endpoint` at time `now` (seconds).
+    pub fn record(&mut self, endpoint: EndpointId, keys: &[RouterKey], now: f64) {
+        let expiry = now + self.ttl_s;
+        for key in keys {
+            let holders = self.entries.entry(*key).or_default();
+            match holders.iter_mut().find(|(e, _)| *e == endpoint) {
+                Some(slot) => slot.1 = expiry,
+                None => holders.push((endpoint, expiry)),
+            }
+            self.order.push_back((*key, endpoint, expiry));
+        }
+        while self.order.len() > self.capacity {
+            self.drop_oldest();
+        }
+    }
+
+    fn drop_oldest(&mut self) {
+        let Some((key, endpoint, expiry)) = self.order.pop_front() else {
+            return;
+        };
+        if let Some(holders) = self.entries.get_mut(&key) {
+            // Only if this record is still the entry's latest: a newer record keeps it alive.
+            holders.retain(|(e, x)| !(*e == endpoint && *x <= expiry));
+            if holders.is_empty() {
+                self.entries.remove(&key);
+            }
+        }
+    }
+
+    /// Drops expired entries (call now and then; lookups ignore expired entries anyway).
+    pub fn expire(&mut self, now: f64) {
+        while self.order.front().is_some_and(|(_, _, x)| *x <= now) {
+            self.drop_oldest();
+        }
+    }
+
+    /// Forgets everything sent to `endpoint` (it restarted or left).
+    pub fn forget_endpoint(&mut self, endpoint: EndpointId) {
+        self.entries.retain(|_, holders| {
+            holders.retain(|(e, _)| *e != endpoint);
+            !holders.is_empty()
+        });
+        self.order.retain(|(_, e, _)| *e != endpoint);
+    }
+
+    /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`.
+    pub fn longest_prefixes(&self, keys: &[RouterKey], now: f64) -> Vec<(EndpointId, u32)> {
+        let mut active: Vec<(EndpointId, u32)> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let live: Vec<EndpointId> = self
+                .entries
+                .get(key)
+                .map(|h| {
+                    h.iter()
+                        .filter(|(_, x)| *x > now)
+                        .map(|(e, _)| *e)
+                        .collect()
+                })
+                .unwrap_or_default();
+            if i == 0 {
+                active = live.into_iter().map(|e| (e, 1)).collect();
+            } else {
+                let mut any = false;
+                for (e, len) in active.iter_mut() {
+                    if *len == i as u32 && live.contains(e) {
+                        *len += 1;
+                        any = true;
+                    }
+                }
+                if !any {
+                    break;
+                }
+            }
+            if active.is_empty() {
+                break;
+            }
+        }
+        active.sort_unstable_by_key(|(e, _)| *e);
+        active
+    }
+
+    /// Entries held (for metrics and tests).
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether the history is empty.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn keys(n: u64, salt: u64) -> Vec<RouterKey> {
+        (0..n).map(|i| RouterKey(i * 1000 + salt)).collect()
+    }
+
+    #[test]
+    fn remembers_prefixes_until_they_expire() {
+        let mut h = RoutingHistory::new(10.0, 100);
+        h.record(EndpointId(1), &keys(5, 0), 0.0);
+        h.record(EndpointId(2), &keys(2, 0), 5.0);
+        assert_eq!(
+            h.longest_prefixes(&keys(8, 0), 6.0),
+            vec![(EndpointId(1), 5), (EndpointId(2), 2)]
+        );
+        assert_eq!(
+            h.longest_prefixes(&keys(8, 0), 12.0),
+            vec![(EndpointId(2), 2)]
+        );
+        h.expire(20.0);
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn capacity_drops_the_oldest_records() {
+        let mut h = RoutingHistory::new(100.0, 6);
+        h.record(EndpointId(1), &keys(4, 0), 0.0);
+        h.record(EndpointId(2), &keys(4, 7), 1.0);
+        assert_eq!(h.len(), 6);
+        assert_eq!(h.longest_prefixes(&keys(4, 0), 2.0), vec![]);
+        assert_eq!(
+            h.longest_prefixes(&keys(4, 7), 2.0),
+            vec![(EndpointId(2), 4)]
+        );
+    }
+
+    proptest! {
+        /// Whatever is recorded, the history never exceeds its capacity and a lookup never
+        /// reports more than the keys asked for.
+        #[test]
+        fn bounded_and_sane(ops in proptest::collection::vec((0u32..4, 1u64..20, 0u64..3, 0.0f64..50.0), 0..60)) {
+            let mut h = RoutingHistory::new(5.0, 40);
+            for (e, n, salt, t) in ops {
+                h.record(EndpointId(e), &keys(n, salt), t);
+                prop_assert!(h.len() <= 40);
+                for (_, len) in h.longest_prefixes(&keys(20, salt), t) {
+                    prop_assert!(len <= 20);
+                }
+            }
+        }
+    }
+}

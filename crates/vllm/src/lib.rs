@@ -8,6 +8,7 @@
 //! This crate knows bytes and sockets; it makes no routing decisions.
 
 pub mod codec;
+pub mod metrics;
 mod error;
 pub mod openai;
 

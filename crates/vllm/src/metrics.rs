@@ -1,0 +1,149 @@
+//! Reading a vLLM engine's Prometheus `/metrics`: the load gauges the router scores with and
+//! the cache configuration it can learn from.
+//!
+//! The text format is simple; this parser takes the sample lines it needs (`name{labels} value`)
+//! and ignores everything else, so new metrics or comments never break it.
+
+use serde::Serialize;
+
+/// What kvroute reads from an engine's `/metrics`, summed over its `engine` label (one API
+/// server can front several data-parallel engines).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct EngineLoadSample {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (or the pre-0.12 `vllm:gpu_cache_usage_perc`), 0–1, the
+    /// largest across engines.
+    pub kv_usage: Option<f64>,
+    /// `block_size` label of `vllm:cache_config_info`.
+    pub block_size: Option<usize>,
+    /// `num_gpu_blocks` label of `vllm:cache_config_info`.
+    pub num_gpu_blocks: Option<usize>,
+    /// `vllm:prefix_cache_queries_total`.
+    pub prefix_cache_queries: Option<f64>,
+    /// `vllm:prefix_cache_hits_total`.
+    pub prefix_cache_hits: Option<f64>,
+}
+
+/// One sample line: name, labels, value.
+fn parse_line(line: &str) -> Option<(&str, Vec<(&str, &str)>, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (head, value) = match line.find('}') {
+        Some(close) => (&line[..=close], line[close + 1..].trim()),
+        None => {
+            let mut parts = line.splitn(2, char::is_whitespace);
+            (parts.next()?, parts.next()?.trim())
+        }
+    };
+    let value: f64 = value.split_whitespace().next()?.parse().ok()?;
+    let (name, labels) = match head.find('{') {
+        Some(open) => (&head[..open], parse_labels(&head[open + 1..head.len() - 1])),
+        None => (head, Vec::new()),
+    };
+    Some((name, labels, value))
+}
+
+fn parse_labels(text: &str) -> Vec<(&str, &str)> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(eq) = rest.find('=') {
+        let key = rest[..eq].trim().trim_start_matches(',').trim();
+        let after = &rest[eq + 1..];
+        let Some(stripped) = after.strip_prefix('"') else {
+            break;
+        };
+        // Find the closing quote, skipping escaped ones.
+        let bytes = stripped.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() && bytes[i] != b'"' {
+            i += if bytes[i] == b'\\' { 2 } else { 1 };
+        }
+        if i > bytes.len() {
+            break;
+        }
+        out.push((key, &stripped[..i.min(stripped.len())]));
+        rest = stripped.get(i + 1..).unwrap_or("");
+    }
+    out
+}
+
+/// Extracts the load gauges from a `/metrics` body.
+pub fn parse_engine_metrics(text: &str) -> EngineLoadSample {
+    let mut s = EngineLoadSample::default();
+    let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+    for (name, labels, value) in text.lines().filter_map(parse_line) {
+        match name {
+            "vllm:num_requests_waiting" => add(&mut s.waiting, value),
+            "vllm:num_requests_running" => add(&mut s.running, value),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                s.kv_usage = Some(s.kv_usage.unwrap_or(0.0).max(value));
+            }
+            "vllm:prefix_cache_queries_total" => add(&mut s.prefix_cache_queries, value),
+            "vllm:prefix_cache_hits_total" => add(&mut s.prefix_cache_hits, value),
+            "vllm:cache_config_info" => {
+                for (k, v) in labels {
+                    match k {
+                        "block_size" => s.block_size = v.parse().ok(),
+                        "num_gpu_blocks" => s.num_gpu_blocks = v.parse().ok(),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn reads_vllm_gauges_across_engines() {
+        let text = r#"# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+vllm:num_requests_running{engine="0",model_name="m"} 7
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="27000",prefix_caching_hash_algo="sha256"} 1.0
+vllm:some_new_metric{a="b\"}"} 9
+"#;
+        let s = parse_engine_metrics(text);
+        assert_eq!(s.waiting, Some(5.0));
+        assert_eq!(s.running, Some(7.0));
+        assert_eq!(s.kv_usage, Some(0.5));
+        assert_eq!(s.prefix_cache_hits, Some(128.0));
+        assert_eq!(s.block_size, Some(32));
+        assert_eq!(s.num_gpu_blocks, Some(27000));
+    }
+
+    #[test]
+    fn old_metric_names_are_understood() {
+        let s = parse_engine_metrics("vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.75\n");
+        assert_eq!(s.kv_usage, Some(0.75));
+        assert_eq!(s.waiting, None, "absent stays absent");
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC{0,300}") {
+            let _ = parse_engine_metrics(&text);
+        }
+
+        #[test]
+        fn mangled_lines_never_panic(line in "[a-z:_]{1,10}(\\{[a-z]{0,4}(=\"[^\"]{0,6}\"?)?,?\\}?)? ?[0-9.eE+-]{0,8}") {
+            let _ = parse_engine_metrics(&line);
+        }
+    }
+}

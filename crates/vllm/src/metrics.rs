@@ -27,8 +27,11 @@ pub struct EngineLoadSample {
     pub prefix_cache_hits: Option<f64>,
 }
 
-/// One sample line: name, labels, value.
-fn parse_line(line: &str) -> Option<(&str, Vec<(&str, &str)>, f64)> {
+/// One sample: metric name, labels, value.
+type Sample<'a> = (&'a str, Vec<(&'a str, &'a str)>, f64);
+
+/// Parses one sample line.
+fn parse_line(line: &str) -> Option<Sample<'_>> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return None;

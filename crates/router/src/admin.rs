@@ -1,0 +1,229 @@
+//! The router's own endpoints: `/health`, `/metrics`, `/v1/models` (aggregated) and
+//! `/kvroute/v1/explain`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_core::event::Tier;
+use kvroute_vllm::openai::{ApiError, GenerationRequest, Input};
+use serde_json::{Value, json};
+
+use crate::metrics::endpoint as labels;
+use crate::proxy::{Api, error_response, parse, read_body};
+use crate::service::Router;
+
+/// `GET /health`: 200 while some endpoint is healthy.
+pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
+    if router.endpoints.iter().any(|e| e.healthy()) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+/// `GET /metrics`: the router's metrics, with per-endpoint gauges refreshed.
+pub async fn metrics(State(router): State<Arc<Router>>) -> Response {
+    refresh_gauges(&router);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        router.metrics.render(),
+    )
+        .into_response()
+}
+
+fn refresh_gauges(router: &Router) {
+    let m = &router.metrics;
+    for e in &router.endpoints {
+        let l = labels(&e.name);
+        m.endpoint_healthy
+            .get_or_create(&l)
+            .set(i64::from(e.healthy()));
+        m.endpoint_index_trusted
+            .get_or_create(&l)
+            .set(i64::from(e.index_trust(&router.config.cache).is_ok()));
+        m.endpoint_inflight
+            .get_or_create(&l)
+            .set(i64::from(e.inflight.load(Ordering::Relaxed)));
+        if let Some(stats) = router.index.endpoint_stats(e.id) {
+            for (tier, value) in [
+                (Tier::Gpu, stats.blocks_gpu),
+                (Tier::Cpu, stats.blocks_cpu),
+                (Tier::Storage, stats.blocks_storage),
+            ] {
+                let name = format!("{tier:?}").to_lowercase();
+                m.index_blocks
+                    .get_or_create(&vec![("endpoint", e.name.clone()), ("tier", name)])
+                    .set(value as i64);
+            }
+            m.events
+                .get_or_create(&vec![
+                    ("endpoint", e.name.clone()),
+                    ("kind", "orphan_blocks".into()),
+                ])
+                .set(stats.orphan_blocks as i64);
+        }
+        if let Some(sub) = e.subscriber.lock().as_ref() {
+            for (_, feed) in sub.stats() {
+                for (kind, value) in [
+                    ("batches", feed.batches),
+                    ("gaps", feed.gaps),
+                    ("replays", feed.replays),
+                    ("unfilled_gaps", feed.unfilled_gaps),
+                    ("restarts", feed.restarts),
+                    ("decode_errors", feed.decode_errors),
+                ] {
+                    m.events
+                        .get_or_create(&vec![("endpoint", e.name.clone()), ("kind", kind.into())])
+                        .set(value as i64);
+                }
+            }
+        }
+        if let Some(age) = e.events_age() {
+            m.events_age_seconds.get_or_create(&l).set(age);
+        }
+    }
+}
+
+/// `GET /v1/models`: the union of the healthy endpoints' model lists.
+pub async fn models(State(router): State<Arc<Router>>) -> Response {
+    let mut data: Vec<Value> = Vec::new();
+    for e in router.endpoints.iter().filter(|e| e.healthy()) {
+        let request = http::Request::get(format!("http://{}/v1/models", e.authority))
+            .body(Full::new(Bytes::new()))
+            .expect("static request");
+        let Ok(Ok(response)) =
+            tokio::time::timeout(Duration::from_secs(2), router.client.request(request)).await
+        else {
+            continue;
+        };
+        let Ok(body) = response.into_body().collect().await else {
+            continue;
+        };
+        let Ok(list) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
+            continue;
+        };
+        for card in list["data"].as_array().into_iter().flatten() {
+            if !data.iter().any(|c| c["id"] == card["id"]) {
+                data.push(card.clone());
+            }
+        }
+    }
+    if data.is_empty() {
+        // No endpoint answered: list what the router is configured to serve.
+        for m in &router.config.models {
+            data.push(json!({"id": m.name, "object": "model", "owned_by": "kvroute"}));
+        }
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `POST /kvroute/v1/explain`: the decision for a request body, without forwarding it.
+pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match read_body(&router, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&router, &e),
+    };
+    let parsed = match parse_explain(&router, &body) {
+        Ok(p) => p,
+        Err(e) => return error_response(&router, &e),
+    };
+    let Some(prepared) = router.prepare(&parsed, body.len()).await else {
+        return error_response(
+            &router,
+            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+        );
+    };
+    let session = parts
+        .headers
+        .get(router.config.scheduler.session_header.as_str())
+        .and_then(|v| v.to_str().ok());
+    let routed = router.route(&prepared, &parsed.model, session);
+    let name = |id: kvroute_core::index::EndpointId| router.endpoints[id.0 as usize].name.clone();
+    let endpoints: Vec<Value> = routed
+        .decision
+        .assessments
+        .iter()
+        .zip(&routed.facts)
+        .zip(&routed.predicted_cached)
+        .map(|((a, facts), predicted)| {
+            json!({
+                "endpoint": facts.name,
+                "healthy": facts.healthy,
+                "index_trusted": facts.index_distrust.is_none(),
+                "index_distrust": facts.index_distrust,
+                "matched_blocks": {
+                    "index": facts.index_match.map(|m| json!({"total": m.blocks, "gpu": m.gpu_blocks, "cpu": m.cpu_blocks, "storage": m.storage_blocks})),
+                    "history": facts.history_blocks,
+                    "predicted": facts.predicted_blocks,
+                },
+                "predicted_cached_tokens": predicted,
+                "load": router.endpoints[a.endpoint.0 as usize].load(Duration::from_secs(3600)),
+                "rejected": a.rejected,
+                "predicted_ttft_s": a.predicted_ttft_s,
+                "scores": a.scores,
+                "total": a.total,
+            })
+        })
+        .collect();
+    axum::Json(json!({
+        "model": parsed.model,
+        "prompt_tokens": prepared.prompt_tokens,
+        "block_size": prepared.model.block_size,
+        "blocks": prepared.keys.len(),
+        "policy": router.config.scheduler.policy,
+        "chosen": routed.decision.chosen().map(name),
+        "reason": routed.decision.reason,
+        "ranking": routed.decision.ranking.iter().map(|id| name(*id)).collect::<Vec<_>>(),
+        "endpoints": endpoints,
+    }))
+    .into_response()
+}
+
+/// A normal completions or chat body, or `{"model"?, "token_ids": [...]}`.
+fn parse_explain(router: &Router, body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}"), None))?;
+    if let Some(ids) = value.get("token_ids") {
+        let tokens = ids
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| {
+                ApiError::bad_request("token_ids must be a list of token ids", Some("token_ids"))
+            })?;
+        let model = value
+            .get("model")
+            .and_then(Value::as_str)
+            .map_or_else(|| router.config.models[0].name.clone(), str::to_owned);
+        return Ok(GenerationRequest {
+            model,
+            input: Input::Tokens(tokens),
+            max_tokens: None,
+            stream: false,
+            include_usage: false,
+            cache_salt: value
+                .get("cache_salt")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+        });
+    }
+    let api = if value.get("messages").is_some() {
+        Api::Chat
+    } else {
+        Api::Completions
+    };
+    parse(api, body)
+}

@@ -1,0 +1,456 @@
+//! The router's configuration: one YAML file, every field with a default, validated at start
+//! with a message naming the field at fault.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use kvroute_core::schedule::{
+    Filters, Picker, Profile, ProfileName, Role, ScorerWeights, TierWeights,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::RouterError;
+
+/// The whole configuration (`kvroute serve -c kvroute.yaml`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Address the OpenAI API (and the admin endpoints) listen on.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Served models.
+    pub models: Vec<ModelConfig>,
+    /// Engine endpoints.
+    pub endpoints: Vec<EndpointConfig>,
+    /// How endpoints are chosen.
+    #[serde(default)]
+    pub scheduler: SchedulerConfig,
+    /// Request limits and timeouts.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Health checks.
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// Load scraping.
+    #[serde(default)]
+    pub scrape: ScrapeConfig,
+    /// The KV block index and the router's own routing memory.
+    #[serde(default)]
+    pub cache: CacheConfig,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:8000".parse().expect("valid literal")
+}
+
+/// How a model's prompts become tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerKind {
+    /// kvroute's built-in tokenizer (what `kvroute sim` uses).
+    #[default]
+    Builtin,
+    /// The engine's own `/tokenize` endpoint: exact, one round-trip per request.
+    Remote,
+    /// No tokenizer: approximate routing by the router's own history only.
+    None,
+}
+
+/// One served model.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The model name clients send.
+    pub name: String,
+    /// How prompts are tokenized.
+    #[serde(default)]
+    pub tokenizer: TokenizerKind,
+    /// Tokens per KV block (vLLM's default 16; must match the engines).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// LoRA adapters served on top of this model (requests name them as the model).
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+/// One engine endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// A name for logs and metrics (default: the URL's host:port).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// HTTP base URL, e.g. `http://10.0.0.5:8000`.
+    pub url: String,
+    /// KV-event PUB address (`tcp://10.0.0.5:5557`); without it the endpoint is routed by load
+    /// and the router's own history only.
+    #[serde(default)]
+    pub events: Option<String>,
+    /// KV-event replay ROUTER address.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// KV-event topic (empty: accept all).
+    #[serde(default)]
+    pub topic: String,
+    /// Role for prefill/decode disaggregation.
+    #[serde(default)]
+    pub role: Role,
+    /// Models served (default: every configured model).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Free-form labels, shown in explanations.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Scheduling settings: a named policy, optionally adjusted.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// `precise` (default), `approximate`, `least-load`, `round-robin` or `random`.
+    #[serde(default = "default_policy")]
+    pub policy: ProfileName,
+    /// Scorer weights replacing the policy's.
+    #[serde(default)]
+    pub weights: Option<ScorerWeights>,
+    /// Tier credits.
+    #[serde(default)]
+    pub tiers: Option<TierWeights>,
+    /// Hard limits.
+    #[serde(default)]
+    pub filters: Filters,
+    /// Picker replacing the policy's.
+    #[serde(default)]
+    pub picker: Option<Picker>,
+    /// Waiting-queue length at which the load score reaches 0.
+    #[serde(default)]
+    pub queue_norm: Option<f64>,
+    /// Prefill speed assumed for every endpoint until observed, tokens per second.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// Header whose value names a session (requests of a session prefer its last endpoint).
+    #[serde(default = "default_session_header")]
+    pub session_header: String,
+}
+
+fn default_policy() -> ProfileName {
+    ProfileName::Precise
+}
+
+fn default_prefill_rate() -> f64 {
+    20_000.0
+}
+
+fn default_session_header() -> String {
+    "x-session-id".into()
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            policy: default_policy(),
+            weights: None,
+            tiers: None,
+            filters: Filters::default(),
+            picker: None,
+            queue_norm: None,
+            prefill_tokens_per_s: default_prefill_rate(),
+            session_header: default_session_header(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// The effective scheduling profile.
+    pub fn profile(&self) -> Profile {
+        let mut profile = Profile::named(self.policy);
+        if let Some(w) = &self.weights {
+            profile.weights = w.clone();
+        }
+        if let Some(t) = &self.tiers {
+            profile.tiers = t.clone();
+        }
+        if let Some(p) = &self.picker {
+            profile.picker = p.clone();
+        }
+        if let Some(q) = self.queue_norm {
+            profile.queue_norm = q;
+        }
+        profile.filters = self.filters.clone();
+        profile
+    }
+}
+
+/// Request limits and timeouts.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// Time to connect to an engine, milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Time for an engine to send response headers, seconds (504 after).
+    pub response_timeout_s: f64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 32 << 20,
+            connect_timeout_ms: 2_000,
+            response_timeout_s: 300.0,
+        }
+    }
+}
+
+/// Active health checks (`GET /health`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Between checks, milliseconds.
+    pub interval_ms: u64,
+    /// Per check, milliseconds.
+    pub timeout_ms: u64,
+    /// Consecutive failures that eject an endpoint.
+    pub unhealthy_after: u32,
+    /// Consecutive successes that bring it back.
+    pub healthy_after: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+            unhealthy_after: 2,
+            healthy_after: 2,
+        }
+    }
+}
+
+/// Load scraping (`GET /metrics`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScrapeConfig {
+    /// Between scrapes, milliseconds.
+    pub interval_ms: u64,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        Self { interval_ms: 500 }
+    }
+}
+
+/// The KV block index, the routing history and when to stop trusting an endpoint's events.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Most (block, endpoint) entries in the index.
+    pub index_capacity: usize,
+    /// Seconds the router remembers where it sent a prefix (approximate mode).
+    pub history_ttl_s: f64,
+    /// Most (block, endpoint) entries in that history.
+    pub history_capacity: usize,
+    /// Seconds a just-sent prefix counts as cached before its events arrive.
+    pub predicted_ttl_s: f64,
+    /// Seconds without any event, while requests keep going there, after which an endpoint's
+    /// index is not trusted.
+    pub silent_after_s: f64,
+    /// Seconds an endpoint's index stays untrusted after events were lost for good.
+    pub distrust_after_gap_s: f64,
+    /// Mean absolute prediction error (share of the prompt) above which an endpoint's index is
+    /// not trusted.
+    pub max_prediction_error: f64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            index_capacity: 8 << 20,
+            history_ttl_s: 300.0,
+            history_capacity: 4 << 20,
+            predicted_ttl_s: 10.0,
+            silent_after_s: 30.0,
+            distrust_after_gap_s: 60.0,
+            max_prediction_error: 0.2,
+        }
+    }
+}
+
+fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
+    RouterError::Config(format!("{field}: {why}"))
+}
+
+impl RouterConfig {
+    /// Parses and validates YAML.
+    pub fn from_yaml(text: &str) -> Result<Self, RouterError> {
+        let config: RouterConfig =
+            serde_yaml_ng::from_str(text).map_err(|e| RouterError::Config(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot.
+    pub fn validate(&self) -> Result<(), RouterError> {
+        if self.models.is_empty() {
+            return Err(invalid("models", "at least one model is required"));
+        }
+        if self.endpoints.is_empty() {
+            return Err(invalid("endpoints", "at least one endpoint is required"));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            if m.name.is_empty() {
+                return Err(invalid(&format!("models[{i}].name"), "must not be empty"));
+            }
+            if m.block_size == 0 {
+                return Err(invalid(
+                    &format!("models[{i}].block_size"),
+                    "must be at least 1",
+                ));
+            }
+        }
+        let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        for (i, e) in self.endpoints.iter().enumerate() {
+            let field = |f: &str| format!("endpoints[{i}].{f}");
+            let url: http::Uri = e.url.parse().map_err(|err| {
+                invalid(&field("url"), format!("{:?} is not a URL: {err}", e.url))
+            })?;
+            if url.scheme_str() != Some("http") || url.host().is_none() {
+                return Err(invalid(
+                    &field("url"),
+                    format!("{:?} must be http://host:port", e.url),
+                ));
+            }
+            for (f, addr) in [("events", &e.events), ("replay", &e.replay)] {
+                if let Some(addr) = addr
+                    && !addr.starts_with("tcp://")
+                {
+                    return Err(invalid(
+                        &field(f),
+                        format!("{addr:?} must be tcp://host:port"),
+                    ));
+                }
+            }
+            if e.replay.is_some() && e.events.is_none() {
+                return Err(invalid(&field("replay"), "needs events as well"));
+            }
+            for m in &e.models {
+                if !names.contains(&m.as_str()) {
+                    return Err(invalid(
+                        &field("models"),
+                        format!("{m:?} is not a configured model"),
+                    ));
+                }
+            }
+        }
+        let s = &self.scheduler;
+        if !(s.prefill_tokens_per_s.is_finite() && s.prefill_tokens_per_s > 0.0) {
+            return Err(invalid(
+                "scheduler.prefill_tokens_per_s",
+                "must be positive",
+            ));
+        }
+        if let Some(w) = &s.weights {
+            let all = [
+                w.precise_prefix,
+                w.approximate_prefix,
+                w.load,
+                w.cost,
+                w.session,
+            ];
+            if all.iter().any(|x| !(x.is_finite() && *x >= 0.0)) {
+                return Err(invalid(
+                    "scheduler.weights",
+                    "weights must be finite and not negative",
+                ));
+            }
+        }
+        if let Some(Picker::Softmax { temperature }) = &s.picker
+            && (temperature.is_nan() || *temperature <= 0.0)
+        {
+            return Err(invalid("scheduler.picker.temperature", "must be positive"));
+        }
+        if self.limits.max_body_bytes == 0 {
+            return Err(invalid("limits.max_body_bytes", "must be positive"));
+        }
+        if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
+            return Err(invalid(
+                "health",
+                "unhealthy_after and healthy_after must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "models: [{name: m}]\nendpoints: [{url: 'http://127.0.0.1:8001'}]\n";
+
+    #[test]
+    fn minimal_config_gets_every_default() {
+        let c = RouterConfig::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.listen.port(), 8000);
+        assert_eq!(c.models[0].block_size, 16);
+        assert_eq!(c.scheduler.policy, ProfileName::Precise);
+        assert_eq!(c.scheduler.profile(), Profile::default());
+        assert_eq!(c.health.unhealthy_after, 2);
+    }
+
+    #[test]
+    fn the_annotated_example_parses() {
+        let text = include_str!("../../../examples/kvroute.yaml");
+        let c = RouterConfig::from_yaml(text).unwrap();
+        assert!(c.endpoints.len() >= 2);
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let cases = [
+            ("models: []\nendpoints: [{url: 'http://a:1'}]", "models"),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'ftp://a:1'}]",
+                "endpoints[0].url",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', events: 'a:5557'}]",
+                "endpoints[0].events",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', models: [x]}]",
+                "endpoints[0].models",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', urll: 3}]",
+                "unknown field `urll`",
+            ),
+            (
+                "models: [{name: m, block_size: 0}]\nendpoints: [{url: 'http://a:1'}]",
+                "models[0].block_size",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {policy: fastest}",
+                "unknown variant `fastest`",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {weights: {load: -1}}",
+                "scheduler.weights",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlisten: nowhere",
+                "listen",
+            ),
+        ];
+        for (yaml, want) in cases {
+            let e = RouterConfig::from_yaml(yaml).unwrap_err().to_string();
+            assert!(e.contains(want), "{yaml}\n=> {e}");
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! `kvroute serve`: the KV-cache-aware OpenAI router.
+//!
+//! Clients change only their `base_url`. Each request is parsed once, tokenized, cut into
+//! block keys, scored against every endpoint (cache held, load, predicted TTFT) by
+//! `kvroute-core`'s scheduler, and proxied with its response streamed through unbuffered.
+//! Alongside: a KV-event subscriber per endpoint feeding the index, health checks with
+//! ejection, load scraping, the explain API and the router's own metrics.
+//!
+//! This crate knows HTTP and configuration; wire formats live in `kvroute-vllm` and every
+//! routing decision in `kvroute-core`.
+
+pub mod accounting;
+pub mod admin;
+pub mod config;
+mod error;
+pub mod fleet;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod service;
+pub mod tokenize;
+
+pub use error::RouterError;

@@ -1,0 +1,333 @@
+//! The OpenAI front door: parse once, tokenize, choose, forward with the body streamed through
+//! unbuffered, retry once on a refused connection, and answer errors in OpenAI's shape.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use kvroute_core::index::EndpointId;
+use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
+use tracing::warn;
+
+use crate::accounting::{AccountedBody, Accounting};
+use crate::metrics::endpoint as labels;
+use crate::service::{Prepared, Router};
+
+/// The header naming the endpoint that served a request.
+pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
+
+/// Which OpenAI API a request used.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// An OpenAI-shaped error response.
+pub fn error_response(router: &Router, e: &ApiError) -> Response {
+    router
+        .metrics
+        .rejected
+        .get_or_create(&vec![("status", e.status.to_string())])
+        .inc();
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        e.to_json(),
+    )
+        .into_response();
+    if e.status == 503 {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    response
+}
+
+/// Reads a body up to the configured limit.
+pub async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
+    let limit = router.config.limits.max_body_bytes;
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(ApiError::new(
+                413,
+                format!("request body larger than {limit} bytes"),
+            ))
+        }
+        Err(e) => Err(ApiError::bad_request(
+            format!("cannot read the request body: {e}"),
+            None,
+        )),
+    }
+}
+
+/// Parses a generation request of either API.
+pub fn parse(api: Api, body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    match api {
+        Api::Completions => parse_completion(body),
+        Api::Chat => parse_chat(body),
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(router): State<Arc<Router>>, request: Request) -> Response {
+    generate(router, request, Api::Completions).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(router): State<Arc<Router>>, request: Request) -> Response {
+    generate(router, request, Api::Chat).await
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
+}
+
+fn session(router: &Router, headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(router.config.scheduler.session_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
+    let started = Instant::now();
+    let (parts, body) = request.into_parts();
+    let body = match read_body(&router, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&router, &e),
+    };
+    let parsed = match parse(api, &body) {
+        Ok(p) => p,
+        Err(e) => return error_response(&router, &e),
+    };
+    let Some(prepared) = router.prepare(&parsed, body.len()).await else {
+        return error_response(
+            &router,
+            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+        );
+    };
+    let session = session(&router, &parts.headers);
+    let routed = router.route(&prepared, &parsed.model, session.as_deref());
+    if routed.decision.ranking.is_empty() {
+        return error_response(
+            &router,
+            &ApiError::new(503, "no healthy endpoint serves this model; retry shortly"),
+        );
+    }
+    let rid = request_id(&parts.headers);
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |p| p.as_str())
+        .to_owned();
+    forward(ForwardArgs {
+        router: &router,
+        prepared: &prepared,
+        ranking: &routed.decision.ranking,
+        predicted_cached: &routed.predicted_cached,
+        reason: routed.decision.reason,
+        method: parts.method,
+        path,
+        headers: parts.headers,
+        body,
+        session: session.as_deref(),
+        request_id: rid,
+        started,
+    })
+    .await
+}
+
+struct ForwardArgs<'a> {
+    router: &'a Arc<Router>,
+    prepared: &'a Prepared,
+    ranking: &'a [EndpointId],
+    predicted_cached: &'a [usize],
+    reason: &'static str,
+    method: http::Method,
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+    session: Option<&'a str>,
+    request_id: String,
+    started: Instant,
+}
+
+/// Hop-by-hop headers a proxy must not forward.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "te"
+            | "trailer"
+            | "host"
+            | "content-length"
+    )
+}
+
+fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes>> {
+    let mut builder = http::Request::builder()
+        .method(a.method.clone())
+        .uri(format!("{base}{}", a.path));
+    for (name, value) in &a.headers {
+        if !hop_by_hop(name) {
+            builder = builder.header(name, value);
+        }
+    }
+    builder
+        .header("x-request-id", a.request_id.as_str())
+        .body(Full::new(a.body.clone()))
+        .expect("a request built from a valid request is valid")
+}
+
+async fn forward(a: ForwardArgs<'_>) -> Response {
+    let router = a.router;
+    let timeout = Duration::from_secs_f64(router.config.limits.response_timeout_s);
+    // The first choice, and one retry on the next if the connection is refused before any
+    // byte reached an engine.
+    for (attempt, &id) in a.ranking.iter().take(2).enumerate() {
+        let endpoint = router.endpoints[id.0 as usize].clone();
+        let predicted = a.predicted_cached[id.0 as usize];
+        let uncached = a.prepared.prompt_tokens.saturating_sub(predicted) as u64;
+        router.record_dispatch(id, &a.prepared.keys, a.session);
+        let mut accounting = Accounting::dispatch(
+            router.clone(),
+            endpoint.clone(),
+            uncached,
+            predicted,
+            a.prepared.prompt_tokens,
+            if attempt == 0 { a.reason } else { "retry" },
+            a.request_id.clone(),
+            a.started,
+        );
+        let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
+        match tokio::time::timeout(timeout, router.client.request(request)).await {
+            Err(_) => {
+                accounting.status = 504;
+                return error_response(
+                    router,
+                    &ApiError::new(
+                        504,
+                        format!(
+                            "the engine {} did not answer within {timeout:?}",
+                            endpoint.name
+                        ),
+                    ),
+                );
+            }
+            Ok(Err(e)) if e.is_connect() && attempt == 0 && a.ranking.len() > 1 => {
+                warn!(endpoint = %endpoint.name, error = %e, "connection refused; retrying on the next best endpoint");
+                router
+                    .metrics
+                    .retries
+                    .get_or_create(&labels(&endpoint.name))
+                    .inc();
+                accounting.status = 502;
+                continue;
+            }
+            Ok(Err(e)) => {
+                accounting.status = 502;
+                return error_response(
+                    router,
+                    &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
+                );
+            }
+            Ok(Ok(response)) => {
+                let (parts, body) = response.into_parts();
+                accounting.status = parts.status.as_u16();
+                let mut out = Response::builder().status(parts.status);
+                for (name, value) in &parts.headers {
+                    if !hop_by_hop(name) {
+                        out = out.header(name, value);
+                    }
+                }
+                out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
+                return out
+                    .body(Body::new(AccountedBody::new(body, accounting)))
+                    .unwrap_or_else(|_| {
+                        error_response(
+                            router,
+                            &ApiError::new(502, "the engine sent an invalid response"),
+                        )
+                    });
+            }
+        }
+    }
+    error_response(
+        router,
+        &ApiError::new(503, "no endpoint accepted the connection; retry shortly"),
+    )
+}
+
+/// Any other `/v1/*` request: passed to a healthy endpoint unchanged.
+pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) -> Response {
+    let started = Instant::now();
+    let (parts, body) = request.into_parts();
+    let body = match read_body(&router, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&router, &e),
+    };
+    let healthy: Vec<EndpointId> = router
+        .endpoints
+        .iter()
+        .filter(|e| e.healthy())
+        .map(|e| e.id)
+        .collect();
+    if healthy.is_empty() {
+        return error_response(
+            &router,
+            &ApiError::new(503, "no healthy endpoint; retry shortly"),
+        );
+    }
+    let start = rand::random::<u64>() as usize % healthy.len();
+    let mut ranking = healthy.clone();
+    ranking.rotate_left(start);
+    let prepared = Prepared {
+        model: router.config.models[0].clone(),
+        lora: None,
+        tokens: None,
+        keys: Vec::new(),
+        prompt_tokens: 0,
+    };
+    let zeros = vec![0; router.endpoints.len()];
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |p| p.as_str())
+        .to_owned();
+    forward(ForwardArgs {
+        router: &router,
+        prepared: &prepared,
+        ranking: &ranking,
+        predicted_cached: &zeros,
+        reason: "passthrough",
+        method: parts.method,
+        path,
+        request_id: request_id(&parts.headers),
+        headers: parts.headers,
+        body,
+        session: None,
+        started,
+    })
+    .await
+}

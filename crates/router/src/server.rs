@@ -1,0 +1,190 @@
+//! Starting the router: the HTTP server, a KV-event subscriber per endpoint, and the health
+//! checks, load scraping and housekeeping that run beside it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router as Routes;
+use axum::routing::{any, get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_vllm::metrics::parse_engine_metrics;
+use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::RouterError;
+use crate::config::RouterConfig;
+use crate::fleet::Endpoint;
+use crate::service::Router;
+use crate::{admin, proxy};
+
+/// A running router; dropping it stops everything.
+pub struct RunningRouter {
+    /// The address it listens on (with the real port when port 0 was configured).
+    pub addr: SocketAddr,
+    /// Its state.
+    pub router: Arc<Router>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RunningRouter {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl RunningRouter {
+    /// Waits until the HTTP server stops (it runs until the router is dropped).
+    pub async fn wait(mut self) {
+        if let Some(server) = self.tasks.pop() {
+            let _ = server.await;
+        }
+    }
+}
+
+/// The HTTP routes.
+pub fn routes(router: Arc<Router>) -> Routes {
+    Routes::new()
+        .route("/v1/completions", post(proxy::completions))
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/models", get(admin::models))
+        .route("/v1/{*rest}", any(proxy::passthrough))
+        .route("/kvroute/v1/explain", post(admin::explain))
+        .route("/health", get(admin::health))
+        .route("/metrics", get(admin::metrics))
+        .with_state(router)
+}
+
+/// Binds the listener and starts every task on the current tokio runtime.
+pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
+    let router = Arc::new(Router::new(config)?);
+    let listener = tokio::net::TcpListener::bind(router.config.listen)
+        .await
+        .map_err(|e| RouterError::Io(format!("cannot listen on {}: {e}", router.config.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| RouterError::Io(e.to_string()))?;
+    let mut tasks = Vec::new();
+    let sink = router.sink();
+    for e in &router.endpoints {
+        if let Some(events) = &e.config.events {
+            let handle = spawn_connected(
+                EndpointSource {
+                    endpoint: e.id,
+                    name: e.name.clone(),
+                    publisher: events.clone(),
+                    replay: e.config.replay.clone(),
+                    topic: e.config.topic.clone(),
+                },
+                sink.clone() as Arc<dyn EventSink>,
+                Timing::default(),
+            );
+            *e.subscriber.lock() = Some(handle);
+        }
+        tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
+        tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
+    }
+    tasks.push(tokio::spawn(housekeeping(router.clone())));
+    let app = routes(router.clone());
+    info!(%addr, endpoints = router.endpoints.len(), policy = ?router.config.scheduler.policy, "kvroute serving");
+    tasks.push(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            warn!(error = %e, "HTTP server stopped");
+        }
+    }));
+    Ok(RunningRouter {
+        addr,
+        router,
+        tasks,
+    })
+}
+
+async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u16, Bytes), String> {
+    let request = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let response = tokio::time::timeout(timeout, router.client.request(request))
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let body = tokio::time::timeout(timeout, response.into_body().collect())
+        .await
+        .map_err(|_| "timed out reading the body".to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok((status, body.to_bytes()))
+}
+
+/// Ejects an endpoint after consecutive failed checks (dropping what the index held for it)
+/// and brings it back after consecutive good ones.
+async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
+    let cfg = router.config.health.clone();
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    loop {
+        tick.tick().await;
+        let result = get_text(
+            &router,
+            format!("http://{}/health", endpoint.authority),
+            Duration::from_millis(cfg.timeout_ms),
+        )
+        .await;
+        let ok = matches!(result, Ok((200, _)));
+        let mut health = endpoint.health.lock();
+        if ok {
+            health.failures = 0;
+            health.successes += 1;
+            if !health.healthy && health.successes >= cfg.healthy_after {
+                health.healthy = true;
+                health.last_error = None;
+                info!(endpoint = %endpoint.name, "endpoint healthy again");
+            }
+        } else {
+            health.successes = 0;
+            health.failures += 1;
+            health.last_error = Some(match result {
+                Ok((status, _)) => format!("health check answered {status}"),
+                Err(e) => e,
+            });
+            if health.healthy && health.failures >= cfg.unhealthy_after {
+                health.healthy = false;
+                warn!(endpoint = %endpoint.name, error = ?health.last_error, "endpoint ejected after failed health checks; dropping its cached blocks");
+                drop(health);
+                router.index.clear_endpoint(endpoint.id);
+                router.history.lock().forget_endpoint(endpoint.id);
+                router.predicted.lock().forget_endpoint(endpoint.id);
+            }
+        }
+    }
+}
+
+async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
+    let interval = Duration::from_millis(router.config.scrape.interval_ms);
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        if let Ok((200, body)) = get_text(
+            &router,
+            format!("http://{}/metrics", endpoint.authority),
+            interval.max(Duration::from_millis(500)),
+        )
+        .await
+        {
+            let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
+            *endpoint.scraped.lock() = Some((sample, Instant::now()));
+        }
+    }
+}
+
+async fn housekeeping(router: Arc<Router>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        let now = router.now();
+        router.history.lock().expire(now);
+        router.predicted.lock().expire(now);
+    }
+}

@@ -1,0 +1,123 @@
+//! Turning a request into prompt tokens: the built-in tokenizer, the engine's `/tokenize`, or
+//! none. Results are cached by prompt, so a retried or repeated prompt is tokenized once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use kvroute_vllm::openai::Input;
+use kvroute_vllm::tokenizer::BuiltinTokenizer;
+use quick_cache::sync::Cache;
+use serde_json::{Value, json};
+
+use crate::config::TokenizerKind;
+
+/// Prompt tokens by hash of (model, input); bounded.
+pub struct TokenCache {
+    cache: Cache<u64, Arc<Vec<u32>>>,
+}
+
+impl TokenCache {
+    /// A cache of at most `entries` prompts.
+    pub fn new(entries: usize) -> Self {
+        Self {
+            cache: Cache::new(entries),
+        }
+    }
+}
+
+fn input_hash(model: &str, input: &Input) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    model.hash(&mut h);
+    match input {
+        Input::Text(t) => (0u8, t).hash(&mut h),
+        Input::Tokens(t) => (1u8, t).hash(&mut h),
+        Input::Chat(m) => {
+            2u8.hash(&mut h);
+            for msg in m {
+                (&msg.role, &msg.content).hash(&mut h);
+            }
+        }
+    }
+    h.finish()
+}
+
+/// Where remote tokenization goes.
+pub struct Remote<'a> {
+    /// HTTP client.
+    pub client: &'a Client<HttpConnector, Full<Bytes>>,
+    /// An engine's `scheme://authority`.
+    pub base: String,
+    /// Give up after this long.
+    pub timeout: Duration,
+}
+
+/// The prompt's tokens, or `None` when the model has no tokenizer (or remote tokenization
+/// failed: the request is then routed without cache information, never refused for it).
+pub async fn tokenize(
+    cache: &TokenCache,
+    kind: TokenizerKind,
+    model: &str,
+    input: &Input,
+    remote: Option<Remote<'_>>,
+) -> Option<Arc<Vec<u32>>> {
+    if let Input::Tokens(tokens) = input {
+        return Some(Arc::new(tokens.clone()));
+    }
+    if kind == TokenizerKind::None {
+        return None;
+    }
+    let key = input_hash(model, input);
+    if let Some(hit) = cache.cache.get(&key) {
+        return Some(hit);
+    }
+    let tokens = match kind {
+        TokenizerKind::Builtin => {
+            let tok = BuiltinTokenizer;
+            match input {
+                Input::Text(t) => tok.encode(t),
+                Input::Chat(m) => tok.encode(&tok.apply_chat_template(m, true)),
+                Input::Tokens(t) => t.clone(),
+            }
+        }
+        TokenizerKind::Remote => remote_tokenize(remote?, model, input).await?,
+        TokenizerKind::None => return None,
+    };
+    let tokens = Arc::new(tokens);
+    cache.cache.insert(key, tokens.clone());
+    Some(tokens)
+}
+
+async fn remote_tokenize(remote: Remote<'_>, model: &str, input: &Input) -> Option<Vec<u32>> {
+    let body = match input {
+        Input::Text(t) => json!({"model": model, "prompt": t}),
+        Input::Chat(m) => json!({"model": model, "messages": m, "add_generation_prompt": true}),
+        Input::Tokens(t) => return Some(t.clone()),
+    };
+    let request = http::Request::post(format!("{}/tokenize", remote.base))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .ok()?;
+    let response = tokio::time::timeout(remote.timeout, remote.client.request(request))
+        .await
+        .ok()?
+        .ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let bytes = tokio::time::timeout(remote.timeout, response.into_body().collect())
+        .await
+        .ok()?
+        .ok()?
+        .to_bytes();
+    let value: Value = serde_json::from_slice(&bytes).ok()?;
+    value["tokens"]
+        .as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}

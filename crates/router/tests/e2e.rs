@@ -1,0 +1,313 @@
+//! The router in front of simulated vLLM engines, over real HTTP and ZMQ on loopback.
+
+use std::time::{Duration, Instant};
+
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start as start_router};
+use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use serde_json::{Value, json};
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+async fn engine(gpu_blocks: usize) -> SimFleet {
+    start_sim(SimConfig {
+        port: 0,
+        events_port: 0,
+        replay_port: Some(0),
+        engine: EngineConfig {
+            num_gpu_blocks: gpu_blocks,
+            max_model_len: 16_384,
+            ..EngineConfig::default()
+        },
+        time_scale: 10.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n"
+    );
+    for (i, fleet) in engines.iter().enumerate() {
+        let ep = &fleet.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap()
+        ));
+    }
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    // Let the subscribers connect before traffic starts.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.router.endpoints.iter().any(|e| {
+        e.subscriber
+            .lock()
+            .as_ref()
+            .is_none_or(|s| !s.stats().iter().all(|(_, f)| f.connected))
+    }) {
+        assert!(Instant::now() < deadline, "subscribers did not connect");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    router
+}
+
+struct Answer {
+    status: u16,
+    endpoint: String,
+    body: Value,
+}
+
+async fn chat(
+    client: &reqwest::Client,
+    router: &RunningRouter,
+    messages: &[Value],
+    max_tokens: u32,
+) -> Answer {
+    let resp = client
+        .post(format!("http://{}/v1/chat/completions", router.addr))
+        .json(&json!({"model": MODEL, "messages": messages, "max_tokens": max_tokens}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let endpoint = resp
+        .headers()
+        .get("x-kvroute-endpoint")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    Answer {
+        status,
+        endpoint,
+        body: resp.json().await.unwrap_or(Value::Null),
+    }
+}
+
+fn words(n: usize, seed: usize) -> String {
+    (0..n)
+        .map(|i| format!("w{}x{}", (i * 7919 + seed * 104_729) % 100_000, seed))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn settle() {
+    // Events of the last response reach the index within a few milliseconds.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_stick_to_the_endpoint_holding_their_history() {
+    let (a, b, c) = (engine(4096).await, engine(4096).await, engine(4096).await);
+    let router = router_for(&[&a, &b, &c], "").await;
+    let client = reqwest::Client::new();
+    let system = json!({"role": "system", "content": words(300, 0)});
+    let mut conversations: Vec<(Vec<Value>, String)> = Vec::new();
+    for user in 0..6 {
+        let messages = vec![
+            system.clone(),
+            json!({"role": "user", "content": words(200, user + 1)}),
+        ];
+        let answer = chat(&client, &router, &messages, 20).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let mut history = messages;
+        history.push(json!({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]}));
+        conversations.push((history, answer.endpoint));
+        settle().await;
+    }
+    let mut cached_total = 0u64;
+    for turn in 0..3 {
+        for (i, (history, home)) in conversations.iter_mut().enumerate() {
+            history.push(json!({"role": "user", "content": words(50, 100 + turn * 10 + i)}));
+            let answer = chat(&client, &router, history, 20).await;
+            assert_eq!(answer.status, 200);
+            assert_eq!(
+                &answer.endpoint, home,
+                "turn {turn} of conversation {i} must go home"
+            );
+            let cached = answer.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            let prompt = answer.body["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(
+                cached * 10 >= prompt * 8,
+                "most of the history is cached: {cached}/{prompt}"
+            );
+            cached_total += cached;
+            history.push(json!({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]}));
+            settle().await;
+        }
+    }
+    assert!(cached_total > 0);
+    // On a quiet fleet the router's predictions equal what the engines report.
+    let metrics = client
+        .get(format!("http://{}/metrics", router.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let count = |outcome: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("kvroute_prediction_outcomes_total")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(count("over") + count("under"), 0, "{metrics}");
+    assert_eq!(count("exact"), 24);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_openai_shaped() {
+    let a = engine(512).await;
+    let router = router_for(&[&a], "limits: {max_body_bytes: 2000}").await;
+    let client = reqwest::Client::new();
+    let url = format!("http://{}/v1/completions", router.addr);
+    let cases = [
+        (client.post(&url).body("{nope"), 400),
+        (
+            client
+                .post(&url)
+                .json(&json!({"model": "gpt-9", "prompt": "x"})),
+            404,
+        ),
+        (
+            client
+                .post(&url)
+                .json(&json!({"model": MODEL, "prompt": "x".repeat(5000)})),
+            413,
+        ),
+        (client.post(&url).json(&json!({"model": MODEL})), 400),
+    ];
+    for (request, status) in cases {
+        let resp = request.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status);
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], status, "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().len() > 5);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_the_breakdown_without_forwarding() {
+    let (a, b) = (engine(1024).await, engine(1024).await);
+    let router = router_for(&[&a, &b], "").await;
+    let client = reqwest::Client::new();
+    let prompt = words(400, 9);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let first = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let home = first.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    settle().await;
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(explained["chosen"], home.as_str());
+    assert_eq!(explained["reason"], "cache");
+    let endpoints = explained["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), 2);
+    let mine = endpoints
+        .iter()
+        .find(|e| e["endpoint"] == home.as_str())
+        .unwrap();
+    assert!(
+        mine["matched_blocks"]["index"]["gpu"].as_u64().unwrap() > 10,
+        "{mine}"
+    );
+    assert!(
+        mine["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["scorer"] == "precise_prefix")
+    );
+    // Explaining forwards nothing: the engines saw exactly one request.
+    let metrics = client
+        .get(format!("{}/metrics", a.endpoints[0].url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+        + &client
+            .get(format!("{}/metrics", b.endpoints[0].url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    let total: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vllm:time_to_first_token_seconds_count"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(total, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
+    let a = engine(1024).await;
+    let b = engine(1024).await;
+    let router = router_for(&[&a, &b], "").await;
+    let client = reqwest::Client::new();
+    for i in 0..6 {
+        let answer = chat(
+            &client,
+            &router,
+            &[json!({"role": "user", "content": words(300, i)})],
+            4,
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+    }
+    settle().await;
+    let held = |r: &RunningRouter, i: u32| {
+        r.router
+            .index
+            .endpoint_stats(kvroute_core::index::EndpointId(i))
+            .map_or(0, |s| s.blocks_gpu)
+    };
+    assert!(held(&router, 0) + held(&router, 1) > 0);
+    drop(b); // kill engine e1
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.router.endpoints[1].healthy() {
+        assert!(Instant::now() < deadline, "e1 was not ejected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(held(&router, 1), 0, "the dead engine's blocks are dropped");
+    for i in 0..4 {
+        let answer = chat(
+            &client,
+            &router,
+            &[json!({"role": "user", "content": words(100, 50 + i)})],
+            2,
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.endpoint, "e0");
+    }
+}

@@ -22,6 +22,8 @@ enum Command {
     /// Work with vLLM KV events: decode, watch a live engine, publish a demo stream.
     #[command(subcommand)]
     Events(commands::events::EventsCommand),
+    /// Run the KV-cache-aware router in front of vLLM engines.
+    Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
     Sim(commands::sim::SimArgs),
 }
@@ -31,7 +33,7 @@ fn main() -> ExitCode {
     let default_level = match &cli.command {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
-        Command::Sim(_) => "info",
+        Command::Sim(_) | Command::Serve(_) => "info",
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -44,6 +46,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => commands::hash::run(args),
         Command::Events(cmd) => commands::events::run(cmd),
         Command::Sim(args) => commands::sim::run(args),
+        Command::Serve(args) => commands::serve::run(args),
     };
     match result {
         Ok(code) => code,

@@ -2,4 +2,5 @@
 
 pub mod events;
 pub mod hash;
+pub mod serve;
 pub mod sim;

@@ -15,6 +15,7 @@ use tracing::info;
 use crate::fleet::Endpoint;
 use crate::metrics::endpoint as labels;
 use crate::service::Router;
+use crate::upstream::Lease;
 
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
@@ -182,18 +183,22 @@ impl Drop for Accounting {
     }
 }
 
-/// A response body passed through chunk by chunk while its accounting watches.
+/// A response body passed through chunk by chunk while its accounting watches. It holds the
+/// engine connection: read to the end, the connection is reused; dropped early (the client went
+/// away), the connection is closed and the engine cancels the request.
 pub struct AccountedBody<B> {
     inner: B,
     accounting: Option<Accounting>,
+    lease: Option<Lease>,
 }
 
 impl<B> AccountedBody<B> {
     /// Wraps `inner`.
-    pub fn new(inner: B, accounting: Accounting) -> Self {
+    pub fn new(inner: B, accounting: Accounting, lease: Lease) -> Self {
         Self {
             inner,
             accounting: Some(accounting),
+            lease: Some(lease),
         }
     }
 }
@@ -216,9 +221,16 @@ where
                     acc.observe(data);
                 }
             }
-            // End of body (or error): release now rather than when the connection lets go.
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
+            // End of body: release now rather than when the connection lets go.
+            Poll::Ready(None) => {
                 self.accounting.take();
+                if let Some(lease) = self.lease.take() {
+                    lease.release();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                self.accounting.take();
+                self.lease.take();
             }
             Poll::Pending => {}
         }

@@ -129,6 +129,9 @@ pub struct SchedulerConfig {
     /// Waiting-queue length at which the load score reaches 0.
     #[serde(default)]
     pub queue_norm: Option<f64>,
+    /// Seconds each queued request adds to the predicted TTFT.
+    #[serde(default)]
+    pub queue_wait_s: Option<f64>,
     /// Prefill speed assumed for every endpoint until observed, tokens per second.
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_s: f64,
@@ -158,6 +161,7 @@ impl Default for SchedulerConfig {
             filters: Filters::default(),
             picker: None,
             queue_norm: None,
+            queue_wait_s: None,
             prefill_tokens_per_s: default_prefill_rate(),
             session_header: default_session_header(),
         }
@@ -179,6 +183,9 @@ impl SchedulerConfig {
         }
         if let Some(q) = self.queue_norm {
             profile.queue_norm = q;
+        }
+        if let Some(w) = self.queue_wait_s {
+            profile.queue_wait_s = w;
         }
         profile.filters = self.filters.clone();
         profile

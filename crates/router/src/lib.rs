@@ -19,5 +19,6 @@ pub mod proxy;
 pub mod server;
 pub mod service;
 pub mod tokenize;
+pub mod upstream;
 
 pub use error::RouterError;

@@ -17,6 +17,7 @@ use tracing::warn;
 use crate::accounting::{AccountedBody, Accounting};
 use crate::metrics::endpoint as labels;
 use crate::service::{Prepared, Router};
+use crate::upstream::UpstreamError;
 
 /// The header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
@@ -221,7 +222,8 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             a.started,
         );
         let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
-        match tokio::time::timeout(timeout, router.client.request(request)).await {
+        let authority = endpoint.authority.to_string();
+        match tokio::time::timeout(timeout, router.upstream.send(&authority, request)).await {
             Err(_) => {
                 accounting.status = 504;
                 return error_response(
@@ -235,7 +237,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                     ),
                 );
             }
-            Ok(Err(e)) if e.is_connect() && attempt == 0 && a.ranking.len() > 1 => {
+            Ok(Err(UpstreamError::Connect(e))) if attempt == 0 && a.ranking.len() > 1 => {
                 warn!(endpoint = %endpoint.name, error = %e, "connection refused; retrying on the next best endpoint");
                 router
                     .metrics
@@ -252,7 +254,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                     &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
                 );
             }
-            Ok(Ok(response)) => {
+            Ok(Ok((response, lease))) => {
                 let (parts, body) = response.into_parts();
                 accounting.status = parts.status.as_u16();
                 let mut out = Response::builder().status(parts.status);
@@ -263,7 +265,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                 }
                 out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
                 return out
-                    .body(Body::new(AccountedBody::new(body, accounting)))
+                    .body(Body::new(AccountedBody::new(body, accounting, lease)))
                     .unwrap_or_else(|_| {
                         error_response(
                             router,

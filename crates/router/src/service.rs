@@ -26,6 +26,7 @@ use crate::config::{ModelConfig, RouterConfig};
 use crate::fleet::{Distrust, Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
 use crate::tokenize::{Remote, TokenCache, tokenize};
+use crate::upstream::Upstream;
 
 /// Everything the router shares between requests and background tasks.
 pub struct Router {
@@ -45,8 +46,10 @@ pub struct Router {
     pub sessions: Cache<String, EndpointId>,
     /// Tokenization results.
     pub tokens: TokenCache,
-    /// Upstream HTTP client.
+    /// HTTP client for health checks, scrapes and other small requests.
     pub client: Client<HttpConnector, Full<Bytes>>,
+    /// Connections for proxied requests.
+    pub upstream: Arc<Upstream>,
     /// The router's metrics.
     pub metrics: RouterMetrics,
     round_robin: AtomicU64,
@@ -150,6 +153,9 @@ impl Router {
             index: Arc::new(SharedIndex::new(index)),
             endpoints,
             client,
+            upstream: Arc::new(Upstream::new(Duration::from_millis(
+                config.limits.connect_timeout_ms,
+            ))),
             metrics: RouterMetrics::default(),
             round_robin: AtomicU64::new(0),
             started: Instant::now(),

@@ -11,6 +11,10 @@ use serde_json::{Value, json};
 const MODEL: &str = "sim-llama-3.1-8b";
 
 async fn engine(gpu_blocks: usize) -> SimFleet {
+    engine_with(gpu_blocks, 256).await
+}
+
+async fn engine_with(gpu_blocks: usize, max_num_seqs: usize) -> SimFleet {
     start_sim(SimConfig {
         port: 0,
         events_port: 0,
@@ -18,6 +22,7 @@ async fn engine(gpu_blocks: usize) -> SimFleet {
         engine: EngineConfig {
             num_gpu_blocks: gpu_blocks,
             max_model_len: 16_384,
+            max_num_seqs,
             ..EngineConfig::default()
         },
         time_scale: 10.0,
@@ -310,4 +315,269 @@ async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
         assert_eq!(answer.status, 200);
         assert_eq!(answer.endpoint, "e0");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
+    let live = engine(512).await;
+    let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 60000}}\nscheduler: {{policy: round-robin}}\nendpoints:\n  - {{name: dead, url: 'http://127.0.0.1:{dead_port}'}}\n  - {{name: live, url: '{}'}}\n",
+        live.endpoints[0].url
+    );
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let client = reqwest::Client::new();
+    for _ in 0..2 {
+        let answer = chat(
+            &client,
+            &router,
+            &[json!({"role": "user", "content": "hello"})],
+            2,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.endpoint, "live");
+    }
+    let metrics = client
+        .get(format!("http://{}/metrics", router.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_retries_total{endpoint=\"dead\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504() {
+    let slow = engine(512).await;
+    let client = reqwest::Client::new();
+    client
+        .post(format!("{}/sim/faults", slow.endpoints[0].url))
+        .json(&json!({"slow_factor": 1000.0}))
+        .send()
+        .await
+        .unwrap();
+    let router = router_for(&[&slow], "limits: {response_timeout_s: 0.5}").await;
+    let started = Instant::now();
+    let answer = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": words(50, 1)})],
+        2,
+    )
+    .await;
+    assert_eq!(answer.status, 504, "{}", answer.body);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    client
+        .post(format!("{}/sim/faults", slow.endpoints[0].url))
+        .json(&json!({"healthy": false}))
+        .send()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.router.endpoints[0].healthy() {
+        assert!(Instant::now() < deadline, "not ejected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resp = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_eq!(
+        client
+            .get(format!("http://{}/health", router.addr))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        503
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pass_through_and_a_client_disconnect_frees_everything() {
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    // A raw connection, so that going away really closes the socket.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let payload =
+        json!({"model": MODEL, "prompt": words(100, 3), "max_tokens": 2000, "stream": true})
+            .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        payload.len()
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    socket.write_all(payload.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    while !String::from_utf8_lossy(&received).contains("data: ") {
+        let mut buf = [0u8; 4096];
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed early");
+        received.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&received).to_lowercase();
+    assert!(text.contains("content-type: text/event-stream"), "{text}");
+    assert!(text.contains("x-kvroute-endpoint: e0"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the first token arrives long before the 2,000th"
+    );
+    assert_eq!(
+        router.router.endpoints[0]
+            .inflight
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    drop(socket); // the client goes away mid-stream
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let engine_metrics = client
+            .get(format!("{}/metrics", a.endpoints[0].url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let running = engine_metrics
+            .lines()
+            .find(|l| l.starts_with("vllm:num_requests_running"))
+            .unwrap()
+            .ends_with(" 0");
+        let inflight = router.router.endpoints[0]
+            .inflight
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if running && inflight == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "upstream not cancelled: running={running} inflight={inflight}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        router.router.endpoints[0]
+            .inflight_prefills
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
+    // Engines that run 8 sequences at a time: a flood queues, as a busy GPU's would.
+    let (a, b, c) = (
+        engine_with(4096, 8).await,
+        engine_with(4096, 8).await,
+        engine_with(4096, 8).await,
+    );
+    let router = router_for(&[&a, &b, &c], "").await;
+    let client = reqwest::Client::new();
+    let hot = words(1500, 77);
+    // Warm one endpoint with the hot prefix.
+    let warm = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": format!("{hot} warm")})],
+        2,
+    )
+    .await;
+    settle().await;
+    // Then a flood: 48 concurrent requests sharing it, each with 200 output tokens.
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let client = client.clone();
+        let url = format!("http://{}/v1/chat/completions", router.addr);
+        let content = format!("{hot} question {i}");
+        tasks.push(tokio::spawn(async move {
+            let resp = client.post(url).json(&json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 200})).send().await.unwrap();
+            resp.headers()["x-kvroute-endpoint"].to_str().unwrap().to_owned()
+        }));
+    }
+    let mut counts = std::collections::HashMap::new();
+    for t in tasks {
+        *counts.entry(t.await.unwrap()).or_insert(0) += 1;
+    }
+    let home = counts.get(&warm.endpoint).copied().unwrap_or(0);
+    assert!(counts.len() >= 2, "the flood must spill: {counts:?}");
+    assert!(home < 48, "not everything on the warm endpoint: {counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_relearned() {
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let content = words(400, 5);
+    chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": content.clone()})],
+        2,
+    )
+    .await;
+    settle().await;
+    let held = || {
+        router
+            .router
+            .index
+            .endpoint_stats(kvroute_core::index::EndpointId(0))
+            .map_or(0, |s| s.blocks_gpu)
+    };
+    let before = held();
+    assert!(before > 10);
+    client
+        .post(format!("{}/sim/restart", a.endpoints[0].url))
+        .send()
+        .await
+        .unwrap();
+    let answer = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": words(100, 6)})],
+        2,
+    )
+    .await;
+    assert_eq!(
+        answer.body["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    settle().await;
+    let after = held();
+    assert!(
+        after > 0 && after < before,
+        "old blocks purged, new ones learned: {before} -> {after}"
+    );
+    let again = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": content})],
+        2,
+    )
+    .await;
+    assert_eq!(
+        again.body["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "the old prefix is really gone"
+    );
 }

@@ -8,8 +8,8 @@
 //! This crate knows bytes and sockets; it makes no routing decisions.
 
 pub mod codec;
-pub mod metrics;
 mod error;
+pub mod metrics;
 pub mod openai;
 
 pub use error::VllmError;

@@ -112,10 +112,19 @@ pub struct Profile {
     /// Waiting-queue length at which the load scorer reaches 0.
     #[serde(default = "default_queue_norm")]
     pub queue_norm: f64,
+    /// Seconds each queued request adds to a new request's predicted TTFT (the cost scorer):
+    /// a request waiting for a batch slot waits behind others' decoding, which prefill
+    /// tokens alone do not show.
+    #[serde(default = "default_queue_wait")]
+    pub queue_wait_s: f64,
 }
 
 fn default_queue_norm() -> f64 {
     8.0
+}
+
+fn default_queue_wait() -> f64 {
+    0.02
 }
 
 impl Profile {
@@ -157,6 +166,7 @@ impl Profile {
             filters: Filters::default(),
             picker,
             queue_norm: default_queue_norm(),
+            queue_wait_s: default_queue_wait(),
         }
     }
 }

@@ -63,7 +63,8 @@ pub(super) fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) ->
     let uncached = request.prompt_tokens.saturating_sub(cached_tokens) as f64;
     let queued_tokens =
         (c.load.inflight_prefill_tokens as f64).max(c.load.waiting.unwrap_or(0.0) * prompt);
-    let predicted_ttft_s = (queued_tokens + uncached) / c.prefill_tokens_per_s.max(1.0);
+    let predicted_ttft_s = (queued_tokens + uncached) / c.prefill_tokens_per_s.max(1.0)
+        + c.load.queue() * profile.queue_wait_s;
 
     let scores = vec![
         ScoreTerm {

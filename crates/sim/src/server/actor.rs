@@ -80,6 +80,8 @@ pub async fn run_engine(
                     Err(mpsc::error::TryRecvError::Disconnected) => return,
                 }
             } else {
+                // Idle: publish the final gauges (an abort may just have freed a slot).
+                shared.observed.lock().metrics = engine.metrics();
                 match commands.recv().await {
                     Some(cmd) => {
                         clock = Instant::now();

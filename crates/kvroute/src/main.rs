@@ -25,7 +25,7 @@ enum Command {
     /// Run the KV-cache-aware router in front of vLLM engines.
     Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
-    Sim(commands::sim::SimArgs),
+    Sim(Box<commands::sim::SimArgs>),
 }
 
 fn main() -> ExitCode {
@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(args),
         Command::Events(cmd) => commands::events::run(cmd),
-        Command::Sim(args) => commands::sim::run(args),
+        Command::Sim(args) => commands::sim::run(*args),
         Command::Serve(args) => commands::serve::run(args),
     };
     match result {

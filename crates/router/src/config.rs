@@ -56,15 +56,38 @@ pub enum TokenizerKind {
     None,
 }
 
+/// A model's tokenizer: a kind, or a HuggingFace `tokenizer.json` with its chat template.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenizerConfig {
+    /// `builtin`, `remote` or `none`.
+    Kind(TokenizerKind),
+    /// `{hf: path/to/tokenizer.json, chat_template: path/to/template.jinja}`; without
+    /// `chat_template`, the one in `tokenizer_config.json` beside the tokenizer.
+    Hf {
+        /// The model's `tokenizer.json`.
+        hf: std::path::PathBuf,
+        /// A `.jinja` chat template file.
+        #[serde(default)]
+        chat_template: Option<std::path::PathBuf>,
+    },
+}
+
+impl Default for TokenizerConfig {
+    fn default() -> Self {
+        TokenizerConfig::Kind(TokenizerKind::Builtin)
+    }
+}
+
 /// One served model.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The model name clients send.
     pub name: String,
-    /// How prompts are tokenized.
+    /// How prompts are tokenized: `builtin`, `remote`, `none`, or `{hf: tokenizer.json}`.
     #[serde(default)]
-    pub tokenizer: TokenizerKind,
+    pub tokenizer: TokenizerConfig,
     /// Tokens per KV block (vLLM's default 16; must match the engines).
     #[serde(default = "default_block_size")]
     pub block_size: usize,

@@ -25,7 +25,7 @@ use crate::RouterError;
 use crate::config::{ModelConfig, RouterConfig};
 use crate::fleet::{Distrust, Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
-use crate::tokenize::{Remote, TokenCache, tokenize};
+use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
 
 /// Everything the router shares between requests and background tasks.
@@ -46,6 +46,8 @@ pub struct Router {
     pub sessions: Cache<String, EndpointId>,
     /// Tokenization results.
     pub tokens: TokenCache,
+    /// Each model's tokenizer, by model name.
+    pub tokenizers: std::collections::HashMap<String, ModelTokenizer>,
     /// HTTP client for health checks, scrapes and other small requests.
     pub client: Client<HttpConnector, Full<Bytes>>,
     /// Connections for proxied requests.
@@ -141,7 +143,13 @@ impl Router {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
+        let tokenizers = config
+            .models
+            .iter()
+            .map(|m| Ok((m.name.clone(), ModelTokenizer::load(&m.tokenizer)?)))
+            .collect::<Result<_, RouterError>>()?;
         Ok(Self {
+            tokenizers,
             profile: config.scheduler.profile(),
             history: Mutex::new(RoutingHistory::new(
                 config.cache.history_ttl_s,
@@ -198,14 +206,12 @@ impl Router {
             base: format!("http://{}", e.authority),
             timeout: Duration::from_secs(2),
         });
-        let tokens = tokenize(
-            &self.tokens,
-            model.tokenizer,
-            &request.model,
-            &request.input,
-            remote,
-        )
-        .await;
+        let kind = self
+            .tokenizers
+            .get(&model.name)
+            .cloned()
+            .unwrap_or(ModelTokenizer::Builtin);
+        let tokens = tokenize(&self.tokens, &kind, &request.model, &request.input, remote).await;
         self.metrics
             .tokenization_seconds
             .observe(started.elapsed().as_secs_f64());

@@ -13,7 +13,38 @@ use kvroute_vllm::tokenizer::BuiltinTokenizer;
 use quick_cache::sync::Cache;
 use serde_json::{Value, json};
 
-use crate::config::TokenizerKind;
+use kvroute_vllm::tokenizer::HfTokenizer;
+
+use crate::RouterError;
+use crate::config::{TokenizerConfig, TokenizerKind};
+
+/// A model's tokenizer, loaded.
+#[derive(Clone)]
+pub enum ModelTokenizer {
+    /// kvroute's built-in tokenizer.
+    Builtin,
+    /// The engine's `/tokenize`.
+    Remote,
+    /// None: approximate routing only.
+    None,
+    /// A HuggingFace tokenizer and chat template.
+    Hf(Arc<HfTokenizer>),
+}
+
+impl ModelTokenizer {
+    /// Loads what `config` names (HF files are read now, so a bad path fails at start).
+    pub fn load(config: &TokenizerConfig) -> Result<Self, RouterError> {
+        Ok(match config {
+            TokenizerConfig::Kind(TokenizerKind::Builtin) => Self::Builtin,
+            TokenizerConfig::Kind(TokenizerKind::Remote) => Self::Remote,
+            TokenizerConfig::Kind(TokenizerKind::None) => Self::None,
+            TokenizerConfig::Hf { hf, chat_template } => Self::Hf(Arc::new(
+                HfTokenizer::load(hf, chat_template.as_deref())
+                    .map_err(|e| RouterError::Config(format!("models: {e}")))?,
+            )),
+        })
+    }
+}
 
 /// Prompt tokens by hash of (model, input); bounded.
 pub struct TokenCache {
@@ -60,7 +91,7 @@ pub struct Remote<'a> {
 /// failed: the request is then routed without cache information, never refused for it).
 pub async fn tokenize(
     cache: &TokenCache,
-    kind: TokenizerKind,
+    kind: &ModelTokenizer,
     model: &str,
     input: &Input,
     remote: Option<Remote<'_>>,
@@ -68,7 +99,7 @@ pub async fn tokenize(
     if let Input::Tokens(tokens) = input {
         return Some(Arc::new(tokens.clone()));
     }
-    if kind == TokenizerKind::None {
+    if matches!(kind, ModelTokenizer::None) {
         return None;
     }
     let key = input_hash(model, input);
@@ -76,7 +107,12 @@ pub async fn tokenize(
         return Some(hit);
     }
     let tokens = match kind {
-        TokenizerKind::Builtin => {
+        ModelTokenizer::Hf(hf) => match input {
+            Input::Text(t) => hf.encode(t, true).ok()?,
+            Input::Chat(m) => hf.encode_chat(m).ok()?,
+            Input::Tokens(t) => t.clone(),
+        },
+        ModelTokenizer::Builtin => {
             let tok = BuiltinTokenizer;
             match input {
                 Input::Text(t) => tok.encode(t),
@@ -84,8 +120,8 @@ pub async fn tokenize(
                 Input::Tokens(t) => t.clone(),
             }
         }
-        TokenizerKind::Remote => remote_tokenize(remote?, model, input).await?,
-        TokenizerKind::None => return None,
+        ModelTokenizer::Remote => remote_tokenize(remote?, model, input).await?,
+        ModelTokenizer::None => return None,
     };
     let tokens = Arc::new(tokens);
     cache.cache.insert(key, tokens.clone());

@@ -29,6 +29,9 @@ pub enum VllmError {
         /// Why it is unusable.
         reason: String,
     },
+    /// A tokenizer or chat template that cannot be loaded or applied.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
     /// A vLLM version string kvroute cannot map to a wire layout.
     #[error("unknown vLLM version {0:?}: expected MAJOR.MINOR[.PATCH], e.g. 0.23.0")]
     Version(String),

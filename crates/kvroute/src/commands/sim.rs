@@ -87,6 +87,12 @@ pub struct SimArgs {
     /// Cost of loading one block from the CPU tier, seconds.
     #[arg(long, default_value_t = LatencyModel::default().cpu_load_per_block_s)]
     cpu_load_per_block_s: f64,
+    /// A HuggingFace tokenizer.json instead of the built-in tokenizer.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+    /// A .jinja chat template (default: the one in tokenizer_config.json beside --tokenizer).
+    #[arg(long, requires = "tokenizer")]
+    chat_template: Option<std::path::PathBuf>,
     /// Fault: fraction of KV-event batches lost in transit (replay still has them).
     #[arg(long, default_value_t = 0.0)]
     drop_event_fraction: f64,
@@ -150,6 +156,10 @@ impl SimArgs {
                 slow_factor: self.slow_factor,
                 healthy: true,
             },
+            tokenizer: self
+                .tokenizer
+                .clone()
+                .map(|t| (t, self.chat_template.clone())),
         })
     }
 }

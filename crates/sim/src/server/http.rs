@@ -29,6 +29,55 @@ use crate::engine::{EngineConfig, EngineRequest};
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 const DEFAULT_CHAT_TOKENS: u32 = 512;
 
+/// How the simulated engine tokenizes.
+#[derive(Clone)]
+pub enum SimTokenizer {
+    /// kvroute's built-in tokenizer.
+    Builtin,
+    /// A HuggingFace tokenizer and chat template.
+    Hf(Arc<kvroute_vllm::tokenizer::HfTokenizer>),
+}
+
+impl SimTokenizer {
+    fn prompt(&self, input: &Input) -> Result<Vec<u32>, ApiError> {
+        let bad = |e: kvroute_vllm::VllmError| ApiError::bad_request(e.to_string(), None);
+        Ok(match (self, input) {
+            (_, Input::Tokens(t)) => t.clone(),
+            (SimTokenizer::Builtin, Input::Text(t)) => BuiltinTokenizer.encode(t),
+            (SimTokenizer::Builtin, Input::Chat(m)) => {
+                BuiltinTokenizer.encode(&BuiltinTokenizer.apply_chat_template(m, true))
+            }
+            (SimTokenizer::Hf(hf), Input::Text(t)) => hf.encode(t, true).map_err(bad)?,
+            (SimTokenizer::Hf(hf), Input::Chat(m)) => hf.encode_chat(m).map_err(bad)?,
+        })
+    }
+
+    fn decode(&self, tokens: &[u32]) -> String {
+        match self {
+            SimTokenizer::Builtin => BuiltinTokenizer.decode(tokens),
+            SimTokenizer::Hf(hf) => hf.decode(tokens).unwrap_or_default(),
+        }
+    }
+
+    /// Output tokens valid for this tokenizer.
+    fn completion(&self, seed: u64, max_tokens: usize) -> Vec<u32> {
+        let builtin = synthetic_completion(seed, max_tokens);
+        match self {
+            SimTokenizer::Builtin => builtin,
+            SimTokenizer::Hf(hf) => {
+                let mut ids = hf
+                    .encode(&BuiltinTokenizer.decode(&builtin), false)
+                    .unwrap_or_default();
+                ids.truncate(max_tokens);
+                while ids.len() < max_tokens {
+                    ids.push(ids.last().copied().unwrap_or(0));
+                }
+                ids
+            }
+        }
+    }
+}
+
 /// Everything a handler needs about its engine.
 pub struct EngineHttp {
     /// Served model name.
@@ -45,6 +94,8 @@ pub struct EngineHttp {
     pub shared: Arc<EngineShared>,
     /// Request id counter.
     pub next_id: AtomicU64,
+    /// The tokenizer.
+    pub tokenizer: SimTokenizer,
 }
 
 type AppState = Arc<EngineHttp>;
@@ -123,12 +174,7 @@ fn prepare(
             format!("The model `{}` does not exist.", request.model),
         ));
     };
-    let tokenizer = BuiltinTokenizer;
-    let prompt = match &request.input {
-        Input::Text(text) => tokenizer.encode(text),
-        Input::Tokens(tokens) => tokens.clone(),
-        Input::Chat(messages) => tokenizer.encode(&tokenizer.apply_chat_template(messages, true)),
-    };
+    let prompt = state.tokenizer.prompt(&request.input)?;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
     }
@@ -162,7 +208,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         .fold(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, t| {
             h.rotate_left(5) ^ u64::from(*t)
         });
-    let output = synthetic_completion(seed, max_tokens as usize);
+    let output = state.tokenizer.completion(seed, max_tokens as usize);
     let (tx, rx) = mpsc::unbounded_channel();
     let engine_request = EngineRequest {
         id,
@@ -184,6 +230,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{id}"));
     let reply = Reply {
+        tokenizer: state.tokenizer.clone(),
         api,
         id: match api {
             Api::Completions => format!("cmpl-{request_id}"),
@@ -224,6 +271,7 @@ impl Drop for AbortOnDrop {
 }
 
 struct Reply {
+    tokenizer: SimTokenizer,
     api: Api,
     id: String,
     model: String,
@@ -315,7 +363,7 @@ async fn collect_response(
         }
     }
     guard.armed = false;
-    let text = BuiltinTokenizer.decode(&tokens);
+    let text = reply.tokenizer.decode(&tokens);
     let body = reply.full(&text, Reply::usage(prompt, tokens.len(), cached));
     (
         StatusCode::OK,
@@ -344,7 +392,7 @@ fn stream_response(
             Delivery::Token(t) => {
                 let finished = t.finished.is_some();
                 out.push(sse(&reply.chunk(
-                    &BuiltinTokenizer.decode(&[t.token]),
+                    &reply.tokenizer.decode(&[t.token]),
                     count == 0,
                     finished,
                 )));
@@ -407,40 +455,37 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
             ));
         }
     };
-    let tokenizer = BuiltinTokenizer;
-    let tokens = if let Some(prompt) = value.get("prompt").and_then(Value::as_str) {
-        tokenizer.encode(prompt)
+    let input = if let Some(prompt) = value.get("prompt").and_then(Value::as_str) {
+        Input::Text(prompt.to_owned())
     } else if let Some(messages) = value.get("messages") {
-        let messages: Vec<ChatMessage> = match serde_json::from_value(messages.clone()) {
-            Ok(m) => m,
+        match serde_json::from_value::<Vec<ChatMessage>>(messages.clone()) {
+            Ok(m) => Input::Chat(m),
             Err(e) => {
                 return error_response(&ApiError::bad_request(
                     format!("messages: {e}"),
                     Some("messages"),
                 ));
             }
-        };
-        let generation = value
-            .get("add_generation_prompt")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        tokenizer.encode(&tokenizer.apply_chat_template(&messages, generation))
+        }
     } else {
         return error_response(&ApiError::bad_request(
             "either prompt or messages is required",
             None,
         ));
     };
-    axum::Json(json!({"count": tokens.len(), "max_model_len": state.config.max_model_len, "tokens": tokens})).into_response()
+    match state.tokenizer.prompt(&input) {
+        Ok(tokens) => axum::Json(json!({"count": tokens.len(), "max_model_len": state.config.max_model_len, "tokens": tokens})).into_response(),
+        Err(e) => error_response(&e),
+    }
 }
 
-async fn detokenize(body: Bytes) -> Response {
+async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
     #[derive(serde::Deserialize)]
     struct Detokenize {
         tokens: Vec<u32>,
     }
     match serde_json::from_slice::<Detokenize>(&body) {
-        Ok(d) => axum::Json(json!({"prompt": BuiltinTokenizer.decode(&d.tokens)})).into_response(),
+        Ok(d) => axum::Json(json!({"prompt": state.tokenizer.decode(&d.tokens)})).into_response(),
         Err(e) => error_response(&ApiError::bad_request(
             format!("tokens must be a list of token ids: {e}"),
             Some("tokens"),

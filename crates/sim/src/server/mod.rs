@@ -54,6 +54,9 @@ pub struct SimConfig {
     pub replay_buffer_steps: usize,
     /// Faults every engine starts with.
     pub faults: Faults,
+    /// A HuggingFace `tokenizer.json` (and optional `.jinja` chat template) instead of the
+    /// built-in tokenizer.
+    pub tokenizer: Option<(std::path::PathBuf, Option<std::path::PathBuf>)>,
 }
 
 impl Default for SimConfig {
@@ -72,6 +75,7 @@ impl Default for SimConfig {
             topic: String::new(),
             replay_buffer_steps: 10_000,
             faults: Faults::default(),
+            tokenizer: None,
         }
     }
 }
@@ -127,6 +131,13 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         .map_err(|e| SimError::Config(e.to_string()))?;
     let framing = ReplayFraming::for_vllm_version(&config.vllm_version)
         .map_err(|e| SimError::Config(e.to_string()))?;
+    let tokenizer = match &config.tokenizer {
+        None => http::SimTokenizer::Builtin,
+        Some((path, template)) => http::SimTokenizer::Hf(Arc::new(
+            kvroute_vllm::tokenizer::HfTokenizer::load(path, template.as_deref())
+                .map_err(|e| SimError::Config(e.to_string()))?,
+        )),
+    };
     let mut fleet = SimFleet {
         endpoints: Vec::new(),
         tasks: Vec::new(),
@@ -181,6 +192,7 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             commands: commands_tx,
             shared,
             next_id: AtomicU64::new(1),
+            tokenizer: tokenizer.clone(),
         }));
         fleet.tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {

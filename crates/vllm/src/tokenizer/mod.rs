@@ -9,6 +9,11 @@
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "hf-tokenizer")]
+mod hf;
+#[cfg(feature = "hf-tokenizer")]
+pub use hf::HfTokenizer;
+
 /// First id used for text pieces; lower ids are reserved for special tokens.
 const PIECE_BASE: u32 = 256;
 

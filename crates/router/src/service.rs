@@ -320,7 +320,13 @@ impl Router {
     }
 
     /// Records that a request's blocks went to `endpoint` (history, overlay, session).
-    pub fn record_dispatch(&self, endpoint: EndpointId, keys: &[RouterKey], session: Option<&str>) {
+    pub fn record_dispatch(
+        &self,
+        endpoint: EndpointId,
+        keys: &[RouterKey],
+        session: Option<&str>,
+        reason: &str,
+    ) {
         let now = self.now();
         self.history.lock().record(endpoint, keys, now);
         self.predicted.lock().record(endpoint, keys, now);
@@ -328,7 +334,7 @@ impl Router {
             self.sessions.insert(s.to_owned(), endpoint);
         }
         if let Some(e) = self.endpoints.get(endpoint.0 as usize) {
-            e.note_dispatch();
+            e.note_dispatch(reason != "cache" && reason != "session");
         }
     }
 }

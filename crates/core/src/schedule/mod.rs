@@ -44,6 +44,9 @@ pub struct EndpointLoad {
     pub inflight_prefills: u32,
     /// Uncached prompt tokens of in-flight requests still waiting for their first token.
     pub inflight_prefill_tokens: u64,
+    /// Requests the router recently placed there for reasons other than its cache (a
+    /// time-decayed count): what the balance scorer evens out.
+    pub recent_requests: f64,
 }
 
 impl EndpointLoad {
@@ -182,7 +185,7 @@ pub fn schedule(
         .iter()
         .map(|c| scorers::assess(profile, request, c))
         .collect();
-    scorers::apply_relative(profile, &mut assessments);
+    scorers::apply_relative(candidates, &mut assessments);
     let competing: Vec<usize> = (0..assessments.len())
         .filter(|&i| assessments[i].rejected.is_none())
         .collect();
@@ -192,7 +195,12 @@ pub fn schedule(
     let reason = if ranking.is_empty() {
         "no_candidate"
     } else {
-        reason.unwrap_or_else(|| scorers::reason(&assessments[ranking[0]]))
+        reason.unwrap_or_else(|| {
+            scorers::reason(
+                &assessments[ranking[0]],
+                ranking.get(1).map(|&i| &assessments[i]),
+            )
+        })
     };
     Decision {
         ranking: ranking.iter().map(|&i| assessments[i].endpoint).collect(),

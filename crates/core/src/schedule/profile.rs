@@ -42,6 +42,9 @@ pub struct ScorerWeights {
     pub cost: f64,
     /// Stickiness to the session's previous endpoint.
     pub session: f64,
+    /// Evenness: fewer recent requests than the others. Breaks the near-ties of requests that
+    /// no endpoint holds much of (new conversations), so sessions spread evenly.
+    pub balance: f64,
 }
 
 impl Default for ScorerWeights {
@@ -136,6 +139,7 @@ impl Profile {
             load: 0.0,
             cost: 0.0,
             session: 0.0,
+            balance: 0.0,
         };
         let (weights, picker) = match name {
             ProfileName::RoundRobin => (zero, Picker::RoundRobin),
@@ -146,6 +150,7 @@ impl Profile {
                     approximate_prefix: 1.0,
                     load: 1.0,
                     cost: 1.0,
+                    balance: 2.0,
                     ..zero
                 },
                 Picker::Max,
@@ -155,6 +160,7 @@ impl Profile {
                     precise_prefix: 1.0,
                     load: 1.0,
                     cost: 1.0,
+                    balance: 2.0,
                     ..zero
                 },
                 Picker::Max,

@@ -88,6 +88,11 @@ pub(super) fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) ->
             weight: w.cost,
         },
         ScoreTerm {
+            scorer: "balance",
+            score: 0.0,
+            weight: w.balance,
+        },
+        ScoreTerm {
             scorer: "session",
             score: if request.session_endpoint == Some(c.endpoint) {
                 1.0
@@ -108,8 +113,25 @@ pub(super) fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) ->
     }
 }
 
-/// Fills in the cost score (best predicted TTFT among competitors / own) and the totals.
-pub(super) fn apply_relative(_profile: &Profile, assessments: &mut [Assessment]) {
+/// Fills in the relative scores — cost (best predicted TTFT among competitors / own) and
+/// balance (fewest recent requests + 1 / own + 1) — and the totals.
+pub(super) fn apply_relative(candidates: &[super::Candidate], assessments: &mut [Assessment]) {
+    let fewest = candidates
+        .iter()
+        .zip(assessments.iter())
+        .filter(|(_, a)| a.rejected.is_none())
+        .map(|(c, _)| c.load.recent_requests.max(0.0))
+        .fold(f64::INFINITY, f64::min);
+    for (c, a) in candidates.iter().zip(assessments.iter_mut()) {
+        let balance = if fewest.is_finite() {
+            (fewest + 1.0) / (c.load.recent_requests.max(0.0) + 1.0)
+        } else {
+            1.0
+        };
+        if let Some(term) = a.scores.iter_mut().find(|t| t.scorer == "balance") {
+            term.score = balance;
+        }
+    }
     let best = assessments
         .iter()
         .filter(|a| a.rejected.is_none())
@@ -128,19 +150,24 @@ pub(super) fn apply_relative(_profile: &Profile, assessments: &mut [Assessment])
     }
 }
 
-/// The term that contributed most to a winner's total: `cache` when what it holds decided
-/// (directly, or through a shorter predicted TTFT), `load` when its headroom did.
-pub(super) fn reason(a: &Assessment) -> &'static str {
-    a.scores
+/// Why the winner beat the runner-up: the term whose weighted score differs most in its
+/// favour. `cache` when what it holds decided (directly, or through a shorter predicted TTFT
+/// because it holds more), `load` when its headroom or evenness did.
+pub(super) fn reason(winner: &Assessment, runner_up: Option<&Assessment>) -> &'static str {
+    let Some(other) = runner_up else {
+        return "only_candidate";
+    };
+    winner
+        .scores
         .iter()
-        .filter(|t| t.weight > 0.0)
-        .max_by(|x, y| (x.score * x.weight).total_cmp(&(y.score * y.weight)))
-        .filter(|t| t.score * t.weight > 0.0)
-        .map_or("tie", |t| match t.scorer {
+        .zip(&other.scores)
+        .map(|(w, o)| (w.scorer, (w.score - o.score) * w.weight))
+        .filter(|(_, gain)| *gain > 1e-12)
+        .max_by(|x, y| x.1.total_cmp(&y.1))
+        .map_or("tie", |(scorer, _)| match scorer {
             "precise_prefix" | "approximate_prefix" => "cache",
-            "load" => "load",
-            "cost" if a.cached_tokens > 0 => "cache",
-            "cost" => "load",
+            "cost" if winner.cached_tokens > other.cached_tokens => "cache",
+            "cost" | "load" | "balance" => "load",
             "session" => "session",
             _ => "tie",
         })

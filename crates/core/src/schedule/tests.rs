@@ -253,6 +253,7 @@ fn cache_only_weights_would_hot_spot_which_is_what_the_test_above_guards() {
             load: 0.0,
             cost: 0.0,
             session: 0.0,
+            balance: 0.0,
         },
         ..Profile::default()
     };

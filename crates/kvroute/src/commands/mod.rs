@@ -1,5 +1,7 @@
 //! One module per command.
 
+pub mod bench;
+pub mod demo;
 pub mod events;
 pub mod hash;
 pub mod serve;

@@ -1,0 +1,234 @@
+//! `kvroute demo`: the whole story on a laptop. A fleet of simulated engines, the same seeded
+//! multi-turn workload routed four ways (a fresh fleet each time), the comparison, and the
+//! ceiling: one pooled cache as large as the fleet's serving the same requests.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_bench::driver::{DriverConfig, run as drive};
+use kvroute_bench::result::RunResult;
+use kvroute_bench::workload::{MultiTurn, Workload, multi_turn};
+use kvroute_router::config::RouterConfig;
+use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest};
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
+
+/// Arguments of `kvroute demo`.
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Simulated engines.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// GPU blocks per engine (16 tokens each).
+    #[arg(long, default_value_t = 1200)]
+    blocks_per_engine: usize,
+    /// Conversations.
+    #[arg(long, default_value_t = 32)]
+    users: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 6)]
+    turns: usize,
+    /// New conversations per second.
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Policies to compare, in order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "round-robin,least-load,approximate,precise"
+    )]
+    policies: Vec<String>,
+    /// Where to write the JSON and HTML report.
+    #[arg(long, default_value = "kvroute-demo")]
+    out: PathBuf,
+    /// Random seed of the workload.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+fn engine_config(blocks: usize) -> EngineConfig {
+    EngineConfig {
+        num_gpu_blocks: blocks,
+        ..EngineConfig::default()
+    }
+}
+
+async fn fleet(args: &DemoArgs) -> anyhow::Result<Vec<SimFleet>> {
+    let mut engines = Vec::new();
+    for _ in 0..args.engines {
+        engines.push(
+            start_sim(SimConfig {
+                port: 0,
+                events_port: 0,
+                replay_port: Some(0),
+                engine: engine_config(args.blocks_per_engine),
+                ..SimConfig::default()
+            })
+            .await
+            .context("starting a simulated engine")?,
+        );
+    }
+    Ok(engines)
+}
+
+fn router_yaml(engines: &[SimFleet], policy: &str) -> String {
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: 200}}\nendpoints:\n"
+    );
+    for (i, f) in engines.iter().enumerate() {
+        let ep = &f.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{name: engine-{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap_or_default()
+        ));
+    }
+    yaml
+}
+
+/// Runs the demo and prints the comparison.
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.engines >= 2,
+        "--engines must be at least 2 to compare routing"
+    );
+    let params = MultiTurn {
+        users: args.users,
+        turns: args.turns,
+        system_tokens: 400,
+        user_tokens: 250,
+        output_tokens: 64,
+        think_s: 1.0,
+        rate_per_s: args.rate,
+        seed: args.seed,
+    };
+    let workload = multi_turn(&params);
+    println!(
+        "kvroute demo: {} simulated engines x {} blocks; {} conversations x {} turns sharing a {}-token system prompt",
+        args.engines, args.blocks_per_engine, args.users, args.turns, params.system_tokens
+    );
+    let mut runs: Vec<RunResult> = Vec::new();
+    let mut prompts_for_ceiling = None;
+    for policy in &args.policies {
+        let engines = fleet(&args).await?;
+        let config = RouterConfig::from_yaml(&router_yaml(&engines, policy))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let router = kvroute_router::server::start(config).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await; // subscribers connect
+        println!("  running {policy} ...");
+        let (records, duration) = drive(
+            &workload,
+            &DriverConfig {
+                base_url: format!("http://{}/v1", router.addr),
+                model: MODEL.into(),
+                concurrency: None,
+                timeout: Duration::from_secs(120),
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            },
+        )
+        .await;
+        let summary = kvroute_bench::stats::summarize(&records, duration);
+        if prompts_for_ceiling.is_none() {
+            prompts_for_ceiling = Some(
+                records
+                    .iter()
+                    .map(|r| (r.prompt_tokens, r.completion_tokens))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        runs.push(RunResult {
+            name: policy.clone(),
+            config: serde_json::json!({"policy": policy, "workload": workload.description, "engines": args.engines, "blocks_per_engine": args.blocks_per_engine}),
+            summary,
+            records,
+        });
+        drop(router);
+        drop(engines);
+    }
+    let ceiling = pooled_ceiling(&workload, args.engines * args.blocks_per_engine);
+    println!();
+    println!("{}", kvroute_bench::report::table(&runs));
+    println!(
+        "Ceiling: one pooled cache of {} blocks serving the same requests in order reaches a {:.1}% hit rate.",
+        args.engines * args.blocks_per_engine,
+        ceiling * 100.0
+    );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let (json, html) = kvroute_bench::report::write_files(&runs, &args.out, "demo")
+        .context("writing the report")?;
+    println!("Report: {} (data: {})", html.display(), json.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The hit rate of a single engine with the whole fleet's cache serving the workload's
+/// requests one after another, with the assistant replies a real run would produce.
+fn pooled_ceiling(workload: &Workload, blocks: usize) -> f64 {
+    let mut engine = Engine::new(engine_config(blocks)).expect("valid configuration");
+    let tokenizer = BuiltinTokenizer;
+    // Order requests as they would arrive: by session start, then turn.
+    let mut order: Vec<(f64, usize, usize)> = Vec::new();
+    for (si, s) in workload.sessions.iter().enumerate() {
+        let mut t = s.start_s;
+        for (ti, turn) in s.turns.iter().enumerate() {
+            t += turn.think_s + 0.3;
+            order.push((t, si, ti));
+        }
+    }
+    order.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut histories: Vec<Vec<ChatMessage>> = workload
+        .sessions
+        .iter()
+        .map(|s| {
+            s.system
+                .iter()
+                .map(|sys| ChatMessage {
+                    role: "system".into(),
+                    content: sys.clone(),
+                })
+                .collect()
+        })
+        .collect();
+    let (mut prompt_total, mut cached_total) = (0u64, 0u64);
+    for (i, (_, si, ti)) in order.into_iter().enumerate() {
+        let turn = &workload.sessions[si].turns[ti];
+        let user = match &turn.content {
+            kvroute_bench::workload::Content::Text(t) => t.clone(),
+            kvroute_bench::workload::Content::Tokens(t) => format!("{t:?}"),
+        };
+        histories[si].push(ChatMessage {
+            role: "user".into(),
+            content: user,
+        });
+        let prompt = tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true));
+        let reply: Vec<u32> = tokenizer.encode(&" reply".repeat(turn.max_tokens as usize / 2));
+        let _ = engine.add_request(EngineRequest {
+            id: i as u64,
+            prompt: prompt.clone(),
+            output: reply.clone(),
+            lora_name: None,
+            cache_salt: None,
+        });
+        while engine.has_work() {
+            for t in engine.step().tokens.into_iter().filter(|t| t.index == 0) {
+                prompt_total += t.prompt_tokens as u64;
+                cached_total += t.cached_tokens as u64;
+            }
+        }
+        histories[si].push(ChatMessage {
+            role: "assistant".into(),
+            content: tokenizer.decode(&reply),
+        });
+    }
+    if prompt_total == 0 {
+        0.0
+    } else {
+        cached_total as f64 / prompt_total as f64
+    }
+}

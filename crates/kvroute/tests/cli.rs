@@ -143,3 +143,91 @@ fn demo_runs_and_the_index_matches_the_engines() {
         "{text}"
     );
 }
+
+#[test]
+fn a_short_demo_writes_a_well_formed_report() {
+    let out = std::env::temp_dir().join(format!("kvroute-demo-test-{}", std::process::id()));
+    let output = kvroute(
+        &[
+            "demo",
+            "--engines",
+            "2",
+            "--users",
+            "4",
+            "--turns",
+            "2",
+            "--rate",
+            "8",
+            "--blocks-per-engine",
+            "600",
+            "--policies",
+            "round-robin,precise",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "",
+    );
+    let text = stdout(&output);
+    assert!(
+        output.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        text.contains("round-robin") && text.contains("precise") && text.contains("Ceiling"),
+        "{text}"
+    );
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in &runs {
+        assert_eq!(run["summary"]["requests"], 8);
+        assert_eq!(run["summary"]["errors"], 0);
+        assert_eq!(run["records"].as_array().unwrap().len(), 8);
+        assert!(
+            run["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["endpoint"].is_string() && r["ttft_s"].is_number())
+        );
+    }
+    // Turn 2 of each conversation reuses turn 1 under precise routing.
+    let precise_hit = runs[1]["summary"]["hit_rate"].as_f64().unwrap();
+    assert!(precise_hit > 0.3, "precise hit rate {precise_hit}");
+    let html = std::fs::read_to_string(out.join("demo.html")).unwrap();
+    for id in ["ttft-cdf", "hit-rate", "endpoint-load", "ttft-over-time"] {
+        assert!(
+            html.contains(&format!("id=\"{id}\"")),
+            "figure {id} missing"
+        );
+    }
+    // `bench compare` reads the JSON back.
+    let compared = kvroute(
+        &[
+            "bench",
+            "compare",
+            out.join("demo.json").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "",
+    );
+    assert!(
+        compared.status.success(),
+        "{}",
+        String::from_utf8_lossy(&compared.stderr)
+    );
+    assert!(out.join("compare.html").exists());
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn bench_refuses_bad_arguments_clearly() {
+    let output = kvroute(&["bench", "--workload", "trace"], "");
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--trace"));
+    let output = kvroute(&["bench", "compare", "/nonexistent.json"], "");
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("nonexistent.json"));
+}

@@ -80,33 +80,26 @@ impl RoutingHistory {
 
     /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`.
     pub fn longest_prefixes(&self, keys: &[RouterKey], now: f64) -> Vec<(EndpointId, u32)> {
-        let mut active: Vec<(EndpointId, u32)> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let live: Vec<EndpointId> = self
-                .entries
-                .get(key)
-                .map(|h| {
-                    h.iter()
-                        .filter(|(_, x)| *x > now)
-                        .map(|(e, _)| *e)
-                        .collect()
-                })
-                .unwrap_or_default();
-            if i == 0 {
-                active = live.into_iter().map(|e| (e, 1)).collect();
-            } else {
-                let mut any = false;
-                for (e, len) in active.iter_mut() {
-                    if *len == i as u32 && live.contains(e) {
-                        *len += 1;
-                        any = true;
-                    }
-                }
-                if !any {
-                    break;
+        let Some(first) = keys.first().and_then(|k| self.entries.get(k)) else {
+            return Vec::new();
+        };
+        let mut active: Vec<(EndpointId, u32)> = first
+            .iter()
+            .filter(|(_, x)| *x > now)
+            .map(|(e, _)| (*e, 1))
+            .collect();
+        for (i, key) in keys.iter().enumerate().skip(1) {
+            let Some(holders) = self.entries.get(key) else {
+                break;
+            };
+            let mut any = false;
+            for (e, len) in active.iter_mut() {
+                if *len == i as u32 && holders.iter().any(|(h, x)| h == e && *x > now) {
+                    *len += 1;
+                    any = true;
                 }
             }
-            if active.is_empty() {
+            if !any {
                 break;
             }
         }

@@ -220,6 +220,14 @@ where
                 if let (Some(data), Some(acc)) = (frame.data_ref(), self.accounting.as_mut()) {
                     acc.observe(data);
                 }
+                // A body of known length ends with its last byte: the server will not poll
+                // again for the `None` that would release the connection, so release it now.
+                if self.inner.is_end_stream() {
+                    self.accounting.take();
+                    if let Some(lease) = self.lease.take() {
+                        lease.release();
+                    }
+                }
             }
             // End of body: release now rather than when the connection lets go.
             Poll::Ready(None) => {

@@ -147,7 +147,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         .headers
         .get(router.config.scheduler.session_header.as_str())
         .and_then(|v| v.to_str().ok());
-    let routed = router.route(&prepared, &parsed.model, session);
+    let routed = router.route_explained(&prepared, &parsed.model, session);
     let name = |id: kvroute_core::index::EndpointId| router.endpoints[id.0 as usize].name.clone();
     let endpoints: Vec<Value> = routed
         .decision

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router as Routes;
 use axum::routing::{any, get, post};
+use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_vllm::metrics::parse_engine_metrics;
@@ -92,7 +93,15 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let app = routes(router.clone());
     info!(%addr, endpoints = router.endpoints.len(), policy = ?router.config.scheduler.policy, "kvroute serving");
     tasks.push(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Err(e) = axum::serve(
+            listener.tap_io(|tcp| {
+                // Streamed tokens must not wait for the client's delayed ACK (Nagle).
+                let _ = tcp.set_nodelay(true);
+            }),
+            app,
+        )
+        .await
+        {
             warn!(error = %e, "HTTP server stopped");
         }
     }));

@@ -237,11 +237,37 @@ impl Router {
 
     /// Scores every endpoint for a prepared request.
     pub fn route(&self, prepared: &Prepared, model_name: &str, session: Option<&str>) -> Routed {
+        self.route_inner(prepared, model_name, session, false)
+    }
+
+    /// Like [`Router::route`], with every fact gathered for the explain API.
+    pub fn route_explained(
+        &self,
+        prepared: &Prepared,
+        model_name: &str,
+        session: Option<&str>,
+    ) -> Routed {
+        self.route_inner(prepared, model_name, session, true)
+    }
+
+    fn route_inner(
+        &self,
+        prepared: &Prepared,
+        model_name: &str,
+        session: Option<&str>,
+        explain: bool,
+    ) -> Routed {
         let started = Instant::now();
         let now = self.now();
         let bs = prepared.model.block_size;
         let index_matches = self.index.lookup(&prepared.keys);
-        let history = self.history.lock().longest_prefixes(&prepared.keys, now);
+        // The history only matters when its scorer counts (approximate policies) or someone
+        // asks for the explanation; the walk is not free for long prompts.
+        let history = if self.profile.weights.approximate_prefix > 0.0 || explain {
+            self.history.lock().longest_prefixes(&prepared.keys, now)
+        } else {
+            Vec::new()
+        };
         let predicted = self.predicted.lock().longest_prefixes(&prepared.keys, now);
         let lookup = |list: &[(EndpointId, u32)], id| {
             list.iter().find(|(e, _)| *e == id).map_or(0, |(_, n)| *n)

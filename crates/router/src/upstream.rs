@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,6 +50,7 @@ struct Connection {
 pub struct Upstream {
     idle: Mutex<HashMap<String, Vec<Connection>>>,
     connect_timeout: Duration,
+    opened: AtomicU64,
 }
 
 /// A connection in use; closed on drop unless released after a complete response.
@@ -90,7 +92,13 @@ impl Upstream {
         Self {
             idle: Mutex::default(),
             connect_timeout,
+            opened: AtomicU64::new(0),
         }
+    }
+
+    /// Connections opened so far (reuse keeps this low).
+    pub fn connections_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
     }
 
     async fn connect(&self, authority: &str) -> Result<Connection, UpstreamError> {
@@ -104,6 +112,7 @@ impl Upstream {
         })?
         .map_err(|e| UpstreamError::Connect(e.to_string()))?;
         let _ = stream.set_nodelay(true);
+        self.opened.fetch_add(1, Ordering::Relaxed);
         let (sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| UpstreamError::Connect(e.to_string()))?;

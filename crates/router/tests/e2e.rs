@@ -581,3 +581,28 @@ async fn a_restarted_engine_is_relearned() {
         "the old prefix is really gone"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
+    let a = engine(512).await;
+    let router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    for i in 0..10 {
+        let stream = i % 2 == 0;
+        let resp = client
+            .post(format!("http://{}/v1/completions", router.addr))
+            .json(
+                &json!({"model": MODEL, "prompt": words(20, i), "max_tokens": 3, "stream": stream}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    let opened = router.router.upstream.connections_opened();
+    assert!(
+        opened <= 2,
+        "10 sequential requests opened {opened} engine connections"
+    );
+}

@@ -136,7 +136,13 @@ pub async fn run_engine(
         let engine_seconds = step.duration_s * slow;
         clock = clock.max(Instant::now() - Duration::from_millis(50))
             + Duration::from_secs_f64(engine_seconds / time_scale);
-        tokio::time::sleep_until(clock).await;
+        // Tokio's timer has a 1 ms granularity: shorter waits would round up to a whole
+        // millisecond, so they are skipped (the clock keeps the debt and later steps catch up).
+        if clock > Instant::now() + Duration::from_millis(1) {
+            tokio::time::sleep_until(clock).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
         {
             let mut observed = shared.observed.lock();
             observed.metrics = engine.metrics();

@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use axum::serve::ListenerExt;
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
 use parking_lot::Mutex;
@@ -195,7 +196,15 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             tokenizer: tokenizer.clone(),
         }));
         fleet.tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
+            if let Err(e) = axum::serve(
+                listener.tap_io(|tcp| {
+                    // Streamed tokens must not wait for the client's delayed ACK (Nagle).
+                    let _ = tcp.set_nodelay(true);
+                }),
+                app,
+            )
+            .await
+            {
                 warn!(engine = i, error = %e, "HTTP server stopped");
             }
         }));

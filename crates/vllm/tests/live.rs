@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
+use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
@@ -15,29 +16,6 @@ use kvroute_vllm::subscriber::{
 };
 
 const E: EndpointId = EndpointId(7);
-
-fn patience() -> Duration {
-    let ms = std::env::var("KVROUTE_TEST_PATIENCE_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15_000);
-    Duration::from_millis(ms)
-}
-
-/// Polls `check` until it holds or patience runs out; panics with `what` and the last state.
-async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
-    let deadline = Instant::now() + patience();
-    loop {
-        let (ok, state) = check();
-        if ok {
-            return;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}; last state: {state:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 fn new_index() -> Arc<SharedIndex> {
     Arc::new(SharedIndex::new(

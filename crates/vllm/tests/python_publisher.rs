@@ -11,10 +11,11 @@
 
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
+use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::subscriber::{
     EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, spawn_connected,
 };
@@ -24,47 +25,6 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 const E: EndpointId = EndpointId(3);
 const NAME: &str = "python-engine";
-
-fn patience() -> Duration {
-    let ms = std::env::var("KVROUTE_TEST_PATIENCE_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15_000);
-    Duration::from_millis(ms)
-}
-
-/// Polls `check` until it holds or patience runs out; panics with `what` and the last state.
-async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
-    let deadline = Instant::now() + patience();
-    loop {
-        let (ok, state) = check();
-        if ok {
-            return;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}; last state: {state:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// The Python interpreter to run the publisher with, or `None` to skip (outside CI).
-fn python() -> Option<String> {
-    match std::env::var("KVROUTE_PYTHON") {
-        Ok(path) if !path.is_empty() => Some(path),
-        _ if std::env::var_os("CI").is_some() => panic!(
-            "KVROUTE_PYTHON is not set: under CI the Python publisher tests must run; \
-             point it at a Python with pyzmq and msgspec (scripts/test.sh does this)"
-        ),
-        _ => {
-            eprintln!(
-                "notice: KVROUTE_PYTHON is not set; skipping the Python publisher test \
-                 (run scripts/test.sh, or set KVROUTE_PYTHON to a Python with pyzmq and msgspec)"
-            );
-            None
-        }
-    }
-}
 
 /// The publisher script as a child process, talking JSON lines on stdout.
 struct Script {
@@ -198,7 +158,7 @@ fn prefixes(index: &SharedIndex, report: &Report) -> (bool, Vec<(u32, u32)>) {
 }
 
 async fn ingest_from_python(layout: &str, topic: &str, extra_args: &[&str]) {
-    let Some(python) = python() else {
+    let Some(python) = kvroute_testkit::python("pyzmq and msgspec") else {
         return;
     };
     let mut script = Script::spawn(&python, layout, topic, extra_args);

@@ -62,6 +62,21 @@ impl RoutingHistory {
         }
     }
 
+    /// Brings forward the expiry of `endpoint`'s entries for `keys` to `expiry` (never later
+    /// than they were): a prediction that the engine's own events are about to confirm or
+    /// refute should not outlive them.
+    pub fn shorten(&mut self, endpoint: EndpointId, keys: &[RouterKey], expiry: f64) {
+        for key in keys {
+            if let Some(holders) = self.entries.get_mut(key) {
+                for (e, x) in holders.iter_mut() {
+                    if *e == endpoint && *x > expiry {
+                        *x = expiry;
+                    }
+                }
+            }
+        }
+    }
+
     /// Drops expired entries (call now and then; lookups ignore expired entries anyway).
     pub fn expire(&mut self, now: f64) {
         while self.order.front().is_some_and(|(_, _, x)| *x <= now) {
@@ -143,6 +158,19 @@ mod tests {
         );
         h.expire(20.0);
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn shortening_only_brings_expiry_forward() {
+        let mut h = RoutingHistory::new(10.0, 100);
+        h.record(EndpointId(1), &keys(3, 0), 0.0);
+        h.shorten(EndpointId(1), &keys(3, 0), 2.0);
+        h.shorten(EndpointId(1), &keys(3, 0), 5.0);
+        assert_eq!(
+            h.longest_prefixes(&keys(3, 0), 1.0),
+            vec![(EndpointId(1), 3)]
+        );
+        assert_eq!(h.longest_prefixes(&keys(3, 0), 3.0), vec![]);
     }
 
     #[test]

@@ -17,6 +17,10 @@ use crate::metrics::endpoint as labels;
 use crate::service::Router;
 use crate::upstream::Lease;
 
+/// How long a prediction outlives its request's first byte: the time the engine's
+/// `BlockStored` needs to reach the router.
+const PREDICTION_GRACE_S: f64 = 0.25;
+
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
 
@@ -40,6 +44,8 @@ pub struct Accounting {
     pub started: Instant,
     /// Upstream status.
     pub status: u16,
+    /// The request's block keys, to retire its prediction once the engine's events can speak.
+    pub keys: std::sync::Arc<Vec<kvroute_core::keys::RouterKey>>,
     prefill_done: bool,
     tail: Vec<u8>,
 }
@@ -72,6 +78,7 @@ impl Accounting {
             request_id,
             started,
             status: 0,
+            keys: std::sync::Arc::default(),
             prefill_done: false,
             tail: Vec::new(),
         }
@@ -96,6 +103,15 @@ impl Accounting {
             .observe(seconds);
         if self.status == 200 {
             self.endpoint.note_prefill(self.uncached_tokens, seconds);
+        }
+        // The prefill is done, so the engine has published (or is about to publish) these
+        // blocks: from now on its events, not the prediction, say what it holds.
+        if !self.keys.is_empty() {
+            let expiry = self.router.now() + PREDICTION_GRACE_S;
+            self.router
+                .predicted
+                .lock()
+                .shorten(self.endpoint.id, &self.keys, expiry);
         }
     }
 

@@ -140,6 +140,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         .to_owned();
     forward(ForwardArgs {
         router: &router,
+        keys: Arc::new(prepared.keys.clone()),
         prepared: &prepared,
         ranking: &routed.decision.ranking,
         predicted_cached: &routed.predicted_cached,
@@ -158,6 +159,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
 struct ForwardArgs<'a> {
     router: &'a Arc<Router>,
     prepared: &'a Prepared,
+    keys: Arc<Vec<kvroute_core::keys::RouterKey>>,
     ranking: &'a [EndpointId],
     predicted_cached: &'a [usize],
     reason: &'static str,
@@ -226,6 +228,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             a.request_id.clone(),
             a.started,
         );
+        accounting.keys = a.keys.clone();
         let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
         let authority = endpoint.authority.to_string();
         match tokio::time::timeout(timeout, router.upstream.send(&authority, request)).await {
@@ -324,6 +327,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         .to_owned();
     forward(ForwardArgs {
         router: &router,
+        keys: Arc::default(),
         prepared: &prepared,
         ranking: &ranking,
         predicted_cached: &zeros,

@@ -173,6 +173,7 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
 async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let interval = Duration::from_millis(router.config.scrape.interval_ms);
     let mut tick = tokio::time::interval(interval);
+    let mut warned_block_size = false;
     loop {
         tick.tick().await;
         if let Ok((200, body)) = get_text(
@@ -183,6 +184,13 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         .await
         {
             let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
+            let configured = router.config.models[0].block_size;
+            if let Some(engine_block_size) = sample.block_size
+                && engine_block_size != configured
+                && !std::mem::replace(&mut warned_block_size, true)
+            {
+                warn!(endpoint = %endpoint.name, engine_block_size, configured, "the engine's block size differs from the configured one: its KV events will not match requests (set models[].block_size)");
+            }
             *endpoint.scraped.lock() = Some((sample, Instant::now()));
         }
     }

@@ -606,3 +606,102 @@ async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
         "10 sequential requests opened {opened} engine connections"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_event_stream_is_not_trusted_and_says_so() {
+    let a = engine(512).await;
+    // Events configured on a port where nothing publishes: requests go there, no event comes.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\ncache: {{silent_after_s: 0.3}}\nendpoints:\n  - {{name: quiet, url: '{}', events: 'tcp://127.0.0.1:{dead}'}}\n",
+        a.endpoints[0].url
+    );
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let client = reqwest::Client::new();
+    let body = json!({"model": MODEL, "prompt": words(100, 1), "max_tokens": 1});
+    client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let endpoint = &explained["endpoints"][0];
+    assert_eq!(endpoint["index_trusted"], false, "{endpoint}");
+    assert_eq!(endpoint["index_distrust"], "silent");
+    let metrics = client
+        .get(format!("http://{}/metrics", router.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"quiet\"} 0"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_history_no_longer_holds_its_conversation() {
+    // Small caches: 64 blocks of 16 tokens per engine.
+    let (a, b) = (engine(64).await, engine(64).await);
+    let router = router_for(&[&a, &b], "").await;
+    let client = reqwest::Client::new();
+    let history = vec![json!({"role": "user", "content": words(300, 11)})];
+    let first = chat(&client, &router, &history, 2).await;
+    settle().await;
+    let home = if first.endpoint == "e0" { &a } else { &b };
+    // Other traffic on the home engine (straight to it) evicts the conversation's blocks.
+    for i in 0..4 {
+        let prompt: Vec<u32> = (0..900).map(|t| 50_000 + t + 1000 * i).collect();
+        client
+            .post(format!("{}/v1/completions", home.endpoints[0].url))
+            .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await; // past the prediction's grace
+    let mut next = history.clone();
+    next.push(
+        json!({"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}),
+    );
+    next.push(json!({"role": "user", "content": "and then?"}));
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .json(&json!({"model": MODEL, "messages": next}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let at_home = explained["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["endpoint"] == first.endpoint.as_str())
+        .unwrap();
+    assert_eq!(
+        at_home["predicted_cached_tokens"], 0,
+        "the evicted history counts for nothing: {at_home}"
+    );
+    assert_ne!(explained["reason"], "cache", "{explained}");
+}

@@ -122,6 +122,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let router = kvroute_router::server::start(config).await?;
         tokio::time::sleep(Duration::from_millis(300)).await; // subscribers connect
         println!("  running {policy} ...");
+        let counters_before = engine_counters(&engines).await;
         let (records, duration) = drive(
             &workload,
             &DriverConfig {
@@ -133,7 +134,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             },
         )
         .await;
-        let summary = kvroute_bench::stats::summarize(&records, duration);
+        let mut summary = kvroute_bench::stats::summarize(&records, duration);
+        let counters_after = engine_counters(&engines).await;
+        let (queries, hits) = (
+            counters_after.0 - counters_before.0,
+            counters_after.1 - counters_before.1,
+        );
+        summary.engine_hit_rate = (queries > 0.0).then(|| hits / queries);
         if prompts_for_ceiling.is_none() {
             prompts_for_ceiling = Some(
                 records
@@ -165,6 +172,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .context("writing the report")?;
     println!("Report: {} (data: {})", html.display(), json.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// The engines' own prefix-cache counters, summed: (tokens queried, tokens hit).
+async fn engine_counters(engines: &[SimFleet]) -> (f64, f64) {
+    let client = reqwest::Client::new();
+    let (mut queries, mut hits) = (0.0, 0.0);
+    for f in engines {
+        if let Ok(resp) = client
+            .get(format!("{}/metrics", f.endpoints[0].url))
+            .send()
+            .await
+            && let Ok(text) = resp.text().await
+        {
+            let sample = kvroute_vllm::metrics::parse_engine_metrics(&text);
+            queries += sample.prefix_cache_queries.unwrap_or(0.0);
+            hits += sample.prefix_cache_hits.unwrap_or(0.0);
+        }
+    }
+    (queries, hits)
 }
 
 /// The hit rate of a single engine with the whole fleet's cache serving the workload's

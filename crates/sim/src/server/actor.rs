@@ -70,6 +70,7 @@ pub async fn run_engine(
         HashMap::new();
     let mut clock = Instant::now();
     let mut restart_pending = false;
+    let mut last_lag_warning: Option<Instant> = None;
     loop {
         // Take every queued command; block only when there is nothing to run.
         loop {
@@ -134,7 +135,17 @@ pub async fn run_engine(
         let step = engine.step();
         let slow = shared.faults.lock().slow_factor.max(0.01);
         let engine_seconds = step.duration_s * slow;
-        clock = clock.max(Instant::now() - Duration::from_millis(50))
+        let now = Instant::now();
+        if now > clock + Duration::from_millis(500)
+            && last_lag_warning.is_none_or(|t: Instant| t.elapsed() > Duration::from_secs(10))
+        {
+            warn!(
+                behind_ms = (now - clock).as_millis() as u64,
+                "the simulator is falling behind real time (CPU starved?): simulated latencies are longer than the model says"
+            );
+            last_lag_warning = Some(now);
+        }
+        clock = clock.max(now - Duration::from_millis(50))
             + Duration::from_secs_f64(engine_seconds / time_scale);
         // Tokio's timer has a 1 ms granularity: shorter waits would round up to a whole
         // millisecond, so they are skipped (the clock keeps the debt and later steps catch up).

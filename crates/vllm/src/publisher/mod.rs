@@ -174,10 +174,13 @@ impl Publisher {
         let seq = self.next_seq;
         self.next_seq += 1;
         let payload = Bytes::from(encode_batch(batch, &self.config.layout));
-        let mut buffer = self.buffer.lock();
-        buffer.push_back((seq, payload.clone()));
-        while buffer.len() > self.config.buffer_steps {
-            buffer.pop_front();
+        // Without a replay socket nobody can ask for old batches: keep none.
+        if self.replay_address.is_some() {
+            let mut buffer = self.buffer.lock();
+            buffer.push_back((seq, payload.clone()));
+            while buffer.len() > self.config.buffer_steps {
+                buffer.pop_front();
+            }
         }
         (seq, payload)
     }

@@ -212,12 +212,18 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
         let endpoint = router.endpoints[id.0 as usize].clone();
         let predicted = a.predicted_cached[id.0 as usize];
         let uncached = a.prepared.prompt_tokens.saturating_sub(predicted) as u64;
-        router.record_dispatch(
-            id,
-            &a.prepared.keys,
-            a.session,
-            if attempt == 0 { a.reason } else { "retry" },
-        );
+        // A placement: a request this endpoint does not hold much more of than the others (a
+        // new conversation, an uncached prompt). Placements are what the balance term evens out.
+        let best_other = a
+            .predicted_cached
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != id.0 as usize)
+            .map(|(_, c)| *c)
+            .max()
+            .unwrap_or(0);
+        let placement = predicted.saturating_sub(best_other) * 4 < a.prepared.prompt_tokens.max(1);
+        router.record_dispatch(id, &a.prepared.keys, a.session, placement);
         let mut accounting = Accounting::dispatch(
             router.clone(),
             endpoint.clone(),

@@ -345,13 +345,14 @@ impl Router {
         }
     }
 
-    /// Records that a request's blocks went to `endpoint` (history, overlay, session).
+    /// Records that a request's blocks went to `endpoint` (history, overlay, session);
+    /// `placement`: it went there for a reason other than what the endpoint holds.
     pub fn record_dispatch(
         &self,
         endpoint: EndpointId,
         keys: &[RouterKey],
         session: Option<&str>,
-        reason: &str,
+        placement: bool,
     ) {
         let now = self.now();
         self.history.lock().record(endpoint, keys, now);
@@ -360,7 +361,7 @@ impl Router {
             self.sessions.insert(s.to_owned(), endpoint);
         }
         if let Some(e) = self.endpoints.get(endpoint.0 as usize) {
-            e.note_dispatch(reason != "cache" && reason != "session");
+            e.note_dispatch(placement);
         }
     }
 }

@@ -150,7 +150,7 @@ impl Profile {
                     approximate_prefix: 1.0,
                     load: 1.0,
                     cost: 1.0,
-                    balance: 2.0,
+                    balance: 4.0,
                     ..zero
                 },
                 Picker::Max,
@@ -160,7 +160,7 @@ impl Profile {
                     precise_prefix: 1.0,
                     load: 1.0,
                     cost: 1.0,
-                    balance: 2.0,
+                    balance: 4.0,
                     ..zero
                 },
                 Picker::Max,

@@ -113,8 +113,12 @@ pub(super) fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) ->
     }
 }
 
+/// Added to placement counts in the balance ratio, so that while counts are small a
+/// difference of one or two does not outweigh a cache hit.
+const BALANCE_SMOOTHING: f64 = 2.0;
+
 /// Fills in the relative scores — cost (best predicted TTFT among competitors / own) and
-/// balance (fewest recent requests + 1 / own + 1) — and the totals.
+/// balance ((fewest recent placements + s) / (own + s)) — and the totals.
 pub(super) fn apply_relative(candidates: &[super::Candidate], assessments: &mut [Assessment]) {
     let fewest = candidates
         .iter()
@@ -124,7 +128,7 @@ pub(super) fn apply_relative(candidates: &[super::Candidate], assessments: &mut 
         .fold(f64::INFINITY, f64::min);
     for (c, a) in candidates.iter().zip(assessments.iter_mut()) {
         let balance = if fewest.is_finite() {
-            (fewest + 1.0) / (c.load.recent_requests.max(0.0) + 1.0)
+            (fewest + BALANCE_SMOOTHING) / (c.load.recent_requests.max(0.0) + BALANCE_SMOOTHING)
         } else {
             1.0
         };

@@ -391,6 +391,7 @@ impl RouterConfig {
                 w.approximate_prefix,
                 w.load,
                 w.cost,
+                w.balance,
                 w.session,
             ];
             if all.iter().any(|x| !(x.is_finite() && *x >= 0.0)) {

@@ -1,6 +1,7 @@
 //! `kvroute bench`: measure a workload against any OpenAI-compatible endpoint (a router, a
 //! load balancer, one vLLM server) and report it so that runs can be compared side by side.
 
+pub mod ceiling;
 pub mod driver;
 pub mod report;
 pub mod result;

@@ -10,11 +10,10 @@ use anyhow::Context;
 use clap::Args;
 use kvroute_bench::driver::{DriverConfig, run as drive};
 use kvroute_bench::result::RunResult;
-use kvroute_bench::workload::{MultiTurn, Workload, multi_turn};
+use kvroute_bench::workload::{MultiTurn, multi_turn};
 use kvroute_router::config::RouterConfig;
-use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest};
+use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
-use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
 
 /// Arguments of `kvroute demo`.
 #[derive(Args)]
@@ -158,7 +157,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         drop(router);
         drop(engines);
     }
-    let ceiling = pooled_ceiling(&workload, args.engines * args.blocks_per_engine);
+    let ceiling = kvroute_bench::ceiling::pooled_hit_rate(
+        &workload,
+        &engine_config(args.engines * args.blocks_per_engine),
+    );
     println!();
     println!("{}", kvroute_bench::report::table(&runs));
     println!(
@@ -191,70 +193,4 @@ async fn engine_counters(engines: &[SimFleet]) -> (f64, f64) {
         }
     }
     (queries, hits)
-}
-
-/// The hit rate of a single engine with the whole fleet's cache serving the workload's
-/// requests one after another, with the assistant replies a real run would produce.
-fn pooled_ceiling(workload: &Workload, blocks: usize) -> f64 {
-    let mut engine = Engine::new(engine_config(blocks)).expect("valid configuration");
-    let tokenizer = BuiltinTokenizer;
-    // Order requests as they would arrive: by session start, then turn.
-    let mut order: Vec<(f64, usize, usize)> = Vec::new();
-    for (si, s) in workload.sessions.iter().enumerate() {
-        let mut t = s.start_s;
-        for (ti, turn) in s.turns.iter().enumerate() {
-            t += turn.think_s + 0.3;
-            order.push((t, si, ti));
-        }
-    }
-    order.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut histories: Vec<Vec<ChatMessage>> = workload
-        .sessions
-        .iter()
-        .map(|s| {
-            s.system
-                .iter()
-                .map(|sys| ChatMessage {
-                    role: "system".into(),
-                    content: sys.clone(),
-                })
-                .collect()
-        })
-        .collect();
-    let (mut prompt_total, mut cached_total) = (0u64, 0u64);
-    for (i, (_, si, ti)) in order.into_iter().enumerate() {
-        let turn = &workload.sessions[si].turns[ti];
-        let user = match &turn.content {
-            kvroute_bench::workload::Content::Text(t) => t.clone(),
-            kvroute_bench::workload::Content::Tokens(t) => format!("{t:?}"),
-        };
-        histories[si].push(ChatMessage {
-            role: "user".into(),
-            content: user,
-        });
-        let prompt = tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true));
-        let reply: Vec<u32> = tokenizer.encode(&" reply".repeat(turn.max_tokens as usize / 2));
-        let _ = engine.add_request(EngineRequest {
-            id: i as u64,
-            prompt: prompt.clone(),
-            output: reply.clone(),
-            lora_name: None,
-            cache_salt: None,
-        });
-        while engine.has_work() {
-            for t in engine.step().tokens.into_iter().filter(|t| t.index == 0) {
-                prompt_total += t.prompt_tokens as u64;
-                cached_total += t.cached_tokens as u64;
-            }
-        }
-        histories[si].push(ChatMessage {
-            role: "assistant".into(),
-            content: tokenizer.decode(&reply),
-        });
-    }
-    if prompt_total == 0 {
-        0.0
-    } else {
-        cached_total as f64 / prompt_total as f64
-    }
 }

@@ -6,6 +6,7 @@ use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_testkit::eventually;
 use serde_json::{Value, json};
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -49,16 +50,16 @@ async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
         .await
         .unwrap();
     // Let the subscribers connect before traffic starts.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while router.router.endpoints.iter().any(|e| {
-        e.subscriber
-            .lock()
-            .as_ref()
-            .is_none_or(|s| !s.stats().iter().all(|(_, f)| f.connected))
-    }) {
-        assert!(Instant::now() < deadline, "subscribers did not connect");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("subscribers connected", || {
+        let connected = router.router.endpoints.iter().all(|e| {
+            e.subscriber
+                .lock()
+                .as_ref()
+                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+        });
+        (connected, ())
+    })
+    .await;
     router
 }
 
@@ -298,11 +299,7 @@ async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
     };
     assert!(held(&router, 0) + held(&router, 1) > 0);
     drop(b); // kill engine e1
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while router.router.endpoints[1].healthy() {
-        assert!(Instant::now() < deadline, "e1 was not ejected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("e1 ejected", || (!router.router.endpoints[1].healthy(), ())).await;
     assert_eq!(held(&router, 1), 0, "the dead engine's blocks are dropped");
     for i in 0..4 {
         let answer = chat(
@@ -385,11 +382,7 @@ async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504()
         .send()
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while router.router.endpoints[0].healthy() {
-        assert!(Instant::now() < deadline, "not ejected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("e0 ejected", || (!router.router.endpoints[0].healthy(), ())).await;
     let resp = client
         .post(format!("http://{}/v1/completions", router.addr))
         .json(&json!({"model": MODEL, "prompt": "x"}))

@@ -31,11 +31,7 @@ fn config(gpu_blocks: usize) -> SimConfig {
 }
 
 async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kvroute_testkit::eventually(what, || (check(), ())).await;
 }
 
 fn subscribe(fleet: &SimFleet, index: &Arc<SharedIndex>) -> SubscriberHandle {

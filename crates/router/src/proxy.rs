@@ -16,7 +16,7 @@ use tracing::warn;
 
 use crate::accounting::{AccountedBody, Accounting};
 use crate::metrics::endpoint as labels;
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 use crate::upstream::UpstreamError;
 
 /// The header naming the endpoint that served a request.
@@ -133,15 +133,11 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         );
     }
     let rid = request_id(&parts.headers);
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |p| p.as_str())
-        .to_owned();
+    let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
-        keys: Arc::new(prepared.keys.clone()),
-        prepared: &prepared,
+        keys: prepared.keys.clone(),
+        prompt_tokens: prepared.prompt_tokens,
         ranking: &routed.decision.ranking,
         predicted_cached: &routed.predicted_cached,
         reason: routed.decision.reason,
@@ -158,8 +154,9 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
 
 struct ForwardArgs<'a> {
     router: &'a Arc<Router>,
-    prepared: &'a Prepared,
+    /// The prompt's block keys (empty when it was not tokenized).
     keys: Arc<Vec<kvroute_core::keys::RouterKey>>,
+    prompt_tokens: usize,
     ranking: &'a [EndpointId],
     predicted_cached: &'a [usize],
     reason: &'static str,
@@ -170,6 +167,13 @@ struct ForwardArgs<'a> {
     session: Option<&'a str>,
     request_id: String,
     started: Instant,
+}
+
+/// The path and query to send upstream, as the client sent them.
+fn path_and_query(uri: &http::Uri) -> String {
+    uri.path_and_query()
+        .map_or(uri.path(), |p| p.as_str())
+        .to_owned()
 }
 
 /// Hop-by-hop headers a proxy must not forward.
@@ -211,7 +215,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
     for (attempt, &id) in a.ranking.iter().take(2).enumerate() {
         let endpoint = router.endpoints[id.0 as usize].clone();
         let predicted = a.predicted_cached[id.0 as usize];
-        let uncached = a.prepared.prompt_tokens.saturating_sub(predicted) as u64;
+        let uncached = a.prompt_tokens.saturating_sub(predicted) as u64;
         // A placement: a request this endpoint does not hold much more of than the others (a
         // new conversation, an uncached prompt). Placements are what the balance term evens out.
         let best_other = a
@@ -222,14 +226,14 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             .map(|(_, c)| *c)
             .max()
             .unwrap_or(0);
-        let placement = predicted.saturating_sub(best_other) * 4 < a.prepared.prompt_tokens.max(1);
-        router.record_dispatch(id, &a.prepared.keys, a.session, placement);
+        let placement = predicted.saturating_sub(best_other) * 4 < a.prompt_tokens.max(1);
+        router.record_dispatch(id, &a.keys, a.session, placement);
         let mut accounting = Accounting::dispatch(
             router.clone(),
             endpoint.clone(),
             uncached,
             predicted,
-            a.prepared.prompt_tokens,
+            a.prompt_tokens,
             if attempt == 0 { a.reason } else { "retry" },
             a.request_id.clone(),
             a.started,
@@ -318,23 +322,12 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
     let start = rand::random::<u64>() as usize % healthy.len();
     let mut ranking = healthy.clone();
     ranking.rotate_left(start);
-    let prepared = Prepared {
-        model: router.config.models[0].clone(),
-        lora: None,
-        tokens: None,
-        keys: Vec::new(),
-        prompt_tokens: 0,
-    };
     let zeros = vec![0; router.endpoints.len()];
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |p| p.as_str())
-        .to_owned();
+    let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
         keys: Arc::default(),
-        prepared: &prepared,
+        prompt_tokens: 0,
         ranking: &ranking,
         predicted_cached: &zeros,
         reason: "passthrough",

@@ -67,7 +67,7 @@ pub struct Prepared {
     /// Prompt tokens, when a tokenizer is configured.
     pub tokens: Option<Arc<Vec<u32>>>,
     /// Router keys of the prompt's full blocks.
-    pub keys: Vec<RouterKey>,
+    pub keys: Arc<Vec<RouterKey>>,
     /// Prompt length used for scoring (tokens, or an estimate from the body size).
     pub prompt_tokens: usize,
 }
@@ -230,7 +230,7 @@ impl Router {
             model,
             lora,
             tokens,
-            keys,
+            keys: Arc::new(keys),
             prompt_tokens,
         })
     }

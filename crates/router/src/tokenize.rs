@@ -12,6 +12,7 @@ use kvroute_vllm::openai::Input;
 use kvroute_vllm::tokenizer::BuiltinTokenizer;
 use quick_cache::sync::Cache;
 use serde_json::{Value, json};
+use tracing::warn;
 
 use kvroute_vllm::tokenizer::HfTokenizer;
 
@@ -107,11 +108,20 @@ pub async fn tokenize(
         return Some(hit);
     }
     let tokens = match kind {
-        ModelTokenizer::Hf(hf) => match input {
-            Input::Text(t) => hf.encode(t, true).ok()?,
-            Input::Chat(m) => hf.encode_chat(m).ok()?,
-            Input::Tokens(t) => t.clone(),
-        },
+        ModelTokenizer::Hf(hf) => {
+            let encoded = match input {
+                Input::Text(t) => hf.encode(t, true),
+                Input::Chat(m) => hf.encode_chat(m),
+                Input::Tokens(t) => Ok(t.clone()),
+            };
+            match encoded {
+                Ok(tokens) => tokens,
+                Err(e) => {
+                    warn!(model, error = %e, "cannot tokenize this request: routing it without cache information");
+                    return None;
+                }
+            }
+        }
         ModelTokenizer::Builtin => {
             let tok = BuiltinTokenizer;
             match input {
@@ -120,7 +130,22 @@ pub async fn tokenize(
                 Input::Tokens(t) => t.clone(),
             }
         }
-        ModelTokenizer::Remote => remote_tokenize(remote?, model, input).await?,
+        ModelTokenizer::Remote => {
+            let Some(remote) = remote else {
+                warn!(
+                    model,
+                    "no healthy endpoint to tokenize with: routing without cache information"
+                );
+                return None;
+            };
+            match remote_tokenize(remote, model, input).await {
+                Ok(tokens) => tokens,
+                Err(e) => {
+                    warn!(model, error = %e, "remote tokenization failed: routing without cache information");
+                    return None;
+                }
+            }
+        }
         ModelTokenizer::None => return None,
     };
     let tokens = Arc::new(tokens);
@@ -128,32 +153,40 @@ pub async fn tokenize(
     Some(tokens)
 }
 
-async fn remote_tokenize(remote: Remote<'_>, model: &str, input: &Input) -> Option<Vec<u32>> {
+async fn remote_tokenize(
+    remote: Remote<'_>,
+    model: &str,
+    input: &Input,
+) -> Result<Vec<u32>, String> {
     let body = match input {
         Input::Text(t) => json!({"model": model, "prompt": t}),
         Input::Chat(m) => json!({"model": model, "messages": m, "add_generation_prompt": true}),
-        Input::Tokens(t) => return Some(t.clone()),
+        Input::Tokens(t) => return Ok(t.clone()),
     };
-    let request = http::Request::post(format!("{}/tokenize", remote.base))
+    let url = format!("{}/tokenize", remote.base);
+    let request = http::Request::post(&url)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
-        .ok()?;
+        .map_err(|e| e.to_string())?;
     let response = tokio::time::timeout(remote.timeout, remote.client.request(request))
         .await
-        .ok()?
-        .ok()?;
+        .map_err(|_| format!("{url}: no answer within {:?}", remote.timeout))?
+        .map_err(|e| format!("{url}: {e}"))?;
     if !response.status().is_success() {
-        return None;
+        return Err(format!("{url} answered {}", response.status()));
     }
     let bytes = tokio::time::timeout(remote.timeout, response.into_body().collect())
         .await
-        .ok()?
-        .ok()?
+        .map_err(|_| format!("{url}: body not read within {:?}", remote.timeout))?
+        .map_err(|e| format!("{url}: {e}"))?
         .to_bytes();
-    let value: Value = serde_json::from_slice(&bytes).ok()?;
+    let value: Value =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{url}: not JSON: {e}"))?;
     value["tokens"]
-        .as_array()?
+        .as_array()
+        .ok_or_else(|| format!("{url}: no \"tokens\" list in the answer"))?
         .iter()
         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect()
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| format!("{url}: tokens are not all token ids"))
 }

@@ -698,3 +698,59 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
     );
     assert_ne!(explained["reason"], "cache", "{explained}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
+    let (a, b) = (engine(1024).await, engine(1024).await);
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}, tokenizer: remote}}]\nendpoints:\n"
+    );
+    for f in [&a, &b] {
+        let ep = &f.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap()
+        ));
+    }
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let client = reqwest::Client::new();
+    let mut history = vec![json!({"role": "user", "content": words(300, 21)})];
+    let first = chat(&client, &router, &history, 8).await;
+    assert_eq!(first.status, 200);
+    settle().await;
+    history.push(
+        json!({"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}),
+    );
+    history.push(json!({"role": "user", "content": "more please"}));
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .json(&json!({"model": MODEL, "messages": history}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let second = chat(&client, &router, &history, 2).await;
+    assert_eq!(second.endpoint, first.endpoint, "turn 2 goes home");
+    let home = explained["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["endpoint"] == first.endpoint.as_str())
+        .unwrap();
+    assert_eq!(
+        explained["prompt_tokens"], second.body["usage"]["prompt_tokens"],
+        "the engine's own tokens"
+    );
+    assert_eq!(
+        home["predicted_cached_tokens"],
+        second.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    );
+    assert!(home["predicted_cached_tokens"].as_u64().unwrap() > 300);
+}

@@ -22,9 +22,11 @@
 //! Run with `cargo bench -p kvroute-router --bench schedule` (about 30 s).
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::event::{BlockStored, EngineHash, KvEvent};
+use kvroute_core::fleet::RequestFeatures;
 use kvroute_core::index::{EndpointId, PrefixMatch};
 use kvroute_core::keys::{RouterKey, router_keys, router_keys_from};
 use kvroute_core::schedule::{
@@ -116,13 +118,18 @@ fn router_fixture() -> (Router, Vec<u32>, Vec<RouterKey>) {
     }
     let config = RouterConfig::from_yaml(&yaml).expect("valid configuration");
     let router = Router::new(config).expect("router");
+    let index = router
+        .fleet()
+        .index_of(EndpointId(0))
+        .cloned()
+        .expect("an index");
     let prompt = tokens(1, PROMPT_TOKENS);
     let keys = router_keys(&prompt, BLOCK_SIZE, None).expect("block size");
     let blocks = keys.len();
     for i in 0..ENDPOINTS {
         let held = held_blocks(i, blocks);
         let events = stores(&keys[..held], &prompt[..held * BLOCK_SIZE], None);
-        router.index.apply(EndpointId(i as u32), &events);
+        index.apply(EndpointId(i as u32), &events);
     }
     // Background: unshared chains, each continuing a short private root block so that they
     // never collide with the request.
@@ -137,9 +144,7 @@ fn router_fixture() -> (Router, Vec<u32>, Vec<RouterKey>) {
             let chain_keys =
                 router_keys_from(RouterKey(seed), &toks, BLOCK_SIZE, None).expect("block size");
             for event in stores(&chain_keys, &toks, None) {
-                router
-                    .index
-                    .apply(EndpointId(i as u32), std::slice::from_ref(&event));
+                index.apply(EndpointId(i as u32), std::slice::from_ref(&event));
             }
             stored += len;
             chain += 1;
@@ -169,15 +174,14 @@ fn candidates(blocks: usize) -> Vec<Candidate> {
                     ..EndpointLoad::default()
                 },
                 cache: CacheView {
-                    precise: Some(PrefixMatch {
+                    index: Some(PrefixMatch {
                         endpoint: EndpointId(i as u32),
                         blocks: held,
                         gpu_blocks: held,
                         cpu_blocks: 0,
                         storage_blocks: 0,
                     }),
-                    approximate: 0,
-                    predicted: 0,
+                    ..CacheView::default()
                 },
                 prefill_tokens_per_s: 20_000.0,
             }
@@ -317,7 +321,12 @@ fn main() {
     eprintln!("building the fixture ({ENDPOINTS} endpoints, {BACKGROUND} background entries)...");
     let built = Instant::now();
     let (router, prompt, keys) = router_fixture();
-    let entries = router.index.read(|i| i.entry_count());
+    let index = router
+        .fleet()
+        .index_of(EndpointId(0))
+        .cloned()
+        .expect("an index");
+    let entries = index.read(|i| i.entry_count());
     eprintln!(
         "  {} blocks in the request, {entries} index entries, built in {:.1} s",
         keys.len(),
@@ -359,10 +368,10 @@ fn main() {
     eprintln!(
         "  (schedule chose {:?}, reason {})",
         decision.chosen(),
-        decision.reason
+        decision.reason.as_str()
     );
 
-    rows.push(router.index.read(|index| {
+    rows.push(index.read(|index| {
         sample(
             "KvIndex::lookup, 512 keys × 16 endpoints",
             1_000,
@@ -371,60 +380,59 @@ fn main() {
             || timed(|| index.lookup(black_box(&keys))),
         )
     }));
-    let matches = router.index.lookup(&keys);
+    let matches = index.lookup(&keys);
     assert_eq!(matches.matches.len(), ENDPOINTS, "every endpoint matches");
 
     let prepared_tokens = request(Input::Tokens(prompt.clone()));
-    let prepared =
-        futures::executor::block_on(router.prepare(&prepared_tokens, 0)).expect("model is served");
+    let prepared = futures::executor::block_on(router.prepare(&prepared_tokens, 0, None))
+        .expect("model is served");
     rows.push(sample(
-        "Router::route, index only (history empty)",
+        "Router::plan, index only (history empty)",
         1_000,
         30_000,
         budget,
-        || timed(|| router.route(&prepared, model, None)),
+        || timed(|| router.plan(&prepared)),
     ));
-    let routed = router.route(&prepared, model, None);
+    let routed = router.plan(&prepared);
     eprintln!(
         "  (route chose {:?}, reason {})",
         routed.decision.chosen(),
-        routed.decision.reason
+        routed.decision.reason.as_str()
     );
 
     let mut buffer = vec![0u8; FLUSH_BYTES];
     let mut round = 0u8;
     rows.push(sample(
-        "Router::route, index only, caches evicted",
+        "Router::plan, index only, caches evicted",
         5,
         300,
         budget,
         || {
             round = round.wrapping_add(1);
             flush(&mut buffer, round);
-            timed(|| router.route(&prepared, model, None))
+            timed(|| router.plan(&prepared))
         },
     ));
 
-    // Fill the routing history and predicted overlay as `Router::record_dispatch` does:
-    // endpoint i was recently sent the first (i + 1)/16 of the request.
+    // Fill the routing history and predicted overlay as dispatches do: endpoint i was
+    // recently sent the first (i + 1)/16 of the request.
     let now = router.now();
     for i in 0..ENDPOINTS {
-        let held = &keys[..held_blocks(i, keys.len())];
+        let held = Arc::new(keys[..held_blocks(i, keys.len())].to_vec());
+        let features = RequestFeatures {
+            keys: &held,
+            ..prepared.features()
+        };
         router
-            .history
-            .lock()
-            .record(EndpointId(i as u32), held, now);
-        router
-            .predicted
-            .lock()
-            .record(EndpointId(i as u32), held, now);
+            .fleet()
+            .dispatched(&[], &features, EndpointId(i as u32), now);
     }
     rows.push(sample(
-        "Router::route, index + history + overlay",
+        "Router::plan, index + history + overlay",
         1_000,
         30_000,
         budget,
-        || timed(|| router.route(&prepared, model, None)),
+        || timed(|| router.plan(&prepared)),
     ));
     rows.push(sample(
         "RoutingHistory::longest_prefixes (one of the two)",
@@ -434,21 +442,21 @@ fn main() {
         || {
             timed(|| {
                 router
-                    .history
-                    .lock()
+                    .fleet()
+                    .history()
                     .longest_prefixes(black_box(&keys), now)
             })
         },
     ));
     rows.push(sample(
-        "Router::route, index + history, caches evicted",
+        "Router::plan, index + history, caches evicted",
         5,
         300,
         budget,
         || {
             round = round.wrapping_add(1);
             flush(&mut buffer, round);
-            timed(|| router.route(&prepared, model, None))
+            timed(|| router.plan(&prepared))
         },
     ));
     drop(buffer);
@@ -489,7 +497,11 @@ fn main() {
         20,
         10_000,
         budget,
-        || timed(|| futures::executor::block_on(router.prepare(black_box(&prepared_tokens), 0))),
+        || {
+            timed(|| {
+                futures::executor::block_on(router.prepare(black_box(&prepared_tokens), 0, None))
+            })
+        },
     ));
     let chat_request = request(Input::Chat(messages.clone()));
     rows.push(sample(
@@ -497,7 +509,7 @@ fn main() {
         20,
         5_000,
         budget,
-        || timed(|| futures::executor::block_on(router.prepare(black_box(&chat_request), 0))),
+        || timed(|| futures::executor::block_on(router.prepare(black_box(&chat_request), 0, None))),
     ));
     let mut salt = 1u64;
     let base = messages;
@@ -513,7 +525,7 @@ fn main() {
             }
             salt += 1;
             let r = request(Input::Chat(m));
-            timed(|| futures::executor::block_on(router.prepare(&r, 0)))
+            timed(|| futures::executor::block_on(router.prepare(&r, 0, None)))
         },
     ));
 

@@ -1,118 +1,77 @@
-//! Following a proxied response to its end: in-flight load up at dispatch, prefill done at the
-//! first body byte, everything released at the end or when the client goes away; and the
-//! engine's reported `cached_tokens` compared with the router's prediction.
+//! Following a proxied response to its end and telling the fleet: prefill done at the first
+//! body byte, the request finished at the end or when the client goes away, with the engine's
+//! reported `cached_tokens` to compare with the prediction.
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use kvroute_core::fleet::Dispatch;
 use tracing::info;
 
-use crate::fleet::Endpoint;
+use crate::endpoint::Endpoint;
 use crate::metrics::endpoint as labels;
 use crate::service::Router;
 use crate::upstream::Lease;
 
-/// How long a prediction outlives its request's first byte: the time the engine's
-/// `BlockStored` needs to reach the router.
-const PREDICTION_GRACE_S: f64 = 0.25;
-
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
 
-/// One request's share of an endpoint's load, released exactly once.
+/// One request's share of an endpoint's load, handed back to the fleet exactly once.
 pub struct Accounting {
-    /// The router.
-    pub router: Arc<Router>,
-    /// Where the request went.
-    pub endpoint: Arc<Endpoint>,
-    /// Uncached prompt tokens counted into the endpoint's prefill queue.
-    pub uncached_tokens: u64,
-    /// Cached tokens the router predicted.
-    pub predicted_cached: usize,
-    /// Prompt length.
-    pub prompt_tokens: usize,
-    /// Decision reason, for metrics and the log line.
-    pub reason: &'static str,
-    /// Request id, for the log line.
-    pub request_id: String,
-    /// When the router received the request.
-    pub started: Instant,
-    /// Upstream status.
+    router: Arc<Router>,
+    endpoint: Arc<Endpoint>,
+    dispatch: Option<Dispatch>,
+    reason: &'static str,
+    request_id: String,
+    started: Instant,
+    /// Upstream status (0 until response headers arrived).
     pub status: u16,
-    /// The request's block keys, to retire its prediction once the engine's events can speak.
-    pub keys: std::sync::Arc<Vec<kvroute_core::keys::RouterKey>>,
-    prefill_done: bool,
     tail: Vec<u8>,
 }
 
 impl Accounting {
-    /// Takes the load: call when the request is dispatched.
-    #[allow(clippy::too_many_arguments)]
-    pub fn dispatch(
+    /// Takes over a dispatched request's accounting.
+    pub fn new(
         router: Arc<Router>,
-        endpoint: Arc<Endpoint>,
-        uncached_tokens: u64,
-        predicted_cached: usize,
-        prompt_tokens: usize,
+        dispatch: Dispatch,
         reason: &'static str,
         request_id: String,
         started: Instant,
     ) -> Self {
-        endpoint.inflight.fetch_add(1, Ordering::Relaxed);
-        endpoint.inflight_prefills.fetch_add(1, Ordering::Relaxed);
-        endpoint
-            .inflight_prefill_tokens
-            .fetch_add(uncached_tokens, Ordering::Relaxed);
+        let endpoint = router.endpoint(dispatch.endpoint).clone();
         Self {
             router,
             endpoint,
-            uncached_tokens,
-            predicted_cached,
-            prompt_tokens,
+            dispatch: Some(dispatch),
             reason,
             request_id,
             started,
             status: 0,
-            keys: std::sync::Arc::default(),
-            prefill_done: false,
             tail: Vec::new(),
         }
     }
 
     fn first_byte(&mut self) {
-        if self.prefill_done {
+        let Some(dispatch) = self.dispatch.as_mut() else {
+            return;
+        };
+        if dispatch.prefill_done() {
             return;
         }
-        self.prefill_done = true;
-        self.endpoint
-            .inflight_prefills
-            .fetch_sub(1, Ordering::Relaxed);
-        self.endpoint
-            .inflight_prefill_tokens
-            .fetch_sub(self.uncached_tokens, Ordering::Relaxed);
-        let seconds = self.started.elapsed().as_secs_f64();
+        let now = self.router.now();
         self.router
-            .metrics
+            .fleet()
+            .first_token(dispatch, self.status == 200, now);
+        self.router
+            .metrics()
             .first_byte_seconds
             .get_or_create(&labels(&self.endpoint.name))
-            .observe(seconds);
-        if self.status == 200 {
-            self.endpoint.note_prefill(self.uncached_tokens, seconds);
-        }
-        // The prefill is done, so the engine has published (or is about to publish) these
-        // blocks: from now on its events, not the prediction, say what it holds.
-        if !self.keys.is_empty() {
-            let expiry = self.router.now() + PREDICTION_GRACE_S;
-            self.router
-                .predicted
-                .lock()
-                .shorten(self.endpoint.id, &self.keys, expiry);
-        }
+            .observe(self.started.elapsed().as_secs_f64());
+        self.router.capacity_changed();
     }
 
     fn observe(&mut self, data: &[u8]) {
@@ -138,17 +97,18 @@ impl Accounting {
 
 impl Drop for Accounting {
     fn drop(&mut self) {
+        let Some(dispatch) = self.dispatch.take() else {
+            return;
+        };
         // Released on completion and on client disconnect alike.
-        if !self.prefill_done {
-            self.endpoint
-                .inflight_prefills
-                .fetch_sub(1, Ordering::Relaxed);
-            self.endpoint
-                .inflight_prefill_tokens
-                .fetch_sub(self.uncached_tokens, Ordering::Relaxed);
-        }
-        self.endpoint.inflight.fetch_sub(1, Ordering::Relaxed);
-        let m = &self.router.metrics;
+        let reported = self.reported_cached();
+        let completed = dispatch.prefill_done();
+        let predicted = dispatch.predicted_cached;
+        let prompt_tokens = dispatch.prompt_tokens;
+        let now = self.router.now();
+        self.router.fleet().finished(dispatch, reported, now);
+        self.router.capacity_changed();
+        let m = self.router.metrics();
         let name = &self.endpoint.name;
         let elapsed = self.started.elapsed().as_secs_f64();
         m.request_seconds
@@ -162,15 +122,14 @@ impl Drop for Accounting {
                 ("status", class),
             ])
             .inc();
-        let reported = self.reported_cached();
         if let Some(reported) = reported {
             m.predicted_cached_tokens
                 .get_or_create(&labels(name))
-                .inc_by(self.predicted_cached as u64);
+                .inc_by(predicted as u64);
             m.reported_cached_tokens
                 .get_or_create(&labels(name))
                 .inc_by(reported as u64);
-            let outcome = match self.predicted_cached.cmp(&reported) {
+            let outcome = match predicted.cmp(&reported) {
                 std::cmp::Ordering::Equal => "exact",
                 std::cmp::Ordering::Greater => "over",
                 std::cmp::Ordering::Less => "under",
@@ -181,19 +140,17 @@ impl Drop for Accounting {
                     ("outcome", outcome.to_owned()),
                 ])
                 .inc();
-            self.endpoint
-                .note_prediction(self.predicted_cached, reported, self.prompt_tokens);
         }
         info!(
             request_id = %self.request_id,
             endpoint = %name,
             reason = self.reason,
             status = self.status,
-            prompt_tokens = self.prompt_tokens,
-            predicted_cached = self.predicted_cached,
+            prompt_tokens,
+            predicted_cached = predicted,
             reported_cached = ?reported,
             seconds = elapsed,
-            completed = self.prefill_done,
+            completed,
             "routed"
         );
     }

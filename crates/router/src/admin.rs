@@ -2,7 +2,6 @@
 //! `/kvroute/v1/explain`.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
@@ -20,7 +19,7 @@ use crate::service::Router;
 
 /// `GET /health`: 200 while some endpoint is healthy.
 pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.endpoints.iter().any(|e| e.healthy()) {
+    if router.fleet().endpoints().iter().any(|e| e.healthy()) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -35,25 +34,29 @@ pub async fn metrics(State(router): State<Arc<Router>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        router.metrics.render(),
+        router.metrics().render(),
     )
         .into_response()
 }
 
 fn refresh_gauges(router: &Router) {
-    let m = &router.metrics;
-    for e in &router.endpoints {
+    let m = router.metrics();
+    let now = router.now();
+    let fleet = router.fleet();
+    m.flow_queue_requests.set(fleet.flow().len() as i64);
+    m.flow_queue_bytes.set(fleet.flow().bytes() as i64);
+    for (e, state) in router.endpoints().iter().zip(fleet.endpoints()) {
         let l = labels(&e.name);
         m.endpoint_healthy
             .get_or_create(&l)
-            .set(i64::from(e.healthy()));
+            .set(i64::from(state.healthy()));
         m.endpoint_index_trusted
             .get_or_create(&l)
-            .set(i64::from(e.index_trust(&router.config.cache).is_ok()));
+            .set(i64::from(fleet.trust(e.id, now).is_ok()));
         m.endpoint_inflight
             .get_or_create(&l)
-            .set(i64::from(e.inflight.load(Ordering::Relaxed)));
-        if let Some(stats) = router.index.endpoint_stats(e.id) {
+            .set(i64::from(state.inflight()));
+        if let Some(stats) = fleet.index_of(e.id).and_then(|i| i.endpoint_stats(e.id)) {
             for (tier, value) in [
                 (Tier::Gpu, stats.blocks_gpu),
                 (Tier::Cpu, stats.blocks_cpu),
@@ -87,7 +90,7 @@ fn refresh_gauges(router: &Router) {
                 }
             }
         }
-        if let Some(age) = e.events_age() {
+        if let Some(age) = fleet.events_age(e.id, now) {
             m.events_age_seconds.get_or_create(&l).set(age);
         }
     }
@@ -96,12 +99,18 @@ fn refresh_gauges(router: &Router) {
 /// `GET /v1/models`: the union of the healthy endpoints' model lists.
 pub async fn models(State(router): State<Arc<Router>>) -> Response {
     let mut data: Vec<Value> = Vec::new();
-    for e in router.endpoints.iter().filter(|e| e.healthy()) {
+    let healthy: Vec<_> = router
+        .endpoints()
+        .iter()
+        .filter(|e| router.healthy(e.id))
+        .cloned()
+        .collect();
+    for e in healthy {
         let request = http::Request::get(format!("http://{}/v1/models", e.authority))
             .body(Full::new(Bytes::new()))
             .expect("static request");
         let Ok(Ok(response)) =
-            tokio::time::timeout(Duration::from_secs(2), router.client.request(request)).await
+            tokio::time::timeout(Duration::from_secs(2), router.client().request(request)).await
         else {
             continue;
         };
@@ -119,7 +128,7 @@ pub async fn models(State(router): State<Arc<Router>>) -> Response {
     }
     if data.is_empty() {
         // No endpoint answered: list what the router is configured to serve.
-        for m in &router.config.models {
+        for m in &router.config().models {
             data.push(json!({"id": m.name, "object": "model", "owned_by": "kvroute"}));
         }
     }
@@ -137,24 +146,25 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         Ok(p) => p,
         Err(e) => return error_response(&router, &e),
     };
-    let Some(prepared) = router.prepare(&parsed, body.len()).await else {
+    let session = parts
+        .headers
+        .get(router.config().scheduler.session_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
             &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
         );
     };
-    let session = parts
-        .headers
-        .get(router.config.scheduler.session_header.as_str())
-        .and_then(|v| v.to_str().ok());
-    let routed = router.route_explained(&prepared, &parsed.model, session);
-    let name = |id: kvroute_core::index::EndpointId| router.endpoints[id.0 as usize].name.clone();
-    let endpoints: Vec<Value> = routed
+    let plan = router.plan(&prepared);
+    let name = |id: kvroute_core::index::EndpointId| router.endpoint(id).name.clone();
+    let endpoints: Vec<Value> = plan
         .decision
         .assessments
         .iter()
-        .zip(&routed.facts)
-        .zip(&routed.predicted_cached)
+        .zip(&plan.facts)
+        .zip(&plan.predicted_cached)
         .map(|((a, facts), predicted)| {
             json!({
                 "endpoint": facts.name,
@@ -166,12 +176,14 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
                     "history": facts.history_blocks,
                     "predicted": facts.predicted_blocks,
                 },
+                "cached_tokens": a.cached_tokens,
                 "predicted_cached_tokens": predicted,
-                "load": router.endpoints[a.endpoint.0 as usize].load(Duration::from_secs(3600)),
+                "load": facts.load,
+                "prefill_tokens_per_s": facts.prefill_tokens_per_s,
                 "rejected": a.rejected,
+                "saturated": a.saturated,
+                "cost": a.cost,
                 "predicted_ttft_s": a.predicted_ttft_s,
-                "scores": a.scores,
-                "total": a.total,
             })
         })
         .collect();
@@ -180,10 +192,11 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         "prompt_tokens": prepared.prompt_tokens,
         "block_size": prepared.model.block_size,
         "blocks": prepared.keys.len(),
-        "policy": router.config.scheduler.policy,
-        "chosen": routed.decision.chosen().map(name),
-        "reason": routed.decision.reason,
-        "ranking": routed.decision.ranking.iter().map(|id| name(*id)).collect::<Vec<_>>(),
+        "policy": router.config().scheduler.policy,
+        "chosen": plan.decision.chosen().map(name),
+        "reason": plan.decision.reason,
+        "saturated": plan.decision.saturated,
+        "ranking": plan.decision.ranking.iter().map(|id| name(*id)).collect::<Vec<_>>(),
         "endpoints": endpoints,
     }))
     .into_response()
@@ -207,7 +220,7 @@ fn parse_explain(router: &Router, body: &[u8]) -> Result<GenerationRequest, ApiE
         let model = value
             .get("model")
             .and_then(Value::as_str)
-            .map_or_else(|| router.config.models[0].name.clone(), str::to_owned);
+            .map_or_else(|| router.config().models[0].name.clone(), str::to_owned);
         return Ok(GenerationRequest {
             model,
             input: Input::Tokens(tokens),

@@ -4,8 +4,10 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
+use kvroute_core::fleet::{FleetConfig, FlowConfig, HealthPolicy, TrustPolicy};
 use kvroute_core::schedule::{
-    Filters, Picker, Profile, ProfileName, Role, ScorerWeights, TierWeights,
+    BalanceTolerance, CostWeights, Filters, Picker, Profile, ProfileName, Role, Saturation,
+    TierCosts,
 };
 use serde::{Deserialize, Serialize};
 
@@ -37,6 +39,9 @@ pub struct RouterConfig {
     /// The KV block index and the router's own routing memory.
     #[serde(default)]
     pub cache: CacheConfig,
+    /// Flow control: holding requests in the router while every endpoint is saturated.
+    #[serde(default)]
+    pub flow: FlowConfig,
 }
 
 fn default_listen() -> SocketAddr {
@@ -137,30 +142,40 @@ pub struct SchedulerConfig {
     /// `precise` (default), `approximate`, `least-load`, `round-robin` or `random`.
     #[serde(default = "default_policy")]
     pub policy: ProfileName,
-    /// Scorer weights replacing the policy's.
+    /// The cost model's weights (prefix against load), replacing the defaults.
     #[serde(default)]
-    pub weights: Option<ScorerWeights>,
-    /// Tier credits.
+    pub weights: Option<CostWeights>,
+    /// Load rates of the slower cache tiers.
     #[serde(default)]
-    pub tiers: Option<TierWeights>,
+    pub tiers: Option<TierCosts>,
+    /// When costs count as equal, so new sessions spread evenly.
+    #[serde(default)]
+    pub balance: Option<BalanceTolerance>,
     /// Hard limits.
     #[serde(default)]
     pub filters: Filters,
+    /// When an endpoint counts as saturated (flow control).
+    #[serde(default)]
+    pub saturation: Option<Saturation>,
     /// Picker replacing the policy's.
     #[serde(default)]
     pub picker: Option<Picker>,
-    /// Waiting-queue length at which the load score reaches 0.
-    #[serde(default)]
-    pub queue_norm: Option<f64>,
-    /// Seconds each queued request adds to the predicted TTFT.
+    /// Seconds each queued request adds to a new request's wait.
     #[serde(default)]
     pub queue_wait_s: Option<f64>,
+    /// Seconds taken off the cost of a session's previous endpoint.
+    #[serde(default)]
+    pub session_affinity_s: Option<f64>,
     /// Prefill speed assumed for every endpoint until observed, tokens per second.
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_s: f64,
-    /// Header whose value names a session (requests of a session prefer its last endpoint).
+    /// Header whose value names a session.
     #[serde(default = "default_session_header")]
     pub session_header: String,
+    /// Header whose integer value is a request's priority in the flow-control queue (higher
+    /// leaves first; default 0).
+    #[serde(default = "default_priority_header")]
+    pub priority_header: String,
 }
 
 fn default_policy() -> ProfileName {
@@ -175,18 +190,25 @@ fn default_session_header() -> String {
     "x-session-id".into()
 }
 
+fn default_priority_header() -> String {
+    "x-kvroute-priority".into()
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             policy: default_policy(),
             weights: None,
             tiers: None,
+            balance: None,
             filters: Filters::default(),
+            saturation: None,
             picker: None,
-            queue_norm: None,
             queue_wait_s: None,
+            session_affinity_s: None,
             prefill_tokens_per_s: default_prefill_rate(),
             session_header: default_session_header(),
+            priority_header: default_priority_header(),
         }
     }
 }
@@ -201,14 +223,20 @@ impl SchedulerConfig {
         if let Some(t) = &self.tiers {
             profile.tiers = t.clone();
         }
+        if let Some(b) = &self.balance {
+            profile.balance = b.clone();
+        }
+        if let Some(s) = &self.saturation {
+            profile.saturation = s.clone();
+        }
         if let Some(p) = &self.picker {
             profile.picker = p.clone();
         }
-        if let Some(q) = self.queue_norm {
-            profile.queue_norm = q;
-        }
         if let Some(w) = self.queue_wait_s {
             profile.queue_wait_s = w;
+        }
+        if let Some(a) = self.session_affinity_s {
+            profile.session_affinity_s = a;
         }
         profile.filters = self.filters.clone();
         profile
@@ -312,6 +340,33 @@ impl Default for CacheConfig {
     }
 }
 
+impl RouterConfig {
+    /// The core fleet's bounds and thresholds, from the sections that set them.
+    pub fn fleet_config(&self) -> FleetConfig {
+        let c = &self.cache;
+        FleetConfig {
+            index_capacity: c.index_capacity,
+            history_ttl_s: c.history_ttl_s,
+            history_capacity: c.history_capacity,
+            predicted_ttl_s: c.predicted_ttl_s,
+            default_prefill_tokens_per_s: self.scheduler.prefill_tokens_per_s,
+            load_sample_max_age_s: (self.scrape.interval_ms * 4 + 1000) as f64 / 1000.0,
+            trust: TrustPolicy {
+                silent_after_s: c.silent_after_s,
+                distrust_after_gap_s: c.distrust_after_gap_s,
+                max_prediction_error: c.max_prediction_error,
+                ..TrustPolicy::default()
+            },
+            health: HealthPolicy {
+                unhealthy_after: self.health.unhealthy_after,
+                healthy_after: self.health.healthy_after,
+            },
+            flow: self.flow.clone(),
+            ..FleetConfig::default()
+        }
+    }
+}
+
 fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
 }
@@ -385,26 +440,50 @@ impl RouterConfig {
                 "must be positive",
             ));
         }
+        let mut numbers: Vec<(&str, f64)> = vec![];
         if let Some(w) = &s.weights {
-            let all = [
-                w.precise_prefix,
-                w.approximate_prefix,
-                w.load,
-                w.cost,
-                w.balance,
-                w.session,
-            ];
-            if all.iter().any(|x| !(x.is_finite() && *x >= 0.0)) {
-                return Err(invalid(
-                    "scheduler.weights",
-                    "weights must be finite and not negative",
-                ));
-            }
+            numbers.extend([
+                ("scheduler.weights.prefix", w.prefix),
+                ("scheduler.weights.load", w.load),
+                (
+                    "scheduler.weights.decode_interference",
+                    w.decode_interference,
+                ),
+            ]);
         }
-        if let Some(Picker::Softmax { temperature }) = &s.picker
-            && (temperature.is_nan() || *temperature <= 0.0)
+        if let Some(t) = &s.tiers {
+            numbers.extend([
+                ("scheduler.tiers.cpu_tokens_per_s", t.cpu_tokens_per_s),
+                (
+                    "scheduler.tiers.storage_tokens_per_s",
+                    t.storage_tokens_per_s,
+                ),
+            ]);
+        }
+        if let Some(b) = &s.balance {
+            numbers.extend([
+                ("scheduler.balance.relative", b.relative),
+                ("scheduler.balance.absolute_s", b.absolute_s),
+            ]);
+        }
+        numbers.extend(s.queue_wait_s.map(|v| ("scheduler.queue_wait_s", v)));
+        numbers.extend(
+            s.session_affinity_s
+                .map(|v| ("scheduler.session_affinity_s", v)),
+        );
+        if let Some((field, _)) = numbers.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+            return Err(invalid(field, "must be finite and not negative"));
+        }
+        if let Some(Picker::Softmax { temperature_s }) = &s.picker
+            && (temperature_s.is_nan() || *temperature_s <= 0.0)
         {
-            return Err(invalid("scheduler.picker.temperature", "must be positive"));
+            return Err(invalid(
+                "scheduler.picker.temperature_s",
+                "must be positive",
+            ));
+        }
+        if !(self.flow.max_wait_s.is_finite() && self.flow.max_wait_s > 0.0) {
+            return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         if self.limits.max_body_bytes == 0 {
             return Err(invalid("limits.max_body_bytes", "must be positive"));
@@ -472,7 +551,7 @@ mod tests {
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {weights: {load: -1}}",
-                "scheduler.weights",
+                "scheduler.weights.load",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlisten: nowhere",

@@ -12,8 +12,9 @@
 pub mod accounting;
 pub mod admin;
 pub mod config;
+pub mod endpoint;
 mod error;
-pub mod fleet;
+mod flow;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

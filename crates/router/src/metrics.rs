@@ -53,6 +53,14 @@ pub struct RouterMetrics {
     pub events: Family<Labels, Gauge>,
     /// Seconds since an endpoint's last KV event (absent before the first).
     pub events_age_seconds: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Requests held by flow control now.
+    pub flow_queue_requests: Gauge,
+    /// Body bytes held by flow control now.
+    pub flow_queue_bytes: Gauge,
+    /// Time requests spent held by flow control.
+    pub flow_wait_seconds: Histogram,
+    /// Requests shed by flow control, by reason (queue_full, queue_bytes, timeout).
+    pub shed: Family<Labels, Counter>,
 }
 
 impl Default for RouterMetrics {
@@ -84,6 +92,10 @@ impl Default for RouterMetrics {
             index_blocks: Family::default(),
             events: Family::default(),
             events_age_seconds: Family::default(),
+            flow_queue_requests: Gauge::default(),
+            flow_queue_bytes: Gauge::default(),
+            flow_wait_seconds: latency_histogram(),
+            shed: Family::default(),
             registry: Registry::default(),
         };
         registry.register("requests", "Requests routed", m.requests.clone());
@@ -161,6 +173,26 @@ impl Default for RouterMetrics {
             "kv_events_age_seconds",
             "Seconds since the endpoint's last KV event",
             m.events_age_seconds.clone(),
+        );
+        registry.register(
+            "flow_queue_requests",
+            "Requests held by flow control while every endpoint is saturated",
+            m.flow_queue_requests.clone(),
+        );
+        registry.register(
+            "flow_queue_bytes",
+            "Request-body bytes held by flow control",
+            m.flow_queue_bytes.clone(),
+        );
+        registry.register(
+            "flow_wait_seconds",
+            "Time requests spent held by flow control",
+            m.flow_wait_seconds.clone(),
+        );
+        registry.register(
+            "shed",
+            "Requests shed by flow control, by reason",
+            m.shed.clone(),
         );
         Self { registry, ..m }
     }

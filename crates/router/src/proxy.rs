@@ -1,5 +1,6 @@
-//! The OpenAI front door: parse once, tokenize, choose, forward with the body streamed through
-//! unbuffered, retry once on a refused connection, and answer errors in OpenAI's shape.
+//! The OpenAI front door: parse once, tokenize, ask core for a plan (holding the request while
+//! every endpoint is saturated), forward with the body streamed through unbuffered, retry once
+//! on a refused connection, and answer errors in OpenAI's shape.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,9 +16,9 @@ use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_comple
 use tracing::warn;
 
 use crate::accounting::{AccountedBody, Accounting};
+use crate::flow;
 use crate::metrics::endpoint as labels;
-use crate::service::Router;
-use crate::upstream::UpstreamError;
+use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
@@ -34,7 +35,7 @@ pub enum Api {
 /// An OpenAI-shaped error response.
 pub fn error_response(router: &Router, e: &ApiError) -> Response {
     router
-        .metrics
+        .metrics()
         .rejected
         .get_or_create(&vec![("status", e.status.to_string())])
         .inc();
@@ -45,7 +46,7 @@ pub fn error_response(router: &Router, e: &ApiError) -> Response {
         e.to_json(),
     )
         .into_response();
-    if e.status == 503 {
+    if e.status == 503 || e.status == 429 {
         response
             .headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -55,7 +56,7 @@ pub fn error_response(router: &Router, e: &ApiError) -> Response {
 
 /// Reads a body up to the configured limit.
 pub async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
-    let limit = router.config.limits.max_body_bytes;
+    let limit = router.config().limits.max_body_bytes;
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e)
@@ -102,9 +103,17 @@ fn request_id(headers: &HeaderMap) -> String {
 
 fn session(router: &Router, headers: &HeaderMap) -> Option<String> {
     headers
-        .get(router.config.scheduler.session_header.as_str())
+        .get(router.config().scheduler.session_header.as_str())
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
+}
+
+fn priority(router: &Router, headers: &HeaderMap) -> i64 {
+    headers
+        .get(router.config().scheduler.priority_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
@@ -118,15 +127,22 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         Ok(p) => p,
         Err(e) => return error_response(&router, &e),
     };
-    let Some(prepared) = router.prepare(&parsed, body.len()).await else {
+    let session = session(&router, &parts.headers);
+    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
             &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
         );
     };
-    let session = session(&router, &parts.headers);
-    let routed = router.route(&prepared, &parsed.model, session.as_deref());
-    if routed.decision.ranking.is_empty() {
+    let mut plan = router.plan(&prepared);
+    if plan.decision.saturated && router.config().flow.enabled {
+        let priority = priority(&router, &parts.headers);
+        plan = match flow::wait_for_capacity(&router, &prepared, priority, body.len()).await {
+            Ok(plan) => plan,
+            Err(e) => return error_response(&router, &e),
+        };
+    }
+    if plan.decision.ranking.is_empty() {
         return error_response(
             &router,
             &ApiError::new(503, "no healthy endpoint serves this model; retry shortly"),
@@ -136,16 +152,14 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
-        keys: prepared.keys.clone(),
-        prompt_tokens: prepared.prompt_tokens,
-        ranking: &routed.decision.ranking,
-        predicted_cached: &routed.predicted_cached,
-        reason: routed.decision.reason,
+        prepared: &prepared,
+        ranking: &plan.decision.ranking,
+        predicted_cached: &plan.predicted_cached,
+        reason: plan.decision.reason.as_str(),
         method: parts.method,
         path,
         headers: parts.headers,
         body,
-        session: session.as_deref(),
         request_id: rid,
         started,
     })
@@ -154,9 +168,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
 
 struct ForwardArgs<'a> {
     router: &'a Arc<Router>,
-    /// The prompt's block keys (empty when it was not tokenized).
-    keys: Arc<Vec<kvroute_core::keys::RouterKey>>,
-    prompt_tokens: usize,
+    prepared: &'a Prepared,
     ranking: &'a [EndpointId],
     predicted_cached: &'a [usize],
     reason: &'static str,
@@ -164,7 +176,6 @@ struct ForwardArgs<'a> {
     path: String,
     headers: HeaderMap,
     body: Bytes,
-    session: Option<&'a str>,
     request_id: String,
     started: Instant,
 }
@@ -209,39 +220,41 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
 
 async fn forward(a: ForwardArgs<'_>) -> Response {
     let router = a.router;
-    let timeout = Duration::from_secs_f64(router.config.limits.response_timeout_s);
-    // The first choice, and one retry on the next if the connection is refused before any
-    // byte reached an engine.
+    let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
+    // The first choice, and one retry on the next if no connection could be made: nothing is
+    // recorded against an endpoint before a connection to it exists.
     for (attempt, &id) in a.ranking.iter().take(2).enumerate() {
-        let endpoint = router.endpoints[id.0 as usize].clone();
-        let predicted = a.predicted_cached[id.0 as usize];
-        let uncached = a.prompt_tokens.saturating_sub(predicted) as u64;
-        // A placement: a request this endpoint does not hold much more of than the others (a
-        // new conversation, an uncached prompt). Placements are what the balance term evens out.
-        let best_other = a
-            .predicted_cached
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != id.0 as usize)
-            .map(|(_, c)| *c)
-            .max()
-            .unwrap_or(0);
-        let placement = predicted.saturating_sub(best_other) * 4 < a.prompt_tokens.max(1);
-        router.record_dispatch(id, &a.keys, a.session, placement);
-        let mut accounting = Accounting::dispatch(
+        let endpoint = router.endpoint(id).clone();
+        let authority = endpoint.authority.to_string();
+        let conn = match router.upstream().connection(&authority).await {
+            Ok(conn) => conn,
+            Err(e) if attempt == 0 && a.ranking.len() > 1 => {
+                warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
+                router
+                    .metrics()
+                    .retries
+                    .get_or_create(&labels(&endpoint.name))
+                    .inc();
+                continue;
+            }
+            Err(e) => {
+                return error_response(
+                    router,
+                    &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
+                );
+            }
+        };
+        let dispatch = router.dispatched(a.predicted_cached, a.prepared, id);
+        let mut accounting = Accounting::new(
             router.clone(),
-            endpoint.clone(),
-            uncached,
-            predicted,
-            a.prompt_tokens,
+            dispatch,
             if attempt == 0 { a.reason } else { "retry" },
             a.request_id.clone(),
             a.started,
         );
-        accounting.keys = a.keys.clone();
         let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
-        let authority = endpoint.authority.to_string();
-        match tokio::time::timeout(timeout, router.upstream.send(&authority, request)).await {
+        match tokio::time::timeout(timeout, router.upstream().send(conn, &authority, request)).await
+        {
             Err(_) => {
                 accounting.status = 504;
                 return error_response(
@@ -254,16 +267,6 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                         ),
                     ),
                 );
-            }
-            Ok(Err(UpstreamError::Connect(e))) if attempt == 0 && a.ranking.len() > 1 => {
-                warn!(endpoint = %endpoint.name, error = %e, "connection refused; retrying on the next best endpoint");
-                router
-                    .metrics
-                    .retries
-                    .get_or_create(&labels(&endpoint.name))
-                    .inc();
-                accounting.status = 502;
-                continue;
             }
             Ok(Err(e)) => {
                 accounting.status = 502;
@@ -308,9 +311,9 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         Err(e) => return error_response(&router, &e),
     };
     let healthy: Vec<EndpointId> = router
-        .endpoints
+        .endpoints()
         .iter()
-        .filter(|e| e.healthy())
+        .filter(|e| router.healthy(e.id))
         .map(|e| e.id)
         .collect();
     if healthy.is_empty() {
@@ -322,21 +325,28 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
     let start = rand::random::<u64>() as usize % healthy.len();
     let mut ranking = healthy.clone();
     ranking.rotate_left(start);
-    let zeros = vec![0; router.endpoints.len()];
+    let model = router.config().models[0].clone();
+    let prepared = Prepared {
+        model_name: model.name.clone(),
+        model,
+        lora: None,
+        tokens: None,
+        keys: Arc::default(),
+        prompt_tokens: 0,
+        session: None,
+    };
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
-        keys: Arc::default(),
-        prompt_tokens: 0,
+        prepared: &prepared,
         ranking: &ranking,
-        predicted_cached: &zeros,
+        predicted_cached: &[],
         reason: "passthrough",
         method: parts.method,
         path,
         request_id: request_id(&parts.headers),
         headers: parts.headers,
         body,
-        session: None,
         started,
     })
     .await

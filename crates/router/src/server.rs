@@ -3,13 +3,14 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router as Routes;
 use axum::routing::{any, get, post};
 use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use kvroute_core::fleet::{HealthChange, LoadSample};
 use kvroute_vllm::metrics::parse_engine_metrics;
 use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
 use tokio::task::JoinHandle;
@@ -17,7 +18,7 @@ use tracing::{info, warn};
 
 use crate::RouterError;
 use crate::config::RouterConfig;
-use crate::fleet::Endpoint;
+use crate::endpoint::Endpoint;
 use crate::service::Router;
 use crate::{admin, proxy};
 
@@ -63,15 +64,16 @@ pub fn routes(router: Arc<Router>) -> Routes {
 /// Binds the listener and starts every task on the current tokio runtime.
 pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let router = Arc::new(Router::new(config)?);
-    let listener = tokio::net::TcpListener::bind(router.config.listen)
+    let listen = router.config().listen;
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|e| RouterError::Io(format!("cannot listen on {}: {e}", router.config.listen)))?;
+        .map_err(|e| RouterError::Io(format!("cannot listen on {listen}: {e}")))?;
     let addr = listener
         .local_addr()
         .map_err(|e| RouterError::Io(e.to_string()))?;
     let mut tasks = Vec::new();
     let sink = router.sink();
-    for e in &router.endpoints {
+    for e in router.endpoints() {
         if let Some(events) = &e.config.events {
             let handle = spawn_connected(
                 EndpointSource {
@@ -91,7 +93,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     }
     tasks.push(tokio::spawn(housekeeping(router.clone())));
     let app = routes(router.clone());
-    info!(%addr, endpoints = router.endpoints.len(), policy = ?router.config.scheduler.policy, "kvroute serving");
+    info!(%addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     tasks.push(tokio::spawn(async move {
         if let Err(e) = axum::serve(
             listener.tap_io(|tcp| {
@@ -116,7 +118,7 @@ async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u1
     let request = http::Request::get(url)
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let response = tokio::time::timeout(timeout, router.client.request(request))
+    let response = tokio::time::timeout(timeout, router.client().request(request))
         .await
         .map_err(|_| "timed out".to_string())?
         .map_err(|e| e.to_string())?;
@@ -128,10 +130,10 @@ async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u1
     Ok((status, body.to_bytes()))
 }
 
-/// Ejects an endpoint after consecutive failed checks (dropping what the index held for it)
-/// and brings it back after consecutive good ones.
+/// Checks an endpoint's health; the fleet ejects it after consecutive failures (forgetting
+/// its cache) and restores it after consecutive passes.
 async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
-    let cfg = router.config.health.clone();
+    let cfg = router.config().health.clone();
     let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
     loop {
         tick.tick().await;
@@ -142,66 +144,109 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         )
         .await;
         let ok = matches!(result, Ok((200, _)));
-        let mut health = endpoint.health.lock();
-        if ok {
-            health.failures = 0;
-            health.successes += 1;
-            if !health.healthy && health.successes >= cfg.healthy_after {
-                health.healthy = true;
-                health.last_error = None;
-                info!(endpoint = %endpoint.name, "endpoint healthy again");
-            }
-        } else {
-            health.successes = 0;
-            health.failures += 1;
-            health.last_error = Some(match result {
+        if !ok {
+            *endpoint.last_health_error.lock() = Some(match result {
                 Ok((status, _)) => format!("health check answered {status}"),
                 Err(e) => e,
             });
-            if health.healthy && health.failures >= cfg.unhealthy_after {
-                health.healthy = false;
-                warn!(endpoint = %endpoint.name, error = ?health.last_error, "endpoint ejected after failed health checks; dropping its cached blocks");
-                drop(health);
-                router.index.clear_endpoint(endpoint.id);
-                router.history.lock().forget_endpoint(endpoint.id);
-                router.predicted.lock().forget_endpoint(endpoint.id);
+        }
+        let now = router.now();
+        let change = router.fleet().health_check(endpoint.id, ok, now);
+        match change {
+            Some(HealthChange::Ejected) => {
+                warn!(endpoint = %endpoint.name, error = ?endpoint.last_health_error.lock(), "endpoint ejected after failed health checks; its cached blocks are forgotten");
             }
+            Some(HealthChange::Restored) => {
+                *endpoint.last_health_error.lock() = None;
+                info!(endpoint = %endpoint.name, "endpoint healthy again");
+                router.capacity_changed();
+            }
+            None => {}
         }
     }
 }
 
+/// Scrapes an endpoint's load into the fleet; a counter that went backwards means the engine
+/// restarted, so what it held is forgotten at once.
 async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
-    let interval = Duration::from_millis(router.config.scrape.interval_ms);
+    let interval = Duration::from_millis(router.config().scrape.interval_ms);
     let mut tick = tokio::time::interval(interval);
     let mut warned_block_size = false;
+    // The engine's prefix-cache query counter at the last scrape, and when that was.
+    let mut last_queries: Option<(f64, f64)> = None;
+    let block_size = router
+        .fleet()
+        .endpoint(endpoint.id)
+        .map_or(0, |e| e.spec.block_size);
     loop {
         tick.tick().await;
-        if let Ok((200, body)) = get_text(
+        let Ok((200, body)) = get_text(
             &router,
             format!("http://{}/metrics", endpoint.authority),
             interval.max(Duration::from_millis(500)),
         )
         .await
+        else {
+            continue;
+        };
+        let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
+        if let Some(engine_block_size) = sample.block_size
+            && engine_block_size != block_size
+            && !std::mem::replace(&mut warned_block_size, true)
         {
-            let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
-            let configured = router.config.models[0].block_size;
-            if let Some(engine_block_size) = sample.block_size
-                && engine_block_size != configured
-                && !std::mem::replace(&mut warned_block_size, true)
-            {
-                warn!(endpoint = %endpoint.name, engine_block_size, configured, "the engine's block size differs from the configured one: its KV events will not match requests (set models[].block_size)");
-            }
-            *endpoint.scraped.lock() = Some((sample, Instant::now()));
+            warn!(endpoint = %endpoint.name, engine_block_size, configured = block_size, "the engine's block size differs from the configured one: its KV events will not match requests (set models[].block_size)");
         }
+        let now = router.now();
+        if let (Some((before, at)), Some(queries)) = (last_queries, sample.prefix_cache_queries)
+            && queries < before
+        {
+            // Restarted since the last scrape: unless its KV events already said so (and the
+            // fleet has relearned from them since), forget what it held now, not at its next
+            // event batch.
+            let noticed = router
+                .fleet()
+                .endpoint(endpoint.id)
+                .and_then(|e| e.forgotten_at())
+                .is_some_and(|t| t >= at);
+            if !noticed {
+                router.forget_endpoint(
+                    endpoint.id,
+                    "its counters went backwards: the engine restarted",
+                );
+            }
+        }
+        if let Some(queries) = sample.prefix_cache_queries {
+            last_queries = Some((queries, now));
+        }
+        let load = LoadSample {
+            waiting: sample.waiting,
+            running: sample.running,
+            kv_usage: sample.kv_usage,
+        };
+        router.fleet().observe_load(endpoint.id, load, now);
+        router.capacity_changed();
     }
 }
 
+/// Expires history and predictions, and logs changes of trust.
 async fn housekeeping(router: Arc<Router>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
         let now = router.now();
-        router.history.lock().expire(now);
-        router.predicted.lock().expire(now);
+        let changes = {
+            let mut fleet = router.fleet();
+            fleet.housekeeping(now);
+            fleet.trust_changes(now)
+        };
+        for (id, distrust) in changes {
+            let name = &router.endpoint(id).name;
+            match distrust {
+                Some(why) => {
+                    warn!(endpoint = %name, reason = ?why, "not trusting this endpoint's KV events: routing it by load only until it recovers");
+                }
+                None => warn!(endpoint = %name, "KV events trusted again"),
+            }
+        }
     }
 }

@@ -1,8 +1,9 @@
-//! The router's state and its one decision: given a parsed request, which endpoint, and what
-//! does it predict will be cached there.
+//! The router's state and its one question to core: given a prepared request, what is the
+//! plan. Every decision (which endpoint, what it is predicted to hold, whether to hold the
+//! request) is made by `kvroute-core`'s [`Fleet`]; this file tokenizes, asks, and feeds the
+//! fleet what it observes, with the router's clock.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -10,51 +11,35 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_core::history::RoutingHistory;
-use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
+use kvroute_core::fleet::{Dispatch, EndpointSpec, Fleet, Plan, RequestFeatures};
+use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
-use kvroute_core::schedule::{
-    CacheView, Candidate, Decision, Profile, RequestInfo, Role, schedule,
-};
+use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
-use parking_lot::Mutex;
-use quick_cache::sync::Cache;
-use serde::Serialize;
+use parking_lot::{Mutex, MutexGuard};
+use tokio::sync::Notify;
+use tracing::warn;
 
 use crate::RouterError;
 use crate::config::{ModelConfig, RouterConfig};
-use crate::fleet::{Distrust, Endpoint, TrackingSink};
+use crate::endpoint::{Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
 
 /// Everything the router shares between requests and background tasks.
 pub struct Router {
-    /// The configuration in force.
-    pub config: RouterConfig,
-    /// The scheduling profile.
-    pub profile: Profile,
-    /// Endpoints, indexed by id.
-    pub endpoints: Vec<Arc<Endpoint>>,
-    /// The KV block index fed by engine events.
-    pub index: Arc<SharedIndex>,
-    /// Where the router sent which prefixes (approximate mode).
-    pub history: Mutex<RoutingHistory>,
-    /// Just-sent prefixes, until their events arrive.
-    pub predicted: Mutex<RoutingHistory>,
-    /// Session → last endpoint.
-    pub sessions: Cache<String, EndpointId>,
-    /// Tokenization results.
-    pub tokens: TokenCache,
-    /// Each model's tokenizer, by model name.
-    pub tokenizers: std::collections::HashMap<String, ModelTokenizer>,
-    /// HTTP client for health checks, scrapes and other small requests.
-    pub client: Client<HttpConnector, Full<Bytes>>,
-    /// Connections for proxied requests.
-    pub upstream: Arc<Upstream>,
-    /// The router's metrics.
-    pub metrics: RouterMetrics,
-    round_robin: AtomicU64,
+    config: RouterConfig,
+    endpoints: Vec<Arc<Endpoint>>,
+    fleet: Mutex<Fleet>,
+    tokens: TokenCache,
+    tokenizers: std::collections::HashMap<String, ModelTokenizer>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    upstream: Arc<Upstream>,
+    metrics: RouterMetrics,
+    /// Woken whenever capacity may have freed up (a first token, an end, a scrape): held
+    /// requests check again.
+    capacity: Notify,
     started: Instant,
 }
 
@@ -62,6 +47,8 @@ pub struct Router {
 pub struct Prepared {
     /// The model's configuration.
     pub model: ModelConfig,
+    /// The model (or adapter) name the request used.
+    pub model_name: String,
     /// LoRA adapter named by the request, if any.
     pub lora: Option<String>,
     /// Prompt tokens, when a tokenizer is configured.
@@ -70,71 +57,55 @@ pub struct Prepared {
     pub keys: Arc<Vec<RouterKey>>,
     /// Prompt length used for scoring (tokens, or an estimate from the body size).
     pub prompt_tokens: usize,
+    /// The session the request names, if any.
+    pub session: Option<String>,
 }
 
-/// Per-endpoint facts shown by the explain API besides the scheduler's own breakdown.
-#[derive(Debug, Clone, Serialize)]
-pub struct EndpointFacts {
-    /// Endpoint name.
-    pub name: String,
-    /// Passing health checks.
-    pub healthy: bool,
-    /// `null` when its KV index is used, else why not.
-    pub index_distrust: Option<Distrust>,
-    /// Blocks matched by the index, by tier (before trust is applied).
-    pub index_match: Option<kvroute_core::index::PrefixMatch>,
-    /// Blocks matched by the router's history.
-    pub history_blocks: u32,
-    /// Blocks matched by the predicted overlay.
-    pub predicted_blocks: u32,
-}
-
-/// A scheduling decision with the context it was made in.
-pub struct Routed {
-    /// The scheduler's decision.
-    pub decision: Decision,
-    /// Facts per endpoint, in id order.
-    pub facts: Vec<EndpointFacts>,
-    /// Cached tokens the router expects the chosen endpoint to report (vLLM recomputes the
-    /// last prompt token, so at most the full blocks of all tokens but the last).
-    pub predicted_cached: Vec<usize>,
+impl Prepared {
+    /// The features core plans with.
+    pub fn features(&self) -> RequestFeatures<'_> {
+        RequestFeatures {
+            model: &self.model_name,
+            keys: &self.keys,
+            prompt_tokens: self.prompt_tokens,
+            block_size: self.model.block_size,
+            session: self.session.as_deref(),
+            role: Role::Both,
+        }
+    }
 }
 
 impl Router {
     /// Builds the router's state (no tasks started).
     pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
         config.validate()?;
-        let all_models: Vec<String> = config
-            .models
-            .iter()
-            .flat_map(|m| std::iter::once(m.name.clone()).chain(m.lora_adapters.iter().cloned()))
-            .collect();
-        let endpoints = config
-            .endpoints
-            .iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let models = if e.models.is_empty() {
-                    all_models.clone()
-                } else {
-                    config
-                        .models
-                        .iter()
-                        .filter(|m| e.models.contains(&m.name))
-                        .flat_map(|m| {
-                            std::iter::once(m.name.clone()).chain(m.lora_adapters.iter().cloned())
-                        })
-                        .collect()
-                };
-                Arc::new(Endpoint::new(EndpointId(i as u32), e.clone(), models))
-            })
-            .collect();
-        let block_size = config.models[0].block_size;
-        let index = KvIndex::new(IndexConfig {
-            block_size,
-            capacity: config.cache.index_capacity,
-        })
-        .map_err(|e| RouterError::Config(e.to_string()))?;
+        let mut specs = Vec::with_capacity(config.endpoints.len());
+        let mut endpoints = Vec::with_capacity(config.endpoints.len());
+        for (i, e) in config.endpoints.iter().enumerate() {
+            let models: Vec<&ModelConfig> = config
+                .models
+                .iter()
+                .filter(|m| e.models.is_empty() || e.models.contains(&m.name))
+                .collect();
+            let block_size = models[0].block_size;
+            if models.iter().any(|m| m.block_size != block_size) {
+                warn!(endpoint = %e.url, block_size, "models of different block sizes on one endpoint: its KV events are read with the first model's");
+            }
+            let endpoint = Endpoint::new(EndpointId(i as u32), e.clone());
+            specs.push(EndpointSpec {
+                name: endpoint.name.clone(),
+                models: models
+                    .iter()
+                    .flat_map(|m| std::iter::once(&m.name).chain(&m.lora_adapters).cloned())
+                    .collect(),
+                role: e.role,
+                has_events: e.events.is_some(),
+                block_size,
+            });
+            endpoints.push(Arc::new(endpoint));
+        }
+        let fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
+            .map_err(|e| RouterError::Config(e.to_string()))?;
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(
             config.limits.connect_timeout_ms,
@@ -150,38 +121,104 @@ impl Router {
             .collect::<Result<_, RouterError>>()?;
         Ok(Self {
             tokenizers,
-            profile: config.scheduler.profile(),
-            history: Mutex::new(RoutingHistory::new(
-                config.cache.history_ttl_s,
-                config.cache.history_capacity,
-            )),
-            predicted: Mutex::new(RoutingHistory::new(config.cache.predicted_ttl_s, 1 << 20)),
-            sessions: Cache::new(100_000),
+            fleet: Mutex::new(fleet),
             tokens: TokenCache::new(4096),
-            index: Arc::new(SharedIndex::new(index)),
             endpoints,
             client,
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
             ))),
             metrics: RouterMetrics::default(),
-            round_robin: AtomicU64::new(0),
+            capacity: Notify::new(),
             started: Instant::now(),
             config,
         })
     }
 
+    /// The configuration in force.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Every endpoint, in id order.
+    pub fn endpoints(&self) -> &[Arc<Endpoint>] {
+        &self.endpoints
+    }
+
+    /// One endpoint.
+    pub fn endpoint(&self, id: EndpointId) -> &Arc<Endpoint> {
+        &self.endpoints[id.0 as usize]
+    }
+
+    /// The fleet's decision state, locked (hold it briefly: every request plans through it).
+    pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock()
+    }
+
+    /// Whether `id` passes its health checks.
+    pub fn healthy(&self, id: EndpointId) -> bool {
+        self.fleet().endpoint(id).is_some_and(|e| e.healthy())
+    }
+
+    /// What the KV index holds for `id`.
+    pub fn index_stats(&self, id: EndpointId) -> Option<EndpointIndexStats> {
+        let index = self.fleet().index_of(id).cloned();
+        index.and_then(|i| i.endpoint_stats(id))
+    }
+
+    /// `id`'s load as the scheduler sees it now (in-flight counts included).
+    pub fn load(&self, id: EndpointId) -> EndpointLoad {
+        let now = self.now();
+        self.fleet().load(id, now).unwrap_or_default()
+    }
+
+    /// The router's metrics.
+    pub fn metrics(&self) -> &RouterMetrics {
+        &self.metrics
+    }
+
+    /// The HTTP client for health checks, scrapes and other small requests.
+    pub fn client(&self) -> &Client<HttpConnector, Full<Bytes>> {
+        &self.client
+    }
+
+    /// Connections for proxied requests.
+    pub fn upstream(&self) -> &Arc<Upstream> {
+        &self.upstream
+    }
+
+    /// Tokenization results, cached.
+    pub fn token_cache(&self) -> &TokenCache {
+        &self.tokens
+    }
+
     /// The event sink the subscribers feed.
-    pub fn sink(&self) -> Arc<TrackingSink> {
+    pub fn sink(self: &Arc<Self>) -> Arc<TrackingSink> {
         Arc::new(TrackingSink {
-            index: self.index.clone(),
-            endpoints: self.endpoints.clone(),
+            router: Arc::downgrade(self),
         })
     }
 
-    /// Seconds since start: the clock of the history structures.
+    /// Seconds since start: the clock every fleet observation is stamped with.
     pub fn now(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
+    }
+
+    /// Forgets what `id` holds (restart, ejection), saying why in the log.
+    pub fn forget_endpoint(&self, id: EndpointId, why: &str) {
+        warn!(endpoint = %self.endpoint(id).name, why, "forgetting everything known of this endpoint's cache");
+        let now = self.now();
+        self.fleet().forget_endpoint(id, now);
+    }
+
+    /// Wakes held requests: capacity may have freed up.
+    pub fn capacity_changed(&self) {
+        self.capacity.notify_waiters();
+    }
+
+    /// Resolves when capacity may have freed up (create before checking, then await).
+    pub fn capacity_notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.capacity.notified()
     }
 
     /// The model (and adapter) a request names, if served.
@@ -197,11 +234,17 @@ impl Router {
         })
     }
 
-    /// Tokenizes and keys a parsed request.
-    pub async fn prepare(&self, request: &GenerationRequest, body_len: usize) -> Option<Prepared> {
+    /// Tokenizes and keys a parsed request; `session` from its headers.
+    pub async fn prepare(
+        &self,
+        request: &GenerationRequest,
+        body_len: usize,
+        session: Option<String>,
+    ) -> Option<Prepared> {
         let (model, lora) = self.model(&request.model)?;
         let started = Instant::now();
-        let remote = self.endpoints.iter().find(|e| e.healthy()).map(|e| Remote {
+        let healthy = self.endpoints.iter().find(|e| self.healthy(e.id)).cloned();
+        let remote = healthy.as_ref().map(|e| Remote {
             client: &self.client,
             base: format!("http://{}", e.authority),
             timeout: Duration::from_secs(2),
@@ -228,6 +271,8 @@ impl Router {
         };
         Some(Prepared {
             model,
+            model_name: request.model.clone(),
+            session,
             lora,
             tokens,
             keys: Arc::new(keys),
@@ -235,133 +280,27 @@ impl Router {
         })
     }
 
-    /// Scores every endpoint for a prepared request.
-    pub fn route(&self, prepared: &Prepared, model_name: &str, session: Option<&str>) -> Routed {
-        self.route_inner(prepared, model_name, session, false)
-    }
-
-    /// Like [`Router::route`], with every fact gathered for the explain API.
-    pub fn route_explained(
-        &self,
-        prepared: &Prepared,
-        model_name: &str,
-        session: Option<&str>,
-    ) -> Routed {
-        self.route_inner(prepared, model_name, session, true)
-    }
-
-    fn route_inner(
-        &self,
-        prepared: &Prepared,
-        model_name: &str,
-        session: Option<&str>,
-        explain: bool,
-    ) -> Routed {
+    /// Plans a prepared request: every endpoint costed and ranked by core.
+    pub fn plan(&self, prepared: &Prepared) -> Plan {
         let started = Instant::now();
         let now = self.now();
-        let bs = prepared.model.block_size;
-        let index_matches = self.index.lookup(&prepared.keys);
-        // The history only matters when its scorer counts (approximate policies) or someone
-        // asks for the explanation; the walk is not free for long prompts.
-        let history = if self.profile.weights.approximate_prefix > 0.0 || explain {
-            self.history.lock().longest_prefixes(&prepared.keys, now)
-        } else {
-            Vec::new()
-        };
-        let predicted = self.predicted.lock().longest_prefixes(&prepared.keys, now);
-        let lookup = |list: &[(EndpointId, u32)], id| {
-            list.iter().find(|(e, _)| *e == id).map_or(0, |(_, n)| *n)
-        };
-        // vLLM always recomputes the last prompt token: at most this many blocks are reported.
-        let reportable = prepared.prompt_tokens.saturating_sub(1) / bs;
-        let scrape_max_age = Duration::from_millis(self.config.scrape.interval_ms * 4 + 1000);
-        let session_endpoint = session.and_then(|s| self.sessions.get(s));
-        let mut candidates = Vec::with_capacity(self.endpoints.len());
-        let mut facts = Vec::with_capacity(self.endpoints.len());
-        let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
-        for e in &self.endpoints {
-            let index_match = index_matches.get(e.id).copied();
-            let distrust = e.index_trust(&self.config.cache).err();
-            let history_blocks = lookup(&history, e.id);
-            let predicted_blocks = lookup(&predicted, e.id);
-            let precise = match distrust {
-                None => Some(index_match.unwrap_or(kvroute_core::index::PrefixMatch {
-                    endpoint: e.id,
-                    blocks: 0,
-                    gpu_blocks: 0,
-                    cpu_blocks: 0,
-                    storage_blocks: 0,
-                })),
-                Some(_) => None,
-            };
-            let best_blocks = precise.map_or(0, |m| m.blocks).max(predicted_blocks) as usize;
-            predicted_cached.push(best_blocks.min(reportable) * bs);
-            let rate = match *e.prefill_rate.lock() {
-                r if r > 0.0 => r,
-                _ => self.config.scheduler.prefill_tokens_per_s,
-            };
-            candidates.push(Candidate {
-                endpoint: e.id,
-                healthy: e.healthy(),
-                serves_model: e.models.iter().any(|m| m == model_name),
-                role: e.role(),
-                load: e.load(scrape_max_age),
-                cache: CacheView {
-                    precise,
-                    approximate: history_blocks,
-                    predicted: predicted_blocks,
-                },
-                prefill_tokens_per_s: rate,
-            });
-            facts.push(EndpointFacts {
-                name: e.name.clone(),
-                healthy: e.healthy(),
-                index_distrust: distrust,
-                index_match,
-                history_blocks,
-                predicted_blocks,
-            });
-        }
-        let info = RequestInfo {
-            prompt_tokens: prepared.prompt_tokens,
-            block_size: bs,
-            session_endpoint,
-            role: Role::Both,
-        };
-        let decision = schedule(
-            &self.profile,
-            &info,
-            &candidates,
-            rand::random(),
-            self.round_robin.fetch_add(1, Ordering::Relaxed),
-        );
+        let plan = self.fleet().plan(&prepared.features(), rand::random(), now);
         self.metrics
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
-        Routed {
-            decision,
-            facts,
-            predicted_cached,
-        }
+        plan
     }
 
-    /// Records that a request's blocks went to `endpoint` (history, overlay, session);
-    /// `placement`: it went there for a reason other than what the endpoint holds.
-    pub fn record_dispatch(
+    /// Records that `prepared` went to `endpoint` with its plan's `predicted_cached`: call once
+    /// the connection to the engine is made.
+    pub fn dispatched(
         &self,
+        predicted_cached: &[usize],
+        prepared: &Prepared,
         endpoint: EndpointId,
-        keys: &[RouterKey],
-        session: Option<&str>,
-        placement: bool,
-    ) {
+    ) -> Dispatch {
         let now = self.now();
-        self.history.lock().record(endpoint, keys, now);
-        self.predicted.lock().record(endpoint, keys, now);
-        if let Some(s) = session {
-            self.sessions.insert(s.to_owned(), endpoint);
-        }
-        if let Some(e) = self.endpoints.get(endpoint.0 as usize) {
-            e.note_dispatch(placement);
-        }
+        self.fleet()
+            .dispatched(predicted_cached, &prepared.features(), endpoint, now)
     }
 }

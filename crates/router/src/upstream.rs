@@ -40,7 +40,8 @@ impl std::fmt::Display for UpstreamError {
     }
 }
 
-struct Connection {
+/// A connection to an engine, ready to take a request.
+pub struct Connection {
     sender: SendRequest<Full<Bytes>>,
     task: JoinHandle<()>,
 }
@@ -122,27 +123,35 @@ impl Upstream {
         Ok(Connection { sender, task })
     }
 
-    /// Sends a request to `authority` (host:port) on a pooled or new connection.
+    /// A ready connection to `authority` (host:port): a pooled one that is still open, or a
+    /// new one. Nothing has been sent on it yet, so a failure here may be retried elsewhere.
+    pub async fn connection(&self, authority: &str) -> Result<Connection, UpstreamError> {
+        loop {
+            let candidate = self.idle.lock().get_mut(authority).and_then(Vec::pop);
+            match candidate {
+                Some(mut conn) if !conn.task.is_finished() => {
+                    // Resolves at once for an open idle connection, errors for a closed one.
+                    if std::future::poll_fn(|cx| conn.sender.poll_ready(cx))
+                        .await
+                        .is_ok()
+                    {
+                        return Ok(conn);
+                    }
+                    conn.task.abort();
+                }
+                Some(conn) => conn.task.abort(),
+                None => return self.connect(authority).await,
+            }
+        }
+    }
+
+    /// Sends a request on `conn` (from [`Upstream::connection`] for `authority`).
     pub async fn send(
         self: &Arc<Self>,
+        mut conn: Connection,
         authority: &str,
         request: http::Request<Full<Bytes>>,
     ) -> Result<(http::Response<Incoming>, Lease), UpstreamError> {
-        let pooled = loop {
-            let candidate = self.idle.lock().get_mut(authority).and_then(Vec::pop);
-            match candidate {
-                Some(conn) if conn.sender.is_ready() && !conn.task.is_finished() => {
-                    break Some(conn);
-                }
-                Some(conn) => conn.task.abort(),
-                None => break None,
-            }
-        };
-        let reused = pooled.is_some();
-        let mut conn = match pooled {
-            Some(conn) => conn,
-            None => self.connect(authority).await?,
-        };
         match conn.sender.send_request(request).await {
             Ok(response) => Ok((
                 response,
@@ -152,9 +161,10 @@ impl Upstream {
                     connection: Some(conn),
                 },
             )),
-            // A pooled connection the engine closed meanwhile: nothing was processed.
-            Err(e) if reused && e.is_canceled() => Err(UpstreamError::Connect(e.to_string())),
-            Err(e) => Err(UpstreamError::Request(e.to_string())),
+            Err(e) => {
+                conn.task.abort();
+                Err(UpstreamError::Request(e.to_string()))
+            }
         }
     }
 }

@@ -51,7 +51,7 @@ async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
         .unwrap();
     // Let the subscribers connect before traffic starts.
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints.iter().all(|e| {
+        let connected = router.router.endpoints().iter().all(|e| {
             e.subscriber
                 .lock()
                 .as_ref()
@@ -242,13 +242,16 @@ async fn explain_shows_the_breakdown_without_forwarding() {
         mine["matched_blocks"]["index"]["gpu"].as_u64().unwrap() > 10,
         "{mine}"
     );
-    assert!(
-        mine["scores"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["scorer"] == "precise_prefix")
-    );
+    // The cost, term by term in seconds: the home engine prefills less than the other.
+    let other = endpoints
+        .iter()
+        .find(|e| e["endpoint"] != home.as_str())
+        .unwrap();
+    let prefill = |e: &Value| e["cost"]["prefill_s"].as_f64().unwrap();
+    assert!(prefill(mine) < prefill(other), "{mine} vs {other}");
+    for term in ["queue_s", "tier_load_s", "decode_interference_s", "total_s"] {
+        assert!(mine["cost"][term].is_number(), "{term} in {mine}");
+    }
     // Explaining forwards nothing: the engines saw exactly one request.
     let metrics = client
         .get(format!("{}/metrics", a.endpoints[0].url))
@@ -293,13 +296,18 @@ async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
     settle().await;
     let held = |r: &RunningRouter, i: u32| {
         r.router
-            .index
-            .endpoint_stats(kvroute_core::index::EndpointId(i))
+            .index_stats(kvroute_core::index::EndpointId(i))
             .map_or(0, |s| s.blocks_gpu)
     };
     assert!(held(&router, 0) + held(&router, 1) > 0);
     drop(b); // kill engine e1
-    eventually("e1 ejected", || (!router.router.endpoints[1].healthy(), ())).await;
+    eventually("e1 ejected", || {
+        (
+            !router.router.healthy(kvroute_core::index::EndpointId(1)),
+            (),
+        )
+    })
+    .await;
     assert_eq!(held(&router, 1), 0, "the dead engine's blocks are dropped");
     for i in 0..4 {
         let answer = chat(
@@ -382,7 +390,13 @@ async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504()
         .send()
         .await
         .unwrap();
-    eventually("e0 ejected", || (!router.router.endpoints[0].healthy(), ())).await;
+    eventually("e0 ejected", || {
+        (
+            !router.router.healthy(kvroute_core::index::EndpointId(0)),
+            (),
+        )
+    })
+    .await;
     let resp = client
         .post(format!("http://{}/v1/completions", router.addr))
         .json(&json!({"model": MODEL, "prompt": "x"}))
@@ -436,9 +450,10 @@ async fn streams_pass_through_and_a_client_disconnect_frees_everything() {
         "the first token arrives long before the 2,000th"
     );
     assert_eq!(
-        router.router.endpoints[0]
-            .inflight
-            .load(std::sync::atomic::Ordering::Relaxed),
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight,
         1
     );
     drop(socket); // the client goes away mid-stream
@@ -457,9 +472,10 @@ async fn streams_pass_through_and_a_client_disconnect_frees_everything() {
             .find(|l| l.starts_with("vllm:num_requests_running"))
             .unwrap()
             .ends_with(" 0");
-        let inflight = router.router.endpoints[0]
-            .inflight
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let inflight = router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight;
         if running && inflight == 0 {
             break;
         }
@@ -470,9 +486,10 @@ async fn streams_pass_through_and_a_client_disconnect_frees_everything() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(
-        router.router.endpoints[0]
-            .inflight_prefills
-            .load(std::sync::atomic::Ordering::Relaxed),
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight_prefills,
         0
     );
 }
@@ -534,8 +551,7 @@ async fn a_restarted_engine_is_relearned() {
     let held = || {
         router
             .router
-            .index
-            .endpoint_stats(kvroute_core::index::EndpointId(0))
+            .index_stats(kvroute_core::index::EndpointId(0))
             .map_or(0, |s| s.blocks_gpu)
     };
     let before = held();
@@ -545,6 +561,9 @@ async fn a_restarted_engine_is_relearned() {
         .send()
         .await
         .unwrap();
+    // Forgotten at once (the engine's counters went backwards), before any new event or
+    // request: nothing is predicted on an engine that restarted empty.
+    eventually("restart noticed without traffic", || (held() == 0, ())).await;
     let answer = chat(
         &client,
         &router,
@@ -593,7 +612,7 @@ async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
         assert_eq!(resp.status(), 200);
         resp.bytes().await.unwrap();
     }
-    let opened = router.router.upstream.connections_opened();
+    let opened = router.router.upstream().connections_opened();
     assert!(
         opened <= 2,
         "10 sequential requests opened {opened} engine connections"
@@ -753,4 +772,99 @@ async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
         second.body["usage"]["prompt_tokens_details"]["cached_tokens"]
     );
     assert!(home["predicted_cached_tokens"].as_u64().unwrap() > 300);
+}
+
+async fn complete(
+    client: &reqwest::Client,
+    router: &RunningRouter,
+    prompt: String,
+) -> (u16, Option<String>) {
+    let resp = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (resp.status().as_u16(), retry_after)
+}
+
+/// Flow control: while the only engine is saturated, a request waits in the router (not in the
+/// engine's queue) and is served once the engine has room; past the queue's bound it is
+/// answered 429, past its wait limit 503, both with `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
+    let a = engine(4096).await;
+    let client = reqwest::Client::new();
+    // Prefill 20 times slower: a long prompt keeps the engine busy for a while.
+    client
+        .post(format!("{}/sim/faults", a.endpoints[0].url))
+        .json(&json!({"slow_factor": 200.0}))
+        .send()
+        .await
+        .unwrap();
+    let flow = "scheduler: {saturation: {queue: 1}}\nflow: {max_requests: 1, max_wait_s: 30}";
+    let router = std::sync::Arc::new(router_for(&[&a], flow).await);
+    let e0 = kvroute_core::index::EndpointId(0);
+    let long = {
+        let (client, router) = (client.clone(), router.clone());
+        tokio::spawn(async move { complete(&client, &router, words(600, 1)).await })
+    };
+    eventually("the long prompt is prefilling", || {
+        (router.router.load(e0).inflight_prefills == 1, ())
+    })
+    .await;
+    let held = {
+        let (client, router) = (client.clone(), router.clone());
+        tokio::spawn(async move { complete(&client, &router, words(10, 2)).await })
+    };
+    eventually("the second request is held in the router", || {
+        (router.router.fleet().flow().len() == 1, ())
+    })
+    .await;
+    assert_eq!(
+        router.router.load(e0).inflight,
+        1,
+        "held, not sent to the engine"
+    );
+    let (status, retry) = complete(&client, &router, words(10, 3)).await;
+    assert_eq!(
+        (status, retry.as_deref()),
+        (429, Some("1")),
+        "the queue is full"
+    );
+    assert_eq!(long.await.unwrap().0, 200);
+    assert_eq!(
+        held.await.unwrap().0,
+        200,
+        "served once the engine had room"
+    );
+    assert_eq!(router.router.fleet().flow().len(), 0);
+
+    // A router that may hold a request only briefly sheds it with 503.
+    let brief = "scheduler: {saturation: {queue: 1}}\nflow: {max_wait_s: 0.2}";
+    let router = std::sync::Arc::new(router_for(&[&a], brief).await);
+    let long = {
+        let (client, router) = (client.clone(), router.clone());
+        tokio::spawn(async move { complete(&client, &router, words(600, 4)).await })
+    };
+    eventually("the long prompt is prefilling", || {
+        (router.router.load(e0).inflight_prefills == 1, ())
+    })
+    .await;
+    let (status, retry) = complete(&client, &router, words(10, 5)).await;
+    assert_eq!(
+        (status, retry.as_deref()),
+        (503, Some("1")),
+        "shed after waiting"
+    );
+    let metrics = router.router.metrics().render();
+    assert!(
+        metrics.contains("kvroute_shed_total{reason=\"timeout\"} 1"),
+        "{metrics}"
+    );
+    assert_eq!(long.await.unwrap().0, 200);
 }

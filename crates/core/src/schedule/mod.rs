@@ -1,20 +1,28 @@
-//! Choosing an endpoint: filters, then weighted scorers, then a picker.
+//! Choosing an endpoint: filters, then a cost in seconds per candidate, then a picker.
 //!
 //! The scheduler is a pure function of the request's features, each candidate endpoint's
-//! state (health, load, what it has cached) and a random number: it has no side effects (the
-//! router reserves load and records history after it picks). It returns every candidate
-//! ranked best first with the breakdown that `/kvroute/v1/explain` shows, so a retry can take
-//! the next one and an operator can see why.
+//! state (health, load, what it has cached) and a random number. Each candidate's cost is what
+//! the engine will spend on this request, in seconds ([`cost`]): waiting behind queued work,
+//! prefilling what it does not hold, loading what it holds on slower tiers, and the stall the
+//! prefill imposes on its running decodes. The cheapest wins; among near-equal costs (that give
+//! up no cached block) the endpoint with the fewest recent placements wins, so new sessions
+//! spread evenly without ever outweighing a real cache advantage. The answer ranks every
+//! competing candidate best first with the breakdown that `/kvroute/v1/explain` shows, so a
+//! retry can take the next one and an operator can see why.
 
+pub mod cost;
 mod picker;
 mod profile;
-mod scorers;
 
 use serde::{Deserialize, Serialize};
 
 use crate::index::{EndpointId, PrefixMatch};
+pub use cost::Cost;
 pub use picker::Picker;
-pub use profile::{Filters, Profile, ProfileName, ScorerWeights, TierWeights};
+pub use profile::{
+    BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
+    TierCosts,
+};
 
 /// What an endpoint is for (prefill/decode disaggregation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,7 +37,7 @@ pub enum Role {
     Decode,
 }
 
-/// Load signals of one endpoint. Scraped values are `None` until first scraped.
+/// Load signals of one endpoint. Scraped values are `None` until scraped (or when stale).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct EndpointLoad {
     /// `vllm:num_requests_waiting` at the last scrape.
@@ -45,8 +53,8 @@ pub struct EndpointLoad {
     /// Uncached prompt tokens of in-flight requests still waiting for their first token.
     pub inflight_prefill_tokens: u64,
     /// Requests the router recently placed there for reasons other than its cache (a
-    /// time-decayed count): what the balance scorer evens out.
-    pub recent_requests: f64,
+    /// time-decayed count): what balancing evens out among near-equal costs.
+    pub recent_placements: f64,
 }
 
 impl EndpointLoad {
@@ -57,16 +65,38 @@ impl EndpointLoad {
             .unwrap_or(0.0)
             .max(f64::from(self.inflight_prefills))
     }
+
+    /// Requests decoding there: the larger of the scraped running count and the router's own
+    /// requests past their first token.
+    pub fn decoding(&self) -> f64 {
+        let own = f64::from(self.inflight.saturating_sub(self.inflight_prefills));
+        self.running.unwrap_or(0.0).max(own)
+    }
 }
 
-/// What the router knows an endpoint has cached of this request, in blocks.
+/// Whether an endpoint's KV index may be used for this decision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexState {
+    /// Events flow and agree with what the engine reports.
+    #[default]
+    Trusted,
+    /// Events are configured but the picture may be stale (silence, lost events, prediction
+    /// error): the index is not used.
+    Distrusted,
+    /// No events are configured for the endpoint: the router's history stands in.
+    NoEvents,
+}
+
+/// What the router knows an endpoint has cached of this request, in blocks, from each source.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct CacheView {
-    /// From the engine's KV events, by tier; `None` when the endpoint's index is not trusted
-    /// (no events configured, stale, unfilled gap) and so must not be used.
-    pub precise: Option<PrefixMatch>,
-    /// From the router's own routing history (approximate mode).
-    pub approximate: u32,
+    /// From the engine's KV events, by tier (`None`: not even the first block).
+    pub index: Option<PrefixMatch>,
+    /// Whether `index` may be used.
+    pub index_state: IndexState,
+    /// From the router's own routing history.
+    pub history: u32,
     /// From the short-lived overlay of requests just sent there, before their events arrive.
     pub predicted: u32,
 }
@@ -119,17 +149,6 @@ pub enum Rejection {
     KvCacheFull,
 }
 
-/// One scorer's verdict on one candidate.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ScoreTerm {
-    /// Scorer name.
-    pub scorer: &'static str,
-    /// Raw score in [0, 1].
-    pub score: f64,
-    /// Its weight in the profile.
-    pub weight: f64,
-}
-
 /// The breakdown of one candidate.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Assessment {
@@ -137,16 +156,62 @@ pub struct Assessment {
     pub endpoint: EndpointId,
     /// Why it was filtered out; `None` if it competed.
     pub rejected: Option<Rejection>,
-    /// Prompt tokens it holds, counted by the best source in use (precise, predicted, history).
+    /// Prompt tokens it holds on any tier, by the source the profile uses.
     pub cached_tokens: usize,
-    /// Of those, tokens on the GPU (precise index or prediction).
+    /// Of those, tokens on the GPU.
     pub gpu_tokens: usize,
-    /// Predicted time to first token, seconds (queue + uncached prefill).
+    /// The cost, term by term, in seconds.
+    pub cost: Cost,
+    /// Predicted time to first token, seconds (queue wait + prefill + tier loading).
     pub predicted_ttft_s: f64,
-    /// Each scorer's score.
-    pub scores: Vec<ScoreTerm>,
-    /// Weighted sum.
-    pub total: f64,
+    /// Whether the endpoint is saturated (flow control).
+    pub saturated: bool,
+    /// Its recent placements (what balancing compares).
+    pub recent_placements: f64,
+}
+
+/// Why the chosen endpoint won.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// It was cheaper mostly because it holds more of the prompt.
+    Cache,
+    /// It was cheaper mostly because it is less loaded.
+    Load,
+    /// The session affinity credit decided.
+    Session,
+    /// Costs were near-equal and it had the fewest recent placements.
+    Balance,
+    /// Costs and placements were equal: chosen at random among them.
+    Tie,
+    /// The round-robin picker.
+    RoundRobin,
+    /// The random picker.
+    Random,
+    /// The softmax picker's draw.
+    Softmax,
+    /// No other candidate competed.
+    OnlyCandidate,
+    /// No candidate passed the filters.
+    NoCandidate,
+}
+
+impl Reason {
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Cache => "cache",
+            Reason::Load => "load",
+            Reason::Session => "session",
+            Reason::Balance => "balance",
+            Reason::Tie => "tie",
+            Reason::RoundRobin => "round_robin",
+            Reason::Random => "random",
+            Reason::Softmax => "softmax",
+            Reason::OnlyCandidate => "only_candidate",
+            Reason::NoCandidate => "no_candidate",
+        }
+    }
 }
 
 /// The scheduler's answer.
@@ -156,8 +221,10 @@ pub struct Decision {
     pub ranking: Vec<EndpointId>,
     /// Every candidate's breakdown, in input order.
     pub assessments: Vec<Assessment>,
-    /// Why the first was chosen, in a few words (for logs and metrics labels).
-    pub reason: &'static str,
+    /// Why the first was chosen.
+    pub reason: Reason,
+    /// Every competing candidate is saturated (flow control may hold the request).
+    pub saturated: bool,
 }
 
 impl Decision {
@@ -172,8 +239,41 @@ impl Decision {
     }
 }
 
+fn rejection(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Option<Rejection> {
+    if !c.healthy {
+        return Some(Rejection::Unhealthy);
+    }
+    if !c.serves_model {
+        return Some(Rejection::WrongModel);
+    }
+    if request.role != Role::Both && c.role != Role::Both && c.role != request.role {
+        return Some(Rejection::WrongRole);
+    }
+    if profile
+        .filters
+        .max_waiting
+        .is_some_and(|max| c.load.queue() > max)
+    {
+        return Some(Rejection::QueueFull);
+    }
+    if profile
+        .filters
+        .max_kv_usage
+        .is_some_and(|max| c.load.kv_usage.unwrap_or(0.0) > max)
+    {
+        return Some(Rejection::KvCacheFull);
+    }
+    None
+}
+
+fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {
+    let s = &profile.saturation;
+    load.queue() >= s.queue
+        || (load.kv_usage.unwrap_or(0.0) >= s.kv_usage && load.waiting.unwrap_or(0.0) > 0.0)
+}
+
 /// Ranks `candidates` for `request` under `profile`. `random` is a uniformly random `u64`
-/// (tie-breaking and softmax sampling); `round_robin` a counter the caller increments.
+/// (tie-breaking and sampling); `round_robin` a counter the caller increments.
 pub fn schedule(
     profile: &Profile,
     request: &RequestInfo,
@@ -181,31 +281,38 @@ pub fn schedule(
     random: u64,
     round_robin: u64,
 ) -> Decision {
-    let mut assessments: Vec<Assessment> = candidates
+    let assessments: Vec<Assessment> = candidates
         .iter()
-        .map(|c| scorers::assess(profile, request, c))
+        .map(|c| {
+            let (cost, cached) = cost::assess(profile, request, c);
+            Assessment {
+                endpoint: c.endpoint,
+                rejected: rejection(profile, request, c),
+                cached_tokens: cached.all,
+                gpu_tokens: cached.gpu,
+                predicted_ttft_s: cost.predicted_ttft_s(),
+                cost,
+                saturated: saturated(profile, &c.load),
+                recent_placements: c.load.recent_placements.max(0.0),
+            }
+        })
         .collect();
-    scorers::apply_relative(candidates, &mut assessments);
     let competing: Vec<usize> = (0..assessments.len())
         .filter(|&i| assessments[i].rejected.is_none())
         .collect();
-    let (ranking, reason) = profile
-        .picker
-        .rank(&assessments, &competing, random, round_robin);
-    let reason = if ranking.is_empty() {
-        "no_candidate"
-    } else {
-        reason.unwrap_or_else(|| {
-            scorers::reason(
-                &assessments[ranking[0]],
-                ranking.get(1).map(|&i| &assessments[i]),
-            )
-        })
-    };
+    let saturated = !competing.is_empty() && competing.iter().all(|&i| assessments[i].saturated);
+    let (ranking, reason) = profile.picker.rank(
+        &profile.balance,
+        &assessments,
+        &competing,
+        random,
+        round_robin,
+    );
     Decision {
         ranking: ranking.iter().map(|&i| assessments[i].endpoint).collect(),
         assessments,
         reason,
+        saturated,
     }
 }
 

@@ -1,24 +1,27 @@
-//! Picking the winner among scored candidates.
+//! Picking the winner among costed candidates.
 
 use serde::{Deserialize, Serialize};
 
-use super::Assessment;
+use super::{Assessment, BalanceTolerance, Reason};
 
 /// How the winner is chosen.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Picker {
-    /// Highest total; exact ties broken at random.
+    /// The cheapest; among near-equal costs that give up no cached block, the fewest recent
+    /// placements; exact ties at random.
     #[default]
-    Max,
-    /// Sample the winner with probability ∝ exp(total / temperature): spreads load among
-    /// near-equal choices, useful when several routers share a fleet.
+    Cheapest,
+    /// Sample the winner with probability ∝ exp(−(cost − cheapest) / temperature_s): spreads
+    /// load among near-equal choices, useful when several routers share a fleet.
     Softmax {
-        /// Higher: more spread.
-        temperature: f64,
+        /// Seconds of cost difference that make a choice e times less likely.
+        temperature_s: f64,
     },
-    /// Each competing candidate in turn, ignoring scores.
+    /// Each competing candidate in turn, ignoring costs.
     RoundRobin,
+    /// A uniformly random competing candidate.
+    Random,
 }
 
 /// A deterministic per-candidate shuffle key from the random input.
@@ -30,50 +33,56 @@ fn tie_key(random: u64, endpoint: u32) -> u64 {
     x
 }
 
+/// A uniform draw in [0, 1) from the random input.
+fn unit(random: u64) -> f64 {
+    (random >> 11) as f64 / (1u64 << 53) as f64
+}
+
 impl Picker {
-    /// Indices of `competing` candidates, best first, and a reason when the picker, not the
-    /// scores, decided.
+    /// Indices of `competing` candidates, best first, and why the first won.
     pub(super) fn rank(
         &self,
+        tolerance: &BalanceTolerance,
         assessments: &[Assessment],
         competing: &[usize],
         random: u64,
         round_robin: u64,
-    ) -> (Vec<usize>, Option<&'static str>) {
+    ) -> (Vec<usize>, Reason) {
         let mut order = competing.to_vec();
         order.sort_by(|&a, &b| {
             let (x, y) = (&assessments[a], &assessments[b]);
-            y.total
-                .total_cmp(&x.total)
+            x.cost
+                .total_s
+                .total_cmp(&y.cost.total_s)
                 .then_with(|| tie_key(random, x.endpoint.0).cmp(&tie_key(random, y.endpoint.0)))
         });
+        match order.len() {
+            0 => return (order, Reason::NoCandidate),
+            1 => return (order, Reason::OnlyCandidate),
+            _ => {}
+        }
         match self {
-            Picker::Max => {
-                let tied = order.len() > 1
-                    && (assessments[order[0]].total - assessments[order[1]].total).abs() < 1e-12;
-                (order, tied.then_some("tie"))
-            }
+            Picker::Cheapest => balance(tolerance, assessments, order),
             Picker::RoundRobin => {
                 let mut by_id = competing.to_vec();
                 by_id.sort_by_key(|&i| assessments[i].endpoint);
-                if !by_id.is_empty() {
-                    let shift = (round_robin % by_id.len() as u64) as usize;
-                    by_id.rotate_left(shift);
-                }
-                (by_id, Some("round_robin"))
+                let shift = (round_robin % by_id.len() as u64) as usize;
+                by_id.rotate_left(shift);
+                (by_id, Reason::RoundRobin)
             }
-            Picker::Softmax { temperature } => {
-                if order.is_empty() {
-                    return (order, None);
-                }
-                let t = temperature.max(1e-6);
-                let top = assessments[order[0]].total;
+            Picker::Random => {
+                order.sort_by_key(|&i| tie_key(random, assessments[i].endpoint.0));
+                (order, Reason::Random)
+            }
+            Picker::Softmax { temperature_s } => {
+                let t = temperature_s.max(1e-9);
+                let best = assessments[order[0]].cost.total_s;
                 let weights: Vec<f64> = order
                     .iter()
-                    .map(|&i| ((assessments[i].total - top) / t).exp())
+                    .map(|&i| (-(assessments[i].cost.total_s - best) / t).exp())
                     .collect();
                 let sum: f64 = weights.iter().sum();
-                let mut target = (random >> 11) as f64 / (1u64 << 53) as f64 * sum;
+                let mut target = unit(random) * sum;
                 let mut pick = order.len() - 1;
                 for (k, w) in weights.iter().enumerate() {
                     if target < *w {
@@ -84,8 +93,85 @@ impl Picker {
                 }
                 let chosen = order.remove(pick);
                 order.insert(0, chosen);
-                (order, Some("softmax"))
+                (order, Reason::Softmax)
             }
         }
+    }
+}
+
+/// The cheapest-first `order`, with the winner moved forward from among the near-equal
+/// candidates that hold at least as much of the prompt as the cheapest: fewest recent
+/// placements first.
+fn balance(
+    tolerance: &BalanceTolerance,
+    assessments: &[Assessment],
+    mut order: Vec<usize>,
+) -> (Vec<usize>, Reason) {
+    let cheapest = &assessments[order[0]];
+    let limit = cheapest.cost.total_s
+        + tolerance.relative * cheapest.cost.total_s.max(0.0)
+        + tolerance.absolute_s;
+    let near: Vec<usize> = order
+        .iter()
+        .copied()
+        .filter(|&i| {
+            let a = &assessments[i];
+            a.cost.total_s <= limit && a.cached_tokens >= cheapest.cached_tokens
+        })
+        .collect();
+    if near.len() > 1 {
+        // `near` is in cost order, so among equal placements the cheaper (then random) wins.
+        let fewest = near
+            .iter()
+            .copied()
+            .min_by(|&a, &b| {
+                assessments[a]
+                    .recent_placements
+                    .total_cmp(&assessments[b].recent_placements)
+            })
+            .expect("near is not empty");
+        let placements = |i: usize| assessments[i].recent_placements;
+        let all_equal = near
+            .iter()
+            .all(|&i| (placements(i) - placements(fewest)).abs() < 1e-9);
+        let reason = if !all_equal {
+            Reason::Balance
+        } else if near
+            .iter()
+            .all(|&i| (assessments[i].cost.total_s - cheapest.cost.total_s).abs() < 1e-12)
+        {
+            Reason::Tie
+        } else {
+            // Placements were equal: the cheapest of the near-equal ones won on its cost.
+            let reason = why_cheaper(assessments, order[0], order[1]);
+            return (order, reason);
+        };
+        let at = order
+            .iter()
+            .position(|&i| i == fewest)
+            .expect("fewest comes from order");
+        let chosen = order.remove(at);
+        order.insert(0, chosen);
+        return (order, reason);
+    }
+    let reason = why_cheaper(assessments, order[0], order[1]);
+    (order, reason)
+}
+
+/// Whether `winner` beat `runner_up` mostly through what it holds, its headroom, or the
+/// session credit.
+fn why_cheaper(assessments: &[Assessment], winner: usize, runner_up: usize) -> Reason {
+    let (w, r) = (&assessments[winner].cost, &assessments[runner_up].cost);
+    let cache_gain = (r.prefill_s + r.tier_load_s) - (w.prefill_s + w.tier_load_s);
+    let load_gain = (r.queue_s + r.decode_interference_s) - (w.queue_s + w.decode_interference_s);
+    let session_gain = w.session_credit_s - r.session_credit_s;
+    if session_gain > cache_gain.max(load_gain) && session_gain > 0.0 {
+        Reason::Session
+    } else if cache_gain >= load_gain && cache_gain > 0.0 {
+        Reason::Cache
+    } else if load_gain > 0.0 {
+        Reason::Load
+    } else {
+        Reason::Tie
     }
 }

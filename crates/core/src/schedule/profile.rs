@@ -1,55 +1,95 @@
-//! Scheduling profiles: which filters, scorer weights and picker to use. The named policies
-//! (`round-robin`, `random`, `least-load`, `approximate`, `precise`) are configurations of the
-//! same pipeline, so they can be compared on equal terms.
+//! Scheduling profiles: where the cache picture comes from, the cost model's parameters, the
+//! filters and the picker. The named policies (`round-robin`, `random`, `least-load`,
+//! `approximate`, `precise`) are configurations of the same pipeline, so they can be compared
+//! on equal terms.
 
 use serde::{Deserialize, Serialize};
 
 use super::picker::Picker;
 
-/// Credit per cached block by tier, relative to recomputing it (GPU 1.0).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TierWeights {
-    /// A GPU hit.
-    pub gpu: f64,
-    /// A CPU-tier hit (costs a transfer).
-    pub cpu: f64,
-    /// A storage-tier hit (costs a slower transfer).
-    pub storage: f64,
+/// Which picture of what each endpoint holds the cost model uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheSource {
+    /// The engines' KV events (the index), plus the overlay of requests just sent; an
+    /// endpoint without events configured falls back to the router's history.
+    #[default]
+    Precise,
+    /// The router's own routing history (no events needed).
+    Approximate,
+    /// Ignore caches: every prompt costs its full prefill everywhere (load decides).
+    None,
 }
 
-impl Default for TierWeights {
+/// The cost model's weights: the seed's "prefix weight against load weight", in seconds.
+///
+/// A candidate's cost is `prefix × (uncached prefill + lower-tier loading) + load × (queue
+/// wait + decode interference)`, every term in seconds. With both weights 1 the cost is the
+/// time the engine will spend before this request's first token plus the stall it imposes on
+/// others; raising `prefix` favours cache over load, raising `load` the reverse.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostWeights {
+    /// Weight of the seconds spent computing (or loading) what is not cached on the GPU.
+    pub prefix: f64,
+    /// Weight of the seconds spent waiting behind other work, and stalling others.
+    pub load: f64,
+    /// Seconds of stall charged per running decode for each second of this request's prefill:
+    /// a long prefill on an engine delays every token its running requests produce.
+    pub decode_interference: f64,
+}
+
+impl Default for CostWeights {
     fn default() -> Self {
         Self {
-            gpu: 1.0,
-            cpu: 0.8,
-            storage: 0.5,
+            prefix: 1.0,
+            load: 1.0,
+            decode_interference: 0.05,
         }
     }
 }
 
-/// Weights of the scorers; 0 turns a scorer off.
+/// How fast blocks on slower tiers load, compared with recomputing them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ScorerWeights {
-    /// Share of the prompt cached, from the engines' KV events (and the predicted overlay).
-    pub precise_prefix: f64,
-    /// Share of the prompt the router itself sent there recently.
-    pub approximate_prefix: f64,
-    /// Headroom: short queue, free KV cache, few in-flight requests.
-    pub load: f64,
-    /// Predicted time to first token relative to the best candidate's.
-    pub cost: f64,
-    /// Stickiness to the session's previous endpoint.
-    pub session: f64,
-    /// Evenness: fewer recent requests than the others. Breaks the near-ties of requests that
-    /// no endpoint holds much of (new conversations), so sessions spread evenly.
-    pub balance: f64,
+pub struct TierCosts {
+    /// Tokens per second loaded from the CPU tier (a PCIe transfer).
+    pub cpu_tokens_per_s: f64,
+    /// Tokens per second loaded from local or shared storage.
+    pub storage_tokens_per_s: f64,
 }
 
-impl Default for ScorerWeights {
+impl Default for TierCosts {
     fn default() -> Self {
-        Profile::named(ProfileName::Precise).weights
+        // About 128 KiB of KV per token for an 8B model: ~20 GB/s of PCIe moves ~150k tokens/s,
+        // a fast NVMe or shared filesystem about a tenth of that.
+        Self {
+            cpu_tokens_per_s: 150_000.0,
+            storage_tokens_per_s: 40_000.0,
+        }
+    }
+}
+
+/// When costs count as equal, so that new sessions can be spread evenly.
+///
+/// Among the candidates whose cost is within `relative × cheapest + absolute_s` of the cheapest
+/// and that hold at least as much of the prompt as the cheapest, the one with the fewest recent
+/// placements wins. Balancing therefore never gives up a cached block.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BalanceTolerance {
+    /// Fraction of the cheapest cost (absorbs noise in observed prefill rates).
+    pub relative: f64,
+    /// Seconds.
+    pub absolute_s: f64,
+}
+
+impl Default for BalanceTolerance {
+    fn default() -> Self {
+        Self {
+            relative: 0.1,
+            absolute_s: 0.001,
+        }
     }
 }
 
@@ -57,10 +97,31 @@ impl Default for ScorerWeights {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Filters {
-    /// Skip endpoints with more waiting requests than this.
+    /// Skip endpoints with more queued requests than this.
     pub max_waiting: Option<f64>,
     /// Skip endpoints whose KV cache usage (0–1) is above this.
     pub max_kv_usage: Option<f64>,
+}
+
+/// When an endpoint counts as saturated, for flow control: the router holds a request rather
+/// than bind it to an engine queue while every candidate is saturated.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Saturation {
+    /// Requests queued at the engine (scraped `num_requests_waiting`, or the router's own
+    /// requests not yet past prefill, whichever is larger) at which it is saturated.
+    pub queue: f64,
+    /// KV cache usage (0–1) at which it is saturated while requests wait there.
+    pub kv_usage: f64,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Self {
+            queue: 4.0,
+            kv_usage: 0.95,
+        }
+    }
 }
 
 /// The named policies.
@@ -71,11 +132,11 @@ pub enum ProfileName {
     RoundRobin,
     /// A uniformly random endpoint.
     Random,
-    /// The least loaded endpoint.
+    /// The cheapest endpoint ignoring caches (queue and interference decide).
     LeastLoad,
-    /// The router's own routing history plus load (no engine events needed).
+    /// The cost model over the router's own routing history (no engine events needed).
     Approximate,
-    /// The engines' KV events plus load and predicted TTFT (the default).
+    /// The cost model over the engines' KV events (the default).
     Precise,
 }
 
@@ -96,83 +157,73 @@ impl std::str::FromStr for ProfileName {
     }
 }
 
+impl ProfileName {
+    /// Every named policy, in the order reports list them.
+    pub const ALL: [ProfileName; 5] = [
+        ProfileName::RoundRobin,
+        ProfileName::Random,
+        ProfileName::LeastLoad,
+        ProfileName::Approximate,
+        ProfileName::Precise,
+    ];
+
+    /// The name as configured and printed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProfileName::RoundRobin => "round-robin",
+            ProfileName::Random => "random",
+            ProfileName::LeastLoad => "least-load",
+            ProfileName::Approximate => "approximate",
+            ProfileName::Precise => "precise",
+        }
+    }
+}
+
 /// A complete scheduling configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Profile {
-    /// Scorer weights.
-    #[serde(default)]
-    pub weights: ScorerWeights,
-    /// Tier credits for the precise prefix scorer.
-    #[serde(default)]
-    pub tiers: TierWeights,
-    /// Hard limits.
-    #[serde(default)]
-    pub filters: Filters,
+    /// Where the cache picture comes from.
+    pub cache: CacheSource,
     /// How the winner is picked.
-    #[serde(default)]
     pub picker: Picker,
-    /// Waiting-queue length at which the load scorer reaches 0.
-    #[serde(default = "default_queue_norm")]
-    pub queue_norm: f64,
-    /// Seconds each queued request adds to a new request's predicted TTFT (the cost scorer):
-    /// a request waiting for a batch slot waits behind others' decoding, which prefill
-    /// tokens alone do not show.
-    #[serde(default = "default_queue_wait")]
+    /// Prefix against load.
+    pub weights: CostWeights,
+    /// Loading from slower tiers.
+    pub tiers: TierCosts,
+    /// When costs count as equal (new sessions spread evenly among them).
+    pub balance: BalanceTolerance,
+    /// Seconds each queued request adds to a new request's wait, besides the queued prefill
+    /// tokens: a request waiting for a batch slot also waits behind others' decoding.
     pub queue_wait_s: f64,
-}
-
-fn default_queue_norm() -> f64 {
-    8.0
-}
-
-fn default_queue_wait() -> f64 {
-    0.02
+    /// Seconds taken off the cost of the endpoint a request's session used last (0: off).
+    pub session_affinity_s: f64,
+    /// Hard limits.
+    pub filters: Filters,
+    /// When endpoints count as saturated (flow control).
+    pub saturation: Saturation,
 }
 
 impl Profile {
     /// The profile behind a named policy.
     pub fn named(name: ProfileName) -> Profile {
-        let zero = ScorerWeights {
-            precise_prefix: 0.0,
-            approximate_prefix: 0.0,
-            load: 0.0,
-            cost: 0.0,
-            session: 0.0,
-            balance: 0.0,
-        };
-        let (weights, picker) = match name {
-            ProfileName::RoundRobin => (zero, Picker::RoundRobin),
-            ProfileName::Random => (zero, Picker::Max),
-            ProfileName::LeastLoad => (ScorerWeights { load: 1.0, ..zero }, Picker::Max),
-            ProfileName::Approximate => (
-                ScorerWeights {
-                    approximate_prefix: 1.0,
-                    load: 1.0,
-                    cost: 1.0,
-                    balance: 4.0,
-                    ..zero
-                },
-                Picker::Max,
-            ),
-            ProfileName::Precise => (
-                ScorerWeights {
-                    precise_prefix: 1.0,
-                    load: 1.0,
-                    cost: 1.0,
-                    balance: 4.0,
-                    ..zero
-                },
-                Picker::Max,
-            ),
+        let (cache, picker) = match name {
+            ProfileName::RoundRobin => (CacheSource::None, Picker::RoundRobin),
+            ProfileName::Random => (CacheSource::None, Picker::Random),
+            ProfileName::LeastLoad => (CacheSource::None, Picker::Cheapest),
+            ProfileName::Approximate => (CacheSource::Approximate, Picker::Cheapest),
+            ProfileName::Precise => (CacheSource::Precise, Picker::Cheapest),
         };
         Profile {
-            weights,
-            tiers: TierWeights::default(),
-            filters: Filters::default(),
+            cache,
             picker,
-            queue_norm: default_queue_norm(),
-            queue_wait_s: default_queue_wait(),
+            weights: CostWeights::default(),
+            tiers: TierCosts::default(),
+            balance: BalanceTolerance::default(),
+            queue_wait_s: 0.02,
+            session_affinity_s: 0.0,
+            filters: Filters::default(),
+            saturation: Saturation::default(),
         }
     }
 }

@@ -45,7 +45,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!(
             "kvroute serving on http://{} ({} endpoints)",
             running.addr,
-            running.router.endpoints.len()
+            running.router.endpoints().len()
         );
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}

@@ -1,0 +1,195 @@
+//! One endpoint's state as decisions read it: health, the last load sample, the router's own
+//! in-flight accounting, its observed prefill rate, recent placements and index trust. Every
+//! update takes `now` in seconds.
+
+use serde::{Deserialize, Serialize};
+
+use super::trust::Trust;
+use crate::index::EndpointId;
+use crate::schedule::{EndpointLoad, Role};
+
+/// What the router is told about an endpoint when it joins the fleet.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EndpointSpec {
+    /// Name for logs, metrics and explanations.
+    pub name: String,
+    /// Models (and adapters) it serves.
+    pub models: Vec<String>,
+    /// Its role.
+    pub role: Role,
+    /// Whether KV events are configured for it.
+    pub has_events: bool,
+    /// Tokens per block of the model it serves.
+    pub block_size: usize,
+}
+
+/// A scraped load sample (vLLM's gauges).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadSample {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (0–1).
+    pub kv_usage: Option<f64>,
+}
+
+/// Consecutive health-check results that change an endpoint's health.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthPolicy {
+    /// Failed checks that eject a healthy endpoint.
+    pub unhealthy_after: u32,
+    /// Passed checks that bring an ejected endpoint back.
+    pub healthy_after: u32,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        Self {
+            unhealthy_after: 2,
+            healthy_after: 2,
+        }
+    }
+}
+
+/// A change of health a check caused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthChange {
+    /// Ejected: everything known of its cache was forgotten.
+    Ejected,
+    /// Back in service.
+    Restored,
+}
+
+/// Time constant of the recent-placements count, seconds.
+pub const PLACEMENT_TAU_S: f64 = 60.0;
+
+/// One endpoint's state.
+#[derive(Debug, Clone)]
+pub struct EndpointState {
+    /// Its id.
+    pub id: EndpointId,
+    /// What it was registered with.
+    pub spec: EndpointSpec,
+    pub(super) healthy: bool,
+    pub(super) failures: u32,
+    pub(super) successes: u32,
+    pub(super) sample: Option<(LoadSample, f64)>,
+    pub(super) inflight: u32,
+    pub(super) inflight_prefills: u32,
+    pub(super) inflight_prefill_tokens: u64,
+    /// Observed prefill rate, tokens/s (EWMA; 0 until observed).
+    pub(super) prefill_rate: f64,
+    /// Placements, decayed to `placements_at`.
+    pub(super) placements: f64,
+    pub(super) placements_at: f64,
+    pub(super) trust: Trust,
+    /// When everything known of its cache was last forgotten.
+    pub(super) forgotten_at: Option<f64>,
+}
+
+impl EndpointState {
+    pub(super) fn new(id: EndpointId, spec: EndpointSpec) -> Self {
+        let trust = Trust::new(spec.has_events);
+        Self {
+            id,
+            spec,
+            healthy: true,
+            failures: 0,
+            successes: 0,
+            sample: None,
+            inflight: 0,
+            inflight_prefills: 0,
+            inflight_prefill_tokens: 0,
+            prefill_rate: 0.0,
+            placements: 0.0,
+            placements_at: 0.0,
+            trust,
+            forgotten_at: None,
+        }
+    }
+
+    /// When everything known of its cache was last forgotten (restart, ejection), if ever.
+    pub fn forgotten_at(&self) -> Option<f64> {
+        self.forgotten_at
+    }
+
+    /// Passing health checks.
+    pub fn healthy(&self) -> bool {
+        self.healthy
+    }
+
+    /// Requests in flight through the router.
+    pub fn inflight(&self) -> u32 {
+        self.inflight
+    }
+
+    /// Observed prefill rate in tokens/s, or `None` until observed.
+    pub fn observed_prefill_rate(&self) -> Option<f64> {
+        (self.prefill_rate > 0.0).then_some(self.prefill_rate)
+    }
+
+    /// Placements decayed to `now`.
+    pub fn recent_placements(&self, now: f64) -> f64 {
+        self.placements * (-(now - self.placements_at).max(0.0) / PLACEMENT_TAU_S).exp()
+    }
+
+    /// Load for scoring at `now`: the last sample if younger than `max_age_s`, plus the
+    /// router's own counters.
+    pub fn load(&self, now: f64, max_age_s: f64) -> EndpointLoad {
+        let sample = self
+            .sample
+            .filter(|(_, at)| now - at <= max_age_s)
+            .map(|(s, _)| s)
+            .unwrap_or_default();
+        EndpointLoad {
+            waiting: sample.waiting,
+            running: sample.running,
+            kv_usage: sample.kv_usage,
+            inflight: self.inflight,
+            inflight_prefills: self.inflight_prefills,
+            inflight_prefill_tokens: self.inflight_prefill_tokens,
+            recent_placements: self.recent_placements(now),
+        }
+    }
+
+    pub(super) fn note_placement(&mut self, now: f64) {
+        self.placements = self.recent_placements(now) + 1.0;
+        self.placements_at = now;
+    }
+
+    /// Observes a prefill: `tokens` uncached tokens took `seconds` to the first token.
+    pub(super) fn note_prefill(&mut self, tokens: u64, seconds: f64) {
+        if tokens < 256 || seconds <= 0.0 {
+            return; // too small to say anything about the prefill rate
+        }
+        let rate = tokens as f64 / seconds;
+        self.prefill_rate = if self.prefill_rate == 0.0 {
+            rate
+        } else {
+            0.9 * self.prefill_rate + 0.1 * rate
+        };
+    }
+
+    /// Applies one health-check result.
+    pub(super) fn health_check(&mut self, ok: bool, policy: &HealthPolicy) -> Option<HealthChange> {
+        if ok {
+            self.failures = 0;
+            self.successes = self.successes.saturating_add(1);
+            if !self.healthy && self.successes >= policy.healthy_after {
+                self.healthy = true;
+                return Some(HealthChange::Restored);
+            }
+        } else {
+            self.successes = 0;
+            self.failures = self.failures.saturating_add(1);
+            if self.healthy && self.failures >= policy.unhealthy_after.max(1) {
+                self.healthy = false;
+                return Some(HealthChange::Ejected);
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,535 @@
+//! Everything a routing decision reads, in one place, with time passed in.
+//!
+//! A [`Fleet`] holds each endpoint's state (health, load samples, in-flight accounting,
+//! observed prefill rate, recent placements, index trust), the KV block indexes (one per block
+//! size), the routing history, the predicted overlay, session affinity and the flow-control
+//! queue. The live router, the Envoy endpoint picker and the offline simulator feed it
+//! observations (`observe_load`, `apply_events`, `health_check`, `first_token`, ...) and carry
+//! out its plans (`plan`, then `dispatched` once a connection to the engine is made); none of
+//! them decides anything itself.
+
+mod endpoint;
+pub mod flow;
+mod sessions;
+pub mod trust;
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::CoreError;
+use crate::event::KvEvent;
+use crate::history::RoutingHistory;
+use crate::index::{EndpointId, IndexConfig, KvIndex, PrefixMatch, SharedIndex};
+use crate::keys::RouterKey;
+use crate::schedule::{
+    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
+};
+pub use endpoint::{EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample};
+pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
+pub use sessions::Sessions;
+pub use trust::{Distrust, Trust, TrustPolicy};
+
+/// The fleet's bounds and thresholds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// Most (block, endpoint) entries in each KV index.
+    pub index_capacity: usize,
+    /// Seconds the router remembers where it sent a prefix.
+    pub history_ttl_s: f64,
+    /// Most (block, endpoint) entries in that history.
+    pub history_capacity: usize,
+    /// Seconds a just-sent prefix counts as cached before the engine's events arrive.
+    pub predicted_ttl_s: f64,
+    /// Most (block, endpoint) entries in the predicted overlay.
+    pub predicted_capacity: usize,
+    /// Seconds a prediction outlives its request's first token (the time the engine's
+    /// `BlockStored` needs to arrive).
+    pub prediction_grace_s: f64,
+    /// Sessions remembered for affinity.
+    pub sessions_capacity: usize,
+    /// Prefill speed assumed for an endpoint until observed, tokens per second.
+    pub default_prefill_tokens_per_s: f64,
+    /// Seconds after which a load sample is too old to use.
+    pub load_sample_max_age_s: f64,
+    /// When an index is distrusted.
+    pub trust: TrustPolicy,
+    /// When health checks eject and restore endpoints.
+    pub health: HealthPolicy,
+    /// Flow control under saturation.
+    pub flow: FlowConfig,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            index_capacity: 8 << 20,
+            history_ttl_s: 300.0,
+            history_capacity: 4 << 20,
+            predicted_ttl_s: 10.0,
+            predicted_capacity: 1 << 20,
+            prediction_grace_s: 0.25,
+            sessions_capacity: 100_000,
+            default_prefill_tokens_per_s: 20_000.0,
+            load_sample_max_age_s: 5.0,
+            trust: TrustPolicy::default(),
+            health: HealthPolicy::default(),
+            flow: FlowConfig::default(),
+        }
+    }
+}
+
+/// A request's features, as the router prepared them.
+#[derive(Clone, Debug)]
+pub struct RequestFeatures<'a> {
+    /// The model (or adapter) it names.
+    pub model: &'a str,
+    /// Router keys of its prompt's full blocks (empty when not tokenized).
+    pub keys: &'a Arc<Vec<RouterKey>>,
+    /// Prompt length in tokens (an estimate when not tokenized).
+    pub prompt_tokens: usize,
+    /// Tokens per block of its model.
+    pub block_size: usize,
+    /// Its session, if it names one.
+    pub session: Option<&'a str>,
+    /// The role wanted.
+    pub role: Role,
+}
+
+/// Per-endpoint facts behind a plan, for the explain API.
+#[derive(Debug, Clone, Serialize)]
+pub struct EndpointFacts {
+    /// Endpoint name.
+    pub name: String,
+    /// Passing health checks.
+    pub healthy: bool,
+    /// `None` when its KV index is used, else why not.
+    pub index_distrust: Option<Distrust>,
+    /// Blocks matched by the index, by tier (before trust is applied).
+    pub index_match: Option<PrefixMatch>,
+    /// Blocks matched by the router's history.
+    pub history_blocks: u32,
+    /// Blocks matched by the predicted overlay.
+    pub predicted_blocks: u32,
+    /// Its load as scored.
+    pub load: EndpointLoad,
+    /// The prefill rate used, tokens/s.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// A decision with the context it was made in.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The scheduler's decision.
+    pub decision: Decision,
+    /// Facts per endpoint, in id order.
+    pub facts: Vec<EndpointFacts>,
+    /// Per endpoint, the cached tokens the router expects it to report for this request (vLLM
+    /// recomputes the last prompt token, so at most the full blocks of all tokens but the
+    /// last), from the best trusted source whatever the policy.
+    pub predicted_cached: Vec<usize>,
+}
+
+/// One dispatched request's share of an endpoint's load; hand it back to
+/// [`Fleet::first_token`] and exactly once to [`Fleet::finished`].
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    /// Where it went.
+    pub endpoint: EndpointId,
+    /// Uncached prompt tokens counted into the endpoint's prefill queue.
+    pub uncached_tokens: u64,
+    /// Cached tokens the router predicted.
+    pub predicted_cached: usize,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// When it was dispatched.
+    pub dispatched_at: f64,
+    keys: Arc<Vec<RouterKey>>,
+    prefill_done: bool,
+    /// No other prefill was in flight there: its time to first token measures the prefill rate.
+    rate_sample: bool,
+}
+
+impl Dispatch {
+    /// Whether its first token arrived.
+    pub fn prefill_done(&self) -> bool {
+        self.prefill_done
+    }
+}
+
+/// The fleet's decision state.
+#[derive(Debug)]
+pub struct Fleet {
+    config: FleetConfig,
+    profile: Profile,
+    endpoints: Vec<EndpointState>,
+    /// One index per block size in use, and each endpoint's.
+    indexes: Vec<(usize, Arc<SharedIndex>)>,
+    history: RoutingHistory,
+    predicted: RoutingHistory,
+    sessions: Sessions,
+    flow: FlowQueue,
+    round_robin: u64,
+    /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
+    reported_trust: Vec<Option<Distrust>>,
+}
+
+impl Fleet {
+    /// A fleet of `endpoints` (their ids are their positions) under `profile`.
+    pub fn new(
+        config: FleetConfig,
+        profile: Profile,
+        endpoints: Vec<EndpointSpec>,
+    ) -> Result<Self, CoreError> {
+        let mut indexes: Vec<(usize, Arc<SharedIndex>)> = Vec::new();
+        for spec in &endpoints {
+            if !indexes.iter().any(|(bs, _)| *bs == spec.block_size) {
+                let index = KvIndex::new(IndexConfig {
+                    block_size: spec.block_size,
+                    capacity: config.index_capacity,
+                })?;
+                indexes.push((spec.block_size, Arc::new(SharedIndex::new(index))));
+            }
+        }
+        let endpoints: Vec<EndpointState> = endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(i, spec)| EndpointState::new(EndpointId(i as u32), spec))
+            .collect();
+        Ok(Self {
+            history: RoutingHistory::new(config.history_ttl_s, config.history_capacity),
+            predicted: RoutingHistory::new(config.predicted_ttl_s, config.predicted_capacity),
+            sessions: Sessions::new(config.sessions_capacity),
+            flow: FlowQueue::new(config.flow.clone()),
+            reported_trust: vec![None; endpoints.len()],
+            endpoints,
+            indexes,
+            config,
+            profile,
+            round_robin: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FleetConfig {
+        &self.config
+    }
+
+    /// The scheduling profile.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Every endpoint, in id order.
+    pub fn endpoints(&self) -> &[EndpointState] {
+        &self.endpoints
+    }
+
+    /// One endpoint.
+    pub fn endpoint(&self, id: EndpointId) -> Option<&EndpointState> {
+        self.endpoints.get(id.0 as usize)
+    }
+
+    /// The index holding blocks of `block_size` tokens, if any endpoint uses that size.
+    pub fn index_for_block_size(&self, block_size: usize) -> Option<&Arc<SharedIndex>> {
+        self.indexes
+            .iter()
+            .find(|(bs, _)| *bs == block_size)
+            .map(|(_, index)| index)
+    }
+
+    /// The index an endpoint's events feed.
+    pub fn index_of(&self, id: EndpointId) -> Option<&Arc<SharedIndex>> {
+        self.endpoint(id)
+            .and_then(|e| self.index_for_block_size(e.spec.block_size))
+    }
+
+    /// The routing history (approximate mode).
+    pub fn history(&self) -> &RoutingHistory {
+        &self.history
+    }
+
+    /// The flow-control queue.
+    pub fn flow(&self) -> &FlowQueue {
+        &self.flow
+    }
+
+    /// The flow-control queue, to hold requests in and take them out.
+    pub fn flow_mut(&mut self) -> &mut FlowQueue {
+        &mut self.flow
+    }
+
+    /// Whether `id`'s index may be used at `now`, or why not.
+    pub fn trust(&self, id: EndpointId, now: f64) -> Result<(), Distrust> {
+        self.endpoint(id).map_or(Err(Distrust::NoEvents), |e| {
+            e.trust.verdict(&self.config.trust, now)
+        })
+    }
+
+    /// Seconds since `id`'s last KV event, if any arrived.
+    pub fn events_age(&self, id: EndpointId, now: f64) -> Option<f64> {
+        self.endpoint(id).and_then(|e| e.trust.events_age(now))
+    }
+
+    /// The endpoint's load as scored at `now`.
+    pub fn load(&self, id: EndpointId, now: f64) -> Option<EndpointLoad> {
+        self.endpoint(id)
+            .map(|e| e.load(now, self.config.load_sample_max_age_s))
+    }
+
+    /// Endpoints whose trust changed since the last call: (endpoint, new distrust or `None`
+    /// when trusted again). Endpoints without events are not reported.
+    pub fn trust_changes(&mut self, now: f64) -> Vec<(EndpointId, Option<Distrust>)> {
+        let mut changes = Vec::new();
+        for (e, reported) in self.endpoints.iter().zip(self.reported_trust.iter_mut()) {
+            let verdict = e.trust.verdict(&self.config.trust, now).err();
+            if verdict != *reported && verdict != Some(Distrust::NoEvents) {
+                changes.push((e.id, verdict));
+            }
+            *reported = verdict;
+        }
+        changes
+    }
+
+    /// Plans a request at `now`: every endpoint costed and ranked. `random` is a uniformly
+    /// random `u64` (ties, sampling).
+    pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        let bs = request.block_size.max(1);
+        let keys = request.keys.as_slice();
+        let index_matches = self
+            .index_for_block_size(bs)
+            .map(|index| index.lookup(keys))
+            .unwrap_or_default();
+        let history = self.history.longest_prefixes(keys, now);
+        let predicted = self.predicted.longest_prefixes(keys, now);
+        let blocks_in = |list: &[(EndpointId, u32)], id| {
+            list.iter().find(|(e, _)| *e == id).map_or(0, |(_, n)| *n)
+        };
+        let reportable = request.prompt_tokens.saturating_sub(1) / bs;
+        let mut candidates = Vec::with_capacity(self.endpoints.len());
+        let mut facts = Vec::with_capacity(self.endpoints.len());
+        let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
+        for e in &self.endpoints {
+            let verdict = e.trust.verdict(&self.config.trust, now);
+            let index_state = match verdict {
+                Ok(()) => IndexState::Trusted,
+                Err(Distrust::NoEvents) => IndexState::NoEvents,
+                Err(_) => IndexState::Distrusted,
+            };
+            let same_block_size = e.spec.block_size == bs;
+            let index_match = index_matches.get(e.id).copied().filter(|_| same_block_size);
+            let cache = CacheView {
+                index: index_match,
+                index_state,
+                history: blocks_in(&history, e.id),
+                predicted: blocks_in(&predicted, e.id),
+            };
+            let known = match index_state {
+                IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
+                IndexState::NoEvents => cache.history.max(cache.predicted),
+                IndexState::Distrusted => cache.predicted,
+            };
+            predicted_cached.push((known as usize).min(reportable) * bs);
+            let load = e.load(now, self.config.load_sample_max_age_s);
+            let rate = e
+                .observed_prefill_rate()
+                .unwrap_or(self.config.default_prefill_tokens_per_s);
+            facts.push(EndpointFacts {
+                name: e.spec.name.clone(),
+                healthy: e.healthy,
+                index_distrust: verdict.err(),
+                index_match,
+                history_blocks: cache.history,
+                predicted_blocks: cache.predicted,
+                load: load.clone(),
+                prefill_tokens_per_s: rate,
+            });
+            candidates.push(Candidate {
+                endpoint: e.id,
+                healthy: e.healthy,
+                serves_model: same_block_size && e.spec.models.iter().any(|m| m == request.model),
+                role: e.spec.role,
+                load,
+                cache,
+                prefill_tokens_per_s: rate,
+            });
+        }
+        let info = RequestInfo {
+            prompt_tokens: request.prompt_tokens,
+            block_size: bs,
+            session_endpoint: request.session.and_then(|s| self.sessions.get(s)),
+            role: request.role,
+        };
+        self.round_robin = self.round_robin.wrapping_add(1);
+        let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);
+        Plan {
+            decision,
+            facts,
+            predicted_cached,
+        }
+    }
+
+    /// Records that `request` was sent to `endpoint` at `now` (call once the connection to the
+    /// engine is made): routing history, predicted overlay, session, placement and in-flight
+    /// load. `predicted_cached` is its plan's (empty for a request sent unplanned).
+    pub fn dispatched(
+        &mut self,
+        predicted_cached: &[usize],
+        request: &RequestFeatures<'_>,
+        endpoint: EndpointId,
+        now: f64,
+    ) -> Dispatch {
+        let slot = endpoint.0 as usize;
+        let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
+        let uncached = request.prompt_tokens.saturating_sub(predicted) as u64;
+        self.history.record(endpoint, request.keys, now);
+        self.predicted.record(endpoint, request.keys, now);
+        if let Some(session) = request.session {
+            self.sessions.set(session, endpoint);
+        }
+        // A placement: a request this endpoint does not hold much more of than the others (a
+        // new conversation, an uncached prompt). Placements are what balancing evens out.
+        let best_other = predicted_cached
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != slot)
+            .map(|(_, c)| *c)
+            .max()
+            .unwrap_or(0);
+        let placement = predicted.saturating_sub(best_other) * 4 < request.prompt_tokens.max(1);
+        let bs = request.block_size.max(1);
+        let expects_event = request.prompt_tokens / bs > predicted / bs;
+        let mut rate_sample = false;
+        if let Some(e) = self.endpoints.get_mut(slot) {
+            if placement {
+                e.note_placement(now);
+            }
+            rate_sample = e.inflight_prefills == 0;
+            e.inflight += 1;
+            e.inflight_prefills += 1;
+            e.inflight_prefill_tokens += uncached;
+            e.trust.dispatched(expects_event, now);
+        }
+        Dispatch {
+            endpoint,
+            uncached_tokens: uncached,
+            predicted_cached: predicted,
+            prompt_tokens: request.prompt_tokens,
+            dispatched_at: now,
+            keys: request.keys.clone(),
+            prefill_done: false,
+            rate_sample,
+        }
+    }
+
+    fn end_prefill(&mut self, dispatch: &mut Dispatch) -> Option<&mut EndpointState> {
+        if dispatch.prefill_done {
+            return None;
+        }
+        dispatch.prefill_done = true;
+        let e = self.endpoints.get_mut(dispatch.endpoint.0 as usize)?;
+        e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
+        e.inflight_prefill_tokens = e
+            .inflight_prefill_tokens
+            .saturating_sub(dispatch.uncached_tokens);
+        Some(e)
+    }
+
+    /// The request's first token arrived at `now` (`ok`: a successful response): its prefill
+    /// is done, so from now on the engine's events, not the prediction, say what it holds.
+    pub fn first_token(&mut self, dispatch: &mut Dispatch, ok: bool, now: f64) {
+        let (tokens, seconds, sample) = (
+            dispatch.uncached_tokens,
+            now - dispatch.dispatched_at,
+            dispatch.rate_sample && ok,
+        );
+        let Some(e) = self.end_prefill(dispatch) else {
+            return;
+        };
+        if sample {
+            e.note_prefill(tokens, seconds);
+        }
+        if !dispatch.keys.is_empty() {
+            let expiry = now + self.config.prediction_grace_s;
+            self.predicted
+                .shorten(dispatch.endpoint, &dispatch.keys, expiry);
+        }
+    }
+
+    /// The request ended at `now` (completed, failed, or abandoned by its client);
+    /// `reported_cached`: the engine's `cached_tokens`, if it said.
+    pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
+        let _ = now;
+        self.end_prefill(&mut dispatch);
+        if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
+            e.inflight = e.inflight.saturating_sub(1);
+            if let Some(reported) = reported_cached {
+                e.trust
+                    .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
+            }
+        }
+    }
+
+    /// A load sample scraped from `id` at `now`.
+    pub fn observe_load(&mut self, id: EndpointId, sample: LoadSample, now: f64) {
+        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+            e.sample = Some((sample, now));
+        }
+    }
+
+    /// A health check of `id` at `now`; an ejection forgets everything known of its cache.
+    pub fn health_check(&mut self, id: EndpointId, ok: bool, now: f64) -> Option<HealthChange> {
+        let policy = self.config.health.clone();
+        let change = self
+            .endpoints
+            .get_mut(id.0 as usize)?
+            .health_check(ok, &policy);
+        if change == Some(HealthChange::Ejected) {
+            self.forget_endpoint(id, now);
+        }
+        change
+    }
+
+    /// One batch of `id`'s KV events arrived at `now`.
+    pub fn apply_events(&mut self, id: EndpointId, events: &[KvEvent], now: f64) {
+        if let Some(index) = self.index_of(id) {
+            index.apply(id, events);
+        }
+        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+            e.trust.events(now);
+        }
+    }
+
+    /// Some of `id`'s events were lost for good at `now`.
+    pub fn events_lost(&mut self, id: EndpointId, now: f64) {
+        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+            e.trust.lost(now);
+        }
+    }
+
+    /// Forgets everything known of what `id` holds: its index entries, the history and
+    /// predictions of requests sent there, and sessions that went there. The one operation for
+    /// an engine restart, a health ejection and a pod that left.
+    pub fn forget_endpoint(&mut self, id: EndpointId, now: f64) {
+        if let Some(index) = self.index_of(id) {
+            index.clear_endpoint(id);
+        }
+        self.history.forget_endpoint(id);
+        self.predicted.forget_endpoint(id);
+        self.sessions.forget_endpoint(id);
+        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+            e.trust.reset();
+            e.forgotten_at = Some(now);
+        }
+    }
+
+    /// Drops expired history and predictions (call now and then).
+    pub fn housekeeping(&mut self, now: f64) {
+        self.history.expire(now);
+        self.predicted.expire(now);
+    }
+}
+
+#[cfg(test)]
+mod tests;

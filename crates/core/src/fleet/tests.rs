@@ -1,0 +1,394 @@
+//! Decision tests with a manual clock and no sockets: the fleet is fed observations as the
+//! router would feed them, and its plans are checked.
+
+use super::*;
+use crate::event::{BlockStored, EngineHash};
+use crate::keys::router_keys;
+use crate::schedule::{ProfileName, Reason};
+
+const BS: usize = 16;
+const MODEL: &str = "m";
+
+/// A fleet under construction.
+struct FleetBuilder {
+    specs: Vec<EndpointSpec>,
+    config: FleetConfig,
+    profile: Profile,
+}
+
+impl FleetBuilder {
+    fn new(endpoints: usize) -> Self {
+        Self {
+            specs: (0..endpoints).map(|i| spec(&format!("e{i}"), BS)).collect(),
+            config: FleetConfig::default(),
+            profile: Profile::default(),
+        }
+    }
+
+    fn build(self) -> Fleet {
+        Fleet::new(self.config, self.profile, self.specs).unwrap()
+    }
+}
+
+fn spec(name: &str, block_size: usize) -> EndpointSpec {
+    EndpointSpec {
+        name: name.into(),
+        models: vec![MODEL.into()],
+        role: Role::Both,
+        has_events: true,
+        block_size,
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|t| t.wrapping_mul(31) ^ salt).collect()
+}
+
+/// What an engine publishes after prefilling `tokens` (its full blocks, one chain).
+fn stored(tokens: &[u32], block_size: usize) -> KvEvent {
+    let keys = router_keys(tokens, block_size, None).unwrap();
+    let full = keys.len() * block_size;
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: keys.iter().map(|k| EngineHash(k.0 ^ 0x55)).collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..full].to_vec(),
+        block_size: block_size as u32,
+        ..Default::default()
+    })
+}
+
+/// A request as the router prepares it.
+struct Req {
+    keys: Arc<Vec<RouterKey>>,
+    tokens: usize,
+    session: Option<String>,
+    model: &'static str,
+    block_size: usize,
+}
+
+impl Req {
+    fn new(tokens: &[u32]) -> Self {
+        Self::sized(tokens, BS)
+    }
+
+    fn sized(tokens: &[u32], block_size: usize) -> Self {
+        Self {
+            keys: Arc::new(router_keys(tokens, block_size, None).unwrap()),
+            tokens: tokens.len(),
+            session: None,
+            model: MODEL,
+            block_size,
+        }
+    }
+
+    fn features(&self) -> RequestFeatures<'_> {
+        RequestFeatures {
+            model: self.model,
+            keys: &self.keys,
+            prompt_tokens: self.tokens,
+            block_size: self.block_size,
+            session: self.session.as_deref(),
+            role: Role::Both,
+        }
+    }
+}
+
+/// Plans, dispatches to the choice, and returns the dispatch.
+fn send(fleet: &mut Fleet, req: &Req, now: f64) -> (Plan, Dispatch) {
+    let plan = fleet.plan(&req.features(), 7, now);
+    let chosen = plan.decision.chosen().expect("a candidate");
+    let dispatch = fleet.dispatched(&plan.predicted_cached, &req.features(), chosen, now);
+    (plan, dispatch)
+}
+
+#[test]
+fn planning_alone_records_nothing() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let req = Req::new(&prompt(320, 1));
+    let plan = fleet.plan(&req.features(), 1, 0.0);
+    assert!(plan.decision.chosen().is_some());
+    assert!(
+        fleet.history().is_empty(),
+        "a refused connection must leave no history"
+    );
+    assert_eq!(fleet.endpoint(EndpointId(0)).unwrap().inflight(), 0);
+    assert_eq!(fleet.endpoint(EndpointId(1)).unwrap().inflight(), 0);
+}
+
+#[test]
+fn in_flight_accounting_returns_to_zero() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let req = Req::new(&prompt(1000, 1));
+    let (_, mut d) = send(&mut fleet, &req, 0.0);
+    let e = d.endpoint;
+    let load = fleet.load(e, 0.0).unwrap();
+    assert_eq!((load.inflight, load.inflight_prefills), (1, 1));
+    assert_eq!(load.inflight_prefill_tokens, 1000);
+    fleet.first_token(&mut d, true, 0.05);
+    fleet.first_token(&mut d, true, 0.06); // idempotent
+    let load = fleet.load(e, 0.05).unwrap();
+    assert_eq!(
+        (
+            load.inflight,
+            load.inflight_prefills,
+            load.inflight_prefill_tokens
+        ),
+        (1, 0, 0)
+    );
+    fleet.finished(d, Some(0), 0.5);
+    let load = fleet.load(e, 0.5).unwrap();
+    assert_eq!(
+        (
+            load.inflight,
+            load.inflight_prefills,
+            load.inflight_prefill_tokens
+        ),
+        (0, 0, 0)
+    );
+}
+
+#[test]
+fn the_prefill_rate_is_learned_from_uncontended_prefills_only() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let (_, mut first) = send(&mut fleet, &Req::new(&prompt(1000, 1)), 0.0);
+    let (_, mut second) = send(&mut fleet, &Req::new(&prompt(1000, 2)), 0.0);
+    fleet.first_token(&mut first, true, 0.1); // 10k tokens/s, alone
+    fleet.first_token(&mut second, true, 1.0); // queued behind the first: not a rate sample
+    let rate = fleet
+        .endpoint(EndpointId(0))
+        .unwrap()
+        .observed_prefill_rate();
+    assert_eq!(rate, Some(10_000.0));
+}
+
+#[test]
+fn follow_up_turns_stay_with_their_history_at_zero_load() {
+    // The first round's repro: 3 idle engines, 6 conversations of 4 turns sent one at a time,
+    // one shared system prompt. Every follow-up must go where its history is.
+    let mut fleet = FleetBuilder::new(3).build();
+    let system = prompt(400, 99);
+    // Every engine has served the system prompt before (else the one that has is cheaper for
+    // every new conversation at zero load, and rightly so).
+    for e in 0..3 {
+        fleet.apply_events(EndpointId(e), &[stored(&system, BS)], 0.0);
+    }
+    let mut now = 0.0;
+    let mut homes = vec![None; 6];
+    let mut histories: Vec<Vec<u32>> = vec![system.clone(); 6];
+    for turn in 0..4 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            history.extend(prompt(150 + 40 * turn, (c * 10 + turn) as u32 + 1000));
+            let req = Req::new(history);
+            let (plan, mut d) = send(&mut fleet, &req, now);
+            if let Some(home) = homes[c] {
+                assert_eq!(
+                    d.endpoint, home,
+                    "turn {turn} of conversation {c}: {:?}",
+                    plan.decision
+                );
+                assert_eq!(plan.decision.reason, Reason::Cache);
+            }
+            homes[c] = Some(d.endpoint);
+            now += 0.05;
+            fleet.first_token(&mut d, true, now);
+            fleet.apply_events(d.endpoint, &[stored(history, BS)], now);
+            history.extend(prompt(60, (c * 10 + turn) as u32 + 5000)); // the answer
+            now += 0.2;
+            fleet.finished(d, None, now);
+        }
+    }
+    // New conversations cost the same everywhere: placements spread them, two per engine.
+    for e in 0..3 {
+        let n = homes.iter().filter(|h| **h == Some(EndpointId(e))).count();
+        assert_eq!(n, 2, "{homes:?}");
+    }
+}
+
+#[test]
+fn forgetting_an_endpoint_drops_everything_known_of_its_cache() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(800, 3);
+    let mut req = Req::new(&tokens);
+    req.session = Some("s".into());
+    let (_, mut d) = send(&mut fleet, &req, 0.0);
+    let e = d.endpoint;
+    fleet.apply_events(e, &[stored(&tokens, BS)], 0.01);
+    fleet.first_token(&mut d, true, 0.02);
+    let plan = fleet.plan(&req.features(), 1, 0.03);
+    assert_eq!(plan.predicted_cached[e.0 as usize], 784);
+    // The engine restarted (or was ejected, or its pod left).
+    fleet.forget_endpoint(e, 0.04);
+    let plan = fleet.plan(&req.features(), 1, 0.05);
+    assert_eq!(
+        plan.predicted_cached,
+        vec![0, 0],
+        "nothing predicted on an emptied engine"
+    );
+    assert_eq!(plan.facts[e.0 as usize].history_blocks, 0);
+    assert_eq!(plan.facts[e.0 as usize].predicted_blocks, 0);
+    assert!(plan.facts[e.0 as usize].index_match.is_none());
+    fleet.finished(d, None, 0.06);
+}
+
+#[test]
+fn health_ejection_forgets_and_restoration_needs_consecutive_passes() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(320, 4);
+    fleet.apply_events(EndpointId(0), &[stored(&tokens, BS)], 0.0);
+    assert_eq!(fleet.health_check(EndpointId(0), false, 1.0), None);
+    assert_eq!(
+        fleet.health_check(EndpointId(0), false, 2.0),
+        Some(HealthChange::Ejected)
+    );
+    let req = Req::new(&tokens);
+    let plan = fleet.plan(&req.features(), 1, 2.1);
+    assert_eq!(plan.decision.ranking, vec![EndpointId(1)]);
+    assert!(plan.facts[0].index_match.is_none());
+    assert_eq!(fleet.health_check(EndpointId(0), true, 3.0), None);
+    assert_eq!(
+        fleet.health_check(EndpointId(0), true, 4.0),
+        Some(HealthChange::Restored)
+    );
+    assert_eq!(
+        fleet.plan(&req.features(), 1, 4.1).decision.ranking.len(),
+        2
+    );
+}
+
+#[test]
+fn a_prediction_retires_shortly_after_the_first_token() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(640, 5);
+    let req = Req::new(&tokens);
+    let (_, mut d) = send(&mut fleet, &req, 0.0);
+    let e = d.endpoint.0 as usize;
+    assert_eq!(
+        fleet.plan(&req.features(), 1, 1.0).facts[e].predicted_blocks,
+        40
+    );
+    fleet.first_token(&mut d, true, 2.0);
+    let grace = fleet.config().prediction_grace_s;
+    assert_eq!(
+        fleet.plan(&req.features(), 1, 2.0 + grace / 2.0).facts[e].predicted_blocks,
+        40
+    );
+    assert_eq!(
+        fleet.plan(&req.features(), 1, 2.0 + grace * 2.0).facts[e].predicted_blocks,
+        0
+    );
+    fleet.finished(d, None, 3.0);
+}
+
+#[test]
+fn silence_counts_only_against_requests_that_should_produce_events() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let silent = fleet.config().trust.silent_after_s;
+    // Requests shorter than a block store nothing: no event is owed.
+    for i in 0..5 {
+        let (_, d) = send(&mut fleet, &Req::new(&prompt(10, i)), f64::from(i));
+        fleet.finished(d, Some(0), f64::from(i) + 0.1);
+    }
+    assert_eq!(fleet.trust(EndpointId(0), silent * 3.0), Ok(()));
+    // A request that stores blocks and is never answered by an event: silent.
+    let (_, d) = send(&mut fleet, &Req::new(&prompt(100, 9)), 100.0);
+    fleet.finished(d, None, 100.1);
+    assert_eq!(fleet.trust(EndpointId(0), 100.0 + silent / 2.0), Ok(()));
+    assert_eq!(
+        fleet.trust(EndpointId(0), 101.0 + silent),
+        Err(Distrust::Silent)
+    );
+    assert_eq!(
+        fleet.trust_changes(101.0 + silent),
+        vec![(EndpointId(0), Some(Distrust::Silent))]
+    );
+    fleet.apply_events(EndpointId(0), &[], 102.0 + silent);
+    assert_eq!(fleet.trust(EndpointId(0), 103.0 + silent), Ok(()));
+    assert_eq!(
+        fleet.trust_changes(103.0 + silent),
+        vec![(EndpointId(0), None)]
+    );
+}
+
+#[test]
+fn lost_events_and_prediction_errors_distrust_for_a_while() {
+    let mut fleet = FleetBuilder::new(1).build();
+    fleet.events_lost(EndpointId(0), 10.0);
+    let gap = fleet.config().trust.distrust_after_gap_s;
+    assert_eq!(fleet.trust(EndpointId(0), 11.0), Err(Distrust::LostEvents));
+    assert_eq!(fleet.trust(EndpointId(0), 10.0 + gap + 1.0), Ok(()));
+    let now = 10.0 + gap + 2.0;
+    for i in 0..6 {
+        let (_, d) = send(&mut fleet, &Req::new(&prompt(1000, i)), now);
+        fleet.finished(d, Some(900), now); // predicted 0, reported 900
+    }
+    assert_eq!(
+        fleet.trust(EndpointId(0), now),
+        Err(Distrust::PredictionError)
+    );
+}
+
+#[test]
+fn each_model_matches_with_its_own_block_size() {
+    let specs = vec![spec("small", 16), {
+        let mut s = spec("large", 32);
+        s.models = vec!["big".into()];
+        s
+    }];
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    let tokens = prompt(640, 6);
+    fleet.apply_events(EndpointId(1), &[stored(&tokens, 32)], 0.0);
+    let mut req = Req::sized(&tokens, 32);
+    req.model = "big";
+    let plan = fleet.plan(&req.features(), 1, 0.1);
+    assert_eq!(
+        plan.decision.ranking,
+        vec![EndpointId(1)],
+        "only the large endpoint serves it"
+    );
+    assert_eq!(plan.facts[1].index_match.map(|m| m.blocks), Some(20));
+    assert_eq!(
+        plan.predicted_cached[1], 608,
+        "all full blocks but the last token's"
+    );
+}
+
+#[test]
+fn stale_load_samples_are_ignored() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let sample = LoadSample {
+        waiting: Some(3.0),
+        running: Some(5.0),
+        kv_usage: Some(0.5),
+    };
+    fleet.observe_load(EndpointId(0), sample, 10.0);
+    assert_eq!(fleet.load(EndpointId(0), 11.0).unwrap().waiting, Some(3.0));
+    let max_age = fleet.config().load_sample_max_age_s;
+    assert_eq!(
+        fleet
+            .load(EndpointId(0), 10.0 + max_age + 1.0)
+            .unwrap()
+            .waiting,
+        None
+    );
+}
+
+#[test]
+fn approximate_mode_follows_the_routers_own_history() {
+    let mut builder = FleetBuilder::new(3);
+    builder.profile = Profile::named(ProfileName::Approximate);
+    for s in &mut builder.specs {
+        s.has_events = false;
+    }
+    let mut fleet = builder.build();
+    let mut history = prompt(500, 8);
+    let (_, d) = send(&mut fleet, &Req::new(&history), 0.0);
+    let home = d.endpoint;
+    fleet.finished(d, None, 0.5);
+    for turn in 0..3 {
+        history.extend(prompt(200, 100 + turn));
+        let (plan, d) = send(&mut fleet, &Req::new(&history), 1.0 + f64::from(turn));
+        assert_eq!(d.endpoint, home);
+        assert_eq!(plan.decision.reason, Reason::Cache);
+        fleet.finished(d, None, 1.5 + f64::from(turn));
+    }
+}

@@ -1,0 +1,136 @@
+//! The cost model: what an endpoint would spend on a request, in seconds.
+//!
+//! - **queue wait**: prefill tokens queued ahead of it at the endpoint's rate, plus a fixed wait
+//!   per queued request (a request waiting for a batch slot also waits behind decodes);
+//! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate;
+//! - **tier loading**: blocks it holds on CPU or storage, at each tier's load rate;
+//! - **decode interference**: while it prefills, every running decode there stalls; charged as
+//!   prefill seconds × running decodes × a factor.
+//!
+//! `total = prefix × (prefill + tier loading) + load × (queue wait + decode interference) −
+//! session credit`. At zero load only the prefill terms remain, so the longest cached prefix
+//! is always the cheapest; under load the queue wait grows until spilling a hot prefix to an
+//! idle endpoint pays for its prefill.
+
+use serde::Serialize;
+
+use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
+
+/// One candidate's cost, term by term, in seconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Cost {
+    /// Waiting behind queued work.
+    pub queue_s: f64,
+    /// Computing the uncached part of the prompt.
+    pub prefill_s: f64,
+    /// Loading the parts held on CPU or storage.
+    pub tier_load_s: f64,
+    /// The stall imposed on running decodes.
+    pub decode_interference_s: f64,
+    /// Taken off for session affinity.
+    pub session_credit_s: f64,
+    /// The weighted total the picker compares.
+    pub total_s: f64,
+}
+
+impl Cost {
+    /// Predicted time to first token: queue wait, prefill and tier loading.
+    pub fn predicted_ttft_s(&self) -> f64 {
+        self.queue_s + self.prefill_s + self.tier_load_s
+    }
+
+    /// The weighted seconds due to what the endpoint does not hold.
+    pub fn cache_part(&self, profile: &Profile) -> f64 {
+        profile.weights.prefix * (self.prefill_s + self.tier_load_s)
+    }
+
+    /// The weighted seconds due to other work on the endpoint.
+    pub fn load_part(&self, profile: &Profile) -> f64 {
+        profile.weights.load * (self.queue_s + self.decode_interference_s)
+    }
+}
+
+/// Prompt tokens a candidate holds, as the profile's cache source sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cached {
+    /// On any tier.
+    pub all: usize,
+    /// On the GPU.
+    pub gpu: usize,
+    /// In CPU memory.
+    pub cpu: usize,
+    /// In storage.
+    pub storage: usize,
+}
+
+/// What the candidate holds of the request, by tier, capped at the prompt.
+pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached {
+    let view = &c.cache;
+    let gpu_only = |blocks: u32| (blocks, 0, 0);
+    let history = view.history.max(view.predicted);
+    let (gpu, cpu, storage) = match profile.cache {
+        CacheSource::None => (0, 0, 0),
+        CacheSource::Approximate => gpu_only(history),
+        CacheSource::Precise => match view.index_state {
+            IndexState::Trusted => match view.index {
+                Some(m) if m.blocks >= view.predicted => {
+                    (m.gpu_blocks, m.cpu_blocks, m.storage_blocks)
+                }
+                // Blocks just sent there are (about to be) on its GPU.
+                _ => gpu_only(view.predicted),
+            },
+            IndexState::NoEvents => gpu_only(history),
+            // A stale picture is not used; only what the router itself just sent there.
+            IndexState::Distrusted => gpu_only(view.predicted),
+        },
+    };
+    let bs = request.block_size;
+    let prompt = request.prompt_tokens;
+    let gpu = (gpu as usize * bs).min(prompt);
+    let cpu = (cpu as usize * bs).min(prompt - gpu);
+    let storage = (storage as usize * bs).min(prompt - gpu - cpu);
+    Cached {
+        all: gpu + cpu + storage,
+        gpu,
+        cpu,
+        storage,
+    }
+}
+
+/// The candidate's cost and what it holds.
+pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost, Cached) {
+    let held = cached(profile, request, c);
+    let rate = c.prefill_tokens_per_s.max(1.0);
+    let load = &c.load;
+    let uncached = request.prompt_tokens.saturating_sub(held.all) as f64;
+    let prefill_s = uncached / rate;
+    let tier_load_s = held.cpu as f64 / profile.tiers.cpu_tokens_per_s.max(1.0)
+        + held.storage as f64 / profile.tiers.storage_tokens_per_s.max(1.0);
+    // Queued prefill: the router's own in-flight prefill tokens, or the scraped waiting queue
+    // at the mean in-flight prefill size (this prompt's size when nothing is in flight).
+    let mean_prefill = if load.inflight_prefills > 0 {
+        load.inflight_prefill_tokens as f64 / f64::from(load.inflight_prefills)
+    } else {
+        request.prompt_tokens as f64
+    };
+    let queued_tokens =
+        (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
+    let queue_s = queued_tokens / rate + load.queue() * profile.queue_wait_s;
+    let decode_interference_s =
+        (prefill_s + tier_load_s) * load.decoding() * profile.weights.decode_interference;
+    let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
+        profile.session_affinity_s
+    } else {
+        0.0
+    };
+    let mut cost = Cost {
+        queue_s,
+        prefill_s,
+        tier_load_s,
+        decode_interference_s,
+        session_credit_s,
+        total_s: 0.0,
+    };
+    cost.total_s = cost.cache_part(profile) + cost.load_part(profile) - session_credit_s;
+    (cost, held)
+}

@@ -328,14 +328,16 @@ pub struct CacheConfig {
 
 impl Default for CacheConfig {
     fn default() -> Self {
+        // Core's defaults, so the two cannot drift apart.
+        let fleet = FleetConfig::default();
         Self {
-            index_capacity: 8 << 20,
-            history_ttl_s: 300.0,
-            history_capacity: 4 << 20,
-            predicted_ttl_s: 10.0,
-            silent_after_s: 30.0,
-            distrust_after_gap_s: 60.0,
-            max_prediction_error: 0.2,
+            index_capacity: fleet.index_capacity,
+            history_ttl_s: fleet.history_ttl_s,
+            history_capacity: fleet.history_capacity,
+            predicted_ttl_s: fleet.predicted_ttl_s,
+            silent_after_s: fleet.trust.silent_after_s,
+            distrust_after_gap_s: fleet.trust.distrust_after_gap_s,
+            max_prediction_error: fleet.trust.max_prediction_error,
         }
     }
 }

@@ -184,6 +184,7 @@ fn candidates(blocks: usize) -> Vec<Candidate> {
                     ..CacheView::default()
                 },
                 prefill_tokens_per_s: 20_000.0,
+                cache_fill: 0.9,
             }
         })
         .collect()
@@ -350,6 +351,7 @@ fn main() {
         block_size: BLOCK_SIZE,
         session_endpoint: None,
         role: Role::Both,
+        shared_tokens: 0,
     };
     let mut rng = 0x1234_5678_9abc_def0u64;
     let mut rr = 0u64;

@@ -222,6 +222,7 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             waiting: sample.waiting,
             running: sample.running,
             kv_usage: sample.kv_usage,
+            num_gpu_blocks: sample.num_gpu_blocks,
         };
         router.fleet().observe_load(endpoint.id, load, now);
         router.capacity_changed();

@@ -32,6 +32,8 @@ pub struct LoadSample {
     pub running: Option<f64>,
     /// `vllm:kv_cache_usage_perc` (0–1).
     pub kv_usage: Option<f64>,
+    /// `num_gpu_blocks` of `vllm:cache_config_info`: the cache's capacity in blocks.
+    pub num_gpu_blocks: Option<usize>,
 }
 
 /// Consecutive health-check results that change an endpoint's health.
@@ -88,6 +90,8 @@ pub struct EndpointState {
     pub(super) trust: Trust,
     /// When everything known of its cache was last forgotten.
     pub(super) forgotten_at: Option<f64>,
+    /// Its cache's capacity in blocks, once a sample said.
+    pub(super) capacity_blocks: Option<usize>,
 }
 
 impl EndpointState {
@@ -108,6 +112,7 @@ impl EndpointState {
             placements_at: 0.0,
             trust,
             forgotten_at: None,
+            capacity_blocks: None,
         }
     }
 

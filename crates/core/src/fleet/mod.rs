@@ -11,6 +11,7 @@
 mod endpoint;
 pub mod flow;
 mod sessions;
+mod shared;
 pub mod trust;
 
 use std::sync::Arc;
@@ -28,6 +29,7 @@ use crate::schedule::{
 pub use endpoint::{EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use sessions::Sessions;
+pub use shared::SharedPrefixes;
 pub use trust::{Distrust, Trust, TrustPolicy};
 
 /// The fleet's bounds and thresholds.
@@ -169,6 +171,7 @@ pub struct Fleet {
     history: RoutingHistory,
     predicted: RoutingHistory,
     sessions: Sessions,
+    shared: SharedPrefixes,
     flow: FlowQueue,
     round_robin: u64,
     /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
@@ -201,6 +204,7 @@ impl Fleet {
             history: RoutingHistory::new(config.history_ttl_s, config.history_capacity),
             predicted: RoutingHistory::new(config.predicted_ttl_s, config.predicted_capacity),
             sessions: Sessions::new(config.sessions_capacity),
+            shared: SharedPrefixes::new(config.history_capacity),
             flow: FlowQueue::new(config.flow.clone()),
             reported_trust: vec![None; endpoints.len()],
             endpoints,
@@ -301,12 +305,33 @@ impl Fleet {
             .index_for_block_size(bs)
             .map(|index| index.lookup(keys))
             .unwrap_or_default();
+        let held_blocks: Vec<u64> = match self.index_for_block_size(bs) {
+            Some(index) => index.read(|ix| {
+                self.endpoints
+                    .iter()
+                    .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu))
+                    .collect()
+            }),
+            None => vec![0; self.endpoints.len()],
+        };
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         let blocks_in = |list: &[(EndpointId, u32)], id| {
             list.iter().find(|(e, _)| *e == id).map_or(0, |(_, n)| *n)
         };
         let reportable = request.prompt_tokens.saturating_sub(1) / bs;
+        // An endpoint not yet observed is assumed as fast as the observed ones (fleets are
+        // mostly uniform); the configured rate is the prior when none is observed yet.
+        let observed: Vec<f64> = self
+            .endpoints
+            .iter()
+            .filter_map(EndpointState::observed_prefill_rate)
+            .collect();
+        let prior_rate = if observed.is_empty() {
+            self.config.default_prefill_tokens_per_s
+        } else {
+            observed.iter().sum::<f64>() / observed.len() as f64
+        };
         let mut candidates = Vec::with_capacity(self.endpoints.len());
         let mut facts = Vec::with_capacity(self.endpoints.len());
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
@@ -332,9 +357,7 @@ impl Fleet {
             };
             predicted_cached.push((known as usize).min(reportable) * bs);
             let load = e.load(now, self.config.load_sample_max_age_s);
-            let rate = e
-                .observed_prefill_rate()
-                .unwrap_or(self.config.default_prefill_tokens_per_s);
+            let rate = e.observed_prefill_rate().unwrap_or(prior_rate);
             facts.push(EndpointFacts {
                 name: e.spec.name.clone(),
                 healthy: e.healthy,
@@ -345,7 +368,11 @@ impl Fleet {
                 load: load.clone(),
                 prefill_tokens_per_s: rate,
             });
+            let cache_fill = e.capacity_blocks.map_or(0.0, |capacity| {
+                held_blocks[e.id.0 as usize] as f64 / capacity.max(1) as f64
+            });
             candidates.push(Candidate {
+                cache_fill,
                 endpoint: e.id,
                 healthy: e.healthy,
                 serves_model: same_block_size && e.spec.models.iter().any(|m| m == request.model),
@@ -360,6 +387,7 @@ impl Fleet {
             block_size: bs,
             session_endpoint: request.session.and_then(|s| self.sessions.get(s)),
             role: request.role,
+            shared_tokens: self.shared.shared_blocks(keys) * bs,
         };
         self.round_robin = self.round_robin.wrapping_add(1);
         let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);
@@ -383,13 +411,11 @@ impl Fleet {
         let slot = endpoint.0 as usize;
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
         let uncached = request.prompt_tokens.saturating_sub(predicted) as u64;
-        self.history.record(endpoint, request.keys, now);
-        self.predicted.record(endpoint, request.keys, now);
-        if let Some(session) = request.session {
-            self.sessions.set(session, endpoint);
-        }
-        // A placement: a request this endpoint does not hold much more of than the others (a
-        // new conversation, an uncached prompt). Placements are what balancing evens out.
+        // A placement: a request this endpoint does not hold much more of than the others or
+        // than what conversations share (a new conversation, an uncached prompt). Placements
+        // are what balancing evens out.
+        let bs = request.block_size.max(1);
+        let shared = self.shared.shared_blocks(request.keys) * bs;
         let best_other = predicted_cached
             .iter()
             .enumerate()
@@ -397,8 +423,14 @@ impl Fleet {
             .map(|(_, c)| *c)
             .max()
             .unwrap_or(0);
-        let placement = predicted.saturating_sub(best_other) * 4 < request.prompt_tokens.max(1);
-        let bs = request.block_size.max(1);
+        let advantage = predicted.saturating_sub(best_other.max(shared));
+        let placement = advantage * 4 < request.prompt_tokens.max(1);
+        self.history.record(endpoint, request.keys, now);
+        self.predicted.record(endpoint, request.keys, now);
+        self.shared.record(request.keys);
+        if let Some(session) = request.session {
+            self.sessions.set(session, endpoint);
+        }
         let expects_event = request.prompt_tokens / bs > predicted / bs;
         let mut rate_sample = false;
         if let Some(e) = self.endpoints.get_mut(slot) {
@@ -474,6 +506,7 @@ impl Fleet {
     /// A load sample scraped from `id` at `now`.
     pub fn observe_load(&mut self, id: EndpointId, sample: LoadSample, now: f64) {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+            e.capacity_blocks = sample.num_gpu_blocks.or(e.capacity_blocks);
             e.sample = Some((sample, now));
         }
     }

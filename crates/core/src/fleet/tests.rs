@@ -359,6 +359,7 @@ fn stale_load_samples_are_ignored() {
         waiting: Some(3.0),
         running: Some(5.0),
         kv_usage: Some(0.5),
+        num_gpu_blocks: Some(1000),
     };
     fleet.observe_load(EndpointId(0), sample, 10.0);
     assert_eq!(fleet.load(EndpointId(0), 11.0).unwrap().waiting, Some(3.0));
@@ -390,5 +391,38 @@ fn approximate_mode_follows_the_routers_own_history() {
         assert_eq!(d.endpoint, home);
         assert_eq!(plan.decision.reason, Reason::Cache);
         fleet.finished(d, None, 1.5 + f64::from(turn));
+    }
+}
+
+#[test]
+fn new_conversations_spread_once_the_system_prompts_holder_fills_up() {
+    // Nothing is cached anywhere at first; caches of 300 blocks; a 400-token system prompt.
+    let mut fleet = FleetBuilder::new(3).build();
+    for e in 0..3 {
+        let sample = LoadSample {
+            num_gpu_blocks: Some(300),
+            ..LoadSample::default()
+        };
+        fleet.observe_load(EndpointId(e), sample, 0.0);
+    }
+    let system = prompt(400, 77);
+    let mut now = 0.0;
+    let mut homes = Vec::new();
+    for c in 0..9u32 {
+        let mut history = system.clone();
+        history.extend(prompt(1_200, 2_000 + c));
+        let (_, mut d) = send(&mut fleet, &Req::new(&history), now);
+        homes.push(d.endpoint);
+        now += 0.05;
+        fleet.first_token(&mut d, true, now);
+        fleet.apply_events(d.endpoint, &[stored(&history, BS)], now);
+        fleet.finished(d, None, now);
+        now += 0.05;
+    }
+    // The first conversations crowd the endpoint that has the system prompt while its cache
+    // has room; then they spread, each endpoint copying the prompt once.
+    assert_eq!(homes[1], homes[0], "{homes:?}");
+    for e in 0..3 {
+        assert!(homes.contains(&EndpointId(e)), "{homes:?}");
     }
 }

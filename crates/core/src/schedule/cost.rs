@@ -134,3 +134,14 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     cost.total_s = cost.cache_part(profile) + cost.load_part(profile) - session_credit_s;
     (cost, held)
 }
+
+/// Weighted seconds of `c`'s cost due to not holding the request's shared prefix.
+pub fn shared_prefill_s(
+    profile: &Profile,
+    request: &RequestInfo,
+    c: &Candidate,
+    held: &Cached,
+) -> f64 {
+    let missing = request.shared_tokens.saturating_sub(held.all) as f64;
+    profile.weights.prefix * missing / c.prefill_tokens_per_s.max(1.0)
+}

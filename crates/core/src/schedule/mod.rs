@@ -118,6 +118,8 @@ pub struct Candidate {
     pub cache: CacheView,
     /// Prompt tokens per second it prefills (observed, or configured).
     pub prefill_tokens_per_s: f64,
+    /// Share of its cache's capacity holding blocks (0–1; 0 when unknown).
+    pub cache_fill: f64,
 }
 
 /// The request's features that scheduling uses.
@@ -131,6 +133,8 @@ pub struct RequestInfo {
     pub session_endpoint: Option<EndpointId>,
     /// The role wanted.
     pub role: Role,
+    /// Leading tokens shared with other conversations (a system prompt), as far as seen.
+    pub shared_tokens: usize,
 }
 
 /// Why a candidate was filtered out.
@@ -168,6 +172,11 @@ pub struct Assessment {
     pub saturated: bool,
     /// Its recent placements (what balancing compares).
     pub recent_placements: f64,
+    /// Seconds of its cost due to not holding the prompt's shared prefix (what a new
+    /// conversation may pay once to copy it there).
+    pub shared_prefill_s: f64,
+    /// Share of its cache holding blocks (0–1; 0 when unknown).
+    pub cache_fill: f64,
 }
 
 /// Why the chosen endpoint won.
@@ -294,6 +303,8 @@ pub fn schedule(
                 cost,
                 saturated: saturated(profile, &c.load),
                 recent_placements: c.load.recent_placements.max(0.0),
+                shared_prefill_s: cost::shared_prefill_s(profile, request, c, &cached),
+                cache_fill: c.cache_fill,
             }
         })
         .collect();
@@ -301,8 +312,12 @@ pub fn schedule(
         .filter(|&i| assessments[i].rejected.is_none())
         .collect();
     let saturated = !competing.is_empty() && competing.iter().all(|&i| assessments[i].saturated);
+    let new_conversation = competing
+        .iter()
+        .all(|&i| assessments[i].cached_tokens <= request.shared_tokens);
     let (ranking, reason) = profile.picker.rank(
         &profile.balance,
+        new_conversation,
         &assessments,
         &competing,
         random,

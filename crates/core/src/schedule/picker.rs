@@ -43,6 +43,7 @@ impl Picker {
     pub(super) fn rank(
         &self,
         tolerance: &BalanceTolerance,
+        new_conversation: bool,
         assessments: &[Assessment],
         competing: &[usize],
         random: u64,
@@ -62,7 +63,7 @@ impl Picker {
             _ => {}
         }
         match self {
-            Picker::Cheapest => balance(tolerance, assessments, order),
+            Picker::Cheapest => balance(tolerance, new_conversation, assessments, order),
             Picker::RoundRobin => {
                 let mut by_id = competing.to_vec();
                 by_id.sort_by_key(|&i| assessments[i].endpoint);
@@ -101,22 +102,35 @@ impl Picker {
 
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
 /// candidates that hold at least as much of the prompt as the cheapest: fewest recent
-/// placements first.
+/// placements first. A new conversation whose cheapest endpoint's cache is filling compares
+/// costs as if every endpoint held the shared prefix (see [`BalanceTolerance`]).
 fn balance(
     tolerance: &BalanceTolerance,
+    new_conversation: bool,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
-    let limit = cheapest.cost.total_s
-        + tolerance.relative * cheapest.cost.total_s.max(0.0)
-        + tolerance.absolute_s;
+    let replicate = new_conversation && cheapest.cache_fill >= tolerance.replicate_shared_above;
+    let compared = |a: &Assessment| {
+        if replicate {
+            a.cost.total_s - a.shared_prefill_s
+        } else {
+            a.cost.total_s
+        }
+    };
+    let best = order
+        .iter()
+        .map(|&i| compared(&assessments[i]))
+        .fold(f64::INFINITY, f64::min);
+    let limit = best + tolerance.relative * best.max(0.0) + tolerance.absolute_s;
+    let floor = if replicate { 0 } else { cheapest.cached_tokens };
     let near: Vec<usize> = order
         .iter()
         .copied()
         .filter(|&i| {
             let a = &assessments[i];
-            a.cost.total_s <= limit && a.cached_tokens >= cheapest.cached_tokens
+            compared(a) <= limit && a.cached_tokens >= floor
         })
         .collect();
     if near.len() > 1 {

@@ -74,7 +74,15 @@ impl Default for TierCosts {
 ///
 /// Among the candidates whose cost is within `relative × cheapest + absolute_s` of the cheapest
 /// and that hold at least as much of the prompt as the cheapest, the one with the fewest recent
-/// placements wins. Balancing therefore never gives up a cached block.
+/// placements wins. Balancing therefore never gives up a cached block of a conversation's own.
+///
+/// One exception, for new conversations: a prefix shared by many conversations (a system
+/// prompt) costs one prefill to copy onto another endpoint, after which every conversation
+/// placed there reuses it. Once the endpoint holding it fills its cache (its cached blocks
+/// reach `replicate_shared_above` of its capacity), a request that no endpoint holds more of
+/// than that shared prefix is costed as if every endpoint held the prefix, so new
+/// conversations spread over the fleet's whole cache instead of crowding the first endpoint
+/// that served the system prompt.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BalanceTolerance {
@@ -82,6 +90,9 @@ pub struct BalanceTolerance {
     pub relative: f64,
     /// Seconds.
     pub absolute_s: f64,
+    /// Cache fill (0–1) of the cheapest endpoint above which a new conversation may copy a
+    /// shared prefix elsewhere (above 1: never).
+    pub replicate_shared_above: f64,
 }
 
 impl Default for BalanceTolerance {
@@ -89,6 +100,7 @@ impl Default for BalanceTolerance {
         Self {
             relative: 0.1,
             absolute_s: 0.001,
+            replicate_shared_above: 0.5,
         }
     }
 }

@@ -14,6 +14,7 @@ fn candidate(id: u32) -> Candidate {
         load: EndpointLoad::default(),
         cache: CacheView::default(),
         prefill_tokens_per_s: RATE,
+        cache_fill: 0.0,
     }
 }
 
@@ -27,6 +28,7 @@ fn request(prompt_tokens: usize) -> RequestInfo {
         block_size: 16,
         session_endpoint: None,
         role: Role::Both,
+        shared_tokens: 0,
     }
 }
 
@@ -88,6 +90,32 @@ fn near_equal_costs_go_to_the_fewest_placements() {
     let d = schedule(&Profile::default(), &request(400), &cands, 1, 0);
     assert_eq!(d.chosen(), Some(EndpointId(1)));
     assert_eq!(d.reason, Reason::Balance);
+}
+
+#[test]
+fn a_new_conversation_copies_the_shared_prefix_once_the_holders_cache_fills() {
+    // Endpoint 0 holds the 608-token system prompt and has served many conversations.
+    let mut cands = fleet(3);
+    cands[0].cache.index = gpu_match(0, 38);
+    cands[0].load.recent_placements = 10.0;
+    cands[1].load.recent_placements = 4.0;
+    cands[2].load.recent_placements = 1.0;
+    let mut req = request(1_000);
+    req.shared_tokens = 608;
+    // Plenty of room in its cache: the prefix is worth more than evenness.
+    cands[0].cache_fill = 0.3;
+    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    assert_eq!(d.reason, Reason::Cache);
+    // Its cache is filling: copy the prefix to the endpoint with the fewest conversations.
+    cands[0].cache_fill = 0.9;
+    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(2)));
+    assert_eq!(d.reason, Reason::Balance);
+    // A follow-up turn holds more than the shared prefix: its history is never given up.
+    cands[0].cache.index = gpu_match(0, 50);
+    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
 }
 
 #[test]

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Live measurements of the scheduler's targets (docs/benchmarks.md, "Targets"): for each
-# workload and each policy, a fresh simulated fleet (`kvroute sim`), a fresh router
+# Live measurements of the scheduler's targets (docs/benchmarks.md, "Scheduler targets"): for
+# each workload and each policy, a fresh simulated fleet (`kvroute sim`), a fresh router
 # (`kvroute serve`) and the load driver (`kvroute bench`), all real processes on loopback.
 # Results land in kvroute-targets/<workload>/<policy>.json; each workload's comparison table
-# is printed by `kvroute bench compare`. Long: minutes per workload. Not part of CI.
+# is printed by `kvroute bench compare`, with the pooled-cache ceiling. Long: minutes per
+# workload. Not part of CI.
 #
 #   scripts/targets.sh [workload ...]     # default: every workload below
 #   POLICIES="round-robin precise" scripts/targets.sh heavy-multi-turn
+#   ROUTER_YAML='flow: {enabled: false}' SUFFIX=-noflow scripts/targets.sh heavy-multi-turn
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,20 +16,28 @@ cargo build --release --quiet
 bin=target/release/kvroute
 out=kvroute-targets
 policies=${POLICIES:-"round-robin least-load approximate precise"}
+router_yaml=${ROUTER_YAML:-}
+suffix=${SUFFIX:-}
 mkdir -p "$out"
 
-# name | engines | blocks per engine | bench arguments
+# name | engines | blocks per engine | extra sim arguments | bench arguments
+# (`--ceiling-blocks` is engines × blocks: the pooled-cache ceiling.)
 workloads() {
-  cat <<'EOF'
-heavy-multi-turn|4|1200|--workload multi-turn --users 256 --turns 6 --rate 16 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 1.0
-llm-d-shape|8|3000|--workload shared-prefix --users 24 --turns 40 --shared-tokens 6000 --user-tokens 200 --output-tokens 64 --rate 12
-shared-prefix-tenants|4|4096|--workload shared-prefix --users 8 --turns 40 --shared-tokens 3000 --user-tokens 150 --output-tokens 32 --rate 4
-mooncake|8|4096|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 1500 --speed 3
-EOF
+  cat <<'LIST'
+heavy-multi-turn|4|1200||--workload multi-turn --users 256 --turns 6 --rate 16 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 1.0 --ceiling-blocks 4800
+llm-d-shape-30|8|3000||--workload shared-prefix --users 24 --turns 40 --shared-tokens 6000 --user-tokens 200 --output-tokens 64 --rate 30 --ceiling-blocks 24000
+llm-d-shape-60|8|3000||--workload shared-prefix --users 24 --turns 40 --shared-tokens 6000 --user-tokens 200 --output-tokens 64 --rate 60 --ceiling-blocks 24000
+shared-prefix-tenants|4|4096||--workload shared-prefix --users 8 --turns 40 --shared-tokens 3000 --user-tokens 150 --output-tokens 32 --rate 4 --ceiling-blocks 16384
+mooncake|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 1500 --speed 3 --output-tokens 256 --ceiling-blocks 500000
+LIST
 }
 
 pids=()
-cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; pids=(); }
+cleanup() {
+  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]:-}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
 trap cleanup EXIT
 
 wait_http() {
@@ -39,40 +49,44 @@ wait_http() {
   return 1
 }
 
-run_one() { # workload engines blocks policy bench-args...
-  local name=$1 engines=$2 blocks=$3 policy=$4
-  shift 4
+run_one() { # workload engines blocks sim-args policy bench-args...
+  local name=$1 engines=$2 blocks=$3 sim_args=$4 policy=$5
+  shift 5
+  # shellcheck disable=SC2086
   "$bin" sim --engines "$engines" --num-gpu-blocks "$blocks" --port 18001 --events-port 15557 \
-    --replay-port 16557 >"$out/$name/sim.log" 2>&1 &
+    --replay-port 16557 $sim_args >"$out/$name/sim.log" 2>&1 &
   pids+=($!)
   {
     echo "listen: 127.0.0.1:18000"
     echo "models: [{name: sim-llama-3.1-8b}]"
     echo "scheduler: {policy: $policy}"
     echo "scrape: {interval_ms: 200}"
+    if [ -n "$router_yaml" ]; then echo "$router_yaml"; fi
     echo "endpoints:"
     for i in $(seq 0 $((engines - 1))); do
       echo "  - {url: 'http://127.0.0.1:$((18001 + i))', events: 'tcp://127.0.0.1:$((15557 + i))', replay: 'tcp://127.0.0.1:$((16557 + i))'}"
     done
-  } >"$out/$name/router-$policy.yaml"
+  } >"$out/$name/router-$policy$suffix.yaml"
   for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((18001 + i))/health"; done
-  "$bin" serve -c "$out/$name/router-$policy.yaml" >"$out/$name/router-$policy.log" 2>&1 &
+  "$bin" serve -c "$out/$name/router-$policy$suffix.yaml" >"$out/$name/router-$policy$suffix.log" 2>&1 &
   pids+=($!)
   wait_http http://127.0.0.1:18000/health
-  "$bin" bench --url http://127.0.0.1:18000/v1 --name "$policy" --out "$out/$name" "$@" >/dev/null
+  "$bin" bench --url http://127.0.0.1:18000/v1 --name "$policy$suffix" --out "$out/$name" "$@" \
+    >"$out/$name/bench-$policy$suffix.txt"
   cleanup
 }
 
 selected=("$@")
-while IFS='|' read -r name engines blocks args; do
+while IFS='|' read -r name engines blocks sim_args args; do
   if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " =~ " $name " ]]; then continue; fi
   mkdir -p "$out/$name"
-  echo "== $name ($engines engines x $blocks blocks): $args"
+  echo "== $name ($engines engines x $blocks blocks $sim_args): $args $router_yaml"
   files=()
   for policy in $policies; do
     # shellcheck disable=SC2086
-    run_one "$name" "$engines" "$blocks" "$policy" $args
-    files+=("$out/$name/$policy.json")
+    run_one "$name" "$engines" "$blocks" "$sim_args" "$policy" $args
+    files+=("$out/$name/$policy$suffix.json")
   done
-  "$bin" bench compare "${files[@]}" --out "$out/$name" | tee "$out/$name/table.txt"
+  grep -h '^Ceiling' "$out/$name/bench-$policy$suffix.txt" || true
+  "$bin" bench compare "${files[@]}" --out "$out/$name" | tee "$out/$name/table$suffix.txt"
 done < <(workloads)

@@ -1,12 +1,12 @@
 //! The ceiling a routing policy can reach: the prefix-cache hit rate of one engine whose cache
 //! is as large as the whole fleet's, serving the same requests in the same order. Computed
 //! offline with the simulator's engine model (vLLM's cache rules), for chat workloads rendered
-//! with the built-in tokenizer and template.
+//! with the built-in tokenizer and template, and completions workloads (traces) as sent.
 
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
 
-use crate::workload::{Content, Workload};
+use crate::workload::{Api, Content, Workload};
 
 /// The hit rate of a single engine with the whole fleet's cache serving the workload's
 /// requests one after another, with the assistant replies a real run would produce.
@@ -39,15 +39,22 @@ pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
     let (mut prompt_total, mut cached_total) = (0u64, 0u64);
     for (i, (_, si, ti)) in order.into_iter().enumerate() {
         let turn = &workload.sessions[si].turns[ti];
-        let user = match &turn.content {
-            Content::Text(t) => t.clone(),
-            Content::Tokens(t) => format!("{t:?}"),
+        let prompt = match (&workload.api, &turn.content) {
+            // A completions prompt is sent as it is.
+            (Api::Completions, Content::Tokens(t)) => t.clone(),
+            (Api::Completions, Content::Text(t)) => tokenizer.encode(t),
+            (Api::Chat, content) => {
+                let user = match content {
+                    Content::Text(t) => t.clone(),
+                    Content::Tokens(t) => tokenizer.decode(t),
+                };
+                histories[si].push(ChatMessage {
+                    role: "user".into(),
+                    content: user,
+                });
+                tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true))
+            }
         };
-        histories[si].push(ChatMessage {
-            role: "user".into(),
-            content: user,
-        });
-        let prompt = tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true));
         let reply: Vec<u32> = tokenizer.encode(&" reply".repeat(turn.max_tokens as usize / 2));
         let _ = engine.add_request(EngineRequest {
             id: i as u64,

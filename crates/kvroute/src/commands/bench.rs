@@ -100,6 +100,10 @@ struct RunArgs {
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
+    /// Also print the ceiling: the hit rate of one cache of this many blocks (the fleet's
+    /// total) serving the same requests in order.
+    #[arg(long)]
+    ceiling_blocks: Option<usize>,
 }
 
 /// Runs a benchmark, or compares saved runs.
@@ -198,6 +202,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let (json, html) =
         kvroute_bench::report::write_files(std::slice::from_ref(&result), &a.out, &a.name)?;
     println!("Results: {}  Report: {}", json.display(), html.display());
+    if let Some(blocks) = a.ceiling_blocks {
+        let ceiling = kvroute_bench::ceiling::pooled_hit_rate(
+            &workload,
+            &kvroute_sim::engine::EngineConfig {
+                num_gpu_blocks: blocks,
+                ..kvroute_sim::engine::EngineConfig::default()
+            },
+        );
+        println!(
+            "Ceiling: one pooled cache of {blocks} blocks serving the same requests in order reaches a {:.1}% hit rate.",
+            ceiling * 100.0
+        );
+    }
     Ok(if result.summary.errors == 0 {
         ExitCode::SUCCESS
     } else {

@@ -12,6 +12,7 @@
 pub mod accounting;
 pub mod admin;
 pub mod config;
+pub mod edge;
 mod error;
 pub mod fleet;
 pub mod metrics;

@@ -53,6 +53,17 @@ pub struct RouterMetrics {
     pub events: Family<Labels, Gauge>,
     /// Seconds since an endpoint's last KV event (absent before the first).
     pub events_age_seconds: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Client connections open now, by listener (`api`, `admin`).
+    pub connections_open: Family<Labels, Gauge>,
+    /// Client connections closed at once because `limits.max_connections` were open.
+    pub connections_refused: Family<Labels, Counter>,
+    /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
+    pub client_timeouts: Family<Labels, Counter>,
+    /// Request-body bytes held now (bounded by `limits.max_buffered_bytes`).
+    pub buffered_bytes: Gauge,
+    /// Bytes of prompt tokens in the tokenization cache (bounded by
+    /// `limits.token_cache_bytes`).
+    pub token_cache_bytes: Gauge,
 }
 
 impl Default for RouterMetrics {
@@ -84,6 +95,11 @@ impl Default for RouterMetrics {
             index_blocks: Family::default(),
             events: Family::default(),
             events_age_seconds: Family::default(),
+            connections_open: Family::default(),
+            connections_refused: Family::default(),
+            client_timeouts: Family::default(),
+            buffered_bytes: Gauge::default(),
+            token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("requests", "Requests routed", m.requests.clone());
@@ -162,6 +178,31 @@ impl Default for RouterMetrics {
             "Seconds since the endpoint's last KV event",
             m.events_age_seconds.clone(),
         );
+        registry.register(
+            "connections_open",
+            "Client connections open, by listener",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Client connections closed at once at the connection limit, by listener",
+            m.connections_refused.clone(),
+        );
+        registry.register(
+            "client_timeouts",
+            "Client connections or requests cut off by a timeout, by kind",
+            m.client_timeouts.clone(),
+        );
+        registry.register(
+            "buffered_bytes",
+            "Request-body bytes held by the router",
+            m.buffered_bytes.clone(),
+        );
+        registry.register(
+            "token_cache_bytes",
+            "Bytes of prompt tokens in the tokenization cache",
+            m.token_cache_bytes.clone(),
+        );
         Self { registry, ..m }
     }
 }
@@ -173,6 +214,11 @@ impl RouterMetrics {
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
     }
+}
+
+/// Labels for one client listener (`api` or `admin`).
+pub fn listener(name: &'static str) -> Labels {
+    vec![("listener", name.to_owned())]
 }
 
 /// Labels for one endpoint.

@@ -10,8 +10,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use kvroute_vllm::openai::Input;
 use kvroute_vllm::tokenizer::BuiltinTokenizer;
-use quick_cache::Weighter;
-use quick_cache::sync::Cache;
+use quick_cache::sync::{Cache, DefaultLifecycle};
+use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter};
 use serde_json::{Value, json};
 use tracing::warn;
 
@@ -51,6 +51,10 @@ impl ModelTokenizer {
 /// Bytes an entry costs besides its tokens (key, `Arc`, `Vec` header, the cache's slot).
 const ENTRY_OVERHEAD: u64 = 96;
 
+/// Parts the cache is split in: few, so that one part holds a long prompt (a quarter of the
+/// budget), enough that concurrent requests rarely wait on each other.
+pub const SHARDS: usize = 4;
+
 /// Largest answer accepted from an engine's `/tokenize`.
 const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 << 20;
 
@@ -81,11 +85,23 @@ impl TokenCache {
         Self::with_budget(4096, limits.token_cache_bytes)
     }
 
-    /// A cache expecting about `entries` prompts and holding at most `bytes` bytes of tokens
-    /// (a prompt larger than the cache's share for it is not cached).
+    /// A cache expecting about `entries` prompts and holding at most `bytes` bytes of tokens.
+    /// The cache is split in [`SHARDS`] independent parts; a prompt larger than one part
+    /// (`bytes / SHARDS`) is not cached.
     pub fn with_budget(entries: usize, bytes: usize) -> Self {
+        let options = OptionsBuilder::new()
+            .estimated_items_capacity(entries.max(1))
+            .weight_capacity(bytes as u64)
+            .shards(SHARDS)
+            .build()
+            .expect("capacities and shard count are valid");
         Self {
-            cache: Cache::with_weighter(entries.max(1), bytes as u64, TokenBytes),
+            cache: Cache::with_options(
+                options,
+                TokenBytes,
+                DefaultHashBuilder::default(),
+                DefaultLifecycle::default(),
+            ),
         }
     }
 
@@ -234,8 +250,8 @@ mod tests {
     async fn the_cache_is_bounded_by_the_bytes_of_its_tokens() {
         let cache = TokenCache::with_budget(16, 1 << 20);
         for i in 0..12 {
-            // ~240 KiB of tokens each: about 3 MiB offered to a 1 MiB cache.
-            let text = format!("p{i} {}", "word ".repeat(60_000));
+            // ~200 KB of tokens each (two per word): about 2.4 MB offered to a 1 MiB cache.
+            let text = format!("p{i} {}", "word ".repeat(25_000));
             let tokens = tokenize(
                 &cache,
                 &ModelTokenizer::Builtin,
@@ -245,7 +261,7 @@ mod tests {
             )
             .await
             .unwrap();
-            assert!(tokens.len() > 50_000);
+            assert!(tokens.len() > 40_000);
             assert!(cache.weight() <= 1 << 20, "{} bytes held", cache.weight());
         }
         assert!(cache.weight() > 0);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 
 /// Why a connection is due to be closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +41,8 @@ struct State {
 #[derive(Debug)]
 pub struct Activity {
     state: Mutex<State>,
+    /// Wakes the watchdog when the deadline moves earlier (a head started, a request ended).
+    changed: Notify,
     header_timeout: Duration,
     idle_timeout: Duration,
 }
@@ -53,9 +56,15 @@ impl Activity {
                 head_started: None,
                 last_io: Instant::now(),
             }),
+            changed: Notify::new(),
             header_timeout,
             idle_timeout,
         }
+    }
+
+    /// Resolves when the deadline may have moved.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
     }
 
     fn on_read(&self) {
@@ -63,6 +72,7 @@ impl Activity {
         s.last_io = Instant::now();
         if s.active == 0 && s.head_started.is_none() {
             s.head_started = Some(s.last_io);
+            self.changed.notify_one();
         }
     }
 
@@ -78,6 +88,7 @@ impl Activity {
         let mut s = self.state.lock();
         s.active = s.active.saturating_sub(1);
         s.last_io = Instant::now();
+        self.changed.notify_one();
     }
 
     /// When the connection is due to close if nothing changes, and why; `None` while a request
@@ -91,11 +102,6 @@ impl Activity {
         } else {
             Some((s.last_io + self.idle_timeout, Expiry::Idle))
         }
-    }
-
-    /// How often to look again while a request is in progress.
-    pub fn recheck(&self) -> Duration {
-        self.header_timeout.min(self.idle_timeout) / 4
     }
 }
 

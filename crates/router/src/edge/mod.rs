@@ -117,13 +117,17 @@ async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activi
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     loop {
-        let wake = match activity.deadline() {
-            Some((at, _)) => tokio::time::Instant::from_std(at),
-            None => tokio::time::Instant::now() + activity.recheck(),
+        let deadline = activity.deadline();
+        let expired = async {
+            match deadline {
+                Some((at, _)) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
         };
         tokio::select! {
             _ = connection.as_mut() => return,
-            () = tokio::time::sleep_until(wake) => {
+            () = activity.changed() => {}
+            () = expired => {
                 if let Some((at, why)) = activity.deadline()
                     && at <= std::time::Instant::now()
                 {

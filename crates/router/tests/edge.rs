@@ -41,6 +41,13 @@ async fn router_with(url: &str, extra: &str) -> RunningRouter {
         .unwrap()
 }
 
+/// A simulated engine and a router in front of it.
+async fn engine_and_router(extra: &str) -> (SimFleet, RunningRouter) {
+    let engine = engine().await;
+    let router = router_with(&engine.endpoints[0].url, extra).await;
+    (engine, router)
+}
+
 /// Sends raw bytes on a new connection.
 async fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> TcpStream {
     let mut socket = TcpStream::connect(addr).await.unwrap();
@@ -114,8 +121,7 @@ async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Valu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_allowlisted_openai_paths_reach_an_engine() {
-    let a = engine().await;
-    let router = router_with(&a.endpoints[0].url, "").await;
+    let (_engine, router) = engine_and_router("").await;
     for (method, path) in [
         ("POST", "/v1/load_lora_adapter"),
         ("POST", "/v1/../sim/restart"),
@@ -157,8 +163,7 @@ async fn only_allowlisted_openai_paths_reach_an_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
-    let a = engine().await;
-    let router = router_with(&a.endpoints[0].url, "limits: {max_body_bytes: 1000}").await;
+    let (_engine, router) = engine_and_router("limits: {max_body_bytes: 1000}").await;
     let mut socket = send_raw(
         router.addr,
         b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n",
@@ -171,12 +176,8 @@ async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_are_cut_off_while_others_are_served() {
-    let a = engine().await;
-    let router = router_with(
-        &a.endpoints[0].url,
-        "limits: {header_timeout_ms: 400, body_timeout_ms: 400}",
-    )
-    .await;
+    let (_engine, router) =
+        engine_and_router("limits: {header_timeout_ms: 400, body_timeout_ms: 400}").await;
     let client = reqwest::Client::new();
     let started = Instant::now();
     // Partial headers, never finished.
@@ -235,12 +236,8 @@ async fn slow_clients_are_cut_off_while_others_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
-    let a = engine().await;
-    let router = router_with(
-        &a.endpoints[0].url,
-        "limits: {max_connections: 2, idle_timeout_ms: 1000}",
-    )
-    .await;
+    let (_engine, router) =
+        engine_and_router("limits: {max_connections: 2, idle_timeout_ms: 1000}").await;
     let started = Instant::now();
     let mut first = TcpStream::connect(router.addr).await.unwrap();
     let mut second = TcpStream::connect(router.addr).await.unwrap();
@@ -279,9 +276,7 @@ async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_one_byte_budget() {
-    let a = engine().await;
-    let router = router_with(
-        &a.endpoints[0].url,
+    let (_engine, router) = engine_and_router(
         "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 500}",
     )
     .await;
@@ -317,12 +312,7 @@ async fn request_bodies_share_one_byte_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_explain_live_on_the_admin_listener_behind_its_token() {
-    let a = engine().await;
-    let router = router_with(
-        &a.endpoints[0].url,
-        "admin: {listen: 127.0.0.1:0, token: s3cret}",
-    )
-    .await;
+    let (_engine, router) = engine_and_router("admin: {listen: 127.0.0.1:0, token: s3cret}").await;
     let client = reqwest::Client::new();
     let admin = |path: &str| format!("http://{}{path}", router.admin_addr);
     let resp = client.get(admin("/metrics")).send().await.unwrap();
@@ -368,8 +358,7 @@ async fn metrics_and_explain_live_on_the_admin_listener_behind_its_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_vllm_accepts_are_routed_in_every_shape() {
-    let a = engine().await;
-    let router = router_with(&a.endpoints[0].url, "").await;
+    let (_engine, router) = engine_and_router("").await;
     let client = reqwest::Client::new();
     let completions = [
         r#"{"model":"M","prompt":["first prompt","second prompt"],"max_tokens":2}"#,
@@ -403,8 +392,7 @@ async fn requests_vllm_accepts_are_routed_in_every_shape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_cache_stays_within_its_byte_budget() {
-    let a = engine().await;
-    let router = router_with(&a.endpoints[0].url, "limits: {token_cache_bytes: 1000000}").await;
+    let (_engine, router) = engine_and_router("limits: {token_cache_bytes: 1000000}").await;
     let client = reqwest::Client::new();
     for i in 0..12 {
         // About 160 KB of tokens each: 2 MB offered to a 1 MB cache.

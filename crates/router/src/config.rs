@@ -238,8 +238,8 @@ pub struct Limits {
     /// Time a connection may sit idle between requests (no request in progress, no byte
     /// received), milliseconds; it is closed after.
     pub idle_timeout_ms: u64,
-    /// Most client connections open at once; further connections are closed at once and
-    /// counted in `kvroute_connections_refused_total`.
+    /// Most client connections open at once on each listener (API and admin); further
+    /// connections are closed at once and counted in `kvroute_connections_refused_total`.
     pub max_connections: usize,
     /// Most request-body bytes held by the router at once, across all requests (a body is
     /// held from its first byte until the engine's response headers arrive); a request that

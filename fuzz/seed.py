@@ -1,4 +1,5 @@
-"""Writes the fuzz targets' seed corpora from the vLLM fixtures and the repository's examples.
+"""Writes the fuzz targets' seed corpora (inputs that once crashed a target, named
+`regression-*`, are kept beside them by hand) from the vLLM fixtures and the repository's examples.
 
 Usage: python3 fuzz/seed.py [FIXTURES_DIR]   (default: ../shared/fixtures beside the repository)
 """

@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 
-use super::conn::Activity;
+use super::conn::InFlight;
 use crate::RouterError;
 
 /// The bytes one request holds of the router-wide budget; given back when the last holder
@@ -148,23 +148,20 @@ where
     }
 }
 
-/// A response body that marks its request finished on its connection when it is dropped
+/// A response body that keeps its request in progress on its connection until it is dropped
 /// (sent to the end, or abandoned).
 pub struct Finishing {
     inner: Body,
-    activity: Arc<Activity>,
+    _request: InFlight,
 }
 
 impl Finishing {
     /// Wraps a response body.
-    pub fn new(inner: Body, activity: Arc<Activity>) -> Self {
-        Self { inner, activity }
-    }
-}
-
-impl Drop for Finishing {
-    fn drop(&mut self) {
-        self.activity.request_finished();
+    pub fn new(inner: Body, request: InFlight) -> Self {
+        Self {
+            inner,
+            _request: request,
+        }
     }
 }
 

@@ -77,14 +77,14 @@ impl Activity {
     }
 
     /// A request's head was read: it is in progress until [`Activity::request_finished`].
-    pub fn request_started(&self) {
+    fn request_started(&self) {
         let mut s = self.state.lock();
         s.active += 1;
         s.head_started = None;
     }
 
     /// A request's response was sent (or abandoned).
-    pub fn request_finished(&self) {
+    fn request_finished(&self) {
         let mut s = self.state.lock();
         s.active = s.active.saturating_sub(1);
         s.last_io = Instant::now();
@@ -102,6 +102,24 @@ impl Activity {
         } else {
             Some((s.last_io + self.idle_timeout, Expiry::Idle))
         }
+    }
+}
+
+/// A request in progress on its connection, from its head until this is dropped (with its
+/// response body once sent, or with the handler if the client left first).
+pub struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    /// Marks a request started.
+    pub fn start(activity: Arc<Activity>) -> Self {
+        activity.request_started();
+        Self(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_finished();
     }
 }
 
@@ -173,10 +191,11 @@ mod tests {
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
         a.on_read();
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Header));
-        a.request_started();
+        let a = Arc::new(a);
+        let request = InFlight::start(a.clone());
         assert_eq!(a.deadline(), None);
         a.on_read();
-        a.request_finished();
+        drop(request);
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
     }
 }

@@ -32,7 +32,7 @@ use crate::metrics::listener as listener_labels;
 use crate::proxy::error_response;
 use crate::service::Router;
 use body::{BudgetHold, EdgeBody, Finishing};
-use conn::{Activity, TrackedIo};
+use conn::{Activity, InFlight, TrackedIo};
 
 /// What every connection of one router shares.
 struct Edge {
@@ -145,13 +145,14 @@ async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activi
 }
 
 impl Edge {
-    /// One request: admitted (or refused) at the edge, then routed.
+    /// One request: admitted (or refused) at the edge, then routed. It counts as in progress
+    /// on its connection until its response body is dropped, or this future is.
     async fn handle(&self, request: http::Request<Incoming>, activity: Arc<Activity>) -> Response {
-        activity.request_started();
-        let finishing = |body: Body| Body::new(Finishing::new(body, activity.clone()));
-        match self.admit(request).await {
-            Ok(response) | Err(response) => response.map(finishing),
-        }
+        let in_flight = InFlight::start(activity);
+        let response = match self.admit(request).await {
+            Ok(response) | Err(response) => response,
+        };
+        response.map(|body| Body::new(Finishing::new(body, in_flight)))
     }
 
     async fn admit(&self, request: http::Request<Incoming>) -> Result<Response, Response> {

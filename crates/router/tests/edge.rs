@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
-use kvroute_testkit::{eventually, patience};
+use kvroute_testkit::{eventually, http_get, patience, sample};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -96,14 +96,6 @@ async fn metrics(client: &reqwest::Client, router: &RunningRouter) -> String {
         .text()
         .await
         .unwrap()
-}
-
-/// The value of the sample whose line starts with `series` (name and labels).
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
 }
 
 async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Value) -> (u16, Value) {
@@ -243,7 +235,7 @@ async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
     let mut second = TcpStream::connect(router.addr).await.unwrap();
     let client = reqwest::Client::new();
     eventually("both connections are open", || {
-        let text = router.router.metrics.render();
+        let text = http_get(router.admin_addr, "/metrics");
         let open = sample(&text, "kvroute_connections_open{listener=\"api\"}");
         (open == Some(2.0), open)
     })
@@ -287,8 +279,11 @@ async fn request_bodies_share_one_byte_budget() {
     )
     .await;
     eventually("the first body is held", || {
-        let held = router.router.metrics.buffered_bytes.get();
-        (held == 2000, held)
+        let held = sample(
+            &http_get(router.admin_addr, "/metrics"),
+            "kvroute_buffered_bytes",
+        );
+        (held == Some(2000.0), held)
     })
     .await;
     let body = json!({"model": MODEL, "prompt": "x".repeat(1500), "max_tokens": 1});
@@ -302,8 +297,11 @@ async fn request_bodies_share_one_byte_budget() {
             .starts_with("HTTP/1.1 408")
     );
     eventually("the budget is free", || {
-        let held = router.router.metrics.buffered_bytes.get();
-        (held == 0, held)
+        let held = sample(
+            &http_get(router.admin_addr, "/metrics"),
+            "kvroute_buffered_bytes",
+        );
+        (held == Some(0.0), held)
     })
     .await;
     let (status, answer) = completion(&client, &router, body).await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::start as start_router;
-use kvroute_testkit::eventually;
+use kvroute_testkit::{eventually, http_get, sample};
 use kvroute_vllm::subscriber::log_limit::PER_INTERVAL;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
@@ -68,42 +68,32 @@ async fn framing_errors_reach_the_metrics_and_the_log_stays_quiet() {
             }
         }
     });
-    let stats = || {
-        router.router.endpoints[0]
-            .subscriber
-            .lock()
-            .as_ref()
-            .map(|s| s.stats()[0].1.clone())
-            .unwrap_or_default()
+    let counted = |text: &str, kind: &str| {
+        sample(
+            text,
+            &format!("kvroute_kv_events{{endpoint=\"e0\",kind=\"{kind}\"}}"),
+        )
+        .unwrap_or(0.0)
     };
-    eventually("hundreds of bad messages counted by kind", || {
-        let s = stats();
-        (s.bad_frame_count >= 200 && s.bad_sequence_length >= 200, s)
+    let mut text = String::new();
+    eventually("hundreds of bad messages of each kind in /metrics", || {
+        text = http_get(router.admin_addr, "/metrics");
+        let kinds = (
+            counted(&text, "framing_errors"),
+            counted(&text, "bad_frame_count"),
+            counted(&text, "bad_sequence_length"),
+        );
+        (kinds.1 >= 200.0 && kinds.2 >= 200.0, kinds)
     })
     .await;
     sender.abort();
-    let text = reqwest::get(format!("http://{}/metrics", router.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    for kind in ["framing_errors", "bad_frame_count", "bad_sequence_length"] {
-        let series = format!("kvroute_kv_events{{endpoint=\"e0\",kind=\"{kind}\"}} ");
-        let value: f64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix(&series))
-            .unwrap_or_else(|| panic!("no {series} in {text}"))
-            .parse()
-            .unwrap();
-        assert!(value >= 200.0, "{series}{value}");
-    }
+    assert!(counted(&text, "framing_errors") >= 400.0, "{text}");
     let logged = String::from_utf8_lossy(&log.0.lock().unwrap())
         .matches("dropping malformed KV-event message")
         .count();
     assert!(
         logged >= 1 && logged <= 2 * PER_INTERVAL as usize,
         "{logged} warnings for {} bad messages",
-        stats().framing_errors
+        counted(&text, "framing_errors")
     );
 }

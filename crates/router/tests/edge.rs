@@ -87,17 +87,6 @@ async fn read_response(socket: &mut TcpStream, needle: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-async fn metrics(client: &reqwest::Client, router: &RunningRouter) -> String {
-    client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Value) -> (u16, Value) {
     let resp = client
         .post(format!("http://{}/v1/completions", router.addr))
@@ -214,7 +203,7 @@ async fn slow_clients_are_cut_off_while_others_are_served() {
         "cut off late: {:?}",
         started.elapsed()
     );
-    let text = metrics(&client, &router).await;
+    let text = http_get(router.admin_addr, "/metrics");
     assert_eq!(
         sample(&text, "kvroute_client_timeouts_total{kind=\"header\"}"),
         Some(1.0),
@@ -246,7 +235,7 @@ async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
     assert_eq!(read_until_closed(&mut first).await, "");
     assert_eq!(read_until_closed(&mut second).await, "");
     assert!(started.elapsed() < Duration::from_secs(5));
-    let text = metrics(&client, &router).await;
+    let text = http_get(router.admin_addr, "/metrics");
     assert_eq!(
         sample(&text, "kvroute_connections_refused_total{listener=\"api\"}"),
         Some(1.0),
@@ -402,7 +391,7 @@ async fn the_token_cache_stays_within_its_byte_budget() {
             .await
             .unwrap();
         assert_eq!(resp.status().as_u16(), 200);
-        let text = metrics(&client, &router).await;
+        let text = http_get(router.admin_addr, "/metrics");
         let held = sample(&text, "kvroute_token_cache_bytes").unwrap();
         assert!(held > 0.0 && held <= 1_000_000.0, "{held} bytes after {i}");
     }

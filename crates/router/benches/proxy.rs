@@ -551,7 +551,7 @@ fn main() -> ExitCode {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:{router_port}\nmodels: [{{name: {MODEL}}}]\n\
+            "listen: 127.0.0.1:{router_port}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\n\
              endpoints: [{{url: 'http://127.0.0.1:{sim_port}', \
              events: 'tcp://127.0.0.1:{events_port}', replay: 'tcp://127.0.0.1:{replay_port}'}}]\n"
         ),

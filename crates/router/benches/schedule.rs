@@ -106,7 +106,7 @@ fn held_blocks(i: usize, blocks: usize) -> usize {
 /// and keys.
 fn router_fixture() -> (Router, Vec<u32>, Vec<RouterKey>) {
     let mut yaml = String::from(
-        "listen: 127.0.0.1:0\nmodels: [{name: sim-llama-3.1-8b}]\n\
+        "listen: 127.0.0.1:0\nadmin: {listen: 127.0.0.1:0}\nmodels: [{name: sim-llama-3.1-8b}]\n\
          cache: {history_ttl_s: 86400, predicted_ttl_s: 86400}\nendpoints:\n",
     );
     for i in 0..ENDPOINTS {

@@ -1,14 +1,16 @@
-//! The router's own endpoints: `/health`, `/metrics`, `/v1/models` (aggregated) and
-//! `/kvroute/v1/explain`.
+//! The router's own endpoints: `/health` and `/v1/models` (aggregated) on the API listener;
+//! `/metrics` and `/kvroute/v1/explain` on the admin listener, behind its bearer token when one
+//! is configured; and the OpenAI-shaped answers to unknown paths and methods.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::event::Tier;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, Input};
 use serde_json::{Value, json};
@@ -16,6 +18,75 @@ use serde_json::{Value, json};
 use crate::metrics::endpoint as labels;
 use crate::proxy::{Api, error_response, parse, read_body};
 use crate::service::Router;
+
+/// Largest `/v1/models` answer read from an engine.
+const MAX_MODELS_BYTES: usize = 4 << 20;
+
+/// Any path the router does not serve: OpenAI's 404.
+pub async fn not_found(State(router): State<Arc<Router>>, request: Request) -> Response {
+    error_response(
+        &router,
+        &ApiError::new(
+            404,
+            format!(
+                "Invalid URL ({} {})",
+                request.method(),
+                request.uri().path()
+            ),
+        ),
+    )
+}
+
+/// A served path with another method: OpenAI-shaped 405.
+pub async fn method_not_allowed(State(router): State<Arc<Router>>, request: Request) -> Response {
+    error_response(
+        &router,
+        &ApiError::new(
+            405,
+            format!(
+                "Method {} not allowed on {}",
+                request.method(),
+                request.uri().path()
+            ),
+        ),
+    )
+}
+
+/// Admin requests must carry `Authorization: Bearer <admin.token>` when a token is configured.
+pub async fn require_token(
+    State(router): State<Arc<Router>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(token) = &router.config().admin.token else {
+        return next.run(request).await;
+    };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    if constant_time_eq(presented.as_bytes(), token.as_bytes()) {
+        return next.run(request).await;
+    }
+    let mut response = error_response(
+        &router,
+        &ApiError::new(
+            401,
+            "admin endpoints need Authorization: Bearer <admin.token>",
+        ),
+    );
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// Compares without an early exit, so that timing does not reveal a matching prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
 
 /// `GET /health`: 200 while some endpoint is healthy.
 pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
@@ -41,6 +112,8 @@ pub async fn metrics(State(router): State<Arc<Router>>) -> Response {
 
 fn refresh_gauges(router: &Router) {
     let m = router.metrics();
+    m.token_cache_bytes
+        .set(router.token_cache().weight() as i64);
     let now = router.now();
     let fleet = router.fleet();
     m.flow_queue_requests.set(fleet.flow().len() as i64);
@@ -83,6 +156,11 @@ fn refresh_gauges(router: &Router) {
                     ("unfilled_gaps", feed.unfilled_gaps),
                     ("restarts", feed.restarts),
                     ("decode_errors", feed.decode_errors),
+                    ("framing_errors", feed.framing_errors),
+                    ("bad_frame_count", feed.bad_frame_count),
+                    ("bad_sequence_length", feed.bad_sequence_length),
+                    ("topic_mismatches", feed.topic_mismatches),
+                    ("unknown_events", feed.unknown_events),
                 ] {
                     m.events
                         .get_or_create(&vec![("endpoint", e.name.clone()), ("kind", kind.into())])
@@ -114,7 +192,10 @@ pub async fn models(State(router): State<Arc<Router>>) -> Response {
         else {
             continue;
         };
-        let Ok(body) = response.into_body().collect().await else {
+        let Ok(body) = Limited::new(response.into_body(), MAX_MODELS_BYTES)
+            .collect()
+            .await
+        else {
             continue;
         };
         let Ok(list) = serde_json::from_slice::<Value>(&body.to_bytes()) else {

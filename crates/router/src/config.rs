@@ -17,9 +17,12 @@ use crate::RouterError;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
-    /// Address the OpenAI API (and the admin endpoints) listen on.
+    /// Address the OpenAI API (and `/health`) listens on.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// The admin listener: `/metrics`, `/kvroute/v1/explain` and `/health`.
+    #[serde(default)]
+    pub admin: AdminConfig,
     /// Served models.
     pub models: Vec<ModelConfig>,
     /// Engine endpoints.
@@ -243,16 +246,35 @@ impl SchedulerConfig {
     }
 }
 
-/// Request limits and timeouts.
+/// Request limits and timeouts, at the router's HTTP edge and towards engines.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
-    /// Largest request body accepted (413 above).
+    /// Largest request body accepted (413 above, from the `Content-Length` header alone when
+    /// the client sends one).
     pub max_body_bytes: usize,
     /// Time to connect to an engine, milliseconds.
     pub connect_timeout_ms: u64,
     /// Time for an engine to send response headers, seconds (504 after).
     pub response_timeout_s: f64,
+    /// Time a client has to send a request's headers once it sent their first byte,
+    /// milliseconds; the connection is closed after.
+    pub header_timeout_ms: u64,
+    /// Time a client has to send a whole request body once its headers arrived, milliseconds
+    /// (408 after).
+    pub body_timeout_ms: u64,
+    /// Time a connection may sit idle between requests (no request in progress, no byte
+    /// received), milliseconds; it is closed after.
+    pub idle_timeout_ms: u64,
+    /// Most client connections open at once on each listener (API and admin); further
+    /// connections are closed at once and counted in `kvroute_connections_refused_total`.
+    pub max_connections: usize,
+    /// Most request-body bytes held by the router at once, across all requests (a body is
+    /// held from its first byte until the engine's response headers arrive); a request that
+    /// would exceed it gets 503.
+    pub max_buffered_bytes: usize,
+    /// Most bytes of prompt tokens the tokenization cache keeps.
+    pub token_cache_bytes: usize,
 }
 
 impl Default for Limits {
@@ -261,6 +283,33 @@ impl Default for Limits {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2_000,
             response_timeout_s: 300.0,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 60_000,
+            idle_timeout_ms: 60_000,
+            max_connections: 4_096,
+            max_buffered_bytes: 512 << 20,
+            token_cache_bytes: 256 << 20,
+        }
+    }
+}
+
+/// The admin listener, apart from the OpenAI API so that metrics and routing explanations
+/// (which reveal what other tenants' prompts left cached) are not exposed with it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address of `/metrics`, `/kvroute/v1/explain` and `/health`. A non-loopback address
+    /// needs `token`.
+    pub listen: SocketAddr,
+    /// When set, admin requests (except `/health`) must carry `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8090".parse().expect("valid literal"),
+            token: None,
         }
     }
 }
@@ -487,9 +536,7 @@ impl RouterConfig {
         if !(self.flow.max_wait_s.is_finite() && self.flow.max_wait_s > 0.0) {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
-        if self.limits.max_body_bytes == 0 {
-            return Err(invalid("limits.max_body_bytes", "must be positive"));
-        }
+        self.validate_edge()?;
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
             return Err(invalid(
                 "health",
@@ -497,6 +544,48 @@ impl RouterConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl RouterConfig {
+    /// Checks the HTTP edge: limits and the admin listener.
+    fn validate_edge(&self) -> Result<(), RouterError> {
+        let l = &self.limits;
+        for (field, value) in [
+            ("limits.max_body_bytes", l.max_body_bytes as u64),
+            ("limits.header_timeout_ms", l.header_timeout_ms),
+            ("limits.body_timeout_ms", l.body_timeout_ms),
+            ("limits.idle_timeout_ms", l.idle_timeout_ms),
+            ("limits.max_connections", l.max_connections as u64),
+            ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be positive"));
+            }
+        }
+        if l.max_buffered_bytes < l.max_body_bytes {
+            return Err(invalid(
+                "limits.max_buffered_bytes",
+                "must be at least limits.max_body_bytes",
+            ));
+        }
+        if l.max_buffered_bytes > u32::MAX as usize {
+            return Err(invalid("limits.max_buffered_bytes", "must be below 4 GiB"));
+        }
+        match &self.admin.token {
+            Some(t) if t.is_empty() => Err(invalid("admin.token", "must not be empty")),
+            None if !self.admin.listen.ip().is_loopback() => Err(invalid(
+                "admin.listen",
+                format!(
+                    "{} is not a loopback address: set admin.token so that metrics and explanations need it",
+                    self.admin.listen
+                ),
+            )),
+            _ if self.admin.listen == self.listen && self.listen.port() != 0 => {
+                Err(invalid("admin.listen", "must differ from listen"))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -514,6 +603,14 @@ mod tests {
         assert_eq!(c.scheduler.policy, ProfileName::Precise);
         assert_eq!(c.scheduler.profile(), Profile::default());
         assert_eq!(c.health.unhealthy_after, 2);
+        assert!(c.admin.listen.ip().is_loopback() && c.admin.token.is_none());
+    }
+
+    #[test]
+    fn a_public_admin_listener_needs_a_token() {
+        let yaml = format!("{MINIMAL}admin: {{listen: '0.0.0.0:9000', token: secret}}\n");
+        let c = RouterConfig::from_yaml(&yaml).unwrap();
+        assert_eq!(c.admin.token.as_deref(), Some("secret"));
     }
 
     #[test]
@@ -558,6 +655,18 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlisten: nowhere",
                 "listen",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nadmin: {listen: '0.0.0.0:9000'}",
+                "admin.listen",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlimits: {header_timeout_ms: 0}",
+                "limits.header_timeout_ms",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlimits: {max_buffered_bytes: 10}",
+                "limits.max_buffered_bytes",
             ),
         ];
         for (yaml, want) in cases {

@@ -12,4 +12,10 @@ pub enum RouterError {
     /// A socket could not be bound or served.
     #[error("{0}")]
     Io(String),
+    /// A client did not send its request in time (answered 408).
+    #[error("{0}")]
+    ClientTimeout(String),
+    /// A configured capacity of the router is in use (answered 503).
+    #[error("{0}")]
+    Overloaded(String),
 }

@@ -61,6 +61,17 @@ pub struct RouterMetrics {
     pub flow_wait_seconds: Histogram,
     /// Requests shed by flow control, by reason (queue_full, queue_bytes, timeout).
     pub shed: Family<Labels, Counter>,
+    /// Client connections open now, by listener (`api`, `admin`).
+    pub connections_open: Family<Labels, Gauge>,
+    /// Client connections closed at once because `limits.max_connections` were open.
+    pub connections_refused: Family<Labels, Counter>,
+    /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
+    pub client_timeouts: Family<Labels, Counter>,
+    /// Request-body bytes held now (bounded by `limits.max_buffered_bytes`).
+    pub buffered_bytes: Gauge,
+    /// Bytes of prompt tokens in the tokenization cache (bounded by
+    /// `limits.token_cache_bytes`).
+    pub token_cache_bytes: Gauge,
 }
 
 impl Default for RouterMetrics {
@@ -96,6 +107,11 @@ impl Default for RouterMetrics {
             flow_queue_bytes: Gauge::default(),
             flow_wait_seconds: latency_histogram(),
             shed: Family::default(),
+            connections_open: Family::default(),
+            connections_refused: Family::default(),
+            client_timeouts: Family::default(),
+            buffered_bytes: Gauge::default(),
+            token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("requests", "Requests routed", m.requests.clone());
@@ -194,6 +210,31 @@ impl Default for RouterMetrics {
             "Requests shed by flow control, by reason",
             m.shed.clone(),
         );
+        registry.register(
+            "connections_open",
+            "Client connections open, by listener",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Client connections closed at once at the connection limit, by listener",
+            m.connections_refused.clone(),
+        );
+        registry.register(
+            "client_timeouts",
+            "Client connections or requests cut off by a timeout, by kind",
+            m.client_timeouts.clone(),
+        );
+        registry.register(
+            "buffered_bytes",
+            "Request-body bytes held by the router",
+            m.buffered_bytes.clone(),
+        );
+        registry.register(
+            "token_cache_bytes",
+            "Bytes of prompt tokens in the tokenization cache",
+            m.token_cache_bytes.clone(),
+        );
         Self { registry, ..m }
     }
 }
@@ -205,6 +246,11 @@ impl RouterMetrics {
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
     }
+}
+
+/// Labels for one client listener (`api` or `admin`).
+pub fn listener(name: &'static str) -> Labels {
+    vec![("listener", name.to_owned())]
 }
 
 /// Labels for one endpoint.

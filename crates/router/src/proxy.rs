@@ -15,6 +15,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
 use tracing::warn;
 
+use crate::RouterError;
 use crate::accounting::{AccountedBody, Accounting};
 use crate::flow;
 use crate::metrics::endpoint as labels;
@@ -54,25 +55,34 @@ pub fn error_response(router: &Router, e: &ApiError) -> Response {
     response
 }
 
-/// Reads a body up to the configured limit.
+/// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
+/// 503 (the router's buffered-bytes budget is spent).
 pub async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
     let limit = router.config().limits.max_body_bytes;
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(ApiError::new(
-                413,
-                format!("request body larger than {limit} bytes"),
-            ))
-        }
-        Err(e) => Err(ApiError::bad_request(
-            format!("cannot read the request body: {e}"),
-            None,
-        )),
+        Err(e) => Err(body_error(limit, e.as_ref())),
     }
+}
+
+/// The answer to a body that could not be read: the error's chain names the cause.
+fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(current) = cause {
+        if current
+            .downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            return ApiError::new(413, format!("request body larger than {limit} bytes"));
+        }
+        match current.downcast_ref::<RouterError>() {
+            Some(RouterError::ClientTimeout(m)) => return ApiError::new(408, m.clone()),
+            Some(RouterError::Overloaded(m)) => return ApiError::new(503, m.clone()),
+            _ => {}
+        }
+        cause = current.source();
+    }
+    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
 }
 
 /// Parses a generation request of either API.
@@ -203,10 +213,14 @@ fn hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
+/// The request to send to the engine at `base` (`http://host:port`): origin-form target with
+/// a `Host` header, as strict HTTP/1.1 servers (h11, uvicorn) require.
 fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes>> {
+    let authority = base.strip_prefix("http://").unwrap_or(base);
     let mut builder = http::Request::builder()
         .method(a.method.clone())
-        .uri(format!("{base}{}", a.path));
+        .uri(a.path.as_str())
+        .header(header::HOST, authority);
     for (name, value) in &a.headers {
         if !hop_by_hop(name) {
             builder = builder.header(name, value);
@@ -302,7 +316,8 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
     )
 }
 
-/// Any other `/v1/*` request: passed to a healthy endpoint unchanged.
+/// A forwarded OpenAI path other than completions and chat (see
+/// [`crate::server::FORWARDED_PATHS`]): passed to a random healthy endpoint unchanged.
 pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) -> Response {
     let started = Instant::now();
     let (parts, body) = request.into_parts();

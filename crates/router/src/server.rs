@@ -1,18 +1,19 @@
-//! Starting the router: the HTTP server, a KV-event subscriber per endpoint, and the health
-//! checks, load scraping and housekeeping that run beside it.
+//! Starting the router: the API and admin listeners, a KV-event subscriber per endpoint, and
+//! the health checks, load scraping and housekeeping that run beside it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router as Routes;
-use axum::routing::{any, get, post};
-use axum::serve::ListenerExt;
+use axum::middleware;
+use axum::routing::{get, post};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::{HealthChange, LoadSample};
 use kvroute_vllm::metrics::parse_engine_metrics;
 use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -20,12 +21,29 @@ use crate::RouterError;
 use crate::config::RouterConfig;
 use crate::endpoint::Endpoint;
 use crate::service::Router;
-use crate::{admin, proxy};
+use crate::{admin, edge, proxy};
+
+/// Largest body accepted from an engine's `/health` or `/metrics`.
+const MAX_SCRAPE_BYTES: usize = 16 << 20;
+
+/// The OpenAI paths other than completions, chat and models that are forwarded to an engine,
+/// all `POST` and stateless (any engine serving the model can answer). Every other path gets
+/// an OpenAI-shaped 404: `/v1/load_lora_adapter` and the like are the operator's to call on
+/// each engine, never a client's through the router.
+pub const FORWARDED_PATHS: [&str; 5] = [
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+];
 
 /// A running router; dropping it stops everything.
 pub struct RunningRouter {
-    /// The address it listens on (with the real port when port 0 was configured).
+    /// The address the OpenAI API listens on (with the real port when port 0 was configured).
     pub addr: SocketAddr,
+    /// The address the admin listener (`/metrics`, `/kvroute/v1/explain`) listens on.
+    pub admin_addr: SocketAddr,
     /// Its state.
     pub router: Arc<Router>,
     tasks: Vec<JoinHandle<()>>,
@@ -48,29 +66,53 @@ impl RunningRouter {
     }
 }
 
-/// The HTTP routes.
+/// The OpenAI API routes.
 pub fn routes(router: Arc<Router>) -> Routes {
-    Routes::new()
+    let mut routes = Routes::new()
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/models", get(admin::models))
-        .route("/v1/{*rest}", any(proxy::passthrough))
-        .route("/kvroute/v1/explain", post(admin::explain))
-        .route("/health", get(admin::health))
-        .route("/metrics", get(admin::metrics))
+        .route("/health", get(admin::health));
+    for path in FORWARDED_PATHS {
+        routes = routes.route(path, post(proxy::passthrough));
+    }
+    routes
+        .fallback(admin::not_found)
+        .method_not_allowed_fallback(admin::method_not_allowed)
         .with_state(router)
 }
 
-/// Binds the listener and starts every task on the current tokio runtime.
-pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
-    let router = Arc::new(Router::new(config)?);
-    let listen = router.config().listen;
-    let listener = tokio::net::TcpListener::bind(listen)
+/// The admin routes: metrics and explanations (behind `admin.token` when one is set), and
+/// `/health`.
+pub fn admin_routes(router: Arc<Router>) -> Routes {
+    Routes::new()
+        .route("/kvroute/v1/explain", post(admin::explain))
+        .route("/metrics", get(admin::metrics))
+        .route_layer(middleware::from_fn_with_state(
+            router.clone(),
+            admin::require_token,
+        ))
+        .route("/health", get(admin::health))
+        .fallback(admin::not_found)
+        .method_not_allowed_fallback(admin::method_not_allowed)
+        .with_state(router)
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+    let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| RouterError::Io(format!("cannot listen on {listen}: {e}")))?;
-    let addr = listener
+        .map_err(|e| RouterError::Io(format!("cannot listen on {addr}: {e}")))?;
+    let bound = listener
         .local_addr()
         .map_err(|e| RouterError::Io(e.to_string()))?;
+    Ok((listener, bound))
+}
+
+/// Binds both listeners and starts every task on the current tokio runtime.
+pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
+    let router = Arc::new(Router::new(config)?);
+    let (listener, addr) = bind(router.config().listen).await?;
+    let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
     let mut tasks = Vec::new();
     let sink = router.sink();
     for e in router.endpoints() {
@@ -92,23 +134,26 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
     }
     tasks.push(tokio::spawn(housekeeping(router.clone())));
-    let app = routes(router.clone());
-    info!(%addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
-    tasks.push(tokio::spawn(async move {
-        if let Err(e) = axum::serve(
-            listener.tap_io(|tcp| {
-                // Streamed tokens must not wait for the client's delayed ACK (Nagle).
-                let _ = tcp.set_nodelay(true);
-            }),
-            app,
-        )
-        .await
-        {
-            warn!(error = %e, "HTTP server stopped");
-        }
-    }));
+    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
+    tasks.push(tokio::spawn(edge::serve(
+        admin_listener,
+        admin_routes(router.clone()),
+        router.clone(),
+        "admin",
+        budget.clone(),
+    )));
+    info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
+    // Last, so that `wait` waits on it.
+    tasks.push(tokio::spawn(edge::serve(
+        listener,
+        routes(router.clone()),
+        router.clone(),
+        "api",
+        budget,
+    )));
     Ok(RunningRouter {
         addr,
+        admin_addr,
         router,
         tasks,
     })
@@ -123,10 +168,13 @@ async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u1
         .map_err(|_| "timed out".to_string())?
         .map_err(|e| e.to_string())?;
     let status = response.status().as_u16();
-    let body = tokio::time::timeout(timeout, response.into_body().collect())
-        .await
-        .map_err(|_| "timed out reading the body".to_string())?
-        .map_err(|e| e.to_string())?;
+    let body = tokio::time::timeout(
+        timeout,
+        Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
+    )
+    .await
+    .map_err(|_| "timed out reading the body".to_string())?
+    .map_err(|e| e.to_string())?;
     Ok((status, body.to_bytes()))
 }
 

@@ -122,7 +122,7 @@ impl Router {
         Ok(Self {
             tokenizers,
             fleet: Mutex::new(fleet),
-            tokens: TokenCache::new(4096),
+            tokens: TokenCache::with_limits(&config.limits),
             endpoints,
             client,
             upstream: Arc::new(Upstream::new(Duration::from_millis(

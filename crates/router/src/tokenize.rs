@@ -5,19 +5,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use kvroute_vllm::openai::Input;
 use kvroute_vllm::tokenizer::BuiltinTokenizer;
-use quick_cache::sync::Cache;
+use quick_cache::sync::{Cache, DefaultLifecycle};
+use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter};
 use serde_json::{Value, json};
 use tracing::warn;
 
 use kvroute_vllm::tokenizer::HfTokenizer;
 
 use crate::RouterError;
-use crate::config::{TokenizerConfig, TokenizerKind};
+use crate::config::{Limits, TokenizerConfig, TokenizerKind};
 
 /// A model's tokenizer, loaded.
 #[derive(Clone)]
@@ -47,17 +48,66 @@ impl ModelTokenizer {
     }
 }
 
-/// Prompt tokens by hash of (model, input); bounded.
+/// Bytes an entry costs besides its tokens (key, `Arc`, `Vec` header, the cache's slot).
+const ENTRY_OVERHEAD: u64 = 96;
+
+/// Parts the cache is split in: few, so that one part holds a long prompt (a quarter of the
+/// budget), enough that concurrent requests rarely wait on each other.
+pub const SHARDS: usize = 4;
+
+/// Largest answer accepted from an engine's `/tokenize`.
+const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 << 20;
+
+/// Weighs a cached prompt by the bytes its tokens take.
+#[derive(Clone, Copy, Debug)]
+struct TokenBytes;
+
+impl Weighter<u64, Arc<Vec<u32>>> for TokenBytes {
+    fn weight(&self, _key: &u64, tokens: &Arc<Vec<u32>>) -> u64 {
+        tokens.len() as u64 * 4 + ENTRY_OVERHEAD
+    }
+}
+
+/// Prompt tokens by hash of (model, input); bounded in bytes.
 pub struct TokenCache {
-    cache: Cache<u64, Arc<Vec<u32>>>,
+    cache: Cache<u64, Arc<Vec<u32>>, TokenBytes>,
 }
 
 impl TokenCache {
-    /// A cache of at most `entries` prompts.
+    /// A cache expecting about `entries` prompts, holding at most
+    /// `Limits::default().token_cache_bytes` bytes of tokens.
     pub fn new(entries: usize) -> Self {
+        Self::with_budget(entries, Limits::default().token_cache_bytes)
+    }
+
+    /// A cache holding at most `limits.token_cache_bytes` bytes of tokens.
+    pub fn with_limits(limits: &Limits) -> Self {
+        Self::with_budget(4096, limits.token_cache_bytes)
+    }
+
+    /// A cache expecting about `entries` prompts and holding at most `bytes` bytes of tokens.
+    /// The cache is split in [`SHARDS`] independent parts; a prompt larger than one part
+    /// (`bytes / SHARDS`) is not cached.
+    pub fn with_budget(entries: usize, bytes: usize) -> Self {
+        let options = OptionsBuilder::new()
+            .estimated_items_capacity(entries.max(1))
+            .weight_capacity(bytes as u64)
+            .shards(SHARDS)
+            .build()
+            .expect("capacities and shard count are valid");
         Self {
-            cache: Cache::new(entries),
+            cache: Cache::with_options(
+                options,
+                TokenBytes,
+                DefaultHashBuilder::default(),
+                DefaultLifecycle::default(),
+            ),
         }
+    }
+
+    /// Bytes held now.
+    pub fn weight(&self) -> u64 {
+        self.cache.weight()
     }
 }
 
@@ -175,7 +225,8 @@ async fn remote_tokenize(
     if !response.status().is_success() {
         return Err(format!("{url} answered {}", response.status()));
     }
-    let bytes = tokio::time::timeout(remote.timeout, response.into_body().collect())
+    let limited = Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES);
+    let bytes = tokio::time::timeout(remote.timeout, limited.collect())
         .await
         .map_err(|_| format!("{url}: body not read within {:?}", remote.timeout))?
         .map_err(|e| format!("{url}: {e}"))?
@@ -189,4 +240,30 @@ async fn remote_tokenize(
         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
         .collect::<Option<Vec<u32>>>()
         .ok_or_else(|| format!("{url}: tokens are not all token ids"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_cache_is_bounded_by_the_bytes_of_its_tokens() {
+        let cache = TokenCache::with_budget(16, 1 << 20);
+        for i in 0..12 {
+            // ~200 KB of tokens each (two per word): about 2.4 MB offered to a 1 MiB cache.
+            let text = format!("p{i} {}", "word ".repeat(25_000));
+            let tokens = tokenize(
+                &cache,
+                &ModelTokenizer::Builtin,
+                "m",
+                &Input::Text(text),
+                None,
+            )
+            .await
+            .unwrap();
+            assert!(tokens.len() > 40_000);
+            assert!(cache.weight() <= 1 << 20, "{} bytes held", cache.weight());
+        }
+        assert!(cache.weight() > 0);
+    }
 }

@@ -35,7 +35,7 @@ async fn engine_with(gpu_blocks: usize, max_num_seqs: usize) -> SimFleet {
 
 async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n"
     );
     for (i, fleet) in engines.iter().enumerate() {
         let ep = &fleet.endpoints[0];
@@ -151,7 +151,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
     assert!(cached_total > 0);
     // On a quiet fleet the router's predictions equal what the engines report.
     let metrics = client
-        .get(format!("http://{}/metrics", router.addr))
+        .get(format!("http://{}/metrics", router.admin_addr))
         .send()
         .await
         .unwrap()
@@ -222,7 +222,7 @@ async fn explain_shows_the_breakdown_without_forwarding() {
         .to_owned();
     settle().await;
     let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&body)
         .send()
         .await
@@ -331,7 +331,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         .unwrap()
         .port();
     let yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 60000}}\nscheduler: {{policy: round-robin}}\nendpoints:\n  - {{name: dead, url: 'http://127.0.0.1:{dead_port}'}}\n  - {{name: live, url: '{}'}}\n",
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 60000}}\nscheduler: {{policy: round-robin}}\nendpoints:\n  - {{name: dead, url: 'http://127.0.0.1:{dead_port}'}}\n  - {{name: live, url: '{}'}}\n",
         live.endpoints[0].url
     );
     let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
@@ -350,7 +350,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         assert_eq!(answer.endpoint, "live");
     }
     let metrics = client
-        .get(format!("http://{}/metrics", router.addr))
+        .get(format!("http://{}/metrics", router.admin_addr))
         .send()
         .await
         .unwrap()
@@ -629,7 +629,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
         .unwrap()
         .port();
     let yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\ncache: {{silent_after_s: 0.3}}\nendpoints:\n  - {{name: quiet, url: '{}', events: 'tcp://127.0.0.1:{dead}'}}\n",
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\ncache: {{silent_after_s: 0.3}}\nendpoints:\n  - {{name: quiet, url: '{}', events: 'tcp://127.0.0.1:{dead}'}}\n",
         a.endpoints[0].url
     );
     let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
@@ -645,7 +645,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&body)
         .send()
         .await
@@ -657,7 +657,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
     assert_eq!(endpoint["index_trusted"], false, "{endpoint}");
     assert_eq!(endpoint["index_distrust"], "silent");
     let metrics = client
-        .get(format!("http://{}/metrics", router.addr))
+        .get(format!("http://{}/metrics", router.admin_addr))
         .send()
         .await
         .unwrap()
@@ -697,7 +697,7 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
     );
     next.push(json!({"role": "user", "content": "and then?"}));
     let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&json!({"model": MODEL, "messages": next}))
         .send()
         .await
@@ -722,7 +722,7 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
 async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
     let (a, b) = (engine(1024).await, engine(1024).await);
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}, tokenizer: remote}}]\nendpoints:\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}, tokenizer: remote}}]\nendpoints:\n"
     );
     for f in [&a, &b] {
         let ep = &f.endpoints[0];
@@ -747,7 +747,7 @@ async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
     );
     history.push(json!({"role": "user", "content": "more please"}));
     let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.addr))
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&json!({"model": MODEL, "messages": history}))
         .send()
         .await

@@ -42,7 +42,7 @@ async fn real_tokenizer_end_to_end() {
         );
     }
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nmodels:\n  - name: sim-llama-3.1-8b\n    tokenizer: {{hf: '{}', chat_template: '{}'}}\nendpoints:\n",
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels:\n  - name: sim-llama-3.1-8b\n    tokenizer: {{hf: '{}', chat_template: '{}'}}\nendpoints:\n",
         tokenizer.display(),
         template.display()
     );
@@ -67,7 +67,7 @@ async fn real_tokenizer_end_to_end() {
     for turn in 0..4 {
         history.push(json!({"role": "user", "content": format!("Question number {turn}: how does prefix caching work in vLLM?")}));
         let explain: Value = client
-            .post(format!("http://{}/kvroute/v1/explain", router.addr))
+            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
             .json(&json!({"model": "sim-llama-3.1-8b", "messages": history}))
             .send()
             .await

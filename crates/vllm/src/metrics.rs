@@ -44,9 +44,11 @@ fn parse_line(line: &str) -> Option<Sample<'_>> {
         }
     };
     let value: f64 = value.split_whitespace().next()?.parse().ok()?;
-    let (name, labels) = match head.find('{') {
-        Some(open) => (&head[..open], parse_labels(&head[open + 1..head.len() - 1])),
-        None => (head, Vec::new()),
+    let (name, labels) = match (head.find('{'), head.strip_suffix('}')) {
+        (Some(open), Some(inner)) => (&head[..open], parse_labels(&inner[open + 1..])),
+        // A label set that never closes: not a sample.
+        (Some(_), None) => return None,
+        (None, _) => (head, Vec::new()),
     };
     Some((name, labels, value))
 }
@@ -138,6 +140,16 @@ vllm:some_new_metric{a="b\"}"} 9
         assert_eq!(s.waiting, None, "absent stays absent");
     }
 
+    #[test]
+    fn an_unclosed_label_set_is_not_a_sample() {
+        // Found by the `engine_metrics` fuzz target: a multi-byte character where the closing
+        // brace should be panicked the parser (a broken engine could stop load scraping).
+        assert_eq!(parse_line("a{é 1"), None);
+        assert_eq!(parse_line("vllm:num_requests_waiting{x=\"1\" 3"), None);
+        let s = parse_engine_metrics("a{é 1\nvllm:num_requests_waiting 2\n");
+        assert_eq!(s.waiting, Some(2.0));
+    }
+
     proptest! {
         #[test]
         fn arbitrary_text_never_panics(text in "\\PC{0,300}") {
@@ -145,7 +157,7 @@ vllm:some_new_metric{a="b\"}"} 9
         }
 
         #[test]
-        fn mangled_lines_never_panic(line in "[a-z:_]{1,10}(\\{[a-z]{0,4}(=\"[^\"]{0,6}\"?)?,?\\}?)? ?[0-9.eE+-]{0,8}") {
+        fn mangled_lines_never_panic(line in "[a-z:_é]{1,10}(\\{[a-zé]{0,4}(=\"[^\"]{0,6}\"?)?,?\\}?)? ?[0-9.eE+-]{0,8}") {
             let _ = parse_engine_metrics(&line);
         }
     }

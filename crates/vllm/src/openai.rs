@@ -1,5 +1,14 @@
 //! The parts of the OpenAI API (as vLLM serves it) that kvroute reads: the request fields that
 //! decide routing and generation, and OpenAI-shaped errors.
+//!
+//! Every request vLLM accepts parses: a batch of prompts (strings or token lists) is scored by
+//! its first prompt; chat content parts other than text (images, audio, video) are skipped, so
+//! the request is routed by its text (the body is forwarded unchanged); a string holding a lone
+//! UTF-16 surrogate escape (`"\ud800"`, which Python's `json` accepts) is read with U+FFFD in
+//! its place. What cannot be scored at all becomes an empty token list: the request is routed
+//! by load alone, never refused for its shape.
+
+mod surrogates;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -83,7 +92,10 @@ impl ApiError {
     pub fn to_json(&self) -> String {
         let kind = match self.status {
             400 => "BadRequestError",
+            401 => "AuthenticationError",
             404 => "NotFoundError",
+            405 => "MethodNotAllowedError",
+            408 => "TimeoutError",
             413 => "RequestTooLargeError",
             429 => "RateLimitError",
             503 => "ServiceUnavailableError",
@@ -117,9 +129,19 @@ fn optional_bool(body: &Value, name: &str) -> Result<bool, ApiError> {
     }
 }
 
+/// The body as JSON; lone surrogate escapes, which serde_json refuses, read as U+FFFD.
+fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).or_else(|e| {
+        surrogates::replace_lone_surrogates(body)
+            .and_then(|fixed| serde_json::from_slice(&fixed).ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("request body is not valid JSON: {e}"), None)
+            })
+    })
+}
+
 fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}"), None))?;
+    let value = parse_json(body)?;
     if !value.is_object() {
         return Err(ApiError::bad_request(
             "request body must be a JSON object",
@@ -177,29 +199,26 @@ fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
     Ok((value, request))
 }
 
-/// Parses a `/v1/completions` body (`prompt` as a string or token ids).
+/// Parses a `/v1/completions` body: `prompt` as a string, token ids, or a batch of either (the
+/// first prompt is scored).
 pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     let (value, mut request) = parse_common(body)?;
     request.input = match field(&value, "prompt") {
         Some(Value::String(s)) => Input::Text(s.clone()),
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            Input::Text(items[0].as_str().unwrap_or_default().to_owned())
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            Input::Tokens(token_ids(items)?)
         }
-        Some(Value::Array(items)) if items.iter().all(Value::is_number) => Input::Tokens(
-            items
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| {
-                    ApiError::bad_request(
-                        "prompt token ids must be integers in [0, 2^32)",
-                        Some("prompt"),
-                    )
-                })?,
-        ),
+        Some(Value::Array(items)) => match items.first() {
+            Some(Value::String(first)) => Input::Text(first.clone()),
+            Some(Value::Array(first)) if first.iter().all(Value::is_number) => {
+                Input::Tokens(token_ids(first)?)
+            }
+            // Mixed or unusual batches: routed by load.
+            _ => Input::Tokens(Vec::new()),
+        },
         Some(_) => {
             return Err(ApiError::bad_request(
-                "prompt must be a string, a list of one string, or a list of token ids",
+                "prompt must be a string, a list of token ids, or a list of either",
                 Some("prompt"),
             ));
         }
@@ -208,7 +227,21 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     Ok(request)
 }
 
-/// Parses a `/v1/chat/completions` body (text `content`, or a list of text parts).
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "prompt token ids must be integers in [0, 2^32)",
+                Some("prompt"),
+            )
+        })
+}
+
+/// Parses a `/v1/chat/completions` body: `content` as a string or a list of parts, of which the
+/// text parts are read.
 pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     let (value, mut request) = parse_common(body)?;
     let Some(Value::Array(items)) = field(&value, "messages") else {
@@ -244,20 +277,15 @@ fn parse_message(m: &Value) -> Result<ChatMessage, String> {
     let content = match m.get("content") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
+        // Text parts are scored; image, audio and video parts pass through unscored.
         Some(Value::Array(parts)) => parts
             .iter()
-            .map(|p| {
-                match (
-                    p.get("type").and_then(Value::as_str),
-                    p.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(text)) => Ok(text),
-                    _ => Err("only text content parts are supported".to_string()),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?
+            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
             .concat(),
-        Some(_) => return Err("content must be a string or a list of parts".into()),
+        // Not a shape vLLM reads as text: nothing to score here.
+        Some(_) => String::new(),
     };
     Ok(ChatMessage { role, content })
 }
@@ -292,6 +320,37 @@ mod tests {
             }])
         );
         assert_eq!(r.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn requests_vllm_accepts_are_routed_not_refused() {
+        let first = |body: &[u8]| parse_completion(body).unwrap().input;
+        assert_eq!(
+            first(br#"{"model":"m","prompt":["a","b"]}"#),
+            Input::Text("a".into())
+        );
+        assert_eq!(
+            first(br#"{"model":"m","prompt":[[1,2],[3]]}"#),
+            Input::Tokens(vec![1, 2])
+        );
+        assert_eq!(
+            first(br#"{"model":"m","prompt":[]}"#),
+            Input::Tokens(vec![])
+        );
+        assert_eq!(
+            first(br#"{"model":"m","prompt":"x\ud800y"}"#),
+            Input::Text("x\u{fffd}y".into())
+        );
+        let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"text","text":"what is this"}]}]}"#).unwrap();
+        assert_eq!(
+            r.input,
+            Input::Chat(vec![ChatMessage {
+                role: "user".into(),
+                content: "what is this".into()
+            }])
+        );
+        let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"\udc00"}]}"#);
+        assert!(r.is_ok(), "{r:?}");
     }
 
     #[test]

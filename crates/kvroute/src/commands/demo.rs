@@ -77,7 +77,7 @@ async fn fleet(args: &DemoArgs) -> anyhow::Result<Vec<SimFleet>> {
 
 fn router_yaml(engines: &[SimFleet], policy: &str) -> String {
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: 200}}\nendpoints:\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: 200}}\nendpoints:\n"
     );
     for (i, f) in engines.iter().enumerate() {
         let ep = &f.endpoints[0];

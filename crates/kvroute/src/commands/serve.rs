@@ -43,8 +43,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     runtime.block_on(async {
         let running = start(config).await.context("starting the router")?;
         println!(
-            "kvroute serving on http://{} ({} endpoints)",
+            "kvroute serving on http://{} (admin: http://{}; {} endpoints)",
             running.addr,
+            running.admin_addr,
             running.router.endpoints().len()
         );
         tokio::select! {

@@ -2,7 +2,7 @@
 //! [`Action`] is carried out against the sink.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::index::EndpointId;
@@ -11,6 +11,7 @@ use serde::Serialize;
 use tracing::{debug, info, warn};
 
 use super::EventSink;
+use super::log_limit::{LogLimiter, Verdict};
 use super::sequencer::{Action, Sequencer};
 use crate::codec::{RawMessage, decode_batch};
 
@@ -37,8 +38,12 @@ pub struct FeedStats {
     pub unknown_events: u64,
     /// Payloads that failed to decode (skipped, logged).
     pub decode_errors: u64,
-    /// Messages whose frames were not `[topic, seq, payload]`.
+    /// Messages whose frames were not `[topic, seq, payload]` (the two kinds below together).
     pub framing_errors: u64,
+    /// Messages with a frame count other than 3.
+    pub bad_frame_count: u64,
+    /// Messages whose sequence frame was not 8 bytes.
+    pub bad_sequence_length: u64,
     /// Messages whose topic was not the expected one.
     pub topic_mismatches: u64,
     /// Gaps seen in the live sequence.
@@ -68,6 +73,8 @@ pub(crate) struct Feed {
     pub(crate) sequencer: Sequencer,
     pub(crate) stats: Arc<Mutex<FeedStats>>,
     pub(crate) sink: Arc<dyn EventSink>,
+    /// Limits the warnings about this stream's bad input.
+    pub(crate) bad_input_log: LogLimiter,
 }
 
 impl Feed {
@@ -83,6 +90,7 @@ impl Feed {
             sequencer: Sequencer::new(can_replay),
             stats: Arc::default(),
             sink,
+            bad_input_log: LogLimiter::new(),
         }
     }
 
@@ -149,8 +157,10 @@ impl Feed {
                     .map(|d| d.as_millis() as u64);
             }
             Err(e) => {
-                warn!(endpoint = %self.name, seq = msg.seq, error = %e, "dropping undecodable KV-event batch");
                 self.stats.lock().decode_errors += 1;
+                if let Verdict::Log { suppressed } = self.bad_input_log.check(Instant::now()) {
+                    warn!(endpoint = %self.name, seq = msg.seq, error = %e, suppressed, "dropping undecodable KV-event batch");
+                }
             }
         }
     }

@@ -13,6 +13,7 @@
 //! is reported ([`EventSink::unfilled_gap`], [`FeedStats`]) rather than silently absorbed.
 
 mod feed;
+pub mod log_limit;
 mod replay;
 pub mod sequencer;
 
@@ -330,7 +331,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, timing: Timin
         while let Some(input) = rx.recv().await {
             match input {
                 Input::Live(frames) => {
-                    if let Some(msg) = checked_message(&stream.feed, &source.topic, &frames) {
+                    if let Some(msg) = checked_message(&mut stream.feed, &source.topic, &frames) {
                         stream.on_live(&key, msg, &ctx);
                     }
                 }
@@ -361,13 +362,29 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, timing: Timin
     }
 }
 
-/// Splits frames and checks the topic, counting what is wrong.
-fn checked_message(feed: &Feed, topic: &str, frames: &[Bytes]) -> Option<crate::codec::RawMessage> {
+/// Splits frames and checks the topic, counting what is wrong (and logging it, rate-limited).
+fn checked_message(
+    feed: &mut Feed,
+    topic: &str,
+    frames: &[Bytes],
+) -> Option<crate::codec::RawMessage> {
     let msg = match parse_frames(frames) {
         Ok(msg) => msg,
         Err(e) => {
-            warn!(endpoint = %feed.name, error = %e, "dropping malformed KV-event message");
-            feed.stats.lock().framing_errors += 1;
+            {
+                let mut stats = feed.stats.lock();
+                stats.framing_errors += 1;
+                if frames.len() == 3 {
+                    stats.bad_sequence_length += 1;
+                } else {
+                    stats.bad_frame_count += 1;
+                }
+            }
+            if let log_limit::Verdict::Log { suppressed } =
+                feed.bad_input_log.check(std::time::Instant::now())
+            {
+                warn!(endpoint = %feed.name, error = %e, suppressed, "dropping malformed KV-event message");
+            }
             return None;
         }
     };
@@ -498,7 +515,7 @@ pub async fn spawn_bound(
                         streams.insert(topic.clone(), stream);
                     }
                     let stream = streams.get_mut(&topic).expect("inserted above");
-                    if let Some(msg) = checked_message(&stream.feed, "", &frames) {
+                    if let Some(msg) = checked_message(&mut stream.feed, "", &frames) {
                         stream.on_live(&topic, msg, &ctx);
                     }
                 }

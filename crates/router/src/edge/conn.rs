@@ -1,0 +1,201 @@
+//! One client connection's clock: when it started sending a request head, whether a request is
+//! in progress, and when a byte last moved, so that slow heads and idle connections are closed.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+
+/// Why a connection is due to be closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expiry {
+    /// A request head started and did not complete in time.
+    Header,
+    /// No request in progress and no byte received for too long.
+    Idle,
+}
+
+impl Expiry {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Expiry::Header => "header",
+            Expiry::Idle => "idle",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    active: usize,
+    head_started: Option<Instant>,
+    last_io: Instant,
+}
+
+/// A connection's activity, shared by its I/O, its requests and its watchdog.
+#[derive(Debug)]
+pub struct Activity {
+    state: Mutex<State>,
+    /// Wakes the watchdog when the deadline moves earlier (a head started, a request ended).
+    changed: Notify,
+    header_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl Activity {
+    /// A fresh connection.
+    pub fn new(header_timeout: Duration, idle_timeout: Duration) -> Self {
+        Self {
+            state: Mutex::new(State {
+                active: 0,
+                head_started: None,
+                last_io: Instant::now(),
+            }),
+            changed: Notify::new(),
+            header_timeout,
+            idle_timeout,
+        }
+    }
+
+    /// Resolves when the deadline may have moved.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    fn on_read(&self) {
+        let mut s = self.state.lock();
+        s.last_io = Instant::now();
+        if s.active == 0 && s.head_started.is_none() {
+            s.head_started = Some(s.last_io);
+            self.changed.notify_one();
+        }
+    }
+
+    /// A request's head was read: it is in progress until [`Activity::request_finished`].
+    fn request_started(&self) {
+        let mut s = self.state.lock();
+        s.active += 1;
+        s.head_started = None;
+    }
+
+    /// A request's response was sent (or abandoned).
+    fn request_finished(&self) {
+        let mut s = self.state.lock();
+        s.active = s.active.saturating_sub(1);
+        s.last_io = Instant::now();
+        self.changed.notify_one();
+    }
+
+    /// When the connection is due to close if nothing changes, and why; `None` while a request
+    /// is in progress (requests have their own timeouts).
+    pub fn deadline(&self) -> Option<(Instant, Expiry)> {
+        let s = self.state.lock();
+        if s.active > 0 {
+            None
+        } else if let Some(started) = s.head_started {
+            Some((started + self.header_timeout, Expiry::Header))
+        } else {
+            Some((s.last_io + self.idle_timeout, Expiry::Idle))
+        }
+    }
+}
+
+/// A request in progress on its connection, from its head until this is dropped (with its
+/// response body once sent, or with the handler if the client left first).
+pub struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    /// Marks a request started.
+    pub fn start(activity: Arc<Activity>) -> Self {
+        activity.request_started();
+        Self(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
+}
+
+/// A socket that reports reads to its connection's [`Activity`].
+pub struct TrackedIo<T> {
+    io: T,
+    activity: Arc<Activity>,
+}
+
+impl<T> TrackedIo<T> {
+    /// Wraps `io`.
+    pub fn new(io: T, activity: Arc<Activity>) -> Self {
+        Self { io, activity }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for TrackedIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.on_read();
+        }
+        result
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_started_head_runs_the_header_clock_and_a_request_stops_every_clock() {
+        let a = Activity::new(Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
+        a.on_read();
+        assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Header));
+        let a = Arc::new(a);
+        let request = InFlight::start(a.clone());
+        assert_eq!(a.deadline(), None);
+        a.on_read();
+        drop(request);
+        assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
+    }
+}

@@ -1,0 +1,209 @@
+//! The router's HTTP edge, in front of its routes: bounded connections, timeouts on slow
+//! clients, canonical paths, and request bodies held within a router-wide byte budget.
+//!
+//! Per connection: a request head must complete within `limits.header_timeout_ms` of its first
+//! byte, and a connection with no request in progress closes after `limits.idle_timeout_ms`
+//! without a byte. Per request: a declared `Content-Length` above `limits.max_body_bytes` is
+//! answered 413 before any body byte is read, the body must arrive within
+//! `limits.body_timeout_ms` (408), and its bytes count against `limits.max_buffered_bytes` until
+//! the handler answers (503 when the budget is spent).
+
+mod body;
+mod conn;
+pub mod path;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router as Routes;
+use axum::body::Body;
+use axum::response::Response;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use kvroute_vllm::openai::ApiError;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tracing::{debug, warn};
+
+use crate::metrics::listener as listener_labels;
+use crate::proxy::error_response;
+use crate::service::Router;
+use body::{BudgetHold, EdgeBody, Finishing};
+use conn::{Activity, InFlight, TrackedIo};
+
+/// What every connection of one router shares.
+struct Edge {
+    router: Arc<Router>,
+    routes: Routes,
+    name: &'static str,
+    budget: Arc<Semaphore>,
+}
+
+/// Serves `routes` on `listener` until the task is dropped. `name` labels the listener in
+/// metrics (`api`, `admin`); `budget` is the router's buffered-bytes budget, shared by its
+/// listeners.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    router: Arc<Router>,
+    name: &'static str,
+    budget: Arc<Semaphore>,
+) {
+    let limits = &router.config().limits;
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let header_timeout = Duration::from_millis(limits.header_timeout_ms);
+    let idle_timeout = Duration::from_millis(limits.idle_timeout_ms);
+    let edge = Arc::new(Edge {
+        router: router.clone(),
+        routes,
+        name,
+        budget,
+    });
+    let labels = listener_labels(name);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors, most likely: give the open connections a moment.
+                warn!(error = %e, listener = name, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            router
+                .metrics()
+                .connections_refused
+                .get_or_create(&labels)
+                .inc();
+            debug!(%peer, listener = name, "connection limit reached: closing a new connection");
+            drop(stream);
+            continue;
+        };
+        // Streamed tokens must not wait for the client's delayed ACK (Nagle).
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::new(header_timeout, idle_timeout));
+        let edge = edge.clone();
+        let open = router
+            .metrics()
+            .connections_open
+            .get_or_create(&labels)
+            .clone();
+        open.inc();
+        tokio::spawn(async move {
+            serve_connection(edge, stream, activity).await;
+            open.dec();
+            drop(permit);
+        });
+    }
+}
+
+async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activity: Arc<Activity>) {
+    let io = TokioIo::new(TrackedIo::new(stream, activity.clone()));
+    let service = {
+        let activity = activity.clone();
+        let edge = edge.clone();
+        hyper::service::service_fn(move |request: http::Request<Incoming>| {
+            let edge = edge.clone();
+            let activity = activity.clone();
+            async move { Ok::<_, Infallible>(edge.handle(request, activity).await) }
+        })
+    };
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http1().header_read_timeout(None);
+    let connection = builder.serve_connection(io, service);
+    tokio::pin!(connection);
+    loop {
+        let deadline = activity.deadline();
+        let expired = async {
+            match deadline {
+                Some((at, _)) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = connection.as_mut() => return,
+            () = activity.changed() => {}
+            () = expired => {
+                if let Some((at, why)) = activity.deadline()
+                    && at <= std::time::Instant::now()
+                {
+                    edge.router
+                        .metrics()
+                        .client_timeouts
+                        .get_or_create(&vec![("kind", why.label().to_owned())])
+                        .inc();
+                    debug!(listener = edge.name, reason = why.label(), "closing a client connection");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Edge {
+    /// One request: admitted (or refused) at the edge, then routed. It counts as in progress
+    /// on its connection until its response body is dropped, or this future is.
+    async fn handle(&self, request: http::Request<Incoming>, activity: Arc<Activity>) -> Response {
+        let in_flight = InFlight::start(activity);
+        let response = match self.admit(request).await {
+            Ok(response) | Err(response) => response,
+        };
+        response.map(|body| Body::new(Finishing::new(body, in_flight)))
+    }
+
+    async fn admit(&self, request: http::Request<Incoming>) -> Result<Response, Response> {
+        let refuse = |status: u16, message: String| {
+            error_response(&self.router, &ApiError::new(status, message))
+        };
+        let (mut parts, body) = request.into_parts();
+        parts.uri = path::normalize(&parts.uri).ok_or_else(|| {
+            refuse(
+                404,
+                "paths with encoded dots, slashes or backslashes are not served".into(),
+            )
+        })?;
+        let limits = &self.router.config().limits;
+        let declared = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(declared) = declared
+            && declared > limits.max_body_bytes as u64
+        {
+            return Err(refuse(
+                413,
+                format!("request body larger than {} bytes", limits.max_body_bytes),
+            ));
+        }
+        let hold = Arc::new(BudgetHold::new(
+            self.budget.clone(),
+            self.router.metrics().buffered_bytes.clone(),
+        ));
+        if let Some(declared) = declared
+            && !hold.reserve(declared as usize)
+        {
+            return Err(refuse(
+                503,
+                "the router holds as many request bytes as it may; retry shortly".into(),
+            ));
+        }
+        let body = EdgeBody::new(
+            body,
+            Duration::from_millis(limits.body_timeout_ms),
+            hold.clone(),
+        );
+        let request = http::Request::from_parts(parts, Body::new(body));
+        let response = self.routes.clone().oneshot(request).await;
+        // The handler answered: the body it read is no longer held.
+        drop(hold);
+        Ok(match response {
+            Ok(response) => response,
+            Err(never) => match never {},
+        })
+    }
+}

@@ -1,0 +1,398 @@
+//! The router's HTTP edge over real loopback sockets: which paths reach an engine, slow and
+//! oversized clients, connection limits, the buffered-bytes budget, the admin listener, and
+//! requests that vLLM accepts in every shape.
+
+use std::time::{Duration, Instant};
+
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start as start_router};
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_testkit::{eventually, http_get, patience, sample};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+async fn engine() -> SimFleet {
+    start_sim(SimConfig {
+        port: 0,
+        events_port: 0,
+        replay_port: Some(0),
+        time_scale: 10.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// A router in front of one engine URL (no KV events: these tests are about HTTP).
+async fn router_with(url: &str, extra: &str) -> RunningRouter {
+    let admin = if extra.contains("admin:") {
+        ""
+    } else {
+        "admin: {listen: 127.0.0.1:0}\n"
+    };
+    let yaml = format!(
+        "listen: 127.0.0.1:0\n{admin}models: [{{name: {MODEL}}}]\n{extra}\nendpoints: [{{name: e0, url: '{url}'}}]\n"
+    );
+    start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap()
+}
+
+/// A simulated engine and a router in front of it.
+async fn engine_and_router(extra: &str) -> (SimFleet, RunningRouter) {
+    let engine = engine().await;
+    let router = router_with(&engine.endpoints[0].url, extra).await;
+    (engine, router)
+}
+
+/// Sends raw bytes on a new connection.
+async fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> TcpStream {
+    let mut socket = TcpStream::connect(addr).await.unwrap();
+    socket.write_all(bytes).await.unwrap();
+    socket
+}
+
+/// Everything the router writes until it closes the connection (or a complete response has
+/// arrived when `until` is found in it); panics past the test patience.
+async fn read_until_closed(socket: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(patience(), socket.read_to_end(&mut out)).await;
+    assert!(
+        read.is_ok(),
+        "the router kept the connection open; it sent {:?}",
+        String::from_utf8_lossy(&out)
+    );
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads until the response head and `needle` have arrived.
+async fn read_response(socket: &mut TcpStream, needle: &str) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + patience();
+    while !String::from_utf8_lossy(&out).contains(needle) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, socket.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => panic!(
+                "no {needle:?} in time; got {:?}",
+                String::from_utf8_lossy(&out)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Value) -> (u16, Value) {
+    let resp = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (
+        resp.status().as_u16(),
+        resp.json().await.unwrap_or(Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_allowlisted_openai_paths_reach_an_engine() {
+    let (_engine, router) = engine_and_router("").await;
+    for (method, path) in [
+        ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/../sim/restart"),
+        ("POST", "/v1/%2e%2e/sim/restart"),
+        ("GET", "/v1/../metrics"),
+        ("POST", "/kvroute/v1/explain"),
+        ("GET", "/metrics"),
+    ] {
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        );
+        let mut socket = send_raw(router.addr, request.as_bytes()).await;
+        let answer = read_until_closed(&mut socket).await;
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 404"), "{method} {path}: {head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("x-kvroute-endpoint"),
+            "{method} {path} reached an engine: {head}"
+        );
+        let error: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(error["error"]["type"], "NotFoundError", "{body}");
+    }
+    // Allowlisted paths are forwarded (the simulator has no embeddings: its 404 comes back
+    // through the router, with the endpoint that answered).
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/./embeddings", router.addr))
+        .json(&json!({"model": MODEL, "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-kvroute-endpoint"], "e0");
+    let resp = reqwest::Client::new()
+        .get(format!("http://{}/v1/embeddings", router.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
+    let (_engine, router) = engine_and_router("limits: {max_body_bytes: 1000}").await;
+    let mut socket = send_raw(
+        router.addr,
+        b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n",
+    )
+    .await;
+    let answer = read_response(&mut socket, "}").await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("RequestTooLargeError"), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off_while_others_are_served() {
+    let (_engine, router) =
+        engine_and_router("limits: {header_timeout_ms: 400, body_timeout_ms: 400}").await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    // Partial headers, never finished.
+    let mut slow_head = send_raw(
+        router.addr,
+        b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\nx-slow: 1\r\n",
+    )
+    .await;
+    // A chunked body that never ends.
+    let mut slow_body = send_raw(
+        router.addr,
+        b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\n{\"mod\r\n",
+    )
+    .await;
+    let served = async {
+        let mut n = 0;
+        while started.elapsed() < Duration::from_millis(600) || n < 3 {
+            let (status, body) = completion(
+                &client,
+                &router,
+                json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}),
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+            n += 1;
+        }
+        n
+    };
+    let (served, head_answer, body_answer) = tokio::join!(
+        served,
+        read_until_closed(&mut slow_head),
+        read_response(&mut slow_body, "}")
+    );
+    assert!(served >= 3);
+    assert_eq!(
+        head_answer, "",
+        "a partial head gets no answer, only a close"
+    );
+    assert!(body_answer.starts_with("HTTP/1.1 408"), "{body_answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cut off late: {:?}",
+        started.elapsed()
+    );
+    let text = http_get(router.admin_addr, "/metrics");
+    assert_eq!(
+        sample(&text, "kvroute_client_timeouts_total{kind=\"header\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "kvroute_rejected_total{status=\"408\"}"),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
+    let (_engine, router) =
+        engine_and_router("limits: {max_connections: 2, idle_timeout_ms: 1000}").await;
+    let started = Instant::now();
+    let mut first = TcpStream::connect(router.addr).await.unwrap();
+    let mut second = TcpStream::connect(router.addr).await.unwrap();
+    let client = reqwest::Client::new();
+    eventually("both connections are open", || {
+        let text = http_get(router.admin_addr, "/metrics");
+        let open = sample(&text, "kvroute_connections_open{listener=\"api\"}");
+        (open == Some(2.0), open)
+    })
+    .await;
+    let mut third = TcpStream::connect(router.addr).await.unwrap();
+    assert_eq!(read_until_closed(&mut third).await, "", "refused at once");
+    // Idle connections are closed after the idle timeout, freeing their slots.
+    assert_eq!(read_until_closed(&mut first).await, "");
+    assert_eq!(read_until_closed(&mut second).await, "");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let text = http_get(router.admin_addr, "/metrics");
+    assert_eq!(
+        sample(&text, "kvroute_connections_refused_total{listener=\"api\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "kvroute_client_timeouts_total{kind=\"idle\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    let (status, _) = completion(
+        &client,
+        &router,
+        json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_share_one_byte_budget() {
+    let (_engine, router) = engine_and_router(
+        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 500}",
+    )
+    .await;
+    // Holds 2000 bytes of the budget while it trickles.
+    let mut holder = send_raw(
+        router.addr,
+        b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 2000\r\n\r\n{\"model\"",
+    )
+    .await;
+    eventually("the first body is held", || {
+        let held = sample(
+            &http_get(router.admin_addr, "/metrics"),
+            "kvroute_buffered_bytes",
+        );
+        (held == Some(2000.0), held)
+    })
+    .await;
+    let body = json!({"model": MODEL, "prompt": "x".repeat(1500), "max_tokens": 1});
+    let client = reqwest::Client::new();
+    let (status, answer) = completion(&client, &router, body.clone()).await;
+    assert_eq!(status, 503, "{answer}");
+    // The holder is cut off; its bytes come back and the same request goes through.
+    assert!(
+        read_response(&mut holder, "}")
+            .await
+            .starts_with("HTTP/1.1 408")
+    );
+    eventually("the budget is free", || {
+        let held = sample(
+            &http_get(router.admin_addr, "/metrics"),
+            "kvroute_buffered_bytes",
+        );
+        (held == Some(0.0), held)
+    })
+    .await;
+    let (status, answer) = completion(&client, &router, body).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_explain_live_on_the_admin_listener_behind_its_token() {
+    let (_engine, router) = engine_and_router("admin: {listen: 127.0.0.1:0, token: s3cret}").await;
+    let client = reqwest::Client::new();
+    let admin = |path: &str| format!("http://{}{path}", router.admin_addr);
+    let resp = client.get(admin("/metrics")).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    assert_eq!(resp.headers()["www-authenticate"], "Bearer");
+    let resp = client
+        .get(admin("/metrics"))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let resp = client
+        .get(admin("/metrics"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("kvroute_token_cache_bytes"), "{text}");
+    let resp = client
+        .post(admin("/kvroute/v1/explain"))
+        .bearer_auth("s3cret")
+        .json(&json!({"model": MODEL, "prompt": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let explained: Value = resp.json().await.unwrap();
+    assert_eq!(explained["chosen"], "e0");
+    let resp = client.get(admin("/health")).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200, "health needs no token");
+    for path in ["/metrics", "/kvroute/v1/explain"] {
+        let resp = client
+            .post(format!("http://{}{path}", router.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 404, "{path} on the API listener");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_vllm_accepts_are_routed_in_every_shape() {
+    let (_engine, router) = engine_and_router("").await;
+    let client = reqwest::Client::new();
+    let completions = [
+        r#"{"model":"M","prompt":["first prompt","second prompt"],"max_tokens":2}"#,
+        r#"{"model":"M","prompt":[[1,2,3],[4,5]],"max_tokens":2}"#,
+        r#"{"model":"M","prompt":"lone \ud800 surrogate","max_tokens":2}"#,
+    ];
+    for body in completions {
+        let resp = client
+            .post(format!("http://{}/v1/completions", router.addr))
+            .header("content-type", "application/json")
+            .body(body.replace('M', MODEL))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        assert_eq!(status, 200, "{body}: {}", resp.text().await.unwrap());
+    }
+    let chat = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "text", "text": "what is in this image?"}
+    ]}]});
+    let resp = client
+        .post(format!("http://{}/v1/chat/completions", router.addr))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    assert_eq!(status, 200, "{}", resp.text().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_cache_stays_within_its_byte_budget() {
+    let (_engine, router) = engine_and_router("limits: {token_cache_bytes: 1000000}").await;
+    let client = reqwest::Client::new();
+    for i in 0..12 {
+        // About 160 KB of tokens each: 2 MB offered to a 1 MB cache.
+        let prompt = format!("p{i} {}", "word ".repeat(20_000));
+        let resp = client
+            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+            .json(&json!({"model": MODEL, "prompt": prompt}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let text = http_get(router.admin_addr, "/metrics");
+        let held = sample(&text, "kvroute_token_cache_bytes").unwrap();
+        assert!(held > 0.0 && held <= 1_000_000.0, "{held} bytes after {i}");
+    }
+}

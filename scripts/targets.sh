@@ -9,6 +9,7 @@
 #   scripts/targets.sh [workload ...]     # default: every workload below
 #   POLICIES="round-robin precise" scripts/targets.sh heavy-multi-turn
 #   ROUTER_YAML='flow: {enabled: false}' SUFFIX=-noflow scripts/targets.sh heavy-multi-turn
+#   SCHEDULER='balance: {replicate_shared_above: 2}' SUFFIX=-norep scripts/targets.sh mooncake
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,7 @@ bin=target/release/kvroute
 out=kvroute-targets
 policies=${POLICIES:-"round-robin least-load approximate precise"}
 router_yaml=${ROUTER_YAML:-}
+scheduler=${SCHEDULER:+, $SCHEDULER}
 suffix=${SUFFIX:-}
 mkdir -p "$out"
 
@@ -59,7 +61,7 @@ run_one() { # workload engines blocks sim-args policy bench-args...
   {
     echo "listen: 127.0.0.1:18000"
     echo "models: [{name: sim-llama-3.1-8b}]"
-    echo "scheduler: {policy: $policy}"
+    echo "scheduler: {policy: $policy$scheduler}"
     echo "scrape: {interval_ms: 200}"
     if [ -n "$router_yaml" ]; then echo "$router_yaml"; fi
     echo "endpoints:"

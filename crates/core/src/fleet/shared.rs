@@ -1,8 +1,11 @@
 //! Which part of a prompt is shared between conversations: the prefix up to the deepest block
-//! after which the router has seen different continuations (a branch in the prefix tree).
+//! after which the router has seen several different continuations (a branch point of the
+//! prefix tree).
 //!
-//! A system prompt is followed by every conversation's first message, so it branches; a
-//! conversation's own history is only ever extended, so it does not. The scheduler lets a new
+//! A system prompt is followed by every conversation's first message, so it branches many
+//! ways; a conversation's own history is extended, and at most forks once or twice (a
+//! regenerated answer, a partial last block completed by the next turn), so it does not count
+//! as shared until [`MIN_CONTINUATIONS`] different continuations were seen. The scheduler lets a new
 //! conversation copy a shared prefix onto an endpoint with fewer conversations (see
 //! [`BalanceTolerance`](crate::schedule::BalanceTolerance)); a conversation's own history is
 //! never given up that way. Bounded: the oldest blocks are forgotten first.
@@ -13,13 +16,21 @@ use hashbrown::HashMap;
 
 use crate::keys::RouterKey;
 
-/// What followed a block.
+/// Different continuations after which a prefix counts as shared between conversations.
+pub const MIN_CONTINUATIONS: u16 = 4;
+
+/// What followed a block: the last continuation seen, and how often the continuation
+/// changed (a lower bound on the distinct continuations, minus one).
 #[derive(Debug, Clone, Copy)]
-enum Next {
-    /// One continuation seen so far.
-    One(RouterKey),
-    /// At least two different continuations.
-    Branched,
+struct Next {
+    last: RouterKey,
+    changes: u16,
+}
+
+impl Next {
+    fn shared(&self) -> bool {
+        self.changes + 1 >= MIN_CONTINUATIONS
+    }
 }
 
 /// The prefix tree's branch points, as far as the router has seen.
@@ -45,11 +56,18 @@ impl SharedPrefixes {
         for pair in keys.windows(2) {
             let (key, child) = (pair[0], pair[1]);
             if let Some(next) = self.next.get_mut(&key) {
-                if matches!(next, Next::One(seen) if *seen != child) {
-                    *next = Next::Branched;
+                if next.last != child {
+                    next.last = child;
+                    next.changes = next.changes.saturating_add(1);
                 }
             } else {
-                self.next.insert(key, Next::One(child));
+                self.next.insert(
+                    key,
+                    Next {
+                        last: child,
+                        changes: 0,
+                    },
+                );
                 self.order.push_back(key);
             }
         }
@@ -61,13 +79,13 @@ impl SharedPrefixes {
     }
 
     /// Blocks of `keys` shared with other prompts: up to and including the deepest block
-    /// after which different continuations were seen (0 when none).
+    /// after which [`MIN_CONTINUATIONS`] different continuations were seen (0 when none).
     pub fn shared_blocks(&self, keys: &[RouterKey]) -> usize {
         let mut shared = 0;
         for (i, key) in keys.iter().enumerate() {
             match self.next.get(key) {
-                Some(Next::Branched) => shared = i + 1,
-                Some(Next::One(_)) => {}
+                Some(next) if next.shared() => shared = i + 1,
+                Some(_) => {}
                 None => break,
             }
         }
@@ -96,14 +114,23 @@ mod tests {
     #[test]
     fn a_system_prompt_branches_and_a_history_does_not() {
         let mut s = SharedPrefixes::new(100);
-        // Two conversations under the system prompt [1, 2].
+        // Conversations under the system prompt [1, 2].
         s.record(&keys(&[1, 2, 10, 11]));
-        assert_eq!(s.shared_blocks(&keys(&[1, 2, 10, 11, 12])), 0);
         s.record(&keys(&[1, 2, 20]));
-        assert_eq!(s.shared_blocks(&keys(&[1, 2, 30])), 2);
-        // The first conversation's next turn only extends its own history.
-        s.record(&keys(&[1, 2, 10, 11, 12, 13]));
-        assert_eq!(s.shared_blocks(&keys(&[1, 2, 10, 11, 12, 13, 14])), 2);
+        s.record(&keys(&[1, 2, 30]));
+        assert_eq!(
+            s.shared_blocks(&keys(&[1, 2, 40])),
+            0,
+            "three conversations are few"
+        );
+        s.record(&keys(&[1, 2, 40]));
+        assert_eq!(s.shared_blocks(&keys(&[1, 2, 50])), 2);
+        // The first conversation forks once (a regenerated answer) and goes on: its own
+        // history is not shared.
+        s.record(&keys(&[1, 2, 10, 11, 12]));
+        s.record(&keys(&[1, 2, 10, 11, 13, 14]));
+        s.record(&keys(&[1, 2, 10, 11, 13, 14, 15]));
+        assert_eq!(s.shared_blocks(&keys(&[1, 2, 10, 11, 13, 14, 15, 16])), 2);
     }
 
     #[test]

@@ -35,6 +35,8 @@ const MAX_PREDICTION_ERROR: f64 = 0.2;
 const PREDICTION_GRACE_S: f64 = 0.25;
 /// Time constant of the recent-placements count (the router's endpoint state).
 const RECENT_TAU_S: f64 = 60.0;
+/// How often expired history entries are dropped (the router's housekeeping).
+const HOUSEKEEPING_S: f64 = 5.0;
 
 /// One endpoint as the router tracks it.
 #[derive(Debug, Default)]
@@ -102,6 +104,7 @@ pub struct CorePolicy {
     requests: HashMap<u64, Tracked>,
     rng: StdRng,
     round_robin: u64,
+    last_housekeeping: f64,
 }
 
 impl CorePolicy {
@@ -133,7 +136,23 @@ impl CorePolicy {
             requests: HashMap::new(),
             rng: StdRng::seed_from_u64(seed),
             round_robin: 0,
+            last_housekeeping: 0.0,
         })
+    }
+
+    /// The router's routing history only counts for policies that score it; the live router
+    /// keeps it for the explain API too, which a simulation has no use for.
+    fn uses_history(&self) -> bool {
+        self.profile.weights.approximate_prefix > 0.0
+    }
+
+    /// Drops expired history entries every few seconds, as the router's housekeeping does.
+    fn housekeeping(&mut self, now: f64) {
+        if now - self.last_housekeeping >= HOUSEKEEPING_S {
+            self.last_housekeeping = now;
+            self.history.expire(now);
+            self.predicted.expire(now);
+        }
     }
 }
 
@@ -145,7 +164,8 @@ impl RoutingPolicy for CorePolicy {
     fn route(&mut self, request: &SimRequest<'_>, now: f64) -> Option<usize> {
         let bs = self.block_size;
         let matches = self.index.lookup(&request.keys);
-        let history = if self.profile.weights.approximate_prefix > 0.0 {
+        self.housekeeping(now);
+        let history = if self.uses_history() {
             self.history.longest_prefixes(&request.keys, now)
         } else {
             Vec::new()
@@ -218,6 +238,7 @@ impl RoutingPolicy for CorePolicy {
     }
 
     fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {
+        let uses_history = self.uses_history();
         let Some(t) = self.requests.get_mut(&request_id) else {
             return;
         };
@@ -234,7 +255,9 @@ impl RoutingPolicy for CorePolicy {
             .unwrap_or(0);
         let placement = predicted.saturating_sub(best_other) * 4 < t.prompt_tokens.max(1);
         let id = EndpointId(endpoint as u32);
-        self.history.record(id, &t.keys, now);
+        if uses_history {
+            self.history.record(id, &t.keys, now);
+        }
         self.predicted.record(id, &t.keys, now);
         let e = &mut self.endpoints[endpoint];
         if placement {

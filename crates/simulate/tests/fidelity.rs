@@ -1,0 +1,154 @@
+//! Fidelity: `kvroute simulate` and a live run of the same workload agree. The live run is what
+//! `kvroute demo` does (simulated engines over HTTP and ZMQ, the router, bench's driver), at a
+//! size a test can afford; the simulation runs the same workload on the same fleet settings.
+//! Hit rates must agree within 5 percentage points, TTFT p50 and p90 within 15%.
+
+use std::time::Duration;
+
+use kvroute_bench::driver::{DriverConfig, run as drive};
+use kvroute_bench::result::Summary;
+use kvroute_bench::workload::{MultiTurn, Workload, multi_turn};
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start as start_router};
+use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_simulate::{FleetConfig, simulate};
+use kvroute_testkit::eventually;
+
+const MODEL: &str = "sim-llama-3.1-8b";
+const ENGINES: usize = 4;
+const SCRAPE_MS: u64 = 200;
+
+/// The demo's shape (a shared system prompt, long user turns, histories resent), smaller.
+fn workload() -> Workload {
+    multi_turn(&MultiTurn {
+        users: 16,
+        turns: 4,
+        system_tokens: 400,
+        user_tokens: 250,
+        output_tokens: 16,
+        think_s: 0.3,
+        rate_per_s: 8.0,
+        seed: 42,
+    })
+}
+
+/// Like the demo's, so that caches are under the same pressure: about the blocks the
+/// conversations need, all together.
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        num_gpu_blocks: 400,
+        ..EngineConfig::default()
+    }
+}
+
+async fn live_router(engines: &[SimFleet], policy: &str) -> RunningRouter {
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: {SCRAPE_MS}}}\nendpoints:\n"
+    );
+    for (i, f) in engines.iter().enumerate() {
+        let ep = &f.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{name: engine-{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap_or_default()
+        ));
+    }
+    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    eventually("subscribers connected", || {
+        let connected = router.router.endpoints.iter().all(|e| {
+            e.subscriber
+                .lock()
+                .as_ref()
+                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+        });
+        (connected, ())
+    })
+    .await;
+    router
+}
+
+async fn live(workload: &Workload, policy: &str) -> Summary {
+    let mut engines = Vec::new();
+    for _ in 0..ENGINES {
+        engines.push(
+            start_sim(SimConfig {
+                port: 0,
+                events_port: 0,
+                replay_port: Some(0),
+                engine: engine_config(),
+                ..SimConfig::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let router = live_router(&engines, policy).await;
+    let (records, duration) = drive(
+        workload,
+        &DriverConfig {
+            base_url: format!("http://{}/v1", router.addr),
+            model: MODEL.into(),
+            concurrency: None,
+            timeout: Duration::from_secs(60),
+            progress: false,
+        },
+    )
+    .await;
+    kvroute_bench::stats::summarize(&records, duration)
+}
+
+fn agree(policy: &str, live: &Summary, sim: &Summary) -> Vec<String> {
+    let mut problems = Vec::new();
+    if (live.hit_rate - sim.hit_rate).abs() > 0.05 {
+        problems.push(format!(
+            "{policy}: hit rate live {:.3} vs simulated {:.3}",
+            live.hit_rate, sim.hit_rate
+        ));
+    }
+    for (what, l, s) in [
+        ("TTFT p50", live.ttft.p50, sim.ttft.p50),
+        ("TTFT p90", live.ttft.p90, sim.ttft.p90),
+    ] {
+        if (s - l).abs() > 0.15 * l {
+            problems.push(format!(
+                "{policy}: {what} live {:.1} ms vs simulated {:.1} ms",
+                l * 1e3,
+                s * 1e3
+            ));
+        }
+    }
+    problems
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulate_agrees_with_a_live_run() {
+    let workload = workload();
+    let policies = vec!["round-robin".to_owned(), "precise".to_owned()];
+    let fleet = FleetConfig {
+        engines: ENGINES,
+        engine: engine_config(),
+        scrape_interval_s: SCRAPE_MS as f64 / 1000.0,
+        ..FleetConfig::default()
+    };
+    let simulated = simulate(&fleet, &workload, None, &policies).unwrap();
+    let mut problems = Vec::new();
+    for (policy, sim) in policies.iter().zip(&simulated) {
+        let live = live(&workload, policy).await;
+        assert_eq!(live.errors, 0, "{policy}: the live run failed requests");
+        eprintln!(
+            "{policy}: hit rate live {:.3} sim {:.3}; TTFT p50 live {:.1} sim {:.1} ms; p90 live {:.1} sim {:.1} ms",
+            live.hit_rate,
+            sim.summary.hit_rate,
+            live.ttft.p50 * 1e3,
+            sim.summary.ttft.p50 * 1e3,
+            live.ttft.p90 * 1e3,
+            sim.summary.ttft.p90 * 1e3
+        );
+        problems.extend(agree(policy, &live, &sim.summary));
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+}

@@ -273,7 +273,14 @@ impl RoutingPolicy for CorePolicy {
         self.index.apply(EndpointId(endpoint as u32), events);
     }
 
-    fn load_sample(&mut self, endpoint: usize, waiting: f64, running: f64, kv_usage: f64, now: f64) {
+    fn load_sample(
+        &mut self,
+        endpoint: usize,
+        waiting: f64,
+        running: f64,
+        kv_usage: f64,
+        now: f64,
+    ) {
         self.endpoints[endpoint].scraped = Some((waiting, running, kv_usage, now));
     }
 
@@ -300,7 +307,8 @@ impl RoutingPolicy for CorePolicy {
             };
         }
         let id = EndpointId(endpoint as u32);
-        self.predicted.shorten(id, &t.keys, now + PREDICTION_GRACE_S);
+        self.predicted
+            .shorten(id, &t.keys, now + PREDICTION_GRACE_S);
     }
 
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, _now: f64) {

@@ -7,12 +7,12 @@ use kvroute_bench::result::RequestRecord;
 use kvroute_bench::workload::Workload;
 use kvroute_core::keys::{request_extra_keys, router_keys};
 
+use crate::SimulateError;
 use crate::client::Client;
 use crate::config::FleetConfig;
 use crate::engines::SimEngine;
 use crate::policy::{RoutingPolicy, SimRequest};
 use crate::queue::{Event, Queue};
-use crate::SimulateError;
 
 /// What a run measured.
 #[derive(Debug)]
@@ -248,8 +248,10 @@ impl Run<'_> {
             }
         }
         if !step.events.is_empty() {
-            self.queue
-                .push(now + self.fleet.event_delay_s, Event::KvEvents(e, step.events));
+            self.queue.push(
+                now + self.fleet.event_delay_s,
+                Event::KvEvents(e, step.events),
+            );
         }
         self.start_step(e, now)
     }

@@ -56,7 +56,11 @@ fn every_request_is_recorded_with_its_timings() {
         assert!(ttft > 0.0 && ttft < r.e2e_s, "{r:?}");
         assert_eq!(r.completion_tokens, 24);
         assert_eq!(r.itl_s.len(), 23);
-        assert!(r.endpoint.as_deref().is_some_and(|e| e.starts_with("engine-")));
+        assert!(
+            r.endpoint
+                .as_deref()
+                .is_some_and(|e| e.starts_with("engine-"))
+        );
     }
     // A conversation's turns follow each other: each starts after the previous answer.
     for pair in run.records.windows(2) {

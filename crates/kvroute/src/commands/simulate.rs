@@ -67,17 +67,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         args.policies.join(", ")
     );
     let started = Instant::now();
-    let runs = kvroute_simulate::simulate(
-        &fleet,
-        &workload,
-        args.workload.concurrency,
-        &args.policies,
-    )?;
+    let runs =
+        kvroute_simulate::simulate(&fleet, &workload, args.workload.concurrency, &args.policies)?;
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
     println!(
         "Simulated {:.1} s of fleet time per policy in {wall:.2} s of wall time.",
-        runs.iter().map(|r| r.summary.duration_s).fold(0.0, f64::max)
+        runs.iter()
+            .map(|r| r.summary.duration_s)
+            .fold(0.0, f64::max)
     );
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;

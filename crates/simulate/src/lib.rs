@@ -7,7 +7,7 @@
 //! run-result JSON `kvroute bench` writes, so `bench compare` and the HTML report read it.
 //!
 //! - [`config`]: the fleet and the timing around the engines;
-//! - [`policy`]: the routing seam; [`core_policy`]: the named policies on kvroute-core;
+//! - [`policy`]: the routing seam; [`core_policy`]: the policies on kvroute-core's fleet state;
 //! - [`run`](mod@run): one run in virtual time; [`simulate`]: several policies, as results.
 
 mod client;
@@ -24,7 +24,7 @@ use kvroute_bench::workload::Workload;
 
 pub use config::FleetConfig;
 pub use error::SimulateError;
-pub use policy::{RoutingPolicy, SimRequest};
+pub use policy::{Routing, RoutingPolicy, SimRequest};
 
 /// Simulates `workload` once per named policy (`round-robin`, `random`, `least-load`,
 /// `approximate`, `precise`), each on a fresh fleet, and returns one result per policy in the
@@ -38,13 +38,7 @@ pub fn simulate(
     policies
         .iter()
         .map(|name| {
-            let mut policy = core_policy::CorePolicy::new(
-                name,
-                fleet.engines,
-                fleet.engine.block_size,
-                fleet.scrape_interval_s,
-                fleet.seed,
-            )?;
+            let mut policy = core_policy::CorePolicy::named(name, fleet)?;
             let outcome = run::run(fleet, workload, concurrency, &mut policy)?;
             let mut summary = kvroute_bench::stats::summarize(&outcome.records, outcome.duration_s);
             summary.engine_hit_rate = outcome.engine_hit_rate;

@@ -19,6 +19,8 @@ pub enum Event {
     KvEvents(usize, Vec<KvEvent>),
     /// The router scrapes every engine's load.
     Scrape,
+    /// Held requests check again whether an endpoint has room.
+    Recheck,
 }
 
 struct Scheduled {

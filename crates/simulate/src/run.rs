@@ -1,17 +1,18 @@
 //! One simulated run: a workload's sessions through one policy onto a fresh fleet, in virtual
 //! time, producing the records `kvroute bench` would have measured.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kvroute_bench::result::RequestRecord;
 use kvroute_bench::workload::Workload;
-use kvroute_core::keys::{request_extra_keys, router_keys};
+use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 
 use crate::SimulateError;
 use crate::client::Client;
 use crate::config::FleetConfig;
 use crate::engines::SimEngine;
-use crate::policy::{RoutingPolicy, SimRequest};
+use crate::policy::{Routing, RoutingPolicy, SimRequest};
 use crate::queue::{Event, Queue};
 
 /// What a run measured.
@@ -25,13 +26,16 @@ pub struct RunOutcome {
     pub engine_hit_rate: Option<f64>,
 }
 
+/// How often a held request checks again without a wake-up (the router's recheck).
+const RECHECK_S: f64 = 0.05;
+
 /// A request between its sending and its end.
 struct InFlight {
     session: usize,
     engine: usize,
     record: RequestRecord,
-    /// Prompt and `max_tokens`, until the engine receives them.
-    payload: Option<(Vec<u32>, u32)>,
+    /// Prompt, its router keys and `max_tokens`, until the engine receives them.
+    payload: Option<(Vec<u32>, Arc<Vec<RouterKey>>, u32)>,
     /// The answer (chat workloads, for the history).
     answer: Vec<u32>,
     last_token_at: f64,
@@ -49,6 +53,9 @@ struct Run<'a> {
     total_sessions: usize,
     sessions_left: usize,
     last_end: f64,
+    /// Requests the policy holds (flow control), in arrival order.
+    held: VecDeque<usize>,
+    recheck_scheduled: bool,
 }
 
 /// Runs `workload` through `policy` on a fresh fleet. `concurrency`: closed loop with at most
@@ -73,6 +80,8 @@ pub fn run(
         total_sessions: workload.sessions.len(),
         sessions_left: workload.sessions.len(),
         last_end: 0.0,
+        held: VecDeque::new(),
+        recheck_scheduled: false,
     };
     let first = concurrency.map_or(workload.sessions.len(), |n| n.max(1));
     for s in 0..first.min(workload.sessions.len()) {
@@ -100,6 +109,11 @@ pub fn run(
                 if run.sessions_left > 0 {
                     run.queue.push(now + fleet.scrape_interval_s, Event::Scrape);
                 }
+                run.retry_held(now, policy);
+            }
+            Event::Recheck => {
+                run.recheck_scheduled = false;
+                run.retry_held(now, policy);
             }
         }
     }
@@ -138,48 +152,96 @@ impl Run<'_> {
 
     fn send(&mut self, s: usize, now: f64, policy: &mut dyn RoutingPolicy) {
         let turn = self.client.next_turn(s);
-        let index = self.requests.len();
         let bs = self.fleet.engine.block_size;
         let extra = request_extra_keys(turn.prompt.len() / bs, None, None);
-        let keys: Arc<[_]> = router_keys(&turn.prompt, bs, Some(&extra))
-            .unwrap_or_default()
-            .into();
-        let request = SimRequest {
-            id: index as u64,
-            tokens: &turn.prompt,
-            keys,
-            prompt_tokens: turn.prompt.len(),
-            session: s as u64,
-        };
-        let chosen = policy.route(&request, now);
-        let mut record = RequestRecord {
-            session: s as u64,
-            turn: turn.turn as u32,
-            start_s: now,
-            ..RequestRecord::default()
-        };
-        let engine = match chosen {
-            Some(e) if e < self.engines.len() => e,
-            _ => {
-                record.error =
-                    Some("HTTP 503: no healthy endpoint serves this model; retry shortly".into());
-                self.requests.push(failed(s, record));
-                self.session_done(now);
-                return;
-            }
-        };
-        policy.dispatched(index as u64, engine, now);
-        record.endpoint = Some(FleetConfig::endpoint_name(engine));
+        let keys = Arc::new(router_keys(&turn.prompt, bs, Some(&extra)).unwrap_or_default());
         self.requests.push(InFlight {
             session: s,
-            engine,
-            record,
-            payload: Some((turn.prompt, turn.max_tokens)),
+            engine: 0,
+            record: RequestRecord {
+                session: s as u64,
+                turn: turn.turn as u32,
+                start_s: now,
+                ..RequestRecord::default()
+            },
+            payload: Some((turn.prompt, keys, turn.max_tokens)),
             answer: Vec::new(),
             last_token_at: now,
         });
-        self.queue
-            .push(now + self.fleet.request_latency_s, Event::Arrive(index));
+        let index = self.requests.len() - 1;
+        if !self.route(index, now, policy) {
+            self.held.push_back(index);
+            self.schedule_recheck(now);
+        }
+    }
+
+    /// Asks the policy where request `index` goes; false when it must wait.
+    fn route(&mut self, index: usize, now: f64, policy: &mut dyn RoutingPolicy) -> bool {
+        let request = &mut self.requests[index];
+        let Some((prompt, keys, _)) = &request.payload else {
+            return true;
+        };
+        let routing = policy.route(
+            &SimRequest {
+                id: index as u64,
+                tokens: prompt,
+                keys: keys.clone(),
+                prompt_tokens: prompt.len(),
+                session: request.session as u64,
+            },
+            now,
+        );
+        match routing {
+            Routing::Endpoint(e) if e < self.engines.len() => {
+                policy.dispatched(index as u64, e, now);
+                request.engine = e;
+                request.record.endpoint = Some(FleetConfig::endpoint_name(e));
+                self.queue
+                    .push(now + self.fleet.request_latency_s, Event::Arrive(index));
+                true
+            }
+            Routing::Wait => false,
+            Routing::Endpoint(e) => {
+                self.fail(
+                    index,
+                    format!("the policy chose endpoint {e}, which is not in the fleet"),
+                    now,
+                );
+                true
+            }
+            Routing::Reject(error) => {
+                self.fail(index, error, now);
+                true
+            }
+        }
+    }
+
+    /// Request `index` ends in error, answered at `now`: its session cannot go on.
+    fn fail(&mut self, index: usize, error: String, now: f64) {
+        let end = now + self.fleet.response_latency_s;
+        let request = &mut self.requests[index];
+        request.payload = None;
+        request.record.error = Some(error);
+        request.record.e2e_s = end - request.record.start_s;
+        self.session_done(end);
+    }
+
+    /// Held requests, in arrival order, ask again.
+    fn retry_held(&mut self, now: f64, policy: &mut dyn RoutingPolicy) {
+        let held = std::mem::take(&mut self.held);
+        for index in held {
+            if !self.route(index, now, policy) {
+                self.held.push_back(index);
+            }
+        }
+        self.schedule_recheck(now);
+    }
+
+    fn schedule_recheck(&mut self, now: f64) {
+        if !self.held.is_empty() && !self.recheck_scheduled {
+            self.recheck_scheduled = true;
+            self.queue.push(now + RECHECK_S, Event::Recheck);
+        }
     }
 
     fn arrive(
@@ -189,7 +251,7 @@ impl Run<'_> {
         policy: &mut dyn RoutingPolicy,
     ) -> Result<(), SimulateError> {
         let request = &mut self.requests[r];
-        let (prompt, max_tokens) = request.payload.take().unwrap_or_default();
+        let (prompt, _, max_tokens) = request.payload.take().unwrap_or_default();
         let engine = request.engine;
         match self.engines[engine].submit(r, prompt, max_tokens) {
             Ok(answer) => {
@@ -199,11 +261,8 @@ impl Run<'_> {
                 self.start_step(engine, now)
             }
             Err(error) => {
-                let end = now + self.fleet.response_latency_s;
-                request.record.error = Some(error);
-                request.record.e2e_s = end - request.record.start_s;
                 policy.finished(r as u64, None, now);
-                self.session_done(end);
+                self.fail(r, error, now);
                 Ok(())
             }
         }
@@ -224,6 +283,7 @@ impl Run<'_> {
     ) -> Result<(), SimulateError> {
         let step = self.engines[e].finish_step();
         let seen = now + self.fleet.response_latency_s;
+        let mut capacity_changed = false;
         for token in &step.tokens {
             let r = self.engines[e].request_index(token.id);
             let request = &mut self.requests[r];
@@ -231,6 +291,7 @@ impl Run<'_> {
             if token.index == 0 {
                 record.ttft_s = Some(seen - record.start_s);
                 policy.first_token(r as u64, now);
+                capacity_changed = true;
             } else {
                 record.itl_s.push(seen - request.last_token_at);
             }
@@ -241,6 +302,7 @@ impl Run<'_> {
                 record.cached_tokens = Some(token.cached_tokens as u64);
                 record.e2e_s = seen - record.start_s;
                 policy.finished(r as u64, Some(token.cached_tokens), now);
+                capacity_changed = true;
                 let session = request.session;
                 let answer = std::mem::take(&mut request.answer);
                 self.client.answered(session, &answer);
@@ -253,17 +315,9 @@ impl Run<'_> {
                 Event::KvEvents(e, step.events),
             );
         }
+        if capacity_changed && !self.held.is_empty() {
+            self.retry_held(now, policy);
+        }
         self.start_step(e, now)
-    }
-}
-
-fn failed(session: usize, record: RequestRecord) -> InFlight {
-    InFlight {
-        session,
-        engine: 0,
-        record,
-        payload: None,
-        answer: Vec::new(),
-        last_token_at: 0.0,
     }
 }

@@ -29,7 +29,7 @@ const SCRAPE_MS: u64 = 200;
 /// The demo's shape (a shared system prompt, long user turns, histories resent), smaller.
 fn workload() -> Workload {
     multi_turn(&MultiTurn {
-        users: 40,
+        users: 60,
         turns: 4,
         system_tokens: 400,
         user_tokens: 250,
@@ -44,7 +44,7 @@ fn workload() -> Workload {
 /// conversations need, all together.
 fn engine_config() -> EngineConfig {
     EngineConfig {
-        num_gpu_blocks: 1000,
+        num_gpu_blocks: 1500,
         ..EngineConfig::default()
     }
 }
@@ -66,7 +66,7 @@ async fn live_router(engines: &[SimFleet], policy: &str) -> RunningRouter {
         .await
         .unwrap();
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints.iter().all(|e| {
+        let connected = router.router.endpoints().iter().all(|e| {
             e.subscriber
                 .lock()
                 .as_ref()

@@ -83,8 +83,11 @@ pub fn run(
         held: VecDeque::new(),
         recheck_scheduled: false,
     };
-    let first = concurrency.map_or(workload.sessions.len(), |n| n.max(1));
-    for s in 0..first.min(workload.sessions.len()) {
+    let first = concurrency
+        .map_or(workload.sessions.len(), |n| n.max(1))
+        .min(workload.sessions.len());
+    run.next_session = first;
+    for s in 0..first {
         let start = if run.closed_loop {
             0.0
         } else {
@@ -92,7 +95,6 @@ pub fn run(
         };
         run.schedule_turn(s, start);
     }
-    run.next_session = first;
     run.queue.push(0.0, Event::Scrape);
     while let Some(event) = run.queue.pop() {
         let now = run.queue.now();

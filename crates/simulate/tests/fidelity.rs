@@ -21,6 +21,7 @@ use kvroute_sim::engine::latency::StepWork;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_simulate::{FleetConfig, simulate};
 use kvroute_testkit::eventually;
+use serde_json::{Value, json};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 const ENGINES: usize = 4;
@@ -50,29 +51,28 @@ fn engine_config() -> EngineConfig {
 }
 
 async fn live_router(engines: &[SimFleet], policy: &str) -> RunningRouter {
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: {SCRAPE_MS}}}\nendpoints:\n"
-    );
-    for (i, f) in engines.iter().enumerate() {
-        let ep = &f.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{name: engine-{i}, url: '{}', events: '{}', replay: '{}'}}\n",
-            ep.url,
-            ep.events,
-            ep.replay.as_deref().unwrap_or_default()
-        ));
-    }
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+    let endpoints: Vec<Value> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let ep = &f.endpoints[0];
+            json!({"name": format!("engine-{i}"), "url": ep.url, "events": ep.events, "replay": ep.replay})
+        })
+        .collect();
+    // JSON is YAML: the configuration `kvroute demo` writes, built as a value.
+    let config = json!({
+        "listen": "127.0.0.1:0",
+        "models": [{"name": MODEL}],
+        "scheduler": {"policy": policy},
+        "scrape": {"interval_ms": SCRAPE_MS},
+        "endpoints": endpoints,
+    });
+    let router = start_router(RouterConfig::from_yaml(&config.to_string()).unwrap())
         .await
         .unwrap();
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints().iter().all(|e| {
-            e.subscriber
-                .lock()
-                .as_ref()
-                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
-        });
-        (connected, ())
+        let endpoints = router.router.endpoints();
+        (endpoints.iter().all(|e| e.events_connected()), ())
     })
     .await;
     router

@@ -105,3 +105,27 @@ fn refused_requests_are_errors_and_unknown_policies_are_refused() {
     assert!(run.records[1].error.as_deref().unwrap().contains("413"));
     assert!(simulate(&small, &workload, None, &policies(&["nope"])).is_err());
 }
+
+#[test]
+fn a_closed_loop_runs_at_most_that_many_sessions_at_once() {
+    let workload = chat(5);
+    let run = &simulate(&fleet(2, 400), &workload, Some(2), &policies(&["precise"])).unwrap()[0];
+    assert_eq!(run.summary.errors, 0);
+    let mut spans: Vec<(f64, f64)> = Vec::new();
+    for session in 0..workload.sessions.len() as u64 {
+        let turns: Vec<_> = run
+            .records
+            .iter()
+            .filter(|r| r.session == session)
+            .collect();
+        let last = turns.last().unwrap();
+        spans.push((turns[0].start_s, last.start_s + last.e2e_s));
+    }
+    for (start, _) in &spans {
+        let open = spans
+            .iter()
+            .filter(|(s, e)| s <= start && start < e)
+            .count();
+        assert!(open <= 2, "{open} sessions at once at {start}");
+    }
+}

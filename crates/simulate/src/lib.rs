@@ -8,7 +8,8 @@
 //!
 //! - [`config`]: the fleet and the timing around the engines;
 //! - [`policy`]: the routing seam; [`core_policy`]: the policies on kvroute-core's fleet state;
-//! - [`run`](mod@run): one run in virtual time; [`simulate`]: several policies, as results.
+//! - [`run`](mod@run): one run in virtual time; [`simulate`] and [`simulate_with`]: runs as
+//!   `kvroute bench` results.
 
 mod client;
 pub mod config;
@@ -39,22 +40,34 @@ pub fn simulate(
         .iter()
         .map(|name| {
             let mut policy = core_policy::CorePolicy::named(name, fleet)?;
-            let outcome = run::run(fleet, workload, concurrency, &mut policy)?;
-            let mut summary = kvroute_bench::stats::summarize(&outcome.records, outcome.duration_s);
-            summary.engine_hit_rate = outcome.engine_hit_rate;
-            Ok(RunResult {
-                name: name.clone(),
-                config: serde_json::json!({
-                    "policy": name,
-                    "simulated": true,
-                    "workload": workload.description,
-                    "engines": fleet.engines,
-                    "concurrency": concurrency,
-                    "fleet": fleet,
-                }),
-                summary,
-                records: outcome.records,
-            })
+            simulate_with(name, fleet, workload, concurrency, &mut policy)
         })
         .collect()
+}
+
+/// Simulates `workload` through any `policy` (a custom profile, another router) on a fresh
+/// fleet, as a result named `name` in the form `kvroute bench` writes.
+pub fn simulate_with(
+    name: &str,
+    fleet: &FleetConfig,
+    workload: &Workload,
+    concurrency: Option<usize>,
+    policy: &mut dyn RoutingPolicy,
+) -> Result<RunResult, SimulateError> {
+    let outcome = run::run(fleet, workload, concurrency, policy)?;
+    let mut summary = kvroute_bench::stats::summarize(&outcome.records, outcome.duration_s);
+    summary.engine_hit_rate = outcome.engine_hit_rate;
+    Ok(RunResult {
+        name: name.to_owned(),
+        config: serde_json::json!({
+            "policy": name,
+            "simulated": true,
+            "workload": workload.description,
+            "engines": fleet.engines,
+            "concurrency": concurrency,
+            "fleet": fleet,
+        }),
+        summary,
+        records: outcome.records,
+    })
 }

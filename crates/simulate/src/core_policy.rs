@@ -1,7 +1,7 @@
 //! [`RoutingPolicy`] over kvroute-core's [`Fleet`]: the decision state and scheduler the live
 //! router runs, fed the same observations at the same moments as `kvroute-router` feeds it
 //! (plan, hold while saturated, dispatched once connected, first token, finished, KV events,
-//! load scrapes, housekeeping every 5 s), with the router's defaults.
+//! load scrapes, housekeeping every second), with the router's defaults.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use kvroute_core::fleet::{
 };
 use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
-use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
+use kvroute_core::schedule::{Profile, ProfileName, Role};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -24,7 +24,7 @@ use crate::policy::{Routing, RoutingPolicy, SimRequest};
 /// The model every simulated endpoint serves.
 const MODEL: &str = "sim-llama-3.1-8b";
 /// How often the router drops expired history (its housekeeping task).
-const HOUSEKEEPING_S: f64 = 5.0;
+const HOUSEKEEPING_S: f64 = 1.0;
 
 /// A request from its plan to its end.
 struct Tracked {
@@ -39,6 +39,8 @@ struct Tracked {
 pub struct CorePolicy {
     fleet: Fleet,
     block_size: usize,
+    /// Each engine's GPU blocks, as its `vllm:cache_config_info` says.
+    capacity_blocks: usize,
     requests: HashMap<u64, Tracked>,
     rng: StdRng,
     last_housekeeping: f64,
@@ -60,11 +62,6 @@ impl CorePolicy {
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
         config.load_sample_max_age_s = fleet.scrape_interval_s * 4.0 + 1.0;
-        if profile.cache != CacheSource::Approximate {
-            // Only the approximate source reads the routing history (every endpoint here has
-            // events): keeping it would cost time and change no decision.
-            config.history_capacity = 1;
-        }
         let block_size = fleet.engine.block_size;
         let specs = (0..fleet.engines)
             .map(|i| EndpointSpec {
@@ -78,6 +75,7 @@ impl CorePolicy {
         Ok(Self {
             fleet: Fleet::new(config, profile, specs)?,
             block_size,
+            capacity_blocks: fleet.engine.num_gpu_blocks,
             requests: HashMap::new(),
             rng: StdRng::seed_from_u64(fleet.seed),
             last_housekeeping: 0.0,
@@ -209,6 +207,7 @@ impl RoutingPolicy for CorePolicy {
             waiting: Some(waiting),
             running: Some(running),
             kv_usage: Some(kv_usage),
+            num_gpu_blocks: Some(self.capacity_blocks),
         };
         self.fleet
             .observe_load(EndpointId(endpoint as u32), sample, now);

@@ -13,7 +13,7 @@ use kvroute_core::fleet::{
 };
 use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
-use kvroute_core::schedule::{Profile, ProfileName, Role};
+use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -62,6 +62,12 @@ impl CorePolicy {
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
         config.load_sample_max_age_s = fleet.scrape_interval_s * 4.0 + 1.0;
+        if profile.cache != CacheSource::Approximate {
+            // Only the approximate source reads the routing history (every endpoint here has
+            // events): entries that expire at once keep it small and change no decision. Its
+            // capacity stays, as core's shared-prefix tracker is sized by it.
+            config.history_ttl_s = f64::MIN_POSITIVE;
+        }
         let block_size = fleet.engine.block_size;
         let specs = (0..fleet.engines)
             .map(|i| EndpointSpec {

@@ -1,6 +1,8 @@
 //! The engines of a simulated fleet: kvroute-sim's engine model, unchanged, stepped in virtual
 //! time. Each engine steps only while it has work; a step's state change happens when it
 //! starts and its tokens and KV events come out when it ends, as in the simulated server.
+//! Requests that arrive during a step wait in an inbox until the next one starts, as they wait
+//! in the server's command channel: a scrape meanwhile does not count them as waiting.
 
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, StepOutput};
 use kvroute_sim::server::text::{completion_seed, synthetic_completion};
@@ -28,11 +30,17 @@ pub struct SimEngine {
     requests: Vec<usize>,
     /// The step under way, until it ends.
     pending: Option<StepOutput>,
+    /// Requests received (with their run-wide index) that the engine takes at its next step.
+    inbox: Vec<(usize, EngineRequest)>,
     observed: Observed,
 }
 
 /// Why an engine refused a request, in the words the client would read.
 pub type Refusal = String;
+
+/// What starting a step gave: its duration (`None`: no work), and the requests the engine
+/// refused (run-wide index, error).
+pub type StepStart = (Option<f64>, Vec<(usize, Refusal)>);
 
 impl SimEngine {
     /// A fresh engine.
@@ -42,12 +50,14 @@ impl SimEngine {
             next_id: 1,
             requests: Vec::new(),
             pending: None,
+            inbox: Vec::new(),
             observed: Observed::default(),
         })
     }
 
-    /// Takes request `index` of the run, with the answer the simulated server would generate.
-    /// Returns that answer, or the error the client would see.
+    /// Receives request `index` of the run, with the answer the simulated server would generate
+    /// (the engine takes it at its next step). Returns that answer, or the error the client
+    /// would see.
     pub fn submit(
         &mut self,
         index: usize,
@@ -66,15 +76,14 @@ impl SimEngine {
         self.next_id += 1;
         self.requests.push(index);
         let output = synthetic_completion(completion_seed(id, &prompt), max_tokens as usize);
-        self.engine
-            .add_request(EngineRequest {
-                id,
-                prompt,
-                output: output.clone(),
-                lora_name: None,
-                cache_salt: None,
-            })
-            .map_err(|e| format!("engine error: {e}"))?;
+        let request = EngineRequest {
+            id,
+            prompt,
+            output: output.clone(),
+            lora_name: None,
+            cache_salt: None,
+        };
+        self.inbox.push((index, request));
         Ok(output)
     }
 
@@ -83,10 +92,21 @@ impl SimEngine {
         self.requests[(id - 1) as usize]
     }
 
-    /// Starts a step if there is work and none is under way; returns its duration.
-    pub fn start_step(&mut self, engine: usize, now: f64) -> Result<Option<f64>, SimulateError> {
-        if self.pending.is_some() || !self.engine.has_work() {
-            return Ok(None);
+    /// Starts a step if none is under way: the engine first takes the requests received since
+    /// the last one. Returns the step's duration (`None`: no work) and the requests the engine
+    /// refused, with the error the client reads.
+    pub fn start_step(&mut self, engine: usize, now: f64) -> Result<StepStart, SimulateError> {
+        if self.pending.is_some() {
+            return Ok((None, Vec::new()));
+        }
+        let mut refused = Vec::new();
+        for (index, request) in self.inbox.drain(..) {
+            if let Err(e) = self.engine.add_request(request) {
+                refused.push((index, format!("engine error: {e}")));
+            }
+        }
+        if !self.engine.has_work() {
+            return Ok((None, refused));
         }
         let step = self.engine.step();
         if step.tokens.is_empty() && step.work == Default::default() {
@@ -94,7 +114,7 @@ impl SimEngine {
         }
         let duration = step.duration_s;
         self.pending = Some(step);
-        Ok(Some(duration))
+        Ok((Some(duration), refused))
     }
 
     /// Ends the step under way: its tokens and KV events come out, the gauges update.

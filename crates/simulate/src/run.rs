@@ -260,7 +260,7 @@ impl Run<'_> {
                 if self.client.is_chat() {
                     request.answer = answer;
                 }
-                self.start_step(engine, now)
+                self.start_step(engine, now, policy)
             }
             Err(error) => {
                 policy.finished(r as u64, None, now);
@@ -270,8 +270,18 @@ impl Run<'_> {
         }
     }
 
-    fn start_step(&mut self, engine: usize, now: f64) -> Result<(), SimulateError> {
-        if let Some(duration) = self.engines[engine].start_step(engine, now)? {
+    fn start_step(
+        &mut self,
+        engine: usize,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let (duration, refused) = self.engines[engine].start_step(engine, now)?;
+        for (r, error) in refused {
+            policy.finished(r as u64, None, now);
+            self.fail(r, error, now);
+        }
+        if let Some(duration) = duration {
             self.queue.push(now + duration, Event::StepDone(engine));
         }
         Ok(())
@@ -320,6 +330,6 @@ impl Run<'_> {
         if capacity_changed && !self.held.is_empty() {
             self.retry_held(now, policy);
         }
-        self.start_step(e, now)
+        self.start_step(e, now, policy)
     }
 }

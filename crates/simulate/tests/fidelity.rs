@@ -116,10 +116,10 @@ async fn drive_through(
 }
 
 /// Seconds the live stack adds to a request's TTFT outside the engine: the median, over
-/// sequential requests with unshared prompts of the workload's size, of the measured TTFT
-/// minus the engine model's time for the uncached prefill.
+/// sequential requests with unshared prompts of the workload's size to an idle fleet of the
+/// test's size, of the measured TTFT minus the engine model's time for the uncached prefill.
 async fn live_overhead() -> f64 {
-    let engines = fleet(1).await;
+    let engines = fleet(ENGINES).await;
     let router = live_router(&engines, "precise").await;
     let probes = multi_turn(&MultiTurn {
         users: 11,

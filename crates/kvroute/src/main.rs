@@ -30,6 +30,8 @@ enum Command {
     Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
     Sim(Box<commands::sim::SimArgs>),
+    /// Simulate a fleet in virtual time: a workload through routing policies, bench's results.
+    Simulate(Box<commands::simulate::SimulateArgs>),
 }
 
 fn main() -> ExitCode {
@@ -38,7 +40,7 @@ fn main() -> ExitCode {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
         Command::Sim(_) | Command::Serve(_) => "info",
-        Command::Demo(_) | Command::Bench(_) => "error",
+        Command::Demo(_) | Command::Bench(_) | Command::Simulate(_) => "error",
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -52,6 +54,7 @@ fn main() -> ExitCode {
         Command::Events(cmd) => commands::events::run(cmd),
         Command::Sim(args) => commands::sim::run(*args),
         Command::Serve(args) => commands::serve::run(args),
+        Command::Simulate(args) => commands::simulate::run(*args),
         Command::Bench(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()

@@ -231,3 +231,59 @@ fn bench_refuses_bad_arguments_clearly() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("nonexistent.json"));
 }
+
+#[test]
+fn simulate_replays_a_trace_into_results_bench_compare_reads() {
+    let dir = std::env::temp_dir().join(format!("kvroute-simulate-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 900, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 50, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 90, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [3, 4]}\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let ok = |o: &Output| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let simulated = kvroute(
+        &[
+            "simulate",
+            "--engines",
+            "2",
+            "--workload",
+            "trace",
+            "--trace",
+            &path(&trace),
+            "--policy",
+            "round-robin",
+            "--policy",
+            "precise",
+            "--out",
+            &path(&out),
+        ],
+        "",
+    );
+    ok(&simulated);
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
+    let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["round-robin", "precise"]);
+    // Under precise, the second request finds the first one's blocks.
+    assert!(runs[1]["records"][1]["cached_tokens"].as_u64().unwrap() >= 512);
+    ok(&kvroute(
+        &[
+            "bench",
+            "compare",
+            &path(&out.join("simulate.json")),
+            "--out",
+            &path(&out),
+        ],
+        "",
+    ));
+    assert!(out.join("compare.html").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -44,6 +44,17 @@ impl Endpoint {
             subscriber: Mutex::new(None),
         }
     }
+
+    /// Whether its KV-event subscriber is connected (true when it has no events configured):
+    /// what a test or a readiness check waits for before sending traffic.
+    pub fn events_connected(&self) -> bool {
+        self.config.events.is_none()
+            || self
+                .subscriber
+                .lock()
+                .as_ref()
+                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+    }
 }
 
 /// Feeds the fleet with each endpoint's KV events, restarts and losses.

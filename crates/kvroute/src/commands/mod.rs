@@ -2,7 +2,10 @@
 
 pub mod bench;
 pub mod demo;
+pub mod engine_args;
 pub mod events;
 pub mod hash;
 pub mod serve;
 pub mod sim;
+pub mod simulate;
+pub mod workload;

@@ -22,7 +22,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::actor::{Command, Delivery, EngineShared};
 use super::faults::Faults;
 use super::metrics;
-use super::text::synthetic_completion;
+use super::text::{completion_seed, synthetic_completion};
 use crate::engine::{EngineConfig, EngineRequest};
 
 /// Default `max_tokens` for completions (vLLM's) and the cap used for chat when unset.
@@ -203,11 +203,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         Err(e) => return error_response(&e),
     };
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    let seed = prompt
-        .iter()
-        .fold(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, t| {
-            h.rotate_left(5) ^ u64::from(*t)
-        });
+    let seed = completion_seed(id, &prompt);
     let output = state.tokenizer.completion(seed, max_tokens as usize);
     let (tx, rx) = mpsc::unbounded_channel();
     let engine_request = EngineRequest {

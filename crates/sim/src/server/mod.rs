@@ -6,7 +6,7 @@ mod actor;
 pub mod faults;
 mod http;
 pub mod metrics;
-mod text;
+pub mod text;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,10 +1,22 @@
-//! Synthetic but well-formed completions: deterministic English-looking words.
+//! Synthetic but well-formed completions: deterministic English-looking words. Public so that
+//! an offline simulation of the server (`kvroute simulate`) generates exactly the answers a
+//! live simulated engine would.
 
 const WORDS: [&str; 32] = [
     "the", "cache", "routing", "prefix", "model", "token", "request", "server", "block", "fast",
     "latency", "memory", "engine", "batch", "turn", "answer", "context", "simple", "and", "of",
     "to", "is", "a", "we", "can", "keep", "warm", "reuse", "first", "next", "pod", "data",
 ];
+
+/// The seed of the completion the server generates for its `request_id`-th request (engine
+/// request ids count from 1) with prompt `prompt`.
+pub fn completion_seed(request_id: u64, prompt: &[u32]) -> u64 {
+    prompt
+        .iter()
+        .fold(request_id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, t| {
+            h.rotate_left(5) ^ u64::from(*t)
+        })
+}
 
 /// The token ids of a completion of exactly `max_tokens` tokens, deterministic in `seed`.
 pub fn synthetic_completion(seed: u64, max_tokens: usize) -> Vec<u32> {

@@ -1,0 +1,87 @@
+//! The engine-model flags `kvroute sim` and `kvroute simulate` share: blocks, batching, tiers
+//! and the step-time model.
+
+use clap::Args;
+use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::engine::latency::{LLAMA_8B_KV_BYTES_PER_TOKEN, LatencyModel};
+
+/// One engine's model.
+#[derive(Args)]
+pub struct EngineArgs {
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// GPU KV blocks per engine (default: derived from --kv-cache-gib).
+    #[arg(long)]
+    num_gpu_blocks: Option<usize>,
+    /// GPU memory for the KV cache, in GiB, when --num-gpu-blocks is not given.
+    #[arg(long, default_value_t = 4.0)]
+    kv_cache_gib: f64,
+    /// KV-cache bytes per token (Llama-3.1-8B bf16: 131072).
+    #[arg(long, default_value_t = LLAMA_8B_KV_BYTES_PER_TOKEN)]
+    kv_bytes_per_token: usize,
+    /// CPU offload tier, in blocks (0: none).
+    #[arg(long, default_value_t = 0)]
+    num_cpu_blocks: usize,
+    /// Most sequences in a batch.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Most tokens computed per step (chunked prefill budget).
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Longest prompt plus output.
+    #[arg(long, default_value_t = 32768)]
+    max_model_len: usize,
+    /// vLLM's hash seed (PYTHONHASHSEED, or vLLM's default).
+    #[arg(long, default_value = kvroute_core::keys::VLLM_DEFAULT_SEED)]
+    hash_seed: String,
+    /// Fixed cost of every step, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().step_overhead_s)]
+    step_overhead_s: f64,
+    /// Prefill cost per uncached prompt token, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().prefill_per_token_s)]
+    prefill_per_token_s: f64,
+    /// Decode cost per sequence per step, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().decode_per_seq_s)]
+    decode_per_seq_s: f64,
+    /// Decode cost per context token per step, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().decode_per_context_token_s)]
+    decode_per_context_token_s: f64,
+    /// Cost of loading one block from the CPU tier, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().cpu_load_per_block_s)]
+    cpu_load_per_block_s: f64,
+}
+
+impl EngineArgs {
+    /// The engine configuration the flags describe.
+    pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
+        anyhow::ensure!(self.block_size > 0, "--block-size must be at least 1");
+        let num_gpu_blocks = match self.num_gpu_blocks {
+            Some(n) => n,
+            None => {
+                anyhow::ensure!(
+                    self.kv_cache_gib > 0.0 && self.kv_bytes_per_token > 0,
+                    "--kv-cache-gib and --kv-bytes-per-token must be positive"
+                );
+                (self.kv_cache_gib * (1u64 << 30) as f64
+                    / (self.kv_bytes_per_token * self.block_size) as f64) as usize
+            }
+        };
+        Ok(EngineConfig {
+            block_size: self.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks: self.num_cpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            hash_seed: self.hash_seed.clone(),
+            latency: LatencyModel {
+                step_overhead_s: self.step_overhead_s,
+                prefill_per_token_s: self.prefill_per_token_s,
+                decode_per_seq_s: self.decode_per_seq_s,
+                decode_per_context_token_s: self.decode_per_context_token_s,
+                cpu_load_per_block_s: self.cpu_load_per_block_s,
+            },
+        })
+    }
+}

@@ -1,0 +1,124 @@
+//! The workload flags `kvroute bench` and `kvroute simulate` share, and the workload they build.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use kvroute_bench::trace::{TraceOptions, load_trace};
+use kvroute_bench::workload::{
+    MultiTurn, SharedPrefix, Workload, from_prompts, multi_turn, shared_prefix,
+};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum WorkloadKind {
+    /// N users, T turns each, a shared system prompt; every turn resends the history.
+    MultiTurn,
+    /// G groups with a long shared context and many short questions.
+    SharedPrefix,
+    /// A Mooncake-format trace (--trace FILE).
+    Trace,
+}
+
+/// Which workload to run, and how to drive it.
+#[derive(Args)]
+pub struct WorkloadArgs {
+    /// The workload.
+    #[arg(long, value_enum, default_value = "multi-turn")]
+    workload: WorkloadKind,
+    /// Closed loop with this many sessions at once (default: open loop at --rate).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Sessions started per second (open loop).
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Random seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// multi-turn: users; shared-prefix: groups.
+    #[arg(long, default_value_t = 16)]
+    users: usize,
+    /// multi-turn: turns per user; shared-prefix: questions per group.
+    #[arg(long, default_value_t = 5)]
+    turns: usize,
+    /// Tokens of the shared system prompt (multi-turn) or context (shared-prefix).
+    #[arg(long, default_value_t = 1500)]
+    shared_tokens: usize,
+    /// Tokens of each user message or question.
+    #[arg(long, default_value_t = 150)]
+    user_tokens: usize,
+    /// Tokens generated per request (trace: the trace's own, capped by this).
+    #[arg(long, default_value_t = 32)]
+    output_tokens: u32,
+    /// Seconds between an answer and the next turn (multi-turn).
+    #[arg(long, default_value_t = 1.5)]
+    think_s: f64,
+    /// The trace file (Mooncake JSONL) for --workload trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace replay speed (2.0: twice as fast as recorded).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// At most this many trace requests.
+    #[arg(long)]
+    limit: Option<usize>,
+}
+
+impl WorkloadArgs {
+    /// The random seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Builds the workload the flags describe.
+    pub fn build(&self) -> anyhow::Result<Workload> {
+        anyhow::ensure!(
+            self.rate > 0.0 && self.rate.is_finite(),
+            "--rate must be positive"
+        );
+        Ok(match self.workload {
+            WorkloadKind::MultiTurn => multi_turn(&MultiTurn {
+                users: self.users,
+                turns: self.turns,
+                system_tokens: self.shared_tokens,
+                user_tokens: self.user_tokens,
+                output_tokens: self.output_tokens,
+                think_s: self.think_s,
+                rate_per_s: self.rate,
+                seed: self.seed,
+            }),
+            WorkloadKind::SharedPrefix => shared_prefix(&SharedPrefix {
+                groups: self.users,
+                context_tokens: self.shared_tokens,
+                questions: self.turns,
+                question_tokens: self.user_tokens,
+                output_tokens: self.output_tokens,
+                rate_per_s: self.rate,
+                seed: self.seed,
+            }),
+            WorkloadKind::Trace => {
+                let path = self
+                    .trace
+                    .as_ref()
+                    .context("--workload trace needs --trace FILE")?;
+                let file = std::fs::File::open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                let requests = load_trace(
+                    std::io::BufReader::new(file),
+                    &TraceOptions {
+                        speed: self.speed,
+                        limit: self.limit,
+                        seed: self.seed,
+                        ..TraceOptions::default()
+                    },
+                )?;
+                from_prompts(
+                    serde_json::json!({"workload": "trace", "file": path, "speed": self.speed, "limit": self.limit}),
+                    requests
+                        .into_iter()
+                        .map(|r| (r.at_s, r.prompt, r.output_tokens.min(self.output_tokens)))
+                        .collect(),
+                )
+            }
+        })
+    }
+}

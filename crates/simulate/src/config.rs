@@ -1,0 +1,75 @@
+//! What a simulation runs on: the fleet (engines and their model) and the timing of everything
+//! around the engines (client and router latency, KV-event delivery, load scrapes).
+
+use kvroute_sim::engine::EngineConfig;
+use serde::Serialize;
+
+use crate::SimulateError;
+
+/// A fleet and the timing around it.
+#[derive(Clone, Debug, Serialize)]
+pub struct FleetConfig {
+    /// Engines in the fleet (endpoints `engine-0` … `engine-{n-1}`).
+    pub engines: usize,
+    /// Every engine's model: blocks, batching, tiers, latency.
+    pub engine: EngineConfig,
+    /// Seconds from the client sending a request to the engine receiving it (HTTP, the
+    /// router's parsing, tokenization and scheduling).
+    pub request_latency_s: f64,
+    /// Seconds from the engine producing a token to the client reading it.
+    pub response_latency_s: f64,
+    /// Seconds from the end of an engine step to the router applying its KV events.
+    pub event_delay_s: f64,
+    /// Seconds between the router's scrapes of each engine's load.
+    pub scrape_interval_s: f64,
+    /// Seed of the policies' random choices (ties, random picks).
+    pub seed: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            engines: 4,
+            engine: EngineConfig::default(),
+            request_latency_s: 0.0005,
+            response_latency_s: 0.0002,
+            event_delay_s: 0.001,
+            scrape_interval_s: 0.5,
+            seed: 0,
+        }
+    }
+}
+
+impl FleetConfig {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<(), SimulateError> {
+        if self.engines == 0 {
+            return Err(SimulateError::Config("engines must be at least 1".into()));
+        }
+        let times = [
+            ("request_latency_s", self.request_latency_s),
+            ("response_latency_s", self.response_latency_s),
+            ("event_delay_s", self.event_delay_s),
+        ];
+        for (name, value) in times {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(SimulateError::Config(format!(
+                    "{name} must be a non-negative number, not {value}"
+                )));
+            }
+        }
+        if !(self.scrape_interval_s.is_finite() && self.scrape_interval_s > 0.0) {
+            return Err(SimulateError::Config(format!(
+                "scrape_interval_s must be positive, not {}",
+                self.scrape_interval_s
+            )));
+        }
+        kvroute_sim::engine::Engine::new(self.engine.clone())?;
+        Ok(())
+    }
+
+    /// The name of endpoint `i`, as `kvroute demo` names its engines.
+    pub fn endpoint_name(i: usize) -> String {
+        format!("engine-{i}")
+    }
+}

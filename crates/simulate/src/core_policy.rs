@@ -1,0 +1,237 @@
+//! [`RoutingPolicy`] over kvroute-core's [`Fleet`]: the decision state and scheduler the live
+//! router runs, fed the same observations at the same moments as `kvroute-router` feeds it
+//! (plan, hold while saturated, dispatched once connected, first token, finished, KV events,
+//! load scrapes, housekeeping every second), with the router's defaults.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvroute_core::event::KvEvent;
+use kvroute_core::fleet::{
+    Dispatch, EndpointSpec, Fleet, FleetConfig as CoreFleetConfig, HoldTicket, LoadSample,
+    RequestFeatures, Shed,
+};
+use kvroute_core::index::EndpointId;
+use kvroute_core::keys::RouterKey;
+use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::SimulateError;
+use crate::config::FleetConfig;
+use crate::policy::{Routing, RoutingPolicy, SimRequest};
+
+/// The model every simulated endpoint serves.
+const MODEL: &str = "sim-llama-3.1-8b";
+/// How often the router drops expired history (its housekeeping task).
+const HOUSEKEEPING_S: f64 = 1.0;
+
+/// A request from its plan to its end.
+struct Tracked {
+    keys: Arc<Vec<RouterKey>>,
+    prompt_tokens: usize,
+    predicted_cached: Vec<usize>,
+    ticket: Option<HoldTicket>,
+    dispatch: Option<Dispatch>,
+}
+
+/// A scheduling profile on kvroute-core's fleet state.
+pub struct CorePolicy {
+    fleet: Fleet,
+    block_size: usize,
+    /// Each engine's GPU blocks, as its `vllm:cache_config_info` says.
+    capacity_blocks: usize,
+    requests: HashMap<u64, Tracked>,
+    rng: StdRng,
+    last_housekeeping: f64,
+}
+
+impl CorePolicy {
+    /// The named policy (`round-robin`, `random`, `least-load`, `approximate`, `precise`) on
+    /// `fleet`, with the router's defaults.
+    pub fn named(name: &str, fleet: &FleetConfig) -> Result<Self, SimulateError> {
+        let name = name.parse::<ProfileName>().map_err(SimulateError::Policy)?;
+        Self::new(Profile::named(name), CoreFleetConfig::default(), fleet)
+    }
+
+    /// `profile` on `fleet` with core's settings `config` (its load-sample age is derived from
+    /// the scrape interval, as the router derives it).
+    pub fn new(
+        profile: Profile,
+        mut config: CoreFleetConfig,
+        fleet: &FleetConfig,
+    ) -> Result<Self, SimulateError> {
+        config.load_sample_max_age_s = fleet.scrape_interval_s * 4.0 + 1.0;
+        if profile.cache != CacheSource::Approximate {
+            // Only the approximate source reads the routing history (every endpoint here has
+            // events): entries that expire at once keep it small and change no decision. Its
+            // capacity stays, as core's shared-prefix tracker is sized by it.
+            config.history_ttl_s = f64::MIN_POSITIVE;
+        }
+        let block_size = fleet.engine.block_size;
+        let specs = (0..fleet.engines)
+            .map(|i| EndpointSpec {
+                name: FleetConfig::endpoint_name(i),
+                models: vec![MODEL.to_owned()],
+                role: Role::Both,
+                has_events: true,
+                block_size,
+            })
+            .collect();
+        Ok(Self {
+            fleet: Fleet::new(config, profile, specs)?,
+            block_size,
+            capacity_blocks: fleet.engine.num_gpu_blocks,
+            requests: HashMap::new(),
+            rng: StdRng::seed_from_u64(fleet.seed),
+            last_housekeeping: 0.0,
+        })
+    }
+
+    fn features<'a>(
+        &self,
+        keys: &'a Arc<Vec<RouterKey>>,
+        prompt_tokens: usize,
+    ) -> RequestFeatures<'a> {
+        RequestFeatures {
+            model: MODEL,
+            keys,
+            prompt_tokens,
+            block_size: self.block_size,
+            // `kvroute bench` sends no session header, so the live router sees no session.
+            session: None,
+            role: Role::Both,
+        }
+    }
+}
+
+fn shed(why: Shed) -> Routing {
+    Routing::Reject(
+        match why {
+            Shed::Timeout => {
+                "HTTP 503: every endpoint stayed saturated while the request waited; retry shortly"
+            }
+            Shed::QueueFull | Shed::QueueBytes => {
+                "HTTP 429: the router is holding as many requests as it may; retry shortly"
+            }
+        }
+        .to_owned(),
+    )
+}
+
+impl RoutingPolicy for CorePolicy {
+    fn route(&mut self, request: &SimRequest<'_>, now: f64) -> Routing {
+        if now - self.last_housekeeping >= HOUSEKEEPING_S {
+            self.last_housekeeping = now;
+            self.fleet.housekeeping(now);
+        }
+        let ticket = self.requests.get(&request.id).and_then(|t| t.ticket);
+        if let Some(ticket) = ticket {
+            if self.fleet.flow().expired(ticket, now) {
+                self.fleet.flow_mut().leave(ticket);
+                self.requests.remove(&request.id);
+                return shed(Shed::Timeout);
+            }
+            if !self.fleet.flow().is_next(ticket) {
+                return Routing::Wait;
+            }
+        }
+        let features = self.features(&request.keys, request.prompt_tokens);
+        let plan = self.fleet.plan(&features, self.rng.random(), now);
+        let flow = self.fleet.config().flow.enabled;
+        if plan.decision.saturated && flow && !plan.decision.ranking.is_empty() {
+            if ticket.is_none() {
+                // The body's size, roughly: what the queue's byte bound counts.
+                let bytes = request.prompt_tokens * 4;
+                match self.fleet.flow_mut().hold(0, bytes, now) {
+                    Ok(ticket) => {
+                        self.requests.insert(
+                            request.id,
+                            Tracked {
+                                keys: request.keys.clone(),
+                                prompt_tokens: request.prompt_tokens,
+                                predicted_cached: Vec::new(),
+                                ticket: Some(ticket),
+                                dispatch: None,
+                            },
+                        );
+                    }
+                    Err(why) => return shed(why),
+                }
+            }
+            return Routing::Wait;
+        }
+        if let Some(ticket) = ticket {
+            self.fleet.flow_mut().leave(ticket);
+        }
+        let Some(chosen) = plan.decision.chosen() else {
+            self.requests.remove(&request.id);
+            return Routing::Reject(
+                "HTTP 503: no healthy endpoint serves this model; retry shortly".into(),
+            );
+        };
+        self.requests.insert(
+            request.id,
+            Tracked {
+                keys: request.keys.clone(),
+                prompt_tokens: request.prompt_tokens,
+                predicted_cached: plan.predicted_cached,
+                ticket: None,
+                dispatch: None,
+            },
+        );
+        Routing::Endpoint(chosen.0 as usize)
+    }
+
+    fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {
+        let Some(mut t) = self.requests.remove(&request_id) else {
+            return;
+        };
+        let features = self.features(&t.keys, t.prompt_tokens);
+        let id = EndpointId(endpoint as u32);
+        t.dispatch = Some(
+            self.fleet
+                .dispatched(&t.predicted_cached, &features, id, now),
+        );
+        self.requests.insert(request_id, t);
+    }
+
+    fn kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: f64) {
+        self.fleet
+            .apply_events(EndpointId(endpoint as u32), events, now);
+    }
+
+    fn load_sample(
+        &mut self,
+        endpoint: usize,
+        waiting: f64,
+        running: f64,
+        kv_usage: f64,
+        now: f64,
+    ) {
+        let sample = LoadSample {
+            waiting: Some(waiting),
+            running: Some(running),
+            kv_usage: Some(kv_usage),
+            num_gpu_blocks: Some(self.capacity_blocks),
+        };
+        self.fleet
+            .observe_load(EndpointId(endpoint as u32), sample, now);
+    }
+
+    fn first_token(&mut self, request_id: u64, now: f64) {
+        if let Some(dispatch) = self
+            .requests
+            .get_mut(&request_id)
+            .and_then(|t| t.dispatch.as_mut())
+        {
+            self.fleet.first_token(dispatch, true, now);
+        }
+    }
+
+    fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
+        if let Some(dispatch) = self.requests.remove(&request_id).and_then(|t| t.dispatch) {
+            self.fleet.finished(dispatch, cached_tokens, now);
+        }
+    }
+}

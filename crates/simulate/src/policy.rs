@@ -1,0 +1,52 @@
+//! The seam between the simulation and routing: a [`RoutingPolicy`] sees what a router would
+//! see (requests, dispatches, KV events, load scrapes, first tokens, completions), each with the
+//! virtual time `now`, and answers one question: where does this request go, now.
+
+use std::sync::Arc;
+
+use kvroute_core::event::KvEvent;
+use kvroute_core::keys::RouterKey;
+
+/// A request as the router sees it when it must choose an endpoint.
+#[derive(Clone, Debug)]
+pub struct SimRequest<'a> {
+    /// Unique in the run; names the request in the later callbacks.
+    pub id: u64,
+    /// Prompt token ids (after the chat template, as the router's tokenizer produces them).
+    pub tokens: &'a [u32],
+    /// Router keys of the prompt's full blocks.
+    pub keys: Arc<Vec<RouterKey>>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// The conversation (or trace row) the request belongs to.
+    pub session: u64,
+}
+
+/// A policy's answer for a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Routing {
+    /// Send it to this endpoint (an index into the fleet).
+    Endpoint(usize),
+    /// Hold it (flow control): the simulation asks again, in arrival order, when capacity may
+    /// have changed (a first token, a completion, a load scrape) and every 50 ms.
+    Wait,
+    /// Refuse it, with the error the client reads (e.g. `HTTP 503: ...`).
+    Reject(String),
+}
+
+/// A routing policy driven in virtual time. Callbacks arrive in time order; `endpoint` is an
+/// index into the fleet.
+pub trait RoutingPolicy {
+    /// Decides where a request goes now (asked again while the answer is [`Routing::Wait`]).
+    fn route(&mut self, request: &SimRequest<'_>, now: f64) -> Routing;
+    /// The request was sent to `endpoint` (the connection was made).
+    fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64);
+    /// KV events `endpoint` published, as they reach the router.
+    fn kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: f64);
+    /// A scrape of `endpoint`'s load: requests waiting and running, KV-cache usage (0–1).
+    fn load_sample(&mut self, endpoint: usize, waiting: f64, running: f64, kv_usage: f64, now: f64);
+    /// The request's first token passed the router.
+    fn first_token(&mut self, request_id: u64, now: f64);
+    /// The request ended: `cached_tokens` is what the engine reported (`None` when it failed).
+    fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64);
+}

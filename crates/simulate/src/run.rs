@@ -1,0 +1,335 @@
+//! One simulated run: a workload's sessions through one policy onto a fresh fleet, in virtual
+//! time, producing the records `kvroute bench` would have measured.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use kvroute_bench::result::RequestRecord;
+use kvroute_bench::workload::Workload;
+use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
+
+use crate::SimulateError;
+use crate::client::Client;
+use crate::config::FleetConfig;
+use crate::engines::SimEngine;
+use crate::policy::{Routing, RoutingPolicy, SimRequest};
+use crate::queue::{Event, Queue};
+
+/// What a run measured.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// Every request, in start order.
+    pub records: Vec<RequestRecord>,
+    /// Virtual seconds from the start to the last answer.
+    pub duration_s: f64,
+    /// The engines' own prefix-cache hit rate (hit tokens over looked-up tokens).
+    pub engine_hit_rate: Option<f64>,
+}
+
+/// How often a held request checks again without a wake-up (the router's recheck).
+const RECHECK_S: f64 = 0.05;
+
+/// A request between its sending and its end.
+struct InFlight {
+    session: usize,
+    engine: usize,
+    record: RequestRecord,
+    /// Prompt, its router keys and `max_tokens`, until the engine receives them.
+    payload: Option<(Vec<u32>, Arc<Vec<RouterKey>>, u32)>,
+    /// The answer (chat workloads, for the history).
+    answer: Vec<u32>,
+    last_token_at: f64,
+}
+
+struct Run<'a> {
+    fleet: &'a FleetConfig,
+    queue: Queue,
+    client: Client<'a>,
+    engines: Vec<SimEngine>,
+    requests: Vec<InFlight>,
+    /// Closed loop: the next session to start when one ends.
+    next_session: usize,
+    closed_loop: bool,
+    total_sessions: usize,
+    sessions_left: usize,
+    last_end: f64,
+    /// Requests the policy holds (flow control), in arrival order.
+    held: VecDeque<usize>,
+    recheck_scheduled: bool,
+}
+
+/// Runs `workload` through `policy` on a fresh fleet. `concurrency`: closed loop with at most
+/// that many sessions at once (as `kvroute bench --concurrency`); `None`: open loop.
+pub fn run(
+    fleet: &FleetConfig,
+    workload: &Workload,
+    concurrency: Option<usize>,
+    policy: &mut dyn RoutingPolicy,
+) -> Result<RunOutcome, SimulateError> {
+    fleet.validate()?;
+    let mut run = Run {
+        fleet,
+        queue: Queue::default(),
+        client: Client::new(workload),
+        engines: (0..fleet.engines)
+            .map(|_| SimEngine::new(fleet.engine.clone()))
+            .collect::<Result<_, _>>()?,
+        requests: Vec::with_capacity(workload.requests()),
+        next_session: 0,
+        closed_loop: concurrency.is_some(),
+        total_sessions: workload.sessions.len(),
+        sessions_left: workload.sessions.len(),
+        last_end: 0.0,
+        held: VecDeque::new(),
+        recheck_scheduled: false,
+    };
+    let first = concurrency
+        .map_or(workload.sessions.len(), |n| n.max(1))
+        .min(workload.sessions.len());
+    run.next_session = first;
+    for s in 0..first {
+        let start = if run.closed_loop {
+            0.0
+        } else {
+            workload.sessions[s].start_s
+        };
+        run.schedule_turn(s, start);
+    }
+    run.queue.push(0.0, Event::Scrape);
+    while let Some(event) = run.queue.pop() {
+        let now = run.queue.now();
+        match event {
+            Event::Send(s) => run.send(s, now, policy),
+            Event::Arrive(r) => run.arrive(r, now, policy)?,
+            Event::StepDone(e) => run.step_done(e, now, policy)?,
+            Event::KvEvents(e, events) => policy.kv_events(e, &events, now),
+            Event::Scrape => {
+                for (e, engine) in run.engines.iter().enumerate() {
+                    let o = engine.observed();
+                    policy.load_sample(e, o.waiting, o.running, o.kv_usage, now);
+                }
+                if run.sessions_left > 0 {
+                    run.queue.push(now + fleet.scrape_interval_s, Event::Scrape);
+                }
+                run.retry_held(now, policy);
+            }
+            Event::Recheck => {
+                run.recheck_scheduled = false;
+                run.retry_held(now, policy);
+            }
+        }
+    }
+    let (queries, hits) = run
+        .engines
+        .iter()
+        .map(SimEngine::prefix_cache_counters)
+        .fold((0, 0), |(q, h), (dq, dh)| (q + dq, h + dh));
+    let mut records: Vec<RequestRecord> = run.requests.into_iter().map(|r| r.record).collect();
+    records.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+    Ok(RunOutcome {
+        records,
+        duration_s: run.last_end,
+        engine_hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+    })
+}
+
+impl Run<'_> {
+    /// Schedules session `s`'s next turn after its think time from `at`, or ends the session.
+    fn schedule_turn(&mut self, s: usize, at: f64) {
+        match self.client.think_before_next(s) {
+            Some(think) => self.queue.push(at + think, Event::Send(s)),
+            None => self.session_done(at),
+        }
+    }
+
+    fn session_done(&mut self, at: f64) {
+        self.sessions_left -= 1;
+        self.last_end = self.last_end.max(at);
+        if self.closed_loop && self.next_session < self.total_sessions {
+            let s = self.next_session;
+            self.next_session += 1;
+            self.schedule_turn(s, at);
+        }
+    }
+
+    fn send(&mut self, s: usize, now: f64, policy: &mut dyn RoutingPolicy) {
+        let turn = self.client.next_turn(s);
+        let bs = self.fleet.engine.block_size;
+        let extra = request_extra_keys(turn.prompt.len() / bs, None, None);
+        let keys = Arc::new(router_keys(&turn.prompt, bs, Some(&extra)).unwrap_or_default());
+        self.requests.push(InFlight {
+            session: s,
+            engine: 0,
+            record: RequestRecord {
+                session: s as u64,
+                turn: turn.turn as u32,
+                start_s: now,
+                ..RequestRecord::default()
+            },
+            payload: Some((turn.prompt, keys, turn.max_tokens)),
+            answer: Vec::new(),
+            last_token_at: now,
+        });
+        let index = self.requests.len() - 1;
+        if !self.route(index, now, policy) {
+            self.held.push_back(index);
+            self.schedule_recheck(now);
+        }
+    }
+
+    /// Asks the policy where request `index` goes; false when it must wait.
+    fn route(&mut self, index: usize, now: f64, policy: &mut dyn RoutingPolicy) -> bool {
+        let request = &mut self.requests[index];
+        let Some((prompt, keys, _)) = &request.payload else {
+            return true;
+        };
+        let routing = policy.route(
+            &SimRequest {
+                id: index as u64,
+                tokens: prompt,
+                keys: keys.clone(),
+                prompt_tokens: prompt.len(),
+                session: request.session as u64,
+            },
+            now,
+        );
+        match routing {
+            Routing::Endpoint(e) if e < self.engines.len() => {
+                policy.dispatched(index as u64, e, now);
+                request.engine = e;
+                request.record.endpoint = Some(FleetConfig::endpoint_name(e));
+                self.queue
+                    .push(now + self.fleet.request_latency_s, Event::Arrive(index));
+                true
+            }
+            Routing::Wait => false,
+            Routing::Endpoint(e) => {
+                self.fail(
+                    index,
+                    format!("the policy chose endpoint {e}, which is not in the fleet"),
+                    now,
+                );
+                true
+            }
+            Routing::Reject(error) => {
+                self.fail(index, error, now);
+                true
+            }
+        }
+    }
+
+    /// Request `index` ends in error, answered at `now`: its session cannot go on.
+    fn fail(&mut self, index: usize, error: String, now: f64) {
+        let end = now + self.fleet.response_latency_s;
+        let request = &mut self.requests[index];
+        request.payload = None;
+        request.record.error = Some(error);
+        request.record.e2e_s = end - request.record.start_s;
+        self.session_done(end);
+    }
+
+    /// Held requests, in arrival order, ask again.
+    fn retry_held(&mut self, now: f64, policy: &mut dyn RoutingPolicy) {
+        let held = std::mem::take(&mut self.held);
+        for index in held {
+            if !self.route(index, now, policy) {
+                self.held.push_back(index);
+            }
+        }
+        self.schedule_recheck(now);
+    }
+
+    fn schedule_recheck(&mut self, now: f64) {
+        if !self.held.is_empty() && !self.recheck_scheduled {
+            self.recheck_scheduled = true;
+            self.queue.push(now + RECHECK_S, Event::Recheck);
+        }
+    }
+
+    fn arrive(
+        &mut self,
+        r: usize,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let request = &mut self.requests[r];
+        let (prompt, _, max_tokens) = request.payload.take().unwrap_or_default();
+        let engine = request.engine;
+        match self.engines[engine].submit(r, prompt, max_tokens) {
+            Ok(answer) => {
+                if self.client.is_chat() {
+                    request.answer = answer;
+                }
+                self.start_step(engine, now, policy)
+            }
+            Err(error) => {
+                policy.finished(r as u64, None, now);
+                self.fail(r, error, now);
+                Ok(())
+            }
+        }
+    }
+
+    fn start_step(
+        &mut self,
+        engine: usize,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let (duration, refused) = self.engines[engine].start_step(engine, now)?;
+        for (r, error) in refused {
+            policy.finished(r as u64, None, now);
+            self.fail(r, error, now);
+        }
+        if let Some(duration) = duration {
+            self.queue.push(now + duration, Event::StepDone(engine));
+        }
+        Ok(())
+    }
+
+    fn step_done(
+        &mut self,
+        e: usize,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let step = self.engines[e].finish_step();
+        let seen = now + self.fleet.response_latency_s;
+        let mut capacity_changed = false;
+        for token in &step.tokens {
+            let r = self.engines[e].request_index(token.id);
+            let request = &mut self.requests[r];
+            let record = &mut request.record;
+            if token.index == 0 {
+                record.ttft_s = Some(seen - record.start_s);
+                policy.first_token(r as u64, now);
+                capacity_changed = true;
+            } else {
+                record.itl_s.push(seen - request.last_token_at);
+            }
+            request.last_token_at = seen;
+            if token.finished.is_some() {
+                record.prompt_tokens = token.prompt_tokens as u64;
+                record.completion_tokens = token.index as u64 + 1;
+                record.cached_tokens = Some(token.cached_tokens as u64);
+                record.e2e_s = seen - record.start_s;
+                policy.finished(r as u64, Some(token.cached_tokens), now);
+                capacity_changed = true;
+                let session = request.session;
+                let answer = std::mem::take(&mut request.answer);
+                self.client.answered(session, &answer);
+                self.schedule_turn(session, seen);
+            }
+        }
+        if !step.events.is_empty() {
+            self.queue.push(
+                now + self.fleet.event_delay_s,
+                Event::KvEvents(e, step.events),
+            );
+        }
+        if capacity_changed && !self.held.is_empty() {
+            self.retry_held(now, policy);
+        }
+        self.start_step(e, now, policy)
+    }
+}

@@ -32,6 +32,8 @@ enum Command {
     Sim(Box<commands::sim::SimArgs>),
     /// Simulate a fleet in virtual time: a workload through routing policies, bench's results.
     Simulate(Box<commands::simulate::SimulateArgs>),
+    /// Search a policy's parameters for a workload on a simulated fleet; prints YAML for serve.
+    Tune(Box<commands::tune::TuneArgs>),
 }
 
 fn main() -> ExitCode {
@@ -40,7 +42,7 @@ fn main() -> ExitCode {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
         Command::Sim(_) | Command::Serve(_) => "info",
-        Command::Demo(_) | Command::Bench(_) | Command::Simulate(_) => "error",
+        Command::Demo(_) | Command::Bench(_) | Command::Simulate(_) | Command::Tune(_) => "error",
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => commands::sim::run(*args),
         Command::Serve(args) => commands::serve::run(args),
         Command::Simulate(args) => commands::simulate::run(*args),
+        Command::Tune(args) => commands::tune::run(*args),
         Command::Bench(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()

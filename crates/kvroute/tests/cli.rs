@@ -287,3 +287,55 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
     assert!(out.join("compare.html").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
+    let dir = std::env::temp_dir().join(format!("kvroute-tune-test-{}", std::process::id()));
+    let out = dir.join("out");
+    let tuned = kvroute(
+        &[
+            "tune",
+            "--engines",
+            "2",
+            "--num-gpu-blocks",
+            "400",
+            "--users",
+            "10",
+            "--turns",
+            "3",
+            "--shared-tokens",
+            "200",
+            "--user-tokens",
+            "100",
+            "--rate",
+            "4",
+            "--trials",
+            "3",
+            "--holdout",
+            "0.3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "",
+    );
+    assert!(
+        tuned.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tuned.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&tuned.stdout);
+    assert!(stdout.contains("3 trials"), "{stdout}");
+    assert!(stdout.contains("Held out (9 requests)"), "{stdout}");
+    // The snippet is a valid `scheduler` section for kvroute serve.
+    let yaml = std::fs::read_to_string(out.join("tuned.yaml")).unwrap();
+    let config =
+        format!("models: [{{name: m}}]\nendpoints: [{{url: 'http://127.0.0.1:1'}}]\n{yaml}");
+    let parsed = kvroute_router::config::RouterConfig::from_yaml(&config)
+        .unwrap_or_else(|e| panic!("{e}\n{config}"));
+    assert!(parsed.scheduler.weights.is_some());
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tune.json")).unwrap()).unwrap();
+    let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["defaults", "tuned"]);
+    let _ = std::fs::remove_dir_all(dir);
+}

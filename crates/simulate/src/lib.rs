@@ -9,7 +9,8 @@
 //! - [`config`]: the fleet and the timing around the engines;
 //! - [`policy`]: the routing seam; [`core_policy`]: the policies on kvroute-core's fleet state;
 //! - [`run`](mod@run): one run in virtual time; [`simulate`] and [`simulate_with`]: runs as
-//!   `kvroute bench` results.
+//!   `kvroute bench` results;
+//! - [`tune`](mod@tune): searching a profile's parameters, with a held-out part.
 
 mod client;
 pub mod config;
@@ -19,6 +20,7 @@ mod error;
 pub mod policy;
 mod queue;
 pub mod run;
+pub mod tune;
 
 use kvroute_bench::result::RunResult;
 use kvroute_bench::workload::Workload;

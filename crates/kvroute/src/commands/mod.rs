@@ -8,4 +8,5 @@ pub mod hash;
 pub mod serve;
 pub mod sim;
 pub mod simulate;
+pub mod tune;
 pub mod workload;

@@ -1,0 +1,188 @@
+//! `kvroute tune`: searches a policy's parameters for a workload on a simulated fleet, reports
+//! the gain over the starting profile on a held-out part, and prints the winner as YAML for
+//! `kvroute serve`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvroute_core::schedule::{Profile, ProfileName};
+use kvroute_simulate::FleetConfig;
+use kvroute_simulate::tune::{Objective, PARAMS, Split, TuneConfig, tune, yaml_snippet};
+
+use super::engine_args::EngineArgs;
+use super::events::parse_duration;
+use super::workload::WorkloadArgs;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ObjectiveKind {
+    /// Time to first token, 90th percentile.
+    TtftP90,
+    /// Time to first token, 99th percentile.
+    TtftP99,
+    /// Requests meeting --slo (maximised).
+    Goodput,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SplitKind {
+    /// Hold out whole sessions (every conversation is either tuned on or held out).
+    Session,
+    /// Hold out the sessions that start last.
+    Time,
+}
+
+/// Arguments of `kvroute tune`.
+#[derive(Args)]
+pub struct TuneArgs {
+    /// Engines in the fleet.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// The policy whose parameters are searched (`precise` or `approximate`).
+    #[arg(long, default_value = "precise")]
+    policy: ProfileName,
+    /// What to minimise.
+    #[arg(long, value_enum, default_value = "ttft-p90")]
+    objective: ObjectiveKind,
+    /// The TTFT SLO for `--objective goodput`.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    slo: Duration,
+    /// Largest load imbalance (busiest endpoint's requests over the mean) a profile may have.
+    #[arg(long, default_value_t = 1.25)]
+    max_imbalance: f64,
+    /// Simulations of the tuning part, the starting profile included.
+    #[arg(long, default_value_t = 40)]
+    trials: usize,
+    /// Share of the sessions held out to measure the gain on.
+    #[arg(long, default_value_t = 0.3)]
+    holdout: f64,
+    /// How the held-out sessions are chosen.
+    #[arg(long, value_enum, default_value = "session")]
+    split: SplitKind,
+    /// Delay of KV events from the engine to the router.
+    #[arg(long, default_value = "1ms", value_parser = parse_duration)]
+    event_delay: Duration,
+    /// How often the router scrapes each engine's load.
+    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    scrape_interval: Duration,
+    /// Where to write the held-out comparison (`tune.json`, `tune.html`) and `tuned.yaml`.
+    #[arg(long, default_value = "kvroute-tune")]
+    out: PathBuf,
+}
+
+/// Runs the search and prints the winner.
+pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        (0.0..1.0).contains(&args.holdout) && args.holdout > 0.0,
+        "--holdout must be between 0 and 1"
+    );
+    let workload = args.workload.build()?;
+    let fleet = FleetConfig {
+        engines: args.engines,
+        engine: args.engine.engine_config()?,
+        event_delay_s: args.event_delay.as_secs_f64(),
+        scrape_interval_s: args.scrape_interval.as_secs_f64(),
+        seed: args.workload.seed(),
+        ..FleetConfig::default()
+    };
+    let objective = match args.objective {
+        ObjectiveKind::TtftP90 => Objective::TtftP90,
+        ObjectiveKind::TtftP99 => Objective::TtftP99,
+        ObjectiveKind::Goodput => Objective::Goodput {
+            slo_s: args.slo.as_secs_f64(),
+        },
+    };
+    let config = TuneConfig {
+        objective,
+        max_imbalance: args.max_imbalance,
+        trials: args.trials,
+        holdout: args.holdout,
+        split: match args.split {
+            SplitKind::Session => Split::Session,
+            SplitKind::Time => Split::Time,
+        },
+        seed: args.workload.seed(),
+    };
+    let start = Profile::named(args.policy);
+    eprintln!(
+        "kvroute tune: {} requests on {} engines x {} blocks; {} trials, {:.0}% held out",
+        workload.requests(),
+        fleet.engines,
+        fleet.engine.num_gpu_blocks,
+        config.trials,
+        config.holdout * 100.0
+    );
+    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs")
+            .context("progress template")?,
+    );
+    let outcome = tune(
+        &fleet,
+        &workload,
+        args.workload.concurrency,
+        &start,
+        &config,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )?;
+    bar.finish_and_clear();
+    let feasible = outcome.trials.iter().filter(|t| t.feasible).count();
+    println!(
+        "{} trials, {feasible} within imbalance {:.2}. Tuning part: defaults {}, best {}.",
+        outcome.trials.len(),
+        config.max_imbalance,
+        objective.describe(outcome.trials[0].value),
+        objective.describe(
+            outcome
+                .trials
+                .iter()
+                .filter(|t| t.feasible)
+                .map(|t| t.value)
+                .fold(f64::INFINITY, f64::min)
+        ),
+    );
+    for p in &PARAMS {
+        println!(
+            "  {:<30} {:>8.3} -> {:>8.3}",
+            p.name,
+            p.get(&start),
+            p.get(&outcome.best)
+        );
+    }
+    let (base, tuned) = (&outcome.baseline_holdout, &outcome.tuned_holdout);
+    let (b, t) = (objective.value(base), objective.value(tuned));
+    println!(
+        "Held out ({} requests): defaults {}, tuned {} ({:+.1}%); load imbalance {:.2} -> {:.2}.",
+        tuned.summary.requests,
+        objective.describe(b),
+        objective.describe(t),
+        if b > 0.0 { (t - b) / b * 100.0 } else { 0.0 },
+        base.summary.load_imbalance,
+        tuned.summary.load_imbalance
+    );
+    let runs = vec![base.clone(), tuned.clone()];
+    println!("{}", kvroute_bench::report::table(&runs));
+    let yaml = yaml_snippet(args.policy.as_str(), &outcome.best);
+    println!("For kvroute serve:\n{yaml}");
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::write(args.out.join("tuned.yaml"), &yaml).context("writing tuned.yaml")?;
+    let (json, html) = kvroute_bench::report::write_files(&runs, &args.out, "tune")
+        .context("writing the report")?;
+    println!("Results: {}  Report: {}", json.display(), html.display());
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,352 @@
+//! `kvroute tune`: searching a scheduling profile's parameters on a simulated fleet.
+//!
+//! The workload is split into a part to tune on and a held-out part (by session, or by time),
+//! so the gain reported is the gain on traffic the search never saw. Each trial is one
+//! simulation of the tuning part with a candidate profile; the search starts from the given
+//! profile, samples the parameter box at random and refines around the best feasible profile so
+//! far. A profile is feasible when its load imbalance stays within the limit. The winner and
+//! the starting profile are then both simulated on the held-out part.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use kvroute_bench::result::{RequestRecord, RunResult};
+use kvroute_bench::workload::Workload;
+use kvroute_core::fleet::FleetConfig as CoreFleetConfig;
+use kvroute_core::schedule::Profile;
+
+use crate::core_policy::CorePolicy;
+use crate::{FleetConfig, SimulateError, simulate_with};
+
+/// What the search minimises.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Objective {
+    /// Time to first token, 90th percentile.
+    TtftP90,
+    /// Time to first token, 99th percentile.
+    TtftP99,
+    /// The share of requests that missed a TTFT SLO or failed (1 − goodput).
+    Goodput {
+        /// The TTFT a request must meet, seconds.
+        slo_s: f64,
+    },
+}
+
+impl Objective {
+    /// The objective's value for a run: lower is better.
+    pub fn value(&self, run: &RunResult) -> f64 {
+        match self {
+            Objective::TtftP90 => run.summary.ttft.p90,
+            Objective::TtftP99 => run.summary.ttft.p99,
+            Objective::Goodput { slo_s } => 1.0 - goodput(&run.records, *slo_s),
+        }
+    }
+
+    /// How the value reads in reports.
+    pub fn describe(&self, value: f64) -> String {
+        match self {
+            Objective::TtftP90 => format!("TTFT p90 {:.1} ms", value * 1e3),
+            Objective::TtftP99 => format!("TTFT p99 {:.1} ms", value * 1e3),
+            Objective::Goodput { slo_s } => format!(
+                "goodput {:.1}% (TTFT ≤ {:.0} ms)",
+                (1.0 - value) * 100.0,
+                slo_s * 1e3
+            ),
+        }
+    }
+}
+
+/// Share of requests that succeeded with a TTFT within `slo_s`.
+fn goodput(records: &[RequestRecord], slo_s: f64) -> f64 {
+    if records.is_empty() {
+        return 0.0;
+    }
+    let good = records
+        .iter()
+        .filter(|r| r.error.is_none() && r.ttft_s.is_some_and(|t| t <= slo_s))
+        .count();
+    good as f64 / records.len() as f64
+}
+
+/// How the held-out part is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    /// Every n-th session (by a hash of its id) is held out.
+    Session,
+    /// The sessions that start last are held out.
+    Time,
+}
+
+/// The search's settings.
+#[derive(Clone, Debug, Serialize)]
+pub struct TuneConfig {
+    /// What to minimise.
+    pub objective: Objective,
+    /// Largest load imbalance (busiest endpoint's requests over the mean) allowed.
+    pub max_imbalance: f64,
+    /// Simulations of the tuning part, the starting profile included.
+    pub trials: usize,
+    /// Share of the sessions held out (0–1).
+    pub holdout: f64,
+    /// How they are chosen.
+    pub split: Split,
+    /// Seed of the search.
+    pub seed: u64,
+}
+
+/// One searched parameter of a profile.
+pub struct Param {
+    /// Its name in the configuration (`scheduler.<name>`).
+    pub name: &'static str,
+    /// Smallest value searched.
+    pub low: f64,
+    /// Largest value searched.
+    pub high: f64,
+    /// Searched on a log scale (weights, rates) rather than a linear one.
+    pub log: bool,
+    get: fn(&Profile) -> f64,
+    set: fn(&mut Profile, f64),
+}
+
+impl Param {
+    /// The parameter's value in `profile`.
+    pub fn get(&self, profile: &Profile) -> f64 {
+        (self.get)(profile)
+    }
+
+    fn clamp(&self, v: f64) -> f64 {
+        v.clamp(self.low, self.high)
+    }
+
+    fn random(&self, rng: &mut StdRng) -> f64 {
+        let u: f64 = rng.random();
+        if self.log {
+            (self.low.ln() + u * (self.high.ln() - self.low.ln())).exp()
+        } else {
+            self.low + u * (self.high - self.low)
+        }
+    }
+
+    /// A value near `v`: up to a factor of 2 either way (log), or a fifth of the range.
+    fn near(&self, v: f64, rng: &mut StdRng) -> f64 {
+        let u: f64 = rng.random_range(-1.0..1.0);
+        self.clamp(if self.log {
+            v.max(self.low) * 2f64.powf(u)
+        } else {
+            v + u * (self.high - self.low) / 5.0
+        })
+    }
+}
+
+/// Every parameter the search varies: the cost model's weights, the balancing tolerance, the
+/// wait per queued request and the saturation threshold of flow control.
+pub const PARAMS: [Param; 6] = [
+    Param {
+        name: "weights.prefix",
+        low: 0.25,
+        high: 4.0,
+        log: true,
+        get: |p| p.weights.prefix,
+        set: |p, v| p.weights.prefix = v,
+    },
+    Param {
+        name: "weights.load",
+        low: 0.25,
+        high: 4.0,
+        log: true,
+        get: |p| p.weights.load,
+        set: |p, v| p.weights.load = v,
+    },
+    Param {
+        name: "weights.decode_interference",
+        low: 0.0,
+        high: 0.5,
+        log: false,
+        get: |p| p.weights.decode_interference,
+        set: |p, v| p.weights.decode_interference = v,
+    },
+    Param {
+        name: "balance.relative",
+        low: 0.0,
+        high: 0.5,
+        log: false,
+        get: |p| p.balance.relative,
+        set: |p, v| p.balance.relative = v,
+    },
+    Param {
+        name: "queue_wait_s",
+        low: 0.0,
+        high: 0.1,
+        log: false,
+        get: |p| p.queue_wait_s,
+        set: |p, v| p.queue_wait_s = v,
+    },
+    Param {
+        name: "saturation.queue",
+        low: 1.0,
+        high: 32.0,
+        log: true,
+        get: |p| p.saturation.queue,
+        set: |p, v| p.saturation.queue = v.round(),
+    },
+];
+
+/// One simulated trial.
+#[derive(Clone, Debug, Serialize)]
+pub struct Trial {
+    /// Each parameter's value, in [`PARAMS`] order.
+    pub values: Vec<f64>,
+    /// The objective on the tuning part (lower is better).
+    pub value: f64,
+    /// Its load imbalance.
+    pub imbalance: f64,
+    /// Whether the imbalance is within the limit.
+    pub feasible: bool,
+}
+
+/// What a search found.
+pub struct TuneOutcome {
+    /// The best feasible profile (the starting one if none beat it).
+    pub best: Profile,
+    /// Every trial, in order; the first is the starting profile.
+    pub trials: Vec<Trial>,
+    /// The starting profile on the held-out part.
+    pub baseline_holdout: RunResult,
+    /// The best profile on the held-out part.
+    pub tuned_holdout: RunResult,
+}
+
+/// Splits `workload` into (tuning part, held-out part).
+pub fn split(workload: &Workload, holdout: f64, how: Split) -> (Workload, Workload) {
+    let holdout = holdout.clamp(0.0, 1.0);
+    let mut order: Vec<usize> = (0..workload.sessions.len()).collect();
+    match how {
+        Split::Time => order.sort_by(|&a, &b| {
+            workload.sessions[a]
+                .start_s
+                .total_cmp(&workload.sessions[b].start_s)
+        }),
+        Split::Session => order.sort_by_key(|&i| mix(workload.sessions[i].id)),
+    }
+    let keep = order.len() - (order.len() as f64 * holdout).round() as usize;
+    let part = |indices: &[usize], label: &str| {
+        let mut sessions: Vec<_> = indices
+            .iter()
+            .map(|&i| workload.sessions[i].clone())
+            .collect();
+        sessions.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        // Each part starts at its first arrival, keeping the gaps between arrivals.
+        let first = sessions.first().map_or(0.0, |s| s.start_s);
+        for s in &mut sessions {
+            s.start_s -= first;
+        }
+        Workload {
+            description: serde_json::json!({"part": label, "of": workload.description}),
+            api: workload.api,
+            sessions,
+        }
+    };
+    (
+        part(&order[..keep], "tune"),
+        part(&order[keep..], "holdout"),
+    )
+}
+
+fn mix(id: u64) -> u64 {
+    let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 31;
+    x.wrapping_mul(0xbf58_476d_1ce4_e5b9)
+}
+
+fn evaluate(
+    name: &str,
+    profile: &Profile,
+    fleet: &FleetConfig,
+    workload: &Workload,
+    concurrency: Option<usize>,
+) -> Result<RunResult, SimulateError> {
+    let mut policy = CorePolicy::new(profile.clone(), CoreFleetConfig::default(), fleet)?;
+    simulate_with(name, fleet, workload, concurrency, &mut policy)
+}
+
+/// Searches `start`'s parameters for `workload` on `fleet`; `progress` is called after each
+/// simulation with (done, total).
+pub fn tune(
+    fleet: &FleetConfig,
+    workload: &Workload,
+    concurrency: Option<usize>,
+    start: &Profile,
+    config: &TuneConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<TuneOutcome, SimulateError> {
+    let (tuning, held_out) = split(workload, config.holdout, config.split);
+    if tuning.sessions.is_empty() || held_out.sessions.is_empty() {
+        return Err(SimulateError::Config(
+            "the workload is too small to hold part of it out: use more sessions or another --holdout"
+                .into(),
+        ));
+    }
+    let total = config.trials.max(1) + 2;
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut trials: Vec<Trial> = Vec::new();
+    let mut best: Option<(Profile, f64)> = None;
+    for t in 0..config.trials.max(1) {
+        let mut profile = start.clone();
+        if t > 0 {
+            // Half the trials explore the whole box, half refine around the best so far.
+            let around = best.as_ref().filter(|_| t % 2 == 0).map(|(p, _)| p.clone());
+            for param in &PARAMS {
+                let v = match &around {
+                    Some(p) => param.near(param.get(p), &mut rng),
+                    None => param.random(&mut rng),
+                };
+                (param.set)(&mut profile, v);
+            }
+        }
+        let run = evaluate("trial", &profile, fleet, &tuning, concurrency)?;
+        let value = config.objective.value(&run);
+        let imbalance = run.summary.load_imbalance;
+        let feasible = imbalance <= config.max_imbalance && run.summary.errors == 0;
+        trials.push(Trial {
+            values: PARAMS.iter().map(|p| p.get(&profile)).collect(),
+            value,
+            imbalance,
+            feasible,
+        });
+        if feasible && best.as_ref().is_none_or(|(_, b)| value < *b) {
+            best = Some((profile, value));
+        }
+        progress(t + 1, total);
+    }
+    let best = best.map_or_else(|| start.clone(), |(p, _)| p);
+    let baseline_holdout = evaluate("defaults", start, fleet, &held_out, concurrency)?;
+    progress(total - 1, total);
+    let tuned_holdout = evaluate("tuned", &best, fleet, &held_out, concurrency)?;
+    progress(total, total);
+    Ok(TuneOutcome {
+        best,
+        trials,
+        baseline_holdout,
+        tuned_holdout,
+    })
+}
+
+/// The tuned parameters as a `kvroute serve` configuration snippet.
+pub fn yaml_snippet(policy: &str, profile: &Profile) -> String {
+    let (w, b, s) = (&profile.weights, &profile.balance, &profile.saturation);
+    format!(
+        "scheduler:\n  policy: {policy}\n  weights: {{prefix: {:.3}, load: {:.3}, decode_interference: {:.3}}}\n  balance: {{relative: {:.3}, absolute_s: {}, replicate_shared_above: {}}}\n  queue_wait_s: {:.4}\n  saturation: {{queue: {}, kv_usage: {}}}\n",
+        w.prefix,
+        w.load,
+        w.decode_interference,
+        b.relative,
+        b.absolute_s,
+        b.replicate_shared_above,
+        profile.queue_wait_s,
+        s.queue,
+        s.kv_usage,
+    )
+}

@@ -1,0 +1,101 @@
+//! The tuner's split and search, on small simulated workloads.
+
+use kvroute_bench::workload::{MultiTurn, multi_turn};
+use kvroute_core::schedule::Profile;
+use kvroute_sim::engine::EngineConfig;
+use kvroute_simulate::FleetConfig;
+use kvroute_simulate::tune::{Objective, PARAMS, Split, TuneConfig, split, tune};
+
+fn workload() -> kvroute_bench::workload::Workload {
+    multi_turn(&MultiTurn {
+        users: 12,
+        turns: 3,
+        system_tokens: 200,
+        user_tokens: 100,
+        output_tokens: 8,
+        think_s: 0.5,
+        rate_per_s: 4.0,
+        seed: 3,
+    })
+}
+
+#[test]
+fn the_split_keeps_every_session_once_and_time_holds_out_the_latest() {
+    let w = workload();
+    for how in [Split::Session, Split::Time] {
+        let (tuning, held) = split(&w, 0.25, how);
+        assert_eq!(held.sessions.len(), 3);
+        let mut ids: Vec<u64> = tuning
+            .sessions
+            .iter()
+            .chain(&held.sessions)
+            .map(|s| s.id)
+            .collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..12).collect::<Vec<u64>>());
+        assert_eq!(
+            held.sessions[0].start_s, 0.0,
+            "each part starts at its first arrival"
+        );
+    }
+    let (tuning, held) = split(&w, 0.25, Split::Time);
+    let last_tuned = tuning.sessions.iter().map(|s| s.id).max().unwrap();
+    assert!(held.sessions.iter().all(|s| s.id > last_tuned));
+}
+
+#[test]
+fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
+    let fleet = FleetConfig {
+        engines: 2,
+        engine: EngineConfig {
+            num_gpu_blocks: 300,
+            ..EngineConfig::default()
+        },
+        ..FleetConfig::default()
+    };
+    let config = TuneConfig {
+        objective: Objective::TtftP90,
+        max_imbalance: 10.0,
+        trials: 4,
+        holdout: 0.25,
+        split: Split::Session,
+        seed: 1,
+    };
+    let start = Profile::default();
+    let mut calls = Vec::new();
+    let outcome = tune(
+        &fleet,
+        &workload(),
+        None,
+        &start,
+        &config,
+        &mut |done, total| {
+            calls.push((done, total));
+        },
+    )
+    .unwrap();
+    assert_eq!(outcome.trials.len(), 4);
+    let first: Vec<f64> = PARAMS.iter().map(|p| p.get(&start)).collect();
+    assert_eq!(
+        outcome.trials[0].values, first,
+        "trial 0 is the starting profile"
+    );
+    assert_eq!(calls.last(), Some(&(6, 6)), "progress reaches its total");
+    assert_eq!(outcome.baseline_holdout.summary.requests, 9);
+    assert_eq!(outcome.tuned_holdout.summary.requests, 9);
+    let best_trial = outcome
+        .trials
+        .iter()
+        .filter(|t| t.feasible)
+        .map(|t| t.value)
+        .fold(f64::INFINITY, f64::min);
+    assert!(best_trial <= outcome.trials[0].value);
+    for p in &PARAMS {
+        let v = p.get(&outcome.best);
+        assert!(
+            (p.low..=p.high).contains(&v) || v == p.get(&start),
+            "{} = {v}",
+            p.name
+        );
+    }
+}

@@ -141,11 +141,14 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     )?;
     bar.finish_and_clear();
     let feasible = outcome.trials.iter().filter(|t| t.feasible).count();
+    let defaults = &outcome.trials[0];
     println!(
-        "{} trials, {feasible} within imbalance {:.2}. Tuning part: defaults {}, best {}.",
+        "{} trials, {feasible} within imbalance {:.2}. Tuning part: defaults {} (imbalance {:.2}{}), best {}.",
         outcome.trials.len(),
         config.max_imbalance,
-        objective.describe(outcome.trials[0].value),
+        objective.describe(defaults.value),
+        defaults.imbalance,
+        if defaults.feasible { "" } else { ", over the limit" },
         objective.describe(
             outcome
                 .trials

@@ -325,7 +325,10 @@ fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
     );
     let stdout = String::from_utf8_lossy(&tuned.stdout);
     assert!(stdout.contains("3 trials"), "{stdout}");
-    assert!(stdout.contains("Held out (9 requests)"), "{stdout}");
+    assert!(
+        stdout.contains("Held out, workload (9 requests)"),
+        "{stdout}"
+    );
     // The snippet is a valid `scheduler` section for kvroute serve.
     let yaml = std::fs::read_to_string(out.join("tuned.yaml")).unwrap();
     let config =

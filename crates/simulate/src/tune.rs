@@ -4,8 +4,10 @@
 //! so the gain reported is the gain on traffic the search never saw. Each trial is one
 //! simulation of the tuning part with a candidate profile; the search starts from the given
 //! profile, samples the parameter box at random and refines around the best feasible profile so
-//! far. A profile is feasible when its load imbalance stays within the limit. The winner and
-//! the starting profile are then both simulated on the held-out part.
+//! far. A profile is feasible when its load imbalance stays within the limit (or within the
+//! starting profile's, where that is already above it). The winner and the starting profile are
+//! then both simulated on the held-out part. Several workloads can be tuned together
+//! ([`tune_cases`]), to choose defaults that hold on all of them.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -194,17 +196,41 @@ pub const PARAMS: [Param; 6] = [
     },
 ];
 
+/// One workload on one fleet; several are tuned together to choose defaults that hold on all.
+pub struct Case {
+    /// Its name in reports.
+    pub name: String,
+    /// The fleet.
+    pub fleet: FleetConfig,
+    /// The workload (split into a tuning and a held-out part).
+    pub workload: Workload,
+    /// Closed loop with this many sessions, or open loop.
+    pub concurrency: Option<usize>,
+}
+
 /// One simulated trial.
 #[derive(Clone, Debug, Serialize)]
 pub struct Trial {
     /// Each parameter's value, in [`PARAMS`] order.
     pub values: Vec<f64>,
-    /// The objective on the tuning part (lower is better).
+    /// The objective on the tuning part (lower is better): the objective itself with one case,
+    /// the mean of each case's objective over the starting profile's with several.
     pub value: f64,
-    /// Its load imbalance.
+    /// The largest load imbalance over the cases.
     pub imbalance: f64,
-    /// Whether the imbalance is within the limit.
+    /// Whether every case's imbalance is within the limit (or within the starting profile's,
+    /// where that is already above it) and no request failed.
     pub feasible: bool,
+}
+
+/// One case's held-out comparison.
+pub struct CaseResult {
+    /// The case's name.
+    pub name: String,
+    /// The starting profile on the held-out part.
+    pub baseline: RunResult,
+    /// The best profile on the held-out part.
+    pub tuned: RunResult,
 }
 
 /// What a search found.
@@ -213,10 +239,8 @@ pub struct TuneOutcome {
     pub best: Profile,
     /// Every trial, in order; the first is the starting profile.
     pub trials: Vec<Trial>,
-    /// The starting profile on the held-out part.
-    pub baseline_holdout: RunResult,
-    /// The best profile on the held-out part.
-    pub tuned_holdout: RunResult,
+    /// Each case on its held-out part.
+    pub cases: Vec<CaseResult>,
 }
 
 /// Splits `workload` into (tuning part, held-out part).
@@ -282,18 +306,54 @@ pub fn tune(
     config: &TuneConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<TuneOutcome, SimulateError> {
-    let (tuning, held_out) = split(workload, config.holdout, config.split);
-    if tuning.sessions.is_empty() || held_out.sessions.is_empty() {
-        return Err(SimulateError::Config(
-            "the workload is too small to hold part of it out: use more sessions or another --holdout"
-                .into(),
-        ));
+    let case = Case {
+        name: "workload".into(),
+        fleet: fleet.clone(),
+        workload: workload.clone(),
+        concurrency,
+    };
+    tune_cases(std::slice::from_ref(&case), start, config, progress)
+}
+
+/// A case's two parts.
+struct Parts<'a> {
+    case: &'a Case,
+    tuning: Workload,
+    held_out: Workload,
+}
+
+/// Searches `start`'s parameters for every case together: a profile must be feasible on
+/// each, and is scored by its mean objective relative to the starting profile's.
+pub fn tune_cases(
+    cases: &[Case],
+    start: &Profile,
+    config: &TuneConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<TuneOutcome, SimulateError> {
+    let mut parts = Vec::with_capacity(cases.len());
+    for case in cases {
+        let (tuning, held_out) = split(&case.workload, config.holdout, config.split);
+        if tuning.sessions.is_empty() || held_out.sessions.is_empty() {
+            return Err(SimulateError::Config(format!(
+                "{}: the workload is too small to hold part of it out: use more sessions or another --holdout",
+                case.name
+            )));
+        }
+        parts.push(Parts {
+            case,
+            tuning,
+            held_out,
+        });
     }
-    let total = config.trials.max(1) + 2;
+    let runs = config.trials.max(1);
+    let total = (runs + 2) * cases.len();
+    let mut done = 0;
     let mut rng = StdRng::seed_from_u64(config.seed);
     let mut trials: Vec<Trial> = Vec::new();
+    // The starting profile's objective and imbalance per case (trial 0).
+    let mut baseline: Vec<(f64, f64)> = Vec::new();
     let mut best: Option<(Profile, f64)> = None;
-    for t in 0..config.trials.max(1) {
+    for t in 0..runs {
         let mut profile = start.clone();
         if t > 0 {
             // Half the trials explore the whole box, half refine around the best so far.
@@ -306,10 +366,34 @@ pub fn tune(
                 (param.set)(&mut profile, v);
             }
         }
-        let run = evaluate("trial", &profile, fleet, &tuning, concurrency)?;
-        let value = config.objective.value(&run);
-        let imbalance = run.summary.load_imbalance;
-        let feasible = imbalance <= config.max_imbalance && run.summary.errors == 0;
+        let mut values = Vec::with_capacity(parts.len());
+        let mut feasible = true;
+        let mut imbalance: f64 = 0.0;
+        for (i, part) in parts.iter().enumerate() {
+            let c = part.case;
+            let run = evaluate("trial", &profile, &c.fleet, &part.tuning, c.concurrency)?;
+            let value = config.objective.value(&run);
+            let case_imbalance = run.summary.load_imbalance;
+            if t == 0 {
+                baseline.push((value, case_imbalance));
+            }
+            let limit = config.max_imbalance.max(baseline[i].1);
+            feasible &= case_imbalance <= limit && run.summary.errors == 0;
+            imbalance = imbalance.max(case_imbalance);
+            values.push(value);
+            done += 1;
+            progress(done, total);
+        }
+        let value = if values.len() == 1 {
+            values[0]
+        } else {
+            values
+                .iter()
+                .zip(&baseline)
+                .map(|(v, (b, _))| if *b > 0.0 { v / b } else { 1.0 })
+                .sum::<f64>()
+                / values.len() as f64
+        };
         trials.push(Trial {
             values: PARAMS.iter().map(|p| p.get(&profile)).collect(),
             value,
@@ -319,18 +403,25 @@ pub fn tune(
         if feasible && best.as_ref().is_none_or(|(_, b)| value < *b) {
             best = Some((profile, value));
         }
-        progress(t + 1, total);
     }
     let best = best.map_or_else(|| start.clone(), |(p, _)| p);
-    let baseline_holdout = evaluate("defaults", start, fleet, &held_out, concurrency)?;
-    progress(total - 1, total);
-    let tuned_holdout = evaluate("tuned", &best, fleet, &held_out, concurrency)?;
-    progress(total, total);
+    let mut results = Vec::with_capacity(parts.len());
+    for part in &parts {
+        let c = part.case;
+        let baseline = evaluate("defaults", start, &c.fleet, &part.held_out, c.concurrency)?;
+        let tuned = evaluate("tuned", &best, &c.fleet, &part.held_out, c.concurrency)?;
+        done += 2;
+        progress(done, total);
+        results.push(CaseResult {
+            name: c.name.clone(),
+            baseline,
+            tuned,
+        });
+    }
     Ok(TuneOutcome {
         best,
         trials,
-        baseline_holdout,
-        tuned_holdout,
+        cases: results,
     })
 }
 

@@ -4,10 +4,10 @@ use kvroute_bench::workload::{MultiTurn, multi_turn};
 use kvroute_core::schedule::Profile;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_simulate::FleetConfig;
-use kvroute_simulate::tune::{Objective, PARAMS, Split, TuneConfig, split, tune};
+use kvroute_simulate::tune::{Case, Objective, PARAMS, Split, TuneConfig, split, tune, tune_cases};
 
-fn workload() -> kvroute_bench::workload::Workload {
-    multi_turn(&MultiTurn {
+fn params() -> MultiTurn {
+    MultiTurn {
         users: 12,
         turns: 3,
         system_tokens: 200,
@@ -16,7 +16,11 @@ fn workload() -> kvroute_bench::workload::Workload {
         think_s: 0.5,
         rate_per_s: 4.0,
         seed: 3,
-    })
+    }
+}
+
+fn workload() -> kvroute_bench::workload::Workload {
+    multi_turn(&params())
 }
 
 #[test]
@@ -81,14 +85,18 @@ fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
         "trial 0 is the starting profile"
     );
     assert_eq!(calls.last(), Some(&(6, 6)), "progress reaches its total");
-    assert_eq!(outcome.baseline_holdout.summary.requests, 9);
-    assert_eq!(outcome.tuned_holdout.summary.requests, 9);
+    assert_eq!(outcome.cases[0].baseline.summary.requests, 9);
+    assert_eq!(outcome.cases[0].tuned.summary.requests, 9);
     let best_trial = outcome
         .trials
         .iter()
         .filter(|t| t.feasible)
         .map(|t| t.value)
         .fold(f64::INFINITY, f64::min);
+    assert!(
+        outcome.trials[0].feasible,
+        "the starting profile is never ruled out"
+    );
     assert!(best_trial <= outcome.trials[0].value);
     for p in &PARAMS {
         let v = p.get(&outcome.best);
@@ -98,4 +106,40 @@ fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
             p.name
         );
     }
+}
+
+#[test]
+fn several_workloads_are_tuned_together_relative_to_the_defaults() {
+    let fleet = FleetConfig {
+        engines: 2,
+        engine: EngineConfig {
+            num_gpu_blocks: 300,
+            ..EngineConfig::default()
+        },
+        ..FleetConfig::default()
+    };
+    let cases: Vec<Case> = [3u64, 4]
+        .iter()
+        .map(|&seed| Case {
+            name: format!("seed {seed}"),
+            fleet: fleet.clone(),
+            workload: multi_turn(&MultiTurn { seed, ..params() }),
+            concurrency: None,
+        })
+        .collect();
+    let config = TuneConfig {
+        objective: Objective::TtftP90,
+        max_imbalance: 1.25,
+        trials: 3,
+        holdout: 0.25,
+        split: Split::Time,
+        seed: 2,
+    };
+    let outcome = tune_cases(&cases, &Profile::default(), &config, &mut |_, _| {}).unwrap();
+    assert!(
+        (outcome.trials[0].value - 1.0).abs() < 1e-12,
+        "the defaults score 1"
+    );
+    assert_eq!(outcome.cases.len(), 2);
+    assert_eq!(outcome.cases[1].name, "seed 4");
 }

@@ -11,10 +11,13 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_core::schedule::{Profile, ProfileName};
 use kvroute_simulate::FleetConfig;
-use kvroute_simulate::tune::{Objective, PARAMS, Split, TuneConfig, tune, yaml_snippet};
+use kvroute_simulate::tune::{
+    Case, Objective, PARAMS, Split, TuneConfig, TuneOutcome, tune_cases, yaml_snippet,
+};
 
 use super::engine_args::EngineArgs;
 use super::events::parse_duration;
+use super::target_suite;
 use super::workload::WorkloadArgs;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -72,6 +75,10 @@ pub struct TuneArgs {
     /// How often the router scrapes each engine's load.
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     scrape_interval: Duration,
+    /// Tune on every workload of the scheduler's targets together (docs/benchmarks.md), each
+    /// on its own fleet, instead of the workload flags; with `--trace`, the Mooncake slice too.
+    #[arg(long)]
+    suite: bool,
     /// Where to write the held-out comparison (`tune.json`, `tune.html`) and `tuned.yaml`.
     #[arg(long, default_value = "kvroute-tune")]
     out: PathBuf,
@@ -83,7 +90,6 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         (0.0..1.0).contains(&args.holdout) && args.holdout > 0.0,
         "--holdout must be between 0 and 1"
     );
-    let workload = args.workload.build()?;
     let fleet = FleetConfig {
         engines: args.engines,
         engine: args.engine.engine_config()?,
@@ -91,6 +97,16 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         scrape_interval_s: args.scrape_interval.as_secs_f64(),
         seed: args.workload.seed(),
         ..FleetConfig::default()
+    };
+    let cases = if args.suite {
+        target_suite::cases(&fleet, args.workload.trace(), args.workload.seed())?
+    } else {
+        vec![Case {
+            name: "workload".into(),
+            fleet,
+            workload: args.workload.build()?,
+            concurrency: args.workload.concurrency,
+        }]
     };
     let objective = match args.objective {
         ObjectiveKind::TtftP90 => Objective::TtftP90,
@@ -111,11 +127,17 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         seed: args.workload.seed(),
     };
     let start = Profile::named(args.policy);
+    for c in &cases {
+        eprintln!(
+            "kvroute tune: {}: {} requests on {} engines x {} blocks",
+            c.name,
+            c.workload.requests(),
+            c.fleet.engines,
+            c.fleet.engine.num_gpu_blocks,
+        );
+    }
     eprintln!(
-        "kvroute tune: {} requests on {} engines x {} blocks; {} trials, {:.0}% held out",
-        workload.requests(),
-        fleet.engines,
-        fleet.engine.num_gpu_blocks,
+        "{} trials, {:.0}% of each workload held out",
         config.trials,
         config.holdout * 100.0
     );
@@ -128,56 +150,79 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs")
             .context("progress template")?,
     );
-    let outcome = tune(
-        &fleet,
-        &workload,
-        args.workload.concurrency,
-        &start,
-        &config,
-        &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        },
-    )?;
+    let outcome = tune_cases(&cases, &start, &config, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
     bar.finish_and_clear();
+    report(&args, &config, &start, &outcome)
+}
+
+fn report(
+    args: &TuneArgs,
+    config: &TuneConfig,
+    start: &Profile,
+    outcome: &TuneOutcome,
+) -> anyhow::Result<ExitCode> {
+    let objective = config.objective;
+    let several = outcome.cases.len() > 1;
+    let describe = |v: f64| {
+        if several {
+            format!("{v:.3} of the defaults' objective")
+        } else {
+            objective.describe(v)
+        }
+    };
     let feasible = outcome.trials.iter().filter(|t| t.feasible).count();
     let defaults = &outcome.trials[0];
+    let best = outcome
+        .trials
+        .iter()
+        .filter(|t| t.feasible)
+        .map(|t| t.value)
+        .fold(f64::INFINITY, f64::min);
     println!(
-        "{} trials, {feasible} within imbalance {:.2}. Tuning part: defaults {} (imbalance {:.2}{}), best {}.",
+        "{} trials, {feasible} within imbalance {:.2} (or the defaults'). Tuning part: defaults {} (largest imbalance {:.2}), best {}.",
         outcome.trials.len(),
         config.max_imbalance,
-        objective.describe(defaults.value),
+        describe(defaults.value),
         defaults.imbalance,
-        if defaults.feasible { "" } else { ", over the limit" },
-        objective.describe(
-            outcome
-                .trials
-                .iter()
-                .filter(|t| t.feasible)
-                .map(|t| t.value)
-                .fold(f64::INFINITY, f64::min)
-        ),
+        describe(best),
     );
     for p in &PARAMS {
         println!(
             "  {:<30} {:>8.3} -> {:>8.3}",
             p.name,
-            p.get(&start),
+            p.get(start),
             p.get(&outcome.best)
         );
     }
-    let (base, tuned) = (&outcome.baseline_holdout, &outcome.tuned_holdout);
-    let (b, t) = (objective.value(base), objective.value(tuned));
-    println!(
-        "Held out ({} requests): defaults {}, tuned {} ({:+.1}%); load imbalance {:.2} -> {:.2}.",
-        tuned.summary.requests,
-        objective.describe(b),
-        objective.describe(t),
-        if b > 0.0 { (t - b) / b * 100.0 } else { 0.0 },
-        base.summary.load_imbalance,
-        tuned.summary.load_imbalance
-    );
-    let runs = vec![base.clone(), tuned.clone()];
+    let mut runs = Vec::new();
+    for case in &outcome.cases {
+        let (b, t) = (
+            objective.value(&case.baseline),
+            objective.value(&case.tuned),
+        );
+        println!(
+            "Held out, {} ({} requests): defaults {}, tuned {} ({:+.1}%); load imbalance {:.2} -> {:.2}.",
+            case.name,
+            case.tuned.summary.requests,
+            objective.describe(b),
+            objective.describe(t),
+            if b > 0.0 { (t - b) / b * 100.0 } else { 0.0 },
+            case.baseline.summary.load_imbalance,
+            case.tuned.summary.load_imbalance
+        );
+        let named = |run: &kvroute_bench::result::RunResult, label: &str| {
+            let mut run = run.clone();
+            if several {
+                run.name = format!("{} {label}", case.name);
+            }
+            run
+        };
+        runs.push(named(&case.baseline, "defaults"));
+        runs.push(named(&case.tuned, "tuned"));
+    }
     println!("{}", kvroute_bench::report::table(&runs));
     let yaml = yaml_snippet(args.policy.as_str(), &outcome.best);
     println!("For kvroute serve:\n{yaml}");

@@ -69,6 +69,11 @@ impl WorkloadArgs {
         self.seed
     }
 
+    /// The trace file, if one was given.
+    pub fn trace(&self) -> Option<&std::path::Path> {
+        self.trace.as_deref()
+    }
+
     /// Builds the workload the flags describe.
     pub fn build(&self) -> anyhow::Result<Workload> {
         anyhow::ensure!(
@@ -100,25 +105,36 @@ impl WorkloadArgs {
                     .trace
                     .as_ref()
                     .context("--workload trace needs --trace FILE")?;
-                let file = std::fs::File::open(path)
-                    .with_context(|| format!("opening {}", path.display()))?;
-                let requests = load_trace(
-                    std::io::BufReader::new(file),
-                    &TraceOptions {
-                        speed: self.speed,
-                        limit: self.limit,
-                        seed: self.seed,
-                        ..TraceOptions::default()
-                    },
-                )?;
-                from_prompts(
-                    serde_json::json!({"workload": "trace", "file": path, "speed": self.speed, "limit": self.limit}),
-                    requests
-                        .into_iter()
-                        .map(|r| (r.at_s, r.prompt, r.output_tokens.min(self.output_tokens)))
-                        .collect(),
-                )
+                trace_workload(path, self.speed, self.limit, self.seed, self.output_tokens)?
             }
         })
     }
+}
+
+/// A Mooncake-format trace as a workload: replayed at `speed`, at most `limit` requests, each
+/// generating at most `output_cap` tokens.
+pub fn trace_workload(
+    path: &std::path::Path,
+    speed: f64,
+    limit: Option<usize>,
+    seed: u64,
+    output_cap: u32,
+) -> anyhow::Result<Workload> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let requests = load_trace(
+        std::io::BufReader::new(file),
+        &TraceOptions {
+            speed,
+            limit,
+            seed,
+            ..TraceOptions::default()
+        },
+    )?;
+    Ok(from_prompts(
+        serde_json::json!({"workload": "trace", "file": path, "speed": speed, "limit": limit}),
+        requests
+            .into_iter()
+            .map(|r| (r.at_s, r.prompt, r.output_tokens.min(output_cap)))
+            .collect(),
+    ))
 }

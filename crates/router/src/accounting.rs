@@ -20,6 +20,31 @@ use crate::upstream::Lease;
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
 
+/// How a routed request ended, as the `outcome` label and log field say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The response was passed to the client to its end.
+    Completed,
+    /// The client went away before the end (before the response headers, or mid-stream).
+    ClientClosed,
+    /// The engine failed: a 5xx, a refused or broken connection, an invalid response.
+    EngineError,
+    /// The engine did not answer in time.
+    Timeout,
+}
+
+impl Outcome {
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::ClientClosed => "client_closed",
+            Outcome::EngineError => "engine_error",
+            Outcome::Timeout => "timeout",
+        }
+    }
+}
+
 /// One request's share of an endpoint's load, handed back to the fleet exactly once.
 pub struct Accounting {
     router: Arc<Router>,
@@ -30,6 +55,10 @@ pub struct Accounting {
     started: Instant,
     /// Upstream status (0 until response headers arrived).
     pub status: u16,
+    /// How it ended, when known before the drop; else read from the status and `ended`.
+    outcome: Option<Outcome>,
+    /// The response body was passed on to its end.
+    ended: bool,
     tail: Vec<u8>,
 }
 
@@ -51,8 +80,27 @@ impl Accounting {
             request_id,
             started,
             status: 0,
+            outcome: None,
+            ended: false,
             tail: Vec::new(),
         }
+    }
+
+    /// The request failed with `status` (answered to the client by the router) for `outcome`.
+    pub fn fail(&mut self, status: u16, outcome: Outcome) {
+        self.status = status;
+        self.outcome = Some(outcome);
+    }
+
+    /// How the request ended, as far as known now.
+    fn outcome(&self) -> Outcome {
+        self.outcome.unwrap_or(if self.status >= 500 {
+            Outcome::EngineError
+        } else if self.ended {
+            Outcome::Completed
+        } else {
+            Outcome::ClientClosed
+        })
     }
 
     fn first_byte(&mut self) {
@@ -102,7 +150,7 @@ impl Drop for Accounting {
         };
         // Released on completion and on client disconnect alike.
         let reported = self.reported_cached();
-        let completed = dispatch.prefill_done();
+        let outcome = self.outcome();
         let predicted = dispatch.predicted_cached;
         let prompt_tokens = dispatch.prompt_tokens;
         let now = self.router.now();
@@ -120,6 +168,7 @@ impl Drop for Accounting {
                 ("endpoint", name.clone()),
                 ("reason", self.reason.to_owned()),
                 ("status", class),
+                ("outcome", outcome.as_str().to_owned()),
             ])
             .inc();
         if let Some(reported) = reported {
@@ -150,7 +199,8 @@ impl Drop for Accounting {
             predicted_cached = predicted,
             reported_cached = ?reported,
             seconds = elapsed,
-            completed,
+            outcome = outcome.as_str(),
+            completed = outcome == Outcome::Completed,
             "routed"
         );
     }
@@ -172,6 +222,16 @@ impl<B> AccountedBody<B> {
             inner,
             accounting: Some(accounting),
             lease: Some(lease),
+        }
+    }
+
+    /// The body ended: account for it and hand the engine connection back for reuse.
+    fn end(&mut self) {
+        if let Some(mut acc) = self.accounting.take() {
+            acc.ended = true;
+        }
+        if let Some(lease) = self.lease.take() {
+            lease.release();
         }
     }
 }
@@ -196,21 +256,15 @@ where
                 // A body of known length ends with its last byte: the server will not poll
                 // again for the `None` that would release the connection, so release it now.
                 if self.inner.is_end_stream() {
-                    self.accounting.take();
-                    if let Some(lease) = self.lease.take() {
-                        lease.release();
-                    }
+                    self.end();
                 }
             }
             // End of body: release now rather than when the connection lets go.
-            Poll::Ready(None) => {
-                self.accounting.take();
-                if let Some(lease) = self.lease.take() {
-                    lease.release();
-                }
-            }
+            Poll::Ready(None) => self.end(),
             Poll::Ready(Some(Err(_))) => {
-                self.accounting.take();
+                if let Some(mut acc) = self.accounting.take() {
+                    acc.outcome = Some(Outcome::EngineError);
+                }
                 self.lease.take();
             }
             Poll::Pending => {}

@@ -250,6 +250,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
             json!({
                 "endpoint": facts.name,
                 "healthy": facts.healthy,
+                "ejected_for_s": facts.ejected_until.map(|until| until - router.now()),
                 "index_trusted": facts.index_distrust.is_none(),
                 "index_distrust": facts.index_distrust,
                 "matched_blocks": {

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use kvroute_core::fleet::{FleetConfig, FlowConfig, HealthPolicy, TrustPolicy};
+use kvroute_core::fleet::{
+    FleetConfig, FlowConfig, HealthPolicy, OutlierPolicy, RetryPolicy, TrustPolicy,
+};
 use kvroute_core::schedule::{
     BalanceTolerance, CostWeights, Filters, Picker, Profile, ProfileName, Role, Saturation,
     TierCosts,
@@ -45,6 +47,13 @@ pub struct RouterConfig {
     /// Flow control: holding requests in the router while every endpoint is saturated.
     #[serde(default)]
     pub flow: FlowConfig,
+    /// Passive outlier detection (failed requests eject an endpoint for a while) and the
+    /// per-endpoint circuit breaker.
+    #[serde(default)]
+    pub outlier: OutlierPolicy,
+    /// Retrying a request on the next endpoint, within a budget.
+    #[serde(default)]
+    pub retry: RetryPolicy,
 }
 
 fn default_listen() -> SocketAddr {
@@ -413,6 +422,8 @@ impl RouterConfig {
                 healthy_after: self.health.healthy_after,
             },
             flow: self.flow.clone(),
+            outlier: self.outlier.clone(),
+            retry: self.retry.clone(),
             ..FleetConfig::default()
         }
     }
@@ -537,6 +548,36 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
+        let o = &self.outlier;
+        if o.consecutive_failures == 0 || o.max_inflight == 0 {
+            return Err(invalid(
+                "outlier",
+                "consecutive_failures and max_inflight must be at least 1",
+            ));
+        }
+        if !(o.base_ejection_s > 0.0 && o.max_ejection_s >= o.base_ejection_s) {
+            return Err(invalid(
+                "outlier",
+                "base_ejection_s must be positive and at most max_ejection_s",
+            ));
+        }
+        if !(0.0..=1.0).contains(&o.max_ejected_fraction) {
+            return Err(invalid(
+                "outlier.max_ejected_fraction",
+                "must be within 0–1",
+            ));
+        }
+        let r = &self.retry;
+        if r.max_attempts == 0
+            || !(r.window_s > 0.0)
+            || !(r.budget_ratio >= 0.0)
+            || !(r.min_retries_per_s >= 0.0)
+        {
+            return Err(invalid(
+                "retry",
+                "max_attempts must be at least 1, window_s positive, budget_ratio and min_retries_per_s not negative",
+            ));
+        }
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
             return Err(invalid(
                 "health",

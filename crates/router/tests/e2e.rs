@@ -358,7 +358,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         .await
         .unwrap();
     assert!(
-        metrics.contains("kvroute_retries_total{endpoint=\"dead\"} 1"),
+        metrics.contains("kvroute_retries_total{endpoint=\"dead\",reason=\"connect\"} 1"),
         "{metrics}"
     );
 }
@@ -867,4 +867,195 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         "{metrics}"
     );
     assert_eq!(long.await.unwrap().0, 200);
+}
+
+async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> String {
+    client
+        .get(format!("http://{}/metrics", router.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
+    let (bad, good) = (engine(512).await, engine(512).await);
+    let client = reqwest::Client::new();
+    // e0 fails every request at once while passing its health checks.
+    client
+        .post(format!("{}/sim/faults", bad.endpoints[0].url))
+        .json(&json!({"error_fraction": 1.0, "error_status": 503}))
+        .send()
+        .await
+        .unwrap();
+    let router = router_for(
+        &[&bad, &good],
+        "scheduler: {policy: round-robin}\noutlier: {consecutive_failures: 3, base_ejection_s: 60}",
+    )
+    .await;
+    for i in 0..12 {
+        let messages = [json!({"role": "user", "content": words(20, 900 + i)})];
+        let answer = chat(&client, &router, &messages, 2).await;
+        assert_eq!(answer.status, 200, "request {i}: {}", answer.body);
+        assert_eq!(answer.endpoint, "e1");
+    }
+    assert!(router.router.healthy(kvroute_core::index::EndpointId(0)));
+    let metrics = admin_metrics(&client, &router).await;
+    let series = |s: &str| kvroute_testkit::sample(&metrics, s);
+    assert_eq!(
+        series("kvroute_retries_total{endpoint=\"e0\",reason=\"5xx\"}"),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        series("kvroute_outlier_ejections_total{endpoint=\"e0\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+    // The explanation says why e0 is skipped.
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(&json!({"model": MODEL, "prompt": "x"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let e0 = &explained["endpoints"][0];
+    assert_eq!(e0["rejected"], "ejected", "{explained}");
+    assert!(e0["ejected_for_s"].as_f64().unwrap() > 50.0, "{explained}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_stop_when_the_budget_is_spent() {
+    let (bad, good) = (engine(512).await, engine(512).await);
+    let client = reqwest::Client::new();
+    client
+        .post(format!("{}/sim/faults", bad.endpoints[0].url))
+        .json(&json!({"error_fraction": 1.0, "error_status": 500}))
+        .send()
+        .await
+        .unwrap();
+    let router = router_for(
+        &[&bad, &good],
+        "scheduler: {policy: round-robin}\noutlier: {enabled: false}\nretry: {budget_ratio: 0.0, min_retries_per_s: 0.0}",
+    )
+    .await;
+    let mut statuses = Vec::new();
+    for i in 0..4 {
+        let messages = [json!({"role": "user", "content": words(20, 950 + i)})];
+        statuses.push(chat(&client, &router, &messages, 2).await.status);
+    }
+    // Round robin sends two to e0: an empty budget refuses their retries.
+    statuses.sort_unstable();
+    assert_eq!(statuses, vec![200, 200, 500, 500]);
+    let metrics = admin_metrics(&client, &router).await;
+    assert_eq!(
+        kvroute_testkit::sample(
+            &metrics,
+            "kvroute_retry_budget_exhausted_total{endpoint=\"e0\",reason=\"5xx\"}"
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_circuit_breaker_sends_past_a_full_endpoint() {
+    let (a, b) = (engine(1024).await, engine(1024).await);
+    let router = router_for(&[&a, &b], "outlier: {max_inflight: 1}").await;
+    let client = reqwest::Client::new();
+    // A long stream holds one endpoint's only slot; the same prompt again, which the cache
+    // would send there, goes to the other.
+    let prompt = words(100, 7);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2000, "stream": true});
+    let held = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let home = held.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let second = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.status().as_u16(), 200);
+    assert_ne!(
+        second.headers()["x-kvroute-endpoint"].to_str().unwrap(),
+        home
+    );
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_requests_are_counted_as_client_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let send = |payload: String| async move {
+        let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            payload.len()
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        socket.write_all(payload.as_bytes()).await.unwrap();
+        socket
+    };
+    let inflight = || {
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight
+    };
+    // Mid-stream: the client goes away after the first event.
+    let body = json!({"model": MODEL, "prompt": words(100, 3), "max_tokens": 2000, "stream": true});
+    let mut socket = send(body.to_string()).await;
+    let mut received = Vec::new();
+    while !String::from_utf8_lossy(&received).contains("data: ") {
+        let mut buf = [0u8; 4096];
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed early");
+        received.extend_from_slice(&buf[..n]);
+    }
+    drop(socket);
+    eventually("the stream ended", || (inflight() == 0, inflight())).await;
+    // Before the response headers: an unstreamed answer comes only at its end.
+    let body = json!({"model": MODEL, "prompt": words(100, 4), "max_tokens": 2000});
+    let socket = send(body.to_string()).await;
+    eventually("dispatched", || (inflight() == 1, inflight())).await;
+    drop(socket);
+    eventually("the request ended", || (inflight() == 0, inflight())).await;
+    // And one that completes.
+    let answer = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": "hi"})],
+        2,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let metrics = admin_metrics(&client, &router).await;
+    let count = |status: &str, outcome: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("kvroute_requests_total{"))
+            .filter(|l| l.contains(&format!("status=\"{status}\",outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(count("2xx", "client_closed"), 1.0, "{metrics}");
+    assert_eq!(count("0xx", "client_closed"), 1.0, "{metrics}");
+    assert_eq!(count("2xx", "completed"), 1.0, "{metrics}");
 }

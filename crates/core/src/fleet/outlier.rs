@@ -185,8 +185,8 @@ impl RetryBudget {
     /// Takes one retry from the budget, or says it is spent.
     pub(super) fn try_retry(&mut self, policy: &RetryPolicy, now: f64) -> bool {
         let tau = policy.window_s;
-        let allowed = (policy.budget_ratio * self.requests.at(now, tau))
-            .max(policy.min_retries_per_s * tau);
+        let allowed =
+            (policy.budget_ratio * self.requests.at(now, tau)).max(policy.min_retries_per_s * tau);
         if self.retries.at(now, tau) >= allowed {
             return false;
         }
@@ -253,7 +253,10 @@ mod tests {
         };
         for _ in 0..10 {
             assert_eq!(o.result(UpstreamOutcome::Failure, &off, true, 0.0), None);
-            assert_eq!(o.result(UpstreamOutcome::Failure, &policy(), false, 0.0), None);
+            assert_eq!(
+                o.result(UpstreamOutcome::Failure, &policy(), false, 0.0),
+                None
+            );
         }
         assert!(!o.ejected(0.0));
     }

@@ -478,7 +478,13 @@ fn the_circuit_breaker_skips_a_full_endpoint() {
     assert_eq!(plan.decision.chosen(), None);
     assert!(plan.decision.saturated, "flow control may hold it");
     fleet.finished(first, None, 0.1);
-    assert!(fleet.plan(&req.features(), 7, 0.1).decision.chosen().is_some());
+    assert!(
+        fleet
+            .plan(&req.features(), 7, 0.1)
+            .decision
+            .chosen()
+            .is_some()
+    );
 }
 
 #[test]

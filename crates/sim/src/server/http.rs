@@ -157,8 +157,12 @@ fn prepare(
     body: &[u8],
     api: Api,
 ) -> Result<(GenerationRequest, Vec<u32>, Option<String>, u32), ApiError> {
-    if !state.shared.faults.lock().healthy {
+    let faults = state.shared.faults.lock().clone();
+    if !faults.healthy {
         return Err(ApiError::new(503, "the engine is unhealthy"));
+    }
+    if faults.error_fraction > 0.0 && rand::random_bool(faults.error_fraction.clamp(0.0, 1.0)) {
+        return Err(ApiError::new(faults.error_status, "an injected fault"));
     }
     let request = match api {
         Api::Completions => parse_completion(body)?,

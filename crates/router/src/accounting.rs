@@ -1,7 +1,9 @@
 //! Following a proxied response to its end and telling the fleet: prefill done at the first
 //! body byte, the request finished at the end or when the client goes away, with the engine's
-//! reported `cached_tokens` to compare with the prediction.
+//! reported `cached_tokens` to compare with the prediction. When the router closes (the end of
+//! a drain), a stream still open ends with an SSE error event.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -15,6 +17,7 @@ use tracing::info;
 use crate::endpoint::Endpoint;
 use crate::metrics::endpoint as labels;
 use crate::service::Router;
+use crate::shutdown::Phase;
 use crate::upstream::Lease;
 
 /// Bytes of the response tail kept to find the usage object.
@@ -213,15 +216,53 @@ pub struct AccountedBody<B> {
     inner: B,
     accounting: Option<Accounting>,
     lease: Option<Lease>,
+    /// Resolves when the router closes; `None` once it did.
+    closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The response is a server-sent event stream.
+    sse: bool,
+    /// Ended by the router's closing: nothing more is sent.
+    closed: bool,
+}
+
+/// The event that ends a stream the router closes.
+fn closing_event() -> Bytes {
+    let error = kvroute_vllm::openai::ApiError::new(
+        503,
+        "the router is shutting down; the stream was cut; retry",
+    );
+    Bytes::from(format!("data: {}\n\n", error.to_json()))
 }
 
 impl<B> AccountedBody<B> {
-    /// Wraps `inner`.
-    pub fn new(inner: B, accounting: Accounting, lease: Lease) -> Self {
+    /// Wraps `inner`; `sse`: it is a server-sent event stream (ended with an error event if
+    /// the router closes first).
+    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self {
+        let closing = accounting.router.shutdown().reached(Phase::Closing);
         Self {
             inner,
             accounting: Some(accounting),
             lease: Some(lease),
+            closing: Some(Box::pin(closing)),
+            sse,
+            closed: false,
+        }
+    }
+
+    /// The router closes: account for the request as cut, close the engine connection (the
+    /// engine cancels), and say so to an SSE client.
+    fn close(&mut self) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+    where
+        B: Body,
+    {
+        self.closed = true;
+        if let Some(mut acc) = self.accounting.take() {
+            acc.outcome = Some(Outcome::Timeout);
+        }
+        self.lease.take();
+        if self.sse {
+            Poll::Ready(Some(Ok(Frame::data(closing_event()))))
+        } else {
+            Poll::Ready(None)
         }
     }
 
@@ -247,6 +288,15 @@ where
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.closed {
+            return Poll::Ready(None);
+        }
+        if let Some(closing) = self.closing.as_mut()
+            && closing.as_mut().poll(cx).is_ready()
+        {
+            self.closing = None;
+            return self.close();
+        }
         let poll = Pin::new(&mut self.inner).poll_frame(cx);
         match &poll {
             Poll::Ready(Some(Ok(frame))) => {
@@ -273,7 +323,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.closed || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

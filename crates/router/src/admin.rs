@@ -88,9 +88,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// `GET /health`: 200 while some endpoint is healthy.
+/// `GET /health`: 200 while some endpoint is healthy and the router is not draining.
 pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.fleet().endpoints().iter().any(|e| e.healthy()) {
+    if !router.shutdown().draining() && router.fleet().endpoints().iter().any(|e| e.healthy()) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

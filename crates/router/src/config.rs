@@ -54,6 +54,27 @@ pub struct RouterConfig {
     /// Retrying a request on the next endpoint, within a budget.
     #[serde(default)]
     pub retry: RetryPolicy,
+    /// Graceful shutdown.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+}
+
+/// Graceful shutdown: on the first SIGTERM or SIGINT the router stops accepting connections and
+/// fails readiness, and in-flight requests finish; at the timeout (or a second signal) open
+/// streams end with an SSE error event.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// Seconds in-flight requests may take to finish.
+    pub drain_timeout_s: f64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        Self {
+            drain_timeout_s: 30.0,
+        }
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -576,6 +597,12 @@ impl RouterConfig {
             return Err(invalid(
                 "retry",
                 "max_attempts must be at least 1, window_s positive, budget_ratio and min_retries_per_s not negative",
+            ));
+        }
+        if !(self.shutdown.drain_timeout_s >= 0.0 && self.shutdown.drain_timeout_s.is_finite()) {
+            return Err(invalid(
+                "shutdown.drain_timeout_s",
+                "must be a finite number of seconds, not negative",
             ));
         }
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {

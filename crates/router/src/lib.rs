@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod service;
+pub mod shutdown;
 pub mod tokenize;
 pub mod upstream;
 

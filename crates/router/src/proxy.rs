@@ -305,8 +305,13 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             }
         }
         out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
         return out
-            .body(Body::new(AccountedBody::new(body, accounting, lease)))
+            .body(Body::new(AccountedBody::new(body, accounting, lease, sse)))
             .unwrap_or_else(|_| {
                 error_response(
                     router,

@@ -58,13 +58,62 @@ impl Drop for RunningRouter {
 }
 
 impl RunningRouter {
-    /// Waits until the HTTP server stops (it runs until the router is dropped).
+    /// Waits until the HTTP server stops (it runs until the router is dropped or drained).
     pub async fn wait(mut self) {
-        if let Some(server) = self.tasks.pop() {
-            let _ = server.await;
+        self.drained().await;
+    }
+
+    /// Resolves once the API listener has stopped: after a drain, when its last connection
+    /// closed. Pending until then (and forever if it was never started).
+    pub async fn drained(&mut self) {
+        match self.tasks.last_mut() {
+            Some(server) if !server.is_finished() => {
+                let _ = server.await;
+            }
+            Some(_) => {}
+            None => std::future::pending().await,
         }
     }
+
+    /// Begins a graceful shutdown: the API listener stops accepting, open connections close
+    /// once answered, `/health` answers 503. Idempotent.
+    pub fn drain(&self) {
+        info!("draining: no new connections; in-flight requests finish");
+        self.router.shutdown().drain();
+    }
+
+    /// Ends every open stream now, with an SSE error event.
+    pub fn close(&self) {
+        self.router.shutdown().close();
+    }
+
+    /// Drains, waiting up to `timeout` for in-flight requests; then closes what is still open
+    /// and waits (briefly) for it to end. True when everything finished within the timeout.
+    pub async fn shutdown(&mut self, timeout: Duration) -> bool {
+        self.drain();
+        if tokio::time::timeout(timeout, self.drained()).await.is_ok() {
+            return true;
+        }
+        self.finish_closing().await;
+        false
+    }
+
+    /// Closes open streams and waits for their connections to end, a few seconds at most.
+    pub async fn finish_closing(&mut self) {
+        let open = self
+            .router
+            .metrics()
+            .connections_open
+            .get_or_create(&crate::metrics::listener("api"))
+            .get();
+        warn!(open, "drain timed out: ending the open streams");
+        self.close();
+        let _ = tokio::time::timeout(CLOSE_GRACE, self.drained()).await;
+    }
 }
+
+/// How long closed streams get to deliver their error event.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// The OpenAI API routes.
 pub fn routes(router: Arc<Router>) -> Routes {
@@ -141,6 +190,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "admin",
         budget.clone(),
+        false,
     )));
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
@@ -150,6 +200,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "api",
         budget,
+        true,
     )));
     Ok(RunningRouter {
         addr,

@@ -24,6 +24,7 @@ use crate::RouterError;
 use crate::config::{ModelConfig, RouterConfig};
 use crate::endpoint::{Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
+use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
 
@@ -41,6 +42,7 @@ pub struct Router {
     /// requests check again.
     capacity: Notify,
     started: Instant,
+    shutdown: Shutdown,
 }
 
 /// A request made ready for scheduling.
@@ -131,6 +133,7 @@ impl Router {
             metrics: RouterMetrics::default(),
             capacity: Notify::new(),
             started: Instant::now(),
+            shutdown: Shutdown::default(),
             config,
         })
     }
@@ -178,6 +181,11 @@ impl Router {
     pub fn load(&self, id: EndpointId) -> EndpointLoad {
         let now = self.now();
         self.fleet().load(id, now).unwrap_or_default()
+    }
+
+    /// The router's phase: serving, draining or closing.
+    pub fn shutdown(&self) -> &Shutdown {
+        &self.shutdown
     }
 
     /// The router's metrics.

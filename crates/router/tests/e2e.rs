@@ -1059,3 +1059,90 @@ async fn abandoned_requests_are_counted_as_client_closed() {
     assert_eq!(count("0xx", "client_closed"), 1.0, "{metrics}");
     assert_eq!(count("2xx", "completed"), 1.0, "{metrics}");
 }
+
+/// Sends a streamed completion on a raw connection (so that its end is the socket's) and reads
+/// up to its first event.
+async fn open_stream(router: &RunningRouter, max_tokens: u32) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let payload = json!({"model": MODEL, "prompt": words(50, 11), "max_tokens": max_tokens, "stream": true, "ignore_eos": true})
+        .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        payload.len()
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    socket.write_all(payload.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    while !String::from_utf8_lossy(&received).contains("data: ") {
+        let mut buf = [0u8; 4096];
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed early");
+        received.extend_from_slice(&buf[..n]);
+    }
+    (socket, received)
+}
+
+/// Reads a connection to its end.
+async fn read_to_end(mut socket: tokio::net::TcpStream, mut received: Vec<u8>) -> String {
+    use tokio::io::AsyncReadExt;
+    tokio::time::timeout(Duration::from_secs(30), socket.read_to_end(&mut received))
+        .await
+        .expect("the connection ends")
+        .unwrap();
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_refuses_new_connections_and_lets_streams_finish() {
+    let a = engine(1024).await;
+    let mut router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let (socket, received) = open_stream(&router, 200).await;
+    router.drain();
+    let health = client
+        .get(format!("http://{}/health", router.admin_addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        health.status().as_u16(),
+        503,
+        "readiness fails while draining"
+    );
+    let addr = router.addr;
+    eventually("new connections refused", || {
+        (std::net::TcpStream::connect(addr).is_err(), ())
+    })
+    .await;
+    let text = read_to_end(socket, received).await;
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    tokio::time::timeout(Duration::from_secs(10), router.drained())
+        .await
+        .expect("drained once the stream ended");
+    let metrics = admin_metrics(&client, &router).await;
+    assert!(metrics.contains("outcome=\"completed\"} 1"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_times_out_ends_open_streams_with_an_error_event() {
+    let a = engine(1024).await;
+    let mut router = router_for(&[&a], "").await;
+    let (socket, received) = open_stream(&router, 8000).await;
+    let reader = tokio::spawn(read_to_end(socket, received));
+    let finished = router.shutdown(Duration::from_millis(300)).await;
+    assert!(!finished, "the stream outlives the drain timeout");
+    let text = reader.await.unwrap();
+    // The last event (the body is chunked on the wire) is the error.
+    let last = &text[text.rfind("data: ").unwrap()..];
+    assert!(last.starts_with("data: {\"error\""), "{last}");
+    assert!(!text.contains("data: [DONE]"), "{text}");
+    assert_eq!(
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight,
+        0
+    );
+}

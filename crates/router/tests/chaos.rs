@@ -88,6 +88,47 @@ async fn fault(client: &reqwest::Client, fleet: &SimFleet, i: usize, faults: Val
     );
 }
 
+/// The router's prediction outcomes, summed over endpoints.
+#[derive(Debug, Default)]
+struct Predictions {
+    exact: f64,
+    over: f64,
+    under: f64,
+}
+
+impl Predictions {
+    fn read(router: &RunningRouter) -> Self {
+        let metrics = kvroute_testkit::http_get(router.admin_addr, "/metrics");
+        let sum = |outcome: &str| -> f64 {
+            (0..3)
+                .filter_map(|i| {
+                    let series = format!(
+                        "kvroute_prediction_outcomes_total{{endpoint=\"e{i}\",outcome=\"{outcome}\"}}"
+                    );
+                    sample(&metrics, &series)
+                })
+                .sum()
+        };
+        Self {
+            exact: sum("exact"),
+            over: sum("over"),
+            under: sum("under"),
+        }
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            exact: self.exact - before.exact,
+            over: self.over - before.over,
+            under: self.under - before.under,
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.exact + self.over + self.under
+    }
+}
+
 /// What one client saw.
 #[derive(Debug, Default)]
 struct Tally {
@@ -252,6 +293,13 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
     paused.store(false, Ordering::Relaxed);
     router = Some(restarted);
 
+    // Event loss ends; predictions are measured from a little later to the end.
+    tokio::time::sleep_until(at(0.6).into()).await;
+    fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.0})).await;
+    let router = router.unwrap();
+    let during = Predictions::read(&router);
+    tokio::time::sleep_until(at(0.65).into()).await;
+    let recovered = Predictions::read(&router);
     tokio::time::sleep_until(at(1.0).into()).await;
     stop.store(true, Ordering::Relaxed);
     let mut tally = Tally::default();
@@ -265,32 +313,15 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         tally.failed.len() <= inflight_at_restart,
         "no request lost beyond the {inflight_at_restart} in flight on the restarted engine: {tally:?}"
     );
-
-    // Predictions after recovery: what the second router predicted against what engines said.
-    let router = router.unwrap();
-    let metrics = kvroute_testkit::http_get(router.admin_addr, "/metrics");
-    let outcomes = |outcome: &str| -> f64 {
-        (0..3)
-            .filter_map(|i| {
-                sample(
-                    &metrics,
-                    &format!(
-                        "kvroute_prediction_outcomes_total{{endpoint=\"e{i}\",outcome=\"{outcome}\"}}"
-                    ),
-                )
-            })
-            .sum()
-    };
-    let (exact, over, under) = (outcomes("exact"), outcomes("over"), outcomes("under"));
-    let total = exact + over + under;
-    assert!(total > 20.0, "{metrics}");
+    let after = Predictions::read(&router).since(&recovered);
+    assert!(after.total() > 20.0, "{after:?}");
     assert!(
-        exact >= 0.99 * total,
-        "exact {exact}, over {over}, under {under}"
+        after.exact >= 0.99 * after.total(),
+        "after recovery: {after:?}"
     );
     let (rss, budget) = (vm_rss(), memory_budget());
     eprintln!(
-        "chaos over {seconds} s: {} requests answered, {} failed ({inflight_at_restart} in flight on the restarted engine); predictions exact {exact}/{total}; VmRSS {} MiB of a {} MiB budget",
+        "chaos over {seconds} s: {} requests answered, {} failed ({inflight_at_restart} in flight on the restarted engine); predictions of the restarted router during event loss {during:?}, after recovery {after:?}; VmRSS {} MiB of a {} MiB budget",
         tally.ok,
         tally.failed.len(),
         rss >> 20,

@@ -590,9 +590,9 @@ impl RouterConfig {
         }
         let r = &self.retry;
         if r.max_attempts == 0
-            || !(r.window_s > 0.0)
-            || !(r.budget_ratio >= 0.0)
-            || !(r.min_retries_per_s >= 0.0)
+            || !(r.window_s.is_finite() && r.window_s > 0.0)
+            || !(r.budget_ratio.is_finite() && r.budget_ratio >= 0.0)
+            || !(r.min_retries_per_s.is_finite() && r.min_retries_per_s >= 0.0)
         {
             return Err(invalid(
                 "retry",

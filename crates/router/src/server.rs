@@ -75,6 +75,18 @@ impl RunningRouter {
         }
     }
 
+    /// Whether every endpoint's KV-event subscriber is connected (endpoints without events
+    /// count as connected).
+    pub fn subscribers_connected(&self) -> bool {
+        self.router.endpoints().iter().all(|e| {
+            e.config.events.is_none()
+                || e.subscriber
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+        })
+    }
+
     /// Begins a graceful shutdown: the API listener stops accepting, open connections close
     /// once answered, `/health` answers 503. Idempotent.
     pub fn drain(&self) {

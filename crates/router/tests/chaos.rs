@@ -62,13 +62,7 @@ async fn start_routing(yaml: &str) -> RunningRouter {
         .await
         .unwrap();
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints().iter().all(|e| {
-            e.subscriber
-                .lock()
-                .as_ref()
-                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
-        });
-        (connected, ())
+        (router.subscribers_connected(), ())
     })
     .await;
     router

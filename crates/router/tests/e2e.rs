@@ -51,13 +51,7 @@ async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
         .unwrap();
     // Let the subscribers connect before traffic starts.
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints().iter().all(|e| {
-            e.subscriber
-                .lock()
-                .as_ref()
-                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
-        });
-        (connected, ())
+        (router.subscribers_connected(), ())
     })
     .await;
     router
@@ -880,22 +874,29 @@ async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> Stri
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
+/// Two engines behind a round-robin router configured with `extra`: e0 answers every
+/// generation request `status` at once while passing its health checks, e1 is well.
+async fn failing_beside_healthy(status: u16, extra: &str) -> (RunningRouter, [SimFleet; 2]) {
     let (bad, good) = (engine(512).await, engine(512).await);
-    let client = reqwest::Client::new();
-    // e0 fails every request at once while passing its health checks.
-    client
+    reqwest::Client::new()
         .post(format!("{}/sim/faults", bad.endpoints[0].url))
-        .json(&json!({"error_fraction": 1.0, "error_status": 503}))
+        .json(&json!({"error_fraction": 1.0, "error_status": status}))
         .send()
         .await
         .unwrap();
-    let router = router_for(
-        &[&bad, &good],
-        "scheduler: {policy: round-robin}\noutlier: {consecutive_failures: 3, base_ejection_s: 60}",
+    let extra = format!("scheduler: {{policy: round-robin}}\n{extra}");
+    let router = router_for(&[&bad, &good], &extra).await;
+    (router, [bad, good])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
+    let (router, _engines) = failing_beside_healthy(
+        503,
+        "outlier: {consecutive_failures: 3, base_ejection_s: 60}",
     )
     .await;
+    let client = reqwest::Client::new();
     for i in 0..12 {
         let messages = [json!({"role": "user", "content": words(20, 900 + i)})];
         let answer = chat(&client, &router, &messages, 2).await;
@@ -932,19 +933,12 @@ async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_stop_when_the_budget_is_spent() {
-    let (bad, good) = (engine(512).await, engine(512).await);
-    let client = reqwest::Client::new();
-    client
-        .post(format!("{}/sim/faults", bad.endpoints[0].url))
-        .json(&json!({"error_fraction": 1.0, "error_status": 500}))
-        .send()
-        .await
-        .unwrap();
-    let router = router_for(
-        &[&bad, &good],
-        "scheduler: {policy: round-robin}\noutlier: {enabled: false}\nretry: {budget_ratio: 0.0, min_retries_per_s: 0.0}",
+    let (router, _engines) = failing_beside_healthy(
+        500,
+        "outlier: {enabled: false}\nretry: {budget_ratio: 0.0, min_retries_per_s: 0.0}",
     )
     .await;
+    let client = reqwest::Client::new();
     let mut statuses = Vec::new();
     for i in 0..4 {
         let messages = [json!({"role": "user", "content": words(20, 950 + i)})];
@@ -999,20 +993,9 @@ async fn the_circuit_breaker_sends_past_a_full_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_requests_are_counted_as_client_closed() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let a = engine(1024).await;
     let router = router_for(&[&a], "").await;
     let client = reqwest::Client::new();
-    let send = |payload: String| async move {
-        let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
-        let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            payload.len()
-        );
-        socket.write_all(head.as_bytes()).await.unwrap();
-        socket.write_all(payload.as_bytes()).await.unwrap();
-        socket
-    };
     let inflight = || {
         router
             .router
@@ -1020,20 +1003,12 @@ async fn abandoned_requests_are_counted_as_client_closed() {
             .inflight
     };
     // Mid-stream: the client goes away after the first event.
-    let body = json!({"model": MODEL, "prompt": words(100, 3), "max_tokens": 2000, "stream": true});
-    let mut socket = send(body.to_string()).await;
-    let mut received = Vec::new();
-    while !String::from_utf8_lossy(&received).contains("data: ") {
-        let mut buf = [0u8; 4096];
-        let n = socket.read(&mut buf).await.unwrap();
-        assert!(n > 0, "connection closed early");
-        received.extend_from_slice(&buf[..n]);
-    }
+    let (socket, _) = open_stream(&router, 2000).await;
     drop(socket);
     eventually("the stream ended", || (inflight() == 0, inflight())).await;
     // Before the response headers: an unstreamed answer comes only at its end.
     let body = json!({"model": MODEL, "prompt": words(100, 4), "max_tokens": 2000});
-    let socket = send(body.to_string()).await;
+    let socket = raw_completion(&router, &body).await;
     eventually("dispatched", || (inflight() == 1, inflight())).await;
     drop(socket);
     eventually("the request ended", || (inflight() == 0, inflight())).await;
@@ -1060,19 +1035,25 @@ async fn abandoned_requests_are_counted_as_client_closed() {
     assert_eq!(count("2xx", "completed"), 1.0, "{metrics}");
 }
 
-/// Sends a streamed completion on a raw connection (so that its end is the socket's) and reads
-/// up to its first event.
-async fn open_stream(router: &RunningRouter, max_tokens: u32) -> (tokio::net::TcpStream, Vec<u8>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Sends a completion on a raw connection (so that its end is the socket's).
+async fn raw_completion(router: &RunningRouter, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
     let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
-    let payload = json!({"model": MODEL, "prompt": words(50, 11), "max_tokens": max_tokens, "stream": true, "ignore_eos": true})
-        .to_string();
+    let payload = body.to_string();
     let head = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
         payload.len()
     );
     socket.write_all(head.as_bytes()).await.unwrap();
     socket.write_all(payload.as_bytes()).await.unwrap();
+    socket
+}
+
+/// Sends a streamed completion on a raw connection and reads up to its first event.
+async fn open_stream(router: &RunningRouter, max_tokens: u32) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let body = json!({"model": MODEL, "prompt": words(50, 11), "max_tokens": max_tokens, "stream": true, "ignore_eos": true});
+    let mut socket = raw_completion(router, &body).await;
     let mut received = Vec::new();
     while !String::from_utf8_lossy(&received).contains("data: ") {
         let mut buf = [0u8; 4096];

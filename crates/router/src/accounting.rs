@@ -226,8 +226,7 @@ pub struct AccountedBody<B> {
 
 /// The event that ends a stream the router closes.
 fn closing_event() -> Bytes {
-    let error = kvroute_vllm::openai::ApiError::new(
-        503,
+    let error = kvroute_vllm::openai::ApiError::unavailable(
         "the router is shutting down; the stream was cut; retry",
     );
     Bytes::from(format!("data: {}\n\n", error.to_json()))

@@ -26,14 +26,11 @@ const MAX_MODELS_BYTES: usize = 4 << 20;
 pub async fn not_found(State(router): State<Arc<Router>>, request: Request) -> Response {
     error_response(
         &router,
-        &ApiError::new(
-            404,
-            format!(
-                "Invalid URL ({} {})",
-                request.method(),
-                request.uri().path()
-            ),
-        ),
+        &ApiError::not_found(format!(
+            "Invalid URL ({} {})",
+            request.method(),
+            request.uri().path()
+        )),
     )
 }
 
@@ -235,7 +232,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
     let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
-            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
     let plan = router.plan(&prepared);

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, HeaderName, header};
+use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::UpstreamOutcome;
@@ -35,26 +35,14 @@ pub enum Api {
     Chat,
 }
 
-/// An OpenAI-shaped error response.
+/// An OpenAI-shaped error response (the shared mapping of [`ApiError::to_response`]), counted.
 pub fn error_response(router: &Router, e: &ApiError) -> Response {
     router
         .metrics()
         .rejected
         .get_or_create(&vec![("status", e.status.to_string())])
         .inc();
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        e.to_json(),
-    )
-        .into_response();
-    if e.status == 503 || e.status == 429 {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    }
-    response
+    e.to_response().map(Body::from)
 }
 
 /// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
@@ -75,11 +63,11 @@ fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
             .downcast_ref::<http_body_util::LengthLimitError>()
             .is_some()
         {
-            return ApiError::new(413, format!("request body larger than {limit} bytes"));
+            return ApiError::too_large(format!("request body larger than {limit} bytes"));
         }
         match current.downcast_ref::<RouterError>() {
-            Some(RouterError::ClientTimeout(m)) => return ApiError::new(408, m.clone()),
-            Some(RouterError::Overloaded(m)) => return ApiError::new(503, m.clone()),
+            Some(RouterError::ClientTimeout(m)) => return ApiError::client_timeout(m.clone()),
+            Some(RouterError::Overloaded(m)) => return ApiError::unavailable(m.clone()),
             _ => {}
         }
         cause = current.source();
@@ -143,7 +131,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
-            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
     let mut plan = router.plan(&prepared);
@@ -157,7 +145,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     if plan.decision.ranking.is_empty() {
         return error_response(
             &router,
-            &ApiError::new(503, "no healthy endpoint serves this model; retry shortly"),
+            &ApiError::unavailable("no healthy endpoint serves this model; retry shortly"),
         );
     }
     let rid = request_id(&parts.headers);
@@ -255,7 +243,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                 }
                 return error_response(
                     router,
-                    &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
+                    &ApiError::engine_failed(format!("the engine {} failed: {e}", endpoint.name)),
                 );
             }
         };
@@ -277,13 +265,13 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                     "the engine {} did not answer within {timeout:?}",
                     endpoint.name
                 );
-                return error_response(router, &ApiError::new(504, message));
+                return error_response(router, &ApiError::engine_timeout(message));
             }
             Ok(Err(e)) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(502, Outcome::EngineError);
                 let message = format!("the engine {} failed: {e}", endpoint.name);
-                return error_response(router, &ApiError::new(502, message));
+                return error_response(router, &ApiError::engine_failed(message));
             }
             Ok(Ok(answer)) => answer,
         };
@@ -315,13 +303,13 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             .unwrap_or_else(|_| {
                 error_response(
                     router,
-                    &ApiError::new(502, "the engine sent an invalid response"),
+                    &ApiError::engine_failed("the engine sent an invalid response"),
                 )
             });
     }
     error_response(
         router,
-        &ApiError::new(503, "no endpoint accepted the connection; retry shortly"),
+        &ApiError::unavailable("no endpoint accepted the connection; retry shortly"),
     )
 }
 
@@ -343,7 +331,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
     if healthy.is_empty() {
         return error_response(
             &router,
-            &ApiError::new(503, "no healthy endpoint; retry shortly"),
+            &ApiError::unavailable("no healthy endpoint; retry shortly"),
         );
     }
     let start = rand::random::<u64>() as usize % healthy.len();

@@ -74,7 +74,9 @@ pub async fn wait_for_capacity(
         };
         if next {
             let plan = router.plan(prepared);
-            if !plan.decision.saturated || plan.decision.ranking.is_empty() {
+            // Saturated with an empty ranking: every endpoint left has its circuit breaker
+            // open; wait for one to free up like for a saturated one.
+            if !plan.decision.saturated {
                 drop(held);
                 return Ok(plan);
             }

@@ -992,6 +992,30 @@ async fn the_circuit_breaker_sends_past_a_full_endpoint() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_circuit_holds_requests_until_a_slot_frees() {
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "outlier: {max_inflight: 1}").await;
+    let (socket, _) = open_stream(&router, 2000).await;
+    let (client, addr) = (reqwest::Client::new(), router.addr);
+    let waiting = tokio::spawn(async move {
+        client
+            .post(format!("http://{addr}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "x y z", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    eventually("the second request held", || {
+        (router.router.fleet().flow().len() == 1, ())
+    })
+    .await;
+    drop(socket);
+    assert_eq!(waiting.await.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_requests_are_counted_as_client_closed() {
     let a = engine(1024).await;
     let router = router_for(&[&a], "").await;

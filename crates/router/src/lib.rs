@@ -24,4 +24,4 @@ pub mod shutdown;
 pub mod tokenize;
 pub mod upstream;
 
-pub use error::RouterError;
+pub use error::{ProbeError, RouterError};

@@ -65,10 +65,10 @@ fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
         {
             return ApiError::too_large(format!("request body larger than {limit} bytes"));
         }
-        match current.downcast_ref::<RouterError>() {
-            Some(RouterError::ClientTimeout(m)) => return ApiError::client_timeout(m.clone()),
-            Some(RouterError::Overloaded(m)) => return ApiError::unavailable(m.clone()),
-            _ => {}
+        if let Some(e @ (RouterError::ClientTimeout(_) | RouterError::Overloaded(_))) =
+            current.downcast_ref::<RouterError>()
+        {
+            return e.api_error();
         }
         cause = current.source();
     }

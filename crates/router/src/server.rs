@@ -17,10 +17,10 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::RouterError;
 use crate::config::RouterConfig;
 use crate::endpoint::Endpoint;
 use crate::service::Router;
+use crate::{ProbeError, RouterError};
 use crate::{admin, edge, proxy};
 
 /// Largest body accepted from an engine's `/health` or `/metrics`.
@@ -222,22 +222,23 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     })
 }
 
-async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u16, Bytes), String> {
-    let request = http::Request::get(url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
+async fn get_text(
+    router: &Router,
+    url: String,
+    timeout: Duration,
+) -> Result<(u16, Bytes), ProbeError> {
+    let request = http::Request::get(url).body(Full::new(Bytes::new()))?;
     let response = tokio::time::timeout(timeout, router.client().request(request))
         .await
-        .map_err(|_| "timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| ProbeError::Timeout)??;
     let status = response.status().as_u16();
     let body = tokio::time::timeout(
         timeout,
         Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
     )
     .await
-    .map_err(|_| "timed out reading the body".to_string())?
-    .map_err(|e| e.to_string())?;
+    .map_err(|_| ProbeError::BodyTimeout)?
+    .map_err(ProbeError::Body)?;
     Ok((status, body.to_bytes()))
 }
 
@@ -258,7 +259,7 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         if !ok {
             *endpoint.last_health_error.lock() = Some(match result {
                 Ok((status, _)) => format!("health check answered {status}"),
-                Err(e) => e,
+                Err(e) => e.to_string(),
             });
         }
         let now = router.now();

@@ -23,20 +23,13 @@ pub struct ServeArgs {
     listen: Option<SocketAddr>,
 }
 
-/// Exit status for an unusable configuration (sysexits' EX_CONFIG).
-const EX_CONFIG: u8 = 78;
-
 /// Runs the router until interrupted.
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(&args.config)
         .with_context(|| format!("reading {}", args.config.display()))?;
-    let mut config = match RouterConfig::from_yaml(&text) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("kvroute: {}: {e}", args.config.display());
-            return Ok(ExitCode::from(EX_CONFIG));
-        }
-    };
+    // An unusable configuration exits with its own status (see `crate::exit_code`).
+    let mut config =
+        RouterConfig::from_yaml(&text).with_context(|| format!("{}", args.config.display()))?;
     if let Some(listen) = args.listen {
         config.listen = listen;
     }

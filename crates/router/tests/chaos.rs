@@ -18,6 +18,9 @@ use serde_json::{Value, json};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 const CLIENTS: usize = 4;
+/// A client's pause between turns (a person reading and typing), which also lets an answer's
+/// KV events land before the next turn is planned.
+const THINK: Duration = Duration::from_millis(50);
 
 /// The router's configuration: small bounds, so that its memory budget is small too.
 fn config(fleet: &SimFleet, listen: &str) -> String {
@@ -151,6 +154,7 @@ async fn client_loop(
             if stop.load(Ordering::Relaxed) {
                 break;
             }
+            tokio::time::sleep(THINK).await;
             while paused.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -288,11 +292,11 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
     router = Some(restarted);
 
     // Event loss ends; predictions are measured from a little later to the end.
-    tokio::time::sleep_until(at(0.6).into()).await;
+    tokio::time::sleep_until(at(0.5).into()).await;
     fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.0})).await;
     let router = router.unwrap();
     let during = Predictions::read(&router);
-    tokio::time::sleep_until(at(0.65).into()).await;
+    tokio::time::sleep_until(at(0.55).into()).await;
     let recovered = Predictions::read(&router);
     tokio::time::sleep_until(at(1.0).into()).await;
     stop.store(true, Ordering::Relaxed);

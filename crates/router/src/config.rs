@@ -693,6 +693,22 @@ mod tests {
         let cases = [
             ("models: []\nendpoints: [{url: 'http://a:1'}]", "models"),
             (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\noutlier: {max_inflight: 0}",
+                "outlier",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\noutlier: {max_ejected_fraction: 2}",
+                "outlier.max_ejected_fraction",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nretry: {window_s: 0}",
+                "retry",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",
+                "shutdown.drain_timeout_s",
+            ),
+            (
                 "models: [{name: m}]\nendpoints: [{url: 'ftp://a:1'}]",
                 "endpoints[0].url",
             ),

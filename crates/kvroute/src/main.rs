@@ -73,7 +73,18 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("kvroute: error: {e:#}");
-            ExitCode::from(1)
+            exit_code(&e)
         }
     }
+}
+
+/// The one mapping from an error that stopped a command to the process's exit status: the
+/// router's own errors say theirs (an unusable configuration: 78, sysexits' EX_CONFIG);
+/// anything else is 1.
+fn exit_code(e: &anyhow::Error) -> ExitCode {
+    let code = e
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<kvroute_router::RouterError>())
+        .map_or(1, kvroute_router::RouterError::exit_code);
+    ExitCode::from(code)
 }

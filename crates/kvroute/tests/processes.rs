@@ -50,65 +50,80 @@ fn wait_http(url: &str) {
     }
 }
 
-#[test]
-fn the_openai_python_client_works_through_the_router() {
-    let Some(python) = kvroute_testkit::python("the openai package") else {
-        return;
-    };
-    let bin = env!("CARGO_BIN_EXE_kvroute");
-    let http = free_ports(2);
-    let events = free_ports(2);
-    let replay = free_ports(2);
-    let _sim = Killed(
-        Command::new(bin)
+/// `kvroute sim` engines on consecutive ports, waited for.
+struct Sims {
+    _process: Killed,
+    http: u16,
+    events: u16,
+    replay: u16,
+}
+
+fn start_sims(n: u16) -> Sims {
+    let (http, events, replay) = (free_ports(n), free_ports(n), free_ports(n));
+    let process = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args([
                 "sim",
                 "--engines",
-                "2",
+                &n.to_string(),
                 "--num-gpu-blocks",
                 "2048",
-                "--time-scale",
-                "10",
             ])
-            .args([
-                "--port",
-                &http.to_string(),
-                "--events-port",
-                &events.to_string(),
-                "--replay-port",
-                &replay.to_string(),
-            ])
+            .args(["--time-scale", "10", "--port", &http.to_string()])
+            .args(["--events-port", &events.to_string()])
+            .args(["--replay-port", &replay.to_string()])
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
-    for i in 0..2 {
+    for i in 0..n {
         wait_http(&format!("http://127.0.0.1:{}", http + i));
     }
+    Sims {
+        _process: process,
+        http,
+        events,
+        replay,
+    }
+}
+
+/// `kvroute serve` in front of `sims`, with `extra` configuration, waited for: (the process,
+/// its API port, its temporary directory).
+fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) {
     let listen = free_ports(1);
-    let dir = std::env::temp_dir().join(format!("kvroute-test-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvroute.yaml");
     let mut yaml = format!(
-        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: sim-llama-3.1-8b}}]\nendpoints:\n"
+        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n"
     );
-    for i in 0..2 {
+    for i in 0..n {
         yaml.push_str(&format!(
             "  - {{url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
-            http + i,
-            events + i,
-            replay + i
+            sims.http + i,
+            sims.events + i,
+            sims.replay + i
         ));
     }
     std::fs::write(&config, yaml).unwrap();
-    let _router = Killed(
-        Command::new(bin)
+    let router = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["serve", "-c", config.to_str().unwrap()])
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     wait_http(&format!("http://127.0.0.1:{listen}"));
+    (router, listen, dir)
+}
+
+#[test]
+fn the_openai_python_client_works_through_the_router() {
+    let Some(python) = kvroute_testkit::python("the openai package") else {
+        return;
+    };
+    let sims = start_sims(2);
+    let (_router, listen, dir) = serve(&sims, 2, "");
     std::thread::sleep(Duration::from_millis(300)); // subscribers connect
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
@@ -152,5 +167,53 @@ fn the_openai_python_client_works_through_the_router() {
             .any(|m| m == "sim-llama-3.1-8b")
     );
     assert_eq!(out["error"]["status"], 404);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
+    use std::io::Read;
+    let sims = start_sims(1);
+    let (mut router, listen, dir) = serve(&sims, 1, "shutdown: {drain_timeout_s: 1}");
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", listen)).unwrap();
+    let payload = serde_json::json!({"model": "sim-llama-3.1-8b", "prompt": "a long answer", "max_tokens": 8000, "ignore_eos": true, "stream": true}).to_string();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut received = Vec::new();
+    while !String::from_utf8_lossy(&received).contains("data: ") {
+        let mut buf = [0u8; 4096];
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "connection closed early");
+        received.extend_from_slice(&buf[..n]);
+    }
+    let sent = Command::new("kill")
+        .args(["-TERM", &router.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    stream.read_to_end(&mut received).unwrap();
+    let text = String::from_utf8_lossy(&received);
+    let last = &text[text.rfind("data: ").unwrap()..];
+    assert!(last.starts_with("data: {\"error\""), "{last}");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", listen)).is_err(),
+        "no new connections while draining"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = router.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "kvroute serve did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
     let _ = std::fs::remove_dir_all(dir);
 }

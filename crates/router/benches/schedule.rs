@@ -162,6 +162,8 @@ fn candidates(blocks: usize) -> Vec<Candidate> {
             Candidate {
                 endpoint: EndpointId(i as u32),
                 healthy: true,
+                ejected: false,
+                circuit_open: false,
                 serves_model: true,
                 role: Role::Both,
                 load: EndpointLoad {

@@ -1,7 +1,9 @@
 //! Following a proxied response to its end and telling the fleet: prefill done at the first
 //! body byte, the request finished at the end or when the client goes away, with the engine's
-//! reported `cached_tokens` to compare with the prediction.
+//! reported `cached_tokens` to compare with the prediction. When the router closes (the end of
+//! a drain), a stream still open ends with an SSE error event.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -15,10 +17,36 @@ use tracing::info;
 use crate::endpoint::Endpoint;
 use crate::metrics::endpoint as labels;
 use crate::service::Router;
+use crate::shutdown::Phase;
 use crate::upstream::Lease;
 
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
+
+/// How a routed request ended, as the `outcome` label and log field say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The response was passed to the client to its end.
+    Completed,
+    /// The client went away before the end (before the response headers, or mid-stream).
+    ClientClosed,
+    /// The engine failed: a 5xx, a refused or broken connection, an invalid response.
+    EngineError,
+    /// The engine did not answer in time.
+    Timeout,
+}
+
+impl Outcome {
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::ClientClosed => "client_closed",
+            Outcome::EngineError => "engine_error",
+            Outcome::Timeout => "timeout",
+        }
+    }
+}
 
 /// One request's share of an endpoint's load, handed back to the fleet exactly once.
 pub struct Accounting {
@@ -30,6 +58,10 @@ pub struct Accounting {
     started: Instant,
     /// Upstream status (0 until response headers arrived).
     pub status: u16,
+    /// How it ended, when known before the drop; else read from the status and `ended`.
+    outcome: Option<Outcome>,
+    /// The response body was passed on to its end.
+    ended: bool,
     tail: Vec<u8>,
 }
 
@@ -51,8 +83,27 @@ impl Accounting {
             request_id,
             started,
             status: 0,
+            outcome: None,
+            ended: false,
             tail: Vec::new(),
         }
+    }
+
+    /// The request failed with `status` (answered to the client by the router) for `outcome`.
+    pub fn fail(&mut self, status: u16, outcome: Outcome) {
+        self.status = status;
+        self.outcome = Some(outcome);
+    }
+
+    /// How the request ended, as far as known now.
+    fn outcome(&self) -> Outcome {
+        self.outcome.unwrap_or(if self.status >= 500 {
+            Outcome::EngineError
+        } else if self.ended {
+            Outcome::Completed
+        } else {
+            Outcome::ClientClosed
+        })
     }
 
     fn first_byte(&mut self) {
@@ -102,7 +153,7 @@ impl Drop for Accounting {
         };
         // Released on completion and on client disconnect alike.
         let reported = self.reported_cached();
-        let completed = dispatch.prefill_done();
+        let outcome = self.outcome();
         let predicted = dispatch.predicted_cached;
         let prompt_tokens = dispatch.prompt_tokens;
         let now = self.router.now();
@@ -120,6 +171,7 @@ impl Drop for Accounting {
                 ("endpoint", name.clone()),
                 ("reason", self.reason.to_owned()),
                 ("status", class),
+                ("outcome", outcome.as_str().to_owned()),
             ])
             .inc();
         if let Some(reported) = reported {
@@ -150,7 +202,8 @@ impl Drop for Accounting {
             predicted_cached = predicted,
             reported_cached = ?reported,
             seconds = elapsed,
-            completed,
+            outcome = outcome.as_str(),
+            completed = outcome == Outcome::Completed,
             "routed"
         );
     }
@@ -163,15 +216,62 @@ pub struct AccountedBody<B> {
     inner: B,
     accounting: Option<Accounting>,
     lease: Option<Lease>,
+    /// Resolves when the router closes; `None` once it did.
+    closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The response is a server-sent event stream.
+    sse: bool,
+    /// Ended by the router's closing: nothing more is sent.
+    closed: bool,
+}
+
+/// The event that ends a stream the router closes.
+fn closing_event() -> Bytes {
+    let error = kvroute_vllm::openai::ApiError::unavailable(
+        "the router is shutting down; the stream was cut; retry",
+    );
+    Bytes::from(format!("data: {}\n\n", error.to_json()))
 }
 
 impl<B> AccountedBody<B> {
-    /// Wraps `inner`.
-    pub fn new(inner: B, accounting: Accounting, lease: Lease) -> Self {
+    /// Wraps `inner`; `sse`: it is a server-sent event stream (ended with an error event if
+    /// the router closes first).
+    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self {
+        let closing = accounting.router.shutdown().reached(Phase::Closing);
         Self {
             inner,
             accounting: Some(accounting),
             lease: Some(lease),
+            closing: Some(Box::pin(closing)),
+            sse,
+            closed: false,
+        }
+    }
+
+    /// The router closes: account for the request as cut, close the engine connection (the
+    /// engine cancels), and say so to an SSE client.
+    fn close(&mut self) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+    where
+        B: Body,
+    {
+        self.closed = true;
+        if let Some(mut acc) = self.accounting.take() {
+            acc.outcome = Some(Outcome::Timeout);
+        }
+        self.lease.take();
+        if self.sse {
+            Poll::Ready(Some(Ok(Frame::data(closing_event()))))
+        } else {
+            Poll::Ready(None)
+        }
+    }
+
+    /// The body ended: account for it and hand the engine connection back for reuse.
+    fn end(&mut self) {
+        if let Some(mut acc) = self.accounting.take() {
+            acc.ended = true;
+        }
+        if let Some(lease) = self.lease.take() {
+            lease.release();
         }
     }
 }
@@ -187,6 +287,15 @@ where
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.closed {
+            return Poll::Ready(None);
+        }
+        if let Some(closing) = self.closing.as_mut()
+            && closing.as_mut().poll(cx).is_ready()
+        {
+            self.closing = None;
+            return self.close();
+        }
         let poll = Pin::new(&mut self.inner).poll_frame(cx);
         match &poll {
             Poll::Ready(Some(Ok(frame))) => {
@@ -196,21 +305,15 @@ where
                 // A body of known length ends with its last byte: the server will not poll
                 // again for the `None` that would release the connection, so release it now.
                 if self.inner.is_end_stream() {
-                    self.accounting.take();
-                    if let Some(lease) = self.lease.take() {
-                        lease.release();
-                    }
+                    self.end();
                 }
             }
             // End of body: release now rather than when the connection lets go.
-            Poll::Ready(None) => {
-                self.accounting.take();
-                if let Some(lease) = self.lease.take() {
-                    lease.release();
-                }
-            }
+            Poll::Ready(None) => self.end(),
             Poll::Ready(Some(Err(_))) => {
-                self.accounting.take();
+                if let Some(mut acc) = self.accounting.take() {
+                    acc.outcome = Some(Outcome::EngineError);
+                }
                 self.lease.take();
             }
             Poll::Pending => {}
@@ -219,7 +322,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.closed || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

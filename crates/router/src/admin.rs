@@ -26,14 +26,11 @@ const MAX_MODELS_BYTES: usize = 4 << 20;
 pub async fn not_found(State(router): State<Arc<Router>>, request: Request) -> Response {
     error_response(
         &router,
-        &ApiError::new(
-            404,
-            format!(
-                "Invalid URL ({} {})",
-                request.method(),
-                request.uri().path()
-            ),
-        ),
+        &ApiError::not_found(format!(
+            "Invalid URL ({} {})",
+            request.method(),
+            request.uri().path()
+        )),
     )
 }
 
@@ -88,9 +85,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// `GET /health`: 200 while some endpoint is healthy.
+/// `GET /health`: 200 while some endpoint is healthy and the router is not draining.
 pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.fleet().endpoints().iter().any(|e| e.healthy()) {
+    if !router.shutdown().draining() && router.fleet().endpoints().iter().any(|e| e.healthy()) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -235,7 +232,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
     let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
-            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
     let plan = router.plan(&prepared);
@@ -250,6 +247,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
             json!({
                 "endpoint": facts.name,
                 "healthy": facts.healthy,
+                "ejected_for_s": facts.ejected_until.map(|until| until - router.now()),
                 "index_trusted": facts.index_distrust.is_none(),
                 "index_distrust": facts.index_distrust,
                 "matched_blocks": {

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use kvroute_core::fleet::{FleetConfig, FlowConfig, HealthPolicy, TrustPolicy};
+use kvroute_core::fleet::{
+    FleetConfig, FlowConfig, HealthPolicy, OutlierPolicy, RetryPolicy, TrustPolicy,
+};
 use kvroute_core::schedule::{
     BalanceTolerance, CostWeights, Filters, Picker, Profile, ProfileName, Role, Saturation,
     TierCosts,
@@ -45,6 +47,34 @@ pub struct RouterConfig {
     /// Flow control: holding requests in the router while every endpoint is saturated.
     #[serde(default)]
     pub flow: FlowConfig,
+    /// Passive outlier detection (failed requests eject an endpoint for a while) and the
+    /// per-endpoint circuit breaker.
+    #[serde(default)]
+    pub outlier: OutlierPolicy,
+    /// Retrying a request on the next endpoint, within a budget.
+    #[serde(default)]
+    pub retry: RetryPolicy,
+    /// Graceful shutdown.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+}
+
+/// Graceful shutdown: on the first SIGTERM or SIGINT the router stops accepting connections and
+/// fails readiness, and in-flight requests finish; at the timeout (or a second signal) open
+/// streams end with an SSE error event.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// Seconds in-flight requests may take to finish.
+    pub drain_timeout_s: f64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        Self {
+            drain_timeout_s: 30.0,
+        }
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -413,6 +443,8 @@ impl RouterConfig {
                 healthy_after: self.health.healthy_after,
             },
             flow: self.flow.clone(),
+            outlier: self.outlier.clone(),
+            retry: self.retry.clone(),
             ..FleetConfig::default()
         }
     }
@@ -537,6 +569,42 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
+        let o = &self.outlier;
+        if o.consecutive_failures == 0 || o.max_inflight == 0 {
+            return Err(invalid(
+                "outlier",
+                "consecutive_failures and max_inflight must be at least 1",
+            ));
+        }
+        if !(o.base_ejection_s > 0.0 && o.max_ejection_s >= o.base_ejection_s) {
+            return Err(invalid(
+                "outlier",
+                "base_ejection_s must be positive and at most max_ejection_s",
+            ));
+        }
+        if !(0.0..=1.0).contains(&o.max_ejected_fraction) {
+            return Err(invalid(
+                "outlier.max_ejected_fraction",
+                "must be within 0–1",
+            ));
+        }
+        let r = &self.retry;
+        if r.max_attempts == 0
+            || !(r.window_s.is_finite() && r.window_s > 0.0)
+            || !(r.budget_ratio.is_finite() && r.budget_ratio >= 0.0)
+            || !(r.min_retries_per_s.is_finite() && r.min_retries_per_s >= 0.0)
+        {
+            return Err(invalid(
+                "retry",
+                "max_attempts must be at least 1, window_s positive, budget_ratio and min_retries_per_s not negative",
+            ));
+        }
+        if !(self.shutdown.drain_timeout_s >= 0.0 && self.shutdown.drain_timeout_s.is_finite()) {
+            return Err(invalid(
+                "shutdown.drain_timeout_s",
+                "must be a finite number of seconds, not negative",
+            ));
+        }
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
             return Err(invalid(
                 "health",
@@ -624,6 +692,22 @@ mod tests {
     fn bad_configs_name_the_field() {
         let cases = [
             ("models: []\nendpoints: [{url: 'http://a:1'}]", "models"),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\noutlier: {max_inflight: 0}",
+                "outlier",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\noutlier: {max_ejected_fraction: 2}",
+                "outlier.max_ejected_fraction",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nretry: {window_s: 0}",
+                "retry",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",
+                "shutdown.drain_timeout_s",
+            ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'ftp://a:1'}]",
                 "endpoints[0].url",

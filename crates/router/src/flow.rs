@@ -36,12 +36,10 @@ fn shed(router: &Router, why: Shed) -> ApiError {
         .get_or_create(&vec![("reason", why.as_str().to_owned())])
         .inc();
     match why {
-        Shed::Timeout => ApiError::new(
-            503,
+        Shed::Timeout => ApiError::unavailable(
             "every endpoint stayed saturated while the request waited; retry shortly",
         ),
-        Shed::QueueFull | Shed::QueueBytes => ApiError::new(
-            429,
+        Shed::QueueFull | Shed::QueueBytes => ApiError::rate_limited(
             "the router is holding as many requests as it may; retry shortly",
         ),
     }
@@ -76,7 +74,9 @@ pub async fn wait_for_capacity(
         };
         if next {
             let plan = router.plan(prepared);
-            if !plan.decision.saturated || plan.decision.ranking.is_empty() {
+            // Saturated with an empty ranking: every endpoint left has its circuit breaker
+            // open; wait for one to free up like for a saturated one.
+            if !plan.decision.saturated {
                 drop(held);
                 return Ok(plan);
             }

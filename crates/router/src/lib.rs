@@ -20,7 +20,8 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod service;
+pub mod shutdown;
 pub mod tokenize;
 pub mod upstream;
 
-pub use error::RouterError;
+pub use error::{ProbeError, RouterError};

@@ -20,7 +20,8 @@ fn fast_histogram() -> Histogram {
 /// Every metric the router exports.
 pub struct RouterMetrics {
     registry: Registry,
-    /// Requests routed, by endpoint, decision reason and status class.
+    /// Requests routed, by endpoint, decision reason, status class and outcome (`completed`,
+    /// `client_closed`, `engine_error`, `timeout`).
     pub requests: Family<Labels, Counter>,
     /// End-to-end request time through the router, by endpoint.
     pub request_seconds: Family<Labels, Histogram>,
@@ -36,8 +37,13 @@ pub struct RouterMetrics {
     pub reported_cached_tokens: Family<Labels, Counter>,
     /// Predictions by outcome (exact, over, under), by endpoint.
     pub prediction_outcomes: Family<Labels, Counter>,
-    /// Requests retried on another endpoint after a refused connection.
+    /// Requests retried on another endpoint, by the endpoint that failed and reason
+    /// (`connect`, `5xx`).
     pub retries: Family<Labels, Counter>,
+    /// Retries refused because the retry budget was spent, by reason.
+    pub retry_budget_exhausted: Family<Labels, Counter>,
+    /// Endpoints ejected by passive outlier detection, by endpoint.
+    pub outlier_ejections: Family<Labels, Counter>,
     /// Requests refused by the router itself, by status.
     pub rejected: Family<Labels, Counter>,
     /// 1 while an endpoint passes health checks.
@@ -96,6 +102,8 @@ impl Default for RouterMetrics {
             reported_cached_tokens: Family::default(),
             prediction_outcomes: Family::default(),
             retries: Family::default(),
+            retry_budget_exhausted: Family::default(),
+            outlier_ejections: Family::default(),
             rejected: Family::default(),
             endpoint_healthy: Family::default(),
             endpoint_index_trusted: Family::default(),
@@ -152,8 +160,18 @@ impl Default for RouterMetrics {
         );
         registry.register(
             "retries",
-            "Requests retried after a refused connection",
+            "Requests retried on another endpoint",
             m.retries.clone(),
+        );
+        registry.register(
+            "retry_budget_exhausted",
+            "Retries refused because the retry budget was spent",
+            m.retry_budget_exhausted.clone(),
+        );
+        registry.register(
+            "outlier_ejections",
+            "Endpoints ejected because their requests failed",
+            m.outlier_ejections.clone(),
         );
         registry.register(
             "rejected",

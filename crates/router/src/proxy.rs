@@ -1,24 +1,26 @@
 //! The OpenAI front door: parse once, tokenize, ask core for a plan (holding the request while
-//! every endpoint is saturated), forward with the body streamed through unbuffered, retry once
-//! on a refused connection, and answer errors in OpenAI's shape.
+//! every endpoint is saturated), forward with the body streamed through unbuffered, retry on
+//! the next endpoint of the plan after a refused connection or a 5xx before any body byte
+//! (within the retry budget), tell the fleet how each attempt went (outlier detection), and
+//! answer errors in OpenAI's shape.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, HeaderName, header};
+use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use kvroute_core::fleet::UpstreamOutcome;
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
 use tracing::warn;
 
 use crate::RouterError;
-use crate::accounting::{AccountedBody, Accounting};
+use crate::accounting::{AccountedBody, Accounting, Outcome};
 use crate::flow;
-use crate::metrics::endpoint as labels;
 use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.
@@ -33,26 +35,14 @@ pub enum Api {
     Chat,
 }
 
-/// An OpenAI-shaped error response.
+/// An OpenAI-shaped error response (the shared mapping of [`ApiError::to_response`]), counted.
 pub fn error_response(router: &Router, e: &ApiError) -> Response {
     router
         .metrics()
         .rejected
         .get_or_create(&vec![("status", e.status.to_string())])
         .inc();
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        e.to_json(),
-    )
-        .into_response();
-    if e.status == 503 || e.status == 429 {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    }
-    response
+    e.to_response().map(Body::from)
 }
 
 /// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
@@ -73,12 +63,12 @@ fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
             .downcast_ref::<http_body_util::LengthLimitError>()
             .is_some()
         {
-            return ApiError::new(413, format!("request body larger than {limit} bytes"));
+            return ApiError::too_large(format!("request body larger than {limit} bytes"));
         }
-        match current.downcast_ref::<RouterError>() {
-            Some(RouterError::ClientTimeout(m)) => return ApiError::new(408, m.clone()),
-            Some(RouterError::Overloaded(m)) => return ApiError::new(503, m.clone()),
-            _ => {}
+        if let Some(e @ (RouterError::ClientTimeout(_) | RouterError::Overloaded(_))) =
+            current.downcast_ref::<RouterError>()
+        {
+            return e.api_error();
         }
         cause = current.source();
     }
@@ -141,7 +131,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
         return error_response(
             &router,
-            &ApiError::new(404, format!("The model `{}` does not exist.", parsed.model)),
+            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
     let mut plan = router.plan(&prepared);
@@ -155,7 +145,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     if plan.decision.ranking.is_empty() {
         return error_response(
             &router,
-            &ApiError::new(503, "no healthy endpoint serves this model; retry shortly"),
+            &ApiError::unavailable("no healthy endpoint serves this model; retry shortly"),
         );
     }
     let rid = request_id(&parts.headers);
@@ -235,26 +225,25 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
 async fn forward(a: ForwardArgs<'_>) -> Response {
     let router = a.router;
     let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
-    // The first choice, and one retry on the next if no connection could be made: nothing is
+    let attempts = (router.config().retry.max_attempts.max(1) as usize).min(a.ranking.len());
+    // Down the plan's ranking: the next endpoint is tried when no connection could be made or
+    // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
     // recorded against an endpoint before a connection to it exists.
-    for (attempt, &id) in a.ranking.iter().take(2).enumerate() {
+    for (attempt, &id) in a.ranking.iter().take(attempts).enumerate() {
+        let last = attempt + 1 == attempts;
         let endpoint = router.endpoint(id).clone();
         let authority = endpoint.authority.to_string();
         let conn = match router.upstream().connection(&authority).await {
             Ok(conn) => conn,
-            Err(e) if attempt == 0 && a.ranking.len() > 1 => {
-                warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
-                router
-                    .metrics()
-                    .retries
-                    .get_or_create(&labels(&endpoint.name))
-                    .inc();
-                continue;
-            }
             Err(e) => {
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                if !last && router.try_retry(id, "connect") {
+                    warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
+                    continue;
+                }
                 return error_response(
                     router,
-                    &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
+                    &ApiError::engine_failed(format!("the engine {} failed: {e}", endpoint.name)),
                 );
             }
         };
@@ -267,52 +256,60 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             a.started,
         );
         let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
-        match tokio::time::timeout(timeout, router.upstream().send(conn, &authority, request)).await
-        {
+        let sent = tokio::time::timeout(timeout, router.upstream().send(conn, &authority, request));
+        let (response, lease) = match sent.await {
             Err(_) => {
-                accounting.status = 504;
-                return error_response(
-                    router,
-                    &ApiError::new(
-                        504,
-                        format!(
-                            "the engine {} did not answer within {timeout:?}",
-                            endpoint.name
-                        ),
-                    ),
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                accounting.fail(504, Outcome::Timeout);
+                let message = format!(
+                    "the engine {} did not answer within {timeout:?}",
+                    endpoint.name
                 );
+                return error_response(router, &ApiError::engine_timeout(message));
             }
             Ok(Err(e)) => {
-                accounting.status = 502;
-                return error_response(
-                    router,
-                    &ApiError::new(502, format!("the engine {} failed: {e}", endpoint.name)),
-                );
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                accounting.fail(502, Outcome::EngineError);
+                let message = format!("the engine {} failed: {e}", endpoint.name);
+                return error_response(router, &ApiError::engine_failed(message));
             }
-            Ok(Ok((response, lease))) => {
-                let (parts, body) = response.into_parts();
-                accounting.status = parts.status.as_u16();
-                let mut out = Response::builder().status(parts.status);
-                for (name, value) in &parts.headers {
-                    if !hop_by_hop(name) {
-                        out = out.header(name, value);
-                    }
-                }
-                out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
-                return out
-                    .body(Body::new(AccountedBody::new(body, accounting, lease)))
-                    .unwrap_or_else(|_| {
-                        error_response(
-                            router,
-                            &ApiError::new(502, "the engine sent an invalid response"),
-                        )
-                    });
+            Ok(Ok(answer)) => answer,
+        };
+        let (parts, body) = response.into_parts();
+        accounting.status = parts.status.as_u16();
+        if parts.status.is_server_error() {
+            router.upstream_result(id, UpstreamOutcome::Failure);
+            if !last && router.try_retry(id, "5xx") {
+                warn!(endpoint = %endpoint.name, status = %parts.status, "the engine failed before answering; retrying on the next best endpoint");
+                continue; // the response, its accounting and its connection are dropped
+            }
+        } else {
+            router.upstream_result(id, UpstreamOutcome::Success);
+        }
+        let mut out = Response::builder().status(parts.status);
+        for (name, value) in &parts.headers {
+            if !hop_by_hop(name) {
+                out = out.header(name, value);
             }
         }
+        out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        return out
+            .body(Body::new(AccountedBody::new(body, accounting, lease, sse)))
+            .unwrap_or_else(|_| {
+                error_response(
+                    router,
+                    &ApiError::engine_failed("the engine sent an invalid response"),
+                )
+            });
     }
     error_response(
         router,
-        &ApiError::new(503, "no endpoint accepted the connection; retry shortly"),
+        &ApiError::unavailable("no endpoint accepted the connection; retry shortly"),
     )
 }
 
@@ -328,13 +325,13 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
     let healthy: Vec<EndpointId> = router
         .endpoints()
         .iter()
-        .filter(|e| router.healthy(e.id))
+        .filter(|e| router.available(e.id))
         .map(|e| e.id)
         .collect();
     if healthy.is_empty() {
         return error_response(
             &router,
-            &ApiError::new(503, "no healthy endpoint; retry shortly"),
+            &ApiError::unavailable("no healthy endpoint; retry shortly"),
         );
     }
     let start = rand::random::<u64>() as usize % healthy.len();

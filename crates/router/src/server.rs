@@ -17,10 +17,10 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::RouterError;
 use crate::config::RouterConfig;
 use crate::endpoint::Endpoint;
 use crate::service::Router;
+use crate::{ProbeError, RouterError};
 use crate::{admin, edge, proxy};
 
 /// Largest body accepted from an engine's `/health` or `/metrics`.
@@ -58,13 +58,74 @@ impl Drop for RunningRouter {
 }
 
 impl RunningRouter {
-    /// Waits until the HTTP server stops (it runs until the router is dropped).
+    /// Waits until the HTTP server stops (it runs until the router is dropped or drained).
     pub async fn wait(mut self) {
-        if let Some(server) = self.tasks.pop() {
-            let _ = server.await;
+        self.drained().await;
+    }
+
+    /// Resolves once the API listener has stopped: after a drain, when its last connection
+    /// closed. Pending until then (and forever if it was never started).
+    pub async fn drained(&mut self) {
+        match self.tasks.last_mut() {
+            Some(server) if !server.is_finished() => {
+                let _ = server.await;
+            }
+            Some(_) => {}
+            None => std::future::pending().await,
         }
     }
+
+    /// Whether every endpoint's KV-event subscriber is connected (endpoints without events
+    /// count as connected).
+    pub fn subscribers_connected(&self) -> bool {
+        self.router.endpoints().iter().all(|e| {
+            e.config.events.is_none()
+                || e.subscriber
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+        })
+    }
+
+    /// Begins a graceful shutdown: the API listener stops accepting, open connections close
+    /// once answered, `/health` answers 503. Idempotent.
+    pub fn drain(&self) {
+        info!("draining: no new connections; in-flight requests finish");
+        self.router.shutdown().drain();
+    }
+
+    /// Ends every open stream now, with an SSE error event.
+    pub fn close(&self) {
+        self.router.shutdown().close();
+    }
+
+    /// Drains, waiting up to `timeout` for in-flight requests; then closes what is still open
+    /// and waits (briefly) for it to end. True when everything finished within the timeout.
+    pub async fn shutdown(&mut self, timeout: Duration) -> bool {
+        self.drain();
+        if tokio::time::timeout(timeout, self.drained()).await.is_ok() {
+            return true;
+        }
+        self.finish_closing().await;
+        false
+    }
+
+    /// Closes open streams and waits for their connections to end, a few seconds at most.
+    pub async fn finish_closing(&mut self) {
+        let open = self
+            .router
+            .metrics()
+            .connections_open
+            .get_or_create(&crate::metrics::listener("api"))
+            .get();
+        warn!(open, "drain timed out: ending the open streams");
+        self.close();
+        let _ = tokio::time::timeout(CLOSE_GRACE, self.drained()).await;
+    }
 }
+
+/// How long closed streams get to deliver their error event.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// The OpenAI API routes.
 pub fn routes(router: Arc<Router>) -> Routes {
@@ -141,6 +202,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "admin",
         budget.clone(),
+        false,
     )));
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
@@ -150,6 +212,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "api",
         budget,
+        true,
     )));
     Ok(RunningRouter {
         addr,
@@ -159,22 +222,23 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     })
 }
 
-async fn get_text(router: &Router, url: String, timeout: Duration) -> Result<(u16, Bytes), String> {
-    let request = http::Request::get(url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
+async fn get_text(
+    router: &Router,
+    url: String,
+    timeout: Duration,
+) -> Result<(u16, Bytes), ProbeError> {
+    let request = http::Request::get(url).body(Full::new(Bytes::new()))?;
     let response = tokio::time::timeout(timeout, router.client().request(request))
         .await
-        .map_err(|_| "timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| ProbeError::Timeout)??;
     let status = response.status().as_u16();
     let body = tokio::time::timeout(
         timeout,
         Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
     )
     .await
-    .map_err(|_| "timed out reading the body".to_string())?
-    .map_err(|e| e.to_string())?;
+    .map_err(|_| ProbeError::BodyTimeout)?
+    .map_err(ProbeError::Body)?;
     Ok((status, body.to_bytes()))
 }
 
@@ -195,7 +259,7 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         if !ok {
             *endpoint.last_health_error.lock() = Some(match result {
                 Ok((status, _)) => format!("health check answered {status}"),
-                Err(e) => e,
+                Err(e) => e.to_string(),
             });
         }
         let now = router.now();

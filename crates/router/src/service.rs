@@ -11,7 +11,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_core::fleet::{Dispatch, EndpointSpec, Fleet, Plan, RequestFeatures};
+use kvroute_core::fleet::{Dispatch, EndpointSpec, Fleet, Plan, RequestFeatures, UpstreamOutcome};
 use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
@@ -24,6 +24,7 @@ use crate::RouterError;
 use crate::config::{ModelConfig, RouterConfig};
 use crate::endpoint::{Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
+use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
 
@@ -41,6 +42,7 @@ pub struct Router {
     /// requests check again.
     capacity: Notify,
     started: Instant,
+    shutdown: Shutdown,
 }
 
 /// A request made ready for scheduling.
@@ -131,6 +133,7 @@ impl Router {
             metrics: RouterMetrics::default(),
             capacity: Notify::new(),
             started: Instant::now(),
+            shutdown: Shutdown::default(),
             config,
         })
     }
@@ -160,6 +163,14 @@ impl Router {
         self.fleet().endpoint(id).is_some_and(|e| e.healthy())
     }
 
+    /// Whether `id` passes its health checks and is not ejected by outlier detection.
+    pub fn available(&self, id: EndpointId) -> bool {
+        let now = self.now();
+        self.fleet()
+            .endpoint(id)
+            .is_some_and(|e| e.healthy() && !e.ejected(now))
+    }
+
     /// What the KV index holds for `id`.
     pub fn index_stats(&self, id: EndpointId) -> Option<EndpointIndexStats> {
         let index = self.fleet().index_of(id).cloned();
@@ -170,6 +181,11 @@ impl Router {
     pub fn load(&self, id: EndpointId) -> EndpointLoad {
         let now = self.now();
         self.fleet().load(id, now).unwrap_or_default()
+    }
+
+    /// The router's phase: serving, draining or closing.
+    pub fn shutdown(&self) -> &Shutdown {
+        &self.shutdown
     }
 
     /// The router's metrics.
@@ -289,6 +305,40 @@ impl Router {
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
         plan
+    }
+
+    /// Tells the fleet how a request sent to `id` went; an ejection is logged and counted.
+    pub fn upstream_result(&self, id: EndpointId, outcome: UpstreamOutcome) {
+        let now = self.now();
+        let ejection = self.fleet().upstream_result(id, outcome, now);
+        if let Some(ejection) = ejection {
+            let name = &self.endpoint(id).name;
+            warn!(endpoint = %name, seconds = ejection.seconds, count = ejection.count, "ejecting an endpoint whose requests keep failing");
+            self.metrics
+                .outlier_ejections
+                .get_or_create(&crate::metrics::endpoint(name))
+                .inc();
+        }
+    }
+
+    /// Whether a request that failed on `id` for `reason` (`connect`, `5xx`) may be retried on
+    /// another endpoint: takes one retry from the fleet's budget, and counts it.
+    pub fn try_retry(&self, id: EndpointId, reason: &'static str) -> bool {
+        let now = self.now();
+        let allowed = self.fleet().try_retry(now);
+        let labels = vec![
+            ("endpoint", self.endpoint(id).name.clone()),
+            ("reason", reason.to_owned()),
+        ];
+        if allowed {
+            self.metrics.retries.get_or_create(&labels).inc();
+        } else {
+            self.metrics
+                .retry_budget_exhausted
+                .get_or_create(&labels)
+                .inc();
+        }
+        allowed
     }
 
     /// Records that `prepared` went to `endpoint` with its plan's `predicted_cached`: call once

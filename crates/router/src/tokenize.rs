@@ -17,8 +17,8 @@ use tracing::warn;
 
 use kvroute_vllm::tokenizer::HfTokenizer;
 
-use crate::RouterError;
 use crate::config::{Limits, TokenizerConfig, TokenizerKind};
+use crate::{ProbeError, RouterError};
 
 /// A model's tokenizer, loaded.
 #[derive(Clone)]
@@ -203,43 +203,87 @@ pub async fn tokenize(
     Some(tokens)
 }
 
+/// Why the engine's `/tokenize` could not tokenize a prompt.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The request failed, timed out, or its answer could not be read.
+    #[error("{url}: {source}")]
+    Request {
+        /// The `/tokenize` URL.
+        url: String,
+        /// What went wrong.
+        source: ProbeError,
+    },
+    /// The engine answered with an error status.
+    #[error("{url} answered {status}")]
+    Status {
+        /// The `/tokenize` URL.
+        url: String,
+        /// Its status.
+        status: http::StatusCode,
+    },
+    /// The answer is not JSON.
+    #[error("{url}: not JSON: {source}")]
+    Json {
+        /// The `/tokenize` URL.
+        url: String,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The answer has no list of token ids.
+    #[error("{url}: no list of token ids in the answer")]
+    NoTokens {
+        /// The `/tokenize` URL.
+        url: String,
+    },
+}
+
 async fn remote_tokenize(
     remote: Remote<'_>,
     model: &str,
     input: &Input,
-) -> Result<Vec<u32>, String> {
+) -> Result<Vec<u32>, TokenizeError> {
     let body = match input {
         Input::Text(t) => json!({"model": model, "prompt": t}),
         Input::Chat(m) => json!({"model": model, "messages": m, "add_generation_prompt": true}),
         Input::Tokens(t) => return Ok(t.clone()),
     };
     let url = format!("{}/tokenize", remote.base);
+    let failed = |source: ProbeError| TokenizeError::Request {
+        url: url.clone(),
+        source,
+    };
     let request = http::Request::post(&url)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| failed(e.into()))?;
     let response = tokio::time::timeout(remote.timeout, remote.client.request(request))
         .await
-        .map_err(|_| format!("{url}: no answer within {:?}", remote.timeout))?
-        .map_err(|e| format!("{url}: {e}"))?;
+        .map_err(|_| failed(ProbeError::Timeout))?
+        .map_err(|e| failed(e.into()))?;
     if !response.status().is_success() {
-        return Err(format!("{url} answered {}", response.status()));
+        let status = response.status();
+        return Err(TokenizeError::Status { url, status });
     }
     let limited = Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES);
     let bytes = tokio::time::timeout(remote.timeout, limited.collect())
         .await
-        .map_err(|_| format!("{url}: body not read within {:?}", remote.timeout))?
-        .map_err(|e| format!("{url}: {e}"))?
+        .map_err(|_| failed(ProbeError::BodyTimeout))?
+        .map_err(|e| failed(ProbeError::Body(e)))?
         .to_bytes();
-    let value: Value =
-        serde_json::from_slice(&bytes).map_err(|e| format!("{url}: not JSON: {e}"))?;
+    let value: Value = match serde_json::from_slice(&bytes) {
+        Ok(value) => value,
+        Err(source) => return Err(TokenizeError::Json { url, source }),
+    };
     value["tokens"]
         .as_array()
-        .ok_or_else(|| format!("{url}: no \"tokens\" list in the answer"))?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| format!("{url}: tokens are not all token ids"))
+        .and_then(|tokens| {
+            tokens
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+        })
+        .ok_or(TokenizeError::NoTokens { url })
 }
 
 #[cfg(test)]

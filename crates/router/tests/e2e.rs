@@ -51,13 +51,7 @@ async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
         .unwrap();
     // Let the subscribers connect before traffic starts.
     eventually("subscribers connected", || {
-        let connected = router.router.endpoints().iter().all(|e| {
-            e.subscriber
-                .lock()
-                .as_ref()
-                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
-        });
-        (connected, ())
+        (router.subscribers_connected(), ())
     })
     .await;
     router
@@ -358,7 +352,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         .await
         .unwrap();
     assert!(
-        metrics.contains("kvroute_retries_total{endpoint=\"dead\"} 1"),
+        metrics.contains("kvroute_retries_total{endpoint=\"dead\",reason=\"connect\"} 1"),
         "{metrics}"
     );
 }
@@ -867,4 +861,293 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         "{metrics}"
     );
     assert_eq!(long.await.unwrap().0, 200);
+}
+
+async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> String {
+    client
+        .get(format!("http://{}/metrics", router.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Two engines behind a round-robin router configured with `extra`: e0 answers every
+/// generation request `status` at once while passing its health checks, e1 is well.
+async fn failing_beside_healthy(status: u16, extra: &str) -> (RunningRouter, [SimFleet; 2]) {
+    let (bad, good) = (engine(512).await, engine(512).await);
+    reqwest::Client::new()
+        .post(format!("{}/sim/faults", bad.endpoints[0].url))
+        .json(&json!({"error_fraction": 1.0, "error_status": status}))
+        .send()
+        .await
+        .unwrap();
+    let extra = format!("scheduler: {{policy: round-robin}}\n{extra}");
+    let router = router_for(&[&bad, &good], &extra).await;
+    (router, [bad, good])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
+    let (router, _engines) = failing_beside_healthy(
+        503,
+        "outlier: {consecutive_failures: 3, base_ejection_s: 60}",
+    )
+    .await;
+    let client = reqwest::Client::new();
+    for i in 0..12 {
+        let messages = [json!({"role": "user", "content": words(20, 900 + i)})];
+        let answer = chat(&client, &router, &messages, 2).await;
+        assert_eq!(answer.status, 200, "request {i}: {}", answer.body);
+        assert_eq!(answer.endpoint, "e1");
+    }
+    assert!(router.router.healthy(kvroute_core::index::EndpointId(0)));
+    let metrics = admin_metrics(&client, &router).await;
+    let series = |s: &str| kvroute_testkit::sample(&metrics, s);
+    assert_eq!(
+        series("kvroute_retries_total{endpoint=\"e0\",reason=\"5xx\"}"),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        series("kvroute_outlier_ejections_total{endpoint=\"e0\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+    // The explanation says why e0 is skipped.
+    let explained: Value = client
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(&json!({"model": MODEL, "prompt": "x"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let e0 = &explained["endpoints"][0];
+    assert_eq!(e0["rejected"], "ejected", "{explained}");
+    assert!(e0["ejected_for_s"].as_f64().unwrap() > 50.0, "{explained}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_stop_when_the_budget_is_spent() {
+    let (router, _engines) = failing_beside_healthy(
+        500,
+        "outlier: {enabled: false}\nretry: {budget_ratio: 0.0, min_retries_per_s: 0.0}",
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    for i in 0..4 {
+        let messages = [json!({"role": "user", "content": words(20, 950 + i)})];
+        statuses.push(chat(&client, &router, &messages, 2).await.status);
+    }
+    // Round robin sends two to e0: an empty budget refuses their retries.
+    statuses.sort_unstable();
+    assert_eq!(statuses, vec![200, 200, 500, 500]);
+    let metrics = admin_metrics(&client, &router).await;
+    assert_eq!(
+        kvroute_testkit::sample(
+            &metrics,
+            "kvroute_retry_budget_exhausted_total{endpoint=\"e0\",reason=\"5xx\"}"
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_circuit_breaker_sends_past_a_full_endpoint() {
+    let (a, b) = (engine(1024).await, engine(1024).await);
+    let router = router_for(&[&a, &b], "outlier: {max_inflight: 1}").await;
+    let client = reqwest::Client::new();
+    // A long stream holds one endpoint's only slot; the same prompt again, which the cache
+    // would send there, goes to the other.
+    let prompt = words(100, 7);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2000, "stream": true});
+    let held = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let home = held.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let second = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.status().as_u16(), 200);
+    assert_ne!(
+        second.headers()["x-kvroute-endpoint"].to_str().unwrap(),
+        home
+    );
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_circuit_holds_requests_until_a_slot_frees() {
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "outlier: {max_inflight: 1}").await;
+    let (socket, _) = open_stream(&router, 2000).await;
+    let (client, addr) = (reqwest::Client::new(), router.addr);
+    let waiting = tokio::spawn(async move {
+        client
+            .post(format!("http://{addr}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "x y z", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    eventually("the second request held", || {
+        (router.router.fleet().flow().len() == 1, ())
+    })
+    .await;
+    drop(socket);
+    assert_eq!(waiting.await.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_requests_are_counted_as_client_closed() {
+    let a = engine(1024).await;
+    let router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let inflight = || {
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight
+    };
+    // Mid-stream: the client goes away after the first event.
+    let (socket, _) = open_stream(&router, 2000).await;
+    drop(socket);
+    eventually("the stream ended", || (inflight() == 0, inflight())).await;
+    // Before the response headers: an unstreamed answer comes only at its end.
+    let body = json!({"model": MODEL, "prompt": words(100, 4), "max_tokens": 2000});
+    let socket = raw_completion(&router, &body).await;
+    eventually("dispatched", || (inflight() == 1, inflight())).await;
+    drop(socket);
+    eventually("the request ended", || (inflight() == 0, inflight())).await;
+    // And one that completes.
+    let answer = chat(
+        &client,
+        &router,
+        &[json!({"role": "user", "content": "hi"})],
+        2,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let metrics = admin_metrics(&client, &router).await;
+    let count = |status: &str, outcome: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("kvroute_requests_total{"))
+            .filter(|l| l.contains(&format!("status=\"{status}\",outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(count("2xx", "client_closed"), 1.0, "{metrics}");
+    assert_eq!(count("0xx", "client_closed"), 1.0, "{metrics}");
+    assert_eq!(count("2xx", "completed"), 1.0, "{metrics}");
+}
+
+/// Sends a completion on a raw connection (so that its end is the socket's).
+async fn raw_completion(router: &RunningRouter, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let payload = body.to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        payload.len()
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    socket.write_all(payload.as_bytes()).await.unwrap();
+    socket
+}
+
+/// Sends a streamed completion on a raw connection and reads up to its first event.
+async fn open_stream(router: &RunningRouter, max_tokens: u32) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let body = json!({"model": MODEL, "prompt": words(50, 11), "max_tokens": max_tokens, "stream": true, "ignore_eos": true});
+    let mut socket = raw_completion(router, &body).await;
+    let mut received = Vec::new();
+    while !String::from_utf8_lossy(&received).contains("data: ") {
+        let mut buf = [0u8; 4096];
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed early");
+        received.extend_from_slice(&buf[..n]);
+    }
+    (socket, received)
+}
+
+/// Reads a connection to its end.
+async fn read_to_end(mut socket: tokio::net::TcpStream, mut received: Vec<u8>) -> String {
+    use tokio::io::AsyncReadExt;
+    tokio::time::timeout(Duration::from_secs(30), socket.read_to_end(&mut received))
+        .await
+        .expect("the connection ends")
+        .unwrap();
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_refuses_new_connections_and_lets_streams_finish() {
+    let a = engine(1024).await;
+    let mut router = router_for(&[&a], "").await;
+    let client = reqwest::Client::new();
+    let (socket, received) = open_stream(&router, 200).await;
+    router.drain();
+    let health = client
+        .get(format!("http://{}/health", router.admin_addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        health.status().as_u16(),
+        503,
+        "readiness fails while draining"
+    );
+    let addr = router.addr;
+    eventually("new connections refused", || {
+        (std::net::TcpStream::connect(addr).is_err(), ())
+    })
+    .await;
+    let text = read_to_end(socket, received).await;
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    tokio::time::timeout(Duration::from_secs(10), router.drained())
+        .await
+        .expect("drained once the stream ended");
+    let metrics = admin_metrics(&client, &router).await;
+    assert!(metrics.contains("outcome=\"completed\"} 1"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_times_out_ends_open_streams_with_an_error_event() {
+    let a = engine(1024).await;
+    let mut router = router_for(&[&a], "").await;
+    let (socket, received) = open_stream(&router, 8000).await;
+    let reader = tokio::spawn(read_to_end(socket, received));
+    let finished = router.shutdown(Duration::from_millis(300)).await;
+    assert!(!finished, "the stream outlives the drain timeout");
+    let text = reader.await.unwrap();
+    // The last event (the body is chunked on the wire) is the error.
+    let last = &text[text.rfind("data: ").unwrap()..];
+    assert!(last.starts_with("data: {\"error\""), "{last}");
+    assert!(!text.contains("data: [DONE]"), "{text}");
+    assert_eq!(
+        router
+            .router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight,
+        0
+    );
 }

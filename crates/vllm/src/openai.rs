@@ -8,9 +8,11 @@
 //! its place. What cannot be scored at all becomes an empty token list: the request is routed
 //! by load alone, never refused for its shape.
 
+mod error;
 mod surrogates;
 
-use serde::{Deserialize, Serialize};
+pub use error::{ApiError, Fault};
+
 use serde_json::Value;
 
 use crate::tokenizer::ChatMessage;
@@ -41,77 +43,6 @@ pub enum Input {
     Tokens(Vec<u32>),
     /// `/v1/chat/completions` messages.
     Chat(Vec<ChatMessage>),
-}
-
-/// An error in OpenAI's shape, with its HTTP status.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: u16,
-    /// What is wrong, for a person.
-    pub message: String,
-    /// The request field at fault, if one is.
-    pub param: Option<String>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ErrorBody {
-    error: ErrorDetail,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ErrorDetail {
-    message: String,
-    #[serde(rename = "type")]
-    kind: String,
-    param: Option<String>,
-    code: u16,
-}
-
-impl ApiError {
-    /// 400: the body is malformed or a field is invalid.
-    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
-        Self {
-            status: 400,
-            message: message.into(),
-            param: param.map(str::to_owned),
-        }
-    }
-
-    /// Any status with a message.
-    pub fn new(status: u16, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            param: None,
-        }
-    }
-
-    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
-    pub fn to_json(&self) -> String {
-        let kind = match self.status {
-            400 => "BadRequestError",
-            401 => "AuthenticationError",
-            404 => "NotFoundError",
-            405 => "MethodNotAllowedError",
-            408 => "TimeoutError",
-            413 => "RequestTooLargeError",
-            429 => "RateLimitError",
-            503 => "ServiceUnavailableError",
-            504 => "TimeoutError",
-            _ => "InternalServerError",
-        };
-        serde_json::to_string(&ErrorBody {
-            error: ErrorDetail {
-                message: self.message.clone(),
-                kind: kind.into(),
-                param: self.param.clone(),
-                code: self.status,
-            },
-        })
-        .expect("error bodies serialize")
-    }
 }
 
 fn field<'a>(body: &'a Value, name: &str) -> Option<&'a Value> {

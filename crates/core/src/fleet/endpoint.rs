@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::outlier::Outlier;
 use super::trust::Trust;
 use crate::index::EndpointId;
 use crate::schedule::{EndpointLoad, Role};
@@ -92,6 +93,8 @@ pub struct EndpointState {
     pub(super) forgotten_at: Option<f64>,
     /// Its cache's capacity in blocks, once a sample said.
     pub(super) capacity_blocks: Option<usize>,
+    /// Passive outlier detection.
+    pub(super) outlier: Outlier,
 }
 
 impl EndpointState {
@@ -113,6 +116,7 @@ impl EndpointState {
             trust,
             forgotten_at: None,
             capacity_blocks: None,
+            outlier: Outlier::default(),
         }
     }
 
@@ -124,6 +128,11 @@ impl EndpointState {
     /// Passing health checks.
     pub fn healthy(&self) -> bool {
         self.healthy
+    }
+
+    /// Whether failed requests have it ejected at `now`.
+    pub fn ejected(&self, now: f64) -> bool {
+        self.outlier.ejected(now)
     }
 
     /// Requests in flight through the router.

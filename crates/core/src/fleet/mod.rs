@@ -10,6 +10,7 @@
 
 mod endpoint;
 pub mod flow;
+pub mod outlier;
 mod sessions;
 mod shared;
 pub mod trust;
@@ -28,6 +29,7 @@ use crate::schedule::{
 };
 pub use endpoint::{EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
+pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
 pub use sessions::Sessions;
 pub use shared::SharedPrefixes;
 pub use trust::{Distrust, Trust, TrustPolicy};
@@ -61,6 +63,10 @@ pub struct FleetConfig {
     pub health: HealthPolicy,
     /// Flow control under saturation.
     pub flow: FlowConfig,
+    /// Passive outlier detection and the per-endpoint circuit breaker.
+    pub outlier: OutlierPolicy,
+    /// Retries on another endpoint and their budget.
+    pub retry: RetryPolicy,
 }
 
 impl Default for FleetConfig {
@@ -78,6 +84,8 @@ impl Default for FleetConfig {
             trust: TrustPolicy::default(),
             health: HealthPolicy::default(),
             flow: FlowConfig::default(),
+            outlier: OutlierPolicy::default(),
+            retry: RetryPolicy::default(),
         }
     }
 }
@@ -106,6 +114,8 @@ pub struct EndpointFacts {
     pub name: String,
     /// Passing health checks.
     pub healthy: bool,
+    /// When its outlier ejection ends (router clock, seconds), if one is in force.
+    pub ejected_until: Option<f64>,
     /// `None` when its KV index is used, else why not.
     pub index_distrust: Option<Distrust>,
     /// Blocks matched by the index, by tier (before trust is applied).
@@ -174,6 +184,7 @@ pub struct Fleet {
     shared: SharedPrefixes,
     flow: FlowQueue,
     round_robin: u64,
+    retry_budget: outlier::RetryBudget,
     /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
     reported_trust: Vec<Option<Distrust>>,
 }
@@ -212,6 +223,7 @@ impl Fleet {
             config,
             profile,
             round_robin: 0,
+            retry_budget: outlier::RetryBudget::default(),
         })
     }
 
@@ -361,6 +373,7 @@ impl Fleet {
             facts.push(EndpointFacts {
                 name: e.spec.name.clone(),
                 healthy: e.healthy,
+                ejected_until: e.outlier.ejected_until(now),
                 index_distrust: verdict.err(),
                 index_match,
                 history_blocks: cache.history,
@@ -375,6 +388,8 @@ impl Fleet {
                 cache_fill,
                 endpoint: e.id,
                 healthy: e.healthy,
+                ejected: e.outlier.ejected(now),
+                circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
                 serves_model: same_block_size && e.spec.models.iter().any(|m| m == request.model),
                 role: e.spec.role,
                 load,
@@ -431,6 +446,7 @@ impl Fleet {
         if let Some(session) = request.session {
             self.sessions.set(session, endpoint);
         }
+        self.retry_budget.request(&self.config.retry, now);
         let expects_event = request.prompt_tokens / bs > predicted / bs;
         let mut rate_sample = false;
         if let Some(e) = self.endpoints.get_mut(slot) {
@@ -501,6 +517,36 @@ impl Fleet {
                     .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
             }
         }
+    }
+
+    /// How a request sent to `id` went at `now` (a refused connection counts, though nothing
+    /// was dispatched): consecutive failures eject the endpoint for a while (its cache is not
+    /// forgotten: the engine kept it). At most `outlier.max_ejected_fraction` of the fleet is
+    /// ejected at once, and one endpoint always may be.
+    pub fn upstream_result(
+        &mut self,
+        id: EndpointId,
+        outcome: UpstreamOutcome,
+        now: f64,
+    ) -> Option<Ejection> {
+        let ejected = self
+            .endpoints
+            .iter()
+            .filter(|e| e.outlier.ejected(now))
+            .count();
+        let cap = (self.config.outlier.max_ejected_fraction * self.endpoints.len() as f64).floor();
+        let may_eject = ejected == 0 || (ejected as f64) < cap;
+        let policy = &self.config.outlier;
+        self.endpoints
+            .get_mut(id.0 as usize)?
+            .outlier
+            .result(outcome, policy, may_eject, now)
+    }
+
+    /// Takes one retry from the fleet's budget at `now`, or says it is spent (see
+    /// [`RetryPolicy`]).
+    pub fn try_retry(&mut self, now: f64) -> bool {
+        self.retry_budget.try_retry(&self.config.retry, now)
     }
 
     /// A load sample scraped from `id` at `now`.

@@ -426,3 +426,71 @@ fn new_conversations_spread_once_the_system_prompts_holder_fills_up() {
         assert!(homes.contains(&EndpointId(e)), "{homes:?}");
     }
 }
+
+#[test]
+fn failing_requests_eject_an_endpoint_for_a_while_without_forgetting_its_cache() {
+    let mut fleet = FleetBuilder::new(3).build();
+    let req = Req::new(&prompt(320, 1));
+    fleet.apply_events(EndpointId(0), &[stored(&prompt(320, 1), BS)], 0.0);
+    let n = fleet.config().outlier.consecutive_failures;
+    for i in 0..n {
+        let e = fleet.upstream_result(EndpointId(0), UpstreamOutcome::Failure, 1.0);
+        assert_eq!(e.is_some(), i + 1 == n);
+    }
+    let plan = fleet.plan(&req.features(), 7, 1.5);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(0)));
+    let a = plan.decision.assessment(EndpointId(0)).unwrap();
+    assert_eq!(a.rejected, Some(crate::schedule::Rejection::Ejected));
+    assert!(plan.facts[0].ejected_until.is_some());
+    // Back after its ejection, still holding its cache.
+    let later = 1.0 + fleet.config().outlier.base_ejection_s;
+    let plan = fleet.plan(&req.features(), 7, later);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+    assert_eq!(plan.decision.reason, Reason::Cache);
+}
+
+#[test]
+fn at_most_the_configured_share_of_the_fleet_is_ejected() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let n = fleet.config().outlier.consecutive_failures;
+    let mut ejections = 0;
+    for id in [EndpointId(0), EndpointId(1)] {
+        for _ in 0..n {
+            ejections += fleet
+                .upstream_result(id, UpstreamOutcome::Failure, 0.0)
+                .is_some() as u32;
+        }
+    }
+    assert_eq!(ejections, 1, "half of two endpoints is one");
+}
+
+#[test]
+fn the_circuit_breaker_skips_a_full_endpoint() {
+    let mut b = FleetBuilder::new(2);
+    b.config.outlier.max_inflight = 1;
+    let mut fleet = b.build();
+    let req = Req::new(&prompt(320, 1));
+    let (_, first) = send(&mut fleet, &req, 0.0);
+    let (plan, second) = send(&mut fleet, &req, 0.0);
+    assert_ne!(first.endpoint, second.endpoint);
+    assert!(!plan.decision.saturated);
+    let plan = fleet.plan(&req.features(), 7, 0.0);
+    assert_eq!(plan.decision.chosen(), None);
+    assert!(plan.decision.saturated, "flow control may hold it");
+    fleet.finished(first, None, 0.1);
+    assert!(
+        fleet
+            .plan(&req.features(), 7, 0.1)
+            .decision
+            .chosen()
+            .is_some()
+    );
+}
+
+#[test]
+fn retries_are_budgeted() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let floor = (fleet.config().retry.min_retries_per_s * fleet.config().retry.window_s) as usize;
+    let granted = (0..1000).filter(|_| fleet.try_retry(0.0)).count();
+    assert_eq!(granted, floor);
+}

@@ -108,6 +108,10 @@ pub struct Candidate {
     pub endpoint: EndpointId,
     /// Passing health checks.
     pub healthy: bool,
+    /// Ejected by passive outlier detection (its requests failed).
+    pub ejected: bool,
+    /// Holds as many requests as its circuit breaker allows.
+    pub circuit_open: bool,
     /// Serves the requested model or adapter.
     pub serves_model: bool,
     /// Its role.
@@ -143,6 +147,10 @@ pub struct RequestInfo {
 pub enum Rejection {
     /// Failing health checks.
     Unhealthy,
+    /// Ejected for a while because its requests failed (outlier detection).
+    Ejected,
+    /// As many requests in flight as its circuit breaker allows.
+    CircuitOpen,
     /// Does not serve the model.
     WrongModel,
     /// Wrong role.
@@ -252,6 +260,9 @@ fn rejection(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Option<
     if !c.healthy {
         return Some(Rejection::Unhealthy);
     }
+    if c.ejected {
+        return Some(Rejection::Ejected);
+    }
     if !c.serves_model {
         return Some(Rejection::WrongModel);
     }
@@ -271,6 +282,9 @@ fn rejection(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Option<
         .is_some_and(|max| c.load.kv_usage.unwrap_or(0.0) > max)
     {
         return Some(Rejection::KvCacheFull);
+    }
+    if c.circuit_open {
+        return Some(Rejection::CircuitOpen);
     }
     None
 }
@@ -311,7 +325,15 @@ pub fn schedule(
     let competing: Vec<usize> = (0..assessments.len())
         .filter(|&i| assessments[i].rejected.is_none())
         .collect();
-    let saturated = !competing.is_empty() && competing.iter().all(|&i| assessments[i].saturated);
+    // Every competing candidate saturated, or none left but for open circuit breakers: flow
+    // control may hold the request until one frees up.
+    let saturated = if competing.is_empty() {
+        assessments
+            .iter()
+            .any(|a| a.rejected == Some(Rejection::CircuitOpen))
+    } else {
+        competing.iter().all(|&i| assessments[i].saturated)
+    };
     let new_conversation = competing
         .iter()
         .all(|&i| assessments[i].cached_tokens <= request.shared_tokens);

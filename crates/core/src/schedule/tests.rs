@@ -9,6 +9,8 @@ fn candidate(id: u32) -> Candidate {
     Candidate {
         endpoint: EndpointId(id),
         healthy: true,
+        ejected: false,
+        circuit_open: false,
         serves_model: true,
         role: Role::Both,
         load: EndpointLoad::default(),
@@ -490,4 +492,23 @@ proptest! {
             prop_assert!(idle == 0 || longest <= 4 * 5_000, "{queued:?}");
         }
     }
+}
+
+#[test]
+fn ejected_endpoints_are_filtered_and_open_circuits_saturate() {
+    let mut cands = fleet(3);
+    cands[0].ejected = true;
+    cands[1].circuit_open = true;
+    let d = schedule(&Profile::default(), &request(100), &cands, 1, 0);
+    assert_eq!(d.ranking, vec![EndpointId(2)]);
+    let reasons: Vec<_> = d.assessments.iter().map(|a| a.rejected).collect();
+    assert_eq!(
+        reasons,
+        vec![Some(Rejection::Ejected), Some(Rejection::CircuitOpen), None]
+    );
+    assert!(!d.saturated);
+    // Nothing left but an open circuit: the request may wait for it.
+    let held = schedule(&Profile::default(), &request(100), &cands[..2], 1, 0);
+    assert_eq!(held.chosen(), None);
+    assert!(held.saturated);
 }

@@ -1,8 +1,11 @@
-//! `kvroute serve`: the router.
+//! `kvroute serve`: the router. The first SIGTERM or SIGINT drains it (no new connections,
+//! `/health` 503, in-flight requests finish within `shutdown.drain_timeout_s`); a second one, or
+//! the timeout, ends the streams still open with an SSE error event.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -20,20 +23,13 @@ pub struct ServeArgs {
     listen: Option<SocketAddr>,
 }
 
-/// Exit status for an unusable configuration (sysexits' EX_CONFIG).
-const EX_CONFIG: u8 = 78;
-
 /// Runs the router until interrupted.
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(&args.config)
         .with_context(|| format!("reading {}", args.config.display()))?;
-    let mut config = match RouterConfig::from_yaml(&text) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("kvroute: {}: {e}", args.config.display());
-            return Ok(ExitCode::from(EX_CONFIG));
-        }
-    };
+    // An unusable configuration exits with its own status (see `crate::exit_code`).
+    let mut config =
+        RouterConfig::from_yaml(&text).with_context(|| format!("{}", args.config.display()))?;
     if let Some(listen) = args.listen {
         config.listen = listen;
     }
@@ -41,7 +37,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let running = start(config).await.context("starting the router")?;
+        let drain_timeout = Duration::from_secs_f64(config.shutdown.drain_timeout_s);
+        let mut running = start(config).await.context("starting the router")?;
+        let mut signals = Signals::new()?;
         println!(
             "kvroute serving on http://{} (admin: http://{}; {} endpoints)",
             running.addr,
@@ -49,9 +47,43 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             running.router.endpoints().len()
         );
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = running.wait() => {}
+            () = signals.next() => {}
+            () = running.drained() => return Ok(ExitCode::SUCCESS),
         }
+        running.drain();
+        tokio::select! {
+            () = running.drained() => return Ok(ExitCode::SUCCESS),
+            () = tokio::time::sleep(drain_timeout) => {}
+            () = signals.next() => {}
+        }
+        running.finish_closing().await;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// SIGTERM and SIGINT, as one stream.
+struct Signals {
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            #[cfg(unix)]
+            terminate: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .context("listening for SIGTERM")?,
+        })
+    }
+
+    /// Resolves at the next SIGTERM or SIGINT.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

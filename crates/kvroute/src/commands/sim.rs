@@ -86,7 +86,7 @@ impl SimArgs {
                 drop_event_fraction: self.drop_event_fraction,
                 event_delay: self.event_delay,
                 slow_factor: self.slow_factor,
-                healthy: true,
+                ..Faults::default()
             },
             tokenizer: self
                 .tokenizer

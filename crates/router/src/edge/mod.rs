@@ -7,6 +7,10 @@
 //! answered 413 before any body byte is read, the body must arrive within
 //! `limits.body_timeout_ms` (408), and its bytes count against `limits.max_buffered_bytes` until
 //! the handler answers (503 when the budget is spent).
+//!
+//! A listener that drains (the API listener, see [`crate::shutdown`]) stops accepting when the
+//! router drains, closes each open connection once its request is answered, and returns when
+//! none is left.
 
 mod body;
 mod conn;
@@ -31,6 +35,7 @@ use tracing::{debug, warn};
 use crate::metrics::listener as listener_labels;
 use crate::proxy::error_response;
 use crate::service::Router;
+use crate::shutdown::Phase;
 use body::{BudgetHold, EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 
@@ -42,15 +47,16 @@ struct Edge {
     budget: Arc<Semaphore>,
 }
 
-/// Serves `routes` on `listener` until the task is dropped. `name` labels the listener in
-/// metrics (`api`, `admin`); `budget` is the router's buffered-bytes budget, shared by its
-/// listeners.
+/// Serves `routes` on `listener` until the task is dropped or, when `drains`, until the router
+/// drains and every open connection has closed. `name` labels the listener in metrics (`api`,
+/// `admin`); `budget` is the router's buffered-bytes budget, shared by its listeners.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
     router: Arc<Router>,
     name: &'static str,
     budget: Arc<Semaphore>,
+    drains: bool,
 ) {
     let limits = &router.config().limits;
     let connections = Arc::new(Semaphore::new(limits.max_connections));
@@ -63,8 +69,14 @@ pub async fn serve(
         budget,
     });
     let labels = listener_labels(name);
+    let draining = router.shutdown().reached(Phase::Draining);
+    tokio::pin!(draining);
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut draining, if drains => break,
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, most likely: give the open connections a moment.
@@ -94,14 +106,24 @@ pub async fn serve(
             .clone();
         open.inc();
         tokio::spawn(async move {
-            serve_connection(edge, stream, activity).await;
+            serve_connection(edge, stream, activity, drains).await;
             open.dec();
             drop(permit);
         });
     }
+    // Draining: new connections are refused (the listener closes) and the open ones close
+    // once answered.
+    drop(listener);
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = connections.acquire_many(all).await;
 }
 
-async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activity: Arc<Activity>) {
+async fn serve_connection(
+    edge: Arc<Edge>,
+    stream: tokio::net::TcpStream,
+    activity: Arc<Activity>,
+    drains: bool,
+) {
     let io = TokioIo::new(TrackedIo::new(stream, activity.clone()));
     let service = {
         let activity = activity.clone();
@@ -116,6 +138,9 @@ async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activi
     builder.http1().header_read_timeout(None);
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
+    let draining = edge.router.shutdown().reached(Phase::Draining);
+    tokio::pin!(draining);
+    let mut drained = !drains;
     loop {
         let deadline = activity.deadline();
         let expired = async {
@@ -127,6 +152,11 @@ async fn serve_connection(edge: Arc<Edge>, stream: tokio::net::TcpStream, activi
         tokio::select! {
             _ = connection.as_mut() => return,
             () = activity.changed() => {}
+            // Answer the request in progress, if any, then close.
+            () = &mut draining, if !drained => {
+                drained = true;
+                connection.as_mut().graceful_shutdown();
+            }
             () = expired => {
                 if let Some((at, why)) = activity.deadline()
                     && at <= std::time::Instant::now()

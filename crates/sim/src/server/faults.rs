@@ -1,4 +1,5 @@
-//! Fault injection for reliability tests: lost and late events, slow or unhealthy engines.
+//! Fault injection for reliability tests: lost and late events, slow or unhealthy engines,
+//! engines that fail some requests while passing their health checks.
 
 use std::time::Duration;
 
@@ -17,6 +18,11 @@ pub struct Faults {
     pub slow_factor: f64,
     /// When false, `/health` answers 503 and requests are refused.
     pub healthy: bool,
+    /// Fraction of generation requests answered `error_status` at once (before any body
+    /// byte), while `/health` still passes.
+    pub error_fraction: f64,
+    /// The status of those answers (a 5xx).
+    pub error_status: u16,
 }
 
 impl Default for Faults {
@@ -26,6 +32,8 @@ impl Default for Faults {
             event_delay: Duration::ZERO,
             slow_factor: 1.0,
             healthy: true,
+            error_fraction: 0.0,
+            error_status: 503,
         }
     }
 }

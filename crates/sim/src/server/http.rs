@@ -117,13 +117,7 @@ pub fn router(state: AppState) -> Router {
 }
 
 fn error_response(e: &ApiError) -> Response {
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        e.to_json(),
-    )
-        .into_response()
+    e.to_response().map(axum::body::Body::from)
 }
 
 fn now_secs() -> u64 {
@@ -157,8 +151,12 @@ fn prepare(
     body: &[u8],
     api: Api,
 ) -> Result<(GenerationRequest, Vec<u32>, Option<String>, u32), ApiError> {
-    if !state.shared.faults.lock().healthy {
-        return Err(ApiError::new(503, "the engine is unhealthy"));
+    let faults = state.shared.faults.lock().clone();
+    if !faults.healthy {
+        return Err(ApiError::unavailable("the engine is unhealthy"));
+    }
+    if faults.error_fraction > 0.0 && rand::random_bool(faults.error_fraction.clamp(0.0, 1.0)) {
+        return Err(ApiError::new(faults.error_status, "an injected fault"));
     }
     let request = match api {
         Api::Completions => parse_completion(body)?,
@@ -169,10 +167,10 @@ fn prepare(
     } else if state.lora_modules.contains(&request.model) {
         Some(request.model.clone())
     } else {
-        return Err(ApiError::new(
-            404,
-            format!("The model `{}` does not exist.", request.model),
-        ));
+        return Err(ApiError::not_found(format!(
+            "The model `{}` does not exist.",
+            request.model
+        )));
     };
     let prompt = state.tokenizer.prompt(&request.input)?;
     if prompt.is_empty() {
@@ -185,14 +183,11 @@ fn prepare(
     };
     let max_tokens = request.max_tokens.unwrap_or(default);
     if prompt.len() + max_tokens as usize > max_len {
-        return Err(ApiError::new(
-            413,
-            format!(
-                "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
-                prompt.len() + max_tokens as usize,
-                prompt.len()
-            ),
-        ));
+        return Err(ApiError::too_large(format!(
+            "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
+            prompt.len() + max_tokens as usize,
+            prompt.len()
+        )));
     }
     Ok((request, prompt, lora, max_tokens))
 }
@@ -218,7 +213,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         .send(Command::Submit(engine_request, tx))
         .is_err()
     {
-        return error_response(&ApiError::new(503, "the engine stopped"));
+        return error_response(&ApiError::unavailable("the engine stopped"));
     }
     let request_id = headers
         .get("x-request-id")
@@ -408,7 +403,7 @@ fn stream_response(
                 }
             }
             Delivery::Aborted(reason) => {
-                let error = ApiError::new(503, reason);
+                let error = ApiError::unavailable(reason);
                 out.push(Bytes::from(format!("data: {}\n\n", error.to_json())));
                 out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 if let Some(mut g) = guard.take() {
@@ -517,7 +512,7 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
 async fn reset_prefix_cache(State(state): State<AppState>) -> Response {
     let (tx, rx) = oneshot::channel();
     if state.commands.send(Command::ResetCache(tx)).is_err() {
-        return error_response(&ApiError::new(503, "the engine stopped"));
+        return error_response(&ApiError::unavailable("the engine stopped"));
     }
     match rx.await {
         Ok(true) => StatusCode::OK.into_response(),
@@ -570,7 +565,7 @@ async fn set_faults(State(state): State<AppState>, body: Bytes) -> Response {
 
 async fn restart(State(state): State<AppState>) -> Response {
     if state.commands.send(Command::Restart).is_err() {
-        return error_response(&ApiError::new(503, "the engine stopped"));
+        return error_response(&ApiError::unavailable("the engine stopped"));
     }
     StatusCode::OK.into_response()
 }

@@ -34,7 +34,7 @@ use sequencer::Action;
 
 use feed::Feed;
 pub use feed::FeedStats;
-pub use replay::{ReplayItem, fetch_replay, parse_replay_reply};
+pub use replay::{ReplayError, ReplayItem, fetch_replay, parse_replay_reply};
 
 use crate::VllmError;
 use crate::codec::parse_frames;

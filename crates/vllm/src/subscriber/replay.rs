@@ -29,6 +29,29 @@ pub enum ReplayItem {
     Failed(String),
 }
 
+/// Why a replay could not be completed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// No connection to the replay socket.
+    #[error("connect: {0}")]
+    Connect(zeromq::ZmqError),
+    /// The request could not be sent.
+    #[error("send: {0}")]
+    Send(zeromq::ZmqError),
+    /// The engine went quiet mid-replay.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// A reply could not be received.
+    #[error("receive: {0}")]
+    Receive(zeromq::ZmqError),
+    /// A reply in no known framing.
+    #[error(transparent)]
+    Reply(#[from] crate::VllmError),
+    /// The engine said the replay failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Parses one reply to a DEALER, in either framing.
 pub fn parse_replay_reply(frames: &[Bytes]) -> Result<ReplayItem, crate::VllmError> {
     let frames = match frames.split_first() {
@@ -79,33 +102,30 @@ async fn fetch(
     connect_timeout: Duration,
     idle_timeout: Duration,
     out: &mpsc::Sender<ReplayItem>,
-) -> Result<(), String> {
+) -> Result<(), ReplayError> {
     let mut options = SocketOptions::default();
     options.connect_timeout(connect_timeout);
     let mut dealer = DealerSocket::with_options(options);
     dealer
         .connect(address)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(ReplayError::Connect)?;
     let mut request = ZmqMessage::from(Bytes::new());
     request.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
-    dealer
-        .send(request)
-        .await
-        .map_err(|e| format!("send: {e}"))?;
+    dealer.send(request).await.map_err(ReplayError::Send)?;
     loop {
         let reply = tokio::time::timeout(idle_timeout, dealer.recv())
             .await
-            .map_err(|_| format!("no answer within {idle_timeout:?}"))?
-            .map_err(|e| format!("receive: {e}"))?;
-        match parse_replay_reply(&reply.into_vec()).map_err(|e| e.to_string())? {
+            .map_err(|_| ReplayError::Timeout(idle_timeout))?
+            .map_err(ReplayError::Receive)?;
+        match parse_replay_reply(&reply.into_vec())? {
             ReplayItem::Batch(msg) => {
                 if out.send(ReplayItem::Batch(msg)).await.is_err() {
                     return Ok(());
                 }
             }
             ReplayItem::End => return Ok(()),
-            ReplayItem::Failed(reason) => return Err(reason),
+            ReplayItem::Failed(reason) => return Err(ReplayError::Failed(reason)),
         }
     }
 }

@@ -1,0 +1,332 @@
+//! Chaos at a small size, in process over loopback: three simulated engines and a router under
+//! a bounded load of four conversational clients while an engine restarts, one engine loses
+//! 10% of its event batches in transit, one is three times slower, and the router itself is
+//! drained and started again on the same configuration. `KVROUTE_CHAOS_SECONDS` sets the
+//! length (12 s by default; docs/operations.md has the 30-minute soak recipe).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvroute_core::index::EndpointId;
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start as start_router};
+use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_testkit::{eventually, sample};
+use serde_json::{Value, json};
+
+const MODEL: &str = "sim-llama-3.1-8b";
+const CLIENTS: usize = 4;
+/// A client's pause between turns (a person reading and typing), which also lets an answer's
+/// KV events land before the next turn is planned.
+const THINK: Duration = Duration::from_millis(50);
+
+/// The router's configuration: small bounds, so that its memory budget is small too.
+fn config(fleet: &SimFleet, listen: &str) -> String {
+    let mut yaml = format!(
+        "listen: {listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\ncache: {{index_capacity: 65536, history_capacity: 65536}}\nlimits: {{token_cache_bytes: 16777216, max_buffered_bytes: 16777216, max_body_bytes: 1048576, max_connections: 256}}\nendpoints:\n"
+    );
+    for (i, ep) in fleet.endpoints.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            ep.url,
+            ep.events,
+            ep.replay.as_deref().unwrap_or_default()
+        ));
+    }
+    yaml
+}
+
+/// The memory budget of docs/operations.md for that configuration, in bytes, loosely.
+fn memory_budget() -> u64 {
+    let mib = 1u64 << 20;
+    50 * mib
+        + 65_536 * 120
+        + (65_536 + (1 << 20)) * 64
+        + 100_000 * 100
+        + 16 * mib
+        + 4 * 16 * mib
+        + 2 * 256 * 400 * 1024
+}
+
+fn vm_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+async fn start_routing(yaml: &str) -> RunningRouter {
+    let router = start_router(RouterConfig::from_yaml(yaml).unwrap())
+        .await
+        .unwrap();
+    eventually("subscribers connected", || {
+        (router.subscribers_connected(), ())
+    })
+    .await;
+    router
+}
+
+async fn fault(client: &reqwest::Client, fleet: &SimFleet, i: usize, faults: Value) {
+    let url = format!("{}/sim/faults", fleet.endpoints[i].url);
+    assert!(
+        client
+            .post(url)
+            .json(&faults)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+}
+
+/// The router's prediction outcomes, summed over endpoints.
+#[derive(Debug, Default)]
+struct Predictions {
+    exact: f64,
+    over: f64,
+    under: f64,
+}
+
+impl Predictions {
+    fn read(router: &RunningRouter) -> Self {
+        let metrics = kvroute_testkit::http_get(router.admin_addr, "/metrics");
+        let sum = |outcome: &str| -> f64 {
+            (0..3)
+                .filter_map(|i| {
+                    let series = format!(
+                        "kvroute_prediction_outcomes_total{{endpoint=\"e{i}\",outcome=\"{outcome}\"}}"
+                    );
+                    sample(&metrics, &series)
+                })
+                .sum()
+        };
+        Self {
+            exact: sum("exact"),
+            over: sum("over"),
+            under: sum("under"),
+        }
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            exact: self.exact - before.exact,
+            over: self.over - before.over,
+            under: self.under - before.under,
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.exact + self.over + self.under
+    }
+}
+
+/// What one client saw.
+#[derive(Debug, Default)]
+struct Tally {
+    ok: usize,
+    failed: Vec<String>,
+}
+
+/// A client: conversations of growing turns, one request at a time, until `stop`. It waits
+/// while `paused` (the router restarting) and reconnects when the router's port is closed.
+async fn client_loop(
+    addr: std::net::SocketAddr,
+    seed: usize,
+    stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
+) -> Tally {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let mut tally = Tally::default();
+    let mut conversation = 0;
+    while !stop.load(Ordering::Relaxed) {
+        conversation += 1;
+        let mut messages: Vec<Value> = Vec::new();
+        for turn in 0..6 {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            tokio::time::sleep(THINK).await;
+            while paused.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let content: String = (0..40)
+                .map(|w| format!("c{seed}v{conversation}t{turn}w{w}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            messages.push(json!({"role": "user", "content": content}));
+            let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+            let answer = loop {
+                match http
+                    .post(format!("http://{addr}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                {
+                    Err(e) if e.is_connect() => {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    other => break other,
+                }
+            };
+            match answer {
+                Ok(r) if r.status().is_success() => {
+                    let value: Value = r.json().await.unwrap_or(Value::Null);
+                    let text = value["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    messages.push(json!({"role": "assistant", "content": text}));
+                    tally.ok += 1;
+                }
+                Ok(r) => {
+                    let status = r.status();
+                    tally
+                        .failed
+                        .push(format!("{status}: {}", r.text().await.unwrap_or_default()));
+                    break;
+                }
+                Err(e) => {
+                    tally.failed.push(e.to_string());
+                    break;
+                }
+            }
+        }
+    }
+    tally
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_restart() {
+    let seconds: f64 = std::env::var("KVROUTE_CHAOS_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12.0);
+    let fleet = start_sim(SimConfig {
+        port: 0,
+        events_port: 0,
+        replay_port: Some(0),
+        engines: 3,
+        engine: EngineConfig {
+            num_gpu_blocks: 2048,
+            max_model_len: 16_384,
+            ..EngineConfig::default()
+        },
+        time_scale: 10.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.1})).await;
+    fault(&http, &fleet, 2, json!({"slow_factor": 3.0})).await;
+    let first = start_routing(&config(&fleet, "127.0.0.1:0")).await;
+    let addr = first.addr;
+    let yaml = config(&fleet, &addr.to_string());
+    let mut router = Some(first);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let paused = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|seed| tokio::spawn(client_loop(addr, seed, stop.clone(), paused.clone())))
+        .collect();
+    let started = Instant::now();
+    let at = |fraction: f64| started + Duration::from_secs_f64(seconds * fraction);
+
+    // An engine restarts: the router must notice within 2 s, with no traffic needed.
+    tokio::time::sleep_until(at(0.2).into()).await;
+    let current = router.as_ref().unwrap();
+    let inflight_at_restart = current.router.load(EndpointId(0)).inflight as usize;
+    let restarted_at = current.router.now();
+    http.post(format!("{}/sim/restart", fleet.endpoints[0].url))
+        .send()
+        .await
+        .unwrap();
+    let noticed = Instant::now();
+    eventually("the restart noticed", || {
+        let forgotten = current
+            .router
+            .fleet()
+            .endpoint(EndpointId(0))
+            .and_then(|e| e.forgotten_at());
+        (forgotten.is_some_and(|t| t >= restarted_at), forgotten)
+    })
+    .await;
+    assert!(
+        noticed.elapsed() < Duration::from_secs(2),
+        "index re-synced within 2 s"
+    );
+
+    // The router restarts on the same configuration: drained, dropped, started again.
+    tokio::time::sleep_until(at(0.4).into()).await;
+    paused.store(true, Ordering::Relaxed);
+    let mut old = router.take().unwrap();
+    assert!(
+        old.shutdown(Duration::from_secs(10)).await,
+        "drained in time"
+    );
+    drop(old);
+    let restarted = start_routing(&yaml).await;
+    // Resynchronised from the engines' replay buffers before traffic resumes.
+    eventually("the new router's index relearned", || {
+        let held: Vec<u64> = (0..3)
+            .map(|i| {
+                restarted
+                    .router
+                    .index_stats(EndpointId(i))
+                    .map_or(0, |s| s.blocks_gpu)
+            })
+            .collect();
+        (held.iter().all(|&b| b > 0), held)
+    })
+    .await;
+    paused.store(false, Ordering::Relaxed);
+    router = Some(restarted);
+
+    // Event loss ends; predictions are measured from a little later to the end.
+    tokio::time::sleep_until(at(0.5).into()).await;
+    fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.0})).await;
+    let router = router.unwrap();
+    let during = Predictions::read(&router);
+    tokio::time::sleep_until(at(0.55).into()).await;
+    let recovered = Predictions::read(&router);
+    tokio::time::sleep_until(at(1.0).into()).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut tally = Tally::default();
+    for c in clients {
+        let t = c.await.unwrap();
+        tally.ok += t.ok;
+        tally.failed.extend(t.failed);
+    }
+    assert!(tally.ok > 40, "load flowed: {tally:?}");
+    assert!(
+        tally.failed.len() <= inflight_at_restart,
+        "no request lost beyond the {inflight_at_restart} in flight on the restarted engine: {tally:?}"
+    );
+    let after = Predictions::read(&router).since(&recovered);
+    assert!(after.total() > 20.0, "{after:?}");
+    assert!(
+        after.exact >= 0.99 * after.total(),
+        "after recovery: {after:?}"
+    );
+    let (rss, budget) = (vm_rss(), memory_budget());
+    eprintln!(
+        "chaos over {seconds} s: {} requests answered, {} failed ({inflight_at_restart} in flight on the restarted engine); predictions of the restarted router during event loss {during:?}, after recovery {after:?}; VmRSS {} MiB of a {} MiB budget",
+        tally.ok,
+        tally.failed.len(),
+        rss >> 20,
+        budget >> 20
+    );
+    assert!(
+        rss < budget,
+        "the test process (router, engines, clients) uses {rss} B, the router's budget is {budget} B"
+    );
+}

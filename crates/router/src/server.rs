@@ -278,14 +278,16 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     }
 }
 
-/// Scrapes an endpoint's load into the fleet; a counter that went backwards means the engine
-/// restarted, so what it held is forgotten at once.
+/// Scrapes an endpoint's load into the fleet; a new process start time or a counter that went
+/// backwards means the engine restarted, so what it held is forgotten at once.
 async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let interval = Duration::from_millis(router.config().scrape.interval_ms);
     let mut tick = tokio::time::interval(interval);
     let mut warned_block_size = false;
-    // The engine's prefix-cache query counter at the last scrape, and when that was.
+    // The engine's prefix-cache query counter and process start time at the last scrape, and
+    // when that was.
     let mut last_queries: Option<(f64, f64)> = None;
+    let mut last_start: Option<(f64, f64)> = None;
     let block_size = router
         .fleet()
         .endpoint(endpoint.id)
@@ -309,26 +311,31 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             warn!(endpoint = %endpoint.name, engine_block_size, configured = block_size, "the engine's block size differs from the configured one: its KV events will not match requests (set models[].block_size)");
         }
         let now = router.now();
-        if let (Some((before, at)), Some(queries)) = (last_queries, sample.prefix_cache_queries)
-            && queries < before
-        {
-            // Restarted since the last scrape: unless its KV events already said so (and the
-            // fleet has relearned from them since), forget what it held now, not at its next
-            // event batch.
+        // Restarted since the last scrape (a new process start time, or a counter that went
+        // backwards): unless its KV events already said so (and the fleet has relearned from
+        // them since), forget what it held now, not at its next event batch.
+        let restarted_since = match (last_start, sample.process_start_time) {
+            (Some((before, at)), Some(start)) if start != before => Some(at),
+            _ => match (last_queries, sample.prefix_cache_queries) {
+                (Some((before, at)), Some(queries)) if queries < before => Some(at),
+                _ => None,
+            },
+        };
+        if let Some(at) = restarted_since {
             let noticed = router
                 .fleet()
                 .endpoint(endpoint.id)
                 .and_then(|e| e.forgotten_at())
                 .is_some_and(|t| t >= at);
             if !noticed {
-                router.forget_endpoint(
-                    endpoint.id,
-                    "its counters went backwards: the engine restarted",
-                );
+                router.forget_endpoint(endpoint.id, "its /metrics say the engine restarted");
             }
         }
         if let Some(queries) = sample.prefix_cache_queries {
             last_queries = Some((queries, now));
+        }
+        if let Some(start) = sample.process_start_time {
+            last_start = Some((start, now));
         }
         let load = LoadSample {
             waiting: sample.waiting,

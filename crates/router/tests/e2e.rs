@@ -95,9 +95,41 @@ fn words(n: usize, seed: usize) -> String {
         .join(" ")
 }
 
-async fn settle() {
-    // Events of the last response reach the index within a few milliseconds.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+/// Waits until the router's index holds exactly the blocks each engine's prefix cache holds
+/// (`engines` in the order the router was given them): every KV event of the responses so far
+/// has been applied.
+async fn settle(router: &RunningRouter, engines: &[&SimFleet]) {
+    eventually("the index matches every engine's cache", || {
+        let pairs: Vec<(u64, Option<u64>)> = engines
+            .iter()
+            .enumerate()
+            .map(|(i, fleet)| {
+                let held = router
+                    .router
+                    .index_stats(kvroute_core::index::EndpointId(i as u32))
+                    .map_or(0, |s| s.blocks_gpu);
+                (held, engine_cached_blocks(fleet))
+            })
+            .collect();
+        (
+            pairs.iter().all(|(held, cached)| Some(*held) == *cached),
+            pairs,
+        )
+    })
+    .await;
+}
+
+/// The simulated engine's distinct cached blocks, from its `/metrics`.
+fn engine_cached_blocks(fleet: &SimFleet) -> Option<u64> {
+    let addr = fleet.endpoints[0]
+        .url
+        .trim_start_matches("http://")
+        .parse()
+        .ok()?;
+    kvroute_testkit::http_get(addr, "/metrics")
+        .lines()
+        .find(|l| l.starts_with("kvroute_sim_cached_blocks{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +149,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
         let mut history = messages;
         history.push(json!({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]}));
         conversations.push((history, answer.endpoint));
-        settle().await;
+        settle(&router, &[&a, &b, &c]).await;
     }
     let mut cached_total = 0u64;
     for turn in 0..3 {
@@ -139,7 +171,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
             );
             cached_total += cached;
             history.push(json!({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]}));
-            settle().await;
+            settle(&router, &[&a, &b, &c]).await;
         }
     }
     assert!(cached_total > 0);
@@ -214,7 +246,7 @@ async fn explain_shows_the_breakdown_without_forwarding() {
         .to_str()
         .unwrap()
         .to_owned();
-    settle().await;
+    settle(&router, &[&a, &b]).await;
     let explained: Value = client
         .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&body)
@@ -287,7 +319,7 @@ async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
         .await;
         assert_eq!(answer.status, 200);
     }
-    settle().await;
+    settle(&router, &[&a, &b]).await;
     let held = |r: &RunningRouter, i: u32| {
         r.router
             .index_stats(kvroute_core::index::EndpointId(i))
@@ -507,7 +539,7 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         2,
     )
     .await;
-    settle().await;
+    settle(&router, &[&a, &b, &c]).await;
     // Then a flood: 48 concurrent requests sharing it, each with 200 output tokens.
     let mut tasks = Vec::new();
     for i in 0..48 {
@@ -541,7 +573,7 @@ async fn a_restarted_engine_is_relearned() {
         2,
     )
     .await;
-    settle().await;
+    settle(&router, &[&a]).await;
     let held = || {
         router
             .router
@@ -569,7 +601,7 @@ async fn a_restarted_engine_is_relearned() {
         answer.body["usage"]["prompt_tokens_details"]["cached_tokens"],
         0
     );
-    settle().await;
+    settle(&router, &[&a]).await;
     let after = held();
     assert!(
         after > 0 && after < before,
@@ -672,7 +704,7 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
     let client = reqwest::Client::new();
     let history = vec![json!({"role": "user", "content": words(300, 11)})];
     let first = chat(&client, &router, &history, 2).await;
-    settle().await;
+    settle(&router, &[&a, &b]).await;
     let home = if first.endpoint == "e0" { &a } else { &b };
     // Other traffic on the home engine (straight to it) evicts the conversation's blocks.
     for i in 0..4 {
@@ -730,12 +762,15 @@ async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
     let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually("subscribers connected", || {
+        (router.subscribers_connected(), ())
+    })
+    .await;
     let client = reqwest::Client::new();
     let mut history = vec![json!({"role": "user", "content": words(300, 21)})];
     let first = chat(&client, &router, &history, 8).await;
     assert_eq!(first.status, 200);
-    settle().await;
+    settle(&router, &[&a, &b]).await;
     history.push(
         json!({"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}),
     );

@@ -23,6 +23,9 @@ pub struct EngineLoadSample {
     pub num_gpu_blocks: Option<usize>,
     /// `vllm:prefix_cache_queries_total`.
     pub prefix_cache_queries: Option<f64>,
+    /// `process_start_time_seconds` (Prometheus' process collector, which vLLM's server
+    /// exports): changes when the engine process restarts.
+    pub process_start_time: Option<f64>,
     /// `vllm:prefix_cache_hits_total`.
     pub prefix_cache_hits: Option<f64>,
 }
@@ -89,6 +92,7 @@ pub fn parse_engine_metrics(text: &str) -> EngineLoadSample {
                 s.kv_usage = Some(s.kv_usage.unwrap_or(0.0).max(value));
             }
             "vllm:prefix_cache_queries_total" => add(&mut s.prefix_cache_queries, value),
+            "process_start_time_seconds" => s.process_start_time = Some(value),
             "vllm:prefix_cache_hits_total" => add(&mut s.prefix_cache_hits, value),
             "vllm:cache_config_info" => {
                 for (k, v) in labels {

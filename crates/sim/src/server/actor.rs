@@ -118,6 +118,7 @@ pub async fn run_engine(
                     }
                     engine = Engine::new(config.clone()).expect("validated");
                     restart_pending = true;
+                    shared.observed.lock().started_at = unix_now();
                 }
             }
             if !engine.has_work() && restart_pending {
@@ -203,10 +204,7 @@ fn send_events(
         (faults.event_delay, faults.drop_event_fraction)
     };
     let lost = drop > 0.0 && rand::rng().random_bool(drop.clamp(0.0, 1.0));
-    let ts = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs_f64();
+    let ts = unix_now();
     let outgoing = Outgoing {
         batch: EventBatch {
             ts,
@@ -220,4 +218,12 @@ fn send_events(
     if events.send(outgoing).is_err() {
         warn!("event publisher stopped");
     }
+}
+
+/// Seconds since the Unix epoch.
+pub(super) fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }

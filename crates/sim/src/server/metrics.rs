@@ -16,12 +16,22 @@ const TTFT_BUCKETS: [f64; 22] = [
 pub struct Observed {
     /// Latest engine gauges and counters.
     pub metrics: EngineMetrics,
+    /// When the engine (re)started, seconds since the Unix epoch: `process_start_time_seconds`.
+    pub started_at: f64,
     ttft_buckets: [u64; TTFT_BUCKETS.len()],
     ttft_sum: f64,
     ttft_count: u64,
 }
 
 impl Observed {
+    /// Nothing observed yet, the engine started now.
+    pub fn started_now() -> Self {
+        Self {
+            started_at: super::actor::unix_now(),
+            ..Self::default()
+        }
+    }
+
     /// Records one time to first token, in engine seconds.
     pub fn observe_ttft(&mut self, seconds: f64) {
         for (bucket, le) in self.ttft_buckets.iter_mut().zip(TTFT_BUCKETS) {
@@ -124,6 +134,23 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
         observed.ttft_sum
     );
 
+    let _ = writeln!(
+        out,
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}",
+        observed.started_at
+    );
+    // The simulator's own gauge (vLLM has none like it): distinct blocks in the prefix cache,
+    // which a router fed by the KV events holds exactly once they have all arrived.
+    let _ = writeln!(
+        out,
+        "# HELP kvroute_sim_cached_blocks Distinct blocks in the GPU prefix cache (simulator only)."
+    );
+    let _ = writeln!(out, "# TYPE kvroute_sim_cached_blocks gauge");
+    let _ = writeln!(
+        out,
+        "kvroute_sim_cached_blocks{{{labels}}} {}",
+        observed.metrics.cached_blocks
+    );
     let _ = writeln!(
         out,
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"

@@ -170,7 +170,7 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             .map_err(|e| SimError::Io(e.to_string()))?;
 
         let shared = Arc::new(EngineShared {
-            observed: Mutex::default(),
+            observed: Mutex::new(metrics::Observed::started_now()),
             faults: Mutex::new(config.faults.clone()),
         });
         let (commands_tx, commands_rx) = mpsc::unbounded_channel::<Command>();

@@ -14,6 +14,8 @@ pub mod admin;
 pub mod config;
 pub mod edge;
 pub mod endpoint;
+#[cfg(feature = "epp")]
+pub mod epp;
 mod error;
 mod flow;
 pub mod metrics;

@@ -98,7 +98,9 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
         .with_state(router)
 }
 
-async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+pub(crate) async fn bind(
+    addr: SocketAddr,
+) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| RouterError::Io(format!("cannot listen on {addr}: {e}")))?;
@@ -108,11 +110,9 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     Ok((listener, bound))
 }
 
-/// Binds both listeners and starts every task on the current tokio runtime.
-pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
-    let router = Arc::new(Router::new(config)?);
-    let (listener, addr) = bind(router.config().listen).await?;
-    let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
+/// Starts what runs beside any front end (the HTTP proxy or the EPP): a KV-event subscriber,
+/// health checks and load scraping per endpoint, and housekeeping.
+pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
     let sink = router.sink();
     for e in router.endpoints() {
@@ -134,14 +134,33 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
     }
     tasks.push(tokio::spawn(housekeeping(router.clone())));
-    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
-    tasks.push(tokio::spawn(edge::serve(
+    tasks
+}
+
+/// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it.
+pub async fn spawn_admin(
+    router: &Arc<Router>,
+    budget: Arc<Semaphore>,
+) -> Result<(SocketAddr, JoinHandle<()>), RouterError> {
+    let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
+    let task = tokio::spawn(edge::serve(
         admin_listener,
         admin_routes(router.clone()),
         router.clone(),
         "admin",
-        budget.clone(),
-    )));
+        budget,
+    ));
+    Ok((admin_addr, task))
+}
+
+/// Binds both listeners and starts every task on the current tokio runtime.
+pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
+    let router = Arc::new(Router::new(config)?);
+    let (listener, addr) = bind(router.config().listen).await?;
+    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
+    let (admin_addr, admin) = spawn_admin(&router, budget.clone()).await?;
+    let mut tasks = spawn_background(&router);
+    tasks.push(admin);
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
     tasks.push(tokio::spawn(edge::serve(

@@ -62,6 +62,20 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// A request that needs no cache (embeddings, `GET` paths): the first model, no tokens.
+    pub fn uncached(router: &Router) -> Self {
+        let model = router.config().models[0].clone();
+        Self {
+            model_name: model.name.clone(),
+            model,
+            lora: None,
+            tokens: None,
+            keys: Arc::default(),
+            prompt_tokens: 0,
+            session: None,
+        }
+    }
+
     /// The features core plans with.
     pub fn features(&self) -> RequestFeatures<'_> {
         RequestFeatures {

@@ -2,6 +2,8 @@
 
 pub mod bench;
 pub mod demo;
+#[cfg(feature = "epp")]
+pub mod epp;
 pub mod events;
 pub mod hash;
 pub mod serve;

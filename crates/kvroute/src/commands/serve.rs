@@ -1,7 +1,7 @@
 //! `kvroute serve`: the router.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -23,16 +23,22 @@ pub struct ServeArgs {
 /// Exit status for an unusable configuration (sysexits' EX_CONFIG).
 const EX_CONFIG: u8 = 78;
 
+/// Reads and validates a router configuration file: `Err(code)` (after saying why) when it
+/// is unusable.
+pub fn load_config(path: &Path) -> anyhow::Result<Result<RouterConfig, ExitCode>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(RouterConfig::from_yaml(&text).map_err(|e| {
+        eprintln!("kvroute: {}: {e}", path.display());
+        ExitCode::from(EX_CONFIG)
+    }))
+}
+
 /// Runs the router until interrupted.
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let text = std::fs::read_to_string(&args.config)
-        .with_context(|| format!("reading {}", args.config.display()))?;
-    let mut config = match RouterConfig::from_yaml(&text) {
+    let mut config = match load_config(&args.config)? {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("kvroute: {}: {e}", args.config.display());
-            return Ok(ExitCode::from(EX_CONFIG));
-        }
+        Err(code) => return Ok(code),
     };
     if let Some(listen) = args.listen {
         config.listen = listen;
@@ -48,10 +54,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             running.admin_addr,
             running.router.endpoints().len()
         );
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = running.wait() => {}
-        }
+        until_interrupted(running.wait()).await;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// Runs `serving` until it ends or the process is interrupted (Ctrl-C, SIGINT).
+pub async fn until_interrupted(serving: impl std::future::Future<Output = ()>) {
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = serving => {}
+    }
 }

@@ -92,6 +92,8 @@ pub struct EndpointState {
     pub(super) forgotten_at: Option<f64>,
     /// Its cache's capacity in blocks, once a sample said.
     pub(super) capacity_blocks: Option<usize>,
+    /// False once removed from the fleet (its id may be reused by a later endpoint).
+    pub(super) present: bool,
 }
 
 impl EndpointState {
@@ -113,7 +115,13 @@ impl EndpointState {
             trust,
             forgotten_at: None,
             capacity_blocks: None,
+            present: true,
         }
+    }
+
+    /// Whether it is part of the fleet (false once removed: never planned, never restored).
+    pub fn present(&self) -> bool {
+        self.present
     }
 
     /// When everything known of its cache was last forgotten (restart, ejection), if ever.

@@ -54,6 +54,7 @@ impl Drop for RunningRouter {
         for task in &self.tasks {
             task.abort();
         }
+        self.router.stop_endpoints();
     }
 }
 
@@ -113,28 +114,32 @@ pub(crate) async fn bind(
 /// Starts what runs beside any front end (the HTTP proxy or the EPP): a KV-event subscriber,
 /// health checks and load scraping per endpoint, and housekeeping.
 pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
-    let mut tasks = Vec::new();
-    let sink = router.sink();
     for e in router.endpoints() {
-        if let Some(events) = &e.config.events {
-            let handle = spawn_connected(
-                EndpointSource {
-                    endpoint: e.id,
-                    name: e.name.clone(),
-                    publisher: events.clone(),
-                    replay: e.config.replay.clone(),
-                    topic: e.config.topic.clone(),
-                },
-                sink.clone() as Arc<dyn EventSink>,
-                Timing::default(),
-            );
-            *e.subscriber.lock() = Some(handle);
-        }
-        tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
-        tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
+        spawn_endpoint_tasks(router, &e);
     }
-    tasks.push(tokio::spawn(housekeeping(router.clone())));
-    tasks
+    vec![tokio::spawn(housekeeping(router.clone()))]
+}
+
+/// Starts one endpoint's KV-event subscriber (when configured), health checks and scraping;
+/// [`Endpoint::stop`] ends them.
+pub(crate) fn spawn_endpoint_tasks(router: &Arc<Router>, e: &Arc<Endpoint>) {
+    if let Some(events) = &e.config.events {
+        let handle = spawn_connected(
+            EndpointSource {
+                endpoint: e.id,
+                name: e.name.clone(),
+                publisher: events.clone(),
+                replay: e.config.replay.clone(),
+                topic: e.config.topic.clone(),
+            },
+            router.sink() as Arc<dyn EventSink>,
+            Timing::default(),
+        );
+        *e.subscriber.lock() = Some(handle);
+    }
+    let mut tasks = e.tasks.lock();
+    tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
+    tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
 }
 
 /// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it.
@@ -308,7 +313,7 @@ async fn housekeeping(router: Arc<Router>) {
             fleet.trust_changes(now)
         };
         for (id, distrust) in changes {
-            let name = &router.endpoint(id).name;
+            let name = router.endpoint(id).name.clone();
             match distrust {
                 Some(why) => {
                     warn!(endpoint = %name, reason = ?why, "not trusting this endpoint's KV events: routing it by load only until it recovers");

@@ -120,8 +120,8 @@ impl Exchange {
             .copied()
             .filter(|&id| {
                 self.subset.as_ref().is_none_or(|subset| {
-                    let authority = self.router.endpoint(id).authority.as_str();
-                    subset.iter().any(|s| s == authority)
+                    let endpoint = self.router.endpoint(id);
+                    subset.iter().any(|s| s == endpoint.authority.as_str())
                 })
             })
             .collect()

@@ -118,6 +118,7 @@ impl Drop for RunningEpp {
         for task in &self.tasks {
             task.abort();
         }
+        self.router.stop_endpoints();
     }
 }
 

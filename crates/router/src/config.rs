@@ -11,6 +11,8 @@ use kvroute_core::schedule::{
 };
 use serde::{Deserialize, Serialize};
 
+pub use crate::discovery::KubeDiscovery;
+
 use crate::RouterError;
 
 /// The whole configuration (`kvroute serve -c kvroute.yaml`).
@@ -25,8 +27,12 @@ pub struct RouterConfig {
     pub admin: AdminConfig,
     /// Served models.
     pub models: Vec<ModelConfig>,
-    /// Engine endpoints.
+    /// Engine endpoints known at start (may be empty with `discovery`).
+    #[serde(default)]
     pub endpoints: Vec<EndpointConfig>,
+    /// Endpoints discovered from Kubernetes while running (feature `kube`).
+    #[serde(default)]
+    pub discovery: Option<KubeDiscovery>,
     /// How endpoints are chosen.
     #[serde(default)]
     pub scheduler: SchedulerConfig,
@@ -476,8 +482,11 @@ impl RouterConfig {
         if self.models.is_empty() {
             return Err(invalid("models", "at least one model is required"));
         }
-        if self.endpoints.is_empty() {
-            return Err(invalid("endpoints", "at least one endpoint is required"));
+        if self.endpoints.is_empty() && self.discovery.is_none() {
+            return Err(invalid(
+                "endpoints",
+                "at least one endpoint is required (or discovery)",
+            ));
         }
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {

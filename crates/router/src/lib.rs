@@ -12,6 +12,7 @@
 pub mod accounting;
 pub mod admin;
 pub mod config;
+pub mod discovery;
 pub mod edge;
 pub mod endpoint;
 #[cfg(feature = "epp")]

@@ -166,6 +166,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let (admin_addr, admin) = spawn_admin(&router, budget.clone()).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
+    tasks.extend(crate::discovery::spawn(&router).await?);
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
     tasks.push(tokio::spawn(edge::serve(

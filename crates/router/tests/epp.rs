@@ -2,6 +2,9 @@
 //! front of simulated engines: routing, fallbacks, subset hints, refusals, response-path
 //! accounting and gRPC health.
 
+mod common;
+
+use common::engine;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -14,8 +17,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::epp::protocol::{DESTINATION, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
-use kvroute_sim::engine::EngineConfig;
-use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -25,22 +27,6 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 const MODEL: &str = "sim-llama-3.1-8b";
-
-async fn engine() -> SimFleet {
-    start_sim(SimConfig {
-        port: 0,
-        events_port: 0,
-        replay_port: Some(0),
-        engine: EngineConfig {
-            num_gpu_blocks: 512,
-            ..EngineConfig::default()
-        },
-        time_scale: 10.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap()
-}
 
 async fn picker(engines: &[&SimFleet]) -> RunningEpp {
     let mut yaml = format!(

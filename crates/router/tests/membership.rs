@@ -1,30 +1,16 @@
 //! Endpoints joining and leaving a running router (what Kubernetes discovery drives), in front
 //! of simulated engines over real HTTP and ZMQ.
 
+mod common;
+
+use common::engine;
 use kvroute_router::config::{EndpointConfig, RouterConfig};
 use kvroute_router::server::start;
-use kvroute_sim::engine::EngineConfig;
-use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-3.1-8b";
-
-async fn engine() -> SimFleet {
-    start_sim(SimConfig {
-        port: 0,
-        events_port: 0,
-        replay_port: Some(0),
-        engine: EngineConfig {
-            num_gpu_blocks: 256,
-            ..EngineConfig::default()
-        },
-        time_scale: 10.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap()
-}
 
 fn endpoint_config(fleet: &SimFleet, name: &str) -> EndpointConfig {
     let ep = &fleet.endpoints[0];

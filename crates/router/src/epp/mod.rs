@@ -139,6 +139,7 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
     let (admin_addr, admin) = spawn_admin(&router, budget).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
+    tasks.extend(crate::discovery::spawn(&router).await?);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status("liveness", ServingStatus::Serving)

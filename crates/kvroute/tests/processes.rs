@@ -2,53 +2,10 @@
 //! in front, and the official OpenAI Python client as the application.
 
 use std::io::Write;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A run of `n` consecutive free ports (best effort: bound and released).
-fn free_ports(n: u16) -> u16 {
-    for _ in 0..50 {
-        let base = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if base > 60_000 - n {
-            continue;
-        }
-        if (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
-            return base;
-        }
-    }
-    panic!("no free port range");
-}
-
-fn wait_http(url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let host = url.trim_start_matches("http://");
-        if let Ok(mut s) = std::net::TcpStream::connect(host) {
-            let _ = s.write_all(b"GET /health HTTP/1.0\r\n\r\n");
-            let mut buf = [0u8; 16];
-            if std::io::Read::read(&mut s, &mut buf).is_ok_and(|n| n >= 12 && &buf[9..12] == b"200")
-            {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "{url} did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use kvroute_testkit::{Killed, free_ports, run_openai_client, wait_http};
 
 /// `kvroute sim` engines on consecutive ports, waited for.
 struct Sims {
@@ -127,20 +84,13 @@ fn the_openai_python_client_works_through_the_router() {
     std::thread::sleep(Duration::from_millis(300)); // subscribers connect
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
-    let output = Command::new(&python)
-        .args([
-            script,
-            &format!("http://127.0.0.1:{listen}/v1"),
-            "sim-llama-3.1-8b",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let output = run_openai_client(
+        &python,
+        script,
+        &format!("http://127.0.0.1:{listen}/v1"),
+        "sim-llama-3.1-8b",
     );
-    let out: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let out: serde_json::Value = serde_json::from_str(&output).unwrap();
 
     assert_eq!(out["chat"]["completion_tokens"], 12);
     assert_eq!(out["chat"]["finish_reason"], "length");

@@ -125,7 +125,9 @@ impl Accounting {
         self.router.capacity_changed();
     }
 
-    fn observe(&mut self, data: &[u8]) {
+    /// Sees a chunk of the response body: the first one marks the prefill done; the tail is
+    /// kept to read the engine's reported `cached_tokens` at the end.
+    pub fn observe(&mut self, data: &[u8]) {
         self.first_byte();
         self.tail.extend_from_slice(data);
         if self.tail.len() > 2 * TAIL {

@@ -115,7 +115,12 @@ fn refresh_gauges(router: &Router) {
     let fleet = router.fleet();
     m.flow_queue_requests.set(fleet.flow().len() as i64);
     m.flow_queue_bytes.set(fleet.flow().bytes() as i64);
-    for (e, state) in router.endpoints().iter().zip(fleet.endpoints()) {
+    let endpoints = router.endpoints();
+    for (e, state) in endpoints
+        .iter()
+        .zip(fleet.endpoints())
+        .filter(|(_, state)| state.present())
+    {
         let l = labels(&e.name);
         m.endpoint_healthy
             .get_or_create(&l)

@@ -13,6 +13,8 @@ use kvroute_core::schedule::{
 };
 use serde::{Deserialize, Serialize};
 
+pub use crate::discovery::KubeDiscovery;
+
 use crate::RouterError;
 
 /// The whole configuration (`kvroute serve -c kvroute.yaml`).
@@ -27,8 +29,12 @@ pub struct RouterConfig {
     pub admin: AdminConfig,
     /// Served models.
     pub models: Vec<ModelConfig>,
-    /// Engine endpoints.
+    /// Engine endpoints known at start (may be empty with `discovery`).
+    #[serde(default)]
     pub endpoints: Vec<EndpointConfig>,
+    /// Endpoints discovered from Kubernetes while running (feature `kube`).
+    #[serde(default)]
+    pub discovery: Option<KubeDiscovery>,
     /// How endpoints are chosen.
     #[serde(default)]
     pub scheduler: SchedulerConfig,
@@ -454,6 +460,46 @@ fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
 }
 
+impl EndpointConfig {
+    /// Checks one endpoint (`field` names it in errors) against the configured model `names`.
+    pub fn validate(&self, field: &str, names: &[&str]) -> Result<(), RouterError> {
+        let e = self;
+        let field = |f: &str| format!("{field}.{f}");
+        let url: http::Uri = e
+            .url
+            .parse()
+            .map_err(|err| invalid(&field("url"), format!("{:?} is not a URL: {err}", e.url)))?;
+        if url.scheme_str() != Some("http") || url.host().is_none() {
+            return Err(invalid(
+                &field("url"),
+                format!("{:?} must be http://host:port", e.url),
+            ));
+        }
+        for (f, addr) in [("events", &e.events), ("replay", &e.replay)] {
+            if let Some(addr) = addr
+                && !addr.starts_with("tcp://")
+            {
+                return Err(invalid(
+                    &field(f),
+                    format!("{addr:?} must be tcp://host:port"),
+                ));
+            }
+        }
+        if e.replay.is_some() && e.events.is_none() {
+            return Err(invalid(&field("replay"), "needs events as well"));
+        }
+        for m in &e.models {
+            if !names.contains(&m.as_str()) {
+                return Err(invalid(
+                    &field("models"),
+                    format!("{m:?} is not a configured model"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl RouterConfig {
     /// Parses and validates YAML.
     pub fn from_yaml(text: &str) -> Result<Self, RouterError> {
@@ -468,8 +514,11 @@ impl RouterConfig {
         if self.models.is_empty() {
             return Err(invalid("models", "at least one model is required"));
         }
-        if self.endpoints.is_empty() {
-            return Err(invalid("endpoints", "at least one endpoint is required"));
+        if self.endpoints.is_empty() && self.discovery.is_none() {
+            return Err(invalid(
+                "endpoints",
+                "at least one endpoint is required (or discovery)",
+            ));
         }
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {
@@ -484,37 +533,7 @@ impl RouterConfig {
         }
         let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         for (i, e) in self.endpoints.iter().enumerate() {
-            let field = |f: &str| format!("endpoints[{i}].{f}");
-            let url: http::Uri = e.url.parse().map_err(|err| {
-                invalid(&field("url"), format!("{:?} is not a URL: {err}", e.url))
-            })?;
-            if url.scheme_str() != Some("http") || url.host().is_none() {
-                return Err(invalid(
-                    &field("url"),
-                    format!("{:?} must be http://host:port", e.url),
-                ));
-            }
-            for (f, addr) in [("events", &e.events), ("replay", &e.replay)] {
-                if let Some(addr) = addr
-                    && !addr.starts_with("tcp://")
-                {
-                    return Err(invalid(
-                        &field(f),
-                        format!("{addr:?} must be tcp://host:port"),
-                    ));
-                }
-            }
-            if e.replay.is_some() && e.events.is_none() {
-                return Err(invalid(&field("replay"), "needs events as well"));
-            }
-            for m in &e.models {
-                if !names.contains(&m.as_str()) {
-                    return Err(invalid(
-                        &field("models"),
-                        format!("{m:?} is not a configured model"),
-                    ));
-                }
-            }
+            e.validate(&format!("endpoints[{i}]"), &names)?;
         }
         let s = &self.scheduler;
         if !(s.prefill_tokens_per_s.is_finite() && s.prefill_tokens_per_s > 0.0) {

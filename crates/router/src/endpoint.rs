@@ -9,6 +9,7 @@ use kvroute_core::event::EventBatch;
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::subscriber::{EventSink, SubscriberHandle};
 use parking_lot::Mutex;
+use tokio::task::JoinHandle;
 
 use crate::config::EndpointConfig;
 use crate::service::Router;
@@ -27,6 +28,8 @@ pub struct Endpoint {
     pub last_health_error: Mutex<Option<String>>,
     /// The KV-event subscriber, when events are configured.
     pub subscriber: Mutex<Option<SubscriberHandle>>,
+    /// Its health-check and scrape tasks.
+    pub tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Endpoint {
@@ -42,6 +45,15 @@ impl Endpoint {
             authority,
             last_health_error: Mutex::new(None),
             subscriber: Mutex::new(None),
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Stops its subscriber and background tasks (removed, or the router is shutting down).
+    pub fn stop(&self) {
+        self.subscriber.lock().take();
+        for task in self.tasks.lock().drain(..) {
+            task.abort();
         }
     }
 

@@ -29,7 +29,8 @@ impl Drop for Held<'_> {
     }
 }
 
-fn shed(router: &Router, why: Shed) -> ApiError {
+/// Counts a shed request and says why in OpenAI's shape (503 timed out, 429 queue full).
+pub(crate) fn shed(router: &Router, why: Shed) -> ApiError {
     router
         .metrics()
         .shed
@@ -45,18 +46,18 @@ fn shed(router: &Router, why: Shed) -> ApiError {
     }
 }
 
-/// Holds `prepared` until an endpoint has room, then returns the plan made at that moment.
+/// Holds `prepared` until an endpoint has room, then returns the plan made at that moment, or
+/// why it was shed (count it with [`shed`]).
 pub async fn wait_for_capacity(
     router: &Router,
     prepared: &Prepared,
     priority: i64,
     bytes: usize,
-) -> Result<Plan, ApiError> {
+) -> Result<Plan, Shed> {
     let ticket = {
         let now = router.now();
         router.fleet().flow_mut().hold(priority, bytes, now)
-    }
-    .map_err(|why| shed(router, why))?;
+    }?;
     let held = Held {
         router,
         ticket,
@@ -83,7 +84,7 @@ pub async fn wait_for_capacity(
         }
         if expired {
             drop(held);
-            return Err(shed(router, Shed::Timeout));
+            return Err(Shed::Timeout);
         }
         let _ = tokio::time::timeout(RECHECK, notified).await;
     }

@@ -12,8 +12,11 @@
 pub mod accounting;
 pub mod admin;
 pub mod config;
+pub mod discovery;
 pub mod edge;
 pub mod endpoint;
+#[cfg(feature = "epp")]
+pub mod epp;
 mod error;
 mod flow;
 pub mod metrics;

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, header};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::UpstreamOutcome;
+use kvroute_core::fleet::{Plan, Shed, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
 use tracing::warn;
@@ -93,7 +93,7 @@ pub async fn chat_completions(State(router): State<Arc<Router>>, request: Reques
     generate(router, request, Api::Chat).await
 }
 
-fn request_id(headers: &HeaderMap) -> String {
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -101,19 +101,74 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
 }
 
-fn session(router: &Router, headers: &HeaderMap) -> Option<String> {
+pub(crate) fn session(router: &Router, headers: &HeaderMap) -> Option<String> {
     headers
         .get(router.config().scheduler.session_header.as_str())
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
 }
 
-fn priority(router: &Router, headers: &HeaderMap) -> i64 {
+pub(crate) fn priority(router: &Router, headers: &HeaderMap) -> i64 {
     headers
         .get(router.config().scheduler.priority_header.as_str())
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// A request core has planned, ready to be sent to the first endpoint of its ranking.
+pub struct Routed {
+    /// The request, tokenized and keyed.
+    pub prepared: Prepared,
+    /// Core's plan for it (the ranking is never empty).
+    pub plan: Plan,
+}
+
+/// Why a request was not routed.
+pub struct Refused {
+    /// The answer for the client.
+    pub error: ApiError,
+    /// Set when flow control shed the request.
+    pub shed: Option<Shed>,
+}
+
+impl From<ApiError> for Refused {
+    fn from(error: ApiError) -> Self {
+        Self { error, shed: None }
+    }
+}
+
+/// Parses, tokenizes and plans a generation request, holding it while every endpoint is
+/// saturated: the one decision path of `kvroute serve` and `kvroute epp`.
+pub async fn route(
+    router: &Router,
+    api: Api,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Routed, Refused> {
+    let parsed = parse(api, body)?;
+    let session = session(router, headers);
+    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
+        return Err(
+            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
+        );
+    };
+    let mut plan = router.plan(&prepared);
+    if plan.decision.saturated && router.config().flow.enabled {
+        let priority = priority(router, headers);
+        plan = flow::wait_for_capacity(router, &prepared, priority, body.len())
+            .await
+            .map_err(|why| Refused {
+                error: flow::shed(router, why),
+                shed: Some(why),
+            })?;
+    }
+    if plan.decision.ranking.is_empty() {
+        return Err(
+            ApiError::unavailable("no healthy endpoint serves this model; retry shortly").into(),
+        );
+    }
+    Ok(Routed { prepared, plan })
 }
 
 async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
@@ -123,31 +178,10 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
     };
-    let parsed = match parse(api, &body) {
-        Ok(p) => p,
-        Err(e) => return error_response(&router, &e),
+    let Routed { prepared, plan } = match route(&router, api, &parts.headers, &body).await {
+        Ok(r) => r,
+        Err(refused) => return error_response(&router, &refused.error),
     };
-    let session = session(&router, &parts.headers);
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
-        return error_response(
-            &router,
-            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
-        );
-    };
-    let mut plan = router.plan(&prepared);
-    if plan.decision.saturated && router.config().flow.enabled {
-        let priority = priority(&router, &parts.headers);
-        plan = match flow::wait_for_capacity(&router, &prepared, priority, body.len()).await {
-            Ok(plan) => plan,
-            Err(e) => return error_response(&router, &e),
-        };
-    }
-    if plan.decision.ranking.is_empty() {
-        return error_response(
-            &router,
-            &ApiError::unavailable("no healthy endpoint serves this model; retry shortly"),
-        );
-    }
     let rid = request_id(&parts.headers);
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
@@ -313,6 +347,22 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
     )
 }
 
+/// Every healthy endpoint, starting at a random one: where a request that needs no cache
+/// (embeddings, `GET` paths) goes.
+pub fn healthy_rotation(router: &Router) -> Vec<EndpointId> {
+    let mut healthy: Vec<EndpointId> = router
+        .endpoints()
+        .iter()
+        .filter(|e| router.available(e.id))
+        .map(|e| e.id)
+        .collect();
+    if !healthy.is_empty() {
+        let start = rand::random::<u64>() as usize % healthy.len();
+        healthy.rotate_left(start);
+    }
+    healthy
+}
+
 /// A forwarded OpenAI path other than completions and chat (see
 /// [`crate::server::FORWARDED_PATHS`]): passed to a random healthy endpoint unchanged.
 pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) -> Response {
@@ -322,31 +372,14 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
     };
-    let healthy: Vec<EndpointId> = router
-        .endpoints()
-        .iter()
-        .filter(|e| router.available(e.id))
-        .map(|e| e.id)
-        .collect();
-    if healthy.is_empty() {
+    let ranking = healthy_rotation(&router);
+    if ranking.is_empty() {
         return error_response(
             &router,
             &ApiError::unavailable("no healthy endpoint; retry shortly"),
         );
     }
-    let start = rand::random::<u64>() as usize % healthy.len();
-    let mut ranking = healthy.clone();
-    ranking.rotate_left(start);
-    let model = router.config().models[0].clone();
-    let prepared = Prepared {
-        model_name: model.name.clone(),
-        model,
-        lora: None,
-        tokens: None,
-        keys: Arc::default(),
-        prompt_tokens: 0,
-        session: None,
-    };
+    let prepared = Prepared::uncached(&router);
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,

@@ -54,6 +54,7 @@ impl Drop for RunningRouter {
         for task in &self.tasks {
             task.abort();
         }
+        self.router.stop_endpoints();
     }
 }
 
@@ -159,7 +160,9 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
         .with_state(router)
 }
 
-async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+pub(crate) async fn bind(
+    addr: SocketAddr,
+) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| RouterError::Io(format!("cannot listen on {addr}: {e}")))?;
@@ -169,41 +172,63 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     Ok((listener, bound))
 }
 
-/// Binds both listeners and starts every task on the current tokio runtime.
-pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
-    let router = Arc::new(Router::new(config)?);
-    let (listener, addr) = bind(router.config().listen).await?;
-    let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
-    let mut tasks = Vec::new();
-    let sink = router.sink();
+/// Starts what runs beside any front end (the HTTP proxy or the EPP): a KV-event subscriber,
+/// health checks and load scraping per endpoint, and housekeeping.
+pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     for e in router.endpoints() {
-        if let Some(events) = &e.config.events {
-            let handle = spawn_connected(
-                EndpointSource {
-                    endpoint: e.id,
-                    name: e.name.clone(),
-                    publisher: events.clone(),
-                    replay: e.config.replay.clone(),
-                    topic: e.config.topic.clone(),
-                },
-                sink.clone() as Arc<dyn EventSink>,
-                Timing::default(),
-            );
-            *e.subscriber.lock() = Some(handle);
-        }
-        tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
-        tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
+        spawn_endpoint_tasks(router, &e);
     }
-    tasks.push(tokio::spawn(housekeeping(router.clone())));
-    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
-    tasks.push(tokio::spawn(edge::serve(
+    vec![tokio::spawn(housekeeping(router.clone()))]
+}
+
+/// Starts one endpoint's KV-event subscriber (when configured), health checks and scraping;
+/// [`Endpoint::stop`] ends them.
+pub(crate) fn spawn_endpoint_tasks(router: &Arc<Router>, e: &Arc<Endpoint>) {
+    if let Some(events) = &e.config.events {
+        let handle = spawn_connected(
+            EndpointSource {
+                endpoint: e.id,
+                name: e.name.clone(),
+                publisher: events.clone(),
+                replay: e.config.replay.clone(),
+                topic: e.config.topic.clone(),
+            },
+            router.sink() as Arc<dyn EventSink>,
+            Timing::default(),
+        );
+        *e.subscriber.lock() = Some(handle);
+    }
+    let mut tasks = e.tasks.lock();
+    tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
+    tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
+}
+
+/// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it.
+pub async fn spawn_admin(
+    router: &Arc<Router>,
+    budget: Arc<Semaphore>,
+) -> Result<(SocketAddr, JoinHandle<()>), RouterError> {
+    let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
+    let task = tokio::spawn(edge::serve(
         admin_listener,
         admin_routes(router.clone()),
         router.clone(),
         "admin",
-        budget.clone(),
+        budget,
         false,
-    )));
+    ));
+    Ok((admin_addr, task))
+}
+
+/// Binds both listeners and starts every task on the current tokio runtime.
+pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
+    let router = Arc::new(Router::new(config)?);
+    let (listener, addr) = bind(router.config().listen).await?;
+    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
+    let (admin_addr, admin) = spawn_admin(&router, budget.clone()).await?;
+    let mut tasks = spawn_background(&router);
+    tasks.push(admin);
+    tasks.extend(crate::discovery::spawn(&router).await?);
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
     tasks.push(tokio::spawn(edge::serve(
@@ -360,7 +385,7 @@ async fn housekeeping(router: Arc<Router>) {
             fleet.trust_changes(now)
         };
         for (id, distrust) in changes {
-            let name = &router.endpoint(id).name;
+            let name = router.endpoint(id).name.clone();
             match distrust {
                 Some(why) => {
                     warn!(endpoint = %name, reason = ?why, "not trusting this endpoint's KV events: routing it by load only until it recovers");

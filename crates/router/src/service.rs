@@ -16,12 +16,12 @@ use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use tokio::sync::Notify;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::RouterError;
-use crate::config::{ModelConfig, RouterConfig};
+use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::{Endpoint, TrackingSink};
 use crate::metrics::RouterMetrics;
 use crate::shutdown::Shutdown;
@@ -31,7 +31,8 @@ use crate::upstream::Upstream;
 /// Everything the router shares between requests and background tasks.
 pub struct Router {
     config: RouterConfig,
-    endpoints: Vec<Arc<Endpoint>>,
+    /// Every endpoint by id (a removed one stays until a newcomer takes its slot).
+    endpoints: RwLock<Vec<Arc<Endpoint>>>,
     fleet: Mutex<Fleet>,
     tokens: TokenCache,
     tokenizers: std::collections::HashMap<String, ModelTokenizer>,
@@ -64,6 +65,20 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// A request that needs no cache (embeddings, `GET` paths): the first model, no tokens.
+    pub fn uncached(router: &Router) -> Self {
+        let model = router.config().models[0].clone();
+        Self {
+            model_name: model.name.clone(),
+            model,
+            lora: None,
+            tokens: None,
+            keys: Arc::default(),
+            prompt_tokens: 0,
+            session: None,
+        }
+    }
+
     /// The features core plans with.
     pub fn features(&self) -> RequestFeatures<'_> {
         RequestFeatures {
@@ -77,6 +92,31 @@ impl Prepared {
     }
 }
 
+/// What core needs to know of an endpoint: its models (and adapters), role, events and the
+/// block size its KV events are read with.
+fn spec_of(config: &RouterConfig, endpoint: &Endpoint) -> EndpointSpec {
+    let e = &endpoint.config;
+    let models: Vec<&ModelConfig> = config
+        .models
+        .iter()
+        .filter(|m| e.models.is_empty() || e.models.contains(&m.name))
+        .collect();
+    let block_size = models.first().map_or(16, |m| m.block_size);
+    if models.iter().any(|m| m.block_size != block_size) {
+        warn!(endpoint = %e.url, block_size, "models of different block sizes on one endpoint: its KV events are read with the first model's");
+    }
+    EndpointSpec {
+        name: endpoint.name.clone(),
+        models: models
+            .iter()
+            .flat_map(|m| std::iter::once(&m.name).chain(&m.lora_adapters).cloned())
+            .collect(),
+        role: e.role,
+        has_events: e.events.is_some(),
+        block_size,
+    }
+}
+
 impl Router {
     /// Builds the router's state (no tasks started).
     pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
@@ -84,26 +124,8 @@ impl Router {
         let mut specs = Vec::with_capacity(config.endpoints.len());
         let mut endpoints = Vec::with_capacity(config.endpoints.len());
         for (i, e) in config.endpoints.iter().enumerate() {
-            let models: Vec<&ModelConfig> = config
-                .models
-                .iter()
-                .filter(|m| e.models.is_empty() || e.models.contains(&m.name))
-                .collect();
-            let block_size = models[0].block_size;
-            if models.iter().any(|m| m.block_size != block_size) {
-                warn!(endpoint = %e.url, block_size, "models of different block sizes on one endpoint: its KV events are read with the first model's");
-            }
             let endpoint = Endpoint::new(EndpointId(i as u32), e.clone());
-            specs.push(EndpointSpec {
-                name: endpoint.name.clone(),
-                models: models
-                    .iter()
-                    .flat_map(|m| std::iter::once(&m.name).chain(&m.lora_adapters).cloned())
-                    .collect(),
-                role: e.role,
-                has_events: e.events.is_some(),
-                block_size,
-            });
+            specs.push(spec_of(&config, &endpoint));
             endpoints.push(Arc::new(endpoint));
         }
         let fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
@@ -125,7 +147,7 @@ impl Router {
             tokenizers,
             fleet: Mutex::new(fleet),
             tokens: TokenCache::with_limits(&config.limits),
-            endpoints,
+            endpoints: RwLock::new(endpoints),
             client,
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
@@ -143,14 +165,65 @@ impl Router {
         &self.config
     }
 
-    /// Every endpoint, in id order.
-    pub fn endpoints(&self) -> &[Arc<Endpoint>] {
-        &self.endpoints
+    /// Every endpoint, in id order (removed ones included until their slot is reused: check
+    /// the fleet's `present`).
+    pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
+        self.endpoints.read().clone()
     }
 
-    /// One endpoint.
-    pub fn endpoint(&self, id: EndpointId) -> &Arc<Endpoint> {
-        &self.endpoints[id.0 as usize]
+    /// One endpoint (ids come from the fleet, which never names one the router lacks).
+    pub fn endpoint(&self, id: EndpointId) -> Arc<Endpoint> {
+        self.endpoints.read()[id.0 as usize].clone()
+    }
+
+    /// Adds an endpoint while running (discovery: a pod became ready) and starts its
+    /// subscriber, health checks and scraping. Returns its fleet id.
+    pub fn add_endpoint(
+        self: &Arc<Self>,
+        config: EndpointConfig,
+    ) -> Result<EndpointId, RouterError> {
+        let names: Vec<&str> = self.config.models.iter().map(|m| m.name.as_str()).collect();
+        config.validate("endpoint", &names)?;
+        let now = self.now();
+        // Locks in the order used everywhere (fleet, then endpoints), both held until the
+        // router knows the id the fleet may already plan with.
+        let mut fleet = self.fleet.lock();
+        let provisional = Endpoint::new(EndpointId(0), config.clone());
+        let id = fleet
+            .add_endpoint(spec_of(&self.config, &provisional), now)
+            .map_err(|e| RouterError::Config(e.to_string()))?;
+        let endpoint = Arc::new(Endpoint::new(id, config));
+        let mut endpoints = self.endpoints.write();
+        match endpoints.get_mut(id.0 as usize) {
+            Some(slot) => *slot = endpoint.clone(),
+            None => endpoints.push(endpoint.clone()),
+        }
+        drop(endpoints);
+        drop(fleet);
+        crate::server::spawn_endpoint_tasks(self, &endpoint);
+        info!(endpoint = %endpoint.name, id = id.0, "endpoint joined");
+        self.capacity_changed();
+        Ok(id)
+    }
+
+    /// Removes an endpoint while running (pod deleted or not ready): the fleet forgets it and
+    /// never plans it again, and its background tasks stop. Requests in flight there finish.
+    pub fn remove_endpoint(&self, id: EndpointId) -> bool {
+        let now = self.now();
+        if !self.fleet().remove_endpoint(id, now) {
+            return false;
+        }
+        let endpoint = self.endpoint(id);
+        endpoint.stop();
+        info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
+        true
+    }
+
+    /// Stops every endpoint's background tasks (the router is shutting down).
+    pub fn stop_endpoints(&self) {
+        for e in self.endpoints.read().iter() {
+            e.stop();
+        }
     }
 
     /// The fleet's decision state, locked (hold it briefly: every request plans through it).
@@ -259,7 +332,7 @@ impl Router {
     ) -> Option<Prepared> {
         let (model, lora) = self.model(&request.model)?;
         let started = Instant::now();
-        let healthy = self.endpoints.iter().find(|e| self.healthy(e.id)).cloned();
+        let healthy = self.endpoints().into_iter().find(|e| self.healthy(e.id));
         let remote = healthy.as_ref().map(|e| Remote {
             client: &self.client,
             base: format!("http://{}", e.authority),

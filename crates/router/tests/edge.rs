@@ -2,29 +2,20 @@
 //! oversized clients, connection limits, the buffered-bytes budget, the admin listener, and
 //! requests that vLLM accepts in every shape.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::engine;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
-use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_sim::server::SimFleet;
 use kvroute_testkit::{eventually, http_get, patience, sample};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const MODEL: &str = "sim-llama-3.1-8b";
-
-async fn engine() -> SimFleet {
-    start_sim(SimConfig {
-        port: 0,
-        events_port: 0,
-        replay_port: Some(0),
-        time_scale: 10.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap()
-}
 
 /// A router in front of one engine URL (no KV events: these tests are about HTTP).
 async fn router_with(url: &str, extra: &str) -> RunningRouter {

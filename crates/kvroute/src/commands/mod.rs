@@ -3,6 +3,8 @@
 pub mod bench;
 pub mod demo;
 pub mod engine_args;
+#[cfg(feature = "epp")]
+pub mod epp;
 pub mod events;
 pub mod hash;
 pub mod serve;

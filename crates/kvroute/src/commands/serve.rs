@@ -23,13 +23,29 @@ pub struct ServeArgs {
     listen: Option<SocketAddr>,
 }
 
+/// Reads and validates a router configuration file (an unusable one exits with its own status:
+/// see `crate::exit_code`).
+pub fn load_config(path: &std::path::Path) -> anyhow::Result<RouterConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    RouterConfig::from_yaml(&text).with_context(|| format!("{}", path.display()))
+}
+
+/// Runs `serving` until it ends or the process is interrupted (Ctrl-C, SIGINT, SIGTERM).
+pub async fn until_interrupted(serving: impl std::future::Future<Output = ()>) {
+    let Ok(mut signals) = Signals::new() else {
+        serving.await;
+        return;
+    };
+    tokio::select! {
+        () = signals.next() => {}
+        () = serving => {}
+    }
+}
+
 /// Runs the router until interrupted.
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let text = std::fs::read_to_string(&args.config)
-        .with_context(|| format!("reading {}", args.config.display()))?;
-    // An unusable configuration exits with its own status (see `crate::exit_code`).
-    let mut config =
-        RouterConfig::from_yaml(&text).with_context(|| format!("{}", args.config.display()))?;
+    let mut config = load_config(&args.config)?;
     if let Some(listen) = args.listen {
         config.listen = listen;
     }

@@ -44,6 +44,16 @@ out["chat_stream"] = {
     "prompt_tokens": usage.prompt_tokens,
 }
 
+history.append({"role": "assistant", "content": "".join(pieces)})
+history.append({"role": "user", "content": "Thanks, one more thing."})
+raw = client.chat.completions.with_raw_response.create(model=model, messages=history, max_tokens=4)
+third = raw.parse()
+out["chat_turn3"] = {
+    "endpoint": raw.headers.get("x-kvroute-endpoint"),
+    "cached_tokens": third.usage.prompt_tokens_details.cached_tokens,
+    "prompt_tokens": third.usage.prompt_tokens,
+}
+
 completion = client.completions.create(model=model, prompt="Once upon a time " * 30, max_tokens=5)
 out["completion"] = {"text": completion.choices[0].text, "completion_tokens": completion.usage.completion_tokens}
 

@@ -1,0 +1,56 @@
+//! Endpoints joining and leaving a running fleet (pods discovered at run time). Ids stay
+//! positions: a removed endpoint's slot is taken out of every plan and reused by a later
+//! endpoint once nothing dispatched there is still in flight.
+
+use super::{EndpointSpec, EndpointState, Fleet, ensure_index};
+use crate::CoreError;
+use crate::index::EndpointId;
+
+impl Fleet {
+    /// Adds an endpoint at `now` and returns its id: the slot of a removed endpoint with
+    /// nothing in flight, else a new one. It starts healthy, untrusted until its KV events
+    /// arrive (when it has them), with nothing cached.
+    pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
+        ensure_index(
+            &mut self.indexes,
+            spec.block_size,
+            self.config.index_capacity,
+        )?;
+        let free = self
+            .endpoints
+            .iter()
+            .position(|e| !e.present && e.inflight == 0);
+        let id = match free {
+            Some(slot) => {
+                let id = EndpointId(slot as u32);
+                // Whatever a previous owner left behind (late events) is not this one's.
+                self.forget_endpoint(id, now);
+                self.endpoints[slot] = EndpointState::new(id, spec);
+                self.reported_trust[slot] = None;
+                id
+            }
+            None => {
+                let id = EndpointId(self.endpoints.len() as u32);
+                self.endpoints.push(EndpointState::new(id, spec));
+                self.reported_trust.push(None);
+                id
+            }
+        };
+        Ok(id)
+    }
+
+    /// Removes `id` at `now` (pod deleted or no longer ready): everything known of its cache
+    /// is forgotten and it is never planned again; requests already dispatched there finish
+    /// and are accounted as usual. Returns whether it was present.
+    pub fn remove_endpoint(&mut self, id: EndpointId, now: f64) -> bool {
+        let present = self.endpoint(id).is_some_and(EndpointState::present);
+        if present {
+            self.forget_endpoint(id, now);
+            if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
+                e.present = false;
+                e.healthy = false;
+            }
+        }
+        present
+    }
+}

@@ -1,0 +1,174 @@
+//! Driving the router from the Kubernetes API: read the pool, then watch its pods and turn
+//! each change into endpoints joining or leaving.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, ResourceExt};
+use kvroute_core::index::EndpointId;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::{KubeDiscovery, PoolSpec, pods, pool};
+use crate::RouterError;
+use crate::config::EndpointConfig;
+use crate::service::Router;
+
+/// The selector and ports to watch: the pool's, or the configured ones.
+async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpec, RouterError> {
+    let Some(name) = &d.inference_pool else {
+        if d.selector.is_empty() || d.target_ports.is_empty() {
+            return Err(RouterError::Config(
+                "discovery: name an inference_pool, or a selector and target_ports".into(),
+            ));
+        }
+        return Ok(PoolSpec {
+            selector: d.selector.clone(),
+            ports: d.target_ports.clone(),
+        });
+    };
+    let mut last = String::new();
+    for version in pool::VERSIONS {
+        let gvk = GroupVersionKind::gvk(pool::GROUP, version, "InferencePool");
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk));
+        match api.get(name).await {
+            Ok(object) => {
+                let value = serde_json::to_value(&object)
+                    .map_err(|e| RouterError::Config(e.to_string()))?;
+                return pool::pool_spec(&value);
+            }
+            Err(e) => last = format!("{version}: {e}"),
+        }
+    }
+    Err(RouterError::Config(format!(
+        "discovery: cannot read InferencePool {ns}/{name} ({last})"
+    )))
+}
+
+/// Connects (to `api_server`, or with the in-cluster or kubeconfig credentials), resolves
+/// the pool and starts watching its pods.
+pub async fn start(
+    router: Arc<Router>,
+    discovery: KubeDiscovery,
+) -> Result<JoinHandle<()>, RouterError> {
+    let no_client = |e: &dyn std::fmt::Display| {
+        RouterError::Config(format!("discovery: no Kubernetes client: {e}"))
+    };
+    let client = match &discovery.api_server {
+        Some(url) => {
+            let url = url.parse().map_err(|e| no_client(&e))?;
+            Client::try_from(kube::Config::new(url)).map_err(|e| no_client(&e))?
+        }
+        None => Client::try_default().await.map_err(|e| no_client(&e))?,
+    };
+    run(router, client, discovery).await
+}
+
+/// Resolves the pool with `client` and starts watching its pods.
+pub async fn run(
+    router: Arc<Router>,
+    client: Client,
+    discovery: KubeDiscovery,
+) -> Result<JoinHandle<()>, RouterError> {
+    let ns = discovery
+        .namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    let spec = resolve(&client, &ns, &discovery).await?;
+    info!(namespace = %ns, selector = %spec.label_selector(), ports = ?spec.ports, "watching pods");
+    let pods: Api<Pod> = Api::namespaced(client, &ns);
+    let config = watcher::Config::default().labels(&spec.label_selector());
+    Ok(tokio::spawn(async move {
+        let mut members = Members::default();
+        let mut stream = watcher::watcher(pods, config).boxed();
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(event) => members.apply(&router, event, &spec.ports, &discovery),
+                // The watcher retries (and relists after 410 Gone) on its own.
+                Err(e) => warn!(error = %e, "pod watch failed; retrying"),
+            }
+        }
+    }))
+}
+
+/// The endpoints each pod put in the router, by pod name.
+#[derive(Default)]
+struct Members {
+    pods: HashMap<String, Vec<(EndpointConfig, EndpointId)>>,
+    /// Pods seen during a (re)list, until it is done.
+    relisting: Option<HashSet<String>>,
+}
+
+impl Members {
+    fn apply(&mut self, router: &Arc<Router>, event: Event<Pod>, ports: &[u16], d: &KubeDiscovery) {
+        match event {
+            Event::Init => self.relisting = Some(HashSet::new()),
+            Event::InitApply(pod) => {
+                if let Some(seen) = self.relisting.as_mut() {
+                    seen.insert(pod.name_any());
+                }
+                self.update(router, &pod, ports, d);
+            }
+            Event::InitDone => {
+                // A relist replaces what was known: pods that vanished meanwhile leave.
+                if let Some(seen) = self.relisting.take() {
+                    let gone: Vec<String> = self
+                        .pods
+                        .keys()
+                        .filter(|p| !seen.contains(*p))
+                        .cloned()
+                        .collect();
+                    for pod in gone {
+                        self.leave(router, &pod);
+                    }
+                }
+            }
+            Event::Apply(pod) => self.update(router, &pod, ports, d),
+            Event::Delete(pod) => self.leave(router, &pod.name_any()),
+        }
+    }
+
+    /// Brings the pod's endpoints in line with what it serves now.
+    fn update(&mut self, router: &Arc<Router>, pod: &Pod, ports: &[u16], d: &KubeDiscovery) {
+        let name = pod.name_any();
+        let wanted = pods::endpoints(pod, ports, d);
+        let current: Vec<EndpointConfig> = self
+            .pods
+            .get(&name)
+            .map(|list| list.iter().map(|(c, _)| c.clone()).collect())
+            .unwrap_or_default();
+        if same(&current, &wanted) {
+            return;
+        }
+        self.leave(router, &name);
+        let mut joined = Vec::new();
+        for config in wanted {
+            match router.add_endpoint(config.clone()) {
+                Ok(id) => joined.push((config, id)),
+                Err(e) => warn!(pod = %name, error = %e, "cannot add the pod's endpoint"),
+            }
+        }
+        if !joined.is_empty() {
+            self.pods.insert(name, joined);
+        }
+    }
+
+    fn leave(&mut self, router: &Router, pod: &str) {
+        for (_, id) in self.pods.remove(pod).unwrap_or_default() {
+            router.remove_endpoint(id);
+        }
+    }
+}
+
+/// Whether two endpoint lists name the same addresses and roles.
+fn same(a: &[EndpointConfig], b: &[EndpointConfig]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.url == y.url && x.role == y.role && x.events == y.events)
+}

@@ -1,0 +1,239 @@
+//! One ext_proc stream, which is one HTTP exchange seen by the data plane: buffer the request
+//! body, ask the router for the same plan `kvroute serve` would make, name the endpoint, then
+//! follow the response (status, body chunks, usage) into the same accounting as the proxy.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_response,
+};
+use kvroute_core::index::EndpointId;
+use kvroute_vllm::openai::ApiError;
+
+use super::protocol;
+use crate::accounting::Accounting;
+use crate::proxy::{self, Api, Refused, Routed, healthy_rotation, request_id};
+use crate::service::{Prepared, Router};
+
+/// The state of one exchange.
+pub struct Exchange {
+    router: Arc<Router>,
+    fallbacks: usize,
+    started: Instant,
+    path: String,
+    headers: http::HeaderMap,
+    subset: Option<Vec<String>>,
+    body: Vec<u8>,
+    /// Set once routed: the request's share of its endpoint's load, and the endpoint's name.
+    accounting: Option<(Accounting, String)>,
+}
+
+impl Exchange {
+    /// A new exchange; `fallbacks` bounds the endpoints named in the `envoy.lb` list.
+    pub fn new(router: Arc<Router>, fallbacks: usize) -> Self {
+        Self {
+            router,
+            fallbacks: fallbacks.max(1),
+            started: Instant::now(),
+            path: String::new(),
+            headers: http::HeaderMap::new(),
+            subset: None,
+            body: Vec::new(),
+            accounting: None,
+        }
+    }
+
+    /// The answer to one message of the data plane (`None`: nothing to answer).
+    pub async fn handle(&mut self, message: ProcessingRequest) -> Option<ProcessingResponse> {
+        let metadata = message.metadata_context;
+        Some(match message.request? {
+            Request::RequestHeaders(h) => {
+                self.subset = protocol::subset_hint(metadata.as_ref());
+                self.request_headers(&h)
+            }
+            Request::RequestBody(b) => self.request_body(b).await,
+            Request::ResponseHeaders(h) => self.response_headers(&h),
+            Request::ResponseBody(b) => self.response_body(&b),
+            Request::RequestTrailers(_) => trailers(true),
+            Request::ResponseTrailers(_) => {
+                self.accounting.take();
+                trailers(false)
+            }
+        })
+    }
+
+    fn request_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
+        self.path = protocol::pseudo(h, ":path").unwrap_or_default();
+        self.headers = protocol::header_map(h);
+        if h.end_of_stream {
+            // No body (`GET /v1/models` and the like): any healthy endpoint will do.
+            return self.route_anywhere(false);
+        }
+        protocol::continue_request_headers()
+    }
+
+    async fn request_body(&mut self, b: HttpBody) -> ProcessingResponse {
+        let limit = self.router.config().limits.max_body_bytes;
+        if self.body.len() + b.body.len() > limit {
+            return self.refuse(
+                &ApiError::new(413, format!("request body larger than {limit} bytes")).into(),
+            );
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return protocol::continue_request_body();
+        }
+        let api = match self.path.split('?').next().unwrap_or_default() {
+            "/v1/completions" => Api::Completions,
+            "/v1/chat/completions" => Api::Chat,
+            _ => return self.route_anywhere(true),
+        };
+        let body = std::mem::take(&mut self.body);
+        match proxy::route(&self.router, api, &self.headers, &body).await {
+            Ok(routed) => self.route_planned(routed),
+            Err(refused) => self.refuse(&refused),
+        }
+    }
+
+    /// Routes a planned generation request: the first endpoint of core's ranking the subset
+    /// allows, recorded as dispatched there.
+    fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
+        let Routed { prepared, plan } = routed;
+        let ranking = self.allowed(&plan.decision.ranking);
+        let reason = plan.decision.reason.as_str();
+        self.dispatch(&ranking, &plan.predicted_cached, &prepared, reason, true)
+    }
+
+    /// Routes a request that needs no cache to any healthy endpoint the subset allows.
+    fn route_anywhere(&mut self, on_body: bool) -> ProcessingResponse {
+        let ranking = self.allowed(&healthy_rotation(&self.router));
+        let prepared = Prepared::uncached(&self.router);
+        self.dispatch(&ranking, &[], &prepared, "passthrough", on_body)
+    }
+
+    /// The endpoints of `ranking` the data plane's subset hint allows, in order.
+    fn allowed(&self, ranking: &[EndpointId]) -> Vec<EndpointId> {
+        ranking
+            .iter()
+            .copied()
+            .filter(|&id| {
+                self.subset.as_ref().is_none_or(|subset| {
+                    let endpoint = self.router.endpoint(id);
+                    subset.iter().any(|s| s == endpoint.authority.as_str())
+                })
+            })
+            .collect()
+    }
+
+    fn dispatch(
+        &mut self,
+        ranking: &[EndpointId],
+        predicted_cached: &[usize],
+        prepared: &Prepared,
+        reason: &'static str,
+        on_body: bool,
+    ) -> ProcessingResponse {
+        let Some(&first) = ranking.first() else {
+            let why = if self.subset.is_some() {
+                "no endpoint of the gateway's subset can serve this request; retry shortly"
+            } else {
+                "no healthy endpoint serves this model; retry shortly"
+            };
+            return self.refuse(&ApiError::new(503, why).into());
+        };
+        let fallbacks: Vec<String> = ranking
+            .iter()
+            .take(self.fallbacks)
+            .map(|&id| self.router.endpoint(id).authority.to_string())
+            .collect();
+        // The data plane connects on its own: the dispatch is recorded when the EPP names the
+        // endpoint, the closest it can see to "a connection was made".
+        let dispatch = self.router.dispatched(predicted_cached, prepared, first);
+        let name = self.router.endpoint(first).name.clone();
+        let accounting = Accounting::new(
+            self.router.clone(),
+            dispatch,
+            reason,
+            request_id(&self.headers),
+            self.started,
+        );
+        self.accounting = Some((accounting, name));
+        let extra: Vec<(&str, &str)> = prefiller(prepared).into_iter().collect();
+        protocol::route(&fallbacks, &extra, on_body)
+            .unwrap_or_else(protocol::continue_request_headers)
+    }
+
+    fn refuse(&self, refused: &Refused) -> ProcessingResponse {
+        let e = &refused.error;
+        self.router
+            .metrics()
+            .rejected
+            .get_or_create(&vec![("status", e.status.to_string())])
+            .inc();
+        // The Endpoint Picker Protocol answers every shed request 429, whatever the cause.
+        let (status, dropped) = match refused.shed {
+            Some(why) => (429, Some(drop_reason(why))),
+            None => (e.status, None),
+        };
+        protocol::immediate(status, e.to_json(), dropped)
+    }
+
+    fn response_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
+        let status = protocol::pseudo(h, ":status")
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or(0);
+        let answer = match self.accounting.as_mut() {
+            Some((accounting, name)) => {
+                accounting.status = status;
+                protocol::response_headers(&[(proxy::ENDPOINT_HEADER, name.as_str())])
+            }
+            None => protocol::response_headers(&[]),
+        };
+        if h.end_of_stream {
+            self.accounting.take();
+        }
+        answer
+    }
+
+    fn response_body(&mut self, b: &HttpBody) -> ProcessingResponse {
+        if let Some((accounting, _)) = self.accounting.as_mut() {
+            accounting.observe(&b.body);
+        }
+        if b.end_of_stream {
+            // Finished: the fleet hears of it now, with the engine's reported cached tokens.
+            self.accounting.take();
+        }
+        protocol::continue_response_body()
+    }
+}
+
+/// Where a disaggregated prefill would be named for llm-d's P/D sidecar
+/// ([`protocol::PREFILLER`], `ip:port` of the prefill endpoint). Core plans no disaggregated
+/// prefill yet, so none is named; when it does, return the prefill endpoint's authority here
+/// (only ever an endpoint of the fleet, so a request can never steer the sidecar outside it).
+fn prefiller(_prepared: &Prepared) -> Option<(&'static str, &'static str)> {
+    None
+}
+
+/// llm-d's `x-llm-d-request-dropped-reason` for a shed request.
+fn drop_reason(why: kvroute_core::fleet::Shed) -> &'static str {
+    match why {
+        kvroute_core::fleet::Shed::Timeout => "rejected-ttl-expired",
+        _ => "rejected-saturated",
+    }
+}
+
+fn trailers(request: bool) -> ProcessingResponse {
+    use envoy_types::pb::envoy::service::ext_proc::v3::TrailersResponse;
+    let t = TrailersResponse::default();
+    ProcessingResponse {
+        response: Some(if request {
+            processing_response::Response::RequestTrailers(t)
+        } else {
+            processing_response::Response::ResponseTrailers(t)
+        }),
+        ..ProcessingResponse::default()
+    }
+}

@@ -1,0 +1,203 @@
+//! `kvroute epp`: the router as a Gateway API Inference Extension endpoint picker. A gateway
+//! (Envoy, Istio, kgateway, ...) calls it over Envoy's ext_proc gRPC stream for every request;
+//! it answers with the endpoint core picked (`x-gateway-destination-endpoint` and the `envoy.lb`
+//! fallback list), and follows the response so that load and cache accounting work exactly as
+//! in `kvroute serve`. The background tasks (KV events, health checks, scraping) and the admin
+//! listener are `serve`'s own.
+//!
+//! The data plane must send the request headers and the **buffered** request body, and the
+//! response headers and **streamed** response body (`examples/envoy-epp.yaml`).
+
+mod exchange;
+pub mod protocol;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::{Stream, StreamExt};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+use tracing::{debug, info, warn};
+
+use crate::RouterError;
+use crate::config::RouterConfig;
+use crate::server::{bind, spawn_admin, spawn_background};
+use crate::service::Router;
+use exchange::Exchange;
+
+/// The gRPC service name of ext_proc, as health checks name it.
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// How `kvroute epp` runs, beside the router's configuration.
+#[derive(Clone, Debug)]
+pub struct EppOptions {
+    /// The gRPC (ext_proc and health) listen address.
+    pub listen: SocketAddr,
+    /// Endpoints named in the `envoy.lb` fallback list, first choice included.
+    pub fallbacks: usize,
+    /// Ready after this long even if some KV-event subscriber never connected (a dead engine
+    /// must not keep the whole picker unready).
+    pub ready_after: Duration,
+}
+
+impl Default for EppOptions {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
+            fallbacks: 3,
+            ready_after: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The ext_proc service: one [`Exchange`] per stream.
+pub struct Picker {
+    router: Arc<Router>,
+    fallbacks: usize,
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Picker {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let mut exchange = Exchange::new(self.router.clone(), self.fallbacks);
+        // The exchange lives in this task: when the data plane ends the stream (or goes away),
+        // it is dropped and its accounting handed back to the fleet.
+        tokio::spawn(async move {
+            while let Some(message) = inbound.next().await {
+                let message = match message {
+                    Ok(m) => m,
+                    // Envoy resets the stream once its HTTP exchange is over: routine.
+                    Err(status) => {
+                        debug!(%status, "ext_proc stream ended by the data plane");
+                        break;
+                    }
+                };
+                if let Some(answer) = exchange.handle(message).await
+                    && tx.send(Ok(answer)).await.is_err()
+                {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// A running endpoint picker; dropping it stops everything.
+pub struct RunningEpp {
+    /// The gRPC address (with the real port when port 0 was configured).
+    pub addr: SocketAddr,
+    /// The admin listener's address (`/metrics`, `/kvroute/v1/explain`, `/health`).
+    pub admin_addr: SocketAddr,
+    /// The router state behind it.
+    pub router: Arc<Router>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RunningEpp {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        self.router.stop_endpoints();
+    }
+}
+
+impl RunningEpp {
+    /// Waits until the gRPC server stops (it runs until dropped).
+    pub async fn wait(mut self) {
+        if let Some(server) = self.tasks.pop() {
+            let _ = server.await;
+        }
+    }
+}
+
+/// Binds the gRPC and admin listeners and starts every task on the current tokio runtime.
+pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningEpp, RouterError> {
+    let router = Arc::new(Router::new(config)?);
+    let (listener, addr) = bind(options.listen).await?;
+    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
+    let (admin_addr, admin) = spawn_admin(&router, budget).await?;
+    let mut tasks = spawn_background(&router);
+    tasks.push(admin);
+    tasks.extend(crate::discovery::spawn(&router).await?);
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    for service in ["", "readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(service, ServingStatus::NotServing)
+            .await;
+    }
+    tasks.push(tokio::spawn(readiness(
+        router.clone(),
+        reporter,
+        options.ready_after,
+    )));
+    let picker = Picker {
+        router: router.clone(),
+        fallbacks: options.fallbacks,
+    };
+    info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");
+    let server = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(ExternalProcessorServer::new(picker))
+        .serve_with_incoming(TcpListenerStream::new(listener));
+    tasks.push(tokio::spawn(async move {
+        if let Err(e) = server.await {
+            warn!(error = %e, "the ext_proc server stopped");
+        }
+    }));
+    Ok(RunningEpp {
+        addr,
+        admin_addr,
+        router,
+        tasks,
+    })
+}
+
+/// Marks the picker ready once every KV-event subscriber has connected at least once (or
+/// after `ready_after`, whichever comes first): before, its picture of the caches is empty.
+async fn readiness(router: Arc<Router>, reporter: HealthReporter, ready_after: Duration) {
+    let deadline = tokio::time::Instant::now() + ready_after;
+    loop {
+        let connected = router.endpoints().iter().all(|e| {
+            e.subscriber
+                .lock()
+                .as_ref()
+                .is_none_or(|s| s.stats().iter().all(|(_, st)| st.connects > 0))
+        });
+        if connected || tokio::time::Instant::now() >= deadline {
+            if !connected {
+                warn!("some KV-event subscribers never connected; ready anyway");
+            }
+            for service in ["", "readiness", EXT_PROC_SERVICE] {
+                reporter
+                    .set_service_status(service, ServingStatus::Serving)
+                    .await;
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,321 @@
+//! The Endpoint Picker Protocol's wire shapes (Gateway API Inference Extension, proposal 004)
+//! on top of Envoy's ext_proc messages: reading headers and subset hints, and building the
+//! answers (continue, route with fallbacks, immediate response). Pure functions, no state.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
+    ProcessingResponse, processing_response::Response,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+/// The header (and `envoy.lb` metadata key) naming the picked endpoint, `ip:port`.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The metadata namespace of the destination and of subset hints' answer.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The filter-metadata namespace a data plane puts a subset hint in.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The key of the subset hint: a list (or comma-separated string) of `ip:port`.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// The header naming why flow control dropped a request (llm-d's name).
+pub const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
+/// The llm-d P/D sidecar's header naming the prefill endpoint, `ip:port`. kvroute's core does
+/// not plan a disaggregated prefill yet; [`super::exchange`] leaves the hook where it would be
+/// set (see `prefiller` there).
+pub const PREFILLER: &str = "x-prefiller-host-port";
+
+fn raw(h: &HeaderValue) -> &[u8] {
+    if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    }
+}
+
+/// The headers as an `http::HeaderMap`, pseudo-headers (`:path`, `:status`) left out; values
+/// come in `raw_value` from current Envoy, `value` from older ones. Malformed names or values
+/// are skipped.
+pub fn header_map(headers: &HttpHeaders) -> http::HeaderMap {
+    let mut map = http::HeaderMap::new();
+    for h in headers.headers.iter().flat_map(|m| &m.headers) {
+        let raw = raw(h);
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(h.key.as_bytes()),
+            http::HeaderValue::from_bytes(raw),
+        ) {
+            map.append(name, value);
+        }
+    }
+    map
+}
+
+/// A pseudo-header's value (`:path`, `:method`, `:status`), as text.
+pub fn pseudo(headers: &HttpHeaders, name: &str) -> Option<String> {
+    headers
+        .headers
+        .iter()
+        .flat_map(|m| &m.headers)
+        .find(|h| h.key == name)
+        .and_then(|h| std::str::from_utf8(raw(h)).ok().map(str::to_owned))
+}
+
+/// One header's value as text.
+pub fn header<'a>(map: &'a http::HeaderMap, name: &str) -> Option<&'a str> {
+    map.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The subset of endpoints (`ip:port`) the data plane allows, if it sent a hint.
+pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
+    let value = metadata?
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?
+        .fields
+        .get(SUBSET_KEY)?;
+    let mut out = Vec::new();
+    match value.kind.as_ref()? {
+        Kind::ListValue(list) => {
+            for v in &list.values {
+                if let Some(Kind::StringValue(s)) = &v.kind {
+                    out.extend(split_list(s));
+                }
+            }
+        }
+        Kind::StringValue(s) => out.extend(split_list(s)),
+        _ => {}
+    }
+    Some(out)
+}
+
+fn split_list(s: &str) -> impl Iterator<Item = String> + '_ {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        ..HeaderValueOption::default()
+    }
+}
+
+fn string_value(s: String) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s)),
+    }
+}
+
+/// The answer that lets a request (or response) phase continue unchanged.
+pub fn continue_request_headers() -> ProcessingResponse {
+    respond(Response::RequestHeaders(HeadersResponse::default()))
+}
+
+/// Continue a request-body chunk unchanged.
+pub fn continue_request_body() -> ProcessingResponse {
+    respond(Response::RequestBody(BodyResponse::default()))
+}
+
+/// Continue a response-body chunk unchanged.
+pub fn continue_response_body() -> ProcessingResponse {
+    respond(Response::ResponseBody(BodyResponse::default()))
+}
+
+/// Adds `headers` to the response on its way to the client.
+pub fn response_headers(headers: &[(&str, &str)]) -> ProcessingResponse {
+    respond(Response::ResponseHeaders(HeadersResponse {
+        response: Some(mutation(headers, false)),
+    }))
+}
+
+fn mutation(headers: &[(&str, &str)], clear_route_cache: bool) -> CommonResponse {
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
+            ..HeaderMutation::default()
+        }),
+        clear_route_cache,
+        ..CommonResponse::default()
+    }
+}
+
+fn respond(response: Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// Where the request goes: the header names the first endpoint (what an `ORIGINAL_DST`
+/// cluster keyed on the header connects to), the `envoy.lb` metadata the ordered fallback
+/// list (first the same endpoint), and any `extra` headers (the P/D hook). `on_body` says
+/// whether this answers the request body (buffered mode) or its headers (a bodiless request).
+pub fn route(
+    fallbacks: &[String],
+    extra: &[(&str, &str)],
+    on_body: bool,
+) -> Option<ProcessingResponse> {
+    let first = fallbacks.first()?;
+    let mut headers = vec![(DESTINATION, first.as_str())];
+    headers.extend_from_slice(extra);
+    let common = Some(mutation(&headers, true));
+    let response = if on_body {
+        Response::RequestBody(BodyResponse { response: common })
+    } else {
+        Response::RequestHeaders(HeadersResponse { response: common })
+    };
+    let lb = Struct {
+        fields: HashMap::from([(DESTINATION.to_owned(), string_value(fallbacks.join(",")))]),
+    };
+    let metadata = Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(lb)),
+            },
+        )]),
+    };
+    Some(ProcessingResponse {
+        response: Some(response),
+        dynamic_metadata: Some(metadata),
+        ..ProcessingResponse::default()
+    })
+}
+
+/// A response Envoy sends to the client at once, without an upstream: `body` is the OpenAI
+/// error JSON; `dropped` names flow control's reason when it shed the request.
+pub fn immediate(status: u16, body: String, dropped: Option<&str>) -> ProcessingResponse {
+    let mut headers = vec![("content-type", "application/json")];
+    if status == 503 || status == 429 {
+        headers.push(("retry-after", "1"));
+    }
+    if let Some(reason) = dropped {
+        headers.push((DROPPED_REASON, reason));
+    }
+    respond(Response::ImmediateResponse(ImmediateResponse {
+        status: Some(HttpStatus {
+            code: i32::from(status),
+        }),
+        headers: Some(HeaderMutation {
+            set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
+            ..HeaderMutation::default()
+        }),
+        body: body.into_bytes(),
+        details: "kvroute_epp".to_owned(),
+        ..ImmediateResponse::default()
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+    use envoy_types::pb::google::protobuf::ListValue;
+
+    use super::*;
+
+    fn lb_metadata(r: &ProcessingResponse) -> String {
+        let md = r.dynamic_metadata.as_ref().unwrap();
+        let Some(Kind::StructValue(lb)) = &md.fields[LB_NAMESPACE].kind else {
+            panic!("no envoy.lb struct");
+        };
+        let Some(Kind::StringValue(s)) = &lb.fields[DESTINATION].kind else {
+            panic!("no destination");
+        };
+        s.clone()
+    }
+
+    #[test]
+    fn route_names_the_first_endpoint_and_every_fallback_in_order() {
+        let list = vec!["10.0.0.2:8000".to_owned(), "10.0.0.1:8000".to_owned()];
+        let r = route(&list, &[], true).unwrap();
+        assert_eq!(lb_metadata(&r), "10.0.0.2:8000,10.0.0.1:8000");
+        let Some(Response::RequestBody(body)) = &r.response else {
+            panic!("not a body response");
+        };
+        let common = body.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        let set = &common.header_mutation.as_ref().unwrap().set_headers;
+        let h = set[0].header.as_ref().unwrap();
+        assert_eq!(h.key, DESTINATION);
+        assert_eq!(h.raw_value, b"10.0.0.2:8000");
+        assert!(route(&[], &[], true).is_none());
+    }
+
+    #[test]
+    fn subset_hints_are_read_as_lists_or_comma_separated_strings() {
+        let hint = |v: Value| Metadata {
+            filter_metadata: HashMap::from([(
+                SUBSET_NAMESPACE.to_owned(),
+                Struct {
+                    fields: HashMap::from([(SUBSET_KEY.to_owned(), v)]),
+                },
+            )]),
+            ..Metadata::default()
+        };
+        let list = hint(Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![string_value("a:1".into()), string_value("b:2, c:3".into())],
+            })),
+        });
+        assert_eq!(subset_hint(Some(&list)).unwrap(), ["a:1", "b:2", "c:3"]);
+        let text = hint(string_value("a:1,b:2".into()));
+        assert_eq!(subset_hint(Some(&text)).unwrap(), ["a:1", "b:2"]);
+        assert_eq!(subset_hint(None), None);
+        assert_eq!(subset_hint(Some(&Metadata::default())), None);
+    }
+
+    #[test]
+    fn headers_read_raw_or_text_values_and_skip_malformed_ones() {
+        let h = HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    HeaderValue {
+                        key: ":path".into(),
+                        raw_value: b"/v1/completions".to_vec(),
+                        ..HeaderValue::default()
+                    },
+                    HeaderValue {
+                        key: "x-session".into(),
+                        value: "s1".into(),
+                        ..HeaderValue::default()
+                    },
+                    HeaderValue {
+                        key: "bad name".into(),
+                        value: "x".into(),
+                        ..HeaderValue::default()
+                    },
+                ],
+            }),
+            ..HttpHeaders::default()
+        };
+        let map = header_map(&h);
+        assert_eq!(pseudo(&h, ":path").as_deref(), Some("/v1/completions"));
+        assert_eq!(header(&map, "x-session"), Some("s1"));
+        assert_eq!(map.len(), 1);
+    }
+
+    #[test]
+    fn immediate_responses_carry_status_retry_after_and_drop_reason() {
+        let r = immediate(429, "{}".into(), Some("rejected-saturated"));
+        let Some(Response::ImmediateResponse(i)) = r.response else {
+            panic!("not immediate");
+        };
+        assert_eq!(i.status.unwrap().code, 429);
+        let keys: Vec<_> = i
+            .headers
+            .unwrap()
+            .set_headers
+            .into_iter()
+            .map(|h| h.header.unwrap().key)
+            .collect();
+        assert!(keys.contains(&"retry-after".to_owned()));
+        assert!(keys.contains(&DROPPED_REASON.to_owned()));
+    }
+}

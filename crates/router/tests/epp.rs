@@ -1,0 +1,269 @@
+//! The endpoint picker's ext_proc stream, driven by a tonic client playing the data plane, in
+//! front of simulated engines: routing, fallbacks, subset hints, refusals, response-path
+//! accounting and gRPC health.
+
+mod common;
+
+use common::engine;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use kvroute_core::index::EndpointId;
+use kvroute_router::config::RouterConfig;
+use kvroute_router::epp::protocol::{DESTINATION, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
+use kvroute_router::epp::{EppOptions, RunningEpp, start};
+use kvroute_sim::server::SimFleet;
+use kvroute_testkit::eventually;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+async fn picker(engines: &[&SimFleet]) -> RunningEpp {
+    let mut yaml = format!(
+        "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nendpoints:\n"
+    );
+    for fleet in engines {
+        let ep = &fleet.endpoints[0];
+        yaml.push_str(&format!(
+            "  - {{url: '{}', events: '{}'}}\n",
+            ep.url, ep.events
+        ));
+    }
+    let options = EppOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..EppOptions::default()
+    };
+    start(RouterConfig::from_yaml(&yaml).unwrap(), options)
+        .await
+        .unwrap()
+}
+
+/// One ext_proc stream: send each message, collect each answer.
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(epp: &RunningEpp) -> Self {
+        let mut client = ExternalProcessorClient::connect(format!("http://{}", epp.addr))
+            .await
+            .unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        let rx = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Self { tx, rx }
+    }
+
+    async fn send(&mut self, request: Request, metadata: Option<Metadata>) -> Response {
+        self.send_full(request, metadata).await.response.unwrap()
+    }
+
+    async fn send_full(
+        &mut self,
+        request: Request,
+        metadata: Option<Metadata>,
+    ) -> ProcessingResponse {
+        self.tx
+            .send(ProcessingRequest {
+                request: Some(request),
+                metadata_context: metadata,
+                ..ProcessingRequest::default()
+            })
+            .await
+            .unwrap();
+        self.rx.message().await.unwrap().unwrap()
+    }
+}
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
+    HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).to_owned(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..HeaderValue::default()
+                })
+                .collect(),
+        }),
+        end_of_stream,
+        ..HttpHeaders::default()
+    }
+}
+
+fn body(text: &str) -> Request {
+    Request::RequestBody(HttpBody {
+        body: text.as_bytes().to_vec(),
+        end_of_stream: true,
+        ..HttpBody::default()
+    })
+}
+
+fn subset(endpoints: &[&str]) -> Metadata {
+    let list = endpoints.join(",");
+    Metadata {
+        filter_metadata: [(
+            SUBSET_NAMESPACE.to_owned(),
+            Struct {
+                fields: [(
+                    SUBSET_KEY.to_owned(),
+                    Value {
+                        kind: Some(Kind::StringValue(list)),
+                    },
+                )]
+                .into(),
+            },
+        )]
+        .into(),
+        ..Metadata::default()
+    }
+}
+
+/// Sends a completion request: the destination header and the `envoy.lb` fallback list, or
+/// the immediate response's status.
+async fn route(stream: &mut Stream, hint: Option<Metadata>) -> Result<(String, String), u32> {
+    let h = headers(&[(":path", "/v1/completions"), (":method", "POST")], false);
+    assert!(matches!(
+        stream.send(Request::RequestHeaders(h), hint).await,
+        Response::RequestHeaders(_)
+    ));
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let full = stream.send_full(body(&request), None).await;
+    let message = match full.response.unwrap() {
+        Response::RequestBody(b) => b.response.unwrap(),
+        Response::ImmediateResponse(i) => return Err(i.status.unwrap().code as u32),
+        other => panic!("unexpected answer {other:?}"),
+    };
+    let set = message.header_mutation.unwrap().set_headers;
+    let header = set
+        .iter()
+        .find_map(|h| h.header.as_ref().filter(|h| h.key == DESTINATION))
+        .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
+        .unwrap();
+    let lb = &full.dynamic_metadata.unwrap().fields[LB_NAMESPACE];
+    let Some(Kind::StructValue(lb)) = &lb.kind else {
+        panic!("no envoy.lb struct");
+    };
+    let Some(Kind::StringValue(list)) = &lb.fields[DESTINATION].kind else {
+        panic!("no fallback list");
+    };
+    Ok((header, list.clone()))
+}
+
+fn id_of(epp: &RunningEpp, authority: &str) -> EndpointId {
+    let endpoints = epp.router.endpoints();
+    endpoints
+        .iter()
+        .find(|e| e.authority.as_str() == authority)
+        .unwrap()
+        .id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_routes_follows_the_response_and_honours_subsets() {
+    let (a, b) = (engine().await, engine().await);
+    let epp = picker(&[&a, &b]).await;
+    let authority = |f: &SimFleet| f.endpoints[0].url.trim_start_matches("http://").to_owned();
+    let (a_addr, b_addr) = (authority(&a), authority(&b));
+
+    // Ready once the subscribers connected.
+    let channel = Channel::from_shared(format!("http://{}", epp.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let mut ready = false;
+    for _ in 0..200 {
+        let status = health
+            .check(HealthCheckRequest {
+                service: "readiness".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        if status == ServingStatus::Serving as i32 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(ready, "the picker never became ready");
+
+    // Routed: the header names an engine, the response path hands the load back.
+    let mut stream = Stream::open(&epp).await;
+    let (chosen, fallbacks) = route(&mut stream, None).await.unwrap();
+    assert!(chosen == a_addr || chosen == b_addr, "{chosen}");
+    let other = if chosen == a_addr { &b_addr } else { &a_addr };
+    assert_eq!(fallbacks, format!("{chosen},{other}"));
+    let id = id_of(&epp, &chosen);
+    assert_eq!(epp.router.load(id).inflight, 1);
+    let answer = stream
+        .send(
+            Request::ResponseHeaders(headers(&[(":status", "200")], false)),
+            None,
+        )
+        .await;
+    let Response::ResponseHeaders(h) = answer else {
+        panic!("{answer:?}");
+    };
+    let added = h.response.unwrap().header_mutation.unwrap().set_headers;
+    assert_eq!(added[0].header.as_ref().unwrap().key, "x-kvroute-endpoint");
+    let usage = r#"{"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"#;
+    let answer = stream
+        .send(
+            Request::ResponseBody(HttpBody {
+                body: usage.as_bytes().to_vec(),
+                end_of_stream: true,
+                ..HttpBody::default()
+            }),
+            None,
+        )
+        .await;
+    assert!(matches!(answer, Response::ResponseBody(_)));
+    assert_eq!(epp.router.load(id).inflight, 0);
+
+    // A subset hint narrows the choice; an empty intersection is answered 503.
+    for _ in 0..4 {
+        let mut stream = Stream::open(&epp).await;
+        let hint = subset(&[b_addr.as_str()]);
+        let (chosen, fallbacks) = route(&mut stream, Some(hint)).await.unwrap();
+        assert_eq!(
+            (chosen.as_str(), fallbacks.as_str()),
+            (b_addr.as_str(), b_addr.as_str())
+        );
+    }
+    let mut stream = Stream::open(&epp).await;
+    assert_eq!(
+        route(&mut stream, Some(subset(&["10.9.9.9:8000"]))).await,
+        Err(503)
+    );
+    // The stream going away mid-response hands its load back too.
+    let mut stream = Stream::open(&epp).await;
+    let (chosen, _) = route(&mut stream, None).await.unwrap();
+    drop(stream);
+    let id = id_of(&epp, &chosen);
+    let router = epp.router.clone();
+    eventually("load handed back", || {
+        let inflight = router.load(id).inflight;
+        (inflight == 0, inflight)
+    })
+    .await;
+}

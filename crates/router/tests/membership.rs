@@ -1,0 +1,83 @@
+//! Endpoints joining and leaving a running router (what Kubernetes discovery drives), in front
+//! of simulated engines over real HTTP and ZMQ.
+
+mod common;
+
+use common::engine;
+use kvroute_router::config::{EndpointConfig, RouterConfig};
+use kvroute_router::server::start;
+use kvroute_sim::server::SimFleet;
+use kvroute_testkit::eventually;
+use serde_json::json;
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+fn endpoint_config(fleet: &SimFleet, name: &str) -> EndpointConfig {
+    let ep = &fleet.endpoints[0];
+    let yaml = format!(
+        "{{name: {name}, url: '{}', events: '{}'}}",
+        ep.url, ep.events
+    );
+    serde_yaml_ng::from_str(&yaml).unwrap()
+}
+
+async fn served_by(client: &reqwest::Client, addr: std::net::SocketAddr, i: usize) -> String {
+    let response = client
+        .post(format!("http://{addr}/v1/completions"))
+        .json(
+            &json!({"model": MODEL, "prompt": format!("request {i} ").repeat(20), "max_tokens": 1}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_join_and_leave_a_running_router() {
+    let (a, b) = (engine().await, engine().await);
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nendpoints:\n  - {{name: a, url: '{}'}}\n",
+        a.endpoints[0].url
+    );
+    let running = start(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let router = running.router.clone();
+    let client = reqwest::Client::new();
+
+    // b joins: its subscriber connects and requests reach it.
+    let id = router.add_endpoint(endpoint_config(&b, "b")).unwrap();
+    let added = router.endpoint(id);
+    eventually("b's subscriber connected", || {
+        let stats = added.subscriber.lock().as_ref().map(|s| s.stats());
+        let ok = stats
+            .as_ref()
+            .is_some_and(|s| s.iter().all(|(_, f)| f.connected));
+        (ok, stats)
+    })
+    .await;
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        seen.insert(served_by(&client, running.addr, i).await);
+    }
+    assert!(seen.contains("b"), "{seen:?}");
+
+    // b leaves: nothing goes there any more, its tasks stop, and a bad config is refused.
+    assert!(router.remove_endpoint(id));
+    assert!(!router.remove_endpoint(id));
+    assert!(added.subscriber.lock().is_none());
+    for i in 12..20 {
+        assert_eq!(served_by(&client, running.addr, i).await, "a");
+    }
+    let mut bad = endpoint_config(&b, "c");
+    bad.url = "ftp://x".into();
+    assert!(router.add_endpoint(bad).is_err());
+
+    // It can come back, in its old slot.
+    assert_eq!(router.add_endpoint(endpoint_config(&b, "b")).unwrap(), id);
+}

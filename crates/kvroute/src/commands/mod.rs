@@ -6,6 +6,7 @@ pub mod engine_args;
 #[cfg(feature = "epp")]
 pub mod epp;
 pub mod events;
+pub mod fleet_args;
 pub mod hash;
 pub mod serve;
 pub mod sim;

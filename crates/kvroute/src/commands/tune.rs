@@ -10,13 +10,12 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_core::schedule::{Profile, ProfileName};
-use kvroute_simulate::FleetConfig;
 use kvroute_simulate::tune::{
     Case, Objective, PARAMS, Split, TuneConfig, TuneOutcome, tune_cases, yaml_snippet,
 };
 
-use super::engine_args::EngineArgs;
 use super::events::parse_duration;
+use super::fleet_args::FleetArgs;
 use super::target_suite;
 use super::workload::WorkloadArgs;
 
@@ -41,11 +40,8 @@ enum SplitKind {
 /// Arguments of `kvroute tune`.
 #[derive(Args)]
 pub struct TuneArgs {
-    /// Engines in the fleet.
-    #[arg(long, default_value_t = 4)]
-    engines: usize,
     #[command(flatten)]
-    engine: EngineArgs,
+    fleet: FleetArgs,
     #[command(flatten)]
     workload: WorkloadArgs,
     /// The policy whose parameters are searched (`precise` or `approximate`).
@@ -69,12 +65,6 @@ pub struct TuneArgs {
     /// How the held-out sessions are chosen.
     #[arg(long, value_enum, default_value = "session")]
     split: SplitKind,
-    /// Delay of KV events from the engine to the router.
-    #[arg(long, default_value = "1ms", value_parser = parse_duration)]
-    event_delay: Duration,
-    /// How often the router scrapes each engine's load.
-    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
-    scrape_interval: Duration,
     /// Tune on every workload of the scheduler's targets together (docs/benchmarks.md), each
     /// on its own fleet, instead of the workload flags; with `--trace`, the Mooncake slice too.
     #[arg(long)]
@@ -90,14 +80,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         (0.0..1.0).contains(&args.holdout) && args.holdout > 0.0,
         "--holdout must be between 0 and 1"
     );
-    let fleet = FleetConfig {
-        engines: args.engines,
-        engine: args.engine.engine_config()?,
-        event_delay_s: args.event_delay.as_secs_f64(),
-        scrape_interval_s: args.scrape_interval.as_secs_f64(),
-        seed: args.workload.seed(),
-        ..FleetConfig::default()
-    };
+    let fleet = args.fleet.fleet(args.workload.seed())?;
     let cases = if args.suite {
         target_suite::cases(&fleet, args.workload.trace(), args.workload.seed())?
     } else {

@@ -47,16 +47,21 @@ fn the_split_keeps_every_session_once_and_time_holds_out_the_latest() {
     assert!(held.sessions.iter().all(|s| s.id > last_tuned));
 }
 
-#[test]
-fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
-    let fleet = FleetConfig {
+/// Two engines of 300 blocks: small enough for several simulations per test.
+fn small_fleet() -> FleetConfig {
+    FleetConfig {
         engines: 2,
         engine: EngineConfig {
             num_gpu_blocks: 300,
             ..EngineConfig::default()
         },
         ..FleetConfig::default()
-    };
+    }
+}
+
+#[test]
+fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
+    let fleet = small_fleet();
     let config = TuneConfig {
         objective: Objective::TtftP90,
         max_imbalance: 10.0,
@@ -110,14 +115,7 @@ fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
 
 #[test]
 fn several_workloads_are_tuned_together_relative_to_the_defaults() {
-    let fleet = FleetConfig {
-        engines: 2,
-        engine: EngineConfig {
-            num_gpu_blocks: 300,
-            ..EngineConfig::default()
-        },
-        ..FleetConfig::default()
-    };
+    let fleet = small_fleet();
     let cases: Vec<Case> = [3u64, 4]
         .iter()
         .map(|&seed| Case {

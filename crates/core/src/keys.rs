@@ -18,6 +18,16 @@ use crate::CoreError;
 #[serde(transparent)]
 pub struct RouterKey(pub u64);
 
+impl RouterKey {
+    /// The key for a 64-bit block hash. Router keys use 63 bits and are never zero, so the
+    /// index can keep a flag in the top bit and mark vacant table slots with 0 (a block hash
+    /// of 0 becomes key 1; one more collision among 2^63 values).
+    pub fn from_hash(hash: u64) -> Self {
+        let key = hash & (u64::MAX >> 1);
+        RouterKey(if key == 0 { 1 } else { key })
+    }
+}
+
 /// Parent key of the first block of every chain.
 pub const ROOT_KEY: RouterKey = RouterKey(0x6b76_726f_7574_6521);
 
@@ -102,7 +112,7 @@ pub fn router_key(parent: RouterKey, tokens: &[u32], extra: Option<&[ExtraKey]>)
             buf[at] = 0xff;
             buf[at + 1..len].copy_from_slice(cbor);
         }
-        return RouterKey(xxhash_rust::xxh3::xxh3_64_with_seed(&buf[..len], parent.0));
+        return RouterKey::from_hash(xxhash_rust::xxh3::xxh3_64_with_seed(&buf[..len], parent.0));
     }
     let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(parent.0);
     for token in tokens {
@@ -112,7 +122,7 @@ pub fn router_key(parent: RouterKey, tokens: &[u32], extra: Option<&[ExtraKey]>)
         hasher.update(&[0xff]);
         hasher.update(cbor);
     }
-    RouterKey(hasher.digest())
+    RouterKey::from_hash(hasher.digest())
 }
 
 /// Router keys of every full block of `tokens`, starting a new chain at [`ROOT_KEY`].

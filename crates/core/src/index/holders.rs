@@ -1,154 +1,260 @@
-//! Which endpoints hold one block, on which tiers: a compact bit set keyed by endpoint slot.
+//! Which endpoints hold one block, on which tiers, in eight bytes for the common case.
 //!
-//! Most blocks live on the GPU of endpoints whose slot is below 64, so that case is one inline
-//! word; CPU/storage tiers and slots from 64 up spill into a boxed extension. Lookups walk a
-//! prompt's blocks and intersect these words, so one block costs a few word operations however
-//! many endpoints hold it.
+//! Most blocks are held by one to a few endpoints (a conversation's history lives where it was
+//! served). Such a block's holders are packed into one `u64`: four 16-bit lanes, each an endpoint
+//! slot (13 bits) and its tier bits (GPU, CPU, storage). A block held by more than four
+//! endpoints, or by a slot too large for a lane, moves to a bit set per tier kept beside the
+//! block table in [`WideHolders`]; the packed word then holds a marker. Those are the shared
+//! prefixes (system prompts), few and hot, so their extra probe is cheap.
+
+use hashbrown::HashMap;
 
 use crate::event::Tier;
 
 /// Slots per bit-set word.
 pub(crate) const WORD_BITS: usize = 64;
 
-/// The endpoints holding one block, per tier.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Holders {
-    /// GPU holders among slots 0..64.
-    gpu_low: u64,
-    /// Everything else; `None` for the common GPU-only, low-slot block.
-    ext: Option<Box<HoldersExt>>,
+/// Lanes in a packed word.
+const LANES: usize = 4;
+/// Bits per lane.
+const LANE_BITS: u32 = 16;
+/// Tier bits at the bottom of a lane.
+const TIER_BITS: u32 = 3;
+/// The largest slot a lane holds; slot 8191 with every tier would read as the marker.
+const MAX_LANE_SLOT: u32 = (1 << (LANE_BITS - TIER_BITS)) - 2;
+/// A packed word meaning "the holders are in [`WideHolders`]".
+const WIDE: u64 = u64::MAX;
+
+fn tier_bit(tier: Tier) -> u16 {
+    1 << tier as u16
 }
 
+/// One block's holders: packed lanes, or the marker for a wide set. Zero means nobody.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Holders(u64);
+
+impl Holders {
+    /// True when no endpoint holds the block on any tier.
+    pub(crate) fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    fn lane(self, i: usize) -> u16 {
+        (self.0 >> (i as u32 * LANE_BITS)) as u16
+    }
+
+    fn set_lane(&mut self, i: usize, lane: u16) {
+        let shift = i as u32 * LANE_BITS;
+        self.0 = (self.0 & !(0xffff << shift)) | (u64::from(lane) << shift);
+    }
+
+    fn lane_of(self, slot: u32) -> Option<usize> {
+        (0..LANES).find(|&i| {
+            let lane = self.lane(i);
+            lane != 0 && u32::from(lane >> TIER_BITS) == slot
+        })
+    }
+}
+
+/// The holder sets of blocks with more holders than a packed word takes, by router key.
 #[derive(Clone, Debug, Default)]
-struct HoldersExt {
-    /// Per tier, words for every slot from 0 (the GPU tier's word 0 stays unused: it is
-    /// `gpu_low`).
-    tiers: [Vec<u64>; 3],
+pub(crate) struct WideHolders {
+    /// Per block: for each slot word `w`, the words `3w + tier`.
+    sets: HashMap<u64, Vec<u64>>,
+}
+
+/// A read-only view of one block's holders, for lookups.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum HolderView<'a> {
+    /// Up to four (slot, tiers) lanes.
+    Packed(u64),
+    /// Per-tier bit sets, word `3w + tier`.
+    Wide(&'a [u64]),
+}
+
+impl HolderView<'_> {
+    /// Slots (within word `word`) holding the block on the given tiers.
+    #[inline]
+    fn word(self, word: usize, tiers: u16) -> u64 {
+        match self {
+            HolderView::Packed(packed) => {
+                let mut bits = 0;
+                for i in 0..LANES {
+                    let lane = (packed >> (i as u32 * LANE_BITS)) as u16;
+                    let slot = usize::from(lane >> TIER_BITS);
+                    if lane & tiers != 0 && slot / WORD_BITS == word {
+                        bits |= 1 << (slot % WORD_BITS);
+                    }
+                }
+                bits
+            }
+            HolderView::Wide(words) => Tier::ALL
+                .iter()
+                .filter(|&&t| tiers & tier_bit(t) != 0)
+                .fold(0, |acc, &t| {
+                    acc | words.get(word * 3 + t as usize).copied().unwrap_or(0)
+                }),
+        }
+    }
+
+    /// Slots (within word `word`) holding the block on any tier.
+    #[inline]
+    pub(crate) fn any_word(self, word: usize) -> u64 {
+        self.word(word, 0b111)
+    }
+
+    /// Slots (within word `word`) holding the block on the GPU.
+    #[inline]
+    pub(crate) fn gpu_word(self, word: usize) -> u64 {
+        self.word(word, tier_bit(Tier::Gpu))
+    }
+
+    /// Whether `slot` holds the block on `tier`.
+    pub(crate) fn has(self, slot: u32, tier: Tier) -> bool {
+        let slot = slot as usize;
+        self.word(slot / WORD_BITS, tier_bit(tier)) & (1 << (slot % WORD_BITS)) != 0
+    }
+
+    /// The fastest tier on which `slot` holds the block.
+    pub(crate) fn best_tier(self, slot: u32) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|&t| self.has(slot, t))
+    }
+}
+
+impl WideHolders {
+    /// A view of `holders` (of the block `key`).
+    #[inline]
+    pub(crate) fn view(&self, holders: Holders, key: u64) -> HolderView<'_> {
+        if holders.0 == WIDE {
+            HolderView::Wide(self.sets.get(&key).map_or(&[][..], Vec::as_slice))
+        } else {
+            HolderView::Packed(holders.0)
+        }
+    }
+
+    /// Marks `slot` as holding block `key` on `tier`; returns whether that was new.
+    pub(crate) fn insert(&mut self, holders: &mut Holders, key: u64, slot: u32, tier: Tier) -> bool {
+        if holders.0 != WIDE {
+            if let Some(i) = holders.lane_of(slot) {
+                let lane = holders.lane(i);
+                holders.set_lane(i, lane | tier_bit(tier));
+                return lane & tier_bit(tier) == 0;
+            }
+            if slot <= MAX_LANE_SLOT
+                && let Some(i) = (0..LANES).find(|&i| holders.lane(i) == 0)
+            {
+                holders.set_lane(i, ((slot as u16) << TIER_BITS) | tier_bit(tier));
+                return true;
+            }
+            self.spill(holders, key);
+        }
+        let words = self.sets.entry(key).or_default();
+        let (word, bit) = split(slot);
+        let at = word * 3 + tier as usize;
+        if words.len() <= at {
+            words.resize((word + 1) * 3, 0);
+        }
+        let new = words[at] & bit == 0;
+        words[at] |= bit;
+        new
+    }
+
+    /// Moves a packed set into a wide one.
+    fn spill(&mut self, holders: &mut Holders, key: u64) {
+        let mut words = Vec::new();
+        for i in 0..LANES {
+            let lane = holders.lane(i);
+            if lane == 0 {
+                continue;
+            }
+            let (word, bit) = split(u32::from(lane >> TIER_BITS));
+            if words.len() < (word + 1) * 3 {
+                words.resize((word + 1) * 3, 0);
+            }
+            for tier in Tier::ALL {
+                if lane & tier_bit(tier) != 0 {
+                    words[word * 3 + tier as usize] |= bit;
+                }
+            }
+        }
+        self.sets.insert(key, words);
+        *holders = Holders(WIDE);
+    }
+
+    /// Clears `slot` on `tier` for block `key`; returns whether it was set.
+    pub(crate) fn remove(&mut self, holders: &mut Holders, key: u64, slot: u32, tier: Tier) -> bool {
+        if holders.0 != WIDE {
+            let Some(i) = holders.lane_of(slot) else {
+                return false;
+            };
+            let lane = holders.lane(i);
+            let rest = lane & !tier_bit(tier);
+            holders.set_lane(i, if rest & 0b111 == 0 { 0 } else { rest });
+            return lane & tier_bit(tier) != 0;
+        }
+        let Some(words) = self.sets.get_mut(&key) else {
+            return false;
+        };
+        let (word, bit) = split(slot);
+        let Some(w) = words.get_mut(word * 3 + tier as usize) else {
+            return false;
+        };
+        let was = *w & bit != 0;
+        *w &= !bit;
+        if was {
+            self.repack(holders, key);
+        }
+        was
+    }
+
+    /// Returns a wide set to its packed form once it fits again.
+    fn repack(&mut self, holders: &mut Holders, key: u64) {
+        let Some(words) = self.sets.get(&key) else {
+            return;
+        };
+        let mut packed = Holders::default();
+        let mut lanes = 0;
+        for (word, chunk) in words.chunks(3).enumerate() {
+            let mut any = chunk.iter().fold(0, |a, w| a | w);
+            while any != 0 {
+                let slot = (word * WORD_BITS) as u32 + any.trailing_zeros();
+                if lanes == LANES || slot > MAX_LANE_SLOT {
+                    return;
+                }
+                let tiers = Tier::ALL
+                    .iter()
+                    .filter(|&&t| chunk[t as usize] & (1 << (slot as usize % WORD_BITS)) != 0)
+                    .fold(0, |acc, &t| acc | tier_bit(t));
+                packed.set_lane(lanes, ((slot as u16) << TIER_BITS) | tiers);
+                lanes += 1;
+                any &= any - 1;
+            }
+        }
+        self.sets.remove(&key);
+        *holders = packed;
+    }
+
+    /// Blocks whose holders are kept wide.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.sets.len()
+    }
+
+    /// Heap bytes of the wide sets (table and words).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let buckets = if self.sets.capacity() == 0 {
+            0
+        } else {
+            (self.sets.capacity() * 8).div_ceil(7).next_power_of_two()
+        };
+        buckets * (std::mem::size_of::<(u64, Vec<u64>)>() + 1)
+            + self.sets.values().map(|w| w.capacity() * 8).sum::<usize>()
+    }
 }
 
 fn split(slot: u32) -> (usize, u64) {
     let slot = slot as usize;
     (slot / WORD_BITS, 1u64 << (slot % WORD_BITS))
-}
-
-impl Holders {
-    fn word_of(&self, tier: Tier, word: usize) -> u64 {
-        if tier == Tier::Gpu && word == 0 {
-            return self.gpu_low;
-        }
-        self.ext
-            .as_ref()
-            .and_then(|ext| ext.tiers[tier as usize].get(word).copied())
-            .unwrap_or(0)
-    }
-
-    /// Whether `slot` holds the block on `tier`.
-    pub(crate) fn has(&self, slot: u32, tier: Tier) -> bool {
-        let (word, bit) = split(slot);
-        self.word_of(tier, word) & bit != 0
-    }
-
-    /// Whether `slot` holds the block on any tier.
-    pub(crate) fn has_any(&self, slot: u32) -> bool {
-        let (word, bit) = split(slot);
-        self.any_word(word) & bit != 0
-    }
-
-    /// Marks `slot` as holding the block on `tier`; returns whether that was new.
-    pub(crate) fn insert(&mut self, slot: u32, tier: Tier) -> bool {
-        let (word, bit) = split(slot);
-        let target = if tier == Tier::Gpu && word == 0 {
-            &mut self.gpu_low
-        } else {
-            let ext = self.ext.get_or_insert_with(Default::default);
-            let words = &mut ext.tiers[tier as usize];
-            if words.len() <= word {
-                words.resize(word + 1, 0);
-            }
-            &mut words[word]
-        };
-        let new = *target & bit == 0;
-        *target |= bit;
-        new
-    }
-
-    /// Clears `slot` on `tier`; returns whether it was set.
-    pub(crate) fn remove(&mut self, slot: u32, tier: Tier) -> bool {
-        let (word, bit) = split(slot);
-        let target = if tier == Tier::Gpu && word == 0 {
-            &mut self.gpu_low
-        } else {
-            match self
-                .ext
-                .as_mut()
-                .and_then(|ext| ext.tiers[tier as usize].get_mut(word))
-            {
-                Some(w) => w,
-                None => return false,
-            }
-        };
-        let was = *target & bit != 0;
-        *target &= !bit;
-        if was {
-            self.shrink();
-        }
-        was
-    }
-
-    /// Drops the extension once it holds nothing, returning the block to its compact form.
-    fn shrink(&mut self) {
-        if let Some(ext) = &self.ext
-            && ext.tiers.iter().all(|t| t.iter().all(|&w| w == 0))
-        {
-            self.ext = None;
-        }
-    }
-
-    /// True when no endpoint holds the block on any tier.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.gpu_low == 0 && self.ext.is_none()
-    }
-
-    /// Slots (within word `word`) holding the block on any tier.
-    #[inline]
-    pub(crate) fn any_word(&self, word: usize) -> u64 {
-        match &self.ext {
-            None if word == 0 => self.gpu_low,
-            None => 0,
-            Some(_) => Tier::ALL
-                .iter()
-                .fold(0, |acc, &t| acc | self.word_of(t, word)),
-        }
-    }
-
-    /// Slots (within word `word`) holding the block on the GPU.
-    #[inline]
-    pub(crate) fn gpu_word(&self, word: usize) -> u64 {
-        match &self.ext {
-            None if word == 0 => self.gpu_low,
-            None => 0,
-            Some(_) => self.word_of(Tier::Gpu, word),
-        }
-    }
-
-    /// The fastest tier on which `slot` holds the block.
-    pub(crate) fn best_tier(&self, slot: u32) -> Option<Tier> {
-        Tier::ALL.into_iter().find(|&t| self.has(slot, t))
-    }
-
-    /// Whether the block is held only in the compact GPU word.
-    #[cfg(test)]
-    pub(crate) fn is_compact(&self) -> bool {
-        self.ext.is_none()
-    }
-
-    /// Heap bytes owned beyond the inline struct (for memory accounting).
-    pub(crate) fn heap_bytes(&self) -> usize {
-        self.ext.as_ref().map_or(0, |ext| {
-            std::mem::size_of::<HoldersExt>()
-                + ext.tiers.iter().map(|t| t.capacity() * 8).sum::<usize>()
-        })
-    }
 }
 
 #[cfg(test)]
@@ -158,30 +264,35 @@ mod tests {
     use super::*;
 
     proptest! {
-        /// Holders behaves like a set of (slot, tier) pairs.
+        /// Holders behave like a set of (slot, tier) pairs, packed while they fit and wide
+        /// otherwise, whatever the order of inserts and removals.
         #[test]
-        fn behaves_like_a_set(ops in proptest::collection::vec((any::<bool>(), 0u32..200, 0usize..3), 0..300)) {
+        fn behaves_like_a_set(ops in proptest::collection::vec((any::<bool>(), prop_oneof![0u32..8, 0u32..200, 8185u32..8200], 0usize..3), 0..300)) {
+            let mut wide = WideHolders::default();
             let mut holders = Holders::default();
+            let key = 42;
             let mut model = std::collections::HashSet::new();
             for (insert, slot, tier) in ops {
                 let tier = Tier::ALL[tier];
                 if insert {
-                    prop_assert_eq!(holders.insert(slot, tier), model.insert((slot, tier)));
+                    prop_assert_eq!(wide.insert(&mut holders, key, slot, tier), model.insert((slot, tier)));
                 } else {
-                    prop_assert_eq!(holders.remove(slot, tier), model.remove(&(slot, tier)));
+                    prop_assert_eq!(wide.remove(&mut holders, key, slot, tier), model.remove(&(slot, tier)));
                 }
                 prop_assert_eq!(holders.is_empty(), model.is_empty());
-                for s in [slot, 0, 63, 64, 199] {
+                let view = wide.view(holders, key);
+                for s in [slot, 0, 63, 64, 199, 8190, 8191] {
                     let want_any = Tier::ALL.iter().any(|t| model.contains(&(s, *t)));
-                    prop_assert_eq!(holders.has_any(s), want_any);
                     let (w, bit) = split(s);
-                    prop_assert_eq!(holders.any_word(w) & bit != 0, want_any);
-                    prop_assert_eq!(holders.gpu_word(w) & bit != 0, model.contains(&(s, Tier::Gpu)));
-                    prop_assert_eq!(holders.best_tier(s), Tier::ALL.into_iter().find(|t| model.contains(&(s, *t))));
+                    prop_assert_eq!(view.any_word(w) & bit != 0, want_any);
+                    prop_assert_eq!(view.gpu_word(w) & bit != 0, model.contains(&(s, Tier::Gpu)));
+                    prop_assert_eq!(view.best_tier(s), Tier::ALL.into_iter().find(|t| model.contains(&(s, *t))));
                 }
+                let slots: std::collections::HashSet<u32> = model.iter().map(|(s, _)| *s).collect();
+                let fits = slots.len() <= LANES && slots.iter().all(|&s| s <= MAX_LANE_SLOT);
+                prop_assert_eq!(holders.0 != WIDE, fits, "packed exactly when the set fits");
+                prop_assert_eq!(wide.len(), usize::from(!fits));
             }
-            let only_low_gpu = model.iter().all(|(s, t)| *s < 64 && *t == Tier::Gpu);
-            prop_assert_eq!(holders.is_compact(), only_low_gpu);
         }
     }
 }

@@ -52,6 +52,9 @@ struct TierCounts {
     counts: Vec<[u32; 3]>,
 }
 
+/// Keys whose slots are prefetched at a time, one stretch ahead of the walk.
+const PREFETCH_AHEAD: usize = 16;
+
 pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMatches {
     let slots = index.slots.len();
     let words = slots.div_ceil(WORD_BITS);
@@ -69,6 +72,9 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     let mut uniform_gpu = 0u32;
     let mut mixed: Option<TierCounts> = None;
     let mut walked = 0u32;
+    for key in keys.iter().take(PREFETCH_AHEAD) {
+        index.blocks.prefetch(key.0);
+    }
 
     let mut finish = |slot: usize, len: u32, uniform: u32, mixed: &Option<TierCounts>| {
         let extra = mixed.as_ref().map_or([0; 3], |m| m.counts[slot]);
@@ -85,18 +91,28 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
     };
 
-    for key in keys {
+    for (i, key) in keys.iter().enumerate() {
         if active.iter().all(|&w| w == 0) {
             break;
         }
-        let entry = index.blocks.get(key);
+        if i % PREFETCH_AHEAD == 0 {
+            // Start fetching the next stretch of keys' slots while this one is walked: a cold
+            // lookup then waits for memory once per stretch instead of once per block.
+            for ahead in keys.iter().skip(i + PREFETCH_AHEAD).take(PREFETCH_AHEAD) {
+                index.blocks.prefetch(ahead.0);
+            }
+        }
+        let entry = index
+            .blocks
+            .get(key.0)
+            .map(|e| index.wide.view(e.holders, e.key));
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {
                 continue;
             }
             let (held, gpu) =
-                entry.map_or((0, 0), |e| (e.holders.any_word(w), e.holders.gpu_word(w)));
+                entry.map_or((0, 0), |e| (e.any_word(w), e.gpu_word(w)));
             let mut dropped = *word & !held;
             while dropped != 0 {
                 let bit = dropped.trailing_zeros() as usize;
@@ -116,7 +132,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
                 let mut bits = word;
                 while bits != 0 {
                     let slot = w * WORD_BITS + bits.trailing_zeros() as usize;
-                    if let Some(tier) = entry.holders.best_tier(slot as u32) {
+                    if let Some(tier) = entry.best_tier(slot as u32) {
                         counts.counts[slot][tier as usize] += 1;
                     }
                     bits &= bits - 1;

@@ -1,0 +1,287 @@
+//! A compact open-addressing hash table for the index's two big maps.
+//!
+//! Both maps (router key → holders, and per endpoint engine hash → router key) hold 16-byte
+//! entries keyed by values that are already hashes, and both are most of the index's memory. A
+//! general-purpose table spends a control byte per bucket and runs between 44% and 87.5% full
+//! (it doubles); this one keeps entries in one flat array with no per-slot metadata, resizes by
+//! a quarter, and stays between 72% and 90% full. Robin Hood linear probing keeps probe
+//! sequences short at that load: an entry never sits further from its home slot than the entries
+//! it passed, and a search stops as soon as it meets an entry closer to home than it would be.
+//! Deletion shifts the following entries back (no tombstones), so a table that churns forever
+//! does not degrade.
+//!
+//! Slots are addressed by position, so a caller can walk the table incrementally from a saved
+//! position (the capacity bound's clock hand) and the lookup can prefetch a key's home slot
+//! before it needs it.
+
+/// An entry of a [`FlatTable`]: a key that is already well mixed, and a way to tell an unused
+/// slot (the all-default value) from a used one.
+pub(crate) trait Slot: Copy + Default {
+    /// The entry's key.
+    fn key(&self) -> u64;
+    /// Whether this slot is unused.
+    fn is_vacant(&self) -> bool;
+}
+
+/// Load factor above which the table grows.
+const MAX_LOAD_PERCENT: usize = 90;
+/// Smallest non-zero capacity.
+const MIN_CAPACITY: usize = 16;
+
+/// A Robin Hood hash table of [`Slot`]s.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FlatTable<E> {
+    slots: Vec<E>,
+    len: usize,
+}
+
+/// Spreads a key over 64 bits (keys from tests and some engines are small integers), so that
+/// the top bits pick the home slot well.
+#[inline]
+fn mix(key: u64) -> u64 {
+    let x = (key ^ (key >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+    x ^ (x >> 32)
+}
+
+impl<E: Slot> FlatTable<E> {
+    /// Entries held.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Slots allocated (used or not).
+    pub(crate) fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Bytes of the slot array.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<E>()
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fast range reduction: any capacity, no modulo.
+        ((mix(key) as u128 * self.slots.len() as u128) >> 64) as usize
+    }
+
+    /// How far the entry at `at` sits from its home slot.
+    #[inline]
+    fn distance(&self, at: usize) -> usize {
+        let home = self.home(self.slots[at].key());
+        (at + self.slots.len() - home) % self.slots.len()
+    }
+
+    #[inline]
+    fn next(&self, at: usize) -> usize {
+        if at + 1 == self.slots.len() { 0 } else { at + 1 }
+    }
+
+    /// Where `key`'s entry is, if present.
+    #[inline]
+    pub(crate) fn find(&self, key: u64) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut at = self.home(key);
+        let mut dist = 0;
+        loop {
+            let slot = &self.slots[at];
+            if slot.is_vacant() {
+                return None;
+            }
+            if slot.key() == key {
+                return Some(at);
+            }
+            // Robin Hood invariant: had `key` been here, it would sit before this entry.
+            if self.distance(at) < dist {
+                return None;
+            }
+            dist += 1;
+            at = self.next(at);
+        }
+    }
+
+    /// The entry for `key`.
+    #[inline]
+    pub(crate) fn get(&self, key: u64) -> Option<&E> {
+        self.find(key).map(|at| &self.slots[at])
+    }
+
+    /// The entry for `key`, mutably. Changing its key through this is not allowed.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut E> {
+        self.find(key).map(|at| &mut self.slots[at])
+    }
+
+    /// The entry at slot `at`, if used (for incremental walks).
+    pub(crate) fn at(&self, at: usize) -> Option<&E> {
+        self.slots.get(at).filter(|e| !e.is_vacant())
+    }
+
+    /// The entry at slot `at`, mutably, if used.
+    pub(crate) fn at_mut(&mut self, at: usize) -> Option<&mut E> {
+        self.slots.get_mut(at).filter(|e| !e.is_vacant())
+    }
+
+    /// The entry for `entry.key()`, inserting `entry` first if the key is absent; the flag says
+    /// whether it was inserted.
+    pub(crate) fn get_or_insert(&mut self, entry: E) -> (&mut E, bool) {
+        debug_assert!(!entry.is_vacant(), "a vacant entry cannot be inserted");
+        if let Some(at) = self.find(entry.key()) {
+            return (&mut self.slots[at], false);
+        }
+        if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PERCENT {
+            self.grow();
+        }
+        let at = self.place(entry);
+        self.len += 1;
+        (&mut self.slots[at], true)
+    }
+
+    /// Puts an absent entry in, returning where it ended up.
+    fn place(&mut self, entry: E) -> usize {
+        let mut carried = entry;
+        let mut at = self.home(carried.key());
+        let mut dist = 0;
+        let mut placed = None;
+        loop {
+            if self.slots[at].is_vacant() {
+                self.slots[at] = carried;
+                return placed.unwrap_or(at);
+            }
+            let resident = self.distance(at);
+            if resident < dist {
+                // Take the slot from the entry closer to its home; carry that one on.
+                std::mem::swap(&mut self.slots[at], &mut carried);
+                placed.get_or_insert(at);
+                dist = resident;
+            }
+            dist += 1;
+            at = self.next(at);
+        }
+    }
+
+    fn grow(&mut self) {
+        let capacity = (self.slots.len() + self.slots.len() / 4).max(MIN_CAPACITY);
+        let old = std::mem::replace(&mut self.slots, vec![E::default(); capacity]);
+        for entry in old.into_iter().filter(|e| !e.is_vacant()) {
+            self.place(entry);
+        }
+    }
+
+    /// Removes the entry at slot `at`, shifting the entries after it back. Entries that were
+    /// after `at` in probe order may move to `at`.
+    pub(crate) fn remove_at(&mut self, at: usize) -> E {
+        let removed = self.slots[at];
+        let mut hole = at;
+        loop {
+            let next = self.next(hole);
+            if self.slots[next].is_vacant() || self.distance(next) == 0 {
+                break;
+            }
+            self.slots[hole] = self.slots[next];
+            hole = next;
+        }
+        self.slots[hole] = E::default();
+        self.len -= 1;
+        removed
+    }
+
+    /// Removes `key`'s entry.
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, key: u64) -> Option<E> {
+        self.find(key).map(|at| self.remove_at(at))
+    }
+
+    /// Every used entry.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &E> {
+        self.slots.iter().filter(|e| !e.is_vacant())
+    }
+
+    /// Removes every entry and frees the slots.
+    pub(crate) fn clear(&mut self) {
+        self.slots = Vec::new();
+        self.len = 0;
+    }
+
+    /// Starts loading `key`'s home slot into the CPU caches, so that a later [`find`] does not
+    /// wait for memory (a cold lookup walks hundreds of keys, each in a random place).
+    ///
+    /// [`find`]: Self::find
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        prefetch_read(&self.slots[self.home(key)]);
+    }
+}
+
+/// Starts loading the cache line holding `value` without waiting for it: the loaded value is
+/// only handed to `black_box`, so nothing depends on it and the CPU runs on while the memory
+/// access completes (a safe stand-in for a prefetch instruction).
+#[inline(always)]
+fn prefetch_read<E: Slot>(value: &E) {
+    std::hint::black_box(value.key());
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Copy, Debug, Default, PartialEq)]
+    struct Pair {
+        key: u64,
+        value: u64,
+    }
+
+    impl Slot for Pair {
+        fn key(&self) -> u64 {
+            self.key
+        }
+        fn is_vacant(&self) -> bool {
+            self.value == 0
+        }
+    }
+
+    proptest! {
+        /// The table behaves like a map, whatever the keys (small, clustered or random), and
+        /// stays within its load bounds.
+        #[test]
+        fn behaves_like_a_map(ops in proptest::collection::vec((0u8..3, 0u64..64, 1u64..1000), 0..600),
+                              spread in prop_oneof![Just(1u64), Just(1 << 40), Just(0x9e37_79b9_7f4a_7c15)]) {
+            let mut table = FlatTable::<Pair>::default();
+            let mut model = HashMap::new();
+            for (op, k, value) in ops {
+                let key = k.wrapping_mul(spread);
+                match op {
+                    0 => {
+                        let (entry, new) = table.get_or_insert(Pair { key, value });
+                        prop_assert_eq!(new, !model.contains_key(&key));
+                        entry.value = value;
+                        model.insert(key, value);
+                    }
+                    1 => prop_assert_eq!(table.remove(key).map(|p| p.value), model.remove(&key)),
+                    _ => {
+                        let at = table.find(key);
+                        prop_assert_eq!(at.is_some(), model.contains_key(&key));
+                        if let Some(at) = at {
+                            prop_assert_eq!(table.remove_at(at).value, model.remove(&key).unwrap());
+                        }
+                    }
+                }
+                prop_assert_eq!(table.len(), model.len());
+                prop_assert!(table.len() * 100 <= table.capacity() * MAX_LOAD_PERCENT || table.capacity() == 0);
+            }
+            for (key, value) in &model {
+                prop_assert_eq!(table.get(*key).map(|p| p.value), Some(*value));
+            }
+            prop_assert_eq!(table.iter().count(), model.len());
+        }
+    }
+}

@@ -38,8 +38,8 @@ fn main() {
     let mut flush = vec![0u8; FLUSH_BYTES];
     println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
     println!(
-        "{:>7} {:>9} {:>11} {:>11} {:>11} {:>9}",
-        "blocks", "endpoints", "warm p50", "cold p50", "cold p90", "cold/blk"
+        "{:>7} {:>9} {:>11} {:>11} {:>11} {:>11} {:>9}",
+        "blocks", "endpoints", "warm p50", "cold p50", "cold p90", "cold p99", "cold/blk"
     );
     for blocks in [512usize, 8_192] {
         for endpoints in [16usize, 64, 256] {
@@ -64,12 +64,13 @@ fn main() {
             cold.sort_unstable();
             let cold_p50 = percentile(&cold, 50);
             println!(
-                "{:>7} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
+                "{:>7} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
                 blocks,
                 endpoints,
                 micros(percentile(&warm, 50)),
                 micros(cold_p50),
                 micros(percentile(&cold, 90)),
+                micros(percentile(&cold, 99)),
                 micros(cold_p50) * 1e3 / blocks as f64,
             );
         }

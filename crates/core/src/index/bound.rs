@@ -59,7 +59,13 @@ impl KvIndex {
             }
             // Removal shifts the next entry into this slot: the hand stays to look at it.
             let key = state.blocks.remove_at(state.hand).router_key();
-            drop_slot(&mut self.blocks, &mut self.wide, key, slot, &mut state.stats);
+            drop_slot(
+                &mut self.blocks,
+                &mut self.wide,
+                key,
+                slot,
+                &mut state.stats,
+            );
             state.stats.capacity_evictions += 1;
             self.entries -= 1;
         }

@@ -3,12 +3,13 @@
 //! Most blocks are held by one to a few endpoints (a conversation's history lives where it was
 //! served). Such a block's holders are packed into one `u64`: four 16-bit lanes, each an endpoint
 //! slot (13 bits) and its tier bits (GPU, CPU, storage). A block held by more than four
-//! endpoints, or by a slot too large for a lane, moves to a bit set per tier kept beside the
-//! block table in [`WideHolders`]; the packed word then holds a marker. Those are the shared
-//! prefixes (system prompts), few and hot, so their extra probe is cheap.
+//! endpoints, or by a slot too large for a lane, moves to a bit set per tier in
+//! [`WideHolders`], an arena of equal-sized sets; the packed word then holds a marker and the
+//! set's number. Those are mostly shared prefixes (system prompts). A lookup reaches a wide set
+//! with one more memory access, at an address it can compute (and prefetch) from the block
+//! table entry alone.
 
-use hashbrown::HashMap;
-
+use super::table::touch;
 use crate::event::Tier;
 
 /// Slots per bit-set word.
@@ -22,8 +23,9 @@ const LANE_BITS: u32 = 16;
 const TIER_BITS: u32 = 3;
 /// The largest slot a lane holds; slot 8191 with every tier would read as the marker.
 const MAX_LANE_SLOT: u32 = (1 << (LANE_BITS - TIER_BITS)) - 2;
-/// A packed word meaning "the holders are in [`WideHolders`]".
-const WIDE: u64 = u64::MAX;
+/// The top lane of a word whose holders are in [`WideHolders`] (slot 8191, every tier: no
+/// packed lane has it); the low 32 bits then number the set.
+const WIDE_MARK: u64 = 0xffff << 48;
 
 fn tier_bit(tier: Tier) -> u16 {
     1 << tier as u16
@@ -34,6 +36,12 @@ fn tier_bit(tier: Tier) -> u16 {
 pub(crate) struct Holders(u64);
 
 impl Holders {
+    /// The wide set these holders live in, if any.
+    #[inline]
+    fn wide_set(self) -> Option<usize> {
+        (self.0 & WIDE_MARK == WIDE_MARK).then_some(self.0 as u32 as usize)
+    }
+
     /// True when no endpoint holds the block on any tier.
     pub(crate) fn is_empty(self) -> bool {
         self.0 == 0
@@ -56,11 +64,15 @@ impl Holders {
     }
 }
 
-/// The holder sets of blocks with more holders than a packed word takes, by router key.
+/// The holder sets of blocks with more holders than a packed word takes: an arena of sets of
+/// `stride` words each, set `i` at `words[i * stride..]`, word `3w + tier` for slot word `w`.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct WideHolders {
-    /// Per block: for each slot word `w`, the words `3w + tier`.
-    sets: HashMap<u64, Vec<u64>>,
+    words: Vec<u64>,
+    /// Words per set: three per 64 slots, grown (and the arena re-laid) when a slot needs it.
+    stride: usize,
+    /// Sets no block uses, all zero.
+    free: Vec<u32>,
 }
 
 /// A read-only view of one block's holders, for lookups.
@@ -122,68 +134,99 @@ impl HolderView<'_> {
 }
 
 impl WideHolders {
-    /// A view of `holders` (of the block `key`).
+    /// A view of `holders`.
     #[inline]
-    pub(crate) fn view(&self, holders: Holders, key: u64) -> HolderView<'_> {
-        if holders.0 == WIDE {
-            HolderView::Wide(self.sets.get(&key).map_or(&[][..], Vec::as_slice))
-        } else {
-            HolderView::Packed(holders.0)
+    pub(crate) fn view(&self, holders: Holders) -> HolderView<'_> {
+        match holders.wide_set() {
+            Some(set) => HolderView::Wide(&self.words[set * self.stride..][..self.stride]),
+            None => HolderView::Packed(holders.0),
         }
     }
 
-    /// Marks `slot` as holding block `key` on `tier`; returns whether that was new.
-    pub(crate) fn insert(&mut self, holders: &mut Holders, key: u64, slot: u32, tier: Tier) -> bool {
-        if holders.0 != WIDE {
-            if let Some(i) = holders.lane_of(slot) {
-                let lane = holders.lane(i);
-                holders.set_lane(i, lane | tier_bit(tier));
-                return lane & tier_bit(tier) == 0;
+    /// Starts loading `holders`' wide set into the CPU caches, if it has one.
+    #[inline]
+    pub(crate) fn prefetch(&self, holders: Holders) {
+        if let Some(set) = holders.wide_set() {
+            // One cache line is eight words; a set spans `stride` words.
+            for word in (0..self.stride).step_by(8) {
+                touch(self.words[set * self.stride + word]);
             }
-            if slot <= MAX_LANE_SLOT
-                && let Some(i) = (0..LANES).find(|&i| holders.lane(i) == 0)
-            {
-                holders.set_lane(i, ((slot as u16) << TIER_BITS) | tier_bit(tier));
-                return true;
-            }
-            self.spill(holders, key);
         }
-        let words = self.sets.entry(key).or_default();
+    }
+
+    /// Marks `slot` as holding the block on `tier`; returns whether that was new.
+    pub(crate) fn insert(&mut self, holders: &mut Holders, slot: u32, tier: Tier) -> bool {
+        let set = match holders.wide_set() {
+            Some(set) => set,
+            None => {
+                if let Some(i) = holders.lane_of(slot) {
+                    let lane = holders.lane(i);
+                    holders.set_lane(i, lane | tier_bit(tier));
+                    return lane & tier_bit(tier) == 0;
+                }
+                if slot <= MAX_LANE_SLOT
+                    && let Some(i) = (0..LANES).find(|&i| holders.lane(i) == 0)
+                {
+                    holders.set_lane(i, ((slot as u16) << TIER_BITS) | tier_bit(tier));
+                    return true;
+                }
+                self.spill(holders, slot)
+            }
+        };
         let (word, bit) = split(slot);
-        let at = word * 3 + tier as usize;
-        if words.len() <= at {
-            words.resize((word + 1) * 3, 0);
-        }
-        let new = words[at] & bit == 0;
-        words[at] |= bit;
+        self.fit(word);
+        let w = &mut self.words[set * self.stride + word * 3 + tier as usize];
+        let new = *w & bit == 0;
+        *w |= bit;
         new
     }
 
-    /// Moves a packed set into a wide one.
-    fn spill(&mut self, holders: &mut Holders, key: u64) {
-        let mut words = Vec::new();
+    /// Makes every set wide enough for slot word `word`, re-laying the arena if needed.
+    fn fit(&mut self, word: usize) {
+        let stride = (word + 1) * 3;
+        if stride <= self.stride {
+            return;
+        }
+        let sets = self.words.len().checked_div(self.stride).unwrap_or(0);
+        let mut words = vec![0; sets * stride];
+        for set in 0..sets {
+            words[set * stride..][..self.stride]
+                .copy_from_slice(&self.words[set * self.stride..][..self.stride]);
+        }
+        self.words = words;
+        self.stride = stride;
+    }
+
+    /// Moves a packed set into a new wide one (wide enough for `slot` too); returns its number.
+    fn spill(&mut self, holders: &mut Holders, slot: u32) -> usize {
+        self.fit(split(slot).0);
+        let set = match self.free.pop() {
+            Some(set) => set as usize,
+            None => {
+                self.words.resize(self.words.len() + self.stride, 0);
+                self.words.len() / self.stride - 1
+            }
+        };
         for i in 0..LANES {
             let lane = holders.lane(i);
             if lane == 0 {
                 continue;
             }
             let (word, bit) = split(u32::from(lane >> TIER_BITS));
-            if words.len() < (word + 1) * 3 {
-                words.resize((word + 1) * 3, 0);
-            }
+            self.fit(word);
             for tier in Tier::ALL {
                 if lane & tier_bit(tier) != 0 {
-                    words[word * 3 + tier as usize] |= bit;
+                    self.words[set * self.stride + word * 3 + tier as usize] |= bit;
                 }
             }
         }
-        self.sets.insert(key, words);
-        *holders = Holders(WIDE);
+        *holders = Holders(WIDE_MARK | set as u64);
+        set
     }
 
-    /// Clears `slot` on `tier` for block `key`; returns whether it was set.
-    pub(crate) fn remove(&mut self, holders: &mut Holders, key: u64, slot: u32, tier: Tier) -> bool {
-        if holders.0 != WIDE {
+    /// Clears `slot` on `tier`; returns whether it was set.
+    pub(crate) fn remove(&mut self, holders: &mut Holders, slot: u32, tier: Tier) -> bool {
+        let Some(set) = holders.wide_set() else {
             let Some(i) = holders.lane_of(slot) else {
                 return false;
             };
@@ -191,27 +234,23 @@ impl WideHolders {
             let rest = lane & !tier_bit(tier);
             holders.set_lane(i, if rest & 0b111 == 0 { 0 } else { rest });
             return lane & tier_bit(tier) != 0;
-        }
-        let Some(words) = self.sets.get_mut(&key) else {
-            return false;
         };
         let (word, bit) = split(slot);
-        let Some(w) = words.get_mut(word * 3 + tier as usize) else {
+        if (word + 1) * 3 > self.stride {
             return false;
-        };
+        }
+        let w = &mut self.words[set * self.stride + word * 3 + tier as usize];
         let was = *w & bit != 0;
         *w &= !bit;
         if was {
-            self.repack(holders, key);
+            self.repack(holders, set);
         }
         was
     }
 
-    /// Returns a wide set to its packed form once it fits again.
-    fn repack(&mut self, holders: &mut Holders, key: u64) {
-        let Some(words) = self.sets.get(&key) else {
-            return;
-        };
+    /// Returns a wide set to its packed form once it fits again, freeing the set.
+    fn repack(&mut self, holders: &mut Holders, set: usize) {
+        let words = &mut self.words[set * self.stride..][..self.stride];
         let mut packed = Holders::default();
         let mut lanes = 0;
         for (word, chunk) in words.chunks(3).enumerate() {
@@ -230,25 +269,20 @@ impl WideHolders {
                 any &= any - 1;
             }
         }
-        self.sets.remove(&key);
+        words.fill(0);
+        self.free.push(set as u32);
         *holders = packed;
     }
 
     /// Blocks whose holders are kept wide.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.sets.len()
+        self.words.len().checked_div(self.stride).unwrap_or(0) - self.free.len()
     }
 
-    /// Heap bytes of the wide sets (table and words).
+    /// Heap bytes of the arena.
     pub(crate) fn heap_bytes(&self) -> usize {
-        let buckets = if self.sets.capacity() == 0 {
-            0
-        } else {
-            (self.sets.capacity() * 8).div_ceil(7).next_power_of_two()
-        };
-        buckets * (std::mem::size_of::<(u64, Vec<u64>)>() + 1)
-            + self.sets.values().map(|w| w.capacity() * 8).sum::<usize>()
+        self.words.capacity() * 8 + self.free.capacity() * 4
     }
 }
 
@@ -270,17 +304,16 @@ mod tests {
         fn behaves_like_a_set(ops in proptest::collection::vec((any::<bool>(), prop_oneof![0u32..8, 0u32..200, 8185u32..8200], 0usize..3), 0..300)) {
             let mut wide = WideHolders::default();
             let mut holders = Holders::default();
-            let key = 42;
             let mut model = std::collections::HashSet::new();
             for (insert, slot, tier) in ops {
                 let tier = Tier::ALL[tier];
                 if insert {
-                    prop_assert_eq!(wide.insert(&mut holders, key, slot, tier), model.insert((slot, tier)));
+                    prop_assert_eq!(wide.insert(&mut holders, slot, tier), model.insert((slot, tier)));
                 } else {
-                    prop_assert_eq!(wide.remove(&mut holders, key, slot, tier), model.remove(&(slot, tier)));
+                    prop_assert_eq!(wide.remove(&mut holders, slot, tier), model.remove(&(slot, tier)));
                 }
                 prop_assert_eq!(holders.is_empty(), model.is_empty());
-                let view = wide.view(holders, key);
+                let view = wide.view(holders);
                 for s in [slot, 0, 63, 64, 199, 8190, 8191] {
                     let want_any = Tier::ALL.iter().any(|t| model.contains(&(s, *t)));
                     let (w, bit) = split(s);
@@ -290,7 +323,7 @@ mod tests {
                 }
                 let slots: std::collections::HashSet<u32> = model.iter().map(|(s, _)| *s).collect();
                 let fits = slots.len() <= LANES && slots.iter().all(|&s| s <= MAX_LANE_SLOT);
-                prop_assert_eq!(holders.0 != WIDE, fits, "packed exactly when the set fits");
+                prop_assert_eq!(holders.wide_set().is_none(), fits, "packed exactly when the set fits");
                 prop_assert_eq!(wide.len(), usize::from(!fits));
             }
         }

@@ -96,23 +96,26 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             break;
         }
         if i % PREFETCH_AHEAD == 0 {
-            // Start fetching the next stretch of keys' slots while this one is walked: a cold
-            // lookup then waits for memory once per stretch instead of once per block.
+            // A two-stage pipeline, so that a cold lookup waits for memory about once per
+            // stretch of blocks instead of once or twice per block: start fetching the next
+            // stretch's table slots, and this stretch's wide holder sets (their table slots
+            // were fetched one stretch ago).
             for ahead in keys.iter().skip(i + PREFETCH_AHEAD).take(PREFETCH_AHEAD) {
                 index.blocks.prefetch(ahead.0);
             }
+            for now in keys.iter().skip(i).take(PREFETCH_AHEAD) {
+                if let Some(entry) = index.blocks.get(now.0) {
+                    index.wide.prefetch(entry.holders);
+                }
+            }
         }
-        let entry = index
-            .blocks
-            .get(key.0)
-            .map(|e| index.wide.view(e.holders, e.key));
+        let entry = index.blocks.get(key.0).map(|e| index.wide.view(e.holders));
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {
                 continue;
             }
-            let (held, gpu) =
-                entry.map_or((0, 0), |e| (e.any_word(w), e.gpu_word(w)));
+            let (held, gpu) = entry.map_or((0, 0), |e| (e.any_word(w), e.gpu_word(w)));
             let mut dropped = *word & !held;
             while dropped != 0 {
                 let bit = dropped.trailing_zeros() as usize;

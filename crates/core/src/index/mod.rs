@@ -174,10 +174,10 @@ fn add_holder(
     tier: Tier,
 ) -> bool {
     if let Some(entry) = blocks.get_mut(key.0) {
-        return wide.insert(&mut entry.holders, key.0, slot, tier);
+        return wide.insert(&mut entry.holders, slot, tier);
     }
     let mut holders = Holders::default();
-    wide.insert(&mut holders, key.0, slot, tier);
+    wide.insert(&mut holders, slot, tier);
     blocks.get_or_insert(BlockEntry {
         key: key.0,
         holders,
@@ -198,7 +198,7 @@ fn drop_holder(
         return false;
     };
     let entry = blocks.at_mut(at).expect("found");
-    let was = wide.remove(&mut entry.holders, key.0, slot, tier);
+    let was = wide.remove(&mut entry.holders, slot, tier);
     if entry.holders.is_empty() {
         blocks.remove_at(at);
     }
@@ -395,7 +395,13 @@ impl KvIndex {
             } else if old != key {
                 // The engine reused a hash for other content (it restarted with another seed
                 // without our noticing, or a hash collided): forget the old block.
-                drop_slot(&mut self.blocks, &mut self.wide, old, slot, &mut state.stats);
+                drop_slot(
+                    &mut self.blocks,
+                    &mut self.wide,
+                    old,
+                    slot,
+                    &mut state.stats,
+                );
             }
             if add_holder(&mut self.blocks, &mut self.wide, key, slot, tier) {
                 bump(&mut state.stats, tier, true);
@@ -425,10 +431,11 @@ impl KvIndex {
             }
             bump(&mut state.stats, tier, false);
             state.stats.blocks_removed += 1;
-            let still_held = self
-                .blocks
-                .get(key.0)
-                .is_some_and(|b| Tier::ALL.iter().any(|&t| self.wide.view(b.holders, b.key).has(slot, t)));
+            let still_held = self.blocks.get(key.0).is_some_and(|b| {
+                Tier::ALL
+                    .iter()
+                    .any(|&t| self.wide.view(b.holders).has(slot, t))
+            });
             if !still_held {
                 state.blocks.remove_at(at);
                 self.entries -= 1;
@@ -468,7 +475,7 @@ impl KvIndex {
         };
         self.blocks
             .get(key.0)
-            .is_some_and(|b| self.wide.view(b.holders, b.key).has(state.slot, tier))
+            .is_some_and(|b| self.wide.view(b.holders).has(state.slot, tier))
     }
 
     /// The router key an endpoint's engine hash resolves to, if the endpoint holds that block.

@@ -74,7 +74,11 @@ impl<E: Slot> FlatTable<E> {
 
     #[inline]
     fn next(&self, at: usize) -> usize {
-        if at + 1 == self.slots.len() { 0 } else { at + 1 }
+        if at + 1 == self.slots.len() {
+            0
+        } else {
+            at + 1
+        }
     }
 
     /// Where `key`'s entry is, if present.
@@ -214,16 +218,16 @@ impl<E: Slot> FlatTable<E> {
         if self.slots.is_empty() {
             return;
         }
-        prefetch_read(&self.slots[self.home(key)]);
+        touch(self.slots[self.home(key)].key());
     }
 }
 
-/// Starts loading the cache line holding `value` without waiting for it: the loaded value is
+/// Starts loading the cache line a value was read from, without waiting for it: the value is
 /// only handed to `black_box`, so nothing depends on it and the CPU runs on while the memory
 /// access completes (a safe stand-in for a prefetch instruction).
 #[inline(always)]
-fn prefetch_read<E: Slot>(value: &E) {
-    std::hint::black_box(value.key());
+pub(crate) fn touch(value: u64) {
+    std::hint::black_box(value);
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 //! lookups' latency percentiles, and the same figures for ingest alone and lookups alone.
 //!
 //! Run with `cargo bench -p kvroute-core --bench concurrent` (about a minute; 2 cores).
-//! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries).
+//! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries) and
+//! `KVROUTE_BENCH_ENDPOINTS` the fleet (default 64); 1,000 endpoints × 100k blocks is
+//! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`.
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -22,8 +24,6 @@ use kvroute_core::index::{EndpointId, SharedIndex};
 
 use fixtures::{Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
 
-/// Endpoints in the fleet.
-const ENDPOINTS: usize = 64;
 /// Blocks per churned conversation.
 const CHURN_BLOCKS: usize = 64;
 /// Conversations the writer cycles through; each is stored, then removed `WINDOW` later.
@@ -39,23 +39,29 @@ const SPARE: usize = 2_048;
 /// How long each phase runs.
 const PHASE: Duration = Duration::from_secs(8);
 
-fn main() {
-    let entries: usize = std::env::var("KVROUTE_BENCH_ENTRIES")
+/// A size from the environment, or its default.
+fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000_000);
+        .unwrap_or(default)
+}
+
+fn main() {
+    let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000);
+    let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64);
     let rss_before = rss_bytes();
     let start = Instant::now();
     // The bound's high-water mark sits half-way through the churn window's growth, so that it
     // evicts during the timed phases. It evicts from the largest endpoint: the upper half of
     // the endpoints hold `SPARE` extra blocks each, so that it finds its victims there and not
     // among the requests' holders.
-    let live = entries + ENDPOINTS / 2 * SPARE + REQUESTS * REQUEST_BLOCKS * 3 / 2;
+    let live = entries + endpoints / 2 * SPARE + REQUESTS * REQUEST_BLOCKS * 3 / 2;
     let capacity = (live + WINDOW * CHURN_BLOCKS / 2) * 10 / 9;
     let mut index = fixtures::index(capacity);
-    for e in 0..ENDPOINTS {
-        let spare = if e >= ENDPOINTS / 2 { SPARE } else { 0 };
-        let chains = chain_lengths(entries / ENDPOINTS + spare).zip(private_seeds(e));
+    for e in 0..endpoints {
+        let spare = if e >= endpoints / 2 { SPARE } else { 0 };
+        let chains = chain_lengths(entries / endpoints + spare).zip(private_seeds(e));
         fill(&mut index, EndpointId(e as u32), chains, false);
     }
     // Requests: each stored whole on one endpoint and half on another (lower half).
@@ -64,13 +70,13 @@ fn main() {
         .collect();
     for (r, chain) in requests.iter().enumerate() {
         let whole = chain.stores(0, REQUEST_BLOCKS, None, &mut std::iter::repeat(32));
-        index.apply(EndpointId((r % (ENDPOINTS / 2)) as u32), &whole);
+        index.apply(EndpointId((r % (endpoints / 2)) as u32), &whole);
         let half = chain.stores(0, REQUEST_BLOCKS / 2, None, &mut std::iter::repeat(32));
-        index.apply(EndpointId(((r + 1) % (ENDPOINTS / 2)) as u32), &half);
+        index.apply(EndpointId(((r + 1) % (endpoints / 2)) as u32), &half);
     }
     println!(
         "index: {} endpoints, {} entries, {} blocks, built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry)",
-        ENDPOINTS,
+        endpoints,
         index.entry_count(),
         index.block_count(),
         start.elapsed().as_secs_f64(),
@@ -100,7 +106,7 @@ fn main() {
         let stop = Arc::new(AtomicBool::new(false));
         let writer = ingest.then(|| {
             let (index, stop, churn) = (index.clone(), stop.clone(), churn.clone());
-            std::thread::spawn(move || ingest_until(&index, &churn, &stop))
+            std::thread::spawn(move || ingest_until(&index, endpoints, &churn, &stop))
         });
         let reader = lookup.then(|| {
             let (index, stop, keys) = (index.clone(), stop.clone(), keys.clone());
@@ -137,6 +143,7 @@ fn main() {
 /// until told to stop; returns (block events applied, seconds).
 fn ingest_until(
     index: &SharedIndex,
+    endpoints: usize,
     churn: &[(Vec<KvEvent>, Vec<KvEvent>)],
     stop: &AtomicBool,
 ) -> (u64, f64) {
@@ -144,7 +151,7 @@ fn ingest_until(
     let mut events = 0u64;
     let mut step = 0usize;
     while !stop.load(Ordering::Relaxed) {
-        let endpoint = |c: usize| EndpointId((c % ENDPOINTS) as u32);
+        let endpoint = |c: usize| EndpointId((c % endpoints) as u32);
         let c = step % CHURN_CHAINS;
         for batch in &churn[c].0 {
             index.apply(endpoint(c), std::slice::from_ref(batch));

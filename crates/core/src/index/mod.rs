@@ -178,7 +178,7 @@ fn add_holder(
     }
     let mut holders = Holders::default();
     wide.insert(&mut holders, slot, tier);
-    blocks.get_or_insert(BlockEntry {
+    blocks.insert_absent(BlockEntry {
         key: key.0,
         holders,
     });
@@ -375,15 +375,23 @@ impl KvIndex {
             },
         };
 
-        for (i, (hash, tokens)) in event
-            .block_hashes
-            .iter()
-            .zip(event.token_ids.chunks_exact(block_size))
+        // Keys first, then the tables' slots fetched for the whole batch at once, so that a
+        // large index waits for memory about once per batch rather than twice per block.
+        let keys: Vec<RouterKey> = event
+            .token_ids
+            .chunks_exact(block_size)
             .enumerate()
-        {
-            let block_extra = extra.as_ref().and_then(|e| e[i].as_deref());
-            let key = router_key(parent, tokens, block_extra);
-            parent = key;
+            .map(|(i, tokens)| {
+                let block_extra = extra.as_ref().and_then(|e| e[i].as_deref());
+                parent = router_key(parent, tokens, block_extra);
+                parent
+            })
+            .collect();
+        for (hash, key) in event.block_hashes.iter().zip(&keys) {
+            state.blocks.prefetch(hash.0);
+            self.blocks.prefetch(key.0);
+        }
+        for (hash, &key) in event.block_hashes.iter().zip(&keys) {
             let (held, new) = state.blocks.get_or_insert(HeldBlock {
                 hash: hash.0,
                 tagged_key: key.0 | REFERENCED,

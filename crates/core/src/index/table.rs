@@ -4,7 +4,7 @@
 //! entries keyed by values that are already hashes, and both are most of the index's memory. A
 //! general-purpose table spends a control byte per bucket and runs between 44% and 87.5% full
 //! (it doubles); this one keeps entries in one flat array with no per-slot metadata, resizes by
-//! a quarter, and stays between 72% and 90% full. Robin Hood linear probing keeps probe
+//! a quarter, and stays between 68% and 85% full. Robin Hood linear probing keeps probe
 //! sequences short at that load: an entry never sits further from its home slot than the entries
 //! it passed, and a search stops as soon as it meets an entry closer to home than it would be.
 //! Deletion shifts the following entries back (no tombstones), so a table that churns forever
@@ -24,7 +24,7 @@ pub(crate) trait Slot: Copy + Default {
 }
 
 /// Load factor above which the table grows.
-const MAX_LOAD_PERCENT: usize = 90;
+const MAX_LOAD_PERCENT: usize = 85;
 /// Smallest non-zero capacity.
 const MIN_CAPACITY: usize = 16;
 
@@ -135,12 +135,18 @@ impl<E: Slot> FlatTable<E> {
         if let Some(at) = self.find(entry.key()) {
             return (&mut self.slots[at], false);
         }
+        let at = self.insert_absent(entry);
+        (&mut self.slots[at], true)
+    }
+
+    /// Inserts an entry whose key the caller knows to be absent; returns its slot.
+    pub(crate) fn insert_absent(&mut self, entry: E) -> usize {
+        debug_assert!(!entry.is_vacant() && self.find(entry.key()).is_none());
         if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PERCENT {
             self.grow();
         }
-        let at = self.place(entry);
         self.len += 1;
-        (&mut self.slots[at], true)
+        self.place(entry)
     }
 
     /// Puts an absent entry in, returning where it ended up.

@@ -34,8 +34,9 @@ const WINDOW: usize = 1_024;
 const REQUESTS: usize = 256;
 /// Blocks per request.
 const REQUEST_BLOCKS: usize = 512;
-/// Extra private blocks on each endpoint of the upper half (the bound's victims).
-const SPARE: usize = 2_048;
+/// Extra private blocks on each endpoint of the upper half (the bound's victims), beyond what
+/// the requests add to the lower half.
+const MIN_SPARE: usize = 2_048;
 /// How long each phase runs.
 const PHASE: Duration = Duration::from_secs(8);
 
@@ -54,13 +55,15 @@ fn main() {
     let start = Instant::now();
     // The bound's high-water mark sits half-way through the churn window's growth, so that it
     // evicts during the timed phases. It evicts from the largest endpoint: the upper half of
-    // the endpoints hold `SPARE` extra blocks each, so that it finds its victims there and not
+    // the endpoints hold spare blocks, so that it finds its victims there and not
     // among the requests' holders.
-    let live = entries + endpoints / 2 * SPARE + REQUESTS * REQUEST_BLOCKS * 3 / 2;
+    // Spare blocks: more than the requests add to each lower-half endpoint.
+    let spare = REQUESTS * REQUEST_BLOCKS * 3 / endpoints + MIN_SPARE;
+    let live = entries + endpoints / 2 * spare + REQUESTS * REQUEST_BLOCKS * 3 / 2;
     let capacity = (live + WINDOW * CHURN_BLOCKS / 2) * 10 / 9;
     let mut index = fixtures::index(capacity);
     for e in 0..endpoints {
-        let spare = if e >= endpoints / 2 { SPARE } else { 0 };
+        let spare = if e >= endpoints / 2 { spare } else { 0 };
         let chains = chain_lengths(entries / endpoints + spare).zip(private_seeds(e));
         fill(&mut index, EndpointId(e as u32), chains, false);
     }

@@ -88,37 +88,39 @@ impl HolderView<'_> {
     /// Slots (within word `word`) holding the block on the given tiers.
     #[inline]
     fn word(self, word: usize, tiers: u16) -> u64 {
+        let (any, per_tier) = self.words(word);
+        Tier::ALL
+            .iter()
+            .filter(|&&t| tiers & tier_bit(t) != 0)
+            .fold(0, |acc, &t| acc | per_tier[t as usize])
+            & any
+    }
+
+    /// Slots (within word `word`) holding the block on any tier, and per tier.
+    #[inline]
+    pub(crate) fn words(self, word: usize) -> (u64, [u64; 3]) {
         match self {
             HolderView::Packed(packed) => {
-                let mut bits = 0;
+                let mut tiers = [0u64; 3];
                 for i in 0..LANES {
                     let lane = (packed >> (i as u32 * LANE_BITS)) as u16;
                     let slot = usize::from(lane >> TIER_BITS);
-                    if lane & tiers != 0 && slot / WORD_BITS == word {
-                        bits |= 1 << (slot % WORD_BITS);
+                    if lane != 0 && slot / WORD_BITS == word {
+                        let bit = 1 << (slot % WORD_BITS);
+                        for (t, tier) in tiers.iter_mut().enumerate() {
+                            if lane & (1 << t) != 0 {
+                                *tier |= bit;
+                            }
+                        }
                     }
                 }
-                bits
+                (tiers[0] | tiers[1] | tiers[2], tiers)
             }
-            HolderView::Wide(words) => Tier::ALL
-                .iter()
-                .filter(|&&t| tiers & tier_bit(t) != 0)
-                .fold(0, |acc, &t| {
-                    acc | words.get(word * 3 + t as usize).copied().unwrap_or(0)
-                }),
+            HolderView::Wide(words) => match words.get(word * 3..word * 3 + 3) {
+                Some(&[gpu, cpu, storage]) => (gpu | cpu | storage, [gpu, cpu, storage]),
+                _ => (0, [0; 3]),
+            },
         }
-    }
-
-    /// Slots (within word `word`) holding the block on any tier.
-    #[inline]
-    pub(crate) fn any_word(self, word: usize) -> u64 {
-        self.word(word, 0b111)
-    }
-
-    /// Slots (within word `word`) holding the block on the GPU.
-    #[inline]
-    pub(crate) fn gpu_word(self, word: usize) -> u64 {
-        self.word(word, tier_bit(Tier::Gpu))
     }
 
     /// Whether `slot` holds the block on `tier`.
@@ -317,8 +319,11 @@ mod tests {
                 for s in [slot, 0, 63, 64, 199, 8190, 8191] {
                     let want_any = Tier::ALL.iter().any(|t| model.contains(&(s, *t)));
                     let (w, bit) = split(s);
-                    prop_assert_eq!(view.any_word(w) & bit != 0, want_any);
-                    prop_assert_eq!(view.gpu_word(w) & bit != 0, model.contains(&(s, Tier::Gpu)));
+                    let (any, tiers) = view.words(w);
+                    prop_assert_eq!(any & bit != 0, want_any);
+                    for t in Tier::ALL {
+                        prop_assert_eq!(tiers[t as usize] & bit != 0, model.contains(&(s, t)));
+                    }
                     prop_assert_eq!(view.best_tier(s), Tier::ALL.into_iter().find(|t| model.contains(&(s, *t))));
                 }
                 let slots: std::collections::HashSet<u32> = model.iter().map(|(s, _)| *s).collect();

@@ -8,7 +8,7 @@
 
 use serde::Serialize;
 
-use super::holders::WORD_BITS;
+use super::holders::{Holders, WORD_BITS};
 use super::{EndpointId, KvIndex};
 use crate::event::Tier;
 use crate::keys::RouterKey;
@@ -91,31 +91,39 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
     };
 
-    for (i, key) in keys.iter().enumerate() {
+    // Holders of the current stretch of keys, found once per key.
+    let mut stretch = [Holders::default(); PREFETCH_AHEAD];
+    for i in 0..keys.len() {
         if active.iter().all(|&w| w == 0) {
             break;
         }
         if i % PREFETCH_AHEAD == 0 {
             // A two-stage pipeline, so that a cold lookup waits for memory about once per
             // stretch of blocks instead of once or twice per block: start fetching the next
-            // stretch's table slots, and this stretch's wide holder sets (their table slots
-            // were fetched one stretch ago).
+            // stretch's table slots, then find this stretch's entries (fetched one stretch
+            // ago) and start fetching their wide holder sets.
             for ahead in keys.iter().skip(i + PREFETCH_AHEAD).take(PREFETCH_AHEAD) {
                 index.blocks.prefetch(ahead.0);
             }
-            for now in keys.iter().skip(i).take(PREFETCH_AHEAD) {
-                if let Some(entry) = index.blocks.get(now.0) {
-                    index.wide.prefetch(entry.holders);
-                }
+            for (found, now) in stretch.iter_mut().zip(&keys[i..]) {
+                *found = index
+                    .blocks
+                    .get(now.0)
+                    .map_or_else(Holders::default, |e| e.holders);
+                index.wide.prefetch(*found);
             }
         }
-        let entry = index.blocks.get(key.0).map(|e| index.wide.view(e.holders));
+        let holders = stretch[i % PREFETCH_AHEAD];
+        let entry = (!holders.is_empty()).then(|| index.wide.view(holders));
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {
                 continue;
             }
-            let (held, gpu) = entry.map_or((0, 0), |e| (e.any_word(w), e.gpu_word(w)));
+            let (held, gpu) = entry.map_or((0, 0), |e| {
+                let (any, tiers) = e.words(w);
+                (any, tiers[Tier::Gpu as usize])
+            });
             let mut dropped = *word & !held;
             while dropped != 0 {
                 let bit = dropped.trailing_zeros() as usize;

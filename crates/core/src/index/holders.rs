@@ -123,6 +123,12 @@ impl HolderView<'_> {
         }
     }
 
+    /// Whether `slot` holds the block on any tier.
+    pub(crate) fn holds(self, slot: u32) -> bool {
+        let slot = slot as usize;
+        self.words(slot / WORD_BITS).0 & (1 << (slot % WORD_BITS)) != 0
+    }
+
     /// Whether `slot` holds the block on `tier`.
     pub(crate) fn has(self, slot: u32, tier: Tier) -> bool {
         let slot = slot as usize;

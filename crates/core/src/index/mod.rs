@@ -186,23 +186,24 @@ fn add_holder(
 }
 
 /// Clears `slot` on `tier` for `key`, dropping the block once nobody holds it; returns whether
-/// it was set.
+/// it was set, and whether `slot` still holds the block on another tier.
 fn drop_holder(
     blocks: &mut FlatTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
-) -> bool {
+) -> (bool, bool) {
     let Some(at) = blocks.find(key.0) else {
-        return false;
+        return (false, false);
     };
     let entry = blocks.at_mut(at).expect("found");
     let was = wide.remove(&mut entry.holders, slot, tier);
     if entry.holders.is_empty() {
         blocks.remove_at(at);
+        return (was, false);
     }
-    was
+    (was, wide.view(entry.holders).holds(slot))
 }
 
 /// Clears `slot` on every tier of `key`, keeping `stats`' per-tier counts.
@@ -214,7 +215,7 @@ fn drop_slot(
     stats: &mut EndpointIndexStats,
 ) {
     for tier in Tier::ALL {
-        if drop_holder(blocks, wide, key, slot, tier) {
+        if drop_holder(blocks, wide, key, slot, tier).0 {
             bump(stats, tier, false);
         }
     }
@@ -427,25 +428,32 @@ impl KvIndex {
             return;
         }
         let tier = Tier::from_medium(event.medium.as_deref());
+        // As for stores: fetch the batch's slots from both tables before working on them.
         for hash in &event.block_hashes {
-            let Some(at) = state.blocks.find(hash.0) else {
+            state.blocks.prefetch(hash.0);
+        }
+        let keys: Vec<Option<RouterKey>> = event
+            .block_hashes
+            .iter()
+            .map(|hash| state.blocks.get(hash.0).map(|held| held.router_key()))
+            .collect();
+        for key in keys.iter().flatten() {
+            self.blocks.prefetch(key.0);
+        }
+        for (hash, key) in event.block_hashes.iter().zip(keys) {
+            let Some(key) = key else {
                 state.stats.unknown_hashes += 1;
                 continue;
             };
-            let key = state.blocks.at(at).expect("found").router_key();
-            if !drop_holder(&mut self.blocks, &mut self.wide, key, slot, tier) {
+            let (was, still_held) = drop_holder(&mut self.blocks, &mut self.wide, key, slot, tier);
+            if !was {
                 state.stats.unknown_hashes += 1;
                 continue;
             }
             bump(&mut state.stats, tier, false);
             state.stats.blocks_removed += 1;
-            let still_held = self.blocks.get(key.0).is_some_and(|b| {
-                Tier::ALL
-                    .iter()
-                    .any(|&t| self.wide.view(b.holders).has(slot, t))
-            });
             if !still_held {
-                state.blocks.remove_at(at);
+                state.blocks.remove(hash.0);
                 self.entries -= 1;
             }
         }

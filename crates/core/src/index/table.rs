@@ -122,11 +122,6 @@ impl<E: Slot> FlatTable<E> {
         self.find(key).map(|at| &mut self.slots[at])
     }
 
-    /// The entry at slot `at`, if used (for incremental walks).
-    pub(crate) fn at(&self, at: usize) -> Option<&E> {
-        self.slots.get(at).filter(|e| !e.is_vacant())
-    }
-
     /// The entry at slot `at`, mutably, if used.
     pub(crate) fn at_mut(&mut self, at: usize) -> Option<&mut E> {
         self.slots.get_mut(at).filter(|e| !e.is_vacant())
@@ -203,7 +198,6 @@ impl<E: Slot> FlatTable<E> {
     }
 
     /// Removes `key`'s entry.
-    #[cfg(test)]
     pub(crate) fn remove(&mut self, key: u64) -> Option<E> {
         self.find(key).map(|at| self.remove_at(at))
     }

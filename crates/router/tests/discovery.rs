@@ -1,6 +1,7 @@
 //! Kubernetes discovery against a fake API server (no kube-apiserver can run here): an axum
 //! server speaking list + watch for pods (resourceVersion, bookmarks, 410 Gone) and serving an
-//! InferencePool only as v1alpha2, so that the v1 → v1alpha2 fallback runs too.
+//! InferencePool only as v1alpha2 (`inference.networking.x-k8s.io`, the seed's), so that the
+//! v1 → v1alpha2 fallback runs too.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::convert::Infallible;
@@ -75,7 +76,7 @@ async fn pool_v1() -> Response {
 
 async fn pool_v1alpha2() -> Response {
     axum::Json(
-        json!({"apiVersion": "inference.networking.k8s.io/v1alpha2", "kind": "InferencePool",
+        json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
         "metadata": {"name": "pool", "namespace": "llm"},
         "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000,
                  "extensionRef": {"name": "kvroute-epp"}}}),
@@ -91,7 +92,7 @@ async fn fake_api(fake: Arc<Fake>) -> std::net::SocketAddr {
             get(pool_v1),
         )
         .route(
-            "/apis/inference.networking.k8s.io/v1alpha2/namespaces/llm/inferencepools/pool",
+            "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/llm/inferencepools/pool",
             get(pool_v1alpha2),
         )
         .with_state(fake);

@@ -269,7 +269,7 @@ def validate_files(paths, versions, crds, quiet=False):
                 print(f"ERROR {path}: {error}")
                 failures += 1
     if not quiet:
-        print(f"{count - failures} of {count} manifests valid ({', '.join(paths)})")
+        print(f"{count - failures} of {count} manifests valid ({', '.join(Path(p).name for p in paths)})")
     return failures == 0 and count > 0
 
 

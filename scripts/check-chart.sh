@@ -77,6 +77,8 @@ for values in "$chart"/ci/*-values.yaml "$chart"/values-sim-demo.yaml; do
   renders+=("$out/$name.yaml")
 done
 # The one command of the README: defaults only.
+"$helm" lint --strict "$chart" >/dev/null 2>&1 \
+  || { "$helm" lint --strict "$chart" 2>&1 | quiet >&2; echo "check-chart: helm lint --strict failed" >&2; exit 1; }
 "$helm" template kvroute "$chart" > "$out/defaults.yaml" 2> >(quiet >&2)
 renders+=("$out/defaults.yaml")
 

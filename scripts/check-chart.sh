@@ -93,7 +93,7 @@ fi
 echo "check-chart: the validator rejects all $(echo "$selftest" | grep -c 'rejected as it must be') broken copies of a render"
 
 # Values the chart must refuse (values.schema.json, or a template's own check).
-for bad in admin.port=http inferencePool.failureMode=Sometimes mode=proxy discovery.targetPorts[0]=0; do
+for bad in admin.port=http inferencePool.failureMode=Sometimes mode=proxy 'discovery.targetPorts[0]=0'; do
   if "$helm" template kvroute "$chart" --set "$bad" >/dev/null 2>&1; then
     echo "check-chart: --set $bad rendered; it must be refused" >&2
     exit 1

@@ -5,6 +5,9 @@
 #
 # Built on Alpine, so the Rust target is musl and the binary is static (ring's C and assembly
 # build with gcc and musl-dev; nothing else native is needed).
+#
+# Never built: there is no Docker where kvroute is developed and tested. scripts/check-chart.sh
+# checks that the chart runs this image's binary with arguments and configurations it accepts.
 
 FROM rust:1.95-alpine AS build
 RUN apk add --no-cache musl-dev
@@ -16,8 +19,9 @@ RUN cargo build --release --locked -p kvroute \
 
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /kvroute /usr/local/bin/kvroute
-# 8000 OpenAI API (serve), 9002 ext_proc + gRPC health (epp), 9090 admin (/metrics, /health).
-EXPOSE 8000 9002 9090
+# 8000 OpenAI API (serve), 9002 ext_proc + gRPC health (epp), 8090 admin (/metrics, /health),
+# as the Helm chart runs them; the user is 65532, the chart's runAsUser.
+EXPOSE 8000 9002 8090
 USER nonroot:nonroot
 ENTRYPOINT ["/usr/local/bin/kvroute"]
 CMD ["--help"]

@@ -28,3 +28,6 @@ if cargo tree -p kvroute-core -e normal --prefix none --locked | grep -E '^(toki
 fi
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# The Helm chart: rendered by a real Helm, every manifest validated (Kubernetes schemas, the
+# vendored CRDs), the Envoy and router configurations it carries checked by Envoy and kvroute.
+./scripts/check-chart.sh

@@ -1,10 +1,13 @@
 //! Kubernetes discovery against a fake API server (no kube-apiserver can run here): an axum
-//! server speaking list + watch for pods (resourceVersion, bookmarks, 410 Gone) and serving an
-//! InferencePool only as v1alpha2, so that the v1 → v1alpha2 fallback runs too.
+//! server speaking list + watch for pods (resourceVersion, bookmarks, 410 Gone, a watch the
+//! server ends) and serving an InferencePool only as v1alpha2 (`inference.networking.x-k8s.io`,
+//! the seed's), so that the v1 → v1alpha2 fallback runs too. kube's own client talks to it over
+//! HTTP; simulated engines on loopback addresses stand in for the pods.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::extract::{Query, State};
@@ -13,16 +16,23 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start};
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_testkit::eventually;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-/// What the fake API server answers: one pod list per (re)list, one scripted stream per watch.
+const MODEL: &str = "sim-llama-3.1-8b";
+
+/// What the fake API server answers: one pod list per (re)list, one scripted stream per watch,
+/// the pool's target port; and what it was asked: lists, each watch's `resourceVersion`.
 #[derive(Default)]
 struct Fake {
     lists: Mutex<VecDeque<Value>>,
     watches: Mutex<VecDeque<mpsc::UnboundedReceiver<Value>>>,
+    port: u16,
+    list_calls: AtomicUsize,
+    watch_versions: Mutex<Vec<String>>,
 }
 
 fn pod(name: &str, ip: &str, ready: bool, rv: u32) -> Value {
@@ -49,6 +59,7 @@ async fn pods(State(fake): State<Arc<Fake>>, Query(q): Query<Vec<(String, String
     let param = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
     assert_eq!(param("labelSelector"), Some("app=vllm"));
     if param("watch") != Some("true") {
+        fake.list_calls.fetch_add(1, Ordering::Relaxed);
         let mut lists = fake.lists.lock();
         let body = if lists.len() > 1 {
             lists.pop_front().unwrap()
@@ -57,6 +68,9 @@ async fn pods(State(fake): State<Arc<Fake>>, Query(q): Query<Vec<(String, String
         };
         return axum::Json(body).into_response();
     }
+    fake.watch_versions
+        .lock()
+        .push(param("resourceVersion").unwrap_or_default().to_owned());
     let Some(rx) = fake.watches.lock().pop_front() else {
         // No more scripted watches: hold this one open, empty.
         let stream = futures::stream::pending::<Result<String, Infallible>>();
@@ -73,11 +87,11 @@ async fn pool_v1() -> Response {
     (StatusCode::NOT_FOUND, axum::Json(status(404, "NotFound"))).into_response()
 }
 
-async fn pool_v1alpha2() -> Response {
+async fn pool_v1alpha2(State(fake): State<Arc<Fake>>) -> Response {
     axum::Json(
-        json!({"apiVersion": "inference.networking.k8s.io/v1alpha2", "kind": "InferencePool",
+        json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
         "metadata": {"name": "pool", "namespace": "llm"},
-        "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000,
+        "spec": {"selector": {"app": "vllm"}, "targetPortNumber": fake.port,
                  "extensionRef": {"name": "kvroute-epp"}}}),
     )
     .into_response()
@@ -91,7 +105,7 @@ async fn fake_api(fake: Arc<Fake>) -> std::net::SocketAddr {
             get(pool_v1),
         )
         .route(
-            "/apis/inference.networking.k8s.io/v1alpha2/namespaces/llm/inferencepools/pool",
+            "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/llm/inferencepools/pool",
             get(pool_v1alpha2),
         )
         .with_state(fake);
@@ -124,7 +138,10 @@ async fn expect(router: &RunningRouter, want: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists() {
-    let fake = Arc::new(Fake::default());
+    let fake = Arc::new(Fake {
+        port: 8000,
+        ..Fake::default()
+    });
     fake.lists
         .lock()
         .push_back(list(vec![pod("a", "10.0.0.1", true, 5)], 10));
@@ -166,4 +183,207 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
     watch.send(event("ERROR", status(410, "Expired"))).unwrap();
     drop(watch);
     expect(&running, &["http://10.0.0.3:8000"]).await;
+}
+
+/// `pod`, with other labels.
+fn labelled(name: &str, ip: &str, ready: bool, rv: u32, labels: Value) -> Value {
+    let mut p = pod(name, ip, ready, rv);
+    p["metadata"]["labels"] = labels;
+    p
+}
+
+/// One simulated engine bound to `host` (a loopback address standing in for a pod IP).
+async fn engine_at(host: &str, port: u16, events_port: u16) -> SimFleet {
+    start_sim(SimConfig {
+        host: host.into(),
+        port,
+        events_port,
+        replay_port: None,
+        time_scale: 10.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// A steady stream of completions through the router, one at a time: `begun` counts those
+/// started, `served` says who served each (by sequence number: the endpoint's name, or the
+/// status of a failure).
+#[derive(Default)]
+struct Traffic {
+    begun: AtomicUsize,
+    stop: AtomicBool,
+    served: Mutex<Vec<(usize, String)>>,
+}
+
+async fn send_steadily(addr: std::net::SocketAddr, traffic: Arc<Traffic>) {
+    let client = reqwest::Client::new();
+    while !traffic.stop.load(Ordering::Relaxed) {
+        let i = traffic.begun.fetch_add(1, Ordering::SeqCst);
+        let response = client
+            .post(format!("http://{addr}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": format!("request {i} ").repeat(20), "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        let who = match response.status().as_u16() {
+            200 => response.headers()["x-kvroute-endpoint"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+            status => format!("status {status}"),
+        };
+        traffic.served.lock().push((i, who));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_join_when_ready_and_leave_when_deleted_or_relabelled_while_requests_flow() {
+    // Two engines on loopback addresses that stand in for pod IPs, on the pool's port.
+    let (port, events) = (
+        kvroute_testkit::free_ports(1),
+        kvroute_testkit::free_ports(1),
+    );
+    let a_engine = engine_at("127.0.0.2", port, events).await;
+    let b_engine = engine_at("127.0.0.3", port, events).await;
+    let fake = Arc::new(Fake {
+        port,
+        ..Fake::default()
+    });
+    let vllm = || json!({"app": "vllm"});
+    fake.lists.lock().push_back(list(
+        vec![
+            labelled("a", "127.0.0.2", true, 5, vllm()),
+            labelled("b", "127.0.0.3", false, 6, vllm()),
+        ],
+        10,
+    ));
+    let (watch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let (rewatch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let api = fake_api(fake.clone()).await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\n\
+         discovery: {{api_server: 'http://{api}', namespace: llm, inference_pool: pool, events_port: {events}}}\n"
+    );
+    let running = start(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let (a, b) = (
+        format!("http://127.0.0.2:{port}"),
+        format!("http://127.0.0.3:{port}"),
+    );
+    // b is listed but not ready: only a joins.
+    expect(&running, &[&a]).await;
+
+    // b becomes ready.
+    watch
+        .send(event(
+            "MODIFIED",
+            labelled("b", "127.0.0.3", true, 11, vllm()),
+        ))
+        .unwrap();
+    expect(&running, &[&a, &b]).await;
+
+    // Requests flow; both serve some.
+    let traffic = Arc::new(Traffic::default());
+    let sender = tokio::spawn(send_steadily(running.addr, traffic.clone()));
+    eventually("both pods serve", || {
+        let names: BTreeSet<String> = traffic
+            .served
+            .lock()
+            .iter()
+            .map(|(_, n)| n.clone())
+            .collect();
+        (names.contains("a") && names.contains("b"), names)
+    })
+    .await;
+
+    // b is deleted mid-stream: once it has left, no request goes to it.
+    watch
+        .send(event(
+            "DELETED",
+            labelled("b", "127.0.0.3", true, 12, vllm()),
+        ))
+        .unwrap();
+    expect(&running, &[&a]).await;
+    let left = traffic.begun.load(Ordering::SeqCst);
+    eventually("ten requests begun after b left", || {
+        let done = traffic.served.lock().len();
+        (done >= left + 10, done)
+    })
+    .await;
+    let after: Vec<(usize, String)> = traffic
+        .served
+        .lock()
+        .iter()
+        .filter(|(i, _)| *i >= left)
+        .cloned()
+        .collect();
+    assert!(
+        after.iter().all(|(_, who)| who == "a"),
+        "after b left every request went to a: {after:?}"
+    );
+
+    // b is back, then its role label changes: it rejoins with the new role.
+    watch
+        .send(event("ADDED", labelled("b", "127.0.0.3", true, 13, vllm())))
+        .unwrap();
+    expect(&running, &[&a, &b]).await;
+    watch
+        .send(event(
+            "MODIFIED",
+            labelled(
+                "b",
+                "127.0.0.3",
+                true,
+                14,
+                json!({"app": "vllm", "llm-d.ai/role": "prefill"}),
+            ),
+        ))
+        .unwrap();
+    let router = running.router.clone();
+    eventually("b's role follows its label", || {
+        let roles: Vec<_> = router
+            .endpoints()
+            .iter()
+            .zip(router.fleet().endpoints())
+            .filter(|(_, s)| s.present())
+            .map(|(e, _)| (e.config.url.clone(), e.config.role))
+            .collect();
+        let ok = roles.contains(&(b.clone(), kvroute_core::schedule::Role::Prefill));
+        (ok, roles)
+    })
+    .await;
+    // b's selector label changes: the API server sends the pod as DELETED, and it leaves.
+    watch
+        .send(event(
+            "DELETED",
+            labelled("b", "127.0.0.3", true, 15, json!({"app": "other"})),
+        ))
+        .unwrap();
+    expect(&running, &[&a]).await;
+
+    // The watch times out (the server ends it): the client watches again from the last
+    // resourceVersion, without a relist, and events flow on the new watch.
+    drop(watch);
+    rewatch
+        .send(event("ADDED", labelled("b", "127.0.0.3", true, 16, vllm())))
+        .unwrap();
+    expect(&running, &[&a, &b]).await;
+    assert_eq!(fake.list_calls.load(Ordering::Relaxed), 1, "no relist");
+    assert_eq!(
+        fake.watch_versions.lock().as_slice(),
+        ["10", "15"],
+        "each watch resumes from the last resourceVersion seen"
+    );
+    traffic.stop.store(true, Ordering::Relaxed);
+    sender.await.unwrap();
+    let served = traffic.served.lock();
+    assert!(
+        served.iter().all(|(_, who)| !who.starts_with("status")),
+        "every request succeeded: {served:?}"
+    );
+    drop((a_engine, b_engine));
 }

@@ -239,6 +239,16 @@ async fn the_picker_routes_follows_the_response_and_honours_subsets() {
         .await;
     assert!(matches!(answer, Response::ResponseBody(_)));
     assert_eq!(epp.router.load(id).inflight, 0);
+    // The body went through to its end: completed, as in `serve`.
+    let outcomes = |outcome: &str| {
+        kvroute_testkit::sum_labelled(
+            &epp.router.metrics().render(),
+            "kvroute_requests_total",
+            &format!("outcome=\"{outcome}\""),
+        )
+    };
+    assert_eq!(outcomes("completed"), 1.0);
+    assert_eq!(outcomes("client_closed"), 0.0);
 
     // A subset hint narrows the choice; an empty intersection is answered 503.
     for _ in 0..4 {
@@ -266,4 +276,12 @@ async fn the_picker_routes_follows_the_response_and_honours_subsets() {
         (inflight == 0, inflight)
     })
     .await;
+    // Every stream closed before its response ended (the four subset routes and this one)
+    // counts as closed by the client.
+    eventually("five streams closed early", || {
+        let closed = outcomes("client_closed");
+        (closed == 5.0, closed)
+    })
+    .await;
+    assert_eq!(outcomes("completed"), 1.0);
 }

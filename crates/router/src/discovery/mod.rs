@@ -54,8 +54,8 @@ pub struct KubeDiscovery {
     /// The namespace of the pool and its pods (default: the client's, usually the pod's own).
     #[serde(default)]
     pub namespace: Option<String>,
-    /// An InferencePool (`inference.networking.k8s.io`, v1 or v1alpha2) naming the selector
-    /// and target ports.
+    /// An InferencePool (`inference.networking.k8s.io/v1`, or the earlier
+    /// `inference.networking.x-k8s.io/v1alpha2`) naming the selector and target ports.
     #[serde(default)]
     pub inference_pool: Option<String>,
     /// A plain label selector, instead of a pool.

@@ -1,6 +1,6 @@
 //! Reading an InferencePool: v1 (`inference.networking.k8s.io/v1`: `spec.selector.matchLabels`,
-//! `spec.targetPorts[].number`) and the earlier v1alpha2 shape (a flat `spec.selector` map,
-//! `spec.targetPortNumber`).
+//! `spec.targetPorts[].number`) and the earlier v1alpha2 shape
+//! (`inference.networking.x-k8s.io/v1alpha2`: a flat `spec.selector` map, `spec.targetPortNumber`).
 
 use std::collections::BTreeMap;
 
@@ -9,10 +9,13 @@ use serde_json::Value;
 use super::PoolSpec;
 use crate::RouterError;
 
-/// The API group of InferencePools.
-pub const GROUP: &str = "inference.networking.k8s.io";
-/// The versions tried, newest first.
-pub const VERSIONS: [&str; 2] = ["v1", "v1alpha2"];
+/// The InferencePool APIs tried, newest first, as (group, version): v1 moved to the
+/// `k8s.io` group; the earlier v1alpha2 (the Gateway API Inference Extension before 1.0, the
+/// seed's) lives in `x-k8s.io`.
+pub const APIS: [(&str, &str); 2] = [
+    ("inference.networking.k8s.io", "v1"),
+    ("inference.networking.x-k8s.io", "v1alpha2"),
+];
 
 /// The selector and ports of an InferencePool object (as JSON), of either version.
 pub fn pool_spec(object: &Value) -> Result<PoolSpec, RouterError> {

@@ -32,8 +32,8 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
         });
     };
     let mut last = String::new();
-    for version in pool::VERSIONS {
-        let gvk = GroupVersionKind::gvk(pool::GROUP, version, "InferencePool");
+    for (group, version) in pool::APIS {
+        let gvk = GroupVersionKind::gvk(group, version, "InferencePool");
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk));
         match api.get(name).await {
@@ -42,7 +42,7 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
                     .map_err(|e| RouterError::Config(e.to_string()))?;
                 return pool::pool_spec(&value);
             }
-            Err(e) => last = format!("{version}: {e}"),
+            Err(e) => last = format!("{group}/{version}: {e}"),
         }
     }
     Err(RouterError::Config(format!(

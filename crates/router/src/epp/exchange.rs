@@ -13,7 +13,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
 
 use super::protocol;
-use crate::accounting::Accounting;
+use crate::accounting::{Accounting, Outcome};
 use crate::proxy::{self, Api, Refused, Routed, healthy_rotation, request_id};
 use crate::service::{Prepared, Router};
 
@@ -58,7 +58,7 @@ impl Exchange {
             Request::ResponseBody(b) => self.response_body(&b),
             Request::RequestTrailers(_) => trailers(true),
             Request::ResponseTrailers(_) => {
-                self.accounting.take();
+                self.finish();
                 trailers(false)
             }
         })
@@ -192,7 +192,7 @@ impl Exchange {
             None => protocol::response_headers(&[]),
         };
         if h.end_of_stream {
-            self.accounting.take();
+            self.finish();
         }
         answer
     }
@@ -202,10 +202,24 @@ impl Exchange {
             accounting.observe(&b.body);
         }
         if b.end_of_stream {
-            // Finished: the fleet hears of it now, with the engine's reported cached tokens.
-            self.accounting.take();
+            self.finish();
         }
         protocol::continue_response_body()
+    }
+
+    /// The gateway passed the response on to its end: the fleet hears of it now, with the
+    /// engine's reported cached tokens, as `completed` (or `engine_error` for a 5xx). A stream
+    /// that closes before this point leaves its accounting to be dropped as `client_closed`.
+    fn finish(&mut self) {
+        if let Some((mut accounting, _)) = self.accounting.take() {
+            let status = accounting.status;
+            let outcome = if status >= 500 {
+                Outcome::EngineError
+            } else {
+                Outcome::Completed
+            };
+            accounting.fail(status, outcome);
+        }
     }
 }
 

@@ -39,7 +39,7 @@ use crate::CoreError;
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use crate::keys::{BlockExtraKeys, ExtraKey, ROOT_KEY, RouterKey, router_key};
 use holders::{Holders, WideHolders};
-use table::{FlatTable, Slot};
+use table::{FlatTable, ShardedTable, Slot};
 
 pub use lookup::{PrefixMatch, PrefixMatches};
 pub use shared::SharedIndex;
@@ -154,7 +154,7 @@ struct EndpointState {
 pub struct KvIndex {
     config: IndexConfig,
     /// Router key → holders, for every block held by at least one endpoint.
-    blocks: FlatTable<BlockEntry>,
+    blocks: ShardedTable<BlockEntry>,
     /// Holder sets too large for a block table entry.
     wide: WideHolders,
     endpoints: HashMap<EndpointId, EndpointState>,
@@ -167,12 +167,13 @@ pub struct KvIndex {
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
 /// (slot, tier) pair was new.
 fn add_holder(
-    blocks: &mut FlatTable<BlockEntry>,
+    blocks: &mut ShardedTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
 ) -> bool {
+    let blocks = blocks.shard_mut(key.0);
     if let Some(entry) = blocks.get_mut(key.0) {
         return wide.insert(&mut entry.holders, slot, tier);
     }
@@ -188,12 +189,13 @@ fn add_holder(
 /// Clears `slot` on `tier` for `key`, dropping the block once nobody holds it; returns whether
 /// it was set, and whether `slot` still holds the block on another tier.
 fn drop_holder(
-    blocks: &mut FlatTable<BlockEntry>,
+    blocks: &mut ShardedTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
 ) -> (bool, bool) {
+    let blocks = blocks.shard_mut(key.0);
     let Some(at) = blocks.find(key.0) else {
         return (false, false);
     };
@@ -208,7 +210,7 @@ fn drop_holder(
 
 /// Clears `slot` on every tier of `key`, keeping `stats`' per-tier counts.
 fn drop_slot(
-    blocks: &mut FlatTable<BlockEntry>,
+    blocks: &mut ShardedTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
@@ -229,7 +231,7 @@ impl KvIndex {
         }
         Ok(Self {
             config,
-            blocks: FlatTable::default(),
+            blocks: ShardedTable::default(),
             wide: WideHolders::default(),
             endpoints: HashMap::new(),
             slots: Vec::new(),

@@ -12,6 +12,9 @@
 //! Deletion shifts the following entries back (no tombstones), so a table that churns forever
 //! does not degrade.
 //!
+//! [`ShardedTable`] splits the block table, the one that grows with the whole fleet, into
+//! sub-tables so that no single resize holds the index's lock for long.
+//!
 //! Slots are addressed by position, so a caller can walk the table incrementally from a saved
 //! position (the capacity bound's clock hand) and the lookup can prefetch a key's home slot
 //! before it needs it.
@@ -226,6 +229,69 @@ impl<E: Slot> FlatTable<E> {
             return;
         }
         touch(self.slots[self.home(key)].key());
+    }
+}
+
+/// Sub-tables of a [`ShardedTable`].
+const SHARDS: usize = 256;
+
+/// A [`FlatTable`] split by key into 256 independent sub-tables, for the one table that grows to
+/// the size of the whole fleet's cache. A table resizes in one step, and at 100M entries one
+/// step would hold the index's lock for a second; split, each step moves 1/256 of the entries,
+/// and the sub-tables reach their thresholds at different inserts.
+#[derive(Clone, Debug)]
+pub(crate) struct ShardedTable<E> {
+    shards: Vec<FlatTable<E>>,
+}
+
+impl<E: Slot> Default for ShardedTable<E> {
+    fn default() -> Self {
+        Self {
+            shards: vec![FlatTable::default(); SHARDS],
+        }
+    }
+}
+
+impl<E: Slot> ShardedTable<E> {
+    /// The sub-table `key` lives in (chosen by bits the home slot does not use).
+    #[inline]
+    fn index(key: u64) -> usize {
+        ((key ^ (key >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 56) as usize % SHARDS
+    }
+
+    /// The sub-table holding `key`.
+    #[inline]
+    pub(crate) fn shard(&self, key: u64) -> &FlatTable<E> {
+        &self.shards[Self::index(key)]
+    }
+
+    /// The sub-table holding `key`, mutably.
+    #[inline]
+    pub(crate) fn shard_mut(&mut self, key: u64) -> &mut FlatTable<E> {
+        &mut self.shards[Self::index(key)]
+    }
+
+    /// The entry for `key`.
+    #[inline]
+    pub(crate) fn get(&self, key: u64) -> Option<&E> {
+        self.shard(key).get(key)
+    }
+
+    /// Starts loading `key`'s home slot into the CPU caches.
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        self.shard(key).prefetch(key);
+    }
+
+    /// Entries held.
+    pub(crate) fn len(&self) -> usize {
+        self.shards.iter().map(FlatTable::len).sum()
+    }
+
+    /// Bytes of the slot arrays.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.shards.iter().map(FlatTable::heap_bytes).sum::<usize>()
+            + self.shards.capacity() * std::mem::size_of::<FlatTable<E>>()
     }
 }
 

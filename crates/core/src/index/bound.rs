@@ -7,6 +7,9 @@ use super::{KvIndex, REFERENCED, drop_slot};
 const VISITS_PER_BLOCK: usize = 4;
 /// Visits every over-bound batch gets, however small.
 const MIN_VISITS: usize = 64;
+/// Sweeps between two searches for the endpoint holding the most entries: the search reads
+/// every endpoint (1,000 at fleet scale), too much to repeat for every batch.
+const RESCAN_EVERY: u32 = 64;
 
 impl KvIndex {
     /// Keeps the index within its capacity after a batch that stored `stored` blocks.
@@ -39,7 +42,19 @@ impl KvIndex {
     /// the index is down to `target` or `visits` run out. With `second_chance`, an entry stored
     /// since the last pass is spared (and its mark cleared).
     fn sweep_largest(&mut self, visits: &mut usize, target: usize, second_chance: bool) {
-        let Some(state) = self.endpoints.values_mut().max_by_key(|s| s.blocks.len()) else {
+        let current = self.victim.and_then(|(id, sweeps)| {
+            let len = self.endpoints.get(&id)?.blocks.len();
+            (sweeps < RESCAN_EVERY && len > 0).then_some((id, sweeps))
+        });
+        let (id, sweeps) = match current {
+            Some(victim) => victim,
+            None => match self.endpoints.iter().max_by_key(|(_, s)| s.blocks.len()) {
+                Some((id, _)) => (*id, 0),
+                None => return,
+            },
+        };
+        self.victim = Some((id, sweeps + 1));
+        let Some(state) = self.endpoints.get_mut(&id) else {
             return;
         };
         let slot = state.slot;

@@ -16,7 +16,8 @@
 //!   know cannot be placed in the chain; it is counted and dropped.
 //! - **Bounded memory, without pauses.** The index holds at most `capacity` (block, endpoint)
 //!   entries. Past 90% of it, each batch also runs a clock hand over the per-endpoint tables of
-//!   the endpoint holding the most entries: an entry stored since the hand last passed gets a
+//!   the endpoint holding the most entries (searched again every 64 sweeps, not every batch: the
+//!   search reads every endpoint): an entry stored since the hand last passed gets a
 //!   second chance, any other is dropped. The work per batch is a small multiple of the batch's
 //!   own size, so readers never wait for a full pass (the old cutoff-stamp pass stopped the
 //!   world for 62 ms at 1M entries). Why the largest endpoint: a healthy engine's own eviction
@@ -162,6 +163,9 @@ pub struct KvIndex {
     slots: Vec<Option<EndpointId>>,
     /// (block, endpoint) entries held: the sum of every endpoint's table size.
     entries: usize,
+    /// The capacity bound's current victim (the endpoint that held the most entries when last
+    /// searched) and the sweeps since.
+    victim: Option<(EndpointId, u32)>,
 }
 
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
@@ -236,6 +240,7 @@ impl KvIndex {
             endpoints: HashMap::new(),
             slots: Vec::new(),
             entries: 0,
+            victim: None,
         })
     }
 

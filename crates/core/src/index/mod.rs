@@ -15,10 +15,10 @@
 //! - **Orphans are never guessed.** A `BlockStored` whose parent hash the endpoint's map does not
 //!   know cannot be placed in the chain; it is counted and dropped.
 //! - **Bounded memory, without pauses.** The index holds at most `capacity` (block, endpoint)
-//!   entries. Past 90% of it, each batch also runs a clock hand over the per-endpoint tables of
-//!   the endpoint holding the most entries (searched again every 64 sweeps, not every batch: the
-//!   search reads every endpoint): an entry stored since the hand last passed gets a
-//!   second chance, any other is dropped. The work per batch is a small multiple of the batch's
+//!   entries. Past 90% of it, each batch also runs a clock hand over the table of the endpoint
+//!   holding the most entries (searched again every 64 sweeps, not every batch: the search
+//!   reads every endpoint): an entry stored since the hand last passed gets a second chance,
+//!   any other is dropped. The work per batch is a small multiple of the batch's
 //!   own size, so readers never wait for a full pass (the old cutoff-stamp pass stopped the
 //!   world for 62 ms at 1M entries). Why the largest endpoint: a healthy engine's own eviction
 //!   events keep its entries in step, so the bound is the backstop for lost `BlockRemoved`

@@ -26,22 +26,8 @@ mkdir -p "$out"
 if [ -z "${NO_BUILD:-}" ]; then cargo build --release --quiet -p kvroute; fi
 bin=target/release/kvroute
 
-pids=()
-cleanup() {
-  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]:-}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap cleanup EXIT
-
-wait_http() {
-  for _ in $(seq 1 300); do
-    curl -sf "$1" >/dev/null && return 0
-    sleep 0.1
-  done
-  echo "no answer from $1" >&2
-  return 1
-}
+# shellcheck source=scripts/processes.sh
+source scripts/processes.sh
 
 ticks=$(getconf CLK_TCK)
 cpu_ticks() { # utime + stime of a process, in clock ticks
@@ -67,11 +53,11 @@ pids+=("$sim")
     echo "  - {name: engine-$i, url: 'http://127.0.0.1:$((base + 1 + i))', events: 'tcp://127.0.0.1:$((events_base + i))', replay: 'tcp://127.0.0.1:$((replay_base + i))'}"
   done
 } >"$out/router.yaml"
-for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 1 + i))/health"; done
+for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 1 + i))/health" 300; done
 "$bin" serve -c "$out/router.yaml" >"$out/router.log" 2>&1 &
 router=$!
 pids+=("$router")
-wait_http "http://127.0.0.1:$base/health"
+wait_http "http://127.0.0.1:$base/health" 300
 sleep 3 # subscribers connect, first scrapes land
 
 echo "== $engines engines, per_endpoint: $per_endpoint; idle for ${idle_s}s"

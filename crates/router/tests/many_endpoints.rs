@@ -2,14 +2,16 @@
 //! are off, and health checks and scrapes spread over their interval instead of all firing at
 //! once. Real HTTP (and ZMQ for the simulated engines) on loopback.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::routing::get;
-use kvroute_router::config::RouterConfig;
-use kvroute_router::server::{RunningRouter, start as start_router};
+use common::router_from_yaml;
+use kvroute_router::server::RunningRouter;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_testkit::{eventually, http_get};
 use parking_lot::Mutex;
@@ -29,14 +31,7 @@ async fn router_for(fleet: &SimFleet, n: usize, metrics: &str) -> RunningRouter 
             ep.url, ep.events
         ));
     }
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
-    eventually("subscribers connected", || {
-        (router.subscribers_connected(), ())
-    })
-    .await;
-    router
+    router_from_yaml(&yaml).await
 }
 
 /// Sends `n` completions with unrelated prompts (no prefix shared, so every prediction is exact
@@ -178,9 +173,7 @@ async fn health_checks_and_scrapes_of_64_endpoints_spread_over_the_interval() {
         let addr = probe_recorder(i, probes.clone()).await;
         yaml.push_str(&format!("  - {{name: engine-{i}, url: 'http://{addr}'}}\n"));
     }
-    let _router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let _router = router_from_yaml(&yaml).await;
     // Each endpoint's first probe of each kind is at once; the second is at its own phase.
     let second_probes = |path: &str| {
         let probes = probes.lock();

@@ -126,6 +126,11 @@ where
             return;
         }
         let pending = std::mem::take(&mut *self.pending.write());
+        if pending.is_empty() {
+            // Nothing set since the last rendering (a concurrent scrape took it): the last
+            // aggregates stand.
+            return;
+        }
         let mut totals: HashMap<Labels, N> = HashMap::new();
         for (labels, gauge) in pending {
             let value = gauge.get();
@@ -433,4 +438,63 @@ pub fn listener(name: &'static str) -> Labels {
 /// Labels for one endpoint.
 pub fn endpoint(name: &str) -> Labels {
     vec![("endpoint", name.to_owned())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set_for(m: &RouterMetrics, name: &str, healthy: i64, age: f64) {
+        m.endpoint_healthy
+            .get_or_create(&endpoint(name))
+            .set(healthy);
+        m.events_age_seconds.get_or_create(&endpoint(name)).set(age);
+        m.requests
+            .get_or_create(&vec![
+                ("endpoint", name.to_owned()),
+                ("status", "2xx".into()),
+            ])
+            .inc();
+    }
+
+    #[test]
+    fn without_per_endpoint_series_gauges_aggregate_and_counters_count_over_endpoints() {
+        let m = RouterMetrics::new(&MetricsConfig {
+            per_endpoint: false,
+        });
+        for (i, healthy) in [1, 1, 0].into_iter().enumerate() {
+            set_for(&m, &format!("engine-{i}"), healthy, i as f64);
+        }
+        let text = m.render();
+        assert!(!text.contains("endpoint=\""), "{text}");
+        assert!(text.contains("kvroute_endpoint_healthy 2\n"), "{text}");
+        assert!(
+            text.contains("kvroute_kv_events_age_seconds 2.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_requests_total{status=\"2xx\"} 3\n"),
+            "{text}"
+        );
+        // A rendering with nothing set since (a concurrent scrape took it) keeps the totals.
+        assert!(m.render().contains("kvroute_endpoint_healthy 2\n"));
+        // The next refresh counts only the endpoints it sets (one left).
+        set_for(&m, "engine-0", 1, 0.5);
+        let text = m.render();
+        assert!(text.contains("kvroute_endpoint_healthy 1\n"), "{text}");
+        assert!(
+            text.contains("kvroute_kv_events_age_seconds 0.5\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn with_per_endpoint_series_each_endpoint_has_its_own() {
+        let m = RouterMetrics::default();
+        set_for(&m, "engine-0", 1, 1.0);
+        set_for(&m, "engine-1", 0, 2.0);
+        let text = m.render();
+        assert!(text.contains("kvroute_endpoint_healthy{endpoint=\"engine-0\"} 1\n"));
+        assert!(text.contains("kvroute_endpoint_healthy{endpoint=\"engine-1\"} 0\n"));
+    }
 }

@@ -10,7 +10,8 @@
 //! the policy's `route` (core's `plan`, and its housekeeping once a second of fleet time);
 //! "all" adds the scrapes, `dispatched`, `first_token` and `finished`.
 //!
-//! `cargo bench -p kvroute-simulate --bench plan` (no criterion: a median over rounds).
+//! `cargo bench -p kvroute-simulate --bench plan [-- ENDPOINTS...]` (no criterion: a median over
+//! rounds).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -115,8 +116,13 @@ fn measure(engines: usize, warm: u64, rounds: usize, per_round: u64) -> (f64, f6
 }
 
 fn main() {
+    // Fleet sizes from the command line (`-- 1000`), else 8 to 1,000.
+    let mut sizes: Vec<usize> = std::env::args().filter_map(|a| a.parse().ok()).collect();
+    if sizes.is_empty() {
+        sizes = vec![8, 64, 256, 1_000];
+    }
     println!("endpoints | route µs/request | all µs/request");
-    for engines in [8, 64, 256, 1_000] {
+    for engines in sizes {
         let (route, total) = measure(engines, 4_000, 7, 500);
         println!("{engines:>9} | {route:>16.1} | {total:>14.1}");
     }

@@ -34,22 +34,8 @@ mooncake|8|62500|--max-model-len 131072|--workload trace --trace ../shared/trace
 LIST
 }
 
-pids=()
-cleanup() {
-  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]:-}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap cleanup EXIT
-
-wait_http() {
-  for _ in $(seq 1 100); do
-    curl -sf "$1" >/dev/null && return 0
-    sleep 0.1
-  done
-  echo "no answer from $1" >&2
-  return 1
-}
+# shellcheck source=scripts/processes.sh
+source scripts/processes.sh
 
 run_one() { # workload engines blocks sim-args policy bench-args...
   local name=$1 engines=$2 blocks=$3 sim_args=$4 policy=$5

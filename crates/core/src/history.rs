@@ -17,6 +17,7 @@ use crate::keys::RouterKey;
 pub struct RoutingHistory {
     ttl_s: f64,
     capacity: usize,
+    /// Each key's holders with their expiry, in endpoint order (an endpoint at most once).
     entries: HashMap<RouterKey, Vec<(EndpointId, f64)>>,
     /// Insertion order, for the capacity bound: (key, endpoint, expiry at insertion).
     order: VecDeque<(RouterKey, EndpointId, f64)>,
@@ -38,9 +39,9 @@ impl RoutingHistory {
         let expiry = now + self.ttl_s;
         for key in keys {
             let holders = self.entries.entry(*key).or_default();
-            match holders.iter_mut().find(|(e, _)| *e == endpoint) {
-                Some(slot) => slot.1 = expiry,
-                None => holders.push((endpoint, expiry)),
+            match holders.binary_search_by_key(&endpoint, |(e, _)| *e) {
+                Ok(at) => holders[at].1 = expiry,
+                Err(at) => holders.insert(at, (endpoint, expiry)),
             }
             self.order.push_back((*key, endpoint, expiry));
         }
@@ -55,7 +56,11 @@ impl RoutingHistory {
         };
         if let Some(holders) = self.entries.get_mut(&key) {
             // Only if this record is still the entry's latest: a newer record keeps it alive.
-            holders.retain(|(e, x)| !(*e == endpoint && *x <= expiry));
+            if let Ok(at) = holders.binary_search_by_key(&endpoint, |(e, _)| *e)
+                && holders[at].1 <= expiry
+            {
+                holders.remove(at);
+            }
             if holders.is_empty() {
                 self.entries.remove(&key);
             }
@@ -67,12 +72,11 @@ impl RoutingHistory {
     /// refute should not outlive them.
     pub fn shorten(&mut self, endpoint: EndpointId, keys: &[RouterKey], expiry: f64) {
         for key in keys {
-            if let Some(holders) = self.entries.get_mut(key) {
-                for (e, x) in holders.iter_mut() {
-                    if *e == endpoint && *x > expiry {
-                        *x = expiry;
-                    }
-                }
+            if let Some(holders) = self.entries.get_mut(key)
+                && let Ok(at) = holders.binary_search_by_key(&endpoint, |(e, _)| *e)
+            {
+                let x = &mut holders[at].1;
+                *x = x.min(expiry);
             }
         }
     }
@@ -93,11 +97,15 @@ impl RoutingHistory {
         self.order.retain(|(_, e, _)| *e != endpoint);
     }
 
-    /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`.
+    /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`, in endpoint
+    /// order.
     pub fn longest_prefixes(&self, keys: &[RouterKey], now: f64) -> Vec<(EndpointId, u32)> {
         let Some(first) = keys.first().and_then(|k| self.entries.get(k)) else {
             return Vec::new();
         };
+        // In endpoint order (as holders are), so that each key's holders are matched in
+        // O(holders × log active), not O(holders × active): a hot prefix (a shared system
+        // prompt) may be held by hundreds of endpoints.
         let mut active: Vec<(EndpointId, u32)> = first
             .iter()
             .filter(|(_, x)| *x > now)
@@ -108,9 +116,15 @@ impl RoutingHistory {
                 break;
             };
             let mut any = false;
-            for (e, len) in active.iter_mut() {
-                if *len == i as u32 && holders.iter().any(|(h, x)| h == e && *x > now) {
-                    *len += 1;
+            // An endpoint appears once among a key's holders.
+            for (h, x) in holders {
+                if *x <= now {
+                    continue;
+                }
+                if let Ok(at) = active.binary_search_by_key(h, |(e, _)| *e)
+                    && active[at].1 == i as u32
+                {
+                    active[at].1 += 1;
                     any = true;
                 }
             }
@@ -118,7 +132,6 @@ impl RoutingHistory {
                 break;
             }
         }
-        active.sort_unstable_by_key(|(e, _)| *e);
         active
     }
 
@@ -194,10 +207,37 @@ mod tests {
             let mut h = RoutingHistory::new(5.0, 40);
             for (e, n, salt, t) in ops {
                 h.record(EndpointId(e), &keys(n, salt), t);
-                prop_assert!(h.len() <= 40);
-                for (_, len) in h.longest_prefixes(&keys(20, salt), t) {
-                    prop_assert!(len <= 20);
+                if n % 3 == 0 {
+                    h.shorten(EndpointId((e + 1) % 4), &keys(n, salt), t + 1.0);
                 }
+                if n % 7 == 0 {
+                    h.expire(t);
+                }
+                prop_assert!(h.len() <= 40);
+                for holders in h.entries.values() {
+                    prop_assert!(holders.windows(2).all(|w| w[0].0 < w[1].0), "holders in endpoint order, once each");
+                }
+                let asked = keys(20, salt);
+                let found = h.longest_prefixes(&asked, t);
+                for (_, len) in &found {
+                    prop_assert!(*len <= 20);
+                }
+                // Each endpoint's own walk along the keys, as the naive model.
+                let naive: Vec<(EndpointId, u32)> = (0..4)
+                    .map(|e| {
+                        let held = asked
+                            .iter()
+                            .take_while(|k| {
+                                h.entries
+                                    .get(*k)
+                                    .is_some_and(|hs| hs.iter().any(|(x, at)| x.0 == e && *at > t))
+                            })
+                            .count();
+                        (EndpointId(e), held as u32)
+                    })
+                    .filter(|(_, n)| *n > 0)
+                    .collect();
+                prop_assert_eq!(found, naive);
             }
         }
     }

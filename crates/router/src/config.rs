@@ -47,6 +47,9 @@ pub struct RouterConfig {
     /// Load scraping.
     #[serde(default)]
     pub scrape: ScrapeConfig,
+    /// The router's own `/metrics`.
+    #[serde(default)]
+    pub metrics: crate::metrics::MetricsConfig,
     /// The KV block index and the router's own routing memory.
     #[serde(default)]
     pub cache: CacheConfig,

@@ -1,15 +1,18 @@
 //! What the router needs of each endpoint to talk to it: its name, address, configuration, the
 //! last health-check error and its KV-event subscriber. Everything a decision reads about it
 //! lives in `kvroute-core`'s [`Fleet`](kvroute_core::fleet::Fleet); the event sink here feeds
-//! that fleet.
+//! that fleet. Its health checks and scrapes run on a [`ProbeSchedule`], staggered so that with
+//! many endpoints the probes of one interval do not all fire at once.
 
 use std::sync::Weak;
+use std::time::Duration;
 
 use kvroute_core::event::EventBatch;
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::subscriber::{EventSink, SubscriberHandle};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::config::EndpointConfig;
 use crate::service::Router;
@@ -69,6 +72,63 @@ impl Endpoint {
     }
 }
 
+/// A periodic probe of an endpoint (each kind gets its own phase, so that an endpoint's health
+/// check and scrape do not coincide either).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// `GET /health`.
+    Health,
+    /// `GET /metrics`.
+    Scrape,
+}
+
+/// The fraction of the golden ratio that spreads consecutive ids over an interval: any number
+/// of them lands nearly evenly (at most three distinct gaps between neighbours).
+const GOLDEN: f64 = 0.618_033_988_749_894_9;
+
+/// Where in each `period` endpoint `id`'s `probe` fires, as an offset in (0, `period`]: the
+/// ids' golden-ratio sequence, so that probes of any number of endpoints spread nearly evenly
+/// over the interval (deterministic: no two routers' schedules drift into a burst).
+pub fn probe_offset(id: EndpointId, probe: Probe, period: Duration) -> Duration {
+    let salt = match probe {
+        Probe::Health => 0.0,
+        Probe::Scrape => 0.5,
+    };
+    let phase = (f64::from(id.0) * GOLDEN + salt).fract();
+    period.mul_f64(1.0 - phase)
+}
+
+/// When an endpoint's probe loop fires: once at once (a new endpoint is checked and scraped
+/// without delay), then every `period` at the endpoint's own offset ([`probe_offset`]). Ticks
+/// missed while the process stalled are skipped, not fired in a burst, and the endpoint keeps
+/// its phase (so a stall does not bunch the endpoints for good).
+pub struct ProbeSchedule {
+    first: bool,
+    interval: Interval,
+}
+
+impl ProbeSchedule {
+    /// The schedule of endpoint `id`'s `probe` every `period`, starting now.
+    pub fn new(id: EndpointId, probe: Probe, period: Duration) -> Self {
+        let period = period.max(Duration::from_millis(1));
+        let mut interval =
+            tokio::time::interval_at(Instant::now() + probe_offset(id, probe, period), period);
+        interval.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        Self {
+            first: true,
+            interval,
+        }
+    }
+
+    /// Waits for the next probe time.
+    pub async fn tick(&mut self) {
+        if std::mem::take(&mut self.first) {
+            return;
+        }
+        self.interval.tick().await;
+    }
+}
+
 /// Feeds the fleet with each endpoint's KV events, restarts and losses.
 pub struct TrackingSink {
     /// The router whose fleet is fed (weak: the router owns the subscribers that own this).
@@ -93,6 +153,67 @@ impl EventSink for TrackingSink {
         if let Some(router) = self.router.upgrade() {
             let now = router.now();
             router.fleet().events_lost(endpoint, now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Offsets of `n` endpoints, as fractions of the period, counted into `bins` equal bins.
+    fn binned(n: u32, probe: Probe, bins: usize) -> Vec<usize> {
+        let period = Duration::from_secs(1);
+        let mut counts = vec![0; bins];
+        for id in 0..n {
+            let offset = probe_offset(EndpointId(id), probe, period);
+            assert!(offset > Duration::ZERO && offset <= period, "{offset:?}");
+            let bin = ((offset.as_secs_f64() * bins as f64) as usize).min(bins - 1);
+            counts[bin] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn probes_of_many_endpoints_spread_evenly_over_the_interval() {
+        for probe in [Probe::Health, Probe::Scrape] {
+            for n in [16_u32, 64, 256, 1_000] {
+                // 16 bins: an even spread puts n/16 in each; allow half to twice that.
+                let counts = binned(n, probe, 16);
+                let even = n as f64 / 16.0;
+                for (bin, &c) in counts.iter().enumerate() {
+                    assert!(
+                        (c as f64) >= (even / 2.0).floor() && (c as f64) <= even * 2.0,
+                        "{n} endpoints, {probe:?}: bin {bin} holds {c} ({counts:?})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_endpoints_health_check_and_scrape_have_different_phases() {
+        let period = Duration::from_secs(1);
+        for id in 0..64 {
+            let h = probe_offset(EndpointId(id), Probe::Health, period).as_secs_f64();
+            let s = probe_offset(EndpointId(id), Probe::Scrape, period).as_secs_f64();
+            assert!((h - s).abs() > 0.4, "endpoint {id}: {h} and {s}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_first_probe_is_at_once_then_at_the_offset_every_period() {
+        let period = Duration::from_millis(200);
+        let id = EndpointId(3);
+        let offset = probe_offset(id, Probe::Scrape, period);
+        let start = Instant::now();
+        let mut schedule = ProbeSchedule::new(id, Probe::Scrape, period);
+        schedule.tick().await;
+        // Timers never fire early: only lower bounds are asserted after the first tick.
+        assert!(start.elapsed() < offset, "the first probe waited");
+        for k in 0..3 {
+            schedule.tick().await;
+            assert!(start.elapsed() >= offset + period * k);
         }
     }
 }

@@ -1,13 +1,159 @@
 //! The router's own Prometheus metrics.
+//!
+//! Series about one endpoint carry an `endpoint` label. With many endpoints that multiplies
+//! the series, so `metrics.per_endpoint: false` ([`MetricsConfig`]) drops the label: counters
+//! and histograms then count over every endpoint ([`EndpointFamily`]), and each per-endpoint
+//! gauge becomes one series per remaining label set, summed over the endpoints (the age of
+//! KV events: the oldest) when `/metrics` is rendered ([`EndpointGauges`]). Either way the
+//! exposition's size does not depend on the number of endpoints then.
 
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicI64, AtomicU64};
+
+use parking_lot::{MappedRwLockReadGuard, RwLock, RwLockReadGuard};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::{Atomic, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
 
 type Labels = Vec<(&'static str, String)>;
+
+/// The label naming an endpoint.
+const ENDPOINT: &str = "endpoint";
+
+/// The router's own `/metrics` (the `metrics` section of the configuration).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Export series per endpoint (an `endpoint` label). `false`: only aggregates over the
+    /// endpoints, so the exposition stays the same size however many endpoints there are.
+    pub per_endpoint: bool,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { per_endpoint: true }
+    }
+}
+
+/// `labels` without the `endpoint` label.
+fn without_endpoint(labels: &Labels) -> Labels {
+    labels
+        .iter()
+        .filter(|(name, _)| *name != ENDPOINT)
+        .cloned()
+        .collect()
+}
+
+/// Counters or histograms by endpoint (and other labels); with per-endpoint series off, the
+/// `endpoint` label is dropped on the way in, so each series counts over every endpoint.
+pub struct EndpointFamily<M, C = fn() -> M> {
+    family: Family<Labels, M, C>,
+    per_endpoint: bool,
+}
+
+impl<M, C: MetricConstructor<M>> EndpointFamily<M, C> {
+    fn new(family: Family<Labels, M, C>, per_endpoint: bool) -> Self {
+        Self {
+            family,
+            per_endpoint,
+        }
+    }
+
+    /// The series of `labels` (which name the endpoint), created if new.
+    pub fn get_or_create(&self, labels: &Labels) -> impl Deref<Target = M> + '_ {
+        if self.per_endpoint {
+            self.family.get_or_create(labels)
+        } else {
+            self.family.get_or_create(&without_endpoint(labels))
+        }
+    }
+}
+
+/// How a per-endpoint gauge is aggregated over the endpoints.
+#[derive(Clone, Copy, Debug)]
+enum Aggregate {
+    Sum,
+    Max,
+}
+
+/// Gauges by endpoint (and other labels), set when `/metrics` is rendered. With per-endpoint
+/// series off, the values set since the last rendering are kept aside and exported
+/// aggregated over the endpoints (the set of endpoints is whatever was set, so an endpoint
+/// that left no longer counts).
+pub struct EndpointGauges<N = i64, A = AtomicI64> {
+    family: Family<Labels, Gauge<N, A>>,
+    per_endpoint: bool,
+    aggregate: Aggregate,
+    /// Per-endpoint values awaiting aggregation (per-endpoint series off).
+    pending: RwLock<HashMap<Labels, Gauge<N, A>>>,
+}
+
+impl<N, A> EndpointGauges<N, A>
+where
+    N: Copy + Default + PartialOrd + std::ops::Add<Output = N>,
+    A: Atomic<N> + Default,
+{
+    fn new(per_endpoint: bool, aggregate: Aggregate) -> Self {
+        Self {
+            family: Family::default(),
+            per_endpoint,
+            aggregate,
+            pending: RwLock::default(),
+        }
+    }
+
+    /// The gauge of `labels` (which name the endpoint), created if new.
+    pub fn get_or_create(&self, labels: &Labels) -> MappedRwLockReadGuard<'_, Gauge<N, A>> {
+        if self.per_endpoint {
+            return self.family.get_or_create(labels);
+        }
+        if let Ok(gauge) = RwLockReadGuard::try_map(self.pending.read(), |m| m.get(labels)) {
+            return gauge;
+        }
+        self.pending.write().entry(labels.clone()).or_default();
+        RwLockReadGuard::map(self.pending.read(), |m| &m[labels])
+    }
+
+    /// Per-endpoint series off: exports the values set since the last call, aggregated over
+    /// the endpoints.
+    fn export(&self) {
+        if self.per_endpoint {
+            return;
+        }
+        let pending = std::mem::take(&mut *self.pending.write());
+        if pending.is_empty() {
+            // Nothing set since the last rendering (a concurrent scrape took it): the last
+            // aggregates stand.
+            return;
+        }
+        let mut totals: HashMap<Labels, N> = HashMap::new();
+        for (labels, gauge) in pending {
+            let value = gauge.get();
+            let key = without_endpoint(&labels);
+            match totals.get_mut(&key) {
+                Some(total) => {
+                    *total = match self.aggregate {
+                        Aggregate::Sum => *total + value,
+                        Aggregate::Max if value > *total => value,
+                        Aggregate::Max => *total,
+                    }
+                }
+                None => {
+                    totals.insert(key, value);
+                }
+            }
+        }
+        self.family.clear();
+        for (labels, total) in totals {
+            self.family.get_or_create(&labels).set(total);
+        }
+    }
+}
 
 fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 18))
@@ -22,43 +168,43 @@ pub struct RouterMetrics {
     registry: Registry,
     /// Requests routed, by endpoint, decision reason, status class and outcome (`completed`,
     /// `client_closed`, `engine_error`, `timeout`).
-    pub requests: Family<Labels, Counter>,
+    pub requests: EndpointFamily<Counter>,
     /// End-to-end request time through the router, by endpoint.
-    pub request_seconds: Family<Labels, Histogram>,
+    pub request_seconds: EndpointFamily<Histogram>,
     /// Time to the engine's first body byte, by endpoint.
-    pub first_byte_seconds: Family<Labels, Histogram>,
+    pub first_byte_seconds: EndpointFamily<Histogram>,
     /// Time spent choosing an endpoint.
     pub scheduling_seconds: Histogram,
     /// Time spent tokenizing.
     pub tokenization_seconds: Histogram,
     /// Cached prompt tokens the router predicted, by endpoint.
-    pub predicted_cached_tokens: Family<Labels, Counter>,
+    pub predicted_cached_tokens: EndpointFamily<Counter>,
     /// Cached prompt tokens engines reported, by endpoint.
-    pub reported_cached_tokens: Family<Labels, Counter>,
+    pub reported_cached_tokens: EndpointFamily<Counter>,
     /// Predictions by outcome (exact, over, under), by endpoint.
-    pub prediction_outcomes: Family<Labels, Counter>,
+    pub prediction_outcomes: EndpointFamily<Counter>,
     /// Requests retried on another endpoint, by the endpoint that failed and reason
     /// (`connect`, `5xx`).
-    pub retries: Family<Labels, Counter>,
+    pub retries: EndpointFamily<Counter>,
     /// Retries refused because the retry budget was spent, by reason.
-    pub retry_budget_exhausted: Family<Labels, Counter>,
+    pub retry_budget_exhausted: EndpointFamily<Counter>,
     /// Endpoints ejected by passive outlier detection, by endpoint.
-    pub outlier_ejections: Family<Labels, Counter>,
+    pub outlier_ejections: EndpointFamily<Counter>,
     /// Requests refused by the router itself, by status.
     pub rejected: Family<Labels, Counter>,
     /// 1 while an endpoint passes health checks.
-    pub endpoint_healthy: Family<Labels, Gauge>,
+    pub endpoint_healthy: EndpointGauges,
     /// 1 while an endpoint's KV index is trusted for scoring.
-    pub endpoint_index_trusted: Family<Labels, Gauge>,
+    pub endpoint_index_trusted: EndpointGauges,
     /// Requests in flight, by endpoint.
-    pub endpoint_inflight: Family<Labels, Gauge>,
+    pub endpoint_inflight: EndpointGauges,
     /// Blocks the index holds, by endpoint and tier.
-    pub index_blocks: Family<Labels, Gauge>,
+    pub index_blocks: EndpointGauges,
     /// KV-event stream counters mirrored from the subscribers (counts since start), by endpoint
     /// and kind (batches, gaps, replays, unfilled_gaps, restarts, decode_errors, orphans).
-    pub events: Family<Labels, Gauge>,
+    pub events: EndpointGauges,
     /// Seconds since an endpoint's last KV event (absent before the first).
-    pub events_age_seconds: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub events_age_seconds: EndpointGauges<f64, AtomicU64>,
     /// Requests held by flow control now.
     pub flow_queue_requests: Gauge,
     /// Body bytes held by flow control now.
@@ -82,35 +228,44 @@ pub struct RouterMetrics {
 
 impl Default for RouterMetrics {
     fn default() -> Self {
+        Self::new(&MetricsConfig::default())
+    }
+}
+
+impl RouterMetrics {
+    /// Every metric, per endpoint or aggregated as `config` says.
+    pub fn new(config: &MetricsConfig) -> Self {
+        let per = config.per_endpoint;
         let mut registry = Registry::with_prefix("kvroute");
-        let requests = Family::<Labels, Counter>::default();
-        let request_seconds = Family::<Labels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        let first_byte_seconds = Family::<Labels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        let scheduling_seconds = fast_histogram();
-        let tokenization_seconds = fast_histogram();
+        let latency = || {
+            EndpointFamily::new(
+                Family::<Labels, Histogram>::new_with_constructor(
+                    latency_histogram as fn() -> Histogram,
+                ),
+                per,
+            )
+        };
+        let counters = || EndpointFamily::new(Family::default(), per);
+        let sums = || EndpointGauges::new(per, Aggregate::Sum);
         let m = Self {
-            requests,
-            request_seconds,
-            first_byte_seconds,
-            scheduling_seconds,
-            tokenization_seconds,
-            predicted_cached_tokens: Family::default(),
-            reported_cached_tokens: Family::default(),
-            prediction_outcomes: Family::default(),
-            retries: Family::default(),
-            retry_budget_exhausted: Family::default(),
-            outlier_ejections: Family::default(),
+            requests: counters(),
+            request_seconds: latency(),
+            first_byte_seconds: latency(),
+            scheduling_seconds: fast_histogram(),
+            tokenization_seconds: fast_histogram(),
+            predicted_cached_tokens: counters(),
+            reported_cached_tokens: counters(),
+            prediction_outcomes: counters(),
+            retries: counters(),
+            retry_budget_exhausted: counters(),
+            outlier_ejections: counters(),
             rejected: Family::default(),
-            endpoint_healthy: Family::default(),
-            endpoint_index_trusted: Family::default(),
-            endpoint_inflight: Family::default(),
-            index_blocks: Family::default(),
-            events: Family::default(),
-            events_age_seconds: Family::default(),
+            endpoint_healthy: sums(),
+            endpoint_index_trusted: sums(),
+            endpoint_inflight: sums(),
+            index_blocks: sums(),
+            events: sums(),
+            events_age_seconds: EndpointGauges::new(per, Aggregate::Max),
             flow_queue_requests: Gauge::default(),
             flow_queue_bytes: Gauge::default(),
             flow_wait_seconds: latency_histogram(),
@@ -122,16 +277,16 @@ impl Default for RouterMetrics {
             token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
-        registry.register("requests", "Requests routed", m.requests.clone());
+        registry.register("requests", "Requests routed", m.requests.family.clone());
         registry.register(
             "request_duration_seconds",
             "Request time through the router",
-            m.request_seconds.clone(),
+            m.request_seconds.family.clone(),
         );
         registry.register(
             "first_byte_seconds",
             "Time to the engine's first response byte",
-            m.first_byte_seconds.clone(),
+            m.first_byte_seconds.family.clone(),
         );
         registry.register(
             "scheduling_seconds",
@@ -146,32 +301,32 @@ impl Default for RouterMetrics {
         registry.register(
             "predicted_cached_tokens",
             "Cached prompt tokens predicted by the router",
-            m.predicted_cached_tokens.clone(),
+            m.predicted_cached_tokens.family.clone(),
         );
         registry.register(
             "reported_cached_tokens",
             "Cached prompt tokens reported by engines",
-            m.reported_cached_tokens.clone(),
+            m.reported_cached_tokens.family.clone(),
         );
         registry.register(
             "prediction_outcomes",
             "Predicted vs reported cached tokens",
-            m.prediction_outcomes.clone(),
+            m.prediction_outcomes.family.clone(),
         );
         registry.register(
             "retries",
             "Requests retried on another endpoint",
-            m.retries.clone(),
+            m.retries.family.clone(),
         );
         registry.register(
             "retry_budget_exhausted",
             "Retries refused because the retry budget was spent",
-            m.retry_budget_exhausted.clone(),
+            m.retry_budget_exhausted.family.clone(),
         );
         registry.register(
             "outlier_ejections",
             "Endpoints ejected because their requests failed",
-            m.outlier_ejections.clone(),
+            m.outlier_ejections.family.clone(),
         );
         registry.register(
             "rejected",
@@ -181,32 +336,32 @@ impl Default for RouterMetrics {
         registry.register(
             "endpoint_healthy",
             "1 while the endpoint passes health checks",
-            m.endpoint_healthy.clone(),
+            m.endpoint_healthy.family.clone(),
         );
         registry.register(
             "endpoint_index_trusted",
             "1 while the endpoint's KV index is trusted",
-            m.endpoint_index_trusted.clone(),
+            m.endpoint_index_trusted.family.clone(),
         );
         registry.register(
             "endpoint_inflight",
             "Requests in flight",
-            m.endpoint_inflight.clone(),
+            m.endpoint_inflight.family.clone(),
         );
         registry.register(
             "index_blocks",
             "Blocks held in the KV index",
-            m.index_blocks.clone(),
+            m.index_blocks.family.clone(),
         );
         registry.register(
             "kv_events",
             "KV-event stream counters since start",
-            m.events.clone(),
+            m.events.family.clone(),
         );
         registry.register(
             "kv_events_age_seconds",
             "Seconds since the endpoint's last KV event",
-            m.events_age_seconds.clone(),
+            m.events_age_seconds.family.clone(),
         );
         registry.register(
             "flow_queue_requests",
@@ -255,11 +410,20 @@ impl Default for RouterMetrics {
         );
         Self { registry, ..m }
     }
-}
 
-impl RouterMetrics {
-    /// The text exposition.
+    /// The text exposition (per-endpoint gauges are set just before: with per-endpoint series
+    /// off, what was set since the last rendering is aggregated now).
     pub fn render(&self) -> String {
+        for gauges in [
+            &self.endpoint_healthy,
+            &self.endpoint_index_trusted,
+            &self.endpoint_inflight,
+            &self.index_blocks,
+            &self.events,
+        ] {
+            gauges.export();
+        }
+        self.events_age_seconds.export();
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
@@ -274,4 +438,63 @@ pub fn listener(name: &'static str) -> Labels {
 /// Labels for one endpoint.
 pub fn endpoint(name: &str) -> Labels {
     vec![("endpoint", name.to_owned())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set_for(m: &RouterMetrics, name: &str, healthy: i64, age: f64) {
+        m.endpoint_healthy
+            .get_or_create(&endpoint(name))
+            .set(healthy);
+        m.events_age_seconds.get_or_create(&endpoint(name)).set(age);
+        m.requests
+            .get_or_create(&vec![
+                ("endpoint", name.to_owned()),
+                ("status", "2xx".into()),
+            ])
+            .inc();
+    }
+
+    #[test]
+    fn without_per_endpoint_series_gauges_aggregate_and_counters_count_over_endpoints() {
+        let m = RouterMetrics::new(&MetricsConfig {
+            per_endpoint: false,
+        });
+        for (i, healthy) in [1, 1, 0].into_iter().enumerate() {
+            set_for(&m, &format!("engine-{i}"), healthy, i as f64);
+        }
+        let text = m.render();
+        assert!(!text.contains("endpoint=\""), "{text}");
+        assert!(text.contains("kvroute_endpoint_healthy 2\n"), "{text}");
+        assert!(
+            text.contains("kvroute_kv_events_age_seconds 2.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_requests_total{status=\"2xx\"} 3\n"),
+            "{text}"
+        );
+        // A rendering with nothing set since (a concurrent scrape took it) keeps the totals.
+        assert!(m.render().contains("kvroute_endpoint_healthy 2\n"));
+        // The next refresh counts only the endpoints it sets (one left).
+        set_for(&m, "engine-0", 1, 0.5);
+        let text = m.render();
+        assert!(text.contains("kvroute_endpoint_healthy 1\n"), "{text}");
+        assert!(
+            text.contains("kvroute_kv_events_age_seconds 0.5\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn with_per_endpoint_series_each_endpoint_has_its_own() {
+        let m = RouterMetrics::default();
+        set_for(&m, "engine-0", 1, 1.0);
+        set_for(&m, "engine-1", 0, 2.0);
+        let text = m.render();
+        assert!(text.contains("kvroute_endpoint_healthy{endpoint=\"engine-0\"} 1\n"));
+        assert!(text.contains("kvroute_endpoint_healthy{endpoint=\"engine-1\"} 0\n"));
+    }
 }

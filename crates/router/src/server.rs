@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::config::RouterConfig;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::service::Router;
 use crate::{ProbeError, RouterError};
 use crate::{admin, edge, proxy};
@@ -271,7 +271,8 @@ async fn get_text(
 /// its cache) and restores it after consecutive passes.
 async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let cfg = router.config().health.clone();
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    let period = Duration::from_millis(cfg.interval_ms);
+    let mut tick = ProbeSchedule::new(endpoint.id, Probe::Health, period);
     loop {
         tick.tick().await;
         let result = get_text(
@@ -307,7 +308,7 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
 /// backwards means the engine restarted, so what it held is forgotten at once.
 async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let interval = Duration::from_millis(router.config().scrape.interval_ms);
-    let mut tick = tokio::time::interval(interval);
+    let mut tick = ProbeSchedule::new(endpoint.id, Probe::Scrape, interval);
     let mut warned_block_size = false;
     // The engine's prefix-cache query counter and process start time at the last scrape, and
     // when that was.

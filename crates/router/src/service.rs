@@ -152,7 +152,7 @@ impl Router {
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
             ))),
-            metrics: RouterMetrics::default(),
+            metrics: RouterMetrics::new(&config.metrics),
             capacity: Notify::new(),
             started: Instant::now(),
             shutdown: Shutdown::default(),

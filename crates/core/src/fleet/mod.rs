@@ -323,8 +323,10 @@ impl Fleet {
         };
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
+        // Both lists are in endpoint order.
         let blocks_in = |list: &[(EndpointId, u32)], id| {
-            list.iter().find(|(e, _)| *e == id).map_or(0, |(_, n)| *n)
+            list.binary_search_by_key(&id, |(e, _)| *e)
+                .map_or(0, |at| list[at].1)
         };
         let reportable = request.prompt_tokens.saturating_sub(1) / bs;
         // An endpoint not yet observed is assumed as fast as the observed ones (fleets are

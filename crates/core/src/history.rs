@@ -8,9 +8,13 @@
 use std::collections::VecDeque;
 
 use hashbrown::HashMap;
+use smallvec::SmallVec;
 
 use crate::index::EndpointId;
 use crate::keys::RouterKey;
+
+/// One key's holders and their expiry times.
+type Holders = SmallVec<[(EndpointId, f64); 1]>;
 
 /// Where blocks were recently sent.
 #[derive(Debug)]
@@ -18,7 +22,9 @@ pub struct RoutingHistory {
     ttl_s: f64,
     capacity: usize,
     /// Each key's holders with their expiry, in endpoint order (an endpoint at most once).
-    entries: HashMap<RouterKey, Vec<(EndpointId, f64)>>,
+    /// Most keys (a conversation's own blocks) have one holder, kept inline: recording a
+    /// request's blocks then allocates nothing per block.
+    entries: HashMap<RouterKey, Holders>,
     /// Insertion order, for the capacity bound: (key, endpoint, expiry at insertion).
     order: VecDeque<(RouterKey, EndpointId, f64)>,
 }

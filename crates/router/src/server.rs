@@ -152,6 +152,10 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
         .route("/metrics", get(admin::metrics))
         .route("/kvroute/v1/snapshot", get(crate::replica::snapshot))
         .route("/kvroute/v1/replica", get(crate::replica::status))
+        .route(
+            "/kvroute/v1/peer/dispatch",
+            post(crate::replica::share::receive),
+        )
         .route_layer(middleware::from_fn_with_state(
             router.clone(),
             admin::require_token,

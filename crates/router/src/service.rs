@@ -428,7 +428,10 @@ impl Router {
         endpoint: EndpointId,
     ) -> Dispatch {
         let now = self.now();
-        self.fleet()
-            .dispatched(predicted_cached, &prepared.features(), endpoint, now)
+        let dispatch =
+            self.fleet()
+                .dispatched(predicted_cached, &prepared.features(), endpoint, now);
+        crate::replica::share::dispatched(self, prepared, &dispatch);
+        dispatch
     }
 }

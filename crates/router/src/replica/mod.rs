@@ -13,6 +13,7 @@
 //! Without a peer that answers, step 2 subscribes from the start of each engine's replay buffer.
 
 mod journal;
+pub mod share;
 mod snapshot;
 pub mod warm;
 

@@ -83,8 +83,9 @@ pub struct ReplicasConfig {
     /// events caught up); after that the replica reports ready anyway, with the endpoints not
     /// caught up marked untrusted.
     pub warm_timeout_s: f64,
-    /// Tell the peers where each request went, and record theirs (predicted blocks, history,
-    /// placements; not in-flight load): see docs/benchmarks.md, "Router replicas".
+    /// With peers: tell them where each request went, and record theirs (predicted blocks,
+    /// history, placements; not in-flight load). Measured in docs/benchmarks.md, "Router
+    /// replicas".
     pub share_dispatches: bool,
 }
 
@@ -93,7 +94,7 @@ impl Default for ReplicasConfig {
         Self {
             peers: Vec::new(),
             warm_timeout_s: 30.0,
-            share_dispatches: false,
+            share_dispatches: true,
         }
     }
 }

@@ -179,12 +179,14 @@ pub(crate) async fn bind(
 }
 
 /// Starts what runs beside any front end (the HTTP proxy or the EPP): a KV-event subscriber,
-/// health checks and load scraping per endpoint, and housekeeping.
+/// health checks and load scraping per endpoint, housekeeping, and a replica's warm-up.
 pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     for e in router.endpoints() {
         spawn_endpoint_tasks(router, &e);
     }
-    vec![tokio::spawn(housekeeping(router.clone()))]
+    let mut tasks = vec![tokio::spawn(housekeeping(router.clone()))];
+    tasks.extend(crate::replica::warm::spawn(router));
+    tasks
 }
 
 /// Starts one endpoint's KV-event subscriber (when configured), health checks and scraping;
@@ -247,7 +249,6 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
     let (admin_addr, admin) = spawn_admin(&router, budget.clone()).await?;
     let mut tasks = spawn_background(&router);
-    tasks.extend(crate::replica::warm::spawn(&router));
     tasks.push(admin);
     tasks.extend(crate::discovery::spawn(&router).await?);
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");

@@ -492,8 +492,20 @@ impl Fleet {
         if placement {
             e.note_placement(now);
         }
+        // No first token comes from a peer's request to cut its prediction short: it lasts as
+        // long as twice the whole prompt's prefill takes there, plus the grace its events need.
+        // Longer, it steers requests to blocks the engine may have evicted since.
+        let rate = e
+            .observed_prefill_rate()
+            .unwrap_or(self.config.default_prefill_tokens_per_s);
+        let lifetime = self.config.prediction_grace_s + 2.0 * request.prompt_tokens as f64 / rate;
         self.history.record(endpoint, request.keys, now);
         self.predicted.record(endpoint, request.keys, now);
+        self.predicted.shorten(
+            endpoint,
+            request.keys,
+            now + lifetime.min(self.config.predicted_ttl_s),
+        );
         self.shared.record(request.keys);
         if let Some(session) = request.session {
             self.sessions.set(session, endpoint);

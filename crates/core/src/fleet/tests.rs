@@ -565,4 +565,8 @@ fn a_peer_replicas_dispatch_steers_the_next_same_prefix_request_without_load() {
     let other = Req::new(&prompt(2000, 10));
     let plan = fleet.plan(&other.features(), 3, 0.01);
     assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+    // Without the engine's events, the prediction ends soon after the prefill would have
+    // (2,000 tokens at the assumed 20,000 tokens/s: 0.2 s twice, plus the grace).
+    let plan = fleet.plan(&req.features(), 3, 1.0);
+    assert_eq!(plan.facts[2].predicted_blocks, 0);
 }

@@ -94,11 +94,6 @@ impl Journal {
         self.endpoints.remove(&endpoint);
     }
 
-    /// The last sequence applied for `endpoint`.
-    pub fn seq(&self, endpoint: EndpointId) -> Option<u64> {
-        self.endpoints.get(&endpoint).and_then(|j| j.seq)
-    }
-
     /// Events that rebuild `index`'s picture of `endpoint` on an empty index, and the sequence
     /// they reflect. Drops the journal's blocks that neither the index nor any held block needs.
     pub fn export(&mut self, endpoint: EndpointId, index: &KvIndex) -> Export {

@@ -66,6 +66,40 @@ pub struct RouterConfig {
     /// Graceful shutdown.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// Other router replicas serving the same fleet: where a starting replica copies its KV
+    /// index from before it reports ready.
+    #[serde(default)]
+    pub replicas: ReplicasConfig,
+}
+
+/// Running several replicas active-active: each subscribes to every engine's events; a
+/// starting one copies a running peer's index (and the event sequence it reflects) before its
+/// readiness check (`/health` on the API listener) answers 200.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicasConfig {
+    /// The other replicas' admin listeners (`http://host:port`), asked in turn for a snapshot
+    /// of their index at start. Non-empty also makes this replica keep what it needs to answer
+    /// theirs (the token ids of the blocks its index holds).
+    pub peers: Vec<String>,
+    /// Most seconds to wait for a warm index at start (a snapshot applied and every endpoint's
+    /// events caught up); after that the replica reports ready anyway, with the endpoints not
+    /// caught up marked untrusted.
+    pub warm_timeout_s: f64,
+    /// With peers: tell them where each request went, and record theirs (predicted blocks,
+    /// history, placements; not in-flight load). Measured in docs/benchmarks.md, "Router
+    /// replicas".
+    pub share_dispatches: bool,
+}
+
+impl Default for ReplicasConfig {
+    fn default() -> Self {
+        Self {
+            peers: Vec::new(),
+            warm_timeout_s: 30.0,
+            share_dispatches: true,
+        }
+    }
 }
 
 /// Graceful shutdown: on the first SIGTERM or SIGINT the router stops accepting connections and
@@ -627,6 +661,18 @@ impl RouterConfig {
                 "must be a finite number of seconds, not negative",
             ));
         }
+        for (i, peer) in self.replicas.peers.iter().enumerate() {
+            let uri: Option<http::Uri> = peer.parse().ok();
+            if !uri.is_some_and(|u| u.scheme_str() == Some("http") && u.host().is_some()) {
+                return Err(invalid(
+                    &format!("replicas.peers[{i}]"),
+                    format!("{peer:?} must be http://host:port (a replica's admin listener)"),
+                ));
+            }
+        }
+        if !(self.replicas.warm_timeout_s.is_finite() && self.replicas.warm_timeout_s > 0.0) {
+            return Err(invalid("replicas.warm_timeout_s", "must be positive"));
+        }
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
             return Err(invalid(
                 "health",
@@ -765,6 +811,10 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nadmin: {listen: '0.0.0.0:9000'}",
                 "admin.listen",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nreplicas: {peers: ['a:1']}",
+                "replicas.peers[0]",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlimits: {header_timeout_ms: 0}",

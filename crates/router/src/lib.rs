@@ -21,6 +21,7 @@ mod error;
 mod flow;
 pub mod metrics;
 pub mod proxy;
+pub mod replica;
 pub mod server;
 pub mod service;
 pub mod shutdown;

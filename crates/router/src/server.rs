@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::{HealthChange, LoadSample};
 use kvroute_vllm::metrics::parse_engine_metrics;
-use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
+use kvroute_vllm::subscriber::{EndpointSource, Timing, spawn_connected_after};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -128,13 +128,13 @@ impl RunningRouter {
 /// How long closed streams get to deliver their error event.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
-/// The OpenAI API routes.
+/// The OpenAI API routes; `/health` is the readiness check (503 while a replica warms up).
 pub fn routes(router: Arc<Router>) -> Routes {
     let mut routes = Routes::new()
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/models", get(admin::models))
-        .route("/health", get(admin::health));
+        .route("/health", get(crate::replica::ready));
     for path in FORWARDED_PATHS {
         routes = routes.route(path, post(proxy::passthrough));
     }
@@ -150,6 +150,12 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
     Routes::new()
         .route("/kvroute/v1/explain", post(admin::explain))
         .route("/metrics", get(admin::metrics))
+        .route("/kvroute/v1/snapshot", get(crate::replica::snapshot))
+        .route("/kvroute/v1/replica", get(crate::replica::status))
+        .route(
+            "/kvroute/v1/peer/dispatch",
+            post(crate::replica::share::receive),
+        )
         .route_layer(middleware::from_fn_with_state(
             router.clone(),
             admin::require_token,
@@ -173,34 +179,50 @@ pub(crate) async fn bind(
 }
 
 /// Starts what runs beside any front end (the HTTP proxy or the EPP): a KV-event subscriber,
-/// health checks and load scraping per endpoint, and housekeeping.
+/// health checks and load scraping per endpoint, housekeeping, and a replica's warm-up.
 pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     for e in router.endpoints() {
         spawn_endpoint_tasks(router, &e);
     }
-    vec![tokio::spawn(housekeeping(router.clone()))]
+    let mut tasks = vec![tokio::spawn(housekeeping(router.clone()))];
+    tasks.extend(crate::replica::warm::spawn(router));
+    tasks
 }
 
 /// Starts one endpoint's KV-event subscriber (when configured), health checks and scraping;
 /// [`Endpoint::stop`] ends them.
 pub(crate) fn spawn_endpoint_tasks(router: &Arc<Router>, e: &Arc<Endpoint>) {
-    if let Some(events) = &e.config.events {
-        let handle = spawn_connected(
-            EndpointSource {
-                endpoint: e.id,
-                name: e.name.clone(),
-                publisher: events.clone(),
-                replay: e.config.replay.clone(),
-                topic: e.config.topic.clone(),
-            },
-            router.sink() as Arc<dyn EventSink>,
-            Timing::default(),
-        );
-        *e.subscriber.lock() = Some(handle);
+    // While a replica warms up, its warm-up subscribes (resuming after its peer's snapshot).
+    if !router.replica().warming() {
+        spawn_subscriber(router, e, None);
     }
     let mut tasks = e.tasks.lock();
     tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
     tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
+}
+
+/// Starts an endpoint's KV-event subscriber (when it has events and none runs yet); with
+/// `resume_after`, its first connection replays from the batch after that one.
+pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_after: Option<u64>) {
+    let Some(events) = &e.config.events else {
+        return;
+    };
+    let mut slot = e.subscriber.lock();
+    if slot.is_some() {
+        return;
+    }
+    *slot = Some(spawn_connected_after(
+        EndpointSource {
+            endpoint: e.id,
+            name: e.name.clone(),
+            publisher: events.clone(),
+            replay: e.config.replay.clone(),
+            topic: e.config.topic.clone(),
+        },
+        router.sink(),
+        Timing::default(),
+        resume_after,
+    ));
 }
 
 /// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it.

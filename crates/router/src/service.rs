@@ -22,7 +22,7 @@ use tracing::{info, warn};
 
 use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
-use crate::endpoint::{Endpoint, TrackingSink};
+use crate::endpoint::Endpoint;
 use crate::metrics::RouterMetrics;
 use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
@@ -44,6 +44,7 @@ pub struct Router {
     capacity: Notify,
     started: Instant,
     shutdown: Shutdown,
+    replica: crate::replica::ReplicaState,
 }
 
 /// A request made ready for scheduling.
@@ -156,6 +157,7 @@ impl Router {
             capacity: Notify::new(),
             started: Instant::now(),
             shutdown: Shutdown::default(),
+            replica: crate::replica::ReplicaState::new(&config.replicas),
             config,
         })
     }
@@ -261,6 +263,11 @@ impl Router {
         &self.shutdown
     }
 
+    /// Its state as one of several replicas (warm-up, the journal peers' snapshots come from).
+    pub fn replica(&self) -> &crate::replica::ReplicaState {
+        &self.replica
+    }
+
     /// The router's metrics.
     pub fn metrics(&self) -> &RouterMetrics {
         &self.metrics
@@ -282,10 +289,8 @@ impl Router {
     }
 
     /// The event sink the subscribers feed.
-    pub fn sink(self: &Arc<Self>) -> Arc<TrackingSink> {
-        Arc::new(TrackingSink {
-            router: Arc::downgrade(self),
-        })
+    pub fn sink(self: &Arc<Self>) -> Arc<dyn kvroute_vllm::subscriber::EventSink> {
+        crate::replica::sink(self)
     }
 
     /// Seconds since start: the clock every fleet observation is stamped with.
@@ -423,7 +428,10 @@ impl Router {
         endpoint: EndpointId,
     ) -> Dispatch {
         let now = self.now();
-        self.fleet()
-            .dispatched(predicted_cached, &prepared.features(), endpoint, now)
+        let dispatch =
+            self.fleet()
+                .dispatched(predicted_cached, &prepared.features(), endpoint, now);
+        crate::replica::share::dispatched(self, prepared, &dispatch);
+        dispatch
     }
 }

@@ -158,6 +158,8 @@ pub struct Dispatch {
     pub prompt_tokens: usize,
     /// When it was dispatched.
     pub dispatched_at: f64,
+    /// It counted as a placement (a new conversation or an uncached prompt) at its endpoint.
+    pub placement: bool,
     keys: Arc<Vec<RouterKey>>,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
@@ -462,9 +464,53 @@ impl Fleet {
             predicted_cached: predicted,
             prompt_tokens: request.prompt_tokens,
             dispatched_at: now,
+            placement,
             keys: request.keys.clone(),
             prefill_done: false,
             rate_sample,
+        }
+    }
+
+    /// A request another router replica sent to `endpoint` at `now` (`placement`: it counted as
+    /// a placement there, see [`Dispatch::placement`]): recorded as if sent from here in the
+    /// routing history, the predicted overlay, the shared prefixes, the session and the
+    /// endpoint's recent placements, so that replicas do not race same-prefix requests or new
+    /// conversations onto different (or the same) endpoints. Its in-flight load is not: the
+    /// replica that sent it accounts for it, and the engine's scraped queue shows it to all.
+    pub fn peer_dispatched(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        endpoint: EndpointId,
+        placement: bool,
+        now: f64,
+    ) {
+        let Some(e) = self
+            .endpoints
+            .get_mut(endpoint.0 as usize)
+            .filter(|e| e.present)
+        else {
+            return;
+        };
+        if placement {
+            e.note_placement(now);
+        }
+        // No first token comes from a peer's request to cut its prediction short: it lasts as
+        // long as twice the whole prompt's prefill takes there, plus the grace its events need.
+        // Longer, it steers requests to blocks the engine may have evicted since.
+        let rate = e
+            .observed_prefill_rate()
+            .unwrap_or(self.config.default_prefill_tokens_per_s);
+        let lifetime = self.config.prediction_grace_s + 2.0 * request.prompt_tokens as f64 / rate;
+        self.history.record(endpoint, request.keys, now);
+        self.predicted.record(endpoint, request.keys, now);
+        self.predicted.shorten(
+            endpoint,
+            request.keys,
+            now + lifetime.min(self.config.predicted_ttl_s),
+        );
+        self.shared.record(request.keys);
+        if let Some(session) = request.session {
+            self.sessions.set(session, endpoint);
         }
     }
 

@@ -547,3 +547,26 @@ fn added_endpoints_take_free_slots_and_start_with_nothing_cached() {
     assert_eq!(plan.predicted_cached[0], 0, "nothing of e0's cache is e4's");
     assert!(plan.decision.ranking.contains(&e4));
 }
+
+#[test]
+fn a_peer_replicas_dispatch_steers_the_next_same_prefix_request_without_load() {
+    let mut fleet = FleetBuilder::new(4).build();
+    let req = Req::new(&prompt(2000, 9));
+    // Another replica sent it to e2 a moment ago: its blocks are not stored yet.
+    fleet.peer_dispatched(&req.features(), EndpointId(2), true, 0.0);
+    let plan = fleet.plan(&req.features(), 3, 0.01);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(2)));
+    assert_eq!(plan.facts[2].predicted_blocks, 125);
+    // The placement counts there; the in-flight load stays the sender's.
+    let load = fleet.load(EndpointId(2), 0.01).unwrap();
+    assert!(load.recent_placements > 0.9, "{load:?}");
+    assert_eq!((load.inflight, load.inflight_prefill_tokens), (0, 0));
+    // A new conversation goes elsewhere: e2 has the most recent placements.
+    let other = Req::new(&prompt(2000, 10));
+    let plan = fleet.plan(&other.features(), 3, 0.01);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+    // Without the engine's events, the prediction ends soon after the prefill would have
+    // (2,000 tokens at the assumed 20,000 tokens/s: 0.2 s twice, plus the grace).
+    let plan = fleet.plan(&req.features(), 3, 1.0);
+    assert_eq!(plan.facts[2].predicted_blocks, 0);
+}

@@ -176,17 +176,19 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
     })
 }
 
-/// Marks the picker ready once every KV-event subscriber has connected at least once (or
-/// after `ready_after`, whichever comes first): before, its picture of the caches is empty.
+/// Marks the picker ready once a replica's warm-up is over and every KV-event subscriber has
+/// connected at least once (or after `ready_after`, whichever comes first): before, its
+/// picture of the caches is empty.
 async fn readiness(router: Arc<Router>, reporter: HealthReporter, ready_after: Duration) {
     let deadline = tokio::time::Instant::now() + ready_after;
     loop {
-        let connected = router.endpoints().iter().all(|e| {
-            e.subscriber
-                .lock()
-                .as_ref()
-                .is_none_or(|s| s.stats().iter().all(|(_, st)| st.connects > 0))
-        });
+        let connected = !router.replica().warming()
+            && router.endpoints().iter().all(|e| {
+                e.subscriber
+                    .lock()
+                    .as_ref()
+                    .is_none_or(|s| s.stats().iter().all(|(_, st)| st.connects > 0))
+            });
         if connected || tokio::time::Instant::now() >= deadline {
             if !connected {
                 warn!("some KV-event subscribers never connected; ready anyway");

@@ -20,6 +20,9 @@ use crate::codec::{RawMessage, decode_batch};
 pub struct FeedStats {
     /// Whether the PUB connection is up now.
     pub connected: bool,
+    /// Whether the PUB connection is up and no replay is in flight since it came up: every batch
+    /// the engine still buffers has been applied (a replica is warm).
+    pub caught_up: bool,
     /// Successful (re)connections.
     pub connects: u64,
     /// Connections lost.

@@ -191,7 +191,13 @@ impl Stream {
 
     /// Carries out actions, starting the replay they ask for.
     fn run(&mut self, key: &Bytes, actions: Vec<Action>, replayed: bool, ctx: &LoopContext) {
-        let Some(from) = self.feed.execute(actions, replayed) else {
+        let replay = self.feed.execute(actions, replayed);
+        {
+            let mut stats = self.feed.stats.lock();
+            stats.caught_up =
+                stats.connected && replay.is_none() && !self.feed.sequencer.replaying();
+        }
+        let Some(from) = replay else {
             return;
         };
         let Some(address) = self.replay_address.clone() else {
@@ -262,6 +268,9 @@ impl Stream {
             stats.disconnects += 1;
         }
         stats.connected = up;
+        if !up {
+            stats.caught_up = false;
+        }
     }
 }
 
@@ -284,12 +293,26 @@ pub fn spawn_connected(
     sink: Arc<dyn EventSink>,
     timing: Timing,
 ) -> SubscriberHandle {
-    let feed = Feed::new(
+    spawn_connected_after(source, sink, timing, None)
+}
+
+/// [`spawn_connected`], for a sink that already holds every batch up to `resume_after` (a
+/// snapshot): the first connection replays from the batch after it.
+pub fn spawn_connected_after(
+    source: EndpointSource,
+    sink: Arc<dyn EventSink>,
+    timing: Timing,
+    resume_after: Option<u64>,
+) -> SubscriberHandle {
+    let mut feed = Feed::new(
         source.endpoint,
         source.name.clone(),
         source.replay.is_some(),
         sink,
     );
+    if let Some(seq) = resume_after {
+        feed.sequencer.resume_after(seq);
+    }
     let stats = Arc::new(Mutex::new(HashMap::from([(
         source.name.clone(),
         feed.stats.clone(),

@@ -81,6 +81,13 @@ impl Sequencer {
         self.replay.is_some()
     }
 
+    /// Starts from a known position: every batch up to `seq` is already accounted for (a
+    /// snapshot of the index taken at `seq`, from another router replica). The first
+    /// connection then replays from `seq + 1` rather than from 0.
+    pub fn resume_after(&mut self, seq: u64) {
+        self.next = Some(seq.saturating_add(1));
+    }
+
     /// The subscription (re)connected: catch up on what was published meanwhile (everything
     /// still buffered, on a first connection).
     pub fn on_connect(&mut self) -> Vec<Action> {

@@ -37,6 +37,27 @@ fn first_connect_replays_from_zero_and_holds_live_messages() {
 }
 
 #[test]
+fn resuming_after_a_snapshot_replays_only_what_followed_it() {
+    let mut s = Sequencer::new(true);
+    s.resume_after(5);
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(6)]);
+    assert!(s.on_live(msg(8)).is_empty(), "held during replay");
+    let mut out = Vec::new();
+    for seq in 6..8 {
+        out.extend(s.on_replayed(msg(seq)));
+    }
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![6, 7, 8]);
+    assert_eq!(applied(&s.on_live(msg(9))), vec![9]);
+    // Without replay: a batch the snapshot already reflects is never applied again.
+    let mut late = Sequencer::new(false);
+    late.resume_after(5);
+    assert!(late.on_connect().is_empty());
+    assert!(applied(&late.on_live(msg(5))).is_empty());
+    assert_eq!(applied(&late.on_live(msg(6))), vec![6]);
+}
+
+#[test]
 fn a_gap_asks_for_replay_from_the_first_missing_batch() {
     let mut s = Sequencer::new(true);
     s.on_connect();

@@ -1,0 +1,122 @@
+//! Replicas telling each other where they sent each request (`replicas.share_dispatches`): a
+//! fire-and-forget `POST /kvroute/v1/peer/dispatch` to every peer's admin listener, which
+//! records it with [`Fleet::peer_dispatched`](kvroute_core::fleet::Fleet::peer_dispatched):
+//! predicted blocks, routing history, shared prefixes, session and placement, as if it had
+//! sent the request itself (not its in-flight load).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::Full;
+use kvroute_core::fleet::{Dispatch, RequestFeatures};
+use kvroute_core::keys::RouterKey;
+use kvroute_core::schedule::Role;
+use kvroute_vllm::openai::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::proxy::{error_response, read_body};
+use crate::service::{Prepared, Router};
+
+/// How long a peer has to take a dispatch message.
+const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One dispatch, as sent to peers.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PeerDispatch {
+    /// The endpoint's URL (replicas name endpoints alike by URL).
+    pub endpoint: String,
+    /// The model (or adapter) the request named.
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// The session the request named.
+    pub session: Option<String>,
+    /// Router keys of the prompt's full blocks.
+    pub keys: Vec<RouterKey>,
+    /// It counted as a placement at the endpoint.
+    pub placement: bool,
+}
+
+/// Tells every peer about `dispatch` (when dispatches are shared), without waiting.
+pub fn dispatched(router: &Router, prepared: &Prepared, dispatch: &Dispatch) {
+    let config = &router.config().replicas;
+    if !config.share_dispatches || config.peers.is_empty() {
+        return;
+    }
+    let message = PeerDispatch {
+        endpoint: router.endpoint(dispatch.endpoint).config.url.clone(),
+        model: prepared.model_name.clone(),
+        block_size: prepared.model.block_size,
+        prompt_tokens: prepared.prompt_tokens,
+        session: prepared.session.clone(),
+        keys: prepared.keys.as_ref().clone(),
+        placement: dispatch.placement,
+    };
+    let Ok(body) = serde_json::to_vec(&message) else {
+        return;
+    };
+    let body = Bytes::from(body);
+    for peer in &config.peers {
+        let mut request = http::Request::post(format!(
+            "{}/kvroute/v1/peer/dispatch",
+            peer.trim_end_matches('/')
+        ))
+        .header(header::CONTENT_TYPE, "application/json");
+        if let Some(token) = &router.config().admin.token {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let Ok(request) = request.body(Full::new(body.clone())) else {
+            continue;
+        };
+        let client = router.client().clone();
+        tokio::spawn(async move {
+            // Lost messages only cost what sharing would have won.
+            let _ = tokio::time::timeout(SEND_TIMEOUT, client.request(request)).await;
+        });
+    }
+}
+
+/// `POST /kvroute/v1/peer/dispatch`: a peer replica's dispatch, recorded in this one's fleet.
+pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Response {
+    let body = match read_body(&router, request.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&router, &e),
+    };
+    let message: PeerDispatch = match serde_json::from_slice(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            return error_response(
+                &router,
+                &ApiError::bad_request(format!("not a dispatch: {e}"), None),
+            );
+        }
+    };
+    let Some(endpoint) = router
+        .endpoints()
+        .iter()
+        .find(|e| e.config.url == message.endpoint)
+        .map(|e| e.id)
+    else {
+        return StatusCode::NO_CONTENT.into_response();
+    };
+    let keys = Arc::new(message.keys);
+    let features = RequestFeatures {
+        model: &message.model,
+        keys: &keys,
+        prompt_tokens: message.prompt_tokens,
+        block_size: message.block_size,
+        session: message.session.as_deref(),
+        role: Role::Both,
+    };
+    let now = router.now();
+    router
+        .fleet()
+        .peer_dispatched(&features, endpoint, message.placement, now);
+    StatusCode::NO_CONTENT.into_response()
+}

@@ -1,0 +1,172 @@
+//! A replica's KV index as a snapshot a peer can apply: `GET /kvroute/v1/snapshot` on the admin
+//! listener answers it, and a starting replica fetches and applies it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use kvroute_core::event::KvEvent;
+use kvroute_core::index::EndpointId;
+use kvroute_vllm::openai::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::proxy::error_response;
+use crate::service::Router;
+
+/// Largest snapshot read from a peer.
+const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
+
+/// Every endpoint's index, as events.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// One entry per endpoint with KV events.
+    pub endpoints: Vec<EndpointSnapshot>,
+}
+
+/// One endpoint's index, as events, and where in its event stream it stands.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EndpointSnapshot {
+    /// The endpoint's URL (replicas name endpoints alike by URL; ids may differ).
+    pub url: String,
+    /// The last engine batch the events reflect; the peer resumes after it.
+    pub seq: Option<u64>,
+    /// Whether the serving replica trusted this endpoint's index.
+    pub trusted: bool,
+    /// Stores, parents first, then removals: applied to an empty index, the serving
+    /// replica's index for this endpoint.
+    pub events: Vec<KvEvent>,
+}
+
+/// Builds the snapshot of every endpoint with events, each under the fleet lock (so that its
+/// index and sequence agree). `None` when this replica keeps no journal.
+pub fn build(router: &Router) -> Option<Snapshot> {
+    if !router.replica().keeps_journal() {
+        return None;
+    }
+    let mut snapshot = Snapshot::default();
+    for e in router.endpoints() {
+        if e.config.events.is_none() {
+            continue;
+        }
+        let now = router.now();
+        let fleet = router.fleet();
+        if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
+            continue;
+        }
+        let Some(index) = fleet.index_of(e.id).cloned() else {
+            continue;
+        };
+        let trusted = fleet.trust(e.id, now).is_ok();
+        let mut journal = router.replica().journal()?;
+        let export = index.read(|ix| journal.export(e.id, ix));
+        drop(journal);
+        drop(fleet);
+        snapshot.endpoints.push(EndpointSnapshot {
+            url: e.config.url.clone(),
+            seq: export.seq,
+            trusted,
+            events: export.events,
+        });
+    }
+    Some(snapshot)
+}
+
+/// `GET /kvroute/v1/snapshot`: this replica's index for a starting peer (404 when it keeps
+/// none, 503 while it is warming up itself).
+pub async fn snapshot(State(router): State<Arc<Router>>) -> Response {
+    if router.replica().warming() {
+        return error_response(
+            &router,
+            &ApiError::unavailable("this replica is warming up itself"),
+        );
+    }
+    let Some(snapshot) = build(&router) else {
+        return error_response(
+            &router,
+            &ApiError::not_found("this replica keeps no snapshot: replicas.peers is empty"),
+        );
+    };
+    match serde_json::to_vec(&snapshot) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => error_response(&router, &ApiError::new(500, e.to_string())),
+    }
+}
+
+/// Fetches a peer's snapshot within `timeout`.
+pub(crate) async fn fetch(
+    router: &Router,
+    peer: &str,
+    timeout: Duration,
+) -> Result<Snapshot, String> {
+    let mut request = http::Request::get(format!(
+        "{}/kvroute/v1/snapshot",
+        peer.trim_end_matches('/')
+    ));
+    if let Some(token) = &router.config().admin.token {
+        request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let work = async {
+        let response = router
+            .client()
+            .request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_SNAPSHOT_BYTES)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!(
+                "answered {status}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            ));
+        }
+        serde_json::from_slice(&body).map_err(|e| format!("not a snapshot: {e}"))
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| format!("no snapshot within {timeout:?}"))?
+}
+
+/// Applies a snapshot to the fleet (and the journal): each endpoint named by URL gets the
+/// events; one the peer did not trust is marked as having lost events. Returns the sequence
+/// each endpoint's subscriber resumes after.
+pub(crate) fn apply(router: &Router, snapshot: &Snapshot) -> HashMap<EndpointId, u64> {
+    let mut resume = HashMap::new();
+    let endpoints = router.endpoints();
+    for entry in &snapshot.endpoints {
+        let Some(e) = endpoints
+            .iter()
+            .find(|e| e.config.url == entry.url && e.config.events.is_some())
+        else {
+            continue;
+        };
+        let now = router.now();
+        let mut fleet = router.fleet();
+        if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
+            continue;
+        }
+        fleet.apply_events(e.id, &entry.events, now);
+        if let Some(mut journal) = router.replica().journal() {
+            journal.apply(e.id, entry.seq, &entry.events);
+        }
+        if !entry.trusted {
+            fleet.events_lost(e.id, now);
+        }
+        drop(fleet);
+        if let Some(seq) = entry.seq {
+            resume.insert(e.id, seq);
+        }
+    }
+    resume
+}

@@ -1,0 +1,157 @@
+//! A starting replica's warm-up: a peer's snapshot, then each engine's events resumed after it,
+//! then ready; or, when that takes longer than `replicas.warm_timeout_s`, ready anyway with
+//! the endpoints not caught up untrusted (logged, and visible in
+//! `kvroute_endpoint_index_trusted` and `GET /kvroute/v1/replica`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::snapshot;
+use crate::service::Router;
+
+/// How often the warm-up checks whether every subscriber caught up.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Where a replica's warm-up stands.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum WarmStatus {
+    /// No peers configured: no warm-up, ready at once (as a single router).
+    NotConfigured,
+    /// Still warming up: readiness fails.
+    Warming,
+    /// Warm: the index was copied from `peer` (or, `None`, rebuilt from the engines' replay
+    /// buffers) and every endpoint's events caught up.
+    Warm {
+        /// The peer whose snapshot was applied.
+        peer: Option<String>,
+        /// Seconds the warm-up took.
+        seconds: f64,
+    },
+    /// The timeout passed first: ready, with `untrusted` endpoints routed by load only until
+    /// their events are trusted again.
+    TimedOut {
+        /// The peer whose snapshot was applied, if one answered.
+        peer: Option<String>,
+        /// Endpoints whose events had not caught up.
+        untrusted: Vec<String>,
+    },
+}
+
+/// Starts the warm-up when the configuration names peers (`None` otherwise: subscribers were
+/// started with the endpoints' other tasks).
+pub(crate) fn spawn(router: &Arc<Router>) -> Option<JoinHandle<()>> {
+    router
+        .replica()
+        .warming()
+        .then(|| tokio::spawn(warm_up(router.clone())))
+}
+
+/// Subscribes every present endpoint that has events and no subscriber yet.
+fn subscribe_all(
+    router: &Arc<Router>,
+    resume: &std::collections::HashMap<kvroute_core::index::EndpointId, u64>,
+) {
+    for e in router.endpoints() {
+        let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
+        if present {
+            crate::server::spawn_subscriber(router, &e, resume.get(&e.id).copied());
+        }
+    }
+}
+
+async fn warm_up(router: Arc<Router>) {
+    let started = Instant::now();
+    let timeout = Duration::from_secs_f64(router.config().replicas.warm_timeout_s);
+    let mut resume = std::collections::HashMap::new();
+    let mut from = None;
+    for peer in &router.config().replicas.peers {
+        let left = timeout.saturating_sub(started.elapsed());
+        match snapshot::fetch(&router, peer, left).await {
+            Ok(snapshot) => {
+                resume = snapshot::apply(&router, &snapshot);
+                let blocks: usize = snapshot.endpoints.iter().map(|e| e.events.len()).sum();
+                info!(%peer, endpoints = snapshot.endpoints.len(), events = blocks, "applied a peer's index snapshot");
+                from = Some(peer.clone());
+                break;
+            }
+            Err(why) => {
+                warn!(%peer, %why, "no index snapshot from this peer");
+            }
+        }
+    }
+    if from.is_none() {
+        info!("no peer snapshot: rebuilding the index from the engines' replay buffers");
+    }
+    subscribe_all(&router, &resume);
+    loop {
+        let behind = not_caught_up(&router);
+        if behind.is_empty() {
+            let seconds = started.elapsed().as_secs_f64();
+            info!(peer = ?from, seconds, "warm: every endpoint's events caught up; ready");
+            router.replica().finish(WarmStatus::Warm {
+                peer: from,
+                seconds,
+            });
+            break;
+        }
+        if started.elapsed() >= timeout {
+            let names: Vec<String> = behind.iter().map(|(_, name)| name.clone()).collect();
+            warn!(untrusted = ?names, timeout_s = timeout.as_secs_f64(), "warm-up timed out: ready anyway; these endpoints' KV index is not trusted (routed by load) until their events catch up");
+            let now = router.now();
+            {
+                let mut fleet = router.fleet();
+                for (id, _) in &behind {
+                    fleet.events_lost(*id, now);
+                }
+            }
+            router.replica().finish(WarmStatus::TimedOut {
+                peer: from,
+                untrusted: names,
+            });
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+        // Endpoints discovered meanwhile.
+        subscribe_all(&router, &resume);
+    }
+    subscribe_all(&router, &resume);
+}
+
+/// Present endpoints with events whose subscriber has not caught up (id and name).
+fn not_caught_up(router: &Router) -> Vec<(kvroute_core::index::EndpointId, String)> {
+    router
+        .endpoints()
+        .into_iter()
+        .filter(|e| e.config.events.is_some())
+        .filter(|e| router.fleet().endpoint(e.id).is_some_and(|s| s.present()))
+        .filter(|e| {
+            !e.subscriber
+                .lock()
+                .as_ref()
+                .is_some_and(|s| s.stats().iter().all(|(_, f)| f.caught_up))
+        })
+        .map(|e| (e.id, e.name.clone()))
+        .collect()
+}
+
+/// `GET /health` on the API listener (readiness): 503 while warming up, else as the admin
+/// listener's `/health` (liveness) answers.
+pub async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
+    if router.replica().warming() {
+        return StatusCode::SERVICE_UNAVAILABLE;
+    }
+    crate::admin::health(State(router)).await
+}
+
+/// `GET /kvroute/v1/replica`: the warm-up's status.
+pub async fn status(State(router): State<Arc<Router>>) -> Response {
+    axum::Json(router.replica().status()).into_response()
+}

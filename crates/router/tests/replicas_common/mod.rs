@@ -1,0 +1,112 @@
+//! What the replica tests share: a simulated fleet, a replica's configuration over it, and
+//! calls to a running replica.
+#![allow(dead_code)] // each test file uses its own part
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start};
+use kvroute_sim::server::faults::Faults;
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_testkit::patience;
+use serde_json::{Value, json};
+
+pub const MODEL: &str = "sim-llama-3.1-8b";
+
+/// `engines` simulated engines at 10× speed, keeping `replay_buffer_steps` batches for
+/// replay, with `faults`.
+pub async fn fleet(engines: usize, replay_buffer_steps: usize, faults: Faults) -> SimFleet {
+    start_sim(SimConfig {
+        engines,
+        port: 0,
+        events_port: 0,
+        replay_port: Some(0),
+        time_scale: 10.0,
+        replay_buffer_steps,
+        faults,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// A replica's configuration over `fleet` (endpoints `e0`, `e1`, ...), ephemeral API port,
+/// admin on `admin` (0: ephemeral), with the `replicas` section given as YAML flow.
+pub fn config(fleet: &SimFleet, admin: u16, replicas: &str) -> RouterConfig {
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: {MODEL}}}]\nreplicas: {replicas}\nendpoints:\n"
+    );
+    for (i, e) in fleet.endpoints.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            e.url,
+            e.events,
+            e.replay.as_deref().unwrap()
+        ));
+    }
+    RouterConfig::from_yaml(&yaml).unwrap()
+}
+
+/// Starts a replica.
+pub async fn replica(config: RouterConfig) -> RunningRouter {
+    start(config).await.unwrap()
+}
+
+/// The status of `GET path` (0 when nothing answers).
+pub async fn status(client: &reqwest::Client, addr: SocketAddr, path: &str) -> u16 {
+    match client.get(format!("http://{addr}{path}")).send().await {
+        Ok(r) => r.status().as_u16(),
+        Err(_) => 0,
+    }
+}
+
+/// Polls the readiness check (`/health` on the API listener) until 200; how long it took.
+pub async fn until_ready(client: &reqwest::Client, router: &RunningRouter) -> Duration {
+    let started = Instant::now();
+    while status(client, router.addr, "/health").await != 200 {
+        assert!(started.elapsed() < patience(), "never ready");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    started.elapsed()
+}
+
+/// `GET path` on the admin listener, as JSON.
+pub async fn admin_json(client: &reqwest::Client, router: &RunningRouter, path: &str) -> Value {
+    client
+        .get(format!("http://{}{path}", router.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// The explain API's answer for `prompt`.
+pub async fn explain(client: &reqwest::Client, router: &RunningRouter, prompt: &str) -> Value {
+    client
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(&json!({"model": MODEL, "prompt": prompt}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Sends `prompt` through `router`; the endpoint that served it.
+pub async fn complete(client: &reqwest::Client, router: &RunningRouter, prompt: &str) -> String {
+    let response = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+}

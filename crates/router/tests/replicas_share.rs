@@ -1,0 +1,85 @@
+//! Replicas sharing their dispatches (`replicas.share_dispatches`): a request routed by one
+//! replica shows in its peer's plan at once (predicted blocks on the chosen engine, a recent
+//! placement there), before the engine's KV events say anything; a replica that does not share
+//! sees nothing until the events arrive. Routers and simulated engines over real HTTP and ZMQ
+//! on loopback.
+
+mod replicas_common;
+
+use std::time::{Duration, Instant};
+
+use kvroute_sim::server::faults::Faults;
+use kvroute_testkit::free_ports;
+use replicas_common::{complete, config, explain, fleet, replica, until_ready};
+use serde_json::Value;
+
+/// `endpoint`'s entry in an explanation.
+fn entry<'a>(explain: &'a Value, endpoint: &str) -> &'a Value {
+    explain["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["endpoint"] == endpoint)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
+    // Engines whose KV events arrive 5 s late: long after a dispatch was shared.
+    let faults = Faults {
+        event_delay: Duration::from_secs(5),
+        ..Faults::default()
+    };
+    let fleet = fleet(3, 10_000, faults).await;
+    let client = reqwest::Client::new();
+    let (admin_a, admin_b) = (free_ports(1), free_ports(1));
+    let peers = |peer: u16, share: bool| {
+        format!(
+            "{{peers: ['http://127.0.0.1:{peer}'], share_dispatches: {share}, warm_timeout_s: 5}}"
+        )
+    };
+    let a = replica(config(&fleet, admin_a, &peers(admin_b, true))).await;
+    let b = replica(config(&fleet, admin_b, &peers(admin_a, true))).await;
+    // A replica of the same fleet that does not share.
+    let c = replica(config(&fleet, 0, &peers(admin_a, false))).await;
+    for r in [&a, &b, &c] {
+        until_ready(&client, r).await;
+    }
+
+    let prompt = "a long shared document. ".repeat(60);
+    let chosen = complete(&client, &a, &prompt).await;
+    let sent = Instant::now();
+
+    // B learns where A sent it (a fire-and-forget message: wait for it, well within the
+    // events' delay).
+    let blocks = explain(&client, &b, &prompt).await["blocks"]
+        .as_u64()
+        .unwrap();
+    loop {
+        let plan = explain(&client, &b, &prompt).await;
+        let e = entry(&plan, &chosen);
+        if e["matched_blocks"]["predicted"] == blocks {
+            assert_eq!(plan["chosen"], chosen.as_str(), "{plan}");
+            assert!(
+                e["load"]["recent_placements"].as_f64().unwrap() > 0.5,
+                "{plan}"
+            );
+            // Nothing from the engine yet: the prediction came from A.
+            assert_eq!(e["matched_blocks"]["index"], Value::Null, "{plan}");
+            break;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(4),
+            "B never heard: {plan}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // C does not share: it knows nothing of the request until the events arrive.
+    let plan = explain(&client, &c, &prompt).await;
+    assert!(sent.elapsed() < Duration::from_secs(4));
+    assert_eq!(
+        entry(&plan, &chosen)["matched_blocks"]["predicted"],
+        0,
+        "{plan}"
+    );
+}

@@ -1,0 +1,176 @@
+//! Replicas start warm: a replica started beside a running one copies its KV index (a snapshot
+//! from the peer's admin listener, then each engine's events resumed after it) before its
+//! readiness check answers 200; one that cannot warm up says so and reports ready anyway, its
+//! endpoints untrusted. Simulated engines and routers over real HTTP and ZMQ on loopback.
+
+mod replicas_common;
+
+use std::time::{Duration, Instant};
+
+use kvroute_router::server::RunningRouter;
+use kvroute_sim::server::faults::Faults;
+use kvroute_testkit::{free_ports, patience};
+use replicas_common::{admin_json, complete, config, explain, fleet, replica, status, until_ready};
+use serde_json::{Value, json};
+
+/// A loopback address nobody listens on.
+fn dead_address() -> String {
+    format!("127.0.0.1:{}", free_ports(1))
+}
+
+fn prompt(i: usize) -> String {
+    format!("conversation {i}: ").repeat(40)
+}
+
+/// Per endpoint name, the index's leading blocks of `prompt`, as the explain API says.
+async fn matched(
+    client: &reqwest::Client,
+    router: &RunningRouter,
+    prompt: &str,
+) -> Vec<(String, u64)> {
+    let plan = explain(client, router, prompt).await;
+    let mut out: Vec<(String, u64)> = plan["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let total = e["matched_blocks"]["index"]["total"].as_u64().unwrap_or(0);
+            (e["endpoint"].as_str().unwrap().to_owned(), total)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Waits until `router`'s index holds every block of each prompt on the endpoint that served it
+/// (the engines cache every full prompt block).
+async fn until_indexed(
+    client: &reqwest::Client,
+    router: &RunningRouter,
+    served: &[(String, String)],
+) {
+    let started = Instant::now();
+    'poll: loop {
+        assert!(started.elapsed() < patience(), "the index never caught up");
+        for (prompt, endpoint) in served {
+            let want = explain(client, router, prompt).await["blocks"]
+                .as_u64()
+                .unwrap();
+            let have = matched(client, router, prompt).await;
+            if !have.iter().any(|(e, n)| e == endpoint && *n == want) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue 'poll;
+            }
+        }
+        return;
+    }
+}
+
+/// Two engines that keep only 4 batches for replay: far fewer than the traffic below makes,
+/// so a replica that started late cannot rebuild the index from the engines alone.
+async fn small_replay_fleet() -> kvroute_sim::server::SimFleet {
+    fleet(2, 4, Faults::default()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
+    let fleet = small_replay_fleet().await;
+    let client = reqwest::Client::new();
+    // A names a peer that is not there: it warms up from the engines (nothing published yet).
+    let dead = format!(
+        "{{peers: ['http://{}'], warm_timeout_s: 10}}",
+        dead_address()
+    );
+    let a = replica(config(&fleet, 0, &dead)).await;
+    until_ready(&client, &a).await;
+    let warm = admin_json(&client, &a, "/kvroute/v1/replica").await;
+    assert_eq!(warm["state"], "warm", "{warm}");
+    assert_eq!(warm["peer"], Value::Null, "{warm}");
+
+    // Traffic through A: each prompt's blocks cached on the engine that served it.
+    let mut served = Vec::new();
+    for i in 0..12 {
+        let p = prompt(i);
+        let endpoint = complete(&client, &a, &p).await;
+        served.push((p, endpoint));
+    }
+    until_indexed(&client, &a, &served).await;
+    let mut a_index = Vec::new();
+    for (p, _) in &served {
+        a_index.push(matched(&client, &a, p).await);
+    }
+
+    // B starts beside A, naming A's admin listener as its peer.
+    let peer = format!("http://{}", a.admin_addr);
+    let b = replica(config(
+        &fleet,
+        0,
+        &format!("{{peers: ['{peer}'], warm_timeout_s: 10}}"),
+    ))
+    .await;
+    until_ready(&client, &b).await;
+    // The moment it reports ready, B's index is A's: every prompt matches alike, all of its
+    // blocks on the engine that holds them.
+    for ((p, _), want) in served.iter().zip(&a_index) {
+        assert_eq!(&matched(&client, &b, p).await, want, "{p}");
+    }
+    let warm = admin_json(&client, &b, "/kvroute/v1/replica").await;
+    assert_eq!(warm["state"], "warm", "{warm}");
+    assert_eq!(warm["peer"], peer.as_str(), "{warm}");
+    // Its subscribers resumed where the snapshot stood: nothing lost, so every endpoint is
+    // trusted (rebuilding from the engines' 4-batch replay buffers would have lost events).
+    let plan = explain(&client, &b, &served[0].0).await;
+    for e in plan["endpoints"].as_array().unwrap() {
+        assert_eq!(e["index_trusted"], true, "{plan}");
+    }
+
+    // Live events keep flowing to B after the snapshot: traffic through A shows up in B.
+    let p = prompt(100);
+    let endpoint = complete(&client, &a, &p).await;
+    until_indexed(&client, &b, &[(p, endpoint)]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_warm_up_says_so_and_reports_ready_anyway() {
+    let fleet = small_replay_fleet().await;
+    let client = reqwest::Client::new();
+    // No peer answers, and one endpoint's event publisher is not there: it never catches up.
+    let replicas = format!(
+        "{{peers: ['http://{}'], warm_timeout_s: 1}}",
+        dead_address()
+    );
+    let mut config = config(&fleet, 0, &replicas);
+    config.endpoints[1].events = Some(format!("tcp://{}", dead_address()));
+    let router = replica(config).await;
+    assert_eq!(
+        status(&client, router.addr, "/health").await,
+        503,
+        "warming"
+    );
+    // Liveness (the admin listener's /health) is not held back.
+    assert_eq!(status(&client, router.admin_addr, "/health").await, 200);
+    let waited = until_ready(&client, &router).await;
+    assert!(waited >= Duration::from_millis(800), "{waited:?}");
+
+    let warm = admin_json(&client, &router, "/kvroute/v1/replica").await;
+    assert_eq!(warm["state"], "timed_out", "{warm}");
+    assert_eq!(warm["untrusted"], json!(["e1"]), "{warm}");
+    let metrics = client
+        .get(format!("http://{}/metrics", router.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"e1\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"e0\"} 1"),
+        "{metrics}"
+    );
+    // It serves: requests are routed (e1 by load only).
+    complete(&client, &router, &prompt(1)).await;
+}

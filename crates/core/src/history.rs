@@ -141,7 +141,8 @@ impl RoutingHistory {
         active
     }
 
-    /// Entries held (for metrics and tests).
+    /// Records held, one per block sent to an endpoint (a re-sent block counts again until its
+    /// older record is dropped); what the capacity bounds.
     pub fn len(&self) -> usize {
         self.order.len()
     }

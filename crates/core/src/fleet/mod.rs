@@ -43,7 +43,9 @@ pub struct FleetConfig {
     pub index_capacity: usize,
     /// Seconds the router remembers where it sent a prefix.
     pub history_ttl_s: f64,
-    /// Most (block, endpoint) entries in that history.
+    /// Most records in that history: one per block sent to an endpoint, so a block re-sent
+    /// with every turn of a conversation counts again each turn. Also bounds the table of
+    /// prefixes that conversations share.
     pub history_capacity: usize,
     /// Seconds a just-sent prefix counts as cached before the engine's events arrive.
     pub predicted_ttl_s: f64,
@@ -572,13 +574,17 @@ impl Fleet {
         outcome: UpstreamOutcome,
         now: f64,
     ) -> Option<Ejection> {
-        let ejected = self
-            .endpoints
-            .iter()
-            .filter(|e| e.outlier.ejected(now))
-            .count();
-        let cap = (self.config.outlier.max_ejected_fraction * self.endpoints.len() as f64).floor();
-        let may_eject = ejected == 0 || (ejected as f64) < cap;
+        // Counting ejections reads every endpoint: only a failure needs it.
+        let may_eject = outcome == UpstreamOutcome::Failure && {
+            let ejected = self
+                .endpoints
+                .iter()
+                .filter(|e| e.outlier.ejected(now))
+                .count();
+            let cap =
+                (self.config.outlier.max_ejected_fraction * self.endpoints.len() as f64).floor();
+            ejected == 0 || (ejected as f64) < cap
+        };
         let policy = &self.config.outlier;
         self.endpoints
             .get_mut(id.0 as usize)?

@@ -62,7 +62,7 @@ pub struct TierCosts {
 impl Default for TierCosts {
     fn default() -> Self {
         // About 128 KiB of KV per token for an 8B model: ~20 GB/s of PCIe moves ~150k tokens/s,
-        // a fast NVMe or shared filesystem about a tenth of that.
+        // a fast NVMe or shared filesystem about a quarter of that.
         Self {
             cpu_tokens_per_s: 150_000.0,
             storage_tokens_per_s: 40_000.0,

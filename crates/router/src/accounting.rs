@@ -129,7 +129,8 @@ impl Accounting {
     /// kept to read the engine's reported `cached_tokens` at the end.
     pub fn observe(&mut self, data: &[u8]) {
         self.first_byte();
-        self.tail.extend_from_slice(data);
+        self.tail
+            .extend_from_slice(&data[data.len().saturating_sub(TAIL)..]);
         if self.tail.len() > 2 * TAIL {
             self.tail.drain(..self.tail.len() - TAIL);
         }

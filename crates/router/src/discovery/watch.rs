@@ -7,6 +7,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Client, ResourceExt};
 use kvroute_core::index::EndpointId;
@@ -85,11 +86,12 @@ pub async fn run(
     let config = watcher::Config::default().labels(&spec.label_selector());
     Ok(tokio::spawn(async move {
         let mut members = Members::default();
-        let mut stream = watcher::watcher(pods, config).boxed();
+        // Backoff between failed polls: without it an unreachable API server is a busy loop.
+        let mut stream = watcher::watcher(pods, config).default_backoff().boxed();
         while let Some(event) = stream.next().await {
             match event {
                 Ok(event) => members.apply(&router, event, &spec.ports, &discovery),
-                // The watcher retries (and relists after 410 Gone) on its own.
+                // The watcher retries with backoff (and relists after 410 Gone) on its own.
                 Err(e) => warn!(error = %e, "pod watch failed; retrying"),
             }
         }

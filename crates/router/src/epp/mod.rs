@@ -154,6 +154,14 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
         reporter,
         options.ready_after,
     )));
+    // Envoy's buffered mode sends a whole request body in one message: allow the router's own
+    // body limit (and the message around it), not tonic's default 4 MiB, so that the body
+    // limit, not the transport, decides.
+    let max_message = router
+        .config()
+        .limits
+        .max_body_bytes
+        .saturating_add(64 << 10);
     let picker = Picker {
         router: router.clone(),
         fallbacks: options.fallbacks,
@@ -161,7 +169,7 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");
     let server = tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(ExternalProcessorServer::new(picker))
+        .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(max_message))
         .serve_with_incoming(TcpListenerStream::new(listener));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = server.await {

@@ -123,7 +123,7 @@ pub(crate) async fn fetch(
         let body = Limited::new(response.into_body(), MAX_SNAPSHOT_BYTES)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("reading the snapshot (at most {MAX_SNAPSHOT_BYTES} bytes): {e}"))?
             .to_bytes();
         if !status.is_success() {
             return Err(format!(

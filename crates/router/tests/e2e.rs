@@ -9,6 +9,10 @@ use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_testkit::eventually;
 use serde_json::{Value, json};
 
+mod common;
+
+use common::{endpoint_lines, fault, router_from_yaml};
+
 const MODEL: &str = "sim-llama-3.1-8b";
 
 async fn engine(gpu_blocks: usize) -> SimFleet {
@@ -34,27 +38,12 @@ async fn engine_with(gpu_blocks: usize, max_num_seqs: usize) -> SimFleet {
 }
 
 async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n"
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n{}",
+        endpoint_lines(engines.iter().map(|fleet| &fleet.endpoints[0]))
     );
-    for (i, fleet) in engines.iter().enumerate() {
-        let ep = &fleet.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
-            ep.url,
-            ep.events,
-            ep.replay.as_deref().unwrap()
-        ));
-    }
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
-    // Let the subscribers connect before traffic starts.
-    eventually("subscribers connected", || {
-        (router.subscribers_connected(), ())
-    })
-    .await;
-    router
+    // The subscribers connect before traffic starts.
+    router_from_yaml(&yaml).await
 }
 
 struct Answer {
@@ -176,14 +165,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
     }
     assert!(cached_total > 0);
     // On a quiet fleet the router's predictions equal what the engines report.
-    let metrics = client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(&client, &router).await;
     let count = |outcome: &str| -> u64 {
         metrics
             .lines()
@@ -375,14 +357,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         assert_eq!(answer.status, 200, "{}", answer.body);
         assert_eq!(answer.endpoint, "live");
     }
-    let metrics = client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(&client, &router).await;
     assert!(
         metrics.contains("kvroute_retries_total{endpoint=\"dead\",reason=\"connect\"} 1"),
         "{metrics}"
@@ -393,12 +368,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
 async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504() {
     let slow = engine(512).await;
     let client = reqwest::Client::new();
-    client
-        .post(format!("{}/sim/faults", slow.endpoints[0].url))
-        .json(&json!({"slow_factor": 1000.0}))
-        .send()
-        .await
-        .unwrap();
+    fault(&client, &slow, 0, json!({"slow_factor": 1000.0})).await;
     let router = router_for(&[&slow], "limits: {response_timeout_s: 0.5}").await;
     let started = Instant::now();
     let answer = chat(
@@ -410,12 +380,7 @@ async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504()
     .await;
     assert_eq!(answer.status, 504, "{}", answer.body);
     assert!(started.elapsed() < Duration::from_secs(5));
-    client
-        .post(format!("{}/sim/faults", slow.endpoints[0].url))
-        .json(&json!({"healthy": false}))
-        .send()
-        .await
-        .unwrap();
+    fault(&client, &slow, 0, json!({"healthy": false})).await;
     eventually("e0 ejected", || {
         (
             !router.router.healthy(kvroute_core::index::EndpointId(0)),
@@ -682,14 +647,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
     let endpoint = &explained["endpoints"][0];
     assert_eq!(endpoint["index_trusted"], false, "{endpoint}");
     assert_eq!(endpoint["index_distrust"], "silent");
-    let metrics = client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(&client, &router).await;
     assert!(
         metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"quiet\"} 0"),
         "{metrics}"
@@ -829,12 +787,7 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
     let a = engine(4096).await;
     let client = reqwest::Client::new();
     // Prefill 20 times slower: a long prompt keeps the engine busy for a while.
-    client
-        .post(format!("{}/sim/faults", a.endpoints[0].url))
-        .json(&json!({"slow_factor": 200.0}))
-        .send()
-        .await
-        .unwrap();
+    fault(&client, &a, 0, json!({"slow_factor": 200.0})).await;
     let flow = "scheduler: {saturation: {queue: 1}}\nflow: {max_requests: 1, max_wait_s: 30}";
     let router = std::sync::Arc::new(router_for(&[&a], flow).await);
     let e0 = kvroute_core::index::EndpointId(0);
@@ -913,12 +866,13 @@ async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> Stri
 /// generation request `status` at once while passing its health checks, e1 is well.
 async fn failing_beside_healthy(status: u16, extra: &str) -> (RunningRouter, [SimFleet; 2]) {
     let (bad, good) = (engine(512).await, engine(512).await);
-    reqwest::Client::new()
-        .post(format!("{}/sim/faults", bad.endpoints[0].url))
-        .json(&json!({"error_fraction": 1.0, "error_status": status}))
-        .send()
-        .await
-        .unwrap();
+    fault(
+        &reqwest::Client::new(),
+        &bad,
+        0,
+        json!({"error_fraction": 1.0, "error_status": status}),
+    )
+    .await;
     let extra = format!("scheduler: {{policy: round-robin}}\n{extra}");
     let router = router_for(&[&bad, &good], &extra).await;
     (router, [bad, good])

@@ -4,6 +4,7 @@
 //! sees nothing until the events arrive. Routers and simulated engines over real HTTP and ZMQ
 //! on loopback.
 
+mod common;
 mod replicas_common;
 
 use std::time::{Duration, Instant};

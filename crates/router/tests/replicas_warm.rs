@@ -3,6 +3,7 @@
 //! readiness check answers 200; one that cannot warm up says so and reports ready anyway, its
 //! endpoints untrusted. Simulated engines and routers over real HTTP and ZMQ on loopback.
 
+mod common;
 mod replicas_common;
 
 use std::time::{Duration, Instant};
@@ -155,14 +156,7 @@ async fn a_replica_that_cannot_warm_up_says_so_and_reports_ready_anyway() {
     let warm = admin_json(&client, &router, "/kvroute/v1/replica").await;
     assert_eq!(warm["state"], "timed_out", "{warm}");
     assert_eq!(warm["untrusted"], json!(["e1"]), "{warm}");
-    let metrics = client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = kvroute_testkit::http_get(router.admin_addr, "/metrics");
     assert!(
         metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"e1\"} 0"),
         "{metrics}"

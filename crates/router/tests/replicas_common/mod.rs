@@ -37,14 +37,7 @@ pub fn config(fleet: &SimFleet, admin: u16, replicas: &str) -> RouterConfig {
     let mut yaml = format!(
         "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: {MODEL}}}]\nreplicas: {replicas}\nendpoints:\n"
     );
-    for (i, e) in fleet.endpoints.iter().enumerate() {
-        yaml.push_str(&format!(
-            "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
-            e.url,
-            e.events,
-            e.replay.as_deref().unwrap()
-        ));
-    }
+    yaml.push_str(&crate::common::endpoint_lines(&fleet.endpoints));
     RouterConfig::from_yaml(&yaml).unwrap()
 }
 

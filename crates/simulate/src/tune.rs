@@ -76,7 +76,7 @@ fn goodput(records: &[RequestRecord], slo_s: f64) -> f64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Split {
-    /// Every n-th session (by a hash of its id) is held out.
+    /// Sessions ordered by a hash of their id; the last share of that order is held out.
     Session,
     /// The sessions that start last are held out.
     Time,

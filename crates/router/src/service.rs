@@ -215,10 +215,19 @@ impl Router {
         if !self.fleet().remove_endpoint(id, now) {
             return false;
         }
+        self.forget_journal(id);
         let endpoint = self.endpoint(id);
         endpoint.stop();
         info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
         true
+    }
+
+    /// Drops what the replica journal keeps for `id` (its blocks and event sequence), so that a
+    /// peer's snapshot never carries a gone or restarted engine's state.
+    fn forget_journal(&self, id: EndpointId) {
+        if let Some(mut journal) = self.replica().journal() {
+            journal.clear(id);
+        }
     }
 
     /// Stops every endpoint's background tasks (the router is shutting down).
@@ -303,6 +312,7 @@ impl Router {
         warn!(endpoint = %self.endpoint(id).name, why, "forgetting everything known of this endpoint's cache");
         let now = self.now();
         self.fleet().forget_endpoint(id, now);
+        self.forget_journal(id);
     }
 
     /// Wakes held requests: capacity may have freed up.

@@ -40,22 +40,8 @@ trace|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/m
 LIST
 }
 
-pids=()
-cleanup() {
-  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]:-}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap cleanup EXIT
-
-wait_http() {
-  for _ in $(seq 1 200); do
-    curl -sf "$1" >/dev/null && return 0
-    sleep 0.1
-  done
-  echo "no answer from $1" >&2
-  return 1
-}
+# shellcheck source=scripts/processes.sh
+source scripts/processes.sh
 
 # Envoy: one listener on $base, a round-robin cluster over the N replicas' API listeners.
 envoy_yaml() { # replicas
@@ -129,18 +115,18 @@ run_one() { # workload engines blocks sim-args variant replicas bench-args...
   "$bin" sim --engines "$engines" --num-gpu-blocks "$blocks" --port $((base + 101)) \
     --events-port $((base + 201)) --replay-port $((base + 301)) $sim_args >"$dir/sim-$run.log" 2>&1 &
   pids+=($!)
-  for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 101 + i))/health"; done
+  for i in $(seq 0 $((engines - 1))); do wait_http "http://127.0.0.1:$((base + 101 + i))/health" 200; done
   for r in $(seq 1 "$n"); do
     router_yaml "$r" "$engines" "$variant" "$n" >"$dir/router-$run-$r.yaml"
     "$bin" serve -c "$dir/router-$run-$r.yaml" >"$dir/router-$run-$r.log" 2>&1 &
     pids+=($!)
   done
-  for r in $(seq 1 "$n"); do wait_http "http://127.0.0.1:$((base + r))/health"; done
+  for r in $(seq 1 "$n"); do wait_http "http://127.0.0.1:$((base + r))/health" 200; done
   envoy_yaml "$n" >"$dir/envoy-$run.yaml"
   "$envoy" -c "$dir/envoy-$run.yaml" --concurrency 1 --log-level warn --disable-hot-restart \
     >"$dir/envoy-$run.log" 2>&1 &
   pids+=($!)
-  wait_http "http://127.0.0.1:$base/health"
+  wait_http "http://127.0.0.1:$base/health" 200
   "$bin" bench --url "http://127.0.0.1:$base/v1" --name "$run" --out "$dir" "$@" >"$dir/bench-$run.txt"
   # Which replica routed how many requests (each replica's own count).
   for r in $(seq 1 "$n"); do

@@ -129,7 +129,8 @@ pub fn trace_workload(
             seed,
             ..TraceOptions::default()
         },
-    )?;
+    )
+    .with_context(|| format!("reading trace {}", path.display()))?;
     Ok(from_prompts(
         serde_json::json!({"workload": "trace", "file": path, "speed": speed, "limit": limit}),
         requests

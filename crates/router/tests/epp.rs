@@ -190,7 +190,8 @@ async fn the_picker_routes_follows_the_response_and_honours_subsets() {
         .unwrap();
     let mut health = HealthClient::new(channel);
     let mut ready = false;
-    for _ in 0..200 {
+    let deadline = std::time::Instant::now() + kvroute_testkit::patience();
+    while std::time::Instant::now() < deadline {
         let status = health
             .check(HealthCheckRequest {
                 service: "readiness".into(),

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::CoreError;
 use crate::event::KvEvent;
 use crate::history::RoutingHistory;
-use crate::index::{EndpointId, IndexConfig, KvIndex, PrefixMatch, SharedIndex};
+use crate::index::{EndpointId, IndexConfig, KvIndex, PrefixMatch, PrefixMatches, SharedIndex};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
@@ -312,19 +312,19 @@ impl Fleet {
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
-        let index_matches = self
-            .index_for_block_size(bs)
-            .map(|index| index.lookup(keys))
-            .unwrap_or_default();
-        let held_blocks: Vec<u64> = match self.index_for_block_size(bs) {
-            Some(index) => index.read(|ix| {
-                self.endpoints
-                    .iter()
-                    .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu))
-                    .collect()
-            }),
-            None => vec![0; self.endpoints.len()],
-        };
+        // One read of the index for both: the request's matches and each endpoint's fill.
+        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) =
+            match self.index_for_block_size(bs) {
+                Some(index) => index.read(|ix| {
+                    let held = self
+                        .endpoints
+                        .iter()
+                        .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu))
+                        .collect();
+                    (ix.lookup(keys), held)
+                }),
+                None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
+            };
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         // Both lists are in endpoint order.

@@ -15,24 +15,40 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 
 import yaml
 
 NO_CLUSTER = "discovery: no Kubernetes client"
 
 
-def run(argv, seconds):
-    """(exit code or None if still running after `seconds`, output)."""
+def run_until(argv, marker, seconds):
+    """Runs `argv` until a line containing `marker` is printed, the process exits, or `seconds`
+    pass, whichever comes first; then stops it. Returns (exit code, or None if it was still
+    running, output so far, whether the marker was seen)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env["KUBECONFIG"] = "/nonexistent"
+    lines = []
+    seen = threading.Event()
     with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        try:
-            out, _ = p.communicate(timeout=seconds)
-            return p.returncode, out
-        except subprocess.TimeoutExpired:
+
+        def read():
+            for line in p.stdout:
+                lines.append(line)
+                if marker in line:
+                    seen.set()
+            seen.set()  # end of output: the process exited
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        seen.wait(seconds)
+        code = p.poll()
+        if code is None:
             p.kill()
-            out, _ = p.communicate()
-            return None, out
+            p.wait()
+        reader.join(5)
+        out = "".join(lines)
+        return code, out, marker in out
 
 
 def check(kvroute, render, scratch):
@@ -48,14 +64,14 @@ def check(kvroute, render, scratch):
         if deployment["metadata"]["name"] == name:
             args = [str(config) if a == "/etc/kvroute/kvroute.yaml" else a for a in args]
             args = ["127.0.0.1:0" if a.startswith("0.0.0.0:") else a for a in args]
-            code, out = run([kvroute, *args], 30)
-            if NO_CLUSTER not in out:
+            code, out, reached = run_until([kvroute, *args], NO_CLUSTER, 30)
+            if not reached:
                 failures.append(f"kvroute {' '.join(args)} (exit {code}):\n{out[-2000:]}")
         elif args[0] == "sim":
             args = [re.sub(r"^--(port|events-port|replay-port)=\d+$", r"--\1=0", a) for a in args]
             args = [a.replace("--host=0.0.0.0", "--host=127.0.0.1") for a in args]
-            code, out = run([kvroute, *args], 3)
-            if code is not None or "engine 0" not in out:
+            code, out, started = run_until([kvroute, *args], "engine 0", 30)
+            if not started or code not in (None, 0):
                 failures.append(f"kvroute {' '.join(args)} did not start (exit {code}):\n{out[-2000:]}")
     return failures
 

@@ -29,6 +29,7 @@ fn timing() -> Timing {
         min_backoff: Duration::from_millis(20),
         max_backoff: Duration::from_millis(200),
         replay_timeout: Duration::from_millis(1500),
+        ..Timing::default()
     }
 }
 

@@ -69,6 +69,12 @@ impl Decoder {
         self.buffer.len()
     }
 
+    /// Memory the decoder holds now: its buffer's capacity and the bookkeeping of the message
+    /// in progress (the frames already split off it share the buffer's allocations).
+    pub fn held_bytes(&self) -> usize {
+        self.buffer.capacity() + self.parts.capacity() * std::mem::size_of::<Bytes>()
+    }
+
     /// The buffer to read more bytes into, with room for at most one read chunk (or what the
     /// frame in progress still needs, if less).
     pub fn read_space(&mut self) -> &mut BytesMut {
@@ -76,7 +82,7 @@ impl Decoder {
             Ok(Some(h)) => (h.header_len + h.body_len)
                 .saturating_sub(self.buffer.len())
                 .clamp(1, READ_CHUNK),
-            Ok(None) => READ_CHUNK,
+            Ok(None) => READ_CHUNK.min(self.largest_frame()),
             // The next decode reports the error; there is nothing worth reading.
             Err(_) => 1,
         };
@@ -84,6 +90,14 @@ impl Decoder {
             self.buffer.reserve(wanted);
         }
         &mut self.buffer
+    }
+
+    /// The most bytes one frame may take on the wire, header included.
+    fn largest_frame(&self) -> usize {
+        self.limits
+            .max_message_bytes
+            .max(self.limits.max_command_bytes)
+            .saturating_add(9)
     }
 
     /// Decodes the next message or command if the buffer holds all of it; `Ok(None)` asks for

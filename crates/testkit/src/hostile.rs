@@ -1,5 +1,5 @@
 //! A hostile KV-event publisher: a TCP listener that speaks a valid ZMTP 3.1 handshake as a PUB
-//! and then, one attack per connection in turn, sends what must not take a subscriber down:
+//! (or a replay ROUTER) and then, one attack per connection in turn, sends what must not take a subscriber down:
 //! a frame header declaring 2^62 bytes, one declaring 8 GiB (followed by a MiB of its body),
 //! and a multipart message whose frames each fit the limit but together exceed it. The wire
 //! bytes are written here by hand, independently of kvroute's own ZMTP code.
@@ -42,6 +42,12 @@ impl HostilePublisher {
     /// `hold` of valid silence (so the subscriber reports itself connected for a while), then
     /// the next attack, sized for a subscriber whose message limit is `limit` bytes.
     pub fn start(limit: usize, hold: Duration) -> Self {
+        Self::start_as("PUB", limit, hold)
+    }
+
+    /// [`HostilePublisher::start`], announcing `socket_type` (`ROUTER`: a hostile replay
+    /// socket).
+    pub fn start_as(socket_type: &'static str, limit: usize, hold: Duration) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
         let address = format!("tcp://{}", listener.local_addr().expect("bound address"));
         let connections = Arc::new(AtomicUsize::new(0));
@@ -55,7 +61,7 @@ impl HostilePublisher {
                     }
                     let Ok(socket) = socket else { continue };
                     let n = connections.fetch_add(1, Ordering::Relaxed);
-                    let _ = attack(socket, ATTACKS[n % ATTACKS.len()], limit, hold);
+                    let _ = attack(socket, socket_type, ATTACKS[n % ATTACKS.len()], limit, hold);
                 }
             })
         };
@@ -98,6 +104,7 @@ fn long_header(flags: u8, size: u64) -> Vec<u8> {
 
 fn attack(
     mut socket: TcpStream,
+    socket_type: &str,
     attack: Attack,
     limit: usize,
     hold: Duration,
@@ -114,13 +121,13 @@ fn attack(
     socket.write_all(&greeting)?;
     let mut peer = [0u8; 64];
     socket.read_exact(&mut peer)?;
-    // READY, Socket-Type PUB: a command frame (flags 0x04).
+    // READY with the socket type: a command frame (flags 0x04).
     let mut ready = vec![0x04, 0, 5];
     ready.extend_from_slice(b"READY");
     ready.push(11);
     ready.extend_from_slice(b"Socket-Type");
-    ready.extend_from_slice(&3u32.to_be_bytes());
-    ready.extend_from_slice(b"PUB");
+    ready.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    ready.extend_from_slice(socket_type.as_bytes());
     ready[1] = (ready.len() - 2) as u8;
     socket.write_all(&ready)?;
     std::thread::sleep(hold);

@@ -6,14 +6,16 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
+use kvroute_testkit::hostile::HostilePublisher;
 use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
 use kvroute_vllm::subscriber::{
-    EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, TopicSource, spawn_bound,
-    spawn_connected,
+    EndpointSource, EventSink, FeedStats, SubscriberConfig, SubscriberHandle, Timing, TopicSource,
+    spawn_bound, spawn_connected,
 };
+use kvroute_vllm::zmtp::Limits;
 
 const E: EndpointId = EndpointId(7);
 
@@ -209,6 +211,59 @@ async fn a_gap_older_than_the_replay_buffer_is_reported() {
     // Sequences 2..=8 were asked for; the buffer (3 batches) held 6, 7, 8 only.
     assert_eq!(s.lost_batches, 4, "{s:?}");
     assert_eq!(s.last_seq, Some(8));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_replay_socket_costs_the_replay_not_the_live_feed() {
+    let limit = 1 << 20;
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 100).await;
+    let hostile = HostilePublisher::start_as("ROUTER", limit, Duration::ZERO);
+    let index = new_index();
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: p.address().to_owned(),
+            replay: Some(hostile.address().to_owned()),
+            topic: "kv@127.0.0.1:8000@demo".into(),
+        },
+        index.clone() as Arc<dyn EventSink>,
+        SubscriberConfig {
+            timing: timing(),
+            limits: Limits {
+                max_message_bytes: limit,
+                ..Limits::default()
+            },
+        },
+    );
+    // The replay on connecting meets a 2^62-byte frame header.
+    eventually("the first replay refused", || {
+        let s = stats(&handle);
+        (s.connected && s.oversized_messages == 1, s)
+    })
+    .await;
+    let mut engine = demo_engine(6);
+    publish_steps(&mut p, &mut engine, 2).await;
+    // A gap: its replay meets an 8 GiB frame header.
+    for i in 0..3 {
+        p.publish_lost(&engine.step(f64::from(i)));
+    }
+    publish_steps(&mut p, &mut engine, 1).await;
+    eventually("the gap's replay refused and reported", || {
+        let s = stats(&handle);
+        (s.oversized_messages == 2 && s.unfilled_gaps >= 1, s)
+    })
+    .await;
+    // The live feed goes on.
+    publish_steps(&mut p, &mut engine, 5).await;
+    eventually("live batches after the attacks", || {
+        let s = stats(&handle);
+        (s.last_seq == Some(10) && s.connected, s)
+    })
+    .await;
+    let s = stats(&handle);
+    assert_eq!(s.protocol_errors, s.oversized_messages, "{s:?}");
+    assert_eq!(hostile.connections(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

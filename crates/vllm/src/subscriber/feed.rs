@@ -111,16 +111,22 @@ impl Feed {
         if !error.is_protocol_violation() {
             return false;
         }
+        self.count_protocol_error(error.is_too_large(), error);
+        true
+    }
+
+    /// Counts a connection (live or replay) dropped because its peer broke the protocol or the
+    /// size limits, and logs it, rate-limited.
+    pub(crate) fn count_protocol_error(&mut self, oversized: bool, error: &dyn std::fmt::Display) {
         {
             let mut stats = self.stats.lock();
             stats.protocol_errors += 1;
-            stats.oversized_messages += u64::from(error.is_too_large());
+            stats.oversized_messages += u64::from(oversized);
         }
         if let Verdict::Log { suppressed } = self.bad_input_log.check(Instant::now()) {
             warn!(endpoint = %self.name, %error, suppressed,
                 "KV-event publisher broke the protocol; dropping its connection and reconnecting with backoff");
         }
-        true
     }
 
     /// Carries out the sequencer's actions; returns the replay to request, if any.

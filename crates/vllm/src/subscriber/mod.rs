@@ -309,6 +309,10 @@ impl Stream {
                 warn!(endpoint = %self.feed.name, %reason, "KV-event replay failed");
                 self.feed.sequencer.on_replay_failed()
             }
+            ReplayItem::Refused { reason, oversized } => {
+                self.feed.count_protocol_error(oversized, &reason);
+                self.feed.sequencer.on_replay_failed()
+            }
         };
         self.run(key, actions, true, ctx);
     }

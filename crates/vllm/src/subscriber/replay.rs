@@ -29,6 +29,13 @@ pub enum ReplayItem {
     End,
     /// The replay could not be completed.
     Failed(String),
+    /// The replay socket broke the protocol or the size limits; its connection was dropped.
+    Refused {
+        /// What it did.
+        reason: String,
+        /// Whether it declared a frame or message over the limit.
+        oversized: bool,
+    },
 }
 
 /// Why a replay could not be completed.
@@ -93,6 +100,14 @@ pub async fn fetch_replay(
     let result = fetch(&address, start, options, idle_timeout, &out).await;
     let last = match result {
         Ok(()) => ReplayItem::End,
+        Err(ReplayError::Connect(e) | ReplayError::Send(e) | ReplayError::Receive(e))
+            if e.is_protocol_violation() =>
+        {
+            ReplayItem::Refused {
+                reason: format!("{address}: {e}"),
+                oversized: e.is_too_large(),
+            }
+        }
         Err(reason) => ReplayItem::Failed(format!("{address}: {reason}")),
     };
     let _ = out.send(last).await;
@@ -122,7 +137,9 @@ async fn fetch(
                 }
             }
             ReplayItem::End => return Ok(()),
-            ReplayItem::Failed(reason) => return Err(ReplayError::Failed(reason)),
+            ReplayItem::Failed(reason) | ReplayItem::Refused { reason, .. } => {
+                return Err(ReplayError::Failed(reason));
+            }
         }
     }
 }

@@ -530,6 +530,9 @@ impl RouterConfig {
 /// The smallest `kv_events.max_message_bytes` accepted: below it, ordinary batches would be refused.
 const MIN_KV_EVENT_MESSAGE_BYTES: usize = 64 << 10;
 
+/// The largest `kv_events.max_message_bytes` accepted (each subscriber may queue four).
+const MAX_KV_EVENT_MESSAGE_BYTES: usize = 1 << 30;
+
 fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
 }
@@ -662,10 +665,14 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
-        if self.kv_events.max_message_bytes < MIN_KV_EVENT_MESSAGE_BYTES {
+        if !(MIN_KV_EVENT_MESSAGE_BYTES..=MAX_KV_EVENT_MESSAGE_BYTES)
+            .contains(&self.kv_events.max_message_bytes)
+        {
             return Err(invalid(
                 "kv_events.max_message_bytes",
-                format!("must be at least {MIN_KV_EVENT_MESSAGE_BYTES} (one KV-event batch)"),
+                format!(
+                    "must be between {MIN_KV_EVENT_MESSAGE_BYTES} (one KV-event batch) and {MAX_KV_EVENT_MESSAGE_BYTES}"
+                ),
             ));
         }
         let o = &self.outlier;
@@ -818,6 +825,10 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",
                 "shutdown.drain_timeout_s",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nkv_events: {max_message_bytes: 1000}",
+                "kv_events.max_message_bytes",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'ftp://a:1'}]",

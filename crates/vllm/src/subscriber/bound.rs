@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 use super::feed::Feed;
 use super::log_limit::{LogLimiter, Verdict};
 use super::{
-    EventSink, FeedStats, Input, LoopContext, QUEUE, StatsMap, Stream, SubscriberConfig,
+    EventSink, FeedStats, Input, LiveQueue, LoopContext, QUEUE, StatsMap, Stream, SubscriberConfig,
     SubscriberHandle, checked_message, read_publisher,
 };
 use crate::VllmError;
@@ -83,7 +83,8 @@ pub async fn spawn_bound(
     let stats: StatsMap = Arc::default();
     let unattributed: Arc<Mutex<FeedStats>> = Arc::default();
     let (tx, rx) = mpsc::channel(QUEUE);
-    let acceptor = tokio::spawn(accept_publishers(listener, config.clone(), tx.clone()));
+    let queue = LiveQueue::new(tx.clone(), config.limits);
+    let acceptor = tokio::spawn(accept_publishers(listener, config.clone(), queue));
     let demux = Demux {
         ctx: LoopContext { tx, config },
         resolve,
@@ -107,11 +108,7 @@ pub async fn spawn_bound(
 
 /// Accepts publishers, at most [`MAX_PUBLISHERS`] at once, each read on its own task (all of
 /// them end with this one).
-async fn accept_publishers(
-    listener: TcpListener,
-    config: SubscriberConfig,
-    tx: mpsc::Sender<Input>,
-) {
+async fn accept_publishers(listener: TcpListener, config: SubscriberConfig, queue: LiveQueue) {
     let slots = Arc::new(Semaphore::new(MAX_PUBLISHERS));
     let mut publishers = JoinSet::new();
     loop {
@@ -128,7 +125,7 @@ async fn accept_publishers(
             }
         };
         let options = config.connection_options();
-        let tx = tx.clone();
+        let queue = queue.clone();
         publishers.spawn(async move {
             let _slot = slot;
             let conn = async {
@@ -139,10 +136,11 @@ async fn accept_publishers(
             match conn.await {
                 Ok(conn) => {
                     debug!(%peer, "KV-event publisher connected");
-                    read_publisher(conn, tx).await;
+                    read_publisher(conn, queue).await;
                 }
                 Err(error) => {
-                    let _ = tx
+                    let _ = queue
+                        .tx
                         .send(Input::Ended {
                             last_topic: None,
                             error,
@@ -170,7 +168,7 @@ impl Demux {
     async fn run(mut self, mut rx: mpsc::Receiver<Input>, _acceptor: AbortOnDrop) {
         while let Some(input) = rx.recv().await {
             match input {
-                Input::Live(frames) => self.on_live(frames),
+                Input::Live(frames, _queued) => self.on_live(frames),
                 Input::Replay {
                     feed,
                     generation,

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use super::feed::Feed;
 use super::{
-    EndpointSource, EventSink, Input, LoopContext, QUEUE, Stream, SubscriberConfig,
+    EndpointSource, EventSink, Input, LiveQueue, LoopContext, QUEUE, Stream, SubscriberConfig,
     SubscriberHandle, checked_message, spawn_reader,
 };
 use crate::zmtp::{Connection, SocketType, ZmtpError};
@@ -75,6 +75,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
     let key = Bytes::new();
     let timing = config.timing.clone();
     let (tx, mut rx) = mpsc::channel(QUEUE);
+    let queue = LiveQueue::new(tx.clone(), config.limits);
     let ctx = LoopContext { tx, config };
     let mut backoff = timing.min_backoff;
     loop {
@@ -93,7 +94,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
         info!(endpoint = %source.name, publisher = %source.publisher, "subscribed to KV events");
         let up_since = Instant::now();
         stream.set_connected(true);
-        let reader = spawn_reader(conn, ctx.tx.clone());
+        let reader = spawn_reader(conn, queue.clone());
         stream.on_connect(&key, &ctx);
 
         let mut delivered = false;
@@ -102,7 +103,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
                 return;
             };
             match input {
-                Input::Live(frames) => {
+                Input::Live(frames, _queued) => {
                     if let Some(msg) = checked_message(&mut stream.feed, &source.topic, &frames) {
                         delivered = true;
                         stream.on_live(&key, msg, &ctx);

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use kvroute_core::event::EventBatch;
 use kvroute_core::index::{EndpointId, SharedIndex};
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
@@ -187,8 +187,8 @@ impl Drop for SubscriberHandle {
 
 /// Everything an event loop reacts to.
 enum Input {
-    /// A message from a publisher connection.
-    Live(Vec<Bytes>),
+    /// A message from a publisher connection, with its share of the queue's byte budget.
+    Live(Vec<Bytes>, QueuedBytes),
     /// An answer of a replay.
     Replay {
         feed: Bytes,
@@ -345,28 +345,71 @@ struct LoopContext {
     config: SubscriberConfig,
 }
 
-/// Messages queued between a connection's reader and its event loop.
+/// Messages queued between a subscriber's connections and its event loop.
 const QUEUE: usize = 4096;
 
+/// Bytes of live messages queued at once, in messages of the largest size allowed: a fast
+/// publisher waits on the event loop instead of growing the queue.
+const QUEUED_LARGEST_MESSAGES: usize = 4;
+
+/// A live message's bytes in the queue's budget, given back when the event loop drops it.
+struct QueuedBytes {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Where a subscriber's connections send what they read: the event loop's queue, bounded in
+/// messages and in bytes.
+#[derive(Clone)]
+struct LiveQueue {
+    tx: mpsc::Sender<Input>,
+    bytes: Arc<Semaphore>,
+}
+
+impl LiveQueue {
+    fn new(tx: mpsc::Sender<Input>, limits: Limits) -> Self {
+        let budget = limits
+            .max_message_bytes
+            .saturating_mul(QUEUED_LARGEST_MESSAGES);
+        Self {
+            tx,
+            bytes: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
+        }
+    }
+
+    /// Queues a message once its bytes fit the budget; `false` when the event loop is gone.
+    async fn send(&self, frames: Vec<Bytes>) -> bool {
+        let size: usize = frames.iter().map(Bytes::len).sum();
+        // A message is at most the limit, so at most a quarter of the budget.
+        let wanted = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
+        let Ok(permit) = self.bytes.clone().acquire_many_owned(wanted).await else {
+            return false;
+        };
+        self.tx
+            .send(Input::Live(frames, QueuedBytes { _permit: permit }))
+            .await
+            .is_ok()
+    }
+}
+
 /// Reads one publisher connection until it fails, passing its messages to the event loop.
-fn spawn_reader(conn: Connection, tx: mpsc::Sender<Input>) -> JoinHandle<()> {
-    tokio::spawn(read_publisher(conn, tx))
+fn spawn_reader(conn: Connection, queue: LiveQueue) -> JoinHandle<()> {
+    tokio::spawn(read_publisher(conn, queue))
 }
 
 /// Reads one publisher connection until it fails, passing its messages and then its end to the
 /// event loop.
-async fn read_publisher(mut conn: Connection, tx: mpsc::Sender<Input>) {
+async fn read_publisher(mut conn: Connection, queue: LiveQueue) {
     let mut last_topic = None;
     loop {
         match conn.recv().await {
             Ok(frames) => {
                 last_topic = frames.first().cloned();
-                if tx.send(Input::Live(frames)).await.is_err() {
+                if !queue.send(frames).await {
                     return;
                 }
             }
             Err(error) => {
-                let _ = tx.send(Input::Ended { last_topic, error }).await;
+                let _ = queue.tx.send(Input::Ended { last_topic, error }).await;
                 return;
             }
         }

@@ -83,10 +83,10 @@ pub async fn spawn_bound(
     let stats: StatsMap = Arc::default();
     let unattributed: Arc<Mutex<FeedStats>> = Arc::default();
     let (tx, rx) = mpsc::channel(QUEUE);
-    let queue = LiveQueue::new(tx.clone(), config.limits);
-    let acceptor = tokio::spawn(accept_publishers(listener, config.clone(), queue));
+    let ctx = LoopContext::new(tx, config.clone());
+    let acceptor = tokio::spawn(accept_publishers(listener, config, ctx.queue.clone()));
     let demux = Demux {
-        ctx: LoopContext { tx, config },
+        ctx,
         resolve,
         sink,
         stats: stats.clone(),
@@ -173,6 +173,7 @@ impl Demux {
                     feed,
                     generation,
                     item,
+                    queued: _queued,
                 } => {
                     if let Some(stream) = self.streams.get_mut(&feed) {
                         stream.on_replay(&feed, generation, item, &self.ctx);

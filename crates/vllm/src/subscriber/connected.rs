@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use super::feed::Feed;
 use super::{
-    EndpointSource, EventSink, Input, LiveQueue, LoopContext, QUEUE, Stream, SubscriberConfig,
+    EndpointSource, EventSink, Input, LoopContext, QUEUE, Stream, SubscriberConfig,
     SubscriberHandle, checked_message, spawn_reader,
 };
 use crate::zmtp::{Connection, SocketType, ZmtpError};
@@ -75,8 +75,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
     let key = Bytes::new();
     let timing = config.timing.clone();
     let (tx, mut rx) = mpsc::channel(QUEUE);
-    let queue = LiveQueue::new(tx.clone(), config.limits);
-    let ctx = LoopContext { tx, config };
+    let ctx = LoopContext::new(tx, config);
     let mut backoff = timing.min_backoff;
     loop {
         let conn = match connect(&source, &ctx.config).await {
@@ -94,7 +93,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
         info!(endpoint = %source.name, publisher = %source.publisher, "subscribed to KV events");
         let up_since = Instant::now();
         stream.set_connected(true);
-        let reader = spawn_reader(conn, queue.clone());
+        let reader = spawn_reader(conn, ctx.queue.clone());
         stream.on_connect(&key, &ctx);
 
         let mut delivered = false;

@@ -189,11 +189,12 @@ impl Drop for SubscriberHandle {
 enum Input {
     /// A message from a publisher connection, with its share of the queue's byte budget.
     Live(Vec<Bytes>, QueuedBytes),
-    /// An answer of a replay.
+    /// An answer of a replay, with its share of the queue's byte budget.
     Replay {
         feed: Bytes,
         generation: u64,
         item: ReplayItem,
+        queued: QueuedBytes,
     },
     /// A publisher connection ended; `last_topic` is the topic of its last message, if any.
     Ended {
@@ -261,12 +262,13 @@ impl Stream {
             task.abort();
         }
         let generation = self.generation;
-        let tx = ctx.tx.clone();
+        let queue = ctx.queue.clone();
         let key = key.clone();
         let options = ctx.config.connection_options();
         let replay_timeout = ctx.config.timing.replay_timeout;
         self.replay_task = Some(tokio::spawn(async move {
-            let (items_tx, mut items_rx) = mpsc::channel(1024);
+            // One item in hand at a time: the queue's byte budget bounds the rest.
+            let (items_tx, mut items_rx) = mpsc::channel(1);
             let fetch = tokio::spawn(fetch_replay(
                 address,
                 from,
@@ -275,12 +277,20 @@ impl Stream {
                 items_tx,
             ));
             while let Some(item) = items_rx.recv().await {
+                let size = match &item {
+                    ReplayItem::Batch(msg) => msg.payload.len() + msg.topic.len() + 8,
+                    _ => 0,
+                };
+                let Some(queued) = queue.reserve(size).await else {
+                    break;
+                };
                 let input = Input::Replay {
                     feed: key.clone(),
                     generation,
                     item,
+                    queued,
                 };
-                if tx.send(input).await.is_err() {
+                if queue.tx.send(input).await.is_err() {
                     break;
                 }
             }
@@ -341,8 +351,17 @@ impl Drop for Stream {
 }
 
 struct LoopContext {
-    tx: mpsc::Sender<Input>,
+    queue: LiveQueue,
     config: SubscriberConfig,
+}
+
+impl LoopContext {
+    fn new(tx: mpsc::Sender<Input>, config: SubscriberConfig) -> Self {
+        Self {
+            queue: LiveQueue::new(tx, config.limits),
+            config,
+        }
+    }
 }
 
 /// Messages queued between a subscriber's connections and its event loop.
@@ -352,13 +371,13 @@ const QUEUE: usize = 4096;
 /// publisher waits on the event loop instead of growing the queue.
 const QUEUED_LARGEST_MESSAGES: usize = 4;
 
-/// A live message's bytes in the queue's budget, given back when the event loop drops it.
+/// A message's bytes in the queue's budget, given back when the event loop drops it.
 struct QueuedBytes {
     _permit: OwnedSemaphorePermit,
 }
 
-/// Where a subscriber's connections send what they read: the event loop's queue, bounded in
-/// messages and in bytes.
+/// Where a subscriber's connections and replays send what they read: the event loop's queue,
+/// bounded in messages and in bytes.
 #[derive(Clone)]
 struct LiveQueue {
     tx: mpsc::Sender<Input>,
@@ -376,18 +395,22 @@ impl LiveQueue {
         }
     }
 
-    /// Queues a message once its bytes fit the budget; `false` when the event loop is gone.
+    /// Waits until `size` more bytes fit the budget (a message is at most the limit, a quarter
+    /// of the budget); `None` if the budget is gone.
+    async fn reserve(&self, size: usize) -> Option<QueuedBytes> {
+        let wanted = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
+        let permit = self.bytes.clone().acquire_many_owned(wanted).await.ok()?;
+        Some(QueuedBytes { _permit: permit })
+    }
+
+    /// Queues a live message once its bytes fit the budget; `false` when the event loop is
+    /// gone.
     async fn send(&self, frames: Vec<Bytes>) -> bool {
         let size: usize = frames.iter().map(Bytes::len).sum();
-        // A message is at most the limit, so at most a quarter of the budget.
-        let wanted = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
-        let Ok(permit) = self.bytes.clone().acquire_many_owned(wanted).await else {
+        let Some(queued) = self.reserve(size).await else {
             return false;
         };
-        self.tx
-            .send(Input::Live(frames, QueuedBytes { _permit: permit }))
-            .await
-            .is_ok()
+        self.tx.send(Input::Live(frames, queued)).await.is_ok()
     }
 }
 
@@ -452,4 +475,33 @@ fn checked_message(
 /// The sequence number of the replay end marker.
 pub fn replay_end_marker_seq() -> u64 {
     replay::END_MARKER_SEQ
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_queue_holds_at_most_four_largest_messages_of_bytes() {
+        let (tx, mut rx) = mpsc::channel(QUEUE);
+        let queue = LiveQueue::new(
+            tx,
+            Limits {
+                max_message_bytes: 100,
+                max_command_bytes: 10,
+            },
+        );
+        let message = || vec![Bytes::from(vec![0u8; 60]), Bytes::from(vec![0u8; 40])];
+        for _ in 0..QUEUED_LARGEST_MESSAGES {
+            assert!(queue.send(message()).await);
+        }
+        assert!(
+            queue.send(message()).now_or_never().is_none(),
+            "a fifth waits for the event loop"
+        );
+        drop(rx.recv().await);
+        assert_eq!(queue.send(message()).now_or_never(), Some(true));
+    }
 }

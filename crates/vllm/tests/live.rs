@@ -16,6 +16,7 @@ use kvroute_vllm::subscriber::{
     spawn_bound, spawn_connected,
 };
 use kvroute_vllm::zmtp::Limits;
+use kvroute_vllm::zmtp::connection::Heartbeat;
 
 const E: EndpointId = EndpointId(7);
 
@@ -264,6 +265,37 @@ async fn a_hostile_replay_socket_costs_the_replay_not_the_live_feed() {
     let s = stats(&handle);
     assert_eq!(s.protocol_errors, s.oversized_messages, "{s:?}");
     assert_eq!(hostile.connections(), 2);
+}
+
+/// A ZMTP 3.1 peer that goes silent and ignores PINGs (a vanished host, a half-open
+/// connection) is given up after the heartbeat timeout, and not counted as a protocol error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_ignores_heartbeats_is_dropped() {
+    let silent = HostilePublisher::start(1 << 20, Duration::from_secs(2));
+    let index = new_index();
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: silent.address().to_owned(),
+            replay: None,
+            topic: String::new(),
+        },
+        index as Arc<dyn EventSink>,
+        Timing {
+            heartbeat: Heartbeat {
+                interval: Duration::from_millis(50),
+                timeout: Duration::from_millis(200),
+            },
+            ..timing()
+        },
+    );
+    eventually("the silent peer given up", || {
+        let s = stats(&handle);
+        (s.disconnects >= 1, s)
+    })
+    .await;
+    assert_eq!(stats(&handle).protocol_errors, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,8 +35,8 @@ pub struct Limits {
 }
 
 /// The default bound on a KV-event message: a million-token prompt stored in one engine step is
-/// about 8 MB of msgpack (5 bytes per token id, about 34 per block hash), so 16 MiB leaves
-/// headroom above the largest batch a real vLLM sends.
+/// 5 to 7 MB of msgpack (3 to 5 bytes per token id, about 34 per 16-token block's hash), so
+/// 16 MiB leaves headroom above the largest batch a real vLLM sends.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// The default bound on a command: READY's properties are a few dozen bytes in practice.

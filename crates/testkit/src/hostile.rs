@@ -95,6 +95,14 @@ impl Drop for HostilePublisher {
     }
 }
 
+/// Connects to a bound subscriber at `address` (`tcp://host:port`) as a PUB and carries out
+/// `attack` (sized for its message limit `limit`); returns once the subscriber hangs up (or
+/// after 5 s of its silence).
+pub fn attack_subscriber(address: &str, attack: Attack, limit: usize) -> std::io::Result<()> {
+    let socket = TcpStream::connect(address.trim_start_matches("tcp://"))?;
+    self::attack(socket, "PUB", attack, limit, Duration::ZERO)
+}
+
 /// A long (8-byte size) frame header.
 fn long_header(flags: u8, size: u64) -> Vec<u8> {
     let mut header = vec![flags | 0x02];

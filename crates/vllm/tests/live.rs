@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
-use kvroute_testkit::hostile::HostilePublisher;
+use kvroute_testkit::hostile::{ATTACKS, HostilePublisher, attack_subscriber};
 use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
 use kvroute_vllm::subscriber::{
-    EndpointSource, EventSink, FeedStats, SubscriberConfig, SubscriberHandle, Timing, TopicSource,
-    spawn_bound, spawn_connected,
+    BoundSubscriber, EndpointSource, EventSink, FeedStats, SubscriberConfig, SubscriberHandle,
+    Timing, TopicSource, spawn_bound, spawn_connected,
 };
 use kvroute_vllm::zmtp::Limits;
 use kvroute_vllm::zmtp::connection::Heartbeat;
@@ -369,6 +369,83 @@ async fn a_dead_endpoint_does_not_stall_a_live_one() {
     assert!(!stats(&dead).connected);
 }
 
+/// Publishes from every engine until `heard` streams are known to `bound`: a connecting PUB
+/// loses what it sends before the subscription reaches it (ZMQ's slow joiner).
+async fn publish_until_heard(
+    bound: &BoundSubscriber,
+    engines: &mut [(Publisher, DemoEngine)],
+    heard: usize,
+) {
+    let mut step = 0.0;
+    let deadline = Instant::now() + patience();
+    while bound.handle.stats().len() < heard && Instant::now() < deadline {
+        for (p, engine) in engines.iter_mut() {
+            p.restart();
+            engine.reset();
+            let batch = engine.step(step);
+            p.publish(&batch).await.unwrap();
+        }
+        step += 1.0;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Engines connect to a bound subscriber, so a hostile one does too: each attack costs its own
+/// connection (counted among the unattributed, as it named no topic), and a real engine that
+/// connects afterwards is heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_publisher_costs_a_bound_subscriber_one_connection() {
+    let limit = 1 << 20;
+    let index = new_index();
+    let resolver = Box::new(|topic: &str| {
+        let endpoint = kvroute_vllm::subscriber::endpoint_from_topic(topic)?;
+        Some(TopicSource {
+            endpoint: EndpointId(1),
+            name: endpoint.to_owned(),
+            replay: None,
+        })
+    });
+    let bound = spawn_bound(
+        "tcp://127.0.0.1:0",
+        resolver,
+        index.clone() as Arc<dyn EventSink>,
+        SubscriberConfig {
+            timing: timing(),
+            limits: Limits {
+                max_message_bytes: limit,
+                ..Limits::default()
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let address = bound.address.clone();
+    tokio::task::spawn_blocking(move || {
+        for attack in ATTACKS {
+            // The subscriber hangs up mid-attack: a reset is the expected end.
+            let _ = attack_subscriber(&address, attack, limit);
+        }
+    })
+    .await
+    .unwrap();
+    eventually("three attacks counted", || {
+        let s = bound.handle.unattributed_stats();
+        (s.oversized_messages == 3 && s.protocol_errors == 3, s)
+    })
+    .await;
+    let p = Publisher::bind(PublisherConfig {
+        address: bound.address.clone(),
+        connect: true,
+        replay_address: None,
+        topic: "kv@10.0.0.1:8000@demo".into(),
+        ..PublisherConfig::default()
+    })
+    .await
+    .unwrap();
+    publish_until_heard(&bound, &mut [(p, demo_engine(20))], 1).await;
+    assert!(index.endpoint_stats(EndpointId(1)).is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bound_subscriber_demultiplexes_engines_by_topic() {
     let index = new_index();
@@ -406,20 +483,7 @@ async fn bound_subscriber_demultiplexes_engines_by_topic() {
         .unwrap();
         engines.push((p, demo_engine(10 + i as u64)));
     }
-    // A connecting PUB loses what it sends before the subscription reaches it (ZMQ's slow
-    // joiner): keep publishing until both known engines have been heard.
-    let mut step = 0.0;
-    let deadline = Instant::now() + patience();
-    while bound.handle.stats().len() < 2 && Instant::now() < deadline {
-        for (p, engine) in &mut engines {
-            p.restart();
-            engine.reset();
-            let batch = engine.step(step);
-            p.publish(&batch).await.unwrap();
-        }
-        step += 1.0;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    publish_until_heard(&bound, &mut engines, 2).await;
     let names: Vec<String> = bound.handle.stats().into_iter().map(|(n, _)| n).collect();
     assert_eq!(
         names,

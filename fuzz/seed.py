@@ -50,3 +50,27 @@ vllm:prefix_cache_hits_total{model_name="m"} 1.2e+06
 
 write("router_config", "example", (repo / "examples" / "kvroute.yaml").read_bytes())
 write("router_config", "minimal", b"models: [{name: m}]\nendpoints: [{url: 'http://127.0.0.1:8001'}]\n")
+
+
+def zmtp_frame(body, more=False, command=False):
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+def zmtp_ready(socket_type):
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return zmtp_frame(body, command=True)
+
+
+# zmtp_decoder: the first byte is the read size; then what a peer sends after the greeting.
+live = [b"kv@127.0.0.1:8000@m", struct.pack(">Q", 7), b"\x93\xcb" + b"\x00" * 8 + b"\x90\xc0"]
+message = b"".join(zmtp_frame(f, more=i < 2) for i, f in enumerate(live))
+write("zmtp_decoder", "ready-and-message", b"\x10" + zmtp_ready(b"PUB") + message + message)
+write("zmtp_decoder", "ping", b"\x03" + zmtp_frame(b"\x04PING\x00\x00ctx", command=True))
+write("zmtp_decoder", "long-frame", b"\x40" + zmtp_frame(b"\xab" * 300))
+write("zmtp_decoder", "declares-2-62", b"\x08\x02" + struct.pack(">Q", 1 << 62))
+write("zmtp_decoder", "declares-8-gib", b"\x08\x02" + struct.pack(">Q", 8 << 30) + b"\x00" * 64)
+write("zmtp_decoder", "multipart-over-limit", b"\xff" + b"".join(
+    zmtp_frame(b"\xcd" * 3000, more=i < 2) for i in range(3)))

@@ -5,7 +5,10 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_testkit::{Killed, free_ports, run_openai_client, wait_http};
+use kvroute_testkit::hostile::{ATTACKS, HostilePublisher};
+use kvroute_testkit::{
+    Killed, free_ports, http_get, patience, run_openai_client, sample, wait_http,
+};
 
 /// `kvroute sim` engines on consecutive ports, waited for.
 struct Sims {
@@ -47,26 +50,41 @@ fn start_sims(n: u16) -> Sims {
 /// `kvroute serve` in front of `sims`, with `extra` configuration, waited for: (the process,
 /// its API port, its temporary directory).
 fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) {
+    let endpoints: String = (0..n)
+        .map(|i| {
+            format!(
+                "  - {{url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
+                sims.http + i,
+                sims.events + i,
+                sims.replay + i
+            )
+        })
+        .collect();
+    serve_endpoints(&endpoints, extra, 0, Stdio::inherit())
+}
+
+/// `kvroute serve` for the `endpoints:` list items `endpoints`, with `extra` configuration and
+/// the admin listener on `admin` (0: any), its log to `stderr`, waited for: (the process, its
+/// API port, its temporary directory).
+fn serve_endpoints(
+    endpoints: &str,
+    extra: &str,
+    admin: u16,
+    stderr: Stdio,
+) -> (Killed, u16, std::path::PathBuf) {
     let listen = free_ports(1);
     let dir = std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvroute.yaml");
-    let mut yaml = format!(
-        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n"
+    let yaml = format!(
+        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n{endpoints}"
     );
-    for i in 0..n {
-        yaml.push_str(&format!(
-            "  - {{url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
-            sims.http + i,
-            sims.events + i,
-            sims.replay + i
-        ));
-    }
     std::fs::write(&config, yaml).unwrap();
     let router = Killed(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["serve", "-c", config.to_str().unwrap()])
             .stdout(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap(),
     );
@@ -165,5 +183,119 @@ fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "{status}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The status code of a small completion through the router on `listen` (0: no answer).
+fn complete(listen: u16) -> u16 {
+    use std::io::Read;
+    let Ok(mut socket) = std::net::TcpStream::connect(("127.0.0.1", listen)) else {
+        return 0;
+    };
+    let _ = socket.set_read_timeout(Some(patience()));
+    let payload = r#"{"model": "sim-llama-3.1-8b", "prompt": "hello there", "max_tokens": 4}"#;
+    let sent = write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{payload}",
+        payload.len()
+    );
+    let mut response = String::new();
+    if sent.is_err() || socket.read_to_string(&mut response).is_err() {
+        return 0;
+    }
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The peak resident memory of process `pid` (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+#[test]
+fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
+    let sims = start_sims(1);
+    let limit = 1 << 20;
+    let hostile = HostilePublisher::start(limit, Duration::ZERO);
+    let admin = free_ports(1);
+    let endpoint = format!(
+        "  - {{name: e0, url: 'http://127.0.0.1:{}', events: '{}'}}\n",
+        sims.http,
+        hostile.address()
+    );
+    let log_path = std::env::temp_dir().join(format!("kvroute-hostile-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let (mut router, listen, dir) = serve_endpoints(
+        &endpoint,
+        &format!("kv_events: {{max_message_bytes: {limit}}}"),
+        admin,
+        Stdio::from(log),
+    );
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], admin));
+    let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+
+    // Every attack, and a reconnection after the last one; the router answers meanwhile.
+    let deadline = Instant::now() + patience();
+    let mut answered = 0;
+    while hostile.connections() <= ATTACKS.len() {
+        assert!(
+            router.0.try_wait().unwrap().is_none(),
+            "kvroute serve died after {} hostile connections: {}",
+            hostile.connections(),
+            read_log()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "only {} hostile connections: {}",
+            hostile.connections(),
+            read_log()
+        );
+        assert_eq!(complete(listen), 200, "{}", read_log());
+        answered += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(router.0.try_wait().unwrap().is_none(), "{}", read_log());
+    assert_eq!(complete(listen), 200);
+
+    let metrics = http_get(admin, "/metrics");
+    let counted = |kind: &str| {
+        sample(
+            &metrics,
+            &format!("kvroute_kv_events{{endpoint=\"e0\",kind=\"{kind}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(
+        counted("oversized_messages") >= ATTACKS.len() as f64,
+        "{metrics}"
+    );
+    assert!(counted("protocol_errors") >= counted("oversized_messages"));
+    let logged = read_log()
+        .lines()
+        .filter(|l| l.contains("broke the protocol"))
+        .count();
+    assert!(
+        (1..=5).contains(&logged),
+        "{logged} warnings: {}",
+        read_log()
+    );
+    let rss = peak_rss(router.0.id());
+    eprintln!(
+        "{} hostile connections, {answered} requests answered meanwhile, peak RSS {} MiB",
+        hostile.connections(),
+        rss >> 20
+    );
+    assert!(rss < 200 << 20, "peak RSS {} MiB", rss >> 20);
+    let _ = std::fs::remove_file(&log_path);
     let _ = std::fs::remove_dir_all(dir);
 }

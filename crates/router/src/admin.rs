@@ -162,6 +162,8 @@ fn refresh_gauges(router: &Router) {
                     ("bad_frame_count", feed.bad_frame_count),
                     ("bad_sequence_length", feed.bad_sequence_length),
                     ("topic_mismatches", feed.topic_mismatches),
+                    ("protocol_errors", feed.protocol_errors),
+                    ("oversized_messages", feed.oversized_messages),
                     ("unknown_events", feed.unknown_events),
                 ] {
                     m.events

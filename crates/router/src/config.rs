@@ -70,6 +70,40 @@ pub struct RouterConfig {
     /// index from before it reports ready.
     #[serde(default)]
     pub replicas: ReplicasConfig,
+    /// The KV-event subscribers' bounds.
+    #[serde(default)]
+    pub kv_events: KvEventsConfig,
+}
+
+/// What one engine's KV-event connection (PUB or replay) may make the router buffer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Largest KV-event message accepted, all its frames together; a publisher declaring a
+    /// larger frame or message loses its connection (a protocol error, counted, reconnected
+    /// with backoff) before anything is buffered for it. As libzmq's `ZMQ_MAXMSGSIZE`.
+    pub max_message_bytes: usize,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: kvroute_vllm::zmtp::DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+impl KvEventsConfig {
+    /// The subscribers' configuration: default timing, these bounds.
+    pub fn subscriber_config(&self) -> kvroute_vllm::subscriber::SubscriberConfig {
+        kvroute_vllm::subscriber::SubscriberConfig {
+            limits: kvroute_vllm::zmtp::Limits {
+                max_message_bytes: self.max_message_bytes,
+                ..kvroute_vllm::zmtp::Limits::default()
+            },
+            ..Default::default()
+        }
+    }
 }
 
 /// Running several replicas active-active: each subscribes to every engine's events; a
@@ -493,6 +527,12 @@ impl RouterConfig {
     }
 }
 
+/// The smallest `kv_events.max_message_bytes` accepted: below it, ordinary batches would be refused.
+const MIN_KV_EVENT_MESSAGE_BYTES: usize = 64 << 10;
+
+/// The largest `kv_events.max_message_bytes` accepted (each subscriber may queue four).
+const MAX_KV_EVENT_MESSAGE_BYTES: usize = 1 << 30;
+
 fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
 }
@@ -625,6 +665,16 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
+        if !(MIN_KV_EVENT_MESSAGE_BYTES..=MAX_KV_EVENT_MESSAGE_BYTES)
+            .contains(&self.kv_events.max_message_bytes)
+        {
+            return Err(invalid(
+                "kv_events.max_message_bytes",
+                format!(
+                    "must be between {MIN_KV_EVENT_MESSAGE_BYTES} (one KV-event batch) and {MAX_KV_EVENT_MESSAGE_BYTES}"
+                ),
+            ));
+        }
         let o = &self.outlier;
         if o.consecutive_failures == 0 || o.max_inflight == 0 {
             return Err(invalid(
@@ -775,6 +825,10 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",
                 "shutdown.drain_timeout_s",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nkv_events: {max_message_bytes: 1000}",
+                "kv_events.max_message_bytes",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'ftp://a:1'}]",

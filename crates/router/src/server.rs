@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::{HealthChange, LoadSample};
 use kvroute_vllm::metrics::parse_engine_metrics;
-use kvroute_vllm::subscriber::{EndpointSource, Timing, spawn_connected_after};
+use kvroute_vllm::subscriber::{EndpointSource, spawn_connected_after};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -220,7 +220,7 @@ pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_a
             topic: e.config.topic.clone(),
         },
         router.sink(),
-        Timing::default(),
+        router.config().kv_events.subscriber_config(),
         resume_after,
     ));
 }

@@ -1,8 +1,10 @@
 //! Chaos at a small size, in process over loopback: three simulated engines and a router under
 //! a bounded load of four conversational clients while an engine restarts, one engine loses
 //! 10% of its event batches in transit, one is three times slower, and the router itself is
-//! drained and started again on the same configuration. `KVROUTE_CHAOS_SECONDS` sets the
-//! length (12 s by default; docs/operations.md has the 30-minute soak recipe).
+//! drained and started again on the same configuration, and a fourth endpoint's KV-event
+//! address is a hostile publisher declaring frames of 2^62 bytes and 8 GiB.
+//! `KVROUTE_CHAOS_SECONDS` sets the length (12 s by default; docs/operations.md has the
+//! 30-minute soak recipe).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +14,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_router::server::RunningRouter;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_testkit::hostile::HostilePublisher;
 use kvroute_testkit::{eventually, sample};
 use serde_json::{Value, json};
 
@@ -32,6 +35,51 @@ fn config(fleet: &SimFleet, listen: &str) -> String {
     );
     yaml.push_str(&endpoint_lines(&fleet.endpoints));
     yaml
+}
+
+/// A fourth endpoint: a real engine for its HTTP, a hostile publisher for its KV events.
+struct HostileEndpoint {
+    engine: SimFleet,
+    publisher: HostilePublisher,
+}
+
+impl HostileEndpoint {
+    async fn start() -> Self {
+        Self {
+            engine: common::engine().await,
+            // Holds each connection a second before attacking, so the router's subscriber
+            // reports itself connected for a while (the router's start waits for that).
+            publisher: HostilePublisher::start(
+                kvroute_vllm::zmtp::DEFAULT_MAX_MESSAGE_BYTES,
+                Duration::from_secs(1),
+            ),
+        }
+    }
+
+    /// `yaml` (a router configuration ending with its endpoint list) with this endpoint, `e3`,
+    /// added.
+    fn add_to(&self, mut yaml: String) -> String {
+        yaml.push_str(&format!(
+            "  - {{name: e3, url: '{}', events: '{}'}}\n",
+            self.engine.endpoints[0].url,
+            self.publisher.address()
+        ));
+        yaml
+    }
+
+    /// Checks that the publisher attacked and that `router` counted it.
+    fn assert_attacks_counted(&self, router: &RunningRouter) {
+        assert!(
+            self.publisher.connections() >= 2,
+            "the hostile publisher was reconnected to"
+        );
+        let metrics = kvroute_testkit::http_get(router.admin_addr, "/metrics");
+        let oversized = sample(
+            &metrics,
+            "kvroute_kv_events{endpoint=\"e3\",kind=\"oversized_messages\"}",
+        );
+        assert!(oversized.is_some_and(|n| n >= 1.0), "{metrics}");
+    }
 }
 
 /// The memory budget of docs/operations.md for that configuration, in bytes, loosely: the
@@ -198,12 +246,13 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
     })
     .await
     .unwrap();
+    let hostile = HostileEndpoint::start().await;
     let http = reqwest::Client::new();
     fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.1})).await;
     fault(&http, &fleet, 2, json!({"slow_factor": 3.0})).await;
-    let first = router_from_yaml(&config(&fleet, "127.0.0.1:0")).await;
+    let first = router_from_yaml(&hostile.add_to(config(&fleet, "127.0.0.1:0"))).await;
     let addr = first.addr;
-    let yaml = config(&fleet, &addr.to_string());
+    let yaml = hostile.add_to(config(&fleet, &addr.to_string()));
     let mut router = Some(first);
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -284,6 +333,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         tally.failed.len() <= inflight_at_restart,
         "no request lost beyond the {inflight_at_restart} in flight on the restarted engine: {tally:?}"
     );
+    hostile.assert_attacks_counted(&router);
     let after = Predictions::read(&router).since(&recovered);
     assert!(after.total() > 20.0, "{after:?}");
     assert!(

@@ -1,6 +1,8 @@
 //! Helpers several crates' tests share: waiting for a condition without fixed sleeps, and
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
-//! sets up. Tests only; nothing here ships.
+//! sets up; a hostile KV-event publisher ([`hostile`]). Tests only; nothing here ships.
+
+pub mod hostile;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -12,7 +12,7 @@ pub enum VllmError {
     /// A ZMQ message whose frames are not `[topic, seq, payload]`.
     #[error("malformed KV-event message: {0}")]
     Framing(String),
-    /// A ZMQ socket error (connect, bind, send, receive).
+    /// A ZMQ socket error of the demo publisher (connect, bind, send, receive).
     #[error("ZMQ {context}: {source}")]
     Zmq {
         /// What kvroute was doing.
@@ -20,6 +20,15 @@ pub enum VllmError {
         /// The transport error.
         #[source]
         source: zeromq::ZmqError,
+    },
+    /// A ZMTP connection kvroute opened itself (subscriber, replay) failed.
+    #[error("ZMTP {context}: {source}")]
+    Zmtp {
+        /// What kvroute was doing.
+        context: String,
+        /// What failed.
+        #[source]
+        source: crate::zmtp::ZmtpError,
     },
     /// An endpoint address kvroute cannot use.
     #[error("invalid endpoint address {address:?}: {reason}")]

@@ -3,6 +3,7 @@
 //! - [`codec`]: the KV-event batch format of every vLLM release (decode and encode).
 //! - [`subscriber`]: live ingestion from an engine's ZMQ PUB socket with gap replay over its
 //!   ROUTER socket, feeding a [`kvroute_core::index::SharedIndex`].
+//! - [`zmtp`]: kvroute's own bounded ZMTP 3.x client (SUB and DEALER), under the subscriber.
 //! - [`publisher`]: a small publisher with vLLM's framing and replay, for demos and tests.
 //!
 //! This crate knows bytes and sockets; it makes no routing decisions.
@@ -16,3 +17,4 @@ pub use error::VllmError;
 pub mod publisher;
 pub mod subscriber;
 pub mod tokenizer;
+pub mod zmtp;

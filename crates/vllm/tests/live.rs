@@ -6,14 +6,17 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
+use kvroute_testkit::hostile::{ATTACKS, HostilePublisher, attack_subscriber};
 use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
 use kvroute_vllm::subscriber::{
-    EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, TopicSource, spawn_bound,
-    spawn_connected,
+    BoundSubscriber, EndpointSource, EventSink, FeedStats, SubscriberConfig, SubscriberHandle,
+    Timing, TopicSource, spawn_bound, spawn_connected,
 };
+use kvroute_vllm::zmtp::Limits;
+use kvroute_vllm::zmtp::connection::Heartbeat;
 
 const E: EndpointId = EndpointId(7);
 
@@ -29,6 +32,7 @@ fn timing() -> Timing {
         min_backoff: Duration::from_millis(20),
         max_backoff: Duration::from_millis(200),
         replay_timeout: Duration::from_millis(1500),
+        ..Timing::default()
     }
 }
 
@@ -211,6 +215,90 @@ async fn a_gap_older_than_the_replay_buffer_is_reported() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_replay_socket_costs_the_replay_not_the_live_feed() {
+    let limit = 1 << 20;
+    let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 100).await;
+    let hostile = HostilePublisher::start_as("ROUTER", limit, Duration::ZERO);
+    let index = new_index();
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: p.address().to_owned(),
+            replay: Some(hostile.address().to_owned()),
+            topic: "kv@127.0.0.1:8000@demo".into(),
+        },
+        index.clone() as Arc<dyn EventSink>,
+        SubscriberConfig {
+            timing: timing(),
+            limits: Limits {
+                max_message_bytes: limit,
+                ..Limits::default()
+            },
+        },
+    );
+    // The replay on connecting meets a 2^62-byte frame header.
+    eventually("the first replay refused", || {
+        let s = stats(&handle);
+        (s.connected && s.oversized_messages == 1, s)
+    })
+    .await;
+    let mut engine = demo_engine(6);
+    publish_steps(&mut p, &mut engine, 2).await;
+    // A gap: its replay meets an 8 GiB frame header.
+    for i in 0..3 {
+        p.publish_lost(&engine.step(f64::from(i)));
+    }
+    publish_steps(&mut p, &mut engine, 1).await;
+    eventually("the gap's replay refused and reported", || {
+        let s = stats(&handle);
+        (s.oversized_messages == 2 && s.unfilled_gaps >= 1, s)
+    })
+    .await;
+    // The live feed goes on.
+    publish_steps(&mut p, &mut engine, 5).await;
+    eventually("live batches after the attacks", || {
+        let s = stats(&handle);
+        (s.last_seq == Some(10) && s.connected, s)
+    })
+    .await;
+    let s = stats(&handle);
+    assert_eq!(s.protocol_errors, s.oversized_messages, "{s:?}");
+    assert_eq!(hostile.connections(), 2);
+}
+
+/// A ZMTP 3.1 peer that goes silent and ignores PINGs (a vanished host, a half-open
+/// connection) is given up after the heartbeat timeout, and not counted as a protocol error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_ignores_heartbeats_is_dropped() {
+    let silent = HostilePublisher::start(1 << 20, Duration::from_secs(2));
+    let index = new_index();
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: silent.address().to_owned(),
+            replay: None,
+            topic: String::new(),
+        },
+        index as Arc<dyn EventSink>,
+        Timing {
+            heartbeat: Heartbeat {
+                interval: Duration::from_millis(50),
+                timeout: Duration::from_millis(200),
+            },
+            ..timing()
+        },
+    );
+    eventually("the silent peer given up", || {
+        let s = stats(&handle);
+        (s.disconnects >= 1, s)
+    })
+    .await;
+    assert_eq!(stats(&handle).protocol_errors, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_purges_and_relearns() {
     let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 10_000).await;
     let index = new_index();
@@ -281,6 +369,83 @@ async fn a_dead_endpoint_does_not_stall_a_live_one() {
     assert!(!stats(&dead).connected);
 }
 
+/// Publishes from every engine until `heard` streams are known to `bound`: a connecting PUB
+/// loses what it sends before the subscription reaches it (ZMQ's slow joiner).
+async fn publish_until_heard(
+    bound: &BoundSubscriber,
+    engines: &mut [(Publisher, DemoEngine)],
+    heard: usize,
+) {
+    let mut step = 0.0;
+    let deadline = Instant::now() + patience();
+    while bound.handle.stats().len() < heard && Instant::now() < deadline {
+        for (p, engine) in engines.iter_mut() {
+            p.restart();
+            engine.reset();
+            let batch = engine.step(step);
+            p.publish(&batch).await.unwrap();
+        }
+        step += 1.0;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Engines connect to a bound subscriber, so a hostile one does too: each attack costs its own
+/// connection (counted among the unattributed, as it named no topic), and a real engine that
+/// connects afterwards is heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_publisher_costs_a_bound_subscriber_one_connection() {
+    let limit = 1 << 20;
+    let index = new_index();
+    let resolver = Box::new(|topic: &str| {
+        let endpoint = kvroute_vllm::subscriber::endpoint_from_topic(topic)?;
+        Some(TopicSource {
+            endpoint: EndpointId(1),
+            name: endpoint.to_owned(),
+            replay: None,
+        })
+    });
+    let bound = spawn_bound(
+        "tcp://127.0.0.1:0",
+        resolver,
+        index.clone() as Arc<dyn EventSink>,
+        SubscriberConfig {
+            timing: timing(),
+            limits: Limits {
+                max_message_bytes: limit,
+                ..Limits::default()
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let address = bound.address.clone();
+    tokio::task::spawn_blocking(move || {
+        for attack in ATTACKS {
+            // The subscriber hangs up mid-attack: a reset is the expected end.
+            let _ = attack_subscriber(&address, attack, limit);
+        }
+    })
+    .await
+    .unwrap();
+    eventually("three attacks counted", || {
+        let s = bound.handle.unattributed_stats();
+        (s.oversized_messages == 3 && s.protocol_errors == 3, s)
+    })
+    .await;
+    let p = Publisher::bind(PublisherConfig {
+        address: bound.address.clone(),
+        connect: true,
+        replay_address: None,
+        topic: "kv@10.0.0.1:8000@demo".into(),
+        ..PublisherConfig::default()
+    })
+    .await
+    .unwrap();
+    publish_until_heard(&bound, &mut [(p, demo_engine(20))], 1).await;
+    assert!(index.endpoint_stats(EndpointId(1)).is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bound_subscriber_demultiplexes_engines_by_topic() {
     let index = new_index();
@@ -318,20 +483,7 @@ async fn bound_subscriber_demultiplexes_engines_by_topic() {
         .unwrap();
         engines.push((p, demo_engine(10 + i as u64)));
     }
-    // A connecting PUB loses what it sends before the subscription reaches it (ZMQ's slow
-    // joiner): keep publishing until both known engines have been heard.
-    let mut step = 0.0;
-    let deadline = Instant::now() + patience();
-    while bound.handle.stats().len() < 2 && Instant::now() < deadline {
-        for (p, engine) in &mut engines {
-            p.restart();
-            engine.reset();
-            let batch = engine.step(step);
-            p.publish(&batch).await.unwrap();
-        }
-        step += 1.0;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    publish_until_heard(&bound, &mut engines, 2).await;
     let names: Vec<String> = bound.handle.stats().into_iter().map(|(n, _)| n).collect();
     assert_eq!(
         names,

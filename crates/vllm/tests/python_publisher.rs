@@ -19,6 +19,7 @@ use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::subscriber::{
     EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, spawn_connected,
 };
+use kvroute_vllm::zmtp::connection::Heartbeat;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
@@ -295,4 +296,49 @@ async fn python_late_live_copies_of_replayed_batches_are_duplicates() {
         &["--live-lag", "2", "--step-interval", "0.05"],
     )
     .await;
+}
+
+/// libzmq answers ZMTP 3.1 PINGs even with heartbeats off on its side, so an idle engine keeps
+/// its connection under a heartbeat timeout far shorter than its silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_an_idle_libzmq_publisher_answers_heartbeats() {
+    let Some(python) = kvroute_testkit::python("pyzmq and msgspec") else {
+        return;
+    };
+    let topic = "kv@python@idle";
+    let mut script = Script::spawn(&python, "map", topic, &[]);
+    let addresses = script.next_json().await;
+    let index = Arc::new(SharedIndex::new(
+        KvIndex::new(IndexConfig::default()).unwrap(),
+    ));
+    let heartbeat = Heartbeat {
+        interval: Duration::from_millis(100),
+        timeout: Duration::from_millis(300),
+    };
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: NAME.into(),
+            publisher: addresses["pub"].as_str().expect("pub address").to_owned(),
+            replay: None,
+            topic: topic.into(),
+        },
+        index as Arc<dyn EventSink>,
+        Timing {
+            heartbeat,
+            ..Timing::default()
+        },
+    );
+    eventually("the subscription", || {
+        (stats(&handle).connected, stats(&handle))
+    })
+    .await;
+    // The property is about time passing: ten heartbeat timeouts of silence from the engine.
+    tokio::time::sleep(heartbeat.timeout * 10).await;
+    let s = stats(&handle);
+    assert_eq!(
+        (s.connected, s.connects, s.disconnects),
+        (true, 1, 0),
+        "{s:#?}"
+    );
 }

@@ -14,6 +14,7 @@ use super::EventSink;
 use super::log_limit::{LogLimiter, Verdict};
 use super::sequencer::{Action, Sequencer};
 use crate::codec::{RawMessage, decode_batch};
+use crate::zmtp::ZmtpError;
 
 /// Running counters of one endpoint's event stream, for operators and tests.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -49,6 +50,13 @@ pub struct FeedStats {
     pub bad_sequence_length: u64,
     /// Messages whose topic was not the expected one.
     pub topic_mismatches: u64,
+    /// Publisher connections dropped because the publisher broke ZMTP (a bad greeting or
+    /// command, an incompatible socket type) or the size limits; `oversized_messages` of them
+    /// for size.
+    pub protocol_errors: u64,
+    /// Publisher connections dropped for a frame or message over the configured maximum
+    /// (declared, so nothing was buffered for it).
+    pub oversized_messages: u64,
     /// Gaps seen in the live sequence.
     pub gaps: u64,
     /// Replay requests sent.
@@ -94,6 +102,30 @@ impl Feed {
             stats: Arc::default(),
             sink,
             bad_input_log: LogLimiter::new(),
+        }
+    }
+
+    /// Records a failed or ended publisher connection; a protocol violation is counted and
+    /// logged here (rate-limited), and `true` says so; anything else is left to the caller.
+    pub(crate) fn connection_failed(&mut self, error: &ZmtpError) -> bool {
+        if !error.is_protocol_violation() {
+            return false;
+        }
+        self.count_protocol_error(error.is_too_large(), error);
+        true
+    }
+
+    /// Counts a connection (live or replay) dropped because its peer broke the protocol or the
+    /// size limits, and logs it, rate-limited.
+    pub(crate) fn count_protocol_error(&mut self, oversized: bool, error: &dyn std::fmt::Display) {
+        {
+            let mut stats = self.stats.lock();
+            stats.protocol_errors += 1;
+            stats.oversized_messages += u64::from(oversized);
+        }
+        if let Verdict::Log { suppressed } = self.bad_input_log.check(Instant::now()) {
+            warn!(endpoint = %self.name, %error, suppressed,
+                "KV-event publisher broke the protocol; dropping its connection and reconnecting with backoff");
         }
     }
 

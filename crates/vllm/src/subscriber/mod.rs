@@ -11,7 +11,14 @@
 //! Every stream goes through a [`sequencer::Sequencer`]: gaps are filled from the engine's
 //! replay ROUTER socket, a backwards sequence purges the endpoint, and what cannot be recovered
 //! is reported ([`EventSink::unfilled_gap`], [`FeedStats`]) rather than silently absorbed.
+//!
+//! The sockets are kvroute's own bounded ZMTP client ([`crate::zmtp`]): a publisher that sends
+//! a frame or message over [`SubscriberConfig::limits`], or otherwise breaks the protocol, loses
+//! that one connection (counted in [`FeedStats::protocol_errors`], logged rate-limited) and is
+//! reconnected to with growing backoff.
 
+mod bound;
+mod connected;
 mod feed;
 pub mod log_limit;
 mod replay;
@@ -25,19 +32,22 @@ use bytes::Bytes;
 use kvroute_core::event::EventBatch;
 use kvroute_core::index::{EndpointId, SharedIndex};
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
-use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
+use tracing::warn;
 
 use sequencer::Action;
 
+pub use bound::{BoundSubscriber, TopicResolver, TopicSource, endpoint_from_topic, spawn_bound};
+pub use connected::{spawn_connected, spawn_connected_after};
 use feed::Feed;
 pub use feed::FeedStats;
 pub use replay::{ReplayError, ReplayItem, fetch_replay, parse_replay_reply};
 
 use crate::VllmError;
 use crate::codec::parse_frames;
+use crate::zmtp::connection::{Heartbeat, Options};
+use crate::zmtp::{Connection, Limits, ZmtpError};
 
 /// Where decoded batches go: the KV index, a printer, or both.
 pub trait EventSink: Send + Sync + 'static {
@@ -64,6 +74,10 @@ impl EventSink for SharedIndex {
 pub struct Timing {
     /// How long one connection attempt may take.
     pub connect_timeout: Duration,
+    /// How long the ZMTP handshake (greeting, READY) and any one write may take.
+    pub handshake_timeout: Duration,
+    /// Silence after which a ZMTP 3.1 publisher is pinged, and after which it is given up.
+    pub heartbeat: Heartbeat,
     /// First wait after a failed connection; doubles up to `max_backoff`.
     pub min_backoff: Duration,
     /// Longest wait between connection attempts.
@@ -76,9 +90,40 @@ impl Default for Timing {
     fn default() -> Self {
         Self {
             connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            heartbeat: Heartbeat::default(),
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A subscriber's timing and bounds.
+#[derive(Clone, Debug, Default)]
+pub struct SubscriberConfig {
+    /// Timeouts and backoff.
+    pub timing: Timing,
+    /// Bounds on what one publisher may make kvroute buffer.
+    pub limits: Limits,
+}
+
+impl From<Timing> for SubscriberConfig {
+    fn from(timing: Timing) -> Self {
+        Self {
+            timing,
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl SubscriberConfig {
+    fn connection_options(&self) -> Options {
+        Options {
+            connect_timeout: self.timing.connect_timeout,
+            handshake_timeout: self.timing.handshake_timeout,
+            limits: self.limits,
+            heartbeat: self.timing.heartbeat,
         }
     }
 }
@@ -104,6 +149,9 @@ type StatsMap = Arc<Mutex<HashMap<String, Arc<Mutex<FeedStats>>>>>;
 pub struct SubscriberHandle {
     task: JoinHandle<()>,
     stats: StatsMap,
+    /// Counters of publisher connections not yet tied to an endpoint (bind topology: those
+    /// that failed before their first message named a topic).
+    unattributed: Arc<Mutex<FeedStats>>,
 }
 
 impl SubscriberHandle {
@@ -117,6 +165,12 @@ impl SubscriberHandle {
             .collect();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
+    }
+
+    /// Counters of publisher connections that failed before naming their endpoint (bind
+    /// topology only; the connect topology counts every failure on its endpoint).
+    pub fn unattributed_stats(&self) -> FeedStats {
+        self.unattributed.lock().clone()
     }
 
     /// Stops the subscriber.
@@ -133,14 +187,20 @@ impl Drop for SubscriberHandle {
 
 /// Everything an event loop reacts to.
 enum Input {
-    Live(Vec<Bytes>),
-    SocketEvent(SocketEvent),
+    /// A message from a publisher connection, with its share of the queue's byte budget.
+    Live(Vec<Bytes>, QueuedBytes),
+    /// An answer of a replay, with its share of the queue's byte budget.
     Replay {
         feed: Bytes,
         generation: u64,
         item: ReplayItem,
+        queued: QueuedBytes,
     },
-    Closed(String),
+    /// A publisher connection ended; `last_topic` is the topic of its last message, if any.
+    Ended {
+        last_topic: Option<Bytes>,
+        error: ZmtpError,
+    },
 }
 
 /// The address a data-parallel rank publishes on: vLLM adds the rank to the port after the last
@@ -162,12 +222,6 @@ pub fn address_for_rank(address: &str, rank: u16) -> Result<String, VllmError> {
         .checked_add(rank)
         .ok_or_else(|| bad("port + rank overflows"))?;
     Ok(format!("{host}:{port}"))
-}
-
-fn socket_options(timing: &Timing) -> SocketOptions {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(timing.connect_timeout);
-    options
 }
 
 /// A feed plus the replay in flight for it; a generation number tells the answers of the
@@ -208,25 +262,35 @@ impl Stream {
             task.abort();
         }
         let generation = self.generation;
-        let tx = ctx.tx.clone();
+        let queue = ctx.queue.clone();
         let key = key.clone();
-        let timing = ctx.timing.clone();
+        let options = ctx.config.connection_options();
+        let replay_timeout = ctx.config.timing.replay_timeout;
         self.replay_task = Some(tokio::spawn(async move {
-            let (items_tx, mut items_rx) = mpsc::channel(1024);
+            // One item in hand at a time: the queue's byte budget bounds the rest.
+            let (items_tx, mut items_rx) = mpsc::channel(1);
             let fetch = tokio::spawn(fetch_replay(
                 address,
                 from,
-                timing.connect_timeout,
-                timing.replay_timeout,
+                options,
+                replay_timeout,
                 items_tx,
             ));
             while let Some(item) = items_rx.recv().await {
+                let size = match &item {
+                    ReplayItem::Batch(msg) => msg.payload.len() + msg.topic.len() + 8,
+                    _ => 0,
+                };
+                let Some(queued) = queue.reserve(size).await else {
+                    break;
+                };
                 let input = Input::Replay {
                     feed: key.clone(),
                     generation,
                     item,
+                    queued,
                 };
-                if tx.send(input).await.is_err() {
+                if queue.tx.send(input).await.is_err() {
                     break;
                 }
             }
@@ -253,6 +317,10 @@ impl Stream {
             ReplayItem::End => self.feed.sequencer.on_replay_end(),
             ReplayItem::Failed(reason) => {
                 warn!(endpoint = %self.feed.name, %reason, "KV-event replay failed");
+                self.feed.sequencer.on_replay_failed()
+            }
+            ReplayItem::Refused { reason, oversized } => {
+                self.feed.count_protocol_error(oversized, &reason);
                 self.feed.sequencer.on_replay_failed()
             }
         };
@@ -283,105 +351,91 @@ impl Drop for Stream {
 }
 
 struct LoopContext {
-    tx: mpsc::Sender<Input>,
-    timing: Timing,
+    queue: LiveQueue,
+    config: SubscriberConfig,
 }
 
-/// Spawns the subscriber of one engine (connect topology) on the current tokio runtime.
-pub fn spawn_connected(
-    source: EndpointSource,
-    sink: Arc<dyn EventSink>,
-    timing: Timing,
-) -> SubscriberHandle {
-    spawn_connected_after(source, sink, timing, None)
-}
-
-/// [`spawn_connected`], for a sink that already holds every batch up to `resume_after` (a
-/// snapshot): the first connection replays from the batch after it.
-pub fn spawn_connected_after(
-    source: EndpointSource,
-    sink: Arc<dyn EventSink>,
-    timing: Timing,
-    resume_after: Option<u64>,
-) -> SubscriberHandle {
-    let mut feed = Feed::new(
-        source.endpoint,
-        source.name.clone(),
-        source.replay.is_some(),
-        sink,
-    );
-    if let Some(seq) = resume_after {
-        feed.sequencer.resume_after(seq);
+impl LoopContext {
+    fn new(tx: mpsc::Sender<Input>, config: SubscriberConfig) -> Self {
+        Self {
+            queue: LiveQueue::new(tx, config.limits),
+            config,
+        }
     }
-    let stats = Arc::new(Mutex::new(HashMap::from([(
-        source.name.clone(),
-        feed.stats.clone(),
-    )])));
-    let stream = Stream::new(feed, source.replay.clone());
-    let task = tokio::spawn(run_connected(source, stream, timing));
-    SubscriberHandle { task, stats }
 }
 
-async fn run_connected(source: EndpointSource, mut stream: Stream, timing: Timing) {
-    let key = Bytes::new();
-    let mut backoff = timing.min_backoff;
-    loop {
-        let mut sub = SubSocket::with_options(socket_options(&timing));
-        let monitor = sub.monitor();
-        if let Err(e) = sub.connect(&source.publisher).await {
-            warn!(endpoint = %source.name, publisher = %source.publisher, error = %e,
-                retry_in = ?backoff, "cannot connect to KV-event publisher");
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(timing.max_backoff);
-            continue;
-        }
-        backoff = timing.min_backoff;
-        if let Err(e) = sub.subscribe(&source.topic).await {
-            warn!(endpoint = %source.name, error = %e, "cannot subscribe; reconnecting");
-            continue;
-        }
-        info!(endpoint = %source.name, publisher = %source.publisher, "subscribed to KV events");
-        stream.set_connected(true);
-        let (tx, mut rx) = mpsc::channel(4096);
-        let ctx = LoopContext {
-            tx: tx.clone(),
-            timing: timing.clone(),
-        };
-        let reader = spawn_reader(sub, monitor, tx);
-        stream.on_connect(&key, &ctx);
+/// Messages queued between a subscriber's connections and its event loop.
+const QUEUE: usize = 4096;
 
-        let mut down = false;
-        while let Some(input) = rx.recv().await {
-            match input {
-                Input::Live(frames) => {
-                    if let Some(msg) = checked_message(&mut stream.feed, &source.topic, &frames) {
-                        stream.on_live(&key, msg, &ctx);
-                    }
-                }
-                Input::Replay {
-                    generation, item, ..
-                } => stream.on_replay(&key, generation, item, &ctx),
-                Input::SocketEvent(SocketEvent::Disconnected(_)) => {
-                    stream.set_connected(false);
-                    down = true;
-                    warn!(endpoint = %source.name, "KV-event publisher disconnected; reconnecting");
-                }
-                Input::SocketEvent(SocketEvent::Connected(..)) if down => {
-                    down = false;
-                    stream.set_connected(true);
-                    info!(endpoint = %source.name, "KV-event publisher reconnected; catching up");
-                    stream.on_connect(&key, &ctx);
-                }
-                Input::SocketEvent(_) => {}
-                Input::Closed(reason) => {
-                    warn!(endpoint = %source.name, %reason, "KV-event socket closed; reconnecting");
-                    break;
+/// Bytes of live messages queued at once, in messages of the largest size allowed: a fast
+/// publisher waits on the event loop instead of growing the queue.
+const QUEUED_LARGEST_MESSAGES: usize = 4;
+
+/// A message's bytes in the queue's budget, given back when the event loop drops it.
+struct QueuedBytes {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Where a subscriber's connections and replays send what they read: the event loop's queue,
+/// bounded in messages and in bytes.
+#[derive(Clone)]
+struct LiveQueue {
+    tx: mpsc::Sender<Input>,
+    bytes: Arc<Semaphore>,
+}
+
+impl LiveQueue {
+    fn new(tx: mpsc::Sender<Input>, limits: Limits) -> Self {
+        let budget = limits
+            .max_message_bytes
+            .saturating_mul(QUEUED_LARGEST_MESSAGES);
+        Self {
+            tx,
+            bytes: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
+        }
+    }
+
+    /// Waits until `size` more bytes fit the budget (a message is at most the limit, a quarter
+    /// of the budget); `None` if the budget is gone.
+    async fn reserve(&self, size: usize) -> Option<QueuedBytes> {
+        let wanted = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
+        let permit = self.bytes.clone().acquire_many_owned(wanted).await.ok()?;
+        Some(QueuedBytes { _permit: permit })
+    }
+
+    /// Queues a live message once its bytes fit the budget; `false` when the event loop is
+    /// gone.
+    async fn send(&self, frames: Vec<Bytes>) -> bool {
+        let size: usize = frames.iter().map(Bytes::len).sum();
+        let Some(queued) = self.reserve(size).await else {
+            return false;
+        };
+        self.tx.send(Input::Live(frames, queued)).await.is_ok()
+    }
+}
+
+/// Reads one publisher connection until it fails, passing its messages to the event loop.
+fn spawn_reader(conn: Connection, queue: LiveQueue) -> JoinHandle<()> {
+    tokio::spawn(read_publisher(conn, queue))
+}
+
+/// Reads one publisher connection until it fails, passing its messages and then its end to the
+/// event loop.
+async fn read_publisher(mut conn: Connection, queue: LiveQueue) {
+    let mut last_topic = None;
+    loop {
+        match conn.recv().await {
+            Ok(frames) => {
+                last_topic = frames.first().cloned();
+                if !queue.send(frames).await {
+                    return;
                 }
             }
+            Err(error) => {
+                let _ = queue.tx.send(Input::Ended { last_topic, error }).await;
+                return;
+            }
         }
-        reader.abort();
-        stream.set_connected(false);
-        tokio::time::sleep(backoff).await;
     }
 }
 
@@ -418,157 +472,36 @@ fn checked_message(
     Some(msg)
 }
 
-fn spawn_reader(
-    mut sub: SubSocket,
-    mut monitor: futures::channel::mpsc::Receiver<SocketEvent>,
-    tx: mpsc::Sender<Input>,
-) -> JoinHandle<()> {
-    let events = tx.clone();
-    let monitor_task = tokio::spawn(async move {
-        use futures::StreamExt;
-        while let Some(event) = monitor.next().await {
-            if events.send(Input::SocketEvent(event)).await.is_err() {
-                break;
-            }
-        }
-    });
-    tokio::spawn(async move {
-        loop {
-            match sub.recv().await {
-                Ok(msg) => {
-                    if tx.send(Input::Live(msg.into_vec())).await.is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    let _ = tx.send(Input::Closed(e.to_string())).await;
-                    break;
-                }
-            }
-        }
-        monitor_task.abort();
-    })
-}
-
-/// What the bind topology knows about a topic's publisher.
-#[derive(Clone, Debug)]
-pub struct TopicSource {
-    /// The index's id for this endpoint.
-    pub endpoint: EndpointId,
-    /// A name for logs.
-    pub name: String,
-    /// The publisher's replay ROUTER address, if known.
-    pub replay: Option<String>,
-}
-
-/// Maps a message topic to its endpoint; `None` drops the topic's messages (counted).
-pub type TopicResolver = Box<dyn FnMut(&str) -> Option<TopicSource> + Send>;
-
-/// The endpoint name in an llm-d style topic `kv@<host:port>@<model>`.
-pub fn endpoint_from_topic(topic: &str) -> Option<&str> {
-    let mut parts = topic.splitn(3, '@');
-    match (parts.next(), parts.next()) {
-        (Some(_), Some(endpoint)) if !endpoint.is_empty() => Some(endpoint),
-        _ => None,
-    }
-}
-
-/// A bound subscriber: its handle plus the address it listens on (with the real port when
-/// `tcp://host:0` was asked for).
-pub struct BoundSubscriber {
-    /// The running task.
-    pub handle: SubscriberHandle,
-    /// Where engines should connect.
-    pub address: String,
-}
-
-/// Binds one SUB socket that engines connect to (bind topology) and demultiplexes by topic.
-pub async fn spawn_bound(
-    address: &str,
-    mut resolve: TopicResolver,
-    sink: Arc<dyn EventSink>,
-    timing: Timing,
-) -> Result<BoundSubscriber, VllmError> {
-    let mut sub = SubSocket::with_options(socket_options(&timing));
-    let monitor = sub.monitor();
-    let bound = sub
-        .bind(address)
-        .await
-        .map_err(|e| VllmError::zmq(format!("bind {address}"), e))?;
-    sub.subscribe("")
-        .await
-        .map_err(|e| VllmError::zmq("subscribe", e))?;
-    let stats: StatsMap = Arc::default();
-    let stats_out = stats.clone();
-    let task = tokio::spawn(async move {
-        let (tx, mut rx) = mpsc::channel(4096);
-        let ctx = LoopContext {
-            tx: tx.clone(),
-            timing,
-        };
-        let _reader = spawn_reader(sub, monitor, tx);
-        let mut streams: HashMap<Bytes, Stream> = HashMap::new();
-        let mut unresolved: u64 = 0;
-        while let Some(input) = rx.recv().await {
-            match input {
-                Input::Live(frames) => {
-                    let Some(topic) = frames.first().cloned() else {
-                        continue;
-                    };
-                    if !streams.contains_key(&topic) {
-                        let name = String::from_utf8_lossy(&topic).into_owned();
-                        let Some(source) = resolve(&name) else {
-                            unresolved += 1;
-                            if unresolved.is_power_of_two() {
-                                warn!(topic = %name, dropped = unresolved, "KV events on a topic that names no known endpoint");
-                            }
-                            continue;
-                        };
-                        let feed = Feed::new(
-                            source.endpoint,
-                            source.name.clone(),
-                            source.replay.is_some(),
-                            sink.clone(),
-                        );
-                        stats.lock().insert(source.name.clone(), feed.stats.clone());
-                        let mut stream = Stream::new(feed, source.replay);
-                        stream.set_connected(true);
-                        info!(endpoint = %source.name, topic = %name, "new KV-event publisher");
-                        stream.on_connect(&topic, &ctx);
-                        streams.insert(topic.clone(), stream);
-                    }
-                    let stream = streams.get_mut(&topic).expect("inserted above");
-                    if let Some(msg) = checked_message(&mut stream.feed, "", &frames) {
-                        stream.on_live(&topic, msg, &ctx);
-                    }
-                }
-                Input::Replay {
-                    feed,
-                    generation,
-                    item,
-                } => {
-                    if let Some(stream) = streams.get_mut(&feed) {
-                        stream.on_replay(&feed, generation, item, &ctx);
-                    }
-                }
-                Input::SocketEvent(_) => {}
-                Input::Closed(reason) => {
-                    warn!(%reason, "bound KV-event socket closed");
-                    break;
-                }
-            }
-        }
-    });
-    Ok(BoundSubscriber {
-        handle: SubscriberHandle {
-            task,
-            stats: stats_out,
-        },
-        address: bound.to_string(),
-    })
-}
-
 /// The sequence number of the replay end marker.
 pub fn replay_end_marker_seq() -> u64 {
     replay::END_MARKER_SEQ
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_queue_holds_at_most_four_largest_messages_of_bytes() {
+        let (tx, mut rx) = mpsc::channel(QUEUE);
+        let queue = LiveQueue::new(
+            tx,
+            Limits {
+                max_message_bytes: 100,
+                max_command_bytes: 10,
+            },
+        );
+        let message = || vec![Bytes::from(vec![0u8; 60]), Bytes::from(vec![0u8; 40])];
+        for _ in 0..QUEUED_LARGEST_MESSAGES {
+            assert!(queue.send(message()).await);
+        }
+        assert!(
+            queue.send(message()).now_or_never().is_none(),
+            "a fifth waits for the event loop"
+        );
+        drop(rx.recv().await);
+        assert_eq!(queue.send(message()).now_or_never(), Some(true));
+    }
 }

@@ -5,15 +5,17 @@
 //! `seq >= start`, then an end marker whose sequence is `-1` (all ones). Up to vLLM 0.25 a reply
 //! is `[empty, seq, payload]`; from 0.26 it carries the topic too, `[empty, topic, seq,
 //! payload]`. Both are accepted, told apart by their frame count. A fresh DEALER per replay
-//! keeps a dead replay socket from poisoning the next request.
+//! keeps a dead replay socket from poisoning the next request. Replies are bounded like live
+//! messages (see [`crate::zmtp`]).
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::codec::{RawMessage, frame::parse_seq};
+use crate::zmtp::connection::Options;
+use crate::zmtp::{Connection, SocketType, ZmtpError};
 
 /// The end-of-replay marker's sequence (`-1` as a signed 64-bit integer).
 pub const END_MARKER_SEQ: u64 = u64::MAX;
@@ -27,6 +29,13 @@ pub enum ReplayItem {
     End,
     /// The replay could not be completed.
     Failed(String),
+    /// The replay socket broke the protocol or the size limits; its connection was dropped.
+    Refused {
+        /// What it did.
+        reason: String,
+        /// Whether it declared a frame or message over the limit.
+        oversized: bool,
+    },
 }
 
 /// Why a replay could not be completed.
@@ -34,16 +43,16 @@ pub enum ReplayItem {
 pub enum ReplayError {
     /// No connection to the replay socket.
     #[error("connect: {0}")]
-    Connect(zeromq::ZmqError),
+    Connect(ZmtpError),
     /// The request could not be sent.
     #[error("send: {0}")]
-    Send(zeromq::ZmqError),
+    Send(ZmtpError),
     /// The engine went quiet mid-replay.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     /// A reply could not be received.
     #[error("receive: {0}")]
-    Receive(zeromq::ZmqError),
+    Receive(ZmtpError),
     /// A reply in no known framing.
     #[error(transparent)]
     Reply(#[from] crate::VllmError),
@@ -84,13 +93,21 @@ pub fn parse_replay_reply(frames: &[Bytes]) -> Result<ReplayItem, crate::VllmErr
 pub async fn fetch_replay(
     address: String,
     start: u64,
-    connect_timeout: Duration,
+    options: Options,
     idle_timeout: Duration,
     out: mpsc::Sender<ReplayItem>,
 ) {
-    let result = fetch(&address, start, connect_timeout, idle_timeout, &out).await;
+    let result = fetch(&address, start, options, idle_timeout, &out).await;
     let last = match result {
         Ok(()) => ReplayItem::End,
+        Err(ReplayError::Connect(e) | ReplayError::Send(e) | ReplayError::Receive(e))
+            if e.is_protocol_violation() =>
+        {
+            ReplayItem::Refused {
+                reason: format!("{address}: {e}"),
+                oversized: e.is_too_large(),
+            }
+        }
         Err(reason) => ReplayItem::Failed(format!("{address}: {reason}")),
     };
     let _ = out.send(last).await;
@@ -99,33 +116,30 @@ pub async fn fetch_replay(
 async fn fetch(
     address: &str,
     start: u64,
-    connect_timeout: Duration,
+    options: Options,
     idle_timeout: Duration,
     out: &mpsc::Sender<ReplayItem>,
 ) -> Result<(), ReplayError> {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(connect_timeout);
-    let mut dealer = DealerSocket::with_options(options);
-    dealer
-        .connect(address)
+    let mut dealer = Connection::connect(address, SocketType::Dealer, options)
         .await
         .map_err(ReplayError::Connect)?;
-    let mut request = ZmqMessage::from(Bytes::new());
-    request.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
-    dealer.send(request).await.map_err(ReplayError::Send)?;
+    let request = [Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+    dealer.send(&request).await.map_err(ReplayError::Send)?;
     loop {
         let reply = tokio::time::timeout(idle_timeout, dealer.recv())
             .await
             .map_err(|_| ReplayError::Timeout(idle_timeout))?
             .map_err(ReplayError::Receive)?;
-        match parse_replay_reply(&reply.into_vec())? {
+        match parse_replay_reply(&reply)? {
             ReplayItem::Batch(msg) => {
                 if out.send(ReplayItem::Batch(msg)).await.is_err() {
                     return Ok(());
                 }
             }
             ReplayItem::End => return Ok(()),
-            ReplayItem::Failed(reason) => return Err(ReplayError::Failed(reason)),
+            ReplayItem::Failed(reason) | ReplayItem::Refused { reason, .. } => {
+                return Err(ReplayError::Failed(reason));
+            }
         }
     }
 }

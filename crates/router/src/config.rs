@@ -342,12 +342,16 @@ pub struct Limits {
     /// Most client connections open at once on each listener (API and admin); further
     /// connections are closed at once and counted in `kvroute_connections_refused_total`.
     pub max_connections: usize,
-    /// Most request-body bytes held by the router at once, across all requests (a body is
-    /// held from its first byte until the engine's response headers arrive); a request that
-    /// would exceed it gets 503.
+    /// Most request-body bytes held by the router at once, across all requests of the API
+    /// listener and the picker (a body is charged as its bytes arrive, never for a declared
+    /// length, and held until the engine's response headers arrive); a request that would
+    /// exceed it gets 503.
     pub max_buffered_bytes: usize,
     /// Most bytes of prompt tokens the tokenization cache keeps.
     pub token_cache_bytes: usize,
+    /// Most ext_proc streams `kvroute epp` serves at once (each is one HTTP exchange of the
+    /// data plane); a stream past it is answered 503.
+    pub max_picker_streams: usize,
 }
 
 impl Default for Limits {
@@ -362,6 +366,7 @@ impl Default for Limits {
             max_connections: 4_096,
             max_buffered_bytes: 512 << 20,
             token_cache_bytes: 256 << 20,
+            max_picker_streams: 4_096,
         }
     }
 }
@@ -376,6 +381,9 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// When set, admin requests (except `/health`) must carry `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// Most request-body bytes the admin listener holds at once (its own budget, apart from
+    /// `limits.max_buffered_bytes`); a request that would exceed it gets 503.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for AdminConfig {
@@ -383,6 +391,7 @@ impl Default for AdminConfig {
         Self {
             listen: "127.0.0.1:8090".parse().expect("valid literal"),
             token: None,
+            max_buffered_bytes: 64 << 20,
         }
     }
 }
@@ -693,7 +702,12 @@ impl RouterConfig {
             ("limits.body_timeout_ms", l.body_timeout_ms),
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
+            ("limits.max_picker_streams", l.max_picker_streams as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
+            (
+                "admin.max_buffered_bytes",
+                self.admin.max_buffered_bytes as u64,
+            ),
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be positive"));
@@ -705,8 +719,13 @@ impl RouterConfig {
                 "must be at least limits.max_body_bytes",
             ));
         }
-        if l.max_buffered_bytes > u32::MAX as usize {
-            return Err(invalid("limits.max_buffered_bytes", "must be below 4 GiB"));
+        for (field, value) in [
+            ("limits.max_buffered_bytes", l.max_buffered_bytes),
+            ("admin.max_buffered_bytes", self.admin.max_buffered_bytes),
+        ] {
+            if value > u32::MAX as usize {
+                return Err(invalid(field, "must be below 4 GiB"));
+            }
         }
         match &self.admin.token {
             Some(t) if t.is_empty() => Err(invalid("admin.token", "must not be empty")),

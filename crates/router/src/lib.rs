@@ -11,6 +11,7 @@
 
 pub mod accounting;
 pub mod admin;
+pub mod budget;
 pub mod config;
 pub mod discovery;
 pub mod edge;

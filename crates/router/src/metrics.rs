@@ -219,8 +219,14 @@ pub struct RouterMetrics {
     pub connections_refused: Family<Labels, Counter>,
     /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
     pub client_timeouts: Family<Labels, Counter>,
-    /// Request-body bytes held now (bounded by `limits.max_buffered_bytes`).
+    /// Request-body bytes held now by the API listener and the picker (bounded by
+    /// `limits.max_buffered_bytes`).
     pub buffered_bytes: Gauge,
+    /// Request-body bytes held now by the admin listener (bounded by
+    /// `admin.max_buffered_bytes`).
+    pub admin_buffered_bytes: Gauge,
+    /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
+    pub picker_streams: Gauge,
     /// Bytes of prompt tokens in the tokenization cache (bounded by
     /// `limits.token_cache_bytes`).
     pub token_cache_bytes: Gauge,
@@ -274,6 +280,8 @@ impl RouterMetrics {
             connections_refused: Family::default(),
             client_timeouts: Family::default(),
             buffered_bytes: Gauge::default(),
+            admin_buffered_bytes: Gauge::default(),
+            picker_streams: Gauge::default(),
             token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
@@ -402,6 +410,16 @@ impl RouterMetrics {
             "buffered_bytes",
             "Request-body bytes held by the router",
             m.buffered_bytes.clone(),
+        );
+        registry.register(
+            "admin_buffered_bytes",
+            "Request-body bytes held by the admin listener",
+            m.admin_buffered_bytes.clone(),
+        );
+        registry.register(
+            "picker_streams",
+            "ext_proc streams the endpoint picker serves",
+            m.picker_streams.clone(),
         );
         registry.register(
             "token_cache_bytes",

@@ -5,8 +5,9 @@
 //! byte, and a connection with no request in progress closes after `limits.idle_timeout_ms`
 //! without a byte. Per request: a declared `Content-Length` above `limits.max_body_bytes` is
 //! answered 413 before any body byte is read, the body must arrive within
-//! `limits.body_timeout_ms` (408), and its bytes count against `limits.max_buffered_bytes` until
-//! the handler answers (503 when the budget is spent).
+//! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
+//! listener's byte budget until the handler answers (503 when the budget is spent): a declared
+//! length costs nothing until its bytes come.
 //!
 //! A listener that drains (the API listener, see [`crate::shutdown`]) stops accepting when the
 //! router drains, closes each open connection once its request is answered, and returns when
@@ -32,11 +33,12 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
+use crate::budget::ByteBudget;
 use crate::metrics::listener as listener_labels;
 use crate::proxy::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
-use body::{BudgetHold, EdgeBody, Finishing};
+use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 
 /// What every connection of one router shares.
@@ -44,18 +46,18 @@ struct Edge {
     router: Arc<Router>,
     routes: Routes,
     name: &'static str,
-    budget: Arc<Semaphore>,
+    budget: ByteBudget,
 }
 
 /// Serves `routes` on `listener` until the task is dropped or, when `drains`, until the router
 /// drains and every open connection has closed. `name` labels the listener in metrics (`api`,
-/// `admin`); `budget` is the router's buffered-bytes budget, shared by its listeners.
+/// `admin`); `budget` is the buffered-bytes budget of its requests.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
     router: Arc<Router>,
     name: &'static str,
-    budget: Arc<Semaphore>,
+    budget: ByteBudget,
     drains: bool,
 ) {
     let limits = &router.config().limits;
@@ -210,18 +212,8 @@ impl Edge {
                 format!("request body larger than {} bytes", limits.max_body_bytes),
             ));
         }
-        let hold = Arc::new(BudgetHold::new(
-            self.budget.clone(),
-            self.router.metrics().buffered_bytes.clone(),
-        ));
-        if let Some(declared) = declared
-            && !hold.reserve(declared as usize)
-        {
-            return Err(refuse(
-                503,
-                "the router holds as many request bytes as it may; retry shortly".into(),
-            ));
-        }
+        // Charged as the bytes arrive: a declared length reserves nothing.
+        let hold = Arc::new(self.budget.hold());
         let body = EdgeBody::new(
             body,
             Duration::from_millis(limits.body_timeout_ms),

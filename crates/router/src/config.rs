@@ -328,8 +328,13 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Time to connect to an engine, milliseconds.
     pub connect_timeout_ms: u64,
-    /// Time for an engine to send response headers, seconds (504 after).
+    /// Time for an engine to send response headers, seconds (504 after), and then its first
+    /// body byte (the stream is cut after, with an SSE error event).
     pub response_timeout_s: f64,
+    /// Most time between two chunks of an engine's response once its first body byte came,
+    /// seconds; a stream silent for longer is cut (an SSE error event to the client, counted in
+    /// `kvroute_streams_cut_total{reason="stalled"}`).
+    pub stream_idle_timeout_s: f64,
     /// Time a client has to send a request's headers once it sent their first byte,
     /// milliseconds; the connection is closed after.
     pub header_timeout_ms: u64,
@@ -360,6 +365,7 @@ impl Default for Limits {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2_000,
             response_timeout_s: 300.0,
+            stream_idle_timeout_s: 60.0,
             header_timeout_ms: 10_000,
             body_timeout_ms: 60_000,
             idle_timeout_ms: 60_000,
@@ -711,6 +717,14 @@ impl RouterConfig {
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be positive"));
+            }
+        }
+        for (field, value) in [
+            ("limits.response_timeout_s", l.response_timeout_s),
+            ("limits.stream_idle_timeout_s", l.stream_idle_timeout_s),
+        ] {
+            if !(value.is_finite() && value > 0.0 && value < 1e9) {
+                return Err(invalid(field, "must be a positive number of seconds"));
             }
         }
         if l.max_buffered_bytes < l.max_body_bytes {

@@ -225,6 +225,9 @@ pub struct RouterMetrics {
     /// Request-body bytes held now by the admin listener (bounded by
     /// `admin.max_buffered_bytes`).
     pub admin_buffered_bytes: Gauge,
+    /// Response streams cut before their end, by reason (`shutdown`, `stalled`,
+    /// `engine_error`).
+    pub streams_cut: Family<Labels, Counter>,
     /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
     pub picker_streams: Gauge,
     /// Bytes of prompt tokens in the tokenization cache (bounded by
@@ -282,6 +285,7 @@ impl RouterMetrics {
             buffered_bytes: Gauge::default(),
             admin_buffered_bytes: Gauge::default(),
             picker_streams: Gauge::default(),
+            streams_cut: Family::default(),
             token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
@@ -415,6 +419,11 @@ impl RouterMetrics {
             "admin_buffered_bytes",
             "Request-body bytes held by the admin listener",
             m.admin_buffered_bytes.clone(),
+        );
+        registry.register(
+            "streams_cut",
+            "Response streams cut before their end, by reason",
+            m.streams_cut.clone(),
         );
         registry.register(
             "picker_streams",

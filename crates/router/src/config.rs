@@ -354,6 +354,14 @@ pub struct Limits {
     pub max_buffered_bytes: usize,
     /// Most bytes of prompt tokens the tokenization cache keeps.
     pub token_cache_bytes: usize,
+    /// Request bodies of at least this many bytes are parsed, tokenized and planned on a
+    /// bounded pool of blocking threads rather than on the async workers, so that a huge
+    /// prompt does not delay small requests.
+    pub offload_above_bytes: usize,
+    /// Threads of that pool working at once.
+    pub offload_threads: usize,
+    /// Large requests waiting for that pool at most; a request past it gets 503.
+    pub offload_queue: usize,
     /// Most ext_proc streams `kvroute epp` serves at once (each is one HTTP exchange of the
     /// data plane); a stream past it is answered 503.
     pub max_picker_streams: usize,
@@ -373,6 +381,9 @@ impl Default for Limits {
             max_buffered_bytes: 512 << 20,
             token_cache_bytes: 256 << 20,
             max_picker_streams: 4_096,
+            offload_above_bytes: 64 << 10,
+            offload_threads: 2,
+            offload_queue: 64,
         }
     }
 }
@@ -709,6 +720,7 @@ impl RouterConfig {
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
             ("limits.max_picker_streams", l.max_picker_streams as u64),
+            ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
             (
                 "admin.max_buffered_bytes",

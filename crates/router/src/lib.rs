@@ -21,6 +21,7 @@ pub mod epp;
 mod error;
 mod flow;
 pub mod metrics;
+pub mod offload;
 pub mod proxy;
 pub mod replica;
 pub mod server;

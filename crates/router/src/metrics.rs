@@ -228,6 +228,8 @@ pub struct RouterMetrics {
     /// Response streams cut before their end, by reason (`shutdown`, `stalled`,
     /// `engine_error`).
     pub streams_cut: Family<Labels, Counter>,
+    /// Large requests being prepared on the blocking pool, or waiting for it.
+    pub offload_requests: Gauge,
     /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
     pub picker_streams: Gauge,
     /// Bytes of prompt tokens in the tokenization cache (bounded by
@@ -285,6 +287,7 @@ impl RouterMetrics {
             buffered_bytes: Gauge::default(),
             admin_buffered_bytes: Gauge::default(),
             picker_streams: Gauge::default(),
+            offload_requests: Gauge::default(),
             streams_cut: Family::default(),
             token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
@@ -424,6 +427,11 @@ impl RouterMetrics {
             "streams_cut",
             "Response streams cut before their end, by reason",
             m.streams_cut.clone(),
+        );
+        registry.register(
+            "offload_requests",
+            "Large requests prepared on the blocking pool or waiting for it",
+            m.offload_requests.clone(),
         );
         registry.register(
             "picker_streams",

@@ -139,21 +139,27 @@ impl From<ApiError> for Refused {
 }
 
 /// Parses, tokenizes and plans a generation request, holding it while every endpoint is
-/// saturated: the one decision path of `kvroute serve` and `kvroute epp`.
+/// saturated: the one decision path of `kvroute serve` and `kvroute epp`. A large body is
+/// prepared on the bounded blocking pool ([`crate::offload`]).
 pub async fn route(
-    router: &Router,
+    router: &Arc<Router>,
     api: Api,
     headers: &HeaderMap,
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<Routed, Refused> {
-    let parsed = parse(api, body)?;
     let session = session(router, headers);
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
-        return Err(
-            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
-        );
+    let (prepared, mut plan) = if router.offload().wanted(body.len()) {
+        let (shared, body) = (router.clone(), body.clone());
+        let runtime = tokio::runtime::Handle::current();
+        let work = move || runtime.block_on(prepare_and_plan(&shared, api, &body, session));
+        router
+            .offload()
+            .run(work)
+            .await
+            .map_err(|_| offload_shed(router))??
+    } else {
+        prepare_and_plan(router, api, body, session).await?
     };
-    let mut plan = router.plan(&prepared);
     if plan.decision.saturated && router.config().flow.enabled {
         let priority = priority(router, headers);
         plan = flow::wait_for_capacity(router, &prepared, priority, body.len())
@@ -169,6 +175,34 @@ pub async fn route(
         );
     }
     Ok(Routed { prepared, plan })
+}
+
+/// Parses, tokenizes and plans once.
+async fn prepare_and_plan(
+    router: &Router,
+    api: Api,
+    body: &[u8],
+    session: Option<String>,
+) -> Result<(Prepared, Plan), Refused> {
+    let parsed = parse(api, body)?;
+    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
+        return Err(
+            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
+        );
+    };
+    let plan = router.plan(&prepared);
+    Ok((prepared, plan))
+}
+
+/// The blocking pool's queue is full: counted as shed, answered 503.
+fn offload_shed(router: &Router) -> Refused {
+    router
+        .metrics()
+        .shed
+        .get_or_create(&vec![("reason", "offload_queue".to_owned())])
+        .inc();
+    ApiError::unavailable("the router is preparing as many large requests as it may; retry shortly")
+        .into()
 }
 
 async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {

@@ -24,6 +24,7 @@ use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::Endpoint;
 use crate::metrics::RouterMetrics;
+use crate::offload::Offload;
 use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
@@ -45,6 +46,7 @@ pub struct Router {
     started: Instant,
     shutdown: Shutdown,
     replica: crate::replica::ReplicaState,
+    offload: Offload,
 }
 
 /// A request made ready for scheduling.
@@ -139,6 +141,7 @@ impl Router {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
+        let metrics = RouterMetrics::new(&config.metrics);
         let tokenizers = config
             .models
             .iter()
@@ -153,7 +156,8 @@ impl Router {
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
             ))),
-            metrics: RouterMetrics::new(&config.metrics),
+            offload: Offload::new(&config.limits, metrics.offload_requests.clone()),
+            metrics,
             capacity: Notify::new(),
             started: Instant::now(),
             shutdown: Shutdown::default(),
@@ -290,6 +294,11 @@ impl Router {
     /// Connections for proxied requests.
     pub fn upstream(&self) -> &Arc<Upstream> {
         &self.upstream
+    }
+
+    /// The bounded pool large requests are prepared on.
+    pub fn offload(&self) -> &Offload {
+        &self.offload
     }
 
     /// Tokenization results, cached.

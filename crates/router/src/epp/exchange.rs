@@ -173,7 +173,7 @@ impl Exchange {
                 return self.route_anywhere(true);
             }
         };
-        let body = std::mem::take(&mut self.body);
+        let body = bytes::Bytes::from(std::mem::take(&mut self.body));
         let answer = match proxy::route(&self.router, api, &self.headers, &body).await {
             Ok(routed) => self.route_planned(routed),
             Err(refused) => self.refuse(&refused),

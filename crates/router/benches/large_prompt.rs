@@ -23,9 +23,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use axum::routing::{get, post};
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start};
-use axum::routing::{get, post};
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -83,7 +83,8 @@ async fn run_case(
     let stop = Arc::new(AtomicBool::new(false));
     let served = Arc::new(AtomicUsize::new(0));
     let large = large_mb.map(|mb| {
-        let (client, url, stop, served) = (client.clone(), url.clone(), stop.clone(), served.clone());
+        let (client, url, stop, served) =
+            (client.clone(), url.clone(), stop.clone(), served.clone());
         // Distinct words (no run of repeated blocks), built once; each request gets a new prefix.
         let mut words = String::with_capacity(mb << 20);
         let mut w = 0u64;
@@ -117,7 +118,11 @@ async fn run_case(
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
         let sent = Instant::now();
         let resp = client.post(&url).json(&body).send().await.expect("sent");
-        assert!(resp.status().is_success(), "small request failed: {}", resp.status());
+        assert!(
+            resp.status().is_success(),
+            "small request failed: {}",
+            resp.status()
+        );
         let _ = resp.bytes().await;
         small_ms.push(sent.elapsed().as_secs_f64() * 1000.0);
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -178,8 +183,20 @@ fn main() {
     let cases = driver.block_on(async {
         vec![
             run_case("no large prompt", pooled.addr, None, seconds).await,
-            run_case("large prompts, blocking pool", pooled.addr, Some(large_mb), seconds).await,
-            run_case("large prompts, async workers", inline.addr, Some(large_mb), seconds).await,
+            run_case(
+                "large prompts, blocking pool",
+                pooled.addr,
+                Some(large_mb),
+                seconds,
+            )
+            .await,
+            run_case(
+                "large prompts, async workers",
+                inline.addr,
+                Some(large_mb),
+                seconds,
+            )
+            .await,
         ]
     });
     let base_p99 = percentile(&cases[0].small_ms, 0.99);

@@ -66,6 +66,9 @@ pub struct RouterConfig {
     /// Graceful shutdown.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// Forwarded headers: which proxies in front of the router are trusted.
+    #[serde(default)]
+    pub forwarding: crate::forwarding::ForwardingConfig,
     /// Other router replicas serving the same fleet: where a starting replica copies its KV
     /// index from before it reports ready.
     #[serde(default)]

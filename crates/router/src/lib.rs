@@ -20,6 +20,7 @@ pub mod endpoint;
 pub mod epp;
 mod error;
 mod flow;
+pub mod forwarding;
 pub mod metrics;
 pub mod offload;
 pub mod proxy;

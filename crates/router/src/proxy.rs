@@ -4,12 +4,13 @@
 //! (within the retry budget), tell the fleet how each attempt went (outlier detection), and
 //! answer errors in OpenAI's shape.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, header};
+use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -20,7 +21,9 @@ use tracing::warn;
 
 use crate::RouterError;
 use crate::accounting::{AccountedBody, Accounting, Outcome};
+use crate::edge::ClientAddr;
 use crate::flow;
+use crate::forwarding;
 use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.
@@ -230,6 +233,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         body,
         request_id: rid,
         started,
+        client: client_addr(&parts.extensions),
     })
     .await
 }
@@ -246,6 +250,13 @@ struct ForwardArgs<'a> {
     body: Bytes,
     request_id: String,
     started: Instant,
+    /// The client's address, as the edge accepted it.
+    client: Option<SocketAddr>,
+}
+
+/// The client's address the edge put in a request's extensions.
+fn client_addr(extensions: &http::Extensions) -> Option<SocketAddr> {
+    extensions.get::<ClientAddr>().map(|c| c.0)
 }
 
 /// The path and query to send upstream, as the client sent them.
@@ -253,22 +264,6 @@ fn path_and_query(uri: &http::Uri) -> String {
     uri.path_and_query()
         .map_or(uri.path(), |p| p.as_str())
         .to_owned()
-}
-
-/// Hop-by-hop headers a proxy must not forward.
-fn hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "transfer-encoding"
-            | "upgrade"
-            | "te"
-            | "trailer"
-            | "host"
-            | "content-length"
-    )
 }
 
 /// The request to send to the engine at `base` (`http://host:port`): origin-form target with
@@ -279,10 +274,13 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
         .method(a.method.clone())
         .uri(a.path.as_str())
         .header(header::HOST, authority);
-    for (name, value) in &a.headers {
-        if !hop_by_hop(name) {
-            builder = builder.header(name, value);
-        }
+    for (name, value) in forwarding::end_to_end(&a.headers, &forwarding::FORWARDING_HEADERS) {
+        builder = builder.header(name, value);
+    }
+    for (name, value) in
+        forwarding::forwarded_for(&a.router.config().forwarding, &a.headers, a.client)
+    {
+        builder = builder.header(name, value);
     }
     builder
         .header("x-request-id", a.request_id.as_str())
@@ -355,10 +353,8 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             router.upstream_result(id, UpstreamOutcome::Success);
         }
         let mut out = Response::builder().status(parts.status);
-        for (name, value) in &parts.headers {
-            if !hop_by_hop(name) {
-                out = out.header(name, value);
-            }
+        for (name, value) in forwarding::end_to_end(&parts.headers, &[]) {
+            out = out.header(name, value);
         }
         out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
         let sse = parts
@@ -424,6 +420,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         method: parts.method,
         path,
         request_id: request_id(&parts.headers),
+        client: client_addr(&parts.extensions),
         headers: parts.headers,
         body,
         started,

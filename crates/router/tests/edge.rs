@@ -468,3 +468,91 @@ async fn the_token_cache_stays_within_its_byte_budget() {
         assert!(held > 0.0 && held <= 1_000_000.0, "{held} bytes after {i}");
     }
 }
+
+/// An engine that answers each completion with the request headers it received, as
+/// `[[name, value], ...]`. Returns its URL.
+async fn header_echo_engine() -> String {
+    let echo = |headers: axum::http::HeaderMap| async move {
+        let pairs: Vec<(String, String)> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or_default().to_owned()))
+            .collect();
+        axum::Json(json!(pairs))
+    };
+    let routes = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "" }))
+        .route("/v1/completions", axum::routing::post(echo));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+/// The values of header `name` the echo engine received.
+fn echoed(answer: &str, name: &str) -> Vec<String> {
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap();
+    let pairs: Vec<(String, String)> = serde_json::from_str(body.trim())
+        .or_else(|_| {
+            // A chunked body: the JSON is the one line that starts with `[`.
+            let line = body
+                .lines()
+                .find(|l| l.starts_with('['))
+                .unwrap_or_default();
+            serde_json::from_str(line)
+        })
+        .unwrap_or_else(|e| panic!("{e}: {answer}"));
+    pairs
+        .into_iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_forwarded_as_rfc_9110_says() {
+    let engine = header_echo_engine().await;
+    let body = format!(r#"{{"model": "{MODEL}", "prompt": "hello", "max_tokens": 1}}"#);
+    let request = |extra: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{extra}\r\n{body}",
+            body.len()
+        )
+    };
+    let hostile = "x-request-id: abc\r\nconnection: close, x-secret\r\nx-secret: 1\r\nhttp2-settings: AAMAAABkAAQAAP__\r\nx-forwarded-for: 203.0.113.9\r\nforwarded: for=203.0.113.9\r\n";
+    for (config, xff) in [
+        ("", "127.0.0.1"),
+        (
+            "forwarding: {trusted_proxies: ['127.0.0.0/8']}",
+            "203.0.113.9, 127.0.0.1",
+        ),
+    ] {
+        let router = router_with(&engine, config).await;
+        let mut socket = send_raw(router.addr, request(hostile).as_bytes()).await;
+        let answer = read_until_closed(&mut socket).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(echoed(&answer, "x-request-id"), ["abc"], "sent once");
+        assert!(
+            echoed(&answer, "x-secret").is_empty(),
+            "named by Connection"
+        );
+        assert!(echoed(&answer, "http2-settings").is_empty());
+        assert_eq!(echoed(&answer, "x-forwarded-for"), [xff], "{config}");
+        let forwarded = echoed(&answer, "forwarded");
+        assert_eq!(forwarded.len(), 1);
+        assert!(forwarded[0].ends_with("for=127.0.0.1"), "{forwarded:?}");
+        assert_eq!(
+            forwarded[0].contains("203.0.113.9"),
+            !config.is_empty(),
+            "{forwarded:?}"
+        );
+    }
+    // Two Host headers: refused before any engine sees the request.
+    let router = router_with(&engine, "").await;
+    let mut socket = send_raw(
+        router.addr,
+        request("host: elsewhere\r\nconnection: close\r\n").as_bytes(),
+    )
+    .await;
+    let answer = read_until_closed(&mut socket).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+}

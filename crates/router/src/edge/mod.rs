@@ -41,6 +41,10 @@ use crate::shutdown::Phase;
 use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 
+/// The client's address, in every request's extensions (for `X-Forwarded-For`).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub std::net::SocketAddr);
+
 /// What every connection of one router shares.
 struct Edge {
     router: Arc<Router>,
@@ -108,7 +112,7 @@ pub async fn serve(
             .clone();
         open.inc();
         tokio::spawn(async move {
-            serve_connection(edge, stream, activity, drains).await;
+            serve_connection(edge, stream, peer, activity, drains).await;
             open.dec();
             drop(permit);
         });
@@ -123,6 +127,7 @@ pub async fn serve(
 async fn serve_connection(
     edge: Arc<Edge>,
     stream: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
     activity: Arc<Activity>,
     drains: bool,
 ) {
@@ -130,7 +135,8 @@ async fn serve_connection(
     let service = {
         let activity = activity.clone();
         let edge = edge.clone();
-        hyper::service::service_fn(move |request: http::Request<Incoming>| {
+        hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
+            request.extensions_mut().insert(ClientAddr(peer));
             let edge = edge.clone();
             let activity = activity.clone();
             async move { Ok::<_, Infallible>(edge.handle(request, activity).await) }
@@ -198,6 +204,9 @@ impl Edge {
                 "paths with encoded dots, slashes or backslashes are not served".into(),
             )
         })?;
+        if parts.headers.get_all(http::header::HOST).iter().count() > 1 {
+            return Err(refuse(400, "more than one Host header".into()));
+        }
         let limits = &self.router.config().limits;
         let declared = parts
             .headers

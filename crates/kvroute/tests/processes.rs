@@ -47,12 +47,27 @@ fn start_sims(n: u16) -> Sims {
 /// `kvroute serve` in front of `sims`, with `extra` configuration, waited for: (the process,
 /// its API port, its temporary directory).
 fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) {
-    let listen = free_ports(1);
+    let served = serve_limited(sims, n, extra, None);
+    (served.process, served.listen, served.dir)
+}
+
+/// A `kvroute serve` process and where it listens.
+struct Served {
+    process: Killed,
+    listen: u16,
+    admin: u16,
+    dir: std::path::PathBuf,
+}
+
+/// `kvroute serve` as [`serve`] starts it, under an open-file limit of `fd_limit` when given
+/// (`ulimit -n`).
+fn serve_limited(sims: &Sims, n: u16, extra: &str, fd_limit: Option<u32>) -> Served {
+    let (listen, admin) = (free_ports(1), free_ports(1));
     let dir = std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvroute.yaml");
     let mut yaml = format!(
-        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n"
+        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n"
     );
     for i in 0..n {
         yaml.push_str(&format!(
@@ -63,15 +78,33 @@ fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) 
         ));
     }
     std::fs::write(&config, yaml).unwrap();
-    let router = Killed(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["serve", "-c", config.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let binary = env!("CARGO_BIN_EXE_kvroute");
+    let config = config.to_str().unwrap();
+    let mut command = match fd_limit {
+        Some(limit) => {
+            let mut c = Command::new("sh");
+            c.args([
+                "-c",
+                &format!("ulimit -n {limit} && exec \"$0\" serve -c \"$1\""),
+                binary,
+                config,
+            ]);
+            c
+        }
+        None => {
+            let mut c = Command::new(binary);
+            c.args(["serve", "-c", config]);
+            c
+        }
+    };
+    let process = Killed(command.stdout(Stdio::null()).spawn().unwrap());
     wait_http(&format!("http://127.0.0.1:{listen}"));
-    (router, listen, dir)
+    Served {
+        process,
+        listen,
+        admin,
+        dir,
+    }
 }
 
 #[test]
@@ -122,6 +155,19 @@ fn the_openai_python_client_works_through_the_router() {
 
 #[test]
 fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
+    signal_drains_then_ends_open_streams("-TERM");
+}
+
+/// The router reloads nothing: a hangup (a closed terminal, a supervisor's reload) drains it
+/// as SIGTERM does, rather than killing it with its open streams.
+#[test]
+fn sighup_drains_like_sigterm() {
+    signal_drains_then_ends_open_streams("-HUP");
+}
+
+/// Sends `signal` (as `kill` names it) to a router streaming an answer: the stream ends with an
+/// error event, the listener refuses new connections, and the process exits with success.
+fn signal_drains_then_ends_open_streams(signal: &str) {
     use std::io::Read;
     let sims = start_sims(1);
     let (mut router, listen, dir) = serve(&sims, 1, "shutdown: {drain_timeout_s: 1}");
@@ -141,7 +187,7 @@ fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
         received.extend_from_slice(&buf[..n]);
     }
     let sent = Command::new("kill")
-        .args(["-TERM", &router.0.id().to_string()])
+        .args([signal, &router.0.id().to_string()])
         .status()
         .unwrap();
     assert!(sent.success());
@@ -166,4 +212,38 @@ fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
     };
     assert!(status.success(), "{status}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Under a low open-file limit the API listener takes only the connections the limit leaves
+/// room for (each with its engine connection), refusing the rest at once, so that the admin
+/// listener keeps answering and accepts never fail.
+#[test]
+fn a_low_open_file_limit_leaves_the_admin_listener_answering() {
+    let sims = start_sims(1);
+    let served = serve_limited(&sims, 1, "", Some(256));
+    let idle: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", served.listen)).ok())
+        .collect();
+    assert!(idle.len() > 100, "only {} connected", idle.len());
+    let admin: std::net::SocketAddr = ([127, 0, 0, 1], served.admin).into();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let metrics = loop {
+        let text = kvroute_testkit::http_get(admin, "/metrics");
+        let refused =
+            kvroute_testkit::sample(&text, "kvroute_connections_refused_total{listener=\"api\"}");
+        if refused.is_some_and(|r| r > 0.0) {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the admin listener did not answer with refusals counted: {text:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        !metrics.contains("kvroute_accept_errors_total{"),
+        "accepts failed: {metrics}"
+    );
+    drop(idle);
+    let _ = std::fs::remove_dir_all(served.dir);
 }

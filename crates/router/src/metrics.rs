@@ -217,6 +217,8 @@ pub struct RouterMetrics {
     pub connections_open: Family<Labels, Gauge>,
     /// Client connections closed at once because `limits.max_connections` were open.
     pub connections_refused: Family<Labels, Counter>,
+    /// Failed accepts (out of file descriptors, most likely), by listener.
+    pub accept_errors: Family<Labels, Counter>,
     /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
     pub client_timeouts: Family<Labels, Counter>,
     /// Request-body bytes held now by the API listener and the picker (bounded by
@@ -284,6 +286,7 @@ impl RouterMetrics {
             connections_open: Family::default(),
             connections_refused: Family::default(),
             client_timeouts: Family::default(),
+            accept_errors: Family::default(),
             buffered_bytes: Gauge::default(),
             admin_buffered_bytes: Gauge::default(),
             picker_streams: Gauge::default(),
@@ -407,6 +410,11 @@ impl RouterMetrics {
             "connections_refused",
             "Client connections closed at once at the connection limit, by listener",
             m.connections_refused.clone(),
+        );
+        registry.register(
+            "accept_errors",
+            "Failed accepts of client connections, by listener",
+            m.accept_errors.clone(),
         );
         registry.register(
             "client_timeouts",

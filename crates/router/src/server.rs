@@ -18,6 +18,7 @@ use tracing::{info, warn};
 
 use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
+use crate::edge::descriptors::connection_limits;
 use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::service::Router;
 use crate::{ProbeError, RouterError};
@@ -236,9 +237,11 @@ pub fn request_budget(router: &Router) -> ByteBudget {
 
 /// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it, with
 /// its own buffered-bytes budget (`admin.max_buffered_bytes`), so that API clients cannot
-/// spend what the admin listener needs, nor the other way round.
+/// spend what the admin listener needs, nor the other way round; at most `max_connections`
+/// connections at once.
 pub async fn spawn_admin(
     router: &Arc<Router>,
+    max_connections: usize,
 ) -> Result<(SocketAddr, JoinHandle<()>), RouterError> {
     let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
     let budget = ByteBudget::new(
@@ -251,6 +254,7 @@ pub async fn spawn_admin(
         router.clone(),
         "admin",
         budget,
+        max_connections,
         false,
     ));
     Ok((admin_addr, task))
@@ -261,7 +265,11 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let router = Arc::new(Router::new(config)?);
     let (listener, addr) = bind(router.config().listen).await?;
     let budget = request_budget(&router);
-    let (admin_addr, admin) = spawn_admin(&router).await?;
+    let connections = connection_limits(
+        router.config().limits.max_connections,
+        router.endpoints().len(),
+    )?;
+    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
     tasks.extend(crate::discovery::spawn(&router).await?);
@@ -273,6 +281,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "api",
         budget,
+        connections.api,
         true,
     )));
     Ok(RunningRouter {

@@ -15,6 +15,7 @@
 
 mod body;
 mod conn;
+pub mod descriptors;
 pub mod path;
 
 use std::convert::Infallible;
@@ -55,17 +56,20 @@ struct Edge {
 
 /// Serves `routes` on `listener` until the task is dropped or, when `drains`, until the router
 /// drains and every open connection has closed. `name` labels the listener in metrics (`api`,
-/// `admin`); `budget` is the buffered-bytes budget of its requests.
+/// `admin`); `budget` is the buffered-bytes budget of its requests; at most `max_connections`
+/// are open at once.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
     router: Arc<Router>,
     name: &'static str,
     budget: ByteBudget,
+    max_connections: usize,
     drains: bool,
 ) {
     let limits = &router.config().limits;
-    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = Arc::new(Semaphore::new(max_connections));
+    let mut accept_errors = AcceptErrors::default();
     let header_timeout = Duration::from_millis(limits.header_timeout_ms);
     let idle_timeout = Duration::from_millis(limits.idle_timeout_ms);
     let edge = Arc::new(Edge {
@@ -86,7 +90,8 @@ pub async fn serve(
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, most likely: give the open connections a moment.
-                warn!(error = %e, listener = name, "cannot accept a connection");
+                router.metrics().accept_errors.get_or_create(&labels).inc();
+                accept_errors.warn(name, &e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -120,8 +125,33 @@ pub async fn serve(
     // Draining: new connections are refused (the listener closes) and the open ones close
     // once answered.
     drop(listener);
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     let _ = connections.acquire_many(all).await;
+}
+
+/// Failed accepts, warned about at most once per [`ACCEPT_WARNING_PERIOD`] (each is counted in
+/// `kvroute_accept_errors_total`).
+#[derive(Default)]
+struct AcceptErrors {
+    last_warning: Option<std::time::Instant>,
+    since: u64,
+}
+
+/// Least time between two warnings of failed accepts on one listener.
+const ACCEPT_WARNING_PERIOD: Duration = Duration::from_secs(10);
+
+impl AcceptErrors {
+    fn warn(&mut self, listener: &str, error: &std::io::Error) {
+        self.since += 1;
+        let due = self
+            .last_warning
+            .is_none_or(|at| at.elapsed() >= ACCEPT_WARNING_PERIOD);
+        if due {
+            warn!(%error, listener, failed = self.since, "cannot accept connections (out of file descriptors? see limits.max_connections and ulimit -n); warned at most every 10 s");
+            self.last_warning = Some(std::time::Instant::now());
+            self.since = 0;
+        }
+    }
 }
 
 async fn serve_connection(

@@ -192,7 +192,11 @@ impl RunningEpp {
 pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningEpp, RouterError> {
     let router = Arc::new(Router::new(config)?);
     let (listener, addr) = bind(options.listen).await?;
-    let (admin_addr, admin) = spawn_admin(&router).await?;
+    let connections = crate::edge::descriptors::connection_limits(
+        router.config().limits.max_connections,
+        router.endpoints().len(),
+    )?;
+    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
     tasks.extend(crate::discovery::spawn(&router).await?);

@@ -381,7 +381,7 @@ impl Default for Limits {
             body_timeout_ms: 60_000,
             idle_timeout_ms: 60_000,
             max_connections: 4_096,
-            max_buffered_bytes: 512 << 20,
+            max_buffered_bytes: 256 << 20,
             token_cache_bytes: 256 << 20,
             max_picker_streams: 4_096,
             offload_above_bytes: 64 << 10,

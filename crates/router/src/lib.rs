@@ -21,6 +21,7 @@ pub mod epp;
 mod error;
 mod flow;
 pub mod forwarding;
+pub mod memory;
 pub mod metrics;
 pub mod offload;
 pub mod proxy;

@@ -42,6 +42,9 @@ use crate::shutdown::Phase;
 use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 
+/// Largest request head (request line and headers) read from a client; larger ones get 431.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
 /// The client's address, in every request's extensions (for `X-Forwarded-For`).
 #[derive(Clone, Copy, Debug)]
 pub struct ClientAddr(pub std::net::SocketAddr);
@@ -173,7 +176,12 @@ async fn serve_connection(
         })
     };
     let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().header_read_timeout(None);
+    // A request head larger than the read buffer is answered 431; the bound keeps each
+    // connection's buffers small (hyper's default lets one grow to 400 KiB).
+    builder
+        .http1()
+        .header_read_timeout(None)
+        .max_buf_size(MAX_HEAD_BYTES);
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     let draining = edge.router.shutdown().reached(Phase::Draining);

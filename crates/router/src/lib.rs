@@ -13,6 +13,7 @@ pub mod accounting;
 pub mod admin;
 pub mod budget;
 pub mod config;
+pub mod descriptors;
 pub mod discovery;
 pub mod edge;
 pub mod endpoint;

@@ -61,8 +61,7 @@ pub fn budget_terms(config: &RouterConfig) -> Vec<(&'static str, u64)> {
         ),
         (
             "client connections (API and admin)",
-            (l.max_connections + crate::edge::descriptors::ADMIN_CONNECTIONS) as u64
-                * CONNECTION_BYTES,
+            (l.max_connections + crate::descriptors::ADMIN_CONNECTIONS) as u64 * CONNECTION_BYTES,
         ),
     ]
 }

@@ -12,8 +12,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::Semaphore;
 
-use crate::config::Limits;
-
 /// The bounded pool, shared by every request.
 pub struct Offload {
     threshold: usize,
@@ -47,13 +45,14 @@ impl Drop for Counted {
 }
 
 impl Offload {
-    /// The pool `limits` configure; `gauge` shows the requests in it.
-    pub fn new(limits: &Limits, gauge: Gauge) -> Self {
+    /// A pool for bodies of at least `threshold` bytes, `threads` working at once and at most
+    /// `queue` waiting; `gauge` shows the requests in it.
+    pub fn new(threshold: usize, threads: usize, queue: usize, gauge: Gauge) -> Self {
         Self {
-            threshold: limits.offload_above_bytes,
-            slots: Arc::new(Semaphore::new(limits.offload_threads.max(1))),
+            threshold,
+            slots: Arc::new(Semaphore::new(threads.max(1))),
             waiting: AtomicUsize::new(0),
-            max_waiting: limits.offload_queue,
+            max_waiting: queue,
             gauge,
         }
     }
@@ -105,12 +104,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn past_its_queue_the_pool_sheds() {
-        let limits = Limits {
-            offload_threads: 1,
-            offload_queue: 1,
-            ..Limits::default()
-        };
-        let pool = Arc::new(Offload::new(&limits, Gauge::default()));
+        let pool = Arc::new(Offload::new(0, 1, 1, Gauge::default()));
         let (release, hold) = std::sync::mpsc::channel::<()>();
         let (started_tx, started) = tokio::sync::oneshot::channel();
         let busy = {

@@ -21,9 +21,9 @@ use tracing::warn;
 
 use crate::RouterError;
 use crate::accounting::{AccountedBody, Accounting, Outcome};
-use crate::edge::ClientAddr;
 use crate::flow;
 use crate::forwarding;
+use crate::forwarding::ClientAddr;
 use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
-use crate::edge::descriptors::connection_limits;
+use crate::descriptors::connection_limits;
 use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::service::Router;
 use crate::{ProbeError, RouterError};

@@ -156,7 +156,12 @@ impl Router {
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
             ))),
-            offload: Offload::new(&config.limits, metrics.offload_requests.clone()),
+            offload: Offload::new(
+                config.limits.offload_above_bytes,
+                config.limits.offload_threads,
+                config.limits.offload_queue,
+                metrics.offload_requests.clone(),
+            ),
             metrics,
             capacity: Notify::new(),
             started: Instant::now(),

@@ -15,7 +15,6 @@
 
 mod body;
 mod conn;
-pub mod descriptors;
 pub mod path;
 
 use std::convert::Infallible;
@@ -35,6 +34,7 @@ use tower::ServiceExt;
 use tracing::{debug, warn};
 
 use crate::budget::ByteBudget;
+use crate::forwarding::ClientAddr;
 use crate::metrics::listener as listener_labels;
 use crate::proxy::error_response;
 use crate::service::Router;
@@ -44,10 +44,6 @@ use conn::{Activity, InFlight, TrackedIo};
 
 /// Largest request head (request line and headers) read from a client; larger ones get 431.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
-
-/// The client's address, in every request's extensions (for `X-Forwarded-For`).
-#[derive(Clone, Copy, Debug)]
-pub struct ClientAddr(pub std::net::SocketAddr);
 
 /// What every connection of one router shares.
 struct Edge {

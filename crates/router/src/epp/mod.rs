@@ -192,7 +192,7 @@ impl RunningEpp {
 pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningEpp, RouterError> {
     let router = Arc::new(Router::new(config)?);
     let (listener, addr) = bind(options.listen).await?;
-    let connections = crate::edge::descriptors::connection_limits(
+    let connections = crate::descriptors::connection_limits(
         router.config().limits.max_connections,
         router.endpoints().len(),
     )?;

@@ -1,19 +1,23 @@
 //! Whether one huge prompt delays small requests: the latency of small requests through an
 //! in-process router while another client sends multi-megabyte prompts, with large bodies
 //! prepared on the blocking pool (the default, `limits.offload_above_bytes: 65536`) and, in the
-//! same run, on the async workers (`offload_above_bytes` set past the largest body), against
-//! the same small requests with no large prompt.
+//! same run, on the async workers (`offload_above_bytes` set past the largest body), and on the
+//! async workers with every block of the prompt keyed and planned (`max_routed_blocks`
+//! unbounded: the router before issue 17), against the same small requests with no large
+//! prompt.
 //!
 //! The router runs on its own tokio runtime with two workers, built-in tokenizer, in front of a
 //! stub engine on a third runtime that reads each body and answers at once (so that only the
 //! router's work differs between cases; the clients run on a runtime of their own). One client
 //! sends small completions (about 400 bytes, `max_tokens: 1`) one at a time, 5 ms apart, for
 //! `KVROUTE_BENCH_SECONDS` (default 6) per case; in the loaded cases a second client sends
-//! prompts of `KVROUTE_BENCH_LARGE_MB` megabytes (default 8) back to back, each distinct (a
+//! prompts of `KVROUTE_BENCH_LARGE_MB` megabytes (default 28, the size that delayed small
+//! requests by 250–563 ms in issue 17's probe) one at a time, 500 ms apart, each distinct (a
 //! new prefix, so the token cache never answers). It prints, per case,
 //! the small requests' p50/p99/max and the p99 minus the unloaded p99, the large prompts
 //! served, and the process's resident memory before the case and after it (the large client
-//! stopped and its requests answered). Run:
+//! stopped and its requests answered). `KVROUTE_BENCH_TOKENIZER=none` routes without tokens
+//! (no block keys: parsing only, no planning or recording work under the fleet lock). Run:
 //!
 //! ```text
 //! cargo bench -p kvroute-router --bench large_prompt
@@ -29,6 +33,8 @@ use kvroute_router::server::{RunningRouter, start};
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-3.1-8b";
+/// Between two large prompts: the machine is not saturated by moving their bytes alone.
+const LARGE_PAUSE: Duration = Duration::from_millis(500);
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -48,9 +54,15 @@ fn vm_rss_mib() -> u64 {
 }
 
 /// A router on its own runtime (two workers), in front of `engine`.
-fn router(runtime: &tokio::runtime::Runtime, engine: &str, offload_above: usize) -> RunningRouter {
+fn router(
+    runtime: &tokio::runtime::Runtime,
+    engine: &str,
+    offload_above: usize,
+    routed_blocks: usize,
+) -> RunningRouter {
+    let tokenizer: String = env("KVROUTE_BENCH_TOKENIZER", "builtin".to_owned());
     let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nlimits: {{offload_above_bytes: {offload_above}, max_body_bytes: 33554432}}\nendpoints: [{{name: e0, url: '{engine}'}}]\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}, tokenizer: {tokenizer}}}]\nlimits: {{offload_above_bytes: {offload_above}, max_routed_blocks: {routed_blocks}, max_body_bytes: 33554432}}\nendpoints: [{{name: e0, url: '{engine}'}}]\n"
     );
     let config = RouterConfig::from_yaml(&yaml).expect("valid configuration");
     runtime.block_on(start(config)).expect("the router starts")
@@ -106,6 +118,7 @@ async fn run_case(
                     .send()
                     .await;
                 served.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(LARGE_PAUSE).await;
             }
         })
     });
@@ -161,7 +174,7 @@ async fn stub_engine() -> String {
 
 fn main() {
     let seconds: f64 = env("KVROUTE_BENCH_SECONDS", 6.0);
-    let large_mb: usize = env("KVROUTE_BENCH_LARGE_MB", 8);
+    let large_mb: usize = env("KVROUTE_BENCH_LARGE_MB", 28);
     let driver = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -178,8 +191,9 @@ fn main() {
         .build()
         .expect("a runtime");
     let engine = engine_runtime.block_on(stub_engine());
-    let pooled = router(&routers, &engine, 64 << 10);
-    let inline = router(&routers, &engine, usize::MAX);
+    let pooled = router(&routers, &engine, 64 << 10, 16_384);
+    let inline = router(&routers, &engine, usize::MAX, 16_384);
+    let before = router(&routers, &engine, usize::MAX, usize::MAX);
     let cases = driver.block_on(async {
         vec![
             run_case("no large prompt", pooled.addr, None, seconds).await,
@@ -193,6 +207,13 @@ fn main() {
             run_case(
                 "large prompts, async workers",
                 inline.addr,
+                Some(large_mb),
+                seconds,
+            )
+            .await,
+            run_case(
+                "async workers, every block",
+                before.addr,
                 Some(large_mb),
                 seconds,
             )
@@ -219,5 +240,5 @@ fn main() {
             c.rss_after
         );
     }
-    drop((pooled, inline));
+    drop((pooled, inline, before));
 }

@@ -365,6 +365,10 @@ pub struct Limits {
     pub offload_threads: usize,
     /// Large requests waiting for that pool at most; a request past it gets 503.
     pub offload_queue: usize,
+    /// Most blocks of a prompt that are keyed, planned and recorded: a longer prompt is routed
+    /// by its first blocks (its cost still counts every token), so that one huge prompt holds
+    /// the fleet's lock, which every request plans under, for a bounded time.
+    pub max_routed_blocks: usize,
     /// Most ext_proc streams `kvroute epp` serves at once (each is one HTTP exchange of the
     /// data plane); a stream past it is answered 503.
     pub max_picker_streams: usize,
@@ -384,6 +388,7 @@ impl Default for Limits {
             max_buffered_bytes: 256 << 20,
             token_cache_bytes: 256 << 20,
             max_picker_streams: 4_096,
+            max_routed_blocks: 16_384,
             offload_above_bytes: 64 << 10,
             offload_threads: 2,
             offload_queue: 64,
@@ -723,6 +728,7 @@ impl RouterConfig {
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
             ("limits.max_picker_streams", l.max_picker_streams as u64),
+            ("limits.max_routed_blocks", l.max_routed_blocks as u64),
             ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
             (

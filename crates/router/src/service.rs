@@ -378,10 +378,18 @@ impl Router {
             .observe(started.elapsed().as_secs_f64());
         let (keys, prompt_tokens) = match &tokens {
             Some(t) => {
-                let blocks = t.len() / model.block_size;
+                // Keyed (and so planned and recorded under the fleet's lock) up to
+                // `limits.max_routed_blocks`: a prompt longer than that is routed by its head.
+                let max_tokens = self
+                    .config
+                    .limits
+                    .max_routed_blocks
+                    .saturating_mul(model.block_size);
+                let routed = &t[..t.len().min(max_tokens)];
+                let blocks = routed.len() / model.block_size;
                 let extra =
                     request_extra_keys(blocks, lora.as_deref(), request.cache_salt.as_deref());
-                let keys = router_keys(t, model.block_size, Some(&extra)).unwrap_or_default();
+                let keys = router_keys(routed, model.block_size, Some(&extra)).unwrap_or_default();
                 (keys, t.len())
             }
             // No tokens: a rough size for load and cost scoring only.

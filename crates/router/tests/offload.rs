@@ -94,3 +94,25 @@ async fn large_requests_past_the_pools_queue_are_shed_and_small_ones_go_on() {
         assert_eq!(status, 200, "{answer}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_the_routed_blocks_is_routed_by_its_head() {
+    let yaml = "listen: 127.0.0.1:0\nadmin: {listen: 127.0.0.1:0}\nmodels: [{name: m}]\nlimits: {max_routed_blocks: 8}\nendpoints: [{name: e0, url: 'http://127.0.0.1:9'}]\n";
+    let router = start_router(RouterConfig::from_yaml(yaml).unwrap())
+        .await
+        .unwrap();
+    let explained: Value = reqwest::Client::new()
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(&json!({"model": MODEL, "prompt": "word ".repeat(2_000)}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(explained["blocks"], 8, "{explained}");
+    assert!(
+        explained["prompt_tokens"].as_u64().unwrap() > 1_000,
+        "the cost still counts every token: {explained}"
+    );
+}

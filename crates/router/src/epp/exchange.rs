@@ -85,6 +85,12 @@ impl Exchange {
     /// The answer to a message the stream could not deliver: 413 when it was over the size
     /// limit, 400 when it could not be decoded; `None` for the data plane ending the stream.
     pub fn undecodable(&mut self, status: &tonic::Status) -> Option<ProcessingResponse> {
+        // A transport error (Envoy resetting the stream once its exchange is over, which tonic
+        // also reports as `Internal`) carries its cause; a message that could not be decoded
+        // does not.
+        if std::error::Error::source(status).is_some() {
+            return None;
+        }
         let error = match status.code() {
             tonic::Code::OutOfRange | tonic::Code::ResourceExhausted => ApiError::too_large(
                 format!("the ext_proc message is too large: {}", status.message()),
@@ -313,17 +319,18 @@ impl Exchange {
     }
 }
 
-/// Whether `path` is one `kvroute serve` serves or forwards, already canonical: the picker
-/// cannot rewrite the path the data plane sends upstream, so a path with dot segments or
-/// hidden separators (`/v1/../sim/restart`) is refused rather than normalised.
+/// Whether `path` is one `kvroute serve` serves or forwards (or `/health`), already canonical:
+/// the picker cannot rewrite the path the data plane sends upstream, so a path with dot
+/// segments or hidden separators (`/v1/../sim/restart`) is refused rather than normalised.
 fn forwarded(path: &str) -> bool {
     let Ok(uri) = path.parse::<http::Uri>() else {
         return false;
     };
     let canonical = crate::edge::path::normalize(&uri).is_some_and(|n| n == uri);
+    // `/health` reaches an engine's own (through a gateway it is the data path's liveness).
     let allowed = matches!(
         uri.path(),
-        "/v1/completions" | "/v1/chat/completions" | "/v1/models"
+        "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health"
     ) || crate::server::FORWARDED_PATHS.contains(&uri.path());
     canonical && allowed
 }

@@ -50,7 +50,13 @@ fn start_sims(n: u16) -> Sims {
 /// `kvroute serve` in front of `sims`, with `extra` configuration, waited for: (the process,
 /// its API port, its temporary directory).
 fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) {
-    let endpoints: String = (0..n)
+    let served = Serve::new(&sim_endpoints(sims, n), extra).start();
+    (served.process, served.listen, served.dir)
+}
+
+/// The `endpoints:` list items for the first `n` engines of `sims`.
+fn sim_endpoints(sims: &Sims, n: u16) -> String {
+    (0..n)
         .map(|i| {
             format!(
                 "  - {{url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
@@ -59,37 +65,96 @@ fn serve(sims: &Sims, n: u16, extra: &str) -> (Killed, u16, std::path::PathBuf) 
                 sims.replay + i
             )
         })
-        .collect();
-    serve_endpoints(&endpoints, extra, 0, Stdio::inherit())
+        .collect()
 }
 
-/// `kvroute serve` for the `endpoints:` list items `endpoints`, with `extra` configuration and
-/// the admin listener on `admin` (0: any), its log to `stderr`, waited for: (the process, its
-/// API port, its temporary directory).
-fn serve_endpoints(
-    endpoints: &str,
-    extra: &str,
-    admin: u16,
+/// How to start a `kvroute serve` process: its endpoints and extra configuration, where its
+/// log goes, and an optional open-file limit (`ulimit -n`).
+struct Serve {
+    endpoints: String,
+    extra: String,
     stderr: Stdio,
-) -> (Killed, u16, std::path::PathBuf) {
-    let listen = free_ports(1);
-    let dir = std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("kvroute.yaml");
-    let yaml = format!(
-        "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{extra}\nendpoints:\n{endpoints}"
-    );
-    std::fs::write(&config, yaml).unwrap();
-    let router = Killed(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["serve", "-c", config.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .unwrap(),
-    );
-    wait_http(&format!("http://127.0.0.1:{listen}"));
-    (router, listen, dir)
+    fd_limit: Option<u32>,
+}
+
+/// A started `kvroute serve` process and where it listens.
+struct Served {
+    process: Killed,
+    listen: u16,
+    admin: u16,
+    dir: std::path::PathBuf,
+}
+
+impl Serve {
+    /// The `endpoints:` list items `endpoints`, with `extra` configuration; log to the test's
+    /// stderr, the machine's open-file limit.
+    fn new(endpoints: &str, extra: &str) -> Self {
+        Self {
+            endpoints: endpoints.to_owned(),
+            extra: extra.to_owned(),
+            stderr: Stdio::inherit(),
+            fd_limit: None,
+        }
+    }
+
+    /// The process's log goes to `stderr`.
+    fn stderr(mut self, stderr: Stdio) -> Self {
+        self.stderr = stderr;
+        self
+    }
+
+    /// The process runs under an open-file limit of `limit`.
+    fn fd_limit(mut self, limit: u32) -> Self {
+        self.fd_limit = Some(limit);
+        self
+    }
+
+    /// Starts the process and waits until its API listener answers.
+    fn start(self) -> Served {
+        let (listen, admin) = (free_ports(1), free_ports(1));
+        let dir =
+            std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("kvroute.yaml");
+        let yaml = format!(
+            "listen: 127.0.0.1:{listen}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: sim-llama-3.1-8b}}]\n{}\nendpoints:\n{}",
+            self.extra, self.endpoints
+        );
+        std::fs::write(&config, yaml).unwrap();
+        let binary = env!("CARGO_BIN_EXE_kvroute");
+        let config = config.to_str().unwrap();
+        let mut command = match self.fd_limit {
+            Some(limit) => {
+                let mut c = Command::new("sh");
+                c.args([
+                    "-c",
+                    &format!("ulimit -n {limit} && exec \"$0\" serve -c \"$1\""),
+                    binary,
+                    config,
+                ]);
+                c
+            }
+            None => {
+                let mut c = Command::new(binary);
+                c.args(["serve", "-c", config]);
+                c
+            }
+        };
+        let process = Killed(
+            command
+                .stdout(Stdio::null())
+                .stderr(self.stderr)
+                .spawn()
+                .unwrap(),
+        );
+        wait_http(&format!("http://127.0.0.1:{listen}"));
+        Served {
+            process,
+            listen,
+            admin,
+            dir,
+        }
+    }
 }
 
 #[test]
@@ -140,6 +205,19 @@ fn the_openai_python_client_works_through_the_router() {
 
 #[test]
 fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
+    signal_drains_then_ends_open_streams("-TERM");
+}
+
+/// The router reloads nothing: a hangup (a closed terminal, a supervisor's reload) drains it
+/// as SIGTERM does, rather than killing it with its open streams.
+#[test]
+fn sighup_drains_like_sigterm() {
+    signal_drains_then_ends_open_streams("-HUP");
+}
+
+/// Sends `signal` (as `kill` names it) to a router streaming an answer: the stream ends with an
+/// error event, the listener refuses new connections, and the process exits with success.
+fn signal_drains_then_ends_open_streams(signal: &str) {
     use std::io::Read;
     let sims = start_sims(1);
     let (mut router, listen, dir) = serve(&sims, 1, "shutdown: {drain_timeout_s: 1}");
@@ -159,7 +237,7 @@ fn sigterm_drains_then_ends_open_streams_with_an_error_event() {
         received.extend_from_slice(&buf[..n]);
     }
     let sent = Command::new("kill")
-        .args(["-TERM", &router.0.id().to_string()])
+        .args([signal, &router.0.id().to_string()])
         .status()
         .unwrap();
     assert!(sent.success());
@@ -227,7 +305,6 @@ fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
     let sims = start_sims(1);
     let limit = 1 << 20;
     let hostile = HostilePublisher::start(limit, Duration::ZERO);
-    let admin = free_ports(1);
     let endpoint = format!(
         "  - {{name: e0, url: 'http://127.0.0.1:{}', events: '{}'}}\n",
         sims.http,
@@ -235,12 +312,17 @@ fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
     );
     let log_path = std::env::temp_dir().join(format!("kvroute-hostile-{}.log", std::process::id()));
     let log = std::fs::File::create(&log_path).unwrap();
-    let (mut router, listen, dir) = serve_endpoints(
+    let Served {
+        process: mut router,
+        listen,
+        admin,
+        dir,
+    } = Serve::new(
         &endpoint,
         &format!("kv_events: {{max_message_bytes: {limit}}}"),
-        admin,
-        Stdio::from(log),
-    );
+    )
+    .stderr(Stdio::from(log))
+    .start();
     let admin = std::net::SocketAddr::from(([127, 0, 0, 1], admin));
     let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
 
@@ -298,4 +380,40 @@ fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
     assert!(rss < 200 << 20, "peak RSS {} MiB", rss >> 20);
     let _ = std::fs::remove_file(&log_path);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Under a low open-file limit the API listener takes only the connections the limit leaves
+/// room for (each with its engine connection), refusing the rest at once, so that the admin
+/// listener keeps answering and accepts never fail.
+#[test]
+fn a_low_open_file_limit_leaves_the_admin_listener_answering() {
+    let sims = start_sims(1);
+    let served = Serve::new(&sim_endpoints(&sims, 1), "")
+        .fd_limit(256)
+        .start();
+    let idle: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", served.listen)).ok())
+        .collect();
+    assert!(idle.len() > 100, "only {} connected", idle.len());
+    let admin: std::net::SocketAddr = ([127, 0, 0, 1], served.admin).into();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let metrics = loop {
+        let text = kvroute_testkit::http_get(admin, "/metrics");
+        let refused =
+            kvroute_testkit::sample(&text, "kvroute_connections_refused_total{listener=\"api\"}");
+        if refused.is_some_and(|r| r > 0.0) {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the admin listener did not answer with refusals counted: {text:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        !metrics.contains("kvroute_accept_errors_total{"),
+        "accepts failed: {metrics}"
+    );
+    drop(idle);
+    let _ = std::fs::remove_dir_all(served.dir);
 }

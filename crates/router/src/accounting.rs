@@ -1,24 +1,21 @@
 //! Following a proxied response to its end and telling the fleet: prefill done at the first
 //! body byte, the request finished at the end or when the client goes away, with the engine's
-//! reported `cached_tokens` to compare with the prediction. When the router closes (the end of
-//! a drain), a stream still open ends with an SSE error event.
+//! reported `cached_tokens` to compare with the prediction. The response body itself is passed
+//! on by [`AccountedBody`] ([`stream`]).
 
-use std::future::Future;
-use std::pin::Pin;
+mod stream;
+
+pub use stream::{AccountedBody, Cut, sse_error_event};
+
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
 use kvroute_core::fleet::Dispatch;
 use tracing::info;
 
 use crate::endpoint::Endpoint;
 use crate::metrics::endpoint as labels;
 use crate::service::Router;
-use crate::shutdown::Phase;
-use crate::upstream::Lease;
 
 /// Bytes of the response tail kept to find the usage object.
 const TAIL: usize = 4096;
@@ -209,126 +206,5 @@ impl Drop for Accounting {
             completed = outcome == Outcome::Completed,
             "routed"
         );
-    }
-}
-
-/// A response body passed through chunk by chunk while its accounting watches. It holds the
-/// engine connection: read to the end, the connection is reused; dropped early (the client went
-/// away), the connection is closed and the engine cancels the request.
-pub struct AccountedBody<B> {
-    inner: B,
-    accounting: Option<Accounting>,
-    lease: Option<Lease>,
-    /// Resolves when the router closes; `None` once it did.
-    closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
-    /// The response is a server-sent event stream.
-    sse: bool,
-    /// Ended by the router's closing: nothing more is sent.
-    closed: bool,
-}
-
-/// The event that ends a stream the router closes.
-fn closing_event() -> Bytes {
-    let error = kvroute_vllm::openai::ApiError::unavailable(
-        "the router is shutting down; the stream was cut; retry",
-    );
-    Bytes::from(format!("data: {}\n\n", error.to_json()))
-}
-
-impl<B> AccountedBody<B> {
-    /// Wraps `inner`; `sse`: it is a server-sent event stream (ended with an error event if
-    /// the router closes first).
-    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self {
-        let closing = accounting.router.shutdown().reached(Phase::Closing);
-        Self {
-            inner,
-            accounting: Some(accounting),
-            lease: Some(lease),
-            closing: Some(Box::pin(closing)),
-            sse,
-            closed: false,
-        }
-    }
-
-    /// The router closes: account for the request as cut, close the engine connection (the
-    /// engine cancels), and say so to an SSE client.
-    fn close(&mut self) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
-    where
-        B: Body,
-    {
-        self.closed = true;
-        if let Some(mut acc) = self.accounting.take() {
-            acc.outcome = Some(Outcome::Timeout);
-        }
-        self.lease.take();
-        if self.sse {
-            Poll::Ready(Some(Ok(Frame::data(closing_event()))))
-        } else {
-            Poll::Ready(None)
-        }
-    }
-
-    /// The body ended: account for it and hand the engine connection back for reuse.
-    fn end(&mut self) {
-        if let Some(mut acc) = self.accounting.take() {
-            acc.ended = true;
-        }
-        if let Some(lease) = self.lease.take() {
-            lease.release();
-        }
-    }
-}
-
-impl<B> Body for AccountedBody<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if self.closed {
-            return Poll::Ready(None);
-        }
-        if let Some(closing) = self.closing.as_mut()
-            && closing.as_mut().poll(cx).is_ready()
-        {
-            self.closing = None;
-            return self.close();
-        }
-        let poll = Pin::new(&mut self.inner).poll_frame(cx);
-        match &poll {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(acc)) = (frame.data_ref(), self.accounting.as_mut()) {
-                    acc.observe(data);
-                }
-                // A body of known length ends with its last byte: the server will not poll
-                // again for the `None` that would release the connection, so release it now.
-                if self.inner.is_end_stream() {
-                    self.end();
-                }
-            }
-            // End of body: release now rather than when the connection lets go.
-            Poll::Ready(None) => self.end(),
-            Poll::Ready(Some(Err(_))) => {
-                if let Some(mut acc) = self.accounting.take() {
-                    acc.outcome = Some(Outcome::EngineError);
-                }
-                self.lease.take();
-            }
-            Poll::Pending => {}
-        }
-        poll
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.closed || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }

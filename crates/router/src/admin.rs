@@ -10,10 +10,12 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures::StreamExt;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::event::Tier;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, Input};
 use serde_json::{Value, json};
+use tracing::debug;
 
 use crate::metrics::endpoint as labels;
 use crate::proxy::{Api, error_response, parse, read_body};
@@ -21,6 +23,12 @@ use crate::service::Router;
 
 /// Largest `/v1/models` answer read from an engine.
 const MAX_MODELS_BYTES: usize = 4 << 20;
+
+/// Most time `/v1/models` waits for the endpoints' own listings, all together.
+pub const MODELS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Most endpoints asked for their models at once.
+const MODELS_PARALLEL: usize = 32;
 
 /// Any path the router does not serve: OpenAI's 404.
 pub async fn not_found(State(router): State<Arc<Router>>, request: Request) -> Response {
@@ -178,33 +186,39 @@ fn refresh_gauges(router: &Router) {
     }
 }
 
-/// `GET /v1/models`: the union of the healthy endpoints' model lists.
+/// `GET /v1/models`: the models every healthy endpoint lists (asked in parallel, at most
+/// [`MODELS_PARALLEL`] at once, the whole listing within [`MODELS_TIMEOUT`]: an endpoint that
+/// has not answered by then is left out), or the configured ones when none answers.
 pub async fn models(State(router): State<Arc<Router>>) -> Response {
-    let mut data: Vec<Value> = Vec::new();
     let healthy: Vec<_> = router
         .endpoints()
         .iter()
         .filter(|e| router.healthy(e.id))
         .cloned()
         .collect();
-    for e in healthy {
-        let request = http::Request::get(format!("http://{}/v1/models", e.authority))
-            .body(Full::new(Bytes::new()))
-            .expect("static request");
-        let Ok(Ok(response)) =
-            tokio::time::timeout(Duration::from_secs(2), router.client().request(request)).await
-        else {
-            continue;
-        };
-        let Ok(body) = Limited::new(response.into_body(), MAX_MODELS_BYTES)
-            .collect()
-            .await
-        else {
-            continue;
-        };
-        let Ok(list) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
-            continue;
-        };
+    let asked = healthy.len();
+    let mut lists: Vec<(usize, Value)> = Vec::new();
+    let answers = futures::stream::iter(healthy.into_iter().enumerate())
+        .map(|(i, e)| {
+            let router = router.clone();
+            async move { (i, endpoint_models(&router, e.authority.as_str()).await) }
+        })
+        .buffer_unordered(MODELS_PARALLEL)
+        .take_until(tokio::time::sleep(MODELS_TIMEOUT));
+    let mut answers = std::pin::pin!(answers);
+    while let Some((i, list)) = answers.next().await {
+        lists.extend(list.map(|l| (i, l)));
+    }
+    if lists.len() < asked {
+        debug!(
+            answered = lists.len(),
+            asked, "some endpoints did not list their models in time"
+        );
+    }
+    // In endpoint order, whichever answered first.
+    lists.sort_by_key(|(i, _)| *i);
+    let mut data: Vec<Value> = Vec::new();
+    for (_, list) in &lists {
         for card in list["data"].as_array().into_iter().flatten() {
             if !data.iter().any(|c| c["id"] == card["id"]) {
                 data.push(card.clone());
@@ -218,6 +232,25 @@ pub async fn models(State(router): State<Arc<Router>>) -> Response {
         }
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// One endpoint's `/v1/models` answer, headers and body within [`MODELS_TIMEOUT`].
+async fn endpoint_models(router: &Router, authority: &str) -> Option<Value> {
+    let request = http::Request::get(format!("http://{authority}/v1/models"))
+        .body(Full::new(Bytes::new()))
+        .expect("static request");
+    let read = async {
+        let response = router.client().request(request).await.ok()?;
+        let body = Limited::new(response.into_body(), MAX_MODELS_BYTES)
+            .collect()
+            .await
+            .ok()?;
+        serde_json::from_slice::<Value>(&body.to_bytes()).ok()
+    };
+    tokio::time::timeout(MODELS_TIMEOUT, read)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// `POST /kvroute/v1/explain`: the decision for a request body, without forwarding it.

@@ -66,6 +66,9 @@ pub struct RouterConfig {
     /// Graceful shutdown.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// Forwarded headers: which proxies in front of the router are trusted.
+    #[serde(default)]
+    pub forwarding: crate::forwarding::ForwardingConfig,
     /// Other router replicas serving the same fleet: where a starting replica copies its KV
     /// index from before it reports ready.
     #[serde(default)]
@@ -362,8 +365,13 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Time to connect to an engine, milliseconds.
     pub connect_timeout_ms: u64,
-    /// Time for an engine to send response headers, seconds (504 after).
+    /// Time for an engine to send response headers, seconds (504 after), and then its first
+    /// body byte (the stream is cut after, with an SSE error event).
     pub response_timeout_s: f64,
+    /// Most time between two chunks of an engine's response once its first body byte came,
+    /// seconds; a stream silent for longer is cut (an SSE error event to the client, counted in
+    /// `kvroute_streams_cut_total{reason="stalled"}`).
+    pub stream_idle_timeout_s: f64,
     /// Time a client has to send a request's headers once it sent their first byte,
     /// milliseconds; the connection is closed after.
     pub header_timeout_ms: u64,
@@ -376,12 +384,28 @@ pub struct Limits {
     /// Most client connections open at once on each listener (API and admin); further
     /// connections are closed at once and counted in `kvroute_connections_refused_total`.
     pub max_connections: usize,
-    /// Most request-body bytes held by the router at once, across all requests (a body is
-    /// held from its first byte until the engine's response headers arrive); a request that
-    /// would exceed it gets 503.
+    /// Most request-body bytes held by the router at once, across all requests of the API
+    /// listener and the picker (a body is charged as its bytes arrive, never for a declared
+    /// length, and held until the engine's response headers arrive); a request that would
+    /// exceed it gets 503.
     pub max_buffered_bytes: usize,
     /// Most bytes of prompt tokens the tokenization cache keeps.
     pub token_cache_bytes: usize,
+    /// Request bodies of at least this many bytes are parsed, tokenized and planned on a
+    /// bounded pool of blocking threads rather than on the async workers, so that a huge
+    /// prompt does not delay small requests.
+    pub offload_above_bytes: usize,
+    /// Threads of that pool working at once.
+    pub offload_threads: usize,
+    /// Large requests waiting for that pool at most; a request past it gets 503.
+    pub offload_queue: usize,
+    /// Most blocks of a prompt that are keyed, planned and recorded: a longer prompt is routed
+    /// by its first blocks (its cost still counts every token), so that one huge prompt holds
+    /// the fleet's lock, which every request plans under, for a bounded time.
+    pub max_routed_blocks: usize,
+    /// Most ext_proc streams `kvroute epp` serves at once (each is one HTTP exchange of the
+    /// data plane); a stream past it is answered 503.
+    pub max_picker_streams: usize,
 }
 
 impl Default for Limits {
@@ -390,12 +414,18 @@ impl Default for Limits {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2_000,
             response_timeout_s: 300.0,
+            stream_idle_timeout_s: 60.0,
             header_timeout_ms: 10_000,
             body_timeout_ms: 60_000,
             idle_timeout_ms: 60_000,
             max_connections: 4_096,
-            max_buffered_bytes: 512 << 20,
+            max_buffered_bytes: 256 << 20,
             token_cache_bytes: 256 << 20,
+            max_picker_streams: 4_096,
+            max_routed_blocks: 16_384,
+            offload_above_bytes: 64 << 10,
+            offload_threads: 2,
+            offload_queue: 64,
         }
     }
 }
@@ -410,6 +440,9 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// When set, admin requests (except `/health`) must carry `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// Most request-body bytes the admin listener holds at once (its own budget, apart from
+    /// `limits.max_buffered_bytes`); a request that would exceed it gets 503.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for AdminConfig {
@@ -417,6 +450,7 @@ impl Default for AdminConfig {
         Self {
             listen: "127.0.0.1:8090".parse().expect("valid literal"),
             token: None,
+            max_buffered_bytes: 64 << 20,
         }
     }
 }
@@ -743,10 +777,25 @@ impl RouterConfig {
             ("limits.body_timeout_ms", l.body_timeout_ms),
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
+            ("limits.max_picker_streams", l.max_picker_streams as u64),
+            ("limits.max_routed_blocks", l.max_routed_blocks as u64),
+            ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
+            (
+                "admin.max_buffered_bytes",
+                self.admin.max_buffered_bytes as u64,
+            ),
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be positive"));
+            }
+        }
+        for (field, value) in [
+            ("limits.response_timeout_s", l.response_timeout_s),
+            ("limits.stream_idle_timeout_s", l.stream_idle_timeout_s),
+        ] {
+            if !(value.is_finite() && value > 0.0 && value < 1e9) {
+                return Err(invalid(field, "must be a positive number of seconds"));
             }
         }
         if l.max_buffered_bytes < l.max_body_bytes {
@@ -755,8 +804,13 @@ impl RouterConfig {
                 "must be at least limits.max_body_bytes",
             ));
         }
-        if l.max_buffered_bytes > u32::MAX as usize {
-            return Err(invalid("limits.max_buffered_bytes", "must be below 4 GiB"));
+        for (field, value) in [
+            ("limits.max_buffered_bytes", l.max_buffered_bytes),
+            ("admin.max_buffered_bytes", self.admin.max_buffered_bytes),
+        ] {
+            if value > u32::MAX as usize {
+                return Err(invalid(field, "must be below 4 GiB"));
+            }
         }
         match &self.admin.token {
             Some(t) if t.is_empty() => Err(invalid("admin.token", "must not be empty")),

@@ -11,7 +11,9 @@
 
 pub mod accounting;
 pub mod admin;
+pub mod budget;
 pub mod config;
+pub mod descriptors;
 pub mod discovery;
 pub mod edge;
 pub mod endpoint;
@@ -19,7 +21,10 @@ pub mod endpoint;
 pub mod epp;
 mod error;
 mod flow;
+pub mod forwarding;
+pub mod memory;
 pub mod metrics;
+pub mod offload;
 pub mod proxy;
 pub mod replica;
 pub mod server;

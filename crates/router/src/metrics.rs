@@ -217,10 +217,23 @@ pub struct RouterMetrics {
     pub connections_open: Family<Labels, Gauge>,
     /// Client connections closed at once because `limits.max_connections` were open.
     pub connections_refused: Family<Labels, Counter>,
+    /// Failed accepts (out of file descriptors, most likely), by listener.
+    pub accept_errors: Family<Labels, Counter>,
     /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
     pub client_timeouts: Family<Labels, Counter>,
-    /// Request-body bytes held now (bounded by `limits.max_buffered_bytes`).
+    /// Request-body bytes held now by the API listener and the picker (bounded by
+    /// `limits.max_buffered_bytes`).
     pub buffered_bytes: Gauge,
+    /// Request-body bytes held now by the admin listener (bounded by
+    /// `admin.max_buffered_bytes`).
+    pub admin_buffered_bytes: Gauge,
+    /// Response streams cut before their end, by reason (`shutdown`, `stalled`,
+    /// `engine_error`).
+    pub streams_cut: Family<Labels, Counter>,
+    /// Large requests being prepared on the blocking pool, or waiting for it.
+    pub offload_requests: Gauge,
+    /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
+    pub picker_streams: Gauge,
     /// Bytes of prompt tokens in the tokenization cache (bounded by
     /// `limits.token_cache_bytes`).
     pub token_cache_bytes: Gauge,
@@ -273,7 +286,12 @@ impl RouterMetrics {
             connections_open: Family::default(),
             connections_refused: Family::default(),
             client_timeouts: Family::default(),
+            accept_errors: Family::default(),
             buffered_bytes: Gauge::default(),
+            admin_buffered_bytes: Gauge::default(),
+            picker_streams: Gauge::default(),
+            offload_requests: Gauge::default(),
+            streams_cut: Family::default(),
             token_cache_bytes: Gauge::default(),
             registry: Registry::default(),
         };
@@ -394,6 +412,11 @@ impl RouterMetrics {
             m.connections_refused.clone(),
         );
         registry.register(
+            "accept_errors",
+            "Failed accepts of client connections, by listener",
+            m.accept_errors.clone(),
+        );
+        registry.register(
             "client_timeouts",
             "Client connections or requests cut off by a timeout, by kind",
             m.client_timeouts.clone(),
@@ -402,6 +425,26 @@ impl RouterMetrics {
             "buffered_bytes",
             "Request-body bytes held by the router",
             m.buffered_bytes.clone(),
+        );
+        registry.register(
+            "admin_buffered_bytes",
+            "Request-body bytes held by the admin listener",
+            m.admin_buffered_bytes.clone(),
+        );
+        registry.register(
+            "streams_cut",
+            "Response streams cut before their end, by reason",
+            m.streams_cut.clone(),
+        );
+        registry.register(
+            "offload_requests",
+            "Large requests prepared on the blocking pool or waiting for it",
+            m.offload_requests.clone(),
+        );
+        registry.register(
+            "picker_streams",
+            "ext_proc streams the endpoint picker serves",
+            m.picker_streams.clone(),
         );
         registry.register(
             "token_cache_bytes",

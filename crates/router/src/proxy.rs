@@ -4,12 +4,13 @@
 //! (within the retry budget), tell the fleet how each attempt went (outlier detection), and
 //! answer errors in OpenAI's shape.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, header};
+use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -21,6 +22,8 @@ use tracing::warn;
 use crate::RouterError;
 use crate::accounting::{AccountedBody, Accounting, Outcome};
 use crate::flow;
+use crate::forwarding;
+use crate::forwarding::ClientAddr;
 use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.
@@ -139,21 +142,27 @@ impl From<ApiError> for Refused {
 }
 
 /// Parses, tokenizes and plans a generation request, holding it while every endpoint is
-/// saturated: the one decision path of `kvroute serve` and `kvroute epp`.
+/// saturated: the one decision path of `kvroute serve` and `kvroute epp`. A large body is
+/// prepared on the bounded blocking pool ([`crate::offload`]).
 pub async fn route(
-    router: &Router,
+    router: &Arc<Router>,
     api: Api,
     headers: &HeaderMap,
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<Routed, Refused> {
-    let parsed = parse(api, body)?;
     let session = session(router, headers);
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
-        return Err(
-            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
-        );
+    let (prepared, mut plan) = if router.offload().wanted(body.len()) {
+        let (shared, body) = (router.clone(), body.clone());
+        let runtime = tokio::runtime::Handle::current();
+        let work = move || runtime.block_on(prepare_and_plan(&shared, api, &body, session));
+        router
+            .offload()
+            .run(work)
+            .await
+            .map_err(|_| offload_shed(router))??
+    } else {
+        prepare_and_plan(router, api, body, session).await?
     };
-    let mut plan = router.plan(&prepared);
     if plan.decision.saturated && router.config().flow.enabled {
         let priority = priority(router, headers);
         plan = flow::wait_for_capacity(router, &prepared, priority, body.len())
@@ -169,6 +178,34 @@ pub async fn route(
         );
     }
     Ok(Routed { prepared, plan })
+}
+
+/// Parses, tokenizes and plans once.
+async fn prepare_and_plan(
+    router: &Router,
+    api: Api,
+    body: &[u8],
+    session: Option<String>,
+) -> Result<(Prepared, Plan), Refused> {
+    let parsed = parse(api, body)?;
+    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
+        return Err(
+            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
+        );
+    };
+    let plan = router.plan(&prepared);
+    Ok((prepared, plan))
+}
+
+/// The blocking pool's queue is full: counted as shed, answered 503.
+fn offload_shed(router: &Router) -> Refused {
+    router
+        .metrics()
+        .shed
+        .get_or_create(&vec![("reason", "offload_queue".to_owned())])
+        .inc();
+    ApiError::unavailable("the router is preparing as many large requests as it may; retry shortly")
+        .into()
 }
 
 async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
@@ -196,6 +233,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         body,
         request_id: rid,
         started,
+        client: client_addr(&parts.extensions),
     })
     .await
 }
@@ -212,6 +250,13 @@ struct ForwardArgs<'a> {
     body: Bytes,
     request_id: String,
     started: Instant,
+    /// The client's address, as the edge accepted it.
+    client: Option<SocketAddr>,
+}
+
+/// The client's address the edge put in a request's extensions.
+fn client_addr(extensions: &http::Extensions) -> Option<SocketAddr> {
+    extensions.get::<ClientAddr>().map(|c| c.0)
 }
 
 /// The path and query to send upstream, as the client sent them.
@@ -219,22 +264,6 @@ fn path_and_query(uri: &http::Uri) -> String {
     uri.path_and_query()
         .map_or(uri.path(), |p| p.as_str())
         .to_owned()
-}
-
-/// Hop-by-hop headers a proxy must not forward.
-fn hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "transfer-encoding"
-            | "upgrade"
-            | "te"
-            | "trailer"
-            | "host"
-            | "content-length"
-    )
 }
 
 /// The request to send to the engine at `base` (`http://host:port`): origin-form target with
@@ -245,10 +274,13 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
         .method(a.method.clone())
         .uri(a.path.as_str())
         .header(header::HOST, authority);
-    for (name, value) in &a.headers {
-        if !hop_by_hop(name) {
-            builder = builder.header(name, value);
-        }
+    for (name, value) in forwarding::end_to_end(&a.headers, &forwarding::FORWARDING_HEADERS) {
+        builder = builder.header(name, value);
+    }
+    for (name, value) in
+        forwarding::forwarded_for(&a.router.config().forwarding, &a.headers, a.client)
+    {
+        builder = builder.header(name, value);
     }
     builder
         .header("x-request-id", a.request_id.as_str())
@@ -321,10 +353,8 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             router.upstream_result(id, UpstreamOutcome::Success);
         }
         let mut out = Response::builder().status(parts.status);
-        for (name, value) in &parts.headers {
-            if !hop_by_hop(name) {
-                out = out.header(name, value);
-            }
+        for (name, value) in forwarding::end_to_end(&parts.headers, &[]) {
+            out = out.header(name, value);
         }
         out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
         let sse = parts
@@ -390,6 +420,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         method: parts.method,
         path,
         request_id: request_id(&parts.headers),
+        client: client_addr(&parts.extensions),
         headers: parts.headers,
         body,
         started,

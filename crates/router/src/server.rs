@@ -13,11 +13,12 @@ use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::{HealthChange, LoadSample};
 use kvroute_vllm::metrics::parse_engine_metrics;
 use kvroute_vllm::subscriber::{EndpointSource, spawn_connected_after};
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
+use crate::descriptors::connection_limits;
 use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::service::Router;
 use crate::{ProbeError, RouterError};
@@ -225,18 +226,35 @@ pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_a
     ));
 }
 
-/// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it.
+/// The buffered-bytes budget of the API listener (and the picker's streams):
+/// `limits.max_buffered_bytes`, shown as `kvroute_buffered_bytes`.
+pub fn request_budget(router: &Router) -> ByteBudget {
+    ByteBudget::new(
+        router.config().limits.max_buffered_bytes,
+        router.metrics().buffered_bytes.clone(),
+    )
+}
+
+/// Binds the admin listener (`/metrics`, `/kvroute/v1/explain`, `/health`) and serves it, with
+/// its own buffered-bytes budget (`admin.max_buffered_bytes`), so that API clients cannot
+/// spend what the admin listener needs, nor the other way round; at most `max_connections`
+/// connections at once.
 pub async fn spawn_admin(
     router: &Arc<Router>,
-    budget: Arc<Semaphore>,
+    max_connections: usize,
 ) -> Result<(SocketAddr, JoinHandle<()>), RouterError> {
     let (admin_listener, admin_addr) = bind(router.config().admin.listen).await?;
+    let budget = ByteBudget::new(
+        router.config().admin.max_buffered_bytes,
+        router.metrics().admin_buffered_bytes.clone(),
+    );
     let task = tokio::spawn(edge::serve(
         admin_listener,
         admin_routes(router.clone()),
         router.clone(),
         "admin",
         budget,
+        max_connections,
         false,
     ));
     Ok((admin_addr, task))
@@ -246,8 +264,12 @@ pub async fn spawn_admin(
 pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
     let router = Arc::new(Router::new(config)?);
     let (listener, addr) = bind(router.config().listen).await?;
-    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
-    let (admin_addr, admin) = spawn_admin(&router, budget.clone()).await?;
+    let budget = request_budget(&router);
+    let connections = connection_limits(
+        router.config().limits.max_connections,
+        router.endpoints().len(),
+    )?;
+    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
     tasks.extend(crate::discovery::spawn(&router).await?);
@@ -259,6 +281,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.clone(),
         "api",
         budget,
+        connections.api,
         true,
     )));
     Ok(RunningRouter {

@@ -24,6 +24,7 @@ use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::Endpoint;
 use crate::metrics::RouterMetrics;
+use crate::offload::Offload;
 use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
@@ -45,6 +46,7 @@ pub struct Router {
     started: Instant,
     shutdown: Shutdown,
     replica: crate::replica::ReplicaState,
+    offload: Offload,
 }
 
 /// A request made ready for scheduling.
@@ -139,6 +141,7 @@ impl Router {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
+        let metrics = RouterMetrics::new(&config.metrics);
         let tokenizers = config
             .models
             .iter()
@@ -153,7 +156,13 @@ impl Router {
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
             ))),
-            metrics: RouterMetrics::new(&config.metrics),
+            offload: Offload::new(
+                config.limits.offload_above_bytes,
+                config.limits.offload_threads,
+                config.limits.offload_queue,
+                metrics.offload_requests.clone(),
+            ),
+            metrics,
             capacity: Notify::new(),
             started: Instant::now(),
             shutdown: Shutdown::default(),
@@ -292,6 +301,11 @@ impl Router {
         &self.upstream
     }
 
+    /// The bounded pool large requests are prepared on.
+    pub fn offload(&self) -> &Offload {
+        &self.offload
+    }
+
     /// Tokenization results, cached.
     pub fn token_cache(&self) -> &TokenCache {
         &self.tokens
@@ -364,10 +378,18 @@ impl Router {
             .observe(started.elapsed().as_secs_f64());
         let (keys, prompt_tokens) = match &tokens {
             Some(t) => {
-                let blocks = t.len() / model.block_size;
+                // Keyed (and so planned and recorded under the fleet's lock) up to
+                // `limits.max_routed_blocks`: a prompt longer than that is routed by its head.
+                let max_tokens = self
+                    .config
+                    .limits
+                    .max_routed_blocks
+                    .saturating_mul(model.block_size);
+                let routed = &t[..t.len().min(max_tokens)];
+                let blocks = routed.len() / model.block_size;
                 let extra =
                     request_extra_keys(blocks, lora.as_deref(), request.cache_salt.as_deref());
-                let keys = router_keys(t, model.block_size, Some(&extra)).unwrap_or_default();
+                let keys = router_keys(routed, model.block_size, Some(&extra)).unwrap_or_default();
                 (keys, t.len())
             }
             // No tokens: a rough size for load and cost scoring only.

@@ -1,10 +1,10 @@
 //! Chaos at a small size, in process over loopback: three simulated engines and a router under
 //! a bounded load of four conversational clients while an engine restarts, one engine loses
 //! 10% of its event batches in transit, one is three times slower, and the router itself is
-//! drained and started again on the same configuration, and a fourth endpoint's KV-event
-//! address is a hostile publisher declaring frames of 2^62 bytes and 8 GiB.
-//! `KVROUTE_CHAOS_SECONDS` sets the length (12 s by default; docs/operations.md has the
-//! 30-minute soak recipe).
+//! drained and started again on the same configuration, while a header flood sends request
+//! heads over the limit all along, and a fourth endpoint's KV-event address is a hostile
+//! publisher declaring frames of 2^62 bytes and 8 GiB. `KVROUTE_CHAOS_SECONDS` sets the length
+//! (12 s by default; docs/operations.md has the 30-minute soak recipe).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -225,6 +225,32 @@ async fn client_loop(
     tally
 }
 
+/// A header flood beside the load: one connection after another sending a request head far
+/// over the router's limit (400 headers, 80 KB), as fast as each is answered, until `stop`.
+/// Returns how many were answered 431.
+async fn header_flood(addr: std::net::SocketAddr, stop: Arc<AtomicBool>) -> usize {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let headers: String = (0..400)
+        .map(|i| format!("x-flood-{i}: {}\r\n", "v".repeat(200)))
+        .collect();
+    let head = format!("GET /v1/models HTTP/1.1\r\nhost: kvroute\r\n{headers}\r\n");
+    let mut refused = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut socket) = tokio::net::TcpStream::connect(addr).await else {
+            // The router is restarting.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let _ = socket.write_all(head.as_bytes()).await;
+        let mut answer = [0u8; 12];
+        let read = tokio::time::timeout(Duration::from_secs(5), socket.read_exact(&mut answer));
+        if matches!(read.await, Ok(Ok(_))) && answer.starts_with(b"HTTP/1.1 431") {
+            refused += 1;
+        }
+    }
+    refused
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_restart() {
     let seconds: f64 = std::env::var("KVROUTE_CHAOS_SECONDS")
@@ -260,6 +286,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
     let clients: Vec<_> = (0..CLIENTS)
         .map(|seed| tokio::spawn(client_loop(addr, seed, stop.clone(), paused.clone())))
         .collect();
+    let flood = tokio::spawn(header_flood(addr, stop.clone()));
     let started = Instant::now();
     let at = |fraction: f64| started + Duration::from_secs_f64(seconds * fraction);
 
@@ -329,6 +356,11 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         tally.failed.extend(t.failed);
     }
     assert!(tally.ok > 40, "load flowed: {tally:?}");
+    let flooded = flood.await.unwrap();
+    assert!(
+        flooded > 10,
+        "the header flood was answered 431 {flooded} times"
+    );
     assert!(
         tally.failed.len() <= inflight_at_restart,
         "no request lost beyond the {inflight_at_restart} in flight on the restarted engine: {tally:?}"

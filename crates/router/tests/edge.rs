@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::engine;
+use futures::StreamExt;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::server::SimFleet;
@@ -246,24 +247,32 @@ async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
     assert_eq!(status, 200);
 }
 
+/// The router's buffered request bytes now, on the API listener (`kvroute_buffered_bytes`) or
+/// the admin listener (`kvroute_admin_buffered_bytes`).
+fn buffered(router: &RunningRouter, gauge: &str) -> Option<f64> {
+    sample(&http_get(router.admin_addr, "/metrics"), gauge)
+}
+
+/// A request that declares 2000 body bytes and sends 1900 of them, then stalls.
+const HOLDER: &[u8] = b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 2000\r\n\r\n";
+
+async fn send_holder(addr: std::net::SocketAddr) -> TcpStream {
+    let mut bytes = HOLDER.to_vec();
+    bytes.extend_from_slice(&[b' '; 1900]);
+    send_raw(addr, &bytes).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_one_byte_budget() {
     let (_engine, router) = engine_and_router(
         "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 500}",
     )
     .await;
-    // Holds 2000 bytes of the budget while it trickles.
-    let mut holder = send_raw(
-        router.addr,
-        b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 2000\r\n\r\n{\"model\"",
-    )
-    .await;
+    // Holds the 1900 bytes it sent while it stalls.
+    let mut holder = send_holder(router.addr).await;
     eventually("the first body is held", || {
-        let held = sample(
-            &http_get(router.admin_addr, "/metrics"),
-            "kvroute_buffered_bytes",
-        );
-        (held == Some(2000.0), held)
+        let held = buffered(&router, "kvroute_buffered_bytes");
+        (held == Some(1900.0), held)
     })
     .await;
     let body = json!({"model": MODEL, "prompt": "x".repeat(1500), "max_tokens": 1});
@@ -277,15 +286,87 @@ async fn request_bodies_share_one_byte_budget() {
             .starts_with("HTTP/1.1 408")
     );
     eventually("the budget is free", || {
-        let held = sample(
-            &http_get(router.admin_addr, "/metrics"),
-            "kvroute_buffered_bytes",
-        );
+        let held = buffered(&router, "kvroute_buffered_bytes");
         (held == Some(0.0), held)
     })
     .await;
     let (status, answer) = completion(&client, &router, body).await;
     assert_eq!(status, 200, "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_lengths_cost_nothing_until_their_bytes_arrive() {
+    let (_engine, router) = engine_and_router(
+        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 60000}",
+    )
+    .await;
+    // Over HTTP/1.1: 20 connections that declare 2000 bytes each (13 times the budget) and send
+    // one.
+    let mut promises = Vec::new();
+    for _ in 0..20 {
+        let mut bytes = HOLDER.to_vec();
+        bytes.push(b' ');
+        promises.push(send_raw(router.addr, &bytes).await);
+    }
+    // Over h2c: one connection, 20 streams that declare as much and send one byte.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let mut streams = Vec::new();
+    for _ in 0..20 {
+        let one_byte = futures::stream::once(async { Ok::<_, std::io::Error>(vec![b' ']) })
+            .chain(futures::stream::pending());
+        let request = h2
+            .post(format!("http://{}/v1/completions", router.addr))
+            .header("content-type", "application/json")
+            .header("content-length", "2000")
+            .body(reqwest::Body::wrap_stream(one_byte));
+        streams.push(tokio::spawn(request.send()));
+    }
+    eventually("every promise holds the one byte it sent", || {
+        let held = buffered(&router, "kvroute_buffered_bytes");
+        (held == Some(40.0), held)
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let body = json!({"model": MODEL, "prompt": "x".repeat(1500), "max_tokens": 1});
+    for _ in 0..3 {
+        let (status, answer) = completion(&client, &router, body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    assert_eq!(buffered(&router, "kvroute_buffered_bytes"), Some(40.0));
+    drop(promises);
+    for s in streams {
+        s.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_has_its_own_byte_budget() {
+    let (_engine, router) = engine_and_router(
+        "limits: {max_body_bytes: 2000, max_buffered_bytes: 2000, body_timeout_ms: 60000}",
+    )
+    .await;
+    let _holder = send_holder(router.addr).await;
+    eventually("the API budget is nearly spent", || {
+        let held = buffered(&router, "kvroute_buffered_bytes");
+        (held >= Some(1900.0), held)
+    })
+    .await;
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(&json!({"model": MODEL, "prompt": "x".repeat(1500)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status().as_u16(),
+        200,
+        "{}",
+        resp.text().await.unwrap()
+    );
+    assert_eq!(buffered(&router, "kvroute_admin_buffered_bytes"), Some(0.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,4 +467,92 @@ async fn the_token_cache_stays_within_its_byte_budget() {
         let held = sample(&text, "kvroute_token_cache_bytes").unwrap();
         assert!(held > 0.0 && held <= 1_000_000.0, "{held} bytes after {i}");
     }
+}
+
+/// An engine that answers each completion with the request headers it received, as
+/// `[[name, value], ...]`. Returns its URL.
+async fn header_echo_engine() -> String {
+    let echo = |headers: axum::http::HeaderMap| async move {
+        let pairs: Vec<(String, String)> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or_default().to_owned()))
+            .collect();
+        axum::Json(json!(pairs))
+    };
+    let routes = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "" }))
+        .route("/v1/completions", axum::routing::post(echo));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+/// The values of header `name` the echo engine received.
+fn echoed(answer: &str, name: &str) -> Vec<String> {
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap();
+    let pairs: Vec<(String, String)> = serde_json::from_str(body.trim())
+        .or_else(|_| {
+            // A chunked body: the JSON is the one line that starts with `[`.
+            let line = body
+                .lines()
+                .find(|l| l.starts_with('['))
+                .unwrap_or_default();
+            serde_json::from_str(line)
+        })
+        .unwrap_or_else(|e| panic!("{e}: {answer}"));
+    pairs
+        .into_iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_forwarded_as_rfc_9110_says() {
+    let engine = header_echo_engine().await;
+    let body = format!(r#"{{"model": "{MODEL}", "prompt": "hello", "max_tokens": 1}}"#);
+    let request = |extra: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{extra}\r\n{body}",
+            body.len()
+        )
+    };
+    let hostile = "x-request-id: abc\r\nconnection: close, x-secret\r\nx-secret: 1\r\nhttp2-settings: AAMAAABkAAQAAP__\r\nx-forwarded-for: 203.0.113.9\r\nforwarded: for=203.0.113.9\r\n";
+    for (config, xff) in [
+        ("", "127.0.0.1"),
+        (
+            "forwarding: {trusted_proxies: ['127.0.0.0/8']}",
+            "203.0.113.9, 127.0.0.1",
+        ),
+    ] {
+        let router = router_with(&engine, config).await;
+        let mut socket = send_raw(router.addr, request(hostile).as_bytes()).await;
+        let answer = read_until_closed(&mut socket).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(echoed(&answer, "x-request-id"), ["abc"], "sent once");
+        assert!(
+            echoed(&answer, "x-secret").is_empty(),
+            "named by Connection"
+        );
+        assert!(echoed(&answer, "http2-settings").is_empty());
+        assert_eq!(echoed(&answer, "x-forwarded-for"), [xff], "{config}");
+        let forwarded = echoed(&answer, "forwarded");
+        assert_eq!(forwarded.len(), 1);
+        assert!(forwarded[0].ends_with("for=127.0.0.1"), "{forwarded:?}");
+        assert_eq!(
+            forwarded[0].contains("203.0.113.9"),
+            !config.is_empty(),
+            "{forwarded:?}"
+        );
+    }
+    // Two Host headers: refused before any engine sees the request.
+    let router = router_with(&engine, "").await;
+    let mut socket = send_raw(
+        router.addr,
+        request("host: elsewhere\r\nconnection: close\r\n").as_bytes(),
+    )
+    .await;
+    let answer = read_until_closed(&mut socket).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
 }

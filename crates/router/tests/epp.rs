@@ -29,8 +29,13 @@ use tonic_health::pb::health_client::HealthClient;
 const MODEL: &str = "sim-llama-3.1-8b";
 
 async fn picker(engines: &[&SimFleet]) -> RunningEpp {
+    picker_with(engines, "").await
+}
+
+/// A picker in front of `engines`, with `extra` configuration.
+async fn picker_with(engines: &[&SimFleet], extra: &str) -> RunningEpp {
     let mut yaml = format!(
-        "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nendpoints:\n"
+        "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\n{extra}\nendpoints:\n"
     );
     for fleet in engines {
         let ep = &fleet.endpoints[0];
@@ -285,4 +290,121 @@ async fn the_picker_routes_follows_the_response_and_honours_subsets() {
     })
     .await;
     assert_eq!(outcomes("completed"), 1.0);
+}
+
+/// A request-body chunk that is not the last.
+fn partial_body(bytes: usize) -> Request {
+    Request::RequestBody(HttpBody {
+        body: vec![b' '; bytes],
+        end_of_stream: false,
+        ..HttpBody::default()
+    })
+}
+
+fn completion_headers() -> Request {
+    Request::RequestHeaders(headers(
+        &[(":path", "/v1/completions"), (":method", "POST")],
+        false,
+    ))
+}
+
+/// The status of an immediate response, or a panic naming what came instead.
+fn immediate_status(answer: &Response) -> i32 {
+    match answer {
+        Response::ImmediateResponse(i) => i.status.unwrap().code,
+        other => panic!("not an immediate response: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
+    let a = engine().await;
+    let epp = picker_with(
+        &[&a],
+        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 1000, max_picker_streams: 3}",
+    )
+    .await;
+    let buffered =
+        || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_buffered_bytes");
+    // A body that stops halfway holds what it sent.
+    let mut holder = Stream::open(&epp).await;
+    holder.send(completion_headers(), None).await;
+    assert!(matches!(
+        holder.send(partial_body(1900), None).await,
+        Response::RequestBody(_)
+    ));
+    assert_eq!(buffered(), Some(1900.0));
+    // Another one over the budget is answered 503 at once.
+    let mut second = Stream::open(&epp).await;
+    second.send(completion_headers(), None).await;
+    assert_eq!(
+        immediate_status(&second.send(partial_body(1500), None).await),
+        503
+    );
+    // Three streams are open (the third idle); a fourth is refused.
+    let mut third = Stream::open(&epp).await;
+    third.send(completion_headers(), None).await;
+    let mut fourth = Stream::open(&epp).await;
+    assert_eq!(
+        immediate_status(&fourth.send(completion_headers(), None).await),
+        503
+    );
+    // The stalled body is cut at its deadline, and its bytes come back.
+    let cut = tokio::time::timeout(kvroute_testkit::patience(), holder.rx.message())
+        .await
+        .expect("the stalled body is answered by its deadline")
+        .unwrap()
+        .unwrap();
+    assert_eq!(immediate_status(&cut.response.unwrap()), 408);
+    eventually("the budget is free", || {
+        let held = buffered();
+        (held == Some(0.0), held)
+    })
+    .await;
+    drop((second, third, fourth));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], "limits: {max_body_bytes: 2000}").await;
+    // A path `serve` would not forward, or one not canonical, gets 404.
+    for path in [
+        "/v1/../sim/restart",
+        "/sim/restart",
+        "/v1/load_lora_adapter",
+    ] {
+        let mut stream = Stream::open(&epp).await;
+        let h = headers(&[(":path", path), (":method", "POST")], false);
+        let answer = stream.send(Request::RequestHeaders(h), None).await;
+        assert_eq!(immediate_status(&answer), 404, "{path}");
+    }
+    // A message over the gRPC limit (the body limit and 64 KiB) gets 413.
+    let mut stream = Stream::open(&epp).await;
+    stream.send(completion_headers(), None).await;
+    let answer = stream.send(partial_body(200_000), None).await;
+    assert_eq!(immediate_status(&answer), 413);
+    // Bytes that are no ext_proc message get 400: one gRPC frame of a truncated varint.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let frame = [0u8, 0, 0, 0, 4, 0xff, 0xff, 0xff, 0xff];
+    let resp = h2
+        .post(format!(
+            "http://{}/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            epp.addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(frame.to_vec())
+        .send()
+        .await
+        .unwrap();
+    let body = resp.bytes().await.unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("BadRequestError") && text.contains("kvroute_epp"),
+        "no 400 immediate response: {text:?}"
+    );
 }

@@ -1,6 +1,8 @@
-//! `kvroute serve`: the router. The first SIGTERM or SIGINT drains it (no new connections,
-//! `/health` 503, in-flight requests finish within `shutdown.drain_timeout_s`); a second one, or
-//! the timeout, ends the streams still open with an SSE error event.
+//! `kvroute serve`: the router. The first SIGTERM, SIGINT or SIGHUP drains it (no new
+//! connections, `/health` 503, in-flight requests finish within `shutdown.drain_timeout_s`); a
+//! second one, or the timeout, ends the streams still open with an SSE error event. The router
+//! does not reload its configuration, so SIGHUP (a closed terminal, or a supervisor's "reload")
+//! drains like SIGTERM rather than killing it with its streams.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -31,7 +33,8 @@ pub fn load_config(path: &std::path::Path) -> anyhow::Result<RouterConfig> {
     RouterConfig::from_yaml(&text).with_context(|| format!("{}", path.display()))
 }
 
-/// Runs `serving` until it ends or the process is interrupted (Ctrl-C, SIGINT, SIGTERM).
+/// Runs `serving` until it ends or the process is interrupted (Ctrl-C, SIGINT, SIGTERM,
+/// SIGHUP).
 pub async fn until_interrupted(serving: impl std::future::Future<Output = ()>) {
     let Ok(mut signals) = Signals::new() else {
         serving.await;
@@ -77,10 +80,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// SIGTERM and SIGINT, as one stream.
+/// SIGTERM, SIGINT and SIGHUP, as one stream.
 struct Signals {
     #[cfg(unix)]
     terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    hangup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -89,14 +94,18 @@ impl Signals {
             #[cfg(unix)]
             terminate: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                 .context("listening for SIGTERM")?,
+            #[cfg(unix)]
+            hangup: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .context("listening for SIGHUP")?,
         })
     }
 
-    /// Resolves at the next SIGTERM or SIGINT.
+    /// Resolves at the next SIGTERM, SIGINT or SIGHUP.
     async fn next(&mut self) {
         #[cfg(unix)]
         tokio::select! {
             _ = self.terminate.recv() => {}
+            _ = self.hangup.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
         }
         #[cfg(not(unix))]

@@ -5,8 +5,9 @@
 //! byte, and a connection with no request in progress closes after `limits.idle_timeout_ms`
 //! without a byte. Per request: a declared `Content-Length` above `limits.max_body_bytes` is
 //! answered 413 before any body byte is read, the body must arrive within
-//! `limits.body_timeout_ms` (408), and its bytes count against `limits.max_buffered_bytes` until
-//! the handler answers (503 when the budget is spent).
+//! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
+//! listener's byte budget until the handler answers (503 when the budget is spent): a declared
+//! length costs nothing until its bytes come.
 //!
 //! A listener that drains (the API listener, see [`crate::shutdown`]) stops accepting when the
 //! router drains, closes each open connection once its request is answered, and returns when
@@ -32,34 +33,42 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
+use crate::budget::ByteBudget;
+use crate::forwarding::ClientAddr;
 use crate::metrics::listener as listener_labels;
 use crate::proxy::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
-use body::{BudgetHold, EdgeBody, Finishing};
+use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
+
+/// Largest request head (request line and headers) read from a client; larger ones get 431.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
 
 /// What every connection of one router shares.
 struct Edge {
     router: Arc<Router>,
     routes: Routes,
     name: &'static str,
-    budget: Arc<Semaphore>,
+    budget: ByteBudget,
 }
 
 /// Serves `routes` on `listener` until the task is dropped or, when `drains`, until the router
 /// drains and every open connection has closed. `name` labels the listener in metrics (`api`,
-/// `admin`); `budget` is the router's buffered-bytes budget, shared by its listeners.
+/// `admin`); `budget` is the buffered-bytes budget of its requests; at most `max_connections`
+/// are open at once.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
     router: Arc<Router>,
     name: &'static str,
-    budget: Arc<Semaphore>,
+    budget: ByteBudget,
+    max_connections: usize,
     drains: bool,
 ) {
     let limits = &router.config().limits;
-    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = Arc::new(Semaphore::new(max_connections));
+    let mut accept_errors = AcceptErrors::default();
     let header_timeout = Duration::from_millis(limits.header_timeout_ms);
     let idle_timeout = Duration::from_millis(limits.idle_timeout_ms);
     let edge = Arc::new(Edge {
@@ -80,7 +89,8 @@ pub async fn serve(
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, most likely: give the open connections a moment.
-                warn!(error = %e, listener = name, "cannot accept a connection");
+                router.metrics().accept_errors.get_or_create(&labels).inc();
+                accept_errors.warn(name, &e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -106,7 +116,7 @@ pub async fn serve(
             .clone();
         open.inc();
         tokio::spawn(async move {
-            serve_connection(edge, stream, activity, drains).await;
+            serve_connection(edge, stream, peer, activity, drains).await;
             open.dec();
             drop(permit);
         });
@@ -114,13 +124,39 @@ pub async fn serve(
     // Draining: new connections are refused (the listener closes) and the open ones close
     // once answered.
     drop(listener);
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     let _ = connections.acquire_many(all).await;
+}
+
+/// Failed accepts, warned about at most once per [`ACCEPT_WARNING_PERIOD`] (each is counted in
+/// `kvroute_accept_errors_total`).
+#[derive(Default)]
+struct AcceptErrors {
+    last_warning: Option<std::time::Instant>,
+    since: u64,
+}
+
+/// Least time between two warnings of failed accepts on one listener.
+const ACCEPT_WARNING_PERIOD: Duration = Duration::from_secs(10);
+
+impl AcceptErrors {
+    fn warn(&mut self, listener: &str, error: &std::io::Error) {
+        self.since += 1;
+        let due = self
+            .last_warning
+            .is_none_or(|at| at.elapsed() >= ACCEPT_WARNING_PERIOD);
+        if due {
+            warn!(%error, listener, failed = self.since, "cannot accept connections (out of file descriptors? see limits.max_connections and ulimit -n); warned at most every 10 s");
+            self.last_warning = Some(std::time::Instant::now());
+            self.since = 0;
+        }
+    }
 }
 
 async fn serve_connection(
     edge: Arc<Edge>,
     stream: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
     activity: Arc<Activity>,
     drains: bool,
 ) {
@@ -128,14 +164,20 @@ async fn serve_connection(
     let service = {
         let activity = activity.clone();
         let edge = edge.clone();
-        hyper::service::service_fn(move |request: http::Request<Incoming>| {
+        hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
+            request.extensions_mut().insert(ClientAddr(peer));
             let edge = edge.clone();
             let activity = activity.clone();
             async move { Ok::<_, Infallible>(edge.handle(request, activity).await) }
         })
     };
     let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().header_read_timeout(None);
+    // A request head larger than the read buffer is answered 431; the bound keeps each
+    // connection's buffers small (hyper's default lets one grow to 400 KiB).
+    builder
+        .http1()
+        .header_read_timeout(None)
+        .max_buf_size(MAX_HEAD_BYTES);
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     let draining = edge.router.shutdown().reached(Phase::Draining);
@@ -196,6 +238,9 @@ impl Edge {
                 "paths with encoded dots, slashes or backslashes are not served".into(),
             )
         })?;
+        if parts.headers.get_all(http::header::HOST).iter().count() > 1 {
+            return Err(refuse(400, "more than one Host header".into()));
+        }
         let limits = &self.router.config().limits;
         let declared = parts
             .headers
@@ -210,18 +255,8 @@ impl Edge {
                 format!("request body larger than {} bytes", limits.max_body_bytes),
             ));
         }
-        let hold = Arc::new(BudgetHold::new(
-            self.budget.clone(),
-            self.router.metrics().buffered_bytes.clone(),
-        ));
-        if let Some(declared) = declared
-            && !hold.reserve(declared as usize)
-        {
-            return Err(refuse(
-                503,
-                "the router holds as many request bytes as it may; retry shortly".into(),
-            ));
-        }
+        // Charged as the bytes arrive: a declared length reserves nothing.
+        let hold = Arc::new(self.budget.hold());
         let body = EdgeBody::new(
             body,
             Duration::from_millis(limits.body_timeout_ms),

@@ -1,9 +1,11 @@
-//! One ext_proc stream, which is one HTTP exchange seen by the data plane: buffer the request
-//! body, ask the router for the same plan `kvroute serve` would make, name the endpoint, then
-//! follow the response (status, body chunks, usage) into the same accounting as the proxy.
+//! One ext_proc stream, which is one HTTP exchange seen by the data plane: check the path
+//! against `serve`'s allowlist, buffer the request body (charged to the router's byte budget,
+//! due within the body timeout), ask the router for the same plan `kvroute serve` would make,
+//! name the endpoint, then follow the response (status, body chunks, usage) into the same
+//! accounting as the proxy.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -14,6 +16,7 @@ use kvroute_vllm::openai::ApiError;
 
 use super::protocol;
 use crate::accounting::{Accounting, Outcome};
+use crate::budget::BudgetHold;
 use crate::proxy::{self, Api, Refused, Routed, healthy_rotation, request_id};
 use crate::service::{Prepared, Router};
 
@@ -26,13 +29,18 @@ pub struct Exchange {
     headers: http::HeaderMap,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The request body's bytes, charged to the router's budget until it is routed.
+    hold: Option<BudgetHold>,
+    /// When the rest of the request body is due (while one is expected).
+    body_due: Option<tokio::time::Instant>,
     /// Set once routed: the request's share of its endpoint's load, and the endpoint's name.
     accounting: Option<(Accounting, String)>,
 }
 
 impl Exchange {
-    /// A new exchange; `fallbacks` bounds the endpoints named in the `envoy.lb` list.
-    pub fn new(router: Arc<Router>, fallbacks: usize) -> Self {
+    /// A new exchange; `fallbacks` bounds the endpoints named in the `envoy.lb` list; `hold`
+    /// is charged with the request body as it arrives.
+    pub fn new(router: Arc<Router>, fallbacks: usize, hold: BudgetHold) -> Self {
         Self {
             router,
             fallbacks: fallbacks.max(1),
@@ -41,8 +49,71 @@ impl Exchange {
             headers: http::HeaderMap::new(),
             subset: None,
             body: Vec::new(),
+            hold: Some(hold),
+            body_due: None,
             accounting: None,
         }
+    }
+
+    /// How long a request body may take to arrive (`limits.body_timeout_ms`).
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.router.config().limits.body_timeout_ms)
+    }
+
+    /// When the rest of the request body is due, while one is expected.
+    pub fn body_due(&self) -> Option<tokio::time::Instant> {
+        self.body_due
+    }
+
+    /// The answer when the request body did not arrive in time: 408, counted as a client
+    /// timeout of kind `body`.
+    pub fn body_timed_out(&mut self) -> ProcessingResponse {
+        self.router
+            .metrics()
+            .client_timeouts
+            .get_or_create(&vec![("kind", "body".to_owned())])
+            .inc();
+        let timeout = self.body_timeout();
+        self.refuse(
+            &ApiError::client_timeout(format!(
+                "the request body did not arrive within {timeout:?}"
+            ))
+            .into(),
+        )
+    }
+
+    /// The answer to a message the stream could not deliver: 413 when it was over the size
+    /// limit, 400 when it could not be decoded; `None` for the data plane ending the stream.
+    pub fn undecodable(&mut self, status: &tonic::Status) -> Option<ProcessingResponse> {
+        // A transport error (Envoy resetting the stream once its exchange is over, which tonic
+        // also reports as `Internal`) carries its cause; a message that could not be decoded
+        // does not.
+        if std::error::Error::source(status).is_some() {
+            return None;
+        }
+        let error = match status.code() {
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted => ApiError::too_large(
+                format!("the ext_proc message is too large: {}", status.message()),
+            ),
+            tonic::Code::Internal | tonic::Code::InvalidArgument => ApiError::bad_request(
+                format!(
+                    "the ext_proc message cannot be decoded: {}",
+                    status.message()
+                ),
+                None,
+            ),
+            _ => return None,
+        };
+        tracing::warn!(%status, "an ext_proc message was refused");
+        Some(self.refuse(&error.into()))
+    }
+
+    /// The answer to a stream over `limits.max_picker_streams`: 503.
+    pub fn too_many_streams(&mut self) -> ProcessingResponse {
+        self.refuse(
+            &ApiError::unavailable("the picker serves as many streams as it may; retry shortly")
+                .into(),
+        )
     }
 
     /// The answer to one message of the data plane (`None`: nothing to answer).
@@ -67,10 +138,15 @@ impl Exchange {
     fn request_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
         self.path = protocol::pseudo(h, ":path").unwrap_or_default();
         self.headers = protocol::header_map(h);
+        if !forwarded(&self.path) {
+            let path = self.path.clone();
+            return self.refuse(&ApiError::not_found(format!("Invalid URL ({path})")).into());
+        }
         if h.end_of_stream {
             // No body (`GET /v1/models` and the like): any healthy endpoint will do.
             return self.route_anywhere(false);
         }
+        self.body_due = Some(tokio::time::Instant::now() + self.body_timeout());
         protocol::continue_request_headers()
     }
 
@@ -81,20 +157,37 @@ impl Exchange {
                 &ApiError::new(413, format!("request body larger than {limit} bytes")).into(),
             );
         }
+        if !self.hold.as_ref().is_some_and(|h| h.charge(b.body.len())) {
+            return self.refuse(
+                &ApiError::unavailable(
+                    "the router holds as many request bytes as it may; retry shortly",
+                )
+                .into(),
+            );
+        }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
             return protocol::continue_request_body();
         }
+        self.body_due = None;
         let api = match self.path.split('?').next().unwrap_or_default() {
             "/v1/completions" => Api::Completions,
             "/v1/chat/completions" => Api::Chat,
-            _ => return self.route_anywhere(true),
+            _ => {
+                self.body = Vec::new();
+                self.hold = None;
+                return self.route_anywhere(true);
+            }
         };
-        let body = std::mem::take(&mut self.body);
-        match proxy::route(&self.router, api, &self.headers, &body).await {
+        let body = bytes::Bytes::from(std::mem::take(&mut self.body));
+        let answer = match proxy::route(&self.router, api, &self.headers, &body).await {
             Ok(routed) => self.route_planned(routed),
             Err(refused) => self.refuse(&refused),
-        }
+        };
+        // Routed or refused, the body is no longer held.
+        drop(body);
+        self.hold = None;
+        answer
     }
 
     /// Routes a planned generation request: the first endpoint of core's ranking the subset
@@ -165,7 +258,10 @@ impl Exchange {
             .unwrap_or_else(protocol::continue_request_headers)
     }
 
-    fn refuse(&self, refused: &Refused) -> ProcessingResponse {
+    fn refuse(&mut self, refused: &Refused) -> ProcessingResponse {
+        self.body_due = None;
+        self.body = Vec::new();
+        self.hold = None;
         let e = &refused.error;
         self.router
             .metrics()
@@ -221,6 +317,22 @@ impl Exchange {
             accounting.fail(status, outcome);
         }
     }
+}
+
+/// Whether `path` is one `kvroute serve` serves or forwards (or `/health`), already canonical:
+/// the picker cannot rewrite the path the data plane sends upstream, so a path with dot
+/// segments or hidden separators (`/v1/../sim/restart`) is refused rather than normalised.
+fn forwarded(path: &str) -> bool {
+    let Ok(uri) = path.parse::<http::Uri>() else {
+        return false;
+    };
+    let canonical = crate::edge::path::normalize(&uri).is_some_and(|n| n == uri);
+    // `/health` reaches an engine's own (through a gateway it is the data path's liveness).
+    let allowed = matches!(
+        uri.path(),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health"
+    ) || crate::server::FORWARDED_PATHS.contains(&uri.path());
+    canonical && allowed
 }
 
 /// Where a disaggregated prefill would be named for llm-d's P/D sidecar

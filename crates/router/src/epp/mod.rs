@@ -30,8 +30,9 @@ use tonic_health::server::HealthReporter;
 use tracing::{debug, info, warn};
 
 use crate::RouterError;
+use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
-use crate::server::{bind, spawn_admin, spawn_background};
+use crate::server::{bind, request_budget, spawn_admin, spawn_background};
 use crate::service::Router;
 use exchange::Exchange;
 
@@ -60,10 +61,13 @@ impl Default for EppOptions {
     }
 }
 
-/// The ext_proc service: one [`Exchange`] per stream.
+/// The ext_proc service: one [`Exchange`] per stream, at most `limits.max_picker_streams` at
+/// once, their buffered request bodies charged to the router's buffered-bytes budget.
 pub struct Picker {
     router: Arc<Router>,
     fallbacks: usize,
+    budget: ByteBudget,
+    streams: Arc<Semaphore>,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -76,29 +80,82 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let mut inbound = request.into_inner();
+        let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let mut exchange = Exchange::new(self.router.clone(), self.fallbacks);
+        let exchange = Exchange::new(self.router.clone(), self.fallbacks, self.budget.hold());
+        let permit = self.streams.clone().try_acquire_owned().ok();
+        let streams = self.router.metrics().picker_streams.clone();
         // The exchange lives in this task: when the data plane ends the stream (or goes away),
         // it is dropped and its accounting handed back to the fleet.
         tokio::spawn(async move {
-            while let Some(message) = inbound.next().await {
-                let message = match message {
-                    Ok(m) => m,
-                    // Envoy resets the stream once its HTTP exchange is over: routine.
-                    Err(status) => {
-                        debug!(%status, "ext_proc stream ended by the data plane");
-                        break;
-                    }
-                };
-                if let Some(answer) = exchange.handle(message).await
-                    && tx.send(Ok(answer)).await.is_err()
-                {
-                    break;
+            match permit {
+                Some(_permit) => {
+                    streams.inc();
+                    run_exchange(exchange, inbound, tx).await;
+                    streams.dec();
                 }
+                None => refuse_stream(exchange, inbound, tx).await,
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+type Answers = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+/// Drives one exchange: each message of the data plane answered in turn. While a request body
+/// is due, the next message must come by its deadline (`limits.body_timeout_ms` from the
+/// request headers), or the request is answered 408. A message the picker cannot decode (400),
+/// or one over its size limit (413), is answered as well, so that a fail-open data plane
+/// never lets such a request through unrouted.
+async fn run_exchange(
+    mut exchange: Exchange,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: Answers,
+) {
+    loop {
+        let next = match exchange.body_due() {
+            Some(due) => match tokio::time::timeout_at(due, inbound.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let _ = tx.send(Ok(exchange.body_timed_out())).await;
+                    return;
+                }
+            },
+            None => inbound.next().await,
+        };
+        let message = match next {
+            Some(Ok(message)) => message,
+            Some(Err(status)) => {
+                match exchange.undecodable(&status) {
+                    Some(answer) => {
+                        let _ = tx.send(Ok(answer)).await;
+                    }
+                    // Envoy resets the stream once its HTTP exchange is over: routine.
+                    None => debug!(%status, "ext_proc stream ended by the data plane"),
+                }
+                return;
+            }
+            None => return,
+        };
+        if let Some(answer) = exchange.handle(message).await
+            && tx.send(Ok(answer)).await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// A stream over `limits.max_picker_streams`: its first message is answered 503 (within the
+/// body timeout), and it ends.
+async fn refuse_stream(
+    mut exchange: Exchange,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: Answers,
+) {
+    let wait = exchange.body_timeout();
+    if let Ok(Some(Ok(_))) = tokio::time::timeout(wait, inbound.next()).await {
+        let _ = tx.send(Ok(exchange.too_many_streams())).await;
     }
 }
 
@@ -135,8 +192,11 @@ impl RunningEpp {
 pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningEpp, RouterError> {
     let router = Arc::new(Router::new(config)?);
     let (listener, addr) = bind(options.listen).await?;
-    let budget = Arc::new(Semaphore::new(router.config().limits.max_buffered_bytes));
-    let (admin_addr, admin) = spawn_admin(&router, budget).await?;
+    let connections = crate::descriptors::connection_limits(
+        router.config().limits.max_connections,
+        router.endpoints().len(),
+    )?;
+    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
     let mut tasks = spawn_background(&router);
     tasks.push(admin);
     tasks.extend(crate::discovery::spawn(&router).await?);
@@ -165,6 +225,8 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
     let picker = Picker {
         router: router.clone(),
         fallbacks: options.fallbacks,
+        budget: request_budget(&router),
+        streams: Arc::new(Semaphore::new(router.config().limits.max_picker_streams)),
     };
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");
     let server = tonic::transport::Server::builder()

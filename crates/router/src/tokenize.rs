@@ -34,16 +34,28 @@ pub enum ModelTokenizer {
 }
 
 impl ModelTokenizer {
-    /// Loads what `config` names (HF files are read now, so a bad path fails at start).
+    /// Loads what `config` names (HF files are read now, so a bad path or a tokenizer without
+    /// a chat template fails at start).
     pub fn load(config: &TokenizerConfig) -> Result<Self, RouterError> {
         Ok(match config {
             TokenizerConfig::Kind(TokenizerKind::Builtin) => Self::Builtin,
             TokenizerConfig::Kind(TokenizerKind::Remote) => Self::Remote,
             TokenizerConfig::Kind(TokenizerKind::None) => Self::None,
-            TokenizerConfig::Hf { hf, chat_template } => Self::Hf(Arc::new(
-                HfTokenizer::load(hf, chat_template.as_deref())
-                    .map_err(|e| RouterError::Config(format!("models: {e}")))?,
-            )),
+            TokenizerConfig::Hf { hf, chat_template } => {
+                let tokenizer = HfTokenizer::load(hf, chat_template.as_deref())
+                    .map_err(|e| RouterError::Config(format!("models: {e}")))?;
+                // Chat requests could not be tokenized: refuse at start rather than route
+                // every chat without cache information.
+                if !tokenizer.has_chat_template() {
+                    return Err(RouterError::Config(format!(
+                        "models: {}: no chat template (no chat_template.jinja beside it, no \
+                         chat_template in tokenizer_config.json): set chat_template: \
+                         path/to/template.jinja",
+                        hf.display()
+                    )));
+                }
+                Self::Hf(Arc::new(tokenizer))
+            }
         })
     }
 }

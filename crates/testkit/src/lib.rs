@@ -32,6 +32,22 @@ pub async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() 
     }
 }
 
+/// [`eventually`] for tests without an async runtime: polls `check` every 50 ms, blocking the
+/// thread, until it holds; past [`patience`], panics naming `what` and the last state.
+pub fn eventually_blocking<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
+    let deadline = Instant::now() + patience();
+    loop {
+        let (ok, state) = check();
+        if ok {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out waiting for {what}; last state: {state:#?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The Python that `scripts/test.sh` prepared (`KVROUTE_PYTHON`). Outside CI a missing one
 /// skips the test with a notice (`None`); under CI it is a failure, so nothing is skipped there.
 pub fn python(needs: &str) -> Option<String> {

@@ -14,6 +14,9 @@ use std::collections::{BTreeMap, HashMap};
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
 use kvroute_core::keys::{BlockExtraKeys, VllmDigest};
 
+/// Where the free queue's stamps start: the back counts up from here, the front down.
+const FRONT: u64 = 1 << 63;
+
 /// Index of a GPU block.
 pub type BlockId = u32;
 
@@ -31,9 +34,12 @@ struct Block {
 pub struct BlockPool {
     block_size: usize,
     blocks: Vec<Block>,
-    /// Free blocks by the order they were freed (least recently freed first).
+    /// The free queue, taken from its lowest stamp: blocks without cached content at the front
+    /// (stamps below `FRONT`, most recently freed first), then cached ones by the order they
+    /// were freed (least recently freed first).
     free: BTreeMap<u64, BlockId>,
     stamp: u64,
+    front_stamp: u64,
     /// Content → the blocks holding it. Two running requests can compute the same block; the
     /// content stays cached (and announced once) until its last copy is evicted.
     cached: HashMap<VllmDigest, Vec<BlockId>>,
@@ -99,7 +105,10 @@ impl FullBlocks<'_> {
             block_size: block_size as u32,
             medium: Some("GPU".into()),
             lora_name: self.lora_name.map(str::to_owned),
-            extra_keys: extra.iter().any(Option::is_some).then(|| extra.to_vec()),
+            // As vLLM publishes them: one entry per block (nil without extra keys), group 0
+            // (the one full-attention group of a plain model).
+            extra_keys: Some(extra.to_vec()),
+            group_idx: Some(0),
             ..Default::default()
         })
     }
@@ -109,7 +118,8 @@ fn removed_event(digest: &VllmDigest, medium: &str) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: vec![EngineHash(digest.event_u64())],
         medium: Some(medium.into()),
-        group_idx: None,
+        // vLLM's GPU pool names its group (0 for a plain model); offloading tiers do not.
+        group_idx: (medium == "GPU").then_some(0),
     })
 }
 
@@ -120,7 +130,8 @@ impl BlockPool {
             block_size,
             blocks: vec![Block::default(); gpu_blocks],
             free: BTreeMap::new(),
-            stamp: 0,
+            stamp: FRONT,
+            front_stamp: FRONT,
             cached: HashMap::new(),
             cpu: CpuTier {
                 capacity: cpu_blocks,
@@ -137,6 +148,14 @@ impl BlockPool {
     fn push_free(&mut self, id: BlockId) {
         let stamp = self.stamp;
         self.stamp += 1;
+        self.blocks[id as usize].free_stamp = Some(stamp);
+        self.free.insert(stamp, id);
+    }
+
+    /// Puts a block at the front of the free queue: taken before any other.
+    fn push_free_front(&mut self, id: BlockId) {
+        self.front_stamp -= 1;
+        let stamp = self.front_stamp;
         self.blocks[id as usize].free_stamp = Some(stamp);
         self.free.insert(stamp, id);
     }
@@ -279,13 +298,24 @@ impl BlockPool {
     /// Drops one reference on each block, tail first, so that a sequence's tail is evicted
     /// before its head.
     pub fn free(&mut self, ids: &[BlockId]) {
+        // As vLLM 0.32's `free_blocks`: cached blocks join the back of the queue (least recently
+        // freed evicted first); blocks that hold no cached content go to the front, in order,
+        // so they are reused before any cached block is evicted.
+        let mut uncached = Vec::new();
         for &id in ids.iter().rev() {
             let block = &mut self.blocks[id as usize];
             debug_assert!(block.ref_count > 0, "double free of block {id}");
             block.ref_count = block.ref_count.saturating_sub(1);
             if block.ref_count == 0 {
-                self.push_free(id);
+                if block.digest.is_some() {
+                    self.push_free(id);
+                } else {
+                    uncached.push(id);
+                }
             }
+        }
+        for &id in uncached.iter().rev() {
+            self.push_free_front(id);
         }
     }
 

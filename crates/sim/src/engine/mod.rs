@@ -27,7 +27,8 @@ pub type RequestId = u64;
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the GPU pool.
+    /// Blocks in the GPU pool, as vLLM counts them (`--num-gpu-blocks-override`): one is its
+    /// null block, so `num_gpu_blocks - 1` hold KV.
     pub num_gpu_blocks: usize,
     /// Blocks in the CPU offload tier (0: none).
     pub num_cpu_blocks: usize,
@@ -112,9 +113,9 @@ pub struct Engine {
 impl Engine {
     /// An engine with an empty cache.
     pub fn new(config: EngineConfig) -> Result<Self, SimError> {
-        if config.block_size == 0 || config.num_gpu_blocks == 0 || config.max_num_seqs == 0 {
+        if config.block_size == 0 || config.num_gpu_blocks < 2 || config.max_num_seqs == 0 {
             return Err(SimError::Config(
-                "block size, GPU blocks and max sequences must all be at least 1".into(),
+                "block size and max sequences must be at least 1, GPU blocks at least 2".into(),
             ));
         }
         if config.max_num_batched_tokens < config.block_size {
@@ -125,9 +126,10 @@ impl Engine {
         }
         Ok(Self {
             hasher: VllmHasher::new(&config.hash_seed),
+            // vLLM keeps one block of its pool back as the null block: never allocated.
             pool: BlockPool::new(
                 config.block_size,
-                config.num_gpu_blocks,
+                config.num_gpu_blocks - 1,
                 config.num_cpu_blocks,
             ),
             config,
@@ -152,10 +154,11 @@ impl Engine {
             });
         }
         let blocks = total.div_ceil(self.config.block_size);
-        if blocks > self.config.num_gpu_blocks {
+        let usable = self.pool.capacity();
+        if blocks > usable {
             return Err(SimError::TooLong {
                 tokens: total,
-                max_model_len: self.config.num_gpu_blocks * self.config.block_size,
+                max_model_len: usable * self.config.block_size,
             });
         }
         if request.prompt.is_empty() {

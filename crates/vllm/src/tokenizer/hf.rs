@@ -1,6 +1,10 @@
 //! HuggingFace tokenizers: a model's `tokenizer.json` and its Jinja chat template, applied as
 //! vLLM applies them (`add_generation_prompt`, special tokens added by the template for chat,
 //! by the tokenizer for completions). No network: files only.
+//!
+//! The template is found where `transformers` saves it: a `chat_template.jinja` beside
+//! `tokenizer.json` (transformers 5, and 4.x since 4.47), else the `chat_template` entry of
+//! `tokenizer_config.json` (older models).
 
 use std::path::{Path, PathBuf};
 
@@ -50,13 +54,18 @@ fn config_template(config: &Value) -> Option<String> {
     }
 }
 
+/// The file `transformers` saves a tokenizer's chat template to, beside `tokenizer.json`.
+const TEMPLATE_FILE: &str = "chat_template.jinja";
+
 fn raise_exception(message: String) -> Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
 }
 
 impl HfTokenizer {
-    /// Loads `tokenizer.json`; the chat template comes from `chat_template` (a `.jinja` file)
-    /// or else from `tokenizer_config.json` beside the tokenizer.
+    /// Loads `tokenizer.json`; the chat template comes from `chat_template` (a `.jinja` file),
+    /// else from `chat_template.jinja` beside the tokenizer, else from `tokenizer_config.json`
+    /// beside it. A tokenizer without any template loads (completions need none); see
+    /// [`HfTokenizer::has_chat_template`].
     pub fn load(tokenizer_json: &Path, chat_template: Option<&Path>) -> Result<Self, VllmError> {
         let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_json)
             .map_err(|e| load_error(tokenizer_json, e))?;
@@ -65,9 +74,14 @@ impl HfTokenizer {
             Ok(text) => serde_json::from_str(&text).map_err(|e| load_error(&config_path, e))?,
             Err(_) => Value::Null,
         };
+        let beside: PathBuf = tokenizer_json.with_file_name(TEMPLATE_FILE);
         let source = match chat_template {
             Some(path) => Some(std::fs::read_to_string(path).map_err(|e| load_error(path, e))?),
-            None => config_template(&config),
+            None => match std::fs::read_to_string(&beside) {
+                Ok(text) => Some(text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => config_template(&config),
+                Err(e) => return Err(load_error(&beside, e)),
+            },
         };
         let template = match source {
             None => None,
@@ -89,6 +103,11 @@ impl HfTokenizer {
             bos_token: token_text(&config, "bos_token"),
             eos_token: token_text(&config, "eos_token"),
         })
+    }
+
+    /// Whether a chat template was found: without one, only completions can be tokenized.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
     }
 
     /// Token ids of `text`; `add_special_tokens` as vLLM sets it (true for completions).

@@ -93,6 +93,7 @@ fn missing_files_and_templates_are_clear_errors() {
         .to_string();
     assert!(e.contains("nope.json"), "{e}");
     let tok = HfTokenizer::load(&fixture(&dir, false), None).unwrap();
+    assert!(!tok.has_chat_template());
     let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
     assert!(e.contains("no chat template"), "{e}");
     let bad = dir.join("bad.jinja");
@@ -111,5 +112,46 @@ fn missing_files_and_templates_are_clear_errors() {
     let tok = HfTokenizer::load(&fixture(&dir, false), Some(&raising)).unwrap();
     let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
     assert!(e.contains("only user and assistant roles"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn the_template_beside_the_tokenizer_is_found_as_transformers_5_saves_it() {
+    // transformers 5 writes `chat_template.jinja` and leaves `chat_template` out of
+    // `tokenizer_config.json`.
+    let dir = tempdir("jinja-beside");
+    let path = fixture(&dir, false);
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .unwrap();
+    let tok = HfTokenizer::load(&path, None).unwrap();
+    assert!(tok.has_chat_template());
+    let messages = vec![ChatMessage {
+        role: "user".into(),
+        content: "hello".into(),
+    }];
+    assert_eq!(
+        tok.encode_chat(&messages).unwrap(),
+        vec![0, 2, 5, 7, 3, 2, 6]
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn the_jinja_file_wins_over_the_config_and_an_explicit_template_over_both() {
+    let dir = tempdir("jinja-precedence");
+    let path = fixture(&dir, true);
+    std::fs::write(dir.join("chat_template.jinja"), "from the jinja file").unwrap();
+    let tok = HfTokenizer::load(&path, None).unwrap();
+    assert_eq!(
+        tok.apply_chat_template(&[], true).unwrap(),
+        "from the jinja file"
+    );
+    let explicit = dir.join("explicit.jinja");
+    std::fs::write(&explicit, "explicit").unwrap();
+    let tok = HfTokenizer::load(&path, Some(&explicit)).unwrap();
+    assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "explicit");
     let _ = std::fs::remove_dir_all(dir);
 }

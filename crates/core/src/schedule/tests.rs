@@ -30,7 +30,7 @@ fn request(prompt_tokens: usize) -> RequestInfo {
         block_size: 16,
         session_endpoint: None,
         role: Role::Both,
-        shared_tokens: 0,
+        prefix_key: None,
     }
 }
 
@@ -94,30 +94,64 @@ fn near_equal_costs_go_to_the_fewest_placements() {
     assert_eq!(d.reason, Reason::Balance);
 }
 
-#[test]
-fn a_new_conversation_copies_the_shared_prefix_once_the_holders_cache_fills() {
-    // Endpoint 0 holds the 608-token system prompt and has served many conversations.
-    let mut cands = fleet(3);
+/// Seconds of prefill of `tokens` at the test fleet's rate.
+fn prefill(tokens: f64) -> f64 {
+    tokens / RATE
+}
+
+/// A fleet where endpoint 0 holds a 608-token shared prefix of a 1,000-token request and every
+/// cache is full of blocks reused `reuse` times each; endpoint 0 has `queued` prefill tokens
+/// waiting in one request.
+fn copy_case(queued: u64, reuse: f64) -> (Vec<Candidate>, RequestInfo) {
+    let mut cands = fleet(2);
     cands[0].cache.index = gpu_match(0, 38);
-    cands[0].load.recent_placements = 10.0;
-    cands[1].load.recent_placements = 4.0;
-    cands[2].load.recent_placements = 1.0;
-    let mut req = request(1_000);
-    req.shared_tokens = 608;
-    // Plenty of room in its cache: the prefix is worth more than evenness.
-    cands[0].cache_fill = 0.3;
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(0)));
-    assert_eq!(d.reason, Reason::Cache);
-    // Its cache is filling: copy the prefix to the endpoint with the fewest conversations.
-    cands[0].cache_fill = 0.9;
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(2)));
-    assert_eq!(d.reason, Reason::Balance);
-    // A follow-up turn holds more than the shared prefix: its history is never given up.
-    cands[0].cache.index = gpu_match(0, 50);
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    for c in &mut cands {
+        c.cache.free_blocks = Some(0.0);
+        c.cache.block_reuse = reuse;
+    }
+    if queued > 0 {
+        busy(&mut cands[0], 1, queued);
+    }
+    (cands, request(1_000))
+}
+
+#[test]
+fn a_shared_prefix_is_copied_only_when_the_wait_saved_pays_for_its_prefill_and_evictions() {
+    let profile = Profile::default();
+    // Copying the prefix to endpoint 1 costs its prefill (608 tokens) and, with every cached
+    // block reused, the re-prefill of the 38 blocks it evicts there.
+    let copy_s = prefill(608.0) + prefill(38.0 * 16.0);
+    let wait_per_token = 1.0 / RATE;
+    let queue_for = |wait_s: f64| ((wait_s - profile.queue_wait_s) / wait_per_token) as u64;
+    // A wait above the prefill but below prefill plus evictions: the prefix stays.
+    let (cands, req) = copy_case(queue_for(prefill(608.0) * 1.5), 1.0);
+    assert_eq!(chosen(&profile, &req, &cands, 1), 0);
+    // Above both: copying pays.
+    let (cands, req) = copy_case(queue_for(copy_s * 1.2), 1.0);
+    let d = schedule(&profile, &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Load);
+    // The same wait where nothing cached is ever reused: evicting is free, the copy pays at
+    // its prefill alone.
+    let (cands, req) = copy_case(queue_for(prefill(608.0) * 1.5), 0.0);
+    assert_eq!(chosen(&profile, &req, &cands, 1), 1);
+}
+
+#[test]
+fn eviction_is_charged_only_beyond_the_free_blocks() {
+    let mut cands = fleet(2);
+    for c in &mut cands {
+        c.cache.block_reuse = 0.5;
+    }
+    cands[0].cache.free_blocks = Some(10.0);
+    cands[1].cache.free_blocks = None;
+    let d = schedule(&Profile::default(), &request(640), &cands, 1, 0);
+    // 40 blocks stored, 10 fit: 30 evicted, each reused half the time.
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!((a.cost.eviction_s - 0.5 * prefill(30.0 * 16.0)).abs() < 1e-12, "{a:?}");
+    // Unknown capacity: nothing charged.
+    assert_eq!(d.assessment(EndpointId(1)).unwrap().cost.eviction_s, 0.0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
 }
 
 #[test]

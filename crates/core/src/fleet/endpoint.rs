@@ -80,6 +80,7 @@ pub const REUSE_TAU_S: f64 = 60.0;
 pub(super) struct BlockReuse {
     hits: f64,
     stored: f64,
+    requests: f64,
     at: f64,
 }
 
@@ -93,7 +94,13 @@ impl BlockReuse {
         let d = self.decayed(now);
         self.hits = self.hits * d + hits;
         self.stored = self.stored * d + stored;
+        self.requests = self.requests * d + 1.0;
         self.at = now;
+    }
+
+    /// Blocks stored per request, recently (`None` before the first request).
+    pub(super) fn stored_per_request(&self) -> Option<f64> {
+        (self.requests > 0.0).then(|| self.stored / self.requests)
     }
 
     /// Expected reuses of a block the cache evicts, 0–1: blocks found cached per block stored
@@ -214,6 +221,10 @@ impl EndpointState {
             inflight: self.inflight,
             inflight_prefills: self.inflight_prefills,
             inflight_prefill_tokens: self.inflight_prefill_tokens,
+            recent_uncached_tokens: self
+                .reuse
+                .stored_per_request()
+                .map(|blocks| blocks * self.spec.block_size as f64),
             recent_placements: self.recent_placements(now),
         }
     }

@@ -122,11 +122,13 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let tier_load_s = held.cpu as f64 / profile.tiers.cpu_tokens_per_s.max(1.0)
         + held.storage as f64 / profile.tiers.storage_tokens_per_s.max(1.0);
     // Queued prefill: the router's own in-flight prefill tokens, or the scraped waiting queue
-    // at the mean in-flight prefill size (this prompt's size when nothing is in flight).
+    // at the mean in-flight prefill size (else the uncached size of requests recently sent
+    // there, else this prompt's size).
     let mean_prefill = if load.inflight_prefills > 0 {
         load.inflight_prefill_tokens as f64 / f64::from(load.inflight_prefills)
     } else {
-        request.prompt_tokens as f64
+        load.recent_uncached_tokens
+            .unwrap_or(request.prompt_tokens as f64)
     };
     let queued_tokens =
         (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);

@@ -54,6 +54,9 @@ pub struct EndpointLoad {
     pub inflight_prefills: u32,
     /// Uncached prompt tokens of in-flight requests still waiting for their first token.
     pub inflight_prefill_tokens: u64,
+    /// Uncached prompt tokens per request recently sent there (`None` until one was): the size
+    /// of a scraped waiting request the router did not send itself.
+    pub recent_uncached_tokens: Option<f64>,
     /// Requests the router recently placed there for reasons other than its cache (a
     /// time-decayed count): what balancing evens out among near-equal costs.
     pub recent_placements: f64,

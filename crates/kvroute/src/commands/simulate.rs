@@ -22,7 +22,7 @@ pub struct SimulateArgs {
     #[arg(
         long = "policy",
         value_delimiter = ',',
-        default_value = "round-robin,least-load,approximate,precise"
+        default_value = "round-robin,least-load,prefix-hash,approximate,precise"
     )]
     policies: Vec<String>,
     /// Where to write `simulate.json` and `simulate.html`.
@@ -46,6 +46,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         kvroute_simulate::simulate(&fleet, &workload, args.workload.concurrency, &args.policies)?;
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
+    let pooled = kvroute_sim::engine::EngineConfig {
+        num_gpu_blocks: fleet.engine.num_gpu_blocks * fleet.engines,
+        ..fleet.engine.clone()
+    };
+    println!(
+        "Pooled-cache ceiling (one cache as large as the fleet's): {:.1}% hit rate.",
+        kvroute_bench::ceiling::pooled_hit_rate(&workload, &pooled) * 100.0
+    );
     println!(
         "Simulated {:.1} s of fleet time per policy in {wall:.2} s of wall time.",
         runs.iter()

@@ -164,18 +164,6 @@ impl RoutingPolicy for CorePolicy {
         if let Some(ticket) = ticket {
             self.fleet.flow_mut().leave(ticket);
         }
-        if std::env::var("KVDBG").is_ok() {
-            if let Some(c) = plan.decision.chosen() {
-                let a = plan.decision.assessment(c).unwrap();
-                let best = plan.decision.assessments.iter().map(|a| a.cached_tokens).max().unwrap_or(0);
-                if a.cached_tokens + 500 < best {
-                    eprintln!("COPY t={now:.2} chosen={} cached={} best={best} reason={:?}", c.0, a.cached_tokens, plan.decision.reason);
-                    for a in &plan.decision.assessments {
-                        eprintln!("   e{} cached={} q={:.3} p={:.3} ev={:.3} di={:.3} tot={:.3} pl={:.1}", a.endpoint.0, a.cached_tokens, a.cost.queue_s, a.cost.prefill_s, a.cost.eviction_s, a.cost.decode_interference_s, a.cost.total_s, a.recent_placements);
-                    }
-                }
-            }
-        }
         let Some(chosen) = plan.decision.chosen() else {
             self.requests.remove(&request.id);
             return Routing::Reject(

@@ -77,15 +77,15 @@ impl MatrixSpec {
     pub fn full() -> Self {
         Self {
             kinds: vec![Kind::TenantQuestions, Kind::TenantChats, Kind::SkewedQuestions],
-            tenants: vec![4, 12, 24],
+            tenants: vec![4, 12],
             context_tokens: vec![2000],
             cache_ratios: vec![0.25, 1.0, 2.0, 4.0],
-            load_ratios: vec![0.3, 0.6, 0.9, 1.2],
+            load_ratios: vec![0.3, 0.7, 1.2],
             seeds: vec![1, 2, 3],
             policies: ["round-robin", "least-load", "prefix-hash", "precise"]
                 .map(String::from)
                 .to_vec(),
-            requests: 360,
+            requests: 240,
             question_tokens: 100,
             output_tokens: 32,
         }

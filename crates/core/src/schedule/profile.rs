@@ -49,7 +49,7 @@ impl Default for CostWeights {
         Self {
             prefix: 1.0,
             load: 1.0,
-            decode_interference: 0.05,
+            decode_interference: 1.0,
             eviction: 1.0,
         }
     }

@@ -280,10 +280,17 @@ pub fn split(workload: &Workload, holdout: f64, how: Split) -> (Workload, Worklo
             .map(|&i| workload.sessions[i].clone())
             .collect();
         sessions.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
-        // Each part starts at its first arrival, keeping the gaps between arrivals.
+        // Each part starts at its first arrival. A part held out by time keeps the gaps between
+        // arrivals (its offered rate is the whole's already); one of sessions drawn from the
+        // whole run spans all of it with fewer sessions, so its gaps shrink by its share, to
+        // replay it at the whole's offered rate (a lighter load is a different regime).
         let first = sessions.first().map_or(0.0, |s| s.start_s);
+        let scale = match how {
+            Split::Time => 1.0,
+            Split::Session => sessions.len() as f64 / workload.sessions.len().max(1) as f64,
+        };
         for s in &mut sessions {
-            s.start_s -= first;
+            s.start_s = (s.start_s - first) * scale;
         }
         Workload {
             description: serde_json::json!({"part": label, "of": workload.description}),

@@ -444,6 +444,29 @@ fn arb_fleet() -> impl Strategy<Value = Vec<(u32, f64)>> {
 }
 
 proptest! {
+    /// Endpoint 0 holds a 608-token shared prefix of a 1,000-token request and has `queued`
+    /// prefill tokens waiting; endpoint 1 is idle. The request goes to endpoint 1 (copying the
+    /// prefix) exactly when the queue wait it saves exceeds the prefix's prefill plus the
+    /// re-prefill of the extra blocks the copy evicts there.
+    #[test]
+    fn a_prefix_is_copied_only_when_the_wait_saved_exceeds_prefill_plus_eviction(
+        queued in 0u64..8_000,
+        reuse in 0.0f64..1.0,
+        free in proptest::array::uniform2(0.0f64..80.0),
+    ) {
+        let profile = Profile::default();
+        let (mut cands, req) = copy_case(queued, reuse);
+        cands[0].cache.free_blocks = Some(free[0]);
+        cands[1].cache.free_blocks = Some(free[1]);
+        let block_s = prefill(16.0);
+        let evicted = |stored: f64, free: f64| (stored - free).max(0.0) * block_s * reuse;
+        let wait_saved = if queued > 0 { prefill(queued as f64) + profile.queue_wait_s } else { 0.0 };
+        let copy_s = prefill(608.0) + evicted(62.0, free[1]) - evicted(24.0, free[0]);
+        prop_assume!((wait_saved - copy_s).abs() > 1e-6);
+        let copied = chosen(&profile, &req, &cands, 9) == 1;
+        prop_assert_eq!(copied, wait_saved > copy_s, "wait saved {} s, copy {} s", wait_saved, copy_s);
+    }
+
     /// At zero load a request always goes to an endpoint holding the longest cached prefix,
     /// whatever the placements.
     #[test]

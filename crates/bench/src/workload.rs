@@ -459,13 +459,16 @@ mod tests {
     #[test]
     fn lengths_follow_the_distribution_asked_for() {
         let mut rng = StdRng::seed_from_u64(1);
-        let fixed: Vec<usize> = (0..100).map(|_| sample_length(&mut rng, 200, 0.0)).collect();
+        let fixed: Vec<usize> = (0..100)
+            .map(|_| sample_length(&mut rng, 200, 0.0))
+            .collect();
         assert!(fixed.iter().all(|&l| l == 200));
         let spread: Vec<f64> = (0..4000)
             .map(|_| sample_length(&mut rng, 200, 0.5) as f64)
             .collect();
         let mean = spread.iter().sum::<f64>() / spread.len() as f64;
-        let sd = (spread.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / spread.len() as f64).sqrt();
+        let sd =
+            (spread.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / spread.len() as f64).sqrt();
         assert!((mean - 200.0).abs() < 10.0, "mean {mean}");
         assert!((sd / mean - 0.5).abs() < 0.08, "cv {}", sd / mean);
         let w = tenants(&tenant_params(TenantSkew::Uniform, 0.5));

@@ -76,7 +76,11 @@ impl MatrixSpec {
     /// The full matrix of docs/benchmarks.md.
     pub fn full() -> Self {
         Self {
-            kinds: vec![Kind::TenantQuestions, Kind::TenantChats, Kind::SkewedQuestions],
+            kinds: vec![
+                Kind::TenantQuestions,
+                Kind::TenantChats,
+                Kind::SkewedQuestions,
+            ],
             tenants: vec![4, 12],
             context_tokens: vec![2000],
             cache_ratios: vec![0.25, 1.0, 2.0, 4.0],
@@ -274,7 +278,8 @@ pub fn run_matrix(
             }
         }
     }
-    let per_shape = spec.cache_ratios.len() * (1 + spec.load_ratios.len() * spec.seeds.len() * spec.policies.len());
+    let per_shape = spec.cache_ratios.len()
+        * (1 + spec.load_ratios.len() * spec.seeds.len() * spec.policies.len());
     let total = shapes.len() * per_shape;
     let mut done = 0;
     let mut results = Vec::new();
@@ -305,8 +310,8 @@ pub fn run_matrix(
                 .max()
                 .unwrap_or(0);
             let floor = (longest + 4 * spec.question_tokens) / bs + 16;
-            let blocks = ((cache_ratio * working_blocks as f64 / base.engines as f64) as usize)
-                .max(floor);
+            let blocks =
+                ((cache_ratio * working_blocks as f64 / base.engines as f64) as usize).max(floor);
             let fleet = FleetConfig {
                 engine: EngineConfig {
                     num_gpu_blocks: blocks,
@@ -316,7 +321,12 @@ pub fn run_matrix(
             };
             // Round-robin's saturation: a probe at a rate it surely sustains gives its hit rate.
             let cold_rate = base.engines as f64
-                / request_seconds(&fleet.engine, (longest + spec.question_tokens) as f64, 0.0, spec.output_tokens);
+                / request_seconds(
+                    &fleet.engine,
+                    (longest + spec.question_tokens) as f64,
+                    0.0,
+                    spec.output_tokens,
+                );
             let probe = simulate(
                 &fleet,
                 &shape.workload(spec, cold_rate * 0.3, 1),
@@ -344,7 +354,10 @@ pub fn run_matrix(
                         ..fleet.engine.clone()
                     };
                     ceilings.push(pooled_hit_rate(&workload, &pooled));
-                    let seeded = FleetConfig { seed, ..fleet.clone() };
+                    let seeded = FleetConfig {
+                        seed,
+                        ..fleet.clone()
+                    };
                     for (i, policy) in spec.policies.iter().enumerate() {
                         let run = simulate(&seeded, &workload, None, std::slice::from_ref(policy))?;
                         per_policy[i].extend(run);

@@ -10,13 +10,20 @@ use kvroute_simulate::matrix::{MatrixSpec, report, run_matrix};
 
 #[test]
 fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
-    let results = run_matrix(&MatrixSpec::small(), &FleetConfig::default(), &mut |_, _| {})
-        .expect("the matrix runs");
+    let results = run_matrix(
+        &MatrixSpec::small(),
+        &FleetConfig::default(),
+        &mut |_, _| {},
+    )
+    .expect("the matrix runs");
     let table = report::table(&results);
     assert_eq!(results.len(), 2, "{table}");
     for r in &results {
         let precise = r.figures("precise").expect("precise ran");
-        assert!(r.fits(), "the small matrix's cells fit the pooled cache\n{table}");
+        assert!(
+            r.fits(),
+            "the small matrix's cells fit the pooled cache\n{table}"
+        );
         assert!(
             precise.hit_rate >= 0.9 * r.ceiling,
             "hit rate {:.3} below 90% of the ceiling {:.3}\n{table}",

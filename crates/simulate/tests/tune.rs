@@ -49,7 +49,11 @@ fn the_split_keeps_every_session_once_and_time_holds_out_the_latest() {
 
 /// Sessions started per second over a workload's span of arrivals.
 fn arrival_rate(w: &kvroute_bench::workload::Workload) -> f64 {
-    let first = w.sessions.iter().map(|s| s.start_s).fold(f64::INFINITY, f64::min);
+    let first = w
+        .sessions
+        .iter()
+        .map(|s| s.start_s)
+        .fold(f64::INFINITY, f64::min);
     let last = w.sessions.iter().map(|s| s.start_s).fold(0.0, f64::max);
     (w.sessions.len() - 1) as f64 / (last - first)
 }
@@ -137,7 +141,10 @@ fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
         .min_by(|a, b| a.value.total_cmp(&b.value))
         .unwrap();
     let best_values: Vec<f64> = PARAMS.iter().map(|p| p.get(&outcome.best)).collect();
-    assert_eq!(best_values, argmin.values, "the best profile is the feasible minimum");
+    assert_eq!(
+        best_values, argmin.values,
+        "the best profile is the feasible minimum"
+    );
     for p in &PARAMS {
         let v = p.get(&outcome.best);
         assert!(

@@ -412,11 +412,15 @@ impl Fleet {
             block_size: bs,
             session_endpoint: request.session.and_then(|s| self.sessions.get(s)),
             role: request.role,
-            prefix_key: self.profile.picker.hashed_prefix_tokens().and_then(|tokens| {
-                // Router keys chain their parents: the last key of the prefix hashes all of it.
-                let blocks = tokens.div_ceil(bs).clamp(1, keys.len().max(1));
-                keys.get(blocks - 1).map(|k| k.0)
-            }),
+            prefix_key: self
+                .profile
+                .picker
+                .hashed_prefix_tokens()
+                .and_then(|tokens| {
+                    // Router keys chain their parents: the last key of the prefix hashes all of it.
+                    let blocks = tokens.div_ceil(bs).clamp(1, keys.len().max(1));
+                    keys.get(blocks - 1).map(|k| k.0)
+                }),
         };
         self.round_robin = self.round_robin.wrapping_add(1);
         let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);

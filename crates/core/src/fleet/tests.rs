@@ -422,7 +422,10 @@ fn new_conversations_spread_once_the_system_prompts_holder_fills_up() {
             fleet.finished(d, None, now);
             now += 0.05;
         }
-        assert_eq!(turns[1], turns[0], "a follow-up turn stays with its history");
+        assert_eq!(
+            turns[1], turns[0],
+            "a follow-up turn stays with its history"
+        );
         homes.push(turns[0]);
     }
     // The first conversations go where the system prompt is while its cache has room; once it

@@ -97,7 +97,10 @@ impl Picker {
             Picker::PrefixHash { epsilon, .. } => {
                 // Without a key (an untokenized prompt) the random input stands in for it.
                 let key = prefix_key.unwrap_or(random);
-                (ring::rank(assessments, competing, key, *epsilon), Reason::PrefixHash)
+                (
+                    ring::rank(assessments, competing, key, *epsilon),
+                    Reason::PrefixHash,
+                )
             }
             Picker::RoundRobin => {
                 let mut by_id = competing.to_vec();
@@ -198,8 +201,8 @@ fn balance(
 /// session credit.
 fn why_cheaper(assessments: &[Assessment], winner: usize, runner_up: usize) -> Reason {
     let (w, r) = (&assessments[winner].cost, &assessments[runner_up].cost);
-    let cache_gain = (r.prefill_s + r.tier_load_s + r.eviction_s)
-        - (w.prefill_s + w.tier_load_s + w.eviction_s);
+    let cache_gain =
+        (r.prefill_s + r.tier_load_s + r.eviction_s) - (w.prefill_s + w.tier_load_s + w.eviction_s);
     let load_gain = (r.queue_s + r.decode_interference_s) - (w.queue_s + w.decode_interference_s);
     let session_gain = w.session_credit_s - r.session_credit_s;
     if session_gain > cache_gain.max(load_gain) && session_gain > 0.0 {

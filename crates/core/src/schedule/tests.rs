@@ -148,7 +148,10 @@ fn eviction_is_charged_only_beyond_the_free_blocks() {
     let d = schedule(&Profile::default(), &request(640), &cands, 1, 0);
     // 40 blocks stored, 10 fit: 30 evicted, each reused half the time.
     let a = d.assessment(EndpointId(0)).unwrap();
-    assert!((a.cost.eviction_s - 0.5 * prefill(30.0 * 16.0)).abs() < 1e-12, "{a:?}");
+    assert!(
+        (a.cost.eviction_s - 0.5 * prefill(30.0 * 16.0)).abs() < 1e-12,
+        "{a:?}"
+    );
     // Unknown capacity: nothing charged.
     assert_eq!(d.assessment(EndpointId(1)).unwrap().cost.eviction_s, 0.0);
     assert_eq!(d.chosen(), Some(EndpointId(1)));

@@ -13,7 +13,11 @@ pub fn table(results: &[CellResult]) -> String {
     let Some(first) = results.first() else {
         return out;
     };
-    let _ = write!(out, "{:<10} {:>3} {:>5} {:>5} {:>4} {:>6} {:>6}", "kind", "ten", "ctx", "cache", "load", "req/s", "ceil");
+    let _ = write!(
+        out,
+        "{:<10} {:>3} {:>5} {:>5} {:>4} {:>6} {:>6}",
+        "kind", "ten", "ctx", "cache", "load", "req/s", "ceil"
+    );
     for p in &first.policies {
         let _ = write!(out, " {:>20}", format!("{} hit/p90", p.policy));
     }
@@ -120,10 +124,16 @@ pub fn html(results: &[CellResult], command: &str) -> String {
         }
         out.push_str("</tr>");
     }
-    let _ = write!(out, "</table><h2>All figures</h2><pre>{}</pre>", escape(&table(results)));
+    let _ = write!(
+        out,
+        "</table><h2>All figures</h2><pre>{}</pre>",
+        escape(&table(results))
+    );
     out
 }
 
 fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

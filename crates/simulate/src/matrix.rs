@@ -300,6 +300,7 @@ pub fn run_matrix(
                 .map(|c| kvroute_vllm::tokenizer::BuiltinTokenizer.encode(c).len() / bs)
                 .sum()
         };
+        let mut last_blocks = None;
         for &cache_ratio in &spec.cache_ratios {
             // At least room for the longest prompt, twice, on every engine.
             let longest = probe_workload
@@ -312,6 +313,12 @@ pub fn run_matrix(
             let floor = (longest + 4 * spec.question_tokens) / bs + 16;
             let blocks =
                 ((cache_ratio * working_blocks as f64 / base.engines as f64) as usize).max(floor);
+            // Two ratios that come to the same cache (the floor) are one cell.
+            if last_blocks.replace(blocks) == Some(blocks) {
+                done += 1 + spec.load_ratios.len() * spec.seeds.len() * spec.policies.len();
+                progress(done, total);
+                continue;
+            }
             let fleet = FleetConfig {
                 engine: EngineConfig {
                     num_gpu_blocks: blocks,

@@ -4,8 +4,11 @@
 //!   per queued request (a request waiting for a batch slot also waits behind decodes);
 //! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate;
 //! - **tier loading**: blocks it holds on CPU or storage, at each tier's load rate;
-//! - **decode interference**: while it prefills, every running decode there stalls; charged as
-//!   prefill seconds × running decodes × a factor;
+//! - **decode interference** (the stall it imposes on others): while it prefills, every running
+//!   decode there waits (its next token comes after that step), and so do the requests that
+//!   will queue behind it, in steady state as many as are queued there now (a queue that keeps
+//!   its length has as many arrive behind a request as were ahead of it); charged as prefill
+//!   seconds × (running decodes + queued requests) × a factor;
 //! - **eviction**: a vLLM cache is full in steady state, so the blocks this request stores
 //!   there push out cached blocks (least recently used first) that other requests may have
 //!   come back for. Charged as the blocks it stores beyond the endpoint's free blocks × their
@@ -133,8 +136,12 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let queued_tokens =
         (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
     let queue_s = queued_tokens / rate + load.queue() * profile.queue_wait_s;
-    let decode_interference_s =
-        (prefill_s + tier_load_s) * load.decoding() * profile.weights.decode_interference;
+    // Who waits for this prefill: every running decode (its next token comes after the step
+    // that computes it), and the requests that will queue behind it, as many, in steady state,
+    // as are queued there now.
+    let decode_interference_s = (prefill_s + tier_load_s)
+        * (load.decoding() + load.queue())
+        * profile.weights.decode_interference;
     let eviction_s = eviction_s(request, c, &held, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s

@@ -36,8 +36,8 @@ pub struct CostWeights {
     pub prefix: f64,
     /// Weight of the seconds spent waiting behind other work, and stalling others.
     pub load: f64,
-    /// Seconds of stall charged per running decode for each second of this request's prefill:
-    /// a long prefill on an engine delays every token its running requests produce.
+    /// Seconds of stall charged per request that waits for this one's prefill (each running
+    /// decode, and as many requests as are queued there), per second of that prefill.
     pub decode_interference: f64,
     /// Weight of the expected seconds of re-prefill the placement causes by evicting cached
     /// blocks that others would have reused (see [`cost`](super::cost)).

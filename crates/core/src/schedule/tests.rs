@@ -122,7 +122,10 @@ fn a_shared_prefix_is_copied_only_when_the_wait_saved_pays_for_its_prefill_and_e
     // block reused, the re-prefill of the 38 blocks it evicts there.
     let copy_s = prefill(608.0) + prefill(38.0 * 16.0);
     let wait_per_token = 1.0 / RATE;
-    let queue_for = |wait_s: f64| ((wait_s - profile.queue_wait_s) / wait_per_token) as u64;
+    // The wait saved: the queue's, and the stall its own 392-token prefill would impose on
+    // the request queued there.
+    let queue_for =
+        |wait_s: f64| ((wait_s - profile.queue_wait_s - prefill(392.0)) / wait_per_token) as u64;
     // A wait above the prefill but below prefill plus evictions: the prefix stays.
     let (cands, req) = copy_case(queue_for(prefill(608.0) * 1.5), 1.0);
     assert_eq!(chosen(&profile, &req, &cands, 1), 0);
@@ -304,13 +307,26 @@ fn a_hot_prefix_spills_once_the_queue_wait_exceeds_the_prefill_saved() {
     let prompt = 2_200;
     let mut cands = fleet(2);
     cands[0].cache.index = gpu_match(0, 125);
-    busy(&mut cands[0], 3, 600); // 30 ms of queued prefill + 3 × 20 ms of queue wait
+    // 30 ms of queued prefill + 2 × 20 ms of queue wait + its 10 ms prefill stalling the 2
+    // queued (20 ms): 90 ms < 100 ms saved.
+    busy(&mut cands[0], 2, 600);
     let d = schedule(&Profile::default(), &request(prompt), &cands, 0, 0);
     assert_eq!(d.chosen(), Some(EndpointId(0)), "{d:?}");
-    busy(&mut cands[0], 4, 1_200); // 60 ms + 80 ms > 100 ms saved
+    busy(&mut cands[0], 4, 1_200); // 60 ms + 80 ms + 40 ms > 100 ms saved
     let d = schedule(&Profile::default(), &request(prompt), &cands, 0, 0);
     assert_eq!(d.chosen(), Some(EndpointId(1)));
     assert_eq!(d.reason, Reason::Load);
+}
+
+#[test]
+fn the_stall_counts_running_decodes_and_the_queue_that_forms_behind() {
+    let mut cands = fleet(1);
+    busy(&mut cands[0], 3, 6_000);
+    cands[0].load.running = Some(5.0);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 0, 0);
+    // 5 running decodes and 3 queued requests wait for its 1,000 tokens.
+    let stall = d.assessments[0].cost.decode_interference_s;
+    assert!((stall - 8.0 * 1_000.0 / RATE).abs() < 1e-12, "{stall}");
 }
 
 #[test]
@@ -449,8 +465,9 @@ fn arb_fleet() -> impl Strategy<Value = Vec<(u32, f64)>> {
 proptest! {
     /// Endpoint 0 holds a 608-token shared prefix of a 1,000-token request and has `queued`
     /// prefill tokens waiting; endpoint 1 is idle. The request goes to endpoint 1 (copying the
-    /// prefix) exactly when the queue wait it saves exceeds the prefix's prefill plus the
-    /// re-prefill of the extra blocks the copy evicts there.
+    /// prefix) exactly when the queue wait it saves (its own, and the stall its prefill would
+    /// impose on the request queued there) exceeds the prefix's prefill plus the re-prefill of
+    /// the extra blocks the copy evicts there.
     #[test]
     fn a_prefix_is_copied_only_when_the_wait_saved_exceeds_prefill_plus_eviction(
         queued in 0u64..8_000,
@@ -463,7 +480,13 @@ proptest! {
         cands[1].cache.free_blocks = Some(free[1]);
         let block_s = prefill(16.0);
         let evicted = |stored: f64, free: f64| (stored - free).max(0.0) * block_s * reuse;
-        let wait_saved = if queued > 0 { prefill(queued as f64) + profile.queue_wait_s } else { 0.0 };
+        // The wait saved: the queue's, and the stall its own 392-token prefill would impose on
+        // the request queued there.
+        let wait_saved = if queued > 0 {
+            prefill(queued as f64) + profile.queue_wait_s + prefill(392.0)
+        } else {
+            0.0
+        };
         let copy_s = prefill(608.0) + evicted(62.0, free[1]) - evicted(24.0, free[0]);
         prop_assume!((wait_saved - copy_s).abs() > 1e-6);
         let copied = chosen(&profile, &req, &cands, 9) == 1;

@@ -102,7 +102,7 @@ impl MatrixSpec {
             tenants: vec![12],
             context_tokens: vec![1000],
             cache_ratios: vec![1.5],
-            load_ratios: vec![0.3, 0.9],
+            load_ratios: vec![0.1, 0.9],
             seeds: vec![1],
             policies: ["round-robin", "least-load", "prefix-hash", "precise"]
                 .map(String::from)

@@ -12,6 +12,9 @@ use super::Assessment;
 /// Points each endpoint owns on the ring: enough that each owns about its share of it.
 pub const VIRTUAL_NODES: u32 = 64;
 
+/// Keeps the nodes' hashes apart from the keys' (both go through [`mix`]).
+const NODE_SALT: u64 = 0xa076_1d64_78bd_642f;
+
 /// A 64-bit mix of `x` (splitmix64's finalizer).
 fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -30,7 +33,8 @@ pub fn rank(assessments: &[Assessment], competing: &[usize], key: u64, epsilon: 
         .flat_map(|&i| {
             let id = u64::from(assessments[i].endpoint.0);
             (0..VIRTUAL_NODES).map(move |v| {
-                let at = mix((id << 32) | u64::from(v));
+                // Salted, so that no prompt key lands exactly on a node.
+                let at = mix(((id << 32) | u64::from(v)) ^ NODE_SALT);
                 (at.wrapping_sub(point), i)
             })
         })

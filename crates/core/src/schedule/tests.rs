@@ -595,3 +595,34 @@ fn ejected_endpoints_are_filtered_and_open_circuits_saturate() {
     assert_eq!(held.chosen(), None);
     assert!(held.saturated);
 }
+
+#[test]
+fn prefix_hash_keeps_a_prefix_home_and_overflows_past_the_load_bound() {
+    let profile = Profile::named(ProfileName::PrefixHash);
+    let mut cands = fleet(4);
+    let with_key = |key: u64| RequestInfo {
+        prefix_key: Some(key),
+        ..request(1_000)
+    };
+    // Costs are ignored: a prefix has one home whatever the random input.
+    let home = chosen(&profile, &with_key(7), &cands, 1);
+    for random in 0..20 {
+        assert_eq!(chosen(&profile, &with_key(7), &cands, random), home);
+    }
+    // Different prefixes spread over the ring.
+    let homes: std::collections::HashSet<u32> = (0..64)
+        .map(|k| chosen(&profile, &with_key(k), &cands, 0))
+        .collect();
+    assert_eq!(homes.len(), 4, "{homes:?}");
+    // The home above (1 + 0.25) × the mean load: the next endpoint on the ring takes it.
+    cands[home as usize].load.inflight = 10;
+    for (i, c) in cands.iter_mut().enumerate() {
+        if i as u32 != home {
+            c.load.inflight = 2;
+        }
+    }
+    let d = schedule(&profile, &with_key(7), &cands, 0, 0);
+    assert_ne!(d.chosen(), Some(EndpointId(home)));
+    assert_eq!(d.reason, Reason::PrefixHash);
+    assert_eq!(d.ranking.len(), 4, "every endpoint stays a fallback");
+}

@@ -9,14 +9,14 @@
 #   scripts/targets.sh [workload ...]     # default: every workload below
 #   POLICIES="round-robin precise" scripts/targets.sh heavy-multi-turn
 #   ROUTER_YAML='flow: {enabled: false}' SUFFIX=-noflow scripts/targets.sh heavy-multi-turn
-#   SCHEDULER='balance: {replicate_shared_above: 2}' SUFFIX=-norep scripts/targets.sh mooncake
+#   SCHEDULER='weights: {eviction: 0}' SUFFIX=-noevict scripts/targets.sh mooncake
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo build --release --quiet
 bin=target/release/kvroute
 out=kvroute-targets
-policies=${POLICIES:-"round-robin least-load approximate precise"}
+policies=${POLICIES:-"round-robin least-load prefix-hash approximate precise"}
 router_yaml=${ROUTER_YAML:-}
 scheduler=${SCHEDULER:+, $SCHEDULER}
 suffix=${SUFFIX:-}

@@ -1,4 +1,5 @@
-//! Seeded, reproducible workloads: multi-turn chat, shared-prefix tenants, trace replay.
+//! Seeded, reproducible workloads: multi-turn chat, shared-prefix tenants, tenants with
+//! conversations (skewed popularity, lengths from a distribution), trace replay.
 //!
 //! A workload is a list of sessions; a session is a sequence of turns sent one after another
 //! (each waits for the previous answer plus a think time). Chat sessions resend their whole
@@ -202,6 +203,152 @@ pub fn shared_prefix(p: &SharedPrefix) -> Workload {
     }
 }
 
+/// How popular tenants are.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum TenantSkew {
+    /// Every tenant equally.
+    Uniform,
+    /// Tenant `k` (from 0) in proportion to `1 / (k + 1)^s`.
+    Zipf {
+        /// The exponent (1.0: the classic Zipf law).
+        s: f64,
+    },
+}
+
+impl std::str::FromStr for TenantSkew {
+    type Err = String;
+
+    /// `uniform`, `zipf` (exponent 1) or `zipf:S`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.split_once(':') {
+            None if text == "uniform" => Ok(TenantSkew::Uniform),
+            None if text == "zipf" => Ok(TenantSkew::Zipf { s: 1.0 }),
+            Some(("zipf", s)) => match s.parse::<f64>() {
+                Ok(s) if s.is_finite() && s >= 0.0 => Ok(TenantSkew::Zipf { s }),
+                _ => Err(format!("zipf exponent {s:?} is not a non-negative number")),
+            },
+            _ => Err(format!(
+                "unknown tenant skew {text:?}: expected uniform, zipf or zipf:S"
+            )),
+        }
+    }
+}
+
+impl TenantSkew {
+    /// Each tenant's share of the traffic, summing to 1.
+    pub fn shares(&self, tenants: usize) -> Vec<f64> {
+        let weights: Vec<f64> = (0..tenants)
+            .map(|k| match self {
+                TenantSkew::Uniform => 1.0,
+                TenantSkew::Zipf { s } => 1.0 / ((k + 1) as f64).powf(*s),
+            })
+            .collect();
+        let total: f64 = weights.iter().sum();
+        weights.into_iter().map(|w| w / total.max(1e-300)).collect()
+    }
+}
+
+/// A length around `mean` tokens: log-normal with coefficient of variation `cv` (0: exactly
+/// `mean`), at least 1.
+pub fn sample_length(rng: &mut StdRng, mean: usize, cv: f64) -> usize {
+    if cv <= 0.0 || mean == 0 {
+        return mean.max(1);
+    }
+    let sigma2 = (1.0 + cv * cv).ln();
+    let mu = (mean as f64).ln() - sigma2 / 2.0;
+    // Box–Muller.
+    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
+    let u2: f64 = rng.random();
+    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+    ((mu + sigma2.sqrt() * z).exp().round() as usize).max(1)
+}
+
+/// Settings of the tenants workload.
+#[derive(Clone, Debug, Serialize)]
+pub struct Tenants {
+    /// Tenants, each with its own long context (a document, a codebase, a long system prompt).
+    pub tenants: usize,
+    /// Mean tokens of a tenant's context.
+    pub context_tokens: usize,
+    /// Conversations, all tenants together; each picks its tenant by `skew`.
+    pub conversations: usize,
+    /// Turns per conversation (1: one question per conversation).
+    pub turns: usize,
+    /// Mean tokens of each question.
+    pub question_tokens: usize,
+    /// Coefficient of variation of context and question lengths (log-normal; 0: fixed).
+    pub length_cv: f64,
+    /// Tokens generated per answer.
+    pub output_tokens: u32,
+    /// Seconds between an answer and the next question of a conversation.
+    pub think_s: f64,
+    /// New conversations per second.
+    pub rate_per_s: f64,
+    /// Tenant popularity.
+    pub skew: TenantSkew,
+    /// Random seed.
+    pub seed: u64,
+}
+
+/// Tenants × conversations: each tenant has a long context; conversations start at Poisson
+/// times, pick a tenant by popularity, and ask `turns` questions under its context, resending
+/// the history each turn.
+pub fn tenants(p: &Tenants) -> Workload {
+    let mut rng = StdRng::seed_from_u64(p.seed);
+    let tenants = p.tenants.max(1);
+    let contexts: Vec<String> = (0..tenants)
+        .map(|_| {
+            let len = sample_length(&mut rng, p.context_tokens, p.length_cv);
+            words(&mut rng, len)
+        })
+        .collect();
+    let mut cumulative = 0.0;
+    let cdf: Vec<f64> = p
+        .skew
+        .shares(tenants)
+        .into_iter()
+        .map(|share| {
+            cumulative += share;
+            cumulative
+        })
+        .collect();
+    let starts = poisson_starts(&mut rng, p.conversations, p.rate_per_s);
+    let sessions = starts
+        .into_iter()
+        .enumerate()
+        .map(|(i, start_s)| {
+            let u: f64 = rng.random_range(0.0..cumulative);
+            let tenant = cdf.iter().position(|&c| u < c).unwrap_or(tenants - 1);
+            Session {
+                id: i as u64,
+                start_s,
+                system: Some(contexts[tenant].clone()),
+                turns: (0..p.turns.max(1))
+                    .map(|t| {
+                        let think_s = if t == 0 {
+                            0.0
+                        } else {
+                            p.think_s * rng.random_range(0.5..1.5)
+                        };
+                        let len = sample_length(&mut rng, p.question_tokens, p.length_cv);
+                        Turn {
+                            think_s,
+                            content: Content::Text(words(&mut rng, len)),
+                            max_tokens: p.output_tokens,
+                        }
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    Workload {
+        description: serde_json::json!({"workload": "tenants", "params": p}),
+        api: Api::Chat,
+        sessions,
+    }
+}
+
 /// One single-turn completions session per prompt, at the given arrival times.
 pub fn from_prompts(
     description: serde_json::Value,
@@ -271,6 +418,62 @@ mod tests {
             .encode(system.as_deref().unwrap())
             .len();
         assert!((200..=500).contains(&tokens), "about 300 tokens: {tokens}");
+    }
+
+    fn tenant_params(skew: TenantSkew, length_cv: f64) -> Tenants {
+        Tenants {
+            tenants: 8,
+            context_tokens: 300,
+            conversations: 400,
+            turns: 2,
+            question_tokens: 40,
+            length_cv,
+            output_tokens: 4,
+            think_s: 1.0,
+            rate_per_s: 10.0,
+            skew,
+            seed: 5,
+        }
+    }
+
+    #[test]
+    fn zipf_tenants_are_skewed_and_uniform_ones_are_not() {
+        let count = |w: &Workload| {
+            let mut by: std::collections::HashMap<_, usize> = Default::default();
+            for s in &w.sessions {
+                *by.entry(s.system.clone()).or_default() += 1;
+            }
+            let mut counts: Vec<usize> = by.into_values().collect();
+            counts.sort_unstable();
+            counts
+        };
+        let uniform = count(&tenants(&tenant_params(TenantSkew::Uniform, 0.0)));
+        let zipf = count(&tenants(&tenant_params(TenantSkew::Zipf { s: 1.2 }, 0.0)));
+        assert_eq!(uniform.len(), 8);
+        assert!(uniform[7] < 2 * uniform[0], "{uniform:?}");
+        assert!(zipf[zipf.len() - 1] > 4 * zipf[0], "{zipf:?}");
+        assert_eq!("zipf:1.2".parse(), Ok(TenantSkew::Zipf { s: 1.2 }));
+        assert!("zipf:x".parse::<TenantSkew>().is_err());
+    }
+
+    #[test]
+    fn lengths_follow_the_distribution_asked_for() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let fixed: Vec<usize> = (0..100)
+            .map(|_| sample_length(&mut rng, 200, 0.0))
+            .collect();
+        assert!(fixed.iter().all(|&l| l == 200));
+        let spread: Vec<f64> = (0..4000)
+            .map(|_| sample_length(&mut rng, 200, 0.5) as f64)
+            .collect();
+        let mean = spread.iter().sum::<f64>() / spread.len() as f64;
+        let sd =
+            (spread.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / spread.len() as f64).sqrt();
+        assert!((mean - 200.0).abs() < 10.0, "mean {mean}");
+        assert!((sd / mean - 0.5).abs() < 0.08, "cv {}", sd / mean);
+        let w = tenants(&tenant_params(TenantSkew::Uniform, 0.5));
+        assert_eq!(w.requests(), 800);
+        assert_eq!(w, tenants(&tenant_params(TenantSkew::Uniform, 0.5)));
     }
 
     #[test]

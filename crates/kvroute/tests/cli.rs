@@ -289,6 +289,90 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
 }
 
 #[test]
+fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
+    let dir = std::env::temp_dir().join(format!("kvroute-matrix-test-{}", std::process::id()));
+    let out = dir.join("out");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let matrix = kvroute(&["simulate", "--matrix", "small", "--out", &path(&out)], "");
+    assert!(
+        matrix.status.success(),
+        "{}",
+        String::from_utf8_lossy(&matrix.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("matrix.json")).unwrap()).unwrap();
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2);
+    let policies: Vec<&str> = cells[0]["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        policies,
+        ["round-robin", "least-load", "prefix-hash", "precise"]
+    );
+    let html = std::fs::read_to_string(out.join("matrix.html")).unwrap();
+    assert!(
+        html.contains("heat") || html.contains("background:rgb"),
+        "a heat map"
+    );
+    let tenants = kvroute(
+        &[
+            "simulate",
+            "--workload",
+            "tenants",
+            "--users",
+            "6",
+            "--conversations",
+            "40",
+            "--turns",
+            "2",
+            "--tenant-skew",
+            "zipf:1.2",
+            "--length-cv",
+            "0.5",
+            "--shared-tokens",
+            "400",
+            "--user-tokens",
+            "40",
+            "--output-tokens",
+            "4",
+            "--rate",
+            "10",
+            "--policy",
+            "prefix-hash,precise",
+            "--out",
+            &path(&out),
+        ],
+        "",
+    );
+    assert!(
+        tenants.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tenants.stderr)
+    );
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["summary"]["requests"].as_u64(), Some(80));
+    let bad = kvroute(
+        &[
+            "simulate",
+            "--workload",
+            "tenants",
+            "--tenant-skew",
+            "pareto",
+        ],
+        "",
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("tenant skew"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
     let dir = std::env::temp_dir().join(format!("kvroute-tune-test-{}", std::process::id()));
     let out = dir.join("out");

@@ -353,7 +353,7 @@ fn main() {
         block_size: BLOCK_SIZE,
         session_endpoint: None,
         role: Role::Both,
-        shared_tokens: 0,
+        prefix_key: None,
     };
     let mut rng = 0x1234_5678_9abc_def0u64;
     let mut rr = 0u64;

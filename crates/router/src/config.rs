@@ -253,7 +253,8 @@ pub struct EndpointConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
-    /// `precise` (default), `approximate`, `least-load`, `round-robin` or `random`.
+    /// `precise` (default), `approximate`, `least-load`, `prefix-hash`, `round-robin` or
+    /// `random`.
     #[serde(default = "default_policy")]
     pub policy: ProfileName,
     /// The cost model's weights (prefix against load), replacing the defaults.
@@ -663,6 +664,7 @@ impl RouterConfig {
                     "scheduler.weights.decode_interference",
                     w.decode_interference,
                 ),
+                ("scheduler.weights.eviction", w.eviction),
             ]);
         }
         if let Some(t) = &s.tiers {
@@ -687,6 +689,14 @@ impl RouterConfig {
         );
         if let Some((field, _)) = numbers.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
             return Err(invalid(field, "must be finite and not negative"));
+        }
+        if let Some(Picker::PrefixHash { epsilon, .. }) = &s.picker
+            && !(epsilon.is_finite() && *epsilon >= 0.0)
+        {
+            return Err(invalid(
+                "scheduler.picker.epsilon",
+                "must be finite and not negative",
+            ));
         }
         if let Some(Picker::Softmax { temperature_s }) = &s.picker
             && (temperature_s.is_nan() || *temperature_s <= 0.0)

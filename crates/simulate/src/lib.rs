@@ -10,13 +10,15 @@
 //! - [`policy`]: the routing seam; [`core_policy`]: the policies on kvroute-core's fleet state;
 //! - [`run`](mod@run): one run in virtual time; [`simulate`] and [`simulate_with`]: runs as
 //!   `kvroute bench` results;
-//! - [`tune`](mod@tune): searching a profile's parameters, with a held-out part.
+//! - [`tune`](mod@tune): searching a profile's parameters, with a held-out part;
+//! - [`matrix`]: every policy on a grid of workload shapes, cache sizes and loads.
 
 mod client;
 pub mod config;
 pub mod core_policy;
 mod engines;
 mod error;
+pub mod matrix;
 pub mod policy;
 mod queue;
 pub mod run;

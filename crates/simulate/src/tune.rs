@@ -143,9 +143,11 @@ impl Param {
     }
 }
 
-/// Every parameter the search varies: the cost model's weights, the balancing tolerance, the
-/// wait per queued request and the saturation threshold of flow control.
-pub const PARAMS: [Param; 6] = [
+/// Every parameter the search varies: the cost model's weights (eviction included), the
+/// balancing tolerance, the wait per queued request and the saturation threshold of flow
+/// control. Not searched: the tier rates (measured properties of the hardware) and the session
+/// credit (simulated clients name no session).
+pub const PARAMS: [Param; 8] = [
     Param {
         name: "weights.prefix",
         low: 0.25,
@@ -169,6 +171,22 @@ pub const PARAMS: [Param; 6] = [
         log: false,
         get: |p| p.weights.decode_interference,
         set: |p, v| p.weights.decode_interference = v,
+    },
+    Param {
+        name: "weights.eviction",
+        low: 0.0,
+        high: 2.0,
+        log: false,
+        get: |p| p.weights.eviction,
+        set: |p, v| p.weights.eviction = v,
+    },
+    Param {
+        name: "balance.absolute_s",
+        low: 0.0,
+        high: 0.02,
+        log: false,
+        get: |p| p.balance.absolute_s,
+        set: |p, v| p.balance.absolute_s = v,
     },
     Param {
         name: "balance.relative",
@@ -262,10 +280,17 @@ pub fn split(workload: &Workload, holdout: f64, how: Split) -> (Workload, Worklo
             .map(|&i| workload.sessions[i].clone())
             .collect();
         sessions.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
-        // Each part starts at its first arrival, keeping the gaps between arrivals.
+        // Each part starts at its first arrival. A part held out by time keeps the gaps between
+        // arrivals (its offered rate is the whole's already); one of sessions drawn from the
+        // whole run spans all of it with fewer sessions, so its gaps shrink by its share, to
+        // replay it at the whole's offered rate (a lighter load is a different regime).
         let first = sessions.first().map_or(0.0, |s| s.start_s);
+        let scale = match how {
+            Split::Time => 1.0,
+            Split::Session => sessions.len() as f64 / workload.sessions.len().max(1) as f64,
+        };
         for s in &mut sessions {
-            s.start_s -= first;
+            s.start_s = (s.start_s - first) * scale;
         }
         Workload {
             description: serde_json::json!({"part": label, "of": workload.description}),
@@ -429,13 +454,13 @@ pub fn tune_cases(
 pub fn yaml_snippet(policy: &str, profile: &Profile) -> String {
     let (w, b, s) = (&profile.weights, &profile.balance, &profile.saturation);
     format!(
-        "scheduler:\n  policy: {policy}\n  weights: {{prefix: {:.3}, load: {:.3}, decode_interference: {:.3}}}\n  balance: {{relative: {:.3}, absolute_s: {}, replicate_shared_above: {}}}\n  queue_wait_s: {:.4}\n  saturation: {{queue: {}, kv_usage: {}}}\n",
+        "scheduler:\n  policy: {policy}\n  weights: {{prefix: {:.3}, load: {:.3}, decode_interference: {:.3}, eviction: {:.3}}}\n  balance: {{relative: {:.3}, absolute_s: {:.4}}}\n  queue_wait_s: {:.4}\n  saturation: {{queue: {}, kv_usage: {}}}\n",
         w.prefix,
         w.load,
         w.decode_interference,
+        w.eviction,
         b.relative,
         b.absolute_s,
-        b.replicate_shared_above,
         profile.queue_wait_s,
         s.queue,
         s.kv_usage,

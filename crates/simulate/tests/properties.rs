@@ -129,3 +129,67 @@ fn a_closed_loop_runs_at_most_that_many_sessions_at_once() {
         assert!(open <= 2, "{open} sessions at once at {start}");
     }
 }
+
+mod tenants_converge {
+    use std::collections::{HashMap, HashSet};
+
+    use kvroute_bench::workload::{TenantSkew, Tenants, tenants};
+    use kvroute_vllm::tokenizer::BuiltinTokenizer;
+    use proptest::prelude::*;
+
+    use super::{fleet, policies};
+    use kvroute_simulate::simulate;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+        /// N tenants whose contexts fit the pooled cache but not one engine, asking one
+        /// question at a time (no load): after each tenant's first question, every question of
+        /// a tenant goes to one endpoint, which holds its context. "Fit" counts whole contexts
+        /// per engine, and room for the blocks of the last few questions and answers, which an
+        /// engine keeps cached too (least recently used first out: with no room for them, a
+        /// context's tail is evicted between its questions whatever the routing).
+        #[test]
+        fn each_context_settles_on_one_endpoint(
+            engines in 2usize..5,
+            extra in 1usize..4,
+            context in 300usize..700,
+            seed in 0u64..1000,
+        ) {
+            let n = engines + extra;
+            let w = tenants(&Tenants {
+                tenants: n,
+                context_tokens: context,
+                conversations: n * 6,
+                turns: 1,
+                question_tokens: 40,
+                length_cv: 0.0,
+                output_tokens: 4,
+                think_s: 0.0,
+                rate_per_s: 2.0,
+                skew: TenantSkew::Uniform,
+                seed,
+            });
+            let bs = 16;
+            let contexts: Vec<&String> = w.sessions.iter().filter_map(|s| s.system.as_ref()).collect();
+            let distinct: HashSet<&String> = contexts.iter().copied().collect();
+            let working: usize = distinct.iter().map(|c| BuiltinTokenizer.encode(c).len() / bs + 1).sum();
+            let longest = distinct.iter().map(|c| BuiltinTokenizer.encode(c).len() / bs + 1).max().unwrap();
+            // Each engine holds its share of whole contexts, rounded up, and 48 blocks of
+            // questions and answers; one engine holds less than all of the contexts.
+            let blocks = n.div_ceil(engines) * longest + 48;
+            prop_assume!(blocks < working);
+            // No load: one question at a time (a closed loop of one).
+            let runs = simulate(&fleet(engines, blocks), &w, Some(1), &policies(&["precise"])).unwrap();
+            let mut homes: HashMap<&String, Vec<&str>> = HashMap::new();
+            for r in &runs[0].records {
+                let context = w.sessions[r.session as usize].system.as_ref().unwrap();
+                homes.entry(context).or_default().push(r.endpoint.as_deref().unwrap());
+            }
+            for (_, endpoints) in homes {
+                let settled: HashSet<&&str> = endpoints.iter().skip(1).collect();
+                prop_assert!(settled.len() <= 1, "a tenant's questions went to {endpoints:?}");
+            }
+        }
+    }
+}

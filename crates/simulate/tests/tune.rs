@@ -47,6 +47,37 @@ fn the_split_keeps_every_session_once_and_time_holds_out_the_latest() {
     assert!(held.sessions.iter().all(|s| s.id > last_tuned));
 }
 
+/// Sessions started per second over a workload's span of arrivals.
+fn arrival_rate(w: &kvroute_bench::workload::Workload) -> f64 {
+    let first = w
+        .sessions
+        .iter()
+        .map(|s| s.start_s)
+        .fold(f64::INFINITY, f64::min);
+    let last = w.sessions.iter().map(|s| s.start_s).fold(0.0, f64::max);
+    (w.sessions.len() - 1) as f64 / (last - first)
+}
+
+#[test]
+fn every_part_is_replayed_at_the_wholes_offered_rate() {
+    let w = multi_turn(&MultiTurn {
+        users: 400,
+        rate_per_s: 20.0,
+        ..params()
+    });
+    let whole = arrival_rate(&w);
+    for how in [Split::Session, Split::Time] {
+        let (tuning, held) = split(&w, 0.3, how);
+        for part in [&tuning, &held] {
+            let rate = arrival_rate(part);
+            assert!(
+                (rate / whole - 1.0).abs() < 0.15,
+                "{how:?}: a part arrives at {rate:.1}/s, the whole at {whole:.1}/s"
+            );
+        }
+    }
+}
+
 /// Two engines of 300 blocks: small enough for several simulations per test.
 fn small_fleet() -> FleetConfig {
     FleetConfig {
@@ -103,6 +134,17 @@ fn the_search_starts_from_the_given_profile_and_reports_the_held_out_part() {
         "the starting profile is never ruled out"
     );
     assert!(best_trial <= outcome.trials[0].value);
+    let argmin = outcome
+        .trials
+        .iter()
+        .filter(|t| t.feasible)
+        .min_by(|a, b| a.value.total_cmp(&b.value))
+        .unwrap();
+    let best_values: Vec<f64> = PARAMS.iter().map(|p| p.get(&outcome.best)).collect();
+    assert_eq!(
+        best_values, argmin.values,
+        "the best profile is the feasible minimum"
+    );
     for p in &PARAMS {
         let v = p.get(&outcome.best);
         assert!(

@@ -69,6 +69,51 @@ pub enum HealthChange {
 /// Time constant of the recent-placements count, seconds.
 pub const PLACEMENT_TAU_S: f64 = 60.0;
 
+/// Time constant of the recent block reuse an endpoint's eviction cost reads, seconds: long
+/// enough to span many requests and a conversation's think times, short enough to follow a
+/// change of workload within a minute or two.
+pub const REUSE_TAU_S: f64 = 60.0;
+
+/// Blocks an endpoint's requests found cached, and blocks they stored, both decayed with
+/// [`REUSE_TAU_S`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct BlockReuse {
+    hits: f64,
+    stored: f64,
+    requests: f64,
+    at: f64,
+}
+
+impl BlockReuse {
+    fn decayed(&self, now: f64) -> f64 {
+        (-(now - self.at).max(0.0) / REUSE_TAU_S).exp()
+    }
+
+    /// A request found `hits` blocks cached and stored `stored` new ones at `now`.
+    pub(super) fn note(&mut self, hits: f64, stored: f64, now: f64) {
+        let d = self.decayed(now);
+        self.hits = self.hits * d + hits;
+        self.stored = self.stored * d + stored;
+        self.requests = self.requests * d + 1.0;
+        self.at = now;
+    }
+
+    /// Blocks stored per request, recently (`None` before the first request).
+    pub(super) fn stored_per_request(&self) -> Option<f64> {
+        (self.requests > 0.0).then(|| self.stored / self.requests)
+    }
+
+    /// Expected reuses of a block the cache evicts, 0–1: blocks found cached per block stored
+    /// (how often a stored block was reused before its eviction), capped at one re-prefill.
+    pub(super) fn per_evicted_block(&self) -> f64 {
+        if self.hits <= 0.0 {
+            0.0
+        } else {
+            (self.hits / self.stored.max(f64::MIN_POSITIVE)).min(1.0)
+        }
+    }
+}
+
 /// One endpoint's state.
 #[derive(Debug, Clone)]
 pub struct EndpointState {
@@ -93,6 +138,8 @@ pub struct EndpointState {
     pub(super) forgotten_at: Option<f64>,
     /// Its cache's capacity in blocks, once a sample said.
     pub(super) capacity_blocks: Option<usize>,
+    /// How much its requests recently reused cached blocks.
+    pub(super) reuse: BlockReuse,
     /// Passive outlier detection.
     pub(super) outlier: Outlier,
     /// False once removed from the fleet (its id may be reused by a later endpoint).
@@ -118,6 +165,7 @@ impl EndpointState {
             trust,
             forgotten_at: None,
             capacity_blocks: None,
+            reuse: BlockReuse::default(),
             outlier: Outlier::default(),
             present: true,
         }
@@ -173,6 +221,10 @@ impl EndpointState {
             inflight: self.inflight,
             inflight_prefills: self.inflight_prefills,
             inflight_prefill_tokens: self.inflight_prefill_tokens,
+            recent_uncached_tokens: self
+                .reuse
+                .stored_per_request()
+                .map(|blocks| blocks * self.spec.block_size as f64),
             recent_placements: self.recent_placements(now),
         }
     }

@@ -357,11 +357,20 @@ impl Fleet {
             };
             let same_block_size = e.spec.block_size == bs;
             let index_match = index_matches.get(e.id).copied().filter(|_| same_block_size);
+            // Room left in its cache: capacity less what its index holds and what its
+            // in-flight prefills are about to store.
+            let free_blocks = e.capacity_blocks.map(|capacity| {
+                capacity as f64
+                    - held_blocks[e.id.0 as usize] as f64
+                    - (e.inflight_prefill_tokens / bs as u64) as f64
+            });
             let cache = CacheView {
                 index: index_match,
                 index_state,
                 history: blocks_in(&history, e.id),
                 predicted: blocks_in(&predicted, e.id),
+                free_blocks,
+                block_reuse: e.reuse.per_evicted_block(),
             };
             let known = match index_state {
                 IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
@@ -403,7 +412,15 @@ impl Fleet {
             block_size: bs,
             session_endpoint: request.session.and_then(|s| self.sessions.get(s)),
             role: request.role,
-            shared_tokens: self.shared.shared_blocks(keys) * bs,
+            prefix_key: self
+                .profile
+                .picker
+                .hashed_prefix_tokens()
+                .and_then(|tokens| {
+                    // Router keys chain their parents: the last key of the prefix hashes all of it.
+                    let blocks = tokens.div_ceil(bs).clamp(1, keys.len().max(1));
+                    keys.get(blocks - 1).map(|k| k.0)
+                }),
         };
         self.round_robin = self.round_robin.wrapping_add(1);
         let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);
@@ -454,6 +471,9 @@ impl Fleet {
             if placement {
                 e.note_placement(now);
             }
+            let blocks = (request.prompt_tokens / bs) as f64;
+            let hits = ((predicted / bs) as f64).min(blocks);
+            e.reuse.note(hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
             e.inflight += 1;
             e.inflight_prefills += 1;
@@ -649,6 +669,7 @@ impl Fleet {
         self.sessions.forget_endpoint(id);
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.trust.reset();
+            e.reuse = Default::default();
             e.forgotten_at = Some(now);
         }
     }

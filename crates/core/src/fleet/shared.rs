@@ -5,10 +5,9 @@
 //! A system prompt is followed by every conversation's first message, so it branches many
 //! ways; a conversation's own history is extended, and at most forks once or twice (a
 //! regenerated answer, a partial last block completed by the next turn), so it does not count
-//! as shared until [`MIN_CONTINUATIONS`] different continuations were seen. The scheduler lets a new
-//! conversation copy a shared prefix onto an endpoint with fewer conversations (see
-//! [`BalanceTolerance`](crate::schedule::BalanceTolerance)); a conversation's own history is
-//! never given up that way. Bounded: the oldest blocks are forgotten first.
+//! as shared until [`MIN_CONTINUATIONS`] different continuations were seen. The fleet uses it to
+//! tell a new conversation (a placement, which balancing evens out) from a follow-up turn.
+//! Bounded: the oldest blocks are forgotten first.
 
 use std::collections::VecDeque;
 

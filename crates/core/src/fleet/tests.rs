@@ -396,7 +396,8 @@ fn approximate_mode_follows_the_routers_own_history() {
 
 #[test]
 fn new_conversations_spread_once_the_system_prompts_holder_fills_up() {
-    // Nothing is cached anywhere at first; caches of 300 blocks; a 400-token system prompt.
+    // Nothing is cached anywhere at first; caches of 300 blocks; a 400-token system prompt;
+    // conversations of two turns that each add 1,200 tokens.
     let mut fleet = FleetBuilder::new(3).build();
     for e in 0..3 {
         let sample = LoadSample {
@@ -410,17 +411,26 @@ fn new_conversations_spread_once_the_system_prompts_holder_fills_up() {
     let mut homes = Vec::new();
     for c in 0..9u32 {
         let mut history = system.clone();
-        history.extend(prompt(1_200, 2_000 + c));
-        let (_, mut d) = send(&mut fleet, &Req::new(&history), now);
-        homes.push(d.endpoint);
-        now += 0.05;
-        fleet.first_token(&mut d, true, now);
-        fleet.apply_events(d.endpoint, &[stored(&history, BS)], now);
-        fleet.finished(d, None, now);
-        now += 0.05;
+        let mut turns = Vec::new();
+        for t in 0..2u32 {
+            history.extend(prompt(1_200, 2_000 + 10 * c + t));
+            let (_, mut d) = send(&mut fleet, &Req::new(&history), now);
+            turns.push(d.endpoint);
+            now += 0.05;
+            fleet.first_token(&mut d, true, now);
+            fleet.apply_events(d.endpoint, &[stored(&history, BS)], now);
+            fleet.finished(d, None, now);
+            now += 0.05;
+        }
+        assert_eq!(
+            turns[1], turns[0],
+            "a follow-up turn stays with its history"
+        );
+        homes.push(turns[0]);
     }
-    // The first conversations crowd the endpoint that has the system prompt while its cache
-    // has room; then they spread, each endpoint copying the prompt once.
+    // The first conversations go where the system prompt is while its cache has room; once it
+    // is full, a new conversation there would evict blocks that are being reused, which costs
+    // more than copying the prompt elsewhere: they spread, each endpoint copying it once.
     assert_eq!(homes[1], homes[0], "{homes:?}");
     for e in 0..3 {
         assert!(homes.contains(&EndpointId(e)), "{homes:?}");

@@ -4,13 +4,27 @@
 //!   per queued request (a request waiting for a batch slot also waits behind decodes);
 //! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate;
 //! - **tier loading**: blocks it holds on CPU or storage, at each tier's load rate;
-//! - **decode interference**: while it prefills, every running decode there stalls; charged as
-//!   prefill seconds × running decodes × a factor.
+//! - **decode interference** (the stall it imposes on others): while it prefills, every running
+//!   decode there waits (its next token comes after that step), and so do the requests that
+//!   will queue behind it, in steady state as many as are queued there now (a queue that keeps
+//!   its length has as many arrive behind a request as were ahead of it); charged as prefill
+//!   seconds × (running decodes + queued requests) × a factor;
+//! - **eviction**: a vLLM cache is full in steady state, so the blocks this request stores
+//!   there push out cached blocks (least recently used first) that other requests may have
+//!   come back for. Charged as the blocks it stores beyond the endpoint's free blocks × their
+//!   prefill seconds × the expected reuses of an evicted block there. That expectation is
+//!   measured, per endpoint: recently, how many blocks its requests found cached for each block
+//!   they stored (a block stored there is, on average, reused that many times before it is
+//!   evicted), capped at 1 (an evicted block is prefilled again at most once before it is
+//!   cached again). An endpoint whose cache turns over without reuse (a working set far above
+//!   the cache) charges almost nothing; one whose blocks keep being reused charges their full
+//!   re-prefill.
 //!
-//! `total = prefix × (prefill + tier loading) + load × (queue wait + decode interference) −
-//! session credit`. At zero load only the prefill terms remain, so the longest cached prefix
-//! is always the cheapest; under load the queue wait grows until spilling a hot prefix to an
-//! idle endpoint pays for its prefill.
+//! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
+//! load × (queue wait + decode interference) − session credit`. At zero load and with room in
+//! the caches only the prefill terms remain, so the longest cached prefix is always the
+//! cheapest; under load the queue wait grows until copying a hot prefix to another endpoint
+//! pays for its prefill plus what the copy evicts there.
 
 use serde::Serialize;
 
@@ -27,6 +41,8 @@ pub struct Cost {
     pub tier_load_s: f64,
     /// The stall imposed on running decodes.
     pub decode_interference_s: f64,
+    /// The expected re-prefill of the cached blocks the placement evicts.
+    pub eviction_s: f64,
     /// Taken off for session affinity.
     pub session_credit_s: f64,
     /// The weighted total the picker compares.
@@ -39,9 +55,11 @@ impl Cost {
         self.queue_s + self.prefill_s + self.tier_load_s
     }
 
-    /// The weighted seconds due to what the endpoint does not hold.
+    /// The weighted seconds due to what the endpoint does not hold, and what storing it there
+    /// evicts.
     pub fn cache_part(&self, profile: &Profile) -> f64 {
         profile.weights.prefix * (self.prefill_s + self.tier_load_s)
+            + profile.weights.eviction * self.eviction_s
     }
 
     /// The weighted seconds due to other work on the endpoint.
@@ -107,17 +125,24 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let tier_load_s = held.cpu as f64 / profile.tiers.cpu_tokens_per_s.max(1.0)
         + held.storage as f64 / profile.tiers.storage_tokens_per_s.max(1.0);
     // Queued prefill: the router's own in-flight prefill tokens, or the scraped waiting queue
-    // at the mean in-flight prefill size (this prompt's size when nothing is in flight).
+    // at the mean in-flight prefill size (else the uncached size of requests recently sent
+    // there, else this prompt's size).
     let mean_prefill = if load.inflight_prefills > 0 {
         load.inflight_prefill_tokens as f64 / f64::from(load.inflight_prefills)
     } else {
-        request.prompt_tokens as f64
+        load.recent_uncached_tokens
+            .unwrap_or(request.prompt_tokens as f64)
     };
     let queued_tokens =
         (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
     let queue_s = queued_tokens / rate + load.queue() * profile.queue_wait_s;
-    let decode_interference_s =
-        (prefill_s + tier_load_s) * load.decoding() * profile.weights.decode_interference;
+    // Who waits for this prefill: every running decode (its next token comes after the step
+    // that computes it), and the requests that will queue behind it, as many, in steady state,
+    // as are queued there now.
+    let decode_interference_s = (prefill_s + tier_load_s)
+        * (load.decoding() + load.queue())
+        * profile.weights.decode_interference;
+    let eviction_s = eviction_s(request, c, &held, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
     } else {
@@ -128,6 +153,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         prefill_s,
         tier_load_s,
         decode_interference_s,
+        eviction_s,
         session_credit_s,
         total_s: 0.0,
     };
@@ -135,13 +161,15 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     (cost, held)
 }
 
-/// Weighted seconds of `c`'s cost due to not holding the request's shared prefix.
-pub fn shared_prefill_s(
-    profile: &Profile,
-    request: &RequestInfo,
-    c: &Candidate,
-    held: &Cached,
-) -> f64 {
-    let missing = request.shared_tokens.saturating_sub(held.all) as f64;
-    profile.weights.prefix * missing / c.prefill_tokens_per_s.max(1.0)
+/// Expected seconds of re-prefill that placing the request on `c` makes others pay: the blocks
+/// it stores beyond `c`'s free blocks evict as many cached ones, each reused with probability
+/// `c.cache.block_reuse` (0 where the free blocks are unknown, or where it all fits).
+pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: &Cached, rate: f64) -> f64 {
+    let Some(free) = c.cache.free_blocks else {
+        return 0.0;
+    };
+    let bs = request.block_size.max(1);
+    let stored = (request.prompt_tokens / bs).saturating_sub(held.all / bs) as f64;
+    let evicted = (stored - free.max(0.0)).max(0.0);
+    evicted * bs as f64 / rate * c.cache.block_reuse.clamp(0.0, 1.0)
 }

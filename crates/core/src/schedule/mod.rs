@@ -3,8 +3,9 @@
 //! The scheduler is a pure function of the request's features, each candidate endpoint's
 //! state (health, load, what it has cached) and a random number. Each candidate's cost is what
 //! the engine will spend on this request, in seconds ([`cost`]): waiting behind queued work,
-//! prefilling what it does not hold, loading what it holds on slower tiers, and the stall the
-//! prefill imposes on its running decodes. The cheapest wins; among near-equal costs (that give
+//! prefilling what it does not hold, loading what it holds on slower tiers, the stall the
+//! prefill imposes on its running decodes, and the re-prefill others will pay for the cached
+//! blocks the placement evicts. The cheapest wins; among near-equal costs (that give
 //! up no cached block) the endpoint with the fewest recent placements wins, so new sessions
 //! spread evenly without ever outweighing a real cache advantage. The answer ranks every
 //! competing candidate best first with the breakdown that `/kvroute/v1/explain` shows, so a
@@ -13,6 +14,7 @@
 pub mod cost;
 mod picker;
 mod profile;
+mod ring;
 
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +54,9 @@ pub struct EndpointLoad {
     pub inflight_prefills: u32,
     /// Uncached prompt tokens of in-flight requests still waiting for their first token.
     pub inflight_prefill_tokens: u64,
+    /// Uncached prompt tokens per request recently sent there (`None` until one was): the size
+    /// of a scraped waiting request the router did not send itself.
+    pub recent_uncached_tokens: Option<f64>,
     /// Requests the router recently placed there for reasons other than its cache (a
     /// time-decayed count): what balancing evens out among near-equal costs.
     pub recent_placements: f64,
@@ -99,6 +104,13 @@ pub struct CacheView {
     pub history: u32,
     /// From the short-lived overlay of requests just sent there, before their events arrive.
     pub predicted: u32,
+    /// GPU blocks it can still fill without evicting a cached block (capacity less what its
+    /// index holds and what its in-flight prefills are about to store); `None` when its
+    /// capacity is unknown, and then no eviction is charged.
+    pub free_blocks: Option<f64>,
+    /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
+    /// cached per block they stored (see [`cost`]).
+    pub block_reuse: f64,
 }
 
 /// One endpoint as the scheduler sees it.
@@ -137,8 +149,9 @@ pub struct RequestInfo {
     pub session_endpoint: Option<EndpointId>,
     /// The role wanted.
     pub role: Role,
-    /// Leading tokens shared with other conversations (a system prompt), as far as seen.
-    pub shared_tokens: usize,
+    /// A hash of the prompt's leading tokens, for the `prefix-hash` picker (`None`: not
+    /// tokenized, or a picker that reads none).
+    pub prefix_key: Option<u64>,
 }
 
 /// Why a candidate was filtered out.
@@ -180,9 +193,9 @@ pub struct Assessment {
     pub saturated: bool,
     /// Its recent placements (what balancing compares).
     pub recent_placements: f64,
-    /// Seconds of its cost due to not holding the prompt's shared prefix (what a new
-    /// conversation may pay once to copy it there).
-    pub shared_prefill_s: f64,
+    /// Requests it is serving: the router's in flight, or the scraped running and waiting
+    /// ones, whichever is more (what the `prefix-hash` picker bounds).
+    pub requests: f64,
     /// Share of its cache holding blocks (0–1; 0 when unknown).
     pub cache_fill: f64,
 }
@@ -207,6 +220,8 @@ pub enum Reason {
     Random,
     /// The softmax picker's draw.
     Softmax,
+    /// The prefix's home on the hash ring, or the next one within the load bound.
+    PrefixHash,
     /// No other candidate competed.
     OnlyCandidate,
     /// No candidate passed the filters.
@@ -225,6 +240,7 @@ impl Reason {
             Reason::RoundRobin => "round_robin",
             Reason::Random => "random",
             Reason::Softmax => "softmax",
+            Reason::PrefixHash => "prefix_hash",
             Reason::OnlyCandidate => "only_candidate",
             Reason::NoCandidate => "no_candidate",
         }
@@ -317,7 +333,8 @@ pub fn schedule(
                 cost,
                 saturated: saturated(profile, &c.load),
                 recent_placements: c.load.recent_placements.max(0.0),
-                shared_prefill_s: cost::shared_prefill_s(profile, request, c, &cached),
+                requests: f64::from(c.load.inflight)
+                    .max(c.load.running.unwrap_or(0.0) + c.load.waiting.unwrap_or(0.0)),
                 cache_fill: c.cache_fill,
             }
         })
@@ -334,12 +351,9 @@ pub fn schedule(
     } else {
         competing.iter().all(|&i| assessments[i].saturated)
     };
-    let new_conversation = competing
-        .iter()
-        .all(|&i| assessments[i].cached_tokens <= request.shared_tokens);
     let (ranking, reason) = profile.picker.rank(
         &profile.balance,
-        new_conversation,
+        request.prefix_key,
         &assessments,
         &competing,
         random,

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::ring;
 use super::{Assessment, BalanceTolerance, Reason};
 
 /// How the winner is chosen.
@@ -22,6 +23,35 @@ pub enum Picker {
     RoundRobin,
     /// A uniformly random competing candidate.
     Random,
+    /// Consistent hashing with bounded loads over the prompt's first `prefix_tokens` tokens
+    /// (SGLang's `prefix_hash`): the prefix's home is the first endpoint clockwise from its hash
+    /// on a ring of virtual nodes; an endpoint whose requests would exceed `(1 + epsilon)` ×
+    /// the fleet's mean is skipped for the next one on the ring. Costs are ignored.
+    PrefixHash {
+        /// Leading prompt tokens hashed (rounded up to whole blocks).
+        prefix_tokens: usize,
+        /// Load bound above the mean (0.25: an endpoint takes at most 1.25 × the mean).
+        epsilon: f64,
+    },
+}
+
+impl Picker {
+    /// The `prefix-hash` policy's picker with SGLang's defaults: the first 256 tokens, a bound
+    /// of 1.25 × the mean load.
+    pub fn prefix_hash() -> Picker {
+        Picker::PrefixHash {
+            prefix_tokens: 256,
+            epsilon: 0.25,
+        }
+    }
+
+    /// Leading prompt tokens the picker hashes (`None`: it reads no prefix).
+    pub fn hashed_prefix_tokens(&self) -> Option<usize> {
+        match self {
+            Picker::PrefixHash { prefix_tokens, .. } => Some(*prefix_tokens),
+            _ => None,
+        }
+    }
 }
 
 /// A deterministic per-candidate shuffle key from the random input.
@@ -43,7 +73,7 @@ impl Picker {
     pub(super) fn rank(
         &self,
         tolerance: &BalanceTolerance,
-        new_conversation: bool,
+        prefix_key: Option<u64>,
         assessments: &[Assessment],
         competing: &[usize],
         random: u64,
@@ -63,7 +93,15 @@ impl Picker {
             _ => {}
         }
         match self {
-            Picker::Cheapest => balance(tolerance, new_conversation, assessments, order),
+            Picker::Cheapest => balance(tolerance, assessments, order),
+            Picker::PrefixHash { epsilon, .. } => {
+                // Without a key (an untokenized prompt) the random input stands in for it.
+                let key = prefix_key.unwrap_or(random);
+                (
+                    ring::rank(assessments, competing, key, *epsilon),
+                    Reason::PrefixHash,
+                )
+            }
             Picker::RoundRobin => {
                 let mut by_id = competing.to_vec();
                 by_id.sort_by_key(|&i| assessments[i].endpoint);
@@ -102,35 +140,22 @@ impl Picker {
 
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
 /// candidates that hold at least as much of the prompt as the cheapest: fewest recent
-/// placements first. A new conversation whose cheapest endpoint's cache is filling compares
-/// costs as if every endpoint held the shared prefix (see [`BalanceTolerance`]).
+/// placements first (see [`BalanceTolerance`]).
 fn balance(
     tolerance: &BalanceTolerance,
-    new_conversation: bool,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
-    let replicate = new_conversation && cheapest.cache_fill >= tolerance.replicate_shared_above;
-    let compared = |a: &Assessment| {
-        if replicate {
-            a.cost.total_s - a.shared_prefill_s
-        } else {
-            a.cost.total_s
-        }
-    };
-    let best = order
-        .iter()
-        .map(|&i| compared(&assessments[i]))
-        .fold(f64::INFINITY, f64::min);
+    let best = cheapest.cost.total_s;
     let limit = best + tolerance.relative * best.max(0.0) + tolerance.absolute_s;
-    let floor = if replicate { 0 } else { cheapest.cached_tokens };
+    let floor = cheapest.cached_tokens;
     let near: Vec<usize> = order
         .iter()
         .copied()
         .filter(|&i| {
             let a = &assessments[i];
-            compared(a) <= limit && a.cached_tokens >= floor
+            a.cost.total_s <= limit && a.cached_tokens >= floor
         })
         .collect();
     if near.len() > 1 {
@@ -176,7 +201,8 @@ fn balance(
 /// session credit.
 fn why_cheaper(assessments: &[Assessment], winner: usize, runner_up: usize) -> Reason {
     let (w, r) = (&assessments[winner].cost, &assessments[runner_up].cost);
-    let cache_gain = (r.prefill_s + r.tier_load_s) - (w.prefill_s + w.tier_load_s);
+    let cache_gain =
+        (r.prefill_s + r.tier_load_s + r.eviction_s) - (w.prefill_s + w.tier_load_s + w.eviction_s);
     let load_gain = (r.queue_s + r.decode_interference_s) - (w.queue_s + w.decode_interference_s);
     let session_gain = w.session_credit_s - r.session_credit_s;
     if session_gain > cache_gain.max(load_gain) && session_gain > 0.0 {

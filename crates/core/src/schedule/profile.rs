@@ -1,7 +1,7 @@
 //! Scheduling profiles: where the cache picture comes from, the cost model's parameters, the
 //! filters and the picker. The named policies (`round-robin`, `random`, `least-load`,
-//! `approximate`, `precise`) are configurations of the same pipeline, so they can be compared
-//! on equal terms.
+//! `prefix-hash`, `approximate`, `precise`) are configurations of the same pipeline, so they
+//! can be compared on equal terms.
 
 use serde::{Deserialize, Serialize};
 
@@ -23,10 +23,12 @@ pub enum CacheSource {
 
 /// The cost model's weights: the seed's "prefix weight against load weight", in seconds.
 ///
-/// A candidate's cost is `prefix × (uncached prefill + lower-tier loading) + load × (queue
-/// wait + decode interference)`, every term in seconds. With both weights 1 the cost is the
-/// time the engine will spend before this request's first token plus the stall it imposes on
-/// others; raising `prefix` favours cache over load, raising `load` the reverse.
+/// A candidate's cost is `prefix × (uncached prefill + lower-tier loading) + eviction ×
+/// (re-prefill of what the placement evicts) + load × (queue wait + decode interference)`,
+/// every term in seconds. With every weight 1 the cost is the time the engine will spend
+/// before this request's first token, plus the time it makes others lose (the decodes it
+/// stalls, the cached blocks it pushes out that others would have reused); raising `prefix`
+/// favours cache over load, raising `load` the reverse.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CostWeights {
@@ -34,9 +36,12 @@ pub struct CostWeights {
     pub prefix: f64,
     /// Weight of the seconds spent waiting behind other work, and stalling others.
     pub load: f64,
-    /// Seconds of stall charged per running decode for each second of this request's prefill:
-    /// a long prefill on an engine delays every token its running requests produce.
+    /// Seconds of stall charged per request that waits for this one's prefill (each running
+    /// decode, and as many requests as are queued there), per second of that prefill.
     pub decode_interference: f64,
+    /// Weight of the expected seconds of re-prefill the placement causes by evicting cached
+    /// blocks that others would have reused (see [`cost`](super::cost)).
+    pub eviction: f64,
 }
 
 impl Default for CostWeights {
@@ -44,7 +49,8 @@ impl Default for CostWeights {
         Self {
             prefix: 1.0,
             load: 1.0,
-            decode_interference: 0.05,
+            decode_interference: 1.0,
+            eviction: 1.0,
         }
     }
 }
@@ -74,15 +80,9 @@ impl Default for TierCosts {
 ///
 /// Among the candidates whose cost is within `relative × cheapest + absolute_s` of the cheapest
 /// and that hold at least as much of the prompt as the cheapest, the one with the fewest recent
-/// placements wins. Balancing therefore never gives up a cached block of a conversation's own.
-///
-/// One exception, for new conversations: a prefix shared by many conversations (a system
-/// prompt) costs one prefill to copy onto another endpoint, after which every conversation
-/// placed there reuses it. Once the endpoint holding it fills its cache (its cached blocks
-/// reach `replicate_shared_above` of its capacity), a request that no endpoint holds more of
-/// than that shared prefix is costed as if every endpoint held the prefix, so new
-/// conversations spread over the fleet's whole cache instead of crowding the first endpoint
-/// that served the system prompt.
+/// placements wins. Balancing therefore never gives up a cached block: copying a prefix onto
+/// another endpoint happens only when the cost model says it pays (the queue wait it saves
+/// exceeds its prefill plus what the copy evicts there).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BalanceTolerance {
@@ -90,9 +90,6 @@ pub struct BalanceTolerance {
     pub relative: f64,
     /// Seconds.
     pub absolute_s: f64,
-    /// Cache fill (0–1) of the cheapest endpoint above which a new conversation may copy a
-    /// shared prefix elsewhere (above 1: never).
-    pub replicate_shared_above: f64,
 }
 
 impl Default for BalanceTolerance {
@@ -100,7 +97,6 @@ impl Default for BalanceTolerance {
         Self {
             relative: 0.1,
             absolute_s: 0.001,
-            replicate_shared_above: 0.5,
         }
     }
 }
@@ -146,6 +142,9 @@ pub enum ProfileName {
     Random,
     /// The cheapest endpoint ignoring caches (queue and interference decide).
     LeastLoad,
+    /// Consistent hashing with bounded loads over the prompt's first tokens (SGLang's
+    /// `prefix_hash`): each prefix has a home endpoint, and overflows along the ring.
+    PrefixHash,
     /// The cost model over the router's own routing history (no engine events needed).
     Approximate,
     /// The cost model over the engines' KV events (the default).
@@ -160,10 +159,11 @@ impl std::str::FromStr for ProfileName {
             "round-robin" => Ok(Self::RoundRobin),
             "random" => Ok(Self::Random),
             "least-load" => Ok(Self::LeastLoad),
+            "prefix-hash" => Ok(Self::PrefixHash),
             "approximate" => Ok(Self::Approximate),
             "precise" => Ok(Self::Precise),
             other => Err(format!(
-                "unknown policy {other:?}: expected round-robin, random, least-load, approximate or precise"
+                "unknown policy {other:?}: expected round-robin, random, least-load, prefix-hash, approximate or precise"
             )),
         }
     }
@@ -171,10 +171,11 @@ impl std::str::FromStr for ProfileName {
 
 impl ProfileName {
     /// Every named policy, in the order reports list them.
-    pub const ALL: [ProfileName; 5] = [
+    pub const ALL: [ProfileName; 6] = [
         ProfileName::RoundRobin,
         ProfileName::Random,
         ProfileName::LeastLoad,
+        ProfileName::PrefixHash,
         ProfileName::Approximate,
         ProfileName::Precise,
     ];
@@ -185,6 +186,7 @@ impl ProfileName {
             ProfileName::RoundRobin => "round-robin",
             ProfileName::Random => "random",
             ProfileName::LeastLoad => "least-load",
+            ProfileName::PrefixHash => "prefix-hash",
             ProfileName::Approximate => "approximate",
             ProfileName::Precise => "precise",
         }
@@ -223,6 +225,7 @@ impl Profile {
             ProfileName::RoundRobin => (CacheSource::None, Picker::RoundRobin),
             ProfileName::Random => (CacheSource::None, Picker::Random),
             ProfileName::LeastLoad => (CacheSource::None, Picker::Cheapest),
+            ProfileName::PrefixHash => (CacheSource::None, Picker::prefix_hash()),
             ProfileName::Approximate => (CacheSource::Approximate, Picker::Cheapest),
             ProfileName::Precise => (CacheSource::Precise, Picker::Cheapest),
         };

@@ -30,7 +30,7 @@ fn request(prompt_tokens: usize) -> RequestInfo {
         block_size: 16,
         session_endpoint: None,
         role: Role::Both,
-        shared_tokens: 0,
+        prefix_key: None,
     }
 }
 
@@ -94,30 +94,70 @@ fn near_equal_costs_go_to_the_fewest_placements() {
     assert_eq!(d.reason, Reason::Balance);
 }
 
-#[test]
-fn a_new_conversation_copies_the_shared_prefix_once_the_holders_cache_fills() {
-    // Endpoint 0 holds the 608-token system prompt and has served many conversations.
-    let mut cands = fleet(3);
+/// Seconds of prefill of `tokens` at the test fleet's rate.
+fn prefill(tokens: f64) -> f64 {
+    tokens / RATE
+}
+
+/// A fleet where endpoint 0 holds a 608-token shared prefix of a 1,000-token request and every
+/// cache is full of blocks reused `reuse` times each; endpoint 0 has `queued` prefill tokens
+/// waiting in one request.
+fn copy_case(queued: u64, reuse: f64) -> (Vec<Candidate>, RequestInfo) {
+    let mut cands = fleet(2);
     cands[0].cache.index = gpu_match(0, 38);
-    cands[0].load.recent_placements = 10.0;
-    cands[1].load.recent_placements = 4.0;
-    cands[2].load.recent_placements = 1.0;
-    let mut req = request(1_000);
-    req.shared_tokens = 608;
-    // Plenty of room in its cache: the prefix is worth more than evenness.
-    cands[0].cache_fill = 0.3;
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(0)));
-    assert_eq!(d.reason, Reason::Cache);
-    // Its cache is filling: copy the prefix to the endpoint with the fewest conversations.
-    cands[0].cache_fill = 0.9;
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(2)));
-    assert_eq!(d.reason, Reason::Balance);
-    // A follow-up turn holds more than the shared prefix: its history is never given up.
-    cands[0].cache.index = gpu_match(0, 50);
-    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
-    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    for c in &mut cands {
+        c.cache.free_blocks = Some(0.0);
+        c.cache.block_reuse = reuse;
+    }
+    if queued > 0 {
+        busy(&mut cands[0], 1, queued);
+    }
+    (cands, request(1_000))
+}
+
+#[test]
+fn a_shared_prefix_is_copied_only_when_the_wait_saved_pays_for_its_prefill_and_evictions() {
+    let profile = Profile::default();
+    // Copying the prefix to endpoint 1 costs its prefill (608 tokens) and, with every cached
+    // block reused, the re-prefill of the 38 blocks it evicts there.
+    let copy_s = prefill(608.0) + prefill(38.0 * 16.0);
+    let wait_per_token = 1.0 / RATE;
+    // The wait saved: the queue's, and the stall its own 392-token prefill would impose on
+    // the request queued there.
+    let queue_for =
+        |wait_s: f64| ((wait_s - profile.queue_wait_s - prefill(392.0)) / wait_per_token) as u64;
+    // A wait above the prefill but below prefill plus evictions: the prefix stays.
+    let (cands, req) = copy_case(queue_for(prefill(608.0) * 1.5), 1.0);
+    assert_eq!(chosen(&profile, &req, &cands, 1), 0);
+    // Above both: copying pays.
+    let (cands, req) = copy_case(queue_for(copy_s * 1.2), 1.0);
+    let d = schedule(&profile, &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Load);
+    // The same wait where nothing cached is ever reused: evicting is free, the copy pays at
+    // its prefill alone.
+    let (cands, req) = copy_case(queue_for(prefill(608.0) * 1.5), 0.0);
+    assert_eq!(chosen(&profile, &req, &cands, 1), 1);
+}
+
+#[test]
+fn eviction_is_charged_only_beyond_the_free_blocks() {
+    let mut cands = fleet(2);
+    for c in &mut cands {
+        c.cache.block_reuse = 0.5;
+    }
+    cands[0].cache.free_blocks = Some(10.0);
+    cands[1].cache.free_blocks = None;
+    let d = schedule(&Profile::default(), &request(640), &cands, 1, 0);
+    // 40 blocks stored, 10 fit: 30 evicted, each reused half the time.
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!(
+        (a.cost.eviction_s - 0.5 * prefill(30.0 * 16.0)).abs() < 1e-12,
+        "{a:?}"
+    );
+    // Unknown capacity: nothing charged.
+    assert_eq!(d.assessment(EndpointId(1)).unwrap().cost.eviction_s, 0.0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
 }
 
 #[test]
@@ -267,13 +307,26 @@ fn a_hot_prefix_spills_once_the_queue_wait_exceeds_the_prefill_saved() {
     let prompt = 2_200;
     let mut cands = fleet(2);
     cands[0].cache.index = gpu_match(0, 125);
-    busy(&mut cands[0], 3, 600); // 30 ms of queued prefill + 3 × 20 ms of queue wait
+    // 30 ms of queued prefill + 2 × 20 ms of queue wait + its 10 ms prefill stalling the 2
+    // queued (20 ms): 90 ms < 100 ms saved.
+    busy(&mut cands[0], 2, 600);
     let d = schedule(&Profile::default(), &request(prompt), &cands, 0, 0);
     assert_eq!(d.chosen(), Some(EndpointId(0)), "{d:?}");
-    busy(&mut cands[0], 4, 1_200); // 60 ms + 80 ms > 100 ms saved
+    busy(&mut cands[0], 4, 1_200); // 60 ms + 80 ms + 40 ms > 100 ms saved
     let d = schedule(&Profile::default(), &request(prompt), &cands, 0, 0);
     assert_eq!(d.chosen(), Some(EndpointId(1)));
     assert_eq!(d.reason, Reason::Load);
+}
+
+#[test]
+fn the_stall_counts_running_decodes_and_the_queue_that_forms_behind() {
+    let mut cands = fleet(1);
+    busy(&mut cands[0], 3, 6_000);
+    cands[0].load.running = Some(5.0);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 0, 0);
+    // 5 running decodes and 3 queued requests wait for its 1,000 tokens.
+    let stall = d.assessments[0].cost.decode_interference_s;
+    assert!((stall - 8.0 * 1_000.0 / RATE).abs() < 1e-12, "{stall}");
 }
 
 #[test]
@@ -410,6 +463,36 @@ fn arb_fleet() -> impl Strategy<Value = Vec<(u32, f64)>> {
 }
 
 proptest! {
+    /// Endpoint 0 holds a 608-token shared prefix of a 1,000-token request and has `queued`
+    /// prefill tokens waiting; endpoint 1 is idle. The request goes to endpoint 1 (copying the
+    /// prefix) exactly when the queue wait it saves (its own, and the stall its prefill would
+    /// impose on the request queued there) exceeds the prefix's prefill plus the re-prefill of
+    /// the extra blocks the copy evicts there.
+    #[test]
+    fn a_prefix_is_copied_only_when_the_wait_saved_exceeds_prefill_plus_eviction(
+        queued in 0u64..8_000,
+        reuse in 0.0f64..1.0,
+        free in proptest::array::uniform2(0.0f64..80.0),
+    ) {
+        let profile = Profile::default();
+        let (mut cands, req) = copy_case(queued, reuse);
+        cands[0].cache.free_blocks = Some(free[0]);
+        cands[1].cache.free_blocks = Some(free[1]);
+        let block_s = prefill(16.0);
+        let evicted = |stored: f64, free: f64| (stored - free).max(0.0) * block_s * reuse;
+        // The wait saved: the queue's, and the stall its own 392-token prefill would impose on
+        // the request queued there.
+        let wait_saved = if queued > 0 {
+            prefill(queued as f64) + profile.queue_wait_s + prefill(392.0)
+        } else {
+            0.0
+        };
+        let copy_s = prefill(608.0) + evicted(62.0, free[1]) - evicted(24.0, free[0]);
+        prop_assume!((wait_saved - copy_s).abs() > 1e-6);
+        let copied = chosen(&profile, &req, &cands, 9) == 1;
+        prop_assert_eq!(copied, wait_saved > copy_s, "wait saved {} s, copy {} s", wait_saved, copy_s);
+    }
+
     /// At zero load a request always goes to an endpoint holding the longest cached prefix,
     /// whatever the placements.
     #[test]
@@ -511,4 +594,35 @@ fn ejected_endpoints_are_filtered_and_open_circuits_saturate() {
     let held = schedule(&Profile::default(), &request(100), &cands[..2], 1, 0);
     assert_eq!(held.chosen(), None);
     assert!(held.saturated);
+}
+
+#[test]
+fn prefix_hash_keeps_a_prefix_home_and_overflows_past_the_load_bound() {
+    let profile = Profile::named(ProfileName::PrefixHash);
+    let mut cands = fleet(4);
+    let with_key = |key: u64| RequestInfo {
+        prefix_key: Some(key),
+        ..request(1_000)
+    };
+    // Costs are ignored: a prefix has one home whatever the random input.
+    let home = chosen(&profile, &with_key(7), &cands, 1);
+    for random in 0..20 {
+        assert_eq!(chosen(&profile, &with_key(7), &cands, random), home);
+    }
+    // Different prefixes spread over the ring.
+    let homes: std::collections::HashSet<u32> = (0..64)
+        .map(|k| chosen(&profile, &with_key(k), &cands, 0))
+        .collect();
+    assert_eq!(homes.len(), 4, "{homes:?}");
+    // The home above (1 + 0.25) × the mean load: the next endpoint on the ring takes it.
+    cands[home as usize].load.inflight = 10;
+    for (i, c) in cands.iter_mut().enumerate() {
+        if i as u32 != home {
+            c.load.inflight = 2;
+        }
+    }
+    let d = schedule(&profile, &with_key(7), &cands, 0, 0);
+    assert_ne!(d.chosen(), Some(EndpointId(home)));
+    assert_eq!(d.reason, Reason::PrefixHash);
+    assert_eq!(d.ranking.len(), 4, "every endpoint stays a fallback");
 }

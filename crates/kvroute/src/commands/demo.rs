@@ -37,7 +37,7 @@ pub struct DemoArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "round-robin,least-load,approximate,precise"
+        default_value = "round-robin,least-load,prefix-hash,approximate,precise"
     )]
     policies: Vec<String>,
     /// Where to write the JSON and HTML report.

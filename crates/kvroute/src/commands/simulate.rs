@@ -22,16 +22,67 @@ pub struct SimulateArgs {
     #[arg(
         long = "policy",
         value_delimiter = ',',
-        default_value = "round-robin,least-load,approximate,precise"
+        default_value = "round-robin,least-load,prefix-hash,approximate,precise"
     )]
     policies: Vec<String>,
+    /// Run the scheduler matrix instead of one workload: `small` (what CI runs) or `full`
+    /// (docs/benchmarks.md); the fleet flags set engines, their model and timing, the cache
+    /// size and rate come from each cell. Writes `matrix.json` and `matrix.html`.
+    #[arg(long, value_enum)]
+    matrix: Option<MatrixSize>,
     /// Where to write `simulate.json` and `simulate.html`.
     #[arg(long, default_value = "kvroute-simulate")]
     out: PathBuf,
 }
 
+/// Which scheduler matrix to run.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum MatrixSize {
+    /// A few cells (seconds).
+    Small,
+    /// Every cell of docs/benchmarks.md (minutes).
+    Full,
+}
+
+fn run_matrix(args: &SimulateArgs, size: MatrixSize) -> anyhow::Result<ExitCode> {
+    use kvroute_simulate::matrix::{MatrixSpec, report, run_matrix};
+    let fleet = args.fleet.fleet(args.workload.seed())?;
+    let spec = match size {
+        MatrixSize::Small => MatrixSpec::small(),
+        MatrixSize::Full => MatrixSpec::full(),
+    };
+    let started = Instant::now();
+    let results = run_matrix(&spec, &fleet, &mut |done, total| {
+        eprint!("\rkvroute simulate --matrix: {done}/{total} runs");
+    })?;
+    eprintln!();
+    println!("{}", report::table(&results));
+    println!(
+        "{} cells in {:.1} s of wall time.",
+        results.len(),
+        started.elapsed().as_secs_f64()
+    );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let command: Vec<String> = std::env::args().collect();
+    let json = args.out.join("matrix.json");
+    let html = args.out.join("matrix.html");
+    std::fs::write(
+        &json,
+        serde_json::to_vec_pretty(&serde_json::json!({"spec": spec, "cells": results}))?,
+    )
+    .with_context(|| format!("writing {}", json.display()))?;
+    std::fs::write(&html, report::html(&results, &command.join(" ")))
+        .with_context(|| format!("writing {}", html.display()))?;
+    println!("Results: {}  Report: {}", json.display(), html.display());
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Runs the simulation and prints the comparison.
 pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
+    if let Some(size) = args.matrix {
+        return run_matrix(&args, size);
+    }
     let workload = args.workload.build()?;
     let fleet = args.fleet.fleet(args.workload.seed())?;
     eprintln!(
@@ -46,6 +97,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         kvroute_simulate::simulate(&fleet, &workload, args.workload.concurrency, &args.policies)?;
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
+    let pooled = kvroute_sim::engine::EngineConfig {
+        num_gpu_blocks: fleet.engine.num_gpu_blocks * fleet.engines,
+        ..fleet.engine.clone()
+    };
+    println!(
+        "Pooled-cache ceiling (one cache as large as the fleet's): {:.1}% hit rate.",
+        kvroute_bench::ceiling::pooled_hit_rate(&workload, &pooled) * 100.0
+    );
     println!(
         "Simulated {:.1} s of fleet time per policy in {wall:.2} s of wall time.",
         runs.iter()

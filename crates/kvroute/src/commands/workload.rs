@@ -6,7 +6,8 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use kvroute_bench::trace::{TraceOptions, load_trace};
 use kvroute_bench::workload::{
-    MultiTurn, SharedPrefix, Workload, from_prompts, multi_turn, shared_prefix,
+    MultiTurn, SharedPrefix, TenantSkew, Tenants, Workload, from_prompts, multi_turn,
+    shared_prefix, tenants,
 };
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -15,6 +16,9 @@ enum WorkloadKind {
     MultiTurn,
     /// G groups with a long shared context and many short questions.
     SharedPrefix,
+    /// --users tenants, each with a long context (--shared-tokens); --conversations
+    /// conversations of --turns questions, each under a tenant picked by --tenant-skew.
+    Tenants,
     /// A Mooncake-format trace (--trace FILE).
     Trace,
 }
@@ -28,18 +32,29 @@ pub struct WorkloadArgs {
     /// Closed loop with this many sessions at once (default: open loop at --rate).
     #[arg(long)]
     pub concurrency: Option<usize>,
-    /// Sessions started per second (open loop).
+    /// Sessions (conversations, questions) started per second (open loop).
     #[arg(long, default_value_t = 2.0)]
     rate: f64,
     /// Random seed.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// multi-turn: users; shared-prefix: groups.
+    /// multi-turn: users; shared-prefix: groups; tenants: tenants.
     #[arg(long, default_value_t = 16)]
     users: usize,
-    /// multi-turn: turns per user; shared-prefix: questions per group.
+    /// multi-turn: turns per user; shared-prefix: questions per group; tenants: questions per
+    /// conversation.
     #[arg(long, default_value_t = 5)]
     turns: usize,
+    /// tenants: conversations, all tenants together.
+    #[arg(long, default_value_t = 400)]
+    conversations: usize,
+    /// tenants: how popular tenants are: `uniform`, `zipf` or `zipf:S` (exponent S).
+    #[arg(long, default_value = "uniform")]
+    tenant_skew: TenantSkew,
+    /// tenants: coefficient of variation of context and question lengths (log-normal around
+    /// --shared-tokens and --user-tokens; 0: fixed lengths).
+    #[arg(long, default_value_t = 0.0)]
+    length_cv: f64,
     /// Tokens of the shared system prompt (multi-turn) or context (shared-prefix).
     #[arg(long, default_value_t = 1500)]
     shared_tokens: usize,
@@ -100,6 +115,25 @@ impl WorkloadArgs {
                 rate_per_s: self.rate,
                 seed: self.seed,
             }),
+            WorkloadKind::Tenants => {
+                anyhow::ensure!(
+                    self.length_cv.is_finite() && self.length_cv >= 0.0,
+                    "--length-cv must be a non-negative number"
+                );
+                tenants(&Tenants {
+                    tenants: self.users,
+                    context_tokens: self.shared_tokens,
+                    conversations: self.conversations,
+                    turns: self.turns,
+                    question_tokens: self.user_tokens,
+                    length_cv: self.length_cv,
+                    output_tokens: self.output_tokens,
+                    think_s: self.think_s,
+                    rate_per_s: self.rate,
+                    skew: self.tenant_skew,
+                    seed: self.seed,
+                })
+            }
             WorkloadKind::Trace => {
                 let path = self
                     .trace

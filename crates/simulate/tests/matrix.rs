@@ -1,0 +1,51 @@
+//! The small scheduler matrix, as a regression test: twelve tenants whose contexts fit the
+//! pooled cache but not one engine, at a light and a heavy load. Precise must stay within 90%
+//! of the pooled-cache ceiling's hit rate and at most 1.05× the best other policy's TTFT
+//! percentiles; at the light load, nine in ten questions must find their tenant's context, so
+//! its TTFT p90 is a cache hit's, at most half of round-robin's (a miss's). A rule that copies
+//! contexts to other engines once caches fill (the `replicate_shared_above` rule this test was
+//! written against) makes the copies evict each other and fails that.
+
+use kvroute_simulate::FleetConfig;
+use kvroute_simulate::matrix::{MatrixSpec, report, run_matrix};
+
+#[test]
+fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
+    let results = run_matrix(
+        &MatrixSpec::small(),
+        &FleetConfig::default(),
+        &mut |_, _| {},
+    )
+    .expect("the matrix runs");
+    let table = report::table(&results);
+    assert_eq!(results.len(), 2, "{table}");
+    for r in &results {
+        let precise = r.figures("precise").expect("precise ran");
+        assert!(
+            r.fits(),
+            "the small matrix's cells fit the pooled cache\n{table}"
+        );
+        assert!(
+            precise.hit_rate >= 0.9 * r.ceiling,
+            "hit rate {:.3} below 90% of the ceiling {:.3}\n{table}",
+            precise.hit_rate,
+            r.ceiling
+        );
+        if r.cell.load_ratio < 0.5 {
+            let round_robin = r.figures("round-robin").expect("round-robin ran");
+            assert!(
+                precise.ttft_p90 <= 0.5 * round_robin.ttft_p90,
+                "at light load TTFT p90 {:.1} ms is not a hit's (round-robin {:.1} ms)\n{table}",
+                precise.ttft_p90 * 1e3,
+                round_robin.ttft_p90 * 1e3
+            );
+        }
+        let ratios = r.precise_over_best_other().expect("other policies ran");
+        for (name, ratio) in ["p50", "p90", "p99"].iter().zip(ratios) {
+            assert!(
+                ratio <= 1.05,
+                "TTFT {name} {ratio:.2}× the best other policy's\n{table}"
+            );
+        }
+    }
+}

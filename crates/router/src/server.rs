@@ -226,6 +226,19 @@ pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_a
     ));
 }
 
+/// Starts an endpoint's KV-event subscriber afresh, after the fleet forgot what the endpoint
+/// held for a reason the subscriber cannot see (an ejection, a restart its `/metrics` revealed):
+/// the new subscription replays from the start of the engine's buffer instead of resuming at
+/// the old stream's sequence number, which a restarted engine may already have passed. While a
+/// replica warms up, its warm-up owns the subscriber.
+pub(crate) fn resubscribe(router: &Arc<Router>, e: &Arc<Endpoint>) {
+    if router.replica().warming() {
+        return;
+    }
+    drop(e.subscriber.lock().take());
+    spawn_subscriber(router, e, None);
+}
+
 /// The buffered-bytes budget of the API listener (and the picker's streams):
 /// `limits.max_buffered_bytes`, shown as `kvroute_buffered_bytes`.
 pub fn request_budget(router: &Router) -> ByteBudget {
@@ -341,7 +354,8 @@ async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             }
             Some(HealthChange::Restored) => {
                 *endpoint.last_health_error.lock() = None;
-                info!(endpoint = %endpoint.name, "endpoint healthy again");
+                info!(endpoint = %endpoint.name, "endpoint healthy again; re-subscribing to its KV events from the start of its replay buffer");
+                resubscribe(&router, &endpoint);
                 router.capacity_changed();
             }
             None => {}
@@ -400,6 +414,7 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
                 .is_some_and(|t| t >= at);
             if !noticed {
                 router.forget_endpoint(endpoint.id, "its /metrics say the engine restarted");
+                resubscribe(&router, &endpoint);
             }
         }
         if let Some(queries) = sample.prefix_cache_queries {

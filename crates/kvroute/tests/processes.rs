@@ -288,18 +288,6 @@ fn complete(listen: u16) -> u16 {
         .unwrap_or(0)
 }
 
-/// The peak resident memory of process `pid` (`VmHWM`), in bytes.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
-    line.split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        * 1024
-}
-
 #[test]
 fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
     let sims = start_sims(1);
@@ -371,7 +359,7 @@ fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
         "{logged} warnings: {}",
         read_log()
     );
-    let rss = peak_rss(router.0.id());
+    let rss = kvroute_testkit::proc_memory(Some(router.0.id()), "VmHWM");
     eprintln!(
         "{} hostile connections, {answered} requests answered meanwhile, peak RSS {} MiB",
         hostile.connections(),

@@ -43,16 +43,6 @@ fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-fn vm_rss_mib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kib| kib >> 10)
-}
-
 /// A router on its own runtime (two workers), in front of `engine`.
 fn router(
     runtime: &tokio::runtime::Runtime,
@@ -89,7 +79,7 @@ async fn run_case(
     large_mb: Option<usize>,
     seconds: f64,
 ) -> Case {
-    let rss_before = vm_rss_mib();
+    let rss_before = kvroute_testkit::proc_memory(None, "VmRSS") >> 20;
     let client = reqwest::Client::new();
     let url = format!("http://{addr}/v1/completions");
     let stop = Arc::new(AtomicBool::new(false));
@@ -150,7 +140,7 @@ async fn run_case(
         small_ms,
         large_served: served.load(Ordering::Relaxed),
         rss_before,
-        rss_after: vm_rss_mib(),
+        rss_after: kvroute_testkit::proc_memory(None, "VmRSS") >> 20,
     }
 }
 

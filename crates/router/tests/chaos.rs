@@ -95,17 +95,6 @@ fn memory_budget() -> u64 {
         + 2 * 256 * 400 * 1024
 }
 
-fn vm_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map(|kib| kib * 1024)
-        .expect("VmRSS in /proc/self/status: the memory check needs it")
-}
-
 /// The router's prediction outcomes, summed over endpoints.
 #[derive(Debug, Default)]
 struct Predictions {
@@ -372,7 +361,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         after.exact >= 0.99 * after.total(),
         "after recovery: {after:?}"
     );
-    let (rss, budget) = (vm_rss(), memory_budget());
+    let (rss, budget) = (kvroute_testkit::proc_memory(None, "VmRSS"), memory_budget());
     eprintln!(
         "chaos over {seconds} s: {} requests answered, {} failed ({inflight_at_restart} in flight on the restarted engine); predictions of the restarted router during event loss {during:?}, after recovery {after:?}; VmRSS {} MiB of a {} MiB budget",
         tally.ok,

@@ -12,17 +12,6 @@ use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, Role};
 use kvroute_router::config::RouterConfig;
 
-fn vm_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map(|kib| kib * 1024)
-        .expect("VmRSS in /proc/self/status: the memory check needs it")
-}
-
 /// Blocks per simulated prompt.
 const BLOCKS: u64 = 64;
 
@@ -44,7 +33,7 @@ fn the_documented_routing_memory_matches_what_it_takes() {
         has_events: false,
         block_size: 16,
     };
-    let before = vm_rss();
+    let before = kvroute_testkit::proc_memory(None, "VmRSS");
     let mut fleet = Fleet::new(fleet_config, Profile::default(), vec![spec(0), spec(1)]).unwrap();
     // Distinct blocks, a prompt at a time, until every table is full (and a little more, so
     // that the oldest entries are dropped as in a long-running router).
@@ -69,7 +58,7 @@ fn the_documented_routing_memory_matches_what_it_takes() {
         let dispatch = fleet.dispatched(&[], &features, EndpointId((prompt % 2) as u32), now);
         fleet.finished(dispatch, None, now);
     }
-    let measured = vm_rss().saturating_sub(before);
+    let measured = kvroute_testkit::proc_memory(None, "VmRSS").saturating_sub(before);
     let formula = kvroute_router::memory::routing_memory_bytes(records, predicted);
     let ratio = measured as f64 / formula as f64;
     eprintln!(

@@ -67,7 +67,7 @@ impl SimEngine {
         let max_len = self.engine.config().max_model_len;
         if prompt.len() + max_tokens as usize > max_len {
             return Err(format!(
-                "HTTP 413: This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
+                "HTTP 400: This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
                 prompt.len() + max_tokens as usize,
                 prompt.len()
             ));

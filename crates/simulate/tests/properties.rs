@@ -102,7 +102,7 @@ fn refused_requests_are_errors_and_unknown_policies_are_refused() {
     small.engine.max_model_len = 1000;
     let run = &simulate(&small, &workload, Some(1), &policies(&["precise"])).unwrap()[0];
     assert!(run.records[0].error.is_none());
-    assert!(run.records[1].error.as_deref().unwrap().contains("413"));
+    assert!(run.records[1].error.as_deref().unwrap().contains("400"));
     assert!(simulate(&small, &workload, None, &policies(&["nope"])).is_err());
 }
 

@@ -16,6 +16,27 @@ pub fn patience() -> Duration {
     Duration::from_millis(ms)
 }
 
+/// A memory figure of process `pid` (this process when `None`) from `/proc/PID/status`, such
+/// as `VmRSS` or `VmHWM`, in bytes. Panics when it cannot be read: a memory check must not pass
+/// unmeasured.
+pub fn proc_memory(pid: Option<u32>, field: &str) -> u64 {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/status"),
+        None => "/proc/self/status".to_owned(),
+    };
+    std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|status| {
+            let line = status
+                .lines()
+                .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+                .to_owned();
+            line.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or_else(|| panic!("{field} in {path}: the memory check needs it"))
+}
+
 /// Polls `check` every 20 ms until it holds; past [`patience`], panics naming `what` and the
 /// last state `check` returned.
 pub async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {

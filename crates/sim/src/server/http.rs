@@ -182,12 +182,16 @@ fn prepare(
         Api::Chat => DEFAULT_CHAT_TOKENS.min(max_len.saturating_sub(prompt.len()).max(1) as u32),
     };
     let max_tokens = request.max_tokens.unwrap_or(default);
+    // vLLM answers a prompt beyond the context with 400 BadRequestError, not 413.
     if prompt.len() + max_tokens as usize > max_len {
-        return Err(ApiError::too_large(format!(
-            "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
-            prompt.len() + max_tokens as usize,
-            prompt.len()
-        )));
+        return Err(ApiError::bad_request(
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion).",
+                prompt.len() + max_tokens as usize,
+                prompt.len()
+            ),
+            None,
+        ));
     }
     Ok((request, prompt, lora, max_tokens))
 }
@@ -344,7 +348,7 @@ async fn collect_response(
                 guard.armed = false;
                 return error_response(&ApiError::new(
                     if reason.contains("context length") {
-                        413
+                        400
                     } else {
                         503
                     },

@@ -17,7 +17,7 @@ mod fidelity;
 mod router;
 
 use engines::{BLOCK_SIZE, Engine, MODEL, install, shared_fleet};
-use router::{Router, post, predicted_for, prediction};
+use router::{Router, endpoints_yaml, post, predicted_for, prediction};
 use serde_json::{Value, json};
 
 /// Runs `tests/python/real_vllm_chat.py` against the API at `base` (`http://host:port`),
@@ -452,14 +452,7 @@ fn envoy_and_the_endpoint_picker_route_real_engines_by_their_cache() {
     let mut yaml = format!(
         "admin: {{listen: 127.0.0.1:{admin}}}\nmodels:\n  - {{name: {MODEL}, block_size: {BLOCK_SIZE}, tokenizer: remote}}\nendpoints:\n"
     );
-    for e in fleet.iter() {
-        yaml.push_str(&format!(
-            "  - {{url: '{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
-            e.url(),
-            e.events,
-            e.replay
-        ));
-    }
+    yaml.push_str(&endpoints_yaml(&fleet.iter().collect::<Vec<_>>()));
     let config = dir.join("kvroute.yaml");
     std::fs::write(&config, yaml).unwrap();
     let _epp = spawn_epp(&config, grpc);

@@ -41,30 +41,30 @@ pub fn proc_memory(pid: Option<u32>, field: &str) -> u64 {
 /// last state `check` returned.
 pub async fn eventually<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
     let deadline = Instant::now() + patience();
-    loop {
-        let (ok, state) = check();
-        if ok {
-            return;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}; last state: {state:#?}");
-        }
+    while !holds_before(what, deadline, &mut check) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// One poll of [`eventually`] and [`eventually_blocking`]: whether `check` holds; past
+/// `deadline`, panics naming `what` and the last state `check` returned.
+fn holds_before<T: std::fmt::Debug>(
+    what: &str,
+    deadline: Instant,
+    check: &mut impl FnMut() -> (bool, T),
+) -> bool {
+    let (ok, state) = check();
+    if !ok && Instant::now() > deadline {
+        panic!("timed out waiting for {what}; last state: {state:#?}");
+    }
+    ok
 }
 
 /// [`eventually`] for tests without an async runtime: polls `check` every 50 ms, blocking the
 /// thread, until it holds; past [`patience`], panics naming `what` and the last state.
 pub fn eventually_blocking<T: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> (bool, T)) {
     let deadline = Instant::now() + patience();
-    loop {
-        let (ok, state) = check();
-        if ok {
-            return;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}; last state: {state:#?}");
-        }
+    while !holds_before(what, deadline, &mut check) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -32,14 +32,7 @@ impl Router {
         let mut yaml = format!(
             "listen: 127.0.0.1:{port}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels:\n  - {{name: {MODEL}, block_size: {BLOCK_SIZE}, tokenizer: {tokenizer}}}\n{extra}\nendpoints:\n"
         );
-        for e in engines {
-            yaml.push_str(&format!(
-                "  - {{url: '{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
-                e.url(),
-                e.events,
-                e.replay
-            ));
-        }
+        yaml.push_str(&endpoints_yaml(engines));
         let config = dir.join("kvroute.yaml");
         std::fs::write(&config, yaml).unwrap();
         let process = Killed(
@@ -93,6 +86,21 @@ impl Drop for Router {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The `endpoints:` list items for `engines`: each with its KV events and replay socket.
+pub fn endpoints_yaml(engines: &[&Engine]) -> String {
+    engines
+        .iter()
+        .map(|e| {
+            format!(
+                "  - {{url: '{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
+                e.url(),
+                e.events,
+                e.replay
+            )
+        })
+        .collect()
 }
 
 /// The chosen endpoint of an explain answer and its predicted cached tokens.

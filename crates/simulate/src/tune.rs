@@ -167,7 +167,7 @@ pub const PARAMS: [Param; 8] = [
     Param {
         name: "weights.decode_interference",
         low: 0.0,
-        high: 0.5,
+        high: 2.0,
         log: false,
         get: |p| p.weights.decode_interference,
         set: |p, v| p.weights.decode_interference = v,

@@ -9,6 +9,14 @@ pub enum CoreError {
     /// A block size of zero (or otherwise unusable) was given.
     #[error("invalid block size {0}: must be at least 1 token")]
     InvalidBlockSize(usize),
+    /// An offloaded block size that is not a whole number of the index's blocks.
+    #[error("offload block size {offload} is not a multiple of the block size {block_size}")]
+    OffloadBlockSize {
+        /// The offloaded block size configured, in tokens.
+        offload: usize,
+        /// The index's block size, in tokens.
+        block_size: usize,
+    },
     /// Fewer per-block extra-key entries than full blocks.
     #[error("extra keys given for {extra} blocks but the tokens make {blocks} full blocks")]
     ExtraKeysLength {

@@ -17,5 +17,6 @@ pub mod history;
 pub mod index;
 pub mod keys;
 pub mod schedule;
+pub mod tiers;
 
 pub use error::CoreError;

@@ -182,10 +182,12 @@ fn candidates(blocks: usize) -> Vec<Candidate> {
                         gpu_blocks: held,
                         cpu_blocks: 0,
                         storage_blocks: 0,
+                        shared_blocks: 0,
                     }),
                     ..CacheView::default()
                 },
                 prefill_tokens_per_s: 20_000.0,
+                tier_rates: Default::default(),
                 cache_fill: 0.9,
             }
         })

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use kvroute_core::fleet::{
     FleetConfig, FlowConfig, HealthPolicy, OutlierPolicy, RetryPolicy, TrustPolicy,
 };
+use kvroute_core::index::{OffloadSpec, SharedMount};
 use kvroute_core::schedule::{
     BalanceTolerance, CostWeights, Filters, Picker, Profile, ProfileName, Role, Saturation,
     TierCosts,
@@ -247,6 +248,33 @@ pub struct EndpointConfig {
     /// Free-form labels, shown in explanations.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// How its engine offloads KV blocks below the GPU (CPU, storage, a shared filesystem).
+    #[serde(default)]
+    pub offload: OffloadConfig,
+}
+
+/// Pod label naming the shared KV tier (filesystem) a pod mounts, read by Kubernetes
+/// discovery: the same as `offload.shared_mount` in static configuration.
+pub const SHARED_MOUNT_LABEL: &str = "kvroute.io/shared-kv-mount";
+
+/// How an endpoint's engine offloads KV blocks below its GPU, as far as its events need it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadConfig {
+    /// Tokens per offloaded block: the `block_size` in the OffloadingConnector's
+    /// `kv_connector_extra_config` (a multiple of the block size). vLLM 0.20+ publishes one
+    /// hash per offloaded block and no size, so a larger one must be given here. Default: one
+    /// GPU block.
+    #[serde(default)]
+    pub block_size: Option<usize>,
+    /// Name of the shared filesystem tier the engine mounts; endpoints naming the same mount
+    /// share its blocks. Default: the pod label `kvroute.io/shared-kv-mount`, else none.
+    #[serde(default)]
+    pub shared_mount: Option<String>,
+    /// Medium strings of the events that go to the shared mount (compared ignoring case).
+    /// Default: `FS` and `OBJ`.
+    #[serde(default)]
+    pub shared_media: Vec<String>,
 }
 
 /// Scheduling settings: a named policy, optionally adjusted.
@@ -574,6 +602,27 @@ fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
 }
 
 impl EndpointConfig {
+    /// What the KV index must know of its offloaded tiers: the configured mount, else the one
+    /// its pod label names.
+    pub fn offload_spec(&self) -> OffloadSpec {
+        let mount = self
+            .offload
+            .shared_mount
+            .clone()
+            .or_else(|| self.labels.get(SHARED_MOUNT_LABEL).cloned())
+            .filter(|m| !m.is_empty());
+        OffloadSpec {
+            block_size: self.offload.block_size,
+            shared: mount.map(|name| {
+                let mut mount = SharedMount::new(name);
+                if !self.offload.shared_media.is_empty() {
+                    mount.media = self.offload.shared_media.clone();
+                }
+                mount
+            }),
+        }
+    }
+
     /// Checks one endpoint (`field` names it in errors) against the configured model `names`.
     pub fn validate(&self, field: &str, names: &[&str]) -> Result<(), RouterError> {
         let e = self;
@@ -674,7 +723,19 @@ impl RouterConfig {
                     "scheduler.tiers.storage_tokens_per_s",
                     t.storage_tokens_per_s,
                 ),
+                ("scheduler.tiers.shared_tokens_per_s", t.shared_tokens_per_s),
             ]);
+            for (field, weight) in [
+                ("scheduler.tiers.cpu_weight", t.cpu_weight),
+                ("scheduler.tiers.storage_weight", t.storage_weight),
+                ("scheduler.tiers.shared_weight", t.shared_weight),
+            ] {
+                if let Some(w) = weight
+                    && !(0.0..=1.0).contains(&w)
+                {
+                    return Err(invalid(field, format!("{w} must be between 0 and 1")));
+                }
+            }
         }
         if let Some(b) = &s.balance {
             numbers.extend([
@@ -855,6 +916,25 @@ mod tests {
         assert_eq!(c.scheduler.profile(), Profile::default());
         assert_eq!(c.health.unhealthy_after, 2);
         assert!(c.admin.listen.ip().is_loopback() && c.admin.token.is_none());
+    }
+
+    #[test]
+    fn an_endpoint_declares_its_shared_mount_in_config_or_by_pod_label() {
+        let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:8001', offload: {block_size: 64, shared_mount: lustre, shared_media: [STORAGE]}}\n  - {url: 'http://127.0.0.1:8002', labels: {kvroute.io/shared-kv-mount: lustre}}\n  - {url: 'http://127.0.0.1:8003'}\n";
+        let c = RouterConfig::from_yaml(yaml).unwrap();
+        let specs: Vec<OffloadSpec> = c.endpoints.iter().map(|e| e.offload_spec()).collect();
+        assert_eq!(specs[0].block_size, Some(64));
+        let first = specs[0].shared.as_ref().unwrap();
+        assert_eq!(
+            (first.name.as_str(), first.media.clone()),
+            ("lustre", vec!["STORAGE".to_owned()])
+        );
+        let second = specs[1].shared.as_ref().unwrap();
+        assert_eq!(second, &SharedMount::new("lustre"));
+        assert!(specs[2].shared.is_none());
+        let bad = format!("{MINIMAL}scheduler: {{tiers: {{cpu_weight: 1.5}}}}\n");
+        let err = RouterConfig::from_yaml(&bad).unwrap_err().to_string();
+        assert!(err.contains("scheduler.tiers.cpu_weight"), "{err}");
     }
 
     #[test]

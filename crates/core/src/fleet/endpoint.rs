@@ -8,6 +8,7 @@ use super::outlier::Outlier;
 use super::trust::Trust;
 use crate::index::EndpointId;
 use crate::schedule::{EndpointLoad, Role};
+use crate::tiers::TierRates;
 
 /// What the router is told about an endpoint when it joins the fleet.
 #[derive(Clone, Debug, PartialEq)]
@@ -130,6 +131,8 @@ pub struct EndpointState {
     pub(super) inflight_prefill_tokens: u64,
     /// Observed prefill rate, tokens/s (EWMA; 0 until observed).
     pub(super) prefill_rate: f64,
+    /// Its tiers' load rates, learned from requests that loaded from them.
+    pub(super) tier_rates: TierRates,
     /// Placements, decayed to `placements_at`.
     pub(super) placements: f64,
     pub(super) placements_at: f64,
@@ -160,6 +163,7 @@ impl EndpointState {
             inflight_prefills: 0,
             inflight_prefill_tokens: 0,
             prefill_rate: 0.0,
+            tier_rates: TierRates::default(),
             placements: 0.0,
             placements_at: 0.0,
             trust,
@@ -169,6 +173,11 @@ impl EndpointState {
             outlier: Outlier::default(),
             present: true,
         }
+    }
+
+    /// Its tiers' load rates as learned so far.
+    pub fn tier_rates(&self) -> &TierRates {
+        &self.tier_rates
     }
 
     /// Whether it is part of the fleet (false once removed: never planned, never restored).

@@ -28,6 +28,7 @@ use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
 };
+use crate::tiers::TierTokens;
 pub use endpoint::{EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
@@ -144,6 +145,10 @@ pub struct Plan {
     /// recomputes the last prompt token, so at most the full blocks of all tokens but the
     /// last), from the best trusted source whatever the policy.
     pub predicted_cached: Vec<usize>,
+    /// Per endpoint, of `predicted_cached`, the tokens on each tier below the GPU (CPU, own
+    /// storage, shared); set [`Dispatch::tier_tokens`] from it so that the tiers' load rates
+    /// are learned.
+    pub predicted_tiers: Vec<TierTokens>,
 }
 
 /// One dispatched request's share of an endpoint's load; hand it back to
@@ -162,6 +167,12 @@ pub struct Dispatch {
     pub dispatched_at: f64,
     /// It counted as a placement (a new conversation or an uncached prompt) at its endpoint.
     pub placement: bool,
+    /// Of `predicted_cached`, tokens predicted on each tier below the GPU (from
+    /// [`Plan::predicted_tiers`]; zero unless the caller sets them). A request with tier tokens
+    /// teaches the endpoint's tier load rates rather than its prefill rate.
+    pub tier_tokens: TierTokens,
+    /// Seconds its tier loads took, measured at its first token.
+    tier_seconds: Option<f64>,
     keys: Arc<Vec<RouterKey>>,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
@@ -348,6 +359,7 @@ impl Fleet {
         let mut candidates = Vec::with_capacity(self.endpoints.len());
         let mut facts = Vec::with_capacity(self.endpoints.len());
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
+        let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
         for e in &self.endpoints {
             let verdict = e.trust.verdict(&self.config.trust, now);
             let index_state = match verdict {
@@ -371,6 +383,7 @@ impl Fleet {
                 predicted: blocks_in(&predicted, e.id),
                 free_blocks,
                 block_reuse: e.reuse.per_evicted_block(),
+                tier_uncertain: index_matches.tier_uncertain(e.id),
             };
             let known = match index_state {
                 IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
@@ -378,6 +391,14 @@ impl Fleet {
                 IndexState::Distrusted => cache.predicted,
             };
             predicted_cached.push((known as usize).min(reportable) * bs);
+            predicted_tiers.push(match (index_state, index_match) {
+                (IndexState::Trusted, Some(m)) if m.blocks >= cache.predicted => [
+                    m.cpu_blocks as usize * bs,
+                    m.storage_blocks as usize * bs,
+                    m.shared_blocks as usize * bs,
+                ],
+                _ => [0; 3],
+            });
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.observed_prefill_rate().unwrap_or(prior_rate);
             facts.push(EndpointFacts {
@@ -405,6 +426,7 @@ impl Fleet {
                 load,
                 cache,
                 prefill_tokens_per_s: rate,
+                tier_rates: e.tier_rates,
             });
         }
         let info = RequestInfo {
@@ -428,6 +450,7 @@ impl Fleet {
             decision,
             facts,
             predicted_cached,
+            predicted_tiers,
         }
     }
 
@@ -487,6 +510,8 @@ impl Fleet {
             prompt_tokens: request.prompt_tokens,
             dispatched_at: now,
             placement,
+            tier_tokens: [0; 3],
+            tier_seconds: None,
             keys: request.keys.clone(),
             prefill_done: false,
             rate_sample,
@@ -557,10 +582,17 @@ impl Fleet {
             now - dispatch.dispatched_at,
             dispatch.rate_sample && ok,
         );
+        let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
+        let default_rate = self.config.default_prefill_tokens_per_s;
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
-        if sample {
+        if sample && tiered {
+            // Its time to first token is its recompute plus its tier loads: the loads are
+            // learned once the engine says how much it found cached.
+            let rate = e.observed_prefill_rate().unwrap_or(default_rate);
+            dispatch.tier_seconds = Some(seconds - tokens as f64 / rate);
+        } else if sample {
             e.note_prefill(tokens, seconds);
         }
         if !dispatch.keys.is_empty() {
@@ -575,11 +607,23 @@ impl Fleet {
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
         let _ = now;
         self.end_prefill(&mut dispatch);
+        let default_rate = self.config.default_prefill_tokens_per_s;
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
             if let Some(reported) = reported_cached {
                 e.trust
                     .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
+                if let Some(seconds) = dispatch.tier_seconds {
+                    let rate = e.observed_prefill_rate().unwrap_or(default_rate);
+                    e.tier_rates.observe_reported(
+                        dispatch.tier_tokens,
+                        seconds,
+                        dispatch.predicted_cached,
+                        reported,
+                        rate,
+                        &self.profile.tiers,
+                    );
+                }
             }
         }
     }

@@ -580,3 +580,134 @@ fn a_peer_replicas_dispatch_steers_the_next_same_prefix_request_without_load() {
     let plan = fleet.plan(&req.features(), 3, 1.0);
     assert_eq!(plan.facts[2].predicted_blocks, 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tiers below the GPU.
+
+/// What an offloading connector publishes for `tokens` (one hash per block, no tokens), and
+/// the GPU's removal of the same blocks: the prefix survives on `medium` only.
+fn offloaded_only(tokens: &[u32], medium: &str) -> Vec<KvEvent> {
+    let KvEvent::BlockStored(gpu) = stored(tokens, BS) else {
+        unreachable!()
+    };
+    vec![
+        KvEvent::BlockStored(gpu.clone()),
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: gpu.block_hashes.clone(),
+            medium: Some(medium.into()),
+            ..Default::default()
+        }),
+        KvEvent::BlockRemoved(crate::event::BlockRemoved {
+            block_hashes: gpu.block_hashes,
+            medium: Some("GPU".into()),
+            group_idx: None,
+        }),
+    ]
+}
+
+#[test]
+fn a_prefix_only_on_cpu_is_credited_when_loading_beats_recomputing() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let shared = prompt(2048, 9);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&shared, "CPU"), 0.0);
+    let mut tokens = shared.clone();
+    tokens.extend(prompt(256, 10));
+    let plan = fleet.plan(&Req::new(&tokens).features(), 1, 0.0);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+    let on_cpu = plan.decision.assessment(EndpointId(0)).unwrap();
+    let recompute = plan.decision.assessment(EndpointId(1)).unwrap();
+    let cpu = on_cpu.cost.tiers.tiers[crate::tiers::LoadTier::Cpu as usize];
+    assert_eq!(cpu.tokens, 2048);
+    assert!(!cpu.slower_than_recompute);
+    assert!(on_cpu.predicted_ttft_s < recompute.predicted_ttft_s);
+    assert_eq!(plan.predicted_tiers[0], [2048, 0, 0]);
+    assert!(!on_cpu.tier_uncertain);
+}
+
+#[test]
+fn a_tier_slower_than_recompute_gets_no_credit_and_explain_says_so() {
+    let mut fleet = FleetBuilder::new(2).build();
+    // A storage tier at 5k tokens/s against a 20k tokens/s prefill.
+    fleet.profile.tiers.storage_tokens_per_s = 5_000.0;
+    let shared = prompt(2048, 11);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&shared, "STORAGE"), 0.0);
+    let plan = fleet.plan(&Req::new(&shared).features(), 1, 0.0);
+    assert_eq!(
+        plan.decision.chosen(),
+        Some(EndpointId(1)),
+        "recomputing wins"
+    );
+    let slow = plan.decision.assessment(EndpointId(0)).unwrap();
+    let storage = slow.cost.tiers.tiers[crate::tiers::LoadTier::Storage as usize];
+    assert!(storage.slower_than_recompute, "{storage:?}");
+    assert!(storage.seconds > storage.recompute_s);
+}
+
+#[test]
+fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
+    let mut fleet = FleetBuilder::new(3).build();
+    let lustre = crate::index::OffloadSpec {
+        block_size: None,
+        shared: Some(crate::index::SharedMount::new("lustre")),
+    };
+    for e in [0, 1] {
+        let index = fleet.index_of(EndpointId(e)).unwrap().clone();
+        index.set_offload(EndpointId(e), &lustre).unwrap();
+    }
+    let doc = prompt(1024, 12);
+    // Endpoint 0 wrote the blocks to the filesystem and then lost them from its GPU.
+    fleet.apply_events(EndpointId(0), &offloaded_only(&doc, "FS"), 0.0);
+    // Endpoint 0 is busy: the shared copy lets endpoint 1 serve it at load cost.
+    for i in 0..3 {
+        send(&mut fleet, &Req::new(&prompt(4096, 100 + i)), 0.0);
+    }
+    let plan = fleet.plan(&Req::new(&doc).features(), 1, 0.0);
+    let m1 = plan.facts[1].index_match.unwrap();
+    assert_eq!((m1.blocks, m1.shared_blocks), (64, 64));
+    assert!(
+        plan.facts[2].index_match.is_none(),
+        "endpoint 2 mounts nothing"
+    );
+    assert_eq!(plan.predicted_tiers[1], [0, 0, 1024]);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+}
+
+#[test]
+fn tier_load_rates_are_learned_from_requests_that_loaded() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let (prefill_rate, cpu_rate) = (10_000.0, 60_000.0);
+    let mut now = 0.0;
+    // Learn the prefill rate first, from uncached prompts.
+    for i in 0..5 {
+        let (_, mut d) = send(&mut fleet, &Req::new(&prompt(2000, 200 + i)), now);
+        now += 2000.0 / prefill_rate;
+        fleet.first_token(&mut d, true, now);
+        fleet.finished(d, Some(0), now);
+    }
+    let shared = prompt(4096, 13);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&shared, "CPU"), now);
+    for i in 0..40 {
+        let mut tokens = shared.clone();
+        tokens.extend(prompt(512, 300 + i));
+        let req = Req::new(&tokens);
+        let (plan, mut d) = send(&mut fleet, &req, now);
+        d.tier_tokens = plan.predicted_tiers[0];
+        assert_eq!(d.tier_tokens, [4096, 0, 0]);
+        now += 512.0 / prefill_rate + 4096.0 / cpu_rate;
+        fleet.first_token(&mut d, true, now);
+        let cached = d.predicted_cached;
+        fleet.finished(d, Some(cached), now);
+        // The engine's own blocks for the new part are not announced here: the prefix stays
+        // on the CPU tier only.
+    }
+    let e = fleet.endpoint(EndpointId(0)).unwrap();
+    let learned = e
+        .tier_rates()
+        .rate(crate::tiers::LoadTier::Cpu, &fleet.profile.tiers);
+    assert!(
+        (learned - cpu_rate).abs() / cpu_rate < 0.05,
+        "learned {learned:.0} tokens/s, true {cpu_rate:.0}"
+    );
+    // The prefill rate was not polluted by the loads.
+    assert!((e.observed_prefill_rate().unwrap() - prefill_rate).abs() < 1.0);
+}

@@ -73,7 +73,11 @@ impl KvIndex {
                 continue;
             }
             // Removal shifts the next entry into this slot: the hand stays to look at it.
-            let key = state.blocks.remove_at(state.hand).router_key();
+            let gone = state.blocks.remove_at(state.hand);
+            let key = gone.router_key();
+            if let Some(o) = state.offload.as_deref_mut() {
+                o.forget(gone.hash);
+            }
             drop_slot(
                 &mut self.blocks,
                 &mut self.wide,

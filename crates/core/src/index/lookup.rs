@@ -4,12 +4,14 @@
 //! The walk keeps the set of endpoints that hold every block so far as bit-set words and
 //! intersects it with each block's holders, stopping when the set is empty. While every active
 //! endpoint holds the block on the GPU (the common case) a block costs a few word operations;
-//! only mixed-tier blocks are counted per endpoint.
+//! only mixed-tier blocks are counted per endpoint. When the fleet-wide shared tier holds
+//! anything, each block also adds the endpoints mounting a mount that holds it (one hash lookup
+//! per block; none while the shared tier is empty).
 
 use serde::Serialize;
 
 use super::holders::{Holders, WORD_BITS};
-use super::{EndpointId, KvIndex};
+use super::{EndpointId, KvIndex, offload};
 use crate::event::Tier;
 use crate::keys::RouterKey;
 
@@ -24,8 +26,10 @@ pub struct PrefixMatch {
     pub gpu_blocks: u32,
     /// Of those, blocks whose fastest copy is in CPU memory.
     pub cpu_blocks: u32,
-    /// Of those, blocks whose fastest copy is in storage.
+    /// Of those, blocks whose fastest copy is in the endpoint's own storage.
     pub storage_blocks: u32,
+    /// Of those, blocks found only on a shared tier the endpoint mounts.
+    pub shared_blocks: u32,
 }
 
 /// Every endpoint holding at least the first block, sorted by endpoint id.
@@ -33,12 +37,21 @@ pub struct PrefixMatch {
 pub struct PrefixMatches {
     /// One entry per endpoint with a non-empty match.
     pub matches: Vec<PrefixMatch>,
+    /// Endpoints whose match counts blocks below the GPU while their offloaded-tier events
+    /// were recently inconsistent (orphans): those tiers are an estimate. Sorted.
+    pub tier_uncertain: Vec<EndpointId>,
 }
 
 impl PrefixMatches {
     /// The match for one endpoint (`None`: not even the first block).
     pub fn get(&self, endpoint: EndpointId) -> Option<&PrefixMatch> {
         self.matches.iter().find(|m| m.endpoint == endpoint)
+    }
+
+    /// Whether `endpoint`'s match relies on offloaded tiers whose events were recently
+    /// inconsistent.
+    pub fn tier_uncertain(&self, endpoint: EndpointId) -> bool {
+        self.tier_uncertain.binary_search(&endpoint).is_ok()
     }
 
     /// Leading blocks `endpoint` holds (0 when none).
@@ -49,8 +62,11 @@ impl PrefixMatches {
 
 /// Per-slot tier counts for blocks walked while not every active endpoint had them on the GPU.
 struct TierCounts {
-    counts: Vec<[u32; 3]>,
+    counts: Vec<[u32; 4]>,
 }
+
+/// Index of the shared tier's count in [`TierCounts`].
+const SHARED: usize = 3;
 
 /// Keys whose slots are prefetched at a time, one stretch ahead of the walk.
 const PREFETCH_AHEAD: usize = 16;
@@ -77,7 +93,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     }
 
     let mut finish = |slot: usize, len: u32, uniform: u32, mixed: &Option<TierCounts>| {
-        let extra = mixed.as_ref().map_or([0; 3], |m| m.counts[slot]);
+        let extra = mixed.as_ref().map_or([0; 4], |m| m.counts[slot]);
         if len > 0
             && let Some(endpoint) = index.slots[slot]
         {
@@ -87,12 +103,16 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
                 gpu_blocks: uniform + extra[Tier::Gpu as usize],
                 cpu_blocks: extra[Tier::Cpu as usize],
                 storage_blocks: extra[Tier::Storage as usize],
+                shared_blocks: extra[SHARED],
             });
         }
     };
 
     // Holders of the current stretch of keys, found once per key.
     let mut stretch = [Holders::default(); PREFETCH_AHEAD];
+    // Slots holding the current block through the shared tier (only while it holds anything).
+    let with_shared = !index.fleet.is_empty();
+    let mut shared = vec![0u64; if with_shared { words } else { 0 }];
     for i in 0..keys.len() {
         if active.iter().all(|&w| w == 0) {
             break;
@@ -115,15 +135,19 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
         let holders = stretch[i % PREFETCH_AHEAD];
         let entry = (!holders.is_empty()).then(|| index.wide.view(holders));
+        let any_shared = with_shared && index.fleet.slots_holding(keys[i], &mut shared);
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {
                 continue;
             }
-            let (held, gpu) = entry.map_or((0, 0), |e| {
+            let (mut held, gpu) = entry.map_or((0, 0), |e| {
                 let (any, tiers) = e.words(w);
                 (any, tiers[Tier::Gpu as usize])
             });
+            if any_shared {
+                held |= shared[w];
+            }
             let mut dropped = *word & !held;
             while dropped != 0 {
                 let bit = dropped.trailing_zeros() as usize;
@@ -135,16 +159,19 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
         if all_gpu {
             uniform_gpu += 1;
-        } else if let Some(entry) = entry {
+        } else if entry.is_some() || any_shared {
             let counts = mixed.get_or_insert_with(|| TierCounts {
-                counts: vec![[0; 3]; slots],
+                counts: vec![[0; 4]; slots],
             });
             for (w, &word) in active.iter().enumerate() {
                 let mut bits = word;
                 while bits != 0 {
                     let slot = w * WORD_BITS + bits.trailing_zeros() as usize;
-                    if let Some(tier) = entry.best_tier(slot as u32) {
-                        counts.counts[slot][tier as usize] += 1;
+                    // The endpoint's own copy first; else it holds the block through the
+                    // shared tier (the only way an active slot can hold it otherwise).
+                    match entry.and_then(|e| e.best_tier(slot as u32)) {
+                        Some(tier) => counts.counts[slot][tier as usize] += 1,
+                        None => counts.counts[slot][SHARED] += 1,
                     }
                     bits &= bits - 1;
                 }
@@ -165,5 +192,20 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
     }
     matches.sort_unstable_by_key(|m| m.endpoint);
-    PrefixMatches { matches }
+    let tier_uncertain = matches
+        .iter()
+        .filter(|m| m.blocks > m.gpu_blocks)
+        .filter(|m| {
+            index.endpoints.get(&m.endpoint).is_some_and(|s| {
+                s.offload
+                    .as_deref()
+                    .is_some_and(offload::EndpointOffload::uncertain)
+            })
+        })
+        .map(|m| m.endpoint)
+        .collect();
+    PrefixMatches {
+        matches,
+        tier_uncertain,
+    }
 }

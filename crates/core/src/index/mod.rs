@@ -29,8 +29,10 @@
 //!   tracks group 0, the one every model has, and counts the others as ignored.
 
 mod bound;
+mod fleet_tier;
 mod holders;
 mod lookup;
+mod offload;
 mod shared;
 mod table;
 
@@ -38,11 +40,15 @@ use hashbrown::HashMap;
 
 use crate::CoreError;
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
-use crate::keys::{BlockExtraKeys, ExtraKey, ROOT_KEY, RouterKey, router_key};
+use crate::keys::{ExtraKey, ROOT_KEY, RouterKey, router_key};
+use fleet_tier::FleetTier;
 use holders::{Holders, WideHolders};
+use offload::{EndpointOffload, Place, Tables, chunk_chain, remove_block, resolve, store_block};
 use table::{FlatTable, ShardedTable, Slot};
 
+pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
+pub use offload::{OffloadSpec, SharedMount};
 pub use shared::SharedIndex;
 
 /// The caller's identifier for an endpoint (one engine, or one data-parallel rank).
@@ -83,8 +89,16 @@ pub struct EndpointIndexStats {
     pub blocks_removed: u64,
     /// Blocks in `BlockStored` events whose parent hash was unknown: not indexed.
     pub orphan_blocks: u64,
-    /// Removals (or token-less tier stores) naming a hash this endpoint does not hold.
+    /// GPU removals naming a hash this endpoint does not hold.
     pub unknown_hashes: u64,
+    /// Blocks named by offloaded-tier events (CPU, storage, shared) that the endpoint's map
+    /// cannot resolve: an unknown engine hash, a chunk block whose parent link is gone, or a
+    /// removal of a block not held on that tier. Counted, never guessed; a tier picture with
+    /// orphans is not certain.
+    pub offload_orphans: u64,
+    /// Offloaded-tier stores of a block already held on that tier (reference-counted: each
+    /// needs its own removal, as vLLM documents).
+    pub offload_repeats: u64,
     /// Blocks refused because the event's block size differs from the index's.
     pub block_size_mismatches: u64,
     /// Blocks refused because the event was inconsistent (token count, extra-keys length).
@@ -148,6 +162,8 @@ struct EndpointState {
     /// The capacity bound's clock hand: the next slot of `blocks` it looks at.
     hand: usize,
     stats: EndpointIndexStats,
+    /// Offloaded tiers' bookkeeping, once the endpoint has any.
+    offload: Option<Box<EndpointOffload>>,
 }
 
 /// The KV block index. Single-threaded; wrap it in a [`SharedIndex`] to share it.
@@ -166,6 +182,8 @@ pub struct KvIndex {
     /// The capacity bound's current victim (the endpoint that held the most entries when last
     /// searched) and the sweeps since.
     victim: Option<(EndpointId, u32)>,
+    /// The fleet-wide shared tier.
+    fleet: FleetTier,
 }
 
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
@@ -241,6 +259,7 @@ impl KvIndex {
             slots: Vec::new(),
             entries: 0,
             victim: None,
+            fleet: FleetTier::default(),
         })
     }
 
@@ -270,16 +289,55 @@ impl KvIndex {
                 blocks: FlatTable::default(),
                 hand: 0,
                 stats: EndpointIndexStats::default(),
+                offload: None,
             }
         })
     }
 
-    /// Forgets an endpoint and everything it held.
+    /// Forgets an endpoint and everything it held (what it wrote to a shared tier stays there:
+    /// the filesystem keeps it).
     pub fn remove_endpoint(&mut self, endpoint: EndpointId) {
         self.clear_endpoint(endpoint);
         if let Some(state) = self.endpoints.remove(&endpoint) {
             self.slots[state.slot as usize] = None;
+            self.fleet.set_slot(state.slot, None);
         }
+    }
+
+    /// Declares how `endpoint` offloads (its chunk size, the shared tier it mounts), registering
+    /// it if new. Takes effect for the events that follow; what it holds is kept.
+    pub fn set_offload(
+        &mut self,
+        endpoint: EndpointId,
+        spec: &OffloadSpec,
+    ) -> Result<(), CoreError> {
+        let bs = self.config.block_size;
+        let chunk_blocks = match spec.block_size {
+            None => 1,
+            Some(size) if size >= bs && size.is_multiple_of(bs) => size / bs,
+            Some(size) => {
+                return Err(CoreError::OffloadBlockSize {
+                    offload: size,
+                    block_size: bs,
+                });
+            }
+        };
+        let mount = spec
+            .shared
+            .as_ref()
+            .map(|m| (self.fleet.mount(&m.name), m.media.clone()));
+        let slot = self.state(endpoint).slot;
+        self.fleet.set_slot(slot, mount.as_ref().map(|(id, _)| *id));
+        let state = self.endpoints.get_mut(&endpoint).expect("just registered");
+        let o = state.offload.get_or_insert_with(Box::default);
+        o.chunk_blocks = chunk_blocks;
+        o.mount = mount;
+        Ok(())
+    }
+
+    /// Counters of the fleet-wide shared tier.
+    pub fn shared_tier_stats(&self) -> SharedTierStats {
+        self.fleet.stats.clone()
     }
 
     /// Drops every block an endpoint holds (its cache was reset, or it restarted), keeping its
@@ -298,6 +356,9 @@ impl KvIndex {
         }
         state.blocks.clear();
         state.hand = 0;
+        if let Some(o) = state.offload.as_deref_mut() {
+            o.clear();
+        }
         let stats = &mut state.stats;
         stats.blocks_gpu = 0;
         stats.blocks_cpu = 0;
@@ -324,58 +385,91 @@ impl KvIndex {
 
     fn apply_stored(&mut self, endpoint: EndpointId, event: &BlockStored) {
         let n = event.block_hashes.len() as u64;
-        let block_size = self.config.block_size;
+        let bs = self.config.block_size;
         self.add_endpoint(endpoint);
         let state = self.endpoints.get_mut(&endpoint).expect("just registered");
-        let slot = state.slot;
         if event.group_idx.is_some_and(|g| g != 0) {
             state.stats.ignored_group_blocks += n;
             return;
         }
-        let tier = Tier::from_medium(event.medium.as_deref());
+        let place = EndpointOffload::place(state.offload.as_deref(), event.medium.as_deref());
+        let gpu = place == Place::Local(Tier::Gpu);
+        if !gpu && state.offload.is_none() {
+            state.offload = Some(Box::default());
+        }
+        let mut tables = Tables {
+            blocks: &mut self.blocks,
+            wide: &mut self.wide,
+            fleet: &mut self.fleet,
+            entries: &mut self.entries,
+            capacity: self.config.capacity,
+        };
 
         if event.token_ids.is_empty() {
             // Offloading placeholders carry no tokens: they add a tier to blocks the endpoint
-            // already holds, found by engine hash.
+            // already holds, found by engine hash, one hash per chunk.
+            let event_bs = event.block_size as usize;
+            let chunk = match state.offload.as_mut() {
+                // Releases before 0.20 publish the offloaded block size: learn the chunk.
+                Some(o) if event_bs > bs && event_bs.is_multiple_of(bs) => {
+                    o.chunk_blocks = event_bs / bs;
+                    o.chunk_blocks
+                }
+                Some(o) if !gpu => o.chunk_blocks.max(1),
+                _ => 1,
+            };
             for hash in &event.block_hashes {
-                match state.blocks.get_mut(hash.0) {
-                    Some(held) => {
-                        held.tagged_key |= REFERENCED;
-                        let key = held.router_key();
-                        if add_holder(&mut self.blocks, &mut self.wide, key, slot, tier) {
-                            bump(&mut state.stats, tier, true);
-                        }
-                        state.stats.blocks_stored += 1;
-                    }
-                    None => state.stats.unknown_hashes += 1,
+                let (chain, missing) = chunk_chain(state, hash.0, chunk, place);
+                count_unresolved(state, gpu, missing);
+                for (h, key) in chain {
+                    store_block(&mut tables, state, place, h, key, None);
                 }
             }
             return;
         }
 
-        if event.block_size as usize != block_size {
+        // Blocks with their tokens: the GPU's own, an offloading connector's self-describing
+        // payload, or LMCache's chunks (several blocks each).
+        let event_bs = event.block_size as usize;
+        let per_hash = if event_bs == bs {
+            1
+        } else if !gpu && event_bs > bs && event_bs.is_multiple_of(bs) {
+            event_bs / bs
+        } else {
             state.stats.block_size_mismatches += n;
             return;
-        }
-        if event.token_ids.len() as u64 != n * block_size as u64 {
+        };
+        if event.token_ids.len() as u64 != n * event_bs as u64 {
             state.stats.malformed_blocks += n;
             return;
         }
-        let extra: Option<Vec<BlockExtraKeys>> = match (&event.extra_keys, &event.lora_name) {
-            (Some(per_block), _) if per_block.len() as u64 != n => {
+        let lora = event
+            .lora_name
+            .as_ref()
+            .map(|lora| vec![ExtraKey::Str(lora.clone())]);
+        let per_block = match &event.extra_keys {
+            Some(per_block) if per_block.len() as u64 != n => {
                 state.stats.malformed_blocks += n;
                 return;
             }
-            (Some(per_block), _) => Some(per_block.clone()),
-            // Before 0.17 events carry no extra keys, but LoRA blocks were hashed with the
-            // adapter name: put it back so LoRA requests find them.
-            (None, Some(lora)) => Some(vec![Some(vec![ExtraKey::Str(lora.clone())]); n as usize]),
-            (None, None) => None,
+            // A chunk's extra keys cannot be spread over its blocks (a cache salt belongs to
+            // the first block only): refused rather than guessed.
+            Some(per_block) if per_hash > 1 && per_block.iter().any(Option::is_some) => {
+                state.stats.malformed_blocks += n;
+                return;
+            }
+            Some(per_block) if per_hash == 1 => Some(per_block),
+            _ => None,
         };
+        if let Some(o) = state.offload.as_mut()
+            && !gpu
+        {
+            o.described = true;
+        }
         let mut parent = match event.parent_block_hash {
             None => ROOT_KEY,
-            Some(hash) => match state.blocks.get(hash.0) {
-                Some(held) => held.router_key(),
+            Some(hash) => match resolve(state, hash.0, place) {
+                Some(key) => key,
                 None => {
                     state.stats.orphan_blocks += n;
                     return;
@@ -387,82 +481,77 @@ impl KvIndex {
         // large index waits for memory about once per batch rather than twice per block.
         let keys: Vec<RouterKey> = event
             .token_ids
-            .chunks_exact(block_size)
+            .chunks_exact(bs)
             .enumerate()
             .map(|(i, tokens)| {
-                let block_extra = extra.as_ref().and_then(|e| e[i].as_deref());
+                // Before 0.17 events carry no extra keys, but LoRA blocks were hashed with the
+                // adapter name: put it back so LoRA requests find them.
+                let block_extra = match per_block {
+                    Some(per_block) => per_block[i].as_deref(),
+                    None => lora.as_deref(),
+                };
                 parent = router_key(parent, tokens, block_extra);
                 parent
             })
             .collect();
-        for (hash, key) in event.block_hashes.iter().zip(&keys) {
-            state.blocks.prefetch(hash.0);
-            self.blocks.prefetch(key.0);
+        let hash_of = |i: usize, key: RouterKey| {
+            if (i + 1).is_multiple_of(per_hash) {
+                event.block_hashes[i / per_hash].0
+            } else {
+                offload::member_hash(key)
+            }
+        };
+        for (i, key) in keys.iter().enumerate() {
+            state.blocks.prefetch(hash_of(i, *key));
+            tables.blocks.prefetch(key.0);
         }
-        for (hash, &key) in event.block_hashes.iter().zip(&keys) {
-            let (held, new) = state.blocks.get_or_insert(HeldBlock {
-                hash: hash.0,
-                tagged_key: key.0 | REFERENCED,
-            });
-            let old = held.router_key();
-            held.tagged_key = key.0 | REFERENCED;
-            if new {
-                self.entries += 1;
-            } else if old != key {
-                // The engine reused a hash for other content (it restarted with another seed
-                // without our noticing, or a hash collided): forget the old block.
-                drop_slot(
-                    &mut self.blocks,
-                    &mut self.wide,
-                    old,
-                    slot,
-                    &mut state.stats,
-                );
-            }
-            if add_holder(&mut self.blocks, &mut self.wide, key, slot, tier) {
-                bump(&mut state.stats, tier, true);
-            }
-            state.stats.blocks_stored += 1;
+        let mut parent_hash = event.parent_block_hash.map(|h| h.0);
+        for (i, &key) in keys.iter().enumerate() {
+            let hash = hash_of(i, key);
+            store_block(&mut tables, state, place, hash, key, parent_hash);
+            parent_hash = Some(hash);
         }
     }
 
     fn apply_removed(&mut self, endpoint: EndpointId, event: &BlockRemoved) {
         self.add_endpoint(endpoint);
         let state = self.endpoints.get_mut(&endpoint).expect("just registered");
-        let slot = state.slot;
         if event.group_idx.is_some_and(|g| g != 0) {
             state.stats.ignored_group_blocks += event.block_hashes.len() as u64;
             return;
         }
-        let tier = Tier::from_medium(event.medium.as_deref());
+        let place = EndpointOffload::place(state.offload.as_deref(), event.medium.as_deref());
+        let gpu = place == Place::Local(Tier::Gpu);
+        // A placeholder removal names a chunk by its last block; a self-describing one names
+        // every block.
+        let chunk = match state.offload.as_deref() {
+            Some(o) if !gpu && !o.described => o.chunk_blocks.max(1),
+            _ => 1,
+        };
+        let mut tables = Tables {
+            blocks: &mut self.blocks,
+            wide: &mut self.wide,
+            fleet: &mut self.fleet,
+            entries: &mut self.entries,
+            capacity: self.config.capacity,
+        };
         // As for stores: fetch the batch's slots from both tables before working on them.
         for hash in &event.block_hashes {
             state.blocks.prefetch(hash.0);
         }
-        let keys: Vec<Option<RouterKey>> = event
-            .block_hashes
-            .iter()
-            .map(|hash| state.blocks.get(hash.0).map(|held| held.router_key()))
-            .collect();
-        for key in keys.iter().flatten() {
-            self.blocks.prefetch(key.0);
+        for hash in &event.block_hashes {
+            if let Some(held) = state.blocks.get(hash.0) {
+                tables.blocks.prefetch(held.router_key().0);
+            }
         }
-        for (hash, key) in event.block_hashes.iter().zip(keys) {
-            let Some(key) = key else {
-                state.stats.unknown_hashes += 1;
-                continue;
-            };
-            let (was, still_held) = drop_holder(&mut self.blocks, &mut self.wide, key, slot, tier);
-            if !was {
-                state.stats.unknown_hashes += 1;
-                continue;
+        for hash in &event.block_hashes {
+            let (chain, mut missing) = chunk_chain(state, hash.0, chunk, place);
+            for (h, _) in chain {
+                if !remove_block(&mut tables, state, place, h) {
+                    missing += 1;
+                }
             }
-            bump(&mut state.stats, tier, false);
-            state.stats.blocks_removed += 1;
-            if !still_held {
-                state.blocks.remove(hash.0);
-                self.entries -= 1;
-            }
+            count_unresolved(state, gpu, missing);
         }
     }
 
@@ -512,11 +601,25 @@ impl KvIndex {
     pub fn heap_bytes(&self) -> usize {
         self.blocks.heap_bytes()
             + self.wide.heap_bytes()
+            + self.fleet.heap_bytes()
             + self
                 .endpoints
                 .values()
-                .map(|s| s.blocks.heap_bytes())
+                .map(|s| s.blocks.heap_bytes() + s.offload.as_ref().map_or(0, |o| o.heap_bytes()))
                 .sum::<usize>()
+    }
+}
+
+/// Counts blocks an event named that the endpoint's map could not resolve: unknown hashes on
+/// the GPU, orphans (which make the tier picture uncertain for a while) below it.
+fn count_unresolved(state: &mut EndpointState, gpu: bool, missing: u64) {
+    if gpu {
+        state.stats.unknown_hashes += missing;
+    } else {
+        state.stats.offload_orphans += missing;
+        if let Some(o) = state.offload.as_deref_mut() {
+            o.note_orphans(missing);
+        }
     }
 }
 
@@ -535,3 +638,6 @@ fn bump(stats: &mut EndpointIndexStats, tier: Tier, up: bool) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod offload_tests;

@@ -6,7 +6,8 @@
 
 use parking_lot::RwLock;
 
-use super::{EndpointId, EndpointIndexStats, KvIndex, PrefixMatches};
+use super::{EndpointId, EndpointIndexStats, KvIndex, OffloadSpec, PrefixMatches, SharedTierStats};
+use crate::CoreError;
 use crate::event::KvEvent;
 use crate::keys::RouterKey;
 
@@ -42,6 +43,16 @@ impl SharedIndex {
     /// Registers `endpoint`.
     pub fn add_endpoint(&self, endpoint: EndpointId) {
         self.inner.write().add_endpoint(endpoint);
+    }
+
+    /// Declares how `endpoint` offloads (see [`KvIndex::set_offload`]).
+    pub fn set_offload(&self, endpoint: EndpointId, spec: &OffloadSpec) -> Result<(), CoreError> {
+        self.inner.write().set_offload(endpoint, spec)
+    }
+
+    /// Counters of the fleet-wide shared tier.
+    pub fn shared_tier_stats(&self) -> SharedTierStats {
+        self.inner.read().shared_tier_stats()
     }
 
     /// Each endpoint's longest cached prefix of `keys`.

@@ -1,4 +1,4 @@
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proptest::prelude::*;
 
@@ -110,7 +110,7 @@ fn tokenless_tier_events_attach_to_known_blocks_and_blocks_leave_with_their_last
         ..Default::default()
     });
     ix.apply(E0, &[offload]);
-    assert_eq!(ix.endpoint_stats(E0).unwrap().unknown_hashes, 1);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().offload_orphans, 1);
     ix.apply(E0, &[removed(4, &doc, &[0, 1], "GPU")]);
     let keys = router_keys(&doc, BS, None).unwrap();
     let m = *ix.lookup(&keys).get(E0).unwrap();
@@ -235,48 +235,124 @@ fn capacity_bounds_the_index_and_drops_the_oldest_first() {
 // ---------------------------------------------------------------------------------------------
 // Differential test against a naive reference model.
 
-/// The obvious implementation: per endpoint, engine hash → (router key, tiers).
+/// One endpoint's blocks in the model: engine hash → (router key, references per tier).
+type ModelBlocks = HashMap<EngineHash, (RouterKey, BTreeMap<Tier, u32>)>;
+
+/// The obvious implementation: per endpoint, engine hash → (router key, references per tier;
+/// GPU stores idempotent, offloaded tiers counted), plus the shared tier per mount.
 #[derive(Default)]
 struct Model {
-    endpoints: HashMap<EndpointId, HashMap<EngineHash, (RouterKey, BTreeSet<Tier>)>>,
+    endpoints: HashMap<EndpointId, ModelBlocks>,
+    /// Endpoint → the mount it declared.
+    mounts: HashMap<EndpointId, &'static str>,
+    /// Per endpoint, what it wrote to the shared tier.
+    written: HashMap<EndpointId, HashMap<EngineHash, RouterKey>>,
+    /// (mount, block) → references.
+    shared: HashMap<(&'static str, RouterKey), u32>,
 }
 
 impl Model {
+    fn place(&self, e: EndpointId, medium: Option<&str>) -> Result<Tier, &'static str> {
+        match (self.mounts.get(&e), medium) {
+            (Some(m), Some(md)) if md.eq_ignore_ascii_case("FS") => Err(*m),
+            _ => Ok(Tier::from_medium(medium)),
+        }
+    }
+
+    fn resolve(&self, e: EndpointId, h: &EngineHash, shared: bool) -> Option<RouterKey> {
+        let local = self
+            .endpoints
+            .get(&e)
+            .and_then(|m| m.get(h))
+            .map(|(k, _)| *k);
+        local.or_else(|| {
+            shared
+                .then(|| self.written.get(&e).and_then(|w| w.get(h)).copied())
+                .flatten()
+        })
+    }
+
+    fn put(
+        &mut self,
+        e: EndpointId,
+        h: EngineHash,
+        k: RouterKey,
+        place: Result<Tier, &'static str>,
+    ) {
+        match place {
+            Ok(tier) => {
+                let map = self.endpoints.entry(e).or_default();
+                let tiers = &mut map.entry(h).or_insert((k, BTreeMap::new())).1;
+                let n = tiers.entry(tier).or_insert(0);
+                *n = if tier == Tier::Gpu { 1 } else { *n + 1 };
+            }
+            Err(mount) => {
+                self.written.entry(e).or_default().insert(h, k);
+                *self.shared.entry((mount, k)).or_insert(0) += 1;
+            }
+        }
+    }
+
     fn apply(&mut self, e: EndpointId, event: &KvEvent) {
-        let map = self.endpoints.entry(e).or_default();
+        self.endpoints.entry(e).or_default();
         match event {
-            KvEvent::AllBlocksCleared => map.clear(),
+            KvEvent::AllBlocksCleared => {
+                self.endpoints.entry(e).or_default().clear();
+                self.written.remove(&e);
+            }
             KvEvent::BlockRemoved(r) => {
-                let tier = Tier::from_medium(r.medium.as_deref());
+                let place = self.place(e, r.medium.as_deref());
                 for h in &r.block_hashes {
-                    if let Some((_, tiers)) = map.get_mut(h) {
-                        tiers.remove(&tier);
-                        if tiers.is_empty() {
-                            map.remove(h);
+                    match place {
+                        Ok(tier) => {
+                            let map = self.endpoints.entry(e).or_default();
+                            if let Some((_, tiers)) = map.get_mut(h)
+                                && let Some(n) = tiers.get_mut(&tier)
+                            {
+                                *n -= 1;
+                                if *n == 0 {
+                                    tiers.remove(&tier);
+                                }
+                                if tiers.is_empty() {
+                                    map.remove(h);
+                                }
+                            }
+                        }
+                        Err(mount) => {
+                            let Some(k) = self.resolve(e, h, true) else {
+                                continue;
+                            };
+                            if let Some(n) = self.shared.get_mut(&(mount, k)) {
+                                *n -= 1;
+                                if *n == 0 {
+                                    self.shared.remove(&(mount, k));
+                                    self.written.entry(e).or_default().remove(h);
+                                }
+                            }
                         }
                     }
                 }
             }
             KvEvent::BlockStored(s) => {
-                let tier = Tier::from_medium(s.medium.as_deref());
+                let place = self.place(e, s.medium.as_deref());
                 if s.token_ids.is_empty() {
                     for h in &s.block_hashes {
-                        if let Some((_, tiers)) = map.get_mut(h) {
-                            tiers.insert(tier);
+                        if let Some(k) = self.resolve(e, h, place.is_err()) {
+                            self.put(e, *h, k, place);
                         }
                     }
                     return;
                 }
                 let parent = match s.parent_block_hash {
                     None => ROOT_KEY,
-                    Some(p) => match map.get(&p) {
-                        Some((k, _)) => *k,
+                    Some(p) => match self.resolve(e, &p, place.is_err()) {
+                        Some(k) => k,
                         None => return,
                     },
                 };
                 let keys = crate::keys::router_keys_from(parent, &s.token_ids, BS, None).unwrap();
                 for (h, k) in s.block_hashes.iter().zip(keys) {
-                    map.entry(*h).or_insert((k, BTreeSet::new())).1.insert(tier);
+                    self.put(e, *h, k, place);
                 }
             }
         }
@@ -287,7 +363,7 @@ impl Model {
         for (&e, map) in &self.endpoints {
             let mut by_key: HashMap<RouterKey, BTreeSet<Tier>> = HashMap::new();
             for (k, tiers) in map.values() {
-                by_key.entry(*k).or_default().extend(tiers);
+                by_key.entry(*k).or_default().extend(tiers.keys());
             }
             let mut m = PrefixMatch {
                 endpoint: e,
@@ -295,17 +371,21 @@ impl Model {
                 gpu_blocks: 0,
                 cpu_blocks: 0,
                 storage_blocks: 0,
+                shared_blocks: 0,
             };
             for k in keys {
-                let Some(best) = by_key.get(k).and_then(|t| t.first()) else {
-                    break;
-                };
-                m.blocks += 1;
-                match best {
-                    Tier::Gpu => m.gpu_blocks += 1,
-                    Tier::Cpu => m.cpu_blocks += 1,
-                    Tier::Storage => m.storage_blocks += 1,
+                match by_key.get(k).and_then(|t| t.first()) {
+                    Some(Tier::Gpu) => m.gpu_blocks += 1,
+                    Some(Tier::Cpu) => m.cpu_blocks += 1,
+                    Some(Tier::Storage) => m.storage_blocks += 1,
+                    None => match self.mounts.get(&e) {
+                        Some(mount) if self.shared.contains_key(&(*mount, *k)) => {
+                            m.shared_blocks += 1;
+                        }
+                        _ => break,
+                    },
                 }
+                m.blocks += 1;
             }
             if m.blocks > 0 {
                 out.push(m);
@@ -363,18 +443,24 @@ fn docs() -> Vec<Vec<u32>> {
 fn op() -> impl Strategy<Value = Op> {
     let e = 0u32..70; // more than one word of slots
     prop_oneof![
-        6 => (e.clone(), 0usize..8, 0usize..6, 1usize..7, 0usize..3).prop_map(|(e, doc, from, len, tier)| {
+        6 => (e.clone(), 0usize..8, 0usize..6, 1usize..7, 0usize..4).prop_map(|(e, doc, from, len, tier)| {
             let to = (from + len).min(6);
             Op::Store { e, doc, from: from.min(to - 1), to, tier }
         }),
-        2 => (e.clone(), 0usize..8, 0usize..6, 1usize..3).prop_map(|(e, doc, block, tier)| Op::Offload { e, doc, block, tier }),
-        3 => (e.clone(), 0usize..8, 0usize..6, 0usize..3).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
+        2 => (e.clone(), 0usize..8, 0usize..6, 1usize..4).prop_map(|(e, doc, block, tier)| Op::Offload { e, doc, block, tier }),
+        3 => (e.clone(), 0usize..8, 0usize..6, 0usize..4).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
         1 => e.clone().prop_map(|e| Op::Clear { e }),
         1 => e.prop_map(|e| Op::RemoveEndpoint { e }),
     ]
 }
 
-const MEDIA: [&str; 3] = ["GPU", "CPU", "STORAGE"];
+const MEDIA: [&str; 4] = ["GPU", "CPU", "STORAGE", "FS"];
+
+/// The shared mount endpoint `e` declares in the differential test: a third mount one shared
+/// tier, a third another, the rest none (their `FS` events are local storage).
+fn mount_of(e: u32) -> Option<&'static str> {
+    [Some("lustre"), Some("nfs"), None][e as usize % 3]
+}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
@@ -383,6 +469,14 @@ proptest! {
         let docs = docs();
         let mut ix = index();
         let mut model = Model::default();
+        for e in 0..70 {
+            if let Some(mount) = mount_of(e) {
+                let spec = OffloadSpec { block_size: None, shared: Some(SharedMount::new(mount)) };
+                ix.set_offload(EndpointId(e), &spec).unwrap();
+                model.mounts.insert(EndpointId(e), mount);
+                model.endpoints.entry(EndpointId(e)).or_default();
+            }
+        }
         // Endpoints use one of two hash seeds: engines may or may not share hashing config.
         let seed = |e: u32| u64::from(e % 2) * 0xdead_beef;
         for op in &ops {
@@ -413,6 +507,8 @@ proptest! {
                 Op::RemoveEndpoint { e } => {
                     ix.remove_endpoint(EndpointId(e));
                     model.endpoints.remove(&EndpointId(e));
+                    model.written.remove(&EndpointId(e));
+                    model.mounts.remove(&EndpointId(e));
                 }
             }
             let entries: usize = model.endpoints.values().map(HashMap::len).sum();
@@ -426,7 +522,7 @@ proptest! {
         }
         for (e, map) in &model.endpoints {
             let stats = ix.endpoint_stats(*e).unwrap();
-            let count = |t: Tier| map.values().filter(|(_, ts)| ts.contains(&t)).count() as u64;
+            let count = |t: Tier| map.values().filter(|(_, ts)| ts.contains_key(&t)).count() as u64;
             prop_assert_eq!(stats.blocks_gpu, count(Tier::Gpu));
             prop_assert_eq!(stats.blocks_cpu, count(Tier::Cpu));
             prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));

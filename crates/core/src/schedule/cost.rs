@@ -3,7 +3,9 @@
 //! - **queue wait**: prefill tokens queued ahead of it at the endpoint's rate, plus a fixed wait
 //!   per queued request (a request waiting for a batch slot also waits behind decodes);
 //! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate;
-//! - **tier loading**: blocks it holds on CPU or storage, at each tier's load rate;
+//! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,
+//!   at each tier's load rate, learned per endpoint; a tier slower than recomputing gets no
+//!   credit (see [`crate::tiers`]);
 //! - **decode interference** (the stall it imposes on others): while it prefills, every running
 //!   decode there waits (its next token comes after that step), and so do the requests that
 //!   will queue behind it, in steady state as many as are queued there now (a queue that keeps
@@ -29,6 +31,7 @@
 use serde::Serialize;
 
 use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
+use crate::tiers::{TierLoad, tier_load};
 
 /// One candidate's cost, term by term, in seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -37,8 +40,10 @@ pub struct Cost {
     pub queue_s: f64,
     /// Computing the uncached part of the prompt.
     pub prefill_s: f64,
-    /// Loading the parts held on CPU or storage.
+    /// Loading the parts held on CPU, storage or a shared tier.
     pub tier_load_s: f64,
+    /// `tier_load_s` tier by tier: tokens, rate, seconds, and whether each is credited.
+    pub tiers: TierLoad,
     /// The stall imposed on running decodes.
     pub decode_interference_s: f64,
     /// The expected re-prefill of the cached blocks the placement evicts.
@@ -77,23 +82,28 @@ pub struct Cached {
     pub gpu: usize,
     /// In CPU memory.
     pub cpu: usize,
-    /// In storage.
+    /// In the endpoint's own storage.
     pub storage: usize,
+    /// Only on a shared tier it mounts.
+    pub shared: usize,
 }
 
 /// What the candidate holds of the request, by tier, capped at the prompt.
 pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached {
     let view = &c.cache;
-    let gpu_only = |blocks: u32| (blocks, 0, 0);
+    let gpu_only = |blocks: u32| (blocks, 0, 0, 0);
     let history = view.history.max(view.predicted);
-    let (gpu, cpu, storage) = match profile.cache {
-        CacheSource::None => (0, 0, 0),
+    let (gpu, cpu, storage, shared) = match profile.cache {
+        CacheSource::None => (0, 0, 0, 0),
         CacheSource::Approximate => gpu_only(history),
         CacheSource::Precise => match view.index_state {
             IndexState::Trusted => match view.index {
-                Some(m) if m.blocks >= view.predicted => {
-                    (m.gpu_blocks, m.cpu_blocks, m.storage_blocks)
-                }
+                Some(m) if m.blocks >= view.predicted => (
+                    m.gpu_blocks,
+                    m.cpu_blocks,
+                    m.storage_blocks,
+                    m.shared_blocks,
+                ),
                 // Blocks just sent there are (about to be) on its GPU.
                 _ => gpu_only(view.predicted),
             },
@@ -107,11 +117,13 @@ pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached
     let gpu = (gpu as usize * bs).min(prompt);
     let cpu = (cpu as usize * bs).min(prompt - gpu);
     let storage = (storage as usize * bs).min(prompt - gpu - cpu);
+    let shared = (shared as usize * bs).min(prompt - gpu - cpu - storage);
     Cached {
-        all: gpu + cpu + storage,
+        all: gpu + cpu + storage + shared,
         gpu,
         cpu,
         storage,
+        shared,
     }
 }
 
@@ -122,8 +134,13 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let load = &c.load;
     let uncached = request.prompt_tokens.saturating_sub(held.all) as f64;
     let prefill_s = uncached / rate;
-    let tier_load_s = held.cpu as f64 / profile.tiers.cpu_tokens_per_s.max(1.0)
-        + held.storage as f64 / profile.tiers.storage_tokens_per_s.max(1.0);
+    let tiers = tier_load(
+        &profile.tiers,
+        &c.tier_rates,
+        [held.cpu, held.storage, held.shared],
+        rate,
+    );
+    let tier_load_s = tiers.seconds;
     // Queued prefill: the router's own in-flight prefill tokens, or the scraped waiting queue
     // at the mean in-flight prefill size (else the uncached size of requests recently sent
     // there, else this prompt's size).
@@ -152,6 +169,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         queue_s,
         prefill_s,
         tier_load_s,
+        tiers,
         decode_interference_s,
         eviction_s,
         session_credit_s,

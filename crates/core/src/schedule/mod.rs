@@ -111,6 +111,9 @@ pub struct CacheView {
     /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
     /// cached per block they stored (see [`cost`]).
     pub block_reuse: f64,
+    /// Its offloaded-tier events were recently inconsistent (orphans): what `index` says of
+    /// tiers below the GPU is not certain.
+    pub tier_uncertain: bool,
 }
 
 /// One endpoint as the scheduler sees it.
@@ -134,6 +137,8 @@ pub struct Candidate {
     pub cache: CacheView,
     /// Prompt tokens per second it prefills (observed, or configured).
     pub prefill_tokens_per_s: f64,
+    /// Its tiers' load rates as learned (configured ones stand in until then).
+    pub tier_rates: crate::tiers::TierRates,
     /// Share of its cache's capacity holding blocks (0–1; 0 when unknown).
     pub cache_fill: f64,
 }
@@ -185,6 +190,9 @@ pub struct Assessment {
     pub cached_tokens: usize,
     /// Of those, tokens on the GPU.
     pub gpu_tokens: usize,
+    /// Its prediction counts blocks on tiers below the GPU whose events were inconsistent:
+    /// an estimate, not a certain one.
+    pub tier_uncertain: bool,
     /// The cost, term by term, in seconds.
     pub cost: Cost,
     /// Predicted time to first token, seconds (queue wait + prefill + tier loading).
@@ -329,6 +337,7 @@ pub fn schedule(
                 rejected: rejection(profile, request, c),
                 cached_tokens: cached.all,
                 gpu_tokens: cached.gpu,
+                tier_uncertain: c.cache.tier_uncertain && cached.all > cached.gpu,
                 predicted_ttft_s: cost.predicted_ttft_s(),
                 cost,
                 saturated: saturated(profile, &c.load),

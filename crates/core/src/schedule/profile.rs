@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::picker::Picker;
+pub use crate::tiers::TierCosts;
 
 /// Which picture of what each endpoint holds the cost model uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,27 +52,6 @@ impl Default for CostWeights {
             load: 1.0,
             decode_interference: 1.0,
             eviction: 1.0,
-        }
-    }
-}
-
-/// How fast blocks on slower tiers load, compared with recomputing them.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TierCosts {
-    /// Tokens per second loaded from the CPU tier (a PCIe transfer).
-    pub cpu_tokens_per_s: f64,
-    /// Tokens per second loaded from local or shared storage.
-    pub storage_tokens_per_s: f64,
-}
-
-impl Default for TierCosts {
-    fn default() -> Self {
-        // About 128 KiB of KV per token for an 8B model: ~20 GB/s of PCIe moves ~150k tokens/s,
-        // a fast NVMe or shared filesystem about a quarter of that.
-        Self {
-            cpu_tokens_per_s: 150_000.0,
-            storage_tokens_per_s: 40_000.0,
         }
     }
 }

@@ -16,6 +16,7 @@ fn candidate(id: u32) -> Candidate {
         load: EndpointLoad::default(),
         cache: CacheView::default(),
         prefill_tokens_per_s: RATE,
+        tier_rates: Default::default(),
         cache_fill: 0.0,
     }
 }
@@ -41,6 +42,7 @@ fn gpu_match(id: u32, blocks: u32) -> Option<PrefixMatch> {
         gpu_blocks: blocks,
         cpu_blocks: 0,
         storage_blocks: 0,
+        shared_blocks: 0,
     })
 }
 
@@ -288,6 +290,7 @@ fn lower_tiers_cost_their_loading_time() {
         gpu_blocks: 0,
         cpu_blocks: 50,
         storage_blocks: 0,
+        shared_blocks: 0,
     });
     cands[1].cache.index = gpu_match(1, 50);
     let d = schedule(&Profile::default(), &request(1000), &cands, 0, 0);

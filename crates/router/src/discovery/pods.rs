@@ -79,6 +79,7 @@ pub fn endpoints(pod: &Pod, ports: &[u16], discovery: &KubeDiscovery) -> Vec<End
                     .unwrap_or_default()
                     .into_iter()
                     .collect(),
+                offload: Default::default(),
             }
         })
         .collect()

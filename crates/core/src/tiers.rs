@@ -1,0 +1,332 @@
+//! What a hit on a slower tier is worth, in seconds, and how fast each tier loads, learned.
+//!
+//! A block an endpoint holds in CPU memory, on its own storage or on a shared filesystem it
+//! mounts saves recomputing it but costs loading it. The cost model charges each such tier
+//! `tokens / load rate` and compares it with `tokens / prefill rate`:
+//! - a tier that loads faster than the endpoint recomputes is credited the difference;
+//! - a tier slower than recomputing gets **no credit**: it is charged its (longer) load time,
+//!   since the engine loads whatever its connector finds, so an endpoint that recomputes wins,
+//!   and the breakdown says so (`slower_than_recompute`);
+//! - configured weights (llm-d's "CPU 0.8", Dynamo's "host 0.75 / disk 0.25") are an override
+//!   only: weight `w` charges `(1 − w) ×` the recompute seconds; weight 1 on every tier is
+//!   "tier-blind" routing (every tier credited as GPU).
+//!
+//! Load rates start from the configured [`TierCosts`] and are learned per endpoint and tier
+//! from its requests: a request that found blocks on slower tiers and was the only prefill on
+//! its endpoint measures them. Its time to first token, less its uncached tokens at the
+//! endpoint's prefill rate, is the load time, shared among its tiers in proportion to what the
+//! current rates predict; the engine's reported `cached_tokens` says how many of the predicted
+//! tier tokens it really loaded (the rest were recomputed).
+
+use serde::{Deserialize, Serialize};
+
+/// How fast blocks on slower tiers load, compared with recomputing them (see
+/// [`crate::tiers`]): the starting point of each endpoint's learned rates, and optional weights
+/// that override the load-time model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierCosts {
+    /// Tokens per second loaded from the CPU tier (a PCIe transfer).
+    pub cpu_tokens_per_s: f64,
+    /// Tokens per second loaded from the endpoint's own storage (local SSD).
+    pub storage_tokens_per_s: f64,
+    /// Tokens per second loaded from a shared filesystem the endpoint mounts.
+    pub shared_tokens_per_s: f64,
+    /// Override: credit a CPU hit as this fraction of its recompute (1: as the GPU; llm-d uses
+    /// 0.8). Unset: priced by load time.
+    pub cpu_weight: Option<f64>,
+    /// Override for the storage tier (Dynamo's disk: 0.25).
+    pub storage_weight: Option<f64>,
+    /// Override for the shared tier.
+    pub shared_weight: Option<f64>,
+}
+
+impl Default for TierCosts {
+    fn default() -> Self {
+        // About 128 KiB of KV per token for an 8B model: ~20 GB/s of PCIe moves ~150k tokens/s,
+        // a fast local NVMe about a quarter of that, a shared filesystem's share per client
+        // (a few GB/s) about a sixth.
+        Self {
+            cpu_tokens_per_s: 150_000.0,
+            storage_tokens_per_s: 40_000.0,
+            shared_tokens_per_s: 25_000.0,
+            cpu_weight: None,
+            storage_weight: None,
+            shared_weight: None,
+        }
+    }
+}
+
+impl TierCosts {
+    /// The configured load rate of `tier`, tokens per second.
+    pub fn tokens_per_s(&self, tier: LoadTier) -> f64 {
+        match tier {
+            LoadTier::Cpu => self.cpu_tokens_per_s,
+            LoadTier::Storage => self.storage_tokens_per_s,
+            LoadTier::Shared => self.shared_tokens_per_s,
+        }
+    }
+
+    /// The configured override weight of `tier`, if any.
+    pub fn weight(&self, tier: LoadTier) -> Option<f64> {
+        match tier {
+            LoadTier::Cpu => self.cpu_weight,
+            LoadTier::Storage => self.storage_weight,
+            LoadTier::Shared => self.shared_weight,
+        }
+    }
+
+    /// Tier-blind: every tier credited as the GPU (the baseline tier-aware routing is
+    /// measured against).
+    pub fn blind() -> Self {
+        Self {
+            cpu_weight: Some(1.0),
+            storage_weight: Some(1.0),
+            shared_weight: Some(1.0),
+            ..Self::default()
+        }
+    }
+}
+
+/// The tiers below the GPU, in [`TierTokens`] order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadTier {
+    /// Host memory.
+    Cpu = 0,
+    /// The endpoint's own storage (local SSD).
+    Storage = 1,
+    /// A shared filesystem or object store the endpoint mounts.
+    Shared = 2,
+}
+
+impl LoadTier {
+    /// Every tier below the GPU, fastest first.
+    pub const ALL: [LoadTier; 3] = [LoadTier::Cpu, LoadTier::Storage, LoadTier::Shared];
+
+    /// The name explanations and metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadTier::Cpu => "cpu",
+            LoadTier::Storage => "storage",
+            LoadTier::Shared => "shared",
+        }
+    }
+}
+
+/// Prompt tokens per tier below the GPU (indexed by [`LoadTier`]).
+pub type TierTokens = [usize; 3];
+
+/// Learned load rates of one endpoint, tokens per second per tier; `None` until measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TierRates {
+    /// Per tier (indexed by [`LoadTier`]).
+    pub learned: [Option<f64>; 3],
+    /// Samples behind each rate.
+    pub samples: [u32; 3],
+}
+
+/// Weight of a new sample in a learned rate (an exponential moving average).
+const LEARNING_RATE: f64 = 0.2;
+/// Samples with fewer tier tokens than this say little about a tier's rate.
+const MIN_SAMPLE_TOKENS: usize = 64;
+
+impl TierRates {
+    /// The rate used for `tier`: learned, else configured.
+    pub fn rate(&self, tier: LoadTier, configured: &TierCosts) -> f64 {
+        self.learned[tier as usize]
+            .unwrap_or_else(|| configured.tokens_per_s(tier))
+            .max(1.0)
+    }
+
+    /// Learns from one request: `tier_tokens` were loaded from the tiers below the GPU in
+    /// `seconds` (time to first token less its recompute at the prefill rate). The seconds are
+    /// split among the tiers in proportion to what the current rates predict.
+    pub fn observe(&mut self, tier_tokens: TierTokens, seconds: f64, configured: &TierCosts) {
+        if !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let predicted: Vec<f64> = LoadTier::ALL
+            .iter()
+            .map(|&t| tier_tokens[t as usize] as f64 / self.rate(t, configured))
+            .collect();
+        let total: f64 = predicted.iter().sum();
+        if total <= 0.0 {
+            return;
+        }
+        for t in LoadTier::ALL {
+            let tokens = tier_tokens[t as usize];
+            if tokens < MIN_SAMPLE_TOKENS {
+                continue;
+            }
+            let share = seconds * predicted[t as usize] / total;
+            let sample = tokens as f64 / share;
+            let slot = &mut self.learned[t as usize];
+            *slot = Some(match *slot {
+                None => sample,
+                Some(old) => (1.0 - LEARNING_RATE) * old + LEARNING_RATE * sample,
+            });
+            self.samples[t as usize] = self.samples[t as usize].saturating_add(1);
+        }
+    }
+}
+
+impl TierRates {
+    /// Learns from one request once the engine reported `reported` cached tokens: the router
+    /// predicted `predicted` cached, `tier_tokens` of them below the GPU, and the request's
+    /// time to first token less its predicted recompute was `seconds`. Predicted tier tokens the
+    /// engine did not find were recomputed (at `prefill_rate`), not loaded: they are taken out
+    /// of both the tokens and the seconds. Nothing is learned when none was loaded.
+    pub fn observe_reported(
+        &mut self,
+        tier_tokens: TierTokens,
+        seconds: f64,
+        predicted: usize,
+        reported: usize,
+        prefill_rate: f64,
+        configured: &TierCosts,
+    ) {
+        let tier_total: usize = tier_tokens.iter().sum();
+        if tier_total == 0 {
+            return;
+        }
+        let gpu = predicted.saturating_sub(tier_total);
+        let loaded = reported.saturating_sub(gpu).min(tier_total);
+        if loaded == 0 {
+            return;
+        }
+        let recomputed = (tier_total - loaded) as f64;
+        let seconds = seconds - recomputed / prefill_rate.max(1.0);
+        let scale = loaded as f64 / tier_total as f64;
+        let scaled = tier_tokens.map(|t| (t as f64 * scale).round() as usize);
+        self.observe(scaled, seconds, configured);
+    }
+}
+
+/// One tier's part of a candidate's cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TierCharge {
+    /// Prompt tokens found (only) on this tier.
+    pub tokens: usize,
+    /// The load rate used, tokens per second (learned or configured).
+    pub tokens_per_s: f64,
+    /// Seconds charged.
+    pub seconds: f64,
+    /// Seconds recomputing these tokens would take at the endpoint's prefill rate.
+    pub recompute_s: f64,
+    /// Loading is slower than recomputing: no credit (charged the load time).
+    pub slower_than_recompute: bool,
+    /// A configured weight decided the charge, not the load time.
+    pub weighted: bool,
+}
+
+/// The tiers' part of a candidate's cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TierLoad {
+    /// Per tier below the GPU (indexed by [`LoadTier`]).
+    pub tiers: [TierCharge; 3],
+    /// Seconds charged in all.
+    pub seconds: f64,
+}
+
+/// What loading `tokens` from each tier costs on an endpoint that prefills at `prefill_rate`
+/// tokens/s, with learned `rates` over the configured `costs`.
+pub fn tier_load(
+    costs: &TierCosts,
+    rates: &TierRates,
+    tokens: TierTokens,
+    prefill_rate: f64,
+) -> TierLoad {
+    let prefill_rate = prefill_rate.max(1.0);
+    let mut load = TierLoad::default();
+    for t in LoadTier::ALL {
+        let n = tokens[t as usize];
+        if n == 0 {
+            continue;
+        }
+        let rate = rates.rate(t, costs);
+        let load_s = n as f64 / rate;
+        let recompute_s = n as f64 / prefill_rate;
+        let charge = match costs.weight(t) {
+            Some(w) => TierCharge {
+                seconds: (1.0 - w.clamp(0.0, 1.0)) * recompute_s,
+                weighted: true,
+                ..TierCharge::default()
+            },
+            None => TierCharge {
+                seconds: load_s,
+                slower_than_recompute: load_s > recompute_s,
+                ..TierCharge::default()
+            },
+        };
+        load.tiers[t as usize] = TierCharge {
+            tokens: n,
+            tokens_per_s: rate,
+            recompute_s,
+            ..charge
+        };
+        load.seconds += load.tiers[t as usize].seconds;
+    }
+    load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tier_slower_than_recompute_gets_no_credit() {
+        let costs = TierCosts::default();
+        let rates = TierRates::default();
+        // Storage at 40k tokens/s against a 100k tokens/s prefill: loading is slower.
+        let load = tier_load(&costs, &rates, [0, 40_000, 0], 100_000.0);
+        let storage = load.tiers[LoadTier::Storage as usize];
+        assert!(storage.slower_than_recompute);
+        assert!(storage.seconds > storage.recompute_s, "{storage:?}");
+        // Against a 10k tokens/s prefill the same tier is credited.
+        let load = tier_load(&costs, &rates, [0, 40_000, 0], 10_000.0);
+        let storage = load.tiers[LoadTier::Storage as usize];
+        assert!(!storage.slower_than_recompute);
+        assert!(storage.seconds < storage.recompute_s);
+    }
+
+    #[test]
+    fn weights_override_load_times() {
+        let costs = TierCosts {
+            cpu_weight: Some(1.0),
+            storage_weight: Some(0.25),
+            ..TierCosts::default()
+        };
+        let load = tier_load(&costs, &TierRates::default(), [1000, 1000, 1000], 10_000.0);
+        assert_eq!(load.tiers[0].seconds, 0.0, "weight 1: tier-blind");
+        assert!((load.tiers[1].seconds - 0.075).abs() < 1e-9);
+        assert!(!load.tiers[2].weighted);
+    }
+
+    #[test]
+    fn learned_rates_converge_on_the_true_rates() {
+        let costs = TierCosts::default();
+        let mut rates = TierRates::default();
+        // The engine really loads CPU at 60k tokens/s and storage at 8k (both unlike the
+        // configured defaults); requests mix the tiers.
+        let truth = [60_000.0, 8_000.0, 15_000.0];
+        for i in 0..200 {
+            let tokens = [
+                1024 + (i % 7) * 512,
+                if i % 3 == 0 { 0 } else { 256 + (i % 5) * 128 },
+                if i % 4 == 0 { 512 } else { 0 },
+            ];
+            let seconds: f64 = (0..3).map(|t| tokens[t] as f64 / truth[t]).sum();
+            rates.observe(tokens, seconds, &costs);
+        }
+        for t in LoadTier::ALL {
+            let got = rates.rate(t, &costs);
+            let want = truth[t as usize];
+            assert!(
+                (got - want).abs() / want < 0.05,
+                "{}: learned {got:.0}, true {want:.0}",
+                t.as_str()
+            );
+        }
+    }
+}

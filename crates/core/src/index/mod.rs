@@ -419,6 +419,13 @@ impl KvIndex {
                 _ => 1,
             };
             for hash in &event.block_hashes {
+                if chunk == 1 {
+                    match resolve(state, hash.0, place) {
+                        Some(key) => store_block(&mut tables, state, place, hash.0, key, None),
+                        None => count_unresolved(state, gpu, 1),
+                    }
+                    continue;
+                }
                 let (chain, missing) = chunk_chain(state, hash.0, chunk, place);
                 count_unresolved(state, gpu, missing);
                 for (h, key) in chain {
@@ -545,6 +552,13 @@ impl KvIndex {
             }
         }
         for hash in &event.block_hashes {
+            if chunk == 1 {
+                // The common case (every GPU removal): no chain to walk, nothing allocated.
+                if !remove_block(&mut tables, state, place, hash.0) {
+                    count_unresolved(state, gpu, 1);
+                }
+                continue;
+            }
             let (chain, mut missing) = chunk_chain(state, hash.0, chunk, place);
             for (h, _) in chain {
                 if !remove_block(&mut tables, state, place, h) {

@@ -103,7 +103,9 @@ pub(super) struct EndpointOffload {
     /// Engine hash → parent engine hash, for walking a chunk back from its last block; kept
     /// only while chunks span several blocks, and dropped with the block's entry.
     pub(super) parents: HashMap<u64, u64>,
-    /// (engine hash, tier) → stores not yet matched by removals, for offloaded tiers.
+    /// (engine hash, tier) → stores beyond the first not yet matched by removals, for
+    /// offloaded tiers. The first reference is the holder bit itself, so a block stored once
+    /// (the common case) costs no entry here.
     pub(super) refs: HashMap<(u64, u8), u32>,
     /// Engine hash → router key of the blocks this endpoint wrote to the shared tier (removals
     /// name them after the GPU has forgotten them).
@@ -168,23 +170,22 @@ impl EndpointOffload {
         self.shared_written.clear();
     }
 
-    /// One more reference to `hash` on `tier`; returns the count now.
-    pub(super) fn add_ref(&mut self, hash: u64, tier: Tier) -> u32 {
-        self.note_applied();
-        let n = self.refs.entry((hash, tier as u8)).or_insert(0);
-        *n += 1;
-        *n
+    /// One more reference to `hash` on `tier`, already held there (a repeat).
+    pub(super) fn add_repeat(&mut self, hash: u64, tier: Tier) {
+        *self.refs.entry((hash, tier as u8)).or_insert(0) += 1;
     }
 
-    /// One reference fewer to `hash` on `tier`: `None` when it held none, else the count left.
-    pub(super) fn drop_ref(&mut self, hash: u64, tier: Tier) -> Option<u32> {
-        let n = self.refs.get_mut(&(hash, tier as u8))?;
+    /// Takes back one repeated reference to `hash` on `tier`; false when only the first
+    /// reference is left (the holder bit).
+    pub(super) fn drop_repeat(&mut self, hash: u64, tier: Tier) -> bool {
+        let Some(n) = self.refs.get_mut(&(hash, tier as u8)) else {
+            return false;
+        };
         *n -= 1;
-        let left = *n;
-        if left == 0 {
+        if *n == 0 {
             self.refs.remove(&(hash, tier as u8));
         }
-        Some(left)
+        true
     }
 
     /// Heap bytes of the maps (approximate).
@@ -289,14 +290,17 @@ pub(super) fn store_block(
             o.forget(hash);
         }
     }
+    let new_on_tier = add_holder(t.blocks, t.wide, key, slot, tier);
+    if new_on_tier {
+        bump(&mut state.stats, tier, true);
+    }
     if tier != Tier::Gpu {
         let o = state.offload.get_or_insert_with(Box::default);
-        if o.add_ref(hash, tier) > 1 {
+        o.note_applied();
+        if !new_on_tier {
+            o.add_repeat(hash, tier);
             state.stats.offload_repeats += 1;
         }
-    }
-    if add_holder(t.blocks, t.wide, key, slot, tier) {
-        bump(&mut state.stats, tier, true);
     }
     state.stats.blocks_stored += 1;
 }
@@ -332,19 +336,14 @@ pub(super) fn remove_block(
     let Some(key) = state.blocks.get(hash).map(|h| h.router_key()) else {
         return false;
     };
-    if tier != Tier::Gpu {
-        match state
+    if tier != Tier::Gpu
+        && state
             .offload
             .as_deref_mut()
-            .and_then(|o| o.drop_ref(hash, tier))
-        {
-            None => return false,
-            Some(0) => {}
-            Some(_) => {
-                state.stats.blocks_removed += 1;
-                return true;
-            }
-        }
+            .is_some_and(|o| o.drop_repeat(hash, tier))
+    {
+        state.stats.blocks_removed += 1;
+        return true;
     }
     let (was, still_held) = drop_holder(t.blocks, t.wide, key, state.slot, tier);
     if !was {

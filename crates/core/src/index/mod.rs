@@ -502,7 +502,9 @@ impl KvIndex {
             })
             .collect();
         let hash_of = |i: usize, key: RouterKey| {
-            if (i + 1).is_multiple_of(per_hash) {
+            if per_hash == 1 {
+                event.block_hashes[i].0
+            } else if (i + 1).is_multiple_of(per_hash) {
                 event.block_hashes[i / per_hash].0
             } else {
                 offload::member_hash(key)

@@ -28,6 +28,7 @@ struct Fleet {
     lease: Option<Duration>,
     policy: KvLoadFailurePolicy,
     link: &'static str,
+    gpu_blocks: usize,
 }
 
 impl Fleet {
@@ -38,6 +39,7 @@ impl Fleet {
             lease: None,
             policy: KvLoadFailurePolicy::Fail,
             link: "tcp",
+            gpu_blocks: 2000,
         }
     }
 
@@ -49,7 +51,7 @@ impl Fleet {
             replay_port: Some(0),
             engines,
             engine: EngineConfig {
-                num_gpu_blocks: 2000,
+                num_gpu_blocks: self.gpu_blocks,
                 max_model_len: 8192,
                 ..EngineConfig::default()
             },
@@ -534,4 +536,34 @@ async fn transfers_take_the_link_models_time_share_the_link_and_slow_down_when_d
     .await;
     assert_eq!(status, 500, "{err}");
     assert!(err.to_string().contains("injected"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_full_of_held_blocks_queues_new_prefills_until_a_pull_releases_some() {
+    // 149 usable blocks: two held prompts (62 full blocks each) leave 25, and a third prompt
+    // needs 63.
+    let fleet = Fleet {
+        gpu_blocks: 150,
+        ..Fleet::new(&[KvRole::Producer, KvRole::Consumer])
+    }
+    .start()
+    .await;
+    let (p, d) = (
+        fleet.endpoints[0].url.clone(),
+        fleet.endpoints[1].url.clone(),
+    );
+    let first = body(&prompt(11), false);
+    let (_, held) = post(&p, "h1", &prefill_leg(&first)).await;
+    let (status, _) = post(&p, "h2", &prefill_leg(&body(&prompt(12), false))).await;
+    assert_eq!(status, 200);
+    let third = tokio::spawn({
+        let p = p.clone();
+        async move { post(&p, "h3", &prefill_leg(&body(&prompt(13), false))).await }
+    });
+    eventually_metric(&fleet, 0, "vllm:num_requests_waiting", 1.0).await;
+    assert!(!third.is_finished());
+    let (status, _) = post(&d, "h1", &decode_leg(&first, &held["kv_transfer_params"])).await;
+    assert_eq!(status, 200);
+    let (status, answer) = third.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
 }

@@ -93,11 +93,14 @@ pub async fn run_engine(
     let mut clock = Instant::now();
     let mut lease_names: HashMap<RequestId, String> = HashMap::new();
     let mut restart_pending = false;
+    // The last step could do nothing (every free block is held for a consumer): wait for a
+    // command (a release) instead of spinning.
+    let mut blocked = false;
     let mut last_lag_warning: Option<Instant> = None;
     loop {
         // Take every queued command; block only when there is nothing to run.
         loop {
-            let cmd = if engine.has_work() {
+            let cmd = if engine.has_work() && !blocked {
                 match commands.try_recv() {
                     Ok(cmd) => cmd,
                     Err(mpsc::error::TryRecvError::Empty) => break,
@@ -109,6 +112,7 @@ pub async fn run_engine(
                 match commands.recv().await {
                     Some(cmd) => {
                         clock = Instant::now();
+                        blocked = false;
                         cmd
                     }
                     None => return,
@@ -169,6 +173,10 @@ pub async fn run_engine(
             continue;
         }
         let step = engine.step();
+        if step.tokens.is_empty() && step.events.is_empty() && step.work == Default::default() {
+            blocked = true;
+            continue;
+        }
         let slow = shared.faults.lock().slow_factor.max(0.01);
         let engine_seconds = step.duration_s * slow;
         let now = Instant::now();

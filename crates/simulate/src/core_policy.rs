@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::SimulateError;
 use crate::config::FleetConfig;
+use crate::pd_policy::{PdMode, PdRouting};
 use crate::policy::{Routing, RoutingPolicy, SimRequest};
 
 /// The model every simulated endpoint serves.
@@ -44,12 +45,33 @@ pub struct CorePolicy {
     requests: HashMap<u64, Tracked>,
     rng: StdRng,
     last_housekeeping: f64,
+    /// Prefill/decode disaggregation on a P/D fleet (`pd-always`, `pd-cost`).
+    pd: Option<PdRouting>,
 }
 
 impl CorePolicy {
     /// The named policy (`round-robin`, `random`, `least-load`, `approximate`, `precise`) on
     /// `fleet`, with the router's defaults.
     pub fn named(name: &str, fleet: &FleetConfig) -> Result<Self, SimulateError> {
+        let mode = match name {
+            "pd-always" => Some(PdMode::Always),
+            "pd-cost" => Some(PdMode::Cost),
+            _ => None,
+        };
+        if let Some(mode) = mode {
+            // The decode pick is the precise profile's; P/D decides the rest.
+            let mut policy = Self::new(
+                Profile::named(ProfileName::Precise),
+                CoreFleetConfig::default(),
+                fleet,
+            )?;
+            policy.pd = Some(PdRouting::new(mode, fleet).ok_or_else(|| {
+                SimulateError::Policy(format!(
+                    "{name} needs a P/D fleet (--prefill-engines, --decode-engines)"
+                ))
+            })?);
+            return Ok(policy);
+        }
         let name = name.parse::<ProfileName>().map_err(SimulateError::Policy)?;
         Self::new(Profile::named(name), CoreFleetConfig::default(), fleet)
     }
@@ -73,7 +95,11 @@ impl CorePolicy {
             .map(|i| EndpointSpec {
                 name: FleetConfig::endpoint_name(i),
                 models: vec![MODEL.to_owned()],
-                role: Role::Both,
+                role: fleet
+                    .pd
+                    .as_ref()
+                    .and_then(|pd| pd.roles.get(i))
+                    .map_or(Role::Both, |kv| crate::pd_policy::role(*kv)),
                 has_events: true,
                 block_size,
             })
@@ -85,6 +111,7 @@ impl CorePolicy {
             requests: HashMap::new(),
             rng: StdRng::seed_from_u64(fleet.seed),
             last_housekeeping: 0.0,
+            pd: None,
         })
     }
 
@@ -170,6 +197,12 @@ impl RoutingPolicy for CorePolicy {
                 "HTTP 503: no healthy endpoint serves this model; retry shortly".into(),
             );
         };
+        let routing = match &self.pd {
+            Some(pd) => pd
+                .choose(&plan.decision, request.prompt_tokens, now)
+                .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
+            None => Routing::Endpoint(chosen.0 as usize),
+        };
         self.requests.insert(
             request.id,
             Tracked {
@@ -180,7 +213,7 @@ impl RoutingPolicy for CorePolicy {
                 dispatch: None,
             },
         );
-        Routing::Endpoint(chosen.0 as usize)
+        routing
     }
 
     fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {
@@ -226,6 +259,12 @@ impl RoutingPolicy for CorePolicy {
             .and_then(|t| t.dispatch.as_mut())
         {
             self.fleet.first_token(dispatch, true, now);
+        }
+    }
+
+    fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
+        if let Some(pd) = &mut self.pd {
+            pd.transferred(prefill, decode, bytes, seconds, now);
         }
     }
 

@@ -34,6 +34,9 @@ struct Tracked {
     predicted_cached: Vec<usize>,
     ticket: Option<HoldTicket>,
     dispatch: Option<Dispatch>,
+    /// A disaggregated request's prefill endpoint, and its leg there.
+    prefill: Option<usize>,
+    prefill_dispatch: Option<Dispatch>,
 }
 
 /// A scheduling profile on kvroute-core's fleet state.
@@ -180,6 +183,8 @@ impl RoutingPolicy for CorePolicy {
                                 predicted_cached: Vec::new(),
                                 ticket: Some(ticket),
                                 dispatch: None,
+                                prefill: None,
+                                prefill_dispatch: None,
                             },
                         );
                     }
@@ -211,6 +216,11 @@ impl RoutingPolicy for CorePolicy {
                 predicted_cached: plan.predicted_cached,
                 ticket: None,
                 dispatch: None,
+                prefill: match routing {
+                    Routing::Disaggregated { prefill, .. } => Some(prefill),
+                    _ => None,
+                },
+                prefill_dispatch: None,
             },
         );
         routing
@@ -222,10 +232,21 @@ impl RoutingPolicy for CorePolicy {
         };
         let features = self.features(&t.keys, t.prompt_tokens);
         let id = EndpointId(endpoint as u32);
-        t.dispatch = Some(
-            self.fleet
-                .dispatched(&t.predicted_cached, &features, id, now),
-        );
+        let mut predicted = t.predicted_cached.clone();
+        if let Some(prefill) = t.prefill {
+            // The prefill leg loads its endpoint; the decode endpoint computes (almost)
+            // nothing: it pulls the rest.
+            t.prefill_dispatch = Some(self.fleet.dispatched(
+                &t.predicted_cached,
+                &features,
+                EndpointId(prefill as u32),
+                now,
+            ));
+            if let Some(cached) = predicted.get_mut(endpoint) {
+                *cached = t.prompt_tokens;
+            }
+        }
+        t.dispatch = Some(self.fleet.dispatched(&predicted, &features, id, now));
         self.requests.insert(request_id, t);
     }
 
@@ -262,6 +283,17 @@ impl RoutingPolicy for CorePolicy {
         }
     }
 
+    fn prefill_done(&mut self, request_id: u64, cached_tokens: usize, now: f64) {
+        if let Some(mut leg) = self
+            .requests
+            .get_mut(&request_id)
+            .and_then(|t| t.prefill_dispatch.take())
+        {
+            self.fleet.first_token(&mut leg, true, now);
+            self.fleet.finished(leg, Some(cached_tokens), now);
+        }
+    }
+
     fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
         if let Some(pd) = &mut self.pd {
             pd.transferred(prefill, decode, bytes, seconds, now);
@@ -269,8 +301,20 @@ impl RoutingPolicy for CorePolicy {
     }
 
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
-        if let Some(dispatch) = self.requests.remove(&request_id).and_then(|t| t.dispatch) {
-            self.fleet.finished(dispatch, cached_tokens, now);
+        let Some(t) = self.requests.remove(&request_id) else {
+            return;
+        };
+        if let Some(leg) = t.prefill_dispatch {
+            self.fleet.finished(leg, None, now);
+        }
+        // A decode leg reports pulled tokens as cached: not what its own cache predicted.
+        let reported = if t.prefill.is_some() {
+            None
+        } else {
+            cached_tokens
+        };
+        if let Some(dispatch) = t.dispatch {
+            self.fleet.finished(dispatch, reported, now);
         }
     }
 }

@@ -482,6 +482,7 @@ impl Run<'_> {
             {
                 // The prefill leg's answer goes back to the router, which sends the decode leg.
                 if token.finished.is_some() {
+                    policy.prefill_done(r as u64, token.cached_tokens, now);
                     let at = seen + self.fleet.request_latency_s;
                     self.queue.push(at, Event::Pull(r));
                 }

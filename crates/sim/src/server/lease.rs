@@ -74,6 +74,13 @@ impl LeaseTable {
         self.generation
     }
 
+    /// When a hold made or renewed at `now` expires (a lease too long for the clock never
+    /// does).
+    fn deadline(&self, now: Instant) -> Instant {
+        now.checked_add(self.duration)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+    }
+
     /// Holds in force.
     pub fn len(&self) -> usize {
         self.leases.len()
@@ -100,7 +107,7 @@ impl LeaseTable {
             Lease {
                 name,
                 held,
-                deadline: now + self.duration,
+                deadline: self.deadline(now),
             },
         );
     }
@@ -113,6 +120,7 @@ impl LeaseTable {
         block_ids: &[u64],
         now: Instant,
     ) -> Result<Vec<u64>, LeaseRefusal> {
+        let renewed = self.deadline(now);
         let lease = self
             .by_name
             .get(name)
@@ -130,7 +138,7 @@ impl LeaseTable {
                     .ok_or(LeaseRefusal::ForeignBlock(b))
             })
             .collect::<Result<Vec<u64>, _>>()?;
-        lease.deadline = lease.deadline.max(now + self.duration);
+        lease.deadline = lease.deadline.max(renewed);
         Ok(hashes)
     }
 

@@ -2,6 +2,8 @@
 //! around the engines (client and router latency, KV-event delivery, load scrapes).
 
 use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::link::LinkSpec;
+use kvroute_vllm::nixl::KvRole;
 use serde::Serialize;
 
 use crate::SimulateError;
@@ -24,6 +26,21 @@ pub struct FleetConfig {
     pub scrape_interval_s: f64,
     /// Seed of the policies' random choices (ties, random picks).
     pub seed: u64,
+    /// Prefill/decode disaggregation: engine roles and the link between them (`None`: every
+    /// engine serves whole requests only).
+    pub pd: Option<PdFleet>,
+}
+
+/// The P/D side of a fleet: what the live simulator's `--prefill-engines`, `--decode-engines`
+/// and `--kv-link` describe.
+#[derive(Clone, Debug, Serialize)]
+pub struct PdFleet {
+    /// Each engine's KV role, by index.
+    pub roles: Vec<KvRole>,
+    /// Every link's speed.
+    pub link: LinkSpec,
+    /// KV-cache bytes per token.
+    pub kv_bytes_per_token: u64,
 }
 
 impl Default for FleetConfig {
@@ -36,6 +53,7 @@ impl Default for FleetConfig {
             event_delay_s: 0.001,
             scrape_interval_s: 0.5,
             seed: 0,
+            pd: None,
         }
     }
 }
@@ -65,6 +83,15 @@ impl FleetConfig {
             )));
         }
         kvroute_sim::engine::Engine::new(self.engine.clone())?;
+        if let Some(pd) = &self.pd
+            && pd.roles.len() != self.engines
+        {
+            return Err(SimulateError::Config(format!(
+                "{} kv roles for {} engines",
+                pd.roles.len(),
+                self.engines
+            )));
+        }
         Ok(())
     }
 

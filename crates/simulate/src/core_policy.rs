@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::SimulateError;
 use crate::config::FleetConfig;
+use crate::pd_policy::{PdMode, PdRouting};
 use crate::policy::{Routing, RoutingPolicy, SimRequest};
 
 /// The model every simulated endpoint serves.
@@ -33,6 +34,9 @@ struct Tracked {
     predicted_cached: Vec<usize>,
     ticket: Option<HoldTicket>,
     dispatch: Option<Dispatch>,
+    /// A disaggregated request's prefill endpoint, and its leg there.
+    prefill: Option<usize>,
+    prefill_dispatch: Option<Dispatch>,
 }
 
 /// A scheduling profile on kvroute-core's fleet state.
@@ -44,12 +48,33 @@ pub struct CorePolicy {
     requests: HashMap<u64, Tracked>,
     rng: StdRng,
     last_housekeeping: f64,
+    /// Prefill/decode disaggregation on a P/D fleet (`pd-always`, `pd-cost`).
+    pd: Option<PdRouting>,
 }
 
 impl CorePolicy {
     /// The named policy (`round-robin`, `random`, `least-load`, `approximate`, `precise`) on
     /// `fleet`, with the router's defaults.
     pub fn named(name: &str, fleet: &FleetConfig) -> Result<Self, SimulateError> {
+        let mode = match name {
+            "pd-always" => Some(PdMode::Always),
+            "pd-cost" => Some(PdMode::Cost),
+            _ => None,
+        };
+        if let Some(mode) = mode {
+            // The decode pick is the precise profile's; P/D decides the rest.
+            let mut policy = Self::new(
+                Profile::named(ProfileName::Precise),
+                CoreFleetConfig::default(),
+                fleet,
+            )?;
+            policy.pd = Some(PdRouting::new(mode, fleet).ok_or_else(|| {
+                SimulateError::Policy(format!(
+                    "{name} needs a P/D fleet (--prefill-engines, --decode-engines)"
+                ))
+            })?);
+            return Ok(policy);
+        }
         let name = name.parse::<ProfileName>().map_err(SimulateError::Policy)?;
         Self::new(Profile::named(name), CoreFleetConfig::default(), fleet)
     }
@@ -73,7 +98,11 @@ impl CorePolicy {
             .map(|i| EndpointSpec {
                 name: FleetConfig::endpoint_name(i),
                 models: vec![MODEL.to_owned()],
-                role: Role::Both,
+                role: fleet
+                    .pd
+                    .as_ref()
+                    .and_then(|pd| pd.roles.get(i))
+                    .map_or(Role::Both, |kv| crate::pd_policy::role(*kv)),
                 has_events: true,
                 block_size,
             })
@@ -85,6 +114,7 @@ impl CorePolicy {
             requests: HashMap::new(),
             rng: StdRng::seed_from_u64(fleet.seed),
             last_housekeeping: 0.0,
+            pd: None,
         })
     }
 
@@ -153,6 +183,8 @@ impl RoutingPolicy for CorePolicy {
                                 predicted_cached: Vec::new(),
                                 ticket: Some(ticket),
                                 dispatch: None,
+                                prefill: None,
+                                prefill_dispatch: None,
                             },
                         );
                     }
@@ -170,6 +202,12 @@ impl RoutingPolicy for CorePolicy {
                 "HTTP 503: no healthy endpoint serves this model; retry shortly".into(),
             );
         };
+        let routing = match &self.pd {
+            Some(pd) => pd
+                .choose(&plan.decision, request.prompt_tokens, now)
+                .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
+            None => Routing::Endpoint(chosen.0 as usize),
+        };
         self.requests.insert(
             request.id,
             Tracked {
@@ -178,9 +216,14 @@ impl RoutingPolicy for CorePolicy {
                 predicted_cached: plan.predicted_cached,
                 ticket: None,
                 dispatch: None,
+                prefill: match routing {
+                    Routing::Disaggregated { prefill, .. } => Some(prefill),
+                    _ => None,
+                },
+                prefill_dispatch: None,
             },
         );
-        Routing::Endpoint(chosen.0 as usize)
+        routing
     }
 
     fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {
@@ -189,10 +232,21 @@ impl RoutingPolicy for CorePolicy {
         };
         let features = self.features(&t.keys, t.prompt_tokens);
         let id = EndpointId(endpoint as u32);
-        t.dispatch = Some(
-            self.fleet
-                .dispatched(&t.predicted_cached, &features, id, now),
-        );
+        let mut predicted = t.predicted_cached.clone();
+        if let Some(prefill) = t.prefill {
+            // The prefill leg loads its endpoint; the decode endpoint computes (almost)
+            // nothing: it pulls the rest.
+            t.prefill_dispatch = Some(self.fleet.dispatched(
+                &t.predicted_cached,
+                &features,
+                EndpointId(prefill as u32),
+                now,
+            ));
+            if let Some(cached) = predicted.get_mut(endpoint) {
+                *cached = t.prompt_tokens;
+            }
+        }
+        t.dispatch = Some(self.fleet.dispatched(&predicted, &features, id, now));
         self.requests.insert(request_id, t);
     }
 
@@ -229,9 +283,38 @@ impl RoutingPolicy for CorePolicy {
         }
     }
 
+    fn prefill_done(&mut self, request_id: u64, cached_tokens: usize, now: f64) {
+        if let Some(mut leg) = self
+            .requests
+            .get_mut(&request_id)
+            .and_then(|t| t.prefill_dispatch.take())
+        {
+            self.fleet.first_token(&mut leg, true, now);
+            self.fleet.finished(leg, Some(cached_tokens), now);
+        }
+    }
+
+    fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
+        if let Some(pd) = &mut self.pd {
+            pd.transferred(prefill, decode, bytes, seconds, now);
+        }
+    }
+
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
-        if let Some(dispatch) = self.requests.remove(&request_id).and_then(|t| t.dispatch) {
-            self.fleet.finished(dispatch, cached_tokens, now);
+        let Some(t) = self.requests.remove(&request_id) else {
+            return;
+        };
+        if let Some(leg) = t.prefill_dispatch {
+            self.fleet.finished(leg, None, now);
+        }
+        // A decode leg reports pulled tokens as cached: not what its own cache predicted.
+        let reported = if t.prefill.is_some() {
+            None
+        } else {
+            cached_tokens
+        };
+        if let Some(dispatch) = t.dispatch {
+            self.fleet.finished(dispatch, reported, now);
         }
     }
 }

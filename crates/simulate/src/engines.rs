@@ -4,7 +4,7 @@
 //! Requests that arrive during a step wait in an inbox until the next one starts, as they wait
 //! in the server's command channel: a scrape meanwhile does not count them as waiting.
 
-use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, StepOutput};
+use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, KvTransfer, StepOutput};
 use kvroute_sim::server::text::{completion_seed, synthetic_completion};
 
 use crate::SimulateError;
@@ -23,6 +23,8 @@ pub struct Observed {
 /// One engine of the fleet.
 pub struct SimEngine {
     engine: Engine,
+    /// Each inbox request's part in P/D (by engine request id).
+    transfers: std::collections::HashMap<u64, KvTransfer>,
     /// Request ids the engine handed out, as the server counts them (from 1): the id that
     /// seeds each answer.
     next_id: u64,
@@ -48,6 +50,7 @@ impl SimEngine {
         Ok(Self {
             engine: Engine::new(config)?,
             next_id: 1,
+            transfers: std::collections::HashMap::new(),
             requests: Vec::new(),
             pending: None,
             inbox: Vec::new(),
@@ -64,6 +67,18 @@ impl SimEngine {
         prompt: Vec<u32>,
         max_tokens: u32,
     ) -> Result<Vec<u32>, Refusal> {
+        self.submit_leg(index, prompt, max_tokens, KvTransfer::None)
+            .map(|(output, _)| output)
+    }
+
+    /// [`SimEngine::submit`] for a P/D leg; also returns the engine request id.
+    pub fn submit_leg(
+        &mut self,
+        index: usize,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        transfer: KvTransfer,
+    ) -> Result<(Vec<u32>, u64), Refusal> {
         let max_len = self.engine.config().max_model_len;
         if prompt.len() + max_tokens as usize > max_len {
             return Err(format!(
@@ -83,8 +98,29 @@ impl SimEngine {
             lora_name: None,
             cache_salt: None,
         };
+        if transfer != KvTransfer::None {
+            self.transfers.insert(id, transfer);
+        }
         self.inbox.push((index, request));
-        Ok(output)
+        Ok((output, id))
+    }
+
+    /// The prompt's prefix this engine holds, in blocks, and the blocks a prefix hit may
+    /// cover (see [`Engine::local_prefix`]).
+    pub fn local_prefix(&self, prompt: &[u32]) -> (usize, usize) {
+        let (local, hashes) = self.engine.local_prefix(&EngineRequest {
+            id: 0,
+            prompt: prompt.to_vec(),
+            output: Vec::new(),
+            lora_name: None,
+            cache_salt: None,
+        });
+        (local, hashes.len())
+    }
+
+    /// Releases the blocks a finished prefill leg holds (pulled).
+    pub fn release(&mut self, id: u64) -> bool {
+        self.engine.release(id)
     }
 
     /// The run-wide index of engine request `id`.
@@ -101,7 +137,8 @@ impl SimEngine {
         }
         let mut refused = Vec::new();
         for (index, request) in self.inbox.drain(..) {
-            if let Err(e) = self.engine.add_request(request) {
+            let transfer = self.transfers.remove(&request.id).unwrap_or_default();
+            if let Err(e) = self.engine.add_request_with(request, transfer) {
                 refused.push((index, format!("engine error: {e}")));
             }
         }
@@ -110,6 +147,10 @@ impl SimEngine {
         }
         let step = self.engine.step();
         if step.tokens.is_empty() && step.work == Default::default() {
+            if self.engine.held_requests() > 0 {
+                // Every free block is held for a consumer: it runs again after a release.
+                return Ok((None, refused));
+            }
             return Err(SimulateError::Stalled { engine, at_s: now });
         }
         let duration = step.duration_s;

@@ -19,6 +19,8 @@ pub mod core_policy;
 mod engines;
 mod error;
 pub mod matrix;
+mod pd;
+pub mod pd_policy;
 pub mod policy;
 mod queue;
 pub mod run;

@@ -27,6 +27,14 @@ pub struct SimRequest<'a> {
 pub enum Routing {
     /// Send it to this endpoint (an index into the fleet).
     Endpoint(usize),
+    /// Prefill/decode disaggregation: a prefill leg on `prefill` (one token, blocks held), the
+    /// missing blocks over the link, then the request on `decode`.
+    Disaggregated {
+        /// The prefill endpoint.
+        prefill: usize,
+        /// The decode endpoint.
+        decode: usize,
+    },
     /// Hold it (flow control): the simulation asks again, in arrival order, when capacity may
     /// have changed (a first token, a completion, a load scrape) and every 50 ms.
     Wait,
@@ -49,4 +57,14 @@ pub trait RoutingPolicy {
     fn first_token(&mut self, request_id: u64, now: f64);
     /// The request ended: `cached_tokens` is what the engine reported (`None` when it failed).
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64);
+    /// The prefill leg of a disaggregated request ended on its prefill endpoint, which found
+    /// `cached_tokens` of the prompt in its cache.
+    fn prefill_done(&mut self, request_id: u64, cached_tokens: usize, now: f64) {
+        let _ = (request_id, cached_tokens, now);
+    }
+    /// A P/D transfer of `bytes` from `prefill` to `decode` took `seconds` (what the decode
+    /// engine's `vllm:nixl_xfer_time_seconds` reports).
+    fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
+        let _ = (prefill, decode, bytes, seconds, now);
+    }
 }

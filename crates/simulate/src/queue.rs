@@ -21,6 +21,11 @@ pub enum Event {
     Scrape,
     /// Held requests check again whether an endpoint has room.
     Recheck,
+    /// A P/D transfer on the link may have finished.
+    Link,
+    /// Request `0`'s prefill leg answered and its decode leg reached the decode engine: the
+    /// pull starts.
+    Pull(usize),
 }
 
 struct Scheduled {

@@ -12,8 +12,10 @@ use crate::SimulateError;
 use crate::client::Client;
 use crate::config::FleetConfig;
 use crate::engines::SimEngine;
+use crate::pd::{Link, Pull};
 use crate::policy::{Routing, RoutingPolicy, SimRequest};
 use crate::queue::{Event, Queue};
+use kvroute_sim::engine::KvTransfer;
 
 /// What a run measured.
 #[derive(Debug)]
@@ -39,6 +41,16 @@ struct InFlight {
     /// The answer (chat workloads, for the history).
     answer: Vec<u32>,
     last_token_at: f64,
+    /// A disaggregated request's legs.
+    pd: Option<PdLegs>,
+}
+
+/// The two legs of a disaggregated request.
+struct PdLegs {
+    prefill: usize,
+    decode: usize,
+    /// The prefill leg's engine request id, once submitted.
+    prefill_id: Option<u64>,
 }
 
 struct Run<'a> {
@@ -56,6 +68,8 @@ struct Run<'a> {
     /// Requests the policy holds (flow control), in arrival order.
     held: VecDeque<usize>,
     recheck_scheduled: bool,
+    /// The links of a P/D fleet.
+    link: Option<Link>,
 }
 
 /// Runs `workload` through `policy` on a fresh fleet. `concurrency`: closed loop with at most
@@ -82,6 +96,7 @@ pub fn run(
         last_end: 0.0,
         held: VecDeque::new(),
         recheck_scheduled: false,
+        link: fleet.pd.as_ref().map(Link::new),
     };
     let first = concurrency
         .map_or(workload.sessions.len(), |n| n.max(1))
@@ -117,6 +132,8 @@ pub fn run(
                 run.recheck_scheduled = false;
                 run.retry_held(now, policy);
             }
+            Event::Pull(r) => run.pull(r, now, policy)?,
+            Event::Link => run.link_event(now, policy)?,
         }
     }
     let (queries, hits) = run
@@ -169,6 +186,7 @@ impl Run<'_> {
             payload: Some((turn.prompt, keys, turn.max_tokens)),
             answer: Vec::new(),
             last_token_at: now,
+            pd: None,
         });
         let index = self.requests.len() - 1;
         if !self.route(index, now, policy) {
@@ -200,6 +218,32 @@ impl Run<'_> {
                 request.record.endpoint = Some(FleetConfig::endpoint_name(e));
                 self.queue
                     .push(now + self.fleet.request_latency_s, Event::Arrive(index));
+                true
+            }
+            Routing::Disaggregated { prefill, decode }
+                if prefill < self.engines.len()
+                    && decode < self.engines.len()
+                    && prefill != decode
+                    && self.link.is_some() =>
+            {
+                policy.dispatched(index as u64, decode, now);
+                request.engine = prefill;
+                request.pd = Some(PdLegs {
+                    prefill,
+                    decode,
+                    prefill_id: None,
+                });
+                request.record.endpoint = Some(FleetConfig::endpoint_name(decode));
+                self.queue
+                    .push(now + self.fleet.request_latency_s, Event::Arrive(index));
+                true
+            }
+            Routing::Disaggregated { prefill, decode } => {
+                self.fail(
+                    index,
+                    format!("the policy disaggregated onto engines {prefill} and {decode}, which this fleet cannot do"),
+                    now,
+                );
                 true
             }
             Routing::Wait => false,
@@ -253,6 +297,25 @@ impl Run<'_> {
         policy: &mut dyn RoutingPolicy,
     ) -> Result<(), SimulateError> {
         let request = &mut self.requests[r];
+        if let Some(pd) = &mut request.pd {
+            // The prefill leg: one token, its blocks held; the request stays for the decode leg.
+            let Some((prompt, _, _)) = &request.payload else {
+                return Ok(());
+            };
+            let engine = pd.prefill;
+            return match self.engines[engine].submit_leg(r, prompt.clone(), 1, KvTransfer::Produce)
+            {
+                Ok((_, id)) => {
+                    pd.prefill_id = Some(id);
+                    self.start_step(engine, now, policy)
+                }
+                Err(error) => {
+                    policy.finished(r as u64, None, now);
+                    self.fail(r, error, now);
+                    Ok(())
+                }
+            };
+        }
         let (prompt, _, max_tokens) = request.payload.take().unwrap_or_default();
         let engine = request.engine;
         match self.engines[engine].submit(r, prompt, max_tokens) {
@@ -287,6 +350,120 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Request `r`'s decode leg reached its engine: it pulls the blocks it lacks (or, holding
+    /// them all, only releases the producer's).
+    fn pull(
+        &mut self,
+        r: usize,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let bs = self.fleet.engine.block_size;
+        let request = &self.requests[r];
+        let (Some(pd), Some((prompt, _, _)), Some(link)) =
+            (&request.pd, &request.payload, &mut self.link)
+        else {
+            return Ok(());
+        };
+        let (prefill, decode) = (pd.prefill, pd.decode);
+        let (local, lookup) = self.engines[decode].local_prefix(prompt);
+        let wanted = lookup.min(prompt.len() / bs);
+        if local >= wanted {
+            if let Some(id) = pd.prefill_id {
+                self.engines[prefill].release(id);
+            }
+            let transfer = KvTransfer::Consume {
+                from: local,
+                blocks: local,
+            };
+            self.decode_leg(r, transfer, now, policy)?;
+            // Released blocks may let a prefill waiting for room run.
+            return self.start_step(prefill, now, policy);
+        }
+        let bytes = ((wanted - local) * bs) as u64 * link.kv_bytes_per_token;
+        link.start(
+            now,
+            prefill,
+            decode,
+            Pull {
+                request: r,
+                bytes,
+                started: now,
+                from: local,
+                blocks: wanted,
+            },
+        );
+        self.schedule_link(None);
+        Ok(())
+    }
+
+    fn schedule_link(&mut self, handled: Option<f64>) {
+        if let Some(at) = self.link.as_mut().and_then(|l| l.next_wake(handled)) {
+            self.queue.push(at, Event::Link);
+        }
+    }
+
+    /// Pulls finished: the producers release their blocks, the decode legs start.
+    fn link_event(
+        &mut self,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let done = self
+            .link
+            .as_mut()
+            .map(|l| l.advance(now))
+            .unwrap_or_default();
+        for pull in done {
+            let Some(pd) = &self.requests[pull.request].pd else {
+                continue;
+            };
+            let (prefill, decode) = (pd.prefill, pd.decode);
+            if let Some(id) = pd.prefill_id {
+                self.engines[prefill].release(id);
+            }
+            policy.transferred(prefill, decode, pull.bytes, now - pull.started, now);
+            let transfer = KvTransfer::Consume {
+                from: pull.from,
+                blocks: pull.blocks,
+            };
+            self.decode_leg(pull.request, transfer, now, policy)?;
+            // Released blocks may let a prefill waiting for room run.
+            self.start_step(prefill, now, policy)?;
+        }
+        self.schedule_link(Some(now));
+        Ok(())
+    }
+
+    /// Request `r` runs on its decode engine with `transfer`'s blocks.
+    fn decode_leg(
+        &mut self,
+        r: usize,
+        transfer: KvTransfer,
+        now: f64,
+        policy: &mut dyn RoutingPolicy,
+    ) -> Result<(), SimulateError> {
+        let request = &mut self.requests[r];
+        let (prompt, _, max_tokens) = request.payload.take().unwrap_or_default();
+        let Some(decode) = request.pd.as_ref().map(|pd| pd.decode) else {
+            return Ok(());
+        };
+        request.engine = decode;
+        match self.engines[decode].submit_leg(r, prompt, max_tokens, transfer) {
+            Ok((answer, _)) => {
+                if self.client.is_chat() {
+                    request.answer = answer;
+                }
+                self.start_step(decode, now, policy)
+            }
+            Err(error) => {
+                policy.finished(r as u64, None, now);
+                self.fail(r, error, now);
+                Ok(())
+            }
+        }
+    }
+
     fn step_done(
         &mut self,
         e: usize,
@@ -299,6 +476,18 @@ impl Run<'_> {
         for token in &step.tokens {
             let r = self.engines[e].request_index(token.id);
             let request = &mut self.requests[r];
+            if let Some(pd) = &request.pd
+                && pd.prefill == e
+                && pd.prefill_id == Some(token.id)
+            {
+                // The prefill leg's answer goes back to the router, which sends the decode leg.
+                if token.finished.is_some() {
+                    policy.prefill_done(r as u64, token.cached_tokens, now);
+                    let at = seen + self.fleet.request_latency_s;
+                    self.queue.push(at, Event::Pull(r));
+                }
+                continue;
+            }
             let record = &mut request.record;
             if token.index == 0 {
                 record.ttft_s = Some(seen - record.start_s);

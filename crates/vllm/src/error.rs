@@ -41,6 +41,10 @@ pub enum VllmError {
     /// A tokenizer or chat template that cannot be loaded or applied.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A `kv_transfer_params` object (or P/D setting) that does not follow the NixlConnector
+    /// protocol.
+    #[error("{0}")]
+    KvTransfer(String),
     /// A vLLM version string kvroute cannot map to a wire layout.
     #[error("unknown vLLM version {0:?}: expected MAJOR.MINOR[.PATCH], e.g. 0.23.0")]
     Version(String),

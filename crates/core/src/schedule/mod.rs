@@ -12,6 +12,7 @@
 //! retry can take the next one and an operator can see why.
 
 pub mod cost;
+pub mod disagg;
 mod picker;
 mod profile;
 mod ring;

@@ -17,8 +17,9 @@ pub struct EngineArgs {
     /// GPU memory for the KV cache, in GiB, when --num-gpu-blocks is not given.
     #[arg(long, default_value_t = 4.0)]
     kv_cache_gib: f64,
-    /// KV-cache bytes per token (Llama-3.1-8B bf16: 131072).
-    #[arg(long, default_value_t = LLAMA_8B_KV_BYTES_PER_TOKEN)]
+    /// KV-cache bytes per token, or a model preset: llama-3.1-8b (131072, bf16),
+    /// llama-3.1-70b (327680). Sizes the cache, and the KV a P/D transfer moves.
+    #[arg(long, default_value_t = LLAMA_8B_KV_BYTES_PER_TOKEN, value_parser = parse_kv_bytes)]
     kv_bytes_per_token: usize,
     /// CPU offload tier, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
@@ -52,7 +53,18 @@ pub struct EngineArgs {
     cpu_load_per_block_s: f64,
 }
 
+fn parse_kv_bytes(text: &str) -> Result<usize, String> {
+    kvroute_sim::link::kv_bytes_per_token(text)
+        .map(|b| b as usize)
+        .map_err(|e| e.to_string())
+}
+
 impl EngineArgs {
+    /// KV-cache bytes per token.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_bytes_per_token
+    }
+
     /// The engine configuration the flags describe.
     pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
         anyhow::ensure!(self.block_size > 0, "--block-size must be at least 1");

@@ -5,8 +5,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use kvroute_sim::link::LinkSpec;
 use kvroute_sim::server::faults::Faults;
+use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, start};
+use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole};
 
 use super::engine_args::EngineArgs;
 use super::events::parse_duration;
@@ -14,9 +17,36 @@ use super::events::parse_duration;
 /// Arguments of `kvroute sim`.
 #[derive(Args)]
 pub struct SimArgs {
-    /// Engines to run; engine i listens on port + i, events-port + i, replay-port + i.
-    #[arg(long, default_value_t = 1)]
-    engines: usize,
+    /// Engines to run; engine i listens on port + i, events-port + i, replay-port + i
+    /// (default 1, or 0 beside --prefill-engines/--decode-engines).
+    #[arg(long)]
+    engines: Option<usize>,
+    /// P/D: the KV role of the --engines engines (vLLM's kv_producer, kv_consumer, kv_both).
+    /// Without it, --prefill-engines or --decode-engines, engines have no KV connector and
+    /// ignore kv_transfer_params, as vLLM without --kv-transfer-config.
+    #[arg(long, value_parser = parse_role)]
+    kv_role: Option<KvRole>,
+    /// P/D: kv_producer engines, first in the fleet.
+    #[arg(long, default_value_t = 0)]
+    prefill_engines: usize,
+    /// P/D: kv_consumer engines, after the producers.
+    #[arg(long, default_value_t = 0)]
+    decode_engines: usize,
+    /// P/D: the KV link between engines: tcp (UCX over TCP, 0.55 GB/s), roce-100 (12.1 GB/s),
+    /// ib-400 (49.5 GB/s), or custom:<GB/s>[:<latency ms>].
+    #[arg(long, default_value = "tcp", value_parser = parse_link)]
+    kv_link: LinkSpec,
+    /// P/D: how long a producer holds blocks nobody pulls, in engine time (default: the
+    /// release's: 120 s before 0.20, 480 s before 0.33, the 30 s heartbeat lease of 0.33).
+    #[arg(long, value_parser = parse_duration)]
+    kv_lease: Option<Duration>,
+    /// P/D: what a consumer does when a pull fails: fail (vLLM's default) or recompute.
+    #[arg(long, default_value = "fail", value_parser = parse_policy)]
+    kv_load_failure_policy: KvLoadFailurePolicy,
+    /// P/D: side-channel port of engine 0 (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); engine i
+    /// uses + i.
+    #[arg(long, default_value_t = 5600)]
+    side_channel_port: u16,
     /// Host to bind.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -63,12 +93,56 @@ pub struct SimArgs {
     slow_factor: f64,
 }
 
+fn parse_role(text: &str) -> Result<KvRole, String> {
+    text.parse()
+        .map_err(|e: kvroute_vllm::VllmError| e.to_string())
+}
+
+fn parse_policy(text: &str) -> Result<KvLoadFailurePolicy, String> {
+    text.parse()
+        .map_err(|e: kvroute_vllm::VllmError| e.to_string())
+}
+
+fn parse_link(text: &str) -> Result<LinkSpec, String> {
+    LinkSpec::parse(text).map_err(|e| e.to_string())
+}
+
 impl SimArgs {
+    /// The fleet's size and P/D settings.
+    fn fleet(&self) -> anyhow::Result<(usize, Option<PdConfig>)> {
+        let split = self.prefill_engines + self.decode_engines;
+        let others = self.engines.unwrap_or(if split > 0 { 0 } else { 1 });
+        let engines = split + others;
+        anyhow::ensure!(engines > 0, "the fleet has no engines");
+        if split == 0 && self.kv_role.is_none() {
+            return Ok((engines, None));
+        }
+        let roles = PdConfig::roles(self.prefill_engines, self.decode_engines, 0)
+            .into_iter()
+            .chain(std::iter::repeat_n(
+                self.kv_role.unwrap_or(KvRole::Both),
+                others,
+            ))
+            .collect();
+        Ok((
+            engines,
+            Some(PdConfig {
+                lease: self.kv_lease,
+                load_failure_policy: self.kv_load_failure_policy,
+                link: self.kv_link,
+                kv_bytes_per_token: self.engine.kv_bytes_per_token() as u64,
+                side_channel_port: self.side_channel_port,
+                ..PdConfig::new(roles)
+            }),
+        ))
+    }
+
     fn config(&self) -> anyhow::Result<SimConfig> {
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.drop_event_fraction),
             "--drop-event-fraction must be between 0 and 1"
         );
+        let (engines, pd) = self.fleet()?;
         Ok(SimConfig {
             model: self.model.clone(),
             lora_modules: self.lora_modules.clone(),
@@ -76,7 +150,7 @@ impl SimArgs {
             port: self.port,
             events_port: self.events_port,
             replay_port: (self.replay_port != 0).then_some(self.replay_port),
-            engines: self.engines,
+            engines,
             engine: self.engine.engine_config()?,
             time_scale: self.time_scale,
             vllm_version: self.vllm_version.clone(),
@@ -92,6 +166,7 @@ impl SimArgs {
                 .tokenizer
                 .clone()
                 .map(|t| (t, self.chat_template.clone())),
+            pd,
         })
     }
 }
@@ -114,6 +189,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         );
         for ep in &fleet.endpoints {
             println!("  engine {}: {}  events {}  replay {}", ep.index, ep.url, ep.events, ep.replay.as_deref().unwrap_or("-"));
+            if let Some(role) = ep.kv_role {
+                println!("    kv_role {}  side channel {}", role.vllm_name(), ep.side_channel.as_deref().unwrap_or("-"));
+            }
         }
         tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
         Ok(ExitCode::SUCCESS)

@@ -6,8 +6,9 @@
 pub mod block_pool;
 pub mod latency;
 mod request;
+pub mod transfer;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::keys::VllmHasher;
@@ -18,6 +19,7 @@ use block_pool::BlockPool;
 use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
+pub use transfer::{HeldBlocks, KvTransfer};
 
 /// Identifies a request inside one engine.
 pub type RequestId = u64;
@@ -108,6 +110,8 @@ pub struct Engine {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     metrics: EngineMetrics,
+    /// Finished prefill legs' blocks, pinned for their consumer.
+    held: HashMap<RequestId, (HeldBlocks, Vec<block_pool::BlockId>)>,
 }
 
 impl Engine {
@@ -136,6 +140,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics: EngineMetrics::default(),
+            held: HashMap::new(),
         })
     }
 
@@ -146,6 +151,11 @@ impl Engine {
 
     /// Queues a request. Refused when it could never fit (too long for the model or the pool).
     pub fn add_request(&mut self, request: EngineRequest) -> Result<(), SimError> {
+        self.add_request_with(request, KvTransfer::None)
+    }
+
+    /// Refuses a request that could never run.
+    fn validate(&self, request: &EngineRequest) -> Result<(), SimError> {
         let total = request.prompt.len() + request.output.len();
         if total > self.config.max_model_len {
             return Err(SimError::TooLong {
@@ -167,14 +177,14 @@ impl Engine {
         if request.output.is_empty() {
             return Err(SimError::NoOutput);
         }
-        self.metrics.prompt_tokens += request.prompt.len() as u64;
-        self.waiting
-            .push_back(Sequence::new(request, &self.hasher, self.config.block_size));
         Ok(())
     }
 
     /// Cancels a request wherever it is; its blocks are freed (and stay cached).
     pub fn abort(&mut self, id: RequestId) -> bool {
+        if self.release(id) {
+            return true;
+        }
         if let Some(i) = self.waiting.iter().position(|s| s.id() == id) {
             self.waiting.remove(i);
             return true;
@@ -289,7 +299,8 @@ impl Engine {
             };
             self.metrics.prefix_cache_queries += seq.len() as u64;
             self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
-            self.metrics.external_prefix_cache_hits += (hit.cpu.len() * bs) as u64;
+            self.metrics.external_prefix_cache_hits +=
+                ((hit.cpu.len() + hit.external.len()) * bs) as u64;
             work.cpu_blocks_loaded += hit.cpu.len();
             seq.admit(hit, blocks, &mut self.pool);
             budget -= want;
@@ -317,8 +328,8 @@ impl Engine {
             .into_iter()
             .partition(Sequence::finished);
         self.running = kept;
-        for mut seq in finished {
-            self.pool.free(&seq.take_blocks());
+        for seq in finished {
+            self.retire(seq);
         }
         StepOutput {
             duration_s: self.config.latency.step_seconds(&work),

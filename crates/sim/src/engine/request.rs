@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::RequestId;
 use super::block_pool::{BlockId, BlockPool, FullBlocks};
+use super::transfer::KvTransfer;
 
 /// A request as the server hands it to the engine.
 #[derive(Clone, Debug)]
@@ -53,11 +54,13 @@ pub(crate) struct PrefixHit {
     pub gpu: Vec<BlockId>,
     /// Following blocks found in the CPU tier.
     pub cpu: Vec<VllmDigest>,
+    /// Following blocks a KV producer supplies (a P/D decode leg's pulled blocks).
+    pub external: Vec<VllmDigest>,
 }
 
 impl PrefixHit {
     pub(crate) fn total_blocks(&self) -> usize {
-        self.gpu.len() + self.cpu.len()
+        self.gpu.len() + self.cpu.len() + self.external.len()
     }
 }
 
@@ -77,10 +80,20 @@ pub(crate) struct Sequence {
     /// Leading blocks registered in the prefix cache.
     registered: usize,
     cached_tokens: Option<usize>,
+    transfer: KvTransfer,
 }
 
 impl Sequence {
     pub(crate) fn new(request: EngineRequest, hasher: &VllmHasher, block_size: usize) -> Self {
+        Self::with_transfer(request, hasher, block_size, KvTransfer::None)
+    }
+
+    pub(crate) fn with_transfer(
+        request: EngineRequest,
+        hasher: &VllmHasher,
+        block_size: usize,
+        transfer: KvTransfer,
+    ) -> Self {
         Self {
             tokens: request.prompt.clone(),
             request,
@@ -92,11 +105,31 @@ impl Sequence {
             digests: Vec::new(),
             registered: 0,
             cached_tokens: None,
+            transfer,
         }
     }
 
     pub(crate) fn id(&self) -> RequestId {
         self.request.id
+    }
+
+    /// How the request takes part in P/D.
+    pub(crate) fn transfer(&self) -> KvTransfer {
+        self.transfer
+    }
+
+    /// Prompt length.
+    pub(crate) fn prompt_len(&self) -> usize {
+        self.request.prompt.len()
+    }
+
+    /// Engine hashes (as events publish them) of the first `n` full blocks.
+    pub(crate) fn block_hashes(&mut self, n: usize) -> Vec<u64> {
+        self.ensure_digests(n);
+        self.digests[..n.min(self.digests.len())]
+            .iter()
+            .map(VllmDigest::event_u64)
+            .collect()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -139,6 +172,10 @@ impl Sequence {
     pub(crate) fn preempt(&mut self) {
         self.computed = 0;
         self.registered = 0;
+        // The producer released its blocks after the pull: a preempted decode leg recomputes.
+        if let KvTransfer::Consume { .. } = self.transfer {
+            self.transfer = KvTransfer::None;
+        }
     }
 
     fn extra_keys(&self, block: usize) -> Option<Vec<ExtraKey>> {
@@ -183,12 +220,19 @@ impl Sequence {
     pub(crate) fn prefix_hit(&mut self, pool: &BlockPool) -> PrefixHit {
         let digests = self.lookup_blocks();
         let gpu: Vec<BlockId> = digests.iter().map_while(|d| pool.lookup(d)).collect();
-        let cpu = digests[gpu.len()..]
+        let cpu: Vec<VllmDigest> = digests[gpu.len()..]
             .iter()
             .take_while(|d| pool.in_cpu(d))
             .copied()
             .collect();
-        PrefixHit { gpu, cpu }
+        let local = gpu.len() + cpu.len();
+        let external = match self.transfer {
+            KvTransfer::Consume { from, blocks } if local >= from && blocks > local => {
+                digests[local..blocks.min(digests.len())].to_vec()
+            }
+            _ => Vec::new(),
+        };
+        PrefixHit { gpu, cpu, external }
     }
 
     /// Starts running with the cached prefix (GPU blocks referenced by the caller, CPU blocks
@@ -196,16 +240,17 @@ impl Sequence {
     pub(crate) fn admit(&mut self, hit: PrefixHit, blocks: Vec<BlockId>, pool: &mut BlockPool) {
         let bs = self.block_size;
         let gpu = hit.gpu.len();
-        let loaded = hit.cpu.len();
+        let loaded = hit.cpu.len() + hit.external.len();
         self.blocks = hit.gpu;
         self.blocks.extend(blocks);
         if loaded > 0 {
             let parent = gpu.checked_sub(1).map(|p| self.digests[p]);
             let extra = self.extra_range(gpu, gpu + loaded);
+            let digests: Vec<VllmDigest> = hit.cpu.iter().chain(&hit.external).copied().collect();
             pool.cache_full_blocks(
                 &self.blocks[gpu..gpu + loaded],
                 FullBlocks {
-                    digests: &hit.cpu,
+                    digests: &digests,
                     parent: parent.as_ref(),
                     tokens: &self.tokens[gpu * bs..(gpu + loaded) * bs],
                     extra: &extra,

@@ -13,22 +13,42 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use super::faults::Faults;
+use super::lease::LeaseTable;
 use super::metrics::Observed;
-use crate::engine::{Engine, EngineConfig, EngineRequest, RequestId, TokenOutput};
+use crate::engine::{
+    Engine, EngineConfig, EngineRequest, HeldBlocks, KvTransfer, RequestId, TokenOutput,
+};
 
 /// What an HTTP handler receives for its request.
 #[derive(Debug)]
 pub enum Delivery {
     /// One generated token.
     Token(TokenOutput),
+    /// A prefill leg's held blocks, just before its last token.
+    Held(HeldBlocks),
     /// The engine restarted (or failed) before finishing the request.
     Aborted(String),
+}
+
+/// A request for the engine task.
+pub struct Submission {
+    /// The request.
+    pub request: EngineRequest,
+    /// Its part in P/D.
+    pub transfer: KvTransfer,
+    /// The name a prefill leg's hold is known by (its request id).
+    pub lease_name: Option<String>,
 }
 
 /// Commands to an engine task.
 pub enum Command {
     /// Run a request; tokens go to the sender.
-    Submit(EngineRequest, mpsc::UnboundedSender<Delivery>),
+    Submit(Submission, mpsc::UnboundedSender<Delivery>),
+    /// Release a prefill leg's held blocks (pulled, or the lease expired).
+    Release(RequestId),
+    /// The prefix of a request the engine holds, and its block hashes (see
+    /// [`Engine::local_prefix`]).
+    LocalPrefix(EngineRequest, oneshot::Sender<(usize, Vec<u64>)>),
     /// The client went away.
     Abort(RequestId),
     /// Empty the prefix cache; answers whether it did.
@@ -55,6 +75,8 @@ pub struct EngineShared {
     pub observed: Mutex<Observed>,
     /// Fault settings.
     pub faults: Mutex<Faults>,
+    /// Prefill legs' holds (empty without P/D).
+    pub leases: Mutex<LeaseTable>,
 }
 
 /// Runs the engine until the command channel closes.
@@ -69,12 +91,16 @@ pub async fn run_engine(
     let mut waiters: HashMap<RequestId, (mpsc::UnboundedSender<Delivery>, Instant)> =
         HashMap::new();
     let mut clock = Instant::now();
+    let mut lease_names: HashMap<RequestId, String> = HashMap::new();
     let mut restart_pending = false;
+    // The last step could do nothing (every free block is held for a consumer): wait for a
+    // command (a release) instead of spinning.
+    let mut blocked = false;
     let mut last_lag_warning: Option<Instant> = None;
     loop {
         // Take every queued command; block only when there is nothing to run.
         loop {
-            let cmd = if engine.has_work() {
+            let cmd = if engine.has_work() && !blocked {
                 match commands.try_recv() {
                     Ok(cmd) => cmd,
                     Err(mpsc::error::TryRecvError::Empty) => break,
@@ -86,17 +112,21 @@ pub async fn run_engine(
                 match commands.recv().await {
                     Some(cmd) => {
                         clock = Instant::now();
+                        blocked = false;
                         cmd
                     }
                     None => return,
                 }
             };
             match cmd {
-                Command::Submit(request, tx) => {
-                    let id = request.id;
-                    match engine.add_request(request) {
+                Command::Submit(submission, tx) => {
+                    let id = submission.request.id;
+                    match engine.add_request_with(submission.request, submission.transfer) {
                         Ok(()) => {
                             waiters.insert(id, (tx, Instant::now()));
+                            if let Some(name) = submission.lease_name {
+                                lease_names.insert(id, name);
+                            }
                         }
                         Err(e) => {
                             let _ = tx.send(Delivery::Aborted(e.to_string()));
@@ -106,6 +136,13 @@ pub async fn run_engine(
                 Command::Abort(id) => {
                     engine.abort(id);
                     waiters.remove(&id);
+                    lease_names.remove(&id);
+                }
+                Command::Release(id) => {
+                    engine.release(id);
+                }
+                Command::LocalPrefix(request, reply) => {
+                    let _ = reply.send(engine.local_prefix(&request));
                 }
                 Command::ResetCache(reply) => {
                     let done = engine.reset_prefix_cache();
@@ -117,6 +154,8 @@ pub async fn run_engine(
                         let _ = tx.send(Delivery::Aborted("the engine restarted".into()));
                     }
                     engine = Engine::new(config.clone()).expect("validated");
+                    lease_names.clear();
+                    shared.leases.lock().clear();
                     restart_pending = true;
                     shared.observed.lock().started_at = unix_now();
                 }
@@ -134,6 +173,10 @@ pub async fn run_engine(
             continue;
         }
         let step = engine.step();
+        if step.tokens.is_empty() && step.events.is_empty() && step.work == Default::default() {
+            blocked = true;
+            continue;
+        }
         let slow = shared.faults.lock().slow_factor.max(0.01);
         let engine_seconds = step.duration_s * slow;
         let now = Instant::now();
@@ -170,6 +213,19 @@ pub async fn run_engine(
         for token in step.tokens {
             let id = token.id;
             let finished = token.finished.is_some();
+            if finished
+                && let Some(name) = lease_names.remove(&id)
+                && let Some(held) = engine.held(id)
+            {
+                // Held until pulled or expired, whether or not the client is still there.
+                shared
+                    .leases
+                    .lock()
+                    .hold(id, name, held.clone(), Instant::now());
+                if let Some((tx, _)) = waiters.get(&id) {
+                    let _ = tx.send(Delivery::Held(held.clone()));
+                }
+            }
             let gone = match waiters.get(&id) {
                 Some((tx, _)) => tx.send(Delivery::Token(token)).is_err(),
                 None => true,

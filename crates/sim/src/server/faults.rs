@@ -1,5 +1,6 @@
 //! Fault injection for reliability tests: lost and late events, slow or unhealthy engines,
-//! engines that fail some requests while passing their health checks.
+//! engines that fail some requests while passing their health checks, degraded or failing KV
+//! transfers between prefill and decode engines.
 
 use std::time::Duration;
 
@@ -23,6 +24,12 @@ pub struct Faults {
     pub error_fraction: f64,
     /// The status of those answers (a 5xx).
     pub error_status: u16,
+    /// P/D: this consumer's KV pulls run this many times slower than the link model says
+    /// (a degraded link: RDMA silently fallen back to TCP, a congested switch).
+    pub link_slowdown: f64,
+    /// P/D: fraction of this consumer's KV pulls that fail after the transfer time (the
+    /// `kv_load_failure_policy` then applies).
+    pub kv_transfer_failure_fraction: f64,
 }
 
 impl Default for Faults {
@@ -34,6 +41,8 @@ impl Default for Faults {
             healthy: true,
             error_fraction: 0.0,
             error_status: 503,
+            link_slowdown: 1.0,
+            kv_transfer_failure_fraction: 0.0,
         }
     }
 }

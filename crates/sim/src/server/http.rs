@@ -19,11 +19,14 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::actor::{Command, Delivery, EngineShared};
+use super::actor::{Command, Delivery, EngineShared, Submission};
 use super::faults::Faults;
 use super::metrics;
+use super::pd::PdEngine;
+use super::pd::legs::{self, Leg, PullError};
 use super::text::{completion_seed, synthetic_completion};
-use crate::engine::{EngineConfig, EngineRequest};
+use crate::engine::{EngineConfig, EngineRequest, HeldBlocks, KvTransfer};
+use kvroute_vllm::nixl::KvLoadFailurePolicy;
 
 /// Default `max_tokens` for completions (vLLM's) and the cap used for chat when unset.
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
@@ -96,6 +99,8 @@ pub struct EngineHttp {
     pub next_id: AtomicU64,
     /// The tokenizer.
     pub tokenizer: SimTokenizer,
+    /// P/D state (`None`: no KV connector).
+    pub pd: Option<Arc<PdEngine>>,
 }
 
 type AppState = Arc<EngineHttp>;
@@ -201,6 +206,10 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         Ok(ok) => ok,
         Err(e) => return error_response(&e),
     };
+    let leg = match legs::classify(state.pd.as_deref(), &body) {
+        Ok(leg) => leg,
+        Err(e) => return error_response(&e),
+    };
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let seed = completion_seed(id, &prompt);
     let output = state.tokenizer.completion(seed, max_tokens as usize);
@@ -212,19 +221,12 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         lora_name: lora,
         cache_salt: request.cache_salt.clone(),
     };
-    if state
-        .commands
-        .send(Command::Submit(engine_request, tx))
-        .is_err()
-    {
-        return error_response(&ApiError::unavailable("the engine stopped"));
-    }
     let request_id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{id}"));
-    let reply = Reply {
+    let mut reply = Reply {
         tokenizer: state.tokenizer.clone(),
         api,
         id: match api {
@@ -233,7 +235,58 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         },
         model: request.model.clone(),
         created: now_secs(),
+        producer: None,
+        cached_override: None,
     };
+    let (transfer, lease_name) = match (leg, &state.pd) {
+        (Leg::Prefill, Some(pd)) => {
+            reply.producer = Some((pd.clone(), state.shared.clone()));
+            (KvTransfer::Produce, Some(reply.id.clone()))
+        }
+        (Leg::Decode(params), Some(pd)) => {
+            if pd.release.reports_remote_cached_tokens() {
+                reply.cached_override = params.remote_prefill_cached_tokens.map(|t| t as usize);
+            }
+            let faults = state.shared.faults.lock().clone();
+            match legs::pull(
+                pd,
+                &state.commands,
+                &faults,
+                &engine_request,
+                &params,
+                &reply.id,
+            )
+            .await
+            {
+                Ok(transfer) => (transfer, None),
+                Err(PullError::Invalid(e)) => {
+                    return error_response(&ApiError::bad_request(e, Some("kv_transfer_params")));
+                }
+                Err(PullError::Failed(e)) => match pd.load_failure_policy {
+                    KvLoadFailurePolicy::Recompute => {
+                        tracing::warn!(request = %reply.id, error = %e, "KV pull failed: recomputing the prompt (kv_load_failure_policy=recompute)");
+                        (KvTransfer::None, None)
+                    }
+                    KvLoadFailurePolicy::Fail => {
+                        return transfer_failed(&e, request.stream);
+                    }
+                },
+            }
+        }
+        _ => (KvTransfer::None, None),
+    };
+    let submission = Submission {
+        request: engine_request,
+        transfer,
+        lease_name,
+    };
+    if state
+        .commands
+        .send(Command::Submit(submission, tx))
+        .is_err()
+    {
+        return error_response(&ApiError::unavailable("the engine stopped"));
+    }
     let guard = AbortOnDrop {
         id,
         commands: state.commands.clone(),
@@ -265,15 +318,65 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// A decode leg whose pull failed under `kv_load_failure_policy=fail`. A streamed request
+/// gets its 200 and the error as an event, as a client of a streaming vLLM sees it; a plain
+/// one gets a 500.
+fn transfer_failed(reason: &str, stream: bool) -> Response {
+    let error = ApiError::new(500, format!("KV transfer failed: {reason}"));
+    if !stream {
+        return error_response(&error);
+    }
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .body(Body::from(format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            error.to_json()
+        )))
+        .expect("static response parts are valid")
+}
+
 struct Reply {
     tokenizer: SimTokenizer,
     api: Api,
     id: String,
     model: String,
     created: u64,
+    /// A prefill leg: the engine whose `kv_transfer_params` to return.
+    producer: Option<(Arc<PdEngine>, Arc<EngineShared>)>,
+    /// 0.33's `remote_prefill_cached_tokens`: reported as `cached_tokens`.
+    cached_override: Option<usize>,
 }
 
 impl Reply {
+    /// The `kv_transfer_params` of a prefill leg's held blocks.
+    fn producer_params(&self, held: &HeldBlocks, prompt_tokens: usize) -> Option<Value> {
+        let (pd, shared) = self.producer.as_ref()?;
+        let (lease, generation) = {
+            let leases = shared.leases.lock();
+            (leases.duration(), leases.generation())
+        };
+        Some(legs::producer_params(
+            pd,
+            held,
+            &self.id,
+            prompt_tokens,
+            lease,
+            generation,
+        ))
+    }
+
+    /// Whether a streamed answer carries the params on its final chunk (0.33+).
+    fn streams_params(&self) -> bool {
+        self.producer
+            .as_ref()
+            .is_some_and(|(pd, _)| pd.release.streams_params())
+    }
+
+    fn cached(&self, engine_cached: usize) -> usize {
+        self.cached_override.unwrap_or(engine_cached)
+    }
+
     fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
         json!({
             "prompt_tokens": prompt,
@@ -334,8 +437,10 @@ async fn collect_response(
 ) -> Response {
     let mut tokens = Vec::new();
     let (mut prompt, mut cached) = (0, 0);
+    let mut held = None;
     while let Some(delivery) = rx.recv().await {
         match delivery {
+            Delivery::Held(h) => held = Some(h),
             Delivery::Token(t) => {
                 prompt = t.prompt_tokens;
                 cached = t.cached_tokens;
@@ -359,7 +464,13 @@ async fn collect_response(
     }
     guard.armed = false;
     let text = reply.tokenizer.decode(&tokens);
-    let body = reply.full(&text, Reply::usage(prompt, tokens.len(), cached));
+    let mut body = reply.full(
+        &text,
+        Reply::usage(prompt, tokens.len(), reply.cached(cached)),
+    );
+    if let Some(params) = held.and_then(|h| reply.producer_params(&h, prompt)) {
+        body["kv_transfer_params"] = params;
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],
@@ -380,24 +491,32 @@ fn stream_response(
 ) -> Response {
     let mut count = 0usize;
     let mut guard = Some(guard);
+    let mut held: Option<HeldBlocks> = None;
     // The stream ends when the engine task drops its sender after the last token.
     let stream = UnboundedReceiverStream::new(rx).flat_map(move |delivery| {
         let mut out: Vec<Bytes> = Vec::new();
         match delivery {
+            Delivery::Held(h) => held = Some(h),
             Delivery::Token(t) => {
                 let finished = t.finished.is_some();
-                out.push(sse(&reply.chunk(
-                    &reply.tokenizer.decode(&[t.token]),
-                    count == 0,
-                    finished,
-                )));
+                let mut chunk =
+                    reply.chunk(&reply.tokenizer.decode(&[t.token]), count == 0, finished);
+                if finished
+                    && reply.streams_params()
+                    && let Some(params) = held
+                        .take()
+                        .and_then(|h| reply.producer_params(&h, t.prompt_tokens))
+                {
+                    chunk["kv_transfer_params"] = params;
+                }
+                out.push(sse(&chunk));
                 count += 1;
                 if finished {
                     if include_usage {
                         out.push(sse(&reply.usage_chunk(Reply::usage(
                             t.prompt_tokens,
                             count,
-                            t.cached_tokens,
+                            reply.cached(t.cached_tokens),
                         ))));
                     }
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
@@ -497,12 +616,24 @@ async fn health(State(state): State<AppState>) -> StatusCode {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
-    let text = metrics::render(
+    let mut text = metrics::render(
         &state.shared.observed.lock(),
         &state.config,
         &state.model,
         state.index,
     );
+    if let Some(pd) = &state.pd {
+        let (held, expired) = {
+            let leases = state.shared.leases.lock();
+            (leases.len(), leases.expired_total())
+        };
+        let labels = format!(
+            "engine=\"{}\",model_name=\"{}\"",
+            state.index,
+            metrics::escape(&state.model)
+        );
+        pd.metrics.lock().render(&mut text, &labels, held, expired);
+    }
     (
         [(
             header::CONTENT_TYPE,

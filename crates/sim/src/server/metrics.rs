@@ -164,7 +164,8 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
     out
 }
 
-fn escape(value: &str) -> String {
+/// Escapes a Prometheus label value.
+pub fn escape(value: &str) -> String {
     value
         .replace('\\', "\\\\")
         .replace('"', "\\\"")

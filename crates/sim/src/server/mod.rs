@@ -5,7 +5,9 @@
 mod actor;
 pub mod faults;
 mod http;
+pub mod lease;
 pub mod metrics;
+pub mod pd;
 pub mod text;
 
 use std::net::SocketAddr;
@@ -25,6 +27,10 @@ use crate::SimError;
 use crate::engine::{Engine, EngineConfig};
 use actor::{Command, EngineShared, Outgoing};
 use faults::Faults;
+use kvroute_vllm::nixl::{KvRole, NixlRelease};
+use lease::LeaseTable;
+use pd::fabric::FabricHandle;
+use pd::{PdConfig, PdEngine};
 
 /// Settings of a simulated fleet (one or more engines in this process).
 #[derive(Clone, Debug)]
@@ -58,6 +64,9 @@ pub struct SimConfig {
     /// A HuggingFace `tokenizer.json` (and optional `.jinja` chat template) instead of the
     /// built-in tokenizer.
     pub tokenizer: Option<(std::path::PathBuf, Option<std::path::PathBuf>)>,
+    /// Prefill/decode disaggregation: the engines' KV roles, link and lease (`None`: no KV
+    /// connector; `kv_transfer_params` is ignored).
+    pub pd: Option<PdConfig>,
 }
 
 impl Default for SimConfig {
@@ -77,6 +86,7 @@ impl Default for SimConfig {
             replay_buffer_steps: 10_000,
             faults: Faults::default(),
             tokenizer: None,
+            pd: None,
         }
     }
 }
@@ -92,6 +102,10 @@ pub struct EngineEndpoint {
     pub events: String,
     /// Replay ROUTER address.
     pub replay: Option<String>,
+    /// Its KV role (`None`: no KV connector).
+    pub kv_role: Option<KvRole>,
+    /// A producer's side channel, `host:port` (the `remote_host`/`remote_port` it returns).
+    pub side_channel: Option<String>,
 }
 
 /// A running fleet; dropping it stops every engine.
@@ -143,6 +157,17 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         endpoints: Vec::new(),
         tasks: Vec::new(),
     };
+    let release = NixlRelease::for_vllm_version(&config.vllm_version)
+        .map_err(|e| SimError::Config(e.to_string()))?;
+    let fabric = match &config.pd {
+        Some(pd) => {
+            pd.validate(config.engines)?;
+            let (handle, task) = FabricHandle::spawn(pd.link, config.time_scale);
+            fleet.tasks.push(task);
+            Some(handle)
+        }
+        None => None,
+    };
     for i in 0..config.engines {
         let publisher = Publisher::bind(PublisherConfig {
             address: format!("tcp://{}:{}", config.host, offset(config.events_port, i)?),
@@ -169,9 +194,13 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             .local_addr()
             .map_err(|e| SimError::Io(e.to_string()))?;
 
+        let lease = config.pd.as_ref().map_or(std::time::Duration::MAX, |pd| {
+            pd::wall_lease(pd, release, config.time_scale)
+        });
         let shared = Arc::new(EngineShared {
             observed: Mutex::new(metrics::Observed::started_now()),
             faults: Mutex::new(config.faults.clone()),
+            leases: Mutex::new(LeaseTable::new(lease)),
         });
         let (commands_tx, commands_rx) = mpsc::unbounded_channel::<Command>();
         let (events_tx, events_rx) = mpsc::unbounded_channel::<Outgoing>();
@@ -185,6 +214,23 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         fleet
             .tasks
             .push(tokio::spawn(publish_events(publisher, events_rx, i)));
+        let pd_engine = match (&config.pd, &fabric) {
+            (Some(pd), Some(fabric)) => Some(
+                start_pd(
+                    pd,
+                    release,
+                    &config,
+                    i,
+                    addr,
+                    fabric.clone(),
+                    &shared,
+                    &commands_tx,
+                    &mut fleet.tasks,
+                )
+                .await?,
+            ),
+            _ => None,
+        };
         let app = http::router(Arc::new(http::EngineHttp {
             model: config.model.clone(),
             lora_modules: config.lora_modules.clone(),
@@ -194,6 +240,7 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             shared,
             next_id: AtomicU64::new(1),
             tokenizer: tokenizer.clone(),
+            pd: pd_engine.clone(),
         }));
         fleet.tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(
@@ -214,9 +261,69 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             url: format!("http://{addr}"),
             events,
             replay,
+            kv_role: pd_engine.as_ref().map(|p| p.role),
+            side_channel: pd_engine
+                .as_ref()
+                .filter(|p| p.role.produces())
+                .map(|p| format!("{}:{}", p.side_channel.0, p.side_channel.1)),
         });
     }
     Ok(fleet)
+}
+
+/// Sets up engine `index`'s P/D part: its side channel (a producer's), its lease reaper and
+/// its identity.
+#[allow(clippy::too_many_arguments)]
+async fn start_pd(
+    pd: &PdConfig,
+    release: NixlRelease,
+    config: &SimConfig,
+    index: usize,
+    http: SocketAddr,
+    fabric: FabricHandle,
+    shared: &Arc<EngineShared>,
+    commands: &mpsc::UnboundedSender<Command>,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<Arc<PdEngine>, SimError> {
+    let role = pd.roles[index];
+    let engine_id = format!("{:032x}", rand::random::<u128>());
+    let mut side_port = 0;
+    if role.produces() {
+        let listener = tokio::net::TcpListener::bind((
+            config.host.as_str(),
+            offset(pd.side_channel_port, index)?,
+        ))
+        .await
+        .map_err(|e| SimError::Io(format!("engine {index}: binding the side channel: {e}")))?;
+        side_port = listener
+            .local_addr()
+            .map_err(|e| SimError::Io(e.to_string()))?
+            .port();
+        tasks.push(tokio::spawn(pd::side_channel::serve(
+            listener,
+            Arc::new(pd::side_channel::Producer {
+                engine_id: engine_id.clone(),
+                shared: shared.clone(),
+                commands: commands.clone(),
+            }),
+        )));
+        tasks.push(tokio::spawn(pd::reap_leases(
+            shared.clone(),
+            commands.clone(),
+        )));
+    }
+    Ok(Arc::new(PdEngine {
+        role,
+        release,
+        engine_id,
+        side_channel: (config.host.clone(), side_port),
+        load_failure_policy: pd.load_failure_policy,
+        kv_bytes_per_token: pd.kv_bytes_per_token,
+        block_size: config.engine.block_size,
+        nic: format!("engine-{index}@{http}"),
+        fabric,
+        metrics: Mutex::default(),
+    }))
 }
 
 async fn publish_events(

@@ -1,0 +1,220 @@
+//! Whether to disaggregate a request, and with which prefill endpoint: the choice priced in
+//! predicted seconds, per request, never by a fixed threshold.
+//!
+//! Given the decode endpoint the scheduler picked (D) and the prefill-capable candidates (Pᵢ),
+//! each already assessed by the cost model ([`super::cost`]), the options are:
+//!
+//! - **aggregated** on D: D's queue wait + its prefill of what it does not hold + tier loading
+//!   + the stall that prefill imposes on D's running decodes (decode interference);
+//! - **P/D with Pᵢ**: Pᵢ's queue wait + its prefill of what *it* does not hold + its tier
+//!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer) + the transfer of
+//!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth + D's queue wait (the decode
+//!   leg still waits for a batch slot there; the simulator admits it after the pull, so the
+//!   terms add) + the second leg's fixed cost (the prefill engine's sampling step and one more
+//!   round trip).
+//!
+//! The cheapest wins; a tie keeps the request aggregated (one leg, nothing held). A pair under
+//! quarantine ([`links`]) is listed with its arithmetic but cannot win. [`DisaggExplain`] carries
+//! every option's terms, for `/kvroute/v1/explain`.
+//!
+//! Why this holds beyond one workload: each term is seconds derived from the engines' observed
+//! rates and the link's observed speed, so the same comparison says "aggregate" for a short or
+//! mostly cached prompt (nothing to gain, a transfer to pay), "disaggregate" for a long uncached
+//! prompt on a fast link when D is busy decoding (the interference it avoids) or queued, and
+//! "aggregate" again for the same prompt over a slow link (the transfer costs more than it
+//! saves).
+
+pub mod links;
+#[cfg(test)]
+mod tests;
+
+use serde::Serialize;
+
+use super::Cost;
+use crate::index::EndpointId;
+pub use links::{LinkBook, LinkHealth, LinkLearning, LinkPrior};
+
+/// One endpoint's side of the choice: its cost for the whole request, as the cost model
+/// assessed it, and what it holds of the prompt.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SideCost {
+    /// The endpoint.
+    pub endpoint: EndpointId,
+    /// Its cost for the request (queue, prefill of what it lacks, tiers, interference).
+    pub cost: Cost,
+    /// Prompt tokens it holds (any tier).
+    pub cached_tokens: usize,
+}
+
+/// The request, as the P/D choice sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PdRequest {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV-cache bytes per token of the model.
+    pub kv_bytes_per_token: f64,
+    /// The fixed cost of a second leg, seconds: the prefill engine's step that samples the
+    /// token the proxy discards, and one more request round trip (the engines' step overhead
+    /// is the measured floor of it).
+    pub leg_overhead_s: f64,
+}
+
+/// The aggregated option's arithmetic.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AggregatedOption {
+    /// The decode endpoint, serving the whole request.
+    pub endpoint: EndpointId,
+    /// Its queue wait.
+    pub queue_s: f64,
+    /// Its prefill of what it does not hold.
+    pub prefill_s: f64,
+    /// Its tier loading.
+    pub tier_load_s: f64,
+    /// The stall its prefill imposes on its running decodes.
+    pub decode_interference_s: f64,
+    /// The sum.
+    pub total_s: f64,
+}
+
+/// One P/D option's arithmetic.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PdOption {
+    /// The prefill endpoint.
+    pub prefill: EndpointId,
+    /// The decode endpoint.
+    pub decode: EndpointId,
+    /// The prefill endpoint's queue wait.
+    pub prefill_queue_s: f64,
+    /// Its prefill of what it does not hold.
+    pub prefill_s: f64,
+    /// Its tier loading.
+    pub prefill_tier_load_s: f64,
+    /// The stall the prefill imposes on the prefill endpoint's own decodes.
+    pub prefill_interference_s: f64,
+    /// Prompt tokens the decode endpoint lacks, whose KV moves.
+    pub transfer_tokens: usize,
+    /// Their bytes.
+    pub transfer_bytes: f64,
+    /// The pair's bandwidth used, bytes per second.
+    pub bandwidth_bytes_per_s: f64,
+    /// Where that bandwidth comes from.
+    pub link: LinkHealth,
+    /// Predicted transfer seconds (latency included).
+    pub transfer_s: f64,
+    /// The decode endpoint's queue wait for the decode leg.
+    pub decode_queue_s: f64,
+    /// The second leg's fixed cost.
+    pub leg_overhead_s: f64,
+    /// The sum.
+    pub total_s: f64,
+    /// Whether it may be chosen (false while the pair is quarantined).
+    pub eligible: bool,
+}
+
+/// What was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum DisaggChoice {
+    /// One leg on the decode endpoint.
+    Aggregated,
+    /// A prefill leg on `prefill`, then the decode leg.
+    Disaggregated {
+        /// The prefill endpoint.
+        prefill: EndpointId,
+    },
+}
+
+/// The choice and the arithmetic of every option.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DisaggExplain {
+    /// What was chosen.
+    pub choice: DisaggChoice,
+    /// Predicted seconds of the chosen option.
+    pub chosen_s: f64,
+    /// Aggregated on the decode endpoint.
+    pub aggregated: AggregatedOption,
+    /// P/D with each prefill candidate, cheapest first.
+    pub disaggregated: Vec<PdOption>,
+}
+
+/// Prices aggregated against P/D with each prefill candidate, at `now` (the links' clock).
+/// Candidates equal to the decode endpoint are skipped (that is the aggregated option).
+pub fn decide(
+    shape: PdRequest,
+    decode: &SideCost,
+    prefills: &[SideCost],
+    links: &LinkBook,
+    now: f64,
+) -> DisaggExplain {
+    let d = &decode.cost;
+    let aggregated = AggregatedOption {
+        endpoint: decode.endpoint,
+        queue_s: d.queue_s,
+        prefill_s: d.prefill_s,
+        tier_load_s: d.tier_load_s,
+        decode_interference_s: d.decode_interference_s,
+        total_s: d.queue_s + d.prefill_s + d.tier_load_s + d.decode_interference_s,
+    };
+    let block = shape.block_size.max(1);
+    // The full prompt blocks the decode endpoint does not hold move (a partial last block is
+    // computed there, as vLLM's consumer does).
+    let pulled_blocks = (shape.prompt_tokens / block).saturating_sub(decode.cached_tokens / block);
+    let transfer_tokens = pulled_blocks * block;
+    let transfer_bytes = transfer_tokens as f64 * shape.kv_bytes_per_token;
+    let mut options: Vec<PdOption> = prefills
+        .iter()
+        .filter(|p| p.endpoint != decode.endpoint)
+        .map(|p| {
+            let link = links.health(p.endpoint, decode.endpoint, now);
+            let transfer_s = links.transfer_s(p.endpoint, decode.endpoint, transfer_bytes, now);
+            let c = &p.cost;
+            let total_s = c.queue_s
+                + c.prefill_s
+                + c.tier_load_s
+                + c.decode_interference_s
+                + transfer_s
+                + d.queue_s
+                + shape.leg_overhead_s;
+            PdOption {
+                prefill: p.endpoint,
+                decode: decode.endpoint,
+                prefill_queue_s: c.queue_s,
+                prefill_s: c.prefill_s,
+                prefill_tier_load_s: c.tier_load_s,
+                prefill_interference_s: c.decode_interference_s,
+                transfer_tokens,
+                transfer_bytes,
+                bandwidth_bytes_per_s: links.bandwidth(p.endpoint, decode.endpoint, now),
+                link,
+                transfer_s,
+                decode_queue_s: d.queue_s,
+                leg_overhead_s: shape.leg_overhead_s,
+                total_s,
+                eligible: !matches!(link, LinkHealth::Quarantined { .. }),
+            }
+        })
+        .collect();
+    options.sort_by(|a, b| {
+        b.eligible
+            .cmp(&a.eligible)
+            .then(a.total_s.total_cmp(&b.total_s))
+            .then(a.prefill.cmp(&b.prefill))
+    });
+    let (choice, chosen_s) = match options.first() {
+        Some(best) if best.eligible && best.total_s < aggregated.total_s => (
+            DisaggChoice::Disaggregated {
+                prefill: best.prefill,
+            },
+            best.total_s,
+        ),
+        _ => (DisaggChoice::Aggregated, aggregated.total_s),
+    };
+    DisaggExplain {
+        choice,
+        chosen_s,
+        aggregated,
+        disaggregated: options,
+    }
+}

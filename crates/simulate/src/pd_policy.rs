@@ -1,0 +1,132 @@
+//! P/D on top of a scheduling profile: the decode endpoint is the profile's best
+//! decode-capable pick; then either always disaggregate onto the best prefill-capable endpoint
+//! (`pd-always`, what Dynamo and vLLM's proxy do), or price aggregated against every prefill
+//! candidate with kvroute-core's decision (`pd-cost`), learning each pair's bandwidth from the
+//! transfers the engines report.
+
+use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::disagg::{
+    self, DisaggChoice, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
+};
+use kvroute_core::schedule::{Decision, Role};
+use kvroute_vllm::nixl::KvRole;
+
+use crate::config::FleetConfig;
+use crate::policy::Routing;
+
+/// How a P/D policy decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdMode {
+    /// Every request with a prefill endpoint available is disaggregated.
+    Always,
+    /// Per request, the cheaper in predicted seconds.
+    Cost,
+}
+
+/// The P/D part of a policy.
+pub struct PdRouting {
+    mode: PdMode,
+    roles: Vec<KvRole>,
+    links: LinkBook,
+    kv_bytes_per_token: f64,
+    leg_overhead_s: f64,
+    block_size: usize,
+}
+
+/// The scheduler's role for a KV role.
+pub fn role(kv: KvRole) -> Role {
+    match kv {
+        KvRole::Producer => Role::Prefill,
+        KvRole::Consumer => Role::Decode,
+        KvRole::Both => Role::Both,
+    }
+}
+
+impl PdRouting {
+    /// `mode` on `fleet` (`None` when the fleet has no P/D roles).
+    pub fn new(mode: PdMode, fleet: &FleetConfig) -> Option<Self> {
+        let pd = fleet.pd.as_ref()?;
+        Some(Self {
+            mode,
+            roles: pd.roles.clone(),
+            links: LinkBook::new(
+                LinkPrior {
+                    bandwidth_bytes_per_s: pd.link.bandwidth_bytes_per_s,
+                    latency_s: pd.link.latency_s,
+                },
+                LinkLearning::default(),
+            ),
+            kv_bytes_per_token: pd.kv_bytes_per_token as f64,
+            // The second leg: the producer's sampling step, and one more round trip.
+            leg_overhead_s: fleet.engine.latency.step_overhead_s
+                + fleet.request_latency_s
+                + fleet.response_latency_s,
+            block_size: fleet.engine.block_size,
+        })
+    }
+
+    /// Where a request goes, given the profile's decision over every endpoint.
+    pub fn choose(&self, decision: &Decision, prompt_tokens: usize, now: f64) -> Option<Routing> {
+        let side = |e: EndpointId| {
+            decision.assessment(e).map(|a| SideCost {
+                endpoint: e,
+                cost: a.cost.clone(),
+                cached_tokens: a.cached_tokens,
+            })
+        };
+        let kv = |e: EndpointId| {
+            self.roles
+                .get(e.0 as usize)
+                .copied()
+                .unwrap_or(KvRole::Both)
+        };
+        let decode = *decision.ranking.iter().find(|e| kv(**e).consumes())?;
+        let prefills: Vec<SideCost> = decision
+            .ranking
+            .iter()
+            .filter(|e| **e != decode && kv(**e).produces())
+            .filter_map(|e| side(*e))
+            .collect();
+        let aggregated = Routing::Endpoint(decode.0 as usize);
+        let disaggregated = |prefill: EndpointId| Routing::Disaggregated {
+            prefill: prefill.0 as usize,
+            decode: decode.0 as usize,
+        };
+        Some(match self.mode {
+            PdMode::Always => prefills
+                .first()
+                .map_or(aggregated, |p| disaggregated(p.endpoint)),
+            PdMode::Cost => {
+                let request = PdRequest {
+                    prompt_tokens,
+                    block_size: self.block_size,
+                    kv_bytes_per_token: self.kv_bytes_per_token,
+                    leg_overhead_s: self.leg_overhead_s,
+                };
+                let explain = disagg::decide(request, &side(decode)?, &prefills, &self.links, now);
+                match explain.choice {
+                    DisaggChoice::Aggregated => aggregated,
+                    DisaggChoice::Disaggregated { prefill } => disaggregated(prefill),
+                }
+            }
+        })
+    }
+
+    /// A transfer the decode engine reported.
+    pub fn transferred(
+        &mut self,
+        prefill: usize,
+        decode: usize,
+        bytes: u64,
+        seconds: f64,
+        now: f64,
+    ) {
+        self.links.observe_transfer(
+            EndpointId(prefill as u32),
+            EndpointId(decode as u32),
+            bytes as f64,
+            seconds,
+            now,
+        );
+    }
+}

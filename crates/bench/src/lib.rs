@@ -6,5 +6,6 @@ pub mod driver;
 pub mod report;
 pub mod result;
 pub mod stats;
+pub mod targets;
 pub mod trace;
 pub mod workload;

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use kvroute_testkit::{
-    Killed, free_ports, http_get, run_openai_client, sample, sum_labelled, wait_http,
+    Killed, eventually_blocking, free_ports, http_get, run_openai_client, sample, sum_labelled,
+    wait_http,
 };
 
 mod envoy_support;
@@ -188,18 +189,21 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     assert_eq!(out["error"]["status"], 404);
 
     // The response path reached the picker's accounting: every routed generation request
-    // finished, with the engines' cached tokens equal to the prediction.
-    let metrics = http_get(
-        std::net::SocketAddr::from(([127, 0, 0, 1], admin)),
-        "/metrics",
-    );
-    let outcomes = |outcome: &str| {
-        sum_labelled(
-            &metrics,
-            "kvroute_prediction_outcomes_total",
-            &format!("outcome=\"{outcome}\""),
-        )
+    // finished, with the engines' cached tokens equal to the prediction. The observer filter
+    // does not hold the response for the picker, so the picker may count the last request a
+    // moment after the client saw its end: wait for the count.
+    let admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], admin));
+    let mut metrics = String::new();
+    let count = |metrics: &str, name: &str, outcome: &str| {
+        sum_labelled(metrics, name, &format!("outcome=\"{outcome}\""))
     };
+    eventually_blocking("every response accounted", || {
+        metrics = http_get(admin_addr, "/metrics");
+        let exact = count(&metrics, "kvroute_prediction_outcomes_total", "exact");
+        let completed = count(&metrics, "kvroute_requests_total", "completed");
+        (exact >= 4.0 && completed >= 5.0, (exact, completed))
+    });
+    let outcomes = |outcome: &str| count(&metrics, "kvroute_prediction_outcomes_total", outcome);
     // Four of the five report usage (the streamed completion asks for none).
     assert_eq!(outcomes("exact"), 4.0, "{metrics}");
     assert_eq!(outcomes("over") + outcomes("under"), 0.0, "{metrics}");
@@ -215,6 +219,10 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     };
     assert!(ended("completed") >= 5.0, "{metrics}");
     assert_eq!(ended("client_closed"), 0.0, "{metrics}");
+    // ... and handed its load back: nothing is left in flight.
+    assert!(metrics.contains("kvroute_endpoint_inflight{"), "{metrics}");
+    let inflight = sum_labelled(&metrics, "kvroute_endpoint_inflight", "endpoint=");
+    assert_eq!(inflight, 0.0, "{metrics}");
 
     // The picker dies: with FailClose (failure_mode_allow: false) Envoy refuses the request
     // rather than sending it to an endpoint nobody chose.

@@ -15,7 +15,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
 use kvroute_router::config::RouterConfig;
-use kvroute_router::epp::protocol::{DESTINATION, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
+use kvroute_router::epp::protocol::{
+    DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
@@ -91,6 +93,18 @@ impl Stream {
             .await
             .unwrap();
         self.rx.message().await.unwrap().unwrap()
+    }
+
+    /// Sends a message as an observer (`observability_mode`): no answer is due.
+    async fn tell(&mut self, request: Request) {
+        self.tx
+            .send(ProcessingRequest {
+                request: Some(request),
+                observability_mode: true,
+                ..ProcessingRequest::default()
+            })
+            .await
+            .unwrap();
     }
 }
 
@@ -407,4 +421,111 @@ async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
         text.contains("BadRequestError") && text.contains("kvroute_epp"),
         "no 400 immediate response: {text:?}"
     );
+}
+
+/// The headers the picker's answer to a completion request sets, by name.
+async fn routed_headers(stream: &mut Stream) -> std::collections::HashMap<String, String> {
+    stream.send(completion_headers(), None).await;
+    let prompt = "A picker follows every response it routes. ".repeat(20);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let set = answer
+        .response
+        .unwrap()
+        .header_mutation
+        .unwrap()
+        .set_headers;
+    set.into_iter()
+        .map(|h| h.header.unwrap())
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect()
+}
+
+fn response_body(text: &str, end_of_stream: bool) -> Request {
+    Request::ResponseBody(HttpBody {
+        body: text.as_bytes().to_vec(),
+        end_of_stream,
+        ..HttpBody::default()
+    })
+}
+
+/// The default gateway configuration (`examples/envoy-epp.yaml`): the routing stream sees the
+/// response headers only, and a second stream in `observability_mode`, which names the routing
+/// answer's `x-kvroute-exchange` token, sees the response body without Envoy waiting for the
+/// picker. The request's load stays on its endpoint until the body ends (after the routing
+/// stream closed), then is handed back as completed, with the engine's cached tokens compared
+/// with the prediction; the picker answers nothing on the observer stream and ends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_stream_follows_the_response_without_answering() {
+    let a = engine().await;
+    let epp = picker(&[&a]).await;
+    let metric = |name: &str, label: &str| {
+        kvroute_testkit::sum_labelled(&epp.router.metrics().render(), name, label)
+    };
+    let mut routing = Stream::open(&epp).await;
+    let set = routed_headers(&mut routing).await;
+    let id = id_of(&epp, &set[DESTINATION]);
+    let token = set[EXCHANGE].clone();
+    assert_eq!(epp.router.load(id).inflight, 1);
+    let answer = routing
+        .send(
+            Request::ResponseHeaders(headers(&[(":status", "200")], false)),
+            None,
+        )
+        .await;
+    assert!(matches!(answer, Response::ResponseHeaders(_)), "{answer:?}");
+    // Envoy closes the routing stream once its own phases are done.
+    drop(routing);
+
+    let mut observer = Stream::open(&epp).await;
+    let request = headers(
+        &[(":path", "/v1/completions"), (EXCHANGE, token.as_str())],
+        false,
+    );
+    observer.tell(Request::RequestHeaders(request)).await;
+    observer
+        .tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+    observer.tell(response_body("data: {}\n\n", false)).await;
+    let usage = r#"data: {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"#;
+    assert_eq!(epp.router.load(id).inflight, 1, "in flight until the end");
+    observer.tell(response_body(usage, true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the picker ends the observer stream");
+    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    assert_eq!(epp.router.load(id).inflight, 0);
+    let completed = metric("kvroute_requests_total", "outcome=\"completed\"");
+    assert_eq!(completed, 1.0);
+    let exact = metric("kvroute_prediction_outcomes_total", "outcome=\"exact\"");
+    assert_eq!(exact, 1.0, "the engine's cached tokens were compared");
+
+    // An observer naming no routed request is ended at once, and changes nothing.
+    let mut stray = Stream::open(&epp).await;
+    let request = headers(&[(EXCHANGE, "00000000000000ff")], false);
+    stray.tell(Request::RequestHeaders(request)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), stray.rx.message())
+        .await
+        .expect("the picker ends a stray observer stream");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+
+    // A routed request no observer claims (a gateway that sends the picker no response) is
+    // handed back as unfinished once its routing stream is gone.
+    let mut routing = Stream::open(&epp).await;
+    let set = routed_headers(&mut routing).await;
+    let id = id_of(&epp, &set[DESTINATION]);
+    drop(routing);
+    let router = epp.router.clone();
+    eventually("an unclaimed request handed back", || {
+        let inflight = router.load(id).inflight;
+        (inflight == 0, inflight)
+    })
+    .await;
+    let closed = metric("kvroute_requests_total", "outcome=\"client_closed\"");
+    assert_eq!(closed, 1.0);
 }

@@ -11,6 +11,5 @@ pub mod hash;
 pub mod serve;
 pub mod sim;
 pub mod simulate;
-pub mod target_suite;
 pub mod tune;
 pub mod workload;

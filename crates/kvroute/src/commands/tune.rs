@@ -9,15 +9,17 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvroute_bench::targets::{self, TargetFleet};
 use kvroute_core::schedule::{Profile, ProfileName};
+use kvroute_sim::engine::EngineConfig;
+use kvroute_simulate::FleetConfig;
 use kvroute_simulate::tune::{
     Case, Objective, PARAMS, Split, TuneConfig, TuneOutcome, tune_cases, yaml_snippet,
 };
 
 use super::events::parse_duration;
 use super::fleet_args::FleetArgs;
-use super::target_suite;
-use super::workload::WorkloadArgs;
+use super::workload::{WorkloadArgs, trace_workload};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum ObjectiveKind {
@@ -74,6 +76,39 @@ pub struct TuneArgs {
     out: PathBuf,
 }
 
+/// The scheduler's targets ([`targets`]) as cases, each on its own fleet of `base`'s engine
+/// model; the Mooncake slice only when `trace` names the trace file.
+fn suite(
+    base: &FleetConfig,
+    trace: Option<&std::path::Path>,
+    seed: u64,
+) -> anyhow::Result<Vec<Case>> {
+    let case = |name: &str, target: TargetFleet, workload| Case {
+        name: name.to_owned(),
+        fleet: FleetConfig {
+            engines: target.engines,
+            engine: EngineConfig {
+                num_gpu_blocks: target.gpu_blocks,
+                max_model_len: target.max_model_len.max(base.engine.max_model_len),
+                ..base.engine.clone()
+            },
+            ..base.clone()
+        },
+        workload,
+        concurrency: None,
+    };
+    let mut cases: Vec<Case> = targets::synthetic(seed)
+        .into_iter()
+        .map(|t| case(t.name, t.fleet, t.workload))
+        .collect();
+    if let Some(path) = trace {
+        let m = targets::MOONCAKE;
+        let workload = trace_workload(path, m.speed, Some(m.limit), seed, m.output_cap)?;
+        cases.push(case(m.name, m.fleet, workload));
+    }
+    Ok(cases)
+}
+
 /// Runs the search and prints the winner.
 pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
@@ -82,7 +117,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     );
     let fleet = args.fleet.fleet(args.workload.seed())?;
     let cases = if args.suite {
-        target_suite::cases(&fleet, args.workload.trace(), args.workload.seed())?
+        suite(&fleet, args.workload.trace(), args.workload.seed())?
     } else {
         vec![Case {
             name: "workload".into(),

@@ -2,7 +2,8 @@
 //! against `serve`'s allowlist, buffer the request body (charged to the router's byte budget,
 //! due within the body timeout), ask the router for the same plan `kvroute serve` would make,
 //! name the endpoint, then follow the response (status, body chunks, usage) into the same
-//! accounting as the proxy.
+//! accounting as the proxy: on this stream when the gateway sends the response here, or on the
+//! observer stream that claims it ([`super::handoff`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +14,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
+use parking_lot::Mutex;
 
+use super::handoff::{self, Followed, Handoffs};
 use super::protocol;
 use crate::accounting::{Accounting, Outcome};
 use crate::budget::BudgetHold;
@@ -33,14 +36,52 @@ pub struct Exchange {
     hold: Option<BudgetHold>,
     /// When the rest of the request body is due (while one is expected).
     body_due: Option<tokio::time::Instant>,
-    /// Set once routed: the request's share of its endpoint's load, and the endpoint's name.
-    accounting: Option<(Accounting, String)>,
+    /// Set once routed (or claimed, on an observer stream): the request's share of its
+    /// endpoint's load.
+    followed: Option<Followed>,
+    /// The routed endpoint's name, for the response header.
+    endpoint_name: Option<String>,
+    /// Where routed requests wait for their observer stream.
+    handoffs: Arc<Handoffs>,
+    /// The token this stream's request is offered under, until the stream ends.
+    offered: Option<u64>,
+    /// This is an observer stream (Envoy's `observability_mode`: nothing is answered).
+    observer: bool,
+    /// The response was followed to its end (or there is nothing to follow).
+    ended: bool,
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        let Some(token) = self.offered.take() else {
+            return;
+        };
+        // A response still to follow may yet be claimed by an observer stream that is a moment
+        // behind (Envoy may close this stream as soon as its own phases are done).
+        let unfinished = self.followed.as_ref().is_some_and(|f| f.lock().is_some());
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if unfinished => {
+                let handoffs = self.handoffs.clone();
+                runtime.spawn(async move {
+                    tokio::time::sleep(handoff::CLAIM_GRACE).await;
+                    handoffs.withdraw(token);
+                });
+            }
+            _ => self.handoffs.withdraw(token),
+        }
+    }
 }
 
 impl Exchange {
     /// A new exchange; `fallbacks` bounds the endpoints named in the `envoy.lb` list; `hold`
-    /// is charged with the request body as it arrives.
-    pub fn new(router: Arc<Router>, fallbacks: usize, hold: BudgetHold) -> Self {
+    /// is charged with the request body as it arrives; routed requests are offered to their
+    /// observer stream in `handoffs`.
+    pub fn new(
+        router: Arc<Router>,
+        fallbacks: usize,
+        hold: BudgetHold,
+        handoffs: Arc<Handoffs>,
+    ) -> Self {
         Self {
             router,
             fallbacks: fallbacks.max(1),
@@ -51,8 +92,19 @@ impl Exchange {
             body: Vec::new(),
             hold: Some(hold),
             body_due: None,
-            accounting: None,
+            followed: None,
+            endpoint_name: None,
+            handoffs,
+            offered: None,
+            observer: false,
+            ended: false,
         }
+    }
+
+    /// An observer stream that followed its response to the end (or found none to follow):
+    /// ending the stream tells Envoy that no more messages are needed.
+    pub fn observed_to_end(&self) -> bool {
+        self.observer && self.ended
     }
 
     /// How long a request body may take to arrive (`limits.body_timeout_ms`).
@@ -116,8 +168,13 @@ impl Exchange {
         )
     }
 
-    /// The answer to one message of the data plane (`None`: nothing to answer).
+    /// The answer to one message of the data plane (`None`: nothing to answer, as for every
+    /// message of an observer stream).
     pub async fn handle(&mut self, message: ProcessingRequest) -> Option<ProcessingResponse> {
+        if message.observability_mode {
+            self.observe(message.request?);
+            return None;
+        }
         let metadata = message.metadata_context;
         Some(match message.request? {
             Request::RequestHeaders(h) => {
@@ -126,7 +183,10 @@ impl Exchange {
             }
             Request::RequestBody(b) => self.request_body(b).await,
             Request::ResponseHeaders(h) => self.response_headers(&h),
-            Request::ResponseBody(b) => self.response_body(&b),
+            Request::ResponseBody(b) => {
+                self.response_body(&b);
+                protocol::continue_response_body()
+            }
             Request::RequestTrailers(_) => trailers(true),
             Request::ResponseTrailers(_) => {
                 self.finish();
@@ -244,7 +304,6 @@ impl Exchange {
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
         let dispatch = self.router.dispatched(predicted_cached, prepared, first);
-        let name = self.router.endpoint(first).name.clone();
         let accounting = Accounting::new(
             self.router.clone(),
             dispatch,
@@ -252,8 +311,13 @@ impl Exchange {
             request_id(&self.headers),
             self.started,
         );
-        self.accounting = Some((accounting, name));
-        let extra: Vec<(&str, &str)> = prefiller(prepared).into_iter().collect();
+        let followed: Followed = Arc::new(Mutex::new(Some(accounting)));
+        let (token, header) = self.handoffs.offer(&followed);
+        self.offered = Some(token);
+        self.followed = Some(followed);
+        self.endpoint_name = Some(self.router.endpoint(first).name.clone());
+        let mut extra: Vec<(&str, &str)> = prefiller(prepared).into_iter().collect();
+        extra.push((protocol::EXCHANGE, &header));
         protocol::route(&fallbacks, &extra, on_body)
             .unwrap_or_else(protocol::continue_request_headers)
     }
@@ -276,38 +340,81 @@ impl Exchange {
         protocol::immediate(status, e.to_json(), dropped)
     }
 
+    /// One message of an observer stream: its request headers name the routed request to
+    /// follow, the rest is the response, followed as on the routing stream.
+    fn observe(&mut self, request: Request) {
+        match request {
+            Request::RequestHeaders(h) => {
+                self.observer = true;
+                let headers = protocol::header_map(&h);
+                let token = protocol::header(&headers, protocol::EXCHANGE);
+                self.followed = token.and_then(|t| self.handoffs.claim(t));
+                if self.followed.is_none() {
+                    // Nothing to follow: a request the picker did not route (or whose routing
+                    // stream already ended, and with it its accounting).
+                    tracing::warn!(
+                        token,
+                        "an observer stream names no request the picker routed; not followed"
+                    );
+                    self.ended = true;
+                }
+            }
+            Request::ResponseHeaders(h) => {
+                self.response_status(&h);
+            }
+            Request::ResponseBody(b) => self.response_body(&b),
+            Request::ResponseTrailers(_) => self.finish(),
+            Request::RequestBody(_) | Request::RequestTrailers(_) => {}
+        }
+    }
+
     fn response_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
+        self.response_status(h);
+        let name = self.endpoint_name.as_deref();
+        let added: Vec<(&str, &str)> = name
+            .map(|n| (proxy::ENDPOINT_HEADER, n))
+            .into_iter()
+            .collect();
+        protocol::response_headers(&added)
+    }
+
+    /// The response's status, for the accounting; a response without a body ends here.
+    fn response_status(&mut self, h: &HttpHeaders) {
         let status = protocol::pseudo(h, ":status")
             .and_then(|s| s.parse::<u16>().ok())
             .unwrap_or(0);
-        let answer = match self.accounting.as_mut() {
-            Some((accounting, name)) => {
-                accounting.status = status;
-                protocol::response_headers(&[(proxy::ENDPOINT_HEADER, name.as_str())])
-            }
-            None => protocol::response_headers(&[]),
-        };
+        if let Some(followed) = &self.followed
+            && let Some(accounting) = followed.lock().as_mut()
+        {
+            accounting.status = status;
+        }
         if h.end_of_stream {
             self.finish();
         }
-        answer
     }
 
-    fn response_body(&mut self, b: &HttpBody) -> ProcessingResponse {
-        if let Some((accounting, _)) = self.accounting.as_mut() {
+    fn response_body(&mut self, b: &HttpBody) {
+        if let Some(followed) = &self.followed
+            && let Some(accounting) = followed.lock().as_mut()
+        {
             accounting.observe(&b.body);
         }
         if b.end_of_stream {
             self.finish();
         }
-        protocol::continue_response_body()
     }
 
     /// The gateway passed the response on to its end: the fleet hears of it now, with the
-    /// engine's reported cached tokens, as `completed` (or `engine_error` for a 5xx). A stream
-    /// that closes before this point leaves its accounting to be dropped as `client_closed`.
+    /// engine's reported cached tokens, as `completed` (or `engine_error` for a 5xx). A request
+    /// whose streams all close before this point leaves its accounting to be dropped as
+    /// `client_closed`.
     fn finish(&mut self) {
-        if let Some((mut accounting, _)) = self.accounting.take() {
+        self.ended = true;
+        let Some(followed) = self.followed.take() else {
+            return;
+        };
+        let taken = followed.lock().take();
+        if let Some(mut accounting) = taken {
             let status = accounting.status;
             let outcome = if status >= 500 {
                 Outcome::EngineError

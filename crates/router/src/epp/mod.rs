@@ -6,9 +6,13 @@
 //! listener are `serve`'s own.
 //!
 //! The data plane must send the request headers and the **buffered** request body, and the
-//! response headers and **streamed** response body (`examples/envoy-epp.yaml`).
+//! response headers; the picker answers the response headers with the endpoint's name. It
+//! follows the response body either on the same stream (`response_body_mode: STREAMED`, each
+//! chunk waited for) or, the default (`examples/envoy-epp.yaml`), on a second ext_proc filter's
+//! stream in `observability_mode`, which Envoy does not wait for ([`handoff`]).
 
 mod exchange;
+mod handoff;
 pub mod protocol;
 
 use std::net::SocketAddr;
@@ -23,7 +27,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::{Stream, StreamExt};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -35,6 +40,7 @@ use crate::config::RouterConfig;
 use crate::server::{bind, request_budget, spawn_admin, spawn_background};
 use crate::service::Router;
 use exchange::Exchange;
+use handoff::Handoffs;
 
 /// The gRPC service name of ext_proc, as health checks name it.
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -68,6 +74,7 @@ pub struct Picker {
     fallbacks: usize,
     budget: ByteBudget,
     streams: Arc<Semaphore>,
+    handoffs: Arc<Handoffs>,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -82,7 +89,12 @@ impl ExternalProcessor for Picker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let exchange = Exchange::new(self.router.clone(), self.fallbacks, self.budget.hold());
+        let exchange = Exchange::new(
+            self.router.clone(),
+            self.fallbacks,
+            self.budget.hold(),
+            self.handoffs.clone(),
+        );
         let permit = self.streams.clone().try_acquire_owned().ok();
         let streams = self.router.metrics().picker_streams.clone();
         // The exchange lives in this task: when the data plane ends the stream (or goes away),
@@ -141,6 +153,9 @@ async fn run_exchange(
         if let Some(answer) = exchange.handle(message).await
             && tx.send(Ok(answer)).await.is_err()
         {
+            return;
+        }
+        if exchange.observed_to_end() {
             return;
         }
     }
@@ -227,12 +242,16 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
         fallbacks: options.fallbacks,
         budget: request_budget(&router),
         streams: Arc::new(Semaphore::new(router.config().limits.max_picker_streams)),
+        handoffs: Arc::default(),
     };
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(max_message))
-        .serve_with_incoming(TcpListenerStream::new(listener));
+        // Small messages both ways, each waited for: without TCP_NODELAY, Nagle's algorithm
+        // holds an answer back until the previous segment is acknowledged (up to the peer's
+        // delayed-ACK timeout, 40 ms on Linux).
+        .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = server.await {
             warn!(error = %e, "the ext_proc server stopped");

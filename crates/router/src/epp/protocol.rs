@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
@@ -22,6 +23,10 @@ pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 /// The header naming why flow control dropped a request (llm-d's name).
 pub const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
+/// The request header naming a routed request's token, by which the observer stream (Envoy's
+/// `observability_mode` filter after the picker's) claims its accounting ([`super::handoff`]).
+/// The gateway removes it before the request goes upstream (`request_headers_to_remove`).
+pub const EXCHANGE: &str = "x-kvroute-exchange";
 /// The llm-d P/D sidecar's header naming the prefill endpoint, `ip:port`. kvroute's core does
 /// not plan a disaggregated prefill yet; [`super::exchange`] leaves the hook where it would be
 /// set (see `prefiller` there).
@@ -96,6 +101,8 @@ fn split_list(s: &str) -> impl Iterator<Item = String> + '_ {
         .map(str::to_owned)
 }
 
+/// A header set to `value`, replacing any the client sent under the same name (Envoy would
+/// otherwise append: a client could add its own destination or exchange token).
 fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
@@ -103,6 +110,7 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
             raw_value: value.as_bytes().to_vec(),
             ..HeaderValue::default()
         }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..HeaderValueOption::default()
     }
 }

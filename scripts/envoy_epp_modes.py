@@ -1,0 +1,61 @@
+"""Helpers of scripts/epp-vs-serve.sh.
+
+  envoy_epp_modes.py streamed|headers|none < envoy.yaml > envoy.yaml
+      The picker's ext_proc filter with its response modes set: `streamed` (response headers
+      and every body chunk through the picker, each waited for), `headers` (response headers
+      only, no body), `none` (nothing of the response).
+  envoy_epp_modes.py summary < access.log
+      Median and p90 of each timing field of Envoy's JSON access log lines.
+"""
+
+import json
+import re
+import statistics
+import sys
+
+MODES = {
+    "streamed": ("SEND", "STREAMED"),
+    "headers": ("SEND", "NONE"),
+    "none": ("SKIP", "NONE"),
+}
+
+
+def set_modes(text: str, mode: str) -> str:
+    header, body = MODES[mode]
+    text = re.sub(r"response_header_mode: \w+", f"response_header_mode: {header}", text)
+    return re.sub(r"response_body_mode: \w+", f"response_body_mode: {body}", text)
+
+
+def summary(lines) -> str:
+    fields: dict[str, list[float]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        for key, value in entry.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            fields.setdefault(key, []).append(number)
+    out = []
+    for key, values in fields.items():
+        values.sort()
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        out.append(
+            f"{key:28} median {statistics.median(values):10.1f}  p90 {p90:10.1f}  (n={len(values)})"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    command = sys.argv[1]
+    if command == "summary":
+        sys.stdout.write(summary(sys.stdin))
+    else:
+        sys.stdout.write(set_modes(sys.stdin.read(), command))
+
+
+if __name__ == "__main__":
+    main()

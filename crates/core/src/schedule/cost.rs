@@ -40,8 +40,12 @@ use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
 pub struct Cost {
     /// Waiting behind queued work.
     pub queue_s: f64,
-    /// Computing the uncached part of the prompt.
+    /// Computing the uncached part of the prompt, and what it holds that the queue ahead is
+    /// expected to evict before the request is admitted.
     pub prefill_s: f64,
+    /// Of the prompt tokens it holds, those the queue ahead is expected to evict before the
+    /// request is admitted (counted in `prefill_s`).
+    pub evicted_ahead_tokens: f64,
     /// Loading the parts held on CPU or storage.
     pub tier_load_s: f64,
     /// The stall imposed on running decodes.
@@ -161,6 +165,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let mut cost = Cost {
         queue_s,
         prefill_s,
+        evicted_ahead_tokens: lost,
         tier_load_s,
         decode_interference_s,
         eviction_s,

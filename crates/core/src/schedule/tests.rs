@@ -176,6 +176,7 @@ fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
         (a.cost.prefill_s - prefill(200.0 + 0.5 * 800.0)).abs() < 1e-12,
         "{a:?}"
     );
+    assert_eq!(a.cost.evicted_ahead_tokens, 400.0, "explain shows it");
     // The blocks of requests just sent there are used by them first: they stay.
     cands[0].cache.predicted = 50;
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);

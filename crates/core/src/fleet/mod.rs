@@ -382,6 +382,7 @@ impl Fleet {
                 history: blocks_in(&history, e.id),
                 predicted: blocks_in(&predicted, e.id),
                 free_blocks,
+                capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
                 block_reuse: e.reuse.per_evicted_block(),
                 tier_uncertain: index_matches.tier_uncertain(e.id),
             };
@@ -466,7 +467,12 @@ impl Fleet {
     ) -> Dispatch {
         let slot = endpoint.0 as usize;
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
-        let uncached = request.prompt_tokens.saturating_sub(predicted) as u64;
+        // Queued prefill work counts what the engine will compute when it admits the request:
+        // the queue ahead may evict part of what is cached now.
+        let uncached = request
+            .prompt_tokens
+            .saturating_sub(self.expected_cached(predicted, request, endpoint, now))
+            as u64;
         // A placement: a request this endpoint does not hold much more of than the others or
         // than what conversations share (a new conversation, an uncached prompt). Placements
         // are what balancing evens out.
@@ -516,6 +522,40 @@ impl Fleet {
             prefill_done: false,
             rate_sample,
         }
+    }
+
+    /// Of the `predicted` cached tokens of `request` on `endpoint`, those still cached when the
+    /// engine admits it: the queue ahead may evict the rest first (see
+    /// [`cost::survival`](crate::schedule::cost::survival)), except the blocks of requests just
+    /// sent there, which those use first.
+    fn expected_cached(
+        &self,
+        predicted: usize,
+        request: &RequestFeatures<'_>,
+        endpoint: EndpointId,
+        now: f64,
+    ) -> usize {
+        let Some(e) = self.endpoint(endpoint) else {
+            return predicted;
+        };
+        let (Some(capacity), Some(index)) = (e.capacity_blocks, self.index_of(endpoint)) else {
+            return predicted;
+        };
+        let bs = request.block_size.max(1);
+        let held = index.read(|ix| ix.endpoint_stats(endpoint).map_or(0, |s| s.blocks_gpu));
+        let free = capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64;
+        let survival = crate::schedule::cost::survival_of(free, capacity as f64);
+        if survival >= 1.0 {
+            return predicted;
+        }
+        let in_use = self
+            .predicted
+            .longest_prefixes(request.keys, now)
+            .iter()
+            .find(|(id, _)| *id == endpoint)
+            .map_or(0, |(_, blocks)| *blocks as usize * bs)
+            .min(predicted);
+        in_use + ((predicted - in_use) as f64 * survival) as usize
     }
 
     /// A request another router replica sent to `endpoint` at `now` (`placement`: it counted as

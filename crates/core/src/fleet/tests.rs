@@ -116,6 +116,36 @@ fn planning_alone_records_nothing() {
 }
 
 #[test]
+fn queued_prefill_counts_the_cached_prefix_the_queue_ahead_evicts() {
+    // A full 100-block cache holding prefix A, and a 100-block uncached prefill in flight
+    // ahead: by the time the engine admits a request on A, A is evicted (an engine looks the
+    // prefix up at admission), so the request's whole prompt is queued work.
+    let mut fleet = FleetBuilder::new(1).build();
+    let sample = LoadSample {
+        waiting: Some(0.0),
+        running: Some(0.0),
+        kv_usage: Some(1.0),
+        num_gpu_blocks: Some(100),
+    };
+    fleet.observe_load(EndpointId(0), sample, 0.0);
+    let a = prompt(1600, 1);
+    fleet.apply_events(EndpointId(0), &[stored(&a, BS)], 0.0);
+    let (_, ahead) = send(&mut fleet, &Req::new(&prompt(1600, 2)), 0.0);
+    assert_eq!(ahead.uncached_tokens, 1600);
+    let with_question = |salt| {
+        let mut tokens = a.clone();
+        tokens.extend(prompt(160, salt));
+        Req::new(&tokens)
+    };
+    let (plan, on_a) = send(&mut fleet, &with_question(3), 0.1);
+    assert_eq!(plan.predicted_cached[0], 1600, "the index holds A");
+    assert_eq!(on_a.uncached_tokens, 1760);
+    // A request on A sent after it: A is now in use by the one ahead, which keeps it cached.
+    let (_, next) = send(&mut fleet, &with_question(4), 0.2);
+    assert_eq!(next.uncached_tokens, 160);
+}
+
+#[test]
 fn in_flight_accounting_returns_to_zero() {
     let mut fleet = FleetBuilder::new(2).build();
     let req = Req::new(&prompt(1000, 1));

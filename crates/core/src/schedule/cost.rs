@@ -2,7 +2,12 @@
 //!
 //! - **queue wait**: prefill tokens queued ahead of it at the endpoint's rate, plus a fixed wait
 //!   per queued request (a request waiting for a batch slot also waits behind decodes);
-//! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate;
+//! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate. An engine looks a
+//!   request's prefix up only when it admits it, so what it holds now counts only as far as it
+//!   survives the queue ahead: in a full cache the prefills queued ahead store their blocks
+//!   first and evict as many cached ones (least recently used first; this request's are taken
+//!   as equally likely as any to go), except blocks that requests just sent there are about
+//!   to use. At zero load, or with room for the queue ahead, everything held survives;
 //! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,
 //!   at each tier's load rate, learned per endpoint; a tier slower than recomputing gets no
 //!   credit (see [`crate::tiers`]);
@@ -38,8 +43,12 @@ use crate::tiers::{TierLoad, tier_load};
 pub struct Cost {
     /// Waiting behind queued work.
     pub queue_s: f64,
-    /// Computing the uncached part of the prompt.
+    /// Computing the uncached part of the prompt, and what it holds that the queue ahead is
+    /// expected to evict before the request is admitted.
     pub prefill_s: f64,
+    /// Of the prompt tokens it holds, those the queue ahead is expected to evict before the
+    /// request is admitted (counted in `prefill_s`).
+    pub evicted_ahead_tokens: f64,
     /// Loading the parts held on CPU, storage or a shared tier.
     pub tier_load_s: f64,
     /// `tier_load_s` tier by tier: tokens, rate, seconds, and whether each is credited.
@@ -132,7 +141,12 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let held = cached(profile, request, c);
     let rate = c.prefill_tokens_per_s.max(1.0);
     let load = &c.load;
-    let uncached = request.prompt_tokens.saturating_sub(held.all) as f64;
+    // What it holds on the GPU may be evicted by the queue ahead before this request is
+    // admitted (an engine looks its prefix up only then): those tokens are prefilled too. The
+    // blocks of requests just sent there are not: those requests use them first.
+    let in_use = (c.cache.predicted as usize * request.block_size).min(held.gpu);
+    let lost = (held.gpu - in_use) as f64 * (1.0 - survival(c));
+    let uncached = request.prompt_tokens.saturating_sub(held.all) as f64 + lost;
     let prefill_s = uncached / rate;
     let tiers = tier_load(
         &profile.tiers,
@@ -159,7 +173,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let decode_interference_s = (prefill_s + tier_load_s)
         * (load.decoding() + load.queue())
         * profile.weights.decode_interference;
-    let eviction_s = eviction_s(request, c, &held, rate);
+    let eviction_s = eviction_s(request, c, held.all as f64 - lost, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
     } else {
@@ -168,6 +182,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let mut cost = Cost {
         queue_s,
         prefill_s,
+        evicted_ahead_tokens: lost,
         tier_load_s,
         tiers,
         decode_interference_s,
@@ -181,13 +196,38 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 
 /// Expected seconds of re-prefill that placing the request on `c` makes others pay: the blocks
 /// it stores beyond `c`'s free blocks evict as many cached ones, each reused with probability
-/// `c.cache.block_reuse` (0 where the free blocks are unknown, or where it all fits).
-pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: &Cached, rate: f64) -> f64 {
+/// `c.cache.block_reuse` (0 where the free blocks are unknown, or where it all fits). `held`:
+/// the prompt tokens it is expected to find cached.
+pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: f64, rate: f64) -> f64 {
     let Some(free) = c.cache.free_blocks else {
         return 0.0;
     };
     let bs = request.block_size.max(1);
-    let stored = (request.prompt_tokens / bs).saturating_sub(held.all / bs) as f64;
+    let stored = ((request.prompt_tokens / bs) as f64 - (held / bs as f64).floor()).max(0.0);
     let evicted = (stored - free.max(0.0)).max(0.0);
     evicted * bs as f64 / rate * c.cache.block_reuse.clamp(0.0, 1.0)
+}
+
+/// Share of the cached blocks on `c` expected to survive until a request queued there now is
+/// admitted, 0–1. The prefills queued ahead store their blocks first; beyond the free blocks
+/// each evicts a cached one, least recently used first. Where in that order this request's
+/// blocks are is not known, so each cached block is taken as equally likely to go: the share
+/// evicted is the blocks the queue ahead stores beyond the free ones over the capacity
+/// (`free_blocks` already counts the in-flight prefills' blocks against the capacity). 1 when
+/// the capacity is unknown.
+pub fn survival(c: &Candidate) -> f64 {
+    match (c.cache.free_blocks, c.cache.capacity_blocks) {
+        (Some(free), Some(capacity)) => survival_of(free, capacity),
+        _ => 1.0,
+    }
+}
+
+/// [`survival`] of an endpoint with `free` blocks (negative: the queue ahead stores that many
+/// more than are free) out of `capacity`.
+pub fn survival_of(free: f64, capacity: f64) -> f64 {
+    if capacity > 0.0 {
+        1.0 - ((-free).max(0.0) / capacity).min(1.0)
+    } else {
+        1.0
+    }
 }

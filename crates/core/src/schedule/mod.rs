@@ -109,6 +109,9 @@ pub struct CacheView {
     /// index holds and what its in-flight prefills are about to store); `None` when its
     /// capacity is unknown, and then no eviction is charged.
     pub free_blocks: Option<f64>,
+    /// Its GPU cache's capacity in blocks (`None` when unknown): with `free_blocks`, how much
+    /// of what it caches the queue ahead of this request evicts before the request is admitted.
+    pub capacity_blocks: Option<f64>,
     /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
     /// cached per block they stored (see [`cost`]).
     pub block_reuse: f64,

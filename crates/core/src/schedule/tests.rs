@@ -163,6 +163,36 @@ fn eviction_is_charged_only_beyond_the_free_blocks() {
 }
 
 #[test]
+fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
+    // Endpoint 0 holds 50 of a 1,000-token request's 62 blocks, in a full 400-block cache
+    // with prefills queued ahead that store 200 blocks: half of what it caches goes before
+    // the request is admitted (an engine looks its prefix up only then).
+    let mut cands = fleet(2);
+    cands[0].cache.index = gpu_match(0, 50);
+    cands[0].cache.capacity_blocks = Some(400.0);
+    cands[0].cache.free_blocks = Some(-200.0);
+    busy(&mut cands[0], 2, 200 * 16);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!(
+        (a.cost.prefill_s - prefill(200.0 + 0.5 * 800.0)).abs() < 1e-12,
+        "{a:?}"
+    );
+    assert_eq!(a.cost.evicted_ahead_tokens, 400.0, "explain shows it");
+    // The blocks of requests just sent there are used by them first: they stay.
+    cands[0].cache.predicted = 50;
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!((a.cost.prefill_s - prefill(200.0)).abs() < 1e-12, "{a:?}");
+    // Room for the queue ahead: nothing is lost.
+    cands[0].cache.predicted = 0;
+    cands[0].cache.free_blocks = Some(0.0);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!((a.cost.prefill_s - prefill(200.0)).abs() < 1e-12, "{a:?}");
+}
+
+#[test]
 fn filters_remove_unhealthy_wrong_model_and_full_endpoints() {
     let mut cands = fleet(5);
     cands[0].healthy = false;

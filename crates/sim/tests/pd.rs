@@ -492,9 +492,10 @@ async fn transfers_take_the_link_models_time_share_the_link_and_slow_down_when_d
     let alone = link.transfer_seconds(PULLED_BLOCKS * 16 * 128 * 1024);
     pull_concurrently(&fleet, &[prompt(6)], "a").await;
     let one = xfer_seconds(&fleet).await;
-    // Measured in scaled wall time: never shorter than the model, a little longer (scheduling).
+    // Measured in scaled wall time: never shorter than the model, longer only by scheduling
+    // delays (generous: the test machine may be starved).
     assert!(
-        one >= alone * 0.99 && one < alone * 1.5 + 0.05,
+        one >= alone * 0.99 && one < alone * 2.0 + 0.25,
         "{one} vs {alone}"
     );
 

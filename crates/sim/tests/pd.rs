@@ -568,3 +568,30 @@ async fn a_producer_full_of_held_blocks_queues_new_prefills_until_a_pull_release
     let (status, answer) = third.await.unwrap();
     assert_eq!(status, 200, "{answer}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_process_that_died_holding_blocks_fails_the_pull_clearly() {
+    let producer = Fleet::new(&[KvRole::Producer]).start().await;
+    let consumer = Fleet::new(&[KvRole::Consumer]).start().await;
+    let request = body(&prompt(14), false);
+    let (_, prefill) = post(&producer.endpoints[0].url, "k1", &prefill_leg(&request)).await;
+    let side_channel = producer.endpoints[0].side_channel.clone().unwrap();
+    drop(producer);
+    // Its side channel is gone: the consumer cannot connect.
+    kvroute_testkit::eventually("the producer's side channel to close", || {
+        (std::net::TcpStream::connect(&side_channel).is_err(), ())
+    })
+    .await;
+    let (status, err) = post(
+        &consumer.endpoints[0].url,
+        "k1",
+        &decode_leg(&request, &prefill["kv_transfer_params"]),
+    )
+    .await;
+    assert_eq!(status, 500, "{err}");
+    assert!(err.to_string().contains("cannot reach"), "{err}");
+    assert_eq!(
+        metric(&consumer, 0, "vllm:nixl_num_failed_transfers_total").await,
+        1.0
+    );
+}

@@ -12,7 +12,7 @@ use kvroute_sim::link::LinkSpec;
 use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start};
 use kvroute_testkit::sample;
-use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole, prefill_request_params};
+use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole, decode_leg_body, prefill_leg_body};
 use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
 use serde_json::{Value, json};
 
@@ -82,19 +82,16 @@ fn body(prompt: &[u32], stream: bool) -> Value {
 
 /// The prefill leg the reference proxy derives from a request.
 fn prefill_leg(body: &Value) -> Value {
-    let mut leg = body.clone();
-    leg["kv_transfer_params"] = prefill_request_params();
-    leg["max_tokens"] = json!(1);
-    leg["stream"] = json!(false);
-    leg.as_object_mut().unwrap().remove("stream_options");
-    leg
+    prefill_leg_body(body)
 }
 
 /// The decode leg: the original request with the producer's params, unchanged.
 fn decode_leg(body: &Value, params: &Value) -> Value {
-    let mut leg = body.clone();
-    leg["kv_transfer_params"] = params.clone();
-    leg
+    decode_leg_body(
+        body,
+        params.as_object().expect("params are an object"),
+        None,
+    )
 }
 
 async fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {

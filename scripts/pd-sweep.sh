@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The first P/D sweep on `kvroute simulate` (docs/benchmarks.md, "Prefill/decode
 # disaggregation"): aggregated (4 engines, precise routing) against always-P/D (2 prefill +
-# 2 decode engines) and cost-decided P/D (4 kv_both engines), over tcp, roce-100 and ib-400,
+# 2 decode engines) and cost-decided P/D (on 4 kv_both engines, and on 2 prefill + 2 decode
+# engines), over tcp, roce-100 and ib-400,
 # for Llama-3.1-8B and -70B, on 8k-token prompts, the demo's multi-turn chat, and a mixed
 # workload (mostly short prompts, some long documents).
 #
-# usage: scripts/pd-sweep.sh KVROUTE_BINARY OUT_DIR [SEEDS]   (default seeds: "1")
+# usage: scripts/pd-sweep.sh KVROUTE_BINARY OUT_DIR [SEEDS] [CONFIGS]
+#   SEEDS: default "1"; CONFIGS: which fleets, default "aggregated always cost costsplit"
 set -euo pipefail
-kvroute=$1 out=$2 seeds=${3:-1}
+kvroute=$1 out=$2 seeds=${3:-1} configs=${4:-aggregated always cost costsplit}
+want() { [[ " $configs " == *" $1 "* ]]; }
 mkdir -p "$out"
 
 # Llama-3.1-8B on one H100 is the simulator's default model. Llama-3.1-70B on 4 H100s (TP 4):
@@ -40,10 +43,11 @@ for seed in $seeds; do
       w=$(workload_flags $wl "$(rate $model $wl)")
       m=$(model_flags $model)
       dir=$out/$model-$wl-s$seed
-      "$kvroute" simulate --engines 4 --policy precise $m $w $common --seed "$seed" --out "$dir-aggregated" >/dev/null
+      want aggregated && "$kvroute" simulate --engines 4 --policy precise $m $w $common --seed "$seed" --out "$dir-aggregated" >/dev/null
       for link in tcp roce-100 ib-400; do
-        "$kvroute" simulate --prefill-engines 2 --decode-engines 2 --kv-link $link --policy pd-always $m $w $common --seed "$seed" --out "$dir-always-$link" >/dev/null
-        "$kvroute" simulate --engines 4 --kv-role both --kv-link $link --policy pd-cost $m $w $common --seed "$seed" --out "$dir-cost-$link" >/dev/null
+        want always && "$kvroute" simulate --prefill-engines 2 --decode-engines 2 --kv-link $link --policy pd-always $m $w $common --seed "$seed" --out "$dir-always-$link" >/dev/null
+        want cost && "$kvroute" simulate --engines 4 --kv-role both --kv-link $link --policy pd-cost $m $w $common --seed "$seed" --out "$dir-cost-$link" >/dev/null
+        want costsplit && "$kvroute" simulate --prefill-engines 2 --decode-engines 2 --kv-link $link --policy pd-cost $m $w $common --seed "$seed" --out "$dir-costsplit-$link" >/dev/null
       done
       echo "done $model $wl seed $seed"
     done

@@ -17,7 +17,9 @@ for run in sorted(out.glob("*/simulate.json")):
     summary = json.load(open(run))[0]["summary"]
     cells[(model, workload, "-".join(config))].append(summary)
 
-order = ["aggregated", "always-tcp", "cost-tcp", "always-roce-100", "cost-roce-100", "always-ib-400", "cost-ib-400"]
+order = ["aggregated"] + [
+    f"{fleet}-{link}" for link in ("tcp", "roce-100", "ib-400") for fleet in ("always", "cost", "costsplit")
+]
 print("| model | workload | fleet | TTFT p50 | TTFT p90 | TTFT p99 | ITL p99 | errors |")
 print("|---|---|---|---:|---:|---:|---:|---:|")
 for model in ("8b", "70b"):

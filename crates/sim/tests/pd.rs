@@ -12,7 +12,7 @@ use kvroute_sim::link::LinkSpec;
 use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start};
 use kvroute_testkit::sample;
-use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole, prefill_request_params};
+use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole, decode_leg_body, prefill_leg_body};
 use kvroute_vllm::subscriber::{EndpointSource, EventSink, Timing, spawn_connected};
 use serde_json::{Value, json};
 
@@ -82,19 +82,16 @@ fn body(prompt: &[u32], stream: bool) -> Value {
 
 /// The prefill leg the reference proxy derives from a request.
 fn prefill_leg(body: &Value) -> Value {
-    let mut leg = body.clone();
-    leg["kv_transfer_params"] = prefill_request_params();
-    leg["max_tokens"] = json!(1);
-    leg["stream"] = json!(false);
-    leg.as_object_mut().unwrap().remove("stream_options");
-    leg
+    prefill_leg_body(body)
 }
 
 /// The decode leg: the original request with the producer's params, unchanged.
 fn decode_leg(body: &Value, params: &Value) -> Value {
-    let mut leg = body.clone();
-    leg["kv_transfer_params"] = params.clone();
-    leg
+    decode_leg_body(
+        body,
+        params.as_object().expect("params are an object"),
+        None,
+    )
 }
 
 async fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {
@@ -492,9 +489,10 @@ async fn transfers_take_the_link_models_time_share_the_link_and_slow_down_when_d
     let alone = link.transfer_seconds(PULLED_BLOCKS * 16 * 128 * 1024);
     pull_concurrently(&fleet, &[prompt(6)], "a").await;
     let one = xfer_seconds(&fleet).await;
-    // Measured in scaled wall time: never shorter than the model, a little longer (scheduling).
+    // Measured in scaled wall time: never shorter than the model, longer only by scheduling
+    // delays (generous: the test machine may be starved).
     assert!(
-        one >= alone * 0.99 && one < alone * 1.5 + 0.05,
+        one >= alone * 0.99 && one < alone * 2.0 + 0.25,
         "{one} vs {alone}"
     );
 
@@ -566,4 +564,31 @@ async fn a_producer_full_of_held_blocks_queues_new_prefills_until_a_pull_release
     assert_eq!(status, 200);
     let (status, answer) = third.await.unwrap();
     assert_eq!(status, 200, "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_process_that_died_holding_blocks_fails_the_pull_clearly() {
+    let producer = Fleet::new(&[KvRole::Producer]).start().await;
+    let consumer = Fleet::new(&[KvRole::Consumer]).start().await;
+    let request = body(&prompt(14), false);
+    let (_, prefill) = post(&producer.endpoints[0].url, "k1", &prefill_leg(&request)).await;
+    let side_channel = producer.endpoints[0].side_channel.clone().unwrap();
+    drop(producer);
+    // Its side channel is gone: the consumer cannot connect.
+    kvroute_testkit::eventually("the producer's side channel to close", || {
+        (std::net::TcpStream::connect(&side_channel).is_err(), ())
+    })
+    .await;
+    let (status, err) = post(
+        &consumer.endpoints[0].url,
+        "k1",
+        &decode_leg(&request, &prefill["kv_transfer_params"]),
+    )
+    .await;
+    assert_eq!(status, 500, "{err}");
+    assert!(err.to_string().contains("cannot reach"), "{err}");
+    assert_eq!(
+        metric(&consumer, 0, "vllm:nixl_num_failed_transfers_total").await,
+        1.0
+    );
 }

@@ -243,6 +243,9 @@ impl RoutingPolicy for CorePolicy {
                 now,
             ));
             if let Some(cached) = predicted.get_mut(endpoint) {
+                if let Some(pd) = &mut self.pd {
+                    pd.dispatched(request_id, (prefill, endpoint), t.prompt_tokens, *cached);
+                }
                 *cached = t.prompt_tokens;
             }
         }
@@ -294,13 +297,23 @@ impl RoutingPolicy for CorePolicy {
         }
     }
 
-    fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
+    fn transferred(
+        &mut self,
+        request_id: u64,
+        link: (usize, usize),
+        bytes: u64,
+        seconds: f64,
+        now: f64,
+    ) {
         if let Some(pd) = &mut self.pd {
-            pd.transferred(prefill, decode, bytes, seconds, now);
+            pd.transferred(request_id, link, bytes, seconds, now);
         }
     }
 
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
+        if let Some(pd) = &mut self.pd {
+            let _ = pd.finished(request_id);
+        }
         let Some(t) = self.requests.remove(&request_id) else {
             return;
         };

@@ -4,6 +4,8 @@
 //! candidate with kvroute-core's decision (`pd-cost`), learning each pair's bandwidth from the
 //! transfers the engines report.
 
+use std::collections::HashMap;
+
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{
     self, DisaggChoice, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
@@ -31,6 +33,11 @@ pub struct PdRouting {
     kv_bytes_per_token: f64,
     leg_overhead_s: f64,
     block_size: usize,
+    /// KV bytes of dispatched, unfinished transfers on each endpoint's NIC.
+    backlog: Vec<f64>,
+    /// Each such transfer: its (prefill, decode) endpoints, its bytes, and the bytes queued
+    /// ahead of it on the busier NIC when it was sent.
+    inflight: HashMap<u64, ((usize, usize), f64, f64)>,
 }
 
 /// The scheduler's role for a KV role.
@@ -62,6 +69,8 @@ impl PdRouting {
                 + fleet.request_latency_s
                 + fleet.response_latency_s,
             block_size: fleet.engine.block_size,
+            backlog: vec![0.0; fleet.engines],
+            inflight: HashMap::new(),
         })
     }
 
@@ -72,6 +81,7 @@ impl PdRouting {
                 endpoint: e,
                 cost: a.cost.clone(),
                 cached_tokens: a.cached_tokens,
+                link_backlog_bytes: self.backlog.get(e.0 as usize).copied().unwrap_or(0.0),
             })
         };
         let kv = |e: EndpointId| {
@@ -112,20 +122,64 @@ impl PdRouting {
         })
     }
 
-    /// A transfer the decode engine reported.
+    /// Request `request_id` was disaggregated over `link` (prefill, decode): the blocks of its
+    /// `prompt_tokens` the decode endpoint lacks (it holds `decode_cached`) will queue on both
+    /// NICs until the transfer ends.
+    pub fn dispatched(
+        &mut self,
+        request_id: u64,
+        link: (usize, usize),
+        prompt_tokens: usize,
+        decode_cached: usize,
+    ) {
+        let bs = self.block_size.max(1);
+        let tokens = (prompt_tokens / bs).saturating_sub(decode_cached / bs) * bs;
+        let bytes = tokens as f64 * self.kv_bytes_per_token;
+        let ahead = [link.0, link.1]
+            .iter()
+            .filter_map(|e| self.backlog.get(*e))
+            .fold(0.0f64, |a, b| a.max(*b));
+        for e in [link.0, link.1] {
+            if let Some(b) = self.backlog.get_mut(e) {
+                *b += bytes;
+            }
+        }
+        self.inflight.insert(request_id, (link, bytes, ahead));
+    }
+
+    /// The request's transfer is over (or it ended without one): its bytes leave the NICs.
+    /// Returns the bytes that were queued ahead of it.
+    pub fn finished(&mut self, request_id: u64) -> f64 {
+        let Some((link, bytes, ahead)) = self.inflight.remove(&request_id) else {
+            return 0.0;
+        };
+        for e in [link.0, link.1] {
+            if let Some(b) = self.backlog.get_mut(e) {
+                *b = (*b - bytes).max(0.0);
+            }
+        }
+        ahead
+    }
+
+    /// Request `request_id`'s transfer over `link` ended: learned, and off the NICs.
     pub fn transferred(
         &mut self,
-        prefill: usize,
-        decode: usize,
+        request_id: u64,
+        link: (usize, usize),
         bytes: u64,
         seconds: f64,
         now: f64,
     ) {
+        // The link is learned from this transfer's share of the time: the bytes queued ahead
+        // of it on a shared NIC are contention (priced as backlog), not a slow link.
+        let ahead = self.finished(request_id);
+        let share = bytes as f64 / (bytes as f64 + ahead).max(1.0);
+        let (prefill, decode) = link;
         self.links.observe_transfer(
             EndpointId(prefill as u32),
             EndpointId(decode as u32),
             bytes as f64,
-            seconds,
+            seconds * share,
             now,
         );
     }

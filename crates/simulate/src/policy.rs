@@ -62,9 +62,16 @@ pub trait RoutingPolicy {
     fn prefill_done(&mut self, request_id: u64, cached_tokens: usize, now: f64) {
         let _ = (request_id, cached_tokens, now);
     }
-    /// A P/D transfer of `bytes` from `prefill` to `decode` took `seconds` (what the decode
-    /// engine's `vllm:nixl_xfer_time_seconds` reports).
-    fn transferred(&mut self, prefill: usize, decode: usize, bytes: u64, seconds: f64, now: f64) {
-        let _ = (prefill, decode, bytes, seconds, now);
+    /// Request `request_id`'s P/D transfer of `bytes` from `prefill` to `decode` took
+    /// `seconds` (what the decode engine's `vllm:nixl_xfer_time_seconds` reports).
+    fn transferred(
+        &mut self,
+        request_id: u64,
+        link: (usize, usize),
+        bytes: u64,
+        seconds: f64,
+        now: f64,
+    ) {
+        let _ = (request_id, link, bytes, seconds, now);
     }
 }

@@ -422,7 +422,13 @@ impl Run<'_> {
             if let Some(id) = pd.prefill_id {
                 self.engines[prefill].release(id);
             }
-            policy.transferred(prefill, decode, pull.bytes, now - pull.started, now);
+            policy.transferred(
+                pull.request as u64,
+                (prefill, decode),
+                pull.bytes,
+                now - pull.started,
+                now,
+            );
             let transfer = KvTransfer::Consume {
                 from: pull.from,
                 blocks: pull.blocks,

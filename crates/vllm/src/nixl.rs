@@ -180,6 +180,63 @@ pub fn prefill_request_params() -> Value {
     })
 }
 
+/// The prefill leg a proxy derives from a client's request body (`vllm-wire.md` §5.1): the
+/// same body with [`prefill_request_params`], `stream: false`, `max_tokens: 1` (and
+/// `max_completion_tokens: 1` if the client set it), and without `stream_options`,
+/// `min_tokens` and `min_completion_tokens`. A body that is not an object is returned as is.
+pub fn prefill_leg_body(client: &Value) -> Value {
+    let mut leg = client.clone();
+    if let Some(map) = leg.as_object_mut() {
+        map.insert("kv_transfer_params".into(), prefill_request_params());
+        map.insert("stream".into(), false.into());
+        map.insert("max_tokens".into(), 1.into());
+        if map.contains_key("max_completion_tokens") {
+            map.insert("max_completion_tokens".into(), 1.into());
+        }
+        for key in ["stream_options", "min_tokens", "min_completion_tokens"] {
+            map.remove(key);
+        }
+    }
+    leg
+}
+
+/// The `kv_transfer_params` a prefill engine returned in its (non-streaming) answer. A 200
+/// without them is a failed prefill leg, not a success: the decode leg would recompute.
+pub fn prefill_answer_params(answer: &Value) -> Result<&Map<String, Value>, VllmError> {
+    match answer.get("kv_transfer_params") {
+        Some(Value::Object(params)) if params.get("do_remote_prefill") == Some(&Value::Bool(true)) => {
+            Ok(params)
+        }
+        Some(Value::Object(_)) => Err(VllmError::KvTransfer(
+            "the prefill answer's kv_transfer_params do not ask for a remote prefill".into(),
+        )),
+        _ => Err(VllmError::KvTransfer(
+            "the prefill answer carries no kv_transfer_params: is the engine a kv_producer with NixlConnector?"
+                .into(),
+        )),
+    }
+}
+
+/// The decode leg: the client's original body (its own `stream`, `max_tokens`, ...) with
+/// `kv_transfer_params` set to what the prefill engine returned, unchanged. With
+/// `prefill_cached_tokens` (0.33+), `remote_prefill_cached_tokens` is added so that the decode
+/// engine reports the prefill engine's cache hits as `cached_tokens`.
+pub fn decode_leg_body(
+    client: &Value,
+    params: &Map<String, Value>,
+    prefill_cached_tokens: Option<u64>,
+) -> Value {
+    let mut leg = client.clone();
+    if let Some(map) = leg.as_object_mut() {
+        let mut params = params.clone();
+        if let Some(cached) = prefill_cached_tokens {
+            params.insert("remote_prefill_cached_tokens".into(), cached.into());
+        }
+        map.insert("kv_transfer_params".into(), Value::Object(params));
+    }
+    leg
+}
+
 /// `kv_transfer_params` as a request carries it. Unknown keys are kept, so forwarding is
 /// lossless.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -432,6 +489,46 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(nested.remote_block_ids, Some(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn the_legs_follow_the_reference_proxy() {
+        let client = json!({"model": "m", "prompt": "hi", "stream": true, "max_tokens": 50,
+            "max_completion_tokens": 50, "stream_options": {"include_usage": true},
+            "min_tokens": 3, "min_completion_tokens": 3, "cache_salt": "s"});
+        let prefill = prefill_leg_body(&client);
+        assert_eq!(prefill["stream"], false);
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["max_completion_tokens"], 1);
+        assert_eq!(prefill["kv_transfer_params"], prefill_request_params());
+        for gone in ["stream_options", "min_tokens", "min_completion_tokens"] {
+            assert!(prefill.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(prefill["cache_salt"], "s");
+        assert!(
+            prefill_leg_body(&json!({"model": "m"}))
+                .get("max_completion_tokens")
+                .is_none()
+        );
+
+        let release = NixlRelease::for_vllm_version("0.33.0").unwrap();
+        let answer = json!({"choices": [], "kv_transfer_params": producer().to_json(release)});
+        let params = prefill_answer_params(&answer).unwrap();
+        let decode = decode_leg_body(&client, params, None);
+        let mut expected = client.clone();
+        expected["kv_transfer_params"] = answer["kv_transfer_params"].clone();
+        assert_eq!(decode, expected, "the client's body, the params unchanged");
+        let counted = decode_leg_body(&client, params, Some(32));
+        assert_eq!(
+            counted["kv_transfer_params"]["remote_prefill_cached_tokens"],
+            32
+        );
+
+        assert!(prefill_answer_params(&json!({"choices": []})).is_err());
+        let err =
+            prefill_answer_params(&json!({"kv_transfer_params": {"do_remote_prefill": false}}))
+                .unwrap_err();
+        assert!(err.to_string().contains("remote prefill"), "{err}");
     }
 
     #[test]

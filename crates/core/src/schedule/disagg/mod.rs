@@ -8,7 +8,9 @@
 //!   + the stall that prefill imposes on D's running decodes (decode interference);
 //! - **P/D with Pᵢ**: Pᵢ's queue wait + its prefill of what *it* does not hold + its tier
 //!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer) + the transfer of
-//!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth + D's queue wait (the decode
+//!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth, behind the bytes already
+//!   queued on the busier of the two NICs (a shared link's backlog is a queue like an
+//!   engine's; counted in full, as if first come first served) + D's queue wait (the decode
 //!   leg still waits for a batch slot there; the simulator admits it after the pull, so the
 //!   terms add) + the second leg's fixed cost (the prefill engine's sampling step and one more
 //!   round trip).
@@ -44,6 +46,9 @@ pub struct SideCost {
     pub cost: Cost,
     /// Prompt tokens it holds (any tier).
     pub cached_tokens: usize,
+    /// KV bytes already queued on its NIC: transfers to or from it that the caller sent and
+    /// that have not finished. A new transfer waits behind them (links are shared).
+    pub link_backlog_bytes: f64,
 }
 
 /// The request, as the P/D choice sees it.
@@ -97,6 +102,8 @@ pub struct PdOption {
     pub transfer_tokens: usize,
     /// Their bytes.
     pub transfer_bytes: f64,
+    /// Bytes queued ahead on the busier of the two NICs.
+    pub link_backlog_bytes: f64,
     /// The pair's bandwidth used, bytes per second.
     pub bandwidth_bytes_per_s: f64,
     /// Where that bandwidth comes from.
@@ -168,7 +175,12 @@ pub fn decide(
         .filter(|p| p.endpoint != decode.endpoint)
         .map(|p| {
             let link = links.health(p.endpoint, decode.endpoint, now);
-            let transfer_s = links.transfer_s(p.endpoint, decode.endpoint, transfer_bytes, now);
+            let backlog = p.link_backlog_bytes.max(decode.link_backlog_bytes).max(0.0);
+            let transfer_s = if transfer_bytes > 0.0 {
+                links.transfer_s(p.endpoint, decode.endpoint, transfer_bytes + backlog, now)
+            } else {
+                0.0
+            };
             let c = &p.cost;
             let total_s = c.queue_s
                 + c.prefill_s
@@ -186,6 +198,7 @@ pub fn decide(
                 prefill_interference_s: c.decode_interference_s,
                 transfer_tokens,
                 transfer_bytes,
+                link_backlog_bytes: backlog,
                 bandwidth_bytes_per_s: links.bandwidth(p.endpoint, decode.endpoint, now),
                 link,
                 transfer_s,

@@ -48,6 +48,7 @@ fn side(
             ..Cost::default()
         },
         cached_tokens: cached,
+        link_backlog_bytes: 0.0,
     }
 }
 
@@ -126,6 +127,27 @@ fn the_cheapest_prefill_endpoint_wins_and_the_decode_endpoint_is_not_its_own_pro
     assert_eq!(explain.choice, DisaggChoice::Disaggregated { prefill: P2 });
     assert_eq!(explain.disaggregated.len(), 2, "D is the aggregated option");
     assert!(explain.disaggregated[0].total_s <= explain.disaggregated[1].total_s);
+}
+
+#[test]
+fn a_busy_link_is_a_queue_the_transfer_waits_behind() {
+    let links = book(ROCE);
+    let mut producer = side(P, 8192, 0, 0.0, 0.0);
+    let idle = choose(8192, &links, 0.0);
+    assert_eq!(idle.choice, DisaggChoice::Disaggregated { prefill: P });
+    // 6 GB already queued on the producer's NIC: 0.5 s more before this transfer ends.
+    producer.link_backlog_bytes = 6e9;
+    let busy = decide(
+        request(8192),
+        &side(D, 8192, 0, 0.0, 2.0),
+        &[producer],
+        &links,
+        0.0,
+    );
+    let (before, after) = (&idle.disaggregated[0], &busy.disaggregated[0]);
+    assert!((after.transfer_s - before.transfer_s - 6e9 / 12.1e9).abs() < 1e-9);
+    assert_eq!(after.link_backlog_bytes, 6e9);
+    assert_eq!(busy.choice, DisaggChoice::Aggregated, "{busy:#?}");
 }
 
 #[test]

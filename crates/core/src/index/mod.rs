@@ -544,26 +544,31 @@ impl KvIndex {
             entries: &mut self.entries,
             capacity: self.config.capacity,
         };
-        // As for stores: fetch the batch's slots from both tables before working on them.
-        for hash in &event.block_hashes {
-            state.blocks.prefetch(hash.0);
-        }
-        for hash in &event.block_hashes {
-            if let Some(held) = state.blocks.get(hash.0) {
-                tables.blocks.prefetch(held.router_key().0);
+        if chunk == 1 {
+            // The common case (every GPU removal): no chain to walk. As for stores: fetch the
+            // batch's slots from both tables before working on them.
+            for hash in &event.block_hashes {
+                state.blocks.prefetch(hash.0);
             }
-        }
-        for hash in &event.block_hashes {
-            if chunk == 1 {
-                // The common case (every GPU removal): no chain to walk, nothing allocated.
-                if !remove_block(&mut tables, state, place, hash.0) {
+            let keys: Vec<Option<RouterKey>> = event
+                .block_hashes
+                .iter()
+                .map(|hash| resolve(state, hash.0, place))
+                .collect();
+            for key in keys.iter().flatten() {
+                tables.blocks.prefetch(key.0);
+            }
+            for (hash, key) in event.block_hashes.iter().zip(keys) {
+                if key.is_none() || !remove_block(&mut tables, state, place, hash.0, key) {
                     count_unresolved(state, gpu, 1);
                 }
-                continue;
             }
+            return;
+        }
+        for hash in &event.block_hashes {
             let (chain, mut missing) = chunk_chain(state, hash.0, chunk, place);
-            for (h, _) in chain {
-                if !remove_block(&mut tables, state, place, h) {
+            for (h, key) in chain {
+                if !remove_block(&mut tables, state, place, h, Some(key)) {
                     missing += 1;
                 }
             }

@@ -314,7 +314,13 @@ impl KvIndex {
         let bs = self.config.block_size;
         let chunk_blocks = match spec.block_size {
             None => 1,
-            Some(size) if size >= bs && size.is_multiple_of(bs) => size / bs,
+            Some(size)
+                if size >= bs
+                    && size.is_multiple_of(bs)
+                    && size / bs <= offload::MAX_CHUNK_BLOCKS =>
+            {
+                size / bs
+            }
             Some(size) => {
                 return Err(CoreError::OffloadBlockSize {
                     offload: size,
@@ -409,9 +415,13 @@ impl KvIndex {
             // Offloading placeholders carry no tokens: they add a tier to blocks the endpoint
             // already holds, found by engine hash, one hash per chunk.
             let event_bs = event.block_size as usize;
+            if event_bs / bs > offload::MAX_CHUNK_BLOCKS {
+                state.stats.malformed_blocks += n;
+                return;
+            }
             let chunk = match state.offload.as_mut() {
                 // Releases before 0.20 publish the offloaded block size: learn the chunk.
-                Some(o) if event_bs > bs && event_bs.is_multiple_of(bs) => {
+                Some(o) if !gpu && event_bs > bs && event_bs.is_multiple_of(bs) => {
                     o.chunk_blocks = event_bs / bs;
                     o.chunk_blocks
                 }

@@ -80,6 +80,11 @@ pub(super) enum Place {
     Shared(MountId),
 }
 
+/// The most blocks one offloaded chunk may span (4,096: 64k tokens at 16 per block). Each
+/// placeholder walks its chunk's parent links, so a hostile or misconfigured size is refused
+/// rather than walked.
+pub(super) const MAX_CHUNK_BLOCKS: usize = 4096;
+
 /// Bit set in the hash standing in for a block of a multi-block chunk that the chunk's own hash
 /// does not name (LMCache): derived from its router key, so the same block gets the same entry.
 const CHUNK_MEMBER: u64 = 0x5a5a_0000_0000_0001;

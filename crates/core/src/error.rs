@@ -9,8 +9,11 @@ pub enum CoreError {
     /// A block size of zero (or otherwise unusable) was given.
     #[error("invalid block size {0}: must be at least 1 token")]
     InvalidBlockSize(usize),
-    /// An offloaded block size that is not a whole number of the index's blocks.
-    #[error("offload block size {offload} is not a multiple of the block size {block_size}")]
+    /// An offloaded block size that is not a whole number of the index's blocks (at most
+    /// 4,096 of them).
+    #[error(
+        "offload block size {offload} is not a multiple of the block size {block_size} (at most 4096 blocks)"
+    )]
     OffloadBlockSize {
         /// The offloaded block size configured, in tokens.
         offload: usize,

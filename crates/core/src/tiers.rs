@@ -117,13 +117,20 @@ impl LoadTier {
 /// Prompt tokens per tier below the GPU (indexed by [`LoadTier`]).
 pub type TierTokens = [usize; 3];
 
-/// Learned load rates of one endpoint, tokens per second per tier; `None` until measured.
+/// One endpoint's tiers as observed: learned load rates (tokens per second per tier; `None`
+/// until measured) and how often predicted tier hits were found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct TierRates {
     /// Per tier (indexed by [`LoadTier`]).
     pub learned: [Option<f64>; 3],
     /// Samples behind each rate.
     pub samples: [u32; 3],
+    /// Tokens predicted on each tier, over every request whose engine reported its cached
+    /// tokens: with `found_tokens`, the prediction's accuracy by tier (a metric).
+    pub predicted_tokens: [u64; 3],
+    /// Of `predicted_tokens`, those the engine's `cached_tokens` confirmed (attributed to the
+    /// tiers in proportion when only some were found).
+    pub found_tokens: [u64; 3],
 }
 
 /// Weight of a new sample in a learned rate (an exponential moving average).
@@ -172,6 +179,21 @@ impl TierRates {
 }
 
 impl TierRates {
+    /// Counts one request's tier prediction against what the engine reported: `tier_tokens`
+    /// of its `predicted` cached tokens were below the GPU; it reported `reported`.
+    pub fn note_outcome(&mut self, tier_tokens: TierTokens, predicted: usize, reported: usize) {
+        let tier_total: usize = tier_tokens.iter().sum();
+        if tier_total == 0 {
+            return;
+        }
+        let gpu = predicted.saturating_sub(tier_total);
+        let found = reported.saturating_sub(gpu).min(tier_total) as f64 / tier_total as f64;
+        for (t, &tokens) in tier_tokens.iter().enumerate() {
+            self.predicted_tokens[t] += tokens as u64;
+            self.found_tokens[t] += (tokens as f64 * found).round() as u64;
+        }
+    }
+
     /// Learns from one request once the engine reported `reported` cached tokens: the router
     /// predicted `predicted` cached, `tier_tokens` of them below the GPU, and the request's
     /// time to first token less its predicted recompute was `seconds`. Predicted tier tokens the
@@ -301,6 +323,22 @@ mod tests {
         assert_eq!(load.tiers[0].seconds, 0.0, "weight 1: tier-blind");
         assert!((load.tiers[1].seconds - 0.075).abs() < 1e-9);
         assert!(!load.tiers[2].weighted);
+    }
+
+    #[test]
+    fn outcomes_count_predicted_and_found_tokens_by_tier() {
+        let mut rates = TierRates::default();
+        // 1,000 on the GPU and 2,000 predicted on CPU + 1,000 on storage; the engine found
+        // half of the tier tokens.
+        rates.note_outcome([2000, 1000, 0], 4000, 2500);
+        assert_eq!(rates.predicted_tokens, [2000, 1000, 0]);
+        assert_eq!(rates.found_tokens, [1000, 500, 0]);
+        rates.note_outcome([0, 0, 0], 100, 0);
+        assert_eq!(
+            rates.predicted_tokens,
+            [2000, 1000, 0],
+            "no tier tokens: nothing counted"
+        );
     }
 
     #[test]

@@ -102,6 +102,10 @@ struct Report {
     cached_total: u64,
     blocks_stored: u64,
     blocks_removed: u64,
+    /// Blocks on the connector's CPU tier at the end (0 without one).
+    cpu_total: u64,
+    /// Blocks requests found on the CPU tier and loaded.
+    cpu_loaded: u64,
 }
 
 async fn read_report(script: &mut Script) -> Report {
@@ -127,6 +131,8 @@ async fn read_report(script: &mut Script) -> Report {
                 cached_total: num("cached_total"),
                 blocks_stored: num("blocks_stored"),
                 blocks_removed: num("blocks_removed"),
+                cpu_total: num("cpu_total"),
+                cpu_loaded: num("cpu_loaded"),
             };
         }
         let tokens: Vec<u32> = serde_json::from_value(line["tokens"].clone())
@@ -158,10 +164,10 @@ fn prefixes(index: &SharedIndex, report: &Report) -> (bool, Vec<(u32, u32)>) {
     (pairs.iter().all(|(a, b)| a == b), pairs)
 }
 
-async fn ingest_from_python(layout: &str, topic: &str, extra_args: &[&str]) {
-    let Some(python) = kvroute_testkit::python("pyzmq and msgspec") else {
-        return;
-    };
+/// Runs the scenario and checks the index against the engine; the script's report, or `None`
+/// when no Python is available.
+async fn ingest_from_python(layout: &str, topic: &str, extra_args: &[&str]) -> Option<Report> {
+    let python = kvroute_testkit::python("pyzmq and msgspec")?;
     let mut script = Script::spawn(&python, layout, topic, extra_args);
     let addresses = script.next_json().await;
     let publisher = addresses["pub"].as_str().expect("pub address").to_owned();
@@ -270,9 +276,15 @@ async fn ingest_from_python(layout: &str, topic: &str, extra_args: &[&str]) {
         index_stats.blocks_gpu, report.cached_total,
         "{index_stats:#?}"
     );
+    assert_eq!(
+        (index_stats.blocks_cpu, index_stats.offload_orphans),
+        (report.cpu_total, 0),
+        "{index_stats:#?}"
+    );
 
     handle.stop();
     script.quit().await;
+    Some(report)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,6 +295,27 @@ async fn python_vllm_0_23_array_events_and_legacy_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_vllm_0_33_map_events_and_topic_replay() {
     ingest_from_python("map", "kv@127.0.0.1:8001@vllm-0.33", &[]).await;
+}
+
+/// With vLLM's OffloadingConnector (a CPU tier, stored on write, LRU), in both wire layouts:
+/// raw-digest placeholders (0.20–0.23) and int ones (0.24+). The index must predict every
+/// conversation's prefix across both tiers, including blocks the GPU evicted that requests
+/// then loaded back from the CPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_offloading_connector_cpu_tier_in_both_layouts() {
+    for (layout, topic) in [
+        ("array", "kv@127.0.0.1:8003@vllm-0.23"),
+        ("map", "kv@127.0.0.1:8004@vllm-0.33"),
+    ] {
+        let Some(report) = ingest_from_python(layout, topic, &["--cpu-blocks", "48"]).await else {
+            return;
+        };
+        assert!(report.cpu_total > 0, "{report:?}");
+        assert!(
+            report.cpu_loaded > 0,
+            "the scenario must load blocks back from the CPU: {report:?}"
+        );
+    }
 }
 
 /// Live copies that land after replay already delivered their batches (the PUB path is slower

@@ -653,6 +653,11 @@ impl Fleet {
             if let Some(reported) = reported_cached {
                 e.trust
                     .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
+                e.tier_rates.note_outcome(
+                    dispatch.tier_tokens,
+                    dispatch.predicted_cached,
+                    reported,
+                );
                 if let Some(seconds) = dispatch.tier_seconds {
                     let rate = e.observed_prefill_rate().unwrap_or(default_rate);
                     e.tier_rates.observe_reported(

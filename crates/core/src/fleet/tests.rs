@@ -738,6 +738,8 @@ fn tier_load_rates_are_learned_from_requests_that_loaded() {
         (learned - cpu_rate).abs() / cpu_rate < 0.05,
         "learned {learned:.0} tokens/s, true {cpu_rate:.0}"
     );
+    assert_eq!(e.tier_rates().predicted_tokens, [40 * 4096, 0, 0]);
+    assert_eq!(e.tier_rates().found_tokens, [40 * 4096, 0, 0]);
     // The prefill rate was not polluted by the loads.
     assert!((e.observed_prefill_rate().unwrap() - prefill_rate).abs() < 1.0);
 }

@@ -171,3 +171,30 @@ impl FleetTier {
             + self.order.capacity() * 16
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tier_keeps_the_most_recently_stored_blocks_within_its_capacity() {
+        let mut tier = FleetTier::default();
+        let m = tier.mount("lustre");
+        for k in 1..=4 {
+            tier.store(m, RouterKey(k), 4);
+        }
+        // Block 1 is stored again: block 2 is now the oldest.
+        tier.store(m, RouterKey(1), 4);
+        tier.store(m, RouterKey(5), 4);
+        assert!(tier.holds(m, RouterKey(1)));
+        assert!(!tier.holds(m, RouterKey(2)));
+        assert_eq!((tier.stats.blocks, tier.stats.capacity_evictions), (4, 1));
+        // Many re-stores leave the order queue bounded.
+        for _ in 0..1000 {
+            tier.store(m, RouterKey(3), 4);
+        }
+        assert!(tier.order.len() <= 2 * 4 + 64 + 1);
+        // Reference counts: block 3 was stored 1,001 times.
+        assert_eq!(tier.remove(m, RouterKey(3)), (true, true));
+    }
+}

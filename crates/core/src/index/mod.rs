@@ -314,7 +314,13 @@ impl KvIndex {
         let bs = self.config.block_size;
         let chunk_blocks = match spec.block_size {
             None => 1,
-            Some(size) if size >= bs && size.is_multiple_of(bs) => size / bs,
+            Some(size)
+                if size >= bs
+                    && size.is_multiple_of(bs)
+                    && size / bs <= offload::MAX_CHUNK_BLOCKS =>
+            {
+                size / bs
+            }
             Some(size) => {
                 return Err(CoreError::OffloadBlockSize {
                     offload: size,
@@ -409,9 +415,13 @@ impl KvIndex {
             // Offloading placeholders carry no tokens: they add a tier to blocks the endpoint
             // already holds, found by engine hash, one hash per chunk.
             let event_bs = event.block_size as usize;
+            if event_bs / bs > offload::MAX_CHUNK_BLOCKS {
+                state.stats.malformed_blocks += n;
+                return;
+            }
             let chunk = match state.offload.as_mut() {
                 // Releases before 0.20 publish the offloaded block size: learn the chunk.
-                Some(o) if event_bs > bs && event_bs.is_multiple_of(bs) => {
+                Some(o) if !gpu && event_bs > bs && event_bs.is_multiple_of(bs) => {
                     o.chunk_blocks = event_bs / bs;
                     o.chunk_blocks
                 }
@@ -544,26 +554,31 @@ impl KvIndex {
             entries: &mut self.entries,
             capacity: self.config.capacity,
         };
-        // As for stores: fetch the batch's slots from both tables before working on them.
-        for hash in &event.block_hashes {
-            state.blocks.prefetch(hash.0);
-        }
-        for hash in &event.block_hashes {
-            if let Some(held) = state.blocks.get(hash.0) {
-                tables.blocks.prefetch(held.router_key().0);
+        if chunk == 1 {
+            // The common case (every GPU removal): no chain to walk. As for stores: fetch the
+            // batch's slots from both tables before working on them.
+            for hash in &event.block_hashes {
+                state.blocks.prefetch(hash.0);
             }
-        }
-        for hash in &event.block_hashes {
-            if chunk == 1 {
-                // The common case (every GPU removal): no chain to walk, nothing allocated.
-                if !remove_block(&mut tables, state, place, hash.0) {
+            let keys: Vec<Option<RouterKey>> = event
+                .block_hashes
+                .iter()
+                .map(|hash| resolve(state, hash.0, place))
+                .collect();
+            for key in keys.iter().flatten() {
+                tables.blocks.prefetch(key.0);
+            }
+            for (hash, key) in event.block_hashes.iter().zip(keys) {
+                if key.is_none() || !remove_block(&mut tables, state, place, hash.0, key) {
                     count_unresolved(state, gpu, 1);
                 }
-                continue;
             }
+            return;
+        }
+        for hash in &event.block_hashes {
             let (chain, mut missing) = chunk_chain(state, hash.0, chunk, place);
-            for (h, _) in chain {
-                if !remove_block(&mut tables, state, place, h) {
+            for (h, key) in chain {
+                if !remove_block(&mut tables, state, place, h, Some(key)) {
                     missing += 1;
                 }
             }

@@ -80,6 +80,11 @@ pub(super) enum Place {
     Shared(MountId),
 }
 
+/// The most blocks one offloaded chunk may span (4,096: 64k tokens at 16 per block). Each
+/// placeholder walks its chunk's parent links, so a hostile or misconfigured size is refused
+/// rather than walked.
+pub(super) const MAX_CHUNK_BLOCKS: usize = 4096;
+
 /// Bit set in the hash standing in for a block of a multi-block chunk that the chunk's own hash
 /// does not name (LMCache): derived from its router key, so the same block gets the same entry.
 const CHUNK_MEMBER: u64 = 0x5a5a_0000_0000_0001;
@@ -208,6 +213,7 @@ pub(super) struct Tables<'a> {
 
 /// The router key `hash` names for this endpoint: its own map, or, for the shared tier, the
 /// blocks it wrote there.
+#[inline]
 pub(super) fn resolve(state: &EndpointState, hash: u64, place: Place) -> Option<RouterKey> {
     if let Some(held) = state.blocks.get(hash) {
         return Some(held.router_key());
@@ -246,6 +252,7 @@ pub(super) fn chunk_chain(
 
 /// Stores one block, `hash` naming `key`, on `place` for this endpoint; `parent` is the engine
 /// hash before it in its chain, if known.
+#[inline]
 pub(super) fn store_block(
     t: &mut Tables<'_>,
     state: &mut EndpointState,
@@ -305,12 +312,15 @@ pub(super) fn store_block(
     state.stats.blocks_stored += 1;
 }
 
-/// Removes one reference to `hash` on `place` for this endpoint; false when it held none.
+/// Removes one reference to `hash` on `place` for this endpoint (`key`: what the endpoint's map
+/// resolved it to, if the caller looked already); false when it held none.
+#[inline]
 pub(super) fn remove_block(
     t: &mut Tables<'_>,
     state: &mut EndpointState,
     place: Place,
     hash: u64,
+    key: Option<RouterKey>,
 ) -> bool {
     let tier = match place {
         Place::Shared(mount) => {
@@ -333,7 +343,7 @@ pub(super) fn remove_block(
         }
         Place::Local(tier) => tier,
     };
-    let Some(key) = state.blocks.get(hash).map(|h| h.router_key()) else {
+    let Some(key) = key.or_else(|| state.blocks.get(hash).map(|h| h.router_key())) else {
         return false;
     };
     if tier != Tier::Gpu

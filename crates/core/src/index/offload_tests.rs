@@ -243,4 +243,12 @@ fn an_offload_block_size_must_be_whole_blocks() {
         ix.set_offload(E0, &spec),
         Err(CoreError::OffloadBlockSize { .. })
     ));
+    let huge = OffloadSpec {
+        block_size: Some(BS * 100_000),
+        shared: None,
+    };
+    assert!(ix.set_offload(E0, &huge).is_err());
+    // A placeholder claiming a huge chunk is refused, not walked.
+    ix.apply(E0, &[placeholder(vec![EngineHash(1)], "CPU", u32::MAX)]);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().malformed_blocks, 1);
 }

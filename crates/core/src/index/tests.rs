@@ -249,6 +249,12 @@ struct Model {
     written: HashMap<EndpointId, HashMap<EngineHash, RouterKey>>,
     /// (mount, block) → references.
     shared: HashMap<(&'static str, RouterKey), u32>,
+    /// Endpoint → blocks per offloaded chunk, where more than one.
+    chunks: HashMap<EndpointId, usize>,
+    /// Per chunked endpoint, engine hash → parent hash, while the block is known.
+    parents: HashMap<EndpointId, HashMap<EngineHash, EngineHash>>,
+    /// Endpoints whose offloaded stores carried tokens (self-describing: removals not chunked).
+    described: BTreeSet<EndpointId>,
 }
 
 impl Model {
@@ -270,6 +276,43 @@ impl Model {
                 .then(|| self.written.get(&e).and_then(|w| w.get(h)).copied())
                 .flatten()
         })
+    }
+
+    /// The chunk ending at `tail`, last block first, as far as it resolves.
+    fn chain(
+        &self,
+        e: EndpointId,
+        tail: EngineHash,
+        chunk: usize,
+        shared: bool,
+    ) -> Vec<(EngineHash, RouterKey)> {
+        let mut out = Vec::new();
+        let mut h = tail;
+        for i in 0..chunk {
+            let Some(k) = self.resolve(e, &h, shared) else {
+                break;
+            };
+            out.push((h, k));
+            if i + 1 < chunk {
+                match self.parents.get(&e).and_then(|p| p.get(&h)) {
+                    Some(p) => h = *p,
+                    None => break,
+                }
+            }
+        }
+        out
+    }
+
+    /// Drops `h`'s parent link once the endpoint neither holds nor wrote it.
+    fn forget_parent(&mut self, e: EndpointId, h: &EngineHash) {
+        let held = self.endpoints.get(&e).is_some_and(|m| m.contains_key(h));
+        let written = self.written.get(&e).is_some_and(|w| w.contains_key(h));
+        if !held
+            && !written
+            && let Some(p) = self.parents.get_mut(&e)
+        {
+            p.remove(h);
+        }
     }
 
     fn put(
@@ -299,10 +342,22 @@ impl Model {
             KvEvent::AllBlocksCleared => {
                 self.endpoints.entry(e).or_default().clear();
                 self.written.remove(&e);
+                self.parents.remove(&e);
             }
             KvEvent::BlockRemoved(r) => {
                 let place = self.place(e, r.medium.as_deref());
-                for h in &r.block_hashes {
+                let chunk = match place {
+                    Ok(Tier::Gpu) => 1,
+                    _ if self.described.contains(&e) => 1,
+                    _ => self.chunks.get(&e).copied().unwrap_or(1),
+                };
+                let named: Vec<EngineHash> = r
+                    .block_hashes
+                    .iter()
+                    .flat_map(|h| self.chain(e, *h, chunk, place.is_err()))
+                    .map(|(h, _)| h)
+                    .collect();
+                for h in &named {
                     match place {
                         Ok(tier) => {
                             let map = self.endpoints.entry(e).or_default();
@@ -315,6 +370,7 @@ impl Model {
                                 }
                                 if tiers.is_empty() {
                                     map.remove(h);
+                                    self.forget_parent(e, h);
                                 }
                             }
                         }
@@ -327,6 +383,7 @@ impl Model {
                                 if *n == 0 {
                                     self.shared.remove(&(mount, k));
                                     self.written.entry(e).or_default().remove(h);
+                                    self.forget_parent(e, h);
                                 }
                             }
                         }
@@ -336,12 +393,19 @@ impl Model {
             KvEvent::BlockStored(s) => {
                 let place = self.place(e, s.medium.as_deref());
                 if s.token_ids.is_empty() {
+                    let chunk = match place {
+                        Ok(Tier::Gpu) => 1,
+                        _ => self.chunks.get(&e).copied().unwrap_or(1),
+                    };
                     for h in &s.block_hashes {
-                        if let Some(k) = self.resolve(e, h, place.is_err()) {
-                            self.put(e, *h, k, place);
+                        for (h, k) in self.chain(e, *h, chunk, place.is_err()) {
+                            self.put(e, h, k, place);
                         }
                     }
                     return;
+                }
+                if place != Ok(Tier::Gpu) {
+                    self.described.insert(e);
                 }
                 let parent = match s.parent_block_hash {
                     None => ROOT_KEY,
@@ -351,8 +415,15 @@ impl Model {
                     },
                 };
                 let keys = crate::keys::router_keys_from(parent, &s.token_ids, BS, None).unwrap();
+                let mut prev = s.parent_block_hash;
                 for (h, k) in s.block_hashes.iter().zip(keys) {
+                    if self.chunks.contains_key(&e)
+                        && let Some(p) = prev
+                    {
+                        self.parents.entry(e).or_default().insert(*h, p);
+                    }
                     self.put(e, *h, k, place);
+                    prev = Some(*h);
                 }
             }
         }
@@ -440,8 +511,10 @@ fn docs() -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn op() -> impl Strategy<Value = Op> {
-    let e = 0u32..70; // more than one word of slots
+/// Operations over endpoints `0..endpoints` (70: more than one word of slots; a few: the same
+/// endpoints store, offload and remove the same blocks often).
+fn op_over(endpoints: u32) -> impl Strategy<Value = Op> {
+    let e = 0u32..endpoints;
     prop_oneof![
         6 => (e.clone(), 0usize..8, 0usize..6, 1usize..7, 0usize..4).prop_map(|(e, doc, from, len, tier)| {
             let to = (from + len).min(6);
@@ -462,31 +535,68 @@ fn mount_of(e: u32) -> Option<&'static str> {
     [Some("lustre"), Some("nfs"), None][e as usize % 3]
 }
 
+fn op() -> impl Strategy<Value = Op> {
+    op_over(70)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     #[test]
     fn index_agrees_with_reference_model(ops in proptest::collection::vec(op(), 1..120)) {
+        agrees_with_model(&ops)?;
+    }
+
+    /// Few endpoints: chunked placeholders, repeats and shared writes meet the same blocks.
+    #[test]
+    fn index_agrees_with_reference_model_on_a_few_busy_endpoints(ops in proptest::collection::vec(op_over(6), 1..160)) {
+        agrees_with_model(&ops)?;
+    }
+}
+
+fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
+    {
         let docs = docs();
         let mut ix = index();
         let mut model = Model::default();
         for e in 0..70 {
-            if let Some(mount) = mount_of(e) {
-                let spec = OffloadSpec { block_size: None, shared: Some(SharedMount::new(mount)) };
+            // Every fifth endpoint offloads 2-block chunks (placeholders name the last block).
+            let chunked = e % 5 == 4;
+            if mount_of(e).is_some() || chunked {
+                let spec = OffloadSpec {
+                    block_size: chunked.then_some(2 * BS),
+                    shared: mount_of(e).map(SharedMount::new),
+                };
                 ix.set_offload(EndpointId(e), &spec).unwrap();
-                model.mounts.insert(EndpointId(e), mount);
                 model.endpoints.entry(EndpointId(e)).or_default();
+            }
+            if let Some(mount) = mount_of(e) {
+                model.mounts.insert(EndpointId(e), mount);
+            }
+            if chunked {
+                model.chunks.insert(EndpointId(e), 2);
             }
         }
         // Endpoints use one of two hash seeds: engines may or may not share hashing config.
         let seed = |e: u32| u64::from(e % 2) * 0xdead_beef;
-        for op in &ops {
+        for op in ops {
             match *op {
-                Op::Store { e, doc, from, to, tier } => {
+                Op::Store {
+                    e,
+                    doc,
+                    from,
+                    to,
+                    tier,
+                } => {
                     let ev = stored(seed(e), &docs[doc], from, to, MEDIA[tier]);
                     ix.apply(EndpointId(e), std::slice::from_ref(&ev));
                     model.apply(EndpointId(e), &ev);
                 }
-                Op::Offload { e, doc, block, tier } => {
+                Op::Offload {
+                    e,
+                    doc,
+                    block,
+                    tier,
+                } => {
                     let ev = KvEvent::BlockStored(BlockStored {
                         block_hashes: vec![engine_hashes(seed(e), &docs[doc])[block]],
                         medium: Some(MEDIA[tier].into()),
@@ -495,7 +605,12 @@ proptest! {
                     ix.apply(EndpointId(e), std::slice::from_ref(&ev));
                     model.apply(EndpointId(e), &ev);
                 }
-                Op::Remove { e, doc, block, tier } => {
+                Op::Remove {
+                    e,
+                    doc,
+                    block,
+                    tier,
+                } => {
                     let ev = removed(seed(e), &docs[doc], &[block], MEDIA[tier]);
                     ix.apply(EndpointId(e), std::slice::from_ref(&ev));
                     model.apply(EndpointId(e), &ev);
@@ -509,6 +624,9 @@ proptest! {
                     model.endpoints.remove(&EndpointId(e));
                     model.written.remove(&EndpointId(e));
                     model.mounts.remove(&EndpointId(e));
+                    model.chunks.remove(&EndpointId(e));
+                    model.parents.remove(&EndpointId(e));
+                    model.described.remove(&EndpointId(e));
                 }
             }
             let entries: usize = model.endpoints.values().map(HashMap::len).sum();
@@ -517,7 +635,10 @@ proptest! {
         for doc in &docs {
             let keys = router_keys(doc, BS, None).unwrap();
             for cut in [1, 3, 6] {
-                prop_assert_eq!(&ix.lookup(&keys[..cut]).matches, &model.lookup(&keys[..cut]));
+                prop_assert_eq!(
+                    &ix.lookup(&keys[..cut]).matches,
+                    &model.lookup(&keys[..cut])
+                );
             }
         }
         for (e, map) in &model.endpoints {
@@ -528,4 +649,5 @@ proptest! {
             prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));
         }
     }
+    Ok(())
 }

@@ -232,8 +232,10 @@ impl BlockPool {
                 holders.retain(|&h| h != id);
                 if holders.is_empty() {
                     self.cached.remove(&digest);
-                    self.events.push(removed_event(&digest, "GPU"));
+                    // The copy exists before the GPU block is reused: its store is announced
+                    // first, as an offloading connector's store precedes the eviction.
                     self.offload(digest);
+                    self.events.push(removed_event(&digest, "GPU"));
                 }
             }
             out.push(id);

@@ -273,8 +273,14 @@ class Engine:
     block (one BlockRemoved per evicted block), as vLLM does.
     """
 
-    def __init__(self, num_blocks: int, structs: dict[str, type], layout: str) -> None:
+    def __init__(
+        self, num_blocks: int, structs: dict[str, type], layout: str, cpu_blocks: int = 0
+    ) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # OffloadingConnector's CPU tier (block_size = the GPU's: one hash per block), least
+        # recently used first; 0 blocks: no connector.
+        self.cpu_capacity = cpu_blocks
+        self.cpu: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.free: collections.OrderedDict[int, None] = collections.OrderedDict(
             (b.id, None) for b in self.blocks
         )
@@ -284,6 +290,42 @@ class Engine:
         self.events: list[Any] = []
         self.stored = 0
         self.removed = 0
+        self.loaded = 0
+
+    def _offload_hash(self, digest: bytes) -> int | bytes:
+        # Before 0.24 the connector published raw digests; since, the int form.
+        return digest if self.layout == "array" else event_hash(digest)
+
+    def _offload(self, digests: list[bytes]) -> None:
+        """Stores newly computed blocks on the CPU tier, as the connector does on write:
+        its events follow the step's GPU events; blocks already there are not stored again."""
+        if not self.cpu_capacity:
+            return
+        new = [d for d in digests if d not in self.cpu]
+        for d in digests:
+            self.cpu[d] = None
+            self.cpu.move_to_end(d)
+        if new:
+            extra = {} if self.layout == "array" else {"group_idx": 0}
+            self.stored += len(new)
+            self.events.append(
+                self.structs["BlockStored"](
+                    block_hashes=[self._offload_hash(d) for d in new],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                    **extra,
+                )
+            )
+        while len(self.cpu) > self.cpu_capacity:
+            old, _ = self.cpu.popitem(last=False)
+            self.removed += 1
+            self.events.append(
+                self.structs["BlockRemoved"](block_hashes=[self._offload_hash(old)], medium="CPU")
+            )
 
     def take_events(self) -> list[Any]:
         events, self.events = self.events, []
@@ -341,6 +383,7 @@ class Engine:
         if self.layout == "map":
             fields["session_id"] = session
         self.events.append(self.structs["BlockStored"](**fields))
+        self._offload(digests[start:end])
 
     def prefill(self, prompt: list[int], session: str) -> "Request":
         digests = block_digests(prompt)
@@ -352,6 +395,14 @@ class Engine:
             if block is None:
                 break
             hits.append(block)
+        # Blocks found on the CPU tier after the GPU's are loaded into fresh GPU blocks (and
+        # cached there again, with their own BlockStored).
+        loaded = 0
+        for d in digests[len(hits) : max_hit]:
+            if d not in self.cpu:
+                break
+            loaded += 1
+        self.loaded += loaded
         for block in hits:
             self.free.pop(block.id, None)
         new = self._allocate(-(-len(prompt) // BLOCK_SIZE) - len(hits))
@@ -376,12 +427,14 @@ class Engine:
         for block in self.blocks:
             block.digest = None
         self.cached.clear()
+        self.cpu.clear()  # kvroute drops every tier of an engine on AllBlocksCleared
         self.events.append(self.structs["AllBlocksCleared"]())
 
     def cached_prefix(self, tokens: list[int]) -> int:
+        """Leading blocks held on the GPU or, with the connector, on the CPU tier."""
         n = 0
         for d in block_digests(tokens):
-            if d not in self.cached:
+            if d not in self.cached and d not in self.cpu:
                 break
             n += 1
         return n
@@ -557,6 +610,12 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--num-blocks", type=int, default=40)
+    parser.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        help="an OffloadingConnector CPU tier of this many blocks (0: none)",
+    )
     parser.add_argument("--step-interval", type=float, default=0.005)
     parser.add_argument(
         "--live-lag",
@@ -590,7 +649,7 @@ def main() -> int:
         else:
             return 0  # stdin closed before "go"
 
-        engine = Engine(args.num_blocks, structs, args.layout)
+        engine = Engine(args.num_blocks, structs, args.layout, args.cpu_blocks)
         conversations = run_workload(args, engine, publisher)
         publisher.flush_live()
         for tokens in conversations:
@@ -601,6 +660,8 @@ def main() -> int:
             "sent": publisher.sent,
             "lost": publisher.lost,
             "cached_total": len(engine.cached),
+            "cpu_total": len(engine.cpu),
+            "cpu_loaded": engine.loaded,
             "blocks_stored": engine.stored,
             "blocks_removed": engine.removed,
             "hash_vectors_checked": checked,

@@ -107,3 +107,28 @@ fn reset_is_refused_while_blocks_are_in_use() {
     assert!(pool.reset());
     assert_eq!(pool.take_events(), vec![KvEvent::AllBlocksCleared]);
 }
+
+#[test]
+fn an_index_fed_the_pools_events_sees_an_offloaded_block_on_the_cpu() {
+    use kvroute_core::index::{EndpointId, IndexConfig, KvIndex};
+    // The copy exists before the GPU block is freed: the CPU store must come first, or the
+    // index (which resolves the placeholder through the GPU block it still knows) cannot
+    // place it.
+    let mut index = KvIndex::new(IndexConfig {
+        block_size: 4,
+        capacity: 1 << 10,
+    })
+    .unwrap();
+    let e = EndpointId(0);
+    let mut pool = BlockPool::new(4, 2, 2);
+    let (d, t) = digests(2, 4);
+    let a = pool.allocate(2).unwrap();
+    pool.cache_full_blocks(&a, full(&d, &t, &vec![None; d.len()]));
+    pool.free(&a);
+    index.apply(e, &pool.take_events());
+    pool.allocate(2).unwrap();
+    index.apply(e, &pool.take_events());
+    let stats = index.endpoint_stats(e).unwrap();
+    assert_eq!((stats.blocks_gpu, stats.blocks_cpu), (0, 2), "{stats:?}");
+    assert_eq!(stats.offload_orphans, 0);
+}

@@ -30,8 +30,11 @@ def set_modes(text: str, mode: str) -> str:
         text = text[: observer.start()] + text[end.start() :]
         # Its comment block above it goes too.
         text = re.sub(r"(\n *# [^\n]*)+(?=\n *- name: envoy\.filters\.http\.router)", "", text)
-    text = re.sub(r"response_header_mode: \w+", f"response_header_mode: {header}", text, count=1)
-    return re.sub(r"response_body_mode: \w+", f"response_body_mode: {body}", text, count=1)
+    # The first setting of each (not a comment naming it).
+    header_mode = re.compile(r"^( *)response_header_mode: \w+", re.M)
+    body_mode = re.compile(r"^( *)response_body_mode: \w+", re.M)
+    text = header_mode.sub(rf"\1response_header_mode: {header}", text, count=1)
+    return body_mode.sub(rf"\1response_body_mode: {body}", text, count=1)
 
 
 def summary(lines) -> str:

@@ -1,9 +1,9 @@
 """Helpers of scripts/epp-vs-serve.sh.
 
   envoy_epp_modes.py streamed|headers|none < envoy.yaml > envoy.yaml
-      The picker's ext_proc filter with its response modes set: `streamed` (response headers
-      and every body chunk through the picker, each waited for), `headers` (response headers
-      only, no body), `none` (nothing of the response).
+      The picker's ext_proc filter alone (the observer filter removed), its response modes
+      set: `streamed` (response headers and every body chunk through the picker, each waited
+      for), `headers` (response headers only, no body), `none` (nothing of the response).
   envoy_epp_modes.py summary < access.log
       Median and p90 of each timing field of Envoy's JSON access log lines.
 """
@@ -21,9 +21,20 @@ MODES = {
 
 
 def set_modes(text: str, mode: str) -> str:
+    """The picker's filter (the first ext_proc filter) with `mode`, the observer filter gone."""
     header, body = MODES[mode]
-    text = re.sub(r"response_header_mode: \w+", f"response_header_mode: {header}", text)
-    return re.sub(r"response_body_mode: \w+", f"response_body_mode: {body}", text)
+    observer = re.search(r"\n( *)- name: kvroute\.observe\n", text)
+    if observer:
+        indent = observer.group(1)
+        end = re.compile(rf"\n{indent}- name: ").search(text, observer.end())
+        text = text[: observer.start()] + text[end.start() :]
+        # Its comment block above it goes too.
+        text = re.sub(r"(\n *# [^\n]*)+(?=\n *- name: envoy\.filters\.http\.router)", "", text)
+    # The first setting of each (not a comment naming it).
+    header_mode = re.compile(r"^( *)response_header_mode: \w+", re.M)
+    body_mode = re.compile(r"^( *)response_body_mode: \w+", re.M)
+    text = header_mode.sub(rf"\1response_header_mode: {header}", text, count=1)
+    return body_mode.sub(rf"\1response_body_mode: {body}", text, count=1)
 
 
 def summary(lines) -> str:

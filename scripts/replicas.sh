@@ -45,43 +45,8 @@ source scripts/processes.sh
 
 # Envoy: one listener on $base, a round-robin cluster over the N replicas' API listeners.
 envoy_yaml() { # replicas
-  cat <<EOF
-admin:
-  address: {socket_address: {address: 127.0.0.1, port_value: $((base + 99))}}
-static_resources:
-  listeners:
-    - name: openai
-      address: {socket_address: {address: 127.0.0.1, port_value: $base}}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: openai
-                route_config:
-                  virtual_hosts:
-                    - name: routers
-                      domains: ["*"]
-                      routes:
-                        - match: {prefix: "/"}
-                          route: {cluster: routers, timeout: 600s}
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-    - name: routers
-      type: STATIC
-      lb_policy: ROUND_ROBIN
-      connect_timeout: 1s
-      load_assignment:
-        cluster_name: routers
-        endpoints:
-          - lb_endpoints:
-EOF
-  for r in $(seq 1 "$1"); do
-    echo "              - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $((base + r))}}}"
-  done
+  # shellcheck disable=SC2046
+  plain_envoy_yaml "$base" $((base + 99)) $(seq $((base + 1)) $((base + $1)))
 }
 
 router_yaml() { # replica engines variant replicas

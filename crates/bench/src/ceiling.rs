@@ -6,7 +6,7 @@
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
 
-use crate::workload::{Api, Content, Workload};
+use crate::workload::{Api, Workload};
 
 /// The hit rate of a single engine with the whole fleet's cache serving the workload's
 /// requests one after another, with the assistant replies a real run would produce.
@@ -39,18 +39,13 @@ pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
     let (mut prompt_total, mut cached_total) = (0u64, 0u64);
     for (i, (_, si, ti)) in order.into_iter().enumerate() {
         let turn = &workload.sessions[si].turns[ti];
-        let prompt = match (&workload.api, &turn.content) {
+        let prompt = match workload.api {
             // A completions prompt is sent as it is.
-            (Api::Completions, Content::Tokens(t)) => t.clone(),
-            (Api::Completions, Content::Text(t)) => tokenizer.encode(t),
-            (Api::Chat, content) => {
-                let user = match content {
-                    Content::Text(t) => t.clone(),
-                    Content::Tokens(t) => tokenizer.decode(t),
-                };
+            Api::Completions => turn.content.completion_tokens(),
+            Api::Chat => {
                 histories[si].push(ChatMessage {
                     role: "user".into(),
-                    content: user,
+                    content: turn.content.chat_text(),
                 });
                 tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true))
             }

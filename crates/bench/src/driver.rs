@@ -114,11 +114,7 @@ async fn run_session(
         }
         let (url, body) = match (api, &spec.content) {
             (Api::Chat, content) => {
-                let text = match content {
-                    Content::Text(t) => t.clone(),
-                    Content::Tokens(t) => format!("{t:?}"),
-                };
-                messages.push(json!({"role": "user", "content": text}));
+                messages.push(json!({"role": "user", "content": content.chat_text()}));
                 (
                     format!("{}/chat/completions", config.base_url),
                     json!({"model": config.model, "messages": messages, "max_tokens": spec.max_tokens,

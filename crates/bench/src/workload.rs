@@ -5,6 +5,7 @@
 //! (each waits for the previous answer plus a think time). Chat sessions resend their whole
 //! history every turn, as chat clients do, which is what makes prefix caching matter.
 
+use kvroute_vllm::tokenizer::BuiltinTokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -16,6 +17,26 @@ pub enum Content {
     Text(String),
     /// Token ids (a completions prompt).
     Tokens(Vec<u32>),
+}
+
+impl Content {
+    /// The text of the chat message a turn sends, as `kvroute bench` sends it (token ids, a
+    /// completions prompt's form, as their list).
+    pub fn chat_text(&self) -> String {
+        match self {
+            Content::Text(t) => t.clone(),
+            Content::Tokens(t) => format!("{t:?}"),
+        }
+    }
+
+    /// The prompt of a completions request sending this, as the built-in tokenizer (the
+    /// simulator's) sees it.
+    pub fn completion_tokens(&self) -> Vec<u32> {
+        match self {
+            Content::Text(t) => BuiltinTokenizer.encode(t),
+            Content::Tokens(t) => t.clone(),
+        }
+    }
 }
 
 /// One request of a session.

@@ -47,6 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvroute_testkit::random::tokens;
 
 /// The model the simulator serves.
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -259,21 +260,6 @@ fn cpu_use(a: Cpu, b: Cpu) -> CpuUse {
         driver: b.driver - a.driver,
         machine_cores: (b.machine.0 - a.machine.0) / (b.machine.1 - a.machine.1).max(1.0) * cores,
     }
-}
-
-/// Deterministic pseudo-random tokens (splitmix64, 150k-token vocabulary).
-fn tokens(seed: u64, count: usize) -> Vec<u32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
-    (0..count)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            (z % 150_000) as u32
-        })
-        .collect()
 }
 
 fn body(prompt: &[u32], stream: bool) -> Bytes {

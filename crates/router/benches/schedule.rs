@@ -34,6 +34,7 @@ use kvroute_core::schedule::{
 };
 use kvroute_router::config::RouterConfig;
 use kvroute_router::service::Router;
+use kvroute_testkit::random::tokens;
 use kvroute_vllm::openai::{GenerationRequest, Input, parse_chat, parse_completion};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
 
@@ -51,21 +52,6 @@ const CHAIN_BLOCKS: usize = 256;
 const EVENT_BLOCKS: usize = 16;
 /// Bytes written to evict the caches before a "cold" sample (several times the L3).
 const FLUSH_BYTES: usize = 96 << 20;
-
-/// Deterministic pseudo-random tokens (splitmix64, 150k-token vocabulary).
-fn tokens(seed: u64, count: usize) -> Vec<u32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
-    (0..count)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            (z % 150_000) as u32
-        })
-        .collect()
-}
 
 /// The engine hash an endpoint publishes for a block (any value unique per block will do).
 fn engine_hash(key: RouterKey) -> EngineHash {

@@ -451,12 +451,53 @@ fn response_body(text: &str, end_of_stream: bool) -> Request {
     })
 }
 
+/// Follows one routed request as the default gateway configuration does, in Envoy's order:
+/// the observer's request headers (naming the routing answer's token) leave Envoy with the
+/// request, before the response reaches the routing stream; `close_routing_early` closes the
+/// routing stream after its response headers, before the observer saw the end. The picker
+/// answers nothing on the observer stream and ends it at the response's end; the endpoint it
+/// routed to is returned.
+async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
+    let mut routing = Stream::open(epp).await;
+    let set = routed_headers(&mut routing).await;
+    let id = id_of(epp, &set[DESTINATION]);
+    let mut observer = Stream::open(epp).await;
+    let request = headers(
+        &[
+            (":path", "/v1/completions"),
+            (EXCHANGE, set[EXCHANGE].as_str()),
+        ],
+        false,
+    );
+    observer.tell(Request::RequestHeaders(request)).await;
+    let status = || Request::ResponseHeaders(headers(&[(":status", "200")], false));
+    let answer = routing.send(status(), None).await;
+    assert!(matches!(answer, Response::ResponseHeaders(_)), "{answer:?}");
+    let routing = if close_routing_early {
+        drop(routing);
+        None
+    } else {
+        Some(routing)
+    };
+    observer.tell(status()).await;
+    observer.tell(response_body("data: {}\n\n", false)).await;
+    assert_eq!(epp.router.load(id).inflight, 1, "in flight until the end");
+    let usage = r#"data: {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"#;
+    observer.tell(response_body(usage, true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the picker ends the observer stream");
+    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    drop(routing);
+    id
+}
+
 /// The default gateway configuration (`examples/envoy-epp.yaml`): the routing stream sees the
 /// response headers only, and a second stream in `observability_mode`, which names the routing
 /// answer's `x-kvroute-exchange` token, sees the response body without Envoy waiting for the
-/// picker. The request's load stays on its endpoint until the body ends (after the routing
-/// stream closed), then is handed back as completed, with the engine's cached tokens compared
-/// with the prediction; the picker answers nothing on the observer stream and ends it.
+/// picker. The request's load stays on its endpoint until the body ends (also when the routing
+/// stream closed before), then is handed back as completed, with the engine's cached tokens
+/// compared with the prediction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_stream_follows_the_response_without_answering() {
     let a = engine().await;
@@ -464,46 +505,21 @@ async fn an_observer_stream_follows_the_response_without_answering() {
     let metric = |name: &str, label: &str| {
         kvroute_testkit::sum_labelled(&epp.router.metrics().render(), name, label)
     };
-    let mut routing = Stream::open(&epp).await;
-    let set = routed_headers(&mut routing).await;
-    let id = id_of(&epp, &set[DESTINATION]);
-    let token = set[EXCHANGE].clone();
-    assert_eq!(epp.router.load(id).inflight, 1);
-    let answer = routing
-        .send(
-            Request::ResponseHeaders(headers(&[(":status", "200")], false)),
-            None,
-        )
-        .await;
-    assert!(matches!(answer, Response::ResponseHeaders(_)), "{answer:?}");
-    // Envoy closes the routing stream once its own phases are done.
-    drop(routing);
-
-    let mut observer = Stream::open(&epp).await;
-    let request = headers(
-        &[(":path", "/v1/completions"), (EXCHANGE, token.as_str())],
-        false,
-    );
-    observer.tell(Request::RequestHeaders(request)).await;
-    observer
-        .tell(Request::ResponseHeaders(headers(
-            &[(":status", "200")],
-            false,
-        )))
-        .await;
-    observer.tell(response_body("data: {}\n\n", false)).await;
-    let usage = r#"data: {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"#;
-    assert_eq!(epp.router.load(id).inflight, 1, "in flight until the end");
-    observer.tell(response_body(usage, true)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
-        .await
-        .expect("the picker ends the observer stream");
-    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    let completed = || metric("kvroute_requests_total", "outcome=\"completed\"");
+    // Every outcome of the comparison (the second request, the first's prompt again, is
+    // predicted cached where the fake response reports none).
+    let compared = || metric("kvroute_prediction_outcomes_total", "outcome=");
+    let id = follow_one(&epp, false).await;
     assert_eq!(epp.router.load(id).inflight, 0);
-    let completed = metric("kvroute_requests_total", "outcome=\"completed\"");
-    assert_eq!(completed, 1.0);
-    let exact = metric("kvroute_prediction_outcomes_total", "outcome=\"exact\"");
-    assert_eq!(exact, 1.0, "the engine's cached tokens were compared");
+    assert_eq!((completed(), compared()), (1.0, 1.0));
+    // The routing stream may close first: the observer still has the request.
+    let id = follow_one(&epp, true).await;
+    assert_eq!(epp.router.load(id).inflight, 0);
+    assert_eq!(
+        (completed(), compared()),
+        (2.0, 2.0),
+        "the engine's cached tokens were compared"
+    );
 
     // An observer naming no routed request is ended at once, and changes nothing.
     let mut stray = Stream::open(&epp).await;
@@ -514,8 +530,8 @@ async fn an_observer_stream_follows_the_response_without_answering() {
         .expect("the picker ends a stray observer stream");
     assert!(matches!(ended, Ok(None)), "{ended:?}");
 
-    // A routed request no observer claims (a gateway that sends the picker no response) is
-    // handed back as unfinished once its routing stream is gone.
+    // A routed request no observer claims is handed back as unfinished once its routing
+    // stream is gone.
     let mut routing = Stream::open(&epp).await;
     let set = routed_headers(&mut routing).await;
     let id = id_of(&epp, &set[DESTINATION]);
@@ -527,5 +543,5 @@ async fn an_observer_stream_follows_the_response_without_answering() {
     })
     .await;
     let closed = metric("kvroute_requests_total", "outcome=\"client_closed\"");
-    assert_eq!(closed, 1.0);
+    assert_eq!((closed, completed()), (1.0, 2.0));
 }

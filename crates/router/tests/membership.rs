@@ -55,10 +55,7 @@ async fn endpoints_join_and_leave_a_running_router() {
     let added = router.endpoint(id);
     eventually("b's subscriber connected", || {
         let stats = added.subscriber.lock().as_ref().map(|s| s.stats());
-        let ok = stats
-            .as_ref()
-            .is_some_and(|s| s.iter().all(|(_, f)| f.connected));
-        (ok, stats)
+        (added.events_connected(), stats)
     })
     .await;
     let mut seen = std::collections::BTreeSet::new();

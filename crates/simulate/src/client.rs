@@ -3,7 +3,7 @@
 //! tokenized exactly as the simulated server tokenizes what the driver sends (the built-in
 //! tokenizer and its chat template).
 
-use kvroute_bench::workload::{Api, Content, Workload};
+use kvroute_bench::workload::{Api, Workload};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
 
 /// One session's progress.
@@ -70,17 +70,14 @@ impl<'a> Client<'a> {
         state.next_turn += 1;
         let spec = &self.workload.sessions[session].turns[turn];
         let tokenizer = BuiltinTokenizer;
-        let prompt = match (self.workload.api, &spec.content) {
-            (Api::Chat, content) => {
-                let text = match content {
-                    Content::Text(t) => t.clone(),
-                    Content::Tokens(t) => format!("{t:?}"),
-                };
-                state.messages.push(message("user", text));
+        let prompt = match self.workload.api {
+            Api::Chat => {
+                state
+                    .messages
+                    .push(message("user", spec.content.chat_text()));
                 tokenizer.encode(&tokenizer.apply_chat_template(&state.messages, true))
             }
-            (Api::Completions, Content::Text(t)) => tokenizer.encode(t),
-            (Api::Completions, Content::Tokens(t)) => t.clone(),
+            Api::Completions => spec.content.completion_tokens(),
         };
         Prepared {
             turn,

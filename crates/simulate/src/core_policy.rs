@@ -136,17 +136,7 @@ impl CorePolicy {
 }
 
 fn shed(why: Shed) -> Routing {
-    Routing::Reject(
-        match why {
-            Shed::Timeout => {
-                "HTTP 503: every endpoint stayed saturated while the request waited; retry shortly"
-            }
-            Shed::QueueFull | Shed::QueueBytes => {
-                "HTTP 429: the router is holding as many requests as it may; retry shortly"
-            }
-        }
-        .to_owned(),
-    )
+    Routing::Reject(format!("HTTP {}: {}", why.status(), why.reply()))
 }
 
 impl RoutingPolicy for CorePolicy {

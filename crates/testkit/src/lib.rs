@@ -1,8 +1,10 @@
 //! Helpers several crates' tests share: waiting for a condition without fixed sleeps, and
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
-//! sets up; a hostile KV-event publisher ([`hostile`]). Tests only; nothing here ships.
+//! sets up; a hostile KV-event publisher ([`hostile`]); deterministic random data for tests and
+//! benchmarks ([`random`]). Tests only; nothing here ships.
 
 pub mod hostile;
+pub mod random;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

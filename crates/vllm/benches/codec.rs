@@ -9,30 +9,18 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use kvroute_testkit::random::SplitMix64;
 use kvroute_vllm::codec::{EventLayout, decode_batch, encode_batch};
-
-/// Deterministic pseudo-random numbers (splitmix64).
-struct Numbers(u64);
-
-impl Numbers {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
 
 /// One batch holding one GPU `BlockStored` of `blocks` 16-token blocks continuing a chain
 /// (full 64-bit hashes and token ids below 150k, as a real engine publishes).
 fn stored_batch(blocks: usize) -> EventBatch {
-    let mut rng = Numbers(blocks as u64);
+    let mut rng = SplitMix64(blocks as u64);
     let event = KvEvent::BlockStored(BlockStored {
-        block_hashes: (0..blocks).map(|_| EngineHash(rng.next())).collect(),
-        parent_block_hash: Some(EngineHash(rng.next())),
+        block_hashes: (0..blocks).map(|_| EngineHash(rng.next_u64())).collect(),
+        parent_block_hash: Some(EngineHash(rng.next_u64())),
         token_ids: (0..blocks * 16)
-            .map(|_| (rng.next() % 150_000) as u32)
+            .map(|_| (rng.next_u64() % 150_000) as u32)
             .collect(),
         block_size: 16,
         medium: Some("GPU".into()),
@@ -43,9 +31,9 @@ fn stored_batch(blocks: usize) -> EventBatch {
 
 /// One batch holding one GPU `BlockRemoved` of `blocks` hashes.
 fn removed_batch(blocks: usize) -> EventBatch {
-    let mut rng = Numbers(!(blocks as u64));
+    let mut rng = SplitMix64(!(blocks as u64));
     batch(KvEvent::BlockRemoved(BlockRemoved {
-        block_hashes: (0..blocks).map(|_| EngineHash(rng.next())).collect(),
+        block_hashes: (0..blocks).map(|_| EngineHash(rng.next_u64())).collect(),
         medium: Some("GPU".into()),
         group_idx: None,
     }))

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::decay::Decaying;
 use super::outlier::Outlier;
 use super::trust::Trust;
 use crate::index::EndpointId;
@@ -133,9 +134,8 @@ pub struct EndpointState {
     pub(super) prefill_rate: f64,
     /// Its tiers' load rates, learned from requests that loaded from them.
     pub(super) tier_rates: TierRates,
-    /// Placements, decayed to `placements_at`.
-    pub(super) placements: f64,
-    pub(super) placements_at: f64,
+    /// Recent placements.
+    pub(super) placements: Decaying,
     pub(super) trust: Trust,
     /// When everything known of its cache was last forgotten.
     pub(super) forgotten_at: Option<f64>,
@@ -164,8 +164,7 @@ impl EndpointState {
             inflight_prefill_tokens: 0,
             prefill_rate: 0.0,
             tier_rates: TierRates::default(),
-            placements: 0.0,
-            placements_at: 0.0,
+            placements: Decaying::default(),
             trust,
             forgotten_at: None,
             capacity_blocks: None,
@@ -212,7 +211,7 @@ impl EndpointState {
 
     /// Placements decayed to `now`.
     pub fn recent_placements(&self, now: f64) -> f64 {
-        self.placements * (-(now - self.placements_at).max(0.0) / PLACEMENT_TAU_S).exp()
+        self.placements.at(now, PLACEMENT_TAU_S)
     }
 
     /// Load for scoring at `now`: the last sample if younger than `max_age_s`, plus the
@@ -239,8 +238,7 @@ impl EndpointState {
     }
 
     pub(super) fn note_placement(&mut self, now: f64) {
-        self.placements = self.recent_placements(now) + 1.0;
-        self.placements_at = now;
+        self.placements.add(now, PLACEMENT_TAU_S);
     }
 
     /// Observes a prefill: `tokens` uncached tokens took `seconds` to the first token.

@@ -53,6 +53,27 @@ impl Shed {
             Shed::Timeout => "timeout",
         }
     }
+
+    /// The HTTP status a shed request is answered with: 503 when it waited too long (every
+    /// endpoint stayed saturated), 429 when the queue was full.
+    pub fn status(self) -> u16 {
+        match self {
+            Shed::Timeout => 503,
+            Shed::QueueFull | Shed::QueueBytes => 429,
+        }
+    }
+
+    /// The reply's message, the same from the router and the simulator.
+    pub fn reply(self) -> &'static str {
+        match self {
+            Shed::Timeout => {
+                "every endpoint stayed saturated while the request waited; retry shortly"
+            }
+            Shed::QueueFull | Shed::QueueBytes => {
+                "the router is holding as many requests as it may; retry shortly"
+            }
+        }
+    }
 }
 
 /// A held request's place in the queue.

@@ -8,6 +8,7 @@
 //! out its plans (`plan`, then `dispatched` once a connection to the engine is made); none of
 //! them decides anything itself.
 
+mod decay;
 mod endpoint;
 pub mod flow;
 mod membership;

@@ -13,6 +13,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::decay::Decaying;
+
 /// When requests' failures eject an endpoint, and how many requests one endpoint may hold.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -148,24 +150,6 @@ impl Outlier {
                 })
             }
         }
-    }
-}
-
-/// A count decaying exponentially with time constant `tau`.
-#[derive(Clone, Copy, Debug, Default)]
-struct Decaying {
-    value: f64,
-    at: f64,
-}
-
-impl Decaying {
-    fn at(&self, now: f64, tau: f64) -> f64 {
-        self.value * (-(now - self.at).max(0.0) / tau.max(1e-3)).exp()
-    }
-
-    fn add(&mut self, now: f64, tau: f64) {
-        self.value = self.at(now, tau) + 1.0;
-        self.at = now;
     }
 }
 

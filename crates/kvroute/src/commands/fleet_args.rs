@@ -1,6 +1,8 @@
 //! The simulated fleet's flags that `kvroute simulate` and `kvroute tune` share: engines, their
 //! model, and the timing around them.
 
+use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
@@ -12,7 +14,7 @@ use kvroute_vllm::nixl::KvRole;
 use super::engine_args::EngineArgs;
 use super::events::parse_duration;
 
-/// A simulated fleet.
+/// A simulated fleet; every default is the simulator's own ([`FleetConfig::default`]).
 #[derive(Args)]
 pub struct FleetArgs {
     /// Engines in the fleet (default 4); beside --prefill-engines/--decode-engines, kv_both
@@ -35,17 +37,45 @@ pub struct FleetArgs {
     #[command(flatten)]
     engine: EngineArgs,
     /// Client to engine latency of a request (HTTP and the router's own work).
-    #[arg(long, default_value = "0.5ms", value_parser = parse_duration)]
-    request_latency: Duration,
+    #[arg(long, default_value_t = Millis::of(FleetConfig::default().request_latency_s))]
+    request_latency: Millis,
     /// Engine to client latency of a token.
-    #[arg(long, default_value = "0.2ms", value_parser = parse_duration)]
-    response_latency: Duration,
+    #[arg(long, default_value_t = Millis::of(FleetConfig::default().response_latency_s))]
+    response_latency: Millis,
     /// Delay of KV events from the engine to the router.
-    #[arg(long, default_value = "1ms", value_parser = parse_duration)]
-    event_delay: Duration,
+    #[arg(long, default_value_t = Millis::of(FleetConfig::default().event_delay_s))]
+    event_delay: Millis,
     /// How often the router scrapes each engine's load (its `scrape.interval_ms`).
-    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
-    scrape_interval: Duration,
+    #[arg(long, default_value_t = Millis::of(FleetConfig::default().scrape_interval_s))]
+    scrape_interval: Millis,
+}
+
+/// A duration flag (`500ms`, `2s`, `1m`), shown in `--help` in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Millis(Duration);
+
+impl Millis {
+    fn of(seconds: f64) -> Self {
+        Self(Duration::from_secs_f64(seconds))
+    }
+
+    fn seconds(self) -> f64 {
+        self.0.as_secs_f64()
+    }
+}
+
+impl FromStr for Millis {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_duration(text).map(Self)
+    }
+}
+
+impl fmt::Display for Millis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ms", self.0.as_nanos() as f64 / 1e6)
+    }
 }
 
 fn parse_role(text: &str) -> Result<KvRole, String> {
@@ -61,7 +91,11 @@ impl FleetArgs {
     /// The fleet the flags describe; `seed` seeds the policies' random choices.
     pub fn fleet(&self, seed: u64) -> anyhow::Result<FleetConfig> {
         let split = self.prefill_engines + self.decode_engines;
-        let both = self.engines.unwrap_or(if split > 0 { 0 } else { 4 });
+        let both = self.engines.unwrap_or(if split > 0 {
+            0
+        } else {
+            FleetConfig::default().engines
+        });
         let pd = (split > 0 || self.kv_role.is_some()).then(|| PdFleet {
             roles: std::iter::repeat_n(KvRole::Producer, self.prefill_engines)
                 .chain(std::iter::repeat_n(KvRole::Consumer, self.decode_engines))
@@ -77,12 +111,51 @@ impl FleetArgs {
         Ok(FleetConfig {
             engines,
             engine: self.engine.engine_config()?,
-            request_latency_s: self.request_latency.as_secs_f64(),
-            response_latency_s: self.response_latency.as_secs_f64(),
-            event_delay_s: self.event_delay.as_secs_f64(),
-            scrape_interval_s: self.scrape_interval.as_secs_f64(),
+            request_latency_s: self.request_latency.seconds(),
+            response_latency_s: self.response_latency.seconds(),
+            event_delay_s: self.event_delay.seconds(),
+            scrape_interval_s: self.scrape_interval.seconds(),
             seed,
             pd,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        fleet: FleetArgs,
+    }
+
+    #[test]
+    fn the_flags_default_to_the_simulators_fleet_and_show_it_as_written() {
+        let fleet = Cli::parse_from(["kvroute"]).fleet.fleet(0).unwrap();
+        let defaults = FleetConfig::default();
+        assert_eq!(
+            (
+                fleet.engines,
+                fleet.request_latency_s,
+                fleet.response_latency_s
+            ),
+            (
+                defaults.engines,
+                defaults.request_latency_s,
+                defaults.response_latency_s
+            )
+        );
+        assert_eq!(
+            (fleet.event_delay_s, fleet.scrape_interval_s),
+            (defaults.event_delay_s, defaults.scrape_interval_s)
+        );
+        assert_eq!(Millis::of(0.0005).to_string(), "0.5ms");
+        assert_eq!("2s".parse::<Millis>().unwrap().to_string(), "2000ms");
+        let set = Cli::parse_from(["kvroute", "--event-delay", "5ms"]).fleet;
+        assert_eq!(set.fleet(0).unwrap().event_delay_s, 0.005);
     }
 }

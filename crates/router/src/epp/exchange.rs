@@ -49,6 +49,8 @@ pub struct Exchange {
     observer: bool,
     /// The response was followed to its end (or there is nothing to follow).
     ended: bool,
+    /// The response headers came on this stream.
+    response_seen: bool,
 }
 
 impl Drop for Exchange {
@@ -56,11 +58,14 @@ impl Drop for Exchange {
         let Some(token) = self.offered.take() else {
             return;
         };
-        // A response still to follow may yet be claimed by an observer stream that is a moment
-        // behind (Envoy may close this stream as soon as its own phases are done).
+        // A response still to follow may yet be claimed by an observer stream a moment behind:
+        // when the gateway runs observers, or when this stream ended before the response began
+        // here (Envoy may close it as soon as its own phases are done). Otherwise the request
+        // is over.
         let unfinished = self.followed.as_ref().is_some_and(|f| f.lock().is_some());
+        let awaited = self.handoffs.observed() || !self.response_seen;
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if unfinished => {
+            Ok(runtime) if unfinished && awaited => {
                 let handoffs = self.handoffs.clone();
                 runtime.spawn(async move {
                     tokio::time::sleep(handoff::CLAIM_GRACE).await;
@@ -98,6 +103,7 @@ impl Exchange {
             offered: None,
             observer: false,
             ended: false,
+            response_seen: false,
         }
     }
 
@@ -369,6 +375,7 @@ impl Exchange {
     }
 
     fn response_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
+        self.response_seen = true;
         self.response_status(h);
         let name = self.endpoint_name.as_deref();
         let added: Vec<(&str, &str)> = name

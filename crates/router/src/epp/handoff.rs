@@ -5,13 +5,17 @@
 //! without waiting. The two streams meet here: the routing stream leaves the request's
 //! accounting under a token it names in a request header ([`super::protocol::EXCHANGE`]), and
 //! the observer stream, which sees that header, claims it. An entry lives from the routing
-//! answer until it is claimed, or [`CLAIM_GRACE`] after its routing stream ended (Envoy may
-//! close that stream before the observer's first message is read), so there are never more
-//! entries than streams opened in the last few seconds. Unclaimed, the accounting is handed
-//! back as unfinished (`client_closed`), as when a gateway sends the picker no response at all.
+//! answer until it is claimed, or until its routing stream ends. Then it waits [`CLAIM_GRACE`]
+//! for an observer that may be a moment behind, if one could still come: when this gateway runs
+//! the observer filter (some observer stream has claimed a request before), or when the routing
+//! stream ended before its response began. A gateway without the observer filter thus gets its
+//! load back when the routing stream ends, as before. There are never more entries than streams
+//! opened in the last few seconds. Unclaimed, the accounting is handed back as unfinished
+//! (`client_closed`), as when a gateway sends the picker no response at all.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -32,6 +36,8 @@ pub type Followed = Arc<Mutex<Option<Accounting>>>;
 #[derive(Default)]
 pub struct Handoffs {
     waiting: Mutex<HashMap<u64, Followed>>,
+    /// An observer stream has claimed a request: the gateway runs the observer filter.
+    observed: AtomicBool,
 }
 
 impl Handoffs {
@@ -52,7 +58,14 @@ impl Handoffs {
     /// The accounting left under `token` (as the header names it), once.
     pub fn claim(&self, token: &str) -> Option<Followed> {
         let token = u64::from_str_radix(token.trim(), 16).ok()?;
-        self.waiting.lock().remove(&token)
+        let claimed = self.waiting.lock().remove(&token)?;
+        self.observed.store(true, Ordering::Relaxed);
+        Some(claimed)
+    }
+
+    /// Whether an observer stream ever claimed a request (the gateway runs the observer filter).
+    pub fn observed(&self) -> bool {
+        self.observed.load(Ordering::Relaxed)
     }
 
     /// The routing stream ended: what it left unclaimed is no longer offered.
@@ -77,11 +90,16 @@ mod tests {
         let handoffs = Handoffs::default();
         let followed: Followed = Arc::new(Mutex::new(None));
         let (token, header) = handoffs.offer(&followed);
+        assert!(!handoffs.observed());
         assert_eq!(header.len(), 16);
         assert!(handoffs.claim("not hex").is_none());
         assert!(handoffs.claim(&format!("{:016x}", token ^ 1)).is_none());
         let claimed = handoffs.claim(&header).expect("claimed by its token");
         assert!(Arc::ptr_eq(&claimed, &followed));
+        assert!(
+            handoffs.observed(),
+            "a claim shows the gateway runs observers"
+        );
         assert!(handoffs.claim(&header).is_none(), "claimed once");
 
         let (token, header) = handoffs.offer(&followed);

@@ -83,6 +83,7 @@ impl FleetArgs {
             scrape_interval_s: self.scrape_interval.as_secs_f64(),
             seed,
             pd,
+            engine_slowdown: Vec::new(),
         })
     }
 }

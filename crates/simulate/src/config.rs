@@ -132,3 +132,40 @@ impl FleetConfig {
         format!("engine-{i}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mixed_fleet_slows_only_the_engines_named_and_refuses_bad_factors() {
+        let fleet = FleetConfig {
+            engine_slowdown: vec![1.0, 2.0],
+            ..FleetConfig::default()
+        };
+        fleet.validate().unwrap();
+        let (fast, slow, unnamed) = (
+            fleet.engine_config(0),
+            fleet.engine_config(1),
+            fleet.engine_config(3),
+        );
+        assert_eq!(fast.latency, fleet.engine.latency);
+        assert_eq!(unnamed.latency, fleet.engine.latency);
+        assert_eq!(
+            slow.latency.prefill_per_token_s,
+            2.0 * fleet.engine.latency.prefill_per_token_s
+        );
+        assert_eq!(
+            slow.latency.step_overhead_s,
+            2.0 * fleet.engine.latency.step_overhead_s
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let fleet = FleetConfig {
+                engine_slowdown: vec![bad],
+                ..FleetConfig::default()
+            };
+            let err = fleet.validate().unwrap_err().to_string();
+            assert!(err.contains("engine_slowdown"), "{err}");
+        }
+    }
+}

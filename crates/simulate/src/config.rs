@@ -29,6 +29,10 @@ pub struct FleetConfig {
     /// Prefill/decode disaggregation: engine roles and the link between them (`None`: every
     /// engine serves whole requests only).
     pub pd: Option<PdFleet>,
+    /// A mixed fleet: engine `i`'s every latency (steps, prefill, decode, loads) is its
+    /// model's × `engine_slowdown[i]` (missing or empty: 1, a uniform fleet).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engine_slowdown: Vec<f64>,
 }
 
 /// The P/D side of a fleet: what the live simulator's `--prefill-engines`, `--decode-engines`
@@ -54,15 +58,43 @@ impl Default for FleetConfig {
             scrape_interval_s: 0.5,
             seed: 0,
             pd: None,
+            engine_slowdown: Vec::new(),
         }
     }
 }
 
 impl FleetConfig {
+    /// Engine `i`'s model: the fleet's, slowed down by its `engine_slowdown`.
+    pub fn engine_config(&self, i: usize) -> EngineConfig {
+        let mut engine = self.engine.clone();
+        if let Some(&factor) = self.engine_slowdown.get(i) {
+            let l = &mut engine.latency;
+            for seconds in [
+                &mut l.step_overhead_s,
+                &mut l.prefill_per_token_s,
+                &mut l.decode_per_seq_s,
+                &mut l.decode_per_context_token_s,
+                &mut l.cpu_load_per_block_s,
+            ] {
+                *seconds *= factor;
+            }
+        }
+        engine
+    }
+
     /// Checks the settings.
     pub fn validate(&self) -> Result<(), SimulateError> {
         if self.engines == 0 {
             return Err(SimulateError::Config("engines must be at least 1".into()));
+        }
+        if let Some(bad) = self
+            .engine_slowdown
+            .iter()
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return Err(SimulateError::Config(format!(
+                "engine_slowdown factors must be positive numbers, not {bad}"
+            )));
         }
         let times = [
             ("request_latency_s", self.request_latency_s),
@@ -98,5 +130,42 @@ impl FleetConfig {
     /// The name of endpoint `i`, as `kvroute demo` names its engines.
     pub fn endpoint_name(i: usize) -> String {
         format!("engine-{i}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mixed_fleet_slows_only_the_engines_named_and_refuses_bad_factors() {
+        let fleet = FleetConfig {
+            engine_slowdown: vec![1.0, 2.0],
+            ..FleetConfig::default()
+        };
+        fleet.validate().unwrap();
+        let (fast, slow, unnamed) = (
+            fleet.engine_config(0),
+            fleet.engine_config(1),
+            fleet.engine_config(3),
+        );
+        assert_eq!(fast.latency, fleet.engine.latency);
+        assert_eq!(unnamed.latency, fleet.engine.latency);
+        assert_eq!(
+            slow.latency.prefill_per_token_s,
+            2.0 * fleet.engine.latency.prefill_per_token_s
+        );
+        assert_eq!(
+            slow.latency.step_overhead_s,
+            2.0 * fleet.engine.latency.step_overhead_s
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let fleet = FleetConfig {
+                engine_slowdown: vec![bad],
+                ..FleetConfig::default()
+            };
+            let err = fleet.validate().unwrap_err().to_string();
+            assert!(err.contains("engine_slowdown"), "{err}");
+        }
     }
 }

@@ -86,7 +86,7 @@ pub fn run(
         queue: Queue::default(),
         client: Client::new(workload),
         engines: (0..fleet.engines)
-            .map(|_| SimEngine::new(fleet.engine.clone()))
+            .map(|i| SimEngine::new(fleet.engine_config(i)))
             .collect::<Result<_, _>>()?,
         requests: Vec::with_capacity(workload.requests()),
         next_session: 0,

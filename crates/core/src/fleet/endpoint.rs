@@ -11,6 +11,39 @@ use crate::index::EndpointId;
 use crate::schedule::{EndpointLoad, Role};
 use crate::tiers::TierRates;
 
+/// Weight of one sample in the prefill rate's exponentially weighted mean (the last ten
+/// samples carry two thirds of it). A prefill that could not be sampled ages the estimate by
+/// the same step.
+pub const PREFILL_RATE_SAMPLE_WEIGHT: f64 = 0.1;
+
+/// Fewest uncached tokens whose time to first token says something about the prefill rate.
+const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
+
+/// The fleet's pooled prefill rate, tokens/s: the endpoints' observed rates, each weighted by
+/// its freshness (their plain mean when none is fresh; `None` when none is observed).
+pub fn pooled_prefill_rate<'a>(
+    endpoints: impl IntoIterator<Item = &'a EndpointState>,
+) -> Option<f64> {
+    let (mut weighted, mut weights, mut sum, mut count) = (0.0, 0.0, 0.0, 0usize);
+    for e in endpoints {
+        let Some(rate) = e.observed_prefill_rate() else {
+            continue;
+        };
+        let w = e.prefill_rate_freshness();
+        weighted += w * rate;
+        weights += w;
+        sum += rate;
+        count += 1;
+    }
+    if count == 0 {
+        None
+    } else if weights > 1e-6 {
+        Some(weighted / weights)
+    } else {
+        Some(sum / count as f64)
+    }
+}
+
 /// What the router is told about an endpoint when it joins the fleet.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EndpointSpec {
@@ -130,8 +163,11 @@ pub struct EndpointState {
     pub(super) inflight: u32,
     pub(super) inflight_prefills: u32,
     pub(super) inflight_prefill_tokens: u64,
-    /// Observed prefill rate, tokens/s (EWMA; 0 until observed).
+    /// Observed prefill rate, tokens/s (EWMA of uncontended prefills; 0 until observed).
     pub(super) prefill_rate: f64,
+    /// Prefills it computed beside others since its last rate sample: samples it could not
+    /// read, so its own rate has aged by as many EWMA steps.
+    pub(super) prefills_unsampled: u32,
     /// Its tiers' load rates, learned from requests that loaded from them.
     pub(super) tier_rates: TierRates,
     /// Recent placements.
@@ -163,6 +199,7 @@ impl EndpointState {
             inflight_prefills: 0,
             inflight_prefill_tokens: 0,
             prefill_rate: 0.0,
+            prefills_unsampled: 0,
             tier_rates: TierRates::default(),
             placements: Decaying::default(),
             trust,
@@ -209,6 +246,26 @@ impl EndpointState {
         (self.prefill_rate > 0.0).then_some(self.prefill_rate)
     }
 
+    /// How far its own rate still counts, 0–1: the EWMA's weight for the samples it has
+    /// missed, `(1 − PREFILL_RATE_SAMPLE_WEIGHT)^missed` (0 until observed).
+    pub fn prefill_rate_freshness(&self) -> f64 {
+        if self.prefill_rate > 0.0 {
+            (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(self.prefills_unsampled.min(1_000) as i32)
+        } else {
+            0.0
+        }
+    }
+
+    /// Its prefill rate for costing, tokens/s: its own observed rate shrunk toward `pooled`
+    /// (the fleet's) by the samples it has missed. Each prefill it computed beside others is
+    /// a sample it could not read; the EWMA takes the pooled rate in its place. With fresh
+    /// samples its own rate stands (a mixed fleet tells its engines apart); under deep queues,
+    /// where no endpoint's own rate can be read, a rate frozen by chance fades into the pool.
+    pub fn prefill_rate_toward(&self, pooled: f64) -> f64 {
+        let own = self.prefill_rate_freshness();
+        own * self.prefill_rate + (1.0 - own) * pooled
+    }
+
     /// Placements decayed to `now`.
     pub fn recent_placements(&self, now: f64) -> f64 {
         self.placements.at(now, PLACEMENT_TAU_S)
@@ -241,17 +298,25 @@ impl EndpointState {
         self.placements.add(now, PLACEMENT_TAU_S);
     }
 
-    /// Observes a prefill: `tokens` uncached tokens took `seconds` to the first token.
-    pub(super) fn note_prefill(&mut self, tokens: u64, seconds: f64) {
-        if tokens < 256 || seconds <= 0.0 {
+    /// Observes a prefill: `tokens` uncached tokens took `seconds` to the first token;
+    /// `alone`: it was the only prefill in flight there (a rate sample). A prefill computed
+    /// beside others says nothing of the rate and ages the estimate by one sample.
+    pub(super) fn note_prefill(&mut self, tokens: u64, seconds: f64, alone: bool) {
+        if tokens < MIN_RATE_SAMPLE_TOKENS || seconds <= 0.0 {
             return; // too small to say anything about the prefill rate
+        }
+        if !alone {
+            self.prefills_unsampled = self.prefills_unsampled.saturating_add(1);
+            return;
         }
         let rate = tokens as f64 / seconds;
         self.prefill_rate = if self.prefill_rate == 0.0 {
             rate
         } else {
-            0.9 * self.prefill_rate + 0.1 * rate
+            (1.0 - PREFILL_RATE_SAMPLE_WEIGHT) * self.prefill_rate
+                + PREFILL_RATE_SAMPLE_WEIGHT * rate
         };
+        self.prefills_unsampled = 0;
     }
 
     /// Applies one health-check result.

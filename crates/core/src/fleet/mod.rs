@@ -30,7 +30,10 @@ use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
 };
 use crate::tiers::TierTokens;
-pub use endpoint::{EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample};
+pub use endpoint::{
+    EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
+    PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
+};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
 pub use sessions::Sessions;
@@ -347,16 +350,8 @@ impl Fleet {
         let reportable = request.prompt_tokens.saturating_sub(1) / bs;
         // An endpoint not yet observed is assumed as fast as the observed ones (fleets are
         // mostly uniform); the configured rate is the prior when none is observed yet.
-        let observed: Vec<f64> = self
-            .endpoints
-            .iter()
-            .filter_map(EndpointState::observed_prefill_rate)
-            .collect();
-        let prior_rate = if observed.is_empty() {
-            self.config.default_prefill_tokens_per_s
-        } else {
-            observed.iter().sum::<f64>() / observed.len() as f64
-        };
+        let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
+        let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
         let mut candidates = Vec::with_capacity(self.endpoints.len());
         let mut facts = Vec::with_capacity(self.endpoints.len());
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
@@ -402,7 +397,7 @@ impl Fleet {
                 _ => [0; 3],
             });
             let load = e.load(now, self.config.load_sample_max_age_s);
-            let rate = e.observed_prefill_rate().unwrap_or(prior_rate);
+            let rate = e.prefill_rate_toward(prior_rate);
             facts.push(EndpointFacts {
                 name: e.spec.name.clone(),
                 healthy: e.healthy,
@@ -633,8 +628,8 @@ impl Fleet {
             // learned once the engine says how much it found cached.
             let rate = e.observed_prefill_rate().unwrap_or(default_rate);
             dispatch.tier_seconds = Some(seconds - tokens as f64 / rate);
-        } else if sample {
-            e.note_prefill(tokens, seconds);
+        } else if ok && !tiered {
+            e.note_prefill(tokens, seconds, sample);
         }
         if !dispatch.keys.is_empty() {
             let expiry = now + self.config.prediction_grace_s;

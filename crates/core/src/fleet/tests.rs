@@ -191,6 +191,92 @@ fn the_prefill_rate_is_learned_from_uncontended_prefills_only() {
     assert_eq!(rate, Some(10_000.0));
 }
 
+/// Sends `req` to `endpoint` (whatever the plan says) at `now`.
+fn send_to(fleet: &mut Fleet, req: &Req, endpoint: EndpointId, now: f64) -> Dispatch {
+    let plan = fleet.plan(&req.features(), 7, now);
+    fleet.dispatched(&plan.predicted_cached, &req.features(), endpoint, now)
+}
+
+/// The rate each endpoint is costed at now.
+fn costed_rates(fleet: &mut Fleet, now: f64) -> Vec<f64> {
+    let plan = fleet.plan(&Req::new(&prompt(64, 999)).features(), 7, now);
+    plan.facts.iter().map(|f| f.prefill_tokens_per_s).collect()
+}
+
+#[test]
+fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
+    // The heavy multi-turn load's failure: e0 was judged fast by one lucky uncontended
+    // prefill, then stayed busy, so its rate was never read again and it kept getting work.
+    let mut fleet = FleetBuilder::new(2).build();
+    let mut lucky = send_to(&mut fleet, &Req::new(&prompt(1000, 1)), EndpointId(0), 0.0);
+    fleet.first_token(&mut lucky, true, 0.025); // 40k tokens/s, alone
+    let mut plain = send_to(&mut fleet, &Req::new(&prompt(1000, 2)), EndpointId(1), 0.0);
+    fleet.first_token(&mut plain, true, 0.1); // 10k tokens/s, alone
+    // Fresh samples: a mixed fleet keeps its engines apart.
+    assert_eq!(costed_rates(&mut fleet, 0.2), vec![40_000.0, 10_000.0]);
+    // A long prefill keeps e0 busy: everything sent there meanwhile runs beside it.
+    let mut blocker = send_to(&mut fleet, &Req::new(&prompt(1000, 3)), EndpointId(0), 1.0);
+    let mut now = 1.0;
+    for i in 0..40 {
+        // Two more prefills beside it: neither says anything of e0's rate.
+        let mut a = send_to(
+            &mut fleet,
+            &Req::new(&prompt(1000, 10 + 2 * i)),
+            EndpointId(0),
+            now,
+        );
+        let mut b = send_to(
+            &mut fleet,
+            &Req::new(&prompt(1000, 11 + 2 * i)),
+            EndpointId(0),
+            now,
+        );
+        fleet.first_token(&mut a, true, now + 0.1);
+        fleet.first_token(&mut b, true, now + 0.2);
+        fleet.finished(a, None, now + 0.3);
+        fleet.finished(b, None, now + 0.3);
+        now += 1.0;
+    }
+    fleet.first_token(&mut blocker, false, now);
+    fleet.finished(blocker, None, now);
+    let rates = costed_rates(&mut fleet, now);
+    // 80 unread samples: e0's own estimate keeps 0.9^80 of its weight.
+    assert!((rates[0] - 10_000.0).abs() < 100.0, "{rates:?}");
+    assert_eq!(rates[1], 10_000.0);
+    // One uncontended prefill on e0 brings its own rate back.
+    let mut alone = send_to(
+        &mut fleet,
+        &Req::new(&prompt(1000, 500)),
+        EndpointId(0),
+        now,
+    );
+    fleet.first_token(&mut alone, true, now + 0.025);
+    let fresh = costed_rates(&mut fleet, now + 0.1)[0];
+    assert!(fresh > 39_000.0, "{fresh}");
+}
+
+proptest::proptest! {
+    #[test]
+    fn a_costed_prefill_rate_moves_from_its_own_toward_the_pool_by_the_samples_missed(
+        own in 1_000.0f64..100_000.0,
+        pooled in 1_000.0f64..100_000.0,
+        missed in 0u32..200,
+    ) {
+        let mut e = EndpointState::new(EndpointId(0), spec("e", BS));
+        e.note_prefill(10_000, 10_000.0 / own, true);
+        for _ in 0..missed {
+            e.note_prefill(10_000, 1.0, false);
+        }
+        let costed = e.prefill_rate_toward(pooled);
+        let kept = (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(missed as i32);
+        proptest::prop_assert!((costed - pooled).abs() <= kept * (own - pooled).abs() + 1e-6);
+        proptest::prop_assert!(costed >= own.min(pooled) - 1e-6 && costed <= own.max(pooled) + 1e-6);
+        if missed == 0 {
+            proptest::prop_assert!((costed - own).abs() < 1e-6);
+        }
+    }
+}
+
 #[test]
 fn follow_up_turns_stay_with_their_history_at_zero_load() {
     // The first round's repro: 3 idle engines, 6 conversations of 4 turns sent one at a time,

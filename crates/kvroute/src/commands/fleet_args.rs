@@ -117,6 +117,7 @@ impl FleetArgs {
             scrape_interval_s: self.scrape_interval.seconds(),
             seed,
             pd,
+            engine_slowdown: Vec::new(),
         })
     }
 }

@@ -10,10 +10,10 @@
 //!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer) + the transfer of
 //!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth, behind the bytes already
 //!   queued on the busier of the two NICs (a shared link's backlog is a queue like an
-//!   engine's; counted in full, as if first come first served) + D's queue wait (the decode
-//!   leg still waits for a batch slot there; the simulator admits it after the pull, so the
-//!   terms add) + the second leg's fixed cost (the prefill engine's sampling step and one more
-//!   round trip).
+//!   engine's; counted in full, as if first come first served), or D's queue wait if that is
+//!   longer (D's queue drains while the prefill and the pull run elsewhere: the decode leg
+//!   starts at the later of the two, so the terms overlap in time and do not add) + the
+//!   second leg's fixed cost (the prefill engine's sampling step and one more round trip).
 //!
 //! The cheapest wins; a tie keeps the request aggregated (one leg, nothing held). A pair under
 //! quarantine ([`links`]) is listed with its arithmetic but cannot win. [`DisaggExplain`] carries
@@ -110,7 +110,8 @@ pub struct PdOption {
     pub link: LinkHealth,
     /// Predicted transfer seconds (latency included).
     pub transfer_s: f64,
-    /// The decode endpoint's queue wait for the decode leg.
+    /// The decode endpoint's queue wait now; it drains while the prefill leg and the pull run,
+    /// so only what is left of it when the blocks arrive counts.
     pub decode_queue_s: f64,
     /// The second leg's fixed cost.
     pub leg_overhead_s: f64,
@@ -182,13 +183,10 @@ pub fn decide(
                 0.0
             };
             let c = &p.cost;
-            let total_s = c.queue_s
-                + c.prefill_s
-                + c.tier_load_s
-                + c.decode_interference_s
-                + transfer_s
-                + d.queue_s
-                + shape.leg_overhead_s;
+            // D's queue drains while the prefill leg and the pull run elsewhere: the decode
+            // leg starts when the later of the two is done, not after both in turn.
+            let ready_s = c.queue_s + c.prefill_s + c.tier_load_s + transfer_s;
+            let total_s = ready_s.max(d.queue_s) + c.decode_interference_s + shape.leg_overhead_s;
             PdOption {
                 prefill: p.endpoint,
                 decode: decode.endpoint,

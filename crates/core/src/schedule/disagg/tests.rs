@@ -130,6 +130,27 @@ fn the_cheapest_prefill_endpoint_wins_and_the_decode_endpoint_is_not_its_own_pro
 }
 
 #[test]
+fn a_queued_decode_endpoint_drains_while_the_prefill_runs_elsewhere() {
+    // D has 1 s of queued prefills and no decodes, P is idle, 8192 tokens over RoCE. Aggregated:
+    // 1 s + 262 ms. P/D: the prefill (262 ms) and the pull (89 ms) run while D's queue drains,
+    // so the decode leg starts at 1 s, then the 5 ms second leg: 1.005 s, not 1.356 s.
+    let explain = decide(
+        request(8192),
+        &side(D, 8192, 0, 1.0, 0.0),
+        &[side(P, 8192, 0, 0.0, 0.0)],
+        &book(ROCE),
+        0.0,
+    );
+    let pd = &explain.disaggregated[0];
+    assert!((pd.total_s - 1.005).abs() < 1e-9, "{pd:#?}");
+    assert_eq!(
+        explain.choice,
+        DisaggChoice::Disaggregated { prefill: P },
+        "{explain:#?}"
+    );
+}
+
+#[test]
 fn a_busy_link_is_a_queue_the_transfer_waits_behind() {
     let links = book(ROCE);
     let mut producer = side(P, 8192, 0, 0.0, 0.0);
@@ -260,8 +281,8 @@ proptest! {
         let a = &explain.aggregated;
         prop_assert!((a.total_s - (a.queue_s + a.prefill_s + a.tier_load_s + a.decode_interference_s)).abs() < 1e-9);
         for o in &explain.disaggregated {
-            let sum = o.prefill_queue_s + o.prefill_s + o.prefill_tier_load_s + o.prefill_interference_s
-                + o.transfer_s + o.decode_queue_s + o.leg_overhead_s;
+            let ready = o.prefill_queue_s + o.prefill_s + o.prefill_tier_load_s + o.transfer_s;
+            let sum = ready.max(o.decode_queue_s) + o.prefill_interference_s + o.leg_overhead_s;
             prop_assert!((o.total_s - sum).abs() < 1e-9);
             prop_assert!(o.transfer_tokens <= prompt);
         }

@@ -49,6 +49,7 @@ fn side(
         },
         cached_tokens: cached,
         link_backlog_bytes: 0.0,
+        queue_inflow: 0.0,
     }
 }
 
@@ -148,6 +149,30 @@ fn a_queued_decode_endpoint_drains_while_the_prefill_runs_elsewhere() {
         DisaggChoice::Disaggregated { prefill: P },
         "{explain:#?}"
     );
+}
+
+#[test]
+fn work_still_reaching_the_decode_endpoint_keeps_its_queue_ahead_of_the_decode_leg() {
+    let with_inflow = |inflow: f64| {
+        let mut decode = side(D, 8192, 0, 1.0, 0.0);
+        decode.queue_inflow = inflow;
+        decide(
+            request(8192),
+            &decode,
+            &[side(P, 8192, 0, 0.0, 0.0)],
+            &book(ROCE),
+            0.0,
+        )
+    };
+    // Work arriving as fast as D drains it: the leg finds D's 1 s queue as it is now,
+    // 262 + 89 ms later (1.356 s), and aggregated (1.262 s) is cheaper.
+    let steady = with_inflow(1.0);
+    let ready = steady.disaggregated[0].total_s - 1.0 - 5e-3;
+    assert!((steady.disaggregated[0].decode_queue_s - 1.0).abs() < 1e-9);
+    assert_eq!(steady.choice, DisaggChoice::Aggregated, "{steady:#?}");
+    // Half as fast: half of the 351 ms is drained.
+    let half = with_inflow(0.5);
+    assert!((half.disaggregated[0].decode_queue_s - (1.0 - 0.5 * ready)).abs() < 1e-9);
 }
 
 #[test]
@@ -281,8 +306,9 @@ proptest! {
         let a = &explain.aggregated;
         prop_assert!((a.total_s - (a.queue_s + a.prefill_s + a.tier_load_s + a.decode_interference_s)).abs() < 1e-9);
         for o in &explain.disaggregated {
-            let ready = o.prefill_queue_s + o.prefill_s + o.prefill_tier_load_s + o.transfer_s;
-            let sum = ready.max(o.decode_queue_s) + o.prefill_interference_s + o.leg_overhead_s;
+            let sum = o.prefill_queue_s + o.prefill_s + o.prefill_tier_load_s + o.prefill_interference_s
+                + o.transfer_s + o.decode_queue_s + o.leg_overhead_s;
+            prop_assert!(o.decode_queue_s <= decode.cost.queue_s + 1e-12, "no inflow: it only drains");
             prop_assert!((o.total_s - sum).abs() < 1e-9);
             prop_assert!(o.transfer_tokens <= prompt);
         }

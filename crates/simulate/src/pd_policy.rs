@@ -4,6 +4,7 @@
 //! candidate with kvroute-core's decision (`pd-cost`), learning each pair's bandwidth from the
 //! transfers the engines report.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use kvroute_core::index::EndpointId;
@@ -38,6 +39,39 @@ pub struct PdRouting {
     /// Each such transfer: its (prefill, decode) endpoints, its bytes, and the bytes queued
     /// ahead of it on the busier NIC when it was sent.
     inflight: HashMap<u64, ((usize, usize), f64, f64)>,
+    /// Prefill seconds sent to each endpoint recently (the decode leg's queue inflow).
+    inflow: RefCell<Inflow>,
+}
+
+/// Prefill seconds sent to each endpoint, decayed exponentially over [`INFLOW_WINDOW_S`]: their
+/// rate is the seconds of queued work reaching it per second.
+struct Inflow {
+    /// Per endpoint: decayed seconds of work, and when last decayed.
+    work: Vec<(f64, f64)>,
+}
+
+/// The time constant of the inflow estimate, seconds: a measurement window spanning several
+/// prefills and load scrapes, not a decision threshold (the decision prices what it measures).
+const INFLOW_WINDOW_S: f64 = 5.0;
+
+impl Inflow {
+    fn decayed(&self, endpoint: usize, now: f64) -> f64 {
+        self.work.get(endpoint).map_or(0.0, |(w, at)| {
+            w * (-(now - at).max(0.0) / INFLOW_WINDOW_S).exp()
+        })
+    }
+
+    /// Seconds of work per second reaching `endpoint`.
+    fn rate(&self, endpoint: usize, now: f64) -> f64 {
+        self.decayed(endpoint, now) / INFLOW_WINDOW_S
+    }
+
+    fn record(&mut self, endpoint: usize, seconds: f64, now: f64) {
+        let w = self.decayed(endpoint, now) + seconds.max(0.0);
+        if let Some(slot) = self.work.get_mut(endpoint) {
+            *slot = (w, now);
+        }
+    }
 }
 
 /// The scheduler's role for a KV role.
@@ -71,6 +105,9 @@ impl PdRouting {
             block_size: fleet.engine.block_size,
             backlog: vec![0.0; fleet.engines],
             inflight: HashMap::new(),
+            inflow: RefCell::new(Inflow {
+                work: vec![(0.0, 0.0); fleet.engines],
+            }),
         })
     }
 
@@ -82,6 +119,7 @@ impl PdRouting {
                 cost: a.cost.clone(),
                 cached_tokens: a.cached_tokens,
                 link_backlog_bytes: self.backlog.get(e.0 as usize).copied().unwrap_or(0.0),
+                queue_inflow: self.inflow.borrow().rate(e.0 as usize, now),
             })
         };
         let kv = |e: EndpointId| {
@@ -102,7 +140,7 @@ impl PdRouting {
             prefill: prefill.0 as usize,
             decode: decode.0 as usize,
         };
-        Some(match self.mode {
+        let routing = match self.mode {
             PdMode::Always => prefills
                 .first()
                 .map_or(aggregated, |p| disaggregated(p.endpoint)),
@@ -119,7 +157,18 @@ impl PdRouting {
                     DisaggChoice::Disaggregated { prefill } => disaggregated(prefill),
                 }
             }
-        })
+        };
+        // The prefill lands on the endpoint that computes it: its queue's inflow.
+        let computes = match routing {
+            Routing::Disaggregated { prefill, .. } => prefill,
+            _ => decode.0 as usize,
+        };
+        if let Some(a) = decision.assessment(EndpointId(computes as u32)) {
+            self.inflow
+                .borrow_mut()
+                .record(computes, a.cost.prefill_s + a.cost.tier_load_s, now);
+        }
+        Some(routing)
     }
 
     /// Request `request_id` was disaggregated over `link` (prefill, decode): the blocks of its
@@ -182,5 +231,30 @@ impl PdRouting {
             seconds * share,
             now,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inflow_is_the_recent_work_per_second_and_fades() {
+        let mut inflow = Inflow {
+            work: vec![(0.0, 0.0); 2],
+        };
+        assert_eq!(inflow.rate(0, 0.0), 0.0);
+        // One window's worth of work in one window: it arrives as fast as it drains.
+        for i in 0..50 {
+            inflow.record(0, 0.1, f64::from(i) * 0.1);
+        }
+        let rate = inflow.rate(0, 5.0);
+        assert!((0.5..1.0).contains(&rate), "{rate}");
+        // Nothing more arrives: it fades, and other endpoints never saw any.
+        assert!(inflow.rate(0, 30.0) < 0.01);
+        assert_eq!(inflow.rate(1, 5.0), 0.0);
+        // Out of range endpoints are ignored.
+        inflow.record(7, 1.0, 1.0);
+        assert_eq!(inflow.rate(7, 1.0), 0.0);
     }
 }

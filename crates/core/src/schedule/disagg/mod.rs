@@ -10,10 +10,11 @@
 //!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer) + the transfer of
 //!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth, behind the bytes already
 //!   queued on the busier of the two NICs (a shared link's backlog is a queue like an
-//!   engine's; counted in full, as if first come first served) + D's queue wait (the decode
-//!   leg still waits for a batch slot there; the simulator admits it after the pull, so the
-//!   terms add) + the second leg's fixed cost (the prefill engine's sampling step and one more
-//!   round trip).
+//!   engine's; counted in full, as if first come first served) + the decode leg's wait in D's
+//!   queue when the blocks arrive (D drains its queue meanwhile and receives new work at the
+//!   rate the caller measured: with none it is D's queue less the time passed, with work
+//!   arriving as fast as it drains it is D's queue as it is now) + the second leg's fixed cost
+//!   (the prefill engine's sampling step and one more round trip).
 //!
 //! The cheapest wins; a tie keeps the request aggregated (one leg, nothing held). A pair under
 //! quarantine ([`links`]) is listed with its arithmetic but cannot win. [`DisaggExplain`] carries
@@ -49,6 +50,11 @@ pub struct SideCost {
     /// KV bytes already queued on its NIC: transfers to or from it that the caller sent and
     /// that have not finished. A new transfer waits behind them (links are shared).
     pub link_backlog_bytes: f64,
+    /// Seconds of queued work that reach it per second of time, as the caller measured its
+    /// recent dispatches (0: nothing new arrives, its queue drains; 1: work arrives as fast
+    /// as it drains, its queue stays). A decode leg that arrives later waits behind what its
+    /// queue holds then.
+    pub queue_inflow: f64,
 }
 
 /// The request, as the P/D choice sees it.
@@ -110,7 +116,8 @@ pub struct PdOption {
     pub link: LinkHealth,
     /// Predicted transfer seconds (latency included).
     pub transfer_s: f64,
-    /// The decode endpoint's queue wait for the decode leg.
+    /// The decode leg's wait in the decode endpoint's queue when the blocks arrive: its queue
+    /// now, less what it drains meanwhile, plus what reaches it meanwhile.
     pub decode_queue_s: f64,
     /// The second leg's fixed cost.
     pub leg_overhead_s: f64,
@@ -182,13 +189,12 @@ pub fn decide(
                 0.0
             };
             let c = &p.cost;
-            let total_s = c.queue_s
-                + c.prefill_s
-                + c.tier_load_s
-                + c.decode_interference_s
-                + transfer_s
-                + d.queue_s
-                + shape.leg_overhead_s;
+            // The decode leg joins D's queue when the blocks have arrived. Meanwhile D drains
+            // one second of work per second and receives `queue_inflow` seconds per second:
+            // what is left ahead of the leg then is its wait.
+            let ready_s = c.queue_s + c.prefill_s + c.tier_load_s + transfer_s;
+            let decode_wait_s = decode_wait_at(d.queue_s, decode.queue_inflow, ready_s);
+            let total_s = ready_s + decode_wait_s + c.decode_interference_s + shape.leg_overhead_s;
             PdOption {
                 prefill: p.endpoint,
                 decode: decode.endpoint,
@@ -202,7 +208,7 @@ pub fn decide(
                 bandwidth_bytes_per_s: links.bandwidth(p.endpoint, decode.endpoint, now),
                 link,
                 transfer_s,
-                decode_queue_s: d.queue_s,
+                decode_queue_s: decode_wait_s,
                 leg_overhead_s: shape.leg_overhead_s,
                 total_s,
                 eligible: !matches!(link, LinkHealth::Quarantined { .. }),
@@ -230,4 +236,15 @@ pub fn decide(
         aggregated,
         disaggregated: options,
     }
+}
+
+/// The seconds of work ahead of a leg that joins a queue of `queue_s` after `after_s`, while
+/// the queue drains one second per second and receives `inflow` seconds per second.
+fn decode_wait_at(queue_s: f64, inflow: f64, after_s: f64) -> f64 {
+    let inflow = if inflow.is_finite() {
+        inflow.max(0.0)
+    } else {
+        0.0
+    };
+    (queue_s + (inflow - 1.0) * after_s).max(0.0)
 }

@@ -49,6 +49,7 @@ fn side(
         },
         cached_tokens: cached,
         link_backlog_bytes: 0.0,
+        queue_inflow: 0.0,
     }
 }
 
@@ -127,6 +128,51 @@ fn the_cheapest_prefill_endpoint_wins_and_the_decode_endpoint_is_not_its_own_pro
     assert_eq!(explain.choice, DisaggChoice::Disaggregated { prefill: P2 });
     assert_eq!(explain.disaggregated.len(), 2, "D is the aggregated option");
     assert!(explain.disaggregated[0].total_s <= explain.disaggregated[1].total_s);
+}
+
+#[test]
+fn a_queued_decode_endpoint_drains_while_the_prefill_runs_elsewhere() {
+    // D has 1 s of queued prefills and no decodes, P is idle, 8192 tokens over RoCE. Aggregated:
+    // 1 s + 262 ms. P/D: the prefill (262 ms) and the pull (89 ms) run while D's queue drains,
+    // so the decode leg starts at 1 s, then the 5 ms second leg: 1.005 s, not 1.356 s.
+    let explain = decide(
+        request(8192),
+        &side(D, 8192, 0, 1.0, 0.0),
+        &[side(P, 8192, 0, 0.0, 0.0)],
+        &book(ROCE),
+        0.0,
+    );
+    let pd = &explain.disaggregated[0];
+    assert!((pd.total_s - 1.005).abs() < 1e-9, "{pd:#?}");
+    assert_eq!(
+        explain.choice,
+        DisaggChoice::Disaggregated { prefill: P },
+        "{explain:#?}"
+    );
+}
+
+#[test]
+fn work_still_reaching_the_decode_endpoint_keeps_its_queue_ahead_of_the_decode_leg() {
+    let with_inflow = |inflow: f64| {
+        let mut decode = side(D, 8192, 0, 1.0, 0.0);
+        decode.queue_inflow = inflow;
+        decide(
+            request(8192),
+            &decode,
+            &[side(P, 8192, 0, 0.0, 0.0)],
+            &book(ROCE),
+            0.0,
+        )
+    };
+    // Work arriving as fast as D drains it: the leg finds D's 1 s queue as it is now,
+    // 262 + 89 ms later (1.356 s), and aggregated (1.262 s) is cheaper.
+    let steady = with_inflow(1.0);
+    let ready = steady.disaggregated[0].total_s - 1.0 - 5e-3;
+    assert!((steady.disaggregated[0].decode_queue_s - 1.0).abs() < 1e-9);
+    assert_eq!(steady.choice, DisaggChoice::Aggregated, "{steady:#?}");
+    // Half as fast: half of the 351 ms is drained.
+    let half = with_inflow(0.5);
+    assert!((half.disaggregated[0].decode_queue_s - (1.0 - 0.5 * ready)).abs() < 1e-9);
 }
 
 #[test]
@@ -262,6 +308,7 @@ proptest! {
         for o in &explain.disaggregated {
             let sum = o.prefill_queue_s + o.prefill_s + o.prefill_tier_load_s + o.prefill_interference_s
                 + o.transfer_s + o.decode_queue_s + o.leg_overhead_s;
+            prop_assert!(o.decode_queue_s <= decode.cost.queue_s + 1e-12, "no inflow: it only drains");
             prop_assert!((o.total_s - sum).abs() < 1e-9);
             prop_assert!(o.transfer_tokens <= prompt);
         }

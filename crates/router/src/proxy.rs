@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::{Plan, Shed, UpstreamOutcome};
+use kvroute_core::fleet::{Admission, AttemptFailure, Plan, Shed, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
 use tracing::warn;
@@ -151,7 +151,7 @@ pub async fn route(
     body: &Bytes,
 ) -> Result<Routed, Refused> {
     let session = session(router, headers);
-    let (prepared, mut plan) = if router.offload().wanted(body.len()) {
+    let (prepared, plan) = if router.offload().wanted(body.len()) {
         let (shared, body) = (router.clone(), body.clone());
         let runtime = tokio::runtime::Handle::current();
         let work = move || runtime.block_on(prepare_and_plan(&shared, api, &body, session));
@@ -163,21 +163,37 @@ pub async fn route(
     } else {
         prepare_and_plan(router, api, body, session).await?
     };
-    if plan.decision.saturated && router.config().flow.enabled {
-        let priority = priority(router, headers);
-        plan = flow::wait_for_capacity(router, &prepared, priority, body.len())
+    let admission = {
+        let now = router.now();
+        router
+            .fleet()
+            .admit(&plan, priority(router, headers), body.len(), now)
+    };
+    let plan = match admission {
+        Admission::Route => plan,
+        Admission::Held(ticket) => flow::wait_for_capacity(router, &prepared, ticket)
             .await
-            .map_err(|why| Refused {
-                error: flow::shed(router, why),
-                shed: Some(why),
-            })?;
-    }
-    if plan.decision.ranking.is_empty() {
-        return Err(
-            ApiError::unavailable("no healthy endpoint serves this model; retry shortly").into(),
-        );
-    }
+            .map_err(|why| match why {
+                flow::NotReleased::Shed(why) => shed_refusal(router, why),
+                flow::NotReleased::NoEndpoint => no_endpoint(),
+            })?,
+        Admission::Shed(why) => return Err(shed_refusal(router, why)),
+        Admission::NoEndpoint => return Err(no_endpoint()),
+    };
     Ok(Routed { prepared, plan })
+}
+
+/// Flow control shed the request: counted, and answered 503 or 429.
+fn shed_refusal(router: &Router, why: Shed) -> Refused {
+    Refused {
+        error: flow::shed(router, why),
+        shed: Some(why),
+    }
+}
+
+/// No endpoint can take the request.
+fn no_endpoint() -> Refused {
+    ApiError::unavailable("no healthy endpoint serves this model; retry shortly").into()
 }
 
 /// Parses, tokenizes and plans once.
@@ -291,19 +307,18 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
 async fn forward(a: ForwardArgs<'_>) -> Response {
     let router = a.router;
     let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
-    let attempts = (router.config().retry.max_attempts.max(1) as usize).min(a.ranking.len());
+    let attempts = router.config().retry.attempts(a.ranking.len());
     // Down the plan's ranking: the next endpoint is tried when no connection could be made or
     // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
     // recorded against an endpoint before a connection to it exists.
     for (attempt, &id) in a.ranking.iter().take(attempts).enumerate() {
-        let last = attempt + 1 == attempts;
         let endpoint = router.endpoint(id).clone();
         let authority = endpoint.authority.to_string();
         let conn = match router.upstream().connection(&authority).await {
             Ok(conn) => conn,
             Err(e) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
-                if !last && router.try_retry(id, "connect") {
+                if router.retry(id, AttemptFailure::Connect, attempt, attempts) {
                     warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
                     continue;
                 }
@@ -327,6 +342,9 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             Err(_) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(504, Outcome::Timeout);
+                if router.retry(id, AttemptFailure::Timeout, attempt, attempts) {
+                    continue;
+                }
                 let message = format!(
                     "the engine {} did not answer within {timeout:?}",
                     endpoint.name
@@ -336,6 +354,9 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             Ok(Err(e)) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(502, Outcome::EngineError);
+                if router.retry(id, AttemptFailure::Transport, attempt, attempts) {
+                    continue;
+                }
                 let message = format!("the engine {} failed: {e}", endpoint.name);
                 return error_response(router, &ApiError::engine_failed(message));
             }
@@ -345,7 +366,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
         accounting.status = parts.status.as_u16();
         if parts.status.is_server_error() {
             router.upstream_result(id, UpstreamOutcome::Failure);
-            if !last && router.try_retry(id, "5xx") {
+            if router.retry(id, AttemptFailure::ServerError, attempt, attempts) {
                 warn!(endpoint = %endpoint.name, status = %parts.status, "the engine failed before answering; retrying on the next best endpoint");
                 continue; // the response, its accounting and its connection are dropped
             }
@@ -380,17 +401,8 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
 /// Every healthy endpoint, starting at a random one: where a request that needs no cache
 /// (embeddings, `GET` paths) goes.
 pub fn healthy_rotation(router: &Router) -> Vec<EndpointId> {
-    let mut healthy: Vec<EndpointId> = router
-        .endpoints()
-        .iter()
-        .filter(|e| router.available(e.id))
-        .map(|e| e.id)
-        .collect();
-    if !healthy.is_empty() {
-        let start = rand::random::<u64>() as usize % healthy.len();
-        healthy.rotate_left(start);
-    }
-    healthy
+    let now = router.now();
+    router.fleet().passthrough_rotation(now)
 }
 
 /// A forwarded OpenAI path other than completions and chat (see

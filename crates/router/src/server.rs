@@ -10,7 +10,7 @@ use axum::middleware;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::{HealthChange, LoadSample};
+use kvroute_core::fleet::{HealthChange, LoadSample, RestartSignals, RestartWatch};
 use kvroute_vllm::metrics::parse_engine_metrics;
 use kvroute_vllm::subscriber::{EndpointSource, spawn_connected_after};
 use tokio::task::JoinHandle;
@@ -369,10 +369,8 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let interval = Duration::from_millis(router.config().scrape.interval_ms);
     let mut tick = ProbeSchedule::new(endpoint.id, Probe::Scrape, interval);
     let mut warned_block_size = false;
-    // The engine's prefix-cache query counter and process start time at the last scrape, and
-    // when that was.
-    let mut last_queries: Option<(f64, f64)> = None;
-    let mut last_start: Option<(f64, f64)> = None;
+    // What the last scrapes said, to tell a restart by.
+    let mut restart_watch = RestartWatch::default();
     let block_size = router
         .fleet()
         .endpoint(endpoint.id)
@@ -399,29 +397,17 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         // Restarted since the last scrape (a new process start time, or a counter that went
         // backwards): unless its KV events already said so (and the fleet has relearned from
         // them since), forget what it held now, not at its next event batch.
-        let restarted_since = match (last_start, sample.process_start_time) {
-            (Some((before, at)), Some(start)) if start != before => Some(at),
-            _ => match (last_queries, sample.prefix_cache_queries) {
-                (Some((before, at)), Some(queries)) if queries < before => Some(at),
-                _ => None,
-            },
+        let signals = RestartSignals {
+            process_start_time: sample.process_start_time,
+            prefix_cache_queries: sample.prefix_cache_queries,
         };
-        if let Some(at) = restarted_since {
-            let noticed = router
+        let restarted =
+            router
                 .fleet()
-                .endpoint(endpoint.id)
-                .and_then(|e| e.forgotten_at())
-                .is_some_and(|t| t >= at);
-            if !noticed {
-                router.forget_endpoint(endpoint.id, "its /metrics say the engine restarted");
-                resubscribe(&router, &endpoint);
-            }
-        }
-        if let Some(queries) = sample.prefix_cache_queries {
-            last_queries = Some((queries, now));
-        }
-        if let Some(start) = sample.process_start_time {
-            last_start = Some((start, now));
+                .restart_unnoticed(endpoint.id, &mut restart_watch, signals, now);
+        if restarted {
+            router.forget_endpoint(endpoint.id, "its /metrics say the engine restarted");
+            resubscribe(&router, &endpoint);
         }
         let load = LoadSample {
             waiting: sample.waiting,

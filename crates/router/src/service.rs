@@ -11,7 +11,10 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_core::fleet::{Dispatch, EndpointSpec, Fleet, Plan, RequestFeatures, UpstreamOutcome};
+use kvroute_core::fleet::{
+    AttemptFailure, Dispatch, EndpointSpec, Fleet, HeldTurn, HoldTicket, Plan, RequestFeatures,
+    RetryVerdict, UpstreamOutcome,
+};
 use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
@@ -131,8 +134,10 @@ impl Router {
             specs.push(spec_of(&config, &endpoint));
             endpoints.push(Arc::new(endpoint));
         }
-        let fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
+        let mut fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
             .map_err(|e| RouterError::Config(e.to_string()))?;
+        // Core's randomness, seeded once per router (replicas must not draw in lockstep).
+        fleet.reseed(rand::random());
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(
             config.limits.connect_timeout_ms,
@@ -410,7 +415,11 @@ impl Router {
     pub fn plan(&self, prepared: &Prepared) -> Plan {
         let started = Instant::now();
         let now = self.now();
-        let plan = self.fleet().plan(&prepared.features(), rand::random(), now);
+        let plan = {
+            let mut fleet = self.fleet();
+            let random = fleet.next_random();
+            fleet.plan(&prepared.features(), random, now)
+        };
         self.metrics
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -431,24 +440,42 @@ impl Router {
         }
     }
 
-    /// Whether a request that failed on `id` for `reason` (`connect`, `5xx`) may be retried on
-    /// another endpoint: takes one retry from the fleet's budget, and counts it.
-    pub fn try_retry(&self, id: EndpointId, reason: &'static str) -> bool {
+    /// Whether attempt `attempt` (0-based) of `attempts`, which failed on `id` with `failure`,
+    /// is retried on the next endpoint: core decides (eligibility, attempts left, the fleet's
+    /// budget); a retry and a spent budget are counted.
+    pub fn retry(
+        &self,
+        id: EndpointId,
+        failure: AttemptFailure,
+        attempt: usize,
+        attempts: usize,
+    ) -> bool {
         let now = self.now();
-        let allowed = self.fleet().try_retry(now);
+        let verdict = self.fleet().retry_verdict(failure, attempt, attempts, now);
+        let counter = match verdict {
+            RetryVerdict::Retry => &self.metrics.retries,
+            RetryVerdict::BudgetSpent => &self.metrics.retry_budget_exhausted,
+            RetryVerdict::NotRetryable | RetryVerdict::LastAttempt => return false,
+        };
         let labels = vec![
             ("endpoint", self.endpoint(id).name.clone()),
-            ("reason", reason.to_owned()),
+            ("reason", failure.as_str().to_owned()),
         ];
-        if allowed {
-            self.metrics.retries.get_or_create(&labels).inc();
-        } else {
+        counter.get_or_create(&labels).inc();
+        verdict == RetryVerdict::Retry
+    }
+
+    /// Polls a held request (see [`Fleet::poll_held`]); the planning it does is timed.
+    pub fn poll_held(&self, prepared: &Prepared, ticket: HoldTicket) -> HeldTurn {
+        let started = Instant::now();
+        let now = self.now();
+        let turn = self.fleet().poll_held(ticket, &prepared.features(), now);
+        if !matches!(turn, HeldTurn::Queued) {
             self.metrics
-                .retry_budget_exhausted
-                .get_or_create(&labels)
-                .inc();
+                .scheduling_seconds
+                .observe(started.elapsed().as_secs_f64());
         }
-        allowed
+        turn
     }
 
     /// Records that `prepared` went to `endpoint` with its plan's `predicted_cached`: call once

@@ -53,6 +53,27 @@ impl Shed {
             Shed::Timeout => "timeout",
         }
     }
+
+    /// The HTTP status a shed request is answered with: 503 when it timed out waiting (the
+    /// fleet is saturated), 429 when the queue was full (too many requests held).
+    pub fn http_status(self) -> u16 {
+        match self {
+            Shed::Timeout => 503,
+            Shed::QueueFull | Shed::QueueBytes => 429,
+        }
+    }
+
+    /// What the client is told.
+    pub fn message(self) -> &'static str {
+        match self {
+            Shed::Timeout => {
+                "every endpoint stayed saturated while the request waited; retry shortly"
+            }
+            Shed::QueueFull | Shed::QueueBytes => {
+                "the router is holding as many requests as it may; retry shortly"
+            }
+        }
+    }
 }
 
 /// A held request's place in the queue.

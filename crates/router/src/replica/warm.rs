@@ -4,13 +4,16 @@
 //! `kvroute_endpoint_index_trusted` and `GET /kvroute/v1/replica`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use kvroute_core::fleet::WarmVerdict;
+use kvroute_core::index::EndpointId;
 use serde::Serialize;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::snapshot;
@@ -55,10 +58,7 @@ pub(crate) fn spawn(router: &Arc<Router>) -> Option<JoinHandle<()>> {
 }
 
 /// Subscribes every present endpoint that has events and no subscriber yet.
-fn subscribe_all(
-    router: &Arc<Router>,
-    resume: &std::collections::HashMap<kvroute_core::index::EndpointId, u64>,
-) {
+fn subscribe_all(router: &Arc<Router>, resume: &std::collections::HashMap<EndpointId, u64>) {
     for e in router.endpoints() {
         let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
         if present {
@@ -93,30 +93,34 @@ async fn warm_up(router: Arc<Router>) {
     subscribe_all(&router, &resume);
     loop {
         let behind = not_caught_up(&router);
-        if behind.is_empty() {
-            let seconds = started.elapsed().as_secs_f64();
-            info!(peer = ?from, seconds, "warm: every endpoint's events caught up; ready");
-            router.replica().finish(WarmStatus::Warm {
-                peer: from,
-                seconds,
-            });
-            break;
-        }
-        if started.elapsed() >= timeout {
-            let names: Vec<String> = behind.iter().map(|(_, name)| name.clone()).collect();
-            warn!(untrusted = ?names, timeout_s = timeout.as_secs_f64(), "warm-up timed out: ready anyway; these endpoints' KV index is not trusted (routed by load) until their events catch up");
+        let ids: Vec<EndpointId> = behind.iter().map(|(id, _)| *id).collect();
+        let elapsed = started.elapsed();
+        let verdict = {
             let now = router.now();
-            {
-                let mut fleet = router.fleet();
-                for (id, _) in &behind {
-                    fleet.events_lost(*id, now);
-                }
+            router
+                .fleet()
+                .warm_verdict(&ids, elapsed.as_secs_f64(), timeout.as_secs_f64(), now)
+        };
+        match verdict {
+            WarmVerdict::Warm => {
+                let seconds = elapsed.as_secs_f64();
+                info!(peer = ?from, seconds, "warm: every endpoint's events caught up; ready");
+                router.replica().finish(WarmStatus::Warm {
+                    peer: from,
+                    seconds,
+                });
+                break;
             }
-            router.replica().finish(WarmStatus::TimedOut {
-                peer: from,
-                untrusted: names,
-            });
-            break;
+            WarmVerdict::TimedOut => {
+                let names: Vec<String> = behind.into_iter().map(|(_, name)| name).collect();
+                warn!(untrusted = ?names, timeout_s = timeout.as_secs_f64(), "warm-up timed out: ready anyway; these endpoints' KV index is not trusted (routed by load) until their events catch up");
+                router.replica().finish(WarmStatus::TimedOut {
+                    peer: from,
+                    untrusted: names,
+                });
+                break;
+            }
+            WarmVerdict::Warming => {}
         }
         tokio::time::sleep(POLL).await;
         // Endpoints discovered meanwhile.
@@ -126,7 +130,7 @@ async fn warm_up(router: Arc<Router>) {
 }
 
 /// Present endpoints with events whose subscriber has not caught up (id and name).
-fn not_caught_up(router: &Router) -> Vec<(kvroute_core::index::EndpointId, String)> {
+fn not_caught_up(router: &Router) -> Vec<(EndpointId, String)> {
     router
         .endpoints()
         .into_iter()

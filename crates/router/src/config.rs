@@ -13,7 +13,9 @@ use kvroute_core::schedule::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use crate::discovery::KubeDiscovery;
+mod discovery;
+
+pub use discovery::KubeDiscovery;
 
 use crate::RouterError;
 

@@ -13,17 +13,18 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::{Admission, AttemptFailure, Plan, Shed, UpstreamOutcome};
+use http_body_util::Full;
+use kvroute_core::fleet::{Admission, AttemptFailure, Dispatch, Plan, Shed, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
 use tracing::warn;
 
-use crate::RouterError;
 use crate::accounting::{AccountedBody, Accounting, Outcome};
+use crate::edge::read_body;
 use crate::flow;
 use crate::forwarding;
 use crate::forwarding::ClientAddr;
+use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
 /// The header naming the endpoint that served a request.
@@ -38,44 +39,17 @@ pub enum Api {
     Chat,
 }
 
-/// An OpenAI-shaped error response (the shared mapping of [`ApiError::to_response`]), counted.
-pub fn error_response(router: &Router, e: &ApiError) -> Response {
-    router
-        .metrics()
-        .rejected
-        .get_or_create(&vec![("status", e.status.to_string())])
-        .inc();
-    e.to_response().map(Body::from)
-}
-
-/// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
-/// 503 (the router's buffered-bytes budget is spent).
-pub async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
-    let limit = router.config().limits.max_body_bytes;
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) => Err(body_error(limit, e.as_ref())),
-    }
-}
-
-/// The answer to a body that could not be read: the error's chain names the cause.
-fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(current) = cause {
-        if current
-            .downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            return ApiError::too_large(format!("request body larger than {limit} bytes"));
-        }
-        if let Some(e @ (RouterError::ClientTimeout(_) | RouterError::Overloaded(_))) =
-            current.downcast_ref::<RouterError>()
-        {
-            return e.api_error();
-        }
-        cause = current.source();
-    }
-    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+/// Records that `prepared` was connected to `id` with its plan's `predicted_cached` (the
+/// connect phase): the fleet's dispatch, shared with peer replicas.
+pub(crate) fn connected(
+    router: &Router,
+    predicted_cached: &[usize],
+    prepared: &Prepared,
+    id: EndpointId,
+) -> Dispatch {
+    let dispatch = router.dispatched(predicted_cached, prepared, id);
+    crate::replica::share::dispatched(router, prepared, &dispatch);
+    dispatch
 }
 
 /// Parses a generation request of either API.
@@ -328,7 +302,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                 );
             }
         };
-        let dispatch = router.dispatched(a.predicted_cached, a.prepared, id);
+        let dispatch = connected(router, a.predicted_cached, a.prepared, id);
         let mut accounting = Accounting::new(
             router.clone(),
             dispatch,
@@ -406,7 +380,7 @@ pub fn healthy_rotation(router: &Router) -> Vec<EndpointId> {
 }
 
 /// A forwarded OpenAI path other than completions and chat (see
-/// [`crate::server::FORWARDED_PATHS`]): passed to a random healthy endpoint unchanged.
+/// `server::FORWARDED_PATHS`): passed to a random healthy endpoint unchanged.
 pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) -> Response {
     let started = Instant::now();
     let (parts, body) = request.into_parts();

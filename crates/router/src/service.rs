@@ -21,7 +21,7 @@ use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use tokio::sync::Notify;
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
@@ -48,7 +48,7 @@ pub struct Router {
     capacity: Notify,
     started: Instant,
     shutdown: Shutdown,
-    replica: crate::replica::ReplicaState,
+    replica: crate::replica_state::ReplicaState,
     offload: Offload,
 }
 
@@ -171,7 +171,7 @@ impl Router {
             capacity: Notify::new(),
             started: Instant::now(),
             shutdown: Shutdown::default(),
-            replica: crate::replica::ReplicaState::new(&config.replicas),
+            replica: crate::replica_state::ReplicaState::new(&config.replicas),
             config,
         })
     }
@@ -192,12 +192,9 @@ impl Router {
         self.endpoints.read()[id.0 as usize].clone()
     }
 
-    /// Adds an endpoint while running (discovery: a pod became ready) and starts its
-    /// subscriber, health checks and scraping. Returns its fleet id.
-    pub fn add_endpoint(
-        self: &Arc<Self>,
-        config: EndpointConfig,
-    ) -> Result<EndpointId, RouterError> {
+    /// Registers an endpoint while running: the fleet plans with it from now on, under the
+    /// id returned in it (its tasks are membership's to start).
+    pub(crate) fn register(&self, config: EndpointConfig) -> Result<Arc<Endpoint>, RouterError> {
         let names: Vec<&str> = self.config.models.iter().map(|m| m.name.as_str()).collect();
         config.validate("endpoint", &names)?;
         let now = self.now();
@@ -214,26 +211,18 @@ impl Router {
             Some(slot) => *slot = endpoint.clone(),
             None => endpoints.push(endpoint.clone()),
         }
-        drop(endpoints);
-        drop(fleet);
-        crate::server::spawn_endpoint_tasks(self, &endpoint);
-        info!(endpoint = %endpoint.name, id = id.0, "endpoint joined");
-        self.capacity_changed();
-        Ok(id)
+        Ok(endpoint)
     }
 
-    /// Removes an endpoint while running (pod deleted or not ready): the fleet forgets it and
-    /// never plans it again, and its background tasks stop. Requests in flight there finish.
-    pub fn remove_endpoint(&self, id: EndpointId) -> bool {
+    /// Deregisters an endpoint while running: the fleet forgets it and never plans it again.
+    /// Returns it when it was present (its tasks are membership's to stop).
+    pub(crate) fn deregister(&self, id: EndpointId) -> Option<Arc<Endpoint>> {
         let now = self.now();
         if !self.fleet().remove_endpoint(id, now) {
-            return false;
+            return None;
         }
         self.forget_journal(id);
-        let endpoint = self.endpoint(id);
-        endpoint.stop();
-        info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
-        true
+        Some(self.endpoint(id))
     }
 
     /// Drops what the replica journal keeps for `id` (its blocks and event sequence), so that a
@@ -254,6 +243,11 @@ impl Router {
     /// The fleet's decision state, locked (hold it briefly: every request plans through it).
     pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
         self.fleet.lock()
+    }
+
+    /// Whether the router serves (liveness): some endpoint is healthy and it is not draining.
+    pub fn live(&self) -> bool {
+        !self.shutdown.draining() && self.fleet().endpoints().iter().any(|e| e.healthy())
     }
 
     /// Whether `id` passes its health checks.
@@ -287,7 +281,7 @@ impl Router {
     }
 
     /// Its state as one of several replicas (warm-up, the journal peers' snapshots come from).
-    pub fn replica(&self) -> &crate::replica::ReplicaState {
+    pub fn replica(&self) -> &crate::replica_state::ReplicaState {
         &self.replica
     }
 
@@ -314,11 +308,6 @@ impl Router {
     /// Tokenization results, cached.
     pub fn token_cache(&self) -> &TokenCache {
         &self.tokens
-    }
-
-    /// The event sink the subscribers feed.
-    pub fn sink(self: &Arc<Self>) -> Arc<dyn kvroute_vllm::subscriber::EventSink> {
-        crate::replica::sink(self)
     }
 
     /// Seconds since start: the clock every fleet observation is stamped with.
@@ -487,10 +476,7 @@ impl Router {
         endpoint: EndpointId,
     ) -> Dispatch {
         let now = self.now();
-        let dispatch =
-            self.fleet()
-                .dispatched(predicted_cached, &prepared.features(), endpoint, now);
-        crate::replica::share::dispatched(self, prepared, &dispatch);
-        dispatch
+        self.fleet()
+            .dispatched(predicted_cached, &prepared.features(), endpoint, now)
     }
 }

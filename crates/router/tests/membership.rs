@@ -5,6 +5,7 @@ mod common;
 
 use common::engine;
 use kvroute_router::config::{EndpointConfig, RouterConfig};
+use kvroute_router::membership::Membership;
 use kvroute_router::server::start;
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;

@@ -1,7 +1,7 @@
 //! Endpoints discovered from Kubernetes (feature `kube`): the pods an InferencePool (or a plain
 //! label selector) selects are watched, and each ready pod's `ip:port` per target port joins
-//! the running router ([`Router::add_endpoint`]); a pod that stops being ready or is deleted
-//! leaves ([`Router::remove_endpoint`], which makes the fleet forget it). The watch is
+//! the running router through [`crate::membership::Membership`]; a pod that stops being ready or
+//! is deleted leaves (`remove_endpoint`, which makes the fleet forget it). The watch is
 //! kube-runtime's: it lists, then watches from the list's `resourceVersion` with bookmarks,
 //! and relists when the server answers 410 Gone.
 //!
@@ -16,23 +16,23 @@ pub mod pool;
 mod watch;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
+pub use crate::config::KubeDiscovery;
 #[cfg(feature = "kube")]
 pub use watch::{run, start};
 
 /// Starts discovery when configured: `None` when it is not; an error when it is configured
 /// but this build has no `kube` feature, or the pool cannot be read.
 pub async fn spawn(
-    router: &std::sync::Arc<crate::service::Router>,
+    router: &Arc<crate::service::Router>,
 ) -> Result<Option<tokio::task::JoinHandle<()>>, crate::RouterError> {
     let Some(discovery) = router.config().discovery.clone() else {
         return Ok(None);
     };
     #[cfg(feature = "kube")]
     {
-        start(router.clone(), discovery).await.map(Some)
+        start(Arc::new(router.clone()), discovery).await.map(Some)
     }
     #[cfg(not(feature = "kube"))]
     {
@@ -41,36 +41,6 @@ pub async fn spawn(
             "discovery: this kvroute was built without the `kube` feature".into(),
         ))
     }
-}
-
-/// Where the endpoints come from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KubeDiscovery {
-    /// The API server's URL, unauthenticated (e.g. `kubectl proxy`'s `http://127.0.0.1:8001`);
-    /// default: the in-cluster service account, else the kubeconfig.
-    #[serde(default)]
-    pub api_server: Option<String>,
-    /// The namespace of the pool and its pods (default: the client's, usually the pod's own).
-    #[serde(default)]
-    pub namespace: Option<String>,
-    /// An InferencePool (`inference.networking.k8s.io/v1`, or the earlier
-    /// `inference.networking.x-k8s.io/v1alpha2`) naming the selector and target ports.
-    #[serde(default)]
-    pub inference_pool: Option<String>,
-    /// A plain label selector, instead of a pool.
-    #[serde(default)]
-    pub selector: BTreeMap<String, String>,
-    /// The engines' HTTP ports, with `selector` (a pool names its own).
-    #[serde(default)]
-    pub target_ports: Vec<u16>,
-    /// The engines' KV-event PUB port (vLLM's default 5557), offset like the target port for
-    /// each further target port (data-parallel ranks); none: approximate mode.
-    #[serde(default)]
-    pub events_port: Option<u16>,
-    /// The engines' replay ROUTER port, offset the same way.
-    #[serde(default)]
-    pub replay_port: Option<u16>,
 }
 
 /// The pods to watch and the ports each serves.

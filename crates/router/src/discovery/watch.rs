@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::{KubeDiscovery, PoolSpec, pods, pool};
 use crate::RouterError;
 use crate::config::EndpointConfig;
-use crate::service::Router;
+use crate::membership::Membership;
 
 /// The selector and ports to watch: the pool's, or the configured ones.
 async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpec, RouterError> {
@@ -54,7 +54,7 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
 /// Connects (to `api_server`, or with the in-cluster or kubeconfig credentials), resolves
 /// the pool and starts watching its pods.
 pub async fn start(
-    router: Arc<Router>,
+    router: Arc<dyn Membership>,
     discovery: KubeDiscovery,
 ) -> Result<JoinHandle<()>, RouterError> {
     let no_client = |e: &dyn std::fmt::Display| {
@@ -72,7 +72,7 @@ pub async fn start(
 
 /// Resolves the pool with `client` and starts watching its pods.
 pub async fn run(
-    router: Arc<Router>,
+    router: Arc<dyn Membership>,
     client: Client,
     discovery: KubeDiscovery,
 ) -> Result<JoinHandle<()>, RouterError> {
@@ -90,7 +90,7 @@ pub async fn run(
         let mut stream = watcher::watcher(pods, config).default_backoff().boxed();
         while let Some(event) = stream.next().await {
             match event {
-                Ok(event) => members.apply(&router, event, &spec.ports, &discovery),
+                Ok(event) => members.apply(router.as_ref(), event, &spec.ports, &discovery),
                 // The watcher retries with backoff (and relists after 410 Gone) on its own.
                 Err(e) => warn!(error = %e, "pod watch failed; retrying"),
             }
@@ -107,7 +107,13 @@ struct Members {
 }
 
 impl Members {
-    fn apply(&mut self, router: &Arc<Router>, event: Event<Pod>, ports: &[u16], d: &KubeDiscovery) {
+    fn apply(
+        &mut self,
+        router: &dyn Membership,
+        event: Event<Pod>,
+        ports: &[u16],
+        d: &KubeDiscovery,
+    ) {
         match event {
             Event::Init => self.relisting = Some(HashSet::new()),
             Event::InitApply(pod) => {
@@ -136,7 +142,7 @@ impl Members {
     }
 
     /// Brings the pod's endpoints in line with what it serves now.
-    fn update(&mut self, router: &Arc<Router>, pod: &Pod, ports: &[u16], d: &KubeDiscovery) {
+    fn update(&mut self, router: &dyn Membership, pod: &Pod, ports: &[u16], d: &KubeDiscovery) {
         let name = pod.name_any();
         let wanted = pods::endpoints(pod, ports, d);
         let current: Vec<EndpointConfig> = self
@@ -160,7 +166,7 @@ impl Members {
         }
     }
 
-    fn leave(&mut self, router: &Router, pod: &str) {
+    fn leave(&mut self, router: &dyn Membership, pod: &str) {
         for (_, id) in self.pods.remove(pod).unwrap_or_default() {
             router.remove_endpoint(id);
         }

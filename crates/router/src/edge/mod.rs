@@ -36,9 +36,10 @@ use tracing::{debug, warn};
 use crate::budget::ByteBudget;
 use crate::forwarding::ClientAddr;
 use crate::metrics::listener as listener_labels;
-use crate::proxy::error_response;
+use crate::reply::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
+pub(crate) use body::read_body;
 use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 

@@ -18,7 +18,8 @@ use kvroute_core::schedule::Role;
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 
-use crate::proxy::{error_response, read_body};
+use crate::edge::read_body;
+use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
 /// How long a peer has to take a dispatch message.

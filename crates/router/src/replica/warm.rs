@@ -11,42 +11,16 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvroute_core::fleet::WarmVerdict;
 use kvroute_core::index::EndpointId;
-use serde::Serialize;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::snapshot;
+use crate::replica_state::WarmStatus;
 use crate::service::Router;
 
 /// How often the warm-up checks whether every subscriber caught up.
 const POLL: Duration = Duration::from_millis(20);
-
-/// Where a replica's warm-up stands.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "state", rename_all = "snake_case")]
-pub enum WarmStatus {
-    /// No peers configured: no warm-up, ready at once (as a single router).
-    NotConfigured,
-    /// Still warming up: readiness fails.
-    Warming,
-    /// Warm: the index was copied from `peer` (or, `None`, rebuilt from the engines' replay
-    /// buffers) and every endpoint's events caught up.
-    Warm {
-        /// The peer whose snapshot was applied.
-        peer: Option<String>,
-        /// Seconds the warm-up took.
-        seconds: f64,
-    },
-    /// The timeout passed first: ready, with `untrusted` endpoints routed by load only until
-    /// their events are trusted again.
-    TimedOut {
-        /// The peer whose snapshot was applied, if one answered.
-        peer: Option<String>,
-        /// Endpoints whose events had not caught up.
-        untrusted: Vec<String>,
-    },
-}
 
 /// Starts the warm-up when the configuration names peers (`None` otherwise: subscribers were
 /// started with the endpoints' other tasks).
@@ -62,7 +36,7 @@ fn subscribe_all(router: &Arc<Router>, resume: &std::collections::HashMap<Endpoi
     for e in router.endpoints() {
         let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
         if present {
-            crate::server::spawn_subscriber(router, &e, resume.get(&e.id).copied());
+            crate::events::spawn_subscriber(router, &e, resume.get(&e.id).copied());
         }
     }
 }
@@ -149,10 +123,11 @@ fn not_caught_up(router: &Router) -> Vec<(EndpointId, String)> {
 /// `GET /health` on the API listener (readiness): 503 while warming up, else as the admin
 /// listener's `/health` (liveness) answers.
 pub async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.replica().warming() {
-        return StatusCode::SERVICE_UNAVAILABLE;
+    if !router.replica().warming() && router.live() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     }
-    crate::admin::health(State(router)).await
 }
 
 /// `GET /kvroute/v1/replica`: the warm-up's status.

@@ -19,7 +19,7 @@ use tracing::debug;
 
 use crate::edge::read_body;
 use crate::metrics::endpoint as labels;
-use crate::proxy::{Api, parse};
+use crate::pipeline::{Api, parse};
 use crate::reply::error_response;
 use crate::service::Router;
 

@@ -19,15 +19,16 @@ use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
-use parking_lot::{Mutex, MutexGuard, RwLock};
-use tokio::sync::Notify;
+use parking_lot::MutexGuard;
 use tracing::warn;
 
 use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::Endpoint;
+use crate::fleet_handle::FleetHandle;
 use crate::metrics::RouterMetrics;
 use crate::offload::Offload;
+use crate::registry::Registry;
 use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
@@ -35,18 +36,15 @@ use crate::upstream::Upstream;
 /// Everything the router shares between requests and background tasks.
 pub struct Router {
     config: RouterConfig,
-    /// Every endpoint by id (a removed one stays until a newcomer takes its slot).
-    endpoints: RwLock<Vec<Arc<Endpoint>>>,
-    fleet: Mutex<Fleet>,
+    /// Every endpoint by id.
+    registry: Registry,
+    /// Core's fleet, the clock and the capacity notification.
+    fleet: FleetHandle,
     tokens: TokenCache,
     tokenizers: std::collections::HashMap<String, ModelTokenizer>,
     client: Client<HttpConnector, Full<Bytes>>,
     upstream: Arc<Upstream>,
     metrics: RouterMetrics,
-    /// Woken whenever capacity may have freed up (a first token, an end, a scrape): held
-    /// requests check again.
-    capacity: Notify,
-    started: Instant,
     shutdown: Shutdown,
     replica: crate::replica_state::ReplicaState,
     offload: Offload,
@@ -154,9 +152,9 @@ impl Router {
             .collect::<Result<_, RouterError>>()?;
         Ok(Self {
             tokenizers,
-            fleet: Mutex::new(fleet),
+            fleet: FleetHandle::new(fleet),
             tokens: TokenCache::with_limits(&config.limits),
-            endpoints: RwLock::new(endpoints),
+            registry: Registry::new(endpoints),
             client,
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
@@ -168,8 +166,6 @@ impl Router {
                 metrics.offload_requests.clone(),
             ),
             metrics,
-            capacity: Notify::new(),
-            started: Instant::now(),
             shutdown: Shutdown::default(),
             replica: crate::replica_state::ReplicaState::new(&config.replicas),
             config,
@@ -184,12 +180,12 @@ impl Router {
     /// Every endpoint, in id order (removed ones included until their slot is reused: check
     /// the fleet's `present`).
     pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
-        self.endpoints.read().clone()
+        self.registry.all()
     }
 
     /// One endpoint (ids come from the fleet, which never names one the router lacks).
     pub fn endpoint(&self, id: EndpointId) -> Arc<Endpoint> {
-        self.endpoints.read()[id.0 as usize].clone()
+        self.registry.get(id)
     }
 
     /// Registers an endpoint while running: the fleet plans with it from now on, under the
@@ -206,11 +202,8 @@ impl Router {
             .add_endpoint(spec_of(&self.config, &provisional), now)
             .map_err(|e| RouterError::Config(e.to_string()))?;
         let endpoint = Arc::new(Endpoint::new(id, config));
-        let mut endpoints = self.endpoints.write();
-        match endpoints.get_mut(id.0 as usize) {
-            Some(slot) => *slot = endpoint.clone(),
-            None => endpoints.push(endpoint.clone()),
-        }
+        self.registry.put(endpoint.clone());
+        drop(fleet);
         Ok(endpoint)
     }
 
@@ -235,9 +228,7 @@ impl Router {
 
     /// Stops every endpoint's background tasks (the router is shutting down).
     pub fn stop_endpoints(&self) {
-        for e in self.endpoints.read().iter() {
-            e.stop();
-        }
+        self.registry.stop_all();
     }
 
     /// The fleet's decision state, locked (hold it briefly: every request plans through it).
@@ -312,7 +303,7 @@ impl Router {
 
     /// Seconds since start: the clock every fleet observation is stamped with.
     pub fn now(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
+        self.fleet.now()
     }
 
     /// Forgets what `id` holds (restart, ejection), saying why in the log.
@@ -325,12 +316,12 @@ impl Router {
 
     /// Wakes held requests: capacity may have freed up.
     pub fn capacity_changed(&self) {
-        self.capacity.notify_waiters();
+        self.fleet.capacity_changed();
     }
 
     /// Resolves when capacity may have freed up (create before checking, then await).
     pub fn capacity_notified(&self) -> tokio::sync::futures::Notified<'_> {
-        self.capacity.notified()
+        self.fleet.capacity_notified()
     }
 
     /// The model (and adapter) a request names, if served.
@@ -403,12 +394,7 @@ impl Router {
     /// Plans a prepared request: every endpoint costed and ranked by core.
     pub fn plan(&self, prepared: &Prepared) -> Plan {
         let started = Instant::now();
-        let now = self.now();
-        let plan = {
-            let mut fleet = self.fleet();
-            let random = fleet.next_random();
-            fleet.plan(&prepared.features(), random, now)
-        };
+        let plan = self.fleet.plan(&prepared.features());
         self.metrics
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -457,8 +443,7 @@ impl Router {
     /// Polls a held request (see [`Fleet::poll_held`]); the planning it does is timed.
     pub fn poll_held(&self, prepared: &Prepared, ticket: HoldTicket) -> HeldTurn {
         let started = Instant::now();
-        let now = self.now();
-        let turn = self.fleet().poll_held(ticket, &prepared.features(), now);
+        let turn = self.fleet.poll_held(&prepared.features(), ticket);
         if !matches!(turn, HeldTurn::Queued) {
             self.metrics
                 .scheduling_seconds
@@ -475,8 +460,7 @@ impl Router {
         prepared: &Prepared,
         endpoint: EndpointId,
     ) -> Dispatch {
-        let now = self.now();
-        self.fleet()
-            .dispatched(predicted_cached, &prepared.features(), endpoint, now)
+        self.fleet
+            .dispatched(predicted_cached, &prepared.features(), endpoint)
     }
 }

@@ -243,7 +243,7 @@ impl Exchange {
             .collect();
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
-        let dispatch = proxy::connected(&self.router, predicted_cached, prepared, first);
+        let dispatch = crate::pipeline::connect(&self.router, predicted_cached, prepared, first);
         let name = self.router.endpoint(first).name.clone();
         let accounting = Accounting::new(
             self.router.clone(),

@@ -162,6 +162,7 @@ fn refresh_gauges(router: &Router) {
         if let Some(sub) = e.subscriber.lock().as_ref() {
             for (_, feed) in sub.stats() {
                 for (kind, value) in [
+                    ("connected", u64::from(feed.connected)),
                     ("batches", feed.batches),
                     ("gaps", feed.gaps),
                     ("replays", feed.replays),

@@ -201,7 +201,8 @@ pub struct RouterMetrics {
     /// Blocks the index holds, by endpoint and tier.
     pub index_blocks: EndpointGauges,
     /// KV-event stream counters mirrored from the subscribers (counts since start), by endpoint
-    /// and kind (batches, gaps, replays, unfilled_gaps, restarts, decode_errors, orphans).
+    /// and kind (batches, gaps, replays, unfilled_gaps, restarts, decode_errors, orphans), and
+    /// whether the subscriber is connected now (kind `connected`, 1 or 0).
     pub events: EndpointGauges,
     /// Seconds since an endpoint's last KV event (absent before the first).
     pub events_age_seconds: EndpointGauges<f64, AtomicU64>,

@@ -182,7 +182,7 @@ pub(crate) fn respond(
         dispatch,
         reason,
         context.request_id.clone(),
-        context.started.into_std(),
+        context.started,
     )
 }
 
@@ -197,3 +197,6 @@ pub(crate) fn retry(
 ) -> bool {
     router.retry(id, failure, attempt, leg.attempts(router))
 }
+
+#[cfg(test)]
+mod tests;

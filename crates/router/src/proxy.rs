@@ -28,6 +28,7 @@ use crate::pipeline::{self, Leg, RequestContext};
 use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
+#[cfg(feature = "epp")]
 pub(crate) use crate::pipeline::request_id;
 pub use crate::pipeline::{Api, Refused, Routed, parse, route};
 

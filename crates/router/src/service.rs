@@ -4,7 +4,7 @@
 //! fleet what it observes, with the router's clock.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -20,6 +20,7 @@ use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
 use parking_lot::MutexGuard;
+use tokio::time::Instant;
 use tracing::warn;
 
 use crate::RouterError;

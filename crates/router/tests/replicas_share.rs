@@ -4,6 +4,9 @@
 //! sees nothing until the events arrive. Routers and simulated engines over real HTTP and ZMQ
 //! on loopback.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 mod replicas_common;
 

@@ -192,6 +192,8 @@ pub struct RouterMetrics {
     pub outlier_ejections: EndpointFamily<Counter>,
     /// Requests refused by the router itself, by status.
     pub rejected: Family<Labels, Counter>,
+    /// KV-event batches dropped because their endpoint had left when they arrived.
+    pub late_event_batches: Counter,
     /// 1 while an endpoint passes health checks.
     pub endpoint_healthy: EndpointGauges,
     /// 1 while an endpoint's KV index is trusted for scoring.
@@ -274,6 +276,7 @@ impl RouterMetrics {
             retry_budget_exhausted: counters(),
             outlier_ejections: counters(),
             rejected: Family::default(),
+            late_event_batches: Counter::default(),
             endpoint_healthy: sums(),
             endpoint_index_trusted: sums(),
             endpoint_inflight: sums(),
@@ -351,6 +354,11 @@ impl RouterMetrics {
             "rejected",
             "Requests answered by the router with an error",
             m.rejected.clone(),
+        );
+        registry.register(
+            "late_event_batches",
+            "KV-event batches dropped because their endpoint had left",
+            m.late_event_batches.clone(),
         );
         registry.register(
             "endpoint_healthy",

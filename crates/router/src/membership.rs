@@ -39,6 +39,7 @@ impl Membership for Arc<Router> {
             return false;
         };
         endpoint.stop();
+        self.metrics().forget_endpoint(&endpoint.name);
         info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
         true
     }

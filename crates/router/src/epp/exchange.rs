@@ -265,11 +265,7 @@ impl Exchange {
         self.body = Vec::new();
         self.hold = None;
         let e = &refused.error;
-        self.router
-            .metrics()
-            .rejected
-            .get_or_create(&vec![("status", e.status.to_string())])
-            .inc();
+        crate::reply::count(&self.router, e);
         // The Endpoint Picker Protocol answers every shed request 429, whatever the cause.
         let (status, dropped) = match refused.shed {
             Some(why) => (429, Some(drop_reason(why))),

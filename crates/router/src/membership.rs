@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvroute_core::index::EndpointId;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::RouterError;
 use crate::config::EndpointConfig;
@@ -23,6 +23,10 @@ pub trait Membership: Send + Sync {
     /// again, and its background tasks stop. Requests in flight there finish. Returns whether
     /// it was present.
     fn remove_endpoint(&self, id: EndpointId) -> bool;
+
+    /// Discovery ignored something (`kind`: the metric label; `detail`: for the log): warned
+    /// about and counted, never dropped silently.
+    fn ignored(&self, kind: &'static str, detail: &str);
 }
 
 impl Membership for Arc<Router> {
@@ -42,6 +46,14 @@ impl Membership for Arc<Router> {
         self.metrics().forget_endpoint(&endpoint.name);
         info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
         true
+    }
+
+    fn ignored(&self, kind: &'static str, detail: &str) {
+        warn!(kind, detail, "discovery ignored part of the pool or pod");
+        self.metrics()
+            .discovery_problems
+            .get_or_create(&vec![("kind", kind.to_owned())])
+            .inc();
     }
 }
 

@@ -242,6 +242,9 @@ pub struct RouterMetrics {
     pub rejected: Family<Labels, Counter>,
     /// KV-event batches dropped because their endpoint had left when they arrived.
     pub late_event_batches: Counter,
+    /// What discovery ignored, by kind (non_string_label, port_out_of_range,
+    /// replay_without_events).
+    pub discovery_problems: Family<Labels, Counter>,
     /// 1 while an endpoint passes health checks.
     pub endpoint_healthy: EndpointGauges,
     /// 1 while an endpoint's KV index is trusted for scoring.
@@ -325,6 +328,7 @@ impl RouterMetrics {
             outlier_ejections: counters(),
             rejected: Family::default(),
             late_event_batches: Counter::default(),
+            discovery_problems: Family::default(),
             endpoint_healthy: sums(),
             endpoint_index_trusted: sums(),
             endpoint_inflight: sums(),
@@ -402,6 +406,11 @@ impl RouterMetrics {
             "rejected",
             "Requests answered by the router with an error",
             m.rejected.clone(),
+        );
+        registry.register(
+            "discovery_problems",
+            "What discovery ignored (and warned about), by kind",
+            m.discovery_problems.clone(),
         );
         registry.register(
             "late_event_batches",

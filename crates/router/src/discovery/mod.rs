@@ -50,6 +50,52 @@ pub struct PoolSpec {
     pub selector: BTreeMap<String, String>,
     /// Each target port is one endpoint per pod.
     pub ports: Vec<u16>,
+    /// What was ignored, and why: each is warned about and counted
+    /// (`kvroute_discovery_problems_total`), never dropped silently.
+    pub problems: Vec<Problem>,
+}
+
+/// Something discovery ignored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// The metric label: `non_string_label`, `port_out_of_range` or `replay_without_events`.
+    pub kind: &'static str,
+    /// What exactly, for the log.
+    pub detail: String,
+}
+
+impl Problem {
+    fn new(kind: &'static str, detail: String) -> Self {
+        Self { kind, detail }
+    }
+}
+
+/// What the configuration itself makes discovery ignore: a replay port without an events port
+/// (replay needs the stream), and event or replay ports that the per-port offset pushes past
+/// 65535 for the `ports` watched.
+pub fn config_problems(d: &KubeDiscovery, ports: usize) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    if let (Some(replay), None) = (d.replay_port, d.events_port) {
+        problems.push(Problem::new(
+            "replay_without_events",
+            format!("replay_port {replay} without events_port: no replay without the event stream"),
+        ));
+    }
+    let last_rank = ports.saturating_sub(1);
+    for (name, port) in [
+        ("events_port", d.events_port),
+        ("replay_port", d.replay_port),
+    ] {
+        if let Some(port) = port
+            && usize::from(port) + last_rank > usize::from(u16::MAX)
+        {
+            problems.push(Problem::new(
+                "port_out_of_range",
+                format!("{name} {port} + {last_rank} (one per further target port) passes 65535"),
+            ));
+        }
+    }
+    problems
 }
 
 impl PoolSpec {
@@ -60,5 +106,41 @@ impl PoolSpec {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(",")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn discovery(events_port: Option<u16>, replay_port: Option<u16>) -> KubeDiscovery {
+        KubeDiscovery {
+            api_server: None,
+            namespace: None,
+            inference_pool: None,
+            selector: BTreeMap::new(),
+            target_ports: Vec::new(),
+            events_port,
+            replay_port,
+        }
+    }
+
+    #[test]
+    fn a_replay_port_without_events_and_ports_past_65535_are_reported() {
+        let kinds = |d: &KubeDiscovery, ports| {
+            config_problems(d, ports)
+                .into_iter()
+                .map(|p| p.kind)
+                .collect::<Vec<_>>()
+        };
+        assert!(kinds(&discovery(Some(5557), Some(5558)), 4).is_empty());
+        assert_eq!(
+            kinds(&discovery(None, Some(5558)), 1),
+            ["replay_without_events"]
+        );
+        assert_eq!(
+            kinds(&discovery(Some(65534), None), 3),
+            ["port_out_of_range"]
+        );
     }
 }

@@ -30,6 +30,7 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
         return Ok(PoolSpec {
             selector: d.selector.clone(),
             ports: d.target_ports.clone(),
+            problems: Vec::new(),
         });
     };
     let mut last = String::new();
@@ -80,7 +81,12 @@ pub async fn run(
         .namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    let spec = resolve(&client, &ns, &discovery).await?;
+    let mut spec = resolve(&client, &ns, &discovery).await?;
+    spec.problems
+        .extend(super::config_problems(&discovery, spec.ports.len()));
+    for problem in &spec.problems {
+        router.ignored(problem.kind, &problem.detail);
+    }
     info!(namespace = %ns, selector = %spec.label_selector(), ports = ?spec.ports, "watching pods");
     let pods: Api<Pod> = Api::namespaced(client, &ns);
     let config = watcher::Config::default().labels(&spec.label_selector());

@@ -40,9 +40,9 @@ pub(crate) fn shed(router: &Router, why: Shed) -> ApiError {
         .shed
         .get_or_create(&vec![("reason", why.as_str().to_owned())])
         .inc();
-    match why.http_status() {
-        429 => ApiError::rate_limited(why.message()),
-        _ => ApiError::unavailable(why.message()),
+    match why.status() {
+        429 => ApiError::rate_limited(why.reply()),
+        _ => ApiError::unavailable(why.reply()),
     }
 }
 

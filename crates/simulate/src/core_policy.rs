@@ -114,7 +114,7 @@ fn refuse(status: u16, message: &str) -> Routing {
 }
 
 fn shed(why: Shed) -> Routing {
-    refuse(why.http_status(), why.message())
+    refuse(why.status(), why.reply())
 }
 
 fn no_endpoint() -> Routing {

@@ -54,17 +54,17 @@ impl Shed {
         }
     }
 
-    /// The HTTP status a shed request is answered with: 503 when it timed out waiting (the
-    /// fleet is saturated), 429 when the queue was full (too many requests held).
-    pub fn http_status(self) -> u16 {
+    /// The HTTP status a shed request is answered with: 503 when it waited too long (every
+    /// endpoint stayed saturated), 429 when the queue was full.
+    pub fn status(self) -> u16 {
         match self {
             Shed::Timeout => 503,
             Shed::QueueFull | Shed::QueueBytes => 429,
         }
     }
 
-    /// What the client is told.
-    pub fn message(self) -> &'static str {
+    /// The reply's message, the same from the router and the simulator.
+    pub fn reply(self) -> &'static str {
         match self {
             Shed::Timeout => {
                 "every endpoint stayed saturated while the request waited; retry shortly"

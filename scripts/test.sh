@@ -33,6 +33,8 @@ if cargo tree -p kvroute-core -e normal --prefix none --locked | grep -E '^(toki
   echo "kvroute-core must not depend on I/O crates (see DESIGN: core is pure)" >&2
   exit 1
 fi
+# No module imports one above it: no import cycle between the top-level modules of any crate.
+python3 scripts/module-cycles.py .
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 # The Helm chart: rendered by a real Helm, every manifest validated (Kubernetes schemas, the

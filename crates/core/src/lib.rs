@@ -16,6 +16,7 @@ pub mod fleet;
 pub mod history;
 pub mod index;
 pub mod keys;
+pub mod random;
 pub mod schedule;
 pub mod tiers;
 

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_testkit::hostile::{ATTACKS, HostilePublisher};
 use kvroute_testkit::{
-    Killed, free_ports, http_get, patience, run_openai_client, sample, wait_http,
+    Killed, eventually_blocking, free_ports, http_get, patience, run_openai_client, sample,
+    wait_http,
 };
 
 /// `kvroute sim` engines on consecutive ports, waited for.
@@ -163,8 +164,17 @@ fn the_openai_python_client_works_through_the_router() {
         return;
     };
     let sims = start_sims(2);
-    let (_router, listen, dir) = serve(&sims, 2, "");
-    std::thread::sleep(Duration::from_millis(300)); // subscribers connect
+    let served = Serve::new(&sim_endpoints(&sims, 2), "").start();
+    let (_router, listen, dir) = (served.process, served.listen, served.dir);
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], served.admin));
+    eventually_blocking("both KV-event subscribers connected", || {
+        let connected = kvroute_testkit::sum_labelled(
+            &http_get(admin, "/metrics"),
+            "kvroute_kv_events{",
+            "kind=\"connected\"",
+        );
+        (connected == 2.0, connected)
+    });
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
     let output = run_openai_client(

@@ -23,6 +23,9 @@
 //! cargo bench -p kvroute-router --bench large_prompt
 //! ```
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

@@ -37,6 +37,9 @@
 //! `KVROUTE_BENCH_BINARY` (path of `kvroute`). `RUST_LOG` is passed on to both processes (the
 //! router logs one line per request at the default `info`).
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

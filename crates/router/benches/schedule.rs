@@ -21,6 +21,9 @@
 //!
 //! Run with `cargo bench -p kvroute-router --bench schedule` (about 30 s).
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -8,7 +8,7 @@ mod stream;
 pub use stream::{AccountedBody, Cut, sse_error_event};
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use kvroute_core::fleet::Dispatch;
 use tracing::info;

@@ -17,8 +17,10 @@ use kvroute_vllm::openai::{ApiError, GenerationRequest, Input};
 use serde_json::{Value, json};
 use tracing::debug;
 
+use crate::edge::read_body;
 use crate::metrics::endpoint as labels;
-use crate::proxy::{Api, error_response, parse, read_body};
+use crate::pipeline::{Api, parse};
+use crate::reply::error_response;
 use crate::service::Router;
 
 /// Largest `/v1/models` answer read from an engine.
@@ -95,7 +97,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// `GET /health`: 200 while some endpoint is healthy and the router is not draining.
 pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
-    if !router.shutdown().draining() && router.fleet().endpoints().iter().any(|e| e.healthy()) {
+    if router.live() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -160,6 +162,7 @@ fn refresh_gauges(router: &Router) {
         if let Some(sub) = e.subscriber.lock().as_ref() {
             for (_, feed) in sub.stats() {
                 for (kind, value) in [
+                    ("connected", u64::from(feed.connected)),
                     ("batches", feed.batches),
                     ("gaps", feed.gaps),
                     ("replays", feed.replays),

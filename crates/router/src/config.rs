@@ -14,7 +14,9 @@ use kvroute_core::schedule::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use crate::discovery::KubeDiscovery;
+mod discovery;
+
+pub use discovery::KubeDiscovery;
 
 use crate::RouterError;
 
@@ -572,7 +574,9 @@ impl RouterConfig {
             history_capacity: c.history_capacity,
             predicted_ttl_s: c.predicted_ttl_s,
             default_prefill_tokens_per_s: self.scheduler.prefill_tokens_per_s,
-            load_sample_max_age_s: (self.scrape.interval_ms * 4 + 1000) as f64 / 1000.0,
+            load_sample_max_age_s: FleetConfig::load_sample_max_age_for(
+                self.scrape.interval_ms as f64 / 1000.0,
+            ),
             trust: TrustPolicy {
                 silent_after_s: c.silent_after_s,
                 distrust_after_gap_s: c.distrust_after_gap_s,

@@ -4,18 +4,15 @@
 //! that fleet. Its health checks and scrapes run on a [`ProbeSchedule`], staggered so that with
 //! many endpoints the probes of one interval do not all fire at once.
 
-use std::sync::Weak;
 use std::time::Duration;
 
-use kvroute_core::event::EventBatch;
 use kvroute_core::index::EndpointId;
-use kvroute_vllm::subscriber::{EventSink, SubscriberHandle};
+use kvroute_vllm::subscriber::SubscriberHandle;
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::config::EndpointConfig;
-use crate::service::Router;
 
 /// One endpoint, as the router talks to it.
 pub struct Endpoint {
@@ -126,34 +123,6 @@ impl ProbeSchedule {
             return;
         }
         self.interval.tick().await;
-    }
-}
-
-/// Feeds the fleet with each endpoint's KV events, restarts and losses.
-pub struct TrackingSink {
-    /// The router whose fleet is fed (weak: the router owns the subscribers that own this).
-    pub router: Weak<Router>,
-}
-
-impl EventSink for TrackingSink {
-    fn apply(&self, endpoint: EndpointId, _seq: u64, batch: &EventBatch) {
-        if let Some(router) = self.router.upgrade() {
-            let now = router.now();
-            router.fleet().apply_events(endpoint, &batch.events, now);
-        }
-    }
-
-    fn purge(&self, endpoint: EndpointId) {
-        if let Some(router) = self.router.upgrade() {
-            router.forget_endpoint(endpoint, "the engine restarted");
-        }
-    }
-
-    fn unfilled_gap(&self, endpoint: EndpointId, _from: u64, _to: u64) {
-        if let Some(router) = self.router.upgrade() {
-            let now = router.now();
-            router.fleet().events_lost(endpoint, now);
-        }
     }
 }
 

@@ -1,11 +1,15 @@
 //! Flow control's waiting: a request planned while every endpoint is saturated waits in core's
-//! bounded queue and is planned again, in queue order, whenever capacity may have freed up. It
-//! binds to an endpoint only then (late binding), or is shed with `Retry-After`.
+//! bounded queue and is polled again, in queue order, whenever capacity may have freed up. It
+//! binds to an endpoint only then (late binding), or is shed with `Retry-After`. What to hold,
+//! release and shed is core's decision ([`kvroute_core::fleet::Fleet::admit`] and
+//! [`kvroute_core::fleet::Fleet::poll_held`], which the simulator runs too); this module only
+//! waits between polls.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvroute_core::fleet::{HoldTicket, Plan, Shed};
+use kvroute_core::fleet::{HeldTurn, HoldTicket, Plan, Shed};
 use kvroute_vllm::openai::ApiError;
+use tokio::time::Instant;
 
 use crate::service::{Prepared, Router};
 
@@ -36,28 +40,27 @@ pub(crate) fn shed(router: &Router, why: Shed) -> ApiError {
         .shed
         .get_or_create(&vec![("reason", why.as_str().to_owned())])
         .inc();
-    match why {
-        Shed::Timeout => ApiError::unavailable(
-            "every endpoint stayed saturated while the request waited; retry shortly",
-        ),
-        Shed::QueueFull | Shed::QueueBytes => ApiError::rate_limited(
-            "the router is holding as many requests as it may; retry shortly",
-        ),
+    match why.status() {
+        429 => ApiError::rate_limited(why.reply()),
+        _ => ApiError::unavailable(why.reply()),
     }
 }
 
-/// Holds `prepared` until an endpoint has room, then returns the plan made at that moment, or
-/// why it was shed (count it with [`shed`]).
-pub async fn wait_for_capacity(
+/// How a held request's wait ended without a plan.
+pub(crate) enum NotReleased {
+    /// Flow control shed it.
+    Shed(Shed),
+    /// No endpoint can take it any more.
+    NoEndpoint,
+}
+
+/// Waits, holding `ticket` (core's [`kvroute_core::fleet::Admission::Held`] for `prepared`),
+/// until core releases the request with the plan made at that moment, or sheds it.
+pub(crate) async fn wait_for_capacity(
     router: &Router,
     prepared: &Prepared,
-    priority: i64,
-    bytes: usize,
-) -> Result<Plan, Shed> {
-    let ticket = {
-        let now = router.now();
-        router.fleet().flow_mut().hold(priority, bytes, now)
-    }?;
+    ticket: HoldTicket,
+) -> Result<Plan, NotReleased> {
     let held = Held {
         router,
         ticket,
@@ -67,24 +70,20 @@ pub async fn wait_for_capacity(
         let notified = router.capacity_notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let (next, expired) = {
-            let now = router.now();
-            let fleet = router.fleet();
-            let flow = fleet.flow();
-            (flow.is_next(ticket), flow.expired(ticket, now))
-        };
-        if next {
-            let plan = router.plan(prepared);
-            // Saturated with an empty ranking: every endpoint left has its circuit breaker
-            // open; wait for one to free up like for a saturated one.
-            if !plan.decision.saturated {
+        match router.poll_held(prepared, ticket) {
+            HeldTurn::Route(plan) => {
                 drop(held);
                 return Ok(plan);
             }
-        }
-        if expired {
-            drop(held);
-            return Err(Shed::Timeout);
+            HeldTurn::NoEndpoint => {
+                drop(held);
+                return Err(NotReleased::NoEndpoint);
+            }
+            HeldTurn::Shed(why) => {
+                drop(held);
+                return Err(NotReleased::Shed(why));
+            }
+            HeldTurn::StillSaturated | HeldTurn::Queued => {}
         }
         let _ = tokio::time::timeout(RECHECK, notified).await;
     }

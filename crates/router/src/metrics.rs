@@ -7,7 +7,7 @@
 //! KV events: the oldest) when `/metrics` is rendered ([`EndpointGauges`]). Either way the
 //! exposition's size does not depend on the number of endpoints then.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
@@ -49,11 +49,35 @@ fn without_endpoint(labels: &Labels) -> Labels {
         .collect()
 }
 
+/// The label sets created for each endpoint, so that a departed endpoint's series can be
+/// removed (a family cannot list its own).
+#[derive(Default)]
+struct ByEndpoint(RwLock<HashMap<String, HashSet<Labels>>>);
+
+impl ByEndpoint {
+    /// Notes a new series' `labels` under the endpoint they name.
+    fn note(&self, labels: &Labels) {
+        if let Some((_, name)) = labels.iter().find(|(label, _)| *label == ENDPOINT) {
+            self.0
+                .write()
+                .entry(name.clone())
+                .or_default()
+                .insert(labels.clone());
+        }
+    }
+
+    /// The label sets noted under `endpoint`, forgotten.
+    fn take(&self, endpoint: &str) -> HashSet<Labels> {
+        self.0.write().remove(endpoint).unwrap_or_default()
+    }
+}
+
 /// Counters or histograms by endpoint (and other labels); with per-endpoint series off, the
 /// `endpoint` label is dropped on the way in, so each series counts over every endpoint.
 pub struct EndpointFamily<M, C = fn() -> M> {
     family: Family<Labels, M, C>,
     per_endpoint: bool,
+    series: ByEndpoint,
 }
 
 impl<M, C: MetricConstructor<M>> EndpointFamily<M, C> {
@@ -61,15 +85,26 @@ impl<M, C: MetricConstructor<M>> EndpointFamily<M, C> {
         Self {
             family,
             per_endpoint,
+            series: ByEndpoint::default(),
         }
     }
 
     /// The series of `labels` (which name the endpoint), created if new.
     pub fn get_or_create(&self, labels: &Labels) -> impl Deref<Target = M> + '_ {
         if self.per_endpoint {
+            if self.family.get(labels).is_none() {
+                self.series.note(labels);
+            }
             self.family.get_or_create(labels)
         } else {
             self.family.get_or_create(&without_endpoint(labels))
+        }
+    }
+
+    /// Removes `endpoint`'s series (it left the fleet).
+    fn forget(&self, endpoint: &str) {
+        for labels in self.series.take(endpoint) {
+            self.family.remove(&labels);
         }
     }
 }
@@ -91,6 +126,7 @@ pub struct EndpointGauges<N = i64, A = AtomicI64> {
     aggregate: Aggregate,
     /// Per-endpoint values awaiting aggregation (per-endpoint series off).
     pending: RwLock<HashMap<Labels, Gauge<N, A>>>,
+    series: ByEndpoint,
 }
 
 impl<N, A> EndpointGauges<N, A>
@@ -104,12 +140,16 @@ where
             per_endpoint,
             aggregate,
             pending: RwLock::default(),
+            series: ByEndpoint::default(),
         }
     }
 
     /// The gauge of `labels` (which name the endpoint), created if new.
     pub fn get_or_create(&self, labels: &Labels) -> MappedRwLockReadGuard<'_, Gauge<N, A>> {
         if self.per_endpoint {
+            if self.family.get(labels).is_none() {
+                self.series.note(labels);
+            }
             return self.family.get_or_create(labels);
         }
         if let Ok(gauge) = RwLockReadGuard::try_map(self.pending.read(), |m| m.get(labels)) {
@@ -117,6 +157,14 @@ where
         }
         self.pending.write().entry(labels.clone()).or_default();
         RwLockReadGuard::map(self.pending.read(), |m| &m[labels])
+    }
+
+    /// Removes `endpoint`'s series (it left the fleet; aggregates forget it at the next
+    /// rendering by themselves).
+    fn forget(&self, endpoint: &str) {
+        for labels in self.series.take(endpoint) {
+            self.family.remove(&labels);
+        }
     }
 
     /// Per-endpoint series off: exports the values set since the last call, aggregated over
@@ -192,6 +240,11 @@ pub struct RouterMetrics {
     pub outlier_ejections: EndpointFamily<Counter>,
     /// Requests refused by the router itself, by status.
     pub rejected: Family<Labels, Counter>,
+    /// KV-event batches dropped because their endpoint had left when they arrived.
+    pub late_event_batches: Counter,
+    /// What discovery ignored, by kind (non_string_label, port_out_of_range,
+    /// replay_without_events).
+    pub discovery_problems: Family<Labels, Counter>,
     /// 1 while an endpoint passes health checks.
     pub endpoint_healthy: EndpointGauges,
     /// 1 while an endpoint's KV index is trusted for scoring.
@@ -201,7 +254,8 @@ pub struct RouterMetrics {
     /// Blocks the index holds, by endpoint and tier.
     pub index_blocks: EndpointGauges,
     /// KV-event stream counters mirrored from the subscribers (counts since start), by endpoint
-    /// and kind (batches, gaps, replays, unfilled_gaps, restarts, decode_errors, orphans).
+    /// and kind (batches, gaps, replays, unfilled_gaps, restarts, decode_errors, orphans), and
+    /// whether the subscriber is connected now (kind `connected`, 1 or 0).
     pub events: EndpointGauges,
     /// Seconds since an endpoint's last KV event (absent before the first).
     pub events_age_seconds: EndpointGauges<f64, AtomicU64>,
@@ -273,6 +327,8 @@ impl RouterMetrics {
             retry_budget_exhausted: counters(),
             outlier_ejections: counters(),
             rejected: Family::default(),
+            late_event_batches: Counter::default(),
+            discovery_problems: Family::default(),
             endpoint_healthy: sums(),
             endpoint_index_trusted: sums(),
             endpoint_inflight: sums(),
@@ -350,6 +406,16 @@ impl RouterMetrics {
             "rejected",
             "Requests answered by the router with an error",
             m.rejected.clone(),
+        );
+        registry.register(
+            "discovery_problems",
+            "What discovery ignored (and warned about), by kind",
+            m.discovery_problems.clone(),
+        );
+        registry.register(
+            "late_event_batches",
+            "KV-event batches dropped because their endpoint had left",
+            m.late_event_batches.clone(),
         );
         registry.register(
             "endpoint_healthy",
@@ -452,6 +518,35 @@ impl RouterMetrics {
             m.token_cache_bytes.clone(),
         );
         Self { registry, ..m }
+    }
+
+    /// Removes every series of `endpoint` (it left the fleet), so that a departed pod's series
+    /// do not linger in the exposition. A request still in flight there may count again.
+    pub fn forget_endpoint(&self, endpoint: &str) {
+        for family in [
+            &self.requests,
+            &self.predicted_cached_tokens,
+            &self.reported_cached_tokens,
+            &self.prediction_outcomes,
+            &self.retries,
+            &self.retry_budget_exhausted,
+            &self.outlier_ejections,
+        ] {
+            family.forget(endpoint);
+        }
+        for family in [&self.request_seconds, &self.first_byte_seconds] {
+            family.forget(endpoint);
+        }
+        for gauges in [
+            &self.endpoint_healthy,
+            &self.endpoint_index_trusted,
+            &self.endpoint_inflight,
+            &self.index_blocks,
+            &self.events,
+        ] {
+            gauges.forget(endpoint);
+        }
+        self.events_age_seconds.forget(endpoint);
     }
 
     /// The text exposition (per-endpoint gauges are set just before: with per-endpoint series

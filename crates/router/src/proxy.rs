@@ -1,90 +1,39 @@
-//! The OpenAI front door: parse once, tokenize, ask core for a plan (holding the request while
-//! every endpoint is saturated), forward with the body streamed through unbuffered, retry on
-//! the next endpoint of the plan after a refused connection or a 5xx before any body byte
-//! (within the retry budget), tell the fleet how each attempt went (outlier detection), and
-//! answer errors in OpenAI's shape.
+//! The OpenAI front door, `kvroute serve`'s driver of the request pipeline
+//! ([`crate::pipeline`]): admit, prepare and select, then forward down the leg's ranking with
+//! the body streamed through unbuffered, connecting, responding and retrying (a refused
+//! connection or a 5xx before any body byte, as core allows) through the pipeline's phases, and
+//! telling the fleet how each attempt went (outlier detection).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::{Plan, Shed, UpstreamOutcome};
+use http_body_util::Full;
+use kvroute_core::fleet::{AttemptFailure, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
-use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
+use kvroute_vllm::openai::ApiError;
+use tokio::time::Instant;
 use tracing::warn;
 
-use crate::RouterError;
-use crate::accounting::{AccountedBody, Accounting, Outcome};
-use crate::flow;
+use crate::accounting::{AccountedBody, Outcome};
+use crate::edge::read_body;
 use crate::forwarding;
 use crate::forwarding::ClientAddr;
+use crate::pipeline::{self, Leg, RequestContext};
+use crate::reply::error_response;
 use crate::service::{Prepared, Router};
+
+#[cfg(feature = "epp")]
+pub(crate) use crate::pipeline::request_id;
+pub use crate::pipeline::{Api, Refused, Routed, parse, route};
 
 /// The header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
-
-/// Which OpenAI API a request used.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Api {
-    /// `/v1/completions`.
-    Completions,
-    /// `/v1/chat/completions`.
-    Chat,
-}
-
-/// An OpenAI-shaped error response (the shared mapping of [`ApiError::to_response`]), counted.
-pub fn error_response(router: &Router, e: &ApiError) -> Response {
-    router
-        .metrics()
-        .rejected
-        .get_or_create(&vec![("status", e.status.to_string())])
-        .inc();
-    e.to_response().map(Body::from)
-}
-
-/// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
-/// 503 (the router's buffered-bytes budget is spent).
-pub async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
-    let limit = router.config().limits.max_body_bytes;
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) => Err(body_error(limit, e.as_ref())),
-    }
-}
-
-/// The answer to a body that could not be read: the error's chain names the cause.
-fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(current) = cause {
-        if current
-            .downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            return ApiError::too_large(format!("request body larger than {limit} bytes"));
-        }
-        if let Some(e @ (RouterError::ClientTimeout(_) | RouterError::Overloaded(_))) =
-            current.downcast_ref::<RouterError>()
-        {
-            return e.api_error();
-        }
-        cause = current.source();
-    }
-    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
-}
-
-/// Parses a generation request of either API.
-pub fn parse(api: Api, body: &[u8]) -> Result<GenerationRequest, ApiError> {
-    match api {
-        Api::Completions => parse_completion(body),
-        Api::Chat => parse_chat(body),
-    }
-}
 
 /// `POST /v1/completions`.
 pub async fn completions(State(router): State<Arc<Router>>, request: Request) -> Response {
@@ -96,118 +45,6 @@ pub async fn chat_completions(State(router): State<Arc<Router>>, request: Reques
     generate(router, request, Api::Chat).await
 }
 
-pub(crate) fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
-}
-
-pub(crate) fn session(router: &Router, headers: &HeaderMap) -> Option<String> {
-    headers
-        .get(router.config().scheduler.session_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-}
-
-pub(crate) fn priority(router: &Router, headers: &HeaderMap) -> i64 {
-    headers
-        .get(router.config().scheduler.priority_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// A request core has planned, ready to be sent to the first endpoint of its ranking.
-pub struct Routed {
-    /// The request, tokenized and keyed.
-    pub prepared: Prepared,
-    /// Core's plan for it (the ranking is never empty).
-    pub plan: Plan,
-}
-
-/// Why a request was not routed.
-pub struct Refused {
-    /// The answer for the client.
-    pub error: ApiError,
-    /// Set when flow control shed the request.
-    pub shed: Option<Shed>,
-}
-
-impl From<ApiError> for Refused {
-    fn from(error: ApiError) -> Self {
-        Self { error, shed: None }
-    }
-}
-
-/// Parses, tokenizes and plans a generation request, holding it while every endpoint is
-/// saturated: the one decision path of `kvroute serve` and `kvroute epp`. A large body is
-/// prepared on the bounded blocking pool ([`crate::offload`]).
-pub async fn route(
-    router: &Arc<Router>,
-    api: Api,
-    headers: &HeaderMap,
-    body: &Bytes,
-) -> Result<Routed, Refused> {
-    let session = session(router, headers);
-    let (prepared, mut plan) = if router.offload().wanted(body.len()) {
-        let (shared, body) = (router.clone(), body.clone());
-        let runtime = tokio::runtime::Handle::current();
-        let work = move || runtime.block_on(prepare_and_plan(&shared, api, &body, session));
-        router
-            .offload()
-            .run(work)
-            .await
-            .map_err(|_| offload_shed(router))??
-    } else {
-        prepare_and_plan(router, api, body, session).await?
-    };
-    if plan.decision.saturated && router.config().flow.enabled {
-        let priority = priority(router, headers);
-        plan = flow::wait_for_capacity(router, &prepared, priority, body.len())
-            .await
-            .map_err(|why| Refused {
-                error: flow::shed(router, why),
-                shed: Some(why),
-            })?;
-    }
-    if plan.decision.ranking.is_empty() {
-        return Err(
-            ApiError::unavailable("no healthy endpoint serves this model; retry shortly").into(),
-        );
-    }
-    Ok(Routed { prepared, plan })
-}
-
-/// Parses, tokenizes and plans once.
-async fn prepare_and_plan(
-    router: &Router,
-    api: Api,
-    body: &[u8],
-    session: Option<String>,
-) -> Result<(Prepared, Plan), Refused> {
-    let parsed = parse(api, body)?;
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
-        return Err(
-            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
-        );
-    };
-    let plan = router.plan(&prepared);
-    Ok((prepared, plan))
-}
-
-/// The blocking pool's queue is full: counted as shed, answered 503.
-fn offload_shed(router: &Router) -> Refused {
-    router
-        .metrics()
-        .shed
-        .get_or_create(&vec![("reason", "offload_queue".to_owned())])
-        .inc();
-    ApiError::unavailable("the router is preparing as many large requests as it may; retry shortly")
-        .into()
-}
-
 async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
@@ -215,24 +52,21 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
     };
-    let Routed { prepared, plan } = match route(&router, api, &parts.headers, &body).await {
+    let context = pipeline::admit(&router, &parts.headers, started);
+    let Routed { prepared, plan } = match pipeline::route_in(&router, api, &context, &body).await {
         Ok(r) => r,
         Err(refused) => return error_response(&router, &refused.error),
     };
-    let rid = request_id(&parts.headers);
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
+        context,
         prepared: &prepared,
-        ranking: &plan.decision.ranking,
-        predicted_cached: &plan.predicted_cached,
-        reason: plan.decision.reason.as_str(),
+        leg: Leg::planned(plan),
         method: parts.method,
         path,
         headers: parts.headers,
         body,
-        request_id: rid,
-        started,
         client: client_addr(&parts.extensions),
     })
     .await
@@ -240,16 +74,13 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
 
 struct ForwardArgs<'a> {
     router: &'a Arc<Router>,
+    context: RequestContext,
     prepared: &'a Prepared,
-    ranking: &'a [EndpointId],
-    predicted_cached: &'a [usize],
-    reason: &'static str,
+    leg: Leg,
     method: http::Method,
     path: String,
     headers: HeaderMap,
     body: Bytes,
-    request_id: String,
-    started: Instant,
     /// The client's address, as the edge accepted it.
     client: Option<SocketAddr>,
 }
@@ -283,7 +114,7 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
         builder = builder.header(name, value);
     }
     builder
-        .header("x-request-id", a.request_id.as_str())
+        .header("x-request-id", a.context.request_id.as_str())
         .body(Full::new(a.body.clone()))
         .expect("a request built from a valid request is valid")
 }
@@ -291,19 +122,18 @@ fn upstream_request(base: &str, a: &ForwardArgs<'_>) -> http::Request<Full<Bytes
 async fn forward(a: ForwardArgs<'_>) -> Response {
     let router = a.router;
     let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
-    let attempts = (router.config().retry.max_attempts.max(1) as usize).min(a.ranking.len());
+    let attempts = a.leg.attempts(router);
     // Down the plan's ranking: the next endpoint is tried when no connection could be made or
     // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
     // recorded against an endpoint before a connection to it exists.
-    for (attempt, &id) in a.ranking.iter().take(attempts).enumerate() {
-        let last = attempt + 1 == attempts;
+    for (attempt, &id) in a.leg.ranking.iter().take(attempts).enumerate() {
         let endpoint = router.endpoint(id).clone();
         let authority = endpoint.authority.to_string();
         let conn = match router.upstream().connection(&authority).await {
             Ok(conn) => conn,
             Err(e) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
-                if !last && router.try_retry(id, "connect") {
+                if pipeline::retry(router, &a.leg, id, AttemptFailure::Connect, attempt) {
                     warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
                     continue;
                 }
@@ -313,20 +143,17 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
                 );
             }
         };
-        let dispatch = router.dispatched(a.predicted_cached, a.prepared, id);
-        let mut accounting = Accounting::new(
-            router.clone(),
-            dispatch,
-            if attempt == 0 { a.reason } else { "retry" },
-            a.request_id.clone(),
-            a.started,
-        );
+        let dispatch = pipeline::connect(router, &a.leg.predicted_cached, a.prepared, id);
+        let mut accounting = pipeline::respond(router, &a.context, &a.leg, attempt, dispatch);
         let request = upstream_request(&format!("http://{}", endpoint.authority), &a);
         let sent = tokio::time::timeout(timeout, router.upstream().send(conn, &authority, request));
         let (response, lease) = match sent.await {
             Err(_) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(504, Outcome::Timeout);
+                if pipeline::retry(router, &a.leg, id, AttemptFailure::Timeout, attempt) {
+                    continue;
+                }
                 let message = format!(
                     "the engine {} did not answer within {timeout:?}",
                     endpoint.name
@@ -336,6 +163,9 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
             Ok(Err(e)) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(502, Outcome::EngineError);
+                if pipeline::retry(router, &a.leg, id, AttemptFailure::Transport, attempt) {
+                    continue;
+                }
                 let message = format!("the engine {} failed: {e}", endpoint.name);
                 return error_response(router, &ApiError::engine_failed(message));
             }
@@ -345,7 +175,7 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
         accounting.status = parts.status.as_u16();
         if parts.status.is_server_error() {
             router.upstream_result(id, UpstreamOutcome::Failure);
-            if !last && router.try_retry(id, "5xx") {
+            if pipeline::retry(router, &a.leg, id, AttemptFailure::ServerError, attempt) {
                 warn!(endpoint = %endpoint.name, status = %parts.status, "the engine failed before answering; retrying on the next best endpoint");
                 continue; // the response, its accounting and its connection are dropped
             }
@@ -380,21 +210,12 @@ async fn forward(a: ForwardArgs<'_>) -> Response {
 /// Every healthy endpoint, starting at a random one: where a request that needs no cache
 /// (embeddings, `GET` paths) goes.
 pub fn healthy_rotation(router: &Router) -> Vec<EndpointId> {
-    let mut healthy: Vec<EndpointId> = router
-        .endpoints()
-        .iter()
-        .filter(|e| router.available(e.id))
-        .map(|e| e.id)
-        .collect();
-    if !healthy.is_empty() {
-        let start = rand::random::<u64>() as usize % healthy.len();
-        healthy.rotate_left(start);
-    }
-    healthy
+    let now = router.now();
+    router.fleet().passthrough_rotation(now)
 }
 
 /// A forwarded OpenAI path other than completions and chat (see
-/// [`crate::server::FORWARDED_PATHS`]): passed to a random healthy endpoint unchanged.
+/// `server::FORWARDED_PATHS`): passed to a random healthy endpoint unchanged.
 pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) -> Response {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
@@ -413,17 +234,14 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
     let path = path_and_query(&parts.uri);
     forward(ForwardArgs {
         router: &router,
+        context: pipeline::admit(&router, &parts.headers, started),
         prepared: &prepared,
-        ranking: &ranking,
-        predicted_cached: &[],
-        reason: "passthrough",
+        leg: Leg::unplanned(ranking),
         method: parts.method,
         path,
-        request_id: request_id(&parts.headers),
         client: client_addr(&parts.extensions),
         headers: parts.headers,
         body,
-        started,
     })
     .await
 }

@@ -8,24 +8,15 @@ use std::time::Duration;
 use axum::Router as Routes;
 use axum::middleware;
 use axum::routing::{get, post};
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::fleet::{HealthChange, LoadSample};
-use kvroute_vllm::metrics::parse_engine_metrics;
-use kvroute_vllm::subscriber::{EndpointSource, spawn_connected_after};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::RouterError;
 use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
 use crate::descriptors::connection_limits;
-use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::service::Router;
-use crate::{ProbeError, RouterError};
 use crate::{admin, edge, proxy};
-
-/// Largest body accepted from an engine's `/health` or `/metrics`.
-const MAX_SCRAPE_BYTES: usize = 16 << 20;
 
 /// The OpenAI paths other than completions, chat and models that are forwarded to an engine,
 /// all `POST` and stateless (any engine serving the model can answer). Every other path gets
@@ -183,60 +174,11 @@ pub(crate) async fn bind(
 /// health checks and load scraping per endpoint, housekeeping, and a replica's warm-up.
 pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     for e in router.endpoints() {
-        spawn_endpoint_tasks(router, &e);
+        crate::membership::spawn_endpoint_tasks(router, &e);
     }
     let mut tasks = vec![tokio::spawn(housekeeping(router.clone()))];
     tasks.extend(crate::replica::warm::spawn(router));
     tasks
-}
-
-/// Starts one endpoint's KV-event subscriber (when configured), health checks and scraping;
-/// [`Endpoint::stop`] ends them.
-pub(crate) fn spawn_endpoint_tasks(router: &Arc<Router>, e: &Arc<Endpoint>) {
-    // While a replica warms up, its warm-up subscribes (resuming after its peer's snapshot).
-    if !router.replica().warming() {
-        spawn_subscriber(router, e, None);
-    }
-    let mut tasks = e.tasks.lock();
-    tasks.push(tokio::spawn(health_loop(router.clone(), e.clone())));
-    tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
-}
-
-/// Starts an endpoint's KV-event subscriber (when it has events and none runs yet); with
-/// `resume_after`, its first connection replays from the batch after that one.
-pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_after: Option<u64>) {
-    let Some(events) = &e.config.events else {
-        return;
-    };
-    let mut slot = e.subscriber.lock();
-    if slot.is_some() {
-        return;
-    }
-    *slot = Some(spawn_connected_after(
-        EndpointSource {
-            endpoint: e.id,
-            name: e.name.clone(),
-            publisher: events.clone(),
-            replay: e.config.replay.clone(),
-            topic: e.config.topic.clone(),
-        },
-        router.sink(),
-        router.config().kv_events.subscriber_config(),
-        resume_after,
-    ));
-}
-
-/// Starts an endpoint's KV-event subscriber afresh, after the fleet forgot what the endpoint
-/// held for a reason the subscriber cannot see (an ejection, a restart its `/metrics` revealed):
-/// the new subscription replays from the start of the engine's buffer instead of resuming at
-/// the old stream's sequence number, which a restarted engine may already have passed. While a
-/// replica warms up, its warm-up owns the subscriber.
-pub(crate) fn resubscribe(router: &Arc<Router>, e: &Arc<Endpoint>) {
-    if router.replica().warming() {
-        return;
-    }
-    drop(e.subscriber.lock().take());
-    spawn_subscriber(router, e, None);
 }
 
 /// The buffered-bytes budget of the API listener (and the picker's streams):
@@ -303,135 +245,6 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router,
         tasks,
     })
-}
-
-async fn get_text(
-    router: &Router,
-    url: String,
-    timeout: Duration,
-) -> Result<(u16, Bytes), ProbeError> {
-    let request = http::Request::get(url).body(Full::new(Bytes::new()))?;
-    let response = tokio::time::timeout(timeout, router.client().request(request))
-        .await
-        .map_err(|_| ProbeError::Timeout)??;
-    let status = response.status().as_u16();
-    let body = tokio::time::timeout(
-        timeout,
-        Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
-    )
-    .await
-    .map_err(|_| ProbeError::BodyTimeout)?
-    .map_err(ProbeError::Body)?;
-    Ok((status, body.to_bytes()))
-}
-
-/// Checks an endpoint's health; the fleet ejects it after consecutive failures (forgetting
-/// its cache) and restores it after consecutive passes.
-async fn health_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
-    let cfg = router.config().health.clone();
-    let period = Duration::from_millis(cfg.interval_ms);
-    let mut tick = ProbeSchedule::new(endpoint.id, Probe::Health, period);
-    loop {
-        tick.tick().await;
-        let result = get_text(
-            &router,
-            format!("http://{}/health", endpoint.authority),
-            Duration::from_millis(cfg.timeout_ms),
-        )
-        .await;
-        let ok = matches!(result, Ok((200, _)));
-        if !ok {
-            *endpoint.last_health_error.lock() = Some(match result {
-                Ok((status, _)) => format!("health check answered {status}"),
-                Err(e) => e.to_string(),
-            });
-        }
-        let now = router.now();
-        let change = router.fleet().health_check(endpoint.id, ok, now);
-        match change {
-            Some(HealthChange::Ejected) => {
-                warn!(endpoint = %endpoint.name, error = ?endpoint.last_health_error.lock(), "endpoint ejected after failed health checks; its cached blocks are forgotten");
-            }
-            Some(HealthChange::Restored) => {
-                *endpoint.last_health_error.lock() = None;
-                info!(endpoint = %endpoint.name, "endpoint healthy again; re-subscribing to its KV events from the start of its replay buffer");
-                resubscribe(&router, &endpoint);
-                router.capacity_changed();
-            }
-            None => {}
-        }
-    }
-}
-
-/// Scrapes an endpoint's load into the fleet; a new process start time or a counter that went
-/// backwards means the engine restarted, so what it held is forgotten at once.
-async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
-    let interval = Duration::from_millis(router.config().scrape.interval_ms);
-    let mut tick = ProbeSchedule::new(endpoint.id, Probe::Scrape, interval);
-    let mut warned_block_size = false;
-    // The engine's prefix-cache query counter and process start time at the last scrape, and
-    // when that was.
-    let mut last_queries: Option<(f64, f64)> = None;
-    let mut last_start: Option<(f64, f64)> = None;
-    let block_size = router
-        .fleet()
-        .endpoint(endpoint.id)
-        .map_or(0, |e| e.spec.block_size);
-    loop {
-        tick.tick().await;
-        let Ok((200, body)) = get_text(
-            &router,
-            format!("http://{}/metrics", endpoint.authority),
-            interval.max(Duration::from_millis(500)),
-        )
-        .await
-        else {
-            continue;
-        };
-        let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
-        if let Some(engine_block_size) = sample.block_size
-            && engine_block_size != block_size
-            && !std::mem::replace(&mut warned_block_size, true)
-        {
-            warn!(endpoint = %endpoint.name, engine_block_size, configured = block_size, "the engine's block size differs from the configured one: its KV events will not match requests (set models[].block_size)");
-        }
-        let now = router.now();
-        // Restarted since the last scrape (a new process start time, or a counter that went
-        // backwards): unless its KV events already said so (and the fleet has relearned from
-        // them since), forget what it held now, not at its next event batch.
-        let restarted_since = match (last_start, sample.process_start_time) {
-            (Some((before, at)), Some(start)) if start != before => Some(at),
-            _ => match (last_queries, sample.prefix_cache_queries) {
-                (Some((before, at)), Some(queries)) if queries < before => Some(at),
-                _ => None,
-            },
-        };
-        if let Some(at) = restarted_since {
-            let noticed = router
-                .fleet()
-                .endpoint(endpoint.id)
-                .and_then(|e| e.forgotten_at())
-                .is_some_and(|t| t >= at);
-            if !noticed {
-                router.forget_endpoint(endpoint.id, "its /metrics say the engine restarted");
-                resubscribe(&router, &endpoint);
-            }
-        }
-        if let Some(queries) = sample.prefix_cache_queries {
-            last_queries = Some((queries, now));
-        }
-        if let Some(start) = sample.process_start_time {
-            last_start = Some((start, now));
-        }
-        let load = LoadSample {
-            waiting: sample.waiting,
-            running: sample.running,
-            kv_usage: sample.kv_usage,
-            num_gpu_blocks: sample.num_gpu_blocks,
-        };
-        router.fleet().observe_load(endpoint.id, load, now);
-        router.capacity_changed();
-    }
 }
 
 /// Expires history and predictions, and logs changes of trust.

@@ -4,27 +4,32 @@
 //! fleet what it observes, with the router's clock.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_core::fleet::{Dispatch, EndpointSpec, Fleet, Plan, RequestFeatures, UpstreamOutcome};
+use kvroute_core::fleet::{
+    AttemptFailure, Dispatch, EndpointSpec, Fleet, HeldTurn, HoldTicket, Plan, RequestFeatures,
+    RetryVerdict, UpstreamOutcome,
+};
 use kvroute_core::index::{EndpointId, EndpointIndexStats};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::{EndpointLoad, Role};
 use kvroute_vllm::openai::GenerationRequest;
-use parking_lot::{Mutex, MutexGuard, RwLock};
-use tokio::sync::Notify;
-use tracing::{info, warn};
+use parking_lot::MutexGuard;
+use tokio::time::Instant;
+use tracing::warn;
 
 use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::Endpoint;
+use crate::fleet_handle::FleetHandle;
 use crate::metrics::RouterMetrics;
 use crate::offload::Offload;
+use crate::registry::Registry;
 use crate::shutdown::Shutdown;
 use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
 use crate::upstream::Upstream;
@@ -32,20 +37,17 @@ use crate::upstream::Upstream;
 /// Everything the router shares between requests and background tasks.
 pub struct Router {
     config: RouterConfig,
-    /// Every endpoint by id (a removed one stays until a newcomer takes its slot).
-    endpoints: RwLock<Vec<Arc<Endpoint>>>,
-    fleet: Mutex<Fleet>,
+    /// Every endpoint by id.
+    registry: Registry,
+    /// Core's fleet, the clock and the capacity notification.
+    fleet: FleetHandle,
     tokens: TokenCache,
     tokenizers: std::collections::HashMap<String, ModelTokenizer>,
     client: Client<HttpConnector, Full<Bytes>>,
     upstream: Arc<Upstream>,
     metrics: RouterMetrics,
-    /// Woken whenever capacity may have freed up (a first token, an end, a scrape): held
-    /// requests check again.
-    capacity: Notify,
-    started: Instant,
     shutdown: Shutdown,
-    replica: crate::replica::ReplicaState,
+    replica: crate::replica_state::ReplicaState,
     offload: Offload,
 }
 
@@ -131,8 +133,10 @@ impl Router {
             specs.push(spec_of(&config, &endpoint));
             endpoints.push(Arc::new(endpoint));
         }
-        let fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
+        let mut fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
             .map_err(|e| RouterError::Config(e.to_string()))?;
+        // Core's randomness, seeded once per router (replicas must not draw in lockstep).
+        fleet.reseed(rand::random());
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(
             config.limits.connect_timeout_ms,
@@ -149,9 +153,9 @@ impl Router {
             .collect::<Result<_, RouterError>>()?;
         Ok(Self {
             tokenizers,
-            fleet: Mutex::new(fleet),
+            fleet: FleetHandle::new(fleet),
             tokens: TokenCache::with_limits(&config.limits),
-            endpoints: RwLock::new(endpoints),
+            registry: Registry::new(endpoints),
             client,
             upstream: Arc::new(Upstream::new(Duration::from_millis(
                 config.limits.connect_timeout_ms,
@@ -163,10 +167,8 @@ impl Router {
                 metrics.offload_requests.clone(),
             ),
             metrics,
-            capacity: Notify::new(),
-            started: Instant::now(),
             shutdown: Shutdown::default(),
-            replica: crate::replica::ReplicaState::new(&config.replicas),
+            replica: crate::replica_state::ReplicaState::new(&config.replicas),
             config,
         })
     }
@@ -179,20 +181,17 @@ impl Router {
     /// Every endpoint, in id order (removed ones included until their slot is reused: check
     /// the fleet's `present`).
     pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
-        self.endpoints.read().clone()
+        self.registry.all()
     }
 
     /// One endpoint (ids come from the fleet, which never names one the router lacks).
     pub fn endpoint(&self, id: EndpointId) -> Arc<Endpoint> {
-        self.endpoints.read()[id.0 as usize].clone()
+        self.registry.get(id)
     }
 
-    /// Adds an endpoint while running (discovery: a pod became ready) and starts its
-    /// subscriber, health checks and scraping. Returns its fleet id.
-    pub fn add_endpoint(
-        self: &Arc<Self>,
-        config: EndpointConfig,
-    ) -> Result<EndpointId, RouterError> {
+    /// Registers an endpoint while running: the fleet plans with it from now on, under the
+    /// id returned in it (its tasks are membership's to start).
+    pub(crate) fn register(&self, config: EndpointConfig) -> Result<Arc<Endpoint>, RouterError> {
         let names: Vec<&str> = self.config.models.iter().map(|m| m.name.as_str()).collect();
         config.validate("endpoint", &names)?;
         let now = self.now();
@@ -204,31 +203,20 @@ impl Router {
             .add_endpoint(spec_of(&self.config, &provisional), now)
             .map_err(|e| RouterError::Config(e.to_string()))?;
         let endpoint = Arc::new(Endpoint::new(id, config));
-        let mut endpoints = self.endpoints.write();
-        match endpoints.get_mut(id.0 as usize) {
-            Some(slot) => *slot = endpoint.clone(),
-            None => endpoints.push(endpoint.clone()),
-        }
-        drop(endpoints);
+        self.registry.put(endpoint.clone());
         drop(fleet);
-        crate::server::spawn_endpoint_tasks(self, &endpoint);
-        info!(endpoint = %endpoint.name, id = id.0, "endpoint joined");
-        self.capacity_changed();
-        Ok(id)
+        Ok(endpoint)
     }
 
-    /// Removes an endpoint while running (pod deleted or not ready): the fleet forgets it and
-    /// never plans it again, and its background tasks stop. Requests in flight there finish.
-    pub fn remove_endpoint(&self, id: EndpointId) -> bool {
+    /// Deregisters an endpoint while running: the fleet forgets it and never plans it again.
+    /// Returns it when it was present (its tasks are membership's to stop).
+    pub(crate) fn deregister(&self, id: EndpointId) -> Option<Arc<Endpoint>> {
         let now = self.now();
         if !self.fleet().remove_endpoint(id, now) {
-            return false;
+            return None;
         }
         self.forget_journal(id);
-        let endpoint = self.endpoint(id);
-        endpoint.stop();
-        info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
-        true
+        Some(self.endpoint(id))
     }
 
     /// Drops what the replica journal keeps for `id` (its blocks and event sequence), so that a
@@ -241,14 +229,17 @@ impl Router {
 
     /// Stops every endpoint's background tasks (the router is shutting down).
     pub fn stop_endpoints(&self) {
-        for e in self.endpoints.read().iter() {
-            e.stop();
-        }
+        self.registry.stop_all();
     }
 
     /// The fleet's decision state, locked (hold it briefly: every request plans through it).
     pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
         self.fleet.lock()
+    }
+
+    /// Whether the router serves (liveness): some endpoint is healthy and it is not draining.
+    pub fn live(&self) -> bool {
+        !self.shutdown.draining() && self.fleet().endpoints().iter().any(|e| e.healthy())
     }
 
     /// Whether `id` passes its health checks.
@@ -282,7 +273,7 @@ impl Router {
     }
 
     /// Its state as one of several replicas (warm-up, the journal peers' snapshots come from).
-    pub fn replica(&self) -> &crate::replica::ReplicaState {
+    pub fn replica(&self) -> &crate::replica_state::ReplicaState {
         &self.replica
     }
 
@@ -311,14 +302,9 @@ impl Router {
         &self.tokens
     }
 
-    /// The event sink the subscribers feed.
-    pub fn sink(self: &Arc<Self>) -> Arc<dyn kvroute_vllm::subscriber::EventSink> {
-        crate::replica::sink(self)
-    }
-
     /// Seconds since start: the clock every fleet observation is stamped with.
     pub fn now(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
+        self.fleet.now()
     }
 
     /// Forgets what `id` holds (restart, ejection), saying why in the log.
@@ -331,12 +317,12 @@ impl Router {
 
     /// Wakes held requests: capacity may have freed up.
     pub fn capacity_changed(&self) {
-        self.capacity.notify_waiters();
+        self.fleet.capacity_changed();
     }
 
     /// Resolves when capacity may have freed up (create before checking, then await).
     pub fn capacity_notified(&self) -> tokio::sync::futures::Notified<'_> {
-        self.capacity.notified()
+        self.fleet.capacity_notified()
     }
 
     /// The model (and adapter) a request names, if served.
@@ -409,8 +395,7 @@ impl Router {
     /// Plans a prepared request: every endpoint costed and ranked by core.
     pub fn plan(&self, prepared: &Prepared) -> Plan {
         let started = Instant::now();
-        let now = self.now();
-        let plan = self.fleet().plan(&prepared.features(), rand::random(), now);
+        let plan = self.fleet.plan(&prepared.features());
         self.metrics
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -431,24 +416,41 @@ impl Router {
         }
     }
 
-    /// Whether a request that failed on `id` for `reason` (`connect`, `5xx`) may be retried on
-    /// another endpoint: takes one retry from the fleet's budget, and counts it.
-    pub fn try_retry(&self, id: EndpointId, reason: &'static str) -> bool {
+    /// Whether attempt `attempt` (0-based) of `attempts`, which failed on `id` with `failure`,
+    /// is retried on the next endpoint: core decides (eligibility, attempts left, the fleet's
+    /// budget); a retry and a spent budget are counted.
+    pub fn retry(
+        &self,
+        id: EndpointId,
+        failure: AttemptFailure,
+        attempt: usize,
+        attempts: usize,
+    ) -> bool {
         let now = self.now();
-        let allowed = self.fleet().try_retry(now);
+        let verdict = self.fleet().retry_verdict(failure, attempt, attempts, now);
+        let counter = match verdict {
+            RetryVerdict::Retry => &self.metrics.retries,
+            RetryVerdict::BudgetSpent => &self.metrics.retry_budget_exhausted,
+            RetryVerdict::NotRetryable | RetryVerdict::LastAttempt => return false,
+        };
         let labels = vec![
             ("endpoint", self.endpoint(id).name.clone()),
-            ("reason", reason.to_owned()),
+            ("reason", failure.as_str().to_owned()),
         ];
-        if allowed {
-            self.metrics.retries.get_or_create(&labels).inc();
-        } else {
+        counter.get_or_create(&labels).inc();
+        verdict == RetryVerdict::Retry
+    }
+
+    /// Polls a held request (see [`Fleet::poll_held`]); the planning it does is timed.
+    pub fn poll_held(&self, prepared: &Prepared, ticket: HoldTicket) -> HeldTurn {
+        let started = Instant::now();
+        let turn = self.fleet.poll_held(&prepared.features(), ticket);
+        if !matches!(turn, HeldTurn::Queued) {
             self.metrics
-                .retry_budget_exhausted
-                .get_or_create(&labels)
-                .inc();
+                .scheduling_seconds
+                .observe(started.elapsed().as_secs_f64());
         }
-        allowed
+        turn
     }
 
     /// Records that `prepared` went to `endpoint` with its plan's `predicted_cached`: call once
@@ -459,11 +461,7 @@ impl Router {
         prepared: &Prepared,
         endpoint: EndpointId,
     ) -> Dispatch {
-        let now = self.now();
-        let dispatch =
-            self.fleet()
-                .dispatched(predicted_cached, &prepared.features(), endpoint, now);
-        crate::replica::share::dispatched(self, prepared, &dispatch);
-        dispatch
+        self.fleet
+            .dispatched(predicted_cached, &prepared.features(), endpoint)
     }
 }

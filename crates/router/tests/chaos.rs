@@ -6,6 +6,9 @@
 //! publisher declaring frames of 2^62 bytes and 8 GiB. `KVROUTE_CHAOS_SECONDS` sets the length
 //! (12 s by default; docs/operations.md has the 30-minute soak recipe).
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

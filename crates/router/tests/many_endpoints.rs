@@ -2,6 +2,9 @@
 //! are off, and health checks and scrapes spread over their interval instead of all firing at
 //! once. Real HTTP (and ZMQ for the simulated engines) on loopback.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use std::collections::BTreeSet;

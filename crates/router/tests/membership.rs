@@ -5,6 +5,7 @@ mod common;
 
 use common::engine;
 use kvroute_router::config::{EndpointConfig, RouterConfig};
+use kvroute_router::membership::Membership;
 use kvroute_router::server::start;
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
@@ -64,8 +65,19 @@ async fn endpoints_join_and_leave_a_running_router() {
     }
     assert!(seen.contains("b"), "{seen:?}");
 
+    let metrics = || kvroute_testkit::http_get(running.admin_addr, "/metrics");
+    assert!(
+        metrics().contains("endpoint=\"b\""),
+        "b has series while present"
+    );
+
     // b leaves: nothing goes there any more, its tasks stop, and a bad config is refused.
     assert!(router.remove_endpoint(id));
+    let text = metrics();
+    assert!(
+        !text.contains("endpoint=\"b\""),
+        "b's series left with it: {text}"
+    );
     assert!(!router.remove_endpoint(id));
     assert!(added.subscriber.lock().is_none());
     for i in 12..20 {

@@ -4,6 +4,9 @@
 //! sees nothing until the events arrive. Routers and simulated engines over real HTTP and ZMQ
 //! on loopback.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 mod replicas_common;
 
@@ -82,5 +85,50 @@ async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
         entry(&plan, &chosen)["matched_blocks"]["predicted"],
         0,
         "{plan}"
+    );
+}
+
+/// A peer's dispatch for a model this replica does not serve, or keyed with another block size,
+/// is refused (400, counted), not recorded against the wrong blocks; a fitting one is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
+    let fleet = fleet(1, 100, Faults::default()).await;
+    let replicas = "{peers: ['http://127.0.0.1:1'], share_dispatches: true, warm_timeout_s: 1}";
+    let r = replica(config(&fleet, 0, replicas)).await;
+    let client = reqwest::Client::new();
+    let send = |model: &str, block_size: usize| {
+        let body = serde_json::json!({
+            "endpoint": fleet.endpoints[0].url,
+            "model": model,
+            "block_size": block_size,
+            "prompt_tokens": 64,
+            "session": null,
+            "keys": [1, 2, 3, 4],
+            "placement": true,
+        });
+        let request = client
+            .post(format!("http://{}/kvroute/v1/peer/dispatch", r.admin_addr))
+            .json(&body);
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(
+        send("another-model", 16).await,
+        400,
+        "a model not served here"
+    );
+    assert_eq!(
+        send(replicas_common::MODEL, 32).await,
+        400,
+        "another block size"
+    );
+    assert_eq!(
+        send(replicas_common::MODEL, 16).await,
+        204,
+        "a fitting dispatch"
+    );
+    let metrics = r.router.metrics().render();
+    assert!(
+        metrics.contains("kvroute_rejected_total{status=\"400\"} 2"),
+        "{metrics}"
     );
 }

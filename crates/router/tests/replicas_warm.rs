@@ -3,6 +3,9 @@
 //! readiness check answers 200; one that cannot warm up says so and reports ready anyway, its
 //! endpoints untrusted. Simulated engines and routers over real HTTP and ZMQ on loopback.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 mod replicas_common;
 

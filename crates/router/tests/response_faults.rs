@@ -2,6 +2,9 @@
 //! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, and one
 //! engine stalling its `/v1/models` body does not hang the router's listing.
 
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::fleet::{
-    Dispatch, EndpointSpec, Fleet, FleetConfig as CoreFleetConfig, HoldTicket, LoadSample,
-    RequestFeatures, Shed,
+    Admission, Dispatch, EndpointSpec, Fleet, FleetConfig as CoreFleetConfig, HeldTurn, HoldTicket,
+    LoadSample, Plan, RequestFeatures, Shed,
 };
 use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
@@ -86,7 +86,8 @@ impl CorePolicy {
         mut config: CoreFleetConfig,
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
-        config.load_sample_max_age_s = fleet.scrape_interval_s * 4.0 + 1.0;
+        config.load_sample_max_age_s =
+            CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s);
         if profile.cache != CacheSource::Approximate {
             // Only the approximate source reads the routing history (every endpoint here has
             // events): entries that expire at once keep it small and change no decision. Its
@@ -107,8 +108,10 @@ impl CorePolicy {
                 block_size,
             })
             .collect();
+        let mut core = Fleet::new(config, profile, specs)?;
+        core.reseed(fleet.seed);
         Ok(Self {
-            fleet: Fleet::new(config, profile, specs)?,
+            fleet: core,
             block_size,
             capacity_blocks: fleet.engine.num_gpu_blocks,
             requests: HashMap::new(),
@@ -135,8 +138,58 @@ impl CorePolicy {
     }
 }
 
+/// A refusal, worded as the router answers it.
+fn refuse(status: u16, message: &str) -> Routing {
+    Routing::Reject(format!("HTTP {status}: {message}"))
+}
+
 fn shed(why: Shed) -> Routing {
-    Routing::Reject(format!("HTTP {}: {}", why.status(), why.reply()))
+    refuse(why.status(), why.reply())
+}
+
+fn no_endpoint() -> Routing {
+    refuse(503, "no healthy endpoint serves this model; retry shortly")
+}
+
+impl CorePolicy {
+    /// Sends a request core released down its plan's ranking, and remembers it until its end.
+    fn go(&mut self, request: &SimRequest<'_>, plan: Plan, now: f64) -> Routing {
+        let Some(chosen) = plan.decision.chosen() else {
+            return no_endpoint();
+        };
+        let routing = match &self.pd {
+            Some(pd) => pd
+                .choose(&plan.decision, request.prompt_tokens, now)
+                .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
+            None => Routing::Endpoint(chosen.0 as usize),
+        };
+        let prefill = match routing {
+            Routing::Disaggregated { prefill, .. } => Some(prefill),
+            _ => None,
+        };
+        self.remember(request, plan.predicted_cached, None, prefill);
+        routing
+    }
+
+    /// Tracks a request from its plan (or hold) to its end.
+    fn remember(
+        &mut self,
+        request: &SimRequest<'_>,
+        predicted_cached: Vec<usize>,
+        ticket: Option<HoldTicket>,
+        prefill: Option<usize>,
+    ) {
+        let tracked = Tracked {
+            keys: request.keys.clone(),
+            prompt_tokens: request.prompt_tokens,
+            predicted_cached,
+            ticket,
+            dispatch: None,
+            prefill,
+            prefill_dispatch: None,
+        };
+        self.requests.insert(request.id, tracked);
+    }
 }
 
 impl RoutingPolicy for CorePolicy {
@@ -145,75 +198,35 @@ impl RoutingPolicy for CorePolicy {
             self.last_housekeeping = now;
             self.fleet.housekeeping(now);
         }
-        let ticket = self.requests.get(&request.id).and_then(|t| t.ticket);
-        if let Some(ticket) = ticket {
-            if self.fleet.flow().expired(ticket, now) {
-                self.fleet.flow_mut().leave(ticket);
-                self.requests.remove(&request.id);
-                return shed(Shed::Timeout);
-            }
-            if !self.fleet.flow().is_next(ticket) {
-                return Routing::Wait;
-            }
-        }
         let features = self.features(&request.keys, request.prompt_tokens);
-        let plan = self.fleet.plan(&features, self.rng.random(), now);
-        let flow = self.fleet.config().flow.enabled;
-        if plan.decision.saturated && flow && !plan.decision.ranking.is_empty() {
-            if ticket.is_none() {
-                // The body's size, roughly: what the queue's byte bound counts.
-                let bytes = request.prompt_tokens * 4;
-                match self.fleet.flow_mut().hold(0, bytes, now) {
-                    Ok(ticket) => {
-                        self.requests.insert(
-                            request.id,
-                            Tracked {
-                                keys: request.keys.clone(),
-                                prompt_tokens: request.prompt_tokens,
-                                predicted_cached: Vec::new(),
-                                ticket: Some(ticket),
-                                dispatch: None,
-                                prefill: None,
-                                prefill_dispatch: None,
-                            },
-                        );
-                    }
-                    Err(why) => return shed(why),
+        // Held: core decides, at each poll, whether it leaves, waits or is shed.
+        if let Some(ticket) = self.requests.get(&request.id).and_then(|t| t.ticket) {
+            let plan = match self.fleet.poll_held(ticket, &features, now) {
+                HeldTurn::Route(plan) => plan,
+                HeldTurn::StillSaturated | HeldTurn::Queued => return Routing::Wait,
+                HeldTurn::Shed(why) => {
+                    self.requests.remove(&request.id);
+                    return shed(why);
                 }
+                HeldTurn::NoEndpoint => {
+                    self.requests.remove(&request.id);
+                    return no_endpoint();
+                }
+            };
+            return self.go(request, plan, now);
+        }
+        let plan = self.fleet.plan(&features, self.rng.random(), now);
+        // The body's size, roughly: what the queue's byte bound counts.
+        let bytes = request.prompt_tokens * 4;
+        match self.fleet.admit(&plan, 0, bytes, now) {
+            Admission::Route => self.go(request, plan, now),
+            Admission::Held(ticket) => {
+                self.remember(request, Vec::new(), Some(ticket), None);
+                Routing::Wait
             }
-            return Routing::Wait;
+            Admission::Shed(why) => shed(why),
+            Admission::NoEndpoint => no_endpoint(),
         }
-        if let Some(ticket) = ticket {
-            self.fleet.flow_mut().leave(ticket);
-        }
-        let Some(chosen) = plan.decision.chosen() else {
-            self.requests.remove(&request.id);
-            return Routing::Reject(
-                "HTTP 503: no healthy endpoint serves this model; retry shortly".into(),
-            );
-        };
-        let routing = match &self.pd {
-            Some(pd) => pd
-                .choose(&plan.decision, request.prompt_tokens, now)
-                .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
-            None => Routing::Endpoint(chosen.0 as usize),
-        };
-        self.requests.insert(
-            request.id,
-            Tracked {
-                keys: request.keys.clone(),
-                prompt_tokens: request.prompt_tokens,
-                predicted_cached: plan.predicted_cached,
-                ticket: None,
-                dispatch: None,
-                prefill: match routing {
-                    Routing::Disaggregated { prefill, .. } => Some(prefill),
-                    _ => None,
-                },
-                prefill_dispatch: None,
-            },
-        );
-        routing
     }
 
     fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {

@@ -8,14 +8,19 @@
 //! out its plans (`plan`, then `dispatched` once a connection to the engine is made); none of
 //! them decides anything itself.
 
+mod admit;
 mod decay;
 mod endpoint;
 pub mod flow;
 mod membership;
 pub mod outlier;
+mod restart;
+mod retry;
+mod rotation;
 mod sessions;
 mod shared;
 pub mod trust;
+mod warm;
 
 use std::sync::Arc;
 
@@ -30,15 +35,19 @@ use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
 };
 use crate::tiers::TierTokens;
+pub use admit::{Admission, HeldTurn};
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
+pub use restart::{RestartSignals, RestartWatch};
+pub use retry::{AttemptFailure, RetryVerdict};
 pub use sessions::Sessions;
 pub use shared::SharedPrefixes;
 pub use trust::{Distrust, Trust, TrustPolicy};
+pub use warm::WarmVerdict;
 
 /// The fleet's bounds and thresholds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -95,6 +104,15 @@ impl Default for FleetConfig {
             outlier: OutlierPolicy::default(),
             retry: RetryPolicy::default(),
         }
+    }
+}
+
+impl FleetConfig {
+    /// The age past which a load sample is too old, for scrapes every `scrape_interval_s`:
+    /// four missed scrapes and a second of slack. The router and the simulator both derive it
+    /// here.
+    pub fn load_sample_max_age_for(scrape_interval_s: f64) -> f64 {
+        scrape_interval_s * 4.0 + 1.0
     }
 }
 
@@ -205,6 +223,8 @@ pub struct Fleet {
     flow: FlowQueue,
     round_robin: u64,
     retry_budget: outlier::RetryBudget,
+    /// The fleet's seeded randomness (see [`Fleet::reseed`]).
+    random: crate::random::SeededRandom,
     /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
     reported_trust: Vec<Option<Distrust>>,
 }
@@ -238,6 +258,7 @@ impl Fleet {
             profile,
             round_robin: 0,
             retry_budget: outlier::RetryBudget::default(),
+            random: crate::random::SeededRandom::default(),
         })
     }
 

@@ -829,3 +829,127 @@ fn tier_load_rates_are_learned_from_requests_that_loaded() {
     // The prefill rate was not polluted by the loads.
     assert!((e.observed_prefill_rate().unwrap() - prefill_rate).abs() < 1.0);
 }
+
+#[test]
+fn an_open_circuit_everywhere_is_held_and_released_when_a_request_finishes() {
+    let mut b = FleetBuilder::new(1);
+    b.config.outlier.max_inflight = 1;
+    b.config.flow.max_requests = 2;
+    b.config.flow.max_wait_s = 5.0;
+    let mut fleet = b.build();
+    let req = Req::new(&prompt(320, 1));
+    let (_, first) = send(&mut fleet, &req, 0.0);
+    // Saturated with an empty ranking: held, not refused.
+    let plan = fleet.plan(&req.features(), 7, 0.0);
+    assert!(plan.decision.ranking.is_empty());
+    let Admission::Held(second) = fleet.admit(&plan, 0, 100, 0.0) else {
+        panic!("a request meeting open circuit breakers everywhere is held");
+    };
+    let Admission::Held(third) = fleet.admit(&plan, 0, 100, 0.1) else {
+        panic!("the queue has room for two");
+    };
+    assert_eq!(
+        fleet.admit(&plan, 0, 100, 0.2),
+        Admission::Shed(Shed::QueueFull)
+    );
+    assert!(matches!(
+        fleet.poll_held(second, &req.features(), 0.5),
+        HeldTurn::StillSaturated
+    ));
+    assert!(matches!(
+        fleet.poll_held(third, &req.features(), 0.5),
+        HeldTurn::Queued
+    ));
+    fleet.finished(first, None, 1.0);
+    let HeldTurn::Route(plan) = fleet.poll_held(second, &req.features(), 1.0) else {
+        panic!("released once the endpoint has room");
+    };
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+    assert_eq!(fleet.flow().len(), 1, "the released request left the queue");
+    let dispatched = fleet.dispatched(&plan.predicted_cached, &req.features(), EndpointId(0), 1.0);
+    assert!(fleet.poll_held(third, &req.features(), 4.0).waits());
+    assert!(matches!(
+        fleet.poll_held(third, &req.features(), 5.1),
+        HeldTurn::Shed(Shed::Timeout)
+    ));
+    assert!(fleet.flow().is_empty());
+    fleet.finished(dispatched, None, 6.0);
+}
+
+#[test]
+fn an_unsaturated_plan_routes_and_no_endpoint_is_refused() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let req = Req::new(&prompt(320, 1));
+    let plan = fleet.plan(&req.features(), 7, 0.0);
+    assert_eq!(fleet.admit(&plan, 0, 100, 0.0), Admission::Route);
+    let mut other = Req::new(&prompt(320, 1));
+    other.model = "not-served";
+    let plan = fleet.plan(&other.features(), 7, 0.0);
+    assert_eq!(fleet.admit(&plan, 0, 100, 0.0), Admission::NoEndpoint);
+    assert!(fleet.flow().is_empty());
+}
+
+#[test]
+fn retries_only_retryable_failures_within_attempts_and_budget() {
+    let mut b = FleetBuilder::new(2);
+    b.config.retry.min_retries_per_s = 0.1;
+    b.config.retry.window_s = 10.0;
+    let mut fleet = b.build();
+    assert_eq!(fleet.config().retry.attempts(5), 2);
+    assert_eq!(fleet.config().retry.attempts(1), 1);
+    assert_eq!(
+        fleet.retry_verdict(AttemptFailure::Timeout, 0, 2, 0.0),
+        RetryVerdict::NotRetryable
+    );
+    assert_eq!(
+        fleet.retry_verdict(AttemptFailure::Connect, 1, 2, 0.0),
+        RetryVerdict::LastAttempt
+    );
+    assert_eq!(
+        fleet.retry_verdict(AttemptFailure::ServerError, 0, 2, 0.0),
+        RetryVerdict::Retry
+    );
+    assert_eq!(
+        fleet.retry_verdict(AttemptFailure::Connect, 0, 2, 0.0),
+        RetryVerdict::BudgetSpent
+    );
+}
+
+#[test]
+fn the_passthrough_rotation_covers_every_available_endpoint_from_a_seeded_start() {
+    let rotations = |seed| {
+        let mut fleet = FleetBuilder::new(3).build();
+        fleet.reseed(seed);
+        assert!(fleet.remove_endpoint(EndpointId(1), 0.0));
+        (0..8)
+            .map(|_| fleet.passthrough_rotation(0.0))
+            .collect::<Vec<_>>()
+    };
+    let drawn = rotations(42);
+    assert_eq!(drawn, rotations(42), "the same seed, the same rotations");
+    for r in &drawn {
+        let mut sorted = r.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![EndpointId(0), EndpointId(2)]);
+    }
+    assert!(drawn.iter().any(|r| r[0] == EndpointId(0)));
+    assert!(drawn.iter().any(|r| r[0] == EndpointId(2)));
+}
+
+#[test]
+fn a_warm_up_past_its_timeout_distrusts_the_endpoints_behind() {
+    let mut fleet = FleetBuilder::new(2).build();
+    fleet.apply_events(EndpointId(0), &[], 0.0);
+    assert_eq!(fleet.warm_verdict(&[], 0.0, 1.0, 0.0), WarmVerdict::Warm);
+    let behind = [EndpointId(0)];
+    assert_eq!(
+        fleet.warm_verdict(&behind, 0.5, 1.0, 0.5),
+        WarmVerdict::Warming
+    );
+    assert!(fleet.trust(EndpointId(0), 0.5).is_ok());
+    assert_eq!(
+        fleet.warm_verdict(&behind, 1.0, 1.0, 1.0),
+        WarmVerdict::TimedOut
+    );
+    assert!(fleet.trust(EndpointId(0), 1.0).is_err());
+}

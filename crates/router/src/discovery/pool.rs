@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::PoolSpec;
+use super::{PoolSpec, Problem};
 use crate::RouterError;
 
 /// The InferencePool APIs tried, newest first, as (group, version): v1 moved to the
@@ -27,32 +27,53 @@ pub fn pool_spec(object: &Value) -> Result<PoolSpec, RouterError> {
         .ok_or_else(|| bad("the InferencePool has no spec.selector"))?;
     // v1: {matchLabels: {...}}; v1alpha2: the labels themselves.
     let labels = selector.get("matchLabels").unwrap_or(selector);
-    let selector: BTreeMap<String, String> = labels
+    let mut problems = Vec::new();
+    let mut selector = BTreeMap::new();
+    for (k, v) in labels
         .as_object()
         .ok_or_else(|| bad("spec.selector must be a map of labels"))?
-        .iter()
-        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
-        .collect();
+    {
+        match v.as_str() {
+            Some(v) => {
+                selector.insert(k.clone(), v.to_owned());
+            }
+            None => problems.push(Problem::new(
+                "non_string_label",
+                format!("spec.selector label {k} is {v}, not a string: ignored"),
+            )),
+        }
+    }
     if selector.is_empty() {
         return Err(bad("spec.selector selects no labels"));
     }
-    let mut ports: Vec<u16> = spec
+    let mut numbers: Vec<u64> = spec
         .get("targetPorts")
         .and_then(Value::as_array)
         .map(|list| {
             list.iter()
                 .filter_map(|p| p.get("number")?.as_u64())
-                .filter_map(|n| u16::try_from(n).ok())
                 .collect()
         })
         .unwrap_or_default();
-    if let Some(n) = spec.get("targetPortNumber").and_then(Value::as_u64) {
-        ports.extend(u16::try_from(n).ok());
+    numbers.extend(spec.get("targetPortNumber").and_then(Value::as_u64));
+    let mut ports = Vec::with_capacity(numbers.len());
+    for n in numbers {
+        match u16::try_from(n) {
+            Ok(port) if port > 0 => ports.push(port),
+            _ => problems.push(Problem::new(
+                "port_out_of_range",
+                format!("target port {n} is not a port (1-65535): ignored"),
+            )),
+        }
     }
     if ports.is_empty() {
         return Err(bad("the InferencePool names no target port"));
     }
-    Ok(PoolSpec { selector, ports })
+    Ok(PoolSpec {
+        selector,
+        ports,
+        problems,
+    })
 }
 
 fn bad(why: &str) -> RouterError {
@@ -96,5 +117,16 @@ mod tests {
         ] {
             assert!(pool_spec(&pool).is_err(), "{pool}");
         }
+    }
+
+    #[test]
+    fn ignored_labels_and_ports_are_reported_not_dropped_silently() {
+        let pool = json!({"spec": {"selector": {"matchLabels": {"app": "vllm", "gpu": 1}},
+                                   "targetPorts": [{"number": 8000}, {"number": 70000}]}});
+        let spec = pool_spec(&pool).unwrap();
+        assert_eq!(spec.ports, [8000]);
+        assert_eq!(spec.label_selector(), "app=vllm");
+        let kinds: Vec<&str> = spec.problems.iter().map(|p| p.kind).collect();
+        assert_eq!(kinds, ["non_string_label", "port_out_of_range"]);
     }
 }

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::{KubeDiscovery, PoolSpec, pods, pool};
 use crate::RouterError;
 use crate::config::EndpointConfig;
-use crate::service::Router;
+use crate::membership::Membership;
 
 /// The selector and ports to watch: the pool's, or the configured ones.
 async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpec, RouterError> {
@@ -30,6 +30,7 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
         return Ok(PoolSpec {
             selector: d.selector.clone(),
             ports: d.target_ports.clone(),
+            problems: Vec::new(),
         });
     };
     let mut last = String::new();
@@ -54,7 +55,7 @@ async fn resolve(client: &Client, ns: &str, d: &KubeDiscovery) -> Result<PoolSpe
 /// Connects (to `api_server`, or with the in-cluster or kubeconfig credentials), resolves
 /// the pool and starts watching its pods.
 pub async fn start(
-    router: Arc<Router>,
+    router: Arc<dyn Membership>,
     discovery: KubeDiscovery,
 ) -> Result<JoinHandle<()>, RouterError> {
     let no_client = |e: &dyn std::fmt::Display| {
@@ -72,7 +73,7 @@ pub async fn start(
 
 /// Resolves the pool with `client` and starts watching its pods.
 pub async fn run(
-    router: Arc<Router>,
+    router: Arc<dyn Membership>,
     client: Client,
     discovery: KubeDiscovery,
 ) -> Result<JoinHandle<()>, RouterError> {
@@ -80,7 +81,12 @@ pub async fn run(
         .namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    let spec = resolve(&client, &ns, &discovery).await?;
+    let mut spec = resolve(&client, &ns, &discovery).await?;
+    spec.problems
+        .extend(super::config_problems(&discovery, spec.ports.len()));
+    for problem in &spec.problems {
+        router.ignored(problem.kind, &problem.detail);
+    }
     info!(namespace = %ns, selector = %spec.label_selector(), ports = ?spec.ports, "watching pods");
     let pods: Api<Pod> = Api::namespaced(client, &ns);
     let config = watcher::Config::default().labels(&spec.label_selector());
@@ -90,7 +96,7 @@ pub async fn run(
         let mut stream = watcher::watcher(pods, config).default_backoff().boxed();
         while let Some(event) = stream.next().await {
             match event {
-                Ok(event) => members.apply(&router, event, &spec.ports, &discovery),
+                Ok(event) => members.apply(router.as_ref(), event, &spec.ports, &discovery),
                 // The watcher retries with backoff (and relists after 410 Gone) on its own.
                 Err(e) => warn!(error = %e, "pod watch failed; retrying"),
             }
@@ -107,7 +113,13 @@ struct Members {
 }
 
 impl Members {
-    fn apply(&mut self, router: &Arc<Router>, event: Event<Pod>, ports: &[u16], d: &KubeDiscovery) {
+    fn apply(
+        &mut self,
+        router: &dyn Membership,
+        event: Event<Pod>,
+        ports: &[u16],
+        d: &KubeDiscovery,
+    ) {
         match event {
             Event::Init => self.relisting = Some(HashSet::new()),
             Event::InitApply(pod) => {
@@ -136,7 +148,7 @@ impl Members {
     }
 
     /// Brings the pod's endpoints in line with what it serves now.
-    fn update(&mut self, router: &Arc<Router>, pod: &Pod, ports: &[u16], d: &KubeDiscovery) {
+    fn update(&mut self, router: &dyn Membership, pod: &Pod, ports: &[u16], d: &KubeDiscovery) {
         let name = pod.name_any();
         let wanted = pods::endpoints(pod, ports, d);
         let current: Vec<EndpointConfig> = self
@@ -160,7 +172,7 @@ impl Members {
         }
     }
 
-    fn leave(&mut self, router: &Router, pod: &str) {
+    fn leave(&mut self, router: &dyn Membership, pod: &str) {
         for (_, id) in self.pods.remove(pod).unwrap_or_default() {
             router.remove_endpoint(id);
         }

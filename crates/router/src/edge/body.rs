@@ -10,11 +10,14 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
+use kvroute_vllm::openai::ApiError;
 use tokio::time::Sleep;
 
 use super::conn::InFlight;
 use crate::RouterError;
 use crate::budget::BudgetHold;
+use crate::service::Router;
 
 /// A client's request body: fails with [`RouterError::ClientTimeout`] when it is not complete
 /// by its deadline, and with [`RouterError::Overloaded`] when the buffered-bytes budget is
@@ -121,4 +124,34 @@ impl HttpBody for Finishing {
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
+/// 503 (the router's buffered-bytes budget is spent).
+pub(crate) async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
+    let limit = router.config().limits.max_body_bytes;
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) => Err(body_error(limit, e.as_ref())),
+    }
+}
+
+/// The answer to a body that could not be read: the error's chain names the cause.
+fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(current) = cause {
+        if current
+            .downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            return ApiError::too_large(format!("request body larger than {limit} bytes"));
+        }
+        if let Some(e @ (RouterError::ClientTimeout(_) | RouterError::Overloaded(_))) =
+            current.downcast_ref::<RouterError>()
+        {
+            return e.api_error();
+        }
+        cause = current.source();
+    }
+    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
 }

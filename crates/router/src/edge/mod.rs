@@ -36,9 +36,10 @@ use tracing::{debug, warn};
 use crate::budget::ByteBudget;
 use crate::forwarding::ClientAddr;
 use crate::metrics::listener as listener_labels;
-use crate::proxy::error_response;
+use crate::reply::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
+pub(crate) use body::read_body;
 use body::{EdgeBody, Finishing};
 use conn::{Activity, InFlight, TrackedIo};
 
@@ -132,7 +133,7 @@ pub async fn serve(
 /// `kvroute_accept_errors_total`).
 #[derive(Default)]
 struct AcceptErrors {
-    last_warning: Option<std::time::Instant>,
+    last_warning: Option<tokio::time::Instant>,
     since: u64,
 }
 
@@ -147,7 +148,7 @@ impl AcceptErrors {
             .is_none_or(|at| at.elapsed() >= ACCEPT_WARNING_PERIOD);
         if due {
             warn!(%error, listener, failed = self.since, "cannot accept connections (out of file descriptors? see limits.max_connections and ulimit -n); warned at most every 10 s");
-            self.last_warning = Some(std::time::Instant::now());
+            self.last_warning = Some(tokio::time::Instant::now());
             self.since = 0;
         }
     }
@@ -187,7 +188,7 @@ async fn serve_connection(
         let deadline = activity.deadline();
         let expired = async {
             match deadline {
-                Some((at, _)) => tokio::time::sleep_until(at.into()).await,
+                Some((at, _)) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
         };
@@ -201,7 +202,7 @@ async fn serve_connection(
             }
             () = expired => {
                 if let Some((at, why)) = activity.deadline()
-                    && at <= std::time::Instant::now()
+                    && at <= tokio::time::Instant::now()
                 {
                     edge.router
                         .metrics()

@@ -6,7 +6,9 @@
 //! observer stream that claims it ([`super::handoff`]).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -309,7 +311,7 @@ impl Exchange {
             .collect();
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
-        let dispatch = self.router.dispatched(predicted_cached, prepared, first);
+        let dispatch = crate::pipeline::connect(&self.router, predicted_cached, prepared, first);
         let accounting = Accounting::new(
             self.router.clone(),
             dispatch,
@@ -333,11 +335,7 @@ impl Exchange {
         self.body = Vec::new();
         self.hold = None;
         let e = &refused.error;
-        self.router
-            .metrics()
-            .rejected
-            .get_or_create(&vec![("status", e.status.to_string())])
-            .inc();
+        crate::reply::count(&self.router, e);
         // The Endpoint Picker Protocol answers every shed request 429, whatever the cause.
         let (status, dropped) = match refused.shed {
             Some(why) => (429, Some(drop_reason(why))),

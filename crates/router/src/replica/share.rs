@@ -17,8 +17,10 @@ use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::Role;
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
+use tracing::warn;
 
-use crate::proxy::{error_response, read_body};
+use crate::edge::read_body;
+use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
 /// How long a peer has to take a dispatch message.
@@ -97,6 +99,10 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
             );
         }
     };
+    if let Err(why) = check(&router, &message) {
+        warn!(peer_endpoint = %message.endpoint, model = %message.model, %why, "refusing a peer's dispatch: the replicas are configured differently");
+        return error_response(&router, &ApiError::bad_request(why, None));
+    }
     let Some(endpoint) = router
         .endpoints()
         .iter()
@@ -119,4 +125,30 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         .fleet()
         .peer_dispatched(&features, endpoint, message.placement, now);
     StatusCode::NO_CONTENT.into_response()
+}
+
+/// Whether a peer's dispatch fits this replica: a model it serves, keyed with that model's
+/// block size, no more blocks than it keys itself. Keys made otherwise would match nothing
+/// here, or the wrong blocks.
+fn check(router: &Router, message: &PeerDispatch) -> Result<(), String> {
+    let Some((model, _)) = router.model(&message.model) else {
+        return Err(format!(
+            "this replica does not serve the model {:?}",
+            message.model
+        ));
+    };
+    if message.block_size != model.block_size {
+        return Err(format!(
+            "block size {} for {:?}, this replica keys it with {}",
+            message.block_size, message.model, model.block_size
+        ));
+    }
+    let most = router.config().limits.max_routed_blocks;
+    if message.keys.len() > most {
+        return Err(format!(
+            "{} block keys, more than limits.max_routed_blocks ({most})",
+            message.keys.len()
+        ));
+    }
+    Ok(())
 }

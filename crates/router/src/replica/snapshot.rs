@@ -15,7 +15,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 
-use crate::proxy::error_response;
+use crate::reply::error_response;
 use crate::service::Router;
 
 /// Largest snapshot read from a peer.

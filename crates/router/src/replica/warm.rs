@@ -4,46 +4,23 @@
 //! `kvroute_endpoint_index_trusted` and `GET /kvroute/v1/replica`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use kvroute_core::fleet::WarmVerdict;
+use kvroute_core::index::EndpointId;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::snapshot;
+use crate::replica_state::WarmStatus;
 use crate::service::Router;
 
 /// How often the warm-up checks whether every subscriber caught up.
 const POLL: Duration = Duration::from_millis(20);
-
-/// Where a replica's warm-up stands.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "state", rename_all = "snake_case")]
-pub enum WarmStatus {
-    /// No peers configured: no warm-up, ready at once (as a single router).
-    NotConfigured,
-    /// Still warming up: readiness fails.
-    Warming,
-    /// Warm: the index was copied from `peer` (or, `None`, rebuilt from the engines' replay
-    /// buffers) and every endpoint's events caught up.
-    Warm {
-        /// The peer whose snapshot was applied.
-        peer: Option<String>,
-        /// Seconds the warm-up took.
-        seconds: f64,
-    },
-    /// The timeout passed first: ready, with `untrusted` endpoints routed by load only until
-    /// their events are trusted again.
-    TimedOut {
-        /// The peer whose snapshot was applied, if one answered.
-        peer: Option<String>,
-        /// Endpoints whose events had not caught up.
-        untrusted: Vec<String>,
-    },
-}
 
 /// Starts the warm-up when the configuration names peers (`None` otherwise: subscribers were
 /// started with the endpoints' other tasks).
@@ -55,14 +32,11 @@ pub(crate) fn spawn(router: &Arc<Router>) -> Option<JoinHandle<()>> {
 }
 
 /// Subscribes every present endpoint that has events and no subscriber yet.
-fn subscribe_all(
-    router: &Arc<Router>,
-    resume: &std::collections::HashMap<kvroute_core::index::EndpointId, u64>,
-) {
+fn subscribe_all(router: &Arc<Router>, resume: &std::collections::HashMap<EndpointId, u64>) {
     for e in router.endpoints() {
         let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
         if present {
-            crate::server::spawn_subscriber(router, &e, resume.get(&e.id).copied());
+            crate::events::spawn_subscriber(router, &e, resume.get(&e.id).copied());
         }
     }
 }
@@ -93,30 +67,34 @@ async fn warm_up(router: Arc<Router>) {
     subscribe_all(&router, &resume);
     loop {
         let behind = not_caught_up(&router);
-        if behind.is_empty() {
-            let seconds = started.elapsed().as_secs_f64();
-            info!(peer = ?from, seconds, "warm: every endpoint's events caught up; ready");
-            router.replica().finish(WarmStatus::Warm {
-                peer: from,
-                seconds,
-            });
-            break;
-        }
-        if started.elapsed() >= timeout {
-            let names: Vec<String> = behind.iter().map(|(_, name)| name.clone()).collect();
-            warn!(untrusted = ?names, timeout_s = timeout.as_secs_f64(), "warm-up timed out: ready anyway; these endpoints' KV index is not trusted (routed by load) until their events catch up");
+        let ids: Vec<EndpointId> = behind.iter().map(|(id, _)| *id).collect();
+        let elapsed = started.elapsed();
+        let verdict = {
             let now = router.now();
-            {
-                let mut fleet = router.fleet();
-                for (id, _) in &behind {
-                    fleet.events_lost(*id, now);
-                }
+            router
+                .fleet()
+                .warm_verdict(&ids, elapsed.as_secs_f64(), timeout.as_secs_f64(), now)
+        };
+        match verdict {
+            WarmVerdict::Warm => {
+                let seconds = elapsed.as_secs_f64();
+                info!(peer = ?from, seconds, "warm: every endpoint's events caught up; ready");
+                router.replica().finish(WarmStatus::Warm {
+                    peer: from,
+                    seconds,
+                });
+                break;
             }
-            router.replica().finish(WarmStatus::TimedOut {
-                peer: from,
-                untrusted: names,
-            });
-            break;
+            WarmVerdict::TimedOut => {
+                let names: Vec<String> = behind.into_iter().map(|(_, name)| name).collect();
+                warn!(untrusted = ?names, timeout_s = timeout.as_secs_f64(), "warm-up timed out: ready anyway; these endpoints' KV index is not trusted (routed by load) until their events catch up");
+                router.replica().finish(WarmStatus::TimedOut {
+                    peer: from,
+                    untrusted: names,
+                });
+                break;
+            }
+            WarmVerdict::Warming => {}
         }
         tokio::time::sleep(POLL).await;
         // Endpoints discovered meanwhile.
@@ -126,7 +104,7 @@ async fn warm_up(router: Arc<Router>) {
 }
 
 /// Present endpoints with events whose subscriber has not caught up (id and name).
-fn not_caught_up(router: &Router) -> Vec<(kvroute_core::index::EndpointId, String)> {
+fn not_caught_up(router: &Router) -> Vec<(EndpointId, String)> {
     router
         .endpoints()
         .into_iter()
@@ -145,10 +123,11 @@ fn not_caught_up(router: &Router) -> Vec<(kvroute_core::index::EndpointId, Strin
 /// `GET /health` on the API listener (readiness): 503 while warming up, else as the admin
 /// listener's `/health` (liveness) answers.
 pub async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.replica().warming() {
-        return StatusCode::SERVICE_UNAVAILABLE;
+    if !router.replica().warming() && router.live() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     }
-    crate::admin::health(State(router)).await
 }
 
 /// `GET /kvroute/v1/replica`: the warm-up's status.

@@ -3,6 +3,9 @@
 // Each test binary uses some of them.
 #![allow(dead_code)]
 
+use std::future::Future;
+use std::time::Duration;
+
 use kvroute_sim::server::{EngineEndpoint, SimConfig, SimFleet, start as start_sim};
 use serde_json::Value;
 
@@ -57,4 +60,60 @@ pub async fn fault(client: &reqwest::Client, fleet: &SimFleet, i: usize, faults:
         .unwrap()
         .status();
     assert!(status.is_success(), "faults {faults} refused: {status}");
+}
+
+/// Waits until the router's index holds exactly the blocks each engine's prefix cache holds
+/// (`engines` in the order the router was given them): every KV event of the responses so far
+/// has been applied.
+pub async fn settle(router: &kvroute_router::server::RunningRouter, engines: &[&SimFleet]) {
+    kvroute_testkit::eventually("the index matches every engine's cache", || {
+        let pairs: Vec<(u64, Option<u64>)> = engines
+            .iter()
+            .enumerate()
+            .map(|(i, fleet)| {
+                let held = router
+                    .router
+                    .index_stats(kvroute_core::index::EndpointId(i as u32))
+                    .map_or(0, |s| s.blocks_gpu);
+                (held, engine_cached_blocks(fleet))
+            })
+            .collect();
+        (
+            pairs.iter().all(|(held, cached)| Some(*held) == *cached),
+            pairs,
+        )
+    })
+    .await;
+}
+
+/// The simulated engine's distinct cached blocks, from its `/metrics`.
+pub fn engine_cached_blocks(fleet: &SimFleet) -> Option<u64> {
+    let addr = fleet.endpoints[0]
+        .url
+        .trim_start_matches("http://")
+        .parse()
+        .ok()?;
+    kvroute_testkit::http_get(addr, "/metrics")
+        .lines()
+        .find(|l| l.starts_with("kvroute_sim_cached_blocks{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// [`kvroute_testkit::eventually`] for a check that must await (an HTTP request): polls it every
+/// 20 ms until it holds; past the testkit's patience, panics naming `what` and the last state.
+pub async fn eventually_async<T: std::fmt::Debug, F: Future<Output = (bool, T)>>(
+    what: &str,
+    mut check: impl FnMut() -> F,
+) -> T {
+    let deadline = tokio::time::Instant::now() + kvroute_testkit::patience();
+    loop {
+        let (ok, state) = check().await;
+        if ok {
+            return state;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for {what}; last state: {state:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

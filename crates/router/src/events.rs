@@ -1,0 +1,181 @@
+//! Event sinks: each endpoint's KV-event subscriber, and the sink it feeds (the fleet's index
+//! and trust, and the replica journal under the same fleet lock, so that a snapshot's index and
+//! sequence number always agree).
+
+use std::sync::{Arc, Weak};
+
+use kvroute_core::event::EventBatch;
+use kvroute_core::fleet::Fleet;
+use kvroute_core::index::EndpointId;
+use kvroute_vllm::subscriber::{EndpointSource, EventSink, spawn_connected_after};
+use tracing::debug;
+
+use crate::endpoint::Endpoint;
+use crate::service::Router;
+
+/// Feeds the fleet with one endpoint's KV events, restarts and losses, and the replica
+/// journal (when kept) with the same batches. A batch that arrives after its endpoint left
+/// (the subscriber is stopped at removal, but a batch may be on its way) is dropped and
+/// counted: it must never reach the endpoint that took the id over.
+pub(crate) struct FleetSink {
+    /// The router whose fleet is fed (weak: the router owns the subscribers that own this).
+    router: Weak<Router>,
+    /// The endpoint whose subscriber feeds this sink.
+    endpoint: Weak<Endpoint>,
+}
+
+/// The event sink `endpoint`'s subscriber feeds.
+pub(crate) fn sink(router: &Arc<Router>, endpoint: &Arc<Endpoint>) -> Arc<dyn EventSink> {
+    Arc::new(FleetSink {
+        router: Arc::downgrade(router),
+        endpoint: Arc::downgrade(endpoint),
+    })
+}
+
+impl FleetSink {
+    /// Whether this sink's endpoint is still the present one under its id (call under the
+    /// fleet's lock, which registration holds while it fills the registry).
+    fn current(&self, router: &Router, fleet: &Fleet, id: EndpointId) -> bool {
+        let present = fleet.endpoint(id).is_some_and(|e| e.present());
+        present
+            && self
+                .endpoint
+                .upgrade()
+                .is_some_and(|e| Arc::ptr_eq(&e, &router.endpoint(id)))
+    }
+}
+
+impl FleetSink {
+    /// The router, while this sink's endpoint is still the one under `id` (a departed
+    /// endpoint's restart or loss must not make the fleet forget the one that took its id).
+    fn current_router(&self, id: EndpointId) -> Option<Arc<Router>> {
+        let router = self.router.upgrade()?;
+        let current = self.current(&router, &router.fleet(), id);
+        current.then_some(router)
+    }
+}
+
+impl EventSink for FleetSink {
+    fn apply(&self, endpoint: EndpointId, seq: u64, batch: &EventBatch) {
+        let Some(router) = self.router.upgrade() else {
+            return;
+        };
+        let now = router.now();
+        let mut fleet = router.fleet();
+        if !self.current(&router, &fleet, endpoint) {
+            drop(fleet);
+            debug!(
+                id = endpoint.0,
+                seq, "dropping a KV-event batch that arrived after its endpoint left"
+            );
+            router.metrics().late_event_batches.inc();
+            return;
+        }
+        fleet.apply_events(endpoint, &batch.events, now);
+        if let Some(mut journal) = router.replica().journal() {
+            journal.apply(endpoint, Some(seq), &batch.events);
+        }
+        drop(fleet);
+    }
+
+    fn purge(&self, endpoint: EndpointId) {
+        if let Some(router) = self.current_router(endpoint) {
+            // Forgets the journal's copy too.
+            router.forget_endpoint(endpoint, "the engine restarted");
+        }
+    }
+
+    fn unfilled_gap(&self, endpoint: EndpointId, _from: u64, _to: u64) {
+        if let Some(router) = self.current_router(endpoint) {
+            let now = router.now();
+            router.fleet().events_lost(endpoint, now);
+        }
+    }
+}
+
+/// Starts an endpoint's KV-event subscriber (when it has events and none runs yet); with
+/// `resume_after`, its first connection replays from the batch after that one.
+pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_after: Option<u64>) {
+    let Some(events) = &e.config.events else {
+        return;
+    };
+    let mut slot = e.subscriber.lock();
+    if slot.is_some() {
+        return;
+    }
+    *slot = Some(spawn_connected_after(
+        EndpointSource {
+            endpoint: e.id,
+            name: e.name.clone(),
+            publisher: events.clone(),
+            replay: e.config.replay.clone(),
+            topic: e.config.topic.clone(),
+        },
+        sink(router, e),
+        router.config().kv_events.subscriber_config(),
+        resume_after,
+    ));
+}
+
+/// Starts an endpoint's KV-event subscriber afresh, after the fleet forgot what the endpoint
+/// held for a reason the subscriber cannot see (an ejection, a restart its `/metrics` revealed):
+/// the new subscription replays from the start of the engine's buffer instead of resuming at
+/// the old stream's sequence number, which a restarted engine may already have passed. While a
+/// replica warms up, its warm-up owns the subscriber.
+pub(crate) fn resubscribe(router: &Arc<Router>, e: &Arc<Endpoint>) {
+    if router.replica().warming() {
+        return;
+    }
+    drop(e.subscriber.lock().take());
+    spawn_subscriber(router, e, None);
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::event::{BlockStored, EngineHash, KvEvent};
+
+    use super::*;
+    use crate::config::{EndpointConfig, RouterConfig};
+
+    fn endpoint(port: u16) -> EndpointConfig {
+        let yaml = format!("{{url: 'http://127.0.0.1:{port}', events: 'tcp://127.0.0.1:{port}'}}");
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    fn stored() -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![EngineHash(7)],
+                token_ids: (0..16).collect(),
+                block_size: 16,
+                ..Default::default()
+            })],
+            data_parallel_rank: None,
+        }
+    }
+
+    #[test]
+    fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
+        let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:1', events: 'tcp://127.0.0.1:1'}\n";
+        let router = Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap());
+        let id = EndpointId(0);
+        let departed = sink(&router, &router.endpoint(id));
+        assert!(router.deregister(id).is_some());
+        let newcomer = router.register(endpoint(2)).unwrap();
+        assert_eq!(newcomer.id, id, "the newcomer takes the free slot");
+        departed.apply(id, 1, &stored());
+        let held = router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+        assert_eq!(held, 0, "the departed endpoint's batch was dropped");
+        assert_eq!(router.metrics().late_event_batches.get(), 1);
+        sink(&router, &newcomer).apply(id, 1, &stored());
+        let held = router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+        assert_eq!(held, 1, "the newcomer's own batch is applied");
+        departed.purge(id);
+        let held = router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+        assert_eq!(
+            held, 1,
+            "nor does the departed endpoint's restart forget the newcomer"
+        );
+    }
+}

@@ -1,0 +1,86 @@
+//! A replica's own state, below everything that serves or warms it: the journal it answers
+//! peers' snapshots from, and where its warm-up stands (the warm-up itself is
+//! the `replica` module's).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
+use serde::Serialize;
+
+use crate::config::ReplicasConfig;
+use crate::journal::Journal;
+
+/// Where a replica's warm-up stands.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum WarmStatus {
+    /// No peers configured: no warm-up, ready at once (as a single router).
+    NotConfigured,
+    /// Still warming up: readiness fails.
+    Warming,
+    /// Warm: the index was copied from `peer` (or, `None`, rebuilt from the engines' replay
+    /// buffers) and every endpoint's events caught up.
+    Warm {
+        /// The peer whose snapshot was applied.
+        peer: Option<String>,
+        /// Seconds the warm-up took.
+        seconds: f64,
+    },
+    /// The timeout passed first: ready, with `untrusted` endpoints routed by load only until
+    /// their events are trusted again.
+    TimedOut {
+        /// The peer whose snapshot was applied, if one answered.
+        peer: Option<String>,
+        /// Endpoints whose events had not caught up.
+        untrusted: Vec<String>,
+    },
+}
+
+/// A replica's own state: the journal it answers peers' snapshots from, and its warm-up.
+pub struct ReplicaState {
+    journal: Option<Mutex<Journal>>,
+    warming: AtomicBool,
+    status: Mutex<WarmStatus>,
+}
+
+impl ReplicaState {
+    /// The state for `config`: a journal and a warm-up when it names peers.
+    pub fn new(config: &ReplicasConfig) -> Self {
+        let peers = !config.peers.is_empty();
+        Self {
+            journal: peers.then(|| Mutex::new(Journal::default())),
+            warming: AtomicBool::new(peers),
+            status: Mutex::new(if peers {
+                WarmStatus::Warming
+            } else {
+                WarmStatus::NotConfigured
+            }),
+        }
+    }
+
+    /// The journal, when this replica keeps one (it has peers).
+    pub fn journal(&self) -> Option<MutexGuard<'_, Journal>> {
+        self.journal.as_ref().map(Mutex::lock)
+    }
+
+    /// Whether this replica keeps a journal (it has peers), so it can answer their snapshots.
+    pub fn keeps_journal(&self) -> bool {
+        self.journal.is_some()
+    }
+
+    /// Whether the warm-up is still running (readiness fails meanwhile).
+    pub fn warming(&self) -> bool {
+        self.warming.load(Ordering::Acquire)
+    }
+
+    /// How the warm-up went.
+    pub fn status(&self) -> WarmStatus {
+        self.status.lock().clone()
+    }
+
+    /// Ends the warm-up with `status`: ready from now on.
+    pub(crate) fn finish(&self, status: WarmStatus) {
+        *self.status.lock() = status;
+        self.warming.store(false, Ordering::Release);
+    }
+}

@@ -24,6 +24,9 @@ pub struct EngineArgs {
     /// CPU offload tier, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
     num_cpu_blocks: usize,
+    /// Local SSD offload tier below the CPU tier, in blocks (0: none).
+    #[arg(long, default_value_t = 0)]
+    num_ssd_blocks: usize,
     /// Most sequences in a batch.
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
@@ -51,6 +54,12 @@ pub struct EngineArgs {
     /// Cost of loading one block from the CPU tier, seconds.
     #[arg(long, default_value_t = LatencyModel::default().cpu_load_per_block_s)]
     cpu_load_per_block_s: f64,
+    /// Cost of loading one block from the SSD tier, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().ssd_load_per_block_s)]
+    ssd_load_per_block_s: f64,
+    /// Access latency of a step that loads from the SSD tier, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().ssd_load_latency_s)]
+    ssd_load_latency_s: f64,
 }
 
 fn parse_kv_bytes(text: &str) -> Result<usize, String> {
@@ -83,6 +92,8 @@ impl EngineArgs {
             block_size: self.block_size,
             num_gpu_blocks,
             num_cpu_blocks: self.num_cpu_blocks,
+            num_ssd_blocks: self.num_ssd_blocks,
+            kv_bytes_per_token: self.kv_bytes_per_token,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,
@@ -93,6 +104,8 @@ impl EngineArgs {
                 decode_per_seq_s: self.decode_per_seq_s,
                 decode_per_context_token_s: self.decode_per_context_token_s,
                 cpu_load_per_block_s: self.cpu_load_per_block_s,
+                ssd_load_per_block_s: self.ssd_load_per_block_s,
+                ssd_load_latency_s: self.ssd_load_latency_s,
             },
         })
     }

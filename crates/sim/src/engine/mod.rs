@@ -15,7 +15,7 @@ use kvroute_core::keys::VllmHasher;
 use serde::Serialize;
 
 use crate::SimError;
-use block_pool::BlockPool;
+use block_pool::{BlockPool, OffloadTier, OffloadTiers};
 use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
@@ -34,6 +34,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     /// Blocks in the CPU offload tier (0: none).
     pub num_cpu_blocks: usize,
+    /// Blocks in the local SSD offload tier, below the CPU tier (0: none).
+    pub num_ssd_blocks: usize,
     /// Most sequences in the running batch.
     pub max_num_seqs: usize,
     /// Most tokens one step computes (chunked prefill budget).
@@ -42,6 +44,8 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// vLLM's NONE_HASH seed.
     pub hash_seed: String,
+    /// KV-cache bytes per token (sizes the bytes an offload tier loads).
+    pub kv_bytes_per_token: usize,
     /// Step timing.
     pub latency: LatencyModel,
 }
@@ -52,10 +56,12 @@ impl Default for EngineConfig {
             block_size: 16,
             num_gpu_blocks: 4096,
             num_cpu_blocks: 0,
+            num_ssd_blocks: 0,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: 32_768,
             hash_seed: kvroute_core::keys::VLLM_DEFAULT_SEED.to_owned(),
+            kv_bytes_per_token: latency::LLAMA_8B_KV_BYTES_PER_TOKEN,
             latency: LatencyModel::default(),
         }
     }
@@ -74,8 +80,17 @@ pub struct EngineMetrics {
     pub prefix_cache_queries: u64,
     /// Of those, tokens found in the GPU prefix cache.
     pub prefix_cache_hits: u64,
-    /// Tokens found in the CPU tier.
+    /// Tokens found outside the GPU (offload tiers and a P/D producer), as vLLM's connector
+    /// counters report them.
     pub external_prefix_cache_hits: u64,
+    /// Of those, tokens loaded from the CPU tier.
+    pub cpu_hit_tokens: u64,
+    /// Of those, tokens loaded from the SSD tier.
+    pub ssd_hit_tokens: u64,
+    /// KV bytes loaded from the CPU tier.
+    pub cpu_bytes_loaded: u64,
+    /// KV bytes loaded from the SSD tier.
+    pub ssd_bytes_loaded: u64,
     /// Requests preempted for lack of blocks.
     pub num_preemptions: u64,
     /// Prompt tokens received.
@@ -86,6 +101,8 @@ pub struct EngineMetrics {
     pub cached_blocks: usize,
     /// Blocks in the CPU tier.
     pub cpu_blocks: usize,
+    /// Blocks in the SSD tier.
+    pub ssd_blocks: usize,
 }
 
 /// What one step did.
@@ -131,10 +148,10 @@ impl Engine {
         Ok(Self {
             hasher: VllmHasher::new(&config.hash_seed),
             // vLLM keeps one block of its pool back as the null block: never allocated.
-            pool: BlockPool::new(
+            pool: BlockPool::with_tiers(
                 config.block_size,
                 config.num_gpu_blocks - 1,
-                config.num_cpu_blocks,
+                OffloadTiers::new(config.num_cpu_blocks, config.num_ssd_blocks),
             ),
             config,
             waiting: VecDeque::new(),
@@ -221,6 +238,7 @@ impl Engine {
             kv_cache_usage: self.pool.usage(),
             cached_blocks: self.pool.cached_blocks(),
             cpu_blocks: self.pool.cpu_blocks(),
+            ssd_blocks: self.pool.offloaded_blocks(OffloadTier::Ssd),
             ..self.metrics.clone()
         }
     }
@@ -300,8 +318,18 @@ impl Engine {
             self.metrics.prefix_cache_queries += seq.len() as u64;
             self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
             self.metrics.external_prefix_cache_hits +=
-                ((hit.cpu.len() + hit.external.len()) * bs) as u64;
-            work.cpu_blocks_loaded += hit.cpu.len();
+                ((hit.offloaded.len() + hit.external.len()) * bs) as u64;
+            let (cpu, ssd) = (
+                hit.loaded_from(OffloadTier::Cpu),
+                hit.loaded_from(OffloadTier::Ssd),
+            );
+            self.metrics.cpu_hit_tokens += (cpu * bs) as u64;
+            self.metrics.ssd_hit_tokens += (ssd * bs) as u64;
+            let block_bytes = (bs * self.config.kv_bytes_per_token) as u64;
+            self.metrics.cpu_bytes_loaded += cpu as u64 * block_bytes;
+            self.metrics.ssd_bytes_loaded += ssd as u64 * block_bytes;
+            work.cpu_blocks_loaded += cpu;
+            work.ssd_blocks_loaded += ssd;
             seq.admit(hit, blocks, &mut self.pool);
             budget -= want;
             scheduled.push(want);

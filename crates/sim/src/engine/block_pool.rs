@@ -8,7 +8,8 @@
 //!
 //! With offload tiers, a block evicted from the GPU moves to the CPU tier (or to the SSD tier
 //! when there is no CPU tier) instead of disappearing, as an offloading connector would; see
-//! [`offload`] for the policy below the GPU.
+//! [`offload`] for the policy below the GPU. A pool that mounts the fleet's shared filesystem
+//! also writes each evicted block there, and finds blocks other engines wrote.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -18,6 +19,8 @@ use kvroute_core::keys::{BlockExtraKeys, VllmDigest};
 pub mod offload;
 
 pub use offload::{OffloadTier, OffloadTiers};
+
+use super::shared_fs::{SharedFs, SharedFsHandle};
 
 /// Where the free queue's stamps start: the back counts up from here, the front down.
 const FRONT: u64 = 1 << 63;
@@ -49,6 +52,8 @@ pub struct BlockPool {
     /// content stays cached (and announced once) until its last copy is evicted.
     cached: HashMap<VllmDigest, Vec<BlockId>>,
     offload: OffloadTiers,
+    /// The fleet's shared filesystem, when mounted.
+    shared: Option<SharedFsHandle>,
     /// Events produced since the last [`BlockPool::take_events`].
     events: Vec<KvEvent>,
 }
@@ -120,6 +125,7 @@ impl BlockPool {
             front_stamp: FRONT,
             cached: HashMap::new(),
             offload,
+            shared: None,
             events: Vec::new(),
         };
         for id in 0..gpu_blocks as BlockId {
@@ -191,9 +197,24 @@ impl BlockPool {
         self.offload.find(digest) == Some(OffloadTier::Cpu)
     }
 
-    /// The offload tier holding `digest`, if any.
+    /// The fastest offload tier holding `digest`, if any (the shared filesystem last).
     pub fn offloaded_in(&self, digest: &VllmDigest) -> Option<OffloadTier> {
-        self.offload.find(digest)
+        self.offload.find(digest).or_else(|| {
+            self.shared
+                .as_ref()
+                .filter(|s| lock(s).contains(digest))
+                .map(|_| OffloadTier::SharedFs)
+        })
+    }
+
+    /// Mounts the fleet's shared filesystem: evicted blocks are written there too.
+    pub fn mount_shared(&mut self, shared: SharedFsHandle) {
+        self.shared = Some(shared);
+    }
+
+    /// The mounted shared filesystem.
+    pub fn shared(&self) -> Option<&SharedFsHandle> {
+        self.shared.as_ref()
     }
 
     /// Takes a reference on a cached block (a prefix hit), pulling it off the free queue.
@@ -228,6 +249,9 @@ impl BlockPool {
                     // The copy exists before the GPU block is reused: its store is announced
                     // first, as an offloading connector's store precedes the eviction.
                     self.offload.offload(digest, &mut self.events);
+                    if let Some(shared) = &self.shared {
+                        lock(shared).store(digest, &mut self.events);
+                    }
                     self.events.push(removed_event(&digest, "GPU"));
                 }
             }
@@ -313,6 +337,14 @@ impl BlockPool {
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
     }
+}
+
+/// Locks the shared tier; a poisoned lock (a panicked holder) still holds consistent data,
+/// since every update completes before it returns.
+pub(crate) fn lock(shared: &SharedFsHandle) -> std::sync::MutexGuard<'_, SharedFs> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -79,6 +79,9 @@ pub struct StepWork {
     pub cpu_blocks_loaded: usize,
     /// Blocks loaded from the SSD tier.
     pub ssd_blocks_loaded: usize,
+    /// Seconds spent loading from the shared filesystem (its bandwidth is shared by the fleet,
+    /// so the tier prices each load).
+    pub shared_fs_load_s: f64,
 }
 
 impl LatencyModel {
@@ -93,6 +96,7 @@ impl LatencyModel {
             + work.context_tokens as f64 * self.decode_per_context_token_s
             + work.cpu_blocks_loaded as f64 * self.cpu_load_per_block_s
             + self.ssd_seconds(work.ssd_blocks_loaded)
+            + work.shared_fs_load_s
     }
 
     /// Time to load `blocks` from the SSD tier in one step (0 for none).

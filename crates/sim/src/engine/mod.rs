@@ -6,6 +6,7 @@
 pub mod block_pool;
 pub mod latency;
 mod request;
+pub mod shared_fs;
 pub mod transfer;
 
 use std::collections::{HashMap, VecDeque};
@@ -19,6 +20,7 @@ use block_pool::{BlockPool, OffloadTier, OffloadTiers};
 use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
+use shared_fs::SharedFsHandle;
 pub use transfer::{HeldBlocks, KvTransfer};
 
 /// Identifies a request inside one engine.
@@ -87,10 +89,14 @@ pub struct EngineMetrics {
     pub cpu_hit_tokens: u64,
     /// Of those, tokens loaded from the SSD tier.
     pub ssd_hit_tokens: u64,
+    /// Of those, tokens loaded from the shared filesystem.
+    pub shared_fs_hit_tokens: u64,
     /// KV bytes loaded from the CPU tier.
     pub cpu_bytes_loaded: u64,
     /// KV bytes loaded from the SSD tier.
     pub ssd_bytes_loaded: u64,
+    /// KV bytes loaded from the shared filesystem.
+    pub shared_fs_bytes_loaded: u64,
     /// Requests preempted for lack of blocks.
     pub num_preemptions: u64,
     /// Prompt tokens received.
@@ -103,6 +109,8 @@ pub struct EngineMetrics {
     pub cpu_blocks: usize,
     /// Blocks in the SSD tier.
     pub ssd_blocks: usize,
+    /// Blocks in the mounted shared filesystem (fleet-wide; 0 when not mounted).
+    pub shared_fs_blocks: usize,
 }
 
 /// What one step did.
@@ -127,6 +135,8 @@ pub struct Engine {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     metrics: EngineMetrics,
+    /// The engine's clock: where the last step ended, in engine seconds.
+    clock_s: f64,
     /// Finished prefill legs' blocks, pinned for their consumer.
     held: HashMap<RequestId, (HeldBlocks, Vec<block_pool::BlockId>)>,
 }
@@ -157,6 +167,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics: EngineMetrics::default(),
+            clock_s: 0.0,
             held: HashMap::new(),
         })
     }
@@ -239,6 +250,7 @@ impl Engine {
             cached_blocks: self.pool.cached_blocks(),
             cpu_blocks: self.pool.cpu_blocks(),
             ssd_blocks: self.pool.offloaded_blocks(OffloadTier::Ssd),
+            shared_fs_blocks: self.pool.shared().map_or(0, |s| block_pool::lock(s).len()),
             ..self.metrics.clone()
         }
     }
@@ -268,10 +280,22 @@ impl Engine {
             .count()
     }
 
-    /// Runs one scheduler step: continue running sequences (decode or the next prefill chunk),
-    /// preempting the newest when blocks run out, then admit waiting requests FCFS while the
-    /// token budget and batch size allow.
+    /// Mounts the fleet's shared filesystem tier: this engine writes evicted blocks there and
+    /// loads blocks any engine wrote.
+    pub fn mount_shared_fs(&mut self, shared: SharedFsHandle) {
+        self.pool.mount_shared(shared);
+    }
+
+    /// Runs one step starting where the last one ended (see [`Engine::step_at`]).
     pub fn step(&mut self) -> StepOutput {
+        self.step_at(self.clock_s)
+    }
+
+    /// Runs one scheduler step starting at `now_s` (the time shared-filesystem loads queue
+    /// at): continue running sequences (decode or the next prefill chunk), preempting the
+    /// newest when blocks run out, then admit waiting requests FCFS while the token budget and
+    /// batch size allow.
+    pub fn step_at(&mut self, now_s: f64) -> StepOutput {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
@@ -330,6 +354,18 @@ impl Engine {
             self.metrics.ssd_bytes_loaded += ssd as u64 * block_bytes;
             work.cpu_blocks_loaded += cpu;
             work.ssd_blocks_loaded += ssd;
+            let shared: Vec<_> = hit
+                .offloaded
+                .iter()
+                .filter(|(_, t)| *t == OffloadTier::SharedFs)
+                .map(|(d, _)| *d)
+                .collect();
+            if let Some(fs) = self.pool.shared().filter(|_| !shared.is_empty()) {
+                let bytes = shared.len() as u64 * block_bytes;
+                work.shared_fs_load_s += block_pool::lock(fs).load(&shared, bytes, now_s);
+                self.metrics.shared_fs_hit_tokens += (shared.len() * bs) as u64;
+                self.metrics.shared_fs_bytes_loaded += bytes;
+            }
             seq.admit(hit, blocks, &mut self.pool);
             budget -= want;
             scheduled.push(want);
@@ -359,8 +395,10 @@ impl Engine {
         for seq in finished {
             self.retire(seq);
         }
+        let duration_s = self.config.latency.step_seconds(&work);
+        self.clock_s = now_s + duration_s;
         StepOutput {
-            duration_s: self.config.latency.step_seconds(&work),
+            duration_s,
             tokens,
             events: self.pool.take_events(),
             work,

@@ -286,3 +286,80 @@ fn a_block_loaded_from_the_ssd_is_promoted_back_to_the_gpu() {
         "a GPU hit loads nothing"
     );
 }
+
+#[test]
+fn a_block_one_engine_writes_to_the_shared_fs_is_loaded_by_another_at_shared_bandwidth() {
+    use shared_fs::{SharedFs, SharedFsConfig};
+    let fs = SharedFs::handle(SharedFsConfig {
+        capacity_blocks: 64,
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 1e-3,
+    });
+    let mut writer = engine(8);
+    let mut readers = [engine(8), engine(8)];
+    writer.mount_shared_fs(fs.clone());
+    for reader in &mut readers {
+        reader.mount_shared_fs(fs.clone());
+    }
+    let a: Vec<u32> = (0..24).collect();
+    writer.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut writer);
+    // Two more prompts evict every block of `a` from the writer's GPU.
+    let mut events = Vec::new();
+    for (id, start) in [(2, 500), (3, 1000)] {
+        writer
+            .add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        events.extend(run(&mut writer).2);
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, KvEvent::BlockStored(s) if s.medium.as_deref() == Some("FS"))),
+        "the writer publishes its FS stores"
+    );
+    assert!(writer.metrics().shared_fs_blocks >= 5);
+    // Both readers, which never saw the prompt, load its prefix from the shared tier at once:
+    // the second waits for the first's bytes.
+    let bytes = (5 * 4 * readers[0].config().kv_bytes_per_token) as f64;
+    let mut loads = Vec::new();
+    for (i, reader) in readers.iter_mut().enumerate() {
+        reader
+            .add_request(request(10 + i as u64, a.clone(), 1))
+            .unwrap();
+        let step = reader.step_at(100.0);
+        assert_eq!(step.work.prefill_tokens, 4, "only the last block computed");
+        loads.push(step.work.shared_fs_load_s);
+        assert_eq!(reader.metrics().shared_fs_hit_tokens, 20);
+        assert_eq!(reader.metrics().external_prefix_cache_hits, 20);
+        assert_eq!(reader.metrics().prefix_cache_hits, 0);
+    }
+    let alone = 1e-3 + bytes / 1e9;
+    assert!((loads[0] - alone).abs() < 1e-9, "{loads:?}");
+    assert!((loads[1] - (alone + bytes / 1e9)).abs() < 1e-9, "{loads:?}");
+}
+
+#[test]
+fn an_engine_without_the_mount_does_not_see_the_shared_fs() {
+    use shared_fs::{SharedFs, SharedFsConfig};
+    let fs = SharedFs::handle(SharedFsConfig {
+        capacity_blocks: 64,
+        ..SharedFsConfig::default()
+    });
+    let mut writer = engine(8);
+    writer.mount_shared_fs(fs);
+    let a: Vec<u32> = (0..24).collect();
+    writer.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut writer);
+    for (id, start) in [(2, 500), (3, 1000)] {
+        writer
+            .add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut writer);
+    }
+    let mut other = engine(8);
+    other.add_request(request(3, a, 1)).unwrap();
+    let step = other.step();
+    assert_eq!(step.work.prefill_tokens, 24);
+    assert_eq!(step.work.shared_fs_load_s, 0.0);
+}

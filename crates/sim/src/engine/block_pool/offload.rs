@@ -22,22 +22,21 @@ pub enum OffloadTier {
     Cpu,
     /// Local SSD.
     Ssd,
+    /// The fleet's shared filesystem (see [`crate::engine::shared_fs`]); not held here.
+    SharedFs,
 }
 
 impl OffloadTier {
-    /// Both tiers, fastest first.
-    pub const ALL: [OffloadTier; 2] = [OffloadTier::Cpu, OffloadTier::Ssd];
+    /// The engine's own tiers, fastest first.
+    pub const LOCAL: [OffloadTier; 2] = [OffloadTier::Cpu, OffloadTier::Ssd];
 
     /// The medium string events carry for this tier.
     pub fn medium(self) -> &'static str {
         match self {
             OffloadTier::Cpu => "CPU",
             OffloadTier::Ssd => "STORAGE",
+            OffloadTier::SharedFs => crate::engine::shared_fs::SHARED_FS_MEDIUM,
         }
-    }
-
-    fn index(self) -> usize {
-        self as usize
     }
 }
 
@@ -98,45 +97,56 @@ impl OffloadTiers {
     /// Tiers of `cpu_blocks` and `ssd_blocks` blocks (0: that tier is absent).
     pub fn new(cpu_blocks: usize, ssd_blocks: usize) -> Self {
         let mut tiers = Self::default();
-        tiers.tiers[OffloadTier::Cpu.index()].capacity = cpu_blocks;
-        tiers.tiers[OffloadTier::Ssd.index()].capacity = ssd_blocks;
+        tiers.tier_mut(OffloadTier::Cpu).capacity = cpu_blocks;
+        tiers.tier_mut(OffloadTier::Ssd).capacity = ssd_blocks;
         tiers
     }
 
     /// Blocks `tier` can hold.
     pub fn capacity(&self, tier: OffloadTier) -> usize {
-        self.tiers[tier.index()].capacity
+        self.tiers.get(tier as usize).map_or(0, |t| t.capacity)
     }
 
     /// Blocks `tier` holds.
     pub fn len(&self, tier: OffloadTier) -> usize {
-        self.tiers[tier.index()].by_digest.len()
+        self.tiers
+            .get(tier as usize)
+            .map_or(0, |t| t.by_digest.len())
     }
 
     /// The tier holding `digest`, if any.
     pub fn find(&self, digest: &VllmDigest) -> Option<OffloadTier> {
-        OffloadTier::ALL
+        OffloadTier::LOCAL
             .into_iter()
-            .find(|t| self.tiers[t.index()].by_digest.contains_key(digest))
+            .find(|t| self.tiers[*t as usize].by_digest.contains_key(digest))
     }
 
     /// `tier`'s blocks, least recently used first.
     pub fn lru_order(&self, tier: OffloadTier) -> Vec<VllmDigest> {
-        self.tiers[tier.index()].lru.values().copied().collect()
+        self.tiers
+            .get(tier as usize)
+            .map_or_else(Vec::new, |t| t.lru.values().copied().collect())
+    }
+
+    fn tier_mut(&mut self, tier: OffloadTier) -> &mut LruTier {
+        &mut self.tiers[tier as usize]
     }
 
     /// Stores a block evicted from the GPU in the fastest tier that exists, demoting that tier's
     /// overflow downwards; the events describe every move, stores before removals.
     pub fn offload(&mut self, digest: VllmDigest, events: &mut Vec<KvEvent>) {
-        let Some(top) = OffloadTier::ALL.into_iter().find(|t| self.capacity(*t) > 0) else {
+        let Some(top) = OffloadTier::LOCAL
+            .into_iter()
+            .find(|t| self.capacity(*t) > 0)
+        else {
             return;
         };
         if let Some(held) = self.find(&digest) {
             // Already offloaded (stored on an earlier eviction): refreshed, not stored again.
-            self.tiers[held.index()].touch(digest);
+            self.tier_mut(held).touch(digest);
             return;
         }
-        self.tiers[top.index()].touch(digest);
+        self.tier_mut(top).touch(digest);
         events.push(stored(&digest, top));
         self.spill(top, events);
     }
@@ -144,14 +154,15 @@ impl OffloadTiers {
     /// Moves `tier`'s least recently used blocks down while it is over capacity.
     fn spill(&mut self, tier: OffloadTier, events: &mut Vec<KvEvent>) {
         while self.len(tier) > self.capacity(tier) {
-            let old = self.tiers[tier.index()]
+            let old = self
+                .tier_mut(tier)
                 .pop_oldest()
                 .expect("over capacity, so non-empty");
-            let below = OffloadTier::ALL
+            let below = OffloadTier::LOCAL
                 .into_iter()
                 .find(|t| *t > tier && self.capacity(*t) > 0);
             if let Some(below) = below {
-                self.tiers[below.index()].touch(old);
+                self.tier_mut(below).touch(old);
                 events.push(stored(&old, below));
                 events.push(removed(&old, tier));
                 self.spill(below, events);
@@ -164,7 +175,7 @@ impl OffloadTiers {
     /// Records a hit on `digest` (loaded back to the GPU): refreshes its recency where it is.
     pub fn touch(&mut self, digest: VllmDigest) {
         if let Some(tier) = self.find(&digest) {
-            self.tiers[tier.index()].touch(digest);
+            self.tier_mut(tier).touch(digest);
         }
     }
 

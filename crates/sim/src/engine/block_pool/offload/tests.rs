@@ -83,14 +83,14 @@ proptest! {
                     naive.refresh(n);
                 }
             }
-            for tier in OffloadTier::ALL {
+            for tier in OffloadTier::LOCAL {
                 let t = tier as usize;
                 prop_assert!(tiers.len(tier) <= tiers.capacity(tier), "{tier:?} over capacity");
                 let expected: Vec<VllmDigest> = naive.lists[t].iter().map(|&n| digest(n)).collect();
                 prop_assert_eq!(tiers.lru_order(tier), expected, "{:?} LRU order", tier);
             }
             for n in 0..24 {
-                let held = OffloadTier::ALL
+                let held = OffloadTier::LOCAL
                     .iter()
                     .filter(|t| tiers.lru_order(**t).contains(&digest(n)))
                     .count();
@@ -118,7 +118,7 @@ proptest! {
                 KvEvent::BlockRemoved(r) => (&r.block_hashes, r.medium.as_deref(), false),
                 other => panic!("unexpected event {other:?}"),
             };
-            let t = OffloadTier::ALL.iter().position(|t| Some(t.medium()) == medium).unwrap();
+            let t = OffloadTier::LOCAL.iter().position(|t| Some(t.medium()) == medium).unwrap();
             for h in hashes {
                 if store {
                     prop_assert!(replay[t].insert(h.0), "stored twice without a removal");
@@ -127,7 +127,7 @@ proptest! {
                 }
             }
         }
-        for tier in OffloadTier::ALL {
+        for tier in OffloadTier::LOCAL {
             let held: std::collections::HashSet<u64> =
                 tiers.lru_order(tier).iter().map(VllmDigest::event_u64).collect();
             prop_assert_eq!(&replay[tier as usize], &held);

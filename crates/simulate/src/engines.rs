@@ -4,6 +4,7 @@
 //! Requests that arrive during a step wait in an inbox until the next one starts, as they wait
 //! in the server's command channel: a scrape meanwhile does not count them as waiting.
 
+use kvroute_sim::engine::shared_fs::{SharedFs, SharedFsHandle};
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, KvTransfer, StepOutput};
 use kvroute_sim::server::text::{completion_seed, synthetic_completion};
 
@@ -45,10 +46,20 @@ pub type Refusal = String;
 pub type StepStart = (Option<f64>, Vec<(usize, Refusal)>);
 
 impl SimEngine {
-    /// A fresh engine.
-    pub fn new(config: EngineConfig) -> Result<Self, SimulateError> {
+    /// `engines` fresh engines; when configured, they all mount one shared filesystem.
+    pub fn fleet(config: &EngineConfig, engines: usize) -> Result<Vec<Self>, SimulateError> {
+        let shared = config.shared_fs.clone().map(SharedFs::handle);
+        (0..engines)
+            .map(|_| Self::mounted(config.clone(), shared.clone()))
+            .collect()
+    }
+
+    fn mounted(
+        config: EngineConfig,
+        shared: Option<SharedFsHandle>,
+    ) -> Result<Self, SimulateError> {
         Ok(Self {
-            engine: Engine::new(config)?,
+            engine: Engine::mounted(config, shared)?,
             next_id: 1,
             transfers: std::collections::HashMap::new(),
             requests: Vec::new(),
@@ -145,7 +156,7 @@ impl SimEngine {
         if !self.engine.has_work() {
             return Ok((None, refused));
         }
-        let step = self.engine.step();
+        let step = self.engine.step_at(now);
         if step.tokens.is_empty() && step.work == Default::default() {
             if self.engine.held_requests() > 0 {
                 // Every free block is held for a consumer: it runs again after a release.

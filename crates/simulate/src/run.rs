@@ -85,9 +85,7 @@ pub fn run(
         fleet,
         queue: Queue::default(),
         client: Client::new(workload),
-        engines: (0..fleet.engines)
-            .map(|_| SimEngine::new(fleet.engine.clone()))
-            .collect::<Result<_, _>>()?,
+        engines: SimEngine::fleet(&fleet.engine, fleet.engines)?,
         requests: Vec::with_capacity(workload.requests()),
         next_session: 0,
         closed_loop: concurrency.is_some(),

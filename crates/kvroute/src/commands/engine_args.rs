@@ -4,6 +4,7 @@
 use clap::Args;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::engine::latency::{LLAMA_8B_KV_BYTES_PER_TOKEN, LatencyModel};
+use kvroute_sim::engine::shared_fs::SharedFsConfig;
 
 /// One engine's model.
 #[derive(Args)]
@@ -27,6 +28,15 @@ pub struct EngineArgs {
     /// Local SSD offload tier below the CPU tier, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
     num_ssd_blocks: usize,
+    /// Shared filesystem tier the whole fleet mounts, in blocks (0: none).
+    #[arg(long, default_value_t = 0)]
+    shared_fs_blocks: usize,
+    /// Aggregate read bandwidth of the shared filesystem, GB/s (all loads share it).
+    #[arg(long, default_value_t = SharedFsConfig::default().bandwidth_bytes_per_s / 1e9)]
+    shared_fs_gbps: f64,
+    /// Access latency of one shared-filesystem load, seconds.
+    #[arg(long, default_value_t = SharedFsConfig::default().latency_s)]
+    shared_fs_latency_s: f64,
     /// Most sequences in a batch.
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
@@ -93,6 +103,11 @@ impl EngineArgs {
             num_gpu_blocks,
             num_cpu_blocks: self.num_cpu_blocks,
             num_ssd_blocks: self.num_ssd_blocks,
+            shared_fs: (self.shared_fs_blocks > 0).then_some(SharedFsConfig {
+                capacity_blocks: self.shared_fs_blocks,
+                bandwidth_bytes_per_s: self.shared_fs_gbps * 1e9,
+                latency_s: self.shared_fs_latency_s,
+            }),
             kv_bytes_per_token: self.kv_bytes_per_token,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,

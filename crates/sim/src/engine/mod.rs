@@ -20,7 +20,7 @@ use block_pool::{BlockPool, OffloadTier, OffloadTiers};
 use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
-use shared_fs::SharedFsHandle;
+use shared_fs::{SharedFs, SharedFsConfig, SharedFsHandle};
 pub use transfer::{HeldBlocks, KvTransfer};
 
 /// Identifies a request inside one engine.
@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// vLLM's NONE_HASH seed.
     pub hash_seed: String,
+    /// The shared filesystem tier the fleet mounts (`None`: none). Engines built together by
+    /// a fleet ([`Engine::mounted`]) share one; [`Engine::new`] mounts a private one.
+    pub shared_fs: Option<SharedFsConfig>,
     /// KV-cache bytes per token (sizes the bytes an offload tier loads).
     pub kv_bytes_per_token: usize,
     /// Step timing.
@@ -59,6 +62,7 @@ impl Default for EngineConfig {
             num_gpu_blocks: 4096,
             num_cpu_blocks: 0,
             num_ssd_blocks: 0,
+            shared_fs: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: 32_768,
@@ -142,8 +146,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine with an empty cache.
+    /// An engine with an empty cache (and, if configured, a shared filesystem of its own).
     pub fn new(config: EngineConfig) -> Result<Self, SimError> {
+        let shared = config.shared_fs.clone().map(SharedFs::handle);
+        Self::mounted(config, shared)
+    }
+
+    /// An engine with an empty cache mounting the fleet's shared filesystem, if any.
+    pub fn mounted(config: EngineConfig, shared: Option<SharedFsHandle>) -> Result<Self, SimError> {
         if config.block_size == 0 || config.num_gpu_blocks < 2 || config.max_num_seqs == 0 {
             return Err(SimError::Config(
                 "block size and max sequences must be at least 1, GPU blocks at least 2".into(),
@@ -155,7 +165,18 @@ impl Engine {
                 config.max_num_batched_tokens, config.block_size
             )));
         }
-        Ok(Self {
+        if let Some(fs) = &config.shared_fs
+            && !(fs.bandwidth_bytes_per_s > 0.0
+                && fs.bandwidth_bytes_per_s.is_finite()
+                && fs.latency_s >= 0.0
+                && fs.latency_s.is_finite())
+        {
+            return Err(SimError::Config(
+                "the shared filesystem needs a positive bandwidth and a latency of 0 or more"
+                    .into(),
+            ));
+        }
+        let mut engine = Self {
             hasher: VllmHasher::new(&config.hash_seed),
             // vLLM keeps one block of its pool back as the null block: never allocated.
             pool: BlockPool::with_tiers(
@@ -169,7 +190,11 @@ impl Engine {
             metrics: EngineMetrics::default(),
             clock_s: 0.0,
             held: HashMap::new(),
-        })
+        };
+        if let Some(shared) = shared {
+            engine.mount_shared_fs(shared);
+        }
+        Ok(engine)
     }
 
     /// The engine's settings.

@@ -9,7 +9,9 @@
 //! With offload tiers, a block evicted from the GPU moves to the CPU tier (or to the SSD tier
 //! when there is no CPU tier) instead of disappearing, as an offloading connector would; see
 //! [`offload`] for the policy below the GPU. A pool that mounts the fleet's shared filesystem
-//! also writes each evicted block there, and finds blocks other engines wrote.
+//! writes each block there when it is computed (as llm-d's filesystem offload stores every
+//! block, so other engines can load it at once) and again on eviction if the filesystem has
+//! dropped it meanwhile, and finds blocks other engines wrote.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -292,6 +294,20 @@ impl BlockPool {
         if let Some(start) = run_start {
             self.events
                 .push(blocks.stored_event(start, ids.len(), self.block_size));
+        }
+        // Written through to the shared filesystem after the GPU stores, so that an index
+        // resolving the FS events already knows each block's key.
+        if let Some(shared) = &self.shared {
+            let mut shared = lock(shared);
+            for (&id, digest) in ids.iter().zip(blocks.digests) {
+                if self
+                    .cached
+                    .get(digest)
+                    .is_some_and(|h| h.first() == Some(&id))
+                {
+                    shared.store(*digest, &mut self.events);
+                }
+            }
         }
     }
 

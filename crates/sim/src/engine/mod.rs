@@ -117,6 +117,19 @@ pub struct EngineMetrics {
     pub shared_fs_blocks: usize,
 }
 
+/// A prompt's cached prefix, in blocks, by the tier each block is served from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixTiers {
+    /// Leading blocks on the GPU.
+    pub gpu: usize,
+    /// Following blocks loaded from the CPU tier.
+    pub cpu: usize,
+    /// Following blocks loaded from the SSD tier.
+    pub ssd: usize,
+    /// Following blocks loaded from the shared filesystem.
+    pub shared_fs: usize,
+}
+
 /// What one step did.
 #[derive(Debug, Default)]
 pub struct StepOutput {
@@ -309,6 +322,34 @@ impl Engine {
     /// loads blocks any engine wrote.
     pub fn mount_shared_fs(&mut self, shared: SharedFsHandle) {
         self.pool.mount_shared(shared);
+    }
+
+    /// Where the full blocks of `tokens` the engine would serve from cache right now are, tier
+    /// by tier (the GPU run first, then the blocks it would load). For tests and diagnostics.
+    pub fn prefix_tiers(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> PrefixTiers {
+        let mut seq = Sequence::new(
+            EngineRequest {
+                id: 0,
+                prompt: tokens.to_vec(),
+                output: Vec::new(),
+                lora_name: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+            },
+            &self.hasher,
+            self.config.block_size,
+        );
+        let hit = seq.prefix_hit(&self.pool);
+        PrefixTiers {
+            gpu: hit.gpu.len(),
+            cpu: hit.loaded_from(OffloadTier::Cpu),
+            ssd: hit.loaded_from(OffloadTier::Ssd),
+            shared_fs: hit.loaded_from(OffloadTier::SharedFs),
+        }
     }
 
     /// Runs one step starting where the last one ended (see [`Engine::step_at`]).

@@ -1,9 +1,11 @@
 //! The engine-model flags `kvroute sim` and `kvroute simulate` share: blocks, batching, tiers
 //! and the step-time model.
 
+use anyhow::Context;
 use clap::Args;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::engine::latency::{LLAMA_8B_KV_BYTES_PER_TOKEN, LatencyModel};
+use kvroute_sim::engine::offload_config::apply_offload_config;
 use kvroute_sim::engine::shared_fs::SharedFsConfig;
 
 /// One engine's model.
@@ -28,6 +30,10 @@ pub struct EngineArgs {
     /// Local SSD offload tier below the CPU tier, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
     num_ssd_blocks: usize,
+    /// Offload tiers in the seed's shape (kv_cache.tiered_offload.tiers: cpu_memory, local_ssd,
+    /// shared_fs with capacity_gb, bandwidth_gbps, latency_ms); replaces the tier flags.
+    #[arg(long, value_name = "FILE")]
+    offload_config: Option<std::path::PathBuf>,
     /// Shared filesystem tier the whole fleet mounts, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
     shared_fs_blocks: usize,
@@ -98,7 +104,7 @@ impl EngineArgs {
                     / (self.kv_bytes_per_token * self.block_size) as f64) as usize
             }
         };
-        Ok(EngineConfig {
+        let mut config = EngineConfig {
             block_size: self.block_size,
             num_gpu_blocks,
             num_cpu_blocks: self.num_cpu_blocks,
@@ -122,6 +128,13 @@ impl EngineArgs {
                 ssd_load_per_block_s: self.ssd_load_per_block_s,
                 ssd_load_latency_s: self.ssd_load_latency_s,
             },
-        })
+        };
+        if let Some(path) = &self.offload_config {
+            let yaml = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --offload-config {}", path.display()))?;
+            apply_offload_config(&yaml, &mut config)
+                .with_context(|| format!("--offload-config {}", path.display()))?;
+        }
+        Ok(config)
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod block_pool;
 pub mod latency;
+pub mod offload_config;
 mod request;
 pub mod shared_fs;
 pub mod transfer;

@@ -4,6 +4,7 @@
 //! Requests that arrive during a step wait in an inbox until the next one starts, as they wait
 //! in the server's command channel: a scrape meanwhile does not count them as waiting.
 
+use kvroute_sim::engine::shared_fs::{SharedFs, SharedFsHandle};
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, KvTransfer, StepOutput};
 use kvroute_sim::server::text::{completion_seed, synthetic_completion};
 
@@ -45,10 +46,25 @@ pub type Refusal = String;
 pub type StepStart = (Option<f64>, Vec<(usize, Refusal)>);
 
 impl SimEngine {
-    /// A fresh engine.
-    pub fn new(config: EngineConfig) -> Result<Self, SimulateError> {
+    /// One fresh engine per configuration; when the first configures a shared filesystem, they
+    /// all mount that one.
+    pub fn fleet(configs: Vec<EngineConfig>) -> Result<Vec<Self>, SimulateError> {
+        let shared = configs
+            .first()
+            .and_then(|c| c.shared_fs.clone())
+            .map(SharedFs::handle);
+        configs
+            .into_iter()
+            .map(|config| Self::mounted(config, shared.clone()))
+            .collect()
+    }
+
+    fn mounted(
+        config: EngineConfig,
+        shared: Option<SharedFsHandle>,
+    ) -> Result<Self, SimulateError> {
         Ok(Self {
-            engine: Engine::new(config)?,
+            engine: Engine::mounted(config, shared)?,
             next_id: 1,
             transfers: std::collections::HashMap::new(),
             requests: Vec::new(),
@@ -145,7 +161,7 @@ impl SimEngine {
         if !self.engine.has_work() {
             return Ok((None, refused));
         }
-        let step = self.engine.step();
+        let step = self.engine.step_at(now);
         if step.tokens.is_empty() && step.work == Default::default() {
             if self.engine.held_requests() > 0 {
                 // Every free block is held for a consumer: it runs again after a release.

@@ -85,9 +85,7 @@ pub fn run(
         fleet,
         queue: Queue::default(),
         client: Client::new(workload),
-        engines: (0..fleet.engines)
-            .map(|i| SimEngine::new(fleet.engine_config(i)))
-            .collect::<Result<_, _>>()?,
+        engines: SimEngine::fleet((0..fleet.engines).map(|i| fleet.engine_config(i)).collect())?,
         requests: Vec::with_capacity(workload.requests()),
         next_session: 0,
         closed_loop: concurrency.is_some(),

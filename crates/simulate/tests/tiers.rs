@@ -152,3 +152,29 @@ fn loaded_sweep_for_the_record() {
         &sweep(800, 1_500, LOADED),
     );
 }
+
+/// A fleet mounting one shared filesystem: a prefix one engine wrote is a hit on every engine,
+/// so even round-robin (which scatters each conversation across the fleet) finds it.
+#[test]
+fn a_shared_filesystem_serves_every_engine_the_prefixes_any_engine_wrote() {
+    use kvroute_sim::engine::shared_fs::SharedFsConfig;
+    let gpu_only = fleet(250, 0);
+    let mut shared = fleet(250, 0);
+    shared.engine.shared_fs = Some(SharedFsConfig {
+        capacity_blocks: 20_000,
+        ..SharedFsConfig::default()
+    });
+    let rr = || Profile::named(ProfileName::RoundRobin);
+    let without = run("round-robin", rr(), &gpu_only, LIGHT);
+    let with = run("round-robin + shared FS", rr(), &shared, LIGHT);
+    println!(
+        "round-robin mean TTFT: GPU-only {:.3} s, + shared FS {:.3} s",
+        without.summary.ttft.mean, with.summary.ttft.mean
+    );
+    assert!(
+        with.summary.ttft.mean < without.summary.ttft.mean * 0.8,
+        "a shared-FS hit loads faster than recomputing: {} vs {}",
+        with.summary.ttft.mean,
+        without.summary.ttft.mean
+    );
+}

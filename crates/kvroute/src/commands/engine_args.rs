@@ -1,9 +1,12 @@
 //! The engine-model flags `kvroute sim` and `kvroute simulate` share: blocks, batching, tiers
 //! and the step-time model.
 
+use anyhow::Context;
 use clap::Args;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::engine::latency::{LLAMA_8B_KV_BYTES_PER_TOKEN, LatencyModel};
+use kvroute_sim::engine::offload_config::apply_offload_config;
+use kvroute_sim::engine::shared_fs::SharedFsConfig;
 
 /// One engine's model.
 #[derive(Args)]
@@ -24,6 +27,22 @@ pub struct EngineArgs {
     /// CPU offload tier, in blocks (0: none).
     #[arg(long, default_value_t = 0)]
     num_cpu_blocks: usize,
+    /// Local SSD offload tier below the CPU tier, in blocks (0: none).
+    #[arg(long, default_value_t = 0)]
+    num_ssd_blocks: usize,
+    /// Offload tiers in the seed's shape (kv_cache.tiered_offload.tiers: cpu_memory, local_ssd,
+    /// shared_fs with capacity_gb, bandwidth_gbps, latency_ms); replaces the tier flags.
+    #[arg(long, value_name = "FILE")]
+    offload_config: Option<std::path::PathBuf>,
+    /// Shared filesystem tier the whole fleet mounts, in blocks (0: none).
+    #[arg(long, default_value_t = 0)]
+    shared_fs_blocks: usize,
+    /// Aggregate read bandwidth of the shared filesystem, GB/s (all loads share it).
+    #[arg(long, default_value_t = SharedFsConfig::default().bandwidth_bytes_per_s / 1e9)]
+    shared_fs_gbps: f64,
+    /// Access latency of one shared-filesystem load, seconds.
+    #[arg(long, default_value_t = SharedFsConfig::default().latency_s)]
+    shared_fs_latency_s: f64,
     /// Most sequences in a batch.
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
@@ -51,6 +70,12 @@ pub struct EngineArgs {
     /// Cost of loading one block from the CPU tier, seconds.
     #[arg(long, default_value_t = LatencyModel::default().cpu_load_per_block_s)]
     cpu_load_per_block_s: f64,
+    /// Cost of loading one block from the SSD tier, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().ssd_load_per_block_s)]
+    ssd_load_per_block_s: f64,
+    /// Access latency of a step that loads from the SSD tier, seconds.
+    #[arg(long, default_value_t = LatencyModel::default().ssd_load_latency_s)]
+    ssd_load_latency_s: f64,
 }
 
 fn parse_kv_bytes(text: &str) -> Result<usize, String> {
@@ -79,10 +104,17 @@ impl EngineArgs {
                     / (self.kv_bytes_per_token * self.block_size) as f64) as usize
             }
         };
-        Ok(EngineConfig {
+        let mut config = EngineConfig {
             block_size: self.block_size,
             num_gpu_blocks,
             num_cpu_blocks: self.num_cpu_blocks,
+            num_ssd_blocks: self.num_ssd_blocks,
+            shared_fs: (self.shared_fs_blocks > 0).then_some(SharedFsConfig {
+                capacity_blocks: self.shared_fs_blocks,
+                bandwidth_bytes_per_s: self.shared_fs_gbps * 1e9,
+                latency_s: self.shared_fs_latency_s,
+            }),
+            kv_bytes_per_token: self.kv_bytes_per_token,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,
@@ -93,7 +125,16 @@ impl EngineArgs {
                 decode_per_seq_s: self.decode_per_seq_s,
                 decode_per_context_token_s: self.decode_per_context_token_s,
                 cpu_load_per_block_s: self.cpu_load_per_block_s,
+                ssd_load_per_block_s: self.ssd_load_per_block_s,
+                ssd_load_latency_s: self.ssd_load_latency_s,
             },
-        })
+        };
+        if let Some(path) = &self.offload_config {
+            let yaml = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --offload-config {}", path.display()))?;
+            apply_offload_config(&yaml, &mut config)
+                .with_context(|| format!("--offload-config {}", path.display()))?;
+        }
+        Ok(config)
     }
 }

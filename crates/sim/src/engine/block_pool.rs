@@ -6,13 +6,23 @@
 //! first, evicting its cached content (one `BlockRemoved` per block, as vLLM emits). A request
 //! frees its blocks tail first, so the tail of a sequence is evicted before its shared head.
 //!
-//! With a CPU tier, a block evicted from the GPU moves to the CPU tier (its own capacity,
-//! least recently used out first) instead of disappearing, as an offloading connector would.
+//! With offload tiers, a block evicted from the GPU moves to the CPU tier (or to the SSD tier
+//! when there is no CPU tier) instead of disappearing, as an offloading connector would; see
+//! [`offload`] for the policy below the GPU. A pool that mounts the fleet's shared filesystem
+//! writes each block there when it is computed (as llm-d's filesystem offload stores every
+//! block, so other engines can load it at once) and again on eviction if the filesystem has
+//! dropped it meanwhile, and finds blocks other engines wrote.
 
 use std::collections::{BTreeMap, HashMap};
 
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
 use kvroute_core::keys::{BlockExtraKeys, VllmDigest};
+
+pub mod offload;
+
+pub use offload::{OffloadTier, OffloadTiers};
+
+use super::shared_fs::{SharedFs, SharedFsHandle};
 
 /// Where the free queue's stamps start: the back counts up from here, the front down.
 const FRONT: u64 = 1 << 63;
@@ -29,7 +39,7 @@ struct Block {
     free_stamp: Option<u64>,
 }
 
-/// The GPU pool, its prefix cache, and the optional CPU tier.
+/// The GPU pool, its prefix cache, and the optional offload tiers.
 #[derive(Debug)]
 pub struct BlockPool {
     block_size: usize,
@@ -43,33 +53,11 @@ pub struct BlockPool {
     /// Content → the blocks holding it. Two running requests can compute the same block; the
     /// content stays cached (and announced once) until its last copy is evicted.
     cached: HashMap<VllmDigest, Vec<BlockId>>,
-    cpu: CpuTier,
+    offload: OffloadTiers,
+    /// The fleet's shared filesystem, when mounted.
+    shared: Option<SharedFsHandle>,
     /// Events produced since the last [`BlockPool::take_events`].
     events: Vec<KvEvent>,
-}
-
-/// Blocks offloaded to host memory, by digest, least recently used first.
-#[derive(Debug, Default)]
-struct CpuTier {
-    capacity: usize,
-    by_digest: HashMap<VllmDigest, u64>,
-    lru: BTreeMap<u64, VllmDigest>,
-    stamp: u64,
-}
-
-impl CpuTier {
-    fn touch(&mut self, digest: VllmDigest) -> bool {
-        let new = match self.by_digest.insert(digest, self.stamp) {
-            Some(old) => {
-                self.lru.remove(&old);
-                false
-            }
-            None => true,
-        };
-        self.lru.insert(self.stamp, digest);
-        self.stamp += 1;
-        new
-    }
 }
 
 /// What a newly full run of blocks is: their digests, parent, tokens and extra hash keys.
@@ -126,6 +114,11 @@ fn removed_event(digest: &VllmDigest, medium: &str) -> KvEvent {
 impl BlockPool {
     /// A pool of `gpu_blocks` blocks and a CPU tier of `cpu_blocks` (0: no CPU tier).
     pub fn new(block_size: usize, gpu_blocks: usize, cpu_blocks: usize) -> Self {
+        Self::with_tiers(block_size, gpu_blocks, OffloadTiers::new(cpu_blocks, 0))
+    }
+
+    /// A pool of `gpu_blocks` blocks above the given (empty) offload tiers.
+    pub fn with_tiers(block_size: usize, gpu_blocks: usize, offload: OffloadTiers) -> Self {
         let mut pool = Self {
             block_size,
             blocks: vec![Block::default(); gpu_blocks],
@@ -133,10 +126,8 @@ impl BlockPool {
             stamp: FRONT,
             front_stamp: FRONT,
             cached: HashMap::new(),
-            cpu: CpuTier {
-                capacity: cpu_blocks,
-                ..CpuTier::default()
-            },
+            offload,
+            shared: None,
             events: Vec::new(),
         };
         for id in 0..gpu_blocks as BlockId {
@@ -190,7 +181,12 @@ impl BlockPool {
 
     /// Blocks held by the CPU tier.
     pub fn cpu_blocks(&self) -> usize {
-        self.cpu.by_digest.len()
+        self.offload.len(OffloadTier::Cpu)
+    }
+
+    /// Blocks held by an offload tier.
+    pub fn offloaded_blocks(&self, tier: OffloadTier) -> usize {
+        self.offload.len(tier)
     }
 
     /// The GPU block caching `digest`, if any.
@@ -200,7 +196,27 @@ impl BlockPool {
 
     /// Whether the CPU tier holds `digest`.
     pub fn in_cpu(&self, digest: &VllmDigest) -> bool {
-        self.cpu.by_digest.contains_key(digest)
+        self.offload.find(digest) == Some(OffloadTier::Cpu)
+    }
+
+    /// The fastest offload tier holding `digest`, if any (the shared filesystem last).
+    pub fn offloaded_in(&self, digest: &VllmDigest) -> Option<OffloadTier> {
+        self.offload.find(digest).or_else(|| {
+            self.shared
+                .as_ref()
+                .filter(|s| lock(s).contains(digest))
+                .map(|_| OffloadTier::SharedFs)
+        })
+    }
+
+    /// Mounts the fleet's shared filesystem: evicted blocks are written there too.
+    pub fn mount_shared(&mut self, shared: SharedFsHandle) {
+        self.shared = Some(shared);
+    }
+
+    /// The mounted shared filesystem.
+    pub fn shared(&self) -> Option<&SharedFsHandle> {
+        self.shared.as_ref()
     }
 
     /// Takes a reference on a cached block (a prefix hit), pulling it off the free queue.
@@ -234,7 +250,10 @@ impl BlockPool {
                     self.cached.remove(&digest);
                     // The copy exists before the GPU block is reused: its store is announced
                     // first, as an offloading connector's store precedes the eviction.
-                    self.offload(digest);
+                    self.offload.offload(digest, &mut self.events);
+                    if let Some(shared) = &self.shared {
+                        lock(shared).store(digest, &mut self.events);
+                    }
                     self.events.push(removed_event(&digest, "GPU"));
                 }
             }
@@ -243,28 +262,9 @@ impl BlockPool {
         Some(out)
     }
 
-    /// Moves an evicted block's content to the CPU tier, evicting that tier's oldest if full.
-    fn offload(&mut self, digest: VllmDigest) {
-        if self.cpu.capacity == 0 {
-            return;
-        }
-        if self.cpu.touch(digest) {
-            self.events.push(KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![EngineHash(digest.event_u64())],
-                medium: Some("CPU".into()),
-                ..Default::default()
-            }));
-        }
-        while self.cpu.by_digest.len() > self.cpu.capacity {
-            let (_, old) = self.cpu.lru.pop_first().expect("non-empty");
-            self.cpu.by_digest.remove(&old);
-            self.events.push(removed_event(&old, "CPU"));
-        }
-    }
-
-    /// Records a CPU-tier hit (loaded back to the GPU): refreshes its recency.
-    pub fn touch_cpu(&mut self, digest: VllmDigest) {
-        self.cpu.touch(digest);
+    /// Records an offload-tier hit (loaded back to the GPU): refreshes its recency.
+    pub fn touch_offloaded(&mut self, digest: VllmDigest) {
+        self.offload.touch(digest);
     }
 
     /// Registers newly full blocks in the prefix cache: `blocks.digests[i]` is the content of
@@ -294,6 +294,20 @@ impl BlockPool {
         if let Some(start) = run_start {
             self.events
                 .push(blocks.stored_event(start, ids.len(), self.block_size));
+        }
+        // Written through to the shared filesystem after the GPU stores, so that an index
+        // resolving the FS events already knows each block's key.
+        if let Some(shared) = &self.shared {
+            let mut shared = lock(shared);
+            for (&id, digest) in ids.iter().zip(blocks.digests) {
+                if self
+                    .cached
+                    .get(digest)
+                    .is_some_and(|h| h.first() == Some(&id))
+                {
+                    shared.store(*digest, &mut self.events);
+                }
+            }
         }
     }
 
@@ -330,8 +344,7 @@ impl BlockPool {
             block.digest = None;
         }
         self.cached.clear();
-        self.cpu.by_digest.clear();
-        self.cpu.lru.clear();
+        self.offload.clear();
         self.events.push(KvEvent::AllBlocksCleared);
         true
     }
@@ -340,6 +353,14 @@ impl BlockPool {
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
     }
+}
+
+/// Locks the shared tier; a poisoned lock (a panicked holder) still holds consistent data,
+/// since every update completes before it returns.
+pub(crate) fn lock(shared: &SharedFsHandle) -> std::sync::MutexGuard<'_, SharedFs> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

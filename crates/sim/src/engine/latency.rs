@@ -17,6 +17,9 @@
 //!   sequence's KV (128 KiB / 3.35 TB/s = ~39 ns per context token); a few us of per-sequence
 //!   overhead. That gives ~5-7 ms inter-token latency at low batch, as commonly reported.
 //! - CPU tier: one 16-token block is 2 MiB; at ~25 GB/s effective, ~80 us per block.
+//! - SSD tier: a datacenter NVMe drive reads ~6 GB/s sequentially (e.g. Samsung PM1743 Gen5
+//!   ~13 GB/s, Gen4 drives ~6-7 GB/s), so ~350 us per 2 MiB block, plus ~100 us of access
+//!   latency (file open and first read) for a step that loads from it.
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +36,20 @@ pub struct LatencyModel {
     pub decode_per_context_token_s: f64,
     /// Per block loaded from the CPU tier.
     pub cpu_load_per_block_s: f64,
+    /// Per block loaded from the local SSD tier.
+    #[serde(default = "default_ssd_load_per_block_s")]
+    pub ssd_load_per_block_s: f64,
+    /// Once per step that loads from the SSD tier (access latency).
+    #[serde(default = "default_ssd_load_latency_s")]
+    pub ssd_load_latency_s: f64,
+}
+
+fn default_ssd_load_per_block_s() -> f64 {
+    350e-6
+}
+
+fn default_ssd_load_latency_s() -> f64 {
+    100e-6
 }
 
 impl Default for LatencyModel {
@@ -43,6 +60,8 @@ impl Default for LatencyModel {
             decode_per_seq_s: 10e-6,
             decode_per_context_token_s: 39e-9,
             cpu_load_per_block_s: 80e-6,
+            ssd_load_per_block_s: default_ssd_load_per_block_s(),
+            ssd_load_latency_s: default_ssd_load_latency_s(),
         }
     }
 }
@@ -58,6 +77,11 @@ pub struct StepWork {
     pub context_tokens: usize,
     /// Blocks loaded from the CPU tier.
     pub cpu_blocks_loaded: usize,
+    /// Blocks loaded from the SSD tier.
+    pub ssd_blocks_loaded: usize,
+    /// Seconds spent loading from the shared filesystem (its bandwidth is shared by the fleet,
+    /// so the tier prices each load).
+    pub shared_fs_load_s: f64,
 }
 
 impl LatencyModel {
@@ -71,6 +95,16 @@ impl LatencyModel {
             + work.decode_seqs as f64 * self.decode_per_seq_s
             + work.context_tokens as f64 * self.decode_per_context_token_s
             + work.cpu_blocks_loaded as f64 * self.cpu_load_per_block_s
+            + self.ssd_seconds(work.ssd_blocks_loaded)
+            + work.shared_fs_load_s
+    }
+
+    /// Time to load `blocks` from the SSD tier in one step (0 for none).
+    fn ssd_seconds(&self, blocks: usize) -> f64 {
+        if blocks == 0 {
+            return 0.0;
+        }
+        self.ssd_load_latency_s + blocks as f64 * self.ssd_load_per_block_s
     }
 
     /// Scales every coefficient by `factor` (a slower or faster engine).
@@ -81,6 +115,8 @@ impl LatencyModel {
             decode_per_seq_s: self.decode_per_seq_s * factor,
             decode_per_context_token_s: self.decode_per_context_token_s * factor,
             cpu_load_per_block_s: self.cpu_load_per_block_s * factor,
+            ssd_load_per_block_s: self.ssd_load_per_block_s * factor,
+            ssd_load_latency_s: self.ssd_load_latency_s * factor,
         }
     }
 }

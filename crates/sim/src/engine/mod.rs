@@ -5,7 +5,9 @@
 
 pub mod block_pool;
 pub mod latency;
+pub mod offload_config;
 mod request;
+pub mod shared_fs;
 pub mod transfer;
 
 use std::collections::{HashMap, VecDeque};
@@ -15,10 +17,11 @@ use kvroute_core::keys::VllmHasher;
 use serde::Serialize;
 
 use crate::SimError;
-use block_pool::BlockPool;
+use block_pool::{BlockPool, OffloadTier, OffloadTiers};
 use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
+use shared_fs::{SharedFs, SharedFsConfig, SharedFsHandle};
 pub use transfer::{HeldBlocks, KvTransfer};
 
 /// Identifies a request inside one engine.
@@ -34,6 +37,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     /// Blocks in the CPU offload tier (0: none).
     pub num_cpu_blocks: usize,
+    /// Blocks in the local SSD offload tier, below the CPU tier (0: none).
+    pub num_ssd_blocks: usize,
     /// Most sequences in the running batch.
     pub max_num_seqs: usize,
     /// Most tokens one step computes (chunked prefill budget).
@@ -42,6 +47,11 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// vLLM's NONE_HASH seed.
     pub hash_seed: String,
+    /// The shared filesystem tier the fleet mounts (`None`: none). Engines built together by
+    /// a fleet ([`Engine::mounted`]) share one; [`Engine::new`] mounts a private one.
+    pub shared_fs: Option<SharedFsConfig>,
+    /// KV-cache bytes per token (sizes the bytes an offload tier loads).
+    pub kv_bytes_per_token: usize,
     /// Step timing.
     pub latency: LatencyModel,
 }
@@ -52,10 +62,13 @@ impl Default for EngineConfig {
             block_size: 16,
             num_gpu_blocks: 4096,
             num_cpu_blocks: 0,
+            num_ssd_blocks: 0,
+            shared_fs: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: 32_768,
             hash_seed: kvroute_core::keys::VLLM_DEFAULT_SEED.to_owned(),
+            kv_bytes_per_token: latency::LLAMA_8B_KV_BYTES_PER_TOKEN,
             latency: LatencyModel::default(),
         }
     }
@@ -74,8 +87,21 @@ pub struct EngineMetrics {
     pub prefix_cache_queries: u64,
     /// Of those, tokens found in the GPU prefix cache.
     pub prefix_cache_hits: u64,
-    /// Tokens found in the CPU tier.
+    /// Tokens found outside the GPU (offload tiers and a P/D producer), as vLLM's connector
+    /// counters report them.
     pub external_prefix_cache_hits: u64,
+    /// Of those, tokens loaded from the CPU tier.
+    pub cpu_hit_tokens: u64,
+    /// Of those, tokens loaded from the SSD tier.
+    pub ssd_hit_tokens: u64,
+    /// Of those, tokens loaded from the shared filesystem.
+    pub shared_fs_hit_tokens: u64,
+    /// KV bytes loaded from the CPU tier.
+    pub cpu_bytes_loaded: u64,
+    /// KV bytes loaded from the SSD tier.
+    pub ssd_bytes_loaded: u64,
+    /// KV bytes loaded from the shared filesystem.
+    pub shared_fs_bytes_loaded: u64,
     /// Requests preempted for lack of blocks.
     pub num_preemptions: u64,
     /// Prompt tokens received.
@@ -86,6 +112,23 @@ pub struct EngineMetrics {
     pub cached_blocks: usize,
     /// Blocks in the CPU tier.
     pub cpu_blocks: usize,
+    /// Blocks in the SSD tier.
+    pub ssd_blocks: usize,
+    /// Blocks in the mounted shared filesystem (fleet-wide; 0 when not mounted).
+    pub shared_fs_blocks: usize,
+}
+
+/// A prompt's cached prefix, in blocks, by the tier each block is served from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixTiers {
+    /// Leading blocks on the GPU.
+    pub gpu: usize,
+    /// Following blocks loaded from the CPU tier.
+    pub cpu: usize,
+    /// Following blocks loaded from the SSD tier.
+    pub ssd: usize,
+    /// Following blocks loaded from the shared filesystem.
+    pub shared_fs: usize,
 }
 
 /// What one step did.
@@ -110,13 +153,21 @@ pub struct Engine {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     metrics: EngineMetrics,
+    /// The engine's clock: where the last step ended, in engine seconds.
+    clock_s: f64,
     /// Finished prefill legs' blocks, pinned for their consumer.
     held: HashMap<RequestId, (HeldBlocks, Vec<block_pool::BlockId>)>,
 }
 
 impl Engine {
-    /// An engine with an empty cache.
+    /// An engine with an empty cache (and, if configured, a shared filesystem of its own).
     pub fn new(config: EngineConfig) -> Result<Self, SimError> {
+        let shared = config.shared_fs.clone().map(SharedFs::handle);
+        Self::mounted(config, shared)
+    }
+
+    /// An engine with an empty cache mounting the fleet's shared filesystem, if any.
+    pub fn mounted(config: EngineConfig, shared: Option<SharedFsHandle>) -> Result<Self, SimError> {
         if config.block_size == 0 || config.num_gpu_blocks < 2 || config.max_num_seqs == 0 {
             return Err(SimError::Config(
                 "block size and max sequences must be at least 1, GPU blocks at least 2".into(),
@@ -128,20 +179,36 @@ impl Engine {
                 config.max_num_batched_tokens, config.block_size
             )));
         }
-        Ok(Self {
+        if let Some(fs) = &config.shared_fs
+            && !(fs.bandwidth_bytes_per_s > 0.0
+                && fs.bandwidth_bytes_per_s.is_finite()
+                && fs.latency_s >= 0.0
+                && fs.latency_s.is_finite())
+        {
+            return Err(SimError::Config(
+                "the shared filesystem needs a positive bandwidth and a latency of 0 or more"
+                    .into(),
+            ));
+        }
+        let mut engine = Self {
             hasher: VllmHasher::new(&config.hash_seed),
             // vLLM keeps one block of its pool back as the null block: never allocated.
-            pool: BlockPool::new(
+            pool: BlockPool::with_tiers(
                 config.block_size,
                 config.num_gpu_blocks - 1,
-                config.num_cpu_blocks,
+                OffloadTiers::new(config.num_cpu_blocks, config.num_ssd_blocks),
             ),
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics: EngineMetrics::default(),
+            clock_s: 0.0,
             held: HashMap::new(),
-        })
+        };
+        if let Some(shared) = shared {
+            engine.mount_shared_fs(shared);
+        }
+        Ok(engine)
     }
 
     /// The engine's settings.
@@ -221,6 +288,8 @@ impl Engine {
             kv_cache_usage: self.pool.usage(),
             cached_blocks: self.pool.cached_blocks(),
             cpu_blocks: self.pool.cpu_blocks(),
+            ssd_blocks: self.pool.offloaded_blocks(OffloadTier::Ssd),
+            shared_fs_blocks: self.pool.shared().map_or(0, |s| block_pool::lock(s).len()),
             ..self.metrics.clone()
         }
     }
@@ -250,10 +319,50 @@ impl Engine {
             .count()
     }
 
-    /// Runs one scheduler step: continue running sequences (decode or the next prefill chunk),
-    /// preempting the newest when blocks run out, then admit waiting requests FCFS while the
-    /// token budget and batch size allow.
+    /// Mounts the fleet's shared filesystem tier: this engine writes evicted blocks there and
+    /// loads blocks any engine wrote.
+    pub fn mount_shared_fs(&mut self, shared: SharedFsHandle) {
+        self.pool.mount_shared(shared);
+    }
+
+    /// Where the full blocks of `tokens` the engine would serve from cache right now are, tier
+    /// by tier (the GPU run first, then the blocks it would load). For tests and diagnostics.
+    pub fn prefix_tiers(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> PrefixTiers {
+        let mut seq = Sequence::new(
+            EngineRequest {
+                id: 0,
+                prompt: tokens.to_vec(),
+                output: Vec::new(),
+                lora_name: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+            },
+            &self.hasher,
+            self.config.block_size,
+        );
+        let hit = seq.prefix_hit(&self.pool);
+        PrefixTiers {
+            gpu: hit.gpu.len(),
+            cpu: hit.loaded_from(OffloadTier::Cpu),
+            ssd: hit.loaded_from(OffloadTier::Ssd),
+            shared_fs: hit.loaded_from(OffloadTier::SharedFs),
+        }
+    }
+
+    /// Runs one step starting where the last one ended (see [`Engine::step_at`]).
     pub fn step(&mut self) -> StepOutput {
+        self.step_at(self.clock_s)
+    }
+
+    /// Runs one scheduler step starting at `now_s` (the time shared-filesystem loads queue
+    /// at): continue running sequences (decode or the next prefill chunk), preempting the
+    /// newest when blocks run out, then admit waiting requests FCFS while the token budget and
+    /// batch size allow.
+    pub fn step_at(&mut self, now_s: f64) -> StepOutput {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
@@ -300,8 +409,30 @@ impl Engine {
             self.metrics.prefix_cache_queries += seq.len() as u64;
             self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
             self.metrics.external_prefix_cache_hits +=
-                ((hit.cpu.len() + hit.external.len()) * bs) as u64;
-            work.cpu_blocks_loaded += hit.cpu.len();
+                ((hit.offloaded.len() + hit.external.len()) * bs) as u64;
+            let (cpu, ssd) = (
+                hit.loaded_from(OffloadTier::Cpu),
+                hit.loaded_from(OffloadTier::Ssd),
+            );
+            self.metrics.cpu_hit_tokens += (cpu * bs) as u64;
+            self.metrics.ssd_hit_tokens += (ssd * bs) as u64;
+            let block_bytes = (bs * self.config.kv_bytes_per_token) as u64;
+            self.metrics.cpu_bytes_loaded += cpu as u64 * block_bytes;
+            self.metrics.ssd_bytes_loaded += ssd as u64 * block_bytes;
+            work.cpu_blocks_loaded += cpu;
+            work.ssd_blocks_loaded += ssd;
+            let shared: Vec<_> = hit
+                .offloaded
+                .iter()
+                .filter(|(_, t)| *t == OffloadTier::SharedFs)
+                .map(|(d, _)| *d)
+                .collect();
+            if let Some(fs) = self.pool.shared().filter(|_| !shared.is_empty()) {
+                let bytes = shared.len() as u64 * block_bytes;
+                work.shared_fs_load_s += block_pool::lock(fs).load(&shared, bytes, now_s);
+                self.metrics.shared_fs_hit_tokens += (shared.len() * bs) as u64;
+                self.metrics.shared_fs_bytes_loaded += bytes;
+            }
             seq.admit(hit, blocks, &mut self.pool);
             budget -= want;
             scheduled.push(want);
@@ -331,8 +462,10 @@ impl Engine {
         for seq in finished {
             self.retire(seq);
         }
+        let duration_s = self.config.latency.step_seconds(&work);
+        self.clock_s = now_s + duration_s;
         StepOutput {
-            duration_s: self.config.latency.step_seconds(&work),
+            duration_s,
             tokens,
             events: self.pool.take_events(),
             work,

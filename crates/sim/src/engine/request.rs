@@ -5,7 +5,7 @@ use kvroute_core::keys::{BlockExtraKeys, ExtraKey, VllmDigest, VllmHasher};
 use serde::Serialize;
 
 use super::RequestId;
-use super::block_pool::{BlockId, BlockPool, FullBlocks};
+use super::block_pool::{BlockId, BlockPool, FullBlocks, OffloadTier};
 use super::transfer::KvTransfer;
 
 /// A request as the server hands it to the engine.
@@ -52,15 +52,20 @@ pub struct TokenOutput {
 pub(crate) struct PrefixHit {
     /// GPU blocks, in order.
     pub gpu: Vec<BlockId>,
-    /// Following blocks found in the CPU tier.
-    pub cpu: Vec<VllmDigest>,
+    /// Following blocks found in the offload tiers, each with the tier it loads from.
+    pub offloaded: Vec<(VllmDigest, OffloadTier)>,
     /// Following blocks a KV producer supplies (a P/D decode leg's pulled blocks).
     pub external: Vec<VllmDigest>,
 }
 
 impl PrefixHit {
+    /// Offloaded blocks loaded from `tier`.
+    pub(crate) fn loaded_from(&self, tier: OffloadTier) -> usize {
+        self.offloaded.iter().filter(|(_, t)| *t == tier).count()
+    }
+
     pub(crate) fn total_blocks(&self) -> usize {
-        self.gpu.len() + self.cpu.len() + self.external.len()
+        self.gpu.len() + self.offloaded.len() + self.external.len()
     }
 }
 
@@ -220,33 +225,42 @@ impl Sequence {
     pub(crate) fn prefix_hit(&mut self, pool: &BlockPool) -> PrefixHit {
         let digests = self.lookup_blocks();
         let gpu: Vec<BlockId> = digests.iter().map_while(|d| pool.lookup(d)).collect();
-        let cpu: Vec<VllmDigest> = digests[gpu.len()..]
+        let offloaded: Vec<(VllmDigest, OffloadTier)> = digests[gpu.len()..]
             .iter()
-            .take_while(|d| pool.in_cpu(d))
-            .copied()
+            .map_while(|d| pool.offloaded_in(d).map(|t| (*d, t)))
             .collect();
-        let local = gpu.len() + cpu.len();
+        let local = gpu.len() + offloaded.len();
         let external = match self.transfer {
             KvTransfer::Consume { from, blocks } if local >= from && blocks > local => {
                 digests[local..blocks.min(digests.len())].to_vec()
             }
             _ => Vec::new(),
         };
-        PrefixHit { gpu, cpu, external }
+        PrefixHit {
+            gpu,
+            offloaded,
+            external,
+        }
     }
 
-    /// Starts running with the cached prefix (GPU blocks referenced by the caller, CPU blocks
+    /// Starts running with the cached prefix (GPU blocks referenced by the caller, offloaded blocks
     /// loaded into the first of the fresh `blocks`).
     pub(crate) fn admit(&mut self, hit: PrefixHit, blocks: Vec<BlockId>, pool: &mut BlockPool) {
         let bs = self.block_size;
         let gpu = hit.gpu.len();
-        let loaded = hit.cpu.len() + hit.external.len();
+        let loaded = hit.offloaded.len() + hit.external.len();
         self.blocks = hit.gpu;
         self.blocks.extend(blocks);
         if loaded > 0 {
             let parent = gpu.checked_sub(1).map(|p| self.digests[p]);
             let extra = self.extra_range(gpu, gpu + loaded);
-            let digests: Vec<VllmDigest> = hit.cpu.iter().chain(&hit.external).copied().collect();
+            let digests: Vec<VllmDigest> = hit
+                .offloaded
+                .iter()
+                .map(|(d, _)| d)
+                .chain(&hit.external)
+                .copied()
+                .collect();
             pool.cache_full_blocks(
                 &self.blocks[gpu..gpu + loaded],
                 FullBlocks {
@@ -257,8 +271,8 @@ impl Sequence {
                     lora_name: self.request.lora_name.as_deref(),
                 },
             );
-            for digest in hit.cpu {
-                pool.touch_cpu(digest);
+            for (digest, _) in hit.offloaded {
+                pool.touch_offloaded(digest);
             }
         }
         self.computed = (gpu + loaded) * bs;

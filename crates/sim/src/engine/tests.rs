@@ -201,3 +201,165 @@ fn cpu_tier_hits_count_as_cached_and_cost_a_transfer() {
         "5 of 6 blocks (last token recomputed)"
     );
 }
+
+/// An engine of 8 GPU blocks over a 2-block CPU tier and a 32-block SSD tier.
+fn ssd_engine() -> Engine {
+    Engine::new(EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: 8,
+        num_cpu_blocks: 2,
+        num_ssd_blocks: 32,
+        max_num_batched_tokens: 64,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_prefix_demoted_to_the_ssd_loads_from_it_counted_in_the_step_and_per_tier() {
+    let mut e = ssd_engine();
+    let a: Vec<u32> = (0..24).collect();
+    e.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut e);
+    // Two long prompts push a's blocks out of the GPU, through the CPU tier, onto the SSD.
+    for (id, start) in [(2, 500), (3, 1000)] {
+        e.add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut e);
+    }
+    let m = e.metrics();
+    assert_eq!(m.cpu_blocks, 2, "the CPU tier is full, not over");
+    assert!(m.ssd_blocks >= 5, "{m:?}");
+    let before = e.metrics();
+    e.add_request(request(4, a, 1)).unwrap();
+    let step = e.step();
+    assert_eq!(step.work.ssd_blocks_loaded, 5, "{:?}", step.work);
+    assert_eq!(
+        step.work.prefill_tokens, 4,
+        "only the last block is computed"
+    );
+    let latency = &e.config().latency;
+    let without_load = latency.step_seconds(&StepWork {
+        ssd_blocks_loaded: 0,
+        ..step.work
+    });
+    let load = step.duration_s - without_load;
+    let expected = latency.ssd_load_latency_s + 5.0 * latency.ssd_load_per_block_s;
+    assert!((load - expected).abs() < 1e-12, "{load} vs {expected}");
+    let after = e.metrics();
+    assert_eq!(after.ssd_hit_tokens - before.ssd_hit_tokens, 20);
+    assert_eq!(after.cpu_hit_tokens, before.cpu_hit_tokens);
+    assert_eq!(
+        after.ssd_bytes_loaded - before.ssd_bytes_loaded,
+        20 * e.config().kv_bytes_per_token as u64
+    );
+    // vLLM's counters keep their meaning: GPU hits are GPU hits, offloaded ones are external.
+    assert_eq!(after.prefix_cache_hits, before.prefix_cache_hits);
+    assert_eq!(
+        after.external_prefix_cache_hits - before.external_prefix_cache_hits,
+        20
+    );
+    let (out, _, _) = run(&mut e);
+    let first = step.tokens.first().or(out.first()).unwrap();
+    assert_eq!(first.cached_tokens, 20);
+}
+
+#[test]
+fn a_block_loaded_from_the_ssd_is_promoted_back_to_the_gpu() {
+    let mut e = ssd_engine();
+    let a: Vec<u32> = (0..24).collect();
+    e.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut e);
+    for (id, start) in [(2, 500), (3, 1000)] {
+        e.add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut e);
+    }
+    e.add_request(request(4, a.clone(), 1)).unwrap();
+    run(&mut e);
+    assert_eq!(e.cached_prefix_blocks(&a, None, None), 5, "back on the GPU");
+    e.add_request(request(5, a, 1)).unwrap();
+    let step = e.step();
+    assert_eq!(
+        (step.work.cpu_blocks_loaded, step.work.ssd_blocks_loaded),
+        (0, 0),
+        "a GPU hit loads nothing"
+    );
+}
+
+#[test]
+fn a_block_one_engine_writes_to_the_shared_fs_is_loaded_by_another_at_shared_bandwidth() {
+    use shared_fs::{SharedFs, SharedFsConfig};
+    let fs = SharedFs::handle(SharedFsConfig {
+        capacity_blocks: 64,
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 1e-3,
+    });
+    let mut writer = engine(8);
+    let mut readers = [engine(8), engine(8)];
+    writer.mount_shared_fs(fs.clone());
+    for reader in &mut readers {
+        reader.mount_shared_fs(fs.clone());
+    }
+    let a: Vec<u32> = (0..24).collect();
+    writer.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut writer);
+    // Two more prompts evict every block of `a` from the writer's GPU.
+    let mut events = Vec::new();
+    for (id, start) in [(2, 500), (3, 1000)] {
+        writer
+            .add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        events.extend(run(&mut writer).2);
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, KvEvent::BlockStored(s) if s.medium.as_deref() == Some("FS"))),
+        "the writer publishes its FS stores"
+    );
+    assert!(writer.metrics().shared_fs_blocks >= 5);
+    // Both readers, which never saw the prompt, load its prefix from the shared tier at once:
+    // the second waits for the first's bytes.
+    let bytes = (5 * 4 * readers[0].config().kv_bytes_per_token) as f64;
+    let mut loads = Vec::new();
+    for (i, reader) in readers.iter_mut().enumerate() {
+        reader
+            .add_request(request(10 + i as u64, a.clone(), 1))
+            .unwrap();
+        let step = reader.step_at(100.0);
+        assert_eq!(step.work.prefill_tokens, 4, "only the last block computed");
+        loads.push(step.work.shared_fs_load_s);
+        assert_eq!(reader.metrics().shared_fs_hit_tokens, 20);
+        assert_eq!(reader.metrics().external_prefix_cache_hits, 20);
+        assert_eq!(reader.metrics().prefix_cache_hits, 0);
+    }
+    let alone = 1e-3 + bytes / 1e9;
+    assert!((loads[0] - alone).abs() < 1e-9, "{loads:?}");
+    assert!((loads[1] - (alone + bytes / 1e9)).abs() < 1e-9, "{loads:?}");
+}
+
+#[test]
+fn an_engine_without_the_mount_does_not_see_the_shared_fs() {
+    use shared_fs::{SharedFs, SharedFsConfig};
+    let fs = SharedFs::handle(SharedFsConfig {
+        capacity_blocks: 64,
+        ..SharedFsConfig::default()
+    });
+    let mut writer = engine(8);
+    writer.mount_shared_fs(fs);
+    let a: Vec<u32> = (0..24).collect();
+    writer.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut writer);
+    for (id, start) in [(2, 500), (3, 1000)] {
+        writer
+            .add_request(request(id, (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut writer);
+    }
+    let mut other = engine(8);
+    other.add_request(request(3, a, 1)).unwrap();
+    let step = other.step();
+    assert_eq!(step.work.prefill_tokens, 24);
+    assert_eq!(step.work.shared_fs_load_s, 0.0);
+}

@@ -15,6 +15,7 @@ use tracing::warn;
 use super::faults::Faults;
 use super::lease::LeaseTable;
 use super::metrics::Observed;
+use crate::engine::shared_fs::SharedFsHandle;
 use crate::engine::{
     Engine, EngineConfig, EngineRequest, HeldBlocks, KvTransfer, RequestId, TokenOutput,
 };
@@ -79,15 +80,25 @@ pub struct EngineShared {
     pub leases: Mutex<LeaseTable>,
 }
 
+/// What an engine shares with the rest of its fleet.
+pub struct FleetMount {
+    /// The fleet's shared filesystem tier, if any.
+    pub shared_fs: Option<SharedFsHandle>,
+    /// When the fleet started: engine time is wall time since then, times the time scale.
+    pub epoch: Instant,
+}
+
 /// Runs the engine until the command channel closes.
 pub async fn run_engine(
     config: EngineConfig,
+    mount: FleetMount,
     time_scale: f64,
     mut commands: mpsc::UnboundedReceiver<Command>,
     events: mpsc::UnboundedSender<Outgoing>,
     shared: Arc<EngineShared>,
 ) {
-    let mut engine = Engine::new(config.clone()).expect("configuration validated at startup");
+    let build = || Engine::mounted(config.clone(), mount.shared_fs.clone());
+    let mut engine = build().expect("configuration validated at startup");
     let mut waiters: HashMap<RequestId, (mpsc::UnboundedSender<Delivery>, Instant)> =
         HashMap::new();
     let mut clock = Instant::now();
@@ -153,7 +164,8 @@ pub async fn run_engine(
                     for (_, (tx, _)) in waiters.drain() {
                         let _ = tx.send(Delivery::Aborted("the engine restarted".into()));
                     }
-                    engine = Engine::new(config.clone()).expect("validated");
+                    // A restart loses the engine's own tiers; the shared filesystem stays.
+                    engine = build().expect("validated");
                     lease_names.clear();
                     shared.leases.lock().clear();
                     restart_pending = true;
@@ -172,7 +184,7 @@ pub async fn run_engine(
         if !engine.has_work() {
             continue;
         }
-        let step = engine.step();
+        let step = engine.step_at(mount.epoch.elapsed().as_secs_f64() * time_scale);
         if step.tokens.is_empty() && step.events.is_empty() && step.work == Default::default() {
             blocked = true;
             continue;

@@ -151,6 +151,47 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
         "kvroute_sim_cached_blocks{{{labels}}} {}",
         observed.metrics.cached_blocks
     );
+    // Per offload tier (vLLM reports all of them as one `external_prefix_cache_hits`).
+    let tiers = [
+        ("cpu", m.cpu_blocks, m.cpu_hit_tokens, m.cpu_bytes_loaded),
+        ("ssd", m.ssd_blocks, m.ssd_hit_tokens, m.ssd_bytes_loaded),
+        (
+            "shared_fs",
+            m.shared_fs_blocks,
+            m.shared_fs_hit_tokens,
+            m.shared_fs_bytes_loaded,
+        ),
+    ];
+    let series = [
+        (
+            "tier_blocks",
+            "gauge",
+            "Blocks held by each offload tier (simulator only).",
+        ),
+        (
+            "tier_hit_tokens_total",
+            "counter",
+            "Prompt tokens loaded from each offload tier (simulator only).",
+        ),
+        (
+            "tier_loaded_bytes_total",
+            "counter",
+            "KV bytes loaded from each offload tier (simulator only).",
+        ),
+    ];
+    for (i, (name, kind, help)) in series.into_iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_sim_{name} {help}\n# TYPE kvroute_sim_{name} {kind}"
+        );
+        for (tier, blocks, hits, bytes) in tiers {
+            let value = [blocks as u64, hits, bytes][i];
+            let _ = writeln!(
+                out,
+                "kvroute_sim_{name}{{{labels},tier=\"{tier}\"}} {value}"
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
@@ -195,5 +236,22 @@ mod tests {
         assert!(text.contains("le=\"0.5\"} 2\n"));
         assert!(text.contains("le=\"+Inf\"} 2\n"));
         assert!(text.contains("block_size=\"16\""));
+    }
+
+    #[test]
+    fn each_offload_tier_has_its_own_series() {
+        let mut observed = Observed::default();
+        observed.metrics.ssd_blocks = 7;
+        observed.metrics.shared_fs_hit_tokens = 32;
+        observed.metrics.cpu_bytes_loaded = 4096;
+        let text = render(&observed, &EngineConfig::default(), "m", 0);
+        let labels = "engine=\"0\",model_name=\"m\"";
+        for line in [
+            format!("kvroute_sim_tier_blocks{{{labels},tier=\"ssd\"}} 7\n"),
+            format!("kvroute_sim_tier_hit_tokens_total{{{labels},tier=\"shared_fs\"}} 32\n"),
+            format!("kvroute_sim_tier_loaded_bytes_total{{{labels},tier=\"cpu\"}} 4096\n"),
+        ] {
+            assert!(text.contains(&line), "{line} in {text}");
+        }
     }
 }

@@ -168,6 +168,13 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         }
         None => None,
     };
+    // One shared filesystem for the whole fleet, on one clock (engine seconds since start).
+    let shared_fs = config
+        .engine
+        .shared_fs
+        .clone()
+        .map(crate::engine::shared_fs::SharedFs::handle);
+    let epoch = tokio::time::Instant::now();
     for i in 0..config.engines {
         let publisher = Publisher::bind(PublisherConfig {
             address: format!("tcp://{}:{}", config.host, offset(config.events_port, i)?),
@@ -206,6 +213,10 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         let (events_tx, events_rx) = mpsc::unbounded_channel::<Outgoing>();
         fleet.tasks.push(tokio::spawn(actor::run_engine(
             config.engine.clone(),
+            actor::FleetMount {
+                shared_fs: shared_fs.clone(),
+                epoch,
+            },
             config.time_scale,
             commands_rx,
             events_tx,

@@ -1,0 +1,192 @@
+//! The offload tiers below the GPU: host memory (CPU) and local SSD, each an LRU of block
+//! contents with its own capacity.
+//!
+//! The policy is an offloading connector's: a block evicted from the GPU is stored in the
+//! fastest offload tier that exists; a tier that overflows demotes its least recently used
+//! block to the next tier down (CPU -> SSD), and the last tier drops it. A block lives in at
+//! most one offload tier. A hit refreshes the block's recency in the tier that holds it (the
+//! copy stays there while the GPU holds it again, as vLLM's connectors keep theirs).
+//!
+//! Each store and removal is published with its tier's medium string (`CPU`, `STORAGE`) and
+//! no token ids or parent, as the OffloadingConnector does.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
+use kvroute_core::keys::VllmDigest;
+
+/// An offload tier below the GPU, fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OffloadTier {
+    /// Host memory.
+    Cpu,
+    /// Local SSD.
+    Ssd,
+    /// The fleet's shared filesystem (see [`crate::engine::shared_fs`]); not held here.
+    SharedFs,
+}
+
+impl OffloadTier {
+    /// The engine's own tiers, fastest first.
+    pub const LOCAL: [OffloadTier; 2] = [OffloadTier::Cpu, OffloadTier::Ssd];
+
+    /// The medium string events carry for this tier.
+    pub fn medium(self) -> &'static str {
+        match self {
+            OffloadTier::Cpu => "CPU",
+            OffloadTier::Ssd => "STORAGE",
+            OffloadTier::SharedFs => crate::engine::shared_fs::SHARED_FS_MEDIUM,
+        }
+    }
+}
+
+/// One tier: block contents by recency, least recently used first.
+#[derive(Debug, Default)]
+struct LruTier {
+    capacity: usize,
+    by_digest: HashMap<VllmDigest, u64>,
+    lru: BTreeMap<u64, VllmDigest>,
+    stamp: u64,
+}
+
+impl LruTier {
+    /// Inserts or refreshes `digest`; true when it was not held before.
+    fn touch(&mut self, digest: VllmDigest) -> bool {
+        let new = match self.by_digest.insert(digest, self.stamp) {
+            Some(old) => {
+                self.lru.remove(&old);
+                false
+            }
+            None => true,
+        };
+        self.lru.insert(self.stamp, digest);
+        self.stamp += 1;
+        new
+    }
+
+    fn pop_oldest(&mut self) -> Option<VllmDigest> {
+        let (_, digest) = self.lru.pop_first()?;
+        self.by_digest.remove(&digest);
+        Some(digest)
+    }
+}
+
+/// The CPU and SSD tiers of one engine.
+#[derive(Debug, Default)]
+pub struct OffloadTiers {
+    tiers: [LruTier; 2],
+}
+
+fn stored(digest: &VllmDigest, tier: OffloadTier) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![EngineHash(digest.event_u64())],
+        medium: Some(tier.medium().into()),
+        ..Default::default()
+    })
+}
+
+fn removed(digest: &VllmDigest, tier: OffloadTier) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![EngineHash(digest.event_u64())],
+        medium: Some(tier.medium().into()),
+        group_idx: None,
+    })
+}
+
+impl OffloadTiers {
+    /// Tiers of `cpu_blocks` and `ssd_blocks` blocks (0: that tier is absent).
+    pub fn new(cpu_blocks: usize, ssd_blocks: usize) -> Self {
+        let mut tiers = Self::default();
+        tiers.tier_mut(OffloadTier::Cpu).capacity = cpu_blocks;
+        tiers.tier_mut(OffloadTier::Ssd).capacity = ssd_blocks;
+        tiers
+    }
+
+    /// Blocks `tier` can hold.
+    pub fn capacity(&self, tier: OffloadTier) -> usize {
+        self.tiers.get(tier as usize).map_or(0, |t| t.capacity)
+    }
+
+    /// Blocks `tier` holds.
+    pub fn len(&self, tier: OffloadTier) -> usize {
+        self.tiers
+            .get(tier as usize)
+            .map_or(0, |t| t.by_digest.len())
+    }
+
+    /// The tier holding `digest`, if any.
+    pub fn find(&self, digest: &VllmDigest) -> Option<OffloadTier> {
+        OffloadTier::LOCAL
+            .into_iter()
+            .find(|t| self.tiers[*t as usize].by_digest.contains_key(digest))
+    }
+
+    /// `tier`'s blocks, least recently used first.
+    pub fn lru_order(&self, tier: OffloadTier) -> Vec<VllmDigest> {
+        self.tiers
+            .get(tier as usize)
+            .map_or_else(Vec::new, |t| t.lru.values().copied().collect())
+    }
+
+    fn tier_mut(&mut self, tier: OffloadTier) -> &mut LruTier {
+        &mut self.tiers[tier as usize]
+    }
+
+    /// Stores a block evicted from the GPU in the fastest tier that exists, demoting that tier's
+    /// overflow downwards; the events describe every move, stores before removals.
+    pub fn offload(&mut self, digest: VllmDigest, events: &mut Vec<KvEvent>) {
+        let Some(top) = OffloadTier::LOCAL
+            .into_iter()
+            .find(|t| self.capacity(*t) > 0)
+        else {
+            return;
+        };
+        if let Some(held) = self.find(&digest) {
+            // Already offloaded (stored on an earlier eviction): refreshed, not stored again.
+            self.tier_mut(held).touch(digest);
+            return;
+        }
+        self.tier_mut(top).touch(digest);
+        events.push(stored(&digest, top));
+        self.spill(top, events);
+    }
+
+    /// Moves `tier`'s least recently used blocks down while it is over capacity.
+    fn spill(&mut self, tier: OffloadTier, events: &mut Vec<KvEvent>) {
+        while self.len(tier) > self.capacity(tier) {
+            let old = self
+                .tier_mut(tier)
+                .pop_oldest()
+                .expect("over capacity, so non-empty");
+            let below = OffloadTier::LOCAL
+                .into_iter()
+                .find(|t| *t > tier && self.capacity(*t) > 0);
+            if let Some(below) = below {
+                self.tier_mut(below).touch(old);
+                events.push(stored(&old, below));
+                events.push(removed(&old, tier));
+                self.spill(below, events);
+            } else {
+                events.push(removed(&old, tier));
+            }
+        }
+    }
+
+    /// Records a hit on `digest` (loaded back to the GPU): refreshes its recency where it is.
+    pub fn touch(&mut self, digest: VllmDigest) {
+        if let Some(tier) = self.find(&digest) {
+            self.tier_mut(tier).touch(digest);
+        }
+    }
+
+    /// Drops every block (a prefix-cache reset).
+    pub fn clear(&mut self) {
+        for tier in &mut self.tiers {
+            tier.by_digest.clear();
+            tier.lru.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -119,6 +119,7 @@ fn spec_of(config: &RouterConfig, endpoint: &Endpoint) -> EndpointSpec {
         role: e.role,
         has_events: e.events.is_some(),
         block_size,
+        offload: e.offload_spec(),
     }
 }
 

@@ -32,6 +32,7 @@ fn the_documented_routing_memory_matches_what_it_takes() {
         role: Role::Both,
         has_events: false,
         block_size: 16,
+        offload: Default::default(),
     };
     let before = kvroute_testkit::proc_memory(None, "VmRSS");
     let mut fleet = Fleet::new(fleet_config, Profile::default(), vec![spec(0), spec(1)]).unwrap();

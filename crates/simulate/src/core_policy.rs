@@ -11,7 +11,7 @@ use kvroute_core::fleet::{
     Admission, Dispatch, EndpointSpec, Fleet, FleetConfig as CoreFleetConfig, HeldTurn, HoldTicket,
     LoadSample, Plan, RequestFeatures, Shed,
 };
-use kvroute_core::index::EndpointId;
+use kvroute_core::index::{EndpointId, OffloadSpec, SharedMount};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
 use rand::rngs::StdRng;
@@ -95,6 +95,16 @@ impl CorePolicy {
             config.history_ttl_s = f64::MIN_POSITIVE;
         }
         let block_size = fleet.engine.block_size;
+        // Every engine mounts the fleet's shared filesystem, when it has one: its blocks
+        // (medium `FS`) are the fleet's, loadable everywhere, not the writer's own storage.
+        let offload = OffloadSpec {
+            block_size: None,
+            shared: fleet
+                .engine
+                .shared_fs
+                .is_some()
+                .then(|| SharedMount::new("shared-fs")),
+        };
         let specs = (0..fleet.engines)
             .map(|i| EndpointSpec {
                 name: FleetConfig::endpoint_name(i),
@@ -106,6 +116,7 @@ impl CorePolicy {
                     .map_or(Role::Both, |kv| crate::pd_policy::role(*kv)),
                 has_events: true,
                 block_size,
+                offload: offload.clone(),
             })
             .collect();
         let mut core = Fleet::new(config, profile, specs)?;

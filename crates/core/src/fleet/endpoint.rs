@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::decay::Decaying;
 use super::outlier::Outlier;
 use super::trust::Trust;
-use crate::index::EndpointId;
+use crate::index::{EndpointId, OffloadSpec};
 use crate::schedule::{EndpointLoad, Role};
 use crate::tiers::TierRates;
 
@@ -57,6 +57,10 @@ pub struct EndpointSpec {
     pub has_events: bool,
     /// Tokens per block of the model it serves.
     pub block_size: usize,
+    /// How its offloading connector's events are read: the chunk size of its offloaded
+    /// blocks, and the fleet-wide shared tier it mounts (whose blocks every mounting endpoint
+    /// can load).
+    pub offload: OffloadSpec,
 }
 
 /// A scraped load sample (vLLM's gauges).

@@ -11,11 +11,13 @@ impl Fleet {
     /// nothing in flight, else a new one. It starts healthy, untrusted until its KV events
     /// arrive (when it has them), with nothing cached.
     pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
-        ensure_index(
+        let index = ensure_index(
             &mut self.indexes,
             spec.block_size,
             self.config.index_capacity,
-        )?;
+        )?
+        .clone();
+        let offload = spec.offload.clone();
         let free = self
             .endpoints
             .iter()
@@ -36,6 +38,8 @@ impl Fleet {
                 id
             }
         };
+        // A reused slot's previous owner mounted what it mounted: this one says its own.
+        index.set_offload(id, &offload)?;
         Ok(id)
     }
 

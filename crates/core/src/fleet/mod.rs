@@ -237,8 +237,9 @@ impl Fleet {
         endpoints: Vec<EndpointSpec>,
     ) -> Result<Self, CoreError> {
         let mut indexes: Vec<(usize, Arc<SharedIndex>)> = Vec::new();
-        for spec in &endpoints {
-            ensure_index(&mut indexes, spec.block_size, config.index_capacity)?;
+        for (i, spec) in endpoints.iter().enumerate() {
+            let index = ensure_index(&mut indexes, spec.block_size, config.index_capacity)?;
+            index.set_offload(EndpointId(i as u32), &spec.offload)?;
         }
         let endpoints: Vec<EndpointState> = endpoints
             .into_iter()
@@ -788,19 +789,24 @@ impl Fleet {
 }
 
 /// Adds an index for `block_size` to `indexes` unless one exists.
+/// The index for `block_size`, made when no endpoint used that size yet.
 fn ensure_index(
     indexes: &mut Vec<(usize, Arc<SharedIndex>)>,
     block_size: usize,
     capacity: usize,
-) -> Result<(), CoreError> {
-    if !indexes.iter().any(|(bs, _)| *bs == block_size) {
-        let index = KvIndex::new(IndexConfig {
-            block_size,
-            capacity,
-        })?;
-        indexes.push((block_size, Arc::new(SharedIndex::new(index))));
-    }
-    Ok(())
+) -> Result<&Arc<SharedIndex>, CoreError> {
+    let position = match indexes.iter().position(|(bs, _)| *bs == block_size) {
+        Some(position) => position,
+        None => {
+            let index = KvIndex::new(IndexConfig {
+                block_size,
+                capacity,
+            })?;
+            indexes.push((block_size, Arc::new(SharedIndex::new(index))));
+            indexes.len() - 1
+        }
+    };
+    Ok(&indexes[position].1)
 }
 
 #[cfg(test)]

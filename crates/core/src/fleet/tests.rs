@@ -37,6 +37,7 @@ fn spec(name: &str, block_size: usize) -> EndpointSpec {
         role: Role::Both,
         has_events: true,
         block_size,
+        offload: Default::default(),
     }
 }
 
@@ -761,15 +762,12 @@ fn a_tier_slower_than_recompute_gets_no_credit_and_explain_says_so() {
 
 #[test]
 fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
-    let mut fleet = FleetBuilder::new(3).build();
-    let lustre = crate::index::OffloadSpec {
-        block_size: None,
-        shared: Some(crate::index::SharedMount::new("lustre")),
-    };
+    // Endpoints 0 and 1 declare the mount in their specs, as the router's config does.
+    let mut builder = FleetBuilder::new(3);
     for e in [0, 1] {
-        let index = fleet.index_of(EndpointId(e)).unwrap().clone();
-        index.set_offload(EndpointId(e), &lustre).unwrap();
+        builder.specs[e].offload = lustre();
     }
+    let mut fleet = builder.build();
     let doc = prompt(1024, 12);
     // Endpoint 0 wrote the blocks to the filesystem and then lost them from its GPU.
     fleet.apply_events(EndpointId(0), &offloaded_only(&doc, "FS"), 0.0);
@@ -786,6 +784,35 @@ fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
     );
     assert_eq!(plan.predicted_tiers[1], [0, 0, 1024]);
     assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+}
+
+fn lustre() -> crate::index::OffloadSpec {
+    crate::index::OffloadSpec {
+        block_size: None,
+        shared: Some(crate::index::SharedMount::new("lustre")),
+    }
+}
+
+#[test]
+fn an_endpoint_joining_later_mounts_what_its_spec_says_even_in_a_reused_slot() {
+    let mut builder = FleetBuilder::new(2);
+    builder.specs[0].offload = lustre();
+    let mut fleet = builder.build();
+    let doc = prompt(1024, 12);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&doc, "FS"), 0.0);
+    // A pod that mounts the filesystem joins: the shared copy is a hit there at once.
+    let mut mounted = spec("joined", BS);
+    mounted.offload = lustre();
+    let joined = fleet.add_endpoint(mounted, 1.0).unwrap();
+    let plan = fleet.plan(&Req::new(&doc).features(), 1, 1.0);
+    let m = plan.facts[joined.0 as usize].index_match.unwrap();
+    assert_eq!(m.shared_blocks, 64);
+    // It leaves, and a pod without the mount takes its slot: no shared credit there.
+    assert!(fleet.remove_endpoint(joined, 2.0));
+    let again = fleet.add_endpoint(spec("unmounted", BS), 3.0).unwrap();
+    assert_eq!(again, joined, "the slot is reused");
+    let plan = fleet.plan(&Req::new(&doc).features(), 1, 3.0);
+    assert!(plan.facts[again.0 as usize].index_match.is_none());
 }
 
 #[test]

@@ -6,13 +6,12 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
-use kvroute_sim::link::LinkSpec;
 use kvroute_simulate::FleetConfig;
 use kvroute_simulate::config::PdFleet;
-use kvroute_vllm::nixl::KvRole;
 
 use super::engine_args::EngineArgs;
 use super::events::parse_duration;
+use super::pd_args::PdFleetArgs;
 
 /// A simulated fleet; every default is the simulator's own ([`FleetConfig::default`]).
 #[derive(Args)]
@@ -21,19 +20,8 @@ pub struct FleetArgs {
     /// engines after them (default 0).
     #[arg(long)]
     engines: Option<usize>,
-    /// P/D: the KV role of the --engines engines (producer, consumer, both); makes a P/D
-    /// fleet for the policies pd-always and pd-cost.
-    #[arg(long, value_parser = parse_role)]
-    kv_role: Option<KvRole>,
-    /// P/D: kv_producer engines, first in the fleet (policies pd-always, pd-cost).
-    #[arg(long, default_value_t = 0)]
-    prefill_engines: usize,
-    /// P/D: kv_consumer engines, after the producers.
-    #[arg(long, default_value_t = 0)]
-    decode_engines: usize,
-    /// P/D: the KV link: tcp, roce-100, ib-400 or custom:<GB/s>[:<latency ms>].
-    #[arg(long, default_value = "tcp", value_parser = parse_link)]
-    kv_link: LinkSpec,
+    #[command(flatten)]
+    pd: PdFleetArgs,
     #[command(flatten)]
     engine: EngineArgs,
     /// Client to engine latency of a request (HTTP and the router's own work).
@@ -78,36 +66,15 @@ impl fmt::Display for Millis {
     }
 }
 
-fn parse_role(text: &str) -> Result<KvRole, String> {
-    text.parse()
-        .map_err(|e: kvroute_vllm::VllmError| e.to_string())
-}
-
-fn parse_link(text: &str) -> Result<LinkSpec, String> {
-    LinkSpec::parse(text).map_err(|e| e.to_string())
-}
-
 impl FleetArgs {
     /// The fleet the flags describe; `seed` seeds the policies' random choices.
     pub fn fleet(&self, seed: u64) -> anyhow::Result<FleetConfig> {
-        let split = self.prefill_engines + self.decode_engines;
-        let both = self.engines.unwrap_or(if split > 0 {
-            0
-        } else {
-            FleetConfig::default().engines
-        });
-        let pd = (split > 0 || self.kv_role.is_some()).then(|| PdFleet {
-            roles: std::iter::repeat_n(KvRole::Producer, self.prefill_engines)
-                .chain(std::iter::repeat_n(KvRole::Consumer, self.decode_engines))
-                .chain(std::iter::repeat_n(
-                    self.kv_role.unwrap_or(KvRole::Both),
-                    both,
-                ))
-                .collect(),
-            link: self.kv_link,
+        let (engines, roles) = self.pd.roles(self.engines, FleetConfig::default().engines);
+        let pd = roles.map(|roles| PdFleet {
+            roles,
+            link: self.pd.link(),
             kv_bytes_per_token: self.engine.kv_bytes_per_token() as u64,
         });
-        let engines = split + both;
         Ok(FleetConfig {
             engines,
             engine: self.engine.engine_config()?,

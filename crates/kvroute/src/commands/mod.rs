@@ -8,6 +8,7 @@ pub mod epp;
 pub mod events;
 pub mod fleet_args;
 pub mod hash;
+pub mod pd_args;
 pub mod serve;
 pub mod sim;
 pub mod simulate;

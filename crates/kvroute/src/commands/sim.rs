@@ -5,14 +5,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_sim::link::LinkSpec;
 use kvroute_sim::server::faults::Faults;
 use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, start};
-use kvroute_vllm::nixl::{KvLoadFailurePolicy, KvRole};
+use kvroute_vllm::nixl::KvLoadFailurePolicy;
 
 use super::engine_args::EngineArgs;
 use super::events::parse_duration;
+use super::pd_args::PdFleetArgs;
 
 /// Arguments of `kvroute sim`.
 #[derive(Args)]
@@ -21,21 +21,8 @@ pub struct SimArgs {
     /// (default 1, or 0 beside --prefill-engines/--decode-engines).
     #[arg(long)]
     engines: Option<usize>,
-    /// P/D: the KV role of the --engines engines (vLLM's kv_producer, kv_consumer, kv_both).
-    /// Without it, --prefill-engines or --decode-engines, engines have no KV connector and
-    /// ignore kv_transfer_params, as vLLM without --kv-transfer-config.
-    #[arg(long, value_parser = parse_role)]
-    kv_role: Option<KvRole>,
-    /// P/D: kv_producer engines, first in the fleet.
-    #[arg(long, default_value_t = 0)]
-    prefill_engines: usize,
-    /// P/D: kv_consumer engines, after the producers.
-    #[arg(long, default_value_t = 0)]
-    decode_engines: usize,
-    /// P/D: the KV link between engines: tcp (UCX over TCP, 0.55 GB/s), roce-100 (12.1 GB/s),
-    /// ib-400 (49.5 GB/s), or custom:<GB/s>[:<latency ms>].
-    #[arg(long, default_value = "tcp", value_parser = parse_link)]
-    kv_link: LinkSpec,
+    #[command(flatten)]
+    pd: PdFleetArgs,
     /// P/D: how long a producer holds blocks nobody pulls, in engine time (default: the
     /// release's: 120 s before 0.20, 480 s before 0.33, the 30 s heartbeat lease of 0.33).
     #[arg(long, value_parser = parse_duration)]
@@ -93,43 +80,25 @@ pub struct SimArgs {
     slow_factor: f64,
 }
 
-fn parse_role(text: &str) -> Result<KvRole, String> {
-    text.parse()
-        .map_err(|e: kvroute_vllm::VllmError| e.to_string())
-}
-
 fn parse_policy(text: &str) -> Result<KvLoadFailurePolicy, String> {
     text.parse()
         .map_err(|e: kvroute_vllm::VllmError| e.to_string())
 }
 
-fn parse_link(text: &str) -> Result<LinkSpec, String> {
-    LinkSpec::parse(text).map_err(|e| e.to_string())
-}
-
 impl SimArgs {
     /// The fleet's size and P/D settings.
     fn fleet(&self) -> anyhow::Result<(usize, Option<PdConfig>)> {
-        let split = self.prefill_engines + self.decode_engines;
-        let others = self.engines.unwrap_or(if split > 0 { 0 } else { 1 });
-        let engines = split + others;
+        let (engines, roles) = self.pd.roles(self.engines, 1);
         anyhow::ensure!(engines > 0, "the fleet has no engines");
-        if split == 0 && self.kv_role.is_none() {
+        let Some(roles) = roles else {
             return Ok((engines, None));
-        }
-        let roles = PdConfig::roles(self.prefill_engines, self.decode_engines, 0)
-            .into_iter()
-            .chain(std::iter::repeat_n(
-                self.kv_role.unwrap_or(KvRole::Both),
-                others,
-            ))
-            .collect();
+        };
         Ok((
             engines,
             Some(PdConfig {
                 lease: self.kv_lease,
                 load_failure_policy: self.kv_load_failure_policy,
-                link: self.kv_link,
+                link: self.pd.link(),
                 kv_bytes_per_token: self.engine.kv_bytes_per_token() as u64,
                 side_channel_port: self.side_channel_port,
                 ..PdConfig::new(roles)

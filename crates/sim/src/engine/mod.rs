@@ -302,7 +302,16 @@ impl Engine {
         lora: Option<&str>,
         salt: Option<&str>,
     ) -> usize {
-        let mut seq = Sequence::new(
+        let mut seq = self.probe(tokens, lora, salt);
+        seq.lookup_blocks()
+            .iter()
+            .take_while(|d| self.pool.lookup(d).is_some())
+            .count()
+    }
+
+    /// A sequence for `tokens` that is never run: what a lookup of its prefix would hash.
+    fn probe(&self, tokens: &[u32], lora: Option<&str>, salt: Option<&str>) -> Sequence {
+        Sequence::new(
             EngineRequest {
                 id: 0,
                 prompt: tokens.to_vec(),
@@ -312,11 +321,7 @@ impl Engine {
             },
             &self.hasher,
             self.config.block_size,
-        );
-        seq.lookup_blocks()
-            .iter()
-            .take_while(|d| self.pool.lookup(d).is_some())
-            .count()
+        )
     }
 
     /// Mounts the fleet's shared filesystem tier: this engine writes evicted blocks there and
@@ -333,17 +338,7 @@ impl Engine {
         lora: Option<&str>,
         salt: Option<&str>,
     ) -> PrefixTiers {
-        let mut seq = Sequence::new(
-            EngineRequest {
-                id: 0,
-                prompt: tokens.to_vec(),
-                output: Vec::new(),
-                lora_name: lora.map(str::to_owned),
-                cache_salt: salt.map(str::to_owned),
-            },
-            &self.hasher,
-            self.config.block_size,
-        );
+        let mut seq = self.probe(tokens, lora, salt);
         let hit = seq.prefix_hit(&self.pool);
         PrefixTiers {
             gpu: hit.gpu.len(),

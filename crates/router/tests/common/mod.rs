@@ -9,6 +9,8 @@ use std::time::Duration;
 use kvroute_sim::server::{EngineEndpoint, SimConfig, SimFleet, start as start_sim};
 use serde_json::Value;
 
+pub mod config_builder;
+
 /// One simulated engine on loopback (ephemeral ports, KV events and replay, 10× speed).
 pub async fn engine() -> SimFleet {
     start_sim(SimConfig {
@@ -24,7 +26,13 @@ pub async fn engine() -> SimFleet {
 
 /// A router started from `yaml`, once its KV-event subscribers are connected.
 pub async fn router_from_yaml(yaml: &str) -> kvroute_router::server::RunningRouter {
-    let config = kvroute_router::config::RouterConfig::from_yaml(yaml).unwrap();
+    router_from_config(kvroute_router::config::RouterConfig::from_yaml(yaml).unwrap()).await
+}
+
+/// A router started from `config`, once its KV-event subscribers are connected.
+pub async fn router_from_config(
+    config: kvroute_router::config::RouterConfig,
+) -> kvroute_router::server::RunningRouter {
     let router = kvroute_router::server::start(config).await.unwrap();
     kvroute_testkit::eventually("subscribers connected", || {
         (router.subscribers_connected(), ())
@@ -47,6 +55,11 @@ pub fn endpoint_lines<'a>(endpoints: impl IntoIterator<Item = &'a EngineEndpoint
             )
         })
         .collect()
+}
+
+/// Requests the router holds under flow control right now (a read-only view of its fleet).
+pub fn held_requests(router: &kvroute_router::server::RunningRouter) -> usize {
+    router.router.fleet().flow().len()
 }
 
 /// Sets engine `i` of `fleet`'s simulated faults (`POST /sim/faults`), checking it took them.

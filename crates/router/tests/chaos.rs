@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 
 mod common;
 
+use common::fleet_view::forgotten_at;
 use common::{endpoint_lines, fault, router_from_yaml};
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -293,11 +294,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         .unwrap();
     let noticed = Instant::now();
     eventually("the restart noticed", || {
-        let forgotten = current
-            .router
-            .fleet()
-            .endpoint(EndpointId(0))
-            .and_then(|e| e.forgotten_at());
+        let forgotten = forgotten_at(&current.router, EndpointId(0));
         (forgotten.is_some_and(|t| t >= restarted_at), forgotten)
     })
     .await;

@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 mod common;
 
 use common::config_builder::{ConfigBuilder, endpoint};
-use common::{eventually_async, fault, held_requests, router_from_config, settle};
+use common::fleet_view::held_requests;
+use common::{eventually_async, fault, router_from_config, settle};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
@@ -797,7 +798,7 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         tokio::spawn(async move { complete(&client, &router, words(10, 2)).await })
     };
     eventually("the second request is held in the router", || {
-        (held_requests(&router) == 1, ())
+        (held_requests(&router.router) == 1, ())
     })
     .await;
     assert_eq!(
@@ -817,7 +818,7 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         200,
         "served once the engine had room"
     );
-    assert_eq!(held_requests(&router), 0);
+    assert_eq!(held_requests(&router.router), 0);
 
     // A router that may hold a request only briefly sheds it with 503.
     let brief = |c: &mut RouterConfig| {
@@ -1000,7 +1001,7 @@ async fn a_full_circuit_holds_requests_until_a_slot_frees() {
             .as_u16()
     });
     eventually("the second request held", || {
-        (held_requests(&router) == 1, ())
+        (held_requests(&router.router) == 1, ())
     })
     .await;
     drop(socket);

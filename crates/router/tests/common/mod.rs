@@ -10,6 +10,7 @@ use kvroute_sim::server::{EngineEndpoint, SimConfig, SimFleet, start as start_si
 use serde_json::Value;
 
 pub mod config_builder;
+pub mod fleet_view;
 
 /// One simulated engine on loopback (ephemeral ports, KV events and replay, 10× speed).
 pub async fn engine() -> SimFleet {
@@ -55,11 +56,6 @@ pub fn endpoint_lines<'a>(endpoints: impl IntoIterator<Item = &'a EngineEndpoint
             )
         })
         .collect()
-}
-
-/// Requests the router holds under flow control right now (a read-only view of its fleet).
-pub fn held_requests(router: &kvroute_router::server::RunningRouter) -> usize {
-    router.router.fleet().flow().len()
 }
 
 /// Sets engine `i` of `fleet`'s simulated faults (`POST /sim/faults`), checking it took them.

@@ -31,10 +31,19 @@ impl ConfigBuilder {
 
     /// Adds one endpoint per fleet (its first engine), named `e0`, `e1`, ... by position among
     /// all endpoints, with the engine's KV events and replay.
-    pub fn engines(mut self, fleets: &[&SimFleet]) -> Self {
-        for fleet in fleets {
+    pub fn engines(self, fleets: &[&SimFleet]) -> Self {
+        self.engine_endpoints(fleets.iter().map(|fleet| &fleet.endpoints[0]))
+    }
+
+    /// Adds an endpoint per engine, named `e0`, `e1`, ... by position among all endpoints,
+    /// with the engine's KV events and replay.
+    pub fn engine_endpoints<'a>(
+        mut self,
+        engines: impl IntoIterator<Item = &'a EngineEndpoint>,
+    ) -> Self {
+        for engine in engines {
             let name = format!("e{}", self.config.endpoints.len());
-            self = self.endpoint(engine_endpoint(Some(name), &fleet.endpoints[0]));
+            self = self.endpoint(engine_endpoint(Some(name), engine));
         }
         self
     }
@@ -66,6 +75,12 @@ impl ConfigBuilder {
     /// Scrapes engines' `/metrics` every `interval_ms`.
     pub fn scrape(mut self, interval_ms: u64) -> Self {
         self.config.scrape.interval_ms = interval_ms;
+        self
+    }
+
+    /// The API listener's address (default: an ephemeral loopback port).
+    pub fn listen(mut self, addr: std::net::SocketAddr) -> Self {
+        self.config.listen = addr;
         self
     }
 

@@ -25,11 +25,6 @@ pub async fn engine() -> SimFleet {
     .unwrap()
 }
 
-/// A router started from `yaml`, once its KV-event subscribers are connected.
-pub async fn router_from_yaml(yaml: &str) -> kvroute_router::server::RunningRouter {
-    router_from_config(kvroute_router::config::RouterConfig::from_yaml(yaml).unwrap()).await
-}
-
 /// A router started from `config`, once its KV-event subscribers are connected.
 pub async fn router_from_config(
     config: kvroute_router::config::RouterConfig,

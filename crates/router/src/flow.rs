@@ -38,7 +38,9 @@ pub(crate) fn shed(router: &Router, why: Shed) -> ApiError {
     router
         .metrics()
         .shed
-        .get_or_create(&vec![("reason", why.as_str().to_owned())])
+        .get_or_create(&crate::metrics::ReasonLabel {
+            reason: why.as_str(),
+        })
         .inc();
     match why.status() {
         429 => ApiError::rate_limited(why.reply()),

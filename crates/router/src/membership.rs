@@ -52,7 +52,7 @@ impl Membership for Arc<Router> {
         warn!(kind, detail, "discovery ignored part of the pool or pod");
         self.metrics()
             .discovery_problems
-            .get_or_create(&vec![("kind", kind.to_owned())])
+            .get_or_create(&crate::metrics::KindLabel { kind })
             .inc();
     }
 }

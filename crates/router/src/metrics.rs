@@ -12,6 +12,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use parking_lot::{MappedRwLockReadGuard, RwLock, RwLockReadGuard};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
@@ -21,6 +22,34 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 type Labels = Vec<(&'static str, String)>;
+
+/// The `status` label: the HTTP status a refusal was answered with.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabel {
+    /// The HTTP status code.
+    pub status: u16,
+}
+
+/// The `kind` label: which kind of problem or timeout.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// The kind, e.g. `header`, `body`, `port_out_of_range`.
+    pub kind: &'static str,
+}
+
+/// The `reason` label: why a request was shed or a stream cut.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// The reason, e.g. `queue_full`, `stalled`.
+    pub reason: &'static str,
+}
+
+/// The `listener` label: which client listener (`api`, `admin`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabel {
+    /// The listener's name.
+    pub listener: &'static str,
+}
 
 /// The label naming an endpoint.
 const ENDPOINT: &str = "endpoint";
@@ -239,12 +268,12 @@ pub struct RouterMetrics {
     /// Endpoints ejected by passive outlier detection, by endpoint.
     pub outlier_ejections: EndpointFamily<Counter>,
     /// Requests refused by the router itself, by status.
-    pub rejected: Family<Labels, Counter>,
+    pub rejected: Family<StatusLabel, Counter>,
     /// KV-event batches dropped because their endpoint had left when they arrived.
     pub late_event_batches: Counter,
     /// What discovery ignored, by kind (non_string_label, port_out_of_range,
     /// replay_without_events).
-    pub discovery_problems: Family<Labels, Counter>,
+    pub discovery_problems: Family<KindLabel, Counter>,
     /// 1 while an endpoint passes health checks.
     pub endpoint_healthy: EndpointGauges,
     /// 1 while an endpoint's KV index is trusted for scoring.
@@ -266,15 +295,15 @@ pub struct RouterMetrics {
     /// Time requests spent held by flow control.
     pub flow_wait_seconds: Histogram,
     /// Requests shed by flow control, by reason (queue_full, queue_bytes, timeout).
-    pub shed: Family<Labels, Counter>,
+    pub shed: Family<ReasonLabel, Counter>,
     /// Client connections open now, by listener (`api`, `admin`).
-    pub connections_open: Family<Labels, Gauge>,
+    pub connections_open: Family<ListenerLabel, Gauge>,
     /// Client connections closed at once because `limits.max_connections` were open.
-    pub connections_refused: Family<Labels, Counter>,
+    pub connections_refused: Family<ListenerLabel, Counter>,
     /// Failed accepts (out of file descriptors, most likely), by listener.
-    pub accept_errors: Family<Labels, Counter>,
+    pub accept_errors: Family<ListenerLabel, Counter>,
     /// Client connections or requests cut off by a timeout, by kind (`header`, `body`, `idle`).
-    pub client_timeouts: Family<Labels, Counter>,
+    pub client_timeouts: Family<KindLabel, Counter>,
     /// Request-body bytes held now by the API listener and the picker (bounded by
     /// `limits.max_buffered_bytes`).
     pub buffered_bytes: Gauge,
@@ -283,7 +312,7 @@ pub struct RouterMetrics {
     pub admin_buffered_bytes: Gauge,
     /// Response streams cut before their end, by reason (`shutdown`, `stalled`,
     /// `engine_error`).
-    pub streams_cut: Family<Labels, Counter>,
+    pub streams_cut: Family<ReasonLabel, Counter>,
     /// Large requests being prepared on the blocking pool, or waiting for it.
     pub offload_requests: Gauge,
     /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
@@ -569,8 +598,8 @@ impl RouterMetrics {
 }
 
 /// Labels for one client listener (`api` or `admin`).
-pub fn listener(name: &'static str) -> Labels {
-    vec![("listener", name.to_owned())]
+pub fn listener(name: &'static str) -> ListenerLabel {
+    ListenerLabel { listener: name }
 }
 
 /// Labels for one endpoint.

@@ -19,6 +19,6 @@ pub(crate) fn count(router: &Router, e: &ApiError) {
     router
         .metrics()
         .rejected
-        .get_or_create(&vec![("status", e.status.to_string())])
+        .get_or_create(&crate::metrics::StatusLabel { status: e.status })
         .inc();
 }

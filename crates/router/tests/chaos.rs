@@ -23,7 +23,9 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{endpoint_lines, fault, router_from_yaml};
+use common::config_builder::{ConfigBuilder, endpoint};
+use common::fleet_view::forgotten_at;
+use common::{fault, router_from_config};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 const CLIENTS: usize = 4;
@@ -32,12 +34,19 @@ const CLIENTS: usize = 4;
 const THINK: Duration = Duration::from_millis(50);
 
 /// The router's configuration: small bounds, so that its memory budget is small too.
-fn config(fleet: &SimFleet, listen: &str) -> String {
-    let mut yaml = format!(
-        "listen: {listen}\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\ncache: {{index_capacity: 65536, history_capacity: 65536}}\nlimits: {{token_cache_bytes: 16777216, max_buffered_bytes: 16777216, max_body_bytes: 1048576, max_connections: 256}}\nendpoints:\n"
-    );
-    yaml.push_str(&endpoint_lines(&fleet.endpoints));
-    yaml
+fn config(fleet: &SimFleet) -> ConfigBuilder {
+    ConfigBuilder::new(MODEL)
+        .health(100, 500)
+        .scrape(100)
+        .with(|c| {
+            c.cache.index_capacity = 65_536;
+            c.cache.history_capacity = 65_536;
+            c.limits.token_cache_bytes = 16_777_216;
+            c.limits.max_buffered_bytes = 16_777_216;
+            c.limits.max_body_bytes = 1_048_576;
+            c.limits.max_connections = 256;
+        })
+        .engine_endpoints(&fleet.endpoints)
 }
 
 /// A fourth endpoint: a real engine for its HTTP, a hostile publisher for its KV events.
@@ -59,15 +68,11 @@ impl HostileEndpoint {
         }
     }
 
-    /// `yaml` (a router configuration ending with its endpoint list) with this endpoint, `e3`,
-    /// added.
-    fn add_to(&self, mut yaml: String) -> String {
-        yaml.push_str(&format!(
-            "  - {{name: e3, url: '{}', events: '{}'}}\n",
-            self.engine.endpoints[0].url,
-            self.publisher.address()
-        ));
-        yaml
+    /// `config` with this endpoint, `e3`, added.
+    fn add_to(&self, config: ConfigBuilder) -> ConfigBuilder {
+        let mut e3 = endpoint(Some("e3".into()), &self.engine.endpoints[0].url);
+        e3.events = Some(self.publisher.address().to_string());
+        config.endpoint(e3)
     }
 
     /// Checks that the publisher attacked and that `router` counted it.
@@ -268,9 +273,9 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
     let http = reqwest::Client::new();
     fault(&http, &fleet, 1, json!({"drop_event_fraction": 0.1})).await;
     fault(&http, &fleet, 2, json!({"slow_factor": 3.0})).await;
-    let first = router_from_yaml(&hostile.add_to(config(&fleet, "127.0.0.1:0"))).await;
+    let first = router_from_config(hostile.add_to(config(&fleet)).build()).await;
     let addr = first.addr;
-    let yaml = hostile.add_to(config(&fleet, &addr.to_string()));
+    let same_again = hostile.add_to(config(&fleet)).listen(addr).build();
     let mut router = Some(first);
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -293,11 +298,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         .unwrap();
     let noticed = Instant::now();
     eventually("the restart noticed", || {
-        let forgotten = current
-            .router
-            .fleet()
-            .endpoint(EndpointId(0))
-            .and_then(|e| e.forgotten_at());
+        let forgotten = forgotten_at(&current.router, EndpointId(0));
         (forgotten.is_some_and(|t| t >= restarted_at), forgotten)
     })
     .await;
@@ -315,7 +316,7 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         "drained in time"
     );
     drop(old);
-    let restarted = router_from_yaml(&yaml).await;
+    let restarted = router_from_config(same_again).await;
     // Resynchronised from the engines' replay buffers before traffic resumes.
     eventually("the new router's index relearned", || {
         let held: Vec<u64> = (0..3)

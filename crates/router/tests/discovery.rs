@@ -22,6 +22,10 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+mod common;
+
+use common::fleet_view::present_endpoints;
+
 const MODEL: &str = "sim-llama-3.1-8b";
 
 /// What the fake API server answers: one pod list per (re)list, one scripted stream per watch,
@@ -117,13 +121,9 @@ async fn fake_api(fake: Arc<Fake>) -> std::net::SocketAddr {
 
 /// The URLs of the endpoints present in the fleet.
 fn members(router: &RunningRouter) -> BTreeSet<String> {
-    let endpoints = router.router.endpoints();
-    let fleet = router.router.fleet();
-    endpoints
-        .iter()
-        .zip(fleet.endpoints())
-        .filter(|(_, s)| s.present())
-        .map(|(e, _)| e.config.url.clone())
+    present_endpoints(&router.router)
+        .into_iter()
+        .map(|e| e.url)
         .collect()
 }
 
@@ -345,12 +345,9 @@ async fn pods_join_when_ready_and_leave_when_deleted_or_relabelled_while_request
         .unwrap();
     let router = running.router.clone();
     eventually("b's role follows its label", || {
-        let roles: Vec<_> = router
-            .endpoints()
-            .iter()
-            .zip(router.fleet().endpoints())
-            .filter(|(_, s)| s.present())
-            .map(|(e, _)| (e.config.url.clone(), e.config.role))
+        let roles: Vec<_> = present_endpoints(&router)
+            .into_iter()
+            .map(|e| (e.url, e.role))
             .collect();
         let ok = roles.contains(&(b.clone(), kvroute_core::schedule::Role::Prefill));
         (ok, roles)

@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_router::config::RouterConfig;
+use kvroute_core::schedule::{ProfileName, Saturation};
+use kvroute_router::config::{RouterConfig, TokenizerConfig, TokenizerKind};
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
@@ -14,7 +15,9 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{endpoint_lines, eventually_async, fault, router_from_yaml, settle};
+use common::config_builder::{ConfigBuilder, endpoint};
+use common::fleet_view::held_requests;
+use common::{eventually_async, fault, router_from_config, settle};
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
@@ -40,13 +43,32 @@ async fn engine_with(gpu_blocks: usize, max_num_seqs: usize) -> SimFleet {
     .unwrap()
 }
 
-async fn router_for(engines: &[&SimFleet], extra: &str) -> RunningRouter {
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nscrape: {{interval_ms: 100}}\n{extra}\nendpoints:\n{}",
-        endpoint_lines(engines.iter().map(|fleet| &fleet.endpoints[0]))
-    );
+/// A router over `engines` (named `e0`, `e1`, ...), with quick health checks and scrapes.
+async fn router_for(engines: &[&SimFleet]) -> RunningRouter {
+    router_tuned(engines, |_| {}).await
+}
+
+/// [`router_for`], with `tune` applied to its configuration.
+async fn router_tuned(
+    engines: &[&SimFleet],
+    tune: impl FnOnce(&mut RouterConfig),
+) -> RunningRouter {
+    let config = ConfigBuilder::new(MODEL)
+        .health(100, 500)
+        .scrape(100)
+        .engines(engines)
+        .with(tune)
+        .build();
     // The subscribers connect before traffic starts.
-    router_from_yaml(&yaml).await
+    router_from_config(config).await
+}
+
+/// Saturation at `queue` waiting requests (KV usage at its default).
+fn saturated_at_queue(queue: f64) -> Saturation {
+    Saturation {
+        queue,
+        ..Saturation::default()
+    }
 }
 
 struct Answer {
@@ -90,7 +112,7 @@ fn words(n: usize, seed: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_stick_to_the_endpoint_holding_their_history() {
     let (a, b, c) = (engine(4096).await, engine(4096).await, engine(4096).await);
-    let router = router_for(&[&a, &b, &c], "").await;
+    let router = router_for(&[&a, &b, &c]).await;
     let client = reqwest::Client::new();
     let system = json!({"role": "system", "content": words(300, 0)});
     let mut conversations: Vec<(Vec<Value>, String)> = Vec::new();
@@ -149,7 +171,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_are_openai_shaped() {
     let a = engine(512).await;
-    let router = router_for(&[&a], "limits: {max_body_bytes: 2000}").await;
+    let router = router_tuned(&[&a], |c| c.limits.max_body_bytes = 2000).await;
     let client = reqwest::Client::new();
     let url = format!("http://{}/v1/completions", router.addr);
     let cases = [
@@ -180,7 +202,7 @@ async fn errors_are_openai_shaped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_the_breakdown_without_forwarding() {
     let (a, b) = (engine(1024).await, engine(1024).await);
-    let router = router_for(&[&a, &b], "").await;
+    let router = router_for(&[&a, &b]).await;
     let client = reqwest::Client::new();
     let prompt = words(400, 9);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
@@ -255,7 +277,7 @@ async fn explain_shows_the_breakdown_without_forwarding() {
 async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
     let a = engine(1024).await;
     let b = engine(1024).await;
-    let router = router_for(&[&a, &b], "").await;
+    let router = router_for(&[&a, &b]).await;
     let client = reqwest::Client::new();
     for i in 0..6 {
         let answer = chat(
@@ -304,13 +326,15 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         .local_addr()
         .unwrap()
         .port();
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 60000}}\nscheduler: {{policy: round-robin}}\nendpoints:\n  - {{name: dead, url: 'http://127.0.0.1:{dead_port}'}}\n  - {{name: live, url: '{}'}}\n",
-        live.endpoints[0].url
-    );
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new(MODEL)
+        .with(|c| {
+            c.health.interval_ms = 60_000;
+            c.scheduler.policy = ProfileName::RoundRobin;
+        })
+        .url("dead", &format!("http://127.0.0.1:{dead_port}"))
+        .url("live", &live.endpoints[0].url)
+        .build();
+    let router = start_router(config).await.unwrap();
     let client = reqwest::Client::new();
     for _ in 0..2 {
         let answer = chat(
@@ -335,7 +359,7 @@ async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504()
     let slow = engine(512).await;
     let client = reqwest::Client::new();
     fault(&client, &slow, 0, json!({"slow_factor": 1000.0})).await;
-    let router = router_for(&[&slow], "limits: {response_timeout_s: 0.5}").await;
+    let router = router_tuned(&[&slow], |c| c.limits.response_timeout_s = 0.5).await;
     let started = Instant::now();
     let answer = chat(
         &client,
@@ -377,7 +401,7 @@ async fn no_healthy_endpoint_is_a_503_with_retry_after_and_a_slow_engine_a_504()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_pass_through_and_a_client_disconnect_frees_everything() {
     let a = engine(1024).await;
-    let router = router_for(&[&a], "").await;
+    let router = router_for(&[&a]).await;
     let client = reqwest::Client::new();
     let started = Instant::now();
     // A raw connection, so that going away really closes the socket.
@@ -459,7 +483,7 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         engine_with(4096, 8).await,
         engine_with(4096, 8).await,
     );
-    let router = router_for(&[&a, &b, &c], "").await;
+    let router = router_for(&[&a, &b, &c]).await;
     let client = reqwest::Client::new();
     let hot = words(1500, 77);
     // Warm one endpoint with the hot prefix.
@@ -494,7 +518,7 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_engine_is_relearned() {
     let a = engine(1024).await;
-    let router = router_for(&[&a], "").await;
+    let router = router_for(&[&a]).await;
     let client = reqwest::Client::new();
     let content = words(400, 5);
     chat(
@@ -554,7 +578,7 @@ async fn a_restarted_engine_is_relearned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
     let a = engine(512).await;
-    let router = router_for(&[&a], "").await;
+    let router = router_for(&[&a]).await;
     let client = reqwest::Client::new();
     for i in 0..10 {
         let stream = i % 2 == 0;
@@ -585,13 +609,13 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
         .local_addr()
         .unwrap()
         .port();
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\ncache: {{silent_after_s: 0.3}}\nendpoints:\n  - {{name: quiet, url: '{}', events: 'tcp://127.0.0.1:{dead}'}}\n",
-        a.endpoints[0].url
-    );
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let mut quiet = endpoint(Some("quiet".into()), &a.endpoints[0].url);
+    quiet.events = Some(format!("tcp://127.0.0.1:{dead}"));
+    let config = ConfigBuilder::new(MODEL)
+        .with(|c| c.cache.silent_after_s = 0.3)
+        .endpoint(quiet)
+        .build();
+    let router = start_router(config).await.unwrap();
     let client = reqwest::Client::new();
     let body = json!({"model": MODEL, "prompt": words(100, 1), "max_tokens": 1});
     client
@@ -631,7 +655,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
 async fn an_evicted_history_no_longer_holds_its_conversation() {
     // Small caches: 64 blocks of 16 tokens per engine.
     let (a, b) = (engine(64).await, engine(64).await);
-    let router = router_for(&[&a, &b], "").await;
+    let router = router_for(&[&a, &b]).await;
     let client = reqwest::Client::new();
     let history = vec![json!({"role": "user", "content": words(300, 11)})];
     let first = chat(&client, &router, &history, 2).await;
@@ -680,21 +704,12 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
     let (a, b) = (engine(1024).await, engine(1024).await);
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}, tokenizer: remote}}]\nendpoints:\n"
-    );
-    for f in [&a, &b] {
-        let ep = &f.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{url: '{}', events: '{}', replay: '{}'}}\n",
-            ep.url,
-            ep.events,
-            ep.replay.as_deref().unwrap()
-        ));
-    }
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new(MODEL)
+        .tokenizer(TokenizerConfig::Kind(TokenizerKind::Remote))
+        .unnamed_engine(&a)
+        .unnamed_engine(&b)
+        .build();
+    let router = start_router(config).await.unwrap();
     eventually("subscribers connected", || {
         (router.subscribers_connected(), ())
     })
@@ -763,8 +778,12 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
     let client = reqwest::Client::new();
     // Prefill 20 times slower: a long prompt keeps the engine busy for a while.
     fault(&client, &a, 0, json!({"slow_factor": 200.0})).await;
-    let flow = "scheduler: {saturation: {queue: 1}}\nflow: {max_requests: 1, max_wait_s: 30}";
-    let router = std::sync::Arc::new(router_for(&[&a], flow).await);
+    let flow = |c: &mut RouterConfig| {
+        c.scheduler.saturation = Some(saturated_at_queue(1.0));
+        c.flow.max_requests = 1;
+        c.flow.max_wait_s = 30.0;
+    };
+    let router = std::sync::Arc::new(router_tuned(&[&a], flow).await);
     let e0 = kvroute_core::index::EndpointId(0);
     let long = {
         let (client, router) = (client.clone(), router.clone());
@@ -779,7 +798,7 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         tokio::spawn(async move { complete(&client, &router, words(10, 2)).await })
     };
     eventually("the second request is held in the router", || {
-        (router.router.fleet().flow().len() == 1, ())
+        (held_requests(&router.router) == 1, ())
     })
     .await;
     assert_eq!(
@@ -799,11 +818,14 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
         200,
         "served once the engine had room"
     );
-    assert_eq!(router.router.fleet().flow().len(), 0);
+    assert_eq!(held_requests(&router.router), 0);
 
     // A router that may hold a request only briefly sheds it with 503.
-    let brief = "scheduler: {saturation: {queue: 1}}\nflow: {max_wait_s: 0.2}";
-    let router = std::sync::Arc::new(router_for(&[&a], brief).await);
+    let brief = |c: &mut RouterConfig| {
+        c.scheduler.saturation = Some(saturated_at_queue(1.0));
+        c.flow.max_wait_s = 0.2;
+    };
+    let router = std::sync::Arc::new(router_tuned(&[&a], brief).await);
     let long = {
         let (client, router) = (client.clone(), router.clone());
         tokio::spawn(async move { complete(&client, &router, words(600, 4)).await })
@@ -839,7 +861,10 @@ async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> Stri
 
 /// Two engines behind a round-robin router configured with `extra`: e0 answers every
 /// generation request `status` at once while passing its health checks, e1 is well.
-async fn failing_beside_healthy(status: u16, extra: &str) -> (RunningRouter, [SimFleet; 2]) {
+async fn failing_beside_healthy(
+    status: u16,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> (RunningRouter, [SimFleet; 2]) {
     let (bad, good) = (engine(512).await, engine(512).await);
     fault(
         &reqwest::Client::new(),
@@ -848,17 +873,20 @@ async fn failing_beside_healthy(status: u16, extra: &str) -> (RunningRouter, [Si
         json!({"error_fraction": 1.0, "error_status": status}),
     )
     .await;
-    let extra = format!("scheduler: {{policy: round-robin}}\n{extra}");
-    let router = router_for(&[&bad, &good], &extra).await;
+    let router = router_tuned(&[&bad, &good], |c| {
+        c.scheduler.policy = ProfileName::RoundRobin;
+        tune(c);
+    })
+    .await;
     (router, [bad, good])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
-    let (router, _engines) = failing_beside_healthy(
-        503,
-        "outlier: {consecutive_failures: 3, base_ejection_s: 60}",
-    )
+    let (router, _engines) = failing_beside_healthy(503, |c| {
+        c.outlier.consecutive_failures = 3;
+        c.outlier.base_ejection_s = 60.0;
+    })
     .await;
     let client = reqwest::Client::new();
     for i in 0..12 {
@@ -897,10 +925,11 @@ async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_stop_when_the_budget_is_spent() {
-    let (router, _engines) = failing_beside_healthy(
-        500,
-        "outlier: {enabled: false}\nretry: {budget_ratio: 0.0, min_retries_per_s: 0.0}",
-    )
+    let (router, _engines) = failing_beside_healthy(500, |c| {
+        c.outlier.enabled = false;
+        c.retry.budget_ratio = 0.0;
+        c.retry.min_retries_per_s = 0.0;
+    })
     .await;
     let client = reqwest::Client::new();
     let mut statuses = Vec::new();
@@ -925,7 +954,7 @@ async fn retries_stop_when_the_budget_is_spent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_circuit_breaker_sends_past_a_full_endpoint() {
     let (a, b) = (engine(1024).await, engine(1024).await);
-    let router = router_for(&[&a, &b], "outlier: {max_inflight: 1}").await;
+    let router = router_tuned(&[&a, &b], |c| c.outlier.max_inflight = 1).await;
     let client = reqwest::Client::new();
     // A long stream holds one endpoint's only slot; the same prompt again, which the cache
     // would send there, goes to the other.
@@ -958,7 +987,7 @@ async fn the_circuit_breaker_sends_past_a_full_endpoint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_circuit_holds_requests_until_a_slot_frees() {
     let a = engine(1024).await;
-    let router = router_for(&[&a], "outlier: {max_inflight: 1}").await;
+    let router = router_tuned(&[&a], |c| c.outlier.max_inflight = 1).await;
     let (socket, _) = open_stream(&router, 2000).await;
     let (client, addr) = (reqwest::Client::new(), router.addr);
     let waiting = tokio::spawn(async move {
@@ -972,7 +1001,7 @@ async fn a_full_circuit_holds_requests_until_a_slot_frees() {
             .as_u16()
     });
     eventually("the second request held", || {
-        (router.router.fleet().flow().len() == 1, ())
+        (held_requests(&router.router) == 1, ())
     })
     .await;
     drop(socket);
@@ -982,7 +1011,7 @@ async fn a_full_circuit_holds_requests_until_a_slot_frees() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_requests_are_counted_as_client_closed() {
     let a = engine(1024).await;
-    let router = router_for(&[&a], "").await;
+    let router = router_for(&[&a]).await;
     let client = reqwest::Client::new();
     let inflight = || {
         router
@@ -1065,7 +1094,7 @@ async fn read_to_end(mut socket: tokio::net::TcpStream, mut received: Vec<u8>) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_refuses_new_connections_and_lets_streams_finish() {
     let a = engine(1024).await;
-    let mut router = router_for(&[&a], "").await;
+    let mut router = router_for(&[&a]).await;
     let client = reqwest::Client::new();
     let (socket, received) = open_stream(&router, 200).await;
     router.drain();
@@ -1097,7 +1126,7 @@ async fn a_drain_refuses_new_connections_and_lets_streams_finish() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_that_times_out_ends_open_streams_with_an_error_event() {
     let a = engine(1024).await;
-    let mut router = router_for(&[&a], "").await;
+    let mut router = router_for(&[&a]).await;
     let (socket, received) = open_stream(&router, 8000).await;
     let reader = tokio::spawn(read_to_end(socket, received));
     let finished = router.shutdown(Duration::from_millis(300)).await;

@@ -9,9 +9,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::config_builder::ConfigBuilder;
 use common::engine;
 use futures::StreamExt;
 use kvroute_router::config::RouterConfig;
+use kvroute_router::forwarding::Network;
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::{eventually, http_get, patience, sample};
@@ -22,24 +24,15 @@ use tokio::net::TcpStream;
 const MODEL: &str = "sim-llama-3.1-8b";
 
 /// A router in front of one engine URL (no KV events: these tests are about HTTP).
-async fn router_with(url: &str, extra: &str) -> RunningRouter {
-    let admin = if extra.contains("admin:") {
-        ""
-    } else {
-        "admin: {listen: 127.0.0.1:0}\n"
-    };
-    let yaml = format!(
-        "listen: 127.0.0.1:0\n{admin}models: [{{name: {MODEL}}}]\n{extra}\nendpoints: [{{name: e0, url: '{url}'}}]\n"
-    );
-    start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap()
+async fn router_with(url: &str, tune: impl FnOnce(&mut RouterConfig)) -> RunningRouter {
+    let config = ConfigBuilder::new(MODEL).url("e0", url).with(tune).build();
+    start_router(config).await.unwrap()
 }
 
 /// A simulated engine and a router in front of it.
-async fn engine_and_router(extra: &str) -> (SimFleet, RunningRouter) {
+async fn engine_and_router(tune: impl FnOnce(&mut RouterConfig)) -> (SimFleet, RunningRouter) {
     let engine = engine().await;
-    let router = router_with(&engine.endpoints[0].url, extra).await;
+    let router = router_with(&engine.endpoints[0].url, tune).await;
     (engine, router)
 }
 
@@ -97,7 +90,7 @@ async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Valu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_allowlisted_openai_paths_reach_an_engine() {
-    let (_engine, router) = engine_and_router("").await;
+    let (_engine, router) = engine_and_router(|_| {}).await;
     for (method, path) in [
         ("POST", "/v1/load_lora_adapter"),
         ("POST", "/v1/../sim/restart"),
@@ -139,7 +132,7 @@ async fn only_allowlisted_openai_paths_reach_an_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
-    let (_engine, router) = engine_and_router("limits: {max_body_bytes: 1000}").await;
+    let (_engine, router) = engine_and_router(|c| c.limits.max_body_bytes = 1000).await;
     let mut socket = send_raw(
         router.addr,
         b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n",
@@ -152,8 +145,11 @@ async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_are_cut_off_while_others_are_served() {
-    let (_engine, router) =
-        engine_and_router("limits: {header_timeout_ms: 400, body_timeout_ms: 400}").await;
+    let (_engine, router) = engine_and_router(|c| {
+        c.limits.header_timeout_ms = 400;
+        c.limits.body_timeout_ms = 400;
+    })
+    .await;
     let client = reqwest::Client::new();
     let started = Instant::now();
     // Partial headers, never finished.
@@ -212,8 +208,11 @@ async fn slow_clients_are_cut_off_while_others_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
-    let (_engine, router) =
-        engine_and_router("limits: {max_connections: 2, idle_timeout_ms: 1000}").await;
+    let (_engine, router) = engine_and_router(|c| {
+        c.limits.max_connections = 2;
+        c.limits.idle_timeout_ms = 1000;
+    })
+    .await;
     let started = Instant::now();
     let mut first = TcpStream::connect(router.addr).await.unwrap();
     let mut second = TcpStream::connect(router.addr).await.unwrap();
@@ -267,9 +266,11 @@ async fn send_holder(addr: std::net::SocketAddr) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_one_byte_budget() {
-    let (_engine, router) = engine_and_router(
-        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 500}",
-    )
+    let (_engine, router) = engine_and_router(|c| {
+        c.limits.max_body_bytes = 2000;
+        c.limits.max_buffered_bytes = 3000;
+        c.limits.body_timeout_ms = 500;
+    })
     .await;
     // Holds the 1900 bytes it sent while it stalls.
     let mut holder = send_holder(router.addr).await;
@@ -299,9 +300,11 @@ async fn request_bodies_share_one_byte_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn declared_lengths_cost_nothing_until_their_bytes_arrive() {
-    let (_engine, router) = engine_and_router(
-        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 60000}",
-    )
+    let (_engine, router) = engine_and_router(|c| {
+        c.limits.max_body_bytes = 2000;
+        c.limits.max_buffered_bytes = 3000;
+        c.limits.body_timeout_ms = 60000;
+    })
     .await;
     // Over HTTP/1.1: 20 connections that declare 2000 bytes each (13 times the budget) and send
     // one.
@@ -347,9 +350,11 @@ async fn declared_lengths_cost_nothing_until_their_bytes_arrive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_has_its_own_byte_budget() {
-    let (_engine, router) = engine_and_router(
-        "limits: {max_body_bytes: 2000, max_buffered_bytes: 2000, body_timeout_ms: 60000}",
-    )
+    let (_engine, router) = engine_and_router(|c| {
+        c.limits.max_body_bytes = 2000;
+        c.limits.max_buffered_bytes = 2000;
+        c.limits.body_timeout_ms = 60000;
+    })
     .await;
     let _holder = send_holder(router.addr).await;
     eventually("the API budget is nearly spent", || {
@@ -374,7 +379,7 @@ async fn the_admin_listener_has_its_own_byte_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_explain_live_on_the_admin_listener_behind_its_token() {
-    let (_engine, router) = engine_and_router("admin: {listen: 127.0.0.1:0, token: s3cret}").await;
+    let (_engine, router) = engine_and_router(|c| c.admin.token = Some("s3cret".into())).await;
     let client = reqwest::Client::new();
     let admin = |path: &str| format!("http://{}{path}", router.admin_addr);
     let resp = client.get(admin("/metrics")).send().await.unwrap();
@@ -420,7 +425,7 @@ async fn metrics_and_explain_live_on_the_admin_listener_behind_its_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_vllm_accepts_are_routed_in_every_shape() {
-    let (_engine, router) = engine_and_router("").await;
+    let (_engine, router) = engine_and_router(|_| {}).await;
     let client = reqwest::Client::new();
     let completions = [
         r#"{"model":"M","prompt":["first prompt","second prompt"],"max_tokens":2}"#,
@@ -454,7 +459,7 @@ async fn requests_vllm_accepts_are_routed_in_every_shape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_cache_stays_within_its_byte_budget() {
-    let (_engine, router) = engine_and_router("limits: {token_cache_bytes: 1000000}").await;
+    let (_engine, router) = engine_and_router(|c| c.limits.token_cache_bytes = 1_000_000).await;
     let client = reqwest::Client::new();
     for i in 0..12 {
         // About 160 KB of tokens each: 2 MB offered to a 1 MB cache.
@@ -522,14 +527,14 @@ async fn headers_are_forwarded_as_rfc_9110_says() {
         )
     };
     let hostile = "x-request-id: abc\r\nconnection: close, x-secret\r\nx-secret: 1\r\nhttp2-settings: AAMAAABkAAQAAP__\r\nx-forwarded-for: 203.0.113.9\r\nforwarded: for=203.0.113.9\r\n";
-    for (config, xff) in [
-        ("", "127.0.0.1"),
-        (
-            "forwarding: {trusted_proxies: ['127.0.0.0/8']}",
-            "203.0.113.9, 127.0.0.1",
-        ),
-    ] {
-        let router = router_with(&engine, config).await;
+    for (trusts_loopback, xff) in [(false, "127.0.0.1"), (true, "203.0.113.9, 127.0.0.1")] {
+        let router = router_with(&engine, |c| {
+            if trusts_loopback {
+                c.forwarding.trusted_proxies =
+                    vec![Network::try_from("127.0.0.0/8".to_owned()).unwrap()];
+            }
+        })
+        .await;
         let mut socket = send_raw(router.addr, request(hostile).as_bytes()).await;
         let answer = read_until_closed(&mut socket).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
@@ -539,18 +544,22 @@ async fn headers_are_forwarded_as_rfc_9110_says() {
             "named by Connection"
         );
         assert!(echoed(&answer, "http2-settings").is_empty());
-        assert_eq!(echoed(&answer, "x-forwarded-for"), [xff], "{config}");
+        assert_eq!(
+            echoed(&answer, "x-forwarded-for"),
+            [xff],
+            "trusts loopback: {trusts_loopback}"
+        );
         let forwarded = echoed(&answer, "forwarded");
         assert_eq!(forwarded.len(), 1);
         assert!(forwarded[0].ends_with("for=127.0.0.1"), "{forwarded:?}");
         assert_eq!(
             forwarded[0].contains("203.0.113.9"),
-            !config.is_empty(),
+            trusts_loopback,
             "{forwarded:?}"
         );
     }
     // Two Host headers: refused before any engine sees the request.
-    let router = router_with(&engine, "").await;
+    let router = router_with(&engine, |_| {}).await;
     let mut socket = send_raw(
         router.addr,
         request("host: elsewhere\r\nconnection: close\r\n").as_bytes(),

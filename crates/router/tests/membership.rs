@@ -3,8 +3,9 @@
 
 mod common;
 
+use common::config_builder::{ConfigBuilder, endpoint};
 use common::engine;
-use kvroute_router::config::{EndpointConfig, RouterConfig};
+use kvroute_router::config::EndpointConfig;
 use kvroute_router::membership::Membership;
 use kvroute_router::server::start;
 use kvroute_sim::server::SimFleet;
@@ -15,11 +16,9 @@ const MODEL: &str = "sim-llama-3.1-8b";
 
 fn endpoint_config(fleet: &SimFleet, name: &str) -> EndpointConfig {
     let ep = &fleet.endpoints[0];
-    let yaml = format!(
-        "{{name: {name}, url: '{}', events: '{}'}}",
-        ep.url, ep.events
-    );
-    serde_yaml_ng::from_str(&yaml).unwrap()
+    let mut config = endpoint(Some(name.to_owned()), &ep.url);
+    config.events = Some(ep.events.clone());
+    config
 }
 
 async fn served_by(client: &reqwest::Client, addr: std::net::SocketAddr, i: usize) -> String {
@@ -41,13 +40,11 @@ async fn served_by(client: &reqwest::Client, addr: std::net::SocketAddr, i: usiz
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_join_and_leave_a_running_router() {
     let (a, b) = (engine().await, engine().await);
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\nendpoints:\n  - {{name: a, url: '{}'}}\n",
-        a.endpoints[0].url
-    );
-    let running = start(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new(MODEL)
+        .health(100, 500)
+        .url("a", &a.endpoints[0].url)
+        .build();
+    let running = start(config).await.unwrap();
     let router = running.router.clone();
     let client = reqwest::Client::new();
 

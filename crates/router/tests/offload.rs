@@ -3,10 +3,13 @@
 //! it. The engine is a loopback stub whose `/tokenize` (the `remote` tokenizer) answers only
 //! when the test lets it, so that the pool is busy for as long as the test needs.
 
+mod common;
+
 use std::sync::Arc;
 
 use axum::routing::{get, post};
-use kvroute_router::config::RouterConfig;
+use common::config_builder::ConfigBuilder;
+use kvroute_router::config::{TokenizerConfig, TokenizerKind};
 use kvroute_router::server::start as start_router;
 use kvroute_testkit::{http_get, patience, sample};
 use serde_json::{Value, json};
@@ -46,12 +49,16 @@ async fn large_requests_past_the_pools_queue_are_shed_and_small_ones_go_on() {
     let (called_tx, mut called) = mpsc::channel(4);
     let release = Arc::new(Notify::new());
     let url = stub_engine(called_tx, release.clone()).await;
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}, tokenizer: remote}}]\nlimits: {{offload_above_bytes: 10000, offload_threads: 1, offload_queue: 0}}\nendpoints: [{{name: e0, url: '{url}'}}]\n"
-    );
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new(MODEL)
+        .tokenizer(TokenizerConfig::Kind(TokenizerKind::Remote))
+        .with(|c| {
+            c.limits.offload_above_bytes = 10_000;
+            c.limits.offload_threads = 1;
+            c.limits.offload_queue = 0;
+        })
+        .url("e0", &url)
+        .build();
+    let router = start_router(config).await.unwrap();
     let client = reqwest::Client::new();
     let send = |prompt: String| {
         let client = client.clone();
@@ -97,10 +104,11 @@ async fn large_requests_past_the_pools_queue_are_shed_and_small_ones_go_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_past_the_routed_blocks_is_routed_by_its_head() {
-    let yaml = "listen: 127.0.0.1:0\nadmin: {listen: 127.0.0.1:0}\nmodels: [{name: m}]\nlimits: {max_routed_blocks: 8}\nendpoints: [{name: e0, url: 'http://127.0.0.1:9'}]\n";
-    let router = start_router(RouterConfig::from_yaml(yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new("m")
+        .with(|c| c.limits.max_routed_blocks = 8)
+        .url("e0", "http://127.0.0.1:9")
+        .build();
+    let router = start_router(config).await.unwrap();
     let explained: Value = reqwest::Client::new()
         .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
         .json(&json!({"model": MODEL, "prompt": "word ".repeat(2_000)}))

@@ -13,6 +13,7 @@ use axum::body::Body;
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use common::config_builder::ConfigBuilder;
 use futures::StreamExt;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
@@ -73,16 +74,12 @@ async fn faulty_engine(then: AfterFirstChunk) -> String {
     format!("http://{addr}")
 }
 
-async fn router(urls: &[&str], extra: &str) -> RunningRouter {
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\n{extra}\nendpoints:\n"
-    );
+async fn router(urls: &[&str], tune: impl FnOnce(&mut RouterConfig)) -> RunningRouter {
+    let mut config = ConfigBuilder::new(MODEL);
     for (i, url) in urls.iter().enumerate() {
-        yaml.push_str(&format!("  - {{name: e{i}, url: '{url}'}}\n"));
+        config = config.url(&format!("e{i}"), url);
     }
-    start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap()
+    start_router(config.with(tune).build()).await.unwrap()
 }
 
 /// Streams a completion through the router: the whole text it sent before ending.
@@ -120,7 +117,7 @@ fn cut(router: &RunningRouter, reason: &str) -> Option<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_the_engine_stalls_is_cut_with_an_error_event() {
     let url = faulty_engine(AfterFirstChunk::Stall).await;
-    let router = router(&[&url], "limits: {stream_idle_timeout_s: 0.5}").await;
+    let router = router(&[&url], |c| c.limits.stream_idle_timeout_s = 0.5).await;
     let started = Instant::now();
     let text = stream_completion(&router).await;
     assert!(text.starts_with("data: {\"choices\""), "{text}");
@@ -137,7 +134,7 @@ async fn a_stream_the_engine_stalls_is_cut_with_an_error_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_the_engine_breaks_ends_with_an_error_event() {
     let url = faulty_engine(AfterFirstChunk::Fail).await;
-    let router = router(&[&url], "").await;
+    let router = router(&[&url], |_| {}).await;
     let text = stream_completion(&router).await;
     assert!(text.starts_with("data: {\"choices\""), "{text}");
     let error = last_event(&text);
@@ -156,7 +153,7 @@ async fn a_stream_the_engine_breaks_ends_with_an_error_event() {
 async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
     let stalled = faulty_engine(AfterFirstChunk::Stall).await;
     let engine = common::engine().await;
-    let router = router(&[&stalled, &engine.endpoints[0].url], "").await;
+    let router = router(&[&stalled, &engine.endpoints[0].url], |_| {}).await;
     let started = Instant::now();
     let listing = tokio::time::timeout(
         patience(),

@@ -1,10 +1,12 @@
 //! The router against an engine behind a strict HTTP/1.1 parser (h11, which uvicorn runs on):
 //! proxied requests must be origin-form and carry `Host`.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-use kvroute_router::config::RouterConfig;
+use common::config_builder::ConfigBuilder;
 use kvroute_router::server::start as start_router;
 use serde_json::{Value, json};
 
@@ -45,13 +47,10 @@ async fn proxied_requests_pass_a_strict_http11_parser() {
         return;
     };
     let engine = strict_engine(&python);
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: m}}]\nendpoints: [{{name: strict, url: 'http://127.0.0.1:{}'}}]\n",
-        engine.port
-    );
-    let router = start_router(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new("m")
+        .url("strict", &format!("http://127.0.0.1:{}", engine.port))
+        .build();
+    let router = start_router(config).await.unwrap();
     let client = reqwest::Client::new();
     for _ in 0..3 {
         let resp = client

@@ -118,7 +118,9 @@ impl<B> AccountedBody<B> {
         router
             .metrics()
             .streams_cut
-            .get_or_create(&vec![("reason", why.label().to_owned())])
+            .get_or_create(&crate::metrics::ReasonLabel {
+                reason: why.label(),
+            })
             .inc();
         let error = match why {
             Cut::Shutdown => {

@@ -207,7 +207,7 @@ async fn serve_connection(
                     edge.router
                         .metrics()
                         .client_timeouts
-                        .get_or_create(&vec![("kind", why.label().to_owned())])
+                        .get_or_create(&crate::metrics::KindLabel { kind: why.label() })
                         .inc();
                     debug!(listener = edge.name, reason = why.label(), "closing a client connection");
                     return;

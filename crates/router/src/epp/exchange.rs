@@ -131,7 +131,7 @@ impl Exchange {
         self.router
             .metrics()
             .client_timeouts
-            .get_or_create(&vec![("kind", "body".to_owned())])
+            .get_or_create(&crate::metrics::KindLabel { kind: "body" })
             .inc();
         let timeout = self.body_timeout();
         self.refuse(

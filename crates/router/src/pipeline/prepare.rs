@@ -70,7 +70,9 @@ fn offload_shed(router: &Router) -> Refused {
     router
         .metrics()
         .shed
-        .get_or_create(&vec![("reason", "offload_queue".to_owned())])
+        .get_or_create(&crate::metrics::ReasonLabel {
+            reason: "offload_queue",
+        })
         .inc();
     ApiError::unavailable("the router is preparing as many large requests as it may; retry shortly")
         .into()

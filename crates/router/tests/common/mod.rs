@@ -9,6 +9,9 @@ use std::time::Duration;
 use kvroute_sim::server::{EngineEndpoint, SimConfig, SimFleet, start as start_sim};
 use serde_json::Value;
 
+pub mod config_builder;
+pub mod fleet_view;
+
 /// One simulated engine on loopback (ephemeral ports, KV events and replay, 10× speed).
 pub async fn engine() -> SimFleet {
     start_sim(SimConfig {
@@ -22,9 +25,10 @@ pub async fn engine() -> SimFleet {
     .unwrap()
 }
 
-/// A router started from `yaml`, once its KV-event subscribers are connected.
-pub async fn router_from_yaml(yaml: &str) -> kvroute_router::server::RunningRouter {
-    let config = kvroute_router::config::RouterConfig::from_yaml(yaml).unwrap();
+/// A router started from `config`, once its KV-event subscribers are connected.
+pub async fn router_from_config(
+    config: kvroute_router::config::RouterConfig,
+) -> kvroute_router::server::RunningRouter {
     let router = kvroute_router::server::start(config).await.unwrap();
     kvroute_testkit::eventually("subscribers connected", || {
         (router.subscribers_connected(), ())

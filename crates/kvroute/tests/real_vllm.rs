@@ -469,15 +469,24 @@ fn envoy_and_the_endpoint_picker_route_real_engines_by_their_cache() {
         "envoy",
     );
     assert_exact_and_home(&records);
-    // The picker saw every response's usage through ext_proc: all predictions exact.
-    let metrics = kvroute_testkit::http_get(([127, 0, 0, 1], admin).into(), "/metrics");
-    let outcomes = |outcome: &str| {
+    // The picker saw every response's usage through ext_proc: all predictions exact. Its
+    // observer stream is one Envoy does not wait for, so the last response may be accounted a
+    // moment after the client has it: wait for every one, then check none was wrong.
+    let outcomes = |metrics: &str, outcome: &str| {
         kvroute_testkit::sum_labelled(
-            &metrics,
+            metrics,
             "kvroute_prediction_outcomes_total",
             &format!("outcome=\"{outcome}\""),
         )
     };
+    let mut metrics = String::new();
+    kvroute_testkit::eventually_blocking("every response accounted", || {
+        metrics = kvroute_testkit::http_get(([127, 0, 0, 1], admin).into(), "/metrics");
+        let accounted =
+            outcomes(&metrics, "exact") + outcomes(&metrics, "over") + outcomes(&metrics, "under");
+        (accounted >= records.len() as f64, accounted)
+    });
+    let outcomes = |outcome: &str| outcomes(&metrics, outcome);
     assert_eq!(outcomes("exact"), records.len() as f64, "{metrics}");
     assert_eq!(outcomes("over") + outcomes("under"), 0.0, "{metrics}");
     let _ = std::fs::remove_dir_all(dir);

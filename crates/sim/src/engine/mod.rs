@@ -5,6 +5,7 @@
 
 pub mod block_pool;
 pub mod latency;
+mod lru;
 pub mod offload_config;
 mod request;
 pub mod shared_fs;

@@ -7,12 +7,13 @@
 //! access latency. Time is a parameter, so the live and the offline simulators share it.
 //! Blocks are published with the medium `FS`, which the router's index treats as fleet-wide.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
 use kvroute_core::keys::VllmDigest;
 use serde::{Deserialize, Serialize};
+
+use super::lru::LruBlocks;
 
 /// The medium string of shared-filesystem events.
 pub const SHARED_FS_MEDIUM: &str = "FS";
@@ -44,9 +45,7 @@ impl Default for SharedFsConfig {
 #[derive(Debug)]
 pub struct SharedFs {
     config: SharedFsConfig,
-    by_digest: HashMap<VllmDigest, u64>,
-    lru: BTreeMap<u64, VllmDigest>,
-    stamp: u64,
+    blocks: LruBlocks,
     /// When the bytes already queued finish reading.
     busy_until_s: f64,
     loaded_bytes: u64,
@@ -60,9 +59,7 @@ impl SharedFs {
     pub fn new(config: SharedFsConfig) -> Self {
         Self {
             config,
-            by_digest: HashMap::new(),
-            lru: BTreeMap::new(),
-            stamp: 0,
+            blocks: LruBlocks::default(),
             busy_until_s: 0.0,
             loaded_bytes: 0,
         }
@@ -75,12 +72,12 @@ impl SharedFs {
 
     /// Blocks held.
     pub fn len(&self) -> usize {
-        self.by_digest.len()
+        self.blocks.len()
     }
 
     /// Whether it holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.by_digest.is_empty()
+        self.blocks.len() == 0
     }
 
     /// Bytes loaded by every engine so far.
@@ -90,26 +87,13 @@ impl SharedFs {
 
     /// Whether it holds `digest`.
     pub fn contains(&self, digest: &VllmDigest) -> bool {
-        self.by_digest.contains_key(digest)
-    }
-
-    fn touch(&mut self, digest: VllmDigest) -> bool {
-        let new = match self.by_digest.insert(digest, self.stamp) {
-            Some(old) => {
-                self.lru.remove(&old);
-                false
-            }
-            None => true,
-        };
-        self.lru.insert(self.stamp, digest);
-        self.stamp += 1;
-        new
+        self.blocks.contains(digest)
     }
 
     /// Writes `digest` (refreshes it if present); the writer publishes the store and any
     /// removal the write forces.
     pub fn store(&mut self, digest: VllmDigest, events: &mut Vec<KvEvent>) {
-        if self.config.capacity_blocks == 0 || !self.touch(digest) {
+        if self.config.capacity_blocks == 0 || !self.blocks.touch(digest) {
             return;
         }
         events.push(KvEvent::BlockStored(BlockStored {
@@ -117,9 +101,10 @@ impl SharedFs {
             medium: Some(SHARED_FS_MEDIUM.into()),
             ..Default::default()
         }));
-        while self.by_digest.len() > self.config.capacity_blocks {
-            let (_, old) = self.lru.pop_first().expect("over capacity, so non-empty");
-            self.by_digest.remove(&old);
+        while self.blocks.len() > self.config.capacity_blocks {
+            let Some(old) = self.blocks.pop_oldest() else {
+                break;
+            };
             events.push(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![EngineHash(old.event_u64())],
                 medium: Some(SHARED_FS_MEDIUM.into()),
@@ -135,8 +120,8 @@ impl SharedFs {
             return 0.0;
         }
         for digest in blocks {
-            if self.by_digest.contains_key(digest) {
-                self.touch(*digest);
+            if self.blocks.contains(digest) {
+                self.blocks.touch(*digest);
             }
         }
         let start = self.busy_until_s.max(now_s);
@@ -147,8 +132,7 @@ impl SharedFs {
 
     /// Drops every block.
     pub fn clear(&mut self) {
-        self.by_digest.clear();
-        self.lru.clear();
+        self.blocks.clear();
     }
 }
 

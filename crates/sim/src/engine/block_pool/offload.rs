@@ -10,10 +10,10 @@
 //! Each store and removal is published with its tier's medium string (`CPU`, `STORAGE`) and
 //! no token ids or parent, as the OffloadingConnector does.
 
-use std::collections::{BTreeMap, HashMap};
-
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
 use kvroute_core::keys::VllmDigest;
+
+use crate::engine::lru::LruBlocks;
 
 /// An offload tier below the GPU, fastest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,35 +40,11 @@ impl OffloadTier {
     }
 }
 
-/// One tier: block contents by recency, least recently used first.
+/// One tier: its capacity and its blocks by recency.
 #[derive(Debug, Default)]
 struct LruTier {
     capacity: usize,
-    by_digest: HashMap<VllmDigest, u64>,
-    lru: BTreeMap<u64, VllmDigest>,
-    stamp: u64,
-}
-
-impl LruTier {
-    /// Inserts or refreshes `digest`; true when it was not held before.
-    fn touch(&mut self, digest: VllmDigest) -> bool {
-        let new = match self.by_digest.insert(digest, self.stamp) {
-            Some(old) => {
-                self.lru.remove(&old);
-                false
-            }
-            None => true,
-        };
-        self.lru.insert(self.stamp, digest);
-        self.stamp += 1;
-        new
-    }
-
-    fn pop_oldest(&mut self) -> Option<VllmDigest> {
-        let (_, digest) = self.lru.pop_first()?;
-        self.by_digest.remove(&digest);
-        Some(digest)
-    }
+    blocks: LruBlocks,
 }
 
 /// The CPU and SSD tiers of one engine.
@@ -109,23 +85,21 @@ impl OffloadTiers {
 
     /// Blocks `tier` holds.
     pub fn len(&self, tier: OffloadTier) -> usize {
-        self.tiers
-            .get(tier as usize)
-            .map_or(0, |t| t.by_digest.len())
+        self.tiers.get(tier as usize).map_or(0, |t| t.blocks.len())
     }
 
     /// The tier holding `digest`, if any.
     pub fn find(&self, digest: &VllmDigest) -> Option<OffloadTier> {
         OffloadTier::LOCAL
             .into_iter()
-            .find(|t| self.tiers[*t as usize].by_digest.contains_key(digest))
+            .find(|t| self.tiers[*t as usize].blocks.contains(digest))
     }
 
     /// `tier`'s blocks, least recently used first.
     pub fn lru_order(&self, tier: OffloadTier) -> Vec<VllmDigest> {
         self.tiers
             .get(tier as usize)
-            .map_or_else(Vec::new, |t| t.lru.values().copied().collect())
+            .map_or_else(Vec::new, |t| t.blocks.oldest_first().copied().collect())
     }
 
     fn tier_mut(&mut self, tier: OffloadTier) -> &mut LruTier {
@@ -143,10 +117,10 @@ impl OffloadTiers {
         };
         if let Some(held) = self.find(&digest) {
             // Already offloaded (stored on an earlier eviction): refreshed, not stored again.
-            self.tier_mut(held).touch(digest);
+            self.tier_mut(held).blocks.touch(digest);
             return;
         }
-        self.tier_mut(top).touch(digest);
+        self.tier_mut(top).blocks.touch(digest);
         events.push(stored(&digest, top));
         self.spill(top, events);
     }
@@ -156,13 +130,14 @@ impl OffloadTiers {
         while self.len(tier) > self.capacity(tier) {
             let old = self
                 .tier_mut(tier)
+                .blocks
                 .pop_oldest()
                 .expect("over capacity, so non-empty");
             let below = OffloadTier::LOCAL
                 .into_iter()
                 .find(|t| *t > tier && self.capacity(*t) > 0);
             if let Some(below) = below {
-                self.tier_mut(below).touch(old);
+                self.tier_mut(below).blocks.touch(old);
                 events.push(stored(&old, below));
                 events.push(removed(&old, tier));
                 self.spill(below, events);
@@ -175,15 +150,14 @@ impl OffloadTiers {
     /// Records a hit on `digest` (loaded back to the GPU): refreshes its recency where it is.
     pub fn touch(&mut self, digest: VllmDigest) {
         if let Some(tier) = self.find(&digest) {
-            self.tier_mut(tier).touch(digest);
+            self.tier_mut(tier).blocks.touch(digest);
         }
     }
 
     /// Drops every block (a prefix-cache reset).
     pub fn clear(&mut self) {
         for tier in &mut self.tiers {
-            tier.by_digest.clear();
-            tier.lru.clear();
+            tier.blocks.clear();
         }
     }
 }

@@ -215,18 +215,24 @@ fn ssd_engine() -> Engine {
     .unwrap()
 }
 
-#[test]
-fn a_prefix_demoted_to_the_ssd_loads_from_it_counted_in_the_step_and_per_tier() {
+/// An SSD-tier engine that served prompt `a` and then two long prompts, which pushed `a`'s
+/// blocks out of the GPU, through the CPU tier, onto the SSD.
+fn a_prefix_demoted_to_the_ssd() -> (Engine, Vec<u32>) {
     let mut e = ssd_engine();
     let a: Vec<u32> = (0..24).collect();
     e.add_request(request(1, a.clone(), 1)).unwrap();
     run(&mut e);
-    // Two long prompts push a's blocks out of the GPU, through the CPU tier, onto the SSD.
     for (id, start) in [(2, 500), (3, 1000)] {
         e.add_request(request(id, (start..start + 24).collect(), 1))
             .unwrap();
         run(&mut e);
     }
+    (e, a)
+}
+
+#[test]
+fn a_prefix_demoted_to_the_ssd_loads_from_it_counted_in_the_step_and_per_tier() {
+    let (mut e, a) = a_prefix_demoted_to_the_ssd();
     let m = e.metrics();
     assert_eq!(m.cpu_blocks, 2, "the CPU tier is full, not over");
     assert!(m.ssd_blocks >= 5, "{m:?}");
@@ -266,15 +272,7 @@ fn a_prefix_demoted_to_the_ssd_loads_from_it_counted_in_the_step_and_per_tier() 
 
 #[test]
 fn a_block_loaded_from_the_ssd_is_promoted_back_to_the_gpu() {
-    let mut e = ssd_engine();
-    let a: Vec<u32> = (0..24).collect();
-    e.add_request(request(1, a.clone(), 1)).unwrap();
-    run(&mut e);
-    for (id, start) in [(2, 500), (3, 1000)] {
-        e.add_request(request(id, (start..start + 24).collect(), 1))
-            .unwrap();
-        run(&mut e);
-    }
+    let (mut e, a) = a_prefix_demoted_to_the_ssd();
     e.add_request(request(4, a.clone(), 1)).unwrap();
     run(&mut e);
     assert_eq!(e.cached_prefix_blocks(&a, None, None), 5, "back on the GPU");

@@ -65,7 +65,8 @@ impl LinkSpec {
                     Some(p) => p.parse().map_err(|_| bad())?,
                     None => 0.0,
                 };
-                if !(gbps > 0.0 && gbps.is_finite() && latency_ms >= 0.0) || parts.next().is_some()
+                if !(gbps > 0.0 && gbps.is_finite() && latency_ms >= 0.0 && latency_ms.is_finite())
+                    || parts.next().is_some()
                 {
                     return Err(bad());
                 }
@@ -262,7 +263,15 @@ mod tests {
         let custom = LinkSpec::parse("custom:2:3").unwrap();
         assert_eq!(custom.bandwidth_bytes_per_s, 2e9);
         assert!((custom.latency_s - 3e-3).abs() < 1e-12);
-        for bad in ["custom:", "custom:0", "custom:1:x", "fast", "custom:1:2:3"] {
+        for bad in [
+            "custom:",
+            "custom:0",
+            "custom:1:x",
+            "fast",
+            "custom:1:2:3",
+            "custom:1:inf",
+            "custom:1:NaN",
+        ] {
             assert!(LinkSpec::parse(bad).is_err(), "{bad}");
         }
     }

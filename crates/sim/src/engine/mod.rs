@@ -180,6 +180,23 @@ impl Engine {
                 config.max_num_batched_tokens, config.block_size
             )));
         }
+        let l = &config.latency;
+        if [
+            l.step_overhead_s,
+            l.prefill_per_token_s,
+            l.decode_per_seq_s,
+            l.decode_per_context_token_s,
+            l.cpu_load_per_block_s,
+            l.ssd_load_per_block_s,
+            l.ssd_load_latency_s,
+        ]
+        .iter()
+        .any(|s| !(s.is_finite() && *s >= 0.0))
+        {
+            return Err(SimError::Config(format!(
+                "every latency must be a finite number of seconds, 0 or more: {l:?}"
+            )));
+        }
         if let Some(fs) = &config.shared_fs
             && !(fs.bandwidth_bytes_per_s > 0.0
                 && fs.bandwidth_bytes_per_s.is_finite()

@@ -338,7 +338,7 @@ fn a_block_one_engine_writes_to_the_shared_fs_is_loaded_by_another_at_shared_ban
 }
 
 #[test]
-fn an_engine_without_the_mount_does_not_see_the_shared_fs() {
+fn an_engine_mounting_another_filesystem_does_not_see_these_blocks() {
     use shared_fs::{SharedFs, SharedFsConfig};
     let fs = SharedFs::handle(SharedFsConfig {
         capacity_blocks: 64,
@@ -355,9 +355,26 @@ fn an_engine_without_the_mount_does_not_see_the_shared_fs() {
             .unwrap();
         run(&mut writer);
     }
+    // Another fleet's filesystem, of the same shape: what the writer stored is not there.
     let mut other = engine(8);
+    other.mount_shared_fs(SharedFs::handle(SharedFsConfig {
+        capacity_blocks: 64,
+        ..SharedFsConfig::default()
+    }));
     other.add_request(request(3, a, 1)).unwrap();
     let step = other.step();
     assert_eq!(step.work.prefill_tokens, 24);
     assert_eq!(step.work.shared_fs_load_s, 0.0);
+}
+
+#[test]
+fn a_negative_or_non_finite_latency_is_a_configuration_error() {
+    for bad in [-1e-3, f64::NAN, f64::INFINITY] {
+        let mut config = EngineConfig::default();
+        config.latency.ssd_load_per_block_s = bad;
+        assert!(
+            matches!(Engine::new(config), Err(SimError::Config(_))),
+            "{bad}"
+        );
+    }
 }

@@ -145,7 +145,11 @@ pub async fn run_engine(
                     }
                 }
                 Command::Abort(id) => {
-                    engine.abort(id);
+                    // A prefill leg whose client left after it finished: its blocks stay held
+                    // for the consumer until pulled or expired (the lease releases them).
+                    if !shared.leases.lock().holds(id) {
+                        engine.abort(id);
+                    }
                     waiters.remove(&id);
                     lease_names.remove(&id);
                 }

@@ -91,6 +91,11 @@ impl LeaseTable {
         self.leases.is_empty()
     }
 
+    /// Whether request `id`'s blocks are held for a consumer.
+    pub fn holds(&self, id: RequestId) -> bool {
+        self.leases.contains_key(&id)
+    }
+
     /// Holds that expired unpulled, since start.
     pub fn expired_total(&self) -> u64 {
         self.expired_total
@@ -126,15 +131,23 @@ impl LeaseTable {
             .get(name)
             .and_then(|id| self.leases.get_mut(id))
             .ok_or_else(|| LeaseRefusal::Unknown(name.to_owned()))?;
+        // A pull names at most the blocks held (checked before any lookup: the lock is held).
+        if let Some(&extra) = block_ids.get(lease.held.block_ids.len()) {
+            return Err(LeaseRefusal::ForeignBlock(extra));
+        }
+        let position: HashMap<u64, usize> = lease
+            .held
+            .block_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (u64::from(h), i))
+            .collect();
         let hashes = block_ids
             .iter()
             .map(|&b| {
-                lease
-                    .held
-                    .block_ids
-                    .iter()
-                    .position(|&h| u64::from(h) == b)
-                    .map(|i| lease.held.hashes[i])
+                position
+                    .get(&b)
+                    .map(|&i| lease.held.hashes[i])
                     .ok_or(LeaseRefusal::ForeignBlock(b))
             })
             .collect::<Result<Vec<u64>, _>>()?;
@@ -207,6 +220,11 @@ mod tests {
         assert_eq!(
             table.begin_pull("cmpl-a", &[3], t0),
             Err(LeaseRefusal::ForeignBlock(3))
+        );
+        // More ids than the hold has are refused before any lookup.
+        assert_eq!(
+            table.begin_pull("cmpl-a", &[7, 8, 9, 7], t0),
+            Err(LeaseRefusal::ForeignBlock(7))
         );
         assert!(matches!(
             table.begin_pull("cmpl-b", &[], t0),

@@ -60,7 +60,9 @@ async fn run(mut fabric: Fabric, time_scale: f64, mut rx: mpsc::UnboundedReceive
         // Without transfers in flight, wait for one; otherwise until the next event at most.
         let wake = fabric
             .next_event()
-            .map(|t| origin + Duration::from_secs_f64(t.max(0.0) / time_scale));
+            // A time beyond what a Duration holds is never: wait for a command instead.
+            .and_then(|t| Duration::try_from_secs_f64(t.max(0.0) / time_scale).ok())
+            .map(|after| origin + after);
         let command = match wake {
             None => rx.recv().await.map(Some),
             Some(at) => match tokio::time::timeout_at(at, rx.recv()).await {

@@ -166,13 +166,17 @@ impl TierRates {
             if tokens < MIN_SAMPLE_TOKENS {
                 continue;
             }
+            // Averaged as seconds per token, not as a rate: one sample whose share of the time
+            // is nearly 0 would otherwise lift the rate by orders of magnitude (and take dozens
+            // of samples to come back), pricing the tier like the GPU meanwhile.
             let share = seconds * predicted[t as usize] / total;
-            let sample = tokens as f64 / share;
+            let sample = share / tokens as f64;
             let slot = &mut self.learned[t as usize];
-            *slot = Some(match *slot {
+            let seconds_per_token = match *slot {
                 None => sample,
-                Some(old) => (1.0 - LEARNING_RATE) * old + LEARNING_RATE * sample,
-            });
+                Some(old) => (1.0 - LEARNING_RATE) / old + LEARNING_RATE * sample,
+            };
+            *slot = Some(1.0 / seconds_per_token);
             self.samples[t as usize] = self.samples[t as usize].saturating_add(1);
         }
     }
@@ -339,6 +343,20 @@ mod tests {
             [2000, 1000, 0],
             "no tier tokens: nothing counted"
         );
+    }
+
+    #[test]
+    fn one_sample_with_almost_no_time_does_not_make_a_tier_as_fast_as_the_gpu() {
+        let costs = TierCosts::default();
+        let mut rates = TierRates::default();
+        let truth = 60_000.0;
+        for _ in 0..20 {
+            rates.observe([4096, 0, 0], 4096.0 / truth, &costs);
+        }
+        // Time to first token barely above the recompute estimate: a 1 µs share.
+        rates.observe([4096, 0, 0], 1e-6, &costs);
+        let got = rates.rate(LoadTier::Cpu, &costs);
+        assert!(got < 1.5 * truth, "learned {got:.0}, true {truth:.0}");
     }
 
     #[test]

@@ -28,6 +28,12 @@ impl RestartWatch {
     /// Records a scrape of `signals` at `now` and says since when the engine has restarted,
     /// if it has (the time of the previous scrape: it restarted after that).
     pub fn observe(&mut self, signals: RestartSignals, now: f64) -> Option<f64> {
+        // Prometheus text allows NaN and ±Inf: such a reading says nothing (and NaN never
+        // equals the last one, which would look like a restart at every scrape).
+        let signals = RestartSignals {
+            process_start_time: signals.process_start_time.filter(|v| v.is_finite()),
+            prefix_cache_queries: signals.prefix_cache_queries.filter(|v| v.is_finite()),
+        };
         let restarted_since = match (self.last_start, signals.process_start_time) {
             (Some((before, at)), Some(start)) if start != before => Some(at),
             _ => match (self.last_queries, signals.prefix_cache_queries) {
@@ -84,5 +90,17 @@ mod tests {
         assert_eq!(w.observe(signals(Some(200.0), Some(9.0)), 3.0), Some(2.0));
         assert_eq!(w.observe(signals(None, Some(1.0)), 4.0), Some(3.0));
         assert_eq!(w.observe(signals(None, Some(2.0)), 5.0), None);
+    }
+
+    #[test]
+    fn a_nan_or_infinite_reading_is_no_restart() {
+        let mut w = RestartWatch::default();
+        assert_eq!(w.observe(signals(Some(100.0), Some(5.0)), 1.0), None);
+        for t in 2..6 {
+            let nan = signals(Some(f64::NAN), Some(f64::NAN));
+            assert_eq!(w.observe(nan, f64::from(t)), None);
+        }
+        assert_eq!(w.observe(signals(Some(f64::INFINITY), None), 6.0), None);
+        assert_eq!(w.observe(signals(Some(100.0), Some(6.0)), 7.0), None);
     }
 }

@@ -176,12 +176,16 @@ impl LinkBook {
             // learning from this transfer.
             pair.samples = 0;
         }
-        pair.seconds_per_byte = if pair.samples == 0 {
-            observed
-        } else {
-            learning.weight * observed + (1.0 - learning.weight) * pair.seconds_per_byte
-        };
-        pair.samples = pair.samples.saturating_add(1);
+        // A transfer no longer than the link's latency says nothing of its bandwidth (and would
+        // price every later transfer at the latency alone): it only counts as a good transfer.
+        if observed > 0.0 {
+            pair.seconds_per_byte = if pair.samples == 0 {
+                observed
+            } else {
+                learning.weight * observed + (1.0 - learning.weight) * pair.seconds_per_byte
+            };
+            pair.samples = pair.samples.saturating_add(1);
+        }
         if degraded {
             self.strike(p, d, now);
         } else {

@@ -197,6 +197,18 @@ fn a_busy_link_is_a_queue_the_transfer_waits_behind() {
 }
 
 #[test]
+fn a_transfer_within_the_links_latency_teaches_no_bandwidth() {
+    let mut links = book(ROCE);
+    // Took no longer than the latency: no bandwidth can be read from it (it would be infinite).
+    links.observe_transfer(P, D, 1e9, ROCE.latency_s, 0.0);
+    assert!(
+        (links.bandwidth(P, D, 1.0) - ROCE.bandwidth_bytes_per_s).abs() < 1.0,
+        "{}",
+        links.bandwidth(P, D, 1.0)
+    );
+}
+
+#[test]
 fn bandwidth_is_learned_per_pair_and_a_slow_pair_loses_the_choice() {
     // D decodes one sequence: aggregated costs 262 ms of prefill + 262 ms of stall.
     let choose = |links: &LinkBook, now: f64| {

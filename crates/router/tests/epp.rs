@@ -382,6 +382,38 @@ async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() {
+    let a = engine().await;
+    let epp = picker_with(
+        &[&a],
+        "limits: {body_timeout_ms: 300, max_picker_streams: 1}",
+    )
+    .await;
+    let streams =
+        || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_picker_streams");
+    // Opened, and nothing sent: it holds the only place.
+    let _silent = Stream::open(&epp).await;
+    eventually("the silent stream is served", || {
+        let open = streams();
+        (open == Some(1.0), open)
+    })
+    .await;
+    let mut refused = Stream::open(&epp).await;
+    assert_eq!(
+        immediate_status(&refused.send(completion_headers(), None).await),
+        503
+    );
+    // By the body timeout it ends, and the next request is routed.
+    eventually("the silent stream ended", || {
+        let open = streams();
+        (open == Some(0.0), open)
+    })
+    .await;
+    let mut next = Stream::open(&epp).await;
+    assert!(route(&mut next, None).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
     let a = engine().await;
     let epp = picker_with(&[&a], "limits: {max_body_bytes: 2000}").await;

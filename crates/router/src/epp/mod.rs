@@ -125,12 +125,21 @@ async fn run_exchange(
     mut inbound: Streaming<ProcessingRequest>,
     tx: Answers,
 ) {
+    // The first message (the request headers, or an observer's) is due within the body
+    // timeout too: a stream that opens and sends nothing holds a stream permit and budget.
+    let mut first = Some(tokio::time::Instant::now() + exchange.body_timeout());
     loop {
-        let next = match exchange.body_due() {
+        let due = exchange.body_due().or(first.take());
+        let next = match due {
             Some(due) => match tokio::time::timeout_at(due, inbound.next()).await {
                 Ok(next) => next,
-                Err(_) => {
+                Err(_) if exchange.body_due().is_some() => {
                     let _ = tx.send(Ok(exchange.body_timed_out())).await;
+                    return;
+                }
+                // Nothing came at all: nothing to answer, the stream ends.
+                Err(_) => {
+                    debug!("an ext_proc stream sent nothing within the body timeout; ended");
                     return;
                 }
             },
@@ -246,6 +255,11 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
     };
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");
     let server = tonic::transport::Server::builder()
+        // A gateway that vanished without closing its connection (a crashed Envoy, a dropped
+        // network path) is found by HTTP/2 pings, and its streams end and give back what they
+        // held (stream permits, budget, in-flight load).
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(health)
         .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(max_message))
         // Small messages both ways, each waited for: without TCP_NODELAY, Nagle's algorithm

@@ -518,11 +518,19 @@ impl Default for HealthConfig {
 pub struct ScrapeConfig {
     /// Between scrapes, milliseconds.
     pub interval_ms: u64,
+    /// Longest wait for an engine's `/metrics` (headers, then body), milliseconds. A busy
+    /// engine's API server answers late (a CPU-bound vLLM took over a second on a loaded
+    /// machine), and a busy engine is the one whose load matters: a timeout shorter than that
+    /// leaves the router with the idle picture it had before.
+    pub timeout_ms: u64,
 }
 
 impl Default for ScrapeConfig {
     fn default() -> Self {
-        Self { interval_ms: 500 }
+        Self {
+            interval_ms: 500,
+            timeout_ms: 2_000,
+        }
     }
 }
 
@@ -857,6 +865,7 @@ impl RouterConfig {
             ("limits.max_routed_blocks", l.max_routed_blocks as u64),
             ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
+            ("scrape.timeout_ms", self.scrape.timeout_ms),
             (
                 "admin.max_buffered_bytes",
                 self.admin.max_buffered_bytes as u64,

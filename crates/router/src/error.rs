@@ -73,4 +73,21 @@ pub enum ProbeError {
     /// The body could not be read, or was too large.
     #[error("{0}")]
     Body(Box<dyn std::error::Error + Send + Sync>),
+    /// The engine answered with a status other than 200.
+    #[error("answered {0}")]
+    Status(u16),
+}
+
+impl ProbeError {
+    /// A short name for the kind of failure, for a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProbeError::Invalid(_) => "invalid",
+            ProbeError::Timeout => "timeout",
+            ProbeError::Request(_) => "request",
+            ProbeError::BodyTimeout => "body_timeout",
+            ProbeError::Body(_) => "body",
+            ProbeError::Status(_) => "status",
+        }
+    }
 }

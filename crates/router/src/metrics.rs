@@ -267,6 +267,9 @@ pub struct RouterMetrics {
     pub retry_budget_exhausted: EndpointFamily<Counter>,
     /// Endpoints ejected by passive outlier detection, by endpoint.
     pub outlier_ejections: EndpointFamily<Counter>,
+    /// Failed scrapes of an engine's `/metrics`, by endpoint and kind (`timeout`,
+    /// `body_timeout`, `request`, `status`, `body`, `invalid`): its load is not updated then.
+    pub scrape_failures: EndpointFamily<Counter>,
     /// Requests refused by the router itself, by status.
     pub rejected: Family<StatusLabel, Counter>,
     /// KV-event batches dropped because their endpoint had left when they arrived.
@@ -355,6 +358,7 @@ impl RouterMetrics {
             retries: counters(),
             retry_budget_exhausted: counters(),
             outlier_ejections: counters(),
+            scrape_failures: counters(),
             rejected: Family::default(),
             late_event_batches: Counter::default(),
             discovery_problems: Family::default(),
@@ -430,6 +434,11 @@ impl RouterMetrics {
             "outlier_ejections",
             "Endpoints ejected because their requests failed",
             m.outlier_ejections.family.clone(),
+        );
+        registry.register(
+            "scrape_failures",
+            "Failed scrapes of an engine's /metrics, by kind",
+            m.scrape_failures.family.clone(),
         );
         registry.register(
             "rejected",
@@ -560,6 +569,7 @@ impl RouterMetrics {
             &self.retries,
             &self.retry_budget_exhausted,
             &self.outlier_ejections,
+            &self.scrape_failures,
         ] {
             family.forget(endpoint);
         }

@@ -95,16 +95,46 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         .fleet()
         .endpoint(endpoint.id)
         .map_or(0, |e| e.spec.block_size);
+    let timeout = Duration::from_millis(router.config().scrape.timeout_ms);
+    // Whether the last scrape failed, so that a failing engine is reported once, not per scrape.
+    let mut failing = false;
     loop {
         tick.tick().await;
-        let Ok((200, body)) = get_text(
+        let scraped = match get_text(
             &router,
             format!("http://{}/metrics", endpoint.authority),
-            interval.max(Duration::from_millis(500)),
+            timeout,
         )
         .await
-        else {
-            continue;
+        {
+            Ok((200, body)) => Ok(body),
+            Ok((status, _)) => Err(ProbeError::Status(status)),
+            Err(e) => Err(e),
+        };
+        let body = match scraped {
+            Ok(body) => {
+                if std::mem::replace(&mut failing, false) {
+                    info!(endpoint = %endpoint.name, "the engine's /metrics answer again");
+                }
+                body
+            }
+            Err(e) => {
+                // The load picture of this endpoint ages; the fleet stops trusting it once it is
+                // older than the load sample's maximum age, and plans from the router's own
+                // in-flight count meanwhile.
+                router
+                    .metrics()
+                    .scrape_failures
+                    .get_or_create(&vec![
+                        ("endpoint", endpoint.name.clone()),
+                        ("kind", e.kind().to_owned()),
+                    ])
+                    .inc();
+                if !std::mem::replace(&mut failing, true) {
+                    warn!(endpoint = %endpoint.name, error = %e, timeout_ms = timeout.as_millis() as u64, "scraping the engine's /metrics failed: its load is not updated until a scrape succeeds (scrape.timeout_ms)");
+                }
+                continue;
+            }
         };
         let sample = parse_engine_metrics(&String::from_utf8_lossy(&body));
         if let Some(engine_block_size) = sample.block_size

@@ -30,6 +30,10 @@ pub struct Faults {
     /// P/D: fraction of this consumer's KV pulls that fail after the transfer time (the
     /// `kv_load_failure_policy` then applies).
     pub kv_transfer_failure_fraction: f64,
+    /// Extra delay before `/metrics` answers: a busy engine's API server, starved of CPU by
+    /// its own forward passes, answers a scrape late.
+    #[serde(rename = "metrics_delay_ms", with = "millis")]
+    pub metrics_delay: Duration,
 }
 
 impl Default for Faults {
@@ -43,6 +47,7 @@ impl Default for Faults {
             error_status: 503,
             link_slowdown: 1.0,
             kv_transfer_failure_fraction: 0.0,
+            metrics_delay: Duration::ZERO,
         }
     }
 }

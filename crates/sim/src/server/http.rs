@@ -616,6 +616,10 @@ async fn health(State(state): State<AppState>) -> StatusCode {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
+    let delay = state.shared.faults.lock().metrics_delay;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     let mut text = metrics::render(
         &state.shared.observed.lock(),
         &state.config,

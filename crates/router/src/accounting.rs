@@ -14,7 +14,7 @@ use kvroute_core::fleet::Dispatch;
 use tracing::info;
 
 use crate::endpoint::Endpoint;
-use crate::metrics::endpoint as labels;
+use crate::metrics::{OutcomeLabel, RequestLabels};
 use crate::service::Router;
 
 /// Bytes of the response tail kept to find the usage object.
@@ -117,7 +117,7 @@ impl Accounting {
         self.router
             .metrics()
             .first_byte_seconds
-            .get_or_create(&labels(&self.endpoint.name))
+            .of(&self.endpoint.name)
             .observe(self.started.elapsed().as_secs_f64());
         self.router.capacity_changed();
     }
@@ -162,35 +162,28 @@ impl Drop for Accounting {
         let m = self.router.metrics();
         let name = &self.endpoint.name;
         let elapsed = self.started.elapsed().as_secs_f64();
-        m.request_seconds
-            .get_or_create(&labels(name))
-            .observe(elapsed);
+        m.request_seconds.of(name).observe(elapsed);
         let class = format!("{}xx", self.status / 100);
         m.requests
-            .get_or_create(&vec![
-                ("endpoint", name.clone()),
-                ("reason", self.reason.to_owned()),
-                ("status", class),
-                ("outcome", outcome.as_str().to_owned()),
-            ])
+            .get_or_create(
+                name,
+                RequestLabels {
+                    reason: self.reason,
+                    status: class,
+                    outcome: outcome.as_str(),
+                },
+            )
             .inc();
         if let Some(reported) = reported {
-            m.predicted_cached_tokens
-                .get_or_create(&labels(name))
-                .inc_by(predicted as u64);
-            m.reported_cached_tokens
-                .get_or_create(&labels(name))
-                .inc_by(reported as u64);
+            m.predicted_cached_tokens.of(name).inc_by(predicted as u64);
+            m.reported_cached_tokens.of(name).inc_by(reported as u64);
             let outcome = match predicted.cmp(&reported) {
                 std::cmp::Ordering::Equal => "exact",
                 std::cmp::Ordering::Greater => "over",
                 std::cmp::Ordering::Less => "under",
             };
             m.prediction_outcomes
-                .get_or_create(&vec![
-                    ("endpoint", name.clone()),
-                    ("outcome", outcome.to_owned()),
-                ])
+                .get_or_create(name, OutcomeLabel { outcome })
                 .inc();
         }
         info!(

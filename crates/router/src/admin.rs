@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use tracing::debug;
 
 use crate::edge::read_body;
-use crate::metrics::endpoint as labels;
+use crate::metrics::{KindLabel, TierLabel};
 use crate::pipeline::{Api, parse};
 use crate::reply::error_response;
 use crate::service::Router;
@@ -131,16 +131,12 @@ fn refresh_gauges(router: &Router) {
         .zip(fleet.endpoints())
         .filter(|(_, state)| state.present())
     {
-        let l = labels(&e.name);
-        m.endpoint_healthy
-            .get_or_create(&l)
-            .set(i64::from(state.healthy()));
+        let l = &e.name;
+        m.endpoint_healthy.of(l).set(i64::from(state.healthy()));
         m.endpoint_index_trusted
-            .get_or_create(&l)
+            .of(l)
             .set(i64::from(fleet.trust(e.id, now).is_ok()));
-        m.endpoint_inflight
-            .get_or_create(&l)
-            .set(i64::from(state.inflight()));
+        m.endpoint_inflight.of(l).set(i64::from(state.inflight()));
         if let Some(stats) = fleet.index_of(e.id).and_then(|i| i.endpoint_stats(e.id)) {
             for (tier, value) in [
                 (Tier::Gpu, stats.blocks_gpu),
@@ -149,14 +145,16 @@ fn refresh_gauges(router: &Router) {
             ] {
                 let name = format!("{tier:?}").to_lowercase();
                 m.index_blocks
-                    .get_or_create(&vec![("endpoint", e.name.clone()), ("tier", name)])
+                    .get_or_create(l, TierLabel { tier: name })
                     .set(value as i64);
             }
             m.events
-                .get_or_create(&vec![
-                    ("endpoint", e.name.clone()),
-                    ("kind", "orphan_blocks".into()),
-                ])
+                .get_or_create(
+                    l,
+                    KindLabel {
+                        kind: "orphan_blocks",
+                    },
+                )
                 .set(stats.orphan_blocks as i64);
         }
         if let Some(sub) = e.subscriber.lock().as_ref() {
@@ -178,13 +176,13 @@ fn refresh_gauges(router: &Router) {
                     ("unknown_events", feed.unknown_events),
                 ] {
                     m.events
-                        .get_or_create(&vec![("endpoint", e.name.clone()), ("kind", kind.into())])
+                        .get_or_create(l, KindLabel { kind })
                         .set(value as i64);
                 }
             }
         }
         if let Some(age) = fleet.events_age(e.id, now) {
-            m.events_age_seconds.get_or_create(&l).set(age);
+            m.events_age_seconds.of(l).set(age);
         }
     }
 }

@@ -13,6 +13,7 @@ use tracing::{info, warn};
 use crate::ProbeError;
 use crate::endpoint::{Endpoint, Probe, ProbeSchedule};
 use crate::events::resubscribe;
+use crate::metrics::KindLabel;
 use crate::service::Router;
 
 /// Largest body accepted from an engine's `/health` or `/metrics`.
@@ -125,10 +126,7 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
                 router
                     .metrics()
                     .scrape_failures
-                    .get_or_create(&vec![
-                        ("endpoint", endpoint.name.clone()),
-                        ("kind", e.kind().to_owned()),
-                    ])
+                    .get_or_create(&endpoint.name, KindLabel { kind: e.kind() })
                     .inc();
                 if !std::mem::replace(&mut failing, true) {
                     warn!(endpoint = %endpoint.name, error = %e, timeout_ms = timeout.as_millis() as u64, "scraping the engine's /metrics failed: its load is not updated until a scrape succeeds (scrape.timeout_ms)");

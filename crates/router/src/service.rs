@@ -410,10 +410,7 @@ impl Router {
         if let Some(ejection) = ejection {
             let name = &self.endpoint(id).name;
             warn!(endpoint = %name, seconds = ejection.seconds, count = ejection.count, "ejecting an endpoint whose requests keep failing");
-            self.metrics
-                .outlier_ejections
-                .get_or_create(&crate::metrics::endpoint(name))
-                .inc();
+            self.metrics.outlier_ejections.of(name).inc();
         }
     }
 
@@ -434,11 +431,10 @@ impl Router {
             RetryVerdict::BudgetSpent => &self.metrics.retry_budget_exhausted,
             RetryVerdict::NotRetryable | RetryVerdict::LastAttempt => return false,
         };
-        let labels = vec![
-            ("endpoint", self.endpoint(id).name.clone()),
-            ("reason", failure.as_str().to_owned()),
-        ];
-        counter.get_or_create(&labels).inc();
+        let reason = crate::metrics::ReasonLabel {
+            reason: failure.as_str(),
+        };
+        counter.get_or_create(&self.endpoint(id).name, reason).inc();
         verdict == RetryVerdict::Retry
     }
 

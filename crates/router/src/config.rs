@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 mod discovery;
 
 pub use discovery::KubeDiscovery;
+// Sections of the configuration declared next to the code they configure.
+pub use crate::forwarding::{ForwardingConfig, Network};
+pub use crate::metrics::MetricsConfig;
 
 use crate::RouterError;
 

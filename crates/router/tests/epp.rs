@@ -18,10 +18,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
 use kvroute_router::config::RouterConfig;
-use kvroute_router::epp::protocol::{
-    DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
-};
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
+use kvroute_router::testing::{DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use tokio::sync::mpsc;

@@ -1,4 +1,4 @@
-//! The memory budget of docs/operations.md (`kvroute_router::memory`) against the resident
+//! The memory budget of docs/operations.md (`crates/router/src/memory.rs`) against the resident
 //! memory the router's routing memory really takes: the routing history, the predicted overlay
 //! and the table of shared prefixes filled to their capacities with distinct blocks (their
 //! worst case) in this process, measured as the growth of `VmRSS`. The test fails when formula
@@ -60,11 +60,11 @@ fn the_documented_routing_memory_matches_what_it_takes() {
         fleet.finished(dispatch, None, now);
     }
     let measured = kvroute_testkit::proc_memory(None, "VmRSS").saturating_sub(before);
-    let formula = kvroute_router::memory::routing_memory_bytes(records, predicted);
+    let formula = kvroute_router::testing::routing_memory_bytes(records, predicted);
     let ratio = measured as f64 / formula as f64;
     eprintln!(
         "routing memory: {measured} B measured, {formula} B by the formula ({:.0} B per history record besides the overlay), ratio {ratio:.2}",
-        (measured as f64 - predicted as f64 * kvroute_router::memory::HISTORY_RECORD_BYTES as f64)
+        (measured as f64 - predicted as f64 * kvroute_router::testing::HISTORY_RECORD_BYTES as f64)
             / records as f64
     );
     assert!(

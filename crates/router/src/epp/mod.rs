@@ -13,7 +13,7 @@
 
 mod exchange;
 mod handoff;
-pub mod protocol;
+pub(crate) mod protocol;
 
 use std::net::SocketAddr;
 use std::pin::Pin;

@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::config_builder::ConfigBuilder;
 use common::engine;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -32,28 +33,21 @@ use tonic_health::pb::health_client::HealthClient;
 const MODEL: &str = "sim-llama-3.1-8b";
 
 async fn picker(engines: &[&SimFleet]) -> RunningEpp {
-    picker_with(engines, "").await
+    picker_with(engines, |_| {}).await
 }
 
-/// A picker in front of `engines`, with `extra` configuration.
-async fn picker_with(engines: &[&SimFleet], extra: &str) -> RunningEpp {
-    let mut yaml = format!(
-        "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\n{extra}\nendpoints:\n"
-    );
-    for fleet in engines {
-        let ep = &fleet.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{url: '{}', events: '{}'}}\n",
-            ep.url, ep.events
-        ));
-    }
+/// A picker in front of `engines` (unnamed, KV events), with the configuration `change`d.
+async fn picker_with(engines: &[&SimFleet], change: impl FnOnce(&mut RouterConfig)) -> RunningEpp {
+    let config = ConfigBuilder::new(MODEL)
+        .health(100, 500)
+        .with(change)
+        .unnamed_events_only(engines)
+        .build();
     let options = EppOptions {
         listen: "127.0.0.1:0".parse().unwrap(),
         ..EppOptions::default()
     };
-    start(RouterConfig::from_yaml(&yaml).unwrap(), options)
-        .await
-        .unwrap()
+    start(config, options).await.unwrap()
 }
 
 /// One ext_proc stream: send each message, collect each answer.
@@ -334,10 +328,12 @@ fn immediate_status(answer: &Response) -> i32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
     let a = engine().await;
-    let epp = picker_with(
-        &[&a],
-        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 1000, max_picker_streams: 3}",
-    )
+    let epp = picker_with(&[&a], |c| {
+        c.limits.max_body_bytes = 2000;
+        c.limits.max_buffered_bytes = 3000;
+        c.limits.body_timeout_ms = 1000;
+        c.limits.max_picker_streams = 3;
+    })
     .await;
     let buffered =
         || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_buffered_bytes");
@@ -382,10 +378,10 @@ async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() {
     let a = engine().await;
-    let epp = picker_with(
-        &[&a],
-        "limits: {body_timeout_ms: 300, max_picker_streams: 1}",
-    )
+    let epp = picker_with(&[&a], |c| {
+        c.limits.body_timeout_ms = 300;
+        c.limits.max_picker_streams = 1;
+    })
     .await;
     let streams =
         || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_picker_streams");
@@ -414,7 +410,7 @@ async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
     let a = engine().await;
-    let epp = picker_with(&[&a], "limits: {max_body_bytes: 2000}").await;
+    let epp = picker_with(&[&a], |c| c.limits.max_body_bytes = 2000).await;
     // A path `serve` would not forward, or one not canonical, gets 404.
     for path in [
         "/v1/../sim/restart",

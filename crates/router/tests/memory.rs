@@ -4,13 +4,15 @@
 //! worst case) in this process, measured as the growth of `VmRSS`. The test fails when formula
 //! and measurement drift apart by more than 25%.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::config_builder::ConfigBuilder;
 use kvroute_core::fleet::{EndpointSpec, Fleet, RequestFeatures};
 use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, Role};
-use kvroute_router::config::RouterConfig;
 
 /// Blocks per simulated prompt.
 const BLOCKS: u64 = 64;
@@ -18,8 +20,13 @@ const BLOCKS: u64 = 64;
 #[test]
 fn the_documented_routing_memory_matches_what_it_takes() {
     // The defaults' proportions (history 4 Mi, predicted overlay 1 Mi), at an eighth.
-    let yaml = "models: [{name: m}]\nendpoints: [{url: 'http://127.0.0.1:1'}]\ncache: {index_capacity: 1024, history_capacity: 524288}\n";
-    let config = RouterConfig::from_yaml(yaml).unwrap();
+    let config = ConfigBuilder::new("m")
+        .url("e0", "http://127.0.0.1:1")
+        .with(|c| {
+            c.cache.index_capacity = 1024;
+            c.cache.history_capacity = 524288;
+        })
+        .build();
     let mut fleet_config = config.fleet_config();
     fleet_config.predicted_capacity = fleet_config.history_capacity / 4;
     fleet_config.history_ttl_s = 1e9;

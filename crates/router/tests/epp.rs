@@ -9,6 +9,7 @@ mod common;
 
 use common::config_builder::ConfigBuilder;
 use common::engine;
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -519,6 +520,78 @@ async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
     assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
     drop(routing);
     id
+}
+
+/// A client may send its own `x-kvroute-exchange` header, even another request's token. The
+/// picker's answer overwrites it (Envoy's `OVERWRITE_IF_EXISTS_OR_ADD`: the observer and the
+/// upstream see only the picker's token), with a fresh token, and routing the forged request
+/// claims nothing: the request whose token it named is still followed to its end by its own
+/// observer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_supplied_exchange_header_is_overwritten_and_claims_nothing() {
+    let a = engine().await;
+    let epp = picker(&[&a]).await;
+    let mut first = Stream::open(&epp).await;
+    let token = routed_headers(&mut first).await[EXCHANGE].clone();
+
+    let mut forged = Stream::open(&epp).await;
+    let request = headers(
+        &[
+            (":path", "/v1/completions"),
+            (":method", "POST"),
+            (EXCHANGE, token.as_str()),
+        ],
+        false,
+    );
+    forged.send(Request::RequestHeaders(request), None).await;
+    let prompt = "A forged exchange token claims nothing. ".repeat(20);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let Response::RequestBody(answer) = forged.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let set = answer
+        .response
+        .unwrap()
+        .header_mutation
+        .unwrap()
+        .set_headers;
+    let exchange = set
+        .iter()
+        .find(|h| h.header.as_ref().is_some_and(|h| h.key == EXCHANGE))
+        .expect("the picker sets its own exchange header");
+    assert_eq!(
+        exchange.append_action,
+        HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        "the client's header is replaced, not appended to"
+    );
+    let value = String::from_utf8(exchange.header.as_ref().unwrap().raw_value.clone()).unwrap();
+    assert_ne!(value, token, "a fresh token, not the client's");
+
+    // The first request's token still claims it: its observer follows it to the end.
+    let mut observer = Stream::open(&epp).await;
+    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
+    observer.tell(Request::RequestHeaders(claim)).await;
+    observer
+        .tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+    observer.tell(response_body("data: {}\n\n", true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the observer follows the first request to its end");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    let completed = kvroute_testkit::sum_labelled(
+        &epp.router.metrics().render(),
+        "kvroute_requests_total",
+        "outcome=\"completed\"",
+    );
+    assert_eq!(
+        completed, 1.0,
+        "the first request was claimed and completed"
+    );
+    drop((first, forged));
 }
 
 /// The default gateway configuration (`examples/envoy-epp.yaml`): the routing stream sees the

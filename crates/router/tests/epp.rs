@@ -522,6 +522,72 @@ async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
     id
 }
 
+/// Observer streams have their own bound (`limits.max_observer_streams`): with every routing
+/// place taken, an observer still follows its request; one past the observers' bound is ended
+/// unanswered and counted apart, never answered or counted as a refused (503) request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observer_streams_have_their_own_bound_and_a_refused_one_is_no_rejection() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], |c| {
+        c.limits.max_picker_streams = 1;
+        c.limits.max_observer_streams = 1;
+    })
+    .await;
+    let metrics = || epp.router.metrics().render();
+    // The only routing place is taken by a routed request.
+    let mut routing = Stream::open(&epp).await;
+    let token = routed_headers(&mut routing).await[EXCHANGE].clone();
+    let id = {
+        let endpoints = epp.router.endpoints();
+        endpoints[0].id
+    };
+
+    // Its observer is served all the same.
+    let mut observer = Stream::open(&epp).await;
+    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
+    observer.tell(Request::RequestHeaders(claim)).await;
+    eventually("the observer is served", || {
+        let open = kvroute_testkit::sample(&metrics(), "kvroute_picker_observer_streams");
+        (open == Some(1.0), open)
+    })
+    .await;
+
+    // A second observer is past the bound: ended, unanswered, not a rejection.
+    let mut extra = Stream::open(&epp).await;
+    let stray = headers(&[(EXCHANGE, "00000000000000ff")], false);
+    extra.tell(Request::RequestHeaders(stray)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), extra.rx.message())
+        .await
+        .expect("the picker ends an observer past its bound");
+    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    let text = metrics();
+    assert_eq!(
+        kvroute_testkit::sample(&text, "kvroute_observer_streams_refused_total"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        kvroute_testkit::sum_labelled(&text, "kvroute_rejected_total", "status="),
+        0.0,
+        "{text}"
+    );
+
+    // The served observer follows its request to the end.
+    observer
+        .tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+    observer.tell(response_body("data: {}\n\n", true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the observer follows its request to the end");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    assert_eq!(epp.router.load(id).inflight, 0);
+    drop(routing);
+}
+
 /// A client may send its own `x-kvroute-exchange` header, even another request's token. The
 /// picker's answer overwrites it (Envoy's `OVERWRITE_IF_EXISTS_OR_ADD`: the observer and the
 /// upstream see only the picker's token), with a fresh token, and routing the forged request

@@ -28,8 +28,6 @@ use crate::pipeline::{self, Leg, RequestContext};
 use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
-#[cfg(feature = "epp")]
-pub(crate) use crate::pipeline::request_id;
 pub use crate::pipeline::{Api, Refused, Routed, route};
 
 /// The header naming the endpoint that served a request.

@@ -36,7 +36,7 @@ use kvroute_core::schedule::{
     CacheView, Candidate, EndpointLoad, Profile, RequestInfo, Role, schedule,
 };
 use kvroute_router::config::RouterConfig;
-use kvroute_router::service::Router;
+use kvroute_router::testing::Router;
 use kvroute_testkit::random::tokens;
 use kvroute_vllm::openai::{GenerationRequest, Input, parse_chat, parse_completion};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};

@@ -5,7 +5,7 @@
 
 mod stream;
 
-pub use stream::{AccountedBody, Cut, sse_error_event};
+pub use stream::AccountedBody;
 
 use std::sync::Arc;
 use tokio::time::Instant;

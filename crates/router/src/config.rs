@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 mod discovery;
 
 pub use discovery::KubeDiscovery;
+// Sections of the configuration declared next to the code they configure.
+pub use crate::forwarding::{ForwardingConfig, Network};
+pub use crate::metrics::MetricsConfig;
 
 use crate::RouterError;
 
@@ -438,6 +441,10 @@ pub struct Limits {
     /// Most ext_proc streams `kvroute epp` serves at once (each is one HTTP exchange of the
     /// data plane); a stream past it is answered 503.
     pub max_picker_streams: usize,
+    /// Most observer streams (Envoy's `observability_mode` filter following responses)
+    /// `kvroute epp` serves at once, apart from `max_picker_streams`; one past it is ended
+    /// unanswered and its request handed back when its routing stream ends.
+    pub max_observer_streams: usize,
 }
 
 impl Default for Limits {
@@ -454,6 +461,7 @@ impl Default for Limits {
             max_buffered_bytes: 256 << 20,
             token_cache_bytes: 256 << 20,
             max_picker_streams: 4_096,
+            max_observer_streams: 4_096,
             max_routed_blocks: 16_384,
             offload_above_bytes: 64 << 10,
             offload_threads: 2,
@@ -862,6 +870,7 @@ impl RouterConfig {
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
             ("limits.max_picker_streams", l.max_picker_streams as u64),
+            ("limits.max_observer_streams", l.max_observer_streams as u64),
             ("limits.max_routed_blocks", l.max_routed_blocks as u64),
             ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use kvroute_core::index::EndpointId;
-use kvroute_vllm::subscriber::SubscriberHandle;
+use kvroute_vllm::subscriber::{FeedStats, SubscriberHandle};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
@@ -25,11 +25,11 @@ pub struct Endpoint {
     /// `host:port` of its HTTP API.
     pub authority: http::uri::Authority,
     /// The last failed health check, for the explain API.
-    pub last_health_error: Mutex<Option<String>>,
+    pub(crate) last_health_error: Mutex<Option<String>>,
     /// The KV-event subscriber, when events are configured.
-    pub subscriber: Mutex<Option<SubscriberHandle>>,
+    pub(crate) subscriber: Mutex<Option<SubscriberHandle>>,
     /// Its health-check and scrape tasks.
-    pub tasks: Mutex<Vec<JoinHandle<()>>>,
+    pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Endpoint {
@@ -66,6 +66,12 @@ impl Endpoint {
                 .lock()
                 .as_ref()
                 .is_some_and(|s| s.stats().iter().all(|(_, f)| f.connected))
+    }
+
+    /// Its KV-event subscriber's counters per feed, while it has one (events configured, not
+    /// stopped).
+    pub fn subscriber_stats(&self) -> Option<Vec<(String, FeedStats)>> {
+        self.subscriber.lock().as_ref().map(|s| s.stats())
     }
 }
 

@@ -8,38 +8,54 @@
 //!
 //! This crate knows HTTP and configuration; wire formats live in `kvroute-vllm` and every
 //! routing decision in `kvroute-core`.
+//!
+//! Public: the configuration ([`config`]), [`server`] (start a router), [`epp`] (start the
+//! picker) and the error type. Every other module is the crate's own.
 
-pub mod accounting;
-pub mod admin;
-pub mod budget;
+// Some crate-private code serves only the picker or Kubernetes discovery (the pipeline's
+// `route` for ext_proc, membership's runtime add/remove); without both features it is
+// compiled but unused. The full build (`kvroute`'s defaults, CI) still reports dead code.
+#![cfg_attr(
+    not(all(feature = "epp", feature = "kube")),
+    allow(dead_code, unused_imports)
+)]
+
+mod accounting;
+mod admin;
+mod budget;
 pub mod config;
-pub mod descriptors;
-pub mod discovery;
-pub mod edge;
-pub mod endpoint;
+mod descriptors;
+mod discovery;
+mod edge;
+mod endpoint;
 #[cfg(feature = "epp")]
 pub mod epp;
 mod error;
 mod events;
 mod fleet_handle;
 mod flow;
-pub mod forwarding;
+mod forwarding;
 mod journal;
-pub mod membership;
-pub mod memory;
-pub mod metrics;
-pub mod offload;
+mod membership;
+#[cfg(any(test, feature = "test-support"))]
+mod memory;
+mod metrics;
+mod offload;
 mod pipeline;
 mod probes;
-pub mod proxy;
+mod proxy;
 mod registry;
-pub mod replica;
+mod replica;
 mod replica_state;
 mod reply;
 pub mod server;
-pub mod service;
-pub mod shutdown;
-pub mod tokenize;
-pub mod upstream;
+mod service;
+mod shutdown;
+mod tokenize;
+mod upstream;
 
 pub use error::{ProbeError, RouterError};
+
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod testing;

@@ -28,9 +28,7 @@ use crate::pipeline::{self, Leg, RequestContext};
 use crate::reply::error_response;
 use crate::service::{Prepared, Router};
 
-#[cfg(feature = "epp")]
-pub(crate) use crate::pipeline::request_id;
-pub use crate::pipeline::{Api, Refused, Routed, parse, route};
+pub use crate::pipeline::{Api, Refused, Routed, route};
 
 /// The header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";

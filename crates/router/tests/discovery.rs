@@ -14,7 +14,6 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start};
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use kvroute_testkit::eventually;
@@ -24,6 +23,7 @@ use tokio::sync::mpsc;
 
 mod common;
 
+use common::config_builder::ConfigBuilder;
 use common::fleet_view::present_endpoints;
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -153,13 +153,10 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
     fake.watches.lock().push_back(rx);
     let api = fake_api(fake.clone()).await;
 
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: m}}]\n\
-         discovery: {{api_server: 'http://{api}', namespace: llm, inference_pool: pool, events_port: 5557}}\n"
-    );
-    let running = start(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new("m")
+        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
+        .build();
+    let running = start(config).await.unwrap();
 
     expect(&running, &["http://10.0.0.1:8000"]).await;
     let a = running.router.endpoints()[0].clone();
@@ -263,13 +260,10 @@ async fn pods_join_when_ready_and_leave_when_deleted_or_relabelled_while_request
     let (rewatch, rx) = mpsc::unbounded_channel();
     fake.watches.lock().push_back(rx);
     let api = fake_api(fake.clone()).await;
-    let yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\n\
-         discovery: {{api_server: 'http://{api}', namespace: llm, inference_pool: pool, events_port: {events}}}\n"
-    );
-    let running = start(RouterConfig::from_yaml(&yaml).unwrap())
-        .await
-        .unwrap();
+    let config = ConfigBuilder::new(MODEL)
+        .discovery(&format!("http://{api}"), "llm", "pool", events)
+        .build();
+    let running = start(config).await.unwrap();
     let (a, b) = (
         format!("http://127.0.0.2:{port}"),
         format!("http://127.0.0.3:{port}"),

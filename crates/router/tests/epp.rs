@@ -7,7 +7,9 @@
 
 mod common;
 
+use common::config_builder::ConfigBuilder;
 use common::engine;
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -18,10 +20,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
 use kvroute_router::config::RouterConfig;
-use kvroute_router::epp::protocol::{
-    DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
-};
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
+use kvroute_router::testing::{DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use tokio::sync::mpsc;
@@ -34,28 +34,21 @@ use tonic_health::pb::health_client::HealthClient;
 const MODEL: &str = "sim-llama-3.1-8b";
 
 async fn picker(engines: &[&SimFleet]) -> RunningEpp {
-    picker_with(engines, "").await
+    picker_with(engines, |_| {}).await
 }
 
-/// A picker in front of `engines`, with `extra` configuration.
-async fn picker_with(engines: &[&SimFleet], extra: &str) -> RunningEpp {
-    let mut yaml = format!(
-        "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\n{extra}\nendpoints:\n"
-    );
-    for fleet in engines {
-        let ep = &fleet.endpoints[0];
-        yaml.push_str(&format!(
-            "  - {{url: '{}', events: '{}'}}\n",
-            ep.url, ep.events
-        ));
-    }
+/// A picker in front of `engines` (unnamed, KV events), with the configuration `change`d.
+async fn picker_with(engines: &[&SimFleet], change: impl FnOnce(&mut RouterConfig)) -> RunningEpp {
+    let config = ConfigBuilder::new(MODEL)
+        .health(100, 500)
+        .with(change)
+        .unnamed_events_only(engines)
+        .build();
     let options = EppOptions {
         listen: "127.0.0.1:0".parse().unwrap(),
         ..EppOptions::default()
     };
-    start(RouterConfig::from_yaml(&yaml).unwrap(), options)
-        .await
-        .unwrap()
+    start(config, options).await.unwrap()
 }
 
 /// One ext_proc stream: send each message, collect each answer.
@@ -336,10 +329,12 @@ fn immediate_status(answer: &Response) -> i32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
     let a = engine().await;
-    let epp = picker_with(
-        &[&a],
-        "limits: {max_body_bytes: 2000, max_buffered_bytes: 3000, body_timeout_ms: 1000, max_picker_streams: 3}",
-    )
+    let epp = picker_with(&[&a], |c| {
+        c.limits.max_body_bytes = 2000;
+        c.limits.max_buffered_bytes = 3000;
+        c.limits.body_timeout_ms = 1000;
+        c.limits.max_picker_streams = 3;
+    })
     .await;
     let buffered =
         || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_buffered_bytes");
@@ -384,10 +379,10 @@ async fn the_pickers_buffered_bodies_are_bounded_in_bytes_time_and_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() {
     let a = engine().await;
-    let epp = picker_with(
-        &[&a],
-        "limits: {body_timeout_ms: 300, max_picker_streams: 1}",
-    )
+    let epp = picker_with(&[&a], |c| {
+        c.limits.body_timeout_ms = 300;
+        c.limits.max_picker_streams = 1;
+    })
     .await;
     let streams =
         || kvroute_testkit::sample(&epp.router.metrics().render(), "kvroute_picker_streams");
@@ -416,7 +411,7 @@ async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
     let a = engine().await;
-    let epp = picker_with(&[&a], "limits: {max_body_bytes: 2000}").await;
+    let epp = picker_with(&[&a], |c| c.limits.max_body_bytes = 2000).await;
     // A path `serve` would not forward, or one not canonical, gets 404.
     for path in [
         "/v1/../sim/restart",
@@ -525,6 +520,144 @@ async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
     assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
     drop(routing);
     id
+}
+
+/// Observer streams have their own bound (`limits.max_observer_streams`): with every routing
+/// place taken, an observer still follows its request; one past the observers' bound is ended
+/// unanswered and counted apart, never answered or counted as a refused (503) request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observer_streams_have_their_own_bound_and_a_refused_one_is_no_rejection() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], |c| {
+        c.limits.max_picker_streams = 1;
+        c.limits.max_observer_streams = 1;
+    })
+    .await;
+    let metrics = || epp.router.metrics().render();
+    // The only routing place is taken by a routed request.
+    let mut routing = Stream::open(&epp).await;
+    let token = routed_headers(&mut routing).await[EXCHANGE].clone();
+    let id = {
+        let endpoints = epp.router.endpoints();
+        endpoints[0].id
+    };
+
+    // Its observer is served all the same.
+    let mut observer = Stream::open(&epp).await;
+    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
+    observer.tell(Request::RequestHeaders(claim)).await;
+    eventually("the observer is served", || {
+        let open = kvroute_testkit::sample(&metrics(), "kvroute_picker_observer_streams");
+        (open == Some(1.0), open)
+    })
+    .await;
+
+    // A second observer is past the bound: ended, unanswered, not a rejection.
+    let mut extra = Stream::open(&epp).await;
+    let stray = headers(&[(EXCHANGE, "00000000000000ff")], false);
+    extra.tell(Request::RequestHeaders(stray)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), extra.rx.message())
+        .await
+        .expect("the picker ends an observer past its bound");
+    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    let text = metrics();
+    assert_eq!(
+        kvroute_testkit::sample(&text, "kvroute_observer_streams_refused_total"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        kvroute_testkit::sum_labelled(&text, "kvroute_rejected_total", "status="),
+        0.0,
+        "{text}"
+    );
+
+    // The served observer follows its request to the end.
+    observer
+        .tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+    observer.tell(response_body("data: {}\n\n", true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the observer follows its request to the end");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    assert_eq!(epp.router.load(id).inflight, 0);
+    drop(routing);
+}
+
+/// A client may send its own `x-kvroute-exchange` header, even another request's token. The
+/// picker's answer overwrites it (Envoy's `OVERWRITE_IF_EXISTS_OR_ADD`: the observer and the
+/// upstream see only the picker's token), with a fresh token, and routing the forged request
+/// claims nothing: the request whose token it named is still followed to its end by its own
+/// observer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_supplied_exchange_header_is_overwritten_and_claims_nothing() {
+    let a = engine().await;
+    let epp = picker(&[&a]).await;
+    let mut first = Stream::open(&epp).await;
+    let token = routed_headers(&mut first).await[EXCHANGE].clone();
+
+    let mut forged = Stream::open(&epp).await;
+    let request = headers(
+        &[
+            (":path", "/v1/completions"),
+            (":method", "POST"),
+            (EXCHANGE, token.as_str()),
+        ],
+        false,
+    );
+    forged.send(Request::RequestHeaders(request), None).await;
+    let prompt = "A forged exchange token claims nothing. ".repeat(20);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let Response::RequestBody(answer) = forged.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let set = answer
+        .response
+        .unwrap()
+        .header_mutation
+        .unwrap()
+        .set_headers;
+    let exchange = set
+        .iter()
+        .find(|h| h.header.as_ref().is_some_and(|h| h.key == EXCHANGE))
+        .expect("the picker sets its own exchange header");
+    assert_eq!(
+        exchange.append_action,
+        HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        "the client's header is replaced, not appended to"
+    );
+    let value = String::from_utf8(exchange.header.as_ref().unwrap().raw_value.clone()).unwrap();
+    assert_ne!(value, token, "a fresh token, not the client's");
+
+    // The first request's token still claims it: its observer follows it to the end.
+    let mut observer = Stream::open(&epp).await;
+    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
+    observer.tell(Request::RequestHeaders(claim)).await;
+    observer
+        .tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+    observer.tell(response_body("data: {}\n\n", true)).await;
+    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
+        .await
+        .expect("the observer follows the first request to its end");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    let completed = kvroute_testkit::sum_labelled(
+        &epp.router.metrics().render(),
+        "kvroute_requests_total",
+        "outcome=\"completed\"",
+    );
+    assert_eq!(
+        completed, 1.0,
+        "the first request was claimed and completed"
+    );
+    drop((first, forged));
 }
 
 /// The default gateway configuration (`examples/envoy-epp.yaml`): the routing stream sees the

@@ -6,8 +6,8 @@ mod common;
 use common::config_builder::{ConfigBuilder, endpoint};
 use common::engine;
 use kvroute_router::config::EndpointConfig;
-use kvroute_router::membership::Membership;
 use kvroute_router::server::start;
+use kvroute_router::testing::Membership;
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use serde_json::json;
@@ -52,7 +52,7 @@ async fn endpoints_join_and_leave_a_running_router() {
     let id = router.add_endpoint(endpoint_config(&b, "b")).unwrap();
     let added = router.endpoint(id);
     eventually("b's subscriber connected", || {
-        let stats = added.subscriber.lock().as_ref().map(|s| s.stats());
+        let stats = added.subscriber_stats();
         (added.events_connected(), stats)
     })
     .await;
@@ -76,7 +76,7 @@ async fn endpoints_join_and_leave_a_running_router() {
         "b's series left with it: {text}"
     );
     assert!(!router.remove_endpoint(id));
-    assert!(added.subscriber.lock().is_none());
+    assert!(added.subscriber_stats().is_none());
     for i in 12..20 {
         assert_eq!(served_by(&client, running.addr, i).await, "a");
     }

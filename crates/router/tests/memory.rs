@@ -1,16 +1,18 @@
-//! The memory budget of docs/operations.md (`kvroute_router::memory`) against the resident
+//! The memory budget of docs/operations.md (`crates/router/src/memory.rs`) against the resident
 //! memory the router's routing memory really takes: the routing history, the predicted overlay
 //! and the table of shared prefixes filled to their capacities with distinct blocks (their
 //! worst case) in this process, measured as the growth of `VmRSS`. The test fails when formula
 //! and measurement drift apart by more than 25%.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::config_builder::ConfigBuilder;
 use kvroute_core::fleet::{EndpointSpec, Fleet, RequestFeatures};
 use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, Role};
-use kvroute_router::config::RouterConfig;
 
 /// Blocks per simulated prompt.
 const BLOCKS: u64 = 64;
@@ -18,8 +20,13 @@ const BLOCKS: u64 = 64;
 #[test]
 fn the_documented_routing_memory_matches_what_it_takes() {
     // The defaults' proportions (history 4 Mi, predicted overlay 1 Mi), at an eighth.
-    let yaml = "models: [{name: m}]\nendpoints: [{url: 'http://127.0.0.1:1'}]\ncache: {index_capacity: 1024, history_capacity: 524288}\n";
-    let config = RouterConfig::from_yaml(yaml).unwrap();
+    let config = ConfigBuilder::new("m")
+        .url("e0", "http://127.0.0.1:1")
+        .with(|c| {
+            c.cache.index_capacity = 1024;
+            c.cache.history_capacity = 524288;
+        })
+        .build();
     let mut fleet_config = config.fleet_config();
     fleet_config.predicted_capacity = fleet_config.history_capacity / 4;
     fleet_config.history_ttl_s = 1e9;
@@ -60,11 +67,11 @@ fn the_documented_routing_memory_matches_what_it_takes() {
         fleet.finished(dispatch, None, now);
     }
     let measured = kvroute_testkit::proc_memory(None, "VmRSS").saturating_sub(before);
-    let formula = kvroute_router::memory::routing_memory_bytes(records, predicted);
+    let formula = kvroute_router::testing::routing_memory_bytes(records, predicted);
     let ratio = measured as f64 / formula as f64;
     eprintln!(
         "routing memory: {measured} B measured, {formula} B by the formula ({:.0} B per history record besides the overlay), ratio {ratio:.2}",
-        (measured as f64 - predicted as f64 * kvroute_router::memory::HISTORY_RECORD_BYTES as f64)
+        (measured as f64 - predicted as f64 * kvroute_router::testing::HISTORY_RECORD_BYTES as f64)
             / records as f64
     );
     assert!(

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::free_ports;
-use replicas_common::{complete, config, explain, fleet, replica, until_ready};
+use replicas_common::{complete, config, explain, fleet, replica, replicas, until_ready};
 use serde_json::Value;
 
 /// `endpoint`'s entry in an explanation.
@@ -37,15 +37,12 @@ async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
     let fleet = fleet(3, 10_000, faults).await;
     let client = reqwest::Client::new();
     let (admin_a, admin_b) = (free_ports(1), free_ports(1));
-    let peers = |peer: u16, share: bool| {
-        format!(
-            "{{peers: ['http://127.0.0.1:{peer}'], share_dispatches: {share}, warm_timeout_s: 5}}"
-        )
-    };
-    let a = replica(config(&fleet, admin_a, &peers(admin_b, true))).await;
-    let b = replica(config(&fleet, admin_b, &peers(admin_a, true))).await;
+    let peers =
+        |peer: u16, share: bool| replicas(&[format!("http://127.0.0.1:{peer}")], 5.0, share);
+    let a = replica(config(&fleet, admin_a, peers(admin_b, true))).await;
+    let b = replica(config(&fleet, admin_b, peers(admin_a, true))).await;
     // A replica of the same fleet that does not share.
-    let c = replica(config(&fleet, 0, &peers(admin_a, false))).await;
+    let c = replica(config(&fleet, 0, peers(admin_a, false))).await;
     for r in [&a, &b, &c] {
         until_ready(&client, r).await;
     }
@@ -93,7 +90,7 @@ async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
     let fleet = fleet(1, 100, Faults::default()).await;
-    let replicas = "{peers: ['http://127.0.0.1:1'], share_dispatches: true, warm_timeout_s: 1}";
+    let replicas = replicas(&["http://127.0.0.1:1".to_owned()], 1.0, true);
     let r = replica(config(&fleet, 0, replicas)).await;
     let client = reqwest::Client::new();
     let send = |model: &str, block_size: usize| {

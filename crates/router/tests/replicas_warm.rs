@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use kvroute_router::server::RunningRouter;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::{free_ports, patience};
-use replicas_common::{admin_json, complete, config, explain, fleet, replica, status, until_ready};
+use replicas_common::{
+    admin_json, complete, config, explain, fleet, replica, replicas, status, until_ready,
+};
 use serde_json::{Value, json};
 
 /// A loopback address nobody listens on.
@@ -81,11 +83,8 @@ async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
     let fleet = small_replay_fleet().await;
     let client = reqwest::Client::new();
     // A names a peer that is not there: it warms up from the engines (nothing published yet).
-    let dead = format!(
-        "{{peers: ['http://{}'], warm_timeout_s: 10}}",
-        dead_address()
-    );
-    let a = replica(config(&fleet, 0, &dead)).await;
+    let dead = replicas(&[format!("http://{}", dead_address())], 10.0, true);
+    let a = replica(config(&fleet, 0, dead)).await;
     until_ready(&client, &a).await;
     let warm = admin_json(&client, &a, "/kvroute/v1/replica").await;
     assert_eq!(warm["state"], "warm", "{warm}");
@@ -109,7 +108,7 @@ async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
     let b = replica(config(
         &fleet,
         0,
-        &format!("{{peers: ['{peer}'], warm_timeout_s: 10}}"),
+        replicas(std::slice::from_ref(&peer), 10.0, true),
     ))
     .await;
     until_ready(&client, &b).await;
@@ -139,11 +138,8 @@ async fn a_replica_that_cannot_warm_up_says_so_and_reports_ready_anyway() {
     let fleet = small_replay_fleet().await;
     let client = reqwest::Client::new();
     // No peer answers, and one endpoint's event publisher is not there: it never catches up.
-    let replicas = format!(
-        "{{peers: ['http://{}'], warm_timeout_s: 1}}",
-        dead_address()
-    );
-    let mut config = config(&fleet, 0, &replicas);
+    let replicas = replicas(&[format!("http://{}", dead_address())], 1.0, true);
+    let mut config = config(&fleet, 0, replicas);
     config.endpoints[1].events = Some(format!("tcp://{}", dead_address()));
     let router = replica(config).await;
     assert_eq!(

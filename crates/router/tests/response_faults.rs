@@ -172,7 +172,7 @@ async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
     assert_eq!(ids, [MODEL], "{list}");
     // Within the listing's bound (2 s), not one bound per endpoint.
     assert!(
-        started.elapsed() < kvroute_router::admin::MODELS_TIMEOUT + Duration::from_secs(1),
+        started.elapsed() < kvroute_router::testing::MODELS_TIMEOUT + Duration::from_secs(1),
         "{:?}",
         started.elapsed()
     );

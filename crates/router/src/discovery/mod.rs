@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 pub use crate::config::KubeDiscovery;
 #[cfg(feature = "kube")]
-pub use watch::{run, start};
+pub use watch::start;
 
 /// Starts discovery when configured: `None` when it is not; an error when it is configured
 /// but this build has no `kube` feature, or the pool cannot be read.

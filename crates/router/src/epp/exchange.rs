@@ -20,9 +20,10 @@ use parking_lot::Mutex;
 
 use super::handoff::{self, Followed, Handoffs};
 use super::protocol;
-use crate::accounting::{Accounting, Outcome};
+use crate::accounting::Outcome;
 use crate::budget::BudgetHold;
-use crate::proxy::{self, Api, Refused, Routed, healthy_rotation, request_id};
+use crate::pipeline::{self, Leg};
+use crate::proxy::{self, Api, Refused, Routed, healthy_rotation};
 use crate::service::{Prepared, Router};
 
 /// The state of one exchange.
@@ -262,16 +263,16 @@ impl Exchange {
     /// allows, recorded as dispatched there.
     fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
         let Routed { prepared, plan } = routed;
-        let ranking = self.allowed(&plan.decision.ranking);
-        let reason = plan.decision.reason.as_str();
-        self.dispatch(&ranking, &plan.predicted_cached, &prepared, reason, true)
+        let mut leg = Leg::planned(plan);
+        leg.ranking = self.allowed(&leg.ranking);
+        self.dispatch(&leg, &prepared, true)
     }
 
     /// Routes a request that needs no cache to any healthy endpoint the subset allows.
     fn route_anywhere(&mut self, on_body: bool) -> ProcessingResponse {
-        let ranking = self.allowed(&healthy_rotation(&self.router));
+        let leg = Leg::unplanned(self.allowed(&healthy_rotation(&self.router)));
         let prepared = Prepared::uncached(&self.router);
-        self.dispatch(&ranking, &[], &prepared, "passthrough", on_body)
+        self.dispatch(&leg, &prepared, on_body)
     }
 
     /// The endpoints of `ranking` the data plane's subset hint allows, in order.
@@ -288,14 +289,10 @@ impl Exchange {
             .collect()
     }
 
-    fn dispatch(
-        &mut self,
-        ranking: &[EndpointId],
-        predicted_cached: &[usize],
-        prepared: &Prepared,
-        reason: &'static str,
-        on_body: bool,
-    ) -> ProcessingResponse {
+    /// Names the first endpoint of `leg` (and its fallbacks) to the gateway: **connect** and
+    /// **respond** of the pipeline, as `serve` runs them once connected.
+    fn dispatch(&mut self, leg: &Leg, prepared: &Prepared, on_body: bool) -> ProcessingResponse {
+        let ranking = &leg.ranking;
         let Some(&first) = ranking.first() else {
             let why = if self.subset.is_some() {
                 "no endpoint of the gateway's subset can serve this request; retry shortly"
@@ -311,14 +308,9 @@ impl Exchange {
             .collect();
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
-        let dispatch = crate::pipeline::connect(&self.router, predicted_cached, prepared, first);
-        let accounting = Accounting::new(
-            self.router.clone(),
-            dispatch,
-            reason,
-            request_id(&self.headers),
-            self.started,
-        );
+        let dispatch = pipeline::connect(&self.router, &leg.predicted_cached, prepared, first);
+        let context = pipeline::admit(&self.router, &self.headers, self.started);
+        let accounting = pipeline::respond(&self.router, &context, leg, 0, dispatch);
         let followed: Followed = Arc::new(Mutex::new(Some(accounting)));
         let (token, header) = self.handoffs.offer(&followed);
         self.offered = Some(token);

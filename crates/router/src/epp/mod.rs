@@ -13,7 +13,7 @@
 
 mod exchange;
 mod handoff;
-pub mod protocol;
+pub(crate) mod protocol;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -25,7 +25,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{Stream, StreamExt};
-use tokio::sync::{Semaphore, mpsc};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
@@ -67,13 +68,15 @@ impl Default for EppOptions {
     }
 }
 
-/// The ext_proc service: one [`Exchange`] per stream, at most `limits.max_picker_streams` at
-/// once, their buffered request bodies charged to the router's buffered-bytes budget.
+/// The ext_proc service: one [`Exchange`] per stream, at most `limits.max_picker_streams`
+/// routing streams and `limits.max_observer_streams` observer streams at once, their buffered
+/// request bodies charged to the router's buffered-bytes budget.
 pub struct Picker {
     router: Arc<Router>,
     fallbacks: usize,
     budget: ByteBudget,
     streams: Arc<Semaphore>,
+    observers: Arc<Semaphore>,
     handoffs: Arc<Handoffs>,
 }
 
@@ -95,55 +98,112 @@ impl ExternalProcessor for Picker {
             self.budget.hold(),
             self.handoffs.clone(),
         );
+        // A stream holds a routing stream's place from its opening (one that sends nothing
+        // holds it until the body timeout); its first message may show it is an observer,
+        // which then moves to an observer's place.
         let permit = self.streams.clone().try_acquire_owned().ok();
-        let streams = self.router.metrics().picker_streams.clone();
+        let observers = self.observers.clone();
         // The exchange lives in this task: when the data plane ends the stream (or goes away),
         // it is dropped and its accounting handed back to the fleet.
-        tokio::spawn(async move {
-            match permit {
-                Some(_permit) => {
-                    streams.inc();
-                    run_exchange(exchange, inbound, tx).await;
-                    streams.dec();
-                }
-                None => refuse_stream(exchange, inbound, tx).await,
-            }
-        });
+        let router = self.router.clone();
+        tokio::spawn(serve_stream(
+            router, exchange, inbound, tx, permit, observers,
+        ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
 type Answers = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
-/// Drives one exchange: each message of the data plane answered in turn. While a request body
-/// is due, the next message must come by its deadline (`limits.body_timeout_ms` from the
-/// request headers), or the request is answered 408. A message the picker cannot decode (400),
-/// or one over its size limit (413), is answered as well, so that a fail-open data plane
-/// never lets such a request through unrouted.
+/// What a stream received next: a message, a transport error, or its end (`None`).
+type Next = Option<Result<ProcessingRequest, Status>>;
+
+/// A place among the streams served at once, shown in a gauge while held.
+struct Place {
+    _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl Place {
+    fn new(permit: OwnedSemaphorePermit, gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self {
+            _permit: permit,
+            gauge: gauge.clone(),
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// Serves one ext_proc stream. Its first message is due within the body timeout (a stream
+/// that opens and sends nothing holds a place and budget). A routing stream beyond
+/// `limits.max_picker_streams` is answered 503; an observer stream (its first message in
+/// `observability_mode`) beyond `limits.max_observer_streams` is ended unanswered (nothing is
+/// answered on an observer stream) and counted apart, not as a refused request: its request
+/// is handed back when its routing stream ends, as with a gateway without observers.
+async fn serve_stream(
+    router: Arc<Router>,
+    exchange: Exchange,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: Answers,
+    permit: Option<OwnedSemaphorePermit>,
+    observers: Arc<Semaphore>,
+) {
+    let metrics = router.metrics();
+    let routing = permit.map(|p| Place::new(p, &metrics.picker_streams));
+    let first = match tokio::time::timeout(exchange.body_timeout(), inbound.next()).await {
+        Ok(Some(first)) => first,
+        // The stream ended before its first message.
+        Ok(None) => return,
+        Err(_) => {
+            debug!("an ext_proc stream sent nothing within the body timeout; ended");
+            return;
+        }
+    };
+    if first.as_ref().is_ok_and(|m| m.observability_mode) {
+        drop(routing);
+        let Ok(permit) = observers.try_acquire_owned() else {
+            metrics.observer_streams_refused.inc();
+            debug!("an observer stream past limits.max_observer_streams; ended unanswered");
+            return;
+        };
+        let _place = Place::new(permit, &metrics.picker_observer_streams);
+        return run_exchange(exchange, Some(first), inbound, tx).await;
+    }
+    match routing {
+        Some(_place) => run_exchange(exchange, Some(first), inbound, tx).await,
+        None => refuse_stream(exchange, first, tx).await,
+    }
+}
+
+/// Drives one exchange: each message of the data plane answered in turn, `first` (already
+/// received) first. While a request body is due, the next message must come by its deadline
+/// (`limits.body_timeout_ms` from the request headers), or the request is answered 408. A
+/// message the picker cannot decode (400), or one over its size limit (413), is answered as
+/// well, so that a fail-open data plane never lets such a request through unrouted.
 async fn run_exchange(
     mut exchange: Exchange,
+    first: Next,
     mut inbound: Streaming<ProcessingRequest>,
     tx: Answers,
 ) {
-    // The first message (the request headers, or an observer's) is due within the body
-    // timeout too: a stream that opens and sends nothing holds a stream permit and budget.
-    let mut first = Some(tokio::time::Instant::now() + exchange.body_timeout());
+    let mut received = Some(first);
     loop {
-        let due = exchange.body_due().or(first.take());
-        let next = match due {
-            Some(due) => match tokio::time::timeout_at(due, inbound.next()).await {
+        let next = match (received.take(), exchange.body_due()) {
+            (Some(next), _) => next,
+            (None, Some(due)) => match tokio::time::timeout_at(due, inbound.next()).await {
                 Ok(next) => next,
-                Err(_) if exchange.body_due().is_some() => {
+                Err(_) => {
                     let _ = tx.send(Ok(exchange.body_timed_out())).await;
                     return;
                 }
-                // Nothing came at all: nothing to answer, the stream ends.
-                Err(_) => {
-                    debug!("an ext_proc stream sent nothing within the body timeout; ended");
-                    return;
-                }
             },
-            None => inbound.next().await,
+            (None, None) => inbound.next().await,
         };
         let message = match next {
             Some(Ok(message)) => message,
@@ -170,15 +230,14 @@ async fn run_exchange(
     }
 }
 
-/// A stream over `limits.max_picker_streams`: its first message is answered 503 (within the
-/// body timeout), and it ends.
+/// A routing stream over `limits.max_picker_streams`: its first message is answered 503, and
+/// it ends.
 async fn refuse_stream(
     mut exchange: Exchange,
-    mut inbound: Streaming<ProcessingRequest>,
+    first: Result<ProcessingRequest, Status>,
     tx: Answers,
 ) {
-    let wait = exchange.body_timeout();
-    if let Ok(Some(Ok(_))) = tokio::time::timeout(wait, inbound.next()).await {
+    if first.is_ok() {
         let _ = tx.send(Ok(exchange.too_many_streams())).await;
     }
 }
@@ -251,6 +310,7 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
         fallbacks: options.fallbacks,
         budget: request_budget(&router),
         streams: Arc::new(Semaphore::new(router.config().limits.max_picker_streams)),
+        observers: Arc::new(Semaphore::new(router.config().limits.max_observer_streams)),
         handoffs: Arc::default(),
     };
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), "kvroute endpoint picker serving ext_proc");

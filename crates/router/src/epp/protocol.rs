@@ -30,6 +30,10 @@ pub const EXCHANGE: &str = "x-kvroute-exchange";
 /// The llm-d P/D sidecar's header naming the prefill endpoint, `ip:port`. kvroute's core does
 /// not plan a disaggregated prefill yet; [`super::exchange`] leaves the hook where it would be
 /// set (see `prefiller` there).
+#[allow(
+    dead_code,
+    reason = "named with the picker's other headers; set once core plans P/D"
+)]
 pub const PREFILLER: &str = "x-prefiller-host-port";
 
 fn raw(h: &HeaderValue) -> &[u8] {

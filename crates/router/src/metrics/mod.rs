@@ -186,6 +186,12 @@ metric_group! {
         /// ext_proc streams the picker serves now (bounded by `limits.max_picker_streams`).
         picker_streams: Gauge = Gauge::default(),
             "picker_streams", "ext_proc streams the endpoint picker serves";
+        /// Observer streams the picker serves now (bounded by `limits.max_observer_streams`).
+        picker_observer_streams: Gauge = Gauge::default(),
+            "picker_observer_streams", "Observer ext_proc streams the endpoint picker serves";
+        /// Observer streams ended unanswered because `limits.max_observer_streams` were open.
+        observer_streams_refused: Counter = Counter::default(),
+            "observer_streams_refused", "Observer ext_proc streams ended at the observer stream limit";
         /// Bytes of prompt tokens in the tokenization cache (bounded by
         /// `limits.token_cache_bytes`).
         token_cache_bytes: Gauge = Gauge::default(),

@@ -16,7 +16,5 @@ pub mod share;
 mod snapshot;
 pub mod warm;
 
-pub use crate::journal::{Export, Journal};
-pub use crate::replica_state::{ReplicaState, WarmStatus};
-pub use snapshot::{EndpointSnapshot, Snapshot, snapshot};
+pub use snapshot::snapshot;
 pub use warm::{ready, status};

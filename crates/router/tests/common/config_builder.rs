@@ -2,7 +2,9 @@
 //! simulated fleets, and closures for the knobs a test turns, instead of YAML assembled with
 //! `format!`.
 
-use kvroute_router::config::{EndpointConfig, ModelConfig, RouterConfig, TokenizerConfig};
+use kvroute_router::config::{
+    EndpointConfig, KubeDiscovery, ModelConfig, ReplicasConfig, RouterConfig, TokenizerConfig,
+};
 use kvroute_sim::server::{EngineEndpoint, SimFleet};
 
 /// Builds a [`RouterConfig`] for a test; [`ConfigBuilder::build`] validates it as
@@ -54,6 +56,17 @@ impl ConfigBuilder {
         self.endpoint(engine_endpoint(None, &fleet.endpoints[0]))
     }
 
+    /// Adds an unnamed endpoint per fleet (its first engine) with its KV events but no replay.
+    pub fn unnamed_events_only(mut self, fleets: &[&SimFleet]) -> Self {
+        for fleet in fleets {
+            let engine = &fleet.endpoints[0];
+            let mut endpoint = endpoint(None, &engine.url);
+            endpoint.events = Some(engine.events.clone());
+            self = self.endpoint(endpoint);
+        }
+        self
+    }
+
     /// Adds an endpoint named `name` at `url`, without KV events.
     pub fn url(self, name: &str, url: &str) -> Self {
         self.endpoint(endpoint(Some(name.to_owned()), url))
@@ -81,6 +94,37 @@ impl ConfigBuilder {
     /// The API listener's address (default: an ephemeral loopback port).
     pub fn listen(mut self, addr: std::net::SocketAddr) -> Self {
         self.config.listen = addr;
+        self
+    }
+
+    /// The admin listener on loopback port `port` (0: ephemeral, the default).
+    pub fn admin_port(mut self, port: u16) -> Self {
+        self.config.admin.listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        self
+    }
+
+    /// Runs as a replica with `replicas`.
+    pub fn replicas(mut self, replicas: ReplicasConfig) -> Self {
+        self.config.replicas = replicas;
+        self
+    }
+
+    /// Discovers endpoints from the Kubernetes API at `api_server`: the pods of
+    /// `inference_pool` in `namespace`, with KV events on `events_port`.
+    pub fn discovery(
+        mut self,
+        api_server: &str,
+        namespace: &str,
+        inference_pool: &str,
+        events_port: u16,
+    ) -> Self {
+        let mut discovery: KubeDiscovery =
+            serde_yaml_ng::from_str("{}").expect("an empty discovery section parses");
+        discovery.api_server = Some(api_server.to_owned());
+        discovery.namespace = Some(namespace.to_owned());
+        discovery.inference_pool = Some(inference_pool.to_owned());
+        discovery.events_port = Some(events_port);
+        self.config.discovery = Some(discovery);
         self
     }
 

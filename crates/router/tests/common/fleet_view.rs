@@ -3,7 +3,7 @@
 
 use kvroute_core::index::EndpointId;
 use kvroute_router::config::EndpointConfig;
-use kvroute_router::service::Router;
+use kvroute_router::testing::Router;
 
 /// Requests the router holds under flow control right now.
 pub fn held_requests(router: &Router) -> usize {

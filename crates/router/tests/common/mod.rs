@@ -6,7 +6,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use kvroute_sim::server::{EngineEndpoint, SimConfig, SimFleet, start as start_sim};
+use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
 use serde_json::Value;
 
 pub mod config_builder;
@@ -35,22 +35,6 @@ pub async fn router_from_config(
     })
     .await;
     router
-}
-
-/// The `endpoints:` list items for `endpoints`, named `e0`, `e1`, ... in order.
-pub fn endpoint_lines<'a>(endpoints: impl IntoIterator<Item = &'a EngineEndpoint>) -> String {
-    endpoints
-        .into_iter()
-        .enumerate()
-        .map(|(i, ep)| {
-            format!(
-                "  - {{name: e{i}, url: '{}', events: '{}', replay: '{}'}}\n",
-                ep.url,
-                ep.events,
-                ep.replay.as_deref().unwrap_or_default()
-            )
-        })
-        .collect()
 }
 
 /// Sets engine `i` of `fleet`'s simulated faults (`POST /sim/faults`), checking it took them.

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvroute_router::config::RouterConfig;
+use kvroute_router::config::{ReplicasConfig, RouterConfig};
 use kvroute_router::server::{RunningRouter, start};
 use kvroute_sim::server::faults::Faults;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
@@ -32,13 +32,23 @@ pub async fn fleet(engines: usize, replay_buffer_steps: usize, faults: Faults) -
 }
 
 /// A replica's configuration over `fleet` (endpoints `e0`, `e1`, ...), ephemeral API port,
-/// admin on `admin` (0: ephemeral), with the `replicas` section given as YAML flow.
-pub fn config(fleet: &SimFleet, admin: u16, replicas: &str) -> RouterConfig {
-    let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: {MODEL}}}]\nreplicas: {replicas}\nendpoints:\n"
-    );
-    yaml.push_str(&crate::common::endpoint_lines(&fleet.endpoints));
-    RouterConfig::from_yaml(&yaml).unwrap()
+/// admin on `admin` (0: ephemeral), with `replicas`.
+pub fn config(fleet: &SimFleet, admin: u16, replicas: ReplicasConfig) -> RouterConfig {
+    crate::common::config_builder::ConfigBuilder::new(MODEL)
+        .admin_port(admin)
+        .replicas(replicas)
+        .engine_endpoints(&fleet.endpoints)
+        .build()
+}
+
+/// The `replicas` section naming `peers` (URLs), waiting at most `warm_timeout_s` to warm up,
+/// sharing dispatches or not.
+pub fn replicas(peers: &[String], warm_timeout_s: f64, share_dispatches: bool) -> ReplicasConfig {
+    ReplicasConfig {
+        peers: peers.to_vec(),
+        warm_timeout_s,
+        share_dispatches,
+    }
 }
 
 /// Starts a replica.

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 mod common;
 
 use common::config_builder::ConfigBuilder;
-use common::{eventually_async, fault, router_from_config};
+use common::{eventually_async, explain, fault, router_from_config, router_metrics};
 use kvroute_router::server::RunningRouter;
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -15,28 +15,12 @@ const MODEL: &str = "sim-llama-3.1-8b";
 /// `/kvroute/v1/explain`'s view of the only endpoint's load.
 async fn scraped_load(client: &reqwest::Client, router: &RunningRouter) -> Value {
     let body = json!({"model": MODEL, "prompt": "how busy is it?", "max_tokens": 1});
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    explained["endpoints"][0]["load"].clone()
+    explain(client, router, &body).await["endpoints"][0]["load"].clone()
 }
 
 /// The router's `kvroute_scrape_failures_total` for `kind`, summed over endpoints.
 async fn scrape_failures(client: &reqwest::Client, router: &RunningRouter, kind: &str) -> f64 {
-    let text = client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = router_metrics(client, router).await;
     kvroute_testkit::sum_labelled(
         &text,
         "kvroute_scrape_failures_total{",

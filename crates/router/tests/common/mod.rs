@@ -105,3 +105,35 @@ pub async fn eventually_async<T: std::fmt::Debug, F: Future<Output = (bool, T)>>
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `POST /kvroute/v1/explain` of `body` on `router`'s admin listener.
+pub async fn explain(
+    client: &reqwest::Client,
+    router: &kvroute_router::server::RunningRouter,
+    body: &Value,
+) -> Value {
+    client
+        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// `router`'s own `/metrics` text.
+pub async fn router_metrics(
+    client: &reqwest::Client,
+    router: &kvroute_router::server::RunningRouter,
+) -> String {
+    client
+        .get(format!("http://{}/metrics", router.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}

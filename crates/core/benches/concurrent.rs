@@ -10,7 +10,10 @@
 //! Run with `cargo bench -p kvroute-core --bench concurrent` (about two minutes; 2 cores).
 //! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries) and
 //! `KVROUTE_BENCH_ENDPOINTS` the fleet (default 64); 1,000 endpoints × 100k blocks is
-//! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`.
+//! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`. `KVROUTE_BENCH_CONFIGS`
+//! lists the (shards, writers) pairs to run, default `1x1,2x2`. A last phase paces the writers
+//! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
+//! saturate the writers).
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -59,6 +62,7 @@ type Churn = Vec<(Vec<KvEvent>, Vec<KvEvent>)>;
 fn main() {
     let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000);
     let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64);
+    let paced = setting("KVROUTE_BENCH_PACED", 500_000) as f64;
     let churn: Churn = (0..CHURN_CHAINS)
         .map(|c| {
             let chain = Chain::new(5_000_000 + c as u64, CHURN_BLOCKS);
@@ -80,17 +84,39 @@ fn main() {
         "p99 us",
         "max us"
     );
-    for shards in [1usize, 2] {
+    for (shards, writers) in configurations() {
         let (index, keys) = build(entries, endpoints, shards);
         let index = Arc::new(index);
-        for (name, ingest, lookup) in [
-            ("ingest alone", true, false),
-            ("lookups alone", false, true),
-            ("ingest + lookups", true, true),
+        for (name, ingest, lookup, pace) in [
+            ("ingest alone", true, false, None),
+            ("lookups alone", false, true, None),
+            ("ingest + lookups", true, true, None),
+            ("paced + lookups", true, true, Some(paced)),
         ] {
-            run_phase(name, &index, endpoints, &churn, &keys, ingest, lookup);
+            let writers = if ingest { writers } else { 0 };
+            let feed = Feed {
+                endpoints,
+                churn: churn.clone(),
+                writers,
+                pace,
+            };
+            run_phase(name, &index, &feed, &keys, lookup);
         }
     }
+}
+
+/// (shards, writers) to run: `KVROUTE_BENCH_CONFIGS` as `1x1,2x2` (the default), or any list.
+fn configurations() -> Vec<(usize, usize)> {
+    let spec = std::env::var("KVROUTE_BENCH_CONFIGS").unwrap_or_else(|_| "1x1,2x2".into());
+    spec.split(',')
+        .map(|c| {
+            let (shards, writers) = c.split_once('x').expect("SHARDSxWRITERS");
+            (
+                shards.trim().parse().expect("shards"),
+                writers.trim().parse().expect("writers"),
+            )
+        })
+        .collect()
 }
 
 /// An index of `shards` shards filled for the phases, and the requests the reader looks up.
@@ -135,25 +161,23 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<V
     (index, requests.into_iter().map(|c| c.keys).collect())
 }
 
-/// Runs one phase for `PHASE`: one writer per shard if `ingest`, one reader if `lookup`; prints
-/// its row.
+/// Runs one phase for `PHASE`: `writers` writers, one reader if `lookup`; prints its row.
 fn run_phase(
     name: &str,
     index: &Arc<SharedIndex>,
-    endpoints: usize,
-    churn: &Arc<Churn>,
+    feed: &Feed,
     keys: &[Vec<RouterKey>],
-    ingest: bool,
     lookup: bool,
 ) {
     let shards = index.shard_count();
-    let writers = if ingest { shards } else { 0 };
+    let writers = feed.writers;
+    let ingest = writers > 0;
     let stop = Arc::new(AtomicBool::new(false));
     let wall = Instant::now();
     let writer_threads: Vec<_> = (0..writers)
         .map(|w| {
-            let (index, stop, churn) = (index.clone(), stop.clone(), churn.clone());
-            std::thread::spawn(move || ingest_until(&index, endpoints, w, &churn, &stop))
+            let (index, stop, feed) = (index.clone(), stop.clone(), feed.clone());
+            std::thread::spawn(move || ingest_until(&index, &feed, w, &stop))
         })
         .collect();
     let reader = lookup.then(|| {
@@ -211,36 +235,49 @@ fn thread_cpu_seconds() -> f64 {
     ticks / 100.0
 }
 
-/// Applies churn batches until told to stop: writer `writer` of one per shard takes the
-/// conversations of its shard's endpoints, stores each and removes it `WINDOW` (all writers
-/// together) conversations later. Returns (block events applied, CPU seconds).
-fn ingest_until(
-    index: &SharedIndex,
+/// What the writers of a phase apply.
+#[derive(Clone)]
+struct Feed {
     endpoints: usize,
-    writer: usize,
-    churn: &Churn,
-    stop: &AtomicBool,
-) -> (u64, f64) {
-    let endpoint = |c: usize| EndpointId((c % endpoints) as u32);
+    churn: Arc<Churn>,
+    /// Writers; writer `w` takes the endpoints `e` with `e mod writers = w` (with one writer
+    /// per shard: its shard's).
+    writers: usize,
+    /// Block events per second of all writers together (`None`: as fast as they can).
+    pace: Option<f64>,
+}
+
+/// Applies churn batches until told to stop: writer `writer` takes its endpoints'
+/// conversations, stores each and removes it `WINDOW` (all writers together) conversations
+/// later. Returns (block events applied, CPU seconds).
+fn ingest_until(index: &SharedIndex, feed: &Feed, writer: usize, stop: &AtomicBool) -> (u64, f64) {
+    let endpoint = |c: usize| EndpointId((c % feed.endpoints) as u32);
     let mine: Vec<usize> = (0..CHURN_CHAINS)
-        .filter(|&c| index.shard_of(endpoint(c)) == writer)
+        .filter(|&c| endpoint(c).0 as usize % feed.writers == writer)
         .collect();
     let window = WINDOW * mine.len() / CHURN_CHAINS;
+    let wall = Instant::now();
     let start = thread_cpu_seconds();
     let mut events = 0u64;
     let mut step = 0usize;
     while !stop.load(Ordering::Relaxed) {
         let c = mine[step % mine.len()];
-        for batch in &churn[c].0 {
+        for batch in &feed.churn[c].0 {
             index.apply(endpoint(c), std::slice::from_ref(batch));
         }
         events += CHURN_BLOCKS as u64;
         if step >= window {
             let old = mine[(step - window) % mine.len()];
-            index.apply(endpoint(old), &churn[old].1);
+            index.apply(endpoint(old), &feed.churn[old].1);
             events += CHURN_BLOCKS as u64;
         }
         step += 1;
+        if let Some(pace) = feed.pace {
+            let due = Duration::from_secs_f64(events as f64 * feed.writers as f64 / pace);
+            if let Some(early) = due.checked_sub(wall.elapsed()) {
+                std::thread::sleep(early);
+            }
+        }
     }
     (events, thread_cpu_seconds() - start)
 }

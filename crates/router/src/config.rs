@@ -557,9 +557,9 @@ impl Default for CacheConfig {
         let fleet = FleetConfig::default();
         Self {
             index_capacity: fleet.index_capacity,
-            // Two writers: the ingest of two cores for at most twice the walk of a prompt held
-            // on both shards (docs/benchmarks.md); the simulator keeps core's single shard.
-            index_shards: 2,
+            // One writer unless configured: a second shard doubles ingest only where a core is
+            // free, and every lookup pays for it (docs/benchmarks.md, fleet scale).
+            index_shards: fleet.index_shards,
             history_ttl_s: fleet.history_ttl_s,
             history_capacity: fleet.history_capacity,
             predicted_ttl_s: fleet.predicted_ttl_s,

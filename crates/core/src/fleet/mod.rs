@@ -57,7 +57,6 @@ pub struct FleetConfig {
     pub index_capacity: usize,
     /// Shards of each KV index: endpoints' events are applied by up to this many writers at
     /// once (see [`SharedIndex::sharded`]); a lookup walks every shard holding the prompt.
-    /// 1 suits single-threaded use (the simulator).
     pub index_shards: usize,
     /// Seconds the router remembers where it sent a prefix.
     pub history_ttl_s: f64,

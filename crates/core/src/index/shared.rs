@@ -19,7 +19,7 @@
 //!   to a shared filesystem is a hit for every endpoint mounting it, whatever its shard. Locks
 //!   are always taken shard first, then tier, so they cannot deadlock.
 
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::fleet_tier::{FleetTier, SharedFleetTier};
 use super::{
@@ -81,14 +81,10 @@ impl SharedIndex {
     }
 
     /// Applies one batch of an endpoint's events atomically with respect to lookups, holding
-    /// only that endpoint's shard. The lock is handed to a waiting lookup when the batch is
-    /// done: a writer that applies batch after batch would otherwise take it back before the
-    /// woken reader runs (with two saturating writers the benchmark's reader then got 86
-    /// lookups in 6 s, against 167–453 with the handover; `docs/benchmarks.md`).
+    /// only that endpoint's shard. (Handing the lock to a waiting lookup after each batch was
+    /// measured again with two shards: inconclusive, so it is not done.)
     pub fn apply(&self, endpoint: EndpointId, events: &[KvEvent]) {
-        let mut shard = self.shard(endpoint).write();
-        shard.apply(endpoint, events);
-        RwLockWriteGuard::unlock_fair(shard);
+        self.shard(endpoint).write().apply(endpoint, events);
     }
 
     /// Drops everything `endpoint` holds.

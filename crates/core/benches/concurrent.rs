@@ -1,14 +1,19 @@
-//! The index under production-like concurrency on a large fleet: one thread applies the
-//! fleet's events (stores and removals, with the capacity bound evicting) as fast as it can,
-//! while another looks up requests, each timed on its own. Reports the ingest rate and the
-//! lookups' latency percentiles, and the same figures for ingest alone and lookups alone. The
-//! ingest rate is per second of the writer thread's CPU time, so that other processes on a
-//! shared machine do not lower it; the lookup latencies are wall-clock and do include them.
+//! The index under production-like concurrency on a large fleet: writers apply the fleet's
+//! events (stores and removals, with the capacity bound evicting) as fast as they can, while
+//! another thread looks up requests, each timed on its own. Runs on an index of one shard with
+//! one writer (the index before sharding), then on one of two shards with two writers, one per
+//! shard. Reports the ingest rate and the lookups' latency percentiles, and the same figures
+//! for ingest alone and lookups alone. The ingest rate is given per second of wall time (all
+//! writers together) and per second of the writers' CPU time (other processes on a shared
+//! machine lower the first, not the second); the lookup latencies are wall-clock.
 //!
-//! Run with `cargo bench -p kvroute-core --bench concurrent` (about a minute; 2 cores).
+//! Run with `cargo bench -p kvroute-core --bench concurrent` (about two minutes; 2 cores).
 //! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries) and
 //! `KVROUTE_BENCH_ENDPOINTS` the fleet (default 64); 1,000 endpoints × 100k blocks is
-//! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`.
+//! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`. `KVROUTE_BENCH_CONFIGS`
+//! lists the (shards, writers) pairs to run, default `1x1,2x2`. A last phase paces the writers
+//! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
+//! saturate the writers).
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -23,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::index::{EndpointId, SharedIndex};
+use kvroute_core::keys::RouterKey;
 
 use fixtures::{Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
 
@@ -40,7 +46,7 @@ const REQUEST_BLOCKS: usize = 512;
 /// the requests add to the lower half.
 const MIN_SPARE: usize = 2_048;
 /// How long each phase runs.
-const PHASE: Duration = Duration::from_secs(8);
+const PHASE: Duration = Duration::from_secs(6);
 
 /// A size from the environment, or its default.
 fn setting(name: &str, default: usize) -> usize {
@@ -50,9 +56,71 @@ fn setting(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// One conversation's stores and the removals that undo them.
+type Churn = Vec<(Vec<KvEvent>, Vec<KvEvent>)>;
+
 fn main() {
     let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000);
     let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64);
+    let paced = setting("KVROUTE_BENCH_PACED", 500_000) as f64;
+    let churn: Churn = (0..CHURN_CHAINS)
+        .map(|c| {
+            let chain = Chain::new(5_000_000 + c as u64, CHURN_BLOCKS);
+            let stores = chain.stores(0, CHURN_BLOCKS, None, &mut std::iter::repeat(16));
+            let removals = stores.iter().map(removal).collect();
+            (stores, removals)
+        })
+        .collect();
+    let churn = Arc::new(churn);
+    println!(
+        "{:<18} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
+        "phase",
+        "shards",
+        "writers",
+        "Mev/wall-s",
+        "Mev/writer-cpu-s",
+        "lookups",
+        "p50 us",
+        "p99 us",
+        "max us"
+    );
+    for (shards, writers) in configurations() {
+        let (index, keys) = build(entries, endpoints, shards);
+        let index = Arc::new(index);
+        for (name, ingest, lookup, pace) in [
+            ("ingest alone", true, false, None),
+            ("lookups alone", false, true, None),
+            ("ingest + lookups", true, true, None),
+            ("paced + lookups", true, true, Some(paced)),
+        ] {
+            let writers = if ingest { writers } else { 0 };
+            let feed = Feed {
+                endpoints,
+                churn: churn.clone(),
+                writers,
+                pace,
+            };
+            run_phase(name, &index, &feed, &keys, lookup);
+        }
+    }
+}
+
+/// (shards, writers) to run: `KVROUTE_BENCH_CONFIGS` as `1x1,2x2` (the default), or any list.
+fn configurations() -> Vec<(usize, usize)> {
+    let spec = std::env::var("KVROUTE_BENCH_CONFIGS").unwrap_or_else(|_| "1x1,2x2".into());
+    spec.split(',')
+        .map(|c| {
+            let (shards, writers) = c.split_once('x').expect("SHARDSxWRITERS");
+            (
+                shards.trim().parse().expect("shards"),
+                writers.trim().parse().expect("writers"),
+            )
+        })
+        .collect()
+}
+
+/// An index of `shards` shards filled for the phases, and the requests the reader looks up.
+fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<Vec<RouterKey>>) {
     let rss_before = rss_bytes();
     let start = Instant::now();
     // The bound's high-water mark sits half-way through the churn window's growth, so that it
@@ -63,7 +131,7 @@ fn main() {
     let spare = REQUESTS * REQUEST_BLOCKS * 3 / endpoints + MIN_SPARE;
     let live = entries + endpoints / 2 * spare + REQUESTS * REQUEST_BLOCKS * 3 / 2;
     let capacity = (live + WINDOW * CHURN_BLOCKS / 2) * 10 / 9;
-    let mut index = fixtures::index(capacity);
+    let mut index = fixtures::sharded(capacity, shards);
     for e in 0..endpoints {
         let spare = if e >= endpoints / 2 { spare } else { 0 };
         let chains = chain_lengths(entries / endpoints + spare).zip(private_seeds(e));
@@ -79,69 +147,80 @@ fn main() {
         let half = chain.stores(0, REQUEST_BLOCKS / 2, None, &mut std::iter::repeat(32));
         index.apply(EndpointId(((r + 1) % (endpoints / 2)) as u32), &half);
     }
+    let (entry_count, block_count) = index.read(|r| (r.entry_count(), r.block_count()));
     println!(
-        "index: {} endpoints, {} entries, {} blocks, built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry)",
+        "index: {} shard(s), {} endpoints, {} entries, {} blocks (per shard, summed), built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry)",
+        shards,
         endpoints,
-        index.entry_count(),
-        index.block_count(),
+        entry_count,
+        block_count,
         start.elapsed().as_secs_f64(),
         rss_bytes().saturating_sub(rss_before) as f64 / (1 << 20) as f64,
-        rss_bytes().saturating_sub(rss_before) as f64 / index.entry_count() as f64,
+        rss_bytes().saturating_sub(rss_before) as f64 / entry_count as f64,
     );
-    let churn: Vec<(Vec<KvEvent>, Vec<KvEvent>)> = (0..CHURN_CHAINS)
-        .map(|c| {
-            let chain = Chain::new(5_000_000 + c as u64, CHURN_BLOCKS);
-            let stores = chain.stores(0, CHURN_BLOCKS, None, &mut std::iter::repeat(16));
-            let removals = stores.iter().map(removal).collect();
-            (stores, removals)
+    (index, requests.into_iter().map(|c| c.keys).collect())
+}
+
+/// Runs one phase for `PHASE`: `writers` writers, one reader if `lookup`; prints its row.
+fn run_phase(
+    name: &str,
+    index: &Arc<SharedIndex>,
+    feed: &Feed,
+    keys: &[Vec<RouterKey>],
+    lookup: bool,
+) {
+    let shards = index.shard_count();
+    let writers = feed.writers;
+    let ingest = writers > 0;
+    let stop = Arc::new(AtomicBool::new(false));
+    let wall = Instant::now();
+    let writer_threads: Vec<_> = (0..writers)
+        .map(|w| {
+            let (index, stop, feed) = (index.clone(), stop.clone(), feed.clone());
+            std::thread::spawn(move || ingest_until(&index, &feed, w, &stop))
         })
         .collect();
-    let keys: Vec<Vec<_>> = requests.iter().map(|c| c.keys.clone()).collect();
-    let index = Arc::new(SharedIndex::new(index));
-
+    let reader = lookup.then(|| {
+        let (index, stop, keys) = (index.clone(), stop.clone(), keys.to_vec());
+        std::thread::spawn(move || lookups_until(&index, &keys, &stop))
+    });
+    std::thread::sleep(PHASE);
+    stop.store(true, Ordering::Relaxed);
+    let done: Vec<(u64, f64)> = writer_threads
+        .into_iter()
+        .map(|w| w.join().expect("writer"))
+        .collect();
+    let seconds = wall.elapsed().as_secs_f64();
+    let events: u64 = done.iter().map(|(events, _)| events).sum();
+    let cpu: f64 = done.iter().map(|(_, cpu)| cpu).sum();
+    let mut times = reader
+        .map(|r| r.join().expect("reader"))
+        .unwrap_or_default();
+    times.sort_unstable();
+    let at = |p: usize| {
+        times
+            .get((times.len().max(1) - 1) * p / 100)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
+    let rate = |per: f64| {
+        if ingest {
+            format!("{:.2}", events as f64 / per / 1e6)
+        } else {
+            "-".into()
+        }
+    };
     println!(
-        "{:<22} {:>14} {:>10} {:>10} {:>10} {:>10}",
-        "phase", "ingest Mev/cpu-s", "lookups", "p50 us", "p99 us", "max us"
+        "{:<18} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
+        name,
+        shards,
+        writers,
+        rate(seconds),
+        rate(cpu),
+        times.len(),
+        at(50),
+        at(99),
+        times.last().map_or(0.0, |d| d.as_secs_f64() * 1e6),
     );
-    for (name, ingest, lookup) in [
-        ("ingest alone", true, false),
-        ("lookups alone", false, true),
-        ("ingest + lookups", true, true),
-    ] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = ingest.then(|| {
-            let (index, stop, churn) = (index.clone(), stop.clone(), churn.clone());
-            std::thread::spawn(move || ingest_until(&index, endpoints, &churn, &stop))
-        });
-        let reader = lookup.then(|| {
-            let (index, stop, keys) = (index.clone(), stop.clone(), keys.clone());
-            std::thread::spawn(move || lookups_until(&index, &keys, &stop))
-        });
-        std::thread::sleep(PHASE);
-        stop.store(true, Ordering::Relaxed);
-        let rate = writer.map(|w| {
-            let (events, seconds) = w.join().expect("writer");
-            events as f64 / seconds / 1e6
-        });
-        let mut times = reader
-            .map(|r| r.join().expect("reader"))
-            .unwrap_or_default();
-        times.sort_unstable();
-        let at = |p: usize| {
-            times
-                .get((times.len().max(1) - 1) * p / 100)
-                .map_or(0.0, |d| d.as_secs_f64() * 1e6)
-        };
-        println!(
-            "{:<22} {:>14} {:>10} {:>10.1} {:>10.1} {:>10.1}",
-            name,
-            rate.map_or("-".into(), |r| format!("{r:.2}")),
-            times.len(),
-            at(50),
-            at(99),
-            times.last().map_or(0.0, |d| d.as_secs_f64() * 1e6),
-        );
-    }
 }
 
 /// CPU seconds this thread has run, from `/proc/thread-self/stat` (10 ms resolution): on a
@@ -156,40 +235,56 @@ fn thread_cpu_seconds() -> f64 {
     ticks / 100.0
 }
 
-/// Applies churn batches (each conversation stored on an endpoint, removed `WINDOW` later)
-/// until told to stop; returns (block events applied, CPU seconds).
-fn ingest_until(
-    index: &SharedIndex,
+/// What the writers of a phase apply.
+#[derive(Clone)]
+struct Feed {
     endpoints: usize,
-    churn: &[(Vec<KvEvent>, Vec<KvEvent>)],
-    stop: &AtomicBool,
-) -> (u64, f64) {
+    churn: Arc<Churn>,
+    /// Writers; writer `w` takes the endpoints `e` with `e mod writers = w` (with one writer
+    /// per shard: its shard's).
+    writers: usize,
+    /// Block events per second of all writers together (`None`: as fast as they can).
+    pace: Option<f64>,
+}
+
+/// Applies churn batches until told to stop: writer `writer` takes its endpoints'
+/// conversations, stores each and removes it `WINDOW` (all writers together) conversations
+/// later. Returns (block events applied, CPU seconds).
+fn ingest_until(index: &SharedIndex, feed: &Feed, writer: usize, stop: &AtomicBool) -> (u64, f64) {
+    let endpoint = |c: usize| EndpointId((c % feed.endpoints) as u32);
+    let mine: Vec<usize> = (0..CHURN_CHAINS)
+        .filter(|&c| endpoint(c).0 as usize % feed.writers == writer)
+        .collect();
+    let window = WINDOW * mine.len() / CHURN_CHAINS;
+    let wall = Instant::now();
     let start = thread_cpu_seconds();
     let mut events = 0u64;
     let mut step = 0usize;
     while !stop.load(Ordering::Relaxed) {
-        let endpoint = |c: usize| EndpointId((c % endpoints) as u32);
-        let c = step % CHURN_CHAINS;
-        for batch in &churn[c].0 {
+        let c = mine[step % mine.len()];
+        for batch in &feed.churn[c].0 {
             index.apply(endpoint(c), std::slice::from_ref(batch));
         }
-        if step >= WINDOW {
-            let old = (step - WINDOW) % CHURN_CHAINS;
-            index.apply(endpoint(old), &churn[old].1);
+        events += CHURN_BLOCKS as u64;
+        if step >= window {
+            let old = mine[(step - window) % mine.len()];
+            index.apply(endpoint(old), &feed.churn[old].1);
+            events += CHURN_BLOCKS as u64;
         }
-        events += 2 * CHURN_BLOCKS as u64;
         step += 1;
+        if let Some(pace) = feed.pace {
+            let due = Duration::from_secs_f64(events as f64 * feed.writers as f64 / pace);
+            if let Some(early) = due.checked_sub(wall.elapsed()) {
+                std::thread::sleep(early);
+            }
+        }
     }
     (events, thread_cpu_seconds() - start)
 }
 
 /// Looks up requests in a fixed pseudo-random order until told to stop; returns each lookup's
 /// time.
-fn lookups_until(
-    index: &SharedIndex,
-    keys: &[Vec<kvroute_core::keys::RouterKey>],
-    stop: &AtomicBool,
-) -> Vec<Duration> {
+fn lookups_until(index: &SharedIndex, keys: &[Vec<RouterKey>], stop: &AtomicBool) -> Vec<Duration> {
     let mut times = Vec::new();
     let mut r = 0usize;
     while !stop.load(Ordering::Relaxed) {

@@ -4,9 +4,12 @@
 //! flush from its timing, so this target times single lookups itself and prints medians.
 //!
 //! The index also holds 1M unshared entries, so the request's blocks are scattered over a
-//! production-sized block table (and over many pages).
+//! production-sized block table (and over many pages). Every configuration runs on a
+//! [`SharedIndex`](kvroute_core::index::SharedIndex) of one shard and of two (the price of
+//! sharding: a request's blocks held on both shards are walked in both).
 //!
-//! Run with `cargo bench -p kvroute-core --bench lookup_cold`.
+//! Run with `cargo bench -p kvroute-core --bench lookup_cold`; `KVROUTE_BENCH_QUICK=1` runs only
+//! 512 blocks × 64 endpoints.
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -17,7 +20,7 @@ mod fixtures;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fixtures::prefix_index;
+use fixtures::sharded_prefix_index;
 
 /// Timed lookups per configuration.
 const ROUNDS: usize = 200;
@@ -38,12 +41,25 @@ fn main() {
     let mut flush = vec![0u8; FLUSH_BYTES];
     println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
     println!(
-        "{:>7} {:>9} {:>11} {:>11} {:>11} {:>11} {:>9}",
-        "blocks", "endpoints", "warm p50", "cold p50", "cold p90", "cold p99", "cold/blk"
+        "{:>7} {:>9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>9}",
+        "blocks", "endpoints", "shards", "warm p50", "cold p50", "cold p90", "cold p99", "cold/blk"
     );
-    for blocks in [512usize, 8_192] {
-        for endpoints in [16usize, 64, 256] {
-            let (index, keys) = prefix_index(endpoints, blocks, BACKGROUND);
+    let quick = std::env::var_os("KVROUTE_BENCH_QUICK").is_some();
+    let sizes: &[(usize, usize)] = if quick {
+        &[(512, 64)]
+    } else {
+        &[
+            (512, 16),
+            (512, 64),
+            (512, 256),
+            (8_192, 16),
+            (8_192, 64),
+            (8_192, 256),
+        ]
+    };
+    for &(blocks, endpoints) in sizes {
+        for shards in [1usize, 2] {
+            let (index, keys) = sharded_prefix_index(endpoints, blocks, BACKGROUND, shards);
             let mut warm = Vec::with_capacity(ROUNDS);
             for _ in 0..ROUNDS {
                 let start = Instant::now();
@@ -64,9 +80,10 @@ fn main() {
             cold.sort_unstable();
             let cold_p50 = percentile(&cold, 50);
             println!(
-                "{:>7} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
+                "{:>7} {:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
                 blocks,
                 endpoints,
+                shards,
                 micros(percentile(&warm, 50)),
                 micros(cold_p50),
                 micros(percentile(&cold, 90)),

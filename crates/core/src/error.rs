@@ -20,6 +20,9 @@ pub enum CoreError {
         /// The index's block size, in tokens.
         block_size: usize,
     },
+    /// A sharded index of zero shards was asked for.
+    #[error("invalid index shard count {0}: must be at least 1")]
+    InvalidIndexShards(usize),
     /// Fewer per-block extra-key entries than full blocks.
     #[error("extra keys given for {extra} blocks but the tokens make {blocks} full blocks")]
     ExtraKeysLength {

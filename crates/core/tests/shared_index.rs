@@ -46,9 +46,14 @@ fn events_for(e: u32) -> Vec<Vec<KvEvent>> {
 
 #[test]
 fn concurrent_writers_and_readers_end_where_sequential_application_ends() {
-    let shared = Arc::new(SharedIndex::new(
-        KvIndex::new(IndexConfig::default()).unwrap(),
-    ));
+    for shards in 1..=3 {
+        writers_and_readers_on(shards);
+    }
+}
+
+/// Eight writers (one per endpoint) and two readers on an index of `shards` shards.
+fn writers_and_readers_on(shards: usize) {
+    let shared = Arc::new(SharedIndex::sharded(IndexConfig::default(), shards).unwrap());
     let mut sequential = KvIndex::new(IndexConfig::default()).unwrap();
     for e in 0..8 {
         for batch in events_for(e) {
@@ -141,21 +146,22 @@ fn step() -> impl proptest::strategy::Strategy<Value = Step> {
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
 
-    /// Writers (one per endpoint) store and remove while the capacity bound evicts and readers
-    /// look up. Readers only ever see well-formed answers; afterwards the index is within its
+    /// Writers (one per endpoint, on one to three shards) store and remove while the capacity
+    /// bound evicts and readers look up. Readers only ever see well-formed answers; afterwards the index is within its
     /// capacity, its counters agree with its contents, and it holds nothing the engines do not
     /// (eviction only forgets; it never invents or misplaces a block).
     #[test]
     fn concurrent_ingest_eviction_and_lookups_stay_consistent(
         schedules in proptest::collection::vec(proptest::collection::vec(step(), 1..40), ENDPOINTS as usize),
         capacity in 20usize..200,
+        shards in 1usize..4,
     ) {
         let config = IndexConfig { block_size: BS, capacity };
-        let shared = Arc::new(SharedIndex::new(KvIndex::new(config).unwrap()));
+        let shared = Arc::new(SharedIndex::sharded(config, shards).unwrap());
         let unbounded = || KvIndex::new(IndexConfig { block_size: BS, capacity: 1 << 20 }).unwrap();
         let mut engines = unbounded();
-        // The most entries the index can ever hold at once, however the writers interleave.
-        let mut peak = 0;
+        // The most entries each shard can ever hold at once, however the writers interleave.
+        let mut peak = vec![0; shards];
         for (e, schedule) in schedules.iter().enumerate() {
             let mut alone = unbounded();
             let mut most = 0;
@@ -165,8 +171,11 @@ proptest::proptest! {
                 alone.apply(EndpointId(e as u32), &events);
                 most = most.max(alone.entry_count());
             }
-            peak += most;
+            peak[shared.shard_of(EndpointId(e as u32))] += most;
         }
+        // Each shard bounds itself to its share of the capacity.
+        let share = |s: usize| capacity / shards + usize::from(s < capacity % shards);
+        let never_evicts = peak.iter().enumerate().all(|(s, &p)| p <= share(s) / 10 * 9);
         let probes: Vec<_> = (0..DOCS).map(|d| router_keys(&doc(d), BS, None).unwrap()).collect();
         std::thread::scope(|scope| {
             for (e, schedule) in schedules.iter().enumerate() {
@@ -205,7 +214,7 @@ proptest::proptest! {
             for m in &got.matches {
                 assert!(m.blocks <= truth.blocks(m.endpoint), "index {m:?} beyond the engine's {:?}", truth.get(m.endpoint));
             }
-            if peak <= capacity / 10 * 9 {
+            if never_evicts {
                 assert_eq!(&got, &truth, "under the high-water mark nothing is evicted");
             }
         }

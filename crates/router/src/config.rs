@@ -548,6 +548,9 @@ impl Default for ScrapeConfig {
 pub struct CacheConfig {
     /// Most (block, endpoint) entries in the index.
     pub index_capacity: usize,
+    /// Shards of the index, split by endpoint: up to this many endpoints' events are applied
+    /// at once, and a lookup walks each shard holding the prompt.
+    pub index_shards: usize,
     /// Seconds the router remembers where it sent a prefix (approximate mode).
     pub history_ttl_s: f64,
     /// Most (block, endpoint) entries in that history.
@@ -570,6 +573,9 @@ impl Default for CacheConfig {
         let fleet = FleetConfig::default();
         Self {
             index_capacity: fleet.index_capacity,
+            // One writer unless configured: a second shard doubles ingest only where a core is
+            // free, and every lookup pays for it (docs/benchmarks.md, fleet scale).
+            index_shards: fleet.index_shards,
             history_ttl_s: fleet.history_ttl_s,
             history_capacity: fleet.history_capacity,
             predicted_ttl_s: fleet.predicted_ttl_s,
@@ -586,6 +592,7 @@ impl RouterConfig {
         let c = &self.cache;
         FleetConfig {
             index_capacity: c.index_capacity,
+            index_shards: c.index_shards,
             history_ttl_s: c.history_ttl_s,
             history_capacity: c.history_capacity,
             predicted_ttl_s: c.predicted_ttl_s,

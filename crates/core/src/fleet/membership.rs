@@ -11,12 +11,7 @@ impl Fleet {
     /// nothing in flight, else a new one. It starts healthy, untrusted until its KV events
     /// arrive (when it has them), with nothing cached.
     pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
-        let index = ensure_index(
-            &mut self.indexes,
-            spec.block_size,
-            self.config.index_capacity,
-        )?
-        .clone();
+        let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
         let offload = spec.offload.clone();
         let free = self
             .endpoints

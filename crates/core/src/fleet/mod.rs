@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::CoreError;
 use crate::event::KvEvent;
 use crate::history::RoutingHistory;
-use crate::index::{EndpointId, IndexConfig, KvIndex, PrefixMatch, PrefixMatches, SharedIndex};
+use crate::index::{EndpointId, IndexConfig, PrefixMatch, PrefixMatches, SharedIndex};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
@@ -55,6 +55,9 @@ pub use warm::WarmVerdict;
 pub struct FleetConfig {
     /// Most (block, endpoint) entries in each KV index.
     pub index_capacity: usize,
+    /// Shards of each KV index: endpoints' events are applied by up to this many writers at
+    /// once (see [`SharedIndex::sharded`]); a lookup walks every shard holding the prompt.
+    pub index_shards: usize,
     /// Seconds the router remembers where it sent a prefix.
     pub history_ttl_s: f64,
     /// Most records in that history: one per block sent to an endpoint, so a block re-sent
@@ -90,6 +93,7 @@ impl Default for FleetConfig {
     fn default() -> Self {
         Self {
             index_capacity: 8 << 20,
+            index_shards: 1,
             history_ttl_s: 300.0,
             history_capacity: 4 << 20,
             predicted_ttl_s: 10.0,
@@ -238,7 +242,7 @@ impl Fleet {
     ) -> Result<Self, CoreError> {
         let mut indexes: Vec<(usize, Arc<SharedIndex>)> = Vec::new();
         for (i, spec) in endpoints.iter().enumerate() {
-            let index = ensure_index(&mut indexes, spec.block_size, config.index_capacity)?;
+            let index = ensure_index(&mut indexes, spec.block_size, &config)?;
             index.set_offload(EndpointId(i as u32), &spec.offload)?;
         }
         let endpoints: Vec<EndpointState> = endpoints
@@ -349,19 +353,13 @@ impl Fleet {
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
-        // One read of the index for both: the request's matches and each endpoint's fill.
-        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) =
-            match self.index_for_block_size(bs) {
-                Some(index) => index.read(|ix| {
-                    let held = self
-                        .endpoints
-                        .iter()
-                        .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu))
-                        .collect();
-                    (ix.lookup(keys), held)
-                }),
-                None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
-            };
+        // One read of each index shard for both: the request's matches and each endpoint's fill.
+        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match self
+            .index_for_block_size(bs)
+        {
+            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
+            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
+        };
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         // Both lists are in endpoint order.
@@ -560,7 +558,7 @@ impl Fleet {
             return predicted;
         };
         let bs = request.block_size.max(1);
-        let held = index.read(|ix| ix.endpoint_stats(endpoint).map_or(0, |s| s.blocks_gpu));
+        let held = index.read_endpoint(endpoint, |ix| ix.gpu_blocks(endpoint));
         let free = capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64;
         let survival = crate::schedule::cost::survival_of(free, capacity as f64);
         if survival >= 1.0 {
@@ -790,19 +788,20 @@ impl Fleet {
 
 /// Adds an index for `block_size` to `indexes` unless one exists.
 /// The index for `block_size`, made when no endpoint used that size yet.
-fn ensure_index(
-    indexes: &mut Vec<(usize, Arc<SharedIndex>)>,
+fn ensure_index<'a>(
+    indexes: &'a mut Vec<(usize, Arc<SharedIndex>)>,
     block_size: usize,
-    capacity: usize,
-) -> Result<&Arc<SharedIndex>, CoreError> {
+    config: &FleetConfig,
+) -> Result<&'a Arc<SharedIndex>, CoreError> {
     let position = match indexes.iter().position(|(bs, _)| *bs == block_size) {
         Some(position) => position,
         None => {
-            let index = KvIndex::new(IndexConfig {
+            let index_config = IndexConfig {
                 block_size,
-                capacity,
-            })?;
-            indexes.push((block_size, Arc::new(SharedIndex::new(index))));
+                capacity: config.index_capacity,
+            };
+            let index = SharedIndex::sharded(index_config, config.index_shards)?;
+            indexes.push((block_size, Arc::new(index)));
             indexes.len() - 1
         }
     };

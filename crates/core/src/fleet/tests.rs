@@ -980,3 +980,41 @@ fn a_warm_up_past_its_timeout_distrusts_the_endpoints_behind() {
     );
     assert!(fleet.trust(EndpointId(0), 1.0).is_err());
 }
+
+#[test]
+fn a_sharded_index_plans_as_one_index_does() {
+    // Five endpoints holding different prefixes of one prompt, with small caches so that what
+    // each holds (read per shard) weighs on its cost; three shards must plan as one.
+    let plan_with = |shards: usize| {
+        let mut builder = FleetBuilder::new(5);
+        builder.config.index_shards = shards;
+        let mut fleet = builder.build();
+        let tokens = prompt(1600, 9);
+        for e in 0..5usize {
+            let sample = LoadSample {
+                waiting: Some(0.0),
+                running: Some(e as f64),
+                kv_usage: Some(0.5),
+                num_gpu_blocks: Some(120),
+            };
+            fleet.observe_load(EndpointId(e as u32), sample, 0.0);
+            let held = &tokens[..(e + 1) * 320];
+            fleet.apply_events(EndpointId(e as u32), &[stored(held, BS)], 0.0);
+            fleet.apply_events(
+                EndpointId(e as u32),
+                &[stored(&prompt(160 * e, 50), BS)],
+                0.0,
+            );
+        }
+        let plan = fleet.plan(&Req::new(&tokens).features(), 3, 0.1);
+        let matches: Vec<_> = plan.facts.iter().map(|f| f.index_match).collect();
+        (plan.decision.ranking, plan.predicted_cached, matches)
+    };
+    let one = plan_with(1);
+    assert_eq!(
+        one.2[4].map(|m| m.blocks),
+        Some(100),
+        "the last holds the whole prompt"
+    );
+    assert_eq!(plan_with(3), one);
+}

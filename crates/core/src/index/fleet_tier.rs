@@ -9,10 +9,17 @@
 //! The tier is bounded: at `capacity` blocks it drops the blocks stored longest ago (the order
 //! of stores, re-stores refreshing it), counted as evictions. Connectors that never publish
 //! removals (LMCache) are bounded that way too.
+//!
+//! A sharded index ([`super::SharedIndex`]) has one tier for all its shards, behind its own lock
+//! (see [`SharedFleetTier`]): an endpoint's slot is a slot of its shard, so the tier records
+//! (shard, slot) pairs, and a shard's lookup asks only for its own slots.
 
 use std::collections::VecDeque;
 
+use std::sync::Arc;
+
 use hashbrown::HashMap;
+use parking_lot::RwLock;
 
 use super::holders::WORD_BITS;
 use crate::keys::RouterKey;
@@ -43,12 +50,17 @@ struct SharedBlock {
     stamp: u64,
 }
 
+/// The shared tier of one index, shared by its shards.
+pub(crate) type SharedFleetTier = Arc<RwLock<FleetTier>>;
+
 /// The shared tier of one index.
 #[derive(Debug, Default)]
 pub(crate) struct FleetTier {
     names: Vec<String>,
-    /// Per mount, the endpoint slots mounting it.
-    slots: Vec<Vec<u32>>,
+    /// Per mount, the (shard, endpoint slot) pairs mounting it.
+    slots: Vec<Vec<(u32, u32)>>,
+    /// Most blocks held (the index's capacity).
+    capacity: usize,
     blocks: HashMap<u64, SharedBlock>,
     /// (key, stamp) in store order; entries whose stamp is stale are skipped.
     order: VecDeque<(u64, u64)>,
@@ -57,6 +69,14 @@ pub(crate) struct FleetTier {
 }
 
 impl FleetTier {
+    /// An empty tier holding at most `capacity` blocks, for the shards to share.
+    pub(crate) fn shared(capacity: usize) -> SharedFleetTier {
+        Arc::new(RwLock::new(Self {
+            capacity,
+            ..Self::default()
+        }))
+    }
+
     /// The mount named `name`, created if new.
     pub(crate) fn mount(&mut self, name: &str) -> MountId {
         if let Some(i) = self.names.iter().position(|n| n == name) {
@@ -68,12 +88,12 @@ impl FleetTier {
         (self.names.len() - 1) as MountId
     }
 
-    /// Makes `slot` mount exactly `mount` (or nothing).
-    pub(crate) fn set_slot(&mut self, slot: u32, mount: Option<MountId>) {
+    /// Makes `slot` of `shard` mount exactly `mount` (or nothing).
+    pub(crate) fn set_slot(&mut self, shard: u32, slot: u32, mount: Option<MountId>) {
         for (i, slots) in self.slots.iter_mut().enumerate() {
-            slots.retain(|&s| s != slot);
+            slots.retain(|&s| s != (shard, slot));
             if mount == Some(i as MountId) {
-                slots.push(slot);
+                slots.push((shard, slot));
             }
         }
     }
@@ -83,8 +103,9 @@ impl FleetTier {
         self.blocks.is_empty()
     }
 
-    /// One more reference to `key` on `mount`; keeps the tier within `capacity` blocks.
-    pub(crate) fn store(&mut self, mount: MountId, key: RouterKey, capacity: usize) {
+    /// One more reference to `key` on `mount`; keeps the tier within its capacity.
+    pub(crate) fn store(&mut self, mount: MountId, key: RouterKey) {
+        let capacity = self.capacity;
         self.clock += 1;
         let block = self.blocks.entry(key.0).or_default();
         block.stamp = self.clock;
@@ -141,16 +162,19 @@ impl FleetTier {
             .is_some_and(|b| b.refs.iter().any(|(m, _)| *m == mount))
     }
 
-    /// Sets in `words` (one bit per endpoint slot) every slot that mounts a mount holding
-    /// `key`; returns whether any was set.
-    pub(crate) fn slots_holding(&self, key: RouterKey, words: &mut [u64]) -> bool {
+    /// Sets in `words` (one bit per endpoint slot of `shard`) every slot that mounts a mount
+    /// holding `key`; returns whether any was set.
+    pub(crate) fn slots_holding(&self, shard: u32, key: RouterKey, words: &mut [u64]) -> bool {
         words.fill(0);
         let Some(block) = self.blocks.get(&key.0) else {
             return false;
         };
         let mut any = false;
         for &(mount, _) in &block.refs {
-            for &slot in &self.slots[mount as usize] {
+            for &(_, slot) in self.slots[mount as usize]
+                .iter()
+                .filter(|(s, _)| *s == shard)
+            {
                 if let Some(w) = words.get_mut(slot as usize / WORD_BITS) {
                     *w |= 1 << (slot as usize % WORD_BITS);
                     any = true;
@@ -178,20 +202,23 @@ mod tests {
 
     #[test]
     fn the_tier_keeps_the_most_recently_stored_blocks_within_its_capacity() {
-        let mut tier = FleetTier::default();
+        let mut tier = FleetTier {
+            capacity: 4,
+            ..FleetTier::default()
+        };
         let m = tier.mount("lustre");
         for k in 1..=4 {
-            tier.store(m, RouterKey(k), 4);
+            tier.store(m, RouterKey(k));
         }
         // Block 1 is stored again: block 2 is now the oldest.
-        tier.store(m, RouterKey(1), 4);
-        tier.store(m, RouterKey(5), 4);
+        tier.store(m, RouterKey(1));
+        tier.store(m, RouterKey(5));
         assert!(tier.holds(m, RouterKey(1)));
         assert!(!tier.holds(m, RouterKey(2)));
         assert_eq!((tier.stats.blocks, tier.stats.capacity_evictions), (4, 1));
         // Many re-stores leave the order queue bounded.
         for _ in 0..1000 {
-            tier.store(m, RouterKey(3), 4);
+            tier.store(m, RouterKey(3));
         }
         assert!(tier.order.len() <= 2 * 4 + 64 + 1);
         // Reference counts: block 3 was stored 1,001 times.

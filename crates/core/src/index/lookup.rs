@@ -111,7 +111,11 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     // Holders of the current stretch of keys, found once per key.
     let mut stretch = [Holders::default(); PREFETCH_AHEAD];
     // Slots holding the current block through the shared tier (only while it holds anything).
-    let with_shared = !index.fleet.is_empty();
+    // The tier's lock is taken only while this index has endpoints mounting it, and then held
+    // for the walk (its writers are shared-tier events, rarer than lookups).
+    let fleet = (index.mounted > 0).then(|| index.fleet.read());
+    let fleet = fleet.as_deref().filter(|f| !f.is_empty());
+    let with_shared = fleet.is_some();
     let mut shared = vec![0u64; if with_shared { words } else { 0 }];
     for i in 0..keys.len() {
         if active.iter().all(|&w| w == 0) {
@@ -135,7 +139,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
         let holders = stretch[i % PREFETCH_AHEAD];
         let entry = (!holders.is_empty()).then(|| index.wide.view(holders));
-        let any_shared = with_shared && index.fleet.slots_holding(keys[i], &mut shared);
+        let any_shared = fleet.is_some_and(|f| f.slots_holding(index.shard, keys[i], &mut shared));
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {

@@ -41,7 +41,7 @@ use hashbrown::HashMap;
 use crate::CoreError;
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use crate::keys::{ExtraKey, ROOT_KEY, RouterKey, router_key};
-use fleet_tier::FleetTier;
+use fleet_tier::{FleetTier, SharedFleetTier};
 use holders::{Holders, WideHolders};
 use offload::{EndpointOffload, Place, Tables, chunk_chain, remove_block, resolve, store_block};
 use table::{FlatTable, ShardedTable, Slot};
@@ -49,7 +49,7 @@ use table::{FlatTable, ShardedTable, Slot};
 pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
 pub use offload::{OffloadSpec, SharedMount};
-pub use shared::SharedIndex;
+pub use shared::{IndexRead, SharedIndex};
 
 /// The caller's identifier for an endpoint (one engine, or one data-parallel rank).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -182,8 +182,13 @@ pub struct KvIndex {
     /// The capacity bound's current victim (the endpoint that held the most entries when last
     /// searched) and the sweeps since.
     victim: Option<(EndpointId, u32)>,
-    /// The fleet-wide shared tier.
-    fleet: FleetTier,
+    /// The fleet-wide shared tier: this index's own, or the one its sibling shards share.
+    fleet: SharedFleetTier,
+    /// This index's shard number in a sharded [`SharedIndex`] (0 when alone): the shared tier
+    /// records which shard each mounting slot belongs to.
+    shard: u32,
+    /// Endpoints of this index that mount a shared tier (lookups skip the tier while none does).
+    mounted: usize,
 }
 
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
@@ -248,6 +253,12 @@ fn drop_slot(
 impl KvIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Result<Self, CoreError> {
+        let fleet = FleetTier::shared(config.capacity);
+        Self::shard(config, fleet, 0)
+    }
+
+    /// An empty index serving as shard `shard` of a sharded index whose shards share `fleet`.
+    fn shard(config: IndexConfig, fleet: SharedFleetTier, shard: u32) -> Result<Self, CoreError> {
         if config.block_size == 0 {
             return Err(CoreError::InvalidBlockSize(0));
         }
@@ -259,7 +270,9 @@ impl KvIndex {
             slots: Vec::new(),
             entries: 0,
             victim: None,
-            fleet: FleetTier::default(),
+            fleet,
+            shard,
+            mounted: 0,
         })
     }
 
@@ -300,7 +313,10 @@ impl KvIndex {
         self.clear_endpoint(endpoint);
         if let Some(state) = self.endpoints.remove(&endpoint) {
             self.slots[state.slot as usize] = None;
-            self.fleet.set_slot(state.slot, None);
+            if state.offload.as_ref().is_some_and(|o| o.mount.is_some()) {
+                self.mounted -= 1;
+                self.fleet.write().set_slot(self.shard, state.slot, None);
+            }
         }
     }
 
@@ -328,22 +344,28 @@ impl KvIndex {
                 });
             }
         };
-        let mount = spec
-            .shared
-            .as_ref()
-            .map(|m| (self.fleet.mount(&m.name), m.media.clone()));
         let slot = self.state(endpoint).slot;
-        self.fleet.set_slot(slot, mount.as_ref().map(|(id, _)| *id));
+        let mount = {
+            let mut fleet = self.fleet.write();
+            let mount = spec
+                .shared
+                .as_ref()
+                .map(|m| (fleet.mount(&m.name), m.media.clone()));
+            fleet.set_slot(self.shard, slot, mount.as_ref().map(|(id, _)| *id));
+            mount
+        };
         let state = self.endpoints.get_mut(&endpoint).expect("just registered");
         let o = state.offload.get_or_insert_with(Box::default);
         o.chunk_blocks = chunk_blocks;
+        let was_mounted = o.mount.is_some();
         o.mount = mount;
+        self.mounted = self.mounted + usize::from(o.mount.is_some()) - usize::from(was_mounted);
         Ok(())
     }
 
     /// Counters of the fleet-wide shared tier.
     pub fn shared_tier_stats(&self) -> SharedTierStats {
-        self.fleet.stats.clone()
+        self.fleet.read().stats.clone()
     }
 
     /// Drops every block an endpoint holds (its cache was reset, or it restarted), keeping its
@@ -406,9 +428,8 @@ impl KvIndex {
         let mut tables = Tables {
             blocks: &mut self.blocks,
             wide: &mut self.wide,
-            fleet: &mut self.fleet,
+            fleet: &self.fleet,
             entries: &mut self.entries,
-            capacity: self.config.capacity,
         };
 
         if event.token_ids.is_empty() {
@@ -550,9 +571,8 @@ impl KvIndex {
         let mut tables = Tables {
             blocks: &mut self.blocks,
             wide: &mut self.wide,
-            fleet: &mut self.fleet,
+            fleet: &self.fleet,
             entries: &mut self.entries,
-            capacity: self.config.capacity,
         };
         if chunk == 1 {
             // The common case (every GPU removal): no chain to walk. As for stores: fetch the
@@ -596,6 +616,13 @@ impl KvIndex {
         self.endpoints.get(&endpoint).map(|s| s.stats.clone())
     }
 
+    /// Blocks `endpoint` holds on the GPU now (0 when unknown).
+    pub fn gpu_blocks(&self, endpoint: EndpointId) -> u64 {
+        self.endpoints
+            .get(&endpoint)
+            .map_or(0, |s| s.stats.blocks_gpu)
+    }
+
     /// Every known endpoint.
     pub fn endpoints(&self) -> impl Iterator<Item = EndpointId> + '_ {
         self.endpoints.keys().copied()
@@ -630,9 +657,13 @@ impl KvIndex {
     /// Heap bytes the index owns: its tables (allocated slots, used or not) and the wide holder
     /// sets. Allocator overhead is not counted; the memory benchmark measures it.
     pub fn heap_bytes(&self) -> usize {
+        self.own_heap_bytes() + self.fleet.read().heap_bytes()
+    }
+
+    /// [`heap_bytes`](Self::heap_bytes) without the shared tier (which shards share).
+    fn own_heap_bytes(&self) -> usize {
         self.blocks.heap_bytes()
             + self.wide.heap_bytes()
-            + self.fleet.heap_bytes()
             + self
                 .endpoints
                 .values()

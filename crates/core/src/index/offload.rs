@@ -23,6 +23,7 @@
 //!   a block there is a hit on every endpoint mounting it.
 
 use hashbrown::HashMap;
+use parking_lot::RwLock;
 
 use super::fleet_tier::{FleetTier, MountId};
 use super::holders::WideHolders;
@@ -205,10 +206,9 @@ impl EndpointOffload {
 pub(super) struct Tables<'a> {
     pub(super) blocks: &'a mut ShardedTable<BlockEntry>,
     pub(super) wide: &'a mut WideHolders,
-    pub(super) fleet: &'a mut FleetTier,
+    /// The shared tier, locked only for a shared-tier event (the shards share it).
+    pub(super) fleet: &'a RwLock<FleetTier>,
     pub(super) entries: &'a mut usize,
-    /// The index's capacity (the shared tier's bound too).
-    pub(super) capacity: usize,
 }
 
 /// The router key `hash` names for this endpoint: its own map, or, for the shared tier, the
@@ -272,10 +272,11 @@ pub(super) fn store_block(
             let o = state.offload.get_or_insert_with(Box::default);
             o.note_applied();
             o.shared_written.insert(hash, key);
-            if t.fleet.holds(mount, key) {
+            let mut fleet = t.fleet.write();
+            if fleet.holds(mount, key) {
                 state.stats.offload_repeats += 1;
             }
-            t.fleet.store(mount, key, t.capacity);
+            fleet.store(mount, key);
             state.stats.blocks_stored += 1;
             return;
         }
@@ -327,7 +328,7 @@ pub(super) fn remove_block(
             let Some(key) = resolve(state, hash, place) else {
                 return false;
             };
-            let (was, left) = t.fleet.remove(mount, key);
+            let (was, left) = t.fleet.write().remove(mount, key);
             if !was {
                 return false;
             }

@@ -252,3 +252,32 @@ fn an_offload_block_size_must_be_whole_blocks() {
     ix.apply(E0, &[placeholder(vec![EngineHash(1)], "CPU", u32::MAX)]);
     assert_eq!(ix.endpoint_stats(E0).unwrap().malformed_blocks, 1);
 }
+
+#[test]
+fn a_shared_tier_block_written_on_one_shard_is_a_hit_on_the_others() {
+    let config = index().config().clone();
+    let ix = SharedIndex::sharded(config, 2).unwrap();
+    let lustre = OffloadSpec {
+        block_size: None,
+        shared: Some(SharedMount::new("lustre")),
+    };
+    ix.set_offload(E0, &lustre).unwrap();
+    ix.set_offload(E1, &lustre).unwrap();
+    assert_ne!(ix.shard_of(E0), ix.shard_of(E1));
+    let d = doc(3);
+    let h = hashes(&d);
+    let keys = router_keys(&d, BS, None).unwrap();
+    ix.apply(E0, &[gpu_store(&d), placeholder(h.clone(), "FS", 0)]);
+    let m1 = ix.lookup(&keys).get(E1).copied();
+    assert_eq!(m1.map(|m| (m.blocks, m.shared_blocks)), Some((3, 3)));
+    assert_eq!(ix.shared_tier_stats().blocks, 3);
+    // Removed on the writer's shard: gone for the other shard too.
+    ix.apply(E0, &[removal(vec![h[0]], "FS")]);
+    assert_eq!(ix.lookup(&keys).blocks(E1), 0);
+    // An endpoint forgotten on the other shard no longer mounts the tier.
+    ix.remove_endpoint(E1);
+    ix.add_endpoint(E1);
+    ix.apply(E0, &[placeholder(vec![h[0]], "FS", 0)]);
+    assert_eq!(ix.lookup(&keys).blocks(E1), 0);
+    assert_eq!(ix.lookup(&keys).blocks(E0), 3);
+}

@@ -1,72 +1,238 @@
-//! A [`KvIndex`] shared between the request path (many readers) and event ingestion (one
-//! writer per endpoint).
+//! A [`KvIndex`] shared between the request path (many readers) and event ingestion, split into
+//! shards by endpoint so that several writers apply events at once.
 //!
-//! A reader-writer lock is enough here: writers hold it for one event batch (microseconds), so
-//! readers never wait long, and a lookup takes the lock once for the whole prompt.
+//! # Decisions
+//! - **Shard by endpoint** (the idea of Dynamo's sharded indexer): endpoint `e` lives in shard
+//!   `e mod n`. Each shard is a whole [`KvIndex`] of its endpoints behind its own reader-writer
+//!   lock, so an endpoint's event stream has one writer, no event touches two shards, and no
+//!   cross-shard ordering is needed. Writers on different shards never wait for each other.
+//! - **A lookup holds one shard's read guard at a time**, never a global lock: it walks each
+//!   shard under that shard's guard and merges the answers (shards hold disjoint endpoints, so
+//!   merging is concatenation). A writer then stalls only its own shard's part of a lookup, and
+//!   each part is whole batches of its endpoints' events. The price is the walk: a block held on
+//!   endpoints of two shards is looked up in two block tables, so a cold walk costs up to `n`
+//!   times the random reads (measured in `docs/benchmarks.md`).
+//! - **The capacity is split evenly between the shards**, and each keeps itself within its part
+//!   (its clock hand sweeps the largest endpoint of that shard): the total never exceeds the
+//!   configured capacity, and no shard waits for another to make room.
+//! - **The shared tier is one for all shards**, behind its own lock: a block one endpoint wrote
+//!   to a shared filesystem is a hit for every endpoint mounting it, whatever its shard. Locks
+//!   are always taken shard first, then tier, so they cannot deadlock.
 
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 
-use super::{EndpointId, EndpointIndexStats, KvIndex, OffloadSpec, PrefixMatches, SharedTierStats};
+use super::fleet_tier::{FleetTier, SharedFleetTier};
+use super::{
+    EndpointId, EndpointIndexStats, IndexConfig, KvIndex, OffloadSpec, PrefixMatches,
+    SharedTierStats,
+};
 use crate::CoreError;
-use crate::event::KvEvent;
+use crate::event::{EngineHash, KvEvent, Tier};
 use crate::keys::RouterKey;
 
-/// A thread-safe handle to one [`KvIndex`]; clone the `Arc` it usually lives in.
+/// A thread-safe index of one or more shards; clone the `Arc` it usually lives in.
 #[derive(Debug)]
 pub struct SharedIndex {
-    inner: RwLock<KvIndex>,
+    shards: Box<[RwLock<KvIndex>]>,
+    /// The shared tier every shard refers to.
+    fleet: SharedFleetTier,
 }
 
 impl SharedIndex {
-    /// Wraps an index.
+    /// Wraps an index as a single shard (one writer at a time).
     pub fn new(index: KvIndex) -> Self {
         Self {
-            inner: RwLock::new(index),
+            fleet: index.fleet.clone(),
+            shards: Box::new([RwLock::new(index)]),
         }
     }
 
-    /// Applies one batch of an endpoint's events atomically with respect to lookups.
+    /// An empty index of `shards` shards (at least one) sharing `config.capacity` entries.
+    pub fn sharded(config: IndexConfig, shards: usize) -> Result<Self, CoreError> {
+        if shards == 0 {
+            return Err(CoreError::InvalidIndexShards(shards));
+        }
+        let fleet = FleetTier::shared(config.capacity);
+        let shards = (0..shards)
+            .map(|s| {
+                let part = config.capacity / shards + usize::from(s < config.capacity % shards);
+                let config = IndexConfig {
+                    capacity: part,
+                    ..config.clone()
+                };
+                KvIndex::shard(config, fleet.clone(), s as u32).map(RwLock::new)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { shards, fleet })
+    }
+
+    /// Shards of the index.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard holding `endpoint`'s blocks.
+    pub fn shard_of(&self, endpoint: EndpointId) -> usize {
+        endpoint.0 as usize % self.shards.len()
+    }
+
+    fn shard(&self, endpoint: EndpointId) -> &RwLock<KvIndex> {
+        &self.shards[self.shard_of(endpoint)]
+    }
+
+    /// Applies one batch of an endpoint's events atomically with respect to lookups, holding
+    /// only that endpoint's shard. (Handing the lock to a waiting lookup after each batch was
+    /// measured again with two shards: inconclusive, so it is not done.)
     pub fn apply(&self, endpoint: EndpointId, events: &[KvEvent]) {
-        self.inner.write().apply(endpoint, events);
+        self.shard(endpoint).write().apply(endpoint, events);
     }
 
     /// Drops everything `endpoint` holds.
     pub fn clear_endpoint(&self, endpoint: EndpointId) {
-        self.inner.write().clear_endpoint(endpoint);
+        self.shard(endpoint).write().clear_endpoint(endpoint);
     }
 
     /// Forgets `endpoint`.
     pub fn remove_endpoint(&self, endpoint: EndpointId) {
-        self.inner.write().remove_endpoint(endpoint);
+        self.shard(endpoint).write().remove_endpoint(endpoint);
     }
 
     /// Registers `endpoint`.
     pub fn add_endpoint(&self, endpoint: EndpointId) {
-        self.inner.write().add_endpoint(endpoint);
+        self.shard(endpoint).write().add_endpoint(endpoint);
     }
 
     /// Declares how `endpoint` offloads (see [`KvIndex::set_offload`]).
     pub fn set_offload(&self, endpoint: EndpointId, spec: &OffloadSpec) -> Result<(), CoreError> {
-        self.inner.write().set_offload(endpoint, spec)
+        self.shard(endpoint).write().set_offload(endpoint, spec)
     }
 
     /// Counters of the fleet-wide shared tier.
     pub fn shared_tier_stats(&self) -> SharedTierStats {
-        self.inner.read().shared_tier_stats()
+        self.fleet.read().stats.clone()
     }
 
-    /// Each endpoint's longest cached prefix of `keys`.
+    /// Each endpoint's longest cached prefix of `keys`, one shard's read guard at a time.
+    /// (Reading the shards a writer holds last was measured: it changed nothing.)
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
-        self.inner.read().lookup(keys)
+        merge(self.shards.iter().map(|s| s.read().lookup(keys)))
+    }
+
+    /// Each endpoint's longest cached prefix of `keys`, and the GPU blocks each of `endpoints`
+    /// holds (0 when unknown), in their order: both from the same read of each shard.
+    pub fn lookup_and_gpu_blocks(
+        &self,
+        keys: &[RouterKey],
+        endpoints: impl IntoIterator<Item = EndpointId>,
+    ) -> (PrefixMatches, Vec<u64>) {
+        let endpoints: Vec<EndpointId> = endpoints.into_iter().collect();
+        let mut held = vec![0; endpoints.len()];
+        let parts = self.shards.iter().enumerate().map(|(s, shard)| {
+            let shard = shard.read();
+            for (i, &e) in endpoints.iter().enumerate() {
+                if self.shard_of(e) == s {
+                    held[i] = shard.gpu_blocks(e);
+                }
+            }
+            shard.lookup(keys)
+        });
+        let matches = merge(parts);
+        (matches, held)
     }
 
     /// Counters for one endpoint.
     pub fn endpoint_stats(&self, endpoint: EndpointId) -> Option<EndpointIndexStats> {
-        self.inner.read().endpoint_stats(endpoint)
+        self.shard(endpoint).read().endpoint_stats(endpoint)
     }
 
-    /// Runs `f` with read access to the whole index (diagnostics, tests).
-    pub fn read<R>(&self, f: impl FnOnce(&KvIndex) -> R) -> R {
-        f(&self.inner.read())
+    /// Runs `f` with read access to the shard holding `endpoint` (everything the index knows
+    /// about that endpoint).
+    pub fn read_endpoint<R>(&self, endpoint: EndpointId, f: impl FnOnce(&KvIndex) -> R) -> R {
+        f(&self.shard(endpoint).read())
     }
+
+    /// Runs `f` with read access to the whole index: every shard's read guard, taken in shard
+    /// order and held until `f` returns (diagnostics, tests; lookups use [`Self::lookup`]).
+    pub fn read<R>(&self, f: impl FnOnce(&IndexRead<'_>) -> R) -> R {
+        f(&IndexRead {
+            index: self,
+            shards: self.shards.iter().map(RwLock::read).collect(),
+        })
+    }
+}
+
+/// Read access to every shard of a [`SharedIndex`] at once, from [`SharedIndex::read`].
+pub struct IndexRead<'a> {
+    index: &'a SharedIndex,
+    shards: Vec<RwLockReadGuard<'a, KvIndex>>,
+}
+
+impl IndexRead<'_> {
+    fn shard(&self, endpoint: EndpointId) -> &KvIndex {
+        &self.shards[self.index.shard_of(endpoint)]
+    }
+
+    /// Each endpoint's longest cached prefix of `keys`.
+    pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
+        merge(self.shards.iter().map(|s| s.lookup(keys)))
+    }
+
+    /// Counters for one endpoint, if it is known.
+    pub fn endpoint_stats(&self, endpoint: EndpointId) -> Option<EndpointIndexStats> {
+        self.shard(endpoint).endpoint_stats(endpoint)
+    }
+
+    /// Every known endpoint, shard by shard.
+    pub fn endpoints(&self) -> impl Iterator<Item = EndpointId> + '_ {
+        self.shards.iter().flat_map(|s| s.endpoints())
+    }
+
+    /// Blocks held, counted in each shard (a block held in two shards counts twice).
+    pub fn block_count(&self) -> usize {
+        self.shards.iter().map(|s| s.block_count()).sum()
+    }
+
+    /// (block, endpoint) entries held: what the capacity bounds.
+    pub fn entry_count(&self) -> usize {
+        self.shards.iter().map(|s| s.entry_count()).sum()
+    }
+
+    /// Whether `endpoint` holds the block `key` on `tier`.
+    pub fn holds(&self, endpoint: EndpointId, key: RouterKey, tier: Tier) -> bool {
+        self.shard(endpoint).holds(endpoint, key, tier)
+    }
+
+    /// The router key an endpoint's engine hash resolves to, if the endpoint holds that block.
+    pub fn resolve(&self, endpoint: EndpointId, hash: EngineHash) -> Option<RouterKey> {
+        self.shard(endpoint).resolve(endpoint, hash)
+    }
+
+    /// Heap bytes of every shard and of the shared tier (see [`KvIndex::heap_bytes`]).
+    pub fn heap_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.own_heap_bytes())
+            .sum::<usize>()
+            + self.index.fleet.read().heap_bytes()
+    }
+}
+
+/// One answer from the shards' answers (whose endpoints are disjoint), sorted as one index's.
+fn merge(parts: impl Iterator<Item = PrefixMatches>) -> PrefixMatches {
+    let mut merged = PrefixMatches::default();
+    let mut count = 0;
+    for part in parts {
+        count += 1;
+        if count == 1 {
+            merged = part;
+            continue;
+        }
+        merged.matches.extend(part.matches);
+        merged.tier_uncertain.extend(part.tier_uncertain);
+    }
+    if count > 1 {
+        merged.matches.sort_unstable_by_key(|m| m.endpoint);
+        merged.tier_uncertain.sort_unstable();
+    }
+    merged
 }

@@ -556,7 +556,7 @@ proptest! {
 fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
     {
         let docs = docs();
-        let mut ix = index();
+        let mut ix = Both::new();
         let mut model = Model::default();
         for e in 0..70 {
             // Every fifth endpoint offloads 2-block chunks (placeholders name the last block).
@@ -566,7 +566,7 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
                     block_size: chunked.then_some(2 * BS),
                     shared: mount_of(e).map(SharedMount::new),
                 };
-                ix.set_offload(EndpointId(e), &spec).unwrap();
+                ix.set_offload(EndpointId(e), &spec);
                 model.endpoints.entry(EndpointId(e)).or_default();
             }
             if let Some(mount) = mount_of(e) {
@@ -588,7 +588,7 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
                     tier,
                 } => {
                     let ev = stored(seed(e), &docs[doc], from, to, MEDIA[tier]);
-                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    ix.apply(EndpointId(e), &ev);
                     model.apply(EndpointId(e), &ev);
                 }
                 Op::Offload {
@@ -602,7 +602,7 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
                         medium: Some(MEDIA[tier].into()),
                         ..Default::default()
                     });
-                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    ix.apply(EndpointId(e), &ev);
                     model.apply(EndpointId(e), &ev);
                 }
                 Op::Remove {
@@ -612,11 +612,11 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
                     tier,
                 } => {
                     let ev = removed(seed(e), &docs[doc], &[block], MEDIA[tier]);
-                    ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+                    ix.apply(EndpointId(e), &ev);
                     model.apply(EndpointId(e), &ev);
                 }
                 Op::Clear { e } => {
-                    ix.apply(EndpointId(e), &[KvEvent::AllBlocksCleared]);
+                    ix.apply(EndpointId(e), &KvEvent::AllBlocksCleared);
                     model.apply(EndpointId(e), &KvEvent::AllBlocksCleared);
                 }
                 Op::RemoveEndpoint { e } => {
@@ -630,24 +630,93 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
                 }
             }
             let entries: usize = model.endpoints.values().map(HashMap::len).sum();
-            prop_assert_eq!(ix.entry_count(), entries);
+            prop_assert_eq!(ix.single.entry_count(), entries);
+            prop_assert_eq!(ix.sharded.read(|r| r.entry_count()), entries);
         }
         for doc in &docs {
             let keys = router_keys(doc, BS, None).unwrap();
             for cut in [1, 3, 6] {
+                let want = model.lookup(&keys[..cut]);
+                prop_assert_eq!(&ix.single.lookup(&keys[..cut]).matches, &want);
                 prop_assert_eq!(
-                    &ix.lookup(&keys[..cut]).matches,
-                    &model.lookup(&keys[..cut])
+                    &ix.sharded.lookup(&keys[..cut]),
+                    &ix.single.lookup(&keys[..cut])
                 );
             }
         }
         for (e, map) in &model.endpoints {
-            let stats = ix.endpoint_stats(*e).unwrap();
+            let stats = ix.single.endpoint_stats(*e).unwrap();
+            prop_assert_eq!(Some(stats.clone()), ix.sharded.endpoint_stats(*e));
             let count = |t: Tier| map.values().filter(|(_, ts)| ts.contains_key(&t)).count() as u64;
             prop_assert_eq!(stats.blocks_gpu, count(Tier::Gpu));
             prop_assert_eq!(stats.blocks_cpu, count(Tier::Cpu));
             prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));
         }
+        prop_assert_eq!(
+            ix.single.shared_tier_stats(),
+            ix.sharded.shared_tier_stats()
+        );
     }
     Ok(())
+}
+
+/// The same operations applied to one index and to a sharded one (two shards: endpoints of
+/// each mount sit on both, so the shared tier is seen across shards).
+struct Both {
+    single: KvIndex,
+    sharded: SharedIndex,
+}
+
+impl Both {
+    fn new() -> Self {
+        let config = index().config().clone();
+        Self {
+            single: index(),
+            sharded: SharedIndex::sharded(config, 2).unwrap(),
+        }
+    }
+
+    fn apply(&mut self, e: EndpointId, event: &KvEvent) {
+        self.single.apply(e, std::slice::from_ref(event));
+        self.sharded.apply(e, std::slice::from_ref(event));
+    }
+
+    fn set_offload(&mut self, e: EndpointId, spec: &OffloadSpec) {
+        self.single.set_offload(e, spec).unwrap();
+        self.sharded.set_offload(e, spec).unwrap();
+    }
+
+    fn remove_endpoint(&mut self, e: EndpointId) {
+        self.single.remove_endpoint(e);
+        self.sharded.remove_endpoint(e);
+    }
+}
+
+#[test]
+fn a_sharded_index_needs_a_shard_and_splits_its_capacity() {
+    let config = IndexConfig {
+        block_size: BS,
+        capacity: 100,
+    };
+    assert_eq!(
+        SharedIndex::sharded(config.clone(), 0).unwrap_err(),
+        CoreError::InvalidIndexShards(0)
+    );
+    let ix = SharedIndex::sharded(config, 3).unwrap();
+    assert_eq!(ix.shard_count(), 3);
+    // 42 entries would not reach one index's high-water mark (90); shard 0's share is 34, so
+    // endpoint 0's 40 blocks are cut to that share's mark (27) while endpoint 1 keeps its 2.
+    let doc = tokens(40, 1);
+    ix.apply(E0, &[stored(0, &doc, 0, 40, "GPU")]);
+    ix.apply(E1, &[stored(0, &doc, 0, 2, "GPU")]);
+    ix.read(|r| {
+        assert_eq!(r.entry_count(), 27 + 2);
+        assert_eq!(r.endpoints().count(), 2);
+    });
+    assert_eq!(ix.endpoint_stats(E0).unwrap().capacity_evictions, 13);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let (matches, gpu) = ix.lookup_and_gpu_blocks(&keys, [E1, EndpointId(7), E0]);
+    assert_eq!(gpu, vec![2, 0, 27]);
+    assert_eq!(matches.blocks(E1), 2);
+    assert_eq!(matches, ix.read(|r| r.lookup(&keys)));
 }

@@ -63,7 +63,7 @@ pub fn build(router: &Router) -> Option<Snapshot> {
         };
         let trusted = fleet.trust(e.id, now).is_ok();
         let mut journal = router.replica().journal()?;
-        let export = index.read(|ix| journal.export(e.id, ix));
+        let export = index.read_endpoint(e.id, |ix| journal.export(e.id, ix));
         drop(journal);
         drop(fleet);
         snapshot.endpoints.push(EndpointSnapshot {

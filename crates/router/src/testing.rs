@@ -13,4 +13,5 @@ pub use crate::admin::MODELS_TIMEOUT;
 pub use crate::epp::protocol::{DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
 pub use crate::membership::Membership;
 pub use crate::memory::*;
+pub use crate::pipeline::prepare_request;
 pub use crate::service::Router;

@@ -36,7 +36,7 @@ use kvroute_core::schedule::{
     CacheView, Candidate, EndpointLoad, Profile, RequestInfo, Role, schedule,
 };
 use kvroute_router::config::RouterConfig;
-use kvroute_router::testing::Router;
+use kvroute_router::testing::{Router, prepare_request};
 use kvroute_testkit::random::tokens;
 use kvroute_vllm::openai::{GenerationRequest, Input, parse_chat, parse_completion};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
@@ -379,16 +379,16 @@ fn main() {
     assert_eq!(matches.matches.len(), ENDPOINTS, "every endpoint matches");
 
     let prepared_tokens = request(Input::Tokens(prompt.clone()));
-    let prepared = futures::executor::block_on(router.prepare(&prepared_tokens, 0, None))
+    let prepared = futures::executor::block_on(prepare_request(&router, &prepared_tokens, 0, None))
         .expect("model is served");
     rows.push(sample(
         "Router::plan, index only (history empty)",
         1_000,
         30_000,
         budget,
-        || timed(|| router.plan(&prepared)),
+        || timed(|| router.plan(&prepared.features())),
     ));
-    let routed = router.plan(&prepared);
+    let routed = router.plan(&prepared.features());
     eprintln!(
         "  (route chose {:?}, reason {})",
         routed.decision.chosen(),
@@ -405,7 +405,7 @@ fn main() {
         || {
             round = round.wrapping_add(1);
             flush(&mut buffer, round);
-            timed(|| router.plan(&prepared))
+            timed(|| router.plan(&prepared.features()))
         },
     ));
 
@@ -427,7 +427,7 @@ fn main() {
         1_000,
         30_000,
         budget,
-        || timed(|| router.plan(&prepared)),
+        || timed(|| router.plan(&prepared.features())),
     ));
     rows.push(sample(
         "RoutingHistory::longest_prefixes (one of the two)",
@@ -451,7 +451,7 @@ fn main() {
         || {
             round = round.wrapping_add(1);
             flush(&mut buffer, round);
-            timed(|| router.plan(&prepared))
+            timed(|| router.plan(&prepared.features()))
         },
     ));
     drop(buffer);
@@ -494,7 +494,12 @@ fn main() {
         budget,
         || {
             timed(|| {
-                futures::executor::block_on(router.prepare(black_box(&prepared_tokens), 0, None))
+                futures::executor::block_on(prepare_request(
+                    &router,
+                    black_box(&prepared_tokens),
+                    0,
+                    None,
+                ))
             })
         },
     ));
@@ -504,7 +509,16 @@ fn main() {
         20,
         5_000,
         budget,
-        || timed(|| futures::executor::block_on(router.prepare(black_box(&chat_request), 0, None))),
+        || {
+            timed(|| {
+                futures::executor::block_on(prepare_request(
+                    &router,
+                    black_box(&chat_request),
+                    0,
+                    None,
+                ))
+            })
+        },
     ));
     let mut salt = 1u64;
     let base = messages;
@@ -520,7 +534,7 @@ fn main() {
             }
             salt += 1;
             let r = request(Input::Chat(m));
-            timed(|| futures::executor::block_on(router.prepare(&r, 0, None)))
+            timed(|| futures::executor::block_on(prepare_request(&router, &r, 0, None)))
         },
     ));
 

@@ -19,7 +19,7 @@ use tracing::debug;
 
 use crate::edge::read_body;
 use crate::metrics::{KindLabel, TierLabel};
-use crate::pipeline::{Api, parse};
+use crate::pipeline::{Api, parse, prepare_request};
 use crate::reply::error_response;
 use crate::service::Router;
 
@@ -270,13 +270,13 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         .get(router.config().scheduler.session_header.as_str())
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
+    let Some(prepared) = prepare_request(&router, &parsed, body.len(), session).await else {
         return error_response(
             &router,
             &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
-    let plan = router.plan(&prepared);
+    let plan = router.plan(&prepared.features());
     let name = |id: kvroute_core::index::EndpointId| router.endpoint(id).name.clone();
     let endpoints: Vec<Value> = plan
         .decision

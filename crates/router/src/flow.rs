@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
-use kvroute_core::fleet::{HeldTurn, HoldTicket, Plan, Shed};
+use kvroute_core::fleet::{HeldTurn, HoldTicket, Plan, RequestFeatures, Shed};
 use kvroute_vllm::openai::ApiError;
 use tokio::time::Instant;
 
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
 /// How often a held request checks again even without a wake-up (scrapes change load too).
 const RECHECK: Duration = Duration::from_millis(50);
@@ -56,11 +56,12 @@ pub(crate) enum NotReleased {
     NoEndpoint,
 }
 
-/// Waits, holding `ticket` (core's [`kvroute_core::fleet::Admission::Held`] for `prepared`),
+/// Waits, holding `ticket` (core's [`kvroute_core::fleet::Admission::Held`] for the request of
+/// `features`),
 /// until core releases the request with the plan made at that moment, or sheds it.
 pub(crate) async fn wait_for_capacity(
     router: &Router,
-    prepared: &Prepared,
+    features: &RequestFeatures<'_>,
     ticket: HoldTicket,
 ) -> Result<Plan, NotReleased> {
     let held = Held {
@@ -72,7 +73,7 @@ pub(crate) async fn wait_for_capacity(
         let notified = router.capacity_notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        match router.poll_held(prepared, ticket) {
+        match router.poll_held(features, ticket) {
             HeldTurn::Route(plan) => {
                 drop(held);
                 return Ok(plan);

@@ -28,9 +28,9 @@ use kvroute_vllm::openai::ApiError;
 use tokio::time::Instant;
 
 use crate::accounting::Accounting;
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
-pub use prepare::{Api, parse};
+pub use prepare::{Api, Prepared, parse, prepare_request};
 
 /// What a request carries through the phases, from admission on.
 pub(crate) struct RequestContext {
@@ -163,8 +163,9 @@ pub(crate) fn connect(
     prepared: &Prepared,
     id: EndpointId,
 ) -> Dispatch {
-    let dispatch = router.dispatched(predicted_cached, prepared, id);
-    crate::replica::share::dispatched(router, prepared, &dispatch);
+    let features = prepared.features();
+    let dispatch = router.dispatched(predicted_cached, &features, id);
+    crate::replica::share::dispatched(router, &features, &dispatch);
     dispatch
 }
 

@@ -24,9 +24,10 @@ use crate::accounting::{AccountedBody, Outcome};
 use crate::edge::read_body;
 use crate::forwarding;
 use crate::forwarding::ClientAddr;
+use crate::pipeline::Prepared;
 use crate::pipeline::{self, Leg, RequestContext};
 use crate::reply::error_response;
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
 pub use crate::pipeline::{Api, Refused, Routed, route};
 

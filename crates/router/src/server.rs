@@ -36,8 +36,12 @@ pub struct RunningRouter {
     pub addr: SocketAddr,
     /// The address the admin listener (`/metrics`, `/kvroute/v1/explain`) listens on.
     pub admin_addr: SocketAddr,
-    /// Its state.
+    /// Its state: the crate's own tests read it (feature `test-support`); for anyone else it
+    /// is private.
+    #[cfg(feature = "test-support")]
     pub router: Arc<Router>,
+    #[cfg(not(feature = "test-support"))]
+    router: Arc<Router>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -51,6 +55,11 @@ impl Drop for RunningRouter {
 }
 
 impl RunningRouter {
+    /// How many endpoints the router knows now (configured or discovered).
+    pub fn endpoint_count(&self) -> usize {
+        self.router.endpoints().len()
+    }
+
     /// Waits until the HTTP server stops (it runs until the router is dropped or drained).
     pub async fn wait(mut self) {
         self.drained().await;

@@ -16,9 +16,7 @@ use kvroute_core::fleet::{
     RetryVerdict, UpstreamOutcome,
 };
 use kvroute_core::index::{EndpointId, EndpointIndexStats};
-use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
-use kvroute_core::schedule::{EndpointLoad, Role};
-use kvroute_vllm::openai::GenerationRequest;
+use kvroute_core::schedule::EndpointLoad;
 use parking_lot::MutexGuard;
 use tokio::time::Instant;
 use tracing::warn;
@@ -31,7 +29,7 @@ use crate::metrics::RouterMetrics;
 use crate::offload::Offload;
 use crate::registry::Registry;
 use crate::shutdown::Shutdown;
-use crate::tokenize::{ModelTokenizer, Remote, TokenCache, tokenize};
+use crate::tokenize::{ModelTokenizer, TokenCache};
 use crate::upstream::Upstream;
 
 /// Everything the router shares between requests and background tasks.
@@ -49,52 +47,6 @@ pub struct Router {
     shutdown: Shutdown,
     replica: crate::replica_state::ReplicaState,
     offload: Offload,
-}
-
-/// A request made ready for scheduling.
-pub struct Prepared {
-    /// The model's configuration.
-    pub model: ModelConfig,
-    /// The model (or adapter) name the request used.
-    pub model_name: String,
-    /// LoRA adapter named by the request, if any.
-    pub lora: Option<String>,
-    /// Prompt tokens, when a tokenizer is configured.
-    pub tokens: Option<Arc<Vec<u32>>>,
-    /// Router keys of the prompt's full blocks.
-    pub keys: Arc<Vec<RouterKey>>,
-    /// Prompt length used for scoring (tokens, or an estimate from the body size).
-    pub prompt_tokens: usize,
-    /// The session the request names, if any.
-    pub session: Option<String>,
-}
-
-impl Prepared {
-    /// A request that needs no cache (embeddings, `GET` paths): the first model, no tokens.
-    pub fn uncached(router: &Router) -> Self {
-        let model = router.config().models[0].clone();
-        Self {
-            model_name: model.name.clone(),
-            model,
-            lora: None,
-            tokens: None,
-            keys: Arc::default(),
-            prompt_tokens: 0,
-            session: None,
-        }
-    }
-
-    /// The features core plans with.
-    pub fn features(&self) -> RequestFeatures<'_> {
-        RequestFeatures {
-            model: &self.model_name,
-            keys: &self.keys,
-            prompt_tokens: self.prompt_tokens,
-            block_size: self.model.block_size,
-            session: self.session.as_deref(),
-            role: Role::Both,
-        }
-    }
 }
 
 /// What core needs to know of an endpoint: its models (and adapters), role, events and the
@@ -339,64 +291,18 @@ impl Router {
         })
     }
 
-    /// Tokenizes and keys a parsed request; `session` from its headers.
-    pub async fn prepare(
-        &self,
-        request: &GenerationRequest,
-        body_len: usize,
-        session: Option<String>,
-    ) -> Option<Prepared> {
-        let (model, lora) = self.model(&request.model)?;
-        let started = Instant::now();
-        let healthy = self.endpoints().into_iter().find(|e| self.healthy(e.id));
-        let remote = healthy.as_ref().map(|e| Remote {
-            client: &self.client,
-            base: format!("http://{}", e.authority),
-            timeout: Duration::from_secs(2),
-        });
-        let kind = self
-            .tokenizers
-            .get(&model.name)
+    /// The tokenizer of model `name` (the built-in one when none is configured).
+    pub(crate) fn tokenizer(&self, name: &str) -> ModelTokenizer {
+        self.tokenizers
+            .get(name)
             .cloned()
-            .unwrap_or(ModelTokenizer::Builtin);
-        let tokens = tokenize(&self.tokens, &kind, &request.model, &request.input, remote).await;
-        self.metrics
-            .tokenization_seconds
-            .observe(started.elapsed().as_secs_f64());
-        let (keys, prompt_tokens) = match &tokens {
-            Some(t) => {
-                // Keyed (and so planned and recorded under the fleet's lock) up to
-                // `limits.max_routed_blocks`: a prompt longer than that is routed by its head.
-                let max_tokens = self
-                    .config
-                    .limits
-                    .max_routed_blocks
-                    .saturating_mul(model.block_size);
-                let routed = &t[..t.len().min(max_tokens)];
-                let blocks = routed.len() / model.block_size;
-                let extra =
-                    request_extra_keys(blocks, lora.as_deref(), request.cache_salt.as_deref());
-                let keys = router_keys(routed, model.block_size, Some(&extra)).unwrap_or_default();
-                (keys, t.len())
-            }
-            // No tokens: a rough size for load and cost scoring only.
-            None => (Vec::new(), body_len / 4),
-        };
-        Some(Prepared {
-            model,
-            model_name: request.model.clone(),
-            session,
-            lora,
-            tokens,
-            keys: Arc::new(keys),
-            prompt_tokens,
-        })
+            .unwrap_or(ModelTokenizer::Builtin)
     }
 
-    /// Plans a prepared request: every endpoint costed and ranked by core.
-    pub fn plan(&self, prepared: &Prepared) -> Plan {
+    /// Plans a prepared request (its `features`): every endpoint costed and ranked by core.
+    pub fn plan(&self, features: &RequestFeatures<'_>) -> Plan {
         let started = Instant::now();
-        let plan = self.fleet.plan(&prepared.features());
+        let plan = self.fleet.plan(features);
         self.metrics
             .scheduling_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -439,9 +345,9 @@ impl Router {
     }
 
     /// Polls a held request (see [`Fleet::poll_held`]); the planning it does is timed.
-    pub fn poll_held(&self, prepared: &Prepared, ticket: HoldTicket) -> HeldTurn {
+    pub fn poll_held(&self, features: &RequestFeatures<'_>, ticket: HoldTicket) -> HeldTurn {
         let started = Instant::now();
-        let turn = self.fleet.poll_held(&prepared.features(), ticket);
+        let turn = self.fleet.poll_held(features, ticket);
         if !matches!(turn, HeldTurn::Queued) {
             self.metrics
                 .scheduling_seconds
@@ -450,15 +356,14 @@ impl Router {
         turn
     }
 
-    /// Records that `prepared` went to `endpoint` with its plan's `predicted_cached`: call once
-    /// the connection to the engine is made.
+    /// Records that a request (its `features`) went to `endpoint` with its plan's
+    /// `predicted_cached`: call once the connection to the engine is made.
     pub fn dispatched(
         &self,
         predicted_cached: &[usize],
-        prepared: &Prepared,
+        features: &RequestFeatures<'_>,
         endpoint: EndpointId,
     ) -> Dispatch {
-        self.fleet
-            .dispatched(predicted_cached, &prepared.features(), endpoint)
+        self.fleet.dispatched(predicted_cached, features, endpoint)
     }
 }

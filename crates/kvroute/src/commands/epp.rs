@@ -48,7 +48,7 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
             "kvroute epp serving ext_proc on {} (admin: http://{}; {} endpoints)",
             running.addr,
             running.admin_addr,
-            running.router.endpoints().len()
+            running.endpoint_count()
         );
         until_interrupted(running.wait()).await;
         Ok(ExitCode::SUCCESS)

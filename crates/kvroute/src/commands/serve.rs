@@ -63,7 +63,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             "kvroute serving on http://{} (admin: http://{}; {} endpoints)",
             running.addr,
             running.admin_addr,
-            running.router.endpoints().len()
+            running.endpoint_count()
         );
         tokio::select! {
             () = signals.next() => {}

@@ -22,9 +22,9 @@ use super::handoff::{self, Followed, Handoffs};
 use super::protocol;
 use crate::accounting::Outcome;
 use crate::budget::BudgetHold;
-use crate::pipeline::{self, Leg};
+use crate::pipeline::{self, Leg, Prepared};
 use crate::proxy::{self, Api, Refused, Routed, healthy_rotation};
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
 /// The state of one exchange.
 pub struct Exchange {

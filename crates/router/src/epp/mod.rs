@@ -248,8 +248,12 @@ pub struct RunningEpp {
     pub addr: SocketAddr,
     /// The admin listener's address (`/metrics`, `/kvroute/v1/explain`, `/health`).
     pub admin_addr: SocketAddr,
-    /// The router state behind it.
+    /// The router state behind it: the crate's own tests read it (feature `test-support`);
+    /// for anyone else it is private.
+    #[cfg(feature = "test-support")]
     pub router: Arc<Router>,
+    #[cfg(not(feature = "test-support"))]
+    router: Arc<Router>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -263,6 +267,11 @@ impl Drop for RunningEpp {
 }
 
 impl RunningEpp {
+    /// How many endpoints the picker knows now (configured or discovered).
+    pub fn endpoint_count(&self) -> usize {
+        self.router.endpoints().len()
+    }
+
     /// Waits until the gRPC server stops (it runs until dropped).
     pub async fn wait(mut self) {
         if let Some(server) = self.tasks.pop() {

@@ -319,4 +319,45 @@ mod tests {
             "{text}"
         );
     }
+
+    metric_group! {
+        /// A part's own metrics, as P/D or tiers would declare them.
+        struct PartMetrics(config) {
+            /// Legs run, by endpoint.
+            legs: EndpointFamily<Counter> = EndpointFamily::new(config.per_endpoint),
+                "part_legs", "Legs run";
+        }
+    }
+
+    metric_group! {
+        /// A table with a nested group, as `RouterMetrics` would hook one in.
+        struct WithPart(config) {
+            /// Requests refused.
+            refused: Counter = Counter::default(), "refused", "Requests refused";
+            /// The part's group.
+            part: PartMetrics = PartMetrics::new(config);
+        }
+    }
+
+    #[test]
+    fn a_nested_group_registers_its_metrics_and_forgets_a_departed_endpoint() {
+        let m = WithPart::new(&MetricsConfig::default());
+        m.refused.inc();
+        m.part.legs.of("engine-0").inc();
+        let render = || {
+            let mut registry = Registry::with_prefix("kvroute");
+            MetricGroup::register(&m, &mut registry);
+            let mut out = String::new();
+            encode(&mut out, &registry).unwrap();
+            out
+        };
+        let text = render();
+        assert!(text.contains("kvroute_refused_total 1\n"), "{text}");
+        assert!(
+            text.contains("kvroute_part_legs_total{endpoint=\"engine-0\"} 1\n"),
+            "{text}"
+        );
+        Hooks::forget_endpoint(&m, "engine-0");
+        assert!(!render().contains("engine-0"));
+    }
 }

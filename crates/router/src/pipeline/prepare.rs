@@ -1,14 +1,20 @@
-//! The **prepare** phase: parse the body once, tokenize, cut into block keys, and plan, on the
-//! bounded blocking pool for a large body ([`crate::offload`]).
+//! The **prepare** phase: parse the body once, tokenize, cut into block keys ([`Prepared`]),
+//! and plan, on the bounded blocking pool for a large body ([`crate::offload`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_core::fleet::Plan;
+use kvroute_core::fleet::{Plan, RequestFeatures};
+use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
+use kvroute_core::schedule::Role;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
+use tokio::time::Instant;
 
 use super::{Refused, RequestContext};
-use crate::service::{Prepared, Router};
+use crate::config::ModelConfig;
+use crate::service::Router;
+use crate::tokenize::{Remote, tokenize};
 
 /// Which OpenAI API a request used.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -17,6 +23,105 @@ pub enum Api {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
+}
+
+/// A request made ready for scheduling.
+pub struct Prepared {
+    /// The model's configuration.
+    pub(crate) model: ModelConfig,
+    /// The model (or adapter) name the request used.
+    pub(crate) model_name: String,
+    /// Router keys of the prompt's full blocks.
+    pub(crate) keys: Arc<Vec<RouterKey>>,
+    /// Prompt length used for scoring (tokens, or an estimate from the body size).
+    pub(crate) prompt_tokens: usize,
+    /// The session the request names, if any.
+    pub(crate) session: Option<String>,
+}
+
+impl Prepared {
+    /// A request that needs no cache (embeddings, `GET` paths): the first model, no tokens.
+    pub(crate) fn uncached(router: &Router) -> Self {
+        let model = router.config().models[0].clone();
+        Self {
+            model_name: model.name.clone(),
+            model,
+            keys: Arc::default(),
+            prompt_tokens: 0,
+            session: None,
+        }
+    }
+
+    /// The features core plans with.
+    pub fn features(&self) -> RequestFeatures<'_> {
+        RequestFeatures {
+            model: &self.model_name,
+            keys: &self.keys,
+            prompt_tokens: self.prompt_tokens,
+            block_size: self.model.block_size,
+            session: self.session.as_deref(),
+            role: Role::Both,
+        }
+    }
+}
+
+/// Tokenizes and keys a parsed request (`body_len` bytes; `session` from its headers), or
+/// `None` when no configured model serves it.
+pub async fn prepare_request(
+    router: &Router,
+    request: &GenerationRequest,
+    body_len: usize,
+    session: Option<String>,
+) -> Option<Prepared> {
+    let (model, lora) = router.model(&request.model)?;
+    let started = Instant::now();
+    let healthy = router
+        .endpoints()
+        .into_iter()
+        .find(|e| router.healthy(e.id));
+    let remote = healthy.as_ref().map(|e| Remote {
+        client: router.client(),
+        base: format!("http://{}", e.authority),
+        timeout: Duration::from_secs(2),
+    });
+    let kind = router.tokenizer(&model.name);
+    let tokens = tokenize(
+        router.token_cache(),
+        &kind,
+        &request.model,
+        &request.input,
+        remote,
+    )
+    .await;
+    router
+        .metrics()
+        .tokenization_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let (keys, prompt_tokens) = match &tokens {
+        Some(t) => {
+            // Keyed (and so planned and recorded under the fleet's lock) up to
+            // `limits.max_routed_blocks`: a prompt longer than that is routed by its head.
+            let max_tokens = router
+                .config()
+                .limits
+                .max_routed_blocks
+                .saturating_mul(model.block_size);
+            let routed = &t[..t.len().min(max_tokens)];
+            let blocks = routed.len() / model.block_size;
+            let extra = request_extra_keys(blocks, lora.as_deref(), request.cache_salt.as_deref());
+            let keys = router_keys(routed, model.block_size, Some(&extra)).unwrap_or_default();
+            (keys, t.len())
+        }
+        // No tokens: a rough size for load and cost scoring only.
+        None => (Vec::new(), body_len / 4),
+    };
+    Some(Prepared {
+        model,
+        model_name: request.model.clone(),
+        session,
+        keys: Arc::new(keys),
+        prompt_tokens,
+    })
 }
 
 /// Parses a generation request of either API.
@@ -56,12 +161,12 @@ async fn prepare_here(
     session: Option<String>,
 ) -> Result<(Prepared, Plan), Refused> {
     let parsed = parse(api, body)?;
-    let Some(prepared) = router.prepare(&parsed, body.len(), session).await else {
+    let Some(prepared) = prepare_request(router, &parsed, body.len(), session).await else {
         return Err(
             ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
         );
     };
-    let plan = router.plan(&prepared);
+    let plan = router.plan(&prepared.features());
     Ok((prepared, plan))
 }
 

@@ -4,9 +4,10 @@
 use kvroute_core::fleet::{Admission, Plan, Shed};
 use kvroute_vllm::openai::ApiError;
 
+use super::Prepared;
 use super::{Refused, RequestContext};
 use crate::flow;
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
 /// The plan to send `prepared` down: `plan` at once, or the one made when core released it
 /// from the flow-control queue; or why it is refused.
@@ -23,7 +24,7 @@ pub(super) async fn select(
     };
     match admission {
         Admission::Route => Ok(plan),
-        Admission::Held(ticket) => flow::wait_for_capacity(router, prepared, ticket)
+        Admission::Held(ticket) => flow::wait_for_capacity(router, &prepared.features(), ticket)
             .await
             .map_err(|why| match why {
                 flow::NotReleased::Shed(why) => shed(router, why),

@@ -12,14 +12,15 @@ use tokio::time::Instant;
 
 use super::{Api, route};
 use crate::config::RouterConfig;
-use crate::service::{Prepared, Router};
+use crate::pipeline::Prepared;
+use crate::service::Router;
 
 /// One endpoint whose circuit breaker opens at one request in flight, holding requests up to
 /// 5 s; one request already occupies it.
 fn occupied_router() -> (Arc<Router>, kvroute_core::fleet::Dispatch) {
     let yaml = "models: [{name: m}]\noutlier: {max_inflight: 1}\nflow: {max_wait_s: 5}\nendpoints:\n  - {name: e0, url: 'http://127.0.0.1:1'}\n";
     let router = Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap());
-    let dispatch = router.dispatched(&[], &Prepared::uncached(&router), EndpointId(0));
+    let dispatch = router.dispatched(&[], &Prepared::uncached(&router).features(), EndpointId(0));
     (router, dispatch)
 }
 

@@ -21,7 +21,7 @@ use tracing::warn;
 
 use crate::edge::read_body;
 use crate::reply::error_response;
-use crate::service::{Prepared, Router};
+use crate::service::Router;
 
 /// How long a peer has to take a dispatch message.
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -45,19 +45,20 @@ pub struct PeerDispatch {
     pub placement: bool,
 }
 
-/// Tells every peer about `dispatch` (when dispatches are shared), without waiting.
-pub fn dispatched(router: &Router, prepared: &Prepared, dispatch: &Dispatch) {
+/// Tells every peer about `dispatch` of the request of `features` (when dispatches are shared),
+/// without waiting.
+pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Dispatch) {
     let config = &router.config().replicas;
     if !config.share_dispatches || config.peers.is_empty() {
         return;
     }
     let message = PeerDispatch {
         endpoint: router.endpoint(dispatch.endpoint).config.url.clone(),
-        model: prepared.model_name.clone(),
-        block_size: prepared.model.block_size,
-        prompt_tokens: prepared.prompt_tokens,
-        session: prepared.session.clone(),
-        keys: prepared.keys.as_ref().clone(),
+        model: features.model.to_owned(),
+        block_size: features.block_size,
+        prompt_tokens: features.prompt_tokens,
+        session: features.session.map(str::to_owned),
+        keys: features.keys.to_vec(),
         placement: dispatch.placement,
     };
     let Ok(body) = serde_json::to_vec(&message) else {

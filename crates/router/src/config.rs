@@ -15,8 +15,10 @@ use kvroute_core::schedule::{
 use serde::{Deserialize, Serialize};
 
 mod discovery;
+mod pd;
 
 pub use discovery::KubeDiscovery;
+pub use pd::{PdConfig, PdMode};
 
 use crate::RouterError;
 
@@ -79,6 +81,9 @@ pub struct RouterConfig {
     /// The KV-event subscribers' bounds.
     #[serde(default)]
     pub kv_events: KvEventsConfig,
+    /// Router-orchestrated prefill/decode disaggregation (off by default).
+    #[serde(default)]
+    pub pd: PdConfig,
 }
 
 /// What one engine's KV-event connection (PUB or replay) may make the router buffer.
@@ -775,6 +780,7 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
+        self.pd.validate()?;
         if !(MIN_KV_EVENT_MESSAGE_BYTES..=MAX_KV_EVENT_MESSAGE_BYTES)
             .contains(&self.kv_events.max_message_bytes)
         {

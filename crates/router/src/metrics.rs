@@ -243,6 +243,8 @@ fn fast_histogram() -> Histogram {
 /// Every metric the router exports.
 pub struct RouterMetrics {
     registry: Registry,
+    /// Prefill/decode disaggregation's metrics.
+    pub pd: crate::pd_metrics::PdMetrics,
     /// Requests routed, by endpoint, decision reason, status class and outcome (`completed`,
     /// `client_closed`, `engine_error`, `timeout`).
     pub requests: EndpointFamily<Counter>,
@@ -378,6 +380,7 @@ impl RouterMetrics {
             offload_requests: Gauge::default(),
             streams_cut: Family::default(),
             token_cache_bytes: Gauge::default(),
+            pd: crate::pd_metrics::PdMetrics::register(&mut registry),
             registry: Registry::default(),
         };
         registry.register("requests", "Requests routed", m.requests.family.clone());

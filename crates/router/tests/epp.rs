@@ -19,7 +19,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::epp::protocol::{
-    DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
+    DESTINATION, EXCHANGE, LB_NAMESPACE, PREFILLER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
 use kvroute_sim::server::SimFleet;
@@ -39,13 +39,19 @@ async fn picker(engines: &[&SimFleet]) -> RunningEpp {
 
 /// A picker in front of `engines`, with `extra` configuration.
 async fn picker_with(engines: &[&SimFleet], extra: &str) -> RunningEpp {
+    let both: Vec<(&SimFleet, &str)> = engines.iter().map(|e| (*e, "both")).collect();
+    picker_with_roles(&both, extra).await
+}
+
+/// A picker in front of `engines`, each with its role, with `extra` configuration.
+async fn picker_with_roles(engines: &[(&SimFleet, &str)], extra: &str) -> RunningEpp {
     let mut yaml = format!(
         "admin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nhealth: {{interval_ms: 100, timeout_ms: 500}}\n{extra}\nendpoints:\n"
     );
-    for fleet in engines {
+    for (fleet, role) in engines {
         let ep = &fleet.endpoints[0];
         yaml.push_str(&format!(
-            "  - {{url: '{}', events: '{}'}}\n",
+            "  - {{url: '{}', events: '{}', role: {role}}}\n",
             ep.url, ep.events
         ));
     }
@@ -579,4 +585,71 @@ async fn an_observer_stream_follows_the_response_without_answering() {
     .await;
     let closed = metric("kvroute_requests_total", "outcome=\"client_closed\"");
     assert_eq!((closed, completed()), (1.0, 2.0));
+}
+
+/// The picker's answer to a completion request whose client named `prefiller` in
+/// `x-prefiller-host-port`: the headers it sets, by name, and those it removes.
+async fn answer_naming(
+    epp: &RunningEpp,
+    prefiller: &str,
+) -> (std::collections::HashMap<String, String>, Vec<String>) {
+    let mut stream = Stream::open(epp).await;
+    let h = headers(
+        &[
+            (":path", "/v1/completions"),
+            (":method", "POST"),
+            (PREFILLER, prefiller),
+        ],
+        false,
+    );
+    stream.send(Request::RequestHeaders(h), None).await;
+    let prompt = "A long document the sidecar would prefill elsewhere. ".repeat(40);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let mutation = answer.response.unwrap().header_mutation.unwrap();
+    let set = mutation
+        .set_headers
+        .into_iter()
+        .map(|h| h.header.unwrap())
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect();
+    (set, mutation.remove_headers)
+}
+
+/// Header mode for llm-d's P/D sidecar: with `pd` on, the picker names core's prefill endpoint
+/// in `x-prefiller-host-port` (an endpoint of the fleet, never what the client sent) and the
+/// decode endpoint as the destination; with it off, a client's value is removed. Nothing ever
+/// connects to the address the client named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_mode_names_only_the_fleets_prefill_endpoints() {
+    let (prefill, decode) = (engine().await, engine().await);
+    let authority = |f: &SimFleet| f.endpoints[0].url.trim_start_matches("http://").to_owned();
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let named = trap.local_addr().unwrap().to_string();
+    let roles = [(&prefill, "prefill"), (&decode, "decode")];
+
+    let on = picker_with_roles(&roles, "pd: {mode: always, link: ib-400}").await;
+    let (set, removed) = answer_naming(&on, &named).await;
+    assert_eq!(set[PREFILLER], authority(&prefill), "{set:?}");
+    assert_eq!(set[DESTINATION], authority(&decode), "{set:?}");
+    assert!(!removed.iter().any(|h| h == PREFILLER), "{removed:?}");
+    let metrics = on.router.metrics().render();
+    assert!(
+        metrics
+            .contains("kvroute_pd_decisions_total{decision=\"disaggregated\",reason=\"always\"} 1"),
+        "{metrics}"
+    );
+
+    let off = picker_with_roles(&roles, "").await;
+    let (set, removed) = answer_naming(&off, &named).await;
+    assert!(!set.contains_key(PREFILLER), "{set:?}");
+    assert!(removed.iter().any(|h| h == PREFILLER), "{removed:?}");
+
+    assert!(
+        matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "something connected to the address a client named"
+    );
 }

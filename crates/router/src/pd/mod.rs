@@ -198,6 +198,33 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     forward(a).await
 }
 
+/// `kvroute epp`'s header mode, for llm-d's P/D sidecar: the endpoints to name as the
+/// destination (decode-capable, best first) and, when core chooses P/D, the prefill endpoint
+/// whose `host:port` goes in `x-prefiller-host-port`: always an endpoint of the fleet, never
+/// anything a request says. The sidecar runs the prefill unseen, so it is recorded as a peer's
+/// dispatch there (the blocks it will hold, no in-flight load).
+#[cfg(feature = "epp")]
+pub(crate) fn header_mode(
+    router: &Router,
+    prepared: &crate::service::Prepared,
+    plan: &Plan,
+) -> (Vec<EndpointId>, Option<EndpointId>) {
+    if !router.config().pd.orchestrates() {
+        return (plan.decision.ranking.clone(), None);
+    }
+    let block_size = prepared.model.block_size;
+    match decide(router, plan, prepared.prompt_tokens, block_size) {
+        Route::Aggregated { ranking } => (ranking, None),
+        Route::Disaggregated { option, decoders } => {
+            let now = router.now();
+            router
+                .fleet()
+                .peer_dispatched(&prepared.features(), option.prefill, false, now);
+            (decoders, Some(option.prefill))
+        }
+    }
+}
+
 /// The one aggregated attempt on the decode pick after a failed prefill leg.
 fn fallback_leg(plan: &Plan, decode: EndpointId) -> Leg {
     Leg {

@@ -34,6 +34,7 @@ pub struct PdConfig {
     /// `custom:<GB/s>[:<latency ms>]`.
     pub link: String,
     /// KV-cache bytes per token of the model: `llama-3.1-8b`, `llama-3.1-70b` or a number.
+    #[serde(deserialize_with = "text_or_number")]
     pub kv_bytes_per_token: String,
     /// Seconds the prefill leg may take, connection to answer; past it the request is served
     /// aggregated on the decode endpoint.
@@ -56,6 +57,20 @@ impl Default for PdConfig {
             learning: LinkLearning::default(),
         }
     }
+}
+
+/// A preset name, or a number written without quotes.
+fn text_or_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum TextOrNumber {
+        Text(String),
+        Number(u64),
+    }
+    Ok(match TextOrNumber::deserialize(d)? {
+        TextOrNumber::Text(t) => t,
+        TextOrNumber::Number(n) => n.to_string(),
+    })
 }
 
 impl PdConfig {
@@ -133,6 +148,8 @@ mod tests {
             parsed.disagg_config().unwrap().kv_bytes_per_token,
             327_680.0
         );
+        let number: PdConfig = serde_yaml_ng::from_str("{kv_bytes_per_token: 4096}").unwrap();
+        assert_eq!(number.disagg_config().unwrap().kv_bytes_per_token, 4096.0);
         for (yaml, field) in [
             ("{link: ethernet}", "pd.link"),
             ("{kv_bytes_per_token: big}", "pd.kv_bytes_per_token"),

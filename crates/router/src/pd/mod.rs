@@ -56,24 +56,28 @@ enum Route {
 /// Asks core for the request's P/D choice; counted by reason.
 fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
     let now = router.now();
-    let mut fleet = router.fleet();
-    let decoders: Vec<EndpointId> = plan
-        .decision
-        .ranking
-        .iter()
-        .copied()
-        .filter(|e| fleet.endpoint(*e).is_some_and(|s| decodes(s.spec.role)))
-        .collect();
+    let (decoders, explain) = {
+        let mut fleet = router.fleet();
+        let decoders: Vec<EndpointId> = plan
+            .decision
+            .ranking
+            .iter()
+            .copied()
+            .filter(|e| fleet.endpoint(*e).is_some_and(|s| decodes(s.spec.role)))
+            .collect();
+        let explain = decoders
+            .first()
+            .and_then(|d| fleet.plan_disagg(plan, *d, prompt_tokens, block_size, now));
+        (decoders, explain)
+    };
     let metrics = &router.metrics().pd;
-    let Some(&decode) = decoders.first() else {
+    if decoders.is_empty() {
         // Only prefill endpoints can take it: served whole where the plan says.
         metrics.decision("aggregated", "no_decode_endpoint");
         return Route::Aggregated {
             ranking: plan.decision.ranking.clone(),
         };
-    };
-    let explain = fleet.plan_disagg(plan, decode, prompt_tokens, block_size, now);
-    drop(fleet);
+    }
     let aggregated = |reason| {
         metrics.decision("aggregated", reason);
         Route::Aggregated {

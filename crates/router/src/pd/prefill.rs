@@ -35,8 +35,11 @@ pub(super) enum PrefillFailure {
     Connect(String),
     /// The answer did not come within the deadline.
     Deadline(Duration),
-    /// The connection failed, or the answer was not a 200.
+    /// The connection failed, or the engine answered 5xx.
     Engine(String),
+    /// The engine refused the leg (a 4xx: the request, or the endpoint's role, not its
+    /// health).
+    Refused(String),
     /// A 200 without usable `kv_transfer_params`.
     Answer(String),
 }
@@ -47,6 +50,7 @@ impl std::fmt::Display for PrefillFailure {
             PrefillFailure::Connect(e) => write!(f, "cannot connect to the prefill endpoint: {e}"),
             PrefillFailure::Deadline(d) => write!(f, "no prefill answer within {d:?}"),
             PrefillFailure::Engine(e) => write!(f, "the prefill endpoint failed: {e}"),
+            PrefillFailure::Refused(e) => write!(f, "the prefill endpoint refused the leg: {e}"),
             PrefillFailure::Answer(e) => write!(f, "the prefill answer is unusable: {e}"),
         }
     }
@@ -59,6 +63,7 @@ impl PrefillFailure {
             PrefillFailure::Connect(_) => "prefill_connect",
             PrefillFailure::Deadline(_) => "prefill_deadline",
             PrefillFailure::Engine(_) => "prefill_failed",
+            PrefillFailure::Refused(_) => "prefill_refused",
             PrefillFailure::Answer(_) => "prefill_no_params",
         }
     }
@@ -111,7 +116,12 @@ pub(super) async fn run(
         accounting.completed();
         if !parts.status.is_success() {
             let why = format!("HTTP {}: {}", parts.status, String::from_utf8_lossy(&bytes));
-            return Err((PrefillFailure::Engine(why), Some(accounting)));
+            let failure = if parts.status.is_client_error() {
+                PrefillFailure::Refused(why)
+            } else {
+                PrefillFailure::Engine(why)
+            };
+            return Err((failure, Some(accounting)));
         }
         Ok((bytes, accounting))
     };
@@ -133,10 +143,13 @@ pub(super) async fn run(
         .leg_seconds
         .get_or_create(&vec![("leg", "prefill".to_owned())])
         .observe(started.elapsed().as_secs_f64());
-    // A deadline missed or an engine failure counts against the endpoint; an unusable 200
-    // (no connector) is a configuration problem, not an outlier.
+    // A deadline missed or an engine failure counts against the endpoint; a refusal or an
+    // unusable 200 (no connector) is the request's or the configuration's problem, not an
+    // outlier's.
     let result = match &outcome {
-        Err(PrefillFailure::Answer(_)) | Ok(_) => UpstreamOutcome::Success,
+        Err(PrefillFailure::Answer(_) | PrefillFailure::Refused(_)) | Ok(_) => {
+            UpstreamOutcome::Success
+        }
         Err(_) => UpstreamOutcome::Failure,
     };
     router.upstream_result(prefill, result);

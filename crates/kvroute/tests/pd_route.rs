@@ -366,6 +366,40 @@ fn failing_pulls_are_retried_once_elsewhere_then_the_pairs_are_quarantined() {
 }
 
 #[test]
+fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    consumer.faults(json!({"kv_transfer_failure_fraction": 1.0}));
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    let (status, body) = post(
+        served.listen,
+        "/v1/completions",
+        &completion(256, 7, 4, true),
+    );
+    // vLLM's `fail` policy on a stream: a 200 whose first event is the error.
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"error\""), "{body}");
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_fallbacks_total",
+            "reason=\"decode_failed_in_stream\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        1.0
+    );
+}
+
+#[test]
 fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::start(&["--decode-engines", "1", "--kv-link", "roce-100"], "1");

@@ -111,7 +111,7 @@ impl TransferWatch {
             .leg_seconds
             .get_or_create(&vec![("leg", "decode".to_owned())])
             .observe(elapsed);
-        if self.learn && contains(data, b"\"error\"") {
+        if self.learn && is_error_event(data) {
             metrics.fallback("decode_failed_in_stream");
             self.failed();
             return;
@@ -205,8 +205,17 @@ impl Drop for TransferWatch {
     }
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+/// Whether a stream's first chunk is an error event: an `"error"` key (`"error":`), not the
+/// word in generated text (a JSON string value is never followed by a colon).
+fn is_error_event(data: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"error\"";
+    data.windows(KEY.len()).enumerate().any(|(at, w)| {
+        w == KEY
+            && data[at + KEY.len()..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| *b == b':')
+    })
 }
 
 /// A response body that shows its first data frame to a transfer watch, if any.
@@ -259,4 +268,24 @@ pub(crate) fn lease_holds(until: Option<f64>) -> bool {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     until.is_none_or(|until| now < until)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_event_is_told_from_generated_text() {
+        assert!(is_error_event(
+            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
+        ));
+        assert!(is_error_event(b"data: {\"error\" : {}}"));
+        assert!(!is_error_event(
+            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
+        ));
+        assert!(!is_error_event(
+            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
+        ));
+        assert!(!is_error_event(b"\"error\""));
+    }
 }

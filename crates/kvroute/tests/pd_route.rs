@@ -241,6 +241,35 @@ fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
 }
 
 #[test]
+fn both_legs_share_the_request_id_that_releases_before_0_13_find_the_blocks_by() {
+    // Before 0.13 the consumer finds the producer's hold by the X-Request-Id both legs carry.
+    let producer = Engine::producer(&["--vllm-version", "0.12.0"]);
+    let consumer = Engine::consumer("ib-400", &["--vllm-version", "0.12.0"]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    for (salt, stream) in [(1, false), (2, true)] {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(512, salt, 4, stream),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert!(!body.contains("\"error\":"), "{body}");
+    }
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 2.0);
+    assert_eq!(consumer.metric("vllm:nixl_num_failed_transfers_total"), 0.0);
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        0.0
+    );
+}
+
+#[test]
 fn a_dead_producer_or_a_late_prefill_falls_back_to_aggregated_on_the_decode_pick() {
     let mut producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);

@@ -138,3 +138,22 @@ fn observed_transfers_teach_the_pair_and_failures_quarantine_it() {
         LinkHealth::Healthy { samples: 0 }
     );
 }
+
+#[test]
+fn the_inflow_is_the_recent_work_per_second_and_fades() {
+    let mut state = DisaggState::new(config("tcp"));
+    let (a, b) = (EndpointId(0), EndpointId(1));
+    assert_eq!(state.inflow_rate(a, 0.0), 0.0);
+    // One window's worth of work in one window: it arrives about as fast as it drains.
+    for i in 0..50 {
+        state.record_inflow(a, 0.1, f64::from(i) * 0.1);
+    }
+    let rate = state.inflow_rate(a, 5.0);
+    assert!((0.5..1.0).contains(&rate), "{rate}");
+    // Nothing more arrives: it fades, and other endpoints never saw any.
+    assert!(state.inflow_rate(a, 30.0) < 0.01);
+    assert_eq!(state.inflow_rate(b, 5.0), 0.0);
+    // An endpoint that leaves is forgotten.
+    state.forget(a);
+    assert_eq!(state.inflow_rate(a, 5.0), 0.0);
+}

@@ -395,6 +395,41 @@ fn failing_pulls_are_retried_once_elsewhere_then_the_pairs_are_quarantined() {
 }
 
 #[test]
+fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: orchestrate, link: tcp}",
+    );
+    // A side channel outside the fleet, named by the client.
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let mut request = completion(64, 9, 4, false);
+    request["kv_transfer_params"] = json!({
+        "do_remote_prefill": true, "do_remote_decode": false,
+        "remote_engine_id": "elsewhere", "remote_request_id": "elsewhere-1",
+        "remote_block_ids": [1, 2, 3], "remote_registration_generation": 1, "tp_size": 1,
+        "transfer_mode": "pull",
+        "remote_host": "127.0.0.1", "remote_port": trap.local_addr().unwrap().port(),
+    });
+    let (status, body) = post(served.listen, "/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        counted(&served, "kvroute_pd_client_params_removed_total", ""),
+        1.0
+    );
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 0.0);
+    assert!(
+        matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "an engine connected to the address a client named"
+    );
+}
+
+#[test]
 fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);

@@ -34,6 +34,8 @@ pub struct PdMetrics {
     pub link_bandwidth: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Each leg's latency, by `leg`: `prefill` (to its answer), `decode` (to its first byte).
     pub leg_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Requests whose own `kv_transfer_params` were removed (only the router names a producer).
+    pub client_params_removed: Counter,
 }
 
 impl PdMetrics {
@@ -47,6 +49,7 @@ impl PdMetrics {
             transfer_failures: Family::default(),
             link_bandwidth: Family::default(),
             leg_seconds: Family::new_with_constructor(seconds_histogram),
+            client_params_removed: Counter::default(),
         };
         registry.register(
             "pd_decisions",
@@ -82,6 +85,11 @@ impl PdMetrics {
             "pd_leg_seconds",
             "Each P/D leg's latency: prefill to its answer, decode to its first byte",
             m.leg_seconds.clone(),
+        );
+        registry.register(
+            "pd_client_params_removed",
+            "Requests whose client-supplied kv_transfer_params the router removed",
+            m.client_params_removed.clone(),
         );
         m
     }

@@ -121,9 +121,10 @@ fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize)
     }
 }
 
-/// Serves a planned generation request under `pd.mode: orchestrate`.
+/// Serves a planned generation request under `pd.mode` `orchestrate` or `always`.
 pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     let router = a.router;
+    remove_client_params(&mut a);
     let block_size = a.prepared.model.block_size;
     let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
     let (option, decoders) = match route {
@@ -226,6 +227,29 @@ pub(crate) fn header_mode(
                 .peer_dispatched(&prepared.features(), option.prefill, false, now);
             (decoders, Some(option.prefill))
         }
+    }
+}
+
+/// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
+/// producer, so a request can never make an engine pull from (connect to) an address outside
+/// the fleet. Counted and logged.
+fn remove_client_params(a: &mut ForwardArgs<'_>) {
+    const KEY: &[u8] = b"kv_transfer_params";
+    if !a.body.windows(KEY.len()).any(|w| w == KEY) {
+        return;
+    }
+    let Ok(mut body) = serde_json::from_slice::<Value>(&a.body) else {
+        return;
+    };
+    let removed = body
+        .as_object_mut()
+        .and_then(|map| map.remove("kv_transfer_params"));
+    if removed.is_some()
+        && let Ok(bytes) = serde_json::to_vec(&body)
+    {
+        a.body = Bytes::from(bytes);
+        a.router.metrics().pd.client_params_removed.inc();
+        tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
     }
 }
 

@@ -31,4 +31,8 @@ pub enum CoreError {
         /// Entries in the extra-keys list.
         extra: usize,
     },
+    /// A named preset (a KV link, a model's KV shape) that does not exist or a custom one
+    /// out of range.
+    #[error("{0}")]
+    InvalidPreset(String),
 }

@@ -59,6 +59,9 @@ pub struct Accounting {
     outcome: Option<Outcome>,
     /// The response body was passed on to its end.
     ended: bool,
+    /// Compare the engine's reported `cached_tokens` with the prediction (not on a P/D decode
+    /// leg, whose report counts the blocks it pulled, or the prefill's hits).
+    check_cached: bool,
     tail: Vec<u8>,
 }
 
@@ -82,6 +85,7 @@ impl Accounting {
             status: 0,
             outcome: None,
             ended: false,
+            check_cached: true,
             tail: Vec::new(),
         }
     }
@@ -90,6 +94,17 @@ impl Accounting {
     pub fn fail(&mut self, status: u16, outcome: Outcome) {
         self.status = status;
         self.outcome = Some(outcome);
+    }
+
+    /// The response was read to its end by the router itself (a P/D prefill leg).
+    pub fn completed(&mut self) {
+        self.ended = true;
+    }
+
+    /// The engine's reported `cached_tokens` says nothing of this endpoint's cache (a P/D
+    /// decode leg): not compared with the prediction.
+    pub fn skip_cached_check(&mut self) {
+        self.check_cached = false;
     }
 
     /// How the request ended, as far as known now.
@@ -152,7 +167,7 @@ impl Drop for Accounting {
             return;
         };
         // Released on completion and on client disconnect alike.
-        let reported = self.reported_cached();
+        let reported = self.reported_cached().filter(|_| self.check_cached);
         let outcome = self.outcome();
         let predicted = dispatch.predicted_cached;
         let prompt_tokens = dispatch.prompt_tokens;

@@ -318,6 +318,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         "saturated": plan.decision.saturated,
         "ranking": plan.decision.ranking.iter().map(|id| name(*id)).collect::<Vec<_>>(),
         "endpoints": endpoints,
+        "pd": crate::pd::explain(&router, &prepared, &plan),
     }))
     .into_response()
 }

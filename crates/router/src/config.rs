@@ -15,11 +15,13 @@ use kvroute_core::schedule::{
 use serde::{Deserialize, Serialize};
 
 mod discovery;
+mod pd;
 
 pub use discovery::KubeDiscovery;
 // Sections of the configuration declared next to the code they configure.
 pub use crate::forwarding::{ForwardingConfig, Network};
 pub use crate::metrics::MetricsConfig;
+pub use pd::{PdConfig, PdMode};
 
 use crate::RouterError;
 
@@ -82,6 +84,9 @@ pub struct RouterConfig {
     /// The KV-event subscribers' bounds.
     #[serde(default)]
     pub kv_events: KvEventsConfig,
+    /// Router-orchestrated prefill/decode disaggregation (off by default).
+    #[serde(default)]
+    pub pd: PdConfig,
 }
 
 /// What one engine's KV-event connection (PUB or replay) may make the router buffer.
@@ -798,6 +803,7 @@ impl RouterConfig {
             return Err(invalid("flow.max_wait_s", "must be positive"));
         }
         self.validate_edge()?;
+        self.pd.validate()?;
         if !(MIN_KV_EVENT_MESSAGE_BYTES..=MAX_KV_EVENT_MESSAGE_BYTES)
             .contains(&self.kv_events.max_message_bytes)
         {

@@ -11,8 +11,9 @@
 //! 5. **respond**: the response is accounted (first token, end, reported cached tokens);
 //! 6. on a failed attempt, core says whether to **retry** down the leg's ranking.
 //!
-//! A request has one leg today; a prefill/decode-disaggregated request will have two (prefill
-//! then decode), each with its own endpoint, dispatch and accounting, through the same phases.
+//! A request has one leg; a prefill/decode-disaggregated request (`pd`) has two
+//! (prefill then decode), each with its own endpoint, dispatch and accounting, through the same
+//! phases.
 //! Every refusal becomes an OpenAI-shaped response in one place ([`crate::reply`]).
 
 mod prepare;
@@ -33,6 +34,7 @@ use crate::service::Router;
 pub use prepare::{Api, Prepared, parse, prepare_request};
 
 /// What a request carries through the phases, from admission on.
+#[derive(Clone, Debug)]
 pub(crate) struct RequestContext {
     /// The client's `x-request-id`, or one made up.
     pub(crate) request_id: String,
@@ -45,9 +47,9 @@ pub(crate) struct RequestContext {
 }
 
 /// One leg of a request: where it may go (in order), what core predicted there, and why.
-/// Today every request has one leg that both prefills and decodes; a disaggregated request
-/// will have a prefill leg then a decode leg, each selected, connected and accounted on its
-/// own (the leg will then carry its role).
+/// A request has one leg that both prefills and decodes, or, disaggregated, a prefill leg then
+/// a decode leg, each selected, connected and accounted on its own (its `reason` says which:
+/// `pd_prefill`, `pd_decode`).
 #[derive(Clone, Debug)]
 pub(crate) struct Leg {
     /// Endpoints to try, best first (never empty once selected).

@@ -88,6 +88,9 @@ impl Router {
         }
         let mut fleet = Fleet::new(config.fleet_config(), config.scheduler.profile(), specs)
             .map_err(|e| RouterError::Config(e.to_string()))?;
+        if config.pd.orchestrates() {
+            fleet.enable_disagg(config.pd.disagg_config()?);
+        }
         // Core's randomness, seeded once per router (replicas must not draw in lockstep).
         fleet.reseed(rand::random());
         let mut connector = HttpConnector::new();

@@ -10,7 +10,9 @@
 
 pub use crate::admin::MODELS_TIMEOUT;
 #[cfg(feature = "epp")]
-pub use crate::epp::protocol::{DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
+pub use crate::epp::protocol::{
+    DESTINATION, EXCHANGE, LB_NAMESPACE, PREFILLER, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 pub use crate::membership::Membership;
 pub use crate::memory::*;
 pub use crate::pipeline::prepare_request;

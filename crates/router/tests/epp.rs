@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::config_builder::ConfigBuilder;
+use common::config_builder::{ConfigBuilder, endpoint};
 use common::engine;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -19,9 +19,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
-use kvroute_router::config::RouterConfig;
+use kvroute_core::schedule::Role;
+use kvroute_router::config::{PdMode, RouterConfig};
 use kvroute_router::epp::{EppOptions, RunningEpp, start};
-use kvroute_router::testing::{DESTINATION, EXCHANGE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
+use kvroute_router::testing::{
+    DESTINATION, EXCHANGE, LB_NAMESPACE, PREFILLER, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use tokio::sync::mpsc;
@@ -39,11 +42,25 @@ async fn picker(engines: &[&SimFleet]) -> RunningEpp {
 
 /// A picker in front of `engines` (unnamed, KV events), with the configuration `change`d.
 async fn picker_with(engines: &[&SimFleet], change: impl FnOnce(&mut RouterConfig)) -> RunningEpp {
-    let config = ConfigBuilder::new(MODEL)
-        .health(100, 500)
-        .with(change)
-        .unnamed_events_only(engines)
-        .build();
+    let both: Vec<(&SimFleet, Role)> = engines.iter().map(|e| (*e, Role::Both)).collect();
+    picker_with_roles(&both, change).await
+}
+
+/// A picker in front of `engines` (unnamed, KV events), each with its role, with the
+/// configuration `change`d.
+async fn picker_with_roles(
+    engines: &[(&SimFleet, Role)],
+    change: impl FnOnce(&mut RouterConfig),
+) -> RunningEpp {
+    let mut builder = ConfigBuilder::new(MODEL).health(100, 500).with(change);
+    for (fleet, role) in engines {
+        let engine = &fleet.endpoints[0];
+        let mut endpoint = endpoint(None, &engine.url);
+        endpoint.events = Some(engine.events.clone());
+        endpoint.role = *role;
+        builder = builder.endpoint(endpoint);
+    }
+    let config = builder.build();
     let options = EppOptions {
         listen: "127.0.0.1:0".parse().unwrap(),
         ..EppOptions::default()
@@ -712,4 +729,75 @@ async fn an_observer_stream_follows_the_response_without_answering() {
     .await;
     let closed = metric("kvroute_requests_total", "outcome=\"client_closed\"");
     assert_eq!((closed, completed()), (1.0, 2.0));
+}
+
+/// The picker's answer to a completion request whose client named `prefiller` in
+/// `x-prefiller-host-port`: the headers it sets, by name, and those it removes.
+async fn answer_naming(
+    epp: &RunningEpp,
+    prefiller: &str,
+) -> (std::collections::HashMap<String, String>, Vec<String>) {
+    let mut stream = Stream::open(epp).await;
+    let h = headers(
+        &[
+            (":path", "/v1/completions"),
+            (":method", "POST"),
+            (PREFILLER, prefiller),
+        ],
+        false,
+    );
+    stream.send(Request::RequestHeaders(h), None).await;
+    let prompt = "A long document the sidecar would prefill elsewhere. ".repeat(40);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let mutation = answer.response.unwrap().header_mutation.unwrap();
+    let set = mutation
+        .set_headers
+        .into_iter()
+        .map(|h| h.header.unwrap())
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect();
+    (set, mutation.remove_headers)
+}
+
+/// Header mode for llm-d's P/D sidecar: with `pd` on, the picker names core's prefill endpoint
+/// in `x-prefiller-host-port` (an endpoint of the fleet, never what the client sent) and the
+/// decode endpoint as the destination; with it off, a client's value is removed. Nothing ever
+/// connects to the address the client named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_mode_names_only_the_fleets_prefill_endpoints() {
+    let (prefill, decode) = (engine().await, engine().await);
+    let authority = |f: &SimFleet| f.endpoints[0].url.trim_start_matches("http://").to_owned();
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let named = trap.local_addr().unwrap().to_string();
+    let roles = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+
+    let on = picker_with_roles(&roles, |c| {
+        c.pd.mode = PdMode::Always;
+        c.pd.link = "ib-400".into();
+    })
+    .await;
+    let (set, removed) = answer_naming(&on, &named).await;
+    assert_eq!(set[PREFILLER], authority(&prefill), "{set:?}");
+    assert_eq!(set[DESTINATION], authority(&decode), "{set:?}");
+    assert!(!removed.iter().any(|h| h == PREFILLER), "{removed:?}");
+    let metrics = on.router.metrics().render();
+    assert!(
+        metrics
+            .contains("kvroute_pd_decisions_total{decision=\"disaggregated\",reason=\"always\"} 1"),
+        "{metrics}"
+    );
+
+    let off = picker_with_roles(&roles, |_| {}).await;
+    let (set, removed) = answer_naming(&off, &named).await;
+    assert!(!set.contains_key(PREFILLER), "{set:?}");
+    assert!(removed.iter().any(|h| h == PREFILLER), "{removed:?}");
+
+    assert!(
+        matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "something connected to the address a client named"
+    );
 }

@@ -2,12 +2,8 @@
 //! fast a link moves them, and how concurrent transfers share it. Pure (time is a parameter),
 //! so the live simulator and an offline simulation run the same model.
 //!
-//! Bytes per token come from the model's shape (2 for K and V × layers × KV heads × head
-//! dimension × 2 bytes in bf16): Llama-3.1-8B 128 KiB, Llama-3.1-70B 320 KiB. Bandwidths are
-//! nixlbench measurements from llm-d's networking report (`pd-tiers-anchors.md` §2): 100G TCP
-//! through UCX 0.55 GB/s, 100G RoCE 12.1 GB/s, 400G InfiniBand 49.5 GB/s. The per-transfer
-//! latency (the notification round trip before data moves) is an assumption, not a
-//! measurement: 1 ms over TCP, 50 µs over RDMA.
+//! The presets (bytes per token of a model shape, the links' bandwidths and latencies) are
+//! core's ([`kvroute_core::schedule::disagg::presets`]), where their sources are documented.
 //!
 //! Sharing: each engine has one NIC. A transfer moves at the link's bandwidth divided by the
 //! number of transfers on the busier of its two NICs (the producer's and the consumer's), so
@@ -20,17 +16,11 @@ use serde::Serialize;
 
 use crate::SimError;
 
-/// KV-cache bytes per token of a model preset (`llama-3.1-8b`, `llama-3.1-70b`), or a number.
+/// KV-cache bytes per token of a model preset (`llama-3.1-8b`, `llama-3.1-70b`), or a number
+/// (core's presets, which the router's configuration names too).
 pub fn kv_bytes_per_token(preset: &str) -> Result<u64, SimError> {
-    match preset.trim().to_ascii_lowercase().as_str() {
-        "llama-3.1-8b" | "8b" => Ok(2 * 32 * 8 * 128 * 2),
-        "llama-3.1-70b" | "70b" => Ok(2 * 80 * 8 * 128 * 2),
-        other => other.parse::<u64>().ok().filter(|b| *b > 0).ok_or_else(|| {
-            SimError::Config(format!(
-                "unknown KV shape {preset:?}: expected llama-3.1-8b, llama-3.1-70b or bytes per token"
-            ))
-        }),
-    }
+    kvroute_core::schedule::disagg::kv_bytes_per_token(preset)
+        .map_err(|e| SimError::Config(e.to_string()))
 }
 
 /// One link's speed.
@@ -43,36 +33,15 @@ pub struct LinkSpec {
 }
 
 impl LinkSpec {
-    /// A preset (`tcp`, `roce-100`, `ib-400`) or `custom:<GB/s>[:<latency ms>]`.
+    /// A preset (`tcp`, `roce-100`, `ib-400`) or `custom:<GB/s>[:<latency ms>]` (core's
+    /// presets, which the router's configuration names too).
     pub fn parse(spec: &str) -> Result<Self, SimError> {
-        let bad = || {
-            SimError::Config(format!(
-                "unknown link {spec:?}: expected tcp, roce-100, ib-400 or custom:<GB/s>[:<latency ms>]"
-            ))
-        };
-        let preset = |gbps: f64, latency_s: f64| LinkSpec {
-            bandwidth_bytes_per_s: gbps * 1e9,
-            latency_s,
-        };
-        match spec.trim() {
-            "tcp" => Ok(preset(0.55, 1e-3)),
-            "roce-100" => Ok(preset(12.1, 50e-6)),
-            "ib-400" => Ok(preset(49.5, 50e-6)),
-            custom => {
-                let mut parts = custom.strip_prefix("custom:").ok_or_else(bad)?.split(':');
-                let gbps: f64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
-                let latency_ms: f64 = match parts.next() {
-                    Some(p) => p.parse().map_err(|_| bad())?,
-                    None => 0.0,
-                };
-                if !(gbps > 0.0 && gbps.is_finite() && latency_ms >= 0.0 && latency_ms.is_finite())
-                    || parts.next().is_some()
-                {
-                    return Err(bad());
-                }
-                Ok(preset(gbps, latency_ms * 1e-3))
-            }
-        }
+        let prior = kvroute_core::schedule::disagg::LinkPrior::parse(spec)
+            .map_err(|e| SimError::Config(e.to_string()))?;
+        Ok(LinkSpec {
+            bandwidth_bytes_per_s: prior.bandwidth_bytes_per_s,
+            latency_s: prior.latency_s,
+        })
     }
 
     /// Seconds to move `bytes` alone on the link.

@@ -68,11 +68,13 @@ impl CorePolicy {
                 CoreFleetConfig::default(),
                 fleet,
             )?;
-            policy.pd = Some(PdRouting::new(mode, fleet).ok_or_else(|| {
-                SimulateError::Policy(format!(
-                    "{name} needs a P/D fleet (--prefill-engines, --decode-engines)"
-                ))
-            })?);
+            policy.pd = Some(
+                PdRouting::new(mode, fleet, &mut policy.fleet).ok_or_else(|| {
+                    SimulateError::Policy(format!(
+                        "{name} needs a P/D fleet (--prefill-engines, --decode-engines)"
+                    ))
+                })?,
+            );
             return Ok(policy);
         }
         let name = name.parse::<ProfileName>().map_err(SimulateError::Policy)?;
@@ -170,7 +172,7 @@ impl CorePolicy {
         };
         let routing = match &self.pd {
             Some(pd) => pd
-                .choose(&plan.decision, request.prompt_tokens, now)
+                .choose(&mut self.fleet, &plan, request.prompt_tokens, now)
                 .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
             None => Routing::Endpoint(chosen.0 as usize),
         };
@@ -257,9 +259,14 @@ impl RoutingPolicy for CorePolicy {
                 now,
             ));
             if let Some(cached) = predicted.get_mut(endpoint) {
-                if let Some(pd) = &mut self.pd {
-                    pd.dispatched(request_id, (prefill, endpoint), t.prompt_tokens, *cached);
-                }
+                let link = (EndpointId(prefill as u32), id);
+                self.fleet.transfer_started(
+                    request_id,
+                    link,
+                    t.prompt_tokens,
+                    *cached,
+                    self.block_size,
+                );
                 *cached = t.prompt_tokens;
             }
         }
@@ -319,15 +326,13 @@ impl RoutingPolicy for CorePolicy {
         seconds: f64,
         now: f64,
     ) {
-        if let Some(pd) = &mut self.pd {
-            pd.transferred(request_id, link, bytes, seconds, now);
-        }
+        let link = (EndpointId(link.0 as u32), EndpointId(link.1 as u32));
+        self.fleet
+            .observe_transfer(request_id, link, bytes as f64, seconds, now);
     }
 
     fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
-        if let Some(pd) = &mut self.pd {
-            let _ = pd.finished(request_id);
-        }
+        self.fleet.transfer_ended(request_id);
         let Some(t) = self.requests.remove(&request_id) else {
             return;
         };

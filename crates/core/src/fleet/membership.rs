@@ -45,6 +45,9 @@ impl Fleet {
         let present = self.endpoint(id).is_some_and(EndpointState::present);
         if present {
             self.forget_endpoint(id, now);
+            if let Some(disagg) = self.disagg.as_mut() {
+                disagg.forget(id);
+            }
             if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
                 e.present = false;
                 e.healthy = false;

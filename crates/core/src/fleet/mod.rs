@@ -10,6 +10,7 @@
 
 mod admit;
 mod decay;
+pub mod disagg;
 mod endpoint;
 pub mod flow;
 mod membership;
@@ -36,6 +37,7 @@ use crate::schedule::{
 };
 use crate::tiers::TierTokens;
 pub use admit::{Admission, HeldTurn};
+pub use disagg::DisaggConfig;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
@@ -231,6 +233,8 @@ pub struct Fleet {
     random: crate::random::SeededRandom,
     /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
     reported_trust: Vec<Option<Distrust>>,
+    /// Prefill/decode disaggregation's state, when it is on ([`Fleet::enable_disagg`]).
+    disagg: Option<disagg::DisaggState>,
 }
 
 impl Fleet {
@@ -264,6 +268,7 @@ impl Fleet {
             round_robin: 0,
             retry_budget: outlier::RetryBudget::default(),
             random: crate::random::SeededRandom::default(),
+            disagg: None,
         })
     }
 

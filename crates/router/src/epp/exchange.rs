@@ -48,6 +48,9 @@ pub struct Exchange {
     handoffs: Arc<Handoffs>,
     /// The token this stream's request is offered under, until the stream ends.
     offered: Option<u64>,
+    /// The prefill endpoint (`host:port`) core chose for the routed request, named in
+    /// `x-prefiller-host-port` (header mode for llm-d's P/D sidecar).
+    prefiller: Option<String>,
     /// This is an observer stream (Envoy's `observability_mode`: nothing is answered).
     observer: bool,
     /// The response was followed to its end (or there is nothing to follow).
@@ -104,6 +107,7 @@ impl Exchange {
             endpoint_name: None,
             handoffs,
             offered: None,
+            prefiller: None,
             observer: false,
             ended: false,
             response_seen: false,
@@ -263,8 +267,10 @@ impl Exchange {
     /// allows, recorded as dispatched there.
     fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
         let Routed { prepared, plan } = routed;
+        let (ranking, prefill) = crate::pd::header_mode(&self.router, &prepared, &plan);
+        self.prefiller = prefill.map(|id| self.router.endpoint(id).authority.to_string());
         let mut leg = Leg::planned(plan);
-        leg.ranking = self.allowed(&leg.ranking);
+        leg.ranking = self.allowed(&ranking);
         self.dispatch(&leg, &prepared, true)
     }
 
@@ -316,7 +322,12 @@ impl Exchange {
         self.offered = Some(token);
         self.followed = Some(followed);
         self.endpoint_name = Some(self.router.endpoint(first).name.clone());
-        let mut extra: Vec<(&str, &str)> = prefiller(prepared).into_iter().collect();
+        let prefiller = self.prefiller.take();
+        let mut extra: Vec<(&str, &str)> = prefiller
+            .as_deref()
+            .map(|p| (protocol::PREFILLER, p))
+            .into_iter()
+            .collect();
         extra.push((protocol::EXCHANGE, &header));
         protocol::route(&fallbacks, &extra, on_body)
             .unwrap_or_else(protocol::continue_request_headers)
@@ -437,14 +448,6 @@ fn forwarded(path: &str) -> bool {
         "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health"
     ) || crate::server::FORWARDED_PATHS.contains(&uri.path());
     canonical && allowed
-}
-
-/// Where a disaggregated prefill would be named for llm-d's P/D sidecar
-/// ([`protocol::PREFILLER`], `ip:port` of the prefill endpoint). Core plans no disaggregated
-/// prefill yet, so none is named; when it does, return the prefill endpoint's authority here
-/// (only ever an endpoint of the fleet, so a request can never steer the sidecar outside it).
-fn prefiller(_prepared: &Prepared) -> Option<(&'static str, &'static str)> {
-    None
 }
 
 /// llm-d's `x-llm-d-request-dropped-reason` for a shed request.

@@ -27,13 +27,9 @@ pub const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
 /// `observability_mode` filter after the picker's) claims its accounting ([`super::handoff`]).
 /// The gateway removes it before the request goes upstream (`request_headers_to_remove`).
 pub const EXCHANGE: &str = "x-kvroute-exchange";
-/// The llm-d P/D sidecar's header naming the prefill endpoint, `ip:port`. kvroute's core does
-/// not plan a disaggregated prefill yet; [`super::exchange`] leaves the hook where it would be
-/// set (see `prefiller` there).
-#[allow(
-    dead_code,
-    reason = "named with the picker's other headers; set once core plans P/D"
-)]
+/// The llm-d P/D sidecar's header naming the prefill endpoint, `ip:port`: set when `pd.mode`
+/// is on and core chooses P/D (only ever an endpoint of the fleet), removed from every other
+/// routed request, so a client cannot name one.
 pub const PREFILLER: &str = "x-prefiller-host-port";
 
 fn raw(h: &HeaderValue) -> &[u8] {
@@ -177,7 +173,15 @@ pub fn route(
     let first = fallbacks.first()?;
     let mut headers = vec![(DESTINATION, first.as_str())];
     headers.extend_from_slice(extra);
-    let common = Some(mutation(&headers, true));
+    let mut common = mutation(&headers, true);
+    // Only the picker names a prefiller: whatever a client sent is removed, so a request can
+    // never make the sidecar connect outside the fleet.
+    if !extra.iter().any(|(name, _)| *name == PREFILLER)
+        && let Some(m) = common.header_mutation.as_mut()
+    {
+        m.remove_headers.push(PREFILLER.to_owned());
+    }
+    let common = Some(common);
     let response = if on_body {
         Response::RequestBody(BodyResponse { response: common })
     } else {

@@ -13,6 +13,7 @@
 mod by_endpoint;
 mod group;
 mod labels;
+pub mod pd;
 
 use std::sync::atomic::AtomicU64;
 
@@ -196,6 +197,8 @@ metric_group! {
         /// `limits.token_cache_bytes`).
         token_cache_bytes: Gauge = Gauge::default(),
             "token_cache_bytes", "Bytes of prompt tokens in the tokenization cache";
+        /// Prefill/decode disaggregation's metrics.
+        pd: pd::PdMetrics = pd::PdMetrics::new(config);
     }
 }
 

@@ -28,6 +28,7 @@
 //! saves).
 
 pub mod links;
+pub mod presets;
 #[cfg(test)]
 mod tests;
 
@@ -36,6 +37,7 @@ use serde::Serialize;
 use super::Cost;
 use crate::index::EndpointId;
 pub use links::{LinkBook, LinkHealth, LinkLearning, LinkPrior};
+pub use presets::kv_bytes_per_token;
 
 /// One endpoint's side of the choice: its cost for the whole request, as the cost model
 /// assessed it, and what it holds of the prompt.

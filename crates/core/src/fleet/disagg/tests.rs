@@ -1,0 +1,159 @@
+//! The fleet's P/D call on a small fleet with a manual clock: who may decode and prefill, the
+//! link state it prices with, and what the caller's reports change.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::fleet::{EndpointSpec, FleetConfig, RequestFeatures};
+use crate::keys::router_keys;
+use crate::schedule::disagg::{LinkHealth, LinkLearning};
+use crate::schedule::{Profile, ProfileName};
+
+const BS: usize = 16;
+
+fn fleet(roles: &[Role]) -> Fleet {
+    let specs = roles
+        .iter()
+        .enumerate()
+        .map(|(i, role)| EndpointSpec {
+            name: format!("e{i}"),
+            models: vec!["m".into()],
+            role: *role,
+            has_events: true,
+            block_size: BS,
+            offload: Default::default(),
+        })
+        .collect();
+    Fleet::new(
+        FleetConfig::default(),
+        Profile::named(ProfileName::Precise),
+        specs,
+    )
+    .unwrap()
+}
+
+fn config(link: &str) -> DisaggConfig {
+    DisaggConfig {
+        link: LinkPrior::parse(link).unwrap(),
+        learning: LinkLearning::default(),
+        kv_bytes_per_token: 131_072.0,
+        leg_overhead_s: 0.005,
+    }
+}
+
+fn plan(fleet: &mut Fleet, tokens: usize) -> Plan {
+    let prompt: Vec<u32> = (0..tokens as u32).collect();
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = RequestFeatures {
+        model: "m",
+        keys: &keys,
+        prompt_tokens: tokens,
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    };
+    fleet.plan(&features, 7, 0.0)
+}
+
+#[test]
+fn off_until_enabled_and_only_decoders_decode() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode, Role::Both]);
+    let p = plan(&mut f, 4096);
+    let decode = f.decode_pick(&p).unwrap();
+    assert_ne!(
+        decode,
+        EndpointId(0),
+        "a prefill-only endpoint never decodes"
+    );
+    assert!(f.plan_disagg(&p, decode, 4096, BS, 0.0).is_none());
+    assert!(f.links().is_none());
+    f.enable_disagg(config("ib-400"));
+    let explain = f.plan_disagg(&p, decode, 4096, BS, 0.0).unwrap();
+    let candidates = f.prefill_candidates(&p, decode);
+    assert!(candidates.contains(&EndpointId(0)));
+    assert!(!candidates.contains(&decode));
+    assert!(!candidates.contains(&EndpointId(1)) || decode == EndpointId(1));
+    assert_eq!(explain.disaggregated.len(), candidates.len());
+    assert_eq!(explain.aggregated.endpoint, decode);
+}
+
+#[test]
+fn transfers_queue_on_both_nics_until_they_end() {
+    let mut f = fleet(&[Role::Prefill, Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    let (p0, p1, d) = (EndpointId(0), EndpointId(1), EndpointId(2));
+    let bytes = f.transfer_started(1, (p0, d), 1000, 0, BS);
+    // 62 full blocks move.
+    assert_eq!(bytes, 992.0 * 131_072.0);
+    let p = plan(&mut f, 2048);
+    let explain = f.plan_disagg(&p, d, 2048, BS, 0.0).unwrap();
+    // Both prefill candidates share the decode endpoint's NIC: the backlog is ahead of each.
+    for option in &explain.disaggregated {
+        assert_eq!(option.link_backlog_bytes, bytes, "{option:?}");
+    }
+    // A second transfer into the same NIC waits behind the first; it learns only its share.
+    let second = f.transfer_started(2, (p1, d), 1000, 0, BS);
+    assert_eq!(f.transfer_ended(2), bytes);
+    assert_eq!(f.transfer_ended(1), 0.0);
+    assert_eq!(f.transfer_ended(1), 0.0, "ending twice changes nothing");
+    let explain = f.plan_disagg(&p, d, 2048, BS, 0.0).unwrap();
+    assert!(
+        explain
+            .disaggregated
+            .iter()
+            .all(|o| o.link_backlog_bytes == 0.0)
+    );
+    assert!(second > 0.0);
+}
+
+#[test]
+fn observed_transfers_teach_the_pair_and_failures_quarantine_it() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    let link = (EndpointId(0), EndpointId(1));
+    let prior = f.links().unwrap().bandwidth(link.0, link.1, 0.0);
+    // A transfer twice as fast as the preset: the pair's bandwidth is learned.
+    let bytes = f.transfer_started(1, link, 4096, 0, BS);
+    f.observe_transfer(1, link, bytes, bytes / prior / 2.0 + 1e-3, 1.0);
+    let learned = f.links().unwrap().bandwidth(link.0, link.1, 1.0);
+    assert!(learned > 1.5 * prior, "{learned} vs {prior}");
+    for (i, now) in [2.0, 3.0, 4.0].into_iter().enumerate() {
+        f.transfer_started(10 + i as u64, link, 4096, 0, BS);
+        f.observe_failure(10 + i as u64, link, now);
+    }
+    assert!(matches!(
+        f.links().unwrap().health(link.0, link.1, 4.0),
+        LinkHealth::Quarantined { .. }
+    ));
+    let p = plan(&mut f, 4096);
+    let explain = f.plan_disagg(&p, link.1, 4096, BS, 4.0).unwrap();
+    assert!(!explain.disaggregated[0].eligible);
+    assert_eq!(explain.choice, DisaggChoice::Aggregated);
+    // The pair's backlog left with the failures.
+    assert_eq!(explain.disaggregated[0].link_backlog_bytes, 0.0);
+    // An endpoint that leaves takes its pairs with it.
+    f.remove_endpoint(link.0, 5.0);
+    assert_eq!(
+        f.links().unwrap().health(link.0, link.1, 5.0),
+        LinkHealth::Healthy { samples: 0 }
+    );
+}
+
+#[test]
+fn the_inflow_is_the_recent_work_per_second_and_fades() {
+    let mut state = DisaggState::new(config("tcp"));
+    let (a, b) = (EndpointId(0), EndpointId(1));
+    assert_eq!(state.inflow_rate(a, 0.0), 0.0);
+    // One window's worth of work in one window: it arrives about as fast as it drains.
+    for i in 0..50 {
+        state.record_inflow(a, 0.1, f64::from(i) * 0.1);
+    }
+    let rate = state.inflow_rate(a, 5.0);
+    assert!((0.5..1.0).contains(&rate), "{rate}");
+    // Nothing more arrives: it fades, and other endpoints never saw any.
+    assert!(state.inflow_rate(a, 30.0) < 0.01);
+    assert_eq!(state.inflow_rate(b, 5.0), 0.0);
+    // An endpoint that leaves is forgotten.
+    state.forget(a);
+    assert_eq!(state.inflow_rate(a, 5.0), 0.0);
+}

@@ -1,0 +1,644 @@
+//! Router-orchestrated prefill/decode disaggregation, end to end on loopback: `kvroute sim`
+//! producer and consumer engines (each its own process, the pull crossing them through the
+//! producer's side channel), `kvroute serve` with `pd:` in front, and clients: the official
+//! OpenAI Python client and plain HTTP.
+
+mod serve_support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+
+use kvroute_testkit::{
+    Killed, eventually_blocking, free_ports, http_get, patience, sample, sum_labelled, wait_http,
+};
+use serde_json::{Value, json};
+use serve_support::{Serve, Served};
+
+const MODEL: &str = "sim-llama-3.1-8b";
+
+/// One `kvroute sim` process serving one engine.
+struct Engine {
+    process: Option<Killed>,
+    http: u16,
+    events: u16,
+    replay: u16,
+}
+
+impl Engine {
+    /// An engine with `args` (its role, link, ...), `--time-scale` `scale`, waited for.
+    fn start(args: &[&str], scale: &str) -> Self {
+        let (http, events, replay, side) =
+            (free_ports(1), free_ports(1), free_ports(1), free_ports(1));
+        let process = Killed(
+            Command::new(env!("CARGO_BIN_EXE_kvroute"))
+                .arg("sim")
+                .args(args)
+                .args(["--num-gpu-blocks", "4096", "--time-scale", scale])
+                .args(["--port", &http.to_string()])
+                .args(["--events-port", &events.to_string()])
+                .args(["--replay-port", &replay.to_string()])
+                .args(["--side-channel-port", &side.to_string()])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        wait_http(&format!("http://127.0.0.1:{http}"));
+        Self {
+            process: Some(process),
+            http,
+            events,
+            replay,
+        }
+    }
+
+    /// A producer (`kv_producer`).
+    fn producer(extra: &[&str]) -> Self {
+        Self::start(&[&["--prefill-engines", "1"], extra].concat(), "10")
+    }
+
+    /// A consumer (`kv_consumer`) on `link`.
+    fn consumer(link: &str, extra: &[&str]) -> Self {
+        Self::start(
+            &[&["--decode-engines", "1", "--kv-link", link], extra].concat(),
+            "10",
+        )
+    }
+
+    /// Its `endpoints:` item, named `name`, with `role`.
+    fn endpoint(&self, name: &str, role: &str) -> String {
+        format!(
+            "  - {{name: {name}, role: {role}, url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'}}\n",
+            self.http, self.events, self.replay
+        )
+    }
+
+    /// Sets its faults (`POST /sim/faults`).
+    fn faults(&self, faults: Value) {
+        let (status, body) = post(self.http, "/sim/faults", &faults);
+        assert_eq!(status, 200, "{body}");
+    }
+
+    /// One of its metrics (engine 0 of its process).
+    fn metric(&self, name: &str) -> f64 {
+        let text = http_get(addr(self.http), "/metrics");
+        let series = format!("{name}{{engine=\"0\",model_name=\"{MODEL}\"}}");
+        sample(&text, &series).unwrap_or_else(|| panic!("{series} missing:\n{text}"))
+    }
+
+    /// The process dies.
+    fn kill(&mut self) {
+        self.process.take();
+    }
+}
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// `POST path` with a JSON body on `port`: the status and the body (read to its end, within
+/// the test's patience).
+fn post(port: u16, path: &str, body: &Value) -> (u16, String) {
+    let (status, _, body) = post_with_headers(port, path, body);
+    (status, body)
+}
+
+/// `POST path` with a JSON body on `port`: the status, the head and the body.
+fn post_with_headers(port: u16, path: &str, body: &Value) -> (u16, String, String) {
+    let mut socket = TcpStream::connect(addr(port)).unwrap();
+    socket.set_read_timeout(Some(patience() * 3)).unwrap();
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut response = Vec::new();
+    socket.read_to_end(&mut response).unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_owned(), body.to_owned())
+}
+
+/// A completion of `tokens` prompt token ids (distinct per `salt`), `max_tokens` long.
+fn completion(tokens: u32, salt: u32, max_tokens: u32, stream: bool) -> Value {
+    let prompt: Vec<u32> = (0..tokens)
+        .map(|t| (t * 7 + salt * 131) % 30_000 + 10)
+        .collect();
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+}
+
+/// The router's own metrics.
+fn router_metrics(served: &Served) -> String {
+    http_get(addr(served.admin), "/metrics")
+}
+
+/// The sum of a router metric's series that carry `label`.
+fn counted(served: &Served, metric: &str, label: &str) -> f64 {
+    sum_labelled(&router_metrics(served), metric, label)
+}
+
+/// `kvroute serve` in front of `endpoints` with `pd` as its `pd:` section, scraping often.
+fn router(endpoints: &[String], pd: &str) -> Served {
+    Serve::new(
+        &endpoints.concat(),
+        &format!("pd: {pd}\nscrape: {{interval_ms: 100}}"),
+    )
+    .start()
+}
+
+#[test]
+fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
+    let Some(python) = kvroute_testkit::python("the openai package") else {
+        return;
+    };
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let aggregated = Engine::start(&["--engines", "1"], "10");
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/python/pd_route_client.py"
+    );
+    let output = Command::new(&python)
+        .args([
+            script,
+            &format!("http://127.0.0.1:{}/v1", served.listen),
+            &format!("http://127.0.0.1:{}/v1", aggregated.http),
+            MODEL,
+        ])
+        .output()
+        .expect("the test Python runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let result: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let turns = result["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 3);
+    for (i, turn) in turns.iter().enumerate() {
+        let (pd, agg) = (&turn["pd"], &turn["agg"]);
+        for key in [
+            "text",
+            "prompt_tokens",
+            "cached_tokens",
+            "completion_tokens",
+        ] {
+            assert_eq!(pd[key], agg[key], "turn {i}, {key}: {turn:#}");
+        }
+    }
+    // The client's own stream and max_tokens were restored on the decode leg.
+    assert_eq!(turns[1]["pd"]["completion_tokens"], 9);
+    assert!(turns[1]["pd"]["chunks"].as_u64().unwrap() >= 2);
+    // The answer came from the decode endpoint; later turns hit the prefill engine's cache, as
+    // they hit the aggregated engine's.
+    assert_eq!(turns[0]["pd"]["endpoint"], "decode");
+    assert_eq!(turns[0]["agg"]["cached_tokens"], 0);
+    assert!(turns[2]["agg"]["cached_tokens"].as_u64().unwrap() > 0);
+    // Every turn was disaggregated: three prefill legs, three pulls, nothing held after.
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_decisions_total",
+            "decision=\"disaggregated\""
+        ),
+        3.0
+    );
+    assert_eq!(counted(&served, "kvroute_pd_fallbacks_total", ""), 0.0);
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 3.0);
+    eventually_blocking("the producer released every hold", || {
+        let holds = producer.metric("kvroute_sim_kv_holds");
+        (holds == 0.0, holds)
+    });
+    // Both legs were accounted, and the pair's bandwidth was learned from the streamed turn.
+    let metrics = router_metrics(&served);
+    for leg in ["pd_prefill", "pd_decode"] {
+        let served_legs = sum_labelled(
+            &metrics,
+            "kvroute_requests_total",
+            &format!("reason=\"{leg}\""),
+        );
+        assert_eq!(served_legs, 3.0, "{leg}:\n{metrics}");
+    }
+    assert!(
+        metrics.contains(
+            "kvroute_pd_link_bandwidth_bytes_per_second{prefill=\"prefill\",decode=\"decode\"}"
+        ),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn both_legs_share_the_request_id_that_releases_before_0_13_find_the_blocks_by() {
+    // Before 0.13 the consumer finds the producer's hold by the X-Request-Id both legs carry.
+    let producer = Engine::producer(&["--vllm-version", "0.12.0"]);
+    let consumer = Engine::consumer("ib-400", &["--vllm-version", "0.12.0"]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    for (salt, stream) in [(1, false), (2, true)] {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(512, salt, 4, stream),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert!(!body.contains("\"error\":"), "{body}");
+    }
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 2.0);
+    assert_eq!(consumer.metric("vllm:nixl_num_failed_transfers_total"), 0.0);
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        0.0
+    );
+}
+
+#[test]
+fn a_dead_producer_or_a_late_prefill_falls_back_to_aggregated_on_the_decode_pick() {
+    let mut producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400, prefill_deadline_s: 0.3}",
+    );
+    // A prefill that takes longer than the deadline: served aggregated, in time.
+    producer.faults(json!({"slow_factor": 10000.0}));
+    let started = std::time::Instant::now();
+    let (status, head, body) = post_with_headers(
+        served.listen,
+        "/v1/completions",
+        &completion(512, 1, 4, false),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(head.contains("x-kvroute-endpoint: decode"), "{head}");
+    assert!(started.elapsed() < patience(), "{:?}", started.elapsed());
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_fallbacks_total",
+            "reason=\"prefill_deadline\""
+        ),
+        1.0
+    );
+    // The producer dies: the prefill leg cannot connect (or the producer is no longer
+    // healthy), and the decode endpoint serves the request whole.
+    producer.kill();
+    let (status, head, body) = post_with_headers(
+        served.listen,
+        "/v1/completions",
+        &completion(512, 2, 4, true),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(head.contains("x-kvroute-endpoint: decode"), "{head}");
+    assert!(body.contains("[DONE]"), "{body}");
+    let fallbacks = counted(
+        &served,
+        "kvroute_pd_fallbacks_total",
+        "reason=\"prefill_connect\"",
+    ) + counted(
+        &served,
+        "kvroute_pd_fallbacks_total",
+        "reason=\"no_prefill_endpoint\"",
+    );
+    assert_eq!(fallbacks, 1.0, "{}", router_metrics(&served));
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 0.0);
+}
+
+#[test]
+fn failing_pulls_are_retried_once_elsewhere_then_the_pairs_are_quarantined() {
+    let producer = Engine::producer(&[]);
+    let consumers = [
+        Engine::consumer("ib-400", &[]),
+        Engine::consumer("ib-400", &[]),
+    ];
+    for c in &consumers {
+        c.faults(json!({"kv_transfer_failure_fraction": 1.0}));
+    }
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumers[0].endpoint("decode-a", "decode"),
+            consumers[1].endpoint("decode-b", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    // Each request's decode leg fails on one consumer, then once on the other: a clear
+    // OpenAI-shaped error, and a strike on both pairs.
+    let mut answers = Vec::new();
+    for salt in 0..4 {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(256, salt, 4, false),
+        );
+        if status != 200 {
+            assert!(status >= 500, "{status}: {body}");
+            let error: Value = serde_json::from_str(&body).unwrap();
+            assert!(error["error"]["message"].is_string(), "{body}");
+        }
+        answers.push((status, body));
+        if status == 200 {
+            break;
+        }
+    }
+    // Three strikes quarantine both pairs: the next request is served aggregated.
+    assert_eq!(answers.len(), 4, "{answers:?}");
+    assert_eq!(answers[3].0, 200, "{answers:?}");
+    let failures = counted(&served, "kvroute_pd_transfer_failures_total", "");
+    assert_eq!(failures, 6.0, "{}", router_metrics(&served));
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_fallbacks_total",
+            "reason=\"quarantined\""
+        ),
+        1.0
+    );
+    let pulled_failures: f64 = consumers
+        .iter()
+        .map(|c| c.metric("vllm:nixl_num_failed_transfers_total"))
+        .sum();
+    assert_eq!(pulled_failures, 6.0);
+    // The explain API shows the quarantine.
+    let (_, explain) = post(
+        served.admin,
+        "/kvroute/v1/explain",
+        &json!({"model": MODEL, "token_ids": (0..256).collect::<Vec<u32>>()}),
+    );
+    let explain: Value = serde_json::from_str(&explain).unwrap();
+    let options = explain["pd"]["disaggregated"].as_array().unwrap();
+    assert!(!options.is_empty());
+    assert!(
+        options.iter().all(|o| o["eligible"] == false),
+        "{explain:#}"
+    );
+    assert_eq!(options[0]["link"]["kind"], "quarantined");
+}
+
+#[test]
+fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: orchestrate, link: tcp}",
+    );
+    // A side channel outside the fleet, named by the client.
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let mut request = completion(64, 9, 4, false);
+    request["kv_transfer_params"] = json!({
+        "do_remote_prefill": true, "do_remote_decode": false,
+        "remote_engine_id": "elsewhere", "remote_request_id": "elsewhere-1",
+        "remote_block_ids": [1, 2, 3], "remote_registration_generation": 1, "tp_size": 1,
+        "transfer_mode": "pull",
+        "remote_host": "127.0.0.1", "remote_port": trap.local_addr().unwrap().port(),
+    });
+    let (status, body) = post(served.listen, "/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        counted(&served, "kvroute_pd_client_params_removed_total", ""),
+        1.0
+    );
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 0.0);
+    assert!(
+        matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "an engine connected to the address a client named"
+    );
+}
+
+#[test]
+fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    consumer.faults(json!({"kv_transfer_failure_fraction": 1.0}));
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    let (status, body) = post(
+        served.listen,
+        "/v1/completions",
+        &completion(256, 7, 4, true),
+    );
+    // vLLM's `fail` policy on a stream: a 200 whose first event is the error.
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"error\""), "{body}");
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_fallbacks_total",
+            "reason=\"decode_failed_in_stream\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        1.0
+    );
+}
+
+#[test]
+fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::start(&["--decode-engines", "1", "--kv-link", "roce-100"], "1");
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: roce-100}",
+    );
+    // A healthy link first: streamed requests teach the pair and strike nothing.
+    for salt in 0..2 {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(2048, salt, 2, true),
+        );
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_decisions_total",
+            "decision=\"disaggregated\""
+        ),
+        2.0
+    );
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        0.0
+    );
+    // RDMA silently fallen back to something 20 times slower.
+    consumer.faults(json!({"link_slowdown": 20.0}));
+    let mut quarantined = false;
+    for salt in 10..16 {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(2048, salt, 2, true),
+        );
+        assert_eq!(status, 200, "{body}");
+        if counted(
+            &served,
+            "kvroute_pd_fallbacks_total",
+            "reason=\"quarantined\"",
+        ) > 0.0
+        {
+            quarantined = true;
+            break;
+        }
+    }
+    assert!(quarantined, "{}", router_metrics(&served));
+    // Quarantined means served aggregated: the slow link carried exactly the three strikes.
+    assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 5.0);
+    let bandwidth = sample(
+        &router_metrics(&served),
+        "kvroute_pd_link_bandwidth_bytes_per_second{prefill=\"prefill\",decode=\"decode\"}",
+    );
+    assert_eq!(bandwidth, Some(0.0));
+}
+
+#[test]
+fn a_consumer_that_never_pulls_gets_a_clear_error_and_the_lease_frees_the_blocks() {
+    let producer = Engine::producer(&["--kv-lease", "2s"]);
+    let mut consumer = Engine::consumer("ib-400", &[]);
+    // Health checks rarely, so that the router still believes in the dead consumer.
+    let served = Serve::new(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ]
+        .concat(),
+        "pd: {mode: always, link: ib-400}\nhealth: {interval_ms: 600000}",
+    )
+    .start();
+    consumer.kill();
+    let started = std::time::Instant::now();
+    let (status, body) = post(
+        served.listen,
+        "/v1/completions",
+        &completion(512, 3, 4, false),
+    );
+    assert!(status >= 500, "{status}: {body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("decode"),
+        "{body}"
+    );
+    assert!(started.elapsed() < patience(), "{:?}", started.elapsed());
+    // The prefill ran and its blocks were held for a pull that never came, until the lease.
+    assert_eq!(
+        counted(&served, "kvroute_requests_total", "reason=\"pd_prefill\""),
+        1.0
+    );
+    eventually_blocking("the producer's lease expired", || {
+        let expired = producer.metric("vllm:nixl_num_kv_expired_reqs_total");
+        let holds = producer.metric("kvroute_sim_kv_holds");
+        (expired == 1.0 && holds == 0.0, (expired, holds))
+    });
+}
+
+/// The P/D choice `/kvroute/v1/explain` reports for `tokens` prompt tokens.
+fn explained_choice(served: &Served, tokens: u32) -> (String, Value) {
+    let (status, body) = post(
+        served.admin,
+        "/kvroute/v1/explain",
+        &json!({"model": MODEL, "token_ids": (0..tokens).map(|t| t % 30_000 + 10).collect::<Vec<u32>>()}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let explain: Value = serde_json::from_str(&body).unwrap();
+    let mode = explain["pd"]["choice"]["mode"].as_str().unwrap().to_owned();
+    (mode, explain)
+}
+
+#[test]
+fn the_cost_decides_by_prompt_length_and_link_speed_when_the_decoder_is_busy() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::start(&["--decode-engines", "1"], "1");
+    let endpoints = [
+        producer.endpoint("prefill", "prefill"),
+        consumer.endpoint("decode", "decode"),
+    ];
+    let fast = router(&endpoints, "{mode: orchestrate, link: ib-400}");
+    let slow = router(&endpoints, "{mode: orchestrate, link: tcp}");
+    // Idle: nothing to gain from a second leg, whatever the prompt or link.
+    for served in [&fast, &slow] {
+        for tokens in [32, 8192] {
+            let (mode, explain) = explained_choice(served, tokens);
+            assert_eq!(mode, "aggregated", "{explain:#}");
+        }
+    }
+    // The decode engine is busy decoding for other users: an aggregated prefill would stall
+    // them, a transfer would not.
+    let busy: Vec<_> = (0..3)
+        .map(|salt| {
+            let port = consumer.http;
+            std::thread::spawn(move || {
+                post(
+                    port,
+                    "/v1/completions",
+                    &completion(64, 100 + salt, 3000, true),
+                )
+            })
+        })
+        .collect();
+    for served in [&fast, &slow] {
+        eventually_blocking("the router sees the decoder's running requests", || {
+            let (_, explain) = explained_choice(served, 32);
+            let running = explain["endpoints"][1]["load"]["running"]
+                .as_f64()
+                .unwrap_or(0.0);
+            (running >= 3.0, running)
+        });
+    }
+    let (long_fast, explain) = explained_choice(&fast, 8192);
+    assert_eq!(long_fast, "disaggregated", "{explain:#}");
+    let option = &explain["pd"]["disaggregated"][0];
+    assert_eq!(option["prefill"], "prefill");
+    assert_eq!(option["decode"], "decode");
+    assert!(option["transfer_s"].as_f64().unwrap() < 0.1, "{option:#}");
+    // The same prompt over TCP: moving 1 GB costs more than the stall it avoids.
+    let (long_slow, explain) = explained_choice(&slow, 8192);
+    assert_eq!(long_slow, "aggregated", "{explain:#}");
+    let option = &explain["pd"]["disaggregated"][0];
+    assert!(option["transfer_s"].as_f64().unwrap() > 1.0, "{option:#}");
+    // A short prompt: the second leg's fixed cost outweighs its tiny stall, on any link.
+    for served in [&fast, &slow] {
+        let (mode, explain) = explained_choice(served, 32);
+        assert_eq!(mode, "aggregated", "{explain:#}");
+    }
+    drop(consumer);
+    for b in busy {
+        let _ = b.join();
+    }
+}

@@ -1,0 +1,185 @@
+//! Sending one leg down its ranking with the body streamed through unbuffered: connecting,
+//! responding and retrying (a refused connection or a 5xx before any body byte, as core allows)
+//! through the pipeline's phases, and telling the fleet how each attempt went (outlier
+//! detection). A P/D decode leg also has its KV transfer tracked ([`crate::transfer`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, header};
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::Full;
+use kvroute_core::fleet::{AttemptFailure, UpstreamOutcome};
+use kvroute_vllm::openai::ApiError;
+use tracing::warn;
+
+use crate::accounting::{AccountedBody, Outcome};
+use crate::forwarding;
+use crate::pipeline::Prepared;
+use crate::pipeline::{self, Leg, RequestContext};
+use crate::reply::error_response;
+use crate::service::Router;
+use crate::transfer::{DecodeLeg, TransferBody};
+
+/// The header naming the endpoint that served a request.
+pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
+
+/// One request on its way to an engine: the client's request, its leg, and for a P/D decode
+/// leg, what its transfer needs.
+pub(crate) struct ForwardArgs<'a> {
+    pub(crate) router: &'a Arc<Router>,
+    pub(crate) context: RequestContext,
+    pub(crate) prepared: &'a Prepared,
+    pub(crate) leg: Leg,
+    pub(crate) method: http::Method,
+    pub(crate) path: String,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    /// The client's address, as the edge accepted it.
+    pub(crate) client: Option<SocketAddr>,
+    /// Set on a P/D decode leg: its transfer is tracked, and it is retried only while the
+    /// producer's hold lasts.
+    pub(crate) decode: Option<DecodeLeg>,
+}
+
+/// The request to send to the engine at `base` (`http://host:port`) with `body`: origin-form
+/// target with a `Host` header, as strict HTTP/1.1 servers (h11, uvicorn) require.
+pub(crate) fn upstream_request(
+    base: &str,
+    a: &ForwardArgs<'_>,
+    body: Bytes,
+) -> http::Request<Full<Bytes>> {
+    let authority = base.strip_prefix("http://").unwrap_or(base);
+    let mut builder = http::Request::builder()
+        .method(a.method.clone())
+        .uri(a.path.as_str())
+        .header(header::HOST, authority);
+    for (name, value) in forwarding::end_to_end(&a.headers, &forwarding::FORWARDING_HEADERS) {
+        builder = builder.header(name, value);
+    }
+    for (name, value) in
+        forwarding::forwarded_for(&a.router.config().forwarding, &a.headers, a.client)
+    {
+        builder = builder.header(name, value);
+    }
+    builder
+        .header("x-request-id", a.context.request_id.as_str())
+        .body(Full::new(body))
+        .expect("a request built from a valid request is valid")
+}
+
+/// Sends `a` down its leg's ranking and streams the answer back.
+pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
+    let router = a.router;
+    let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
+    let attempts = a.leg.attempts(router);
+    // Down the plan's ranking: the next endpoint is tried when no connection could be made or
+    // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
+    // recorded against an endpoint before a connection to it exists.
+    for (attempt, &id) in a.leg.ranking.iter().take(attempts).enumerate() {
+        let endpoint = router.endpoint(id).clone();
+        let authority = endpoint.authority.to_string();
+        let conn = match router.upstream().connection(&authority).await {
+            Ok(conn) => conn,
+            Err(e) => {
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                let lease = a.decode.as_ref().is_none_or(DecodeLeg::may_retry);
+                if lease && pipeline::retry(router, &a.leg, id, AttemptFailure::Connect, attempt) {
+                    warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
+                    continue;
+                }
+                return error_response(
+                    router,
+                    &ApiError::engine_failed(format!("the engine {} failed: {e}", endpoint.name)),
+                );
+            }
+        };
+        let dispatch = pipeline::connect(router, &a.leg.predicted_cached, a.prepared, id);
+        let mut accounting = pipeline::respond(router, &a.context, &a.leg, attempt, dispatch);
+        let mut transfer = a.decode.as_ref().map(|leg| leg.start(router, id));
+        if transfer.is_some() {
+            accounting.skip_cached_check();
+        }
+        // A decode leg goes elsewhere only while the producer still holds its blocks.
+        let retry = |failure| {
+            a.decode.as_ref().is_none_or(DecodeLeg::may_retry)
+                && pipeline::retry(router, &a.leg, id, failure, attempt)
+        };
+        let request = upstream_request(
+            &format!("http://{}", endpoint.authority),
+            &a,
+            a.body.clone(),
+        );
+        let sent = tokio::time::timeout(timeout, router.upstream().send(conn, &authority, request));
+        let (response, lease) = match sent.await {
+            Err(_) => {
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                accounting.fail(504, Outcome::Timeout);
+                if let Some(t) = transfer.as_mut() {
+                    t.failed();
+                }
+                if retry(AttemptFailure::Timeout) {
+                    continue;
+                }
+                let message = format!(
+                    "the engine {} did not answer within {timeout:?}",
+                    endpoint.name
+                );
+                return error_response(router, &ApiError::engine_timeout(message));
+            }
+            Ok(Err(e)) => {
+                router.upstream_result(id, UpstreamOutcome::Failure);
+                accounting.fail(502, Outcome::EngineError);
+                if let Some(t) = transfer.as_mut() {
+                    t.failed();
+                }
+                if retry(AttemptFailure::Transport) {
+                    continue;
+                }
+                let message = format!("the engine {} failed: {e}", endpoint.name);
+                return error_response(router, &ApiError::engine_failed(message));
+            }
+            Ok(Ok(answer)) => answer,
+        };
+        let (parts, body) = response.into_parts();
+        accounting.status = parts.status.as_u16();
+        if parts.status.is_server_error() {
+            router.upstream_result(id, UpstreamOutcome::Failure);
+            if let Some(t) = transfer.as_mut() {
+                t.failed();
+            }
+            if retry(AttemptFailure::ServerError) {
+                warn!(endpoint = %endpoint.name, status = %parts.status, "the engine failed before answering; retrying on the next best endpoint");
+                continue; // the response, its accounting and its connection are dropped
+            }
+        } else {
+            router.upstream_result(id, UpstreamOutcome::Success);
+        }
+        let mut out = Response::builder().status(parts.status);
+        for (name, value) in forwarding::end_to_end(&parts.headers, &[]) {
+            out = out.header(name, value);
+        }
+        out = out.header(ENDPOINT_HEADER, endpoint.name.as_str());
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let body = TransferBody::new(body, transfer);
+        return out
+            .body(Body::new(AccountedBody::new(body, accounting, lease, sse)))
+            .unwrap_or_else(|_| {
+                error_response(
+                    router,
+                    &ApiError::engine_failed("the engine sent an invalid response"),
+                )
+            });
+    }
+    error_response(
+        router,
+        &ApiError::unavailable("no endpoint accepted the connection; retry shortly"),
+    )
+}

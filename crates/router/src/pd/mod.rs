@@ -1,0 +1,263 @@
+//! Router-orchestrated prefill/decode disaggregation (`pd.mode: orchestrate`), as vLLM's
+//! reference proxy runs it but scheduled by core: the plan's best decode-capable endpoint is the
+//! decode pick, then core prices aggregated against P/D with each prefill-capable endpoint
+//! ([`kvroute_core::fleet::Fleet::plan_disagg`]) and the router carries the choice out.
+//!
+//! A disaggregated request is two legs through the pipeline, each selected, connected and
+//! accounted on its own, with the client's `X-Request-Id` on both:
+//!
+//! 1. the **prefill leg** ([`prefill`]) on the prefill endpoint: non-streaming, `max_tokens: 1`,
+//!    `stream_options` and `min_tokens` removed, `kv_transfer_params` asking for a remote
+//!    decode; its answer's `kv_transfer_params` are read within `pd.prefill_deadline_s`;
+//! 2. the **decode leg** on the decode endpoint: the client's own body with those params,
+//!    unchanged (and, for 0.33+, the prefill's `cached_tokens` so that the client sees what an
+//!    aggregated run reports), streamed to the client through the proxy's forwarding. Its
+//!    transfer is tracked ([`crate::transfer`]): its bytes queue on both NICs until it ends, and the
+//!    time to the decode leg's first token, less its predicted wait in the decode queue,
+//!    teaches the pair's bandwidth.
+//!
+//! Failures never hang a client: a prefill leg that fails or misses its deadline falls back to
+//! one aggregated attempt on the decode pick; a decode leg that fails after its prefill is
+//! retried once on the next decode-capable endpoint while the producer's lease holds, else the
+//! client gets the engine's error; no prefill endpoint available means aggregated. Each
+//! fallback is counted by reason ([`crate::pd_metrics`]).
+
+mod explain;
+mod prefill;
+
+use axum::response::Response;
+use bytes::Bytes;
+use kvroute_core::fleet::Plan;
+use kvroute_core::fleet::disagg::decodes;
+use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
+use kvroute_vllm::nixl::decode_leg_body;
+use serde_json::Value;
+
+pub use explain::explain;
+
+use crate::forward::{ForwardArgs, forward};
+use crate::pipeline::Leg;
+use crate::service::Router;
+use crate::transfer::{DecodeLeg, lease_holds};
+
+/// What core decided for one request.
+enum Route {
+    /// One leg down `ranking` (the decode pick first).
+    Aggregated { ranking: Vec<EndpointId> },
+    /// A prefill leg on `option.prefill`, then the decode leg down `decoders` (the decode pick
+    /// first).
+    Disaggregated {
+        option: PdOption,
+        decoders: Vec<EndpointId>,
+    },
+}
+
+/// Asks core for the request's P/D choice; counted by reason.
+fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
+    let now = router.now();
+    let (decoders, explain) = {
+        let mut fleet = router.fleet();
+        let decoders: Vec<EndpointId> = plan
+            .decision
+            .ranking
+            .iter()
+            .copied()
+            .filter(|e| fleet.endpoint(*e).is_some_and(|s| decodes(s.spec.role)))
+            .collect();
+        let explain = decoders
+            .first()
+            .and_then(|d| fleet.plan_disagg(plan, *d, prompt_tokens, block_size, now));
+        (decoders, explain)
+    };
+    let metrics = &router.metrics().pd;
+    if decoders.is_empty() {
+        // Only prefill endpoints can take it: served whole where the plan says.
+        metrics.decision("aggregated", "no_decode_endpoint");
+        return Route::Aggregated {
+            ranking: plan.decision.ranking.clone(),
+        };
+    }
+    let aggregated = |reason| {
+        metrics.decision("aggregated", reason);
+        Route::Aggregated {
+            ranking: decoders.clone(),
+        }
+    };
+    let Some(explain) = explain else {
+        return aggregated("off");
+    };
+    let always = router.config().pd.mode == crate::config::PdMode::Always;
+    match explain.choice {
+        _ if explain.disaggregated.is_empty() => {
+            metrics.fallback("no_prefill_endpoint");
+            aggregated("no_prefill_endpoint")
+        }
+        DisaggChoice::Aggregated if explain.disaggregated.iter().all(|o| !o.eligible) => {
+            metrics.fallback("quarantined");
+            aggregated("quarantined")
+        }
+        // The options are cheapest first, eligible ones before the others.
+        DisaggChoice::Aggregated if always => {
+            let option = explain.disaggregated.into_iter().next();
+            metrics.decision("disaggregated", "always");
+            match option {
+                Some(option) => Route::Disaggregated { option, decoders },
+                None => aggregated("no_prefill_endpoint"),
+            }
+        }
+        DisaggChoice::Aggregated => aggregated("cost"),
+        DisaggChoice::Disaggregated { prefill } => {
+            let Some(option) = explain
+                .disaggregated
+                .into_iter()
+                .find(|o| o.prefill == prefill)
+            else {
+                return aggregated("cost");
+            };
+            metrics.decision("disaggregated", if always { "always" } else { "cost" });
+            Route::Disaggregated { option, decoders }
+        }
+    }
+}
+
+/// Serves a planned generation request under `pd.mode` `orchestrate` or `always`.
+pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
+    let router = a.router;
+    remove_client_params(&mut a);
+    let block_size = a.prepared.model.block_size;
+    let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
+    let (option, decoders) = match route {
+        Route::Aggregated { ranking } => {
+            a.leg = Leg {
+                ranking,
+                predicted_cached: plan.predicted_cached,
+                reason: plan.decision.reason.as_str(),
+            };
+            return forward(a).await;
+        }
+        Route::Disaggregated { option, decoders } => (option, decoders),
+    };
+    let decode = option.decode;
+    let client: Value = match serde_json::from_slice(&a.body) {
+        Ok(v) => v,
+        Err(_) => {
+            // The engines will refuse it as the client sent it: one leg, so the client sees
+            // the engine's own error.
+            router.metrics().pd.fallback("body_not_json");
+            a.leg = fallback_leg(&plan, decode);
+            return forward(a).await;
+        }
+    };
+    let answer = match prefill::run(&a, option.prefill, &client, &plan).await {
+        Ok(answer) => answer,
+        Err(why) => {
+            router.metrics().pd.fallback(why.label());
+            tracing::warn!(request_id = %a.context.request_id, prefill = %router.endpoint(option.prefill).name, error = %why, "the prefill leg failed; serving the request aggregated on the decode endpoint");
+            a.leg = fallback_leg(&plan, decode);
+            return forward(a).await;
+        }
+    };
+    let body = decode_leg_body(&client, &answer.params, answer.cached_tokens);
+    a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    // The decode endpoints compute (almost) nothing: they pull what they lack.
+    let mut predicted_cached = plan.predicted_cached.clone();
+    for e in &decoders {
+        if let Some(slot) = predicted_cached.get_mut(e.0 as usize) {
+            *slot = a.prepared.prompt_tokens;
+        }
+    }
+    // Once more elsewhere while the producer still holds the blocks.
+    let lease_until = answer
+        .params
+        .get("remote_blocks_expiry_time")
+        .and_then(Value::as_f64);
+    let ranking = if lease_holds(lease_until) {
+        decoders.iter().copied().take(2).collect()
+    } else {
+        vec![decode]
+    };
+    a.leg = Leg {
+        ranking,
+        predicted_cached,
+        reason: "pd_decode",
+    };
+    a.decode = Some(DecodeLeg {
+        prefill: option.prefill,
+        prompt_tokens: a.prepared.prompt_tokens,
+        block_size,
+        decode_cached: plan
+            .decision
+            .assessments
+            .iter()
+            .map(|x| (x.endpoint, x.cached_tokens))
+            .collect(),
+        // Its wait in the decode queue, the engine step that computes its first token (core's
+        // step of a queued request, `scheduler.queue_wait_s`), and the leg's fixed cost.
+        predicted_wait_s: option.decode_queue_s
+            + router.fleet().profile().queue_wait_s
+            + option.leg_overhead_s,
+        stream: client.get("stream").and_then(Value::as_bool) == Some(true),
+        lease_until,
+    });
+    forward(a).await
+}
+
+/// `kvroute epp`'s header mode, for llm-d's P/D sidecar: the endpoints to name as the
+/// destination (decode-capable, best first) and, when core chooses P/D, the prefill endpoint
+/// whose `host:port` goes in `x-prefiller-host-port`: always an endpoint of the fleet, never
+/// anything a request says. The sidecar runs the prefill unseen, so it is recorded as a peer's
+/// dispatch there (the blocks it will hold, no in-flight load).
+#[cfg(feature = "epp")]
+pub(crate) fn header_mode(
+    router: &Router,
+    prepared: &crate::pipeline::Prepared,
+    plan: &Plan,
+) -> (Vec<EndpointId>, Option<EndpointId>) {
+    if !router.config().pd.orchestrates() {
+        return (plan.decision.ranking.clone(), None);
+    }
+    let block_size = prepared.model.block_size;
+    match decide(router, plan, prepared.prompt_tokens, block_size) {
+        Route::Aggregated { ranking } => (ranking, None),
+        Route::Disaggregated { option, decoders } => {
+            let now = router.now();
+            router
+                .fleet()
+                .peer_dispatched(&prepared.features(), option.prefill, false, now);
+            (decoders, Some(option.prefill))
+        }
+    }
+}
+
+/// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
+/// producer, so a request can never make an engine pull from (connect to) an address outside
+/// the fleet. Counted and logged.
+fn remove_client_params(a: &mut ForwardArgs<'_>) {
+    const KEY: &[u8] = b"kv_transfer_params";
+    if !a.body.windows(KEY.len()).any(|w| w == KEY) {
+        return;
+    }
+    let Ok(mut body) = serde_json::from_slice::<Value>(&a.body) else {
+        return;
+    };
+    let removed = body
+        .as_object_mut()
+        .and_then(|map| map.remove("kv_transfer_params"));
+    if removed.is_some()
+        && let Ok(bytes) = serde_json::to_vec(&body)
+    {
+        a.body = Bytes::from(bytes);
+        a.router.metrics().pd.client_params_removed.inc();
+        tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
+    }
+}
+
+/// The one aggregated attempt on the decode pick after a failed prefill leg.
+fn fallback_leg(plan: &Plan, decode: EndpointId) -> Leg {
+    Leg {
+        ranking: vec![decode],
+        predicted_cached: plan.predicted_cached.clone(),
+        reason: "pd_fallback",
+    }
+}

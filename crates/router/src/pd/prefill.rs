@@ -1,0 +1,195 @@
+//! The prefill leg: connected, dispatched and accounted like any leg, its (small,
+//! non-streaming) answer read whole, bounded in bytes and within `pd.prefill_deadline_s`, and
+//! its `kv_transfer_params` taken for the decode leg.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use kvroute_core::fleet::{Plan, UpstreamOutcome};
+use kvroute_core::index::EndpointId;
+use kvroute_vllm::nixl::{prefill_answer_params, prefill_leg_body};
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use crate::accounting::Outcome;
+use crate::forward::{ForwardArgs, upstream_request};
+use crate::pipeline::{self, Leg};
+
+/// Largest prefill answer read: one token and the transfer params.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// What the prefill leg returned.
+pub(super) struct PrefillAnswer {
+    /// Its `kv_transfer_params`, for the decode leg, unchanged.
+    pub(super) params: Map<String, Value>,
+    /// Its `usage.prompt_tokens_details.cached_tokens`, if it said.
+    pub(super) cached_tokens: Option<u64>,
+}
+
+/// Why a prefill leg gave nothing to decode from (a fallback's reason, not an error the
+/// client sees: the request is served aggregated).
+#[derive(Debug)]
+pub(super) enum PrefillFailure {
+    /// No connection to the prefill endpoint.
+    Connect(String),
+    /// The answer did not come within the deadline.
+    Deadline(Duration),
+    /// The connection failed, or the engine answered 5xx.
+    Engine(String),
+    /// The engine refused the leg (a 4xx: the request, or the endpoint's role, not its
+    /// health).
+    Refused(String),
+    /// A 200 without usable `kv_transfer_params`.
+    Answer(String),
+}
+
+impl std::fmt::Display for PrefillFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrefillFailure::Connect(e) => write!(f, "cannot connect to the prefill endpoint: {e}"),
+            PrefillFailure::Deadline(d) => write!(f, "no prefill answer within {d:?}"),
+            PrefillFailure::Engine(e) => write!(f, "the prefill endpoint failed: {e}"),
+            PrefillFailure::Refused(e) => write!(f, "the prefill endpoint refused the leg: {e}"),
+            PrefillFailure::Answer(e) => write!(f, "the prefill answer is unusable: {e}"),
+        }
+    }
+}
+
+impl PrefillFailure {
+    /// The `reason` label of `kvroute_pd_fallbacks_total`.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            PrefillFailure::Connect(_) => "prefill_connect",
+            PrefillFailure::Deadline(_) => "prefill_deadline",
+            PrefillFailure::Engine(_) => "prefill_failed",
+            PrefillFailure::Refused(_) => "prefill_refused",
+            PrefillFailure::Answer(_) => "prefill_no_params",
+        }
+    }
+}
+
+/// Runs the prefill leg of `a` (the client's request, `client` its body) on `prefill`.
+pub(super) async fn run(
+    a: &ForwardArgs<'_>,
+    prefill: EndpointId,
+    client: &Value,
+    plan: &Plan,
+) -> Result<PrefillAnswer, PrefillFailure> {
+    let router = a.router;
+    let deadline = Duration::from_secs_f64(router.config().pd.prefill_deadline_s);
+    let started = Instant::now();
+    let leg = Leg {
+        ranking: vec![prefill],
+        predicted_cached: plan.predicted_cached.clone(),
+        reason: "pd_prefill",
+    };
+    let body = Bytes::from(serde_json::to_vec(&prefill_leg_body(client)).unwrap_or_default());
+    let endpoint = router.endpoint(prefill);
+    let authority = endpoint.authority.to_string();
+    let exchange = async {
+        let conn = match router.upstream().connection(&authority).await {
+            Ok(conn) => conn,
+            Err(e) => return Err((PrefillFailure::Connect(e.to_string()), None)),
+        };
+        let dispatch = pipeline::connect(router, &leg.predicted_cached, a.prepared, prefill);
+        let mut accounting = pipeline::respond(router, &a.context, &leg, 0, dispatch);
+        let request = upstream_request(&format!("http://{authority}"), a, body);
+        let (response, lease) = match router.upstream().send(conn, &authority, request).await {
+            Ok(answer) => answer,
+            Err(e) => {
+                accounting.fail(502, Outcome::EngineError);
+                return Err((PrefillFailure::Engine(e.to_string()), Some(accounting)));
+            }
+        };
+        let (parts, body) = response.into_parts();
+        accounting.status = parts.status.as_u16();
+        let bytes = match Limited::new(body, MAX_ANSWER_BYTES).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                accounting.fail(502, Outcome::EngineError);
+                return Err((PrefillFailure::Engine(e.to_string()), Some(accounting)));
+            }
+        };
+        lease.release();
+        accounting.observe(&bytes);
+        accounting.completed();
+        if !parts.status.is_success() {
+            let why = format!("HTTP {}: {}", parts.status, String::from_utf8_lossy(&bytes));
+            let failure = if parts.status.is_client_error() {
+                PrefillFailure::Refused(why)
+            } else {
+                PrefillFailure::Engine(why)
+            };
+            return Err((failure, Some(accounting)));
+        }
+        Ok((bytes, accounting))
+    };
+    let result = tokio::time::timeout(deadline, exchange).await;
+    let outcome = match result {
+        Err(_) => Err(PrefillFailure::Deadline(deadline)),
+        Ok(Err((why, accounting))) => {
+            drop(accounting);
+            Err(why)
+        }
+        Ok(Ok((bytes, accounting))) => {
+            drop(accounting);
+            parse_answer(&bytes)
+        }
+    };
+    router
+        .metrics()
+        .pd
+        .leg("prefill", started.elapsed().as_secs_f64());
+    // A deadline missed or an engine failure counts against the endpoint; a refusal or an
+    // unusable 200 (no connector) is the request's or the configuration's problem, not an
+    // outlier's.
+    let result = match &outcome {
+        Err(PrefillFailure::Answer(_) | PrefillFailure::Refused(_)) | Ok(_) => {
+            UpstreamOutcome::Success
+        }
+        Err(_) => UpstreamOutcome::Failure,
+    };
+    router.upstream_result(prefill, result);
+    outcome
+}
+
+/// The params and cached tokens of a prefill answer.
+fn parse_answer(bytes: &[u8]) -> Result<PrefillAnswer, PrefillFailure> {
+    let answer: Value =
+        serde_json::from_slice(bytes).map_err(|e| PrefillFailure::Answer(e.to_string()))?;
+    let params = prefill_answer_params(&answer)
+        .map_err(|e| PrefillFailure::Answer(e.to_string()))?
+        .clone();
+    let cached_tokens = answer
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64);
+    Ok(PrefillAnswer {
+        params,
+        cached_tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_without_params_or_not_json_is_unusable() {
+        assert!(matches!(
+            parse_answer(b"{\"choices\": []}"),
+            Err(PrefillFailure::Answer(_))
+        ));
+        assert!(matches!(
+            parse_answer(b"<html>"),
+            Err(PrefillFailure::Answer(_))
+        ));
+        let ok = parse_answer(
+            br#"{"kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p"},
+                "usage": {"prompt_tokens_details": {"cached_tokens": 32}}}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.params["remote_engine_id"], "p");
+        assert_eq!(ok.cached_tokens, Some(32));
+    }
+}

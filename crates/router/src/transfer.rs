@@ -1,0 +1,288 @@
+//! A decode leg's KV transfer, from the moment its leg is connected to its end: its bytes
+//! queue on both endpoints' NICs in the fleet ([`Fleet::transfer_started`]) until the decode
+//! leg's first token (the pull is done: the pair learns from the time it took, less the leg's
+//! predicted wait in the decode queue, the engine step of its first token and a leg's fixed
+//! cost: without them a fast link's few milliseconds would be judged with a step and a round
+//! trip added, and a healthy pair struck as degraded, [`Fleet::observe_transfer`]), its answer (a
+//! non-streaming leg: the transfer ended, its time unknown), its failure (a strike on the pair,
+//! [`Fleet::observe_failure`]), or the leg's end without any of those.
+//!
+//! [`Fleet::transfer_started`]: kvroute_core::fleet::Fleet::transfer_started
+//! [`Fleet::observe_transfer`]: kvroute_core::fleet::Fleet::observe_transfer
+//! [`Fleet::observe_failure`]: kvroute_core::fleet::Fleet::observe_failure
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::disagg::LinkHealth;
+use tokio::time::Instant;
+use tracing::warn;
+
+use crate::metrics::pd::pair;
+use crate::service::Router;
+
+/// Transfer ids, unique in this router.
+static NEXT_TRANSFER: AtomicU64 = AtomicU64::new(1);
+
+/// What a decode leg needs to track its transfer, whichever decode endpoint it lands on.
+#[derive(Clone, Debug)]
+pub(crate) struct DecodeLeg {
+    /// The prefill endpoint holding the blocks.
+    pub(crate) prefill: EndpointId,
+    /// Prompt tokens.
+    pub(crate) prompt_tokens: usize,
+    /// Tokens per block.
+    pub(crate) block_size: usize,
+    /// What each endpoint holds of the prompt, as planned (the rest moves).
+    pub(crate) decode_cached: HashMap<EndpointId, usize>,
+    /// What the decode leg's first token takes besides the transfer: its predicted wait in the
+    /// decode queue once the blocks arrive, the step that computes its first token, and a
+    /// leg's fixed cost (a round trip).
+    pub(crate) predicted_wait_s: f64,
+    /// The client asked for a stream (the first body byte is the first token).
+    pub(crate) stream: bool,
+    /// When the producer's hold ends (Unix seconds), if it said.
+    pub(crate) lease_until: Option<f64>,
+}
+
+impl DecodeLeg {
+    /// The decode leg was connected to `decode`: its transfer starts.
+    pub(crate) fn start(&self, router: &Arc<Router>, decode: EndpointId) -> TransferWatch {
+        let id = NEXT_TRANSFER.fetch_add(1, Ordering::Relaxed);
+        let cached = self.decode_cached.get(&decode).copied().unwrap_or(0);
+        let link = (self.prefill, decode);
+        let bytes =
+            router
+                .fleet()
+                .transfer_started(id, link, self.prompt_tokens, cached, self.block_size);
+        TransferWatch {
+            router: router.clone(),
+            id,
+            link,
+            bytes,
+            sent: Instant::now(),
+            predicted_wait_s: self.predicted_wait_s,
+            learn: self.stream,
+            done: false,
+        }
+    }
+
+    /// Whether another decode endpoint may still pull the blocks.
+    pub(crate) fn may_retry(&self) -> bool {
+        lease_holds(self.lease_until)
+    }
+}
+
+/// One transfer in flight; its end is reported exactly once (on drop at the latest).
+pub(crate) struct TransferWatch {
+    router: Arc<Router>,
+    id: u64,
+    link: (EndpointId, EndpointId),
+    bytes: f64,
+    sent: Instant,
+    predicted_wait_s: f64,
+    learn: bool,
+    done: bool,
+}
+
+impl TransferWatch {
+    fn names(&self) -> (String, String) {
+        (
+            self.router.endpoint(self.link.0).name.clone(),
+            self.router.endpoint(self.link.1).name.clone(),
+        )
+    }
+
+    /// The decode leg's first body byte arrived: `data` is it. An error event there is a
+    /// failed transfer hidden in a 200 (vLLM's `fail` policy on a stream).
+    pub(crate) fn first_byte(&mut self, data: &[u8]) {
+        if self.done {
+            return;
+        }
+        let elapsed = self.sent.elapsed().as_secs_f64();
+        let metrics = &self.router.metrics().pd;
+        metrics.leg("decode", elapsed);
+        if self.learn && is_error_event(data) {
+            metrics.fallback("decode_failed_in_stream");
+            self.failed();
+            return;
+        }
+        if !self.learn {
+            // A whole answer: the transfer is over, its time is not told apart from decoding.
+            self.ended();
+            return;
+        }
+        self.done = true;
+        let seconds = (elapsed - self.predicted_wait_s).max(0.0);
+        let now = self.router.now();
+        let (health, bandwidth) = {
+            let mut fleet = self.router.fleet();
+            fleet.observe_transfer(self.id, self.link, self.bytes, seconds, now);
+            let links = fleet.links();
+            (
+                links.map(|l| l.health(self.link.0, self.link.1, now)),
+                links.map_or(0.0, |l| l.bandwidth(self.link.0, self.link.1, now)),
+            )
+        };
+        let (p, d) = self.names();
+        let labels = pair(&p, &d);
+        metrics
+            .transfer_bytes
+            .get_or_create(&labels)
+            .inc_by(self.bytes as u64);
+        metrics
+            .transfer_seconds
+            .get_or_create(&labels)
+            .observe(seconds);
+        self.publish(&labels, health, bandwidth);
+    }
+
+    /// The transfer failed (the decode leg failed after its prefill): a strike on the pair.
+    pub(crate) fn failed(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let now = self.router.now();
+        let (health, bandwidth) = {
+            let mut fleet = self.router.fleet();
+            fleet.observe_failure(self.id, self.link, now);
+            let links = fleet.links();
+            (
+                links.map(|l| l.health(self.link.0, self.link.1, now)),
+                links.map_or(0.0, |l| l.bandwidth(self.link.0, self.link.1, now)),
+            )
+        };
+        let (p, d) = self.names();
+        let labels = pair(&p, &d);
+        let metrics = &self.router.metrics().pd;
+        metrics.transfer_failures.get_or_create(&labels).inc();
+        if matches!(health, Some(LinkHealth::Quarantined { .. })) {
+            warn!(prefill = %p, decode = %d, "quarantining a prefill-decode pair whose transfers keep failing or crawling");
+        }
+        self.publish(&labels, health, bandwidth);
+    }
+
+    /// The transfer is over, its time unknown.
+    pub(crate) fn ended(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.router.fleet().transfer_ended(self.id);
+        }
+    }
+
+    fn publish(
+        &self,
+        labels: &crate::metrics::pd::PairLabels,
+        health: Option<LinkHealth>,
+        bandwidth: f64,
+    ) {
+        let shown = match health {
+            Some(LinkHealth::Quarantined { .. }) => 0.0,
+            _ => bandwidth,
+        };
+        self.router
+            .metrics()
+            .pd
+            .link_bandwidth
+            .get_or_create(labels)
+            .set(shown);
+    }
+}
+
+impl Drop for TransferWatch {
+    fn drop(&mut self) {
+        self.ended();
+    }
+}
+
+/// Whether a stream's first chunk is an error event: an `"error"` key (`"error":`), not the
+/// word in generated text (a JSON string value is never followed by a colon).
+fn is_error_event(data: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"error\"";
+    data.windows(KEY.len()).enumerate().any(|(at, w)| {
+        w == KEY
+            && data[at + KEY.len()..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| *b == b':')
+    })
+}
+
+/// A response body that shows its first data frame to a transfer watch, if any.
+pub(crate) struct TransferBody<B> {
+    inner: B,
+    watch: Option<TransferWatch>,
+}
+
+impl<B> TransferBody<B> {
+    /// `inner`, watched by `watch` (none: passed through).
+    pub(crate) fn new(inner: B, watch: Option<TransferWatch>) -> Self {
+        Self { inner, watch }
+    }
+}
+
+impl<B> Body for TransferBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+            && let Some(mut watch) = self.watch.take()
+        {
+            watch.first_byte(data);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether a producer's hold that ends at `until` (Unix seconds; unknown: the release's lease,
+/// many seconds) still holds now.
+pub(crate) fn lease_holds(until: Option<f64>) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    until.is_none_or(|until| now < until)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_event_is_told_from_generated_text() {
+        assert!(is_error_event(
+            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
+        ));
+        assert!(is_error_event(b"data: {\"error\" : {}}"));
+        assert!(!is_error_event(
+            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
+        ));
+        assert!(!is_error_event(
+            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
+        ));
+        assert!(!is_error_event(b"\"error\""));
+    }
+}

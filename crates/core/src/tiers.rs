@@ -129,8 +129,23 @@ pub struct TierRates {
     /// tokens: with `found_tokens`, the prediction's accuracy by tier (a metric).
     pub predicted_tokens: [u64; 3],
     /// Of `predicted_tokens`, those the engine's `cached_tokens` confirmed (attributed to the
-    /// tiers in proportion when only some were found).
+    /// tiers as the engine's per-tier metrics say, else in proportion, when only some were
+    /// found).
     pub found_tokens: [u64; 3],
+    /// Tokens the engine itself says it loaded from each tier (its per-tier `/metrics`
+    /// counters, summed over scrapes; every request it served, not only this router's).
+    pub engine_loaded_tokens: [u64; 3],
+    /// Of the tier tokens predicted between two scrapes, the fraction the engine's per-tier
+    /// counters say it loaded (a moving average; `None` until measured): how a request that
+    /// found only part of its predicted tier tokens is split among its tiers.
+    pub engine_found_fraction: [Option<f64>; 3],
+    /// Requests dispatched on a tier prediction whose events were recently inconsistent
+    /// (orphans): estimates, never taught as load rates.
+    pub uncertain_requests: u64,
+    /// The engine's per-tier counters at the last scrape (`None`: not reported).
+    engine_counters: [Option<f64>; 3],
+    /// `predicted_tokens` at the last scrape.
+    predicted_at_scrape: [u64; 3],
 }
 
 /// Weight of a new sample in a learned rate (an exponential moving average).
@@ -223,10 +238,72 @@ impl TierRates {
         }
         let recomputed = (tier_total - loaded) as f64;
         let seconds = seconds - recomputed / prefill_rate.max(1.0);
-        let scale = loaded as f64 / tier_total as f64;
-        let scaled = tier_tokens.map(|t| (t as f64 * scale).round() as usize);
-        self.observe(scaled, seconds, configured);
+        let found = self.split_found(tier_tokens, loaded);
+        self.observe(found, seconds, configured);
     }
+
+    /// Splits `loaded` of the predicted `tier_tokens` among the tiers: as the engine's
+    /// per-tier counters say each tier's predictions were found, else in proportion. Never
+    /// more on a tier than was predicted there.
+    fn split_found(&self, tier_tokens: TierTokens, loaded: usize) -> TierTokens {
+        let tier_total: usize = tier_tokens.iter().sum();
+        if loaded >= tier_total {
+            return tier_tokens;
+        }
+        let weights: [f64; 3] = std::array::from_fn(|t| {
+            tier_tokens[t] as f64 * self.engine_found_fraction[t].unwrap_or(1.0)
+        });
+        let total: f64 = weights.iter().sum();
+        if total <= 0.0 {
+            let scale = loaded as f64 / tier_total as f64;
+            return tier_tokens.map(|t| (t as f64 * scale).round() as usize);
+        }
+        std::array::from_fn(|t| {
+            ((loaded as f64 * weights[t] / total).round() as usize).min(tier_tokens[t])
+        })
+    }
+
+    /// One scrape of the engine's per-tier counters of tokens loaded (cumulative; `None`: the
+    /// engine does not report that tier). Adds what each tier loaded since the last scrape to
+    /// `engine_loaded_tokens` and, where enough tier tokens were predicted meanwhile, learns
+    /// the fraction the engine found. A counter that went backwards (a restart) starts over.
+    pub fn observe_engine_loads(&mut self, counters: [Option<f64>; 3]) {
+        for (t, (&counter, &last)) in counters.iter().zip(&self.engine_counters).enumerate() {
+            let (Some(now), Some(before)) = (counter, last) else {
+                continue;
+            };
+            if !now.is_finite() || now < before {
+                continue;
+            }
+            let loaded = (now - before).round() as u64;
+            self.engine_loaded_tokens[t] = self.engine_loaded_tokens[t].saturating_add(loaded);
+            let predicted = self.predicted_tokens[t].saturating_sub(self.predicted_at_scrape[t]);
+            if predicted >= MIN_SAMPLE_TOKENS as u64 {
+                let fraction = (loaded as f64 / predicted as f64).min(1.0);
+                let slot = &mut self.engine_found_fraction[t];
+                *slot = Some(match *slot {
+                    None => fraction,
+                    Some(old) => (1.0 - LEARNING_RATE) * old + LEARNING_RATE * fraction,
+                });
+            }
+        }
+        self.engine_counters = counters.map(|c| c.filter(|v| v.is_finite()));
+        self.predicted_at_scrape = self.predicted_tokens;
+    }
+}
+
+/// Of an endpoint's predicted cached tokens, those on each tier below the GPU: `gpu` tokens
+/// on the GPU and `tiers` below it, cut to `reportable` in all (the engine recomputes the
+/// last prompt token, so it never reports the whole prompt cached). What is cut comes off the
+/// slowest tiers first: an engine frees a prefix's last blocks first, so its tail is what
+/// sits lowest.
+pub fn reportable_tiers(gpu: usize, tiers: TierTokens, reportable: usize) -> TierTokens {
+    let mut room = reportable.saturating_sub(gpu);
+    tiers.map(|tokens| {
+        let kept = tokens.min(room);
+        room -= kept;
+        kept
+    })
 }
 
 /// One tier's part of a candidate's cost.
@@ -342,6 +419,41 @@ mod tests {
             rates.predicted_tokens,
             [2000, 1000, 0],
             "no tier tokens: nothing counted"
+        );
+    }
+
+    #[test]
+    fn what_the_engine_cannot_report_comes_off_the_slowest_tiers() {
+        assert_eq!(reportable_tiers(0, [512, 256, 256], 1024), [512, 256, 256]);
+        assert_eq!(reportable_tiers(0, [512, 256, 256], 1008), [512, 256, 240]);
+        assert_eq!(reportable_tiers(600, [512, 256, 0], 1008), [408, 0, 0]);
+        assert_eq!(reportable_tiers(2000, [512, 0, 0], 1008), [0, 0, 0]);
+    }
+
+    #[test]
+    fn a_partial_find_is_split_as_the_engines_tier_counters_say() {
+        let costs = TierCosts::default();
+        let truth = 60_000.0;
+        let mut rates = TierRates::default();
+        rates.observe_engine_loads([Some(0.0), Some(0.0), None]);
+        // Between two scrapes: 2,000 predicted on CPU and 2,000 on storage; the engine's
+        // counters say all the CPU tokens loaded and none of the storage ones.
+        rates.note_outcome([2000, 2000, 0], 4000, 2000);
+        rates.observe_engine_loads([Some(2000.0), Some(0.0), None]);
+        assert_eq!(rates.engine_found_fraction[0], Some(1.0));
+        assert_eq!(rates.engine_found_fraction[1], Some(0.0));
+        // So a request that found half of its tier tokens found its CPU part: the storage
+        // part was recomputed, and the CPU rate is learned from the whole CPU load.
+        let prefill = 20_000.0;
+        for _ in 0..30 {
+            let seconds = 2000.0 / truth + 2000.0 / prefill;
+            rates.observe_reported([2000, 2000, 0], seconds, 4000, 2000, prefill, &costs);
+        }
+        let cpu = rates.rate(LoadTier::Cpu, &costs);
+        assert!((cpu - truth).abs() / truth < 0.05, "learned {cpu:.0}");
+        assert_eq!(
+            rates.samples[1], 0,
+            "nothing learned of storage: none loaded"
         );
     }
 

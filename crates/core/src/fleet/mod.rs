@@ -19,6 +19,7 @@ mod retry;
 mod rotation;
 mod sessions;
 mod shared;
+mod tier_learning;
 pub mod trust;
 mod warm;
 
@@ -168,8 +169,7 @@ pub struct Plan {
     /// last), from the best trusted source whatever the policy.
     pub predicted_cached: Vec<usize>,
     /// Per endpoint, of `predicted_cached`, the tokens on each tier below the GPU (CPU, own
-    /// storage, shared); set [`Dispatch::tier_tokens`] from it so that the tiers' load rates
-    /// are learned.
+    /// storage, shared), cut to what the engine can report (slowest tiers first).
     pub predicted_tiers: Vec<TierTokens>,
 }
 
@@ -189,10 +189,14 @@ pub struct Dispatch {
     pub dispatched_at: f64,
     /// It counted as a placement (a new conversation or an uncached prompt) at its endpoint.
     pub placement: bool,
-    /// Of `predicted_cached`, tokens predicted on each tier below the GPU (from
-    /// [`Plan::predicted_tiers`]; zero unless the caller sets them). A request with tier tokens
-    /// teaches the endpoint's tier load rates rather than its prefill rate.
+    /// Of `predicted_cached`, tokens predicted on each tier below the GPU (read from the
+    /// index at dispatch, like [`Plan::predicted_tiers`]). A request with tier tokens teaches
+    /// the endpoint's tier load rates rather than its prefill rate.
     pub tier_tokens: TierTokens,
+    /// Its tier tokens rely on offloaded-tier events that were recently inconsistent: an
+    /// estimate, so it teaches no load rate (and is counted, see
+    /// [`TierRates::uncertain_requests`](crate::tiers::TierRates::uncertain_requests)).
+    pub tier_uncertain: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,
     keys: Arc<Vec<RouterKey>>,
@@ -409,15 +413,15 @@ impl Fleet {
                 IndexState::NoEvents => cache.history.max(cache.predicted),
                 IndexState::Distrusted => cache.predicted,
             };
-            predicted_cached.push((known as usize).min(reportable) * bs);
-            predicted_tiers.push(match (index_state, index_match) {
-                (IndexState::Trusted, Some(m)) if m.blocks >= cache.predicted => [
-                    m.cpu_blocks as usize * bs,
-                    m.storage_blocks as usize * bs,
-                    m.shared_blocks as usize * bs,
-                ],
-                _ => [0; 3],
-            });
+            let predicted_tokens = (known as usize).min(reportable) * bs;
+            predicted_cached.push(predicted_tokens);
+            predicted_tiers.push(tier_learning::predicted_tier_tokens(
+                index_state,
+                index_match.as_ref(),
+                cache.predicted,
+                predicted_tokens,
+                bs,
+            ));
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.prefill_rate_toward(prior_rate);
             facts.push(EndpointFacts {
@@ -485,6 +489,9 @@ impl Fleet {
     ) -> Dispatch {
         let slot = endpoint.0 as usize;
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
+        // Read before this request enters the predicted overlay.
+        let (tier_tokens, tier_uncertain) =
+            self.dispatch_tier_tokens(predicted, request, endpoint, now);
         // Queued prefill work counts what the engine will compute when it admits the request:
         // the queue ahead may evict part of what is cached now.
         let uncached = request
@@ -522,6 +529,9 @@ impl Fleet {
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
+            if tier_uncertain {
+                e.tier_rates.uncertain_requests = e.tier_rates.uncertain_requests.saturating_add(1);
+            }
             e.inflight += 1;
             e.inflight_prefills += 1;
             e.inflight_prefill_tokens += uncached;
@@ -534,7 +544,8 @@ impl Fleet {
             prompt_tokens: request.prompt_tokens,
             dispatched_at: now,
             placement,
-            tier_tokens: [0; 3],
+            tier_tokens,
+            tier_uncertain,
             tier_seconds: None,
             keys: request.keys.clone(),
             prefill_done: false,
@@ -641,14 +652,19 @@ impl Fleet {
             dispatch.rate_sample && ok,
         );
         let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
-        let default_rate = self.config.default_prefill_tokens_per_s;
+        // Only a tier lesson needs it (the pooled rate reads every endpoint); an uncertain tier
+        // prediction teaches nothing.
+        let rate = self
+            .endpoint(dispatch.endpoint)
+            .filter(|_| sample && tiered && !dispatch.tier_uncertain)
+            .map(|e| self.planning_prefill_rate(e));
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
-        if sample && tiered {
+        if let Some(rate) = rate {
             // Its time to first token is its recompute plus its tier loads: the loads are
-            // learned once the engine says how much it found cached.
-            let rate = e.observed_prefill_rate().unwrap_or(default_rate);
+            // learned once the engine says how much it found cached, against the prefill rate
+            // the plan used.
             dispatch.tier_seconds = Some(seconds - tokens as f64 / rate);
         } else if ok && !tiered {
             e.note_prefill(tokens, seconds, sample);
@@ -665,7 +681,10 @@ impl Fleet {
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
         let _ = now;
         self.end_prefill(&mut dispatch);
-        let default_rate = self.config.default_prefill_tokens_per_s;
+        let rate = self
+            .endpoint(dispatch.endpoint)
+            .filter(|_| dispatch.tier_seconds.is_some())
+            .map(|e| self.planning_prefill_rate(e));
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
             if let Some(reported) = reported_cached {
@@ -676,8 +695,7 @@ impl Fleet {
                     dispatch.predicted_cached,
                     reported,
                 );
-                if let Some(seconds) = dispatch.tier_seconds {
-                    let rate = e.observed_prefill_rate().unwrap_or(default_rate);
+                if let (Some(seconds), Some(rate)) = (dispatch.tier_seconds, rate) {
                     e.tier_rates.observe_reported(
                         dispatch.tier_tokens,
                         seconds,

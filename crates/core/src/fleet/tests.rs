@@ -782,7 +782,8 @@ fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
         plan.facts[2].index_match.is_none(),
         "endpoint 2 mounts nothing"
     );
-    assert_eq!(plan.predicted_tiers[1], [0, 0, 1024]);
+    // The whole prompt is there, but the engine recomputes its last block: never reported.
+    assert_eq!(plan.predicted_tiers[1], [0, 0, 1024 - BS]);
     assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
 }
 
@@ -834,7 +835,8 @@ fn tier_load_rates_are_learned_from_requests_that_loaded() {
         tokens.extend(prompt(512, 300 + i));
         let req = Req::new(&tokens);
         let (plan, mut d) = send(&mut fleet, &req, now);
-        d.tier_tokens = plan.predicted_tiers[0];
+        // The dispatch carries the plan's tier tokens: nobody has to copy them over.
+        assert_eq!(plan.predicted_tiers[0], [4096, 0, 0]);
         assert_eq!(d.tier_tokens, [4096, 0, 0]);
         now += 512.0 / prefill_rate + 4096.0 / cpu_rate;
         fleet.first_token(&mut d, true, now);
@@ -855,6 +857,97 @@ fn tier_load_rates_are_learned_from_requests_that_loaded() {
     assert_eq!(e.tier_rates().found_tokens, [40 * 4096, 0, 0]);
     // The prefill rate was not polluted by the loads.
     assert!((e.observed_prefill_rate().unwrap() - prefill_rate).abs() < 1.0);
+}
+
+/// Sends `req` to `endpoint` at `now`; its first token comes `ttft` later and the engine
+/// reports its predicted cached tokens. Returns the dispatch's tier tokens.
+fn serve_on(fleet: &mut Fleet, req: &Req, endpoint: EndpointId, now: f64, ttft: f64) -> TierTokens {
+    let plan = fleet.plan(&req.features(), 7, now);
+    let mut d = fleet.dispatched(&plan.predicted_cached, &req.features(), endpoint, now);
+    fleet.first_token(&mut d, true, now + ttft);
+    let (cached, tiers) = (d.predicted_cached, d.tier_tokens);
+    fleet.finished(d, Some(cached), now + ttft);
+    tiers
+}
+
+#[test]
+fn tier_lessons_subtract_the_prefill_rate_planning_uses() {
+    // Endpoint 0 never prefilled alone: planning prices it at the fleet's pooled rate (what
+    // endpoint 1 measured), not the configured default. Its tier lessons must subtract the
+    // recompute at that same rate, or the CPU rate they learn is off by the difference.
+    let mut fleet = FleetBuilder::new(2).build();
+    let (prefill_rate, cpu_rate) = (8_000.0, 60_000.0);
+    assert_ne!(prefill_rate, fleet.config.default_prefill_tokens_per_s);
+    let mut now = 0.0;
+    for i in 0..5 {
+        let req = Req::new(&prompt(2000, 400 + i));
+        serve_on(&mut fleet, &req, EndpointId(1), now, 2000.0 / prefill_rate);
+        now += 1.0;
+    }
+    let shared = prompt(4096, 14);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&shared, "CPU"), now);
+    for i in 0..40 {
+        let mut tokens = shared.clone();
+        tokens.extend(prompt(1024, 500 + i));
+        let ttft = 1024.0 / prefill_rate + 4096.0 / cpu_rate;
+        let tiers = serve_on(&mut fleet, &Req::new(&tokens), EndpointId(0), now, ttft);
+        assert_eq!(tiers, [4096, 0, 0]);
+        // Well within the trust's patience for the suffix blocks nobody announces here.
+        now += 0.5;
+    }
+    let e = fleet.endpoint(EndpointId(0)).unwrap();
+    assert_eq!(e.observed_prefill_rate(), None, "no lesson of its own");
+    let learned = e
+        .tier_rates()
+        .rate(crate::tiers::LoadTier::Cpu, &fleet.profile.tiers);
+    assert!(
+        (learned - cpu_rate).abs() / cpu_rate < 0.05,
+        "learned {learned:.0} tokens/s, true {cpu_rate:.0}"
+    );
+}
+
+#[test]
+fn tier_tokens_never_exceed_what_the_engine_can_report() {
+    let mut fleet = FleetBuilder::new(1).build();
+    // The whole prompt, every block of it, survives on the CPU only.
+    let doc = prompt(2048, 15);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&doc, "CPU"), 0.0);
+    let req = Req::new(&doc);
+    let plan = fleet.plan(&req.features(), 7, 0.0);
+    assert_eq!(plan.predicted_cached[0], 2048 - BS);
+    assert_eq!(plan.predicted_tiers[0], [2048 - BS, 0, 0]);
+    let d = fleet.dispatched(&plan.predicted_cached, &req.features(), EndpointId(0), 0.0);
+    assert_eq!(d.tier_tokens, [2048 - BS, 0, 0]);
+    // The engine finds all it can: every predicted tier token counts as found.
+    fleet.finished(d, Some(2048 - BS), 1.0);
+    let rates = fleet.endpoint(EndpointId(0)).unwrap().tier_rates();
+    assert_eq!(rates.found_tokens, rates.predicted_tokens);
+}
+
+#[test]
+fn the_engines_tier_counters_are_counted_and_split_partial_finds() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let id = EndpointId(0);
+    fleet.observe_engine_tier_loads(id, [Some(100.0), None, Some(0.0)]);
+    let cpu = prompt(1024, 16);
+    fleet.apply_events(id, &offloaded_only(&cpu, "CPU"), 0.0);
+    let mut tokens = cpu.clone();
+    tokens.extend(prompt(512, 17));
+    let req = Req::new(&tokens);
+    let plan = fleet.plan(&req.features(), 7, 0.0);
+    let d = fleet.dispatched(&plan.predicted_cached, &req.features(), id, 0.0);
+    assert_eq!(d.tier_tokens, [1024, 0, 0]);
+    fleet.finished(d, Some(1024), 1.0);
+    // The engine's counters: it loaded all 1,024 from the CPU.
+    fleet.observe_engine_tier_loads(id, [Some(1124.0), None, Some(0.0)]);
+    let rates = *fleet.endpoint(id).unwrap().tier_rates();
+    assert_eq!(rates.engine_loaded_tokens, [1024, 0, 0]);
+    assert_eq!(rates.engine_found_fraction[0], Some(1.0));
+    assert_eq!(rates.engine_found_fraction[1], None, "not reported");
+    // A counter that goes backwards (a restart) adds nothing.
+    fleet.observe_engine_tier_loads(id, [Some(10.0), None, Some(0.0)]);
+    let rates = fleet.endpoint(id).unwrap().tier_rates();
+    assert_eq!(rates.engine_loaded_tokens, [1024, 0, 0]);
 }
 
 #[test]

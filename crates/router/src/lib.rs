@@ -39,6 +39,7 @@ mod reply;
 pub mod server;
 pub mod service;
 pub mod shutdown;
+pub mod tiers_metrics;
 pub mod tokenize;
 pub mod upstream;
 

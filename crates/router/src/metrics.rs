@@ -320,6 +320,8 @@ pub struct RouterMetrics {
     /// Bytes of prompt tokens in the tokenization cache (bounded by
     /// `limits.token_cache_bytes`).
     pub token_cache_bytes: Gauge,
+    /// The cache tiers below the GPU (see [`crate::tiers_metrics`]).
+    pub tiers: crate::tiers_metrics::TierMetrics,
 }
 
 impl Default for RouterMetrics {
@@ -378,6 +380,7 @@ impl RouterMetrics {
             offload_requests: Gauge::default(),
             streams_cut: Family::default(),
             token_cache_bytes: Gauge::default(),
+            tiers: crate::tiers_metrics::TierMetrics::register(&mut registry, per),
             registry: Registry::default(),
         };
         registry.register("requests", "Requests routed", m.requests.family.clone());

@@ -1,0 +1,239 @@
+//! The router's metrics about cache tiers below the GPU: predicted against found cached tokens
+//! by tier, what the engines say they loaded from each tier, the load rates the cost model
+//! uses, the offloaded-tier events the index could not place, and the fleet-wide shared tier.
+//!
+//! Every series mirrors state the fleet keeps (counts since the endpoint joined), refreshed
+//! when `/metrics` is rendered ([`TierMetrics::refresh`]): nothing to count on the request
+//! path, and an endpoint that left drops out at the next refresh. With per-endpoint series off
+//! the `endpoint` label is dropped: counts are summed, rates averaged over the endpoints.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use kvroute_core::fleet::Fleet;
+use kvroute_core::index::EndpointId;
+use kvroute_core::tiers::LoadTier;
+use parking_lot::Mutex;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tracing::warn;
+
+type Labels = Vec<(&'static str, String)>;
+type Counts = Family<Labels, Gauge>;
+type Rates = Family<Labels, Gauge<f64, AtomicU64>>;
+
+/// How often, at most, one endpoint's uncertain tier predictions are warned about.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The tier series (registered under the router's `kvroute_` prefix).
+pub struct TierMetrics {
+    per_endpoint: bool,
+    /// Tokens predicted cached on each tier below the GPU, over requests whose engine reported
+    /// its cached tokens, by endpoint and tier.
+    predicted_tokens: Counts,
+    /// Of those, tokens the engines' reported `cached_tokens` confirmed, by endpoint and tier.
+    found_tokens: Counts,
+    /// Tokens the engines' own per-tier counters say they loaded, by endpoint and tier.
+    engine_loaded_tokens: Counts,
+    /// The load rate the cost model uses (learned, else configured), tokens/s, by endpoint and
+    /// tier.
+    load_tokens_per_s: Rates,
+    /// Requests the load rates were learned from, by endpoint and tier.
+    load_rate_samples: Counts,
+    /// Offloaded-tier blocks the index could not place (orphans), by endpoint.
+    orphan_blocks: Counts,
+    /// Repeated offloaded-tier stores, reference-counted, by endpoint.
+    repeat_blocks: Counts,
+    /// 1 while an endpoint's tier picture is uncertain (recent orphans), by endpoint.
+    uncertain: Counts,
+    /// Requests dispatched on an uncertain tier prediction, by endpoint.
+    uncertain_requests: Counts,
+    /// Blocks on the fleet-wide shared tier, over every mount.
+    shared_blocks: Gauge,
+    /// When each endpoint's uncertain predictions were last warned about.
+    warned: Mutex<HashMap<String, Instant>>,
+}
+
+impl TierMetrics {
+    /// The tier series, registered in `registry`; `per_endpoint`: an `endpoint` label.
+    pub fn register(registry: &mut Registry, per_endpoint: bool) -> Self {
+        let m = Self {
+            per_endpoint,
+            predicted_tokens: Family::default(),
+            found_tokens: Family::default(),
+            engine_loaded_tokens: Family::default(),
+            load_tokens_per_s: Family::default(),
+            load_rate_samples: Family::default(),
+            orphan_blocks: Family::default(),
+            repeat_blocks: Family::default(),
+            uncertain: Family::default(),
+            uncertain_requests: Family::default(),
+            shared_blocks: Gauge::default(),
+            warned: Mutex::default(),
+        };
+        let counts: [(&str, &str, &Counts); 8] = [
+            (
+                "tier_predicted_cached_tokens",
+                "Cached tokens predicted on each tier below the GPU (requests whose engine reported)",
+                &m.predicted_tokens,
+            ),
+            (
+                "tier_found_cached_tokens",
+                "Of the predicted tier tokens, those the engine's reported cached_tokens confirmed",
+                &m.found_tokens,
+            ),
+            (
+                "tier_engine_loaded_tokens",
+                "Tokens the engine's own per-tier metrics say it loaded from each tier",
+                &m.engine_loaded_tokens,
+            ),
+            (
+                "tier_load_rate_samples",
+                "Requests each tier's load rate was learned from",
+                &m.load_rate_samples,
+            ),
+            (
+                "tier_orphan_blocks",
+                "Offloaded-tier blocks whose events the index could not place (never guessed)",
+                &m.orphan_blocks,
+            ),
+            (
+                "tier_repeat_blocks",
+                "Repeated offloaded-tier stores, reference-counted",
+                &m.repeat_blocks,
+            ),
+            (
+                "tier_uncertain",
+                "1 while the endpoint's tier picture is uncertain (recent orphan events)",
+                &m.uncertain,
+            ),
+            (
+                "tier_uncertain_requests",
+                "Requests dispatched on a tier prediction whose events were inconsistent",
+                &m.uncertain_requests,
+            ),
+        ];
+        for (name, help, family) in counts {
+            registry.register(name, help, family.clone());
+        }
+        registry.register(
+            "tier_load_tokens_per_second",
+            "Load rate of each tier the cost model uses (learned, else configured)",
+            m.load_tokens_per_s.clone(),
+        );
+        registry.register(
+            "shared_tier_blocks",
+            "Blocks on the fleet-wide shared tier, over every mount",
+            m.shared_blocks.clone(),
+        );
+        m
+    }
+
+    /// Mirrors the fleet's tier state; `names`: each endpoint's name by id.
+    pub fn refresh(&self, fleet: &Fleet, names: &dyn Fn(EndpointId) -> String) {
+        for family in [
+            &self.predicted_tokens,
+            &self.found_tokens,
+            &self.engine_loaded_tokens,
+            &self.load_rate_samples,
+            &self.orphan_blocks,
+            &self.repeat_blocks,
+            &self.uncertain,
+            &self.uncertain_requests,
+        ] {
+            family.clear();
+        }
+        self.load_tokens_per_s.clear();
+        let mut rates: HashMap<Labels, (f64, u32)> = HashMap::new();
+        let configured = &fleet.profile().tiers;
+        let mut shared_blocks = None;
+        for e in fleet.endpoints().iter().filter(|e| e.present()) {
+            let name = names(e.id);
+            let rates_here = e.tier_rates();
+            for tier in LoadTier::ALL {
+                let t = tier as usize;
+                let labels = self.labels(&name, Some(tier));
+                for (family, value) in [
+                    (&self.predicted_tokens, rates_here.predicted_tokens[t]),
+                    (&self.found_tokens, rates_here.found_tokens[t]),
+                    (
+                        &self.engine_loaded_tokens,
+                        rates_here.engine_loaded_tokens[t],
+                    ),
+                    (&self.load_rate_samples, u64::from(rates_here.samples[t])),
+                ] {
+                    family.get_or_create(&labels).inc_by(saturate(value));
+                }
+                let rate = rates.entry(labels).or_default();
+                rate.0 += rates_here.rate(tier, configured);
+                rate.1 += 1;
+            }
+            let labels = self.labels(&name, None);
+            self.uncertain_requests
+                .get_or_create(&labels)
+                .inc_by(saturate(rates_here.uncertain_requests));
+            let Some(index) = fleet.index_of(e.id) else {
+                continue;
+            };
+            shared_blocks.get_or_insert_with(|| index.shared_tier_stats().blocks);
+            if let Some(stats) = index.endpoint_stats(e.id) {
+                self.orphan_blocks
+                    .get_or_create(&labels)
+                    .inc_by(saturate(stats.offload_orphans));
+                self.repeat_blocks
+                    .get_or_create(&labels)
+                    .inc_by(saturate(stats.offload_repeats));
+            }
+            let uncertain = index.read(|ix| ix.tier_uncertain(e.id));
+            self.uncertain
+                .get_or_create(&labels)
+                .inc_by(i64::from(uncertain));
+        }
+        for (labels, (sum, n)) in rates {
+            self.load_tokens_per_s
+                .get_or_create(&labels)
+                .set(sum / f64::from(n.max(1)));
+        }
+        self.shared_blocks.set(saturate(shared_blocks.unwrap_or(0)));
+    }
+
+    /// A request was dispatched to `endpoint` on an uncertain tier prediction: warned about,
+    /// at most once a minute per endpoint (the count is in `tier_uncertain_requests`).
+    pub fn warn_uncertain(&self, endpoint: &str, request_id: &str) {
+        let now = Instant::now();
+        let mut warned = self.warned.lock();
+        if warned
+            .get(endpoint)
+            .is_some_and(|at| now.duration_since(*at) < WARN_EVERY)
+        {
+            return;
+        }
+        warned.insert(endpoint.to_owned(), now);
+        drop(warned);
+        warn!(
+            endpoint,
+            request_id,
+            "routed on an uncertain tier prediction: the endpoint's offloaded-tier events were recently inconsistent (orphans), so its CPU/storage/shared blocks are an estimate"
+        );
+    }
+
+    fn labels(&self, endpoint: &str, tier: Option<LoadTier>) -> Labels {
+        let mut labels = Vec::with_capacity(2);
+        if self.per_endpoint {
+            labels.push(("endpoint", endpoint.to_owned()));
+        }
+        if let Some(tier) = tier {
+            labels.push(("tier", tier.as_str().to_owned()));
+        }
+        labels
+    }
+}
+
+/// A count as a gauge's value.
+fn saturate(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}

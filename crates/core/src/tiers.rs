@@ -139,6 +139,9 @@ pub struct TierRates {
     /// counters say it loaded (a moving average; `None` until measured): how a request that
     /// found only part of its predicted tier tokens is split among its tiers.
     pub engine_found_fraction: [Option<f64>; 3],
+    /// Time to first token of the endpoint's uncontended requests that loaded nothing, against
+    /// their uncached tokens: what a tiered request would have taken without its loads.
+    pub baseline: FirstTokenFit,
     /// Requests dispatched on a tier prediction whose events were recently inconsistent
     /// (orphans): estimates, never taught as load rates.
     pub uncertain_requests: u64,
@@ -146,6 +149,65 @@ pub struct TierRates {
     engine_counters: [Option<f64>; 3],
     /// `predicted_tokens` at the last scrape.
     predicted_at_scrape: [u64; 3],
+}
+
+/// Time to first token as a line over uncached prompt tokens, `fixed + per_token × tokens`,
+/// fitted (least squares, exponentially weighted) to an endpoint's uncontended requests that
+/// loaded nothing. The fixed part is what every request pays whatever its size (a step's fixed
+/// cost, the decodes batched with it); a request that loads from a tier pays it too, so a
+/// tier's load time is its time to first token less this line, not less its tokens at the
+/// average prefill rate (which spreads the fixed part over typical prompt sizes and would
+/// leave most of it to a request with few uncached tokens, pricing the tier far too slow).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct FirstTokenFit {
+    weight: f64,
+    sum_tokens: f64,
+    sum_seconds: f64,
+    sum_tokens_sq: f64,
+    sum_tokens_seconds: f64,
+}
+
+/// Weight of a new sample in [`FirstTokenFit`] (an exponential forgetting factor of 0.95: the
+/// fit follows the endpoint's load over the last few dozen samples).
+const FIT_FORGET: f64 = 0.95;
+/// Samples before the fit is used.
+const FIT_MIN_WEIGHT: f64 = 4.0;
+
+impl FirstTokenFit {
+    /// One uncontended request with `tokens` uncached tokens and nothing loaded, first token
+    /// after `seconds`.
+    pub fn observe(&mut self, tokens: f64, seconds: f64) {
+        if !tokens.is_finite() || !seconds.is_finite() || tokens < 0.0 || seconds <= 0.0 {
+            return;
+        }
+        self.weight = self.weight * FIT_FORGET + 1.0;
+        self.sum_tokens = self.sum_tokens * FIT_FORGET + tokens;
+        self.sum_seconds = self.sum_seconds * FIT_FORGET + seconds;
+        self.sum_tokens_sq = self.sum_tokens_sq * FIT_FORGET + tokens * tokens;
+        self.sum_tokens_seconds = self.sum_tokens_seconds * FIT_FORGET + tokens * seconds;
+    }
+
+    /// `(fixed seconds, seconds per token)`, once the samples span enough sizes to tell them
+    /// apart (a spread of at least 10% of the mean size) and the line is physical (a positive
+    /// slope, a fixed part not below 0).
+    pub fn line(&self) -> Option<(f64, f64)> {
+        if self.weight < FIT_MIN_WEIGHT {
+            return None;
+        }
+        let mean_tokens = self.sum_tokens / self.weight;
+        let mean_seconds = self.sum_seconds / self.weight;
+        let variance = self.sum_tokens_sq / self.weight - mean_tokens * mean_tokens;
+        if variance <= (0.1 * mean_tokens).powi(2) {
+            return None;
+        }
+        let covariance = self.sum_tokens_seconds / self.weight - mean_tokens * mean_seconds;
+        let per_token = covariance / variance;
+        if !per_token.is_finite() || per_token <= 0.0 {
+            return None;
+        }
+        let fixed = (mean_seconds - per_token * mean_tokens).max(0.0);
+        Some((fixed, per_token))
+    }
 }
 
 /// Weight of a new sample in a learned rate (an exponential moving average).
@@ -420,6 +482,31 @@ mod tests {
             [2000, 1000, 0],
             "no tier tokens: nothing counted"
         );
+    }
+
+    #[test]
+    fn the_first_token_line_recovers_its_fixed_part_and_slope() {
+        let mut fit = FirstTokenFit::default();
+        for tokens in [300.0, 900.0, 1_500.0] {
+            fit.observe(tokens, 0.03 + tokens * 32e-6);
+        }
+        assert_eq!(fit.line(), None, "too few samples");
+        for i in 0..20 {
+            let tokens = 200.0 + 100.0 * f64::from(i);
+            fit.observe(tokens, 0.03 + tokens * 32e-6);
+        }
+        let (fixed, per_token) = fit.line().unwrap();
+        assert!((fixed - 0.03).abs() < 1e-6, "{fixed}");
+        assert!((per_token - 32e-6).abs() < 1e-9, "{per_token}");
+        // One size only: the fixed part and the slope cannot be told apart.
+        let mut same = FirstTokenFit::default();
+        for _ in 0..20 {
+            same.observe(500.0, 0.05);
+        }
+        assert_eq!(same.line(), None);
+        same.observe(f64::NAN, 1.0);
+        same.observe(10.0, -1.0);
+        assert_eq!(same.line(), None, "bad samples are ignored");
     }
 
     #[test]

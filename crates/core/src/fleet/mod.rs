@@ -203,6 +203,9 @@ pub struct Dispatch {
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
     rate_sample: bool,
+    /// Nothing else at all was in flight there (no decode shared its steps): its time to first
+    /// token is clean enough to tell a tier's load time from the rest.
+    quiet: bool,
 }
 
 impl Dispatch {
@@ -521,6 +524,7 @@ impl Fleet {
         self.retry_budget.request(&self.config.retry, now);
         let expects_event = request.prompt_tokens / bs > predicted / bs;
         let mut rate_sample = false;
+        let mut quiet = false;
         if let Some(e) = self.endpoints.get_mut(slot) {
             if placement {
                 e.note_placement(now);
@@ -529,6 +533,7 @@ impl Fleet {
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
+            quiet = e.inflight == 0;
             if tier_uncertain {
                 e.tier_rates.uncertain_requests = e.tier_rates.uncertain_requests.saturating_add(1);
             }
@@ -550,6 +555,7 @@ impl Fleet {
             keys: request.keys.clone(),
             prefill_done: false,
             rate_sample,
+            quiet,
         }
     }
 
@@ -652,22 +658,31 @@ impl Fleet {
             dispatch.rate_sample && ok,
         );
         let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
-        // Only a tier lesson needs it (the pooled rate reads every endpoint); an uncertain tier
-        // prediction teaches nothing.
-        let rate = self
-            .endpoint(dispatch.endpoint)
-            .filter(|_| sample && tiered && !dispatch.tier_uncertain)
-            .map(|e| self.planning_prefill_rate(e));
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
-        if let Some(rate) = rate {
-            // Its time to first token is its recompute plus its tier loads: the loads are
-            // learned once the engine says how much it found cached, against the prefill rate
-            // the plan used.
-            dispatch.tier_seconds = Some(seconds - tokens as f64 / rate);
-        } else if ok && !tiered {
+        // A tier lesson needs a request that ran alone (under load the decodes batched with it
+        // inflate what is left to its loads, and the tier is learned far too slow: measured,
+        // docs/benchmarks.md) on a certain tier prediction, and the endpoint's own line of what
+        // a request takes without loads (its fixed part and per-token slope, fitted to its
+        // untiered requests that ran alone): not the prefill rate, an average that spreads the
+        // fixed part over typical prompts and would leave most of it to a tier lesson.
+        if sample
+            && dispatch.quiet
+            && tiered
+            && !dispatch.tier_uncertain
+            && let Some((fixed, per_token)) = e.tier_rates.baseline.line()
+        {
+            // The loads are learned once the engine says how much it found cached.
+            dispatch.tier_seconds = Some(seconds - fixed - tokens as f64 * per_token);
+        }
+        if ok {
+            // Every prefill teaches the prefill rate as before tier lessons (taking a tiered
+            // one's loads out, or counting it as unread, measured worse under load).
             e.note_prefill(tokens, seconds, sample);
+            if sample && dispatch.quiet && !tiered {
+                e.tier_rates.baseline.observe(tokens as f64, seconds);
+            }
         }
         if !dispatch.keys.is_empty() {
             let expiry = now + self.config.prediction_grace_s;
@@ -681,10 +696,6 @@ impl Fleet {
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
         let _ = now;
         self.end_prefill(&mut dispatch);
-        let rate = self
-            .endpoint(dispatch.endpoint)
-            .filter(|_| dispatch.tier_seconds.is_some())
-            .map(|e| self.planning_prefill_rate(e));
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
             if let Some(reported) = reported_cached {
@@ -695,7 +706,11 @@ impl Fleet {
                     dispatch.predicted_cached,
                     reported,
                 );
-                if let (Some(seconds), Some(rate)) = (dispatch.tier_seconds, rate) {
+                if let (Some(seconds), Some((_, per_token))) =
+                    (dispatch.tier_seconds, e.tier_rates.baseline.line())
+                {
+                    // Tier tokens the engine recomputed cost the line's per-token time.
+                    let rate = 1.0 / per_token;
                     e.tier_rates.observe_reported(
                         dispatch.tier_tokens,
                         seconds,

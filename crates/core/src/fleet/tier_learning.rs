@@ -1,10 +1,8 @@
 //! The fleet's tier observations: which of a request's predicted cached tokens sit on tiers
 //! below the GPU (set on its dispatch, so that its time to first token teaches the tiers' load
-//! rates), the prefill rate those lessons subtract (the one planning used), and the engines'
-//! own per-tier load counters.
+//! rates), and the engines' own per-tier load counters.
 
 use super::{Fleet, IndexState};
-use crate::fleet::endpoint::{EndpointState, pooled_prefill_rate};
 use crate::fleet::{EndpointId, RequestFeatures};
 use crate::index::PrefixMatch;
 use crate::tiers::{TierTokens, reportable_tiers};
@@ -35,15 +33,6 @@ pub(super) fn predicted_tier_tokens(
 }
 
 impl Fleet {
-    /// The prefill rate plans cost `e` at, tokens/s: its own observed rate shrunk toward the
-    /// fleet's pooled one (the configured default before any is observed). Tier lessons
-    /// subtract a request's recompute at this same rate, so that what planning predicts and
-    /// what learning measures agree.
-    pub(super) fn planning_prefill_rate(&self, e: &EndpointState) -> f64 {
-        let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
-        e.prefill_rate_toward(pooled.unwrap_or(self.config.default_prefill_tokens_per_s))
-    }
-
     /// The tier tokens of `predicted` cached tokens of `request` on `endpoint`, for its
     /// dispatch: read from the index at dispatch (what the plan saw, or fresher). No index
     /// read when the endpoint holds nothing below the GPU and the shared tier is empty.

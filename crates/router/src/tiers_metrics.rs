@@ -237,3 +237,98 @@ impl TierMetrics {
 fn saturate(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
+    use kvroute_core::fleet::{EndpointSpec, FleetConfig};
+    use kvroute_core::keys::router_keys;
+    use kvroute_core::schedule::{Profile, Role};
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    fn fleet() -> Fleet {
+        let spec = |name: &str| EndpointSpec {
+            name: name.into(),
+            models: vec!["m".into()],
+            role: Role::Both,
+            has_events: true,
+            block_size: 16,
+            offload: Default::default(),
+        };
+        let mut fleet = Fleet::new(
+            FleetConfig::default(),
+            Profile::default(),
+            vec![spec("a"), spec("b")],
+        )
+        .unwrap();
+        // Endpoint a: 4 blocks stored, then offloaded to the CPU and dropped from the GPU;
+        // one CPU event names a hash it never saw (an orphan).
+        let tokens: Vec<u32> = (0..64).collect();
+        let hashes: Vec<EngineHash> = router_keys(&tokens, 16, None)
+            .unwrap()
+            .iter()
+            .map(|k| EngineHash(k.0 ^ 1))
+            .collect();
+        let events = vec![
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.clone(),
+                token_ids: tokens,
+                block_size: 16,
+                ..Default::default()
+            }),
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.clone(),
+                medium: Some("CPU".into()),
+                ..Default::default()
+            }),
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![EngineHash(7)],
+                medium: Some("CPU".into()),
+                ..Default::default()
+            }),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes,
+                medium: Some("GPU".into()),
+                group_idx: None,
+            }),
+        ];
+        fleet.apply_events(EndpointId(0), &events, 0.0);
+        fleet
+    }
+
+    fn render(per_endpoint: bool) -> String {
+        let mut registry = Registry::with_prefix("kvroute");
+        let m = TierMetrics::register(&mut registry, per_endpoint);
+        let names = ["a", "b"];
+        m.refresh(&fleet(), &|id| names[id.0 as usize].to_owned());
+        let mut out = String::new();
+        encode(&mut out, &registry).unwrap();
+        out
+    }
+
+    #[test]
+    fn series_mirror_the_fleets_tier_state_per_endpoint() {
+        let text = render(true);
+        for line in [
+            "kvroute_tier_orphan_blocks{endpoint=\"a\"} 1",
+            "kvroute_tier_uncertain{endpoint=\"a\"} 1",
+            "kvroute_tier_uncertain{endpoint=\"b\"} 0",
+            "kvroute_tier_load_tokens_per_second{endpoint=\"a\",tier=\"cpu\"} 150000.0",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+    }
+
+    #[test]
+    fn without_per_endpoint_series_counts_sum_and_rates_average() {
+        let text = render(false);
+        assert!(!text.contains("endpoint=\""), "{text}");
+        assert!(text.contains("kvroute_tier_uncertain 1\n"), "{text}");
+        assert!(
+            text.contains("kvroute_tier_load_tokens_per_second{tier=\"storage\"} 40000.0"),
+            "{text}"
+        );
+    }
+}

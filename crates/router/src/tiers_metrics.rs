@@ -54,7 +54,7 @@ pub struct TierMetrics {
     uncertain_requests: Counts,
     /// Blocks on the fleet-wide shared tier, over every mount.
     shared_blocks: Gauge,
-    /// When each endpoint's uncertain predictions were last warned about.
+    /// When each endpoint's uncertain predictions were last warned about (the last minute's).
     warned: Mutex<HashMap<String, Instant>>,
 }
 
@@ -212,6 +212,8 @@ impl TierMetrics {
         {
             return;
         }
+        // Only the last minute's warnings are kept: endpoints that come and go leave none.
+        warned.retain(|_, at| now.duration_since(*at) < WARN_EVERY);
         warned.insert(endpoint.to_owned(), now);
         drop(warned);
         warn!(
@@ -319,6 +321,18 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn uncertain_predictions_are_warned_about_once_a_minute_and_forgotten_after() {
+        let m = TierMetrics::register(&mut Registry::default(), true);
+        m.warn_uncertain("a", "r1");
+        m.warn_uncertain("a", "r2");
+        assert_eq!(m.warned.lock().len(), 1);
+        tokio::time::advance(WARN_EVERY).await;
+        // An endpoint that left (a) holds nothing once its minute is over.
+        m.warn_uncertain("b", "r3");
+        assert_eq!(m.warned.lock().keys().collect::<Vec<_>>(), vec!["b"]);
     }
 
     #[test]

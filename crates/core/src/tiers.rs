@@ -129,8 +129,85 @@ pub struct TierRates {
     /// tokens: with `found_tokens`, the prediction's accuracy by tier (a metric).
     pub predicted_tokens: [u64; 3],
     /// Of `predicted_tokens`, those the engine's `cached_tokens` confirmed (attributed to the
-    /// tiers in proportion when only some were found).
+    /// tiers as the engine's per-tier metrics say, else in proportion, when only some were
+    /// found).
     pub found_tokens: [u64; 3],
+    /// Tokens the engine itself says it loaded from each tier (its per-tier `/metrics`
+    /// counters, summed over scrapes; every request it served, not only this router's).
+    pub engine_loaded_tokens: [u64; 3],
+    /// Of the tier tokens predicted between two scrapes, the fraction the engine's per-tier
+    /// counters say it loaded (a moving average; `None` until measured): how a request that
+    /// found only part of its predicted tier tokens is split among its tiers.
+    pub engine_found_fraction: [Option<f64>; 3],
+    /// Time to first token of the endpoint's uncontended requests that loaded nothing, against
+    /// their uncached tokens: what a tiered request would have taken without its loads.
+    pub baseline: FirstTokenFit,
+    /// Requests dispatched on a tier prediction whose events were recently inconsistent
+    /// (orphans): estimates, never taught as load rates.
+    pub uncertain_requests: u64,
+    /// The engine's per-tier counters at the last scrape (`None`: not reported).
+    engine_counters: [Option<f64>; 3],
+    /// `predicted_tokens` at the last scrape.
+    predicted_at_scrape: [u64; 3],
+}
+
+/// Time to first token as a line over uncached prompt tokens, `fixed + per_token × tokens`,
+/// fitted (least squares, exponentially weighted) to an endpoint's uncontended requests that
+/// loaded nothing. The fixed part is what every request pays whatever its size (a step's fixed
+/// cost, the decodes batched with it); a request that loads from a tier pays it too, so a
+/// tier's load time is its time to first token less this line, not less its tokens at the
+/// average prefill rate (which spreads the fixed part over typical prompt sizes and would
+/// leave most of it to a request with few uncached tokens, pricing the tier far too slow).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct FirstTokenFit {
+    weight: f64,
+    sum_tokens: f64,
+    sum_seconds: f64,
+    sum_tokens_sq: f64,
+    sum_tokens_seconds: f64,
+}
+
+/// Weight of a new sample in [`FirstTokenFit`] (an exponential forgetting factor of 0.95: the
+/// fit follows the endpoint's load over the last few dozen samples).
+const FIT_FORGET: f64 = 0.95;
+/// Samples before the fit is used.
+const FIT_MIN_WEIGHT: f64 = 4.0;
+
+impl FirstTokenFit {
+    /// One uncontended request with `tokens` uncached tokens and nothing loaded, first token
+    /// after `seconds`.
+    pub fn observe(&mut self, tokens: f64, seconds: f64) {
+        if !tokens.is_finite() || !seconds.is_finite() || tokens < 0.0 || seconds <= 0.0 {
+            return;
+        }
+        self.weight = self.weight * FIT_FORGET + 1.0;
+        self.sum_tokens = self.sum_tokens * FIT_FORGET + tokens;
+        self.sum_seconds = self.sum_seconds * FIT_FORGET + seconds;
+        self.sum_tokens_sq = self.sum_tokens_sq * FIT_FORGET + tokens * tokens;
+        self.sum_tokens_seconds = self.sum_tokens_seconds * FIT_FORGET + tokens * seconds;
+    }
+
+    /// `(fixed seconds, seconds per token)`, once the samples span enough sizes to tell them
+    /// apart (a spread of at least 10% of the mean size) and the line is physical (a positive
+    /// slope, a fixed part not below 0).
+    pub fn line(&self) -> Option<(f64, f64)> {
+        if self.weight < FIT_MIN_WEIGHT {
+            return None;
+        }
+        let mean_tokens = self.sum_tokens / self.weight;
+        let mean_seconds = self.sum_seconds / self.weight;
+        let variance = self.sum_tokens_sq / self.weight - mean_tokens * mean_tokens;
+        if variance <= (0.1 * mean_tokens).powi(2) {
+            return None;
+        }
+        let covariance = self.sum_tokens_seconds / self.weight - mean_tokens * mean_seconds;
+        let per_token = covariance / variance;
+        if !per_token.is_finite() || per_token <= 0.0 {
+            return None;
+        }
+        let fixed = (mean_seconds - per_token * mean_tokens).max(0.0);
+        Some((fixed, per_token))
+    }
 }
 
 /// Weight of a new sample in a learned rate (an exponential moving average).
@@ -223,10 +300,72 @@ impl TierRates {
         }
         let recomputed = (tier_total - loaded) as f64;
         let seconds = seconds - recomputed / prefill_rate.max(1.0);
-        let scale = loaded as f64 / tier_total as f64;
-        let scaled = tier_tokens.map(|t| (t as f64 * scale).round() as usize);
-        self.observe(scaled, seconds, configured);
+        let found = self.split_found(tier_tokens, loaded);
+        self.observe(found, seconds, configured);
     }
+
+    /// Splits `loaded` of the predicted `tier_tokens` among the tiers: as the engine's
+    /// per-tier counters say each tier's predictions were found, else in proportion. Never
+    /// more on a tier than was predicted there.
+    fn split_found(&self, tier_tokens: TierTokens, loaded: usize) -> TierTokens {
+        let tier_total: usize = tier_tokens.iter().sum();
+        if loaded >= tier_total {
+            return tier_tokens;
+        }
+        let weights: [f64; 3] = std::array::from_fn(|t| {
+            tier_tokens[t] as f64 * self.engine_found_fraction[t].unwrap_or(1.0)
+        });
+        let total: f64 = weights.iter().sum();
+        if total <= 0.0 {
+            let scale = loaded as f64 / tier_total as f64;
+            return tier_tokens.map(|t| (t as f64 * scale).round() as usize);
+        }
+        std::array::from_fn(|t| {
+            ((loaded as f64 * weights[t] / total).round() as usize).min(tier_tokens[t])
+        })
+    }
+
+    /// One scrape of the engine's per-tier counters of tokens loaded (cumulative; `None`: the
+    /// engine does not report that tier). Adds what each tier loaded since the last scrape to
+    /// `engine_loaded_tokens` and, where enough tier tokens were predicted meanwhile, learns
+    /// the fraction the engine found. A counter that went backwards (a restart) starts over.
+    pub fn observe_engine_loads(&mut self, counters: [Option<f64>; 3]) {
+        for (t, (&counter, &last)) in counters.iter().zip(&self.engine_counters).enumerate() {
+            let (Some(now), Some(before)) = (counter, last) else {
+                continue;
+            };
+            if !now.is_finite() || now < before {
+                continue;
+            }
+            let loaded = (now - before).round() as u64;
+            self.engine_loaded_tokens[t] = self.engine_loaded_tokens[t].saturating_add(loaded);
+            let predicted = self.predicted_tokens[t].saturating_sub(self.predicted_at_scrape[t]);
+            if predicted >= MIN_SAMPLE_TOKENS as u64 {
+                let fraction = (loaded as f64 / predicted as f64).min(1.0);
+                let slot = &mut self.engine_found_fraction[t];
+                *slot = Some(match *slot {
+                    None => fraction,
+                    Some(old) => (1.0 - LEARNING_RATE) * old + LEARNING_RATE * fraction,
+                });
+            }
+        }
+        self.engine_counters = counters.map(|c| c.filter(|v| v.is_finite()));
+        self.predicted_at_scrape = self.predicted_tokens;
+    }
+}
+
+/// Of an endpoint's predicted cached tokens, those on each tier below the GPU: `gpu` tokens
+/// on the GPU and `tiers` below it, cut to `reportable` in all (the engine recomputes the
+/// last prompt token, so it never reports the whole prompt cached). What is cut comes off the
+/// slowest tiers first: an engine frees a prefix's last blocks first, so its tail is what
+/// sits lowest.
+pub fn reportable_tiers(gpu: usize, tiers: TierTokens, reportable: usize) -> TierTokens {
+    let mut room = reportable.saturating_sub(gpu);
+    tiers.map(|tokens| {
+        let kept = tokens.min(room);
+        room -= kept;
+        kept
+    })
 }
 
 /// One tier's part of a candidate's cost.
@@ -342,6 +481,66 @@ mod tests {
             rates.predicted_tokens,
             [2000, 1000, 0],
             "no tier tokens: nothing counted"
+        );
+    }
+
+    #[test]
+    fn the_first_token_line_recovers_its_fixed_part_and_slope() {
+        let mut fit = FirstTokenFit::default();
+        for tokens in [300.0, 900.0, 1_500.0] {
+            fit.observe(tokens, 0.03 + tokens * 32e-6);
+        }
+        assert_eq!(fit.line(), None, "too few samples");
+        for i in 0..20 {
+            let tokens = 200.0 + 100.0 * f64::from(i);
+            fit.observe(tokens, 0.03 + tokens * 32e-6);
+        }
+        let (fixed, per_token) = fit.line().unwrap();
+        assert!((fixed - 0.03).abs() < 1e-6, "{fixed}");
+        assert!((per_token - 32e-6).abs() < 1e-9, "{per_token}");
+        // One size only: the fixed part and the slope cannot be told apart.
+        let mut same = FirstTokenFit::default();
+        for _ in 0..20 {
+            same.observe(500.0, 0.05);
+        }
+        assert_eq!(same.line(), None);
+        same.observe(f64::NAN, 1.0);
+        same.observe(10.0, -1.0);
+        assert_eq!(same.line(), None, "bad samples are ignored");
+    }
+
+    #[test]
+    fn what_the_engine_cannot_report_comes_off_the_slowest_tiers() {
+        assert_eq!(reportable_tiers(0, [512, 256, 256], 1024), [512, 256, 256]);
+        assert_eq!(reportable_tiers(0, [512, 256, 256], 1008), [512, 256, 240]);
+        assert_eq!(reportable_tiers(600, [512, 256, 0], 1008), [408, 0, 0]);
+        assert_eq!(reportable_tiers(2000, [512, 0, 0], 1008), [0, 0, 0]);
+    }
+
+    #[test]
+    fn a_partial_find_is_split_as_the_engines_tier_counters_say() {
+        let costs = TierCosts::default();
+        let truth = 60_000.0;
+        let mut rates = TierRates::default();
+        rates.observe_engine_loads([Some(0.0), Some(0.0), None]);
+        // Between two scrapes: 2,000 predicted on CPU and 2,000 on storage; the engine's
+        // counters say all the CPU tokens loaded and none of the storage ones.
+        rates.note_outcome([2000, 2000, 0], 4000, 2000);
+        rates.observe_engine_loads([Some(2000.0), Some(0.0), None]);
+        assert_eq!(rates.engine_found_fraction[0], Some(1.0));
+        assert_eq!(rates.engine_found_fraction[1], Some(0.0));
+        // So a request that found half of its tier tokens found its CPU part: the storage
+        // part was recomputed, and the CPU rate is learned from the whole CPU load.
+        let prefill = 20_000.0;
+        for _ in 0..30 {
+            let seconds = 2000.0 / truth + 2000.0 / prefill;
+            rates.observe_reported([2000, 2000, 0], seconds, 4000, 2000, prefill, &costs);
+        }
+        let cpu = rates.rate(LoadTier::Cpu, &costs);
+        assert!((cpu - truth).abs() / truth < 0.05, "learned {cpu:.0}");
+        assert_eq!(
+            rates.samples[1], 0,
+            "nothing learned of storage: none loaded"
         );
     }
 

@@ -75,6 +75,12 @@ impl Accounting {
         started: Instant,
     ) -> Self {
         let endpoint = router.endpoint(dispatch.endpoint).clone();
+        if dispatch.tier_uncertain {
+            router
+                .metrics()
+                .tiers
+                .warn_uncertain(&endpoint.name, &request_id);
+        }
         Self {
             router,
             endpoint,

@@ -107,6 +107,10 @@ pub async fn health(State(router): State<Arc<Router>>) -> StatusCode {
 /// `GET /metrics`: the router's metrics, with per-endpoint gauges refreshed.
 pub async fn metrics(State(router): State<Arc<Router>>) -> Response {
     refresh_gauges(&router);
+    router
+        .metrics()
+        .tiers
+        .refresh(&router.fleet(), &|id| router.endpoint(id).name.clone());
     (
         [(
             header::CONTENT_TYPE,
@@ -284,7 +288,8 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         .iter()
         .zip(&plan.facts)
         .zip(&plan.predicted_cached)
-        .map(|((a, facts), predicted)| {
+        .zip(&plan.predicted_tiers)
+        .map(|(((a, facts), predicted), predicted_tiers)| {
             json!({
                 "endpoint": facts.name,
                 "healthy": facts.healthy,
@@ -292,12 +297,14 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
                 "index_trusted": facts.index_distrust.is_none(),
                 "index_distrust": facts.index_distrust,
                 "matched_blocks": {
-                    "index": facts.index_match.map(|m| json!({"total": m.blocks, "gpu": m.gpu_blocks, "cpu": m.cpu_blocks, "storage": m.storage_blocks})),
+                    "index": facts.index_match.map(|m| json!({"total": m.blocks, "gpu": m.gpu_blocks, "cpu": m.cpu_blocks, "storage": m.storage_blocks, "shared": m.shared_blocks})),
                     "history": facts.history_blocks,
                     "predicted": facts.predicted_blocks,
                 },
                 "cached_tokens": a.cached_tokens,
                 "predicted_cached_tokens": predicted,
+                "tiers": tiers_explained(a, facts.index_match.as_ref(), predicted_tiers),
+                "tier_uncertain": a.tier_uncertain,
                 "load": facts.load,
                 "prefill_tokens_per_s": facts.prefill_tokens_per_s,
                 "rejected": a.rejected,
@@ -321,6 +328,53 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         "pd": crate::pd::explain(&router, &prepared, &plan),
     }))
     .into_response()
+}
+
+/// One candidate's tiers below the GPU, for `explain`: per tier, the matched blocks, the
+/// tokens predicted cached there, the seconds charged to load them against the seconds to
+/// recompute them, and whether the tier is credited (`no_credit_reason` says why not); and a
+/// warning when the tier picture is uncertain.
+fn tiers_explained(
+    a: &kvroute_core::schedule::Assessment,
+    index_match: Option<&kvroute_core::index::PrefixMatch>,
+    predicted_tiers: &kvroute_core::tiers::TierTokens,
+) -> Value {
+    use kvroute_core::tiers::LoadTier;
+    let mut out = serde_json::Map::new();
+    for tier in LoadTier::ALL {
+        let charge = &a.cost.tiers.tiers[tier as usize];
+        let blocks = index_match.map_or(0, |m| match tier {
+            LoadTier::Cpu => m.cpu_blocks,
+            LoadTier::Storage => m.storage_blocks,
+            LoadTier::Shared => m.shared_blocks,
+        });
+        let no_credit = if charge.slower_than_recompute {
+            Some("loading is slower than recomputing: charged its load time, no credit")
+        } else {
+            None
+        };
+        out.insert(
+            tier.as_str().to_owned(),
+            json!({
+                "matched_blocks": blocks,
+                "tokens": charge.tokens,
+                "predicted_cached_tokens": predicted_tiers[tier as usize],
+                "tokens_per_s": charge.tokens_per_s,
+                "load_s": charge.seconds,
+                "recompute_s": charge.recompute_s,
+                "credited": charge.tokens > 0 && !charge.slower_than_recompute,
+                "weighted": charge.weighted,
+                "no_credit_reason": no_credit,
+            }),
+        );
+    }
+    if a.tier_uncertain {
+        out.insert(
+            "warning".to_owned(),
+            json!("the endpoint's offloaded-tier events were recently inconsistent (orphans): its blocks below the GPU are an estimate, not a certain prediction"),
+        );
+    }
+    Value::Object(out)
 }
 
 /// A normal completions or chat body, or `{"model"?, "token_ids": [...]}`.

@@ -163,7 +163,13 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             kv_usage: sample.kv_usage,
             num_gpu_blocks: sample.num_gpu_blocks,
         };
-        router.fleet().observe_load(endpoint.id, load, now);
+        let mut fleet = router.fleet();
+        fleet.observe_load(endpoint.id, load, now);
+        if sample.tier_loaded_tokens.iter().any(Option::is_some) {
+            // What it loaded from each tier, against what was predicted there.
+            fleet.observe_engine_tier_loads(endpoint.id, sample.tier_loaded_tokens);
+        }
+        drop(fleet);
         router.capacity_changed();
     }
 }

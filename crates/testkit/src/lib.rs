@@ -153,6 +153,60 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
         .map_or(String::new(), |(_, body)| body.to_owned())
 }
 
+/// `POST path` with a JSON `body` on `addr` over a plain blocking socket: the status (0 when the
+/// server cannot be reached) and the response body as text (a chunked body joined). Waits
+/// [`patience`] at most for the answer.
+pub fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut socket) = std::net::TcpStream::connect_timeout(&addr, patience()) else {
+        return (0, String::new());
+    };
+    let _ = socket.set_read_timeout(Some(patience()));
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut response = String::new();
+    if socket.write_all(request.as_bytes()).is_err()
+        || socket.read_to_string(&mut response).is_err()
+    {
+        return (0, String::new());
+    }
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    (
+        status,
+        if chunked {
+            dechunk(body)
+        } else {
+            body.to_owned()
+        },
+    )
+}
+
+/// The payload of a chunked HTTP/1.1 body.
+pub fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
 /// The value of the Prometheus sample whose line starts with `series` (the metric name and,
 /// if any, its labels exactly as exposed), in `text`.
 pub fn sample(text: &str, series: &str) -> Option<f64> {

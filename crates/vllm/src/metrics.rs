@@ -28,6 +28,22 @@ pub struct EngineLoadSample {
     pub process_start_time: Option<f64>,
     /// `vllm:prefix_cache_hits_total`.
     pub prefix_cache_hits: Option<f64>,
+    /// Prompt tokens loaded from each tier below the GPU (CPU, own storage, shared; counters):
+    /// vLLM 0.33's `vllm:prompt_tokens_cached_by_source_total` (`source` `host` and `disk`;
+    /// it names no shared tier) or the simulator's `kvroute_sim_tier_hit_tokens_total`
+    /// (`tier` `cpu`, `ssd`, `shared_fs`). `None` where the engine reports no such tier.
+    pub tier_loaded_tokens: [Option<f64>; 3],
+}
+
+/// The tier (CPU 0, own storage 1, shared 2) a per-tier series' label names, if any.
+fn tier_of(name: &str, labels: &[(&str, &str)]) -> Option<usize> {
+    let (key, names): (&str, [&str; 3]) = match name {
+        "vllm:prompt_tokens_cached_by_source_total" => ("source", ["host", "disk", ""]),
+        "kvroute_sim_tier_hit_tokens_total" => ("tier", ["cpu", "ssd", "shared_fs"]),
+        _ => return None,
+    };
+    let (_, value) = labels.iter().find(|(k, _)| *k == key)?;
+    names.iter().position(|n| !n.is_empty() && n == value)
 }
 
 /// One sample: metric name, labels, value.
@@ -94,6 +110,11 @@ pub fn parse_engine_metrics(text: &str) -> EngineLoadSample {
             "vllm:prefix_cache_queries_total" => add(&mut s.prefix_cache_queries, value),
             "process_start_time_seconds" => s.process_start_time = Some(value),
             "vllm:prefix_cache_hits_total" => add(&mut s.prefix_cache_hits, value),
+            "vllm:prompt_tokens_cached_by_source_total" | "kvroute_sim_tier_hit_tokens_total" => {
+                if let Some(tier) = tier_of(name, &labels) {
+                    add(&mut s.tier_loaded_tokens[tier], value);
+                }
+            }
             "vllm:cache_config_info" => {
                 for (k, v) in labels {
                     match k {
@@ -135,6 +156,28 @@ vllm:some_new_metric{a="b\"}"} 9
         assert_eq!(s.prefix_cache_hits, Some(128.0));
         assert_eq!(s.block_size, Some(32));
         assert_eq!(s.num_gpu_blocks, Some(27000));
+    }
+
+    #[test]
+    fn tier_loads_are_read_from_vllm_and_from_the_simulator() {
+        let vllm = r#"vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 900.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 300.0
+vllm:prompt_tokens_cached_by_source_total{engine="1",model_name="m",source="host"} 20.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 64.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="external_unspecified"} 5.0
+"#;
+        let s = parse_engine_metrics(vllm);
+        assert_eq!(s.tier_loaded_tokens, [Some(320.0), Some(64.0), None]);
+        let sim = r#"kvroute_sim_tier_hit_tokens_total{engine="0",model_name="m",tier="cpu"} 16
+kvroute_sim_tier_hit_tokens_total{engine="0",model_name="m",tier="ssd"} 0
+kvroute_sim_tier_hit_tokens_total{engine="0",model_name="m",tier="shared_fs"} 48
+"#;
+        let s = parse_engine_metrics(sim);
+        assert_eq!(s.tier_loaded_tokens, [Some(16.0), Some(0.0), Some(48.0)]);
+        assert_eq!(
+            parse_engine_metrics("vllm:num_requests_running 1\n").tier_loaded_tokens,
+            [None; 3]
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ mod retry;
 mod rotation;
 mod sessions;
 mod shared;
+mod tier_learning;
 pub mod trust;
 mod warm;
 
@@ -174,8 +175,7 @@ pub struct Plan {
     /// last), from the best trusted source whatever the policy.
     pub predicted_cached: Vec<usize>,
     /// Per endpoint, of `predicted_cached`, the tokens on each tier below the GPU (CPU, own
-    /// storage, shared); set [`Dispatch::tier_tokens`] from it so that the tiers' load rates
-    /// are learned.
+    /// storage, shared), cut to what the engine can report (slowest tiers first).
     pub predicted_tiers: Vec<TierTokens>,
 }
 
@@ -195,16 +195,23 @@ pub struct Dispatch {
     pub dispatched_at: f64,
     /// It counted as a placement (a new conversation or an uncached prompt) at its endpoint.
     pub placement: bool,
-    /// Of `predicted_cached`, tokens predicted on each tier below the GPU (from
-    /// [`Plan::predicted_tiers`]; zero unless the caller sets them). A request with tier tokens
-    /// teaches the endpoint's tier load rates rather than its prefill rate.
+    /// Of `predicted_cached`, tokens predicted on each tier below the GPU (read from the
+    /// index at dispatch, like [`Plan::predicted_tiers`]). A request with tier tokens teaches
+    /// the endpoint's tier load rates rather than its prefill rate.
     pub tier_tokens: TierTokens,
+    /// Its tier tokens rely on offloaded-tier events that were recently inconsistent: an
+    /// estimate, so it teaches no load rate (and is counted, see
+    /// [`TierRates::uncertain_requests`](crate::tiers::TierRates::uncertain_requests)).
+    pub tier_uncertain: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,
     keys: Arc<Vec<RouterKey>>,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
     rate_sample: bool,
+    /// Nothing else at all was in flight there (no decode shared its steps): its time to first
+    /// token is clean enough to tell a tier's load time from the rest.
+    quiet: bool,
 }
 
 impl Dispatch {
@@ -412,15 +419,15 @@ impl Fleet {
                 IndexState::NoEvents => cache.history.max(cache.predicted),
                 IndexState::Distrusted => cache.predicted,
             };
-            predicted_cached.push((known as usize).min(reportable) * bs);
-            predicted_tiers.push(match (index_state, index_match) {
-                (IndexState::Trusted, Some(m)) if m.blocks >= cache.predicted => [
-                    m.cpu_blocks as usize * bs,
-                    m.storage_blocks as usize * bs,
-                    m.shared_blocks as usize * bs,
-                ],
-                _ => [0; 3],
-            });
+            let predicted_tokens = (known as usize).min(reportable) * bs;
+            predicted_cached.push(predicted_tokens);
+            predicted_tiers.push(tier_learning::predicted_tier_tokens(
+                index_state,
+                index_match.as_ref(),
+                cache.predicted,
+                predicted_tokens,
+                bs,
+            ));
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.prefill_rate_toward(prior_rate);
             facts.push(EndpointFacts {
@@ -488,6 +495,9 @@ impl Fleet {
     ) -> Dispatch {
         let slot = endpoint.0 as usize;
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
+        // Read before this request enters the predicted overlay.
+        let (tier_tokens, tier_uncertain) =
+            self.dispatch_tier_tokens(predicted, request, endpoint, now);
         // Queued prefill work counts what the engine will compute when it admits the request:
         // the queue ahead may evict part of what is cached now.
         let uncached = request
@@ -517,6 +527,7 @@ impl Fleet {
         self.retry_budget.request(&self.config.retry, now);
         let expects_event = request.prompt_tokens / bs > predicted / bs;
         let mut rate_sample = false;
+        let mut quiet = false;
         if let Some(e) = self.endpoints.get_mut(slot) {
             if placement {
                 e.note_placement(now);
@@ -525,6 +536,10 @@ impl Fleet {
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
+            quiet = e.inflight == 0;
+            if tier_uncertain {
+                e.tier_rates.uncertain_requests = e.tier_rates.uncertain_requests.saturating_add(1);
+            }
             e.inflight += 1;
             e.inflight_prefills += 1;
             e.inflight_prefill_tokens += uncached;
@@ -537,11 +552,13 @@ impl Fleet {
             prompt_tokens: request.prompt_tokens,
             dispatched_at: now,
             placement,
-            tier_tokens: [0; 3],
+            tier_tokens,
+            tier_uncertain,
             tier_seconds: None,
             keys: request.keys.clone(),
             prefill_done: false,
             rate_sample,
+            quiet,
         }
     }
 
@@ -644,17 +661,31 @@ impl Fleet {
             dispatch.rate_sample && ok,
         );
         let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
-        let default_rate = self.config.default_prefill_tokens_per_s;
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
-        if sample && tiered {
-            // Its time to first token is its recompute plus its tier loads: the loads are
-            // learned once the engine says how much it found cached.
-            let rate = e.observed_prefill_rate().unwrap_or(default_rate);
-            dispatch.tier_seconds = Some(seconds - tokens as f64 / rate);
-        } else if ok && !tiered {
+        // A tier lesson needs a request that ran alone (under load the decodes batched with it
+        // inflate what is left to its loads, and the tier is learned far too slow: measured,
+        // docs/benchmarks.md) on a certain tier prediction, and the endpoint's own line of what
+        // a request takes without loads (its fixed part and per-token slope, fitted to its
+        // untiered requests that ran alone): not the prefill rate, an average that spreads the
+        // fixed part over typical prompts and would leave most of it to a tier lesson.
+        if sample
+            && dispatch.quiet
+            && tiered
+            && !dispatch.tier_uncertain
+            && let Some((fixed, per_token)) = e.tier_rates.baseline.line()
+        {
+            // The loads are learned once the engine says how much it found cached.
+            dispatch.tier_seconds = Some(seconds - fixed - tokens as f64 * per_token);
+        }
+        if ok {
+            // Every prefill teaches the prefill rate as before tier lessons (taking a tiered
+            // one's loads out, or counting it as unread, measured worse under load).
             e.note_prefill(tokens, seconds, sample);
+            if sample && dispatch.quiet && !tiered {
+                e.tier_rates.baseline.observe(tokens as f64, seconds);
+            }
         }
         if !dispatch.keys.is_empty() {
             let expiry = now + self.config.prediction_grace_s;
@@ -668,7 +699,6 @@ impl Fleet {
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
         let _ = now;
         self.end_prefill(&mut dispatch);
-        let default_rate = self.config.default_prefill_tokens_per_s;
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
             if let Some(reported) = reported_cached {
@@ -679,8 +709,11 @@ impl Fleet {
                     dispatch.predicted_cached,
                     reported,
                 );
-                if let Some(seconds) = dispatch.tier_seconds {
-                    let rate = e.observed_prefill_rate().unwrap_or(default_rate);
+                if let (Some(seconds), Some((_, per_token))) =
+                    (dispatch.tier_seconds, e.tier_rates.baseline.line())
+                {
+                    // Tier tokens the engine recomputed cost the line's per-token time.
+                    let rate = 1.0 / per_token;
                     e.tier_rates.observe_reported(
                         dispatch.tier_tokens,
                         seconds,

@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use super::holders::{Holders, WORD_BITS};
-use super::{EndpointId, KvIndex, offload};
+use super::{EndpointId, KvIndex};
 use crate::event::Tier;
 use crate::keys::RouterKey;
 
@@ -199,13 +199,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     let tier_uncertain = matches
         .iter()
         .filter(|m| m.blocks > m.gpu_blocks)
-        .filter(|m| {
-            index.endpoints.get(&m.endpoint).is_some_and(|s| {
-                s.offload
-                    .as_deref()
-                    .is_some_and(offload::EndpointOffload::uncertain)
-            })
-        })
+        .filter(|m| index.tier_uncertain(m.endpoint))
         .map(|m| m.endpoint)
         .collect();
     PrefixMatches {

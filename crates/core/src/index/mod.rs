@@ -611,6 +611,16 @@ impl KvIndex {
         lookup::longest_prefixes(self, keys)
     }
 
+    /// Whether `endpoint`'s offloaded-tier events were recently inconsistent (orphans): what
+    /// the index says of its tiers below the GPU is an estimate.
+    pub fn tier_uncertain(&self, endpoint: EndpointId) -> bool {
+        self.endpoints.get(&endpoint).is_some_and(|s| {
+            s.offload
+                .as_deref()
+                .is_some_and(offload::EndpointOffload::uncertain)
+        })
+    }
+
     /// Counters for one endpoint, if it is known.
     pub fn endpoint_stats(&self, endpoint: EndpointId) -> Option<EndpointIndexStats> {
         self.endpoints.get(&endpoint).map(|s| s.stats.clone())

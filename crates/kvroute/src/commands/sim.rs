@@ -58,6 +58,11 @@ pub struct SimArgs {
     /// KV-event topic (vLLM's default is empty).
     #[arg(long, default_value = "")]
     topic: String,
+    /// Tier events as this offloading connector publishes them: vllm (OffloadingConnector
+    /// placeholders), vllm-self-describing (its self_describing_kv_events payload) or lmcache
+    /// (LMCache: stores only, its own chunk hashes).
+    #[arg(long, default_value = "vllm")]
+    offload_events: kvroute_sim::connector_events::OffloadEvents,
     #[command(flatten)]
     engine: EngineArgs,
     /// Simulated seconds per wall second (10: ten times faster than real time).
@@ -124,6 +129,7 @@ impl SimArgs {
             time_scale: self.time_scale,
             vllm_version: self.vllm_version.clone(),
             topic: self.topic.clone(),
+            offload_events: self.offload_events,
             replay_buffer_steps: 10_000,
             faults: Faults {
                 drop_event_fraction: self.drop_event_fraction,

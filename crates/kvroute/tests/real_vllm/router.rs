@@ -146,25 +146,9 @@ pub fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked")
     {
-        dechunk(body)
+        kvroute_testkit::dechunk(body)
     } else {
         body.to_owned()
     };
     (status, serde_json::from_str(&body).unwrap_or(Value::Null))
-}
-
-/// The payload of a chunked HTTP/1.1 body.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }

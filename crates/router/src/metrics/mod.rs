@@ -14,6 +14,7 @@ mod by_endpoint;
 mod group;
 mod labels;
 pub mod pd;
+pub mod tiers;
 
 use std::sync::atomic::AtomicU64;
 
@@ -199,6 +200,8 @@ metric_group! {
             "token_cache_bytes", "Bytes of prompt tokens in the tokenization cache";
         /// Prefill/decode disaggregation's metrics.
         pd: pd::PdMetrics = pd::PdMetrics::new(config);
+        /// The cache tiers below the GPU ([`tiers`]).
+        tiers: tiers::TierMetrics = tiers::TierMetrics::new(config);
     }
 }
 

@@ -15,6 +15,7 @@ use tracing::warn;
 use super::faults::Faults;
 use super::lease::LeaseTable;
 use super::metrics::Observed;
+use crate::connector_events::ConnectorEvents;
 use crate::engine::shared_fs::SharedFsHandle;
 use crate::engine::{
     Engine, EngineConfig, EngineRequest, HeldBlocks, KvTransfer, RequestId, TokenOutput,
@@ -86,6 +87,8 @@ pub struct FleetMount {
     pub shared_fs: Option<SharedFsHandle>,
     /// When the fleet started: engine time is wall time since then, times the time scale.
     pub epoch: Instant,
+    /// The engine's offloading connector: shapes its tier events.
+    pub connector: ConnectorEvents,
 }
 
 /// Runs the engine until the command channel closes.
@@ -98,6 +101,7 @@ pub async fn run_engine(
     shared: Arc<EngineShared>,
 ) {
     let build = || Engine::mounted(config.clone(), mount.shared_fs.clone());
+    let mut connector = mount.connector;
     let mut engine = build().expect("configuration validated at startup");
     let mut waiters: HashMap<RequestId, (mpsc::UnboundedSender<Delivery>, Instant)> =
         HashMap::new();
@@ -162,7 +166,12 @@ pub async fn run_engine(
                 Command::ResetCache(reply) => {
                     let done = engine.reset_prefix_cache();
                     let _ = reply.send(done);
-                    send_events(&events, engine.take_events(), &shared, false);
+                    send_events(
+                        &events,
+                        connector.shape(engine.take_events()),
+                        &shared,
+                        false,
+                    );
                 }
                 Command::Restart => {
                     for (_, (tx, _)) in waiters.drain() {
@@ -170,6 +179,7 @@ pub async fn run_engine(
                     }
                     // A restart loses the engine's own tiers; the shared filesystem stays.
                     engine = build().expect("validated");
+                    connector.reset();
                     lease_names.clear();
                     shared.leases.lock().clear();
                     restart_pending = true;
@@ -255,7 +265,7 @@ pub async fn run_engine(
         }
         send_events(
             &events,
-            step.events,
+            connector.shape(step.events),
             &shared,
             std::mem::take(&mut restart_pending),
         );

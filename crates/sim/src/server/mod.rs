@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use axum::serve::ListenerExt;
-use kvroute_vllm::codec::EventLayout;
+use kvroute_vllm::codec::{EventLayout, offloading_connector_hashes};
 use kvroute_vllm::publisher::{Publisher, PublisherConfig, ReplayFraming};
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -28,6 +28,8 @@ use crate::engine::{Engine, EngineConfig};
 use actor::{Command, EngineShared, Outgoing};
 use faults::Faults;
 use kvroute_vllm::nixl::{KvRole, NixlRelease};
+
+use crate::connector_events::{ConnectorEvents, OffloadEvents};
 use lease::LeaseTable;
 use pd::fabric::FabricHandle;
 use pd::{PdConfig, PdEngine};
@@ -67,6 +69,9 @@ pub struct SimConfig {
     /// Prefill/decode disaggregation: the engines' KV roles, link and lease (`None`: no KV
     /// connector; `kv_transfer_params` is ignored).
     pub pd: Option<PdConfig>,
+    /// Which offloading connector's tier events to publish (see
+    /// [`crate::connector_events`]).
+    pub offload_events: OffloadEvents,
 }
 
 impl Default for SimConfig {
@@ -87,8 +92,25 @@ impl Default for SimConfig {
             faults: Faults::default(),
             tokenizer: None,
             pd: None,
+            offload_events: OffloadEvents::default(),
         }
     }
+}
+
+/// An engine's offloading connector, as `config` chooses it: what it remembers is bounded by
+/// the blocks the engine can hold on every tier.
+fn connector(config: &SimConfig) -> ConnectorEvents {
+    let e = &config.engine;
+    let capacity = e.num_gpu_blocks
+        + e.num_cpu_blocks
+        + e.num_ssd_blocks
+        + e.shared_fs.as_ref().map_or(0, |fs| fs.capacity_blocks);
+    ConnectorEvents::new(
+        config.offload_events,
+        e.block_size,
+        capacity,
+        &config.vllm_version,
+    )
 }
 
 /// Where a running engine can be reached.
@@ -142,8 +164,13 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         ));
     }
     Engine::new(config.engine.clone())?; // validates the engine settings once
-    let layout = EventLayout::for_vllm_version(&config.vllm_version)
+    let mut layout = EventLayout::for_vllm_version(&config.vllm_version)
         .map_err(|e| SimError::Config(e.to_string()))?;
+    if config.offload_events != OffloadEvents::Lmcache {
+        // vLLM's OffloadingConnector: raw-bytes hashes before 0.24.
+        layout.offload_hashes = offloading_connector_hashes(&config.vllm_version)
+            .map_err(|e| SimError::Config(e.to_string()))?;
+    }
     let framing = ReplayFraming::for_vllm_version(&config.vllm_version)
         .map_err(|e| SimError::Config(e.to_string()))?;
     let tokenizer = match &config.tokenizer {
@@ -216,6 +243,7 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             actor::FleetMount {
                 shared_fs: shared_fs.clone(),
                 epoch,
+                connector: connector(&config),
             },
             config.time_scale,
             commands_rx,

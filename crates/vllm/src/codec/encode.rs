@@ -33,6 +33,10 @@ pub struct EventLayout {
     pub with_rank: bool,
     /// How hashes are encoded.
     pub hashes: HashEncoding,
+    /// How hashes of events below the GPU (any medium but `GPU`) are encoded: as the GPU's
+    /// by default; vLLM's OffloadingConnector sends raw bytes in 0.11–0.23 (see
+    /// [`offloading_connector_hashes`]).
+    pub offload_hashes: HashEncoding,
 }
 
 impl EventLayout {
@@ -43,6 +47,7 @@ impl EventLayout {
         removed_fields: 5,
         with_rank: true,
         hashes: HashEncoding::Int,
+        offload_hashes: HashEncoding::Int,
     };
 
     /// The layout a vLLM version (`0.23.0`, `0.10.2`, `0.32`) publishes.
@@ -86,8 +91,21 @@ impl EventLayout {
             removed_fields,
             with_rank: v >= (9, 2),
             hashes: HashEncoding::Int,
+            offload_hashes: HashEncoding::Int,
         })
     }
+}
+
+/// How vLLM's OffloadingConnector encodes its events' hashes in release `version`: raw bytes
+/// in 0.11–0.23, whatever the GPU's are, since they never passed through the int conversion
+/// (vllm-wire.md §1.6); ints since 0.24.
+pub fn offloading_connector_hashes(version: &str) -> Result<HashEncoding, VllmError> {
+    let (major, minor, _) = parse_version(version)?;
+    Ok(if major == 0 && (11..24).contains(&minor) {
+        HashEncoding::Bytes
+    } else {
+        HashEncoding::Int
+    })
 }
 
 /// `(major, minor, patch)` of a vLLM version string such as `0.23.0`, `v0.33.0rc1` or `0.14`.
@@ -186,19 +204,27 @@ fn removed_values(e: &BlockRemoved, hashes: HashEncoding) -> Vec<Value> {
 const STORED_REQUIRED: usize = 7;
 const REMOVED_REQUIRED: usize = 2;
 
+/// The hash encoding of an event on `medium`.
+fn hashes_on(medium: Option<&str>, layout: &EventLayout) -> HashEncoding {
+    match medium {
+        Some(m) if !m.eq_ignore_ascii_case("GPU") => layout.offload_hashes,
+        _ => layout.hashes,
+    }
+}
+
 fn event_value(event: &KvEvent, layout: &EventLayout) -> Value {
     let (tag, values, names, count, required): (&str, Vec<Value>, &[&str], usize, usize) =
         match event {
             KvEvent::BlockStored(e) => (
                 "BlockStored",
-                stored_values(e, layout.hashes),
+                stored_values(e, hashes_on(e.medium.as_deref(), layout)),
                 &super::STORED_FIELDS,
                 layout.stored_fields,
                 STORED_REQUIRED,
             ),
             KvEvent::BlockRemoved(e) => (
                 "BlockRemoved",
-                removed_values(e, layout.hashes),
+                removed_values(e, hashes_on(e.medium.as_deref(), layout)),
                 &super::REMOVED_FIELDS,
                 layout.removed_fields,
                 REMOVED_REQUIRED,

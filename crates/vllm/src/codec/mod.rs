@@ -12,7 +12,7 @@ pub(crate) mod frame;
 
 pub use decode::{DecodedBatch, decode_batch};
 pub(crate) use encode::parse_version;
-pub use encode::{EventLayout, HashEncoding, encode_batch};
+pub use encode::{EventLayout, HashEncoding, encode_batch, offloading_connector_hashes};
 pub use frame::{RawMessage, parse_frames};
 
 /// Field names of `BlockStored`, in declaration (positional) order.

@@ -97,6 +97,52 @@ fn version_strings_map_to_layouts() {
 }
 
 #[test]
+fn the_offloading_connectors_hashes_are_raw_bytes_from_0_11_to_0_23_only() {
+    let hash = 0x0102_0304_0506_0708u64;
+    let batch = |medium: &str| EventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash(hash)],
+            medium: Some(medium.into()),
+            ..BlockStored::default()
+        })],
+        data_parallel_rank: Some(0),
+    };
+    // msgpack bin 8 of length 8, then the hash big-endian.
+    let mut as_bytes = vec![0xc4, 8];
+    as_bytes.extend(hash.to_be_bytes());
+    let carries_bytes = |encoded: Vec<u8>| {
+        encoded
+            .windows(as_bytes.len())
+            .any(|w| w == as_bytes.as_slice())
+    };
+    for (version, offload_bytes) in [
+        ("0.10.2", false),
+        ("0.13.0", true),
+        ("0.23.0", true),
+        ("0.24.0", false),
+    ] {
+        let mut layout = EventLayout::for_vllm_version(version).unwrap();
+        assert!(
+            !carries_bytes(encode_batch(&batch("CPU"), &layout)),
+            "{version}: ints, as vLLM's event classes encode them"
+        );
+        layout.offload_hashes = offloading_connector_hashes(version).unwrap();
+        assert_eq!(
+            carries_bytes(encode_batch(&batch("CPU"), &layout)),
+            offload_bytes,
+            "{version}"
+        );
+        assert!(
+            !carries_bytes(encode_batch(&batch("GPU"), &layout)),
+            "{version}: GPU hashes are ints"
+        );
+        let decoded = decode_batch(&encode_batch(&batch("CPU"), &layout)).unwrap();
+        assert_eq!(decoded.batch, batch("CPU"), "{version}");
+    }
+}
+
+#[test]
 fn hashes_of_every_width_and_sign_decode() {
     // [ts, [["BlockRemoved", [fixint, uint8, uint16, uint32, uint64, int8, int64, bin32]]]]
     let mut hashes = vec![

@@ -63,7 +63,8 @@ impl Fleet {
             .iter()
             .find(|(id, _)| *id == endpoint)
             .map_or(0, |(_, blocks)| *blocks);
-        index.read(|ix| {
+        // The endpoint's own shard (the shared tier is every shard's).
+        index.read_endpoint(endpoint, |ix| {
             let below_gpu = ix
                 .endpoint_stats(endpoint)
                 .is_some_and(|s| s.blocks_cpu + s.blocks_storage > 0)

@@ -17,7 +17,7 @@ use kvroute_core::fleet::Fleet;
 use kvroute_core::index::EndpointId;
 use kvroute_core::tiers::LoadTier;
 use parking_lot::Mutex;
-use prometheus_client::encoding::{EncodeLabelSet, LabelSetEncoder};
+use prometheus_client::encoding::{EncodeLabel, EncodeLabelSet, LabelSetEncoder};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -154,7 +154,7 @@ impl TierMetrics {
                     .get_or_create(&labels)
                     .inc_by(saturate(stats.offload_repeats));
             }
-            let uncertain = index.read(|ix| ix.tier_uncertain(e.id));
+            let uncertain = index.read_endpoint(e.id, |ix| ix.tier_uncertain(e.id));
             self.uncertain
                 .get_or_create(&labels)
                 .inc_by(i64::from(uncertain));

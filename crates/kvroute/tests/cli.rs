@@ -144,6 +144,62 @@ fn demo_runs_and_the_index_matches_the_engines() {
     );
 }
 
+/// `kvroute demo --pd`: the same engines split into a prefill and a decode half, the router
+/// running both legs; every request answered, and answered by the decode engine.
+#[test]
+fn a_pd_demo_serves_every_request_from_the_decode_half() {
+    let out = std::env::temp_dir().join(format!("kvroute-demo-pd-test-{}", std::process::id()));
+    let output = kvroute(
+        &[
+            "demo",
+            "--pd",
+            "--engines",
+            "2",
+            "--users",
+            "4",
+            "--turns",
+            "2",
+            "--rate",
+            "8",
+            "--blocks-per-engine",
+            "600",
+            "--policies",
+            "pd-always,pd-cost",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "",
+    );
+    let text = stdout(&output);
+    assert!(
+        output.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        text.contains("1 prefill + 1 decode engines over ib-400"),
+        "{text}"
+    );
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in &runs {
+        assert_eq!(run["summary"]["requests"], 8, "{}", run["name"]);
+        assert_eq!(run["summary"]["errors"], 0, "{}", run["name"]);
+        // engine-0 is the kv_producer: it only ever runs prefill legs.
+        assert!(
+            run["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["endpoint"] == "engine-1"),
+            "{}",
+            run["records"]
+        );
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
 #[test]
 fn a_short_demo_writes_a_well_formed_report() {
     let out = std::env::temp_dir().join(format!("kvroute-demo-test-{}", std::process::id()));

@@ -1,6 +1,9 @@
 //! `kvroute demo`: the whole story on a laptop. A fleet of simulated engines, the same seeded
 //! multi-turn workload routed four ways (a fresh fleet each time), the comparison, and the
-//! ceiling: one pooled cache as large as the fleet's serving the same requests.
+//! ceiling: one pooled cache as large as the fleet's serving the same requests. With `--pd`,
+//! prefill/decode disaggregation instead: precise routing on the whole fleet against the same
+//! engines split into prefill and decode halves, every request disaggregated (`pd-always`) or
+//! decided per request by cost (`pd-cost`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +16,10 @@ use kvroute_bench::result::RunResult;
 use kvroute_bench::workload::{MultiTurn, multi_turn};
 use kvroute_router::config::RouterConfig;
 use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::link::LinkSpec;
+use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
+use kvroute_vllm::nixl::KvRole;
 
 /// Arguments of `kvroute demo`.
 #[derive(Args)]
@@ -33,13 +39,19 @@ pub struct DemoArgs {
     /// New conversations per second.
     #[arg(long, default_value_t = 2.0)]
     rate: f64,
-    /// Policies to compare, in order.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "round-robin,least-load,prefix-hash,approximate,precise"
-    )]
-    policies: Vec<String>,
+    /// Policies to compare, in order (default: round-robin, least-load, prefix-hash,
+    /// approximate, precise; with `--pd`: precise, pd-always, pd-cost).
+    #[arg(long, value_delimiter = ',')]
+    policies: Option<Vec<String>>,
+    /// Prefill/decode disaggregation: the policies `pd-always` and `pd-cost` run on the same
+    /// number of engines, the first half kv_producer and the rest kv_consumer, with the
+    /// router orchestrating both legs (`pd.mode: always` or `orchestrate`).
+    #[arg(long)]
+    pd: bool,
+    /// P/D: the KV link between prefill and decode engines (`tcp`, `roce-100`, `ib-400`,
+    /// `custom:<GB/s>[:<latency ms>]`).
+    #[arg(long, default_value = "ib-400")]
+    kv_link: String,
     /// Where to write the JSON and HTML report.
     #[arg(long, default_value = "kvroute-demo")]
     out: PathBuf,
@@ -50,6 +62,20 @@ pub struct DemoArgs {
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
+/// The policies compared by default.
+const POLICIES: &str = "round-robin,least-load,prefix-hash,approximate,precise";
+/// The policies compared by default with `--pd`.
+const PD_POLICIES: &str = "precise,pd-always,pd-cost";
+
+/// The router's `pd.mode` for a P/D policy of the demo; `None`: not a P/D policy.
+fn pd_mode(policy: &str) -> Option<&'static str> {
+    match policy {
+        "pd-always" => Some("always"),
+        "pd-cost" => Some("orchestrate"),
+        _ => None,
+    }
+}
+
 fn engine_config(blocks: usize) -> EngineConfig {
     EngineConfig {
         num_gpu_blocks: blocks,
@@ -57,7 +83,38 @@ fn engine_config(blocks: usize) -> EngineConfig {
     }
 }
 
-async fn fleet(args: &DemoArgs) -> anyhow::Result<Vec<SimFleet>> {
+/// The engines for `policy`: a P/D fleet (the first half kv_producer, the rest kv_consumer)
+/// for a P/D policy, else independent engines without a KV connector.
+async fn fleet(args: &DemoArgs, policy: &str) -> anyhow::Result<Vec<SimFleet>> {
+    if pd_mode(policy).is_some() {
+        let producers = args.engines / 2;
+        let roles = (0..args.engines)
+            .map(|i| {
+                if i < producers {
+                    KvRole::Producer
+                } else {
+                    KvRole::Consumer
+                }
+            })
+            .collect();
+        let pd = PdConfig {
+            link: LinkSpec::parse(&args.kv_link)?,
+            side_channel_port: 0,
+            ..PdConfig::new(roles)
+        };
+        let fleet = start_sim(SimConfig {
+            port: 0,
+            events_port: 0,
+            replay_port: Some(0),
+            engines: args.engines,
+            engine: engine_config(args.blocks_per_engine),
+            pd: Some(pd),
+            ..SimConfig::default()
+        })
+        .await
+        .context("starting the simulated P/D fleet")?;
+        return Ok(vec![fleet]);
+    }
     let mut engines = Vec::new();
     for _ in 0..args.engines {
         engines.push(
@@ -75,14 +132,33 @@ async fn fleet(args: &DemoArgs) -> anyhow::Result<Vec<SimFleet>> {
     Ok(engines)
 }
 
-fn router_yaml(engines: &[SimFleet], policy: &str) -> String {
+/// The router's configuration for `policy` over `engines` (a P/D policy: precise scheduling,
+/// the endpoints' roles, and `pd.mode` over `kv_link`).
+fn router_yaml(engines: &[SimFleet], policy: &str, kv_link: &str) -> String {
+    let (scheduled, pd) = match pd_mode(policy) {
+        Some(mode) => (
+            "precise",
+            format!("pd: {{mode: {mode}, link: '{kv_link}'}}\n"),
+        ),
+        None => (policy, String::new()),
+    };
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {policy}}}\nscrape: {{interval_ms: 200}}\nendpoints:\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {scheduled}}}\nscrape: {{interval_ms: 200}}\n{pd}endpoints:\n"
     );
-    for (i, f) in engines.iter().enumerate() {
-        let ep = &f.endpoints[0];
+    let endpoints: Vec<_> = engines.iter().flat_map(|f| &f.endpoints).collect();
+    let producers = if pd.is_empty() {
+        0
+    } else {
+        endpoints.len() / 2
+    };
+    for (i, ep) in endpoints.iter().enumerate() {
+        let role = match (pd.is_empty(), i < producers) {
+            (true, _) => "both",
+            (false, true) => "prefill",
+            (false, false) => "decode",
+        };
         yaml.push_str(&format!(
-            "  - {{name: engine-{i}, url: '{}', events: '{}', replay: '{}'}}\n",
+            "  - {{name: engine-{i}, role: {role}, url: '{}', events: '{}', replay: '{}'}}\n",
             ep.url,
             ep.events,
             ep.replay.as_deref().unwrap_or_default()
@@ -91,12 +167,25 @@ fn router_yaml(engines: &[SimFleet], policy: &str) -> String {
     yaml
 }
 
+/// Waits (at most 10 s) until the router's KV-event subscribers are connected.
+async fn subscribed(router: &kvroute_router::server::RunningRouter) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !router.subscribers_connected() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Runs the demo and prints the comparison.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         args.engines >= 2,
         "--engines must be at least 2 to compare routing"
     );
+    let policies: Vec<String> = args.policies.clone().unwrap_or_else(|| {
+        let default = if args.pd { PD_POLICIES } else { POLICIES };
+        default.split(',').map(str::to_owned).collect()
+    });
+    LinkSpec::parse(&args.kv_link).context("--kv-link")?;
     let params = MultiTurn {
         users: args.users,
         turns: args.turns,
@@ -114,13 +203,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     );
     let mut runs: Vec<RunResult> = Vec::new();
     let mut prompts_for_ceiling = None;
-    for policy in &args.policies {
-        let engines = fleet(&args).await?;
-        let config = RouterConfig::from_yaml(&router_yaml(&engines, policy))
+    for policy in &policies {
+        let engines = fleet(&args, policy).await?;
+        let config = RouterConfig::from_yaml(&router_yaml(&engines, policy, &args.kv_link))
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let router = kvroute_router::server::start(config).await?;
-        tokio::time::sleep(Duration::from_millis(300)).await; // subscribers connect
-        println!("  running {policy} ...");
+        subscribed(&router).await;
+        match pd_mode(policy) {
+            Some(_) => println!(
+                "  running {policy} ({} prefill + {} decode engines over {}) ...",
+                args.engines / 2,
+                args.engines - args.engines / 2,
+                args.kv_link
+            ),
+            None => println!("  running {policy} ..."),
+        }
         let counters_before = engine_counters(&engines).await;
         let (records, duration) = drive(
             &workload,
@@ -150,7 +247,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }
         runs.push(RunResult {
             name: policy.clone(),
-            config: serde_json::json!({"policy": policy, "workload": workload.description, "engines": args.engines, "blocks_per_engine": args.blocks_per_engine}),
+            config: serde_json::json!({"policy": policy, "workload": workload.description, "engines": args.engines, "blocks_per_engine": args.blocks_per_engine, "kv_link": pd_mode(policy).map(|_| &args.kv_link)}),
             summary,
             records,
         });
@@ -180,11 +277,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
 async fn engine_counters(engines: &[SimFleet]) -> (f64, f64) {
     let client = reqwest::Client::new();
     let (mut queries, mut hits) = (0.0, 0.0);
-    for f in engines {
-        if let Ok(resp) = client
-            .get(format!("{}/metrics", f.endpoints[0].url))
-            .send()
-            .await
+    for endpoint in engines.iter().flat_map(|f| &f.endpoints) {
+        if let Ok(resp) = client.get(format!("{}/metrics", endpoint.url)).send().await
             && let Ok(text) = resp.text().await
         {
             let sample = kvroute_vllm::metrics::parse_engine_metrics(&text);

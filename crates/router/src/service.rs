@@ -393,7 +393,13 @@ impl Router {
         })
     }
 
-    /// Plans a prepared request: every endpoint costed and ranked by core.
+    /// Plans a prepared request with every endpoint ranked and broken down (the explain API;
+    /// a gateway's subset that none of [`Router::plan`]'s ranking is in).
+    pub fn plan_every(&self, prepared: &Prepared) -> Plan {
+        self.fleet.plan_every(&prepared.features())
+    }
+
+    /// Plans a prepared request: every endpoint costed by core, the best ranked.
     pub fn plan(&self, prepared: &Prepared) -> Plan {
         let started = Instant::now();
         let plan = self.fleet.plan(&prepared.features());

@@ -73,6 +73,8 @@ impl CorePolicy {
                     "{name} needs a P/D fleet (--prefill-engines, --decode-engines)"
                 ))
             })?);
+            // Pairing reads every prefill endpoint's breakdown, not only the best few.
+            policy.fleet.rank_every_candidate(true);
             return Ok(policy);
         }
         let name = name.parse::<ProfileName>().map_err(SimulateError::Policy)?;

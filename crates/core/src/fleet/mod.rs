@@ -32,7 +32,8 @@ use crate::history::RoutingHistory;
 use crate::index::{EndpointId, IndexConfig, KvIndex, PrefixMatch, PrefixMatches, SharedIndex};
 use crate::keys::RouterKey;
 use crate::schedule::{
-    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
+    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RankBuffers, RequestInfo,
+    Role, schedule, schedule_near_best,
 };
 use crate::tiers::TierTokens;
 pub use admit::{Admission, HeldTurn};
@@ -133,11 +134,15 @@ pub struct RequestFeatures<'a> {
     pub role: Role,
 }
 
+/// Candidates a plan ranks and breaks down at least (see [`Fleet::plan`]): the winner and
+/// fallbacks enough for any retry policy in use (never fewer than its attempts).
+pub const RANKING_DEPTH: usize = 8;
+
 /// Per-endpoint facts behind a plan, for the explain API.
 #[derive(Debug, Clone, Serialize)]
 pub struct EndpointFacts {
-    /// Endpoint name.
-    pub name: String,
+    /// The endpoint (its name is in [`Fleet::endpoint`]'s spec).
+    pub endpoint: EndpointId,
     /// Passing health checks.
     pub healthy: bool,
     /// When its outlier ejection ends (router clock, seconds), if one is in force.
@@ -227,6 +232,12 @@ pub struct Fleet {
     random: crate::random::SeededRandom,
     /// The distrust last reported per endpoint by [`Fleet::trust_changes`].
     reported_trust: Vec<Option<Distrust>>,
+    /// Whether [`Fleet::plan`] ranks every candidate (see [`Fleet::rank_every_candidate`]).
+    rank_every: bool,
+    /// Per-request buffers, kept between plans: the candidates, and the ranking's.
+    candidates: Vec<Candidate>,
+    rank_buffers: RankBuffers,
+    held_blocks: Vec<u64>,
 }
 
 impl Fleet {
@@ -260,7 +271,17 @@ impl Fleet {
             round_robin: 0,
             retry_budget: outlier::RetryBudget::default(),
             random: crate::random::SeededRandom::default(),
+            rank_every: false,
+            candidates: Vec::new(),
+            rank_buffers: RankBuffers::default(),
+            held_blocks: Vec::new(),
         })
+    }
+
+    /// Makes [`Fleet::plan`] rank and break down every candidate, as [`Fleet::plan_every`]
+    /// does: for a caller that reads the whole ranking (pairing prefill with decode endpoints).
+    pub fn rank_every_candidate(&mut self, every: bool) {
+        self.rank_every = every;
     }
 
     /// The configuration.
@@ -344,24 +365,51 @@ impl Fleet {
         changes
     }
 
-    /// Plans a request at `now`: every endpoint costed and ranked. `random` is a uniformly
-    /// random `u64` (ties, sampling).
+    /// Plans a request at `now`: every endpoint costed, the best ranked. The decision's ranking
+    /// holds the winner and the next best, [`RANKING_DEPTH`] (or the retry policy's attempts,
+    /// if more) in all, and breakdowns for those: the same winner and head of the ranking as
+    /// [`Fleet::plan_every`], at a fraction of the work on a large fleet. `random` is a
+    /// uniformly random `u64` (ties, sampling).
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        let depth = (!self.rank_every).then(|| {
+            RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
+        });
+        self.plan_ranked(request, random, now, depth)
+    }
+
+    /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
+    /// broken down (the explain API).
+    pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        self.plan_ranked(request, random, now, None)
+    }
+
+    /// Plans a request, ranking the best `depth` candidates (`None`: every one).
+    fn plan_ranked(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        random: u64,
+        now: f64,
+        depth: Option<usize>,
+    ) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
         // One read of the index for both: the request's matches and each endpoint's fill.
-        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) =
-            match self.index_for_block_size(bs) {
-                Some(index) => index.read(|ix| {
-                    let held = self
-                        .endpoints
+        let mut held_blocks = std::mem::take(&mut self.held_blocks);
+        held_blocks.clear();
+        let index_matches: PrefixMatches = match self.index_for_block_size(bs) {
+            Some(index) => index.read(|ix| {
+                held_blocks.extend(
+                    self.endpoints
                         .iter()
-                        .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu))
-                        .collect();
-                    (ix.lookup(keys), held)
-                }),
-                None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
-            };
+                        .map(|e| ix.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu)),
+                );
+                ix.lookup(keys)
+            }),
+            None => {
+                held_blocks.resize(self.endpoints.len(), 0);
+                PrefixMatches::default()
+            }
+        };
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         // Both lists are in endpoint order.
@@ -374,7 +422,8 @@ impl Fleet {
         // mostly uniform); the configured rate is the prior when none is observed yet.
         let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
-        let mut candidates = Vec::with_capacity(self.endpoints.len());
+        let mut candidates = std::mem::take(&mut self.candidates);
+        candidates.clear();
         let mut facts = Vec::with_capacity(self.endpoints.len());
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
         let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
@@ -421,7 +470,7 @@ impl Fleet {
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.prefill_rate_toward(prior_rate);
             facts.push(EndpointFacts {
-                name: e.spec.name.clone(),
+                endpoint: e.id,
                 healthy: e.healthy,
                 ejected_until: e.outlier.ejected_until(now),
                 index_distrust: verdict.err(),
@@ -464,7 +513,20 @@ impl Fleet {
                 }),
         };
         self.round_robin = self.round_robin.wrapping_add(1);
-        let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);
+        let decision = match depth {
+            Some(depth) => schedule_near_best(
+                &self.profile,
+                &info,
+                &candidates,
+                random,
+                self.round_robin,
+                depth,
+                &mut self.rank_buffers,
+            ),
+            None => schedule(&self.profile, &info, &candidates, random, self.round_robin),
+        };
+        self.candidates = candidates;
+        self.held_blocks = held_blocks;
         Plan {
             decision,
             facts,

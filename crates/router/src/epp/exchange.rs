@@ -261,8 +261,13 @@ impl Exchange {
     /// Routes a planned generation request: the first endpoint of core's ranking the subset
     /// allows, recorded as dispatched there.
     fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
-        let Routed { prepared, plan } = routed;
-        let ranking = self.allowed(&plan.decision.ranking);
+        let Routed { prepared, mut plan } = routed;
+        let mut ranking = self.allowed(&plan.decision.ranking);
+        if ranking.is_empty() && self.subset.is_some() && !plan.decision.ranking.is_empty() {
+            // The plan ranks only the best few: the subset may allow one further down.
+            plan = self.router.plan_every(&prepared);
+            ranking = self.allowed(&plan.decision.ranking);
+        }
         let reason = plan.decision.reason.as_str();
         self.dispatch(&ranking, &plan.predicted_cached, &prepared, reason, true)
     }

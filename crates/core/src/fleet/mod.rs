@@ -166,7 +166,8 @@ pub struct EndpointFacts {
 pub struct Plan {
     /// The scheduler's decision.
     pub decision: Decision,
-    /// Facts per endpoint, in id order.
+    /// Facts per endpoint, in id order, from [`Fleet::plan_every`] (the explain API); empty
+    /// from [`Fleet::plan`], which routes and reads none of them.
     pub facts: Vec<EndpointFacts>,
     /// Per endpoint, the cached tokens the router expects it to report for this request (vLLM
     /// recomputes the last prompt token, so at most the full blocks of all tokens but the
@@ -378,7 +379,7 @@ impl Fleet {
     }
 
     /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
-    /// broken down (the explain API).
+    /// broken down, and the facts behind each (the explain API).
     pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
         self.plan_ranked(request, random, now, None)
     }
@@ -424,7 +425,8 @@ impl Fleet {
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
-        let mut facts = Vec::with_capacity(self.endpoints.len());
+        let explain = depth.is_none();
+        let mut facts = Vec::with_capacity(if explain { self.endpoints.len() } else { 0 });
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
         let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
         for e in &self.endpoints {
@@ -469,17 +471,19 @@ impl Fleet {
             });
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.prefill_rate_toward(prior_rate);
-            facts.push(EndpointFacts {
-                endpoint: e.id,
-                healthy: e.healthy,
-                ejected_until: e.outlier.ejected_until(now),
-                index_distrust: verdict.err(),
-                index_match,
-                history_blocks: cache.history,
-                predicted_blocks: cache.predicted,
-                load: load.clone(),
-                prefill_tokens_per_s: rate,
-            });
+            if explain {
+                facts.push(EndpointFacts {
+                    endpoint: e.id,
+                    healthy: e.healthy,
+                    ejected_until: e.outlier.ejected_until(now),
+                    index_distrust: verdict.err(),
+                    index_match,
+                    history_blocks: cache.history,
+                    predicted_blocks: cache.predicted,
+                    load: load.clone(),
+                    prefill_tokens_per_s: rate,
+                });
+            }
             let cache_fill = e.capacity_blocks.map_or(0.0, |capacity| {
                 held_blocks[e.id.0 as usize] as f64 / capacity.max(1) as f64
             });
@@ -557,7 +561,8 @@ impl Fleet {
         // than what conversations share (a new conversation, an uncached prompt). Placements
         // are what balancing evens out.
         let bs = request.block_size.max(1);
-        let shared = self.shared.shared_blocks(request.keys) * bs;
+        // Measured and recorded in one walk.
+        let shared = self.shared.record_shared(request.keys) * bs;
         let best_other = predicted_cached
             .iter()
             .enumerate()
@@ -569,7 +574,6 @@ impl Fleet {
         let placement = advantage * 4 < request.prompt_tokens.max(1);
         self.history.record(endpoint, request.keys, now);
         self.predicted.record(endpoint, request.keys, now);
-        self.shared.record(request.keys);
         if let Some(session) = request.session {
             self.sessions.set(session, endpoint);
         }

@@ -986,3 +986,33 @@ fn a_warm_up_past_its_timeout_distrusts_the_endpoints_behind() {
     );
     assert!(fleet.trust(EndpointId(0), 1.0).is_err());
 }
+
+/// On a fleet larger than the ranking, a routing plan ranks the best few (never fewer than the
+/// retry policy's attempts) with the winner and head of the explain API's full ranking.
+#[test]
+fn a_routing_plan_ranks_the_head_of_the_full_ranking() {
+    let mut builder = FleetBuilder::new(30);
+    builder.config.retry.max_attempts = 12;
+    let mut fleet = builder.build();
+    let tokens = prompt(64, 5);
+    let req = Req::new(&tokens);
+    fleet.apply_events(EndpointId(7), &[stored(&tokens, BS)], 0.0);
+    for random in 0..20 {
+        let routed = fleet.plan(&req.features(), random, 1.0);
+        let every = fleet.plan_every(&req.features(), random, 1.0);
+        assert_eq!(
+            routed.decision.ranking.len(),
+            12,
+            "the retry policy's attempts"
+        );
+        assert_eq!(every.decision.ranking.len(), 30);
+        assert_eq!(
+            routed.decision.chosen(),
+            Some(EndpointId(7)),
+            "the prefix's holder"
+        );
+        assert_eq!(routed.decision.ranking[..], every.decision.ranking[..12]);
+        assert!(routed.facts.is_empty() && every.facts.len() == 30);
+        assert_eq!(routed.predicted_cached, every.predicted_cached);
+    }
+}

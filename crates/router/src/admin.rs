@@ -280,7 +280,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
             &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
         );
     };
-    let plan = router.plan(&prepared.features());
+    let plan = router.plan_every(&prepared.features());
     let name = |id: kvroute_core::index::EndpointId| router.endpoint(id).name.clone();
     let endpoints: Vec<Value> = plan
         .decision
@@ -291,7 +291,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         .zip(&plan.predicted_tiers)
         .map(|(((a, facts), predicted), predicted_tiers)| {
             json!({
-                "endpoint": facts.name,
+                "endpoint": name(facts.endpoint),
                 "healthy": facts.healthy,
                 "ejected_for_s": facts.ejected_until.map(|until| until - router.now()),
                 "index_trusted": facts.index_distrust.is_none(),

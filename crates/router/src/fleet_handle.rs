@@ -45,6 +45,15 @@ impl FleetHandle {
         fleet.plan(features, random, now)
     }
 
+    /// Plans a request now with every endpoint ranked and broken down (see
+    /// [`Fleet::plan_every`]).
+    pub(crate) fn plan_every(&self, features: &RequestFeatures<'_>) -> Plan {
+        let now = self.now();
+        let mut fleet = self.lock();
+        let random = fleet.next_random();
+        fleet.plan_every(features, random, now)
+    }
+
     /// Polls a held request now (see [`Fleet::poll_held`]).
     pub(crate) fn poll_held(&self, features: &RequestFeatures<'_>, ticket: HoldTicket) -> HeldTurn {
         let now = self.now();

@@ -302,7 +302,14 @@ impl Router {
             .unwrap_or(ModelTokenizer::Builtin)
     }
 
-    /// Plans a prepared request (its `features`): every endpoint costed and ranked by core.
+    /// Plans a prepared request (its `features`) with every endpoint ranked and broken down
+    /// (the explain API; a gateway's subset that none of [`Router::plan`]'s ranking is in).
+    pub fn plan_every(&self, features: &RequestFeatures<'_>) -> Plan {
+        self.fleet.plan_every(features)
+    }
+
+    /// Plans a prepared request (its `features`): every endpoint costed by core, the best
+    /// ranked.
     pub fn plan(&self, features: &RequestFeatures<'_>) -> Plan {
         let started = Instant::now();
         let plan = self.fleet.plan(features);

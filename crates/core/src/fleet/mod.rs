@@ -34,7 +34,8 @@ use crate::history::RoutingHistory;
 use crate::index::{EndpointId, IndexConfig, PrefixMatch, PrefixMatches, SharedIndex};
 use crate::keys::RouterKey;
 use crate::schedule::{
-    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RequestInfo, Role, schedule,
+    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RankBuffers, RequestInfo,
+    Role, schedule, schedule_near_best,
 };
 use crate::tiers::TierTokens;
 pub use admit::{Admission, HeldTurn};
@@ -140,11 +141,15 @@ pub struct RequestFeatures<'a> {
     pub role: Role,
 }
 
+/// Candidates a plan ranks and breaks down at least (see [`Fleet::plan`]): the winner and
+/// fallbacks enough for any retry policy in use (never fewer than its attempts).
+pub const RANKING_DEPTH: usize = 8;
+
 /// Per-endpoint facts behind a plan, for the explain API.
 #[derive(Debug, Clone, Serialize)]
 pub struct EndpointFacts {
-    /// Endpoint name.
-    pub name: String,
+    /// The endpoint (its name is in [`Fleet::endpoint`]'s spec).
+    pub endpoint: EndpointId,
     /// Passing health checks.
     pub healthy: bool,
     /// When its outlier ejection ends (router clock, seconds), if one is in force.
@@ -168,7 +173,8 @@ pub struct EndpointFacts {
 pub struct Plan {
     /// The scheduler's decision.
     pub decision: Decision,
-    /// Facts per endpoint, in id order.
+    /// Facts per endpoint, in id order, from [`Fleet::plan_every`] (the explain API); empty
+    /// from [`Fleet::plan`], which routes and reads none of them.
     pub facts: Vec<EndpointFacts>,
     /// Per endpoint, the cached tokens the router expects it to report for this request (vLLM
     /// recomputes the last prompt token, so at most the full blocks of all tokens but the
@@ -242,6 +248,12 @@ pub struct Fleet {
     reported_trust: Vec<Option<Distrust>>,
     /// Prefill/decode disaggregation's state, when it is on ([`Fleet::enable_disagg`]).
     disagg: Option<disagg::DisaggState>,
+    /// Whether [`Fleet::plan`] ranks every candidate (see [`Fleet::rank_every_candidate`]).
+    rank_every: bool,
+    /// Per-request buffers, kept between plans: the candidates, and the ranking's.
+    candidates: Vec<Candidate>,
+    rank_buffers: RankBuffers,
+    held_blocks: Vec<u64>,
 }
 
 impl Fleet {
@@ -276,7 +288,17 @@ impl Fleet {
             retry_budget: outlier::RetryBudget::default(),
             random: crate::random::SeededRandom::default(),
             disagg: None,
+            rank_every: false,
+            candidates: Vec::new(),
+            rank_buffers: RankBuffers::default(),
+            held_blocks: Vec::new(),
         })
+    }
+
+    /// Makes [`Fleet::plan`] rank and break down every candidate, as [`Fleet::plan_every`]
+    /// does: for a caller that reads the whole ranking (pairing prefill with decode endpoints).
+    pub fn rank_every_candidate(&mut self, every: bool) {
+        self.rank_every = every;
     }
 
     /// The configuration.
@@ -360,9 +382,32 @@ impl Fleet {
         changes
     }
 
-    /// Plans a request at `now`: every endpoint costed and ranked. `random` is a uniformly
-    /// random `u64` (ties, sampling).
+    /// Plans a request at `now`: every endpoint costed, the best ranked. The decision's ranking
+    /// holds the winner and the next best, [`RANKING_DEPTH`] (or the retry policy's attempts,
+    /// if more) in all, and breakdowns for those: the same winner and head of the ranking as
+    /// [`Fleet::plan_every`], at a fraction of the work on a large fleet. `random` is a
+    /// uniformly random `u64` (ties, sampling).
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        let depth = (!self.rank_every).then(|| {
+            RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
+        });
+        self.plan_ranked(request, random, now, depth)
+    }
+
+    /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
+    /// broken down, and the facts behind each (the explain API).
+    pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        self.plan_ranked(request, random, now, None)
+    }
+
+    /// Plans a request, ranking the best `depth` candidates (`None`: every one).
+    fn plan_ranked(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        random: u64,
+        now: f64,
+        depth: Option<usize>,
+    ) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
         // One read of each index shard for both: the request's matches and each endpoint's fill.
@@ -384,8 +429,10 @@ impl Fleet {
         // mostly uniform); the configured rate is the prior when none is observed yet.
         let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
-        let mut candidates = Vec::with_capacity(self.endpoints.len());
-        let mut facts = Vec::with_capacity(self.endpoints.len());
+        let mut candidates = std::mem::take(&mut self.candidates);
+        candidates.clear();
+        let explain = depth.is_none();
+        let mut facts = Vec::with_capacity(if explain { self.endpoints.len() } else { 0 });
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
         let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
         for e in &self.endpoints {
@@ -430,17 +477,19 @@ impl Fleet {
             ));
             let load = e.load(now, self.config.load_sample_max_age_s);
             let rate = e.prefill_rate_toward(prior_rate);
-            facts.push(EndpointFacts {
-                name: e.spec.name.clone(),
-                healthy: e.healthy,
-                ejected_until: e.outlier.ejected_until(now),
-                index_distrust: verdict.err(),
-                index_match,
-                history_blocks: cache.history,
-                predicted_blocks: cache.predicted,
-                load: load.clone(),
-                prefill_tokens_per_s: rate,
-            });
+            if explain {
+                facts.push(EndpointFacts {
+                    endpoint: e.id,
+                    healthy: e.healthy,
+                    ejected_until: e.outlier.ejected_until(now),
+                    index_distrust: verdict.err(),
+                    index_match,
+                    history_blocks: cache.history,
+                    predicted_blocks: cache.predicted,
+                    load: load.clone(),
+                    prefill_tokens_per_s: rate,
+                });
+            }
             let cache_fill = e.capacity_blocks.map_or(0.0, |capacity| {
                 held_blocks[e.id.0 as usize] as f64 / capacity.max(1) as f64
             });
@@ -474,7 +523,20 @@ impl Fleet {
                 }),
         };
         self.round_robin = self.round_robin.wrapping_add(1);
-        let decision = schedule(&self.profile, &info, &candidates, random, self.round_robin);
+        let decision = match depth {
+            Some(depth) => schedule_near_best(
+                &self.profile,
+                &info,
+                &candidates,
+                random,
+                self.round_robin,
+                depth,
+                &mut self.rank_buffers,
+            ),
+            None => schedule(&self.profile, &info, &candidates, random, self.round_robin),
+        };
+        self.candidates = candidates;
+        self.held_blocks = held_blocks;
         Plan {
             decision,
             facts,
@@ -508,7 +570,8 @@ impl Fleet {
         // than what conversations share (a new conversation, an uncached prompt). Placements
         // are what balancing evens out.
         let bs = request.block_size.max(1);
-        let shared = self.shared.shared_blocks(request.keys) * bs;
+        // Measured and recorded in one walk.
+        let shared = self.shared.record_shared(request.keys) * bs;
         let best_other = predicted_cached
             .iter()
             .enumerate()
@@ -520,7 +583,6 @@ impl Fleet {
         let placement = advantage * 4 < request.prompt_tokens.max(1);
         self.history.record(endpoint, request.keys, now);
         self.predicted.record(endpoint, request.keys, now);
-        self.shared.record(request.keys);
         if let Some(session) = request.session {
             self.sessions.set(session, endpoint);
         }

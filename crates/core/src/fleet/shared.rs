@@ -52,14 +52,27 @@ impl SharedPrefixes {
 
     /// Records a prompt's block keys.
     pub fn record(&mut self, keys: &[RouterKey]) {
-        for pair in keys.windows(2) {
+        self.record_shared(keys);
+    }
+
+    /// Records a prompt's block keys, and returns what [`SharedPrefixes::shared_blocks`] said
+    /// of them just before: one walk along the keys for both.
+    pub fn record_shared(&mut self, keys: &[RouterKey]) -> usize {
+        // The walk of `shared_blocks`, read off each block's entry before it is updated (a
+        // prompt's chained keys do not repeat, so no entry is read after its update).
+        let (mut shared, mut walking) = (0, true);
+        for (i, pair) in keys.windows(2).enumerate() {
             let (key, child) = (pair[0], pair[1]);
             if let Some(next) = self.next.get_mut(&key) {
+                if walking && next.shared() {
+                    shared = i + 1;
+                }
                 if next.last != child {
                     next.last = child;
                     next.changes = next.changes.saturating_add(1);
                 }
             } else {
+                walking = false;
                 self.next.insert(
                     key,
                     Next {
@@ -70,11 +83,18 @@ impl SharedPrefixes {
                 self.order.push_back(key);
             }
         }
+        if walking
+            && let Some(last) = keys.last()
+            && self.next.get(last).is_some_and(Next::shared)
+        {
+            shared = keys.len();
+        }
         while self.order.len() > self.capacity {
             if let Some(old) = self.order.pop_front() {
                 self.next.remove(&old);
             }
         }
+        shared
     }
 
     /// Blocks of `keys` shared with other prompts: up to and including the deepest block
@@ -129,6 +149,30 @@ mod tests {
         s.record(&keys(&[1, 2, 10, 11, 13, 14]));
         s.record(&keys(&[1, 2, 10, 11, 13, 14, 15]));
         assert_eq!(s.shared_blocks(&keys(&[1, 2, 10, 11, 13, 14, 15, 16])), 2);
+    }
+
+    proptest::proptest! {
+        /// Recording and measuring in one walk says what measuring, then recording, says.
+        #[test]
+        fn one_walk_measures_as_the_walk_before_the_record(
+            prompts in proptest::collection::vec(proptest::collection::vec(0u64..6, 0..8), 1..40),
+        ) {
+            let (mut fused, mut apart) = (SharedPrefixes::new(20), SharedPrefixes::new(20));
+            for ids in prompts {
+                // Chained, as router keys are: a key names its whole prefix.
+                let mut chained = Vec::new();
+                let mut key = 0u64;
+                for id in ids {
+                    key = key.wrapping_mul(31).wrapping_add(id + 1);
+                    chained.push(key);
+                }
+                let keys = keys(&chained);
+                let before = apart.shared_blocks(&keys);
+                apart.record(&keys);
+                proptest::prop_assert_eq!(fused.record_shared(&keys), before);
+                proptest::prop_assert_eq!(fused.len(), apart.len());
+            }
+        }
     }
 
     #[test]

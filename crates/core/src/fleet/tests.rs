@@ -200,7 +200,7 @@ fn send_to(fleet: &mut Fleet, req: &Req, endpoint: EndpointId, now: f64) -> Disp
 
 /// The rate each endpoint is costed at now.
 fn costed_rates(fleet: &mut Fleet, now: f64) -> Vec<f64> {
-    let plan = fleet.plan(&Req::new(&prompt(64, 999)).features(), 7, now);
+    let plan = fleet.plan_every(&Req::new(&prompt(64, 999)).features(), 7, now);
     plan.facts.iter().map(|f| f.prefill_tokens_per_s).collect()
 }
 
@@ -335,7 +335,7 @@ fn forgetting_an_endpoint_drops_everything_known_of_its_cache() {
     assert_eq!(plan.predicted_cached[e.0 as usize], 784);
     // The engine restarted (or was ejected, or its pod left).
     fleet.forget_endpoint(e, 0.04);
-    let plan = fleet.plan(&req.features(), 1, 0.05);
+    let plan = fleet.plan_every(&req.features(), 1, 0.05);
     assert_eq!(
         plan.predicted_cached,
         vec![0, 0],
@@ -358,7 +358,7 @@ fn health_ejection_forgets_and_restoration_needs_consecutive_passes() {
         Some(HealthChange::Ejected)
     );
     let req = Req::new(&tokens);
-    let plan = fleet.plan(&req.features(), 1, 2.1);
+    let plan = fleet.plan_every(&req.features(), 1, 2.1);
     assert_eq!(plan.decision.ranking, vec![EndpointId(1)]);
     assert!(plan.facts[0].index_match.is_none());
     assert_eq!(fleet.health_check(EndpointId(0), true, 3.0), None);
@@ -380,17 +380,23 @@ fn a_prediction_retires_shortly_after_the_first_token() {
     let (_, mut d) = send(&mut fleet, &req, 0.0);
     let e = d.endpoint.0 as usize;
     assert_eq!(
-        fleet.plan(&req.features(), 1, 1.0).facts[e].predicted_blocks,
+        fleet.plan_every(&req.features(), 1, 1.0).facts[e].predicted_blocks,
         40
     );
     fleet.first_token(&mut d, true, 2.0);
     let grace = fleet.config().prediction_grace_s;
     assert_eq!(
-        fleet.plan(&req.features(), 1, 2.0 + grace / 2.0).facts[e].predicted_blocks,
+        fleet
+            .plan_every(&req.features(), 1, 2.0 + grace / 2.0)
+            .facts[e]
+            .predicted_blocks,
         40
     );
     assert_eq!(
-        fleet.plan(&req.features(), 1, 2.0 + grace * 2.0).facts[e].predicted_blocks,
+        fleet
+            .plan_every(&req.features(), 1, 2.0 + grace * 2.0)
+            .facts[e]
+            .predicted_blocks,
         0
     );
     fleet.finished(d, None, 3.0);
@@ -456,7 +462,7 @@ fn each_model_matches_with_its_own_block_size() {
     fleet.apply_events(EndpointId(1), &[stored(&tokens, 32)], 0.0);
     let mut req = Req::sized(&tokens, 32);
     req.model = "big";
-    let plan = fleet.plan(&req.features(), 1, 0.1);
+    let plan = fleet.plan_every(&req.features(), 1, 0.1);
     assert_eq!(
         plan.decision.ranking,
         vec![EndpointId(1)],
@@ -564,7 +570,7 @@ fn failing_requests_eject_an_endpoint_for_a_while_without_forgetting_its_cache()
         let e = fleet.upstream_result(EndpointId(0), UpstreamOutcome::Failure, 1.0);
         assert_eq!(e.is_some(), i + 1 == n);
     }
-    let plan = fleet.plan(&req.features(), 7, 1.5);
+    let plan = fleet.plan_every(&req.features(), 7, 1.5);
     assert_ne!(plan.decision.chosen(), Some(EndpointId(0)));
     let a = plan.decision.assessment(EndpointId(0)).unwrap();
     assert_eq!(a.rejected, Some(crate::schedule::Rejection::Ejected));
@@ -681,7 +687,7 @@ fn a_peer_replicas_dispatch_steers_the_next_same_prefix_request_without_load() {
     let req = Req::new(&prompt(2000, 9));
     // Another replica sent it to e2 a moment ago: its blocks are not stored yet.
     fleet.peer_dispatched(&req.features(), EndpointId(2), true, 0.0);
-    let plan = fleet.plan(&req.features(), 3, 0.01);
+    let plan = fleet.plan_every(&req.features(), 3, 0.01);
     assert_eq!(plan.decision.chosen(), Some(EndpointId(2)));
     assert_eq!(plan.facts[2].predicted_blocks, 125);
     // The placement counts there; the in-flight load stays the sender's.
@@ -694,7 +700,7 @@ fn a_peer_replicas_dispatch_steers_the_next_same_prefix_request_without_load() {
     assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
     // Without the engine's events, the prediction ends soon after the prefill would have
     // (2,000 tokens at the assumed 20,000 tokens/s: 0.2 s twice, plus the grace).
-    let plan = fleet.plan(&req.features(), 3, 1.0);
+    let plan = fleet.plan_every(&req.features(), 3, 1.0);
     assert_eq!(plan.facts[2].predicted_blocks, 0);
 }
 
@@ -775,7 +781,7 @@ fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
     for i in 0..3 {
         send(&mut fleet, &Req::new(&prompt(4096, 100 + i)), 0.0);
     }
-    let plan = fleet.plan(&Req::new(&doc).features(), 1, 0.0);
+    let plan = fleet.plan_every(&Req::new(&doc).features(), 1, 0.0);
     let m1 = plan.facts[1].index_match.unwrap();
     assert_eq!((m1.blocks, m1.shared_blocks), (64, 64));
     assert!(
@@ -805,14 +811,14 @@ fn an_endpoint_joining_later_mounts_what_its_spec_says_even_in_a_reused_slot() {
     let mut mounted = spec("joined", BS);
     mounted.offload = lustre();
     let joined = fleet.add_endpoint(mounted, 1.0).unwrap();
-    let plan = fleet.plan(&Req::new(&doc).features(), 1, 1.0);
+    let plan = fleet.plan_every(&Req::new(&doc).features(), 1, 1.0);
     let m = plan.facts[joined.0 as usize].index_match.unwrap();
     assert_eq!(m.shared_blocks, 64);
     // It leaves, and a pod without the mount takes its slot: no shared credit there.
     assert!(fleet.remove_endpoint(joined, 2.0));
     let again = fleet.add_endpoint(spec("unmounted", BS), 3.0).unwrap();
     assert_eq!(again, joined, "the slot is reused");
-    let plan = fleet.plan(&Req::new(&doc).features(), 1, 3.0);
+    let plan = fleet.plan_every(&Req::new(&doc).features(), 1, 3.0);
     assert!(plan.facts[again.0 as usize].index_match.is_none());
 }
 
@@ -1189,7 +1195,7 @@ fn a_sharded_index_plans_as_one_index_does() {
                 0.0,
             );
         }
-        let plan = fleet.plan(&Req::new(&tokens).features(), 3, 0.1);
+        let plan = fleet.plan_every(&Req::new(&tokens).features(), 3, 0.1);
         let matches: Vec<_> = plan.facts.iter().map(|f| f.index_match).collect();
         (plan.decision.ranking, plan.predicted_cached, matches)
     };
@@ -1200,4 +1206,34 @@ fn a_sharded_index_plans_as_one_index_does() {
         "the last holds the whole prompt"
     );
     assert_eq!(plan_with(3), one);
+}
+
+/// On a fleet larger than the ranking, a routing plan ranks the best few (never fewer than the
+/// retry policy's attempts) with the winner and head of the explain API's full ranking.
+#[test]
+fn a_routing_plan_ranks_the_head_of_the_full_ranking() {
+    let mut builder = FleetBuilder::new(30);
+    builder.config.retry.max_attempts = 12;
+    let mut fleet = builder.build();
+    let tokens = prompt(64, 5);
+    let req = Req::new(&tokens);
+    fleet.apply_events(EndpointId(7), &[stored(&tokens, BS)], 0.0);
+    for random in 0..20 {
+        let routed = fleet.plan(&req.features(), random, 1.0);
+        let every = fleet.plan_every(&req.features(), random, 1.0);
+        assert_eq!(
+            routed.decision.ranking.len(),
+            12,
+            "the retry policy's attempts"
+        );
+        assert_eq!(every.decision.ranking.len(), 30);
+        assert_eq!(
+            routed.decision.chosen(),
+            Some(EndpointId(7)),
+            "the prefix's holder"
+        );
+        assert_eq!(routed.decision.ranking[..], every.decision.ranking[..12]);
+        assert!(routed.facts.is_empty() && every.facts.len() == 30);
+        assert_eq!(routed.predicted_cached, every.predicted_cached);
+    }
 }

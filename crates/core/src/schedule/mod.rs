@@ -13,6 +13,7 @@
 
 pub mod cost;
 pub mod disagg;
+mod near_best;
 mod picker;
 mod profile;
 mod ring;
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::index::{EndpointId, PrefixMatch};
 pub use cost::Cost;
+pub use near_best::{RankBuffers, schedule_near_best};
 pub use picker::Picker;
 pub use profile::{
     BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
@@ -262,9 +264,11 @@ impl Reason {
 /// The scheduler's answer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Decision {
-    /// Candidates that competed, best first (the first is the choice; the rest are fallbacks).
+    /// Candidates that competed, best first (the first is the choice; the rest are fallbacks):
+    /// every one from [`schedule`], the best few from [`schedule_near_best`].
     pub ranking: Vec<EndpointId>,
-    /// Every candidate's breakdown, in input order.
+    /// The candidates' breakdowns, in input order: every candidate's from [`schedule`], the
+    /// ranked ones' from [`schedule_near_best`].
     pub assessments: Vec<Assessment>,
     /// Why the first was chosen.
     pub reason: Reason,
@@ -323,7 +327,26 @@ fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {
         || (load.kv_usage.unwrap_or(0.0) >= s.kv_usage && load.waiting.unwrap_or(0.0) > 0.0)
 }
 
-/// Ranks `candidates` for `request` under `profile`. `random` is a uniformly random `u64`
+/// One candidate's breakdown.
+fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Assessment {
+    let (cost, cached) = cost::assess(profile, request, c);
+    Assessment {
+        endpoint: c.endpoint,
+        rejected: rejection(profile, request, c),
+        cached_tokens: cached.all,
+        gpu_tokens: cached.gpu,
+        tier_uncertain: c.cache.tier_uncertain && cached.all > cached.gpu,
+        predicted_ttft_s: cost.predicted_ttft_s(),
+        cost,
+        saturated: saturated(profile, &c.load),
+        recent_placements: c.load.recent_placements.max(0.0),
+        requests: f64::from(c.load.inflight)
+            .max(c.load.running.unwrap_or(0.0) + c.load.waiting.unwrap_or(0.0)),
+        cache_fill: c.cache_fill,
+    }
+}
+
+/// Ranks every one of `candidates` for `request` under `profile`. `random` is a uniformly random `u64`
 /// (tie-breaking and sampling); `round_robin` a counter the caller increments.
 pub fn schedule(
     profile: &Profile,
@@ -334,23 +357,7 @@ pub fn schedule(
 ) -> Decision {
     let assessments: Vec<Assessment> = candidates
         .iter()
-        .map(|c| {
-            let (cost, cached) = cost::assess(profile, request, c);
-            Assessment {
-                endpoint: c.endpoint,
-                rejected: rejection(profile, request, c),
-                cached_tokens: cached.all,
-                gpu_tokens: cached.gpu,
-                tier_uncertain: c.cache.tier_uncertain && cached.all > cached.gpu,
-                predicted_ttft_s: cost.predicted_ttft_s(),
-                cost,
-                saturated: saturated(profile, &c.load),
-                recent_placements: c.load.recent_placements.max(0.0),
-                requests: f64::from(c.load.inflight)
-                    .max(c.load.running.unwrap_or(0.0) + c.load.waiting.unwrap_or(0.0)),
-                cache_fill: c.cache_fill,
-            }
-        })
+        .map(|c| assess(profile, request, c))
         .collect();
     let competing: Vec<usize> = (0..assessments.len())
         .filter(|&i| assessments[i].rejected.is_none())

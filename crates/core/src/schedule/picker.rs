@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ring;
-use super::{Assessment, BalanceTolerance, Reason};
+use super::{Assessment, BalanceTolerance, Cost, Reason};
 
 /// How the winner is chosen.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -55,7 +55,7 @@ impl Picker {
 }
 
 /// A deterministic per-candidate shuffle key from the random input.
-fn tie_key(random: u64, endpoint: u32) -> u64 {
+pub(super) fn tie_key(random: u64, endpoint: u32) -> u64 {
     let mut x = random ^ (u64::from(endpoint).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
@@ -182,7 +182,7 @@ fn balance(
             Reason::Tie
         } else {
             // Placements were equal: the cheapest of the near-equal ones won on its cost.
-            let reason = why_cheaper(assessments, order[0], order[1]);
+            let reason = why_cheaper(&assessments[order[0]].cost, &assessments[order[1]].cost);
             return (order, reason);
         };
         let at = order
@@ -193,14 +193,13 @@ fn balance(
         order.insert(0, chosen);
         return (order, reason);
     }
-    let reason = why_cheaper(assessments, order[0], order[1]);
+    let reason = why_cheaper(&assessments[order[0]].cost, &assessments[order[1]].cost);
     (order, reason)
 }
 
-/// Whether `winner` beat `runner_up` mostly through what it holds, its headroom, or the
-/// session credit.
-fn why_cheaper(assessments: &[Assessment], winner: usize, runner_up: usize) -> Reason {
-    let (w, r) = (&assessments[winner].cost, &assessments[runner_up].cost);
+/// Whether the winner (cost `w`) beat the runner-up (cost `r`) mostly through what it holds,
+/// its headroom, or the session credit.
+pub(super) fn why_cheaper(w: &Cost, r: &Cost) -> Reason {
     let cache_gain =
         (r.prefill_s + r.tier_load_s + r.eviction_s) - (w.prefill_s + w.tier_load_s + w.eviction_s);
     let load_gain = (r.queue_s + r.decode_interference_s) - (w.queue_s + w.decode_interference_s);

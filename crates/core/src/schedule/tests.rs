@@ -659,3 +659,72 @@ fn prefix_hash_keeps_a_prefix_home_and_overflows_past_the_load_bound() {
     assert_eq!(d.reason, Reason::PrefixHash);
     assert_eq!(d.ranking.len(), 4, "every endpoint stays a fallback");
 }
+
+/// One endpoint of a fleet for the near-best property test: (cached blocks, placements, queued
+/// prefill tokens, running decodes, free blocks, state: 0 healthy, 1 unhealthy, 2 circuit open,
+/// 3 session endpoint).
+type Shape = (u32, u8, u64, u8, Option<u8>, u8);
+
+fn arb_shape() -> impl Strategy<Value = Shape> {
+    (
+        prop_oneof![3 => Just(0u32), 1 => 0u32..40],
+        0u8..4,
+        prop_oneof![2 => Just(0u64), 1 => 0u64..6_000],
+        prop_oneof![2 => Just(0u8), 1 => 0u8..8],
+        proptest::option::of(0u8..60),
+        prop_oneof![8 => Just(0u8), 1 => 1u8..4],
+    )
+}
+
+fn shaped(i: usize, shape: &Shape) -> Candidate {
+    let &(blocks, placements, queued, decoding, free, state) = shape;
+    let mut c = candidate(i as u32);
+    if blocks > 0 {
+        c.cache.index = gpu_match(i as u32, blocks);
+    }
+    // Few distinct values, so that many costs and placements tie, as in an idle fleet.
+    c.load.recent_placements = f64::from(placements) * 0.5;
+    busy(&mut c, u32::from(queued > 0), queued);
+    c.load.running = Some(f64::from(decoding));
+    c.cache.free_blocks = free.map(f64::from);
+    c.cache.capacity_blocks = free.map(|_| 100.0);
+    c.cache.block_reuse = 0.5;
+    c.healthy = state != 1;
+    c.circuit_open = state == 2;
+    c
+}
+
+proptest! {
+    /// Ranking only the near-best candidates changes nothing that is read: the same winner,
+    /// reason and saturation as ranking every candidate, the same head of the ranking, and the
+    /// same breakdowns for the candidates it ranks.
+    #[test]
+    fn the_near_best_ranking_is_the_head_of_the_exhaustive_one(
+        fleet in proptest::collection::vec(arb_shape(), 1..40),
+        depth in 2usize..6,
+        prompt in 16usize..800,
+        relative in prop_oneof![Just(0.05f64), 0.0f64..0.5],
+        random: u64,
+    ) {
+        let cands: Vec<Candidate> = fleet.iter().enumerate().map(|(i, s)| shaped(i, s)).collect();
+        let mut req = request(prompt);
+        req.session_endpoint = fleet.iter().position(|s| s.5 == 3).map(|i| EndpointId(i as u32));
+        let mut profile = Profile::default();
+        profile.balance.relative = relative;
+        let every = schedule(&profile, &req, &cands, random, 0);
+        let mut buffers = RankBuffers::default();
+        let near = schedule_near_best(&profile, &req, &cands, random, 0, depth, &mut buffers);
+        prop_assert_eq!(near.chosen(), every.chosen());
+        prop_assert_eq!(near.reason, every.reason);
+        prop_assert_eq!(near.saturated, every.saturated);
+        let head = near.ranking.len();
+        prop_assert!(head == every.ranking.len() || head == depth);
+        prop_assert_eq!(Some(&near.ranking[..]), every.ranking.get(..head));
+        for a in &near.assessments {
+            prop_assert_eq!(Some(a), every.assessment(a.endpoint));
+        }
+        for id in &near.ranking {
+            prop_assert!(near.assessment(*id).is_some(), "a ranked candidate is broken down");
+        }
+    }
+}

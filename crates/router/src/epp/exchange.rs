@@ -266,7 +266,14 @@ impl Exchange {
     /// Routes a planned generation request: the first endpoint of core's ranking the subset
     /// allows, recorded as dispatched there.
     fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
-        let Routed { prepared, plan } = routed;
+        let Routed { prepared, mut plan } = routed;
+        if self.subset.is_some()
+            && !plan.decision.ranking.is_empty()
+            && self.allowed(&plan.decision.ranking).is_empty()
+        {
+            // The plan ranks only the best few: the subset may allow one further down.
+            plan = self.router.plan_every(&prepared.features());
+        }
         let (ranking, prefill) = crate::pd::header_mode(&self.router, &prepared, &plan);
         self.prefiller = prefill.map(|id| self.router.endpoint(id).authority.to_string());
         let mut leg = Leg::planned(plan);

@@ -12,6 +12,12 @@
 //! writes each block there when it is computed (as llm-d's filesystem offload stores every
 //! block, so other engines can load it at once) and again on eviction if the filesystem has
 //! dropped it meanwhile, and finds blocks other engines wrote.
+//!
+//! Block state is allocated as blocks are first used, so a pool's memory follows the blocks it
+//! has held, not its capacity: a fleet of large caches that a trace fills only in part stays
+//! small. Blocks never used yet are free, hold nothing, and are taken in id order after the
+//! blocks freed without cached content and before any cached block is evicted, exactly as
+//! if they had all been queued at the start.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -43,10 +49,15 @@ struct Block {
 #[derive(Debug)]
 pub struct BlockPool {
     block_size: usize,
+    /// Blocks in the pool.
+    capacity: usize,
+    /// The state of the blocks used so far: ids `0..blocks.len()`. Ids from `blocks.len()` to
+    /// `capacity` were never used: free, without content, and not in `free`.
     blocks: Vec<Block>,
-    /// The free queue, taken from its lowest stamp: blocks without cached content at the front
-    /// (stamps below `FRONT`, most recently freed first), then cached ones by the order they
-    /// were freed (least recently freed first).
+    /// The free queue of blocks used so far, taken from its lowest stamp: blocks without
+    /// cached content at the front (stamps below `FRONT`, most recently freed first), then (the
+    /// never-used blocks, in id order, and then) cached ones by the order they were freed (least
+    /// recently freed first).
     free: BTreeMap<u64, BlockId>,
     stamp: u64,
     front_stamp: u64,
@@ -117,11 +128,14 @@ impl BlockPool {
         Self::with_tiers(block_size, gpu_blocks, OffloadTiers::new(cpu_blocks, 0))
     }
 
-    /// A pool of `gpu_blocks` blocks above the given (empty) offload tiers.
+    /// A pool of `gpu_blocks` blocks above the given (empty) offload tiers. Nothing is
+    /// allocated per block until the block is first used.
     pub fn with_tiers(block_size: usize, gpu_blocks: usize, offload: OffloadTiers) -> Self {
-        let mut pool = Self {
+        Self {
             block_size,
-            blocks: vec![Block::default(); gpu_blocks],
+            // Block ids are `u32`: a larger pool is capped there.
+            capacity: gpu_blocks.min(BlockId::MAX as usize),
+            blocks: Vec::new(),
             free: BTreeMap::new(),
             stamp: FRONT,
             front_stamp: FRONT,
@@ -129,11 +143,25 @@ impl BlockPool {
             offload,
             shared: None,
             events: Vec::new(),
-        };
-        for id in 0..gpu_blocks as BlockId {
-            pool.push_free(id);
         }
-        pool
+    }
+
+    /// Blocks never used yet (all free).
+    fn unused(&self) -> usize {
+        self.capacity - self.blocks.len()
+    }
+
+    /// The next block to allocate, off the free queue: one freed without cached content, else
+    /// one never used, else the least recently freed cached one.
+    fn take_free(&mut self) -> Option<BlockId> {
+        let front = self.free.first_key_value().map(|(&stamp, _)| stamp);
+        if front.is_some_and(|stamp| stamp < FRONT) || self.unused() == 0 {
+            return self.free.pop_first().map(|(_, id)| id);
+        }
+        // Below the capacity, which fits a block id.
+        let id = self.blocks.len() as BlockId;
+        self.blocks.push(Block::default());
+        Some(id)
     }
 
     fn push_free(&mut self, id: BlockId) {
@@ -158,20 +186,20 @@ impl BlockPool {
 
     /// Blocks in the GPU pool.
     pub fn capacity(&self) -> usize {
-        self.blocks.len()
+        self.capacity
     }
 
     /// Blocks that can be allocated now (free, cached or not).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.unused()
     }
 
     /// vLLM's `kv_cache_usage_perc`: 1 - free/total, where evictable cached blocks count as free.
     pub fn usage(&self) -> f64 {
-        if self.blocks.is_empty() {
+        if self.capacity == 0 {
             return 0.0;
         }
-        1.0 - self.free.len() as f64 / self.blocks.len() as f64
+        1.0 - self.free_blocks() as f64 / self.capacity as f64
     }
 
     /// Distinct block contents in the GPU prefix cache.
@@ -231,12 +259,12 @@ impl BlockPool {
     /// Allocates `n` fresh blocks, evicting the least recently freed cached content; `None`
     /// (and nothing changed) when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
-        if self.free.len() < n {
+        if self.free_blocks() < n {
             return None;
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let (_, id) = self.free.pop_first().expect("counted above");
+            let id = self.take_free().expect("counted above");
             let block = &mut self.blocks[id as usize];
             block.free_stamp = None;
             block.ref_count = 1;
@@ -337,7 +365,7 @@ impl BlockPool {
 
     /// Empties the prefix cache (vLLM's `reset_prefix_cache`); refused while blocks are in use.
     pub fn reset(&mut self) -> bool {
-        if self.free.len() != self.blocks.len() {
+        if self.free_blocks() != self.capacity {
             return false;
         }
         for block in &mut self.blocks {

@@ -113,6 +113,8 @@ impl Fleet {
     /// Turns P/D pricing on with `config` (learned links start over).
     pub fn enable_disagg(&mut self, config: DisaggConfig) {
         self.disagg = Some(DisaggState::new(config));
+        // Pairing reads every prefill endpoint's breakdown, not only the best few.
+        self.rank_every_candidate(true);
     }
 
     /// The P/D configuration, when P/D is on.

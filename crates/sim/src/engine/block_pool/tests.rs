@@ -132,3 +132,120 @@ fn an_index_fed_the_pools_events_sees_an_offloaded_block_on_the_cpu() {
     assert_eq!((stats.blocks_gpu, stats.blocks_cpu), (0, 2), "{stats:?}");
     assert_eq!(stats.offload_orphans, 0);
 }
+
+#[test]
+fn block_state_follows_the_blocks_used_not_the_capacity() {
+    let mut pool = BlockPool::new(4, 1_000_000, 0);
+    assert_eq!(pool.blocks.len(), 0, "nothing allocated up front");
+    let a = pool.allocate(3).unwrap();
+    assert_eq!(a, vec![0, 1, 2], "never-used blocks are taken in id order");
+    assert_eq!(pool.blocks.len(), 3);
+    assert_eq!(pool.free_blocks(), 999_997);
+    pool.free(&a);
+    // Freed without content: reused (tail first) before any never-used block.
+    assert_eq!(pool.allocate(2).unwrap(), vec![2, 1]);
+    assert_eq!(pool.blocks.len(), 3);
+}
+
+/// The pool's allocation order, as it was when every block's state was made up front: one
+/// free queue of all blocks, never-used ones queued in id order at the start.
+struct EagerModel {
+    ref_count: Vec<u32>,
+    cached: Vec<bool>,
+    stamp_of: Vec<Option<u64>>,
+    free: BTreeMap<u64, BlockId>,
+    stamp: u64,
+    front: u64,
+}
+
+impl EagerModel {
+    fn new(n: usize) -> Self {
+        let mut m = Self {
+            ref_count: vec![0; n],
+            cached: vec![false; n],
+            stamp_of: vec![None; n],
+            free: BTreeMap::new(),
+            stamp: FRONT,
+            front: FRONT,
+        };
+        for id in 0..n as BlockId {
+            m.stamp_of[id as usize] = Some(m.stamp);
+            m.free.insert(m.stamp, id);
+            m.stamp += 1;
+        }
+        m
+    }
+
+    fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if self.free.len() < n {
+            return None;
+        }
+        let ids: Vec<BlockId> = (0..n).map(|_| self.free.pop_first().unwrap().1).collect();
+        for &id in &ids {
+            self.stamp_of[id as usize] = None;
+            self.ref_count[id as usize] = 1;
+            self.cached[id as usize] = false;
+        }
+        Some(ids)
+    }
+
+    fn free(&mut self, ids: &[BlockId]) {
+        let mut uncached = Vec::new();
+        for &id in ids.iter().rev() {
+            let i = id as usize;
+            self.ref_count[i] -= 1;
+            if self.ref_count[i] == 0 {
+                if self.cached[i] {
+                    self.stamp_of[i] = Some(self.stamp);
+                    self.free.insert(self.stamp, id);
+                    self.stamp += 1;
+                } else {
+                    uncached.push(id);
+                }
+            }
+        }
+        for &id in uncached.iter().rev() {
+            self.front -= 1;
+            self.stamp_of[id as usize] = Some(self.front);
+            self.free.insert(self.front, id);
+        }
+    }
+}
+
+proptest::proptest! {
+    /// Whatever is allocated, cached and freed, the lazily allocated pool hands out the very
+    /// blocks, in the very order, that a pool with every block queued up front would.
+    #[test]
+    fn lazy_state_allocates_as_an_eager_pool(
+        ops in proptest::collection::vec((0usize..6, proptest::bool::ANY, 0usize..8), 1..60),
+    ) {
+        const CAPACITY: usize = 24;
+        let mut pool = BlockPool::new(4, CAPACITY, 0);
+        let mut model = EagerModel::new(CAPACITY);
+        let mut held: Vec<Vec<BlockId>> = Vec::new();
+        let mut salt = 100;
+        for (n, cache, pick) in ops {
+            if held.is_empty() || n > 0 {
+                let got = pool.allocate(n);
+                proptest::prop_assert_eq!(&got, &model.allocate(n));
+                let Some(ids) = got else { continue };
+                if cache && !ids.is_empty() {
+                    salt += 1;
+                    let (d, t) = digests(ids.len(), salt);
+                    pool.cache_full_blocks(&ids, full(&d, &t, &vec![None; d.len()]));
+                    for &id in &ids {
+                        model.cached[id as usize] = true;
+                    }
+                }
+                held.push(ids);
+            }
+            if !held.is_empty() && (n == 0 || pick % 2 == 0) {
+                let ids = held.swap_remove(pick % held.len());
+                pool.free(&ids);
+                model.free(&ids);
+            }
+            proptest::prop_assert_eq!(pool.free_blocks(), model.free.len());
+            proptest::prop_assert!(pool.blocks.len() <= CAPACITY);
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Ranking only the near-best candidates: the winner, the reason and the head of the ranking
+//! that [`schedule`] gives, with the work per candidate cut to its cost.
+//!
+//! Every competing candidate's cost is still computed (arithmetic on its state, no
+//! allocation): the winner is the cheapest or, among the near-equal costs, the fewest recent
+//! placements, and an idle fleet has hundreds of near-equal endpoints, so no candidate can be
+//! skipped without changing some decision. What is no longer done per candidate: the
+//! breakdown (an [`Assessment`], each term and tier), and sorting the whole fleet. A plan's
+//! ranking is a retry list and only its head is read, so only the best `depth` candidates are
+//! ranked and broken down. Pickers other than the cheapest read every candidate (sampling,
+//! rotation, the hash ring): for them, and when `depth` covers every competitor, this is
+//! [`schedule`] itself.
+
+use std::cmp::Ordering;
+
+use super::picker::{tie_key, why_cheaper};
+use super::{
+    Assessment, Candidate, Decision, Picker, Profile, Reason, RequestInfo, assess, cost, rejection,
+    saturated, schedule,
+};
+
+/// A competing candidate's standing: what ranking and balancing compare.
+#[derive(Clone, Copy, Debug)]
+struct Standing {
+    /// Its position among the candidates.
+    at: usize,
+    /// Its weighted cost, seconds.
+    total: f64,
+    /// Its random tie-break key.
+    tie: u64,
+    /// Its recent placements (not negative).
+    placements: f64,
+    /// Prompt tokens it holds.
+    cached: usize,
+}
+
+/// Cost order, exact ties broken at random: the order [`schedule`] ranks in.
+fn by_cost(a: &Standing, b: &Standing) -> Ordering {
+    a.total.total_cmp(&b.total).then(a.tie.cmp(&b.tie))
+}
+
+/// Buffers [`schedule_near_best`] reuses: keep one per scheduler, so that a decision allocates
+/// nothing per candidate.
+#[derive(Debug, Default)]
+pub struct RankBuffers {
+    standings: Vec<Standing>,
+}
+
+/// Ranks the best `depth` (at least 2) of `candidates` for `request` under `profile`: the
+/// same winner, reason, saturation and first `depth` of the ranking as [`schedule`], with
+/// breakdowns for the ranked candidates only. `random` and `round_robin` as for [`schedule`].
+pub fn schedule_near_best(
+    profile: &Profile,
+    request: &RequestInfo,
+    candidates: &[Candidate],
+    random: u64,
+    round_robin: u64,
+    depth: usize,
+    buffers: &mut RankBuffers,
+) -> Decision {
+    let depth = depth.max(2);
+    if profile.picker != Picker::Cheapest || candidates.len() <= depth {
+        return schedule(profile, request, candidates, random, round_robin);
+    }
+    let standings = &mut buffers.standings;
+    standings.clear();
+    let mut all_saturated = true;
+    for (at, c) in candidates.iter().enumerate() {
+        if rejection(profile, request, c).is_some() {
+            continue;
+        }
+        let (cost, cached) = cost::assess(profile, request, c);
+        all_saturated &= saturated(profile, &c.load);
+        standings.push(Standing {
+            at,
+            total: cost.total_s,
+            tie: tie_key(random, c.endpoint.0),
+            placements: c.load.recent_placements.max(0.0),
+            cached: cached.all,
+        });
+    }
+    if standings.len() <= depth {
+        // Every competitor is ranked anyway (and a fleet with none competing reports why).
+        return schedule(profile, request, candidates, random, round_robin);
+    }
+    let cheapest = *standings
+        .iter()
+        .min_by(|a, b| by_cost(a, b))
+        .expect("more competitors than the depth");
+    // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
+    // as the cheapest, the fewest placements win, the cheaper (then the random key) first.
+    let tolerance = &profile.balance;
+    let limit =
+        cheapest.total + tolerance.relative * cheapest.total.max(0.0) + tolerance.absolute_s;
+    let near = |s: &Standing| s.total <= limit && s.cached >= cheapest.cached;
+    let mut near_count = 0usize;
+    let mut fewest = cheapest;
+    for s in standings.iter().filter(|s| near(s)) {
+        near_count += 1;
+        if s.placements
+            .total_cmp(&fewest.placements)
+            .then_with(|| by_cost(s, &fewest))
+            .is_lt()
+        {
+            fewest = *s;
+        }
+    }
+    let (all_equal, all_tied) =
+        standings
+            .iter()
+            .filter(|s| near(s))
+            .fold((true, true), |(equal, tied), s| {
+                (
+                    equal && (s.placements - fewest.placements).abs() < 1e-9,
+                    tied && (s.total - cheapest.total).abs() < 1e-12,
+                )
+            });
+    // The head of the cost order.
+    standings.select_nth_unstable_by(depth - 1, by_cost);
+    let head = &mut standings[..depth];
+    head.sort_unstable_by(by_cost);
+    let mut ranked: Vec<usize> = head.iter().map(|s| s.at).collect();
+    let cost_of = |at: usize| cost::assess(profile, request, &candidates[at]).0;
+    let reason = if near_count > 1 && (!all_equal || all_tied) {
+        // The fewest placements move to the front.
+        if let Some(position) = ranked.iter().position(|&at| at == fewest.at) {
+            ranked.remove(position);
+        } else {
+            ranked.pop();
+        }
+        ranked.insert(0, fewest.at);
+        if all_equal {
+            Reason::Tie
+        } else {
+            Reason::Balance
+        }
+    } else {
+        why_cheaper(&cost_of(ranked[0]), &cost_of(ranked[1]))
+    };
+    let mut broken_down = ranked.clone();
+    broken_down.sort_unstable();
+    let assessments: Vec<Assessment> = broken_down
+        .iter()
+        .map(|&at| assess(profile, request, &candidates[at]))
+        .collect();
+    Decision {
+        ranking: ranked.iter().map(|&at| candidates[at].endpoint).collect(),
+        assessments,
+        reason,
+        saturated: all_saturated,
+    }
+}

@@ -144,44 +144,47 @@ fn demo_runs_and_the_index_matches_the_engines() {
     );
 }
 
-/// `kvroute demo --pd`: the same engines split into a prefill and a decode half, the router
-/// running both legs; every request answered, and answered by the decode engine.
-#[test]
-fn a_pd_demo_serves_every_request_from_the_decode_half() {
-    let out = std::env::temp_dir().join(format!("kvroute-demo-pd-test-{}", std::process::id()));
-    let output = kvroute(
-        &[
-            "demo",
-            "--pd",
-            "--engines",
-            "2",
-            "--users",
-            "4",
-            "--turns",
-            "2",
-            "--rate",
-            "8",
-            "--blocks-per-engine",
-            "600",
-            "--policies",
-            "pd-always,pd-cost",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        "",
-    );
+/// A small `kvroute demo` (2 engines, 4 conversations of 2 turns) with `extra` arguments,
+/// writing to `out`: its standard output and the runs of its `demo.json`, once it succeeded.
+fn short_demo(extra: &[&str], out: &std::path::Path) -> (String, Vec<serde_json::Value>) {
+    let mut args = vec![
+        "demo",
+        "--engines",
+        "2",
+        "--users",
+        "4",
+        "--turns",
+        "2",
+        "--rate",
+        "8",
+        "--blocks-per-engine",
+        "600",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let output = kvroute(&args, "");
     let text = stdout(&output);
     assert!(
         output.status.success(),
         "{text}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    let runs =
+        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
+    (text, runs)
+}
+
+/// `kvroute demo --pd`: the same engines split into a prefill and a decode half, the router
+/// running both legs; every request answered, and answered by the decode engine.
+#[test]
+fn a_pd_demo_serves_every_request_from_the_decode_half() {
+    let out = std::env::temp_dir().join(format!("kvroute-demo-pd-test-{}", std::process::id()));
+    let (text, runs) = short_demo(&["--pd", "--policies", "pd-always,pd-cost"], &out);
     assert!(
         text.contains("1 prefill + 1 decode engines over ib-400"),
         "{text}"
     );
-    let runs: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
     assert_eq!(runs.len(), 2);
     for run in &runs {
         assert_eq!(run["summary"]["requests"], 8, "{}", run["name"]);
@@ -203,38 +206,11 @@ fn a_pd_demo_serves_every_request_from_the_decode_half() {
 #[test]
 fn a_short_demo_writes_a_well_formed_report() {
     let out = std::env::temp_dir().join(format!("kvroute-demo-test-{}", std::process::id()));
-    let output = kvroute(
-        &[
-            "demo",
-            "--engines",
-            "2",
-            "--users",
-            "4",
-            "--turns",
-            "2",
-            "--rate",
-            "8",
-            "--blocks-per-engine",
-            "600",
-            "--policies",
-            "round-robin,precise",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        "",
-    );
-    let text = stdout(&output);
-    assert!(
-        output.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let (text, runs) = short_demo(&["--policies", "round-robin,precise"], &out);
     assert!(
         text.contains("round-robin") && text.contains("precise") && text.contains("Ceiling"),
         "{text}"
     );
-    let runs: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
     assert_eq!(runs.len(), 2);
     for run in &runs {
         assert_eq!(run["summary"]["requests"], 8);

@@ -3,32 +3,23 @@
 //! channel), driven by a Python proxy with the request sequence of vLLM's reference proxy and
 //! the official OpenAI client, against an aggregated engine answering the same requests.
 
-use std::process::{Command, Stdio};
+mod sim_support;
+
+use std::process::Command;
 use std::time::Duration;
 
-use kvroute_testkit::{Killed, free_ports, http_get, patience, sample, wait_http};
+use kvroute_testkit::{http_get, patience, sample};
 use serde_json::Value;
+use sim_support::SimProcess;
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
 /// One `kvroute sim` engine with `args`, waited for; its HTTP port.
-fn sim(args: &[&str]) -> (Killed, u16) {
-    let (http, events, replay, side) = (free_ports(1), free_ports(1), free_ports(1), free_ports(1));
-    let process = Killed(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .arg("sim")
-            .args(args)
-            .args(["--num-gpu-blocks", "2048", "--time-scale", "10"])
-            .args(["--port", &http.to_string()])
-            .args(["--events-port", &events.to_string()])
-            .args(["--replay-port", &replay.to_string()])
-            .args(["--side-channel-port", &side.to_string()])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_http(&format!("http://127.0.0.1:{http}"));
-    (process, http)
+fn sim(args: &[&str]) -> (SimProcess, u16) {
+    let common = ["--num-gpu-blocks", "2048", "--time-scale", "10"];
+    let sim = SimProcess::start(1, &[args, &common].concat());
+    let http = sim.http;
+    (sim, http)
 }
 
 fn metric(port: u16, name: &str) -> f64 {

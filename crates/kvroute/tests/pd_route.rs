@@ -4,22 +4,22 @@
 //! OpenAI Python client and plain HTTP.
 
 mod serve_support;
+mod sim_support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use kvroute_testkit::{
-    Killed, eventually_blocking, free_ports, http_get, patience, sample, sum_labelled, wait_http,
-};
+use kvroute_testkit::{eventually_blocking, http_get, patience, sample, sum_labelled};
 use serde_json::{Value, json};
 use serve_support::{Serve, Served};
+use sim_support::SimProcess;
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
 /// One `kvroute sim` process serving one engine.
 struct Engine {
-    process: Option<Killed>,
+    process: Option<SimProcess>,
     http: u16,
     events: u16,
     replay: u16,
@@ -28,27 +28,13 @@ struct Engine {
 impl Engine {
     /// An engine with `args` (its role, link, ...), `--time-scale` `scale`, waited for.
     fn start(args: &[&str], scale: &str) -> Self {
-        let (http, events, replay, side) =
-            (free_ports(1), free_ports(1), free_ports(1), free_ports(1));
-        let process = Killed(
-            Command::new(env!("CARGO_BIN_EXE_kvroute"))
-                .arg("sim")
-                .args(args)
-                .args(["--num-gpu-blocks", "4096", "--time-scale", scale])
-                .args(["--port", &http.to_string()])
-                .args(["--events-port", &events.to_string()])
-                .args(["--replay-port", &replay.to_string()])
-                .args(["--side-channel-port", &side.to_string()])
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        wait_http(&format!("http://127.0.0.1:{http}"));
+        let common = ["--num-gpu-blocks", "4096", "--time-scale", scale];
+        let sim = SimProcess::start(1, &[args, &common].concat());
         Self {
-            process: Some(process),
-            http,
-            events,
-            replay,
+            http: sim.http,
+            events: sim.events,
+            replay: sim.replay,
+            process: Some(sim),
         }
     }
 

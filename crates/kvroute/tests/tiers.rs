@@ -5,6 +5,8 @@
 //! than a recompute of the same length; a tier configured slower than recomputing gets no
 //! credit, and `explain` says so.
 
+mod sim_support;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,6 +14,7 @@ use kvroute_testkit::{
     Killed, eventually_blocking, free_ports, http_get, http_post, sum_labelled, wait_http,
 };
 use serde_json::{Value, json};
+use sim_support::SimProcess;
 
 const MODEL: &str = "sim-llama-3.1-8b";
 const BLOCK_SIZE: usize = 16;
@@ -25,42 +28,24 @@ const PREFILL_PER_TOKEN_S: &str = "100e-6";
 
 /// `kvroute sim` engines on consecutive ports, waited for.
 struct Sims {
-    _process: Killed,
-    http: u16,
-    events: u16,
-    replay: u16,
+    sim: SimProcess,
     engines: u16,
 }
 
 impl Sims {
     /// `engines` engines with the test's GPU and prefill rate, plus `args`.
     fn start(engines: u16, args: &[&str]) -> Self {
-        let (http, events, replay) = (
-            free_ports(engines),
-            free_ports(engines),
-            free_ports(engines),
-        );
-        let process = Killed(
-            Command::new(env!("CARGO_BIN_EXE_kvroute"))
-                .args(["sim", "--engines", &engines.to_string()])
-                .args(["--num-gpu-blocks", GPU_BLOCKS])
-                .args(["--prefill-per-token-s", PREFILL_PER_TOKEN_S])
-                .args(args)
-                .args(["--port", &http.to_string()])
-                .args(["--events-port", &events.to_string()])
-                .args(["--replay-port", &replay.to_string()])
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        for i in 0..engines {
-            wait_http(&format!("http://127.0.0.1:{}", http + i));
-        }
+        let count = engines.to_string();
+        let common = [
+            "--engines",
+            &count,
+            "--num-gpu-blocks",
+            GPU_BLOCKS,
+            "--prefill-per-token-s",
+            PREFILL_PER_TOKEN_S,
+        ];
         Self {
-            _process: process,
-            http,
-            events,
-            replay,
+            sim: SimProcess::start(engines, &[&common, args].concat()),
             engines,
         }
     }
@@ -72,9 +57,9 @@ impl Sims {
             .map(|i| {
                 format!(
                     "  - {{name: {prefix}{i}, url: 'http://127.0.0.1:{}', events: 'tcp://127.0.0.1:{}', replay: 'tcp://127.0.0.1:{}'{offload}}}\n",
-                    self.http + i,
-                    self.events + i,
-                    self.replay + i
+                    self.sim.http + i,
+                    self.sim.events + i,
+                    self.sim.replay + i
                 )
             })
             .collect()
@@ -82,7 +67,7 @@ impl Sims {
 
     /// Engine `i`'s HTTP port.
     fn port(&self, i: u16) -> u16 {
-        self.http + i
+        self.sim.http + i
     }
 }
 

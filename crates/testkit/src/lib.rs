@@ -247,24 +247,26 @@ pub fn free_ports(n: u16) -> u16 {
 
 /// Waits (blocking, up to 20 s) until `GET /health` on `url` (`http://host:port`) answers 200.
 pub fn wait_http(url: &str) {
-    use std::io::{Read, Write};
     let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let host = url.trim_start_matches("http://");
-        if let Ok(mut s) = std::net::TcpStream::connect(host) {
-            let request =
-                format!("GET /health HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
-            let _ = s.write_all(request.as_bytes());
-            let mut buf = [0u8; 16];
-            if s.read(&mut buf)
-                .is_ok_and(|n| n >= 12 && &buf[9..12] == b"200")
-            {
-                return;
-            }
-        }
+    while !health_ok(url) {
         assert!(Instant::now() < deadline, "{url} did not come up");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Whether `GET /health` on `url` (`http://host:port`) answers 200 now (one try, blocking).
+pub fn health_ok(url: &str) -> bool {
+    use std::io::{Read, Write};
+    let host = url.trim_start_matches("http://");
+    let Ok(mut s) = std::net::TcpStream::connect(host) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let request = format!("GET /health HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
+    let _ = s.write_all(request.as_bytes());
+    let mut buf = [0u8; 16];
+    s.read(&mut buf)
+        .is_ok_and(|n| n >= 12 && &buf[9..12] == b"200")
 }
 
 /// Runs `tests/python/openai_client.py` of the `kvroute` crate (`script`) against `base_url`

@@ -153,15 +153,31 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
         .map_or(String::new(), |(_, body)| body.to_owned())
 }
 
-/// `POST path` with a JSON `body` on `addr` over a plain blocking socket: the status (0 when the
-/// server cannot be reached) and the response body as text (a chunked body joined). Waits
-/// [`patience`] at most for the answer.
-pub fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+/// An HTTP/1.1 answer read to its end: the status (0 when the server could not be reached or
+/// did not answer in time), the head, and the body (a chunked body joined).
+#[derive(Clone, Debug, Default)]
+pub struct HttpAnswer {
+    /// The status code.
+    pub status: u16,
+    /// The status line and headers.
+    pub head: String,
+    /// The body.
+    pub body: String,
+}
+
+/// `POST path` with a JSON `body` on `addr` over a plain blocking socket, waiting `wait` at
+/// most to connect and between reads.
+pub fn http_post_within(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &str,
+    wait: Duration,
+) -> HttpAnswer {
     use std::io::{Read, Write};
-    let Ok(mut socket) = std::net::TcpStream::connect_timeout(&addr, patience()) else {
-        return (0, String::new());
+    let Ok(mut socket) = std::net::TcpStream::connect_timeout(&addr, wait) else {
+        return HttpAnswer::default();
     };
-    let _ = socket.set_read_timeout(Some(patience()));
+    let _ = socket.set_read_timeout(Some(wait));
     let request = format!(
         "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -170,7 +186,7 @@ pub fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, St
     if socket.write_all(request.as_bytes()).is_err()
         || socket.read_to_string(&mut response).is_err()
     {
-        return (0, String::new());
+        return HttpAnswer::default();
     }
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     let status = head
@@ -181,14 +197,22 @@ pub fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, St
     let chunked = head
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked");
-    (
+    HttpAnswer {
         status,
-        if chunked {
+        head: head.to_owned(),
+        body: if chunked {
             dechunk(body)
         } else {
             body.to_owned()
         },
-    )
+    }
+}
+
+/// `POST path` with a JSON `body` on `addr`: the status (0 when the server cannot be reached)
+/// and the body, within [`patience`] (see [`http_post_within`]).
+pub fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let answer = http_post_within(addr, path, body, patience());
+    (answer.status, answer.body)
 }
 
 /// The payload of a chunked HTTP/1.1 body.

@@ -1,7 +1,6 @@
 //! `kvroute serve` (the real binary) in front of real engines, and the plain HTTP the tests
 //! speak to it and to the engines.
 
-use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -123,32 +122,14 @@ pub fn predicted_for(explain: &Value, endpoint: &str) -> u64 {
 /// `POST path` with a JSON body on 127.0.0.1:`port`: the status and the JSON answer (`Null`
 /// when it is not JSON). A minute at most.
 pub fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
-    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    socket
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let payload = body.to_string();
-    write!(
-        socket,
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{payload}",
-        payload.len()
+    let answer = kvroute_testkit::http_post_within(
+        ([127, 0, 0, 1], port).into(),
+        path,
+        &body.to_string(),
+        Duration::from_secs(60),
+    );
+    (
+        answer.status,
+        serde_json::from_str(&answer.body).unwrap_or(Value::Null),
     )
-    .unwrap();
-    let mut response = String::new();
-    socket.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        kvroute_testkit::dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
 }

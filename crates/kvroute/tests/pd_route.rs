@@ -6,11 +6,12 @@
 mod serve_support;
 mod sim_support;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::Command;
 
-use kvroute_testkit::{eventually_blocking, http_get, patience, sample, sum_labelled};
+use kvroute_testkit::{
+    eventually_blocking, http_get, http_post_within, patience, sample, sum_labelled,
+};
 use serde_json::{Value, json};
 use serve_support::{Serve, Served};
 use sim_support::SimProcess;
@@ -89,26 +90,11 @@ fn post(port: u16, path: &str, body: &Value) -> (u16, String) {
     (status, body)
 }
 
-/// `POST path` with a JSON body on `port`: the status, the head and the body.
+/// `POST path` with a JSON body on `port`: the status, the head and the body (a chunked body
+/// joined).
 fn post_with_headers(port: u16, path: &str, body: &Value) -> (u16, String, String) {
-    let mut socket = TcpStream::connect(addr(port)).unwrap();
-    socket.set_read_timeout(Some(patience() * 3)).unwrap();
-    let body = body.to_string();
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    socket.write_all(request.as_bytes()).unwrap();
-    let mut response = Vec::new();
-    socket.read_to_end(&mut response).unwrap();
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, head.to_owned(), body.to_owned())
+    let answer = http_post_within(addr(port), path, &body.to_string(), patience() * 3);
+    (answer.status, answer.head, answer.body)
 }
 
 /// A completion of `tokens` prompt token ids (distinct per `salt`), `max_tokens` long.
@@ -407,6 +393,21 @@ fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
     assert_eq!(
         counted(&served, "kvroute_pd_client_params_removed_total", ""),
         1.0
+    );
+    // The same key spelled with a JSON escape is the same key to the engine's JSON parser.
+    let escaped = request
+        .to_string()
+        .replace("\"kv_transfer_params\"", "\"kv_transfer\\u005fparams\"");
+    let answer = http_post_within(
+        addr(served.listen),
+        "/v1/completions",
+        &escaped,
+        patience() * 3,
+    );
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(
+        counted(&served, "kvroute_pd_client_params_removed_total", ""),
+        2.0
     );
     assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 0.0);
     assert!(

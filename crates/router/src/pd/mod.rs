@@ -32,6 +32,7 @@ use kvroute_core::fleet::disagg::decodes;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
 use kvroute_vllm::nixl::decode_leg_body;
+use kvroute_vllm::openai::ApiError;
 use serde_json::Value;
 
 pub use explain::explain;
@@ -124,7 +125,9 @@ fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize)
 /// Serves a planned generation request under `pd.mode` `orchestrate` or `always`.
 pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     let router = a.router;
-    remove_client_params(&mut a);
+    if let Err(e) = remove_client_params(&mut a) {
+        return crate::reply::error_response(router, &e);
+    }
     let block_size = a.prepared.model.block_size;
     let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
     let (option, decoders) = match route {
@@ -232,14 +235,21 @@ pub(crate) fn header_mode(
 
 /// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
 /// producer, so a request can never make an engine pull from (connect to) an address outside
-/// the fleet. Counted and logged.
-fn remove_client_params(a: &mut ForwardArgs<'_>) {
+/// the fleet. Counted and logged. The key may be spelled with JSON escapes
+/// (`kv_transfer\u005fparams`), so any body with an escape is parsed and checked key by key; one
+/// that cannot be parsed then is refused (400) rather than passed on unchecked.
+fn remove_client_params(a: &mut ForwardArgs<'_>) -> Result<(), ApiError> {
     const KEY: &[u8] = b"kv_transfer_params";
-    if !a.body.windows(KEY.len()).any(|w| w == KEY) {
-        return;
+    const ESCAPE: &[u8] = b"\\u";
+    let contains = |needle: &[u8]| a.body.windows(needle.len()).any(|w| w == needle);
+    if !contains(KEY) && !contains(ESCAPE) {
+        return Ok(());
     }
     let Ok(mut body) = serde_json::from_slice::<Value>(&a.body) else {
-        return;
+        return Err(ApiError::new(
+            400,
+            "the request body is not JSON kvroute can read, so its kv_transfer_params cannot be checked (pd.mode is on)",
+        ));
     };
     let removed = body
         .as_object_mut()
@@ -251,6 +261,7 @@ fn remove_client_params(a: &mut ForwardArgs<'_>) {
         a.router.metrics().pd.client_params_removed.inc();
         tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
     }
+    Ok(())
 }
 
 /// The one aggregated attempt on the decode pick after a failed prefill leg.

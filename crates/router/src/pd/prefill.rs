@@ -115,7 +115,9 @@ pub(super) async fn run(
         accounting.observe(&bytes);
         accounting.completed();
         if !parts.status.is_success() {
-            let why = format!("HTTP {}: {}", parts.status, String::from_utf8_lossy(&bytes));
+            // At most the first 512 bytes of the engine's answer: it is logged per request.
+            let shown = &bytes[..bytes.len().min(512)];
+            let why = format!("HTTP {}: {}", parts.status, String::from_utf8_lossy(shown));
             let failure = if parts.status.is_client_error() {
                 PrefillFailure::Refused(why)
             } else {

@@ -190,6 +190,7 @@ fn a_pd_demo_serves_every_request_from_the_decode_half() {
         assert_eq!(run["summary"]["requests"], 8, "{}", run["name"]);
         assert_eq!(run["summary"]["errors"], 0, "{}", run["name"]);
         // engine-0 is the kv_producer: it only ever runs prefill legs.
+        assert_eq!(run["records"].as_array().unwrap().len(), 8);
         assert!(
             run["records"]
                 .as_array()

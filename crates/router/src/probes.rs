@@ -31,15 +31,13 @@ async fn get_text(
     url: String,
     timeout: Duration,
 ) -> Result<(u16, Bytes), ProbeError> {
-    // One deadline for the headers and the body together: a probe never takes longer.
-    let deadline = tokio::time::Instant::now() + timeout;
     let request = http::Request::get(url).body(Full::new(Bytes::new()))?;
-    let response = tokio::time::timeout_at(deadline, router.client().request(request))
+    let response = tokio::time::timeout(timeout, router.client().request(request))
         .await
         .map_err(|_| ProbeError::Timeout)??;
     let status = response.status().as_u16();
-    let body = tokio::time::timeout_at(
-        deadline,
+    let body = tokio::time::timeout(
+        timeout,
         Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
     )
     .await

@@ -1,23 +1,18 @@
 //! The built `kvroute` binary, run as an operator would run it.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
+use std::time::Duration;
 
+use kvroute_testkit::process::output_within;
+
+/// Runs the built binary with `args` and `stdin`; a run past five minutes (the longest here is a
+/// short demo) fails the test with what it printed instead of hanging the suite.
 fn kvroute(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvroute runs");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    output_within(
+        Command::new(env!("CARGO_BIN_EXE_kvroute")).args(args),
+        stdin,
+        Duration::from_secs(300),
+    )
 }
 
 fn stdout(out: &Output) -> String {

@@ -1,9 +1,11 @@
 //! Helpers several crates' tests share: waiting for a condition without fixed sleeps, and
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
-//! sets up; a hostile KV-event publisher ([`hostile`]); deterministic random data for tests and
+//! sets up; a hostile KV-event publisher ([`hostile`]); running a binary with a deadline
+//! ([`process`]); deterministic random data for tests and
 //! benchmarks ([`random`]). Tests only; nothing here ships.
 
 pub mod hostile;
+pub mod process;
 pub mod random;
 
 use std::path::PathBuf;

@@ -1,0 +1,86 @@
+//! Running a child process with a deadline: a test that drives a binary must fail with the
+//! child's output when the binary hangs, not hang the suite.
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use wait_timeout::ChildExt;
+
+/// Runs `command` with `stdin` written to its standard input, and returns its output once it
+/// exits. Past `limit` the child is killed and the test panics, showing what it printed.
+pub fn output_within(command: &mut Command, stdin: &str, limit: Duration) -> Output {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{command:?} does not start: {e}"));
+    // Both pipes are drained on their own threads, so a child that fills one cannot block.
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    if let Some(mut input) = child.stdin.take() {
+        // A child that exits without reading its input closes the pipe: not this helper's error.
+        let _ = input.write_all(stdin.as_bytes());
+    }
+    let status = wait_or_kill(&mut child, limit);
+    let output = Output {
+        status: status.unwrap_or_else(|| child.wait().expect("a killed child is reaped")),
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: stderr.join().expect("stderr reader"),
+    };
+    if status.is_none() {
+        panic!(
+            "{command:?} ran past {limit:?} and was killed\n--- stdout\n{}\n--- stderr\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    output
+}
+
+/// Waits up to `limit` for `child`; kills it and returns `None` past that.
+fn wait_or_kill(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    match child.wait_timeout(limit) {
+        Ok(Some(status)) => Some(status),
+        Ok(None) => {
+            let _ = child.kill();
+            None
+        }
+        Err(e) => panic!("waiting for a child failed: {e}"),
+    }
+}
+
+/// Reads a pipe to its end on a thread.
+fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_that_finishes_returns_its_output() {
+        let out = output_within(&mut Command::new("cat"), "echoed", Duration::from_secs(30));
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"echoed");
+    }
+
+    #[test]
+    #[should_panic(expected = "was killed")]
+    fn a_child_past_its_deadline_is_killed_and_fails_the_test() {
+        output_within(
+            Command::new("sleep").arg("30"),
+            "",
+            Duration::from_millis(200),
+        );
+    }
+}

@@ -233,7 +233,7 @@ fn a_hostile_kv_event_publisher_costs_one_connection_not_the_router() {
         &endpoint,
         &format!("kv_events: {{max_message_bytes: {limit}}}"),
     )
-    .stderr(Stdio::from(log))
+    .log_to(log)
     .start();
     let admin = std::net::SocketAddr::from(([127, 0, 0, 1], admin));
     let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();

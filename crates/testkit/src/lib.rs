@@ -280,6 +280,22 @@ pub fn wait_http(url: &str) {
     }
 }
 
+/// Waits (up to 20 s) until `url` answers `/health`: `true`; `false` when `process` exited
+/// first (a server that lost a port race to another test's socket exits at start).
+pub fn healthy_or_exited(process: &mut Killed, url: &str) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if health_ok(url) {
+            return true;
+        }
+        if process.0.try_wait().is_ok_and(|status| status.is_some()) {
+            return false;
+        }
+        assert!(Instant::now() < deadline, "{url} did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Whether `GET /health` on `url` (`http://host:port`) answers 200 now (one try, blocking).
 pub fn health_ok(url: &str) -> bool {
     use std::io::{Read, Write};

@@ -1,17 +1,20 @@
 //! Starting `kvroute serve` as a process for the tests that run the whole system on loopback
-//! (shared by every test binary that needs one; each uses what it needs).
+//! (shared by every test binary that needs one; each uses what it needs). Its ports are chosen
+//! free but not held; when another test's socket takes one first, the process exits at start
+//! and is started again on fresh ports (a few times) instead of the test failing on the race.
 #![allow(dead_code)]
 
 use std::process::{Command, Stdio};
 
-use kvroute_testkit::{Killed, free_ports, wait_http};
+use kvroute_testkit::{Killed, free_ports, healthy_or_exited};
 
 /// How to start a `kvroute serve` process: its endpoints and extra configuration, where its
-/// log goes, and an optional open-file limit (`ulimit -n`).
+/// log goes (the test's stderr unless a file is given), and an optional open-file limit
+/// (`ulimit -n`).
 pub struct Serve {
     endpoints: String,
     extra: String,
-    stderr: Stdio,
+    log: Option<std::fs::File>,
     fd_limit: Option<u32>,
 }
 
@@ -34,14 +37,14 @@ impl Serve {
         Self {
             endpoints: endpoints.to_owned(),
             extra: extra.to_owned(),
-            stderr: Stdio::inherit(),
+            log: None,
             fd_limit: None,
         }
     }
 
-    /// The process's log goes to `stderr`.
-    pub fn stderr(mut self, stderr: Stdio) -> Self {
-        self.stderr = stderr;
+    /// The process's log (its stderr) goes to `log`.
+    pub fn log_to(mut self, log: std::fs::File) -> Self {
+        self.log = Some(log);
         self
     }
 
@@ -51,8 +54,20 @@ impl Serve {
         self
     }
 
-    /// Starts the process and waits until its API listener answers.
+    /// Starts the process and waits until its API listener answers; on a lost port race, again
+    /// on fresh ports (three tries).
     pub fn start(self) -> Served {
+        for _ in 0..3 {
+            if let Some(served) = self.try_start() {
+                return served;
+            }
+            eprintln!("kvroute serve exited at start (a port taken meanwhile?); starting it again");
+        }
+        panic!("kvroute serve did not start in three tries");
+    }
+
+    /// One start on fresh ports: `None` when the process exited before answering.
+    fn try_start(&self) -> Option<Served> {
         let (listen, admin) = (free_ports(1), free_ports(1));
         let dir =
             std::env::temp_dir().join(format!("kvroute-test-{}-{listen}", std::process::id()));
@@ -82,19 +97,25 @@ impl Serve {
                 c
             }
         };
-        let process = Killed(
+        let stderr = match &self.log {
+            Some(log) => Stdio::from(log.try_clone().expect("the log file opens again")),
+            None => Stdio::inherit(),
+        };
+        let mut process = Killed(
             command
                 .stdout(Stdio::null())
-                .stderr(self.stderr)
+                .stderr(stderr)
                 .spawn()
                 .unwrap(),
         );
-        wait_http(&format!("http://127.0.0.1:{listen}"));
-        Served {
+        if !healthy_or_exited(&mut process, &format!("http://127.0.0.1:{listen}")) {
+            return None;
+        }
+        Some(Served {
             process,
             listen,
             admin,
             dir,
-        }
+        })
     }
 }

@@ -6,10 +6,8 @@
 // Each test binary reads some of its fields.
 #![allow(dead_code)]
 
+use kvroute_testkit::{Killed, free_ports, healthy_or_exited};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-use kvroute_testkit::{Killed, free_ports, health_ok};
 
 /// `kvroute sim` engines on consecutive ports (engine `i` on each base + `i`), healthy.
 pub struct SimProcess {
@@ -45,7 +43,9 @@ impl SimProcess {
                     .spawn()
                     .unwrap(),
             );
-            if (0..engines).all(|i| healthy_or_exited(&mut process, http + i)) {
+            if (0..engines)
+                .all(|i| healthy_or_exited(&mut process, &format!("http://127.0.0.1:{}", http + i)))
+            {
                 return Self {
                     _process: process,
                     http,
@@ -56,22 +56,5 @@ impl SimProcess {
             eprintln!("kvroute sim exited at start (a port taken meanwhile?); starting it again");
         }
         panic!("kvroute sim {args:?} did not start in three tries");
-    }
-}
-
-/// Waits (up to 20 s) until engine `http` answers `/health`: `true`; `false` if the process
-/// exited first.
-fn healthy_or_exited(process: &mut Killed, http: u16) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let url = format!("http://127.0.0.1:{http}");
-    loop {
-        if health_ok(&url) {
-            return true;
-        }
-        if process.0.try_wait().is_ok_and(|status| status.is_some()) {
-            return false;
-        }
-        assert!(Instant::now() < deadline, "{url} did not come up");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -21,6 +21,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::LinkHealth;
+use kvroute_vllm::openai::is_stream_error_event;
 use tokio::time::Instant;
 use tracing::warn;
 
@@ -108,7 +109,7 @@ impl TransferWatch {
         let elapsed = self.sent.elapsed().as_secs_f64();
         let metrics = &self.router.metrics().pd;
         metrics.leg("decode", elapsed);
-        if self.learn && is_error_event(data) {
+        if self.learn && is_stream_error_event(data) {
             metrics.fallback("decode_failed_in_stream");
             self.failed();
             return;
@@ -202,19 +203,6 @@ impl Drop for TransferWatch {
     }
 }
 
-/// Whether a stream's first chunk is an error event: an `"error"` key (`"error":`), not the
-/// word in generated text (a JSON string value is never followed by a colon).
-fn is_error_event(data: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"error\"";
-    data.windows(KEY.len()).enumerate().any(|(at, w)| {
-        w == KEY
-            && data[at + KEY.len()..]
-                .iter()
-                .find(|b| !b.is_ascii_whitespace())
-                .is_some_and(|b| *b == b':')
-    })
-}
-
 /// A response body that shows its first data frame to a transfer watch, if any.
 pub(crate) struct TransferBody<B> {
     inner: B,
@@ -265,24 +253,4 @@ pub(crate) fn lease_holds(until: Option<f64>) -> bool {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     until.is_none_or(|until| now < until)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_error_event_is_told_from_generated_text() {
-        assert!(is_error_event(
-            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
-        ));
-        assert!(is_error_event(b"data: {\"error\" : {}}"));
-        assert!(!is_error_event(
-            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
-        ));
-        assert!(!is_error_event(
-            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
-        ));
-        assert!(!is_error_event(b"\"error\""));
-    }
 }

@@ -199,6 +199,29 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     Ok(request)
 }
 
+/// The `cached_tokens` an answer's usage reports (`usage.prompt_tokens_details.cached_tokens`),
+/// if it says.
+pub fn usage_cached_tokens(answer: &Value) -> Option<u64> {
+    answer
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+}
+
+/// Whether a streamed answer's chunk is an error event (vLLM sends `data: {"error": {...}}`
+/// when a request fails mid-stream, e.g. a failed KV pull under `kv_load_failure_policy:
+/// fail`): an `"error"` key followed by a colon, never the word in generated text (a JSON
+/// string value is never followed by a colon).
+pub fn is_stream_error_event(chunk: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"error\"";
+    chunk.windows(KEY.len()).enumerate().any(|(at, w)| {
+        w == KEY
+            && chunk[at + KEY.len()..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| *b == b':')
+    })
+}
+
 fn parse_message(m: &Value) -> Result<ChatMessage, String> {
     let role = m
         .get("role")
@@ -224,6 +247,28 @@ fn parse_message(m: &Value) -> Result<ChatMessage, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_event_is_told_from_generated_text() {
+        assert!(is_stream_error_event(
+            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
+        ));
+        assert!(is_stream_error_event(b"data: {\"error\" : {}}"));
+        assert!(!is_stream_error_event(
+            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
+        ));
+        assert!(!is_stream_error_event(
+            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
+        ));
+        assert!(!is_stream_error_event(b"\"error\""));
+    }
+
+    #[test]
+    fn the_usage_cached_tokens_are_read_where_vllm_reports_them() {
+        let answer = serde_json::json!({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}});
+        assert_eq!(usage_cached_tokens(&answer), Some(32));
+        assert_eq!(usage_cached_tokens(&serde_json::json!({"usage": {}})), None);
+    }
 
     #[test]
     fn completion_prompts_in_every_form() {

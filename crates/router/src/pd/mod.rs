@@ -31,7 +31,7 @@ use kvroute_core::fleet::Plan;
 use kvroute_core::fleet::disagg::decodes;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
-use kvroute_vllm::nixl::decode_leg_body;
+use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
 use kvroute_vllm::openai::ApiError;
 use serde_json::Value;
 
@@ -58,7 +58,7 @@ enum Route {
 fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
     let now = router.now();
     let (decoders, explain) = {
-        let mut fleet = router.fleet();
+        let fleet = router.fleet();
         let decoders: Vec<EndpointId> = plan
             .decision
             .ranking
@@ -132,6 +132,9 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
     let (option, decoders) = match route {
         Route::Aggregated { ranking } => {
+            if let Some(first) = ranking.first() {
+                prefill_sent(router, &plan, *first);
+            }
             a.leg = Leg {
                 ranking,
                 predicted_cached: plan.predicted_cached,
@@ -148,6 +151,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
             // The engines will refuse it as the client sent it: one leg, so the client sees
             // the engine's own error.
             router.metrics().pd.fallback("body_not_json");
+            prefill_sent(router, &plan, decode);
             a.leg = fallback_leg(&plan, decode);
             return forward(a).await;
         }
@@ -157,6 +161,8 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         Err(why) => {
             router.metrics().pd.fallback(why.label());
             tracing::warn!(request_id = %a.context.request_id, prefill = %router.endpoint(option.prefill).name, error = %why, "the prefill leg failed; serving the request aggregated on the decode endpoint");
+            // The decode endpoint computes the prompt now.
+            prefill_sent(router, &plan, decode);
             a.leg = fallback_leg(&plan, decode);
             return forward(a).await;
         }
@@ -171,10 +177,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         }
     }
     // Once more elsewhere while the producer still holds the blocks.
-    let lease_until = answer
-        .params
-        .get("remote_blocks_expiry_time")
-        .and_then(Value::as_f64);
+    let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
         decoders.iter().copied().take(2).collect()
     } else {
@@ -222,8 +225,14 @@ pub(crate) fn header_mode(
     }
     let block_size = prepared.model.block_size;
     match decide(router, plan, prepared.prompt_tokens, block_size) {
-        Route::Aggregated { ranking } => (ranking, None),
+        Route::Aggregated { ranking } => {
+            if let Some(first) = ranking.first() {
+                prefill_sent(router, plan, *first);
+            }
+            (ranking, None)
+        }
         Route::Disaggregated { option, decoders } => {
+            prefill_sent(router, plan, option.prefill);
             let now = router.now();
             router
                 .fleet()
@@ -262,6 +271,13 @@ fn remove_client_params(a: &mut ForwardArgs<'_>) -> Result<(), ApiError> {
         tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
     }
     Ok(())
+}
+
+/// The prefill of `plan`'s request was sent to `endpoint` (the endpoint that computes it,
+/// whatever core chose): its work counts there.
+pub(super) fn prefill_sent(router: &Router, plan: &Plan, endpoint: EndpointId) {
+    let now = router.now();
+    router.fleet().prefill_sent(plan, endpoint, now);
 }
 
 /// The one aggregated attempt on the decode pick after a failed prefill leg.

@@ -4,8 +4,9 @@
 //! [`Fleet::plan_disagg`] takes a plan and its decode pick, builds each side's
 //! [`SideCost`] from what the fleet knows (the plan's cost of every endpoint, what each holds of
 //! the prompt, the bytes of unfinished transfers on its NIC, the prefill work recently sent to
-//! it), and asks [`disagg::decide`] with the fleet's [`LinkBook`]. The caller then reports the
-//! transfer's life: [`Fleet::transfer_started`] once both legs are sent,
+//! it), and asks [`disagg::decide`] with the fleet's [`LinkBook`]. The caller then reports
+//! where the prefill was sent ([`Fleet::prefill_sent`]: the endpoint that computes it, whatever
+//! was chosen) and the transfer's life: [`Fleet::transfer_started`] once both legs are sent,
 //! [`Fleet::observe_transfer`] with its measured seconds, or [`Fleet::observe_failure`], and
 //! [`Fleet::transfer_ended`] when its bytes have left the NICs.
 
@@ -17,7 +18,7 @@ use super::{Fleet, Plan};
 use crate::index::EndpointId;
 use crate::schedule::Role;
 use crate::schedule::disagg::{
-    self, DisaggChoice, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
+    self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
 };
 
 /// How the fleet prices and learns P/D.
@@ -167,33 +168,11 @@ impl Fleet {
     }
 
     /// Prices aggregated on `decode` against P/D with every prefill-capable endpoint of `plan`
-    /// (see [`disagg::decide`]) at `now`, with the fleet's learned links, and counts the chosen
-    /// prefill's seconds as work reaching the endpoint that computes it. `None` when P/D is
-    /// off or `decode` was not assessed.
+    /// (see [`disagg::decide`]) at `now`, with the fleet's learned links. Changes nothing: the
+    /// caller reports where the prefill is computed once it is sent ([`Fleet::prefill_sent`]),
+    /// which may differ from the choice (`pd.mode: always`, a fallback). `None` when P/D is off
+    /// or `decode` was not assessed.
     pub fn plan_disagg(
-        &mut self,
-        plan: &Plan,
-        decode: EndpointId,
-        prompt_tokens: usize,
-        block_size: usize,
-        now: f64,
-    ) -> Option<DisaggExplain> {
-        let explain = self.price_disagg(plan, decode, prompt_tokens, block_size, now)?;
-        let computes = match explain.choice {
-            DisaggChoice::Disaggregated { prefill } => prefill,
-            DisaggChoice::Aggregated => decode,
-        };
-        if let Some(a) = plan.decision.assessment(computes) {
-            let seconds = a.cost.prefill_s + a.cost.tier_load_s;
-            if let Some(state) = self.disagg.as_mut() {
-                state.record_inflow(computes, seconds, now);
-            }
-        }
-        Some(explain)
-    }
-
-    /// What [`Fleet::plan_disagg`] would decide, changing nothing (the explain API).
-    pub fn price_disagg(
         &self,
         plan: &Plan,
         decode: EndpointId,
@@ -221,6 +200,21 @@ impl Fleet {
             &state.links,
             now,
         ))
+    }
+
+    /// The prefill of the request `plan` planned was sent to `endpoint` at `now` (a prefill
+    /// leg, a whole request, or a fallback's second try): its prefill seconds, as `plan`
+    /// assessed them there, count as work reaching that endpoint (the queue inflow a later
+    /// decode leg's wait is priced with). Nothing when P/D is off or `endpoint` was not
+    /// assessed.
+    pub fn prefill_sent(&mut self, plan: &Plan, endpoint: EndpointId, now: f64) {
+        let Some(a) = plan.decision.assessment(endpoint) else {
+            return;
+        };
+        let seconds = a.cost.prefill_s + a.cost.tier_load_s;
+        if let Some(state) = self.disagg.as_mut() {
+            state.record_inflow(endpoint, seconds, now);
+        }
     }
 
     /// Transfer `transfer` (any id unique among those in flight) from `prefill` to `decode`

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::fleet::{EndpointSpec, FleetConfig, RequestFeatures};
 use crate::keys::router_keys;
-use crate::schedule::disagg::{LinkHealth, LinkLearning};
+use crate::schedule::disagg::{DisaggChoice, LinkHealth, LinkLearning};
 use crate::schedule::{Profile, ProfileName};
 
 const BS: usize = 16;
@@ -156,4 +156,25 @@ fn the_inflow_is_the_recent_work_per_second_and_fades() {
     // An endpoint that leaves is forgotten.
     state.forget(a);
     assert_eq!(state.inflow_rate(a, 5.0), 0.0);
+}
+
+#[test]
+fn the_prefill_work_counts_where_it_is_sent_not_where_it_was_priced() {
+    let mut f = fleet(&[Role::Prefill, Role::Both]);
+    f.enable_disagg(config("tcp"));
+    let (prefill, decode) = (EndpointId(0), EndpointId(1));
+    let p = plan(&mut f, 8192);
+    // Over tcp an 8k prompt stays aggregated by cost; pricing it records nothing.
+    let explain = f.plan_disagg(&p, decode, 8192, BS, 0.0).unwrap();
+    assert_eq!(explain.choice, DisaggChoice::Aggregated);
+    let state = f.disagg.as_ref().unwrap();
+    assert_eq!(state.inflow_rate(decode, 0.0), 0.0);
+    // `pd.mode: always` sends it to the prefill endpoint: the work reaches that one only.
+    f.prefill_sent(&p, prefill, 0.0);
+    let state = f.disagg.as_ref().unwrap();
+    assert!(state.inflow_rate(prefill, 0.0) > 0.0);
+    assert_eq!(state.inflow_rate(decode, 0.0), 0.0);
+    // Its prefill failed: the decode endpoint computes it again, and that counts there.
+    f.prefill_sent(&p, decode, 0.0);
+    assert!(f.disagg.as_ref().unwrap().inflow_rate(decode, 0.0) > 0.0);
 }

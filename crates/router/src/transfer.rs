@@ -3,11 +3,14 @@
 //! leg's first token (the pull is done: the pair learns from the time it took, less the leg's
 //! predicted wait in the decode queue, the engine step of its first token and a leg's fixed
 //! cost: without them a fast link's few milliseconds would be judged with a step and a round
-//! trip added, and a healthy pair struck as degraded, [`Fleet::observe_transfer`]), its answer (a
-//! non-streaming leg: the transfer ended, its time unknown), its failure (a strike on the pair,
-//! [`Fleet::observe_failure`]), or the leg's end without any of those.
+//! trip added, and a healthy pair struck as degraded, [`Fleet::observe_transfer`]), its failure
+//! (a strike on the pair, [`Fleet::observe_failure`]), or the leg's end without any of those. A
+//! non-streamed leg's first byte is its whole answer, long after the pull: its bytes leave the
+//! NICs when the pair's link predicts the pull done ([`Fleet::transfer_unobserved`]), nothing
+//! learned.
 //!
 //! [`Fleet::transfer_started`]: kvroute_core::fleet::Fleet::transfer_started
+//! [`Fleet::transfer_unobserved`]: kvroute_core::fleet::Fleet::transfer_unobserved
 //! [`Fleet::observe_transfer`]: kvroute_core::fleet::Fleet::observe_transfer
 //! [`Fleet::observe_failure`]: kvroute_core::fleet::Fleet::observe_failure
 
@@ -58,10 +61,18 @@ impl DecodeLeg {
         let id = NEXT_TRANSFER.fetch_add(1, Ordering::Relaxed);
         let cached = self.decode_cached.get(&decode).copied().unwrap_or(0);
         let link = (self.prefill, decode);
-        let bytes =
-            router
-                .fleet()
-                .transfer_started(id, link, self.prompt_tokens, cached, self.block_size);
+        let now = router.now();
+        let bytes = {
+            let mut fleet = router.fleet();
+            let bytes =
+                fleet.transfer_started(id, link, self.prompt_tokens, cached, self.block_size, now);
+            if !self.stream {
+                // Its first byte is its whole answer, long after the pull: the bytes leave the
+                // NICs when the link predicts the pull done.
+                fleet.transfer_unobserved(id, now);
+            }
+            bytes
+        };
         TransferWatch {
             router: router.clone(),
             id,

@@ -8,6 +8,7 @@
 #
 # usage: scripts/pd-sweep.sh KVROUTE_BINARY OUT_DIR [SEEDS] [CONFIGS]
 #   SEEDS: default "1"; CONFIGS: which fleets, default "aggregated always cost costsplit"
+#   PD_MODELS (environment): which models, default "8b 70b"
 set -euo pipefail
 kvroute=$1 out=$2 seeds=${3:-1} configs=${4:-aggregated always cost costsplit}
 want() { [[ " $configs " == *" $1 "* ]]; }
@@ -38,7 +39,7 @@ rate() { # sessions per second, loading the 4 engines without overrunning them
 }
 common="--num-gpu-blocks 20000 --max-model-len 32768"
 for seed in $seeds; do
-  for model in 8b 70b; do
+  for model in ${PD_MODELS:-8b 70b}; do
     for wl in long8k multiturn mixed; do
       w=$(workload_flags $wl "$(rate $model $wl)")
       m=$(model_flags $model)

@@ -29,6 +29,8 @@ enum Command {
     /// Pick endpoints for a Gateway API Inference Extension gateway (Envoy ext_proc).
     #[cfg(feature = "epp")]
     Epp(commands::epp::EppArgs),
+    /// Draw a chart from a table of figures (`--bars`: a grouped bar chart, SVG).
+    Report(commands::report::ReportArgs),
     /// Run the KV-cache-aware router in front of vLLM engines.
     Serve(commands::serve::ServeArgs),
     /// Run simulated vLLM engines (OpenAI API, prefix cache, KV events, metrics), no GPU needed.
@@ -42,7 +44,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match &cli.command {
-        Command::Hash(_) => "warn",
+        Command::Hash(_) | Command::Report(_) => "warn",
         Command::Events(cmd) => cmd.default_log_level(),
         Command::Sim(_) | Command::Serve(_) => "info",
         #[cfg(feature = "epp")]
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(args),
+        Command::Report(args) => commands::report::run(args),
         Command::Events(cmd) => commands::events::run(cmd),
         Command::Sim(args) => commands::sim::run(*args),
         Command::Serve(args) => commands::serve::run(args),

@@ -271,6 +271,26 @@ fn a_dead_producer_or_a_late_prefill_falls_back_to_aggregated_on_the_decode_pick
         ),
         1.0
     );
+    // The late prefill leg is accounted as a missed deadline, not as a client that left.
+    let metrics = router_metrics(&served);
+    assert_eq!(
+        sum_labelled(
+            &metrics,
+            "kvroute_requests_total",
+            "reason=\"pd_prefill\",status=\"5xx\",outcome=\"deadline\""
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        sum_labelled(
+            &metrics,
+            "kvroute_requests_total",
+            "outcome=\"client_closed\""
+        ),
+        0.0,
+        "{metrics}"
+    );
     // The producer dies: the prefill leg cannot connect (or the producer is no longer
     // healthy), and the decode endpoint serves the request whole.
     producer.kill();

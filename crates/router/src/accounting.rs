@@ -31,6 +31,9 @@ pub enum Outcome {
     EngineError,
     /// The engine did not answer in time.
     Timeout,
+    /// The router stopped waiting at a leg's own deadline and served the request otherwise (a
+    /// P/D prefill leg past `pd.prefill_deadline_s`: the request falls back to aggregated).
+    Deadline,
 }
 
 impl Outcome {
@@ -41,6 +44,7 @@ impl Outcome {
             Outcome::ClientClosed => "client_closed",
             Outcome::EngineError => "engine_error",
             Outcome::Timeout => "timeout",
+            Outcome::Deadline => "deadline",
         }
     }
 }

@@ -3,11 +3,14 @@
 //! leg's first token (the pull is done: the pair learns from the time it took, less the leg's
 //! predicted wait in the decode queue, the engine step of its first token and a leg's fixed
 //! cost: without them a fast link's few milliseconds would be judged with a step and a round
-//! trip added, and a healthy pair struck as degraded, [`Fleet::observe_transfer`]), its answer (a
-//! non-streaming leg: the transfer ended, its time unknown), its failure (a strike on the pair,
-//! [`Fleet::observe_failure`]), or the leg's end without any of those.
+//! trip added, and a healthy pair struck as degraded, [`Fleet::observe_transfer`]), its failure
+//! (a strike on the pair, [`Fleet::observe_failure`]), or the leg's end without any of those. A
+//! non-streamed leg's first byte is its whole answer, long after the pull: its bytes leave the
+//! NICs when the pair's link predicts the pull done ([`Fleet::transfer_unobserved`]), nothing
+//! learned.
 //!
 //! [`Fleet::transfer_started`]: kvroute_core::fleet::Fleet::transfer_started
+//! [`Fleet::transfer_unobserved`]: kvroute_core::fleet::Fleet::transfer_unobserved
 //! [`Fleet::observe_transfer`]: kvroute_core::fleet::Fleet::observe_transfer
 //! [`Fleet::observe_failure`]: kvroute_core::fleet::Fleet::observe_failure
 
@@ -21,6 +24,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::LinkHealth;
+use kvroute_vllm::openai::is_stream_error_event;
 use tokio::time::Instant;
 use tracing::warn;
 
@@ -57,10 +61,18 @@ impl DecodeLeg {
         let id = NEXT_TRANSFER.fetch_add(1, Ordering::Relaxed);
         let cached = self.decode_cached.get(&decode).copied().unwrap_or(0);
         let link = (self.prefill, decode);
-        let bytes =
-            router
-                .fleet()
-                .transfer_started(id, link, self.prompt_tokens, cached, self.block_size);
+        let now = router.now();
+        let bytes = {
+            let mut fleet = router.fleet();
+            let bytes =
+                fleet.transfer_started(id, link, self.prompt_tokens, cached, self.block_size, now);
+            if !self.stream {
+                // Its first byte is its whole answer, long after the pull: the bytes leave the
+                // NICs when the link predicts the pull done.
+                fleet.transfer_unobserved(id, now);
+            }
+            bytes
+        };
         TransferWatch {
             router: router.clone(),
             id,
@@ -108,7 +120,7 @@ impl TransferWatch {
         let elapsed = self.sent.elapsed().as_secs_f64();
         let metrics = &self.router.metrics().pd;
         metrics.leg("decode", elapsed);
-        if self.learn && is_error_event(data) {
+        if self.learn && is_stream_error_event(data) {
             metrics.fallback("decode_failed_in_stream");
             self.failed();
             return;
@@ -202,19 +214,6 @@ impl Drop for TransferWatch {
     }
 }
 
-/// Whether a stream's first chunk is an error event: an `"error"` key (`"error":`), not the
-/// word in generated text (a JSON string value is never followed by a colon).
-fn is_error_event(data: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"error\"";
-    data.windows(KEY.len()).enumerate().any(|(at, w)| {
-        w == KEY
-            && data[at + KEY.len()..]
-                .iter()
-                .find(|b| !b.is_ascii_whitespace())
-                .is_some_and(|b| *b == b':')
-    })
-}
-
 /// A response body that shows its first data frame to a transfer watch, if any.
 pub(crate) struct TransferBody<B> {
     inner: B,
@@ -265,24 +264,4 @@ pub(crate) fn lease_holds(until: Option<f64>) -> bool {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     until.is_none_or(|until| now < until)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_error_event_is_told_from_generated_text() {
-        assert!(is_error_event(
-            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
-        ));
-        assert!(is_error_event(b"data: {\"error\" : {}}"));
-        assert!(!is_error_event(
-            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
-        ));
-        assert!(!is_error_event(
-            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
-        ));
-        assert!(!is_error_event(b"\"error\""));
-    }
 }

@@ -266,6 +266,7 @@ impl RoutingPolicy for CorePolicy {
                     t.prompt_tokens,
                     *cached,
                     self.block_size,
+                    now,
                 );
                 *cached = t.prompt_tokens;
             }

@@ -80,7 +80,7 @@ impl PdRouting {
             prefill: prefill.0 as usize,
             decode: decode.0 as usize,
         };
-        Some(match self.mode {
+        let routing = match self.mode {
             PdMode::Always => core
                 .prefill_candidates(plan, decode)
                 .into_iter()
@@ -94,6 +94,13 @@ impl PdRouting {
                     DisaggChoice::Disaggregated { prefill } => disaggregated(prefill),
                 }
             }
-        })
+        };
+        // The prefill's work reaches the endpoint that computes it, whatever decided it.
+        let computes = match routing {
+            Routing::Disaggregated { prefill, .. } => EndpointId(prefill as u32),
+            _ => decode,
+        };
+        core.prefill_sent(plan, computes, now);
+        Some(routing)
     }
 }

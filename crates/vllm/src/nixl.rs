@@ -237,6 +237,15 @@ pub fn decode_leg_body(
     leg
 }
 
+/// When the producer that returned `params` stops holding the blocks, seconds since the Unix
+/// epoch: its `remote_blocks_expiry_time` (0.26+). `None` when the release does not say (its
+/// lease then is [`NixlRelease::default_lease`], many seconds).
+pub fn lease_expiry_unix_s(params: &Map<String, Value>) -> Option<f64> {
+    params
+        .get("remote_blocks_expiry_time")
+        .and_then(Value::as_f64)
+}
+
 /// `kv_transfer_params` as a request carries it. Unknown keys are kept, so forwarding is
 /// lossless.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -417,6 +426,26 @@ impl ProducerParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lease_expiry_is_read_from_a_producers_params() {
+        let producer = ProducerParams {
+            engine_id: "p".into(),
+            host: "127.0.0.1".into(),
+            port: 5600,
+            block_ids: vec![1],
+            request_id: "r".into(),
+            num_tokens: 16,
+            expiry_unix_s: 1234.5,
+            registration_generation: 0,
+        };
+        let params = |version: &str| {
+            let release = NixlRelease::for_vllm_version(version).unwrap();
+            producer.to_json(release).as_object().unwrap().clone()
+        };
+        assert_eq!(lease_expiry_unix_s(&params("0.26.0")), Some(1234.5));
+        assert_eq!(lease_expiry_unix_s(&params("0.20.0")), None);
+    }
 
     fn producer() -> ProducerParams {
         ProducerParams {

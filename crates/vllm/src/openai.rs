@@ -60,26 +60,42 @@ fn optional_bool(body: &Value, name: &str) -> Result<bool, ApiError> {
     }
 }
 
-/// The body as JSON; lone surrogate escapes, which serde_json refuses, read as U+FFFD.
-fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).or_else(|e| {
-        surrogates::replace_lone_surrogates(body)
-            .and_then(|fixed| serde_json::from_slice(&fixed).ok())
-            .ok_or_else(|| {
-                ApiError::bad_request(format!("request body is not valid JSON: {e}"), None)
-            })
-    })
+/// A request body read as JSON once, for callers that need more of it than
+/// [`GenerationRequest`] (a P/D proxy rewrites it per leg).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestJson {
+    /// The body.
+    pub value: Value,
+    /// Whether `value` is the client's text exactly: false when lone surrogate escapes were
+    /// read as U+FFFD (written back, the body would not be what the client sent).
+    pub exact: bool,
 }
 
-fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
-    let value = parse_json(body)?;
+/// Reads a request body as JSON; lone surrogate escapes, which serde_json refuses, read as
+/// U+FFFD (then it is not [`RequestJson::exact`]).
+pub fn parse_request_json(body: &[u8]) -> Result<RequestJson, ApiError> {
+    match serde_json::from_slice(body) {
+        Ok(value) => Ok(RequestJson { value, exact: true }),
+        Err(e) => surrogates::replace_lone_surrogates(body)
+            .and_then(|fixed| serde_json::from_slice(&fixed).ok())
+            .map(|value| RequestJson {
+                value,
+                exact: false,
+            })
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("request body is not valid JSON: {e}"), None)
+            }),
+    }
+}
+
+fn parse_common(value: &Value) -> Result<GenerationRequest, ApiError> {
     if !value.is_object() {
         return Err(ApiError::bad_request(
             "request body must be a JSON object",
             None,
         ));
     }
-    let model = match field(&value, "model") {
+    let model = match field(value, "model") {
         Some(Value::String(m)) if !m.is_empty() => m.clone(),
         Some(_) => {
             return Err(ApiError::bad_request(
@@ -90,7 +106,7 @@ fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
         None => return Err(ApiError::bad_request("model is required", Some("model"))),
     };
     let max_tokens =
-        match field(&value, "max_completion_tokens").or_else(|| field(&value, "max_tokens")) {
+        match field(value, "max_completion_tokens").or_else(|| field(value, "max_tokens")) {
             None => None,
             Some(v) => Some(
                 v.as_u64()
@@ -104,12 +120,12 @@ fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
                     })?,
             ),
         };
-    let stream = optional_bool(&value, "stream")?;
-    let include_usage = match field(&value, "stream_options") {
+    let stream = optional_bool(value, "stream")?;
+    let include_usage = match field(value, "stream_options") {
         None => false,
         Some(opts) => optional_bool(opts, "include_usage")?,
     };
-    let cache_salt = match field(&value, "cache_salt") {
+    let cache_salt = match field(value, "cache_salt") {
         None => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
         Some(_) => {
@@ -127,14 +143,20 @@ fn parse_common(body: &[u8]) -> Result<(Value, GenerationRequest), ApiError> {
         include_usage,
         cache_salt,
     };
-    Ok((value, request))
+    Ok(request)
 }
 
 /// Parses a `/v1/completions` body: `prompt` as a string, token ids, or a batch of either (the
 /// first prompt is scored).
 pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
-    let (value, mut request) = parse_common(body)?;
-    request.input = match field(&value, "prompt") {
+    completion_from_json(&parse_request_json(body)?.value)
+}
+
+/// Reads a `/v1/completions` request from its body already parsed ([`parse_request_json`]), as
+/// [`parse_completion`] does.
+pub fn completion_from_json(value: &Value) -> Result<GenerationRequest, ApiError> {
+    let mut request = parse_common(value)?;
+    request.input = match field(value, "prompt") {
         Some(Value::String(s)) => Input::Text(s.clone()),
         Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
             Input::Tokens(token_ids(items)?)
@@ -174,8 +196,14 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
 /// Parses a `/v1/chat/completions` body: `content` as a string or a list of parts, of which the
 /// text parts are read.
 pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
-    let (value, mut request) = parse_common(body)?;
-    let Some(Value::Array(items)) = field(&value, "messages") else {
+    chat_from_json(&parse_request_json(body)?.value)
+}
+
+/// Reads a `/v1/chat/completions` request from its body already parsed
+/// ([`parse_request_json`]), as [`parse_chat`] does.
+pub fn chat_from_json(value: &Value) -> Result<GenerationRequest, ApiError> {
+    let mut request = parse_common(value)?;
+    let Some(Value::Array(items)) = field(value, "messages") else {
         return Err(ApiError::bad_request(
             "messages must be a list",
             Some("messages"),
@@ -197,6 +225,29 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
         .collect::<Result<Vec<_>, _>>()?;
     request.input = Input::Chat(messages);
     Ok(request)
+}
+
+/// The `cached_tokens` an answer's usage reports (`usage.prompt_tokens_details.cached_tokens`),
+/// if it says.
+pub fn usage_cached_tokens(answer: &Value) -> Option<u64> {
+    answer
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+}
+
+/// Whether a streamed answer's chunk is an error event (vLLM sends `data: {"error": {...}}`
+/// when a request fails mid-stream, e.g. a failed KV pull under `kv_load_failure_policy:
+/// fail`): an `"error"` key followed by a colon, never the word in generated text (a JSON
+/// string value is never followed by a colon).
+pub fn is_stream_error_event(chunk: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"error\"";
+    chunk.windows(KEY.len()).enumerate().any(|(at, w)| {
+        w == KEY
+            && chunk[at + KEY.len()..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| *b == b':')
+    })
 }
 
 fn parse_message(m: &Value) -> Result<ChatMessage, String> {
@@ -224,6 +275,28 @@ fn parse_message(m: &Value) -> Result<ChatMessage, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_event_is_told_from_generated_text() {
+        assert!(is_stream_error_event(
+            b"data: {\"error\":{\"message\":\"pull failed\"}}\n\n"
+        ));
+        assert!(is_stream_error_event(b"data: {\"error\" : {}}"));
+        assert!(!is_stream_error_event(
+            b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"
+        ));
+        assert!(!is_stream_error_event(
+            b"data: {\"choices\":[{\"text\":\" an error\"}]}"
+        ));
+        assert!(!is_stream_error_event(b"\"error\""));
+    }
+
+    #[test]
+    fn the_usage_cached_tokens_are_read_where_vllm_reports_them() {
+        let answer = serde_json::json!({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}});
+        assert_eq!(usage_cached_tokens(&answer), Some(32));
+        assert_eq!(usage_cached_tokens(&serde_json::json!({"usage": {}})), None);
+    }
 
     #[test]
     fn completion_prompts_in_every_form() {

@@ -1,6 +1,7 @@
 //! Reports of benchmark runs, for comparing them side by side: a terminal table ([`table`]), a
 //! self-contained HTML page with hand-drawn SVG charts ([`html`]), files holding both
-//! ([`write_files`]) and the reading back of saved runs ([`load`]).
+//! ([`write_files`]) and the reading back of saved runs ([`load`]); and a grouped bar chart of
+//! any table of figures ([`bar_chart_svg`], e.g. a sweep's TTFT by link and policy).
 //!
 //! The HTML page needs no network: no scripts, fonts or style sheets are fetched, so it can be
 //! mailed, attached to a ticket or opened from an air-gapped machine.
@@ -8,6 +9,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::result::RunResult;
+
+pub use bars::{BarSeries, BarTable, BarTableError, bar_chart_svg};
 
 /// `write!` into a `String`, which cannot fail.
 macro_rules! w {
@@ -17,6 +20,7 @@ macro_rules! w {
     }};
 }
 
+mod bars;
 mod charts;
 mod metrics;
 mod page;

@@ -523,7 +523,7 @@ impl Fleet {
                 }),
         };
         self.round_robin = self.round_robin.wrapping_add(1);
-        let decision = match depth {
+        let mut decision = match depth {
             Some(depth) => schedule_near_best(
                 &self.profile,
                 &info,
@@ -535,6 +535,9 @@ impl Fleet {
             ),
             None => schedule(&self.profile, &info, &candidates, random, self.round_robin),
         };
+        if let (Some(depth), Some(_)) = (depth, &self.disagg) {
+            disagg::rank_roles(&self.profile, &info, &candidates, &mut decision, depth);
+        }
         self.candidates = candidates;
         self.held_blocks = held_blocks;
         Plan {

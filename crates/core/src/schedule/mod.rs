@@ -288,7 +288,11 @@ impl Decision {
     }
 }
 
-fn rejection(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Option<Rejection> {
+pub(crate) fn rejection(
+    profile: &Profile,
+    request: &RequestInfo,
+    c: &Candidate,
+) -> Option<Rejection> {
     if !c.healthy {
         return Some(Rejection::Unhealthy);
     }
@@ -328,7 +332,7 @@ fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {
 }
 
 /// One candidate's breakdown.
-fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Assessment {
+pub(crate) fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Assessment {
     let (cost, cached) = cost::assess(profile, request, c);
     Assessment {
         endpoint: c.endpoint,

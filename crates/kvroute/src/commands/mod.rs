@@ -9,6 +9,7 @@ pub mod events;
 pub mod fleet_args;
 pub mod hash;
 pub mod pd_args;
+pub mod report;
 pub mod serve;
 pub mod sim;
 pub mod simulate;

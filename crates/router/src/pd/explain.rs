@@ -17,7 +17,7 @@ pub fn explain(router: &Router, prepared: &Prepared, plan: &Plan) -> Value {
     let Some(decode) = fleet.decode_pick(plan) else {
         return json!({"choice": {"mode": "aggregated"}, "reason": "no_decode_endpoint"});
     };
-    let explain = fleet.price_disagg(
+    let explain = fleet.plan_disagg(
         plan,
         decode,
         prepared.prompt_tokens,

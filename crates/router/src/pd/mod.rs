@@ -25,13 +25,15 @@
 mod explain;
 mod prefill;
 
+use std::borrow::Cow;
+
 use axum::response::Response;
 use bytes::Bytes;
 use kvroute_core::fleet::Plan;
 use kvroute_core::fleet::disagg::decodes;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
-use kvroute_vllm::nixl::decode_leg_body;
+use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
 use kvroute_vllm::openai::ApiError;
 use serde_json::Value;
 
@@ -58,7 +60,7 @@ enum Route {
 fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
     let now = router.now();
     let (decoders, explain) = {
-        let mut fleet = router.fleet();
+        let fleet = router.fleet();
         let decoders: Vec<EndpointId> = plan
             .decision
             .ranking
@@ -125,13 +127,17 @@ fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize)
 /// Serves a planned generation request under `pd.mode` `orchestrate` or `always`.
 pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     let router = a.router;
-    if let Err(e) = remove_client_params(&mut a) {
-        return crate::reply::error_response(router, &e);
-    }
+    let client = match remove_client_params(&mut a) {
+        Ok(client) => client,
+        Err(e) => return crate::reply::error_response(router, &e),
+    };
     let block_size = a.prepared.model.block_size;
     let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
     let (option, decoders) = match route {
         Route::Aggregated { ranking } => {
+            if let Some(first) = ranking.first() {
+                prefill_sent(router, &plan, *first);
+            }
             a.leg = Leg {
                 ranking,
                 predicted_cached: plan.predicted_cached,
@@ -142,26 +148,19 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         Route::Disaggregated { option, decoders } => (option, decoders),
     };
     let decode = option.decode;
-    let client: Value = match serde_json::from_slice(&a.body) {
-        Ok(v) => v,
-        Err(_) => {
-            // The engines will refuse it as the client sent it: one leg, so the client sees
-            // the engine's own error.
-            router.metrics().pd.fallback("body_not_json");
-            a.leg = fallback_leg(&plan, decode);
-            return forward(a).await;
-        }
-    };
-    let answer = match prefill::run(&a, option.prefill, &client, &plan).await {
+    let client: &Value = &client;
+    let answer = match prefill::run(&a, option.prefill, client, &plan).await {
         Ok(answer) => answer,
         Err(why) => {
             router.metrics().pd.fallback(why.label());
             tracing::warn!(request_id = %a.context.request_id, prefill = %router.endpoint(option.prefill).name, error = %why, "the prefill leg failed; serving the request aggregated on the decode endpoint");
+            // The decode endpoint computes the prompt now.
+            prefill_sent(router, &plan, decode);
             a.leg = fallback_leg(&plan, decode);
             return forward(a).await;
         }
     };
-    let body = decode_leg_body(&client, &answer.params, answer.cached_tokens);
+    let body = decode_leg_body(client, &answer.params, answer.cached_tokens);
     a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
     // The decode endpoints compute (almost) nothing: they pull what they lack.
     let mut predicted_cached = plan.predicted_cached.clone();
@@ -171,10 +170,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         }
     }
     // Once more elsewhere while the producer still holds the blocks.
-    let lease_until = answer
-        .params
-        .get("remote_blocks_expiry_time")
-        .and_then(Value::as_f64);
+    let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
         decoders.iter().copied().take(2).collect()
     } else {
@@ -222,8 +218,14 @@ pub(crate) fn header_mode(
     }
     let block_size = prepared.model.block_size;
     match decide(router, plan, prepared.prompt_tokens, block_size) {
-        Route::Aggregated { ranking } => (ranking, None),
+        Route::Aggregated { ranking } => {
+            if let Some(first) = ranking.first() {
+                prefill_sent(router, plan, *first);
+            }
+            (ranking, None)
+        }
         Route::Disaggregated { option, decoders } => {
+            prefill_sent(router, plan, option.prefill);
             let now = router.now();
             router
                 .fleet()
@@ -235,33 +237,36 @@ pub(crate) fn header_mode(
 
 /// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
 /// producer, so a request can never make an engine pull from (connect to) an address outside
-/// the fleet. Counted and logged. The key may be spelled with JSON escapes
-/// (`kv_transfer\u005fparams`), so any body with an escape is parsed and checked key by key; one
-/// that cannot be parsed then is refused (400) rather than passed on unchecked.
-fn remove_client_params(a: &mut ForwardArgs<'_>) -> Result<(), ApiError> {
-    const KEY: &[u8] = b"kv_transfer_params";
-    const ESCAPE: &[u8] = b"\\u";
-    let contains = |needle: &[u8]| a.body.windows(needle.len()).any(|w| w == needle);
-    if !contains(KEY) && !contains(ESCAPE) {
-        return Ok(());
-    }
-    let Ok(mut body) = serde_json::from_slice::<Value>(&a.body) else {
+/// the fleet. Counted and logged. Read from the body parsed once in `prepare` (escaped key
+/// spellings such as `kv_transfer\u005fparams` are the same key there); a body that did not
+/// read exactly (lone surrogate escapes) cannot be checked and rewritten, and is refused (400)
+/// rather than passed on unchecked. Returns the client's body, without the key.
+fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, ApiError> {
+    let Some(body) = a.prepared.body_json.as_ref() else {
         return Err(ApiError::new(
             400,
-            "the request body is not JSON kvroute can read, so its kv_transfer_params cannot be checked (pd.mode is on)",
+            "the request body is not JSON kvroute can read exactly, so its kv_transfer_params cannot be checked (pd.mode is on)",
         ));
     };
-    let removed = body
-        .as_object_mut()
-        .and_then(|map| map.remove("kv_transfer_params"));
-    if removed.is_some()
-        && let Ok(bytes) = serde_json::to_vec(&body)
-    {
-        a.body = Bytes::from(bytes);
-        a.router.metrics().pd.client_params_removed.inc();
-        tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
+    if body.get("kv_transfer_params").is_none() {
+        return Ok(Cow::Borrowed(body));
     }
-    Ok(())
+    let mut body = body.clone();
+    if let Some(map) = body.as_object_mut() {
+        map.remove("kv_transfer_params");
+    }
+    // The aggregated leg sends the body as it is.
+    a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    a.router.metrics().pd.client_params_removed.inc();
+    tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
+    Ok(Cow::Owned(body))
+}
+
+/// The prefill of `plan`'s request was sent to `endpoint` (the endpoint that computes it,
+/// whatever core chose): its work counts there.
+pub(super) fn prefill_sent(router: &Router, plan: &Plan, endpoint: EndpointId) {
+    let now = router.now();
+    router.fleet().prefill_sent(plan, endpoint, now);
 }
 
 /// The one aggregated attempt on the decode pick after a failed prefill leg.

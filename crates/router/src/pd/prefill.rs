@@ -9,10 +9,11 @@ use http_body_util::{BodyExt, Limited};
 use kvroute_core::fleet::{Plan, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::nixl::{prefill_answer_params, prefill_leg_body};
+use kvroute_vllm::openai::usage_cached_tokens;
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 
-use crate::accounting::Outcome;
+use crate::accounting::{Accounting, Outcome};
 use crate::forward::{ForwardArgs, upstream_request};
 use crate::pipeline::{self, Leg};
 
@@ -87,19 +88,25 @@ pub(super) async fn run(
     let body = Bytes::from(serde_json::to_vec(&prefill_leg_body(client)).unwrap_or_default());
     let endpoint = router.endpoint(prefill);
     let authority = endpoint.authority.to_string();
+    // The leg's accounting lives outside the deadline's future, so that a missed deadline is
+    // accounted as one (not as a client that went away when the future is dropped).
+    let mut accounting: Option<Accounting> = None;
     let exchange = async {
-        let conn = match router.upstream().connection(&authority).await {
-            Ok(conn) => conn,
-            Err(e) => return Err((PrefillFailure::Connect(e.to_string()), None)),
-        };
+        let conn = router
+            .upstream()
+            .connection(&authority)
+            .await
+            .map_err(|e| PrefillFailure::Connect(e.to_string()))?;
         let dispatch = pipeline::connect(router, &leg.predicted_cached, a.prepared, prefill);
-        let mut accounting = pipeline::respond(router, &a.context, &leg, 0, dispatch);
+        super::prefill_sent(router, plan, prefill);
+        let accounting =
+            accounting.insert(pipeline::respond(router, &a.context, &leg, 0, dispatch));
         let request = upstream_request(&format!("http://{authority}"), a, body);
         let (response, lease) = match router.upstream().send(conn, &authority, request).await {
             Ok(answer) => answer,
             Err(e) => {
                 accounting.fail(502, Outcome::EngineError);
-                return Err((PrefillFailure::Engine(e.to_string()), Some(accounting)));
+                return Err(PrefillFailure::Engine(e.to_string()));
             }
         };
         let (parts, body) = response.into_parts();
@@ -108,7 +115,7 @@ pub(super) async fn run(
             Ok(collected) => collected.to_bytes(),
             Err(e) => {
                 accounting.fail(502, Outcome::EngineError);
-                return Err((PrefillFailure::Engine(e.to_string()), Some(accounting)));
+                return Err(PrefillFailure::Engine(e.to_string()));
             }
         };
         lease.release();
@@ -118,27 +125,26 @@ pub(super) async fn run(
             // At most the first 512 bytes of the engine's answer: it is logged per request.
             let shown = &bytes[..bytes.len().min(512)];
             let why = format!("HTTP {}: {}", parts.status, String::from_utf8_lossy(shown));
-            let failure = if parts.status.is_client_error() {
+            return Err(if parts.status.is_client_error() {
                 PrefillFailure::Refused(why)
             } else {
                 PrefillFailure::Engine(why)
-            };
-            return Err((failure, Some(accounting)));
+            });
         }
-        Ok((bytes, accounting))
+        Ok(bytes)
     };
-    let result = tokio::time::timeout(deadline, exchange).await;
-    let outcome = match result {
-        Err(_) => Err(PrefillFailure::Deadline(deadline)),
-        Ok(Err((why, accounting))) => {
-            drop(accounting);
-            Err(why)
+    let outcome = match tokio::time::timeout(deadline, exchange).await {
+        Err(_) => {
+            if let Some(accounting) = accounting.as_mut() {
+                accounting.fail(504, Outcome::Deadline);
+            }
+            Err(PrefillFailure::Deadline(deadline))
         }
-        Ok(Ok((bytes, accounting))) => {
-            drop(accounting);
-            parse_answer(&bytes)
-        }
+        Ok(Err(why)) => Err(why),
+        Ok(Ok(bytes)) => parse_answer(&bytes),
     };
+    // Accounted now, before the fallback's leg.
+    drop(accounting);
     router
         .metrics()
         .pd
@@ -163,9 +169,7 @@ fn parse_answer(bytes: &[u8]) -> Result<PrefillAnswer, PrefillFailure> {
     let params = prefill_answer_params(&answer)
         .map_err(|e| PrefillFailure::Answer(e.to_string()))?
         .clone();
-    let cached_tokens = answer
-        .pointer("/usage/prompt_tokens_details/cached_tokens")
-        .and_then(Value::as_u64);
+    let cached_tokens = usage_cached_tokens(&answer);
     Ok(PrefillAnswer {
         params,
         cached_tokens,

@@ -8,7 +8,11 @@ use bytes::Bytes;
 use kvroute_core::fleet::{Plan, RequestFeatures};
 use kvroute_core::keys::{RouterKey, request_extra_keys, router_keys};
 use kvroute_core::schedule::Role;
-use kvroute_vllm::openai::{ApiError, GenerationRequest, parse_chat, parse_completion};
+use kvroute_vllm::openai::{
+    ApiError, GenerationRequest, chat_from_json, completion_from_json, parse_chat,
+    parse_completion, parse_request_json,
+};
+use serde_json::Value;
 use tokio::time::Instant;
 
 use super::{Refused, RequestContext};
@@ -37,6 +41,9 @@ pub struct Prepared {
     pub(crate) prompt_tokens: usize,
     /// The session the request names, if any.
     pub(crate) session: Option<String>,
+    /// The body as JSON, read once, when the request may be rewritten into P/D legs
+    /// (`pd.mode` on) and it reads exactly (see [`kvroute_vllm::openai::RequestJson`]).
+    pub(crate) body_json: Option<Value>,
 }
 
 impl Prepared {
@@ -49,6 +56,7 @@ impl Prepared {
             keys: Arc::default(),
             prompt_tokens: 0,
             session: None,
+            body_json: None,
         }
     }
 
@@ -121,7 +129,16 @@ pub async fn prepare_request(
         session,
         keys: Arc::new(keys),
         prompt_tokens,
+        body_json: None,
     })
+}
+
+/// Reads a generation request of either API from its body already parsed.
+fn from_json(api: Api, body: &Value) -> Result<GenerationRequest, ApiError> {
+    match api {
+        Api::Completions => completion_from_json(body),
+        Api::Chat => chat_from_json(body),
+    }
 }
 
 /// Parses a generation request of either API.
@@ -160,12 +177,20 @@ async fn prepare_here(
     body: &[u8],
     session: Option<String>,
 ) -> Result<(Prepared, Plan), Refused> {
-    let parsed = parse(api, body)?;
-    let Some(prepared) = prepare_request(router, &parsed, body.len(), session).await else {
+    // Parsed once: under P/D the JSON is kept for the legs' bodies.
+    let (parsed, body_json) = if router.config().pd.orchestrates() {
+        let json = parse_request_json(body)?;
+        let parsed = from_json(api, &json.value)?;
+        (parsed, json.exact.then_some(json.value))
+    } else {
+        (parse(api, body)?, None)
+    };
+    let Some(mut prepared) = prepare_request(router, &parsed, body.len(), session).await else {
         return Err(
             ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
         );
     };
+    prepared.body_json = body_json;
     let plan = router.plan(&prepared.features());
     Ok((prepared, plan))
 }

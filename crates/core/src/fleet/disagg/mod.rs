@@ -4,8 +4,9 @@
 //! [`Fleet::plan_disagg`] takes a plan and its decode pick, builds each side's
 //! [`SideCost`] from what the fleet knows (the plan's cost of every endpoint, what each holds of
 //! the prompt, the bytes of unfinished transfers on its NIC, the prefill work recently sent to
-//! it), and asks [`disagg::decide`] with the fleet's [`LinkBook`]. The caller then reports the
-//! transfer's life: [`Fleet::transfer_started`] once both legs are sent,
+//! it), and asks [`disagg::decide`] with the fleet's [`LinkBook`]. The caller then reports
+//! where the prefill was sent ([`Fleet::prefill_sent`]: the endpoint that computes it, whatever
+//! was chosen) and the transfer's life: [`Fleet::transfer_started`] once both legs are sent,
 //! [`Fleet::observe_transfer`] with its measured seconds, or [`Fleet::observe_failure`], and
 //! [`Fleet::transfer_ended`] when its bytes have left the NICs.
 
@@ -15,10 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{Fleet, Plan};
 use crate::index::EndpointId;
-use crate::schedule::Role;
 use crate::schedule::disagg::{
-    self, DisaggChoice, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
+    self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
 };
+use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess, cost, rejection};
 
 /// How the fleet prices and learns P/D.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -38,14 +39,23 @@ pub struct DisaggConfig {
 /// prefills and load scrapes, not a decision threshold (the decision prices what it measures).
 pub const INFLOW_WINDOW_S: f64 = 5.0;
 
-/// One dispatched transfer: its pair, its bytes, and the bytes queued ahead of it on the busier
-/// NIC when it was sent.
+/// One dispatched transfer: its pair, its bytes, the bytes queued ahead of it on the busier
+/// NIC when it was sent, and, for one whose end the caller cannot see, when the link predicts
+/// it done.
 #[derive(Clone, Copy, Debug)]
 struct Transfer {
     prefill: EndpointId,
     decode: EndpointId,
     bytes: f64,
     ahead: f64,
+    predicted_end: Option<f64>,
+}
+
+impl Transfer {
+    /// Whether its bytes are still on the NICs at `now`.
+    fn queued(&self, now: f64) -> bool {
+        self.predicted_end.is_none_or(|end| now < end)
+    }
 }
 
 /// The fleet's P/D state: the learned links, each NIC's backlog, the transfers in flight and
@@ -54,8 +64,7 @@ struct Transfer {
 pub(super) struct DisaggState {
     config: DisaggConfig,
     links: LinkBook,
-    /// KV bytes of dispatched, unfinished transfers on each endpoint's NIC.
-    backlog: HashMap<EndpointId, f64>,
+    /// Dispatched, unfinished transfers: their bytes are each NIC's backlog.
     transfers: HashMap<u64, Transfer>,
     /// Per endpoint: decayed prefill seconds sent there, and when last decayed.
     inflow: HashMap<EndpointId, (f64, f64)>,
@@ -66,7 +75,6 @@ impl DisaggState {
         Self {
             links: LinkBook::new(config.link, config.learning),
             config,
-            backlog: HashMap::new(),
             transfers: HashMap::new(),
             inflow: HashMap::new(),
         }
@@ -88,8 +96,13 @@ impl DisaggState {
         self.inflow.insert(endpoint, (w, now));
     }
 
-    fn backlog_of(&self, endpoint: EndpointId) -> f64 {
-        self.backlog.get(&endpoint).copied().unwrap_or(0.0)
+    /// KV bytes queued on `endpoint`'s NIC at `now`.
+    fn backlog_of(&self, endpoint: EndpointId, now: f64) -> f64 {
+        self.transfers
+            .values()
+            .filter(|t| (t.prefill == endpoint || t.decode == endpoint) && t.queued(now))
+            .map(|t| t.bytes)
+            .sum()
     }
 
     /// Drops what is kept of an endpoint that left the fleet.
@@ -97,6 +110,49 @@ impl DisaggState {
         self.links.forget(endpoint);
         self.inflow.remove(&endpoint);
     }
+}
+
+/// Completes a near-best plan's `decision` (the best `depth` candidates overall, ranked and
+/// broken down, [`crate::schedule::schedule_near_best`]) for pairing: the best `depth`
+/// competing decode-capable candidates and the best `depth` prefill-capable ones, by cost, are
+/// ranked and broken down too, appended in cost order (each is costlier than every candidate
+/// already ranked, so the ranking stays cheapest first). On a large fleet the overall head may
+/// hold a single role (idle dedicated producers are the cheapest whole-request candidates);
+/// P/D reads the head of each role, as the aggregated path reads the head of the fleet, never
+/// every candidate's breakdown.
+pub(super) fn rank_roles(
+    profile: &Profile,
+    request: &RequestInfo,
+    candidates: &[Candidate],
+    decision: &mut Decision,
+    depth: usize,
+) {
+    let mut added: Vec<(f64, usize)> = Vec::new();
+    for role_fits in [decodes as fn(Role) -> bool, prefills] {
+        let mut best: Vec<(f64, usize)> = candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| role_fits(c.role) && rejection(profile, request, c).is_none())
+            .map(|(at, c)| (cost::assess(profile, request, c).0.total_s, at))
+            .collect();
+        if best.len() > depth {
+            best.select_nth_unstable_by(depth - 1, |a, b| a.0.total_cmp(&b.0));
+            best.truncate(depth);
+        }
+        for (total, at) in best {
+            let ranked = decision.ranking.contains(&candidates[at].endpoint);
+            if !ranked && !added.iter().any(|(_, a)| *a == at) {
+                added.push((total, at));
+            }
+        }
+    }
+    added.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    for (_, at) in added {
+        let c = &candidates[at];
+        decision.ranking.push(c.endpoint);
+        decision.assessments.push(assess(profile, request, c));
+    }
+    decision.assessments.sort_by_key(|a| a.endpoint);
 }
 
 /// Whether an endpoint of `role` can run a decode leg (or a whole request).
@@ -110,11 +166,10 @@ pub fn prefills(role: Role) -> bool {
 }
 
 impl Fleet {
-    /// Turns P/D pricing on with `config` (learned links start over).
+    /// Turns P/D pricing on with `config` (learned links start over). Plans then rank the
+    /// best few of each role ([`rank_roles`]), not only the best few overall.
     pub fn enable_disagg(&mut self, config: DisaggConfig) {
         self.disagg = Some(DisaggState::new(config));
-        // Pairing reads every prefill endpoint's breakdown, not only the best few.
-        self.rank_every_candidate(true);
     }
 
     /// The P/D configuration, when P/D is on.
@@ -161,39 +216,17 @@ impl Fleet {
             endpoint: e,
             cost: a.cost.clone(),
             cached_tokens: a.cached_tokens,
-            link_backlog_bytes: state.backlog_of(e),
+            link_backlog_bytes: state.backlog_of(e, now),
             queue_inflow: state.inflow_rate(e, now),
         })
     }
 
     /// Prices aggregated on `decode` against P/D with every prefill-capable endpoint of `plan`
-    /// (see [`disagg::decide`]) at `now`, with the fleet's learned links, and counts the chosen
-    /// prefill's seconds as work reaching the endpoint that computes it. `None` when P/D is
-    /// off or `decode` was not assessed.
+    /// (see [`disagg::decide`]) at `now`, with the fleet's learned links. Changes nothing: the
+    /// caller reports where the prefill is computed once it is sent ([`Fleet::prefill_sent`]),
+    /// which may differ from the choice (`pd.mode: always`, a fallback). `None` when P/D is off
+    /// or `decode` was not assessed.
     pub fn plan_disagg(
-        &mut self,
-        plan: &Plan,
-        decode: EndpointId,
-        prompt_tokens: usize,
-        block_size: usize,
-        now: f64,
-    ) -> Option<DisaggExplain> {
-        let explain = self.price_disagg(plan, decode, prompt_tokens, block_size, now)?;
-        let computes = match explain.choice {
-            DisaggChoice::Disaggregated { prefill } => prefill,
-            DisaggChoice::Aggregated => decode,
-        };
-        if let Some(a) = plan.decision.assessment(computes) {
-            let seconds = a.cost.prefill_s + a.cost.tier_load_s;
-            if let Some(state) = self.disagg.as_mut() {
-                state.record_inflow(computes, seconds, now);
-            }
-        }
-        Some(explain)
-    }
-
-    /// What [`Fleet::plan_disagg`] would decide, changing nothing (the explain API).
-    pub fn price_disagg(
         &self,
         plan: &Plan,
         decode: EndpointId,
@@ -223,9 +256,25 @@ impl Fleet {
         ))
     }
 
+    /// The prefill of the request `plan` planned was sent to `endpoint` at `now` (a prefill
+    /// leg, a whole request, or a fallback's second try): its prefill seconds, as `plan`
+    /// assessed them there, count as work reaching that endpoint (the queue inflow a later
+    /// decode leg's wait is priced with). Nothing when P/D is off or `endpoint` was not
+    /// assessed.
+    pub fn prefill_sent(&mut self, plan: &Plan, endpoint: EndpointId, now: f64) {
+        let Some(a) = plan.decision.assessment(endpoint) else {
+            return;
+        };
+        let seconds = a.cost.prefill_s + a.cost.tier_load_s;
+        if let Some(state) = self.disagg.as_mut() {
+            state.record_inflow(endpoint, seconds, now);
+        }
+    }
+
     /// Transfer `transfer` (any id unique among those in flight) from `prefill` to `decode`
-    /// was sent: the full blocks of its `prompt_tokens` the decode endpoint lacks (it holds
-    /// `decode_cached`) queue on both NICs until [`Fleet::transfer_ended`]. Returns its bytes.
+    /// was sent at `now`: the full blocks of its `prompt_tokens` the decode endpoint lacks (it
+    /// holds `decode_cached`) queue on both NICs until [`Fleet::transfer_ended`] (or, for one
+    /// whose end cannot be seen, [`Fleet::transfer_unobserved`]). Returns its bytes.
     pub fn transfer_started(
         &mut self,
         transfer: u64,
@@ -233,6 +282,7 @@ impl Fleet {
         prompt_tokens: usize,
         decode_cached: usize,
         block_size: usize,
+        now: f64,
     ) -> f64 {
         let Some(state) = self.disagg.as_mut() else {
             return 0.0;
@@ -240,18 +290,38 @@ impl Fleet {
         let bs = block_size.max(1);
         let tokens = (prompt_tokens / bs).saturating_sub(decode_cached / bs) * bs;
         let bytes = tokens as f64 * state.config.kv_bytes_per_token;
-        let ahead = state.backlog_of(prefill).max(state.backlog_of(decode));
-        for e in [prefill, decode] {
-            *state.backlog.entry(e).or_insert(0.0) += bytes;
-        }
+        // Those predicted done are gone (their callers will not say).
+        state.transfers.retain(|_, t| t.queued(now));
+        let ahead = state
+            .backlog_of(prefill, now)
+            .max(state.backlog_of(decode, now));
         let sent = Transfer {
             prefill,
             decode,
             bytes,
             ahead,
+            predicted_end: None,
         };
         state.transfers.insert(transfer, sent);
         bytes
+    }
+
+    /// The caller of transfer `transfer`, started at `now`, will not see when the pull ends (a
+    /// non-streamed decode leg: its first byte is its whole answer, long after the pull). Its
+    /// bytes leave the NICs when the pair's link predicts the pull done (behind the bytes that
+    /// were ahead of it), or at [`Fleet::transfer_ended`] if that comes first; nothing is
+    /// learned from it.
+    pub fn transfer_unobserved(&mut self, transfer: u64, now: f64) {
+        let Some(state) = self.disagg.as_mut() else {
+            return;
+        };
+        let Some(t) = state.transfers.get_mut(&transfer) else {
+            return;
+        };
+        let seconds = state
+            .links
+            .transfer_s(t.prefill, t.decode, t.bytes + t.ahead, now);
+        t.predicted_end = Some(now + seconds);
     }
 
     /// Transfer `transfer` is over (or its request ended without one): its bytes leave the
@@ -260,18 +330,7 @@ impl Fleet {
         let Some(state) = self.disagg.as_mut() else {
             return 0.0;
         };
-        let Some(t) = state.transfers.remove(&transfer) else {
-            return 0.0;
-        };
-        for e in [t.prefill, t.decode] {
-            if let Some(b) = state.backlog.get_mut(&e) {
-                *b = (*b - t.bytes).max(0.0);
-                if *b <= 0.0 {
-                    state.backlog.remove(&e);
-                }
-            }
-        }
-        t.ahead
+        state.transfers.remove(&transfer).map_or(0.0, |t| t.ahead)
     }
 
     /// Transfer `transfer` of `bytes` over `(prefill, decode)` took `seconds` (the engines'

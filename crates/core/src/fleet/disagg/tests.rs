@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::fleet::{EndpointSpec, FleetConfig, RequestFeatures};
 use crate::keys::router_keys;
-use crate::schedule::disagg::{LinkHealth, LinkLearning};
+use crate::schedule::disagg::{DisaggChoice, LinkHealth, LinkLearning};
 use crate::schedule::{Profile, ProfileName};
 
 const BS: usize = 16;
@@ -42,6 +42,10 @@ fn config(link: &str) -> DisaggConfig {
 }
 
 fn plan(fleet: &mut Fleet, tokens: usize) -> Plan {
+    plan_at(fleet, tokens, 0.0)
+}
+
+fn plan_at(fleet: &mut Fleet, tokens: usize, now: f64) -> Plan {
     let prompt: Vec<u32> = (0..tokens as u32).collect();
     let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
     let features = RequestFeatures {
@@ -52,7 +56,7 @@ fn plan(fleet: &mut Fleet, tokens: usize) -> Plan {
         session: None,
         role: Role::Both,
     };
-    fleet.plan(&features, 7, 0.0)
+    fleet.plan(&features, 7, now)
 }
 
 #[test]
@@ -82,7 +86,7 @@ fn transfers_queue_on_both_nics_until_they_end() {
     let mut f = fleet(&[Role::Prefill, Role::Prefill, Role::Decode]);
     f.enable_disagg(config("tcp"));
     let (p0, p1, d) = (EndpointId(0), EndpointId(1), EndpointId(2));
-    let bytes = f.transfer_started(1, (p0, d), 1000, 0, BS);
+    let bytes = f.transfer_started(1, (p0, d), 1000, 0, BS, 0.0);
     // 62 full blocks move.
     assert_eq!(bytes, 992.0 * 131_072.0);
     let p = plan(&mut f, 2048);
@@ -92,7 +96,7 @@ fn transfers_queue_on_both_nics_until_they_end() {
         assert_eq!(option.link_backlog_bytes, bytes, "{option:?}");
     }
     // A second transfer into the same NIC waits behind the first; it learns only its share.
-    let second = f.transfer_started(2, (p1, d), 1000, 0, BS);
+    let second = f.transfer_started(2, (p1, d), 1000, 0, BS, 0.0);
     assert_eq!(f.transfer_ended(2), bytes);
     assert_eq!(f.transfer_ended(1), 0.0);
     assert_eq!(f.transfer_ended(1), 0.0, "ending twice changes nothing");
@@ -113,12 +117,12 @@ fn observed_transfers_teach_the_pair_and_failures_quarantine_it() {
     let link = (EndpointId(0), EndpointId(1));
     let prior = f.links().unwrap().bandwidth(link.0, link.1, 0.0);
     // A transfer twice as fast as the preset: the pair's bandwidth is learned.
-    let bytes = f.transfer_started(1, link, 4096, 0, BS);
+    let bytes = f.transfer_started(1, link, 4096, 0, BS, 0.0);
     f.observe_transfer(1, link, bytes, bytes / prior / 2.0 + 1e-3, 1.0);
     let learned = f.links().unwrap().bandwidth(link.0, link.1, 1.0);
     assert!(learned > 1.5 * prior, "{learned} vs {prior}");
     for (i, now) in [2.0, 3.0, 4.0].into_iter().enumerate() {
-        f.transfer_started(10 + i as u64, link, 4096, 0, BS);
+        f.transfer_started(10 + i as u64, link, 4096, 0, BS, 0.0);
         f.observe_failure(10 + i as u64, link, now);
     }
     assert!(matches!(
@@ -156,4 +160,89 @@ fn the_inflow_is_the_recent_work_per_second_and_fades() {
     // An endpoint that leaves is forgotten.
     state.forget(a);
     assert_eq!(state.inflow_rate(a, 5.0), 0.0);
+}
+
+#[test]
+fn the_prefill_work_counts_where_it_is_sent_not_where_it_was_priced() {
+    let mut f = fleet(&[Role::Prefill, Role::Both]);
+    f.enable_disagg(config("tcp"));
+    let (prefill, decode) = (EndpointId(0), EndpointId(1));
+    let p = plan(&mut f, 8192);
+    // Over tcp an 8k prompt stays aggregated by cost; pricing it records nothing.
+    let explain = f.plan_disagg(&p, decode, 8192, BS, 0.0).unwrap();
+    assert_eq!(explain.choice, DisaggChoice::Aggregated);
+    let state = f.disagg.as_ref().unwrap();
+    assert_eq!(state.inflow_rate(decode, 0.0), 0.0);
+    // `pd.mode: always` sends it to the prefill endpoint: the work reaches that one only.
+    f.prefill_sent(&p, prefill, 0.0);
+    let state = f.disagg.as_ref().unwrap();
+    assert!(state.inflow_rate(prefill, 0.0) > 0.0);
+    assert_eq!(state.inflow_rate(decode, 0.0), 0.0);
+    // Its prefill failed: the decode endpoint computes it again, and that counts there.
+    f.prefill_sent(&p, decode, 0.0);
+    assert!(f.disagg.as_ref().unwrap().inflow_rate(decode, 0.0) > 0.0);
+}
+
+#[test]
+fn a_transfer_whose_end_is_not_seen_leaves_the_nics_when_the_link_predicts_it_done() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    let (p0, d) = (EndpointId(0), EndpointId(1));
+    let bytes = f.transfer_started(1, (p0, d), 4096, 0, BS, 0.0);
+    f.transfer_unobserved(1, 0.0);
+    let predicted = f.links().unwrap().transfer_s(p0, d, bytes, 0.0);
+    let backlog = |f: &mut Fleet, now: f64| {
+        let p = plan_at(f, 2048, now);
+        f.plan_disagg(&p, d, 2048, BS, now).unwrap().disaggregated[0].link_backlog_bytes
+    };
+    assert_eq!(
+        backlog(&mut f, predicted / 2.0),
+        bytes,
+        "the pull is under way"
+    );
+    assert_eq!(backlog(&mut f, predicted * 1.01), 0.0, "the pull is over");
+    // A second transfer then has nothing ahead of it, and an observed one stays until it ends.
+    let second = f.transfer_started(2, (p0, d), 4096, 0, BS, predicted * 1.01);
+    assert_eq!(f.transfer_ended(2), 0.0);
+    assert!(second > 0.0);
+    f.transfer_started(3, (p0, d), 4096, 0, BS, 0.0);
+    assert_eq!(backlog(&mut f, 1e6), bytes);
+}
+
+#[test]
+fn a_large_fleet_ranks_the_head_of_each_role_not_every_candidate() {
+    let roles: Vec<Role> = (0..48)
+        .map(|i| {
+            if i % 4 == 0 {
+                Role::Decode
+            } else {
+                Role::Prefill
+            }
+        })
+        .collect();
+    let mut f = fleet(&roles);
+    f.enable_disagg(config("ib-400"));
+    let p = plan(&mut f, 4096);
+    let depth = crate::fleet::RANKING_DEPTH;
+    assert!(
+        p.decision.assessments.len() < roles.len(),
+        "{} breakdowns: every candidate's",
+        p.decision.assessments.len()
+    );
+    let ranked = |fits: fn(Role) -> bool| {
+        p.decision
+            .ranking
+            .iter()
+            .filter(|e| fits(roles[e.0 as usize]))
+            .count()
+    };
+    assert!(ranked(decodes) >= depth, "{:?}", p.decision.ranking);
+    assert!(ranked(prefills) >= depth, "{:?}", p.decision.ranking);
+    // Every ranked endpoint is broken down, and pairing finds its options among them.
+    for e in &p.decision.ranking {
+        assert!(p.decision.assessment(*e).is_some());
+    }
+    let decode = f.decode_pick(&p).unwrap();
+    let explain = f.plan_disagg(&p, decode, 4096, BS, 0.0).unwrap();
+    assert!(explain.disaggregated.len() >= depth);
 }

@@ -3,30 +3,46 @@
 //! (the predicted overlay).
 //!
 //! Entries expire after a TTL and the whole history holds at most `capacity` (block, endpoint)
-//! entries, the oldest dropped first, so it never grows without bound. Time is passed in.
+//! records, the oldest dropped first, so it never grows without bound. Time is passed in.
+//!
+//! It answers exactly as a table of (block, endpoint) → expiry would (the naive model its tests
+//! hold it to), but keeps each recorded chain as a few runs of blocks (see [`tree`]) and one
+//! record per request, not one per block: recording, shortening, dropping and looking up a
+//! prompt cost a few table operations per run it goes through (a system prompt, each earlier
+//! turn), not several per block.
+
+mod tree;
 
 use std::collections::VecDeque;
 
-use hashbrown::HashMap;
-use smallvec::SmallVec;
-
 use crate::index::EndpointId;
 use crate::keys::RouterKey;
+use tree::{ChainTree, NO_RUN};
 
-/// One key's holders and their expiry times.
-type Holders = SmallVec<[(EndpointId, f64); 1]>;
+/// One request's prompt sent to an endpoint: the blocks at depths `from..to` of the chain that
+/// ends with run `run` (its blocks before `from` were already dropped for the capacity bound).
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    run: u32,
+    endpoint: EndpointId,
+    /// The expiry it set.
+    expiry: f64,
+    from: u32,
+    to: u32,
+}
 
 /// Where blocks were recently sent.
 #[derive(Debug)]
 pub struct RoutingHistory {
     ttl_s: f64,
     capacity: usize,
-    /// Each key's holders with their expiry, in endpoint order (an endpoint at most once).
-    /// Most keys (a conversation's own blocks) have one holder, kept inline: recording a
-    /// request's blocks then allocates nothing per block.
-    entries: HashMap<RouterKey, Holders>,
-    /// Insertion order, for the capacity bound: (key, endpoint, expiry at insertion).
-    order: VecDeque<(RouterKey, EndpointId, f64)>,
+    tree: ChainTree,
+    /// Records in the order they were made, for the capacity bound and expiry.
+    records: VecDeque<Record>,
+    /// Blocks in `records` (each record's `to - from`).
+    blocks: usize,
+    /// Scratch: the runs along one chain.
+    path: Vec<u32>,
 }
 
 impl RoutingHistory {
@@ -35,41 +51,111 @@ impl RoutingHistory {
         Self {
             ttl_s,
             capacity: capacity.max(1),
-            entries: HashMap::new(),
-            order: VecDeque::new(),
+            tree: ChainTree::default(),
+            records: VecDeque::new(),
+            blocks: 0,
+            path: Vec::new(),
         }
     }
 
     /// Records that `keys` were sent to `endpoint` at time `now` (seconds).
     pub fn record(&mut self, endpoint: EndpointId, keys: &[RouterKey], now: f64) {
         let expiry = now + self.ttl_s;
-        for key in keys {
-            let holders = self.entries.entry(*key).or_default();
-            match holders.binary_search_by_key(&endpoint, |(e, _)| *e) {
-                Ok(at) => holders[at].1 = expiry,
-                Err(at) => holders.insert(at, (endpoint, expiry)),
-            }
-            self.order.push_back((*key, endpoint, expiry));
+        self.path.clear();
+        let (mut depth, mut parent) = (0, NO_RUN);
+        while depth < keys.len() {
+            let run = match self.tree.find(keys, depth) {
+                Some((id, through)) if through < self.tree.run(id).keys.len() => {
+                    // The prompt ends or leaves the run part way: only its part is held anew.
+                    let Some(prefix) = self.tree.split(id, (depth + through) as u32) else {
+                        break;
+                    };
+                    depth += through;
+                    prefix
+                }
+                Some((id, through)) => {
+                    depth += through;
+                    id
+                }
+                None => {
+                    let Some(id) = self.tree.add(parent, depth, &keys[depth..]) else {
+                        break;
+                    };
+                    depth = keys.len();
+                    id
+                }
+            };
+            self.path.push(run);
+            parent = run;
         }
-        while self.order.len() > self.capacity {
-            self.drop_oldest();
+        let Some(&last) = self.path.last() else {
+            return;
+        };
+        for &id in &self.path {
+            self.tree.run_mut(id).hold(endpoint, expiry);
+        }
+        self.tree.pin(last);
+        self.records.push_back(Record {
+            run: last,
+            endpoint,
+            expiry,
+            from: 0,
+            to: depth as u32,
+        });
+        self.blocks += depth;
+        while self.blocks > self.capacity {
+            self.drop_oldest(self.blocks - self.capacity);
         }
     }
 
-    fn drop_oldest(&mut self) {
-        let Some((key, endpoint, expiry)) = self.order.pop_front() else {
+    /// Drops up to `blocks` of the oldest record's blocks, from its first.
+    fn drop_oldest(&mut self, blocks: usize) {
+        let Some(oldest) = self.records.front_mut() else {
             return;
         };
-        if let Some(holders) = self.entries.get_mut(&key) {
-            // Only if this record is still the entry's latest: a newer record keeps it alive.
-            if let Ok(at) = holders.binary_search_by_key(&endpoint, |(e, _)| *e)
-                && holders[at].1 <= expiry
-            {
-                holders.remove(at);
+        let dropped = blocks.min((oldest.to - oldest.from) as usize);
+        let record = *oldest;
+        let until = record.from + dropped as u32;
+        oldest.from = until;
+        self.blocks -= dropped;
+        self.release(record, until);
+        if until == record.to {
+            self.records.pop_front();
+            self.tree.unpin(record.run);
+        }
+    }
+
+    /// Drops `record`'s holding of its blocks `record.from..until`, where it is still the
+    /// latest word on them (a newer record keeps them held).
+    fn release(&mut self, record: Record, until: u32) {
+        let Record {
+            endpoint,
+            expiry,
+            from,
+            ..
+        } = record;
+        self.path.clear();
+        let mut id = record.run;
+        while id != NO_RUN && self.tree.run(id).end() > from {
+            self.path.push(id);
+            id = self.tree.run(id).parent;
+        }
+        // From the first block down; a split leaves `id` the later part.
+        for &id in self.path.iter().rev() {
+            let run = self.tree.run(id);
+            if run.start >= until || !run.expiry_of(endpoint).is_some_and(|x| x <= expiry) {
+                continue;
             }
-            if holders.is_empty() {
-                self.entries.remove(&key);
+            if run.start < from {
+                // Its part before `from` stays held (on a collision, the whole run goes).
+                let _ = self.tree.split(id, from);
             }
+            let target = if self.tree.run(id).end() > until {
+                self.tree.split(id, until).unwrap_or(id)
+            } else {
+                id
+            };
+            self.tree.run_mut(target).release(endpoint);
         }
     }
 
@@ -77,60 +163,80 @@ impl RoutingHistory {
     /// than they were): a prediction that the engine's own events are about to confirm or
     /// refute should not outlive them.
     pub fn shorten(&mut self, endpoint: EndpointId, keys: &[RouterKey], expiry: f64) {
-        for key in keys {
-            if let Some(holders) = self.entries.get_mut(key)
-                && let Ok(at) = holders.binary_search_by_key(&endpoint, |(e, _)| *e)
-            {
-                let x = &mut holders[at].1;
-                *x = x.min(expiry);
+        let mut depth = 0;
+        while let Some((id, through)) = self.tree.find(keys, depth) {
+            let run = self.tree.run(id);
+            let whole = through == run.keys.len();
+            if run.expiry_of(endpoint).is_some_and(|x| x > expiry) {
+                // Only the part of the run that `keys` goes through (on a collision, all of it).
+                let target = if whole {
+                    id
+                } else {
+                    self.tree.split(id, (depth + through) as u32).unwrap_or(id)
+                };
+                self.tree.run_mut(target).shorten(endpoint, expiry);
+            }
+            depth += through;
+            if !whole || depth == keys.len() {
+                break;
             }
         }
     }
 
     /// Drops expired entries (call now and then; lookups ignore expired entries anyway).
     pub fn expire(&mut self, now: f64) {
-        while self.order.front().is_some_and(|(_, _, x)| *x <= now) {
-            self.drop_oldest();
+        while let Some(oldest) = self.records.front()
+            && oldest.expiry <= now
+        {
+            self.drop_oldest(usize::MAX);
         }
     }
 
     /// Forgets everything sent to `endpoint` (it restarted or left).
     pub fn forget_endpoint(&mut self, endpoint: EndpointId) {
-        self.entries.retain(|_, holders| {
-            holders.retain(|(e, _)| *e != endpoint);
-            !holders.is_empty()
-        });
-        self.order.retain(|(_, e, _)| *e != endpoint);
+        let mut kept = VecDeque::with_capacity(self.records.len());
+        for record in self.records.drain(..) {
+            if record.endpoint == endpoint {
+                self.blocks -= (record.to - record.from) as usize;
+                self.path.push(record.run);
+            } else {
+                kept.push_back(record);
+            }
+        }
+        self.records = kept;
+        for id in std::mem::take(&mut self.path) {
+            self.tree.unpin(id);
+        }
+        self.tree.for_each_then_prune(|run| run.release(endpoint));
     }
 
     /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`, in endpoint
     /// order.
     pub fn longest_prefixes(&self, keys: &[RouterKey], now: f64) -> Vec<(EndpointId, u32)> {
-        let Some(first) = keys.first().and_then(|k| self.entries.get(k)) else {
+        let mut path = self.tree.path(keys);
+        let Some((first, _, through)) = path.next() else {
             return Vec::new();
         };
-        // In endpoint order (as holders are), so that each key's holders are matched in
+        // In endpoint order (as holders are), so that each run's holders are matched in
         // O(holders × log active), not O(holders × active): a hot prefix (a shared system
         // prompt) may be held by hundreds of endpoints.
         let mut active: Vec<(EndpointId, u32)> = first
+            .holders
             .iter()
             .filter(|(_, x)| *x > now)
-            .map(|(e, _)| (*e, 1))
+            .map(|(e, _)| (*e, through as u32))
             .collect();
-        for (i, key) in keys.iter().enumerate().skip(1) {
-            let Some(holders) = self.entries.get(key) else {
-                break;
-            };
+        for (run, start, through) in path {
             let mut any = false;
-            // An endpoint appears once among a key's holders.
-            for (h, x) in holders {
+            // An endpoint appears once among a run's holders.
+            for (h, x) in &run.holders {
                 if *x <= now {
                     continue;
                 }
                 if let Ok(at) = active.binary_search_by_key(h, |(e, _)| *e)
-                    && active[at].1 == i as u32
+                    && active[at].1 == start as u32
                 {
-                    active[at].1 += 1;
+                    active[at].1 += through as u32;
                     any = true;
                 }
             }
@@ -144,108 +250,20 @@ impl RoutingHistory {
     /// Records held, one per block sent to an endpoint (a re-sent block counts again until its
     /// older record is dropped); what the capacity bounds.
     pub fn len(&self) -> usize {
-        self.order.len()
+        self.blocks
     }
 
     /// Whether the history is empty.
     pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
+        self.blocks == 0
+    }
+
+    /// Runs of blocks the history keeps (for memory accounting: each costs about 100 bytes
+    /// plus 8 per block).
+    pub fn runs(&self) -> usize {
+        self.tree.len()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use proptest::prelude::*;
-
-    use super::*;
-
-    fn keys(n: u64, salt: u64) -> Vec<RouterKey> {
-        (0..n).map(|i| RouterKey(i * 1000 + salt)).collect()
-    }
-
-    #[test]
-    fn remembers_prefixes_until_they_expire() {
-        let mut h = RoutingHistory::new(10.0, 100);
-        h.record(EndpointId(1), &keys(5, 0), 0.0);
-        h.record(EndpointId(2), &keys(2, 0), 5.0);
-        assert_eq!(
-            h.longest_prefixes(&keys(8, 0), 6.0),
-            vec![(EndpointId(1), 5), (EndpointId(2), 2)]
-        );
-        assert_eq!(
-            h.longest_prefixes(&keys(8, 0), 12.0),
-            vec![(EndpointId(2), 2)]
-        );
-        h.expire(20.0);
-        assert!(h.is_empty());
-    }
-
-    #[test]
-    fn shortening_only_brings_expiry_forward() {
-        let mut h = RoutingHistory::new(10.0, 100);
-        h.record(EndpointId(1), &keys(3, 0), 0.0);
-        h.shorten(EndpointId(1), &keys(3, 0), 2.0);
-        h.shorten(EndpointId(1), &keys(3, 0), 5.0);
-        assert_eq!(
-            h.longest_prefixes(&keys(3, 0), 1.0),
-            vec![(EndpointId(1), 3)]
-        );
-        assert_eq!(h.longest_prefixes(&keys(3, 0), 3.0), vec![]);
-    }
-
-    #[test]
-    fn capacity_drops_the_oldest_records() {
-        let mut h = RoutingHistory::new(100.0, 6);
-        h.record(EndpointId(1), &keys(4, 0), 0.0);
-        h.record(EndpointId(2), &keys(4, 7), 1.0);
-        assert_eq!(h.len(), 6);
-        assert_eq!(h.longest_prefixes(&keys(4, 0), 2.0), vec![]);
-        assert_eq!(
-            h.longest_prefixes(&keys(4, 7), 2.0),
-            vec![(EndpointId(2), 4)]
-        );
-    }
-
-    proptest! {
-        /// Whatever is recorded, the history never exceeds its capacity and a lookup never
-        /// reports more than the keys asked for.
-        #[test]
-        fn bounded_and_sane(ops in proptest::collection::vec((0u32..4, 1u64..20, 0u64..3, 0.0f64..50.0), 0..60)) {
-            let mut h = RoutingHistory::new(5.0, 40);
-            for (e, n, salt, t) in ops {
-                h.record(EndpointId(e), &keys(n, salt), t);
-                if n % 3 == 0 {
-                    h.shorten(EndpointId((e + 1) % 4), &keys(n, salt), t + 1.0);
-                }
-                if n % 7 == 0 {
-                    h.expire(t);
-                }
-                prop_assert!(h.len() <= 40);
-                for holders in h.entries.values() {
-                    prop_assert!(holders.windows(2).all(|w| w[0].0 < w[1].0), "holders in endpoint order, once each");
-                }
-                let asked = keys(20, salt);
-                let found = h.longest_prefixes(&asked, t);
-                for (_, len) in &found {
-                    prop_assert!(*len <= 20);
-                }
-                // Each endpoint's own walk along the keys, as the naive model.
-                let naive: Vec<(EndpointId, u32)> = (0..4)
-                    .map(|e| {
-                        let held = asked
-                            .iter()
-                            .take_while(|k| {
-                                h.entries
-                                    .get(*k)
-                                    .is_some_and(|hs| hs.iter().any(|(x, at)| x.0 == e && *at > t))
-                            })
-                            .count();
-                        (EndpointId(e), held as u32)
-                    })
-                    .filter(|(_, n)| *n > 0)
-                    .collect();
-                prop_assert_eq!(found, naive);
-            }
-        }
-    }
-}
+mod tests;

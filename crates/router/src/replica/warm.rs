@@ -51,8 +51,8 @@ async fn warm_up(router: Arc<Router>) {
         match snapshot::fetch(&router, peer, left).await {
             Ok(snapshot) => {
                 resume = snapshot::apply(&router, &snapshot);
-                let blocks: usize = snapshot.endpoints.iter().map(|e| e.events.len()).sum();
-                info!(%peer, endpoints = snapshot.endpoints.len(), events = blocks, "applied a peer's index snapshot");
+                let blocks: usize = snapshot.endpoints.iter().map(|e| e.blocks.len()).sum();
+                info!(%peer, endpoints = snapshot.endpoints.len(), blocks, "applied a peer's index snapshot");
                 from = Some(peer.clone());
                 break;
             }

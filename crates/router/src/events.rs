@@ -13,8 +13,8 @@ use tracing::debug;
 use crate::endpoint::Endpoint;
 use crate::service::Router;
 
-/// Feeds the fleet with one endpoint's KV events, restarts and losses, and the replica
-/// journal (when kept) with the same batches. A batch that arrives after its endpoint left
+/// Feeds the fleet with one endpoint's KV events, restarts and losses, and notes each batch's
+/// sequence number in the replica journal (when kept). A batch that arrives after its endpoint left
 /// (the subscriber is stopped at removal, but a batch may be on its way) is dropped and
 /// counted: it must never reach the endpoint that took the id over.
 pub(crate) struct FleetSink {
@@ -73,14 +73,14 @@ impl EventSink for FleetSink {
         }
         fleet.apply_events(endpoint, &batch.events, now);
         if let Some(mut journal) = router.replica().journal() {
-            journal.apply(endpoint, Some(seq), &batch.events);
+            journal.apply(endpoint, seq);
         }
         drop(fleet);
     }
 
     fn purge(&self, endpoint: EndpointId) {
         if let Some(router) = self.current_router(endpoint) {
-            // Forgets the journal's copy too.
+            // Forgets the journal's position too.
             router.forget_endpoint(endpoint, "the engine restarted");
         }
     }

@@ -1,7 +1,10 @@
 //! A replica's own state, below everything that serves or warms it: the journal it answers
-//! peers' snapshots from, and where its warm-up stands (the warm-up itself is
+//! peers' snapshots from (each endpoint's event position), the nonce of the ids it gives shared
+//! requests, and where its warm-up stands (the warm-up itself is
 //! the `replica` module's).
 
+use std::collections::hash_map::{DefaultHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -39,6 +42,8 @@ pub enum WarmStatus {
 /// A replica's own state: the journal it answers peers' snapshots from, and its warm-up.
 pub struct ReplicaState {
     journal: Option<Mutex<Journal>>,
+    /// Seeds the ids peers know this replica's requests by (random per process).
+    request_ids: RandomState,
     warming: AtomicBool,
     status: Mutex<WarmStatus>,
 }
@@ -49,6 +54,7 @@ impl ReplicaState {
         let peers = !config.peers.is_empty();
         Self {
             journal: peers.then(|| Mutex::new(Journal::default())),
+            request_ids: RandomState::new(),
             warming: AtomicBool::new(peers),
             status: Mutex::new(if peers {
                 WarmStatus::Warming
@@ -66,6 +72,12 @@ impl ReplicaState {
     /// Whether this replica keeps a journal (it has peers), so it can answer their snapshots.
     pub fn keeps_journal(&self) -> bool {
         self.journal.is_some()
+    }
+
+    /// A hasher seeded with this replica's random nonce, for the ids of requests it shares with
+    /// peers (unique across replicas without coordination).
+    pub fn request_hasher(&self) -> DefaultHasher {
+        self.request_ids.build_hasher()
     }
 
     /// Whether the warm-up is still running (readiness fails meanwhile).

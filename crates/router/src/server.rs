@@ -157,6 +157,10 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
             "/kvroute/v1/peer/dispatch",
             post(crate::replica::share::receive),
         )
+        .route(
+            "/kvroute/v1/peer/prefill_done",
+            post(crate::replica::share::receive_prefill_done),
+        )
         .route_layer(middleware::from_fn_with_state(
             router.clone(),
             admin::require_token,

@@ -1,8 +1,9 @@
 //! Replicas sharing their dispatches (`replicas.share_dispatches`): a request routed by one
 //! replica shows in its peer's plan at once (predicted blocks on the chosen engine, a recent
 //! placement there), before the engine's KV events say anything; a replica that does not share
-//! sees nothing until the events arrive. Routers and simulated engines over real HTTP and ZMQ
-//! on loopback.
+//! sees nothing until the events arrive; and (`replicas.share_load`) a peer's request counts in
+//! the engine's queued prefill until its first token. Routers and simulated engines over real
+//! HTTP and ZMQ on loopback.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
@@ -83,6 +84,70 @@ async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
         0,
         "{plan}"
     );
+}
+
+/// While A's request waits for its first token, B counts it as queued prefill at the engine
+/// (before any scrape could show it), and stops once A says the first token came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
+    // One engine, very slow: a long prompt's prefill takes seconds.
+    let faults = Faults {
+        slow_factor: 400.0,
+        ..Faults::default()
+    };
+    let fleet = fleet(1, 10_000, faults).await;
+    let client = reqwest::Client::new();
+    let (admin_a, admin_b) = (free_ports(1), free_ports(1));
+    let peers = |peer: u16| replicas(&[format!("http://127.0.0.1:{peer}")], 5.0, true);
+    let a = replica(config(&fleet, admin_a, peers(admin_b))).await;
+    let b = replica(config(&fleet, admin_b, peers(admin_a))).await;
+    for r in [&a, &b] {
+        until_ready(&client, r).await;
+    }
+    let prompt = "a long document nobody sent before. ".repeat(80);
+    let queued = |plan: &Value| {
+        let load = &entry(plan, "e0")["load"];
+        (
+            load["inflight_prefills"].as_u64().unwrap(),
+            load["inflight_prefill_tokens"].as_u64().unwrap(),
+        )
+    };
+    let in_flight = tokio::spawn({
+        let (client, prompt) = (client.clone(), prompt.clone());
+        let a_addr = a.addr;
+        async move {
+            let response = client
+                .post(format!("http://{a_addr}/v1/completions"))
+                .json(&serde_json::json!({"model": replicas_common::MODEL, "prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+        }
+    });
+    loop {
+        let (prefills, tokens) = queued(&explain(&client, &b, "another prompt").await);
+        if prefills == 1 {
+            assert!(tokens > 500, "the prompt's uncached tokens: {tokens}");
+            break;
+        }
+        assert!(
+            !in_flight.is_finished(),
+            "A's request ended before B counted it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    in_flight.await.unwrap();
+    let done = Instant::now();
+    while queued(&explain(&client, &b, "another prompt").await) != (0, 0) {
+        assert!(
+            done.elapsed() < Duration::from_secs(4),
+            "B still counts A's finished request"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = &replicas_common::admin_json(&client, &b, "/kvroute/v1/replica").await;
+    assert_eq!(stats["peer_load"]["done"], 1, "{stats}");
 }
 
 /// A peer's dispatch for a model this replica does not serve, or keyed with another block size,

@@ -15,6 +15,7 @@ mod endpoint;
 pub mod flow;
 mod membership;
 pub mod outlier;
+mod peer_load;
 mod restart;
 mod retry;
 mod rotation;
@@ -46,6 +47,7 @@ pub use endpoint::{
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
+pub use peer_load::PeerLoadStats;
 pub use restart::{RestartSignals, RestartWatch};
 pub use retry::{AttemptFailure, RetryVerdict};
 pub use sessions::Sessions;
@@ -254,6 +256,8 @@ pub struct Fleet {
     candidates: Vec<Candidate>,
     rank_buffers: RankBuffers,
     held_blocks: Vec<u64>,
+    /// Other replicas' prefills in flight, counted in the endpoints' load.
+    peer_load: peer_load::PeerLoad,
 }
 
 impl Fleet {
@@ -292,6 +296,7 @@ impl Fleet {
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
             held_blocks: Vec::new(),
+            peer_load: Default::default(),
         })
     }
 
@@ -665,8 +670,8 @@ impl Fleet {
     /// a placement there, see [`Dispatch::placement`]): recorded as if sent from here in the
     /// routing history, the predicted overlay, the shared prefixes, the session and the
     /// endpoint's recent placements, so that replicas do not race same-prefix requests or new
-    /// conversations onto different (or the same) endpoints. Its in-flight load is not: the
-    /// replica that sent it accounts for it, and the engine's scraped queue shows it to all.
+    /// conversations onto different (or the same) endpoints. Its in-flight load is counted
+    /// apart, until its first token: [`Fleet::peer_prefill_started`].
     pub fn peer_dispatched(
         &mut self,
         request: &RequestFeatures<'_>,
@@ -886,6 +891,7 @@ impl Fleet {
     pub fn housekeeping(&mut self, now: f64) {
         self.history.expire(now);
         self.predicted.expire(now);
+        self.expire_peer_prefills(now);
     }
 }
 

@@ -33,6 +33,7 @@ mod fleet_tier;
 mod holders;
 mod lookup;
 mod offload;
+mod restore;
 mod shared;
 mod table;
 
@@ -49,6 +50,7 @@ use table::{FlatTable, ShardedTable, Slot};
 pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
 pub use offload::{OffloadSpec, SharedMount};
+pub use restore::HeldEntry;
 pub use shared::{IndexRead, SharedIndex};
 
 /// The caller's identifier for an endpoint (one engine, or one data-parallel rank).

@@ -87,6 +87,12 @@ impl SharedIndex {
         self.shard(endpoint).write().apply(endpoint, events);
     }
 
+    /// Runs `f` with write access to the shard holding `endpoint` (restoring a snapshot of it:
+    /// [`KvIndex::restore`]).
+    pub fn write_endpoint<R>(&self, endpoint: EndpointId, f: impl FnOnce(&mut KvIndex) -> R) -> R {
+        f(&mut self.shard(endpoint).write())
+    }
+
     /// Drops everything `endpoint` holds.
     pub fn clear_endpoint(&self, endpoint: EndpointId) {
         self.shard(endpoint).write().clear_endpoint(endpoint);

@@ -2,8 +2,13 @@
 //! fire-and-forget `POST /kvroute/v1/peer/dispatch` to every peer's admin listener, which
 //! records it with [`Fleet::peer_dispatched`](kvroute_core::fleet::Fleet::peer_dispatched):
 //! predicted blocks, routing history, shared prefixes, session and placement, as if it had
-//! sent the request itself (not its in-flight load).
+//! sent the request itself. With `replicas.share_load`, the peer also counts the request's
+//! prefill in the engine's load ([`Fleet::peer_prefill_started`]) until this replica posts
+//! `POST /kvroute/v1/peer/prefill_done` at its first token (or its end without one).
+//!
+//! [`Fleet::peer_prefill_started`]: kvroute_core::fleet::Fleet::peer_prefill_started
 
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +48,20 @@ pub struct PeerDispatch {
     pub keys: Vec<RouterKey>,
     /// It counted as a placement at the endpoint.
     pub placement: bool,
+    /// The sender's id for the request, when it shares its load: its prefill counts at the
+    /// endpoint until a [`PeerPrefillDone`] names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
+    /// Uncached prompt tokens the sender predicted there (with `request`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncached_tokens: Option<u64>,
+}
+
+/// A shared request's prefill is over (first token, or its end without one).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PeerPrefillDone {
+    /// The id its [`PeerDispatch`] gave.
+    pub request: u64,
 }
 
 /// Tells every peer about `dispatch` of the request of `features` (when dispatches are shared),
@@ -52,6 +71,7 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
     if !config.share_dispatches || config.peers.is_empty() {
         return;
     }
+    let request = config.share_load.then(|| request_id(router, dispatch));
     let message = PeerDispatch {
         endpoint: router.endpoint(dispatch.endpoint).config.url.clone(),
         model: features.model.to_owned(),
@@ -60,14 +80,47 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
         session: features.session.map(str::to_owned),
         keys: features.keys.to_vec(),
         placement: dispatch.placement,
+        request,
+        uncached_tokens: request.map(|_| dispatch.uncached_tokens),
     };
-    let Ok(body) = serde_json::to_vec(&message) else {
+    post_to_peers(router, "dispatch", &message);
+}
+
+/// Tells every peer that the prefill of `dispatch` (one this replica shared) is over: call
+/// once, at its first token or at its end without one.
+pub fn prefill_done(router: &Router, dispatch: &Dispatch) {
+    let config = &router.config().replicas;
+    if !config.share_dispatches || !config.share_load || config.peers.is_empty() {
+        return;
+    }
+    let message = PeerPrefillDone {
+        request: request_id(router, dispatch),
+    };
+    post_to_peers(router, "prefill_done", &message);
+}
+
+/// The id peers know `dispatch` by: a hash of this replica's random nonce and what makes the
+/// dispatch unique here (its endpoint and instant), so that nothing has to be stored to name
+/// it again at its first token.
+fn request_id(router: &Router, dispatch: &Dispatch) -> u64 {
+    let mut hasher = router.replica().request_hasher();
+    dispatch.endpoint.0.hash(&mut hasher);
+    dispatch.dispatched_at.to_bits().hash(&mut hasher);
+    dispatch.prompt_tokens.hash(&mut hasher);
+    dispatch.uncached_tokens.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Posts `message` to `/kvroute/v1/peer/<path>` on every peer, without waiting: a lost message
+/// only costs what sharing would have won.
+fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
+    let Ok(body) = serde_json::to_vec(message) else {
         return;
     };
     let body = Bytes::from(body);
-    for peer in &config.peers {
+    for peer in &router.config().replicas.peers {
         let mut request = http::Request::post(format!(
-            "{}/kvroute/v1/peer/dispatch",
+            "{}/kvroute/v1/peer/{path}",
             peer.trim_end_matches('/')
         ))
         .header(header::CONTENT_TYPE, "application/json");
@@ -79,7 +132,6 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
         };
         let client = router.client().clone();
         tokio::spawn(async move {
-            // Lost messages only cost what sharing would have won.
             let _ = tokio::time::timeout(SEND_TIMEOUT, client.request(request)).await;
         });
     }
@@ -122,9 +174,34 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         role: Role::Both,
     };
     let now = router.now();
-    router
-        .fleet()
-        .peer_dispatched(&features, endpoint, message.placement, now);
+    let mut fleet = router.fleet();
+    fleet.peer_dispatched(&features, endpoint, message.placement, now);
+    if let (Some(request), Some(uncached)) = (message.request, message.uncached_tokens) {
+        // Never more than the prompt: a peer's figure is bounded like anything it sends.
+        let uncached = uncached.min(message.prompt_tokens as u64);
+        fleet.peer_prefill_started(request, endpoint, uncached, now);
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended
+/// without one); its prefill no longer counts in the engine's load here.
+pub async fn receive_prefill_done(State(router): State<Arc<Router>>, request: Request) -> Response {
+    let body = match read_body(&router, request.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&router, &e),
+    };
+    let message: PeerPrefillDone = match serde_json::from_slice(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            return error_response(
+                &router,
+                &ApiError::bad_request(format!("not a prefill-done message: {e}"), None),
+            );
+        }
+    };
+    let now = router.now();
+    router.fleet().peer_prefill_done(message.request, now);
     StatusCode::NO_CONTENT.into_response()
 }
 

@@ -10,8 +10,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::event::KvEvent;
-use kvroute_core::index::EndpointId;
+use kvroute_core::index::{EndpointId, HeldEntry};
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 
@@ -21,25 +20,28 @@ use crate::service::Router;
 /// Largest snapshot read from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
 
-/// Every endpoint's index, as events.
+/// Every endpoint's index, as a starting peer restores it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Snapshot {
     /// One entry per endpoint with KV events.
     pub endpoints: Vec<EndpointSnapshot>,
 }
 
-/// One endpoint's index, as events, and where in its event stream it stands.
+/// One endpoint's index and where in its event stream it stands.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EndpointSnapshot {
     /// The endpoint's URL (replicas name endpoints alike by URL; ids may differ).
     pub url: String,
-    /// The last engine batch the events reflect; the peer resumes after it.
+    /// The last engine batch the blocks reflect; the peer resumes after it.
     pub seq: Option<u64>,
     /// Whether the serving replica trusted this endpoint's index.
     pub trusted: bool,
-    /// Stores, parents first, then removals: applied to an empty index, the serving
-    /// replica's index for this endpoint.
-    pub events: Vec<KvEvent>,
+    /// Whether the serving replica's picture of this endpoint's offloaded tiers was uncertain
+    /// (recent orphans).
+    #[serde(default)]
+    pub tier_uncertain: bool,
+    /// Every block the serving replica's index holds for this endpoint.
+    pub blocks: Vec<HeldEntry>,
 }
 
 /// Builds the snapshot of every endpoint with events, each under the fleet lock (so that its
@@ -62,15 +64,17 @@ pub fn build(router: &Router) -> Option<Snapshot> {
             continue;
         };
         let trusted = fleet.trust(e.id, now).is_ok();
-        let mut journal = router.replica().journal()?;
-        let export = index.read_endpoint(e.id, |ix| journal.export(e.id, ix));
-        drop(journal);
+        let seq = router.replica().journal()?.seq(e.id);
+        let (blocks, tier_uncertain) = index.read_endpoint(e.id, |ix| {
+            (ix.endpoint_blocks(e.id).collect(), ix.tier_uncertain(e.id))
+        });
         drop(fleet);
         snapshot.endpoints.push(EndpointSnapshot {
             url: e.config.url.clone(),
-            seq: export.seq,
+            seq,
             trusted,
-            events: export.events,
+            tier_uncertain,
+            blocks,
         });
     }
     Some(snapshot)
@@ -139,8 +143,9 @@ pub(crate) async fn fetch(
 }
 
 /// Applies a snapshot to the fleet (and the journal): each endpoint named by URL gets the
-/// events; one the peer did not trust is marked as having lost events. Returns the sequence
-/// each endpoint's subscriber resumes after.
+/// blocks, restored in its index (counted as its events arriving); one the peer did not trust
+/// is marked as having lost events. Returns the sequence each endpoint's subscriber resumes
+/// after.
 pub(crate) fn apply(router: &Router, snapshot: &Snapshot) -> HashMap<EndpointId, u64> {
     let mut resume = HashMap::new();
     let endpoints = router.endpoints();
@@ -156,9 +161,19 @@ pub(crate) fn apply(router: &Router, snapshot: &Snapshot) -> HashMap<EndpointId,
         if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
             continue;
         }
-        fleet.apply_events(e.id, &entry.events, now);
-        if let Some(mut journal) = router.replica().journal() {
-            journal.apply(e.id, entry.seq, &entry.events);
+        let Some(index) = fleet.index_of(e.id).cloned() else {
+            continue;
+        };
+        index.write_endpoint(e.id, |ix| {
+            ix.restore(e.id, entry.blocks.iter().copied());
+            if entry.tier_uncertain {
+                ix.mark_tier_uncertain(e.id);
+            }
+        });
+        // The snapshot stands for the events it reflects: the endpoint has published.
+        fleet.apply_events(e.id, &[], now);
+        if let (Some(mut journal), Some(seq)) = (router.replica().journal(), entry.seq) {
+            journal.apply(e.id, seq);
         }
         if !entry.trusted {
             fleet.events_lost(e.id, now);

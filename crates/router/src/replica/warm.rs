@@ -9,8 +9,9 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvroute_core::fleet::WarmVerdict;
+use kvroute_core::fleet::{PeerLoadStats, WarmVerdict};
 use kvroute_core::index::EndpointId;
+use serde::Serialize;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -51,8 +52,8 @@ async fn warm_up(router: Arc<Router>) {
         match snapshot::fetch(&router, peer, left).await {
             Ok(snapshot) => {
                 resume = snapshot::apply(&router, &snapshot);
-                let blocks: usize = snapshot.endpoints.iter().map(|e| e.events.len()).sum();
-                info!(%peer, endpoints = snapshot.endpoints.len(), events = blocks, "applied a peer's index snapshot");
+                let blocks: usize = snapshot.endpoints.iter().map(|e| e.blocks.len()).sum();
+                info!(%peer, endpoints = snapshot.endpoints.len(), blocks, "applied a peer's index snapshot");
                 from = Some(peer.clone());
                 break;
             }
@@ -130,7 +131,21 @@ pub async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
     }
 }
 
-/// `GET /kvroute/v1/replica`: the warm-up's status.
+/// What `GET /kvroute/v1/replica` answers.
+#[derive(Serialize)]
+struct ReplicaReport {
+    /// The warm-up's status (`state` and its details).
+    #[serde(flatten)]
+    warm: WarmStatus,
+    /// Peers' prefills counted in this replica's load (`replicas.share_load`).
+    peer_load: PeerLoadStats,
+}
+
+/// `GET /kvroute/v1/replica`: the warm-up's status, and the peers' prefills counted here.
 pub async fn status(State(router): State<Arc<Router>>) -> Response {
-    axum::Json(router.replica().status()).into_response()
+    let report = ReplicaReport {
+        warm: router.replica().status(),
+        peer_load: router.fleet().peer_load_stats().clone(),
+    };
+    axum::Json(report).into_response()
 }

@@ -48,6 +48,7 @@ pub fn replicas(peers: &[String], warm_timeout_s: f64, share_dispatches: bool) -
         peers: peers.to_vec(),
         warm_timeout_s,
         share_dispatches,
+        ..ReplicasConfig::default()
     }
 }
 

@@ -145,6 +145,11 @@ pub struct TierRates {
     /// Requests dispatched on a tier prediction whose events were recently inconsistent
     /// (orphans): estimates, never taught as load rates.
     pub uncertain_requests: u64,
+    /// Shared-tier tokens already queued on the filesystem the endpoint mounts: the loads the
+    /// router dispatched there and that are not read yet (the fleet's shared backlog). Not
+    /// learned: set on each plan's copy, so a shared load is charged the tokens ahead of it on
+    /// the filesystem's aggregate bandwidth.
+    pub queued_shared_tokens: f64,
     /// The engine's per-tier counters at the last scrape (`None`: not reported).
     engine_counters: [Option<f64>; 3],
     /// `predicted_tokens` at the last scrape.
@@ -216,6 +221,14 @@ const LEARNING_RATE: f64 = 0.2;
 const MIN_SAMPLE_TOKENS: usize = 64;
 
 impl TierRates {
+    /// These rates, with `tokens` queued on the shared tier's bandwidth (a plan's view).
+    pub fn with_queued_shared(self, tokens: f64) -> Self {
+        Self {
+            queued_shared_tokens: tokens,
+            ..self
+        }
+    }
+
     /// The rate used for `tier`: learned, else configured.
     pub fn rate(&self, tier: LoadTier, configured: &TierCosts) -> f64 {
         self.learned[tier as usize]
@@ -375,7 +388,11 @@ pub struct TierCharge {
     pub tokens: usize,
     /// The load rate used, tokens per second (learned or configured).
     pub tokens_per_s: f64,
-    /// Seconds charged.
+    /// Tokens other loads have queued ahead on this tier's bandwidth (the shared tier: what
+    /// the router already sent to the filesystem).
+    pub queued_tokens: f64,
+    /// Seconds charged (for a tier priced by load time: waiting for the queued tokens, then
+    /// loading its own).
     pub seconds: f64,
     /// Seconds recomputing these tokens would take at the endpoint's prefill rate.
     pub recompute_s: f64,
@@ -395,7 +412,10 @@ pub struct TierLoad {
 }
 
 /// What loading `tokens` from each tier costs on an endpoint that prefills at `prefill_rate`
-/// tokens/s, with learned `rates` over the configured `costs`.
+/// tokens/s, with learned `rates` over the configured `costs`. A shared-tier load waits for
+/// the tokens queued ahead of it on the filesystem (`rates.queued_shared_tokens`) at the
+/// tier's rate, as a P/D transfer waits for its NIC's backlog: a load that would wait longer
+/// than recomputing takes is slower than recomputing, and gets no credit.
 pub fn tier_load(
     costs: &TierCosts,
     rates: &TierRates,
@@ -410,7 +430,11 @@ pub fn tier_load(
             continue;
         }
         let rate = rates.rate(t, costs);
-        let load_s = n as f64 / rate;
+        let queued = match t {
+            LoadTier::Shared => rates.queued_shared_tokens.max(0.0),
+            LoadTier::Cpu | LoadTier::Storage => 0.0,
+        };
+        let load_s = (n as f64 + queued) / rate;
         let recompute_s = n as f64 / prefill_rate;
         let charge = match costs.weight(t) {
             Some(w) => TierCharge {
@@ -427,6 +451,7 @@ pub fn tier_load(
         load.tiers[t as usize] = TierCharge {
             tokens: n,
             tokens_per_s: rate,
+            queued_tokens: queued,
             recompute_s,
             ..charge
         };
@@ -453,6 +478,28 @@ mod tests {
         let storage = load.tiers[LoadTier::Storage as usize];
         assert!(!storage.slower_than_recompute);
         assert!(storage.seconds < storage.recompute_s);
+    }
+
+    #[test]
+    fn a_shared_load_waits_for_the_loads_queued_ahead_on_the_filesystem() {
+        let costs = TierCosts::default();
+        let mut rates = TierRates::default();
+        // 2,500 shared tokens at 25k tokens/s: 0.1 s alone, credited against a 10k tokens/s
+        // recompute (0.25 s).
+        let alone = tier_load(&costs, &rates, [0, 0, 2_500], 10_000.0);
+        let shared = alone.tiers[LoadTier::Shared as usize];
+        assert!((shared.seconds - 0.1).abs() < 1e-9, "{shared:?}");
+        assert!(!shared.slower_than_recompute);
+        // 5,000 tokens already queued on the filesystem: 0.3 s, longer than recomputing.
+        rates.queued_shared_tokens = 5_000.0;
+        let queued = tier_load(&costs, &rates, [0, 0, 2_500], 10_000.0);
+        let shared = queued.tiers[LoadTier::Shared as usize];
+        assert!((shared.seconds - 0.3).abs() < 1e-9, "{shared:?}");
+        assert!(shared.slower_than_recompute, "{shared:?}");
+        assert_eq!(shared.queued_tokens, 5_000.0);
+        // Private tiers do not share the filesystem's bandwidth.
+        let cpu = tier_load(&costs, &rates, [2_500, 0, 0], 10_000.0);
+        assert_eq!(cpu.tiers[LoadTier::Cpu as usize].queued_tokens, 0.0);
     }
 
     #[test]

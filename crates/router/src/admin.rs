@@ -331,7 +331,8 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
 }
 
 /// One candidate's tiers below the GPU, for `explain`: per tier, the matched blocks, the
-/// tokens predicted cached there, the seconds charged to load them against the seconds to
+/// tokens predicted cached there, the tokens other loads queued ahead on its bandwidth (the
+/// shared filesystem's), the seconds charged to load them against the seconds to
 /// recompute them, and whether the tier is credited (`no_credit_reason` says why not); and a
 /// warning when the tier picture is uncertain.
 fn tiers_explained(
@@ -360,6 +361,7 @@ fn tiers_explained(
                 "tokens": charge.tokens,
                 "predicted_cached_tokens": predicted_tiers[tier as usize],
                 "tokens_per_s": charge.tokens_per_s,
+                "queued_tokens": charge.queued_tokens,
                 "load_s": charge.seconds,
                 "recompute_s": charge.recompute_s,
                 "credited": charge.tokens > 0 && !charge.slower_than_recompute,

@@ -21,6 +21,7 @@ mod retry;
 mod rotation;
 mod sessions;
 mod shared;
+mod shared_backlog;
 mod tier_learning;
 pub mod trust;
 mod warm;
@@ -38,7 +39,7 @@ use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RankBuffers, RequestInfo,
     Role, schedule, schedule_near_best,
 };
-use crate::tiers::TierTokens;
+use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 pub use disagg::DisaggConfig;
 pub use endpoint::{
@@ -52,6 +53,7 @@ pub use restart::{RestartSignals, RestartWatch};
 pub use retry::{AttemptFailure, RetryVerdict};
 pub use sessions::Sessions;
 pub use shared::SharedPrefixes;
+pub use shared_backlog::{SharedBacklog, SharedLoad};
 pub use trust::{Distrust, Trust, TrustPolicy};
 pub use warm::WarmVerdict;
 
@@ -213,6 +215,8 @@ pub struct Dispatch {
     pub tier_uncertain: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,
+    /// Its shared-tier load, queued on the mount's backlog until its first token.
+    shared_load: Option<SharedLoad>,
     keys: Arc<Vec<RouterKey>>,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
@@ -250,6 +254,8 @@ pub struct Fleet {
     reported_trust: Vec<Option<Distrust>>,
     /// Prefill/decode disaggregation's state, when it is on ([`Fleet::enable_disagg`]).
     disagg: Option<disagg::DisaggState>,
+    /// Shared-tier loads dispatched and not done, per mount.
+    shared_backlog: SharedBacklog,
     /// Whether [`Fleet::plan`] ranks every candidate (see [`Fleet::rank_every_candidate`]).
     rank_every: bool,
     /// Per-request buffers, kept between plans: the candidates, and the ranking's.
@@ -292,6 +298,7 @@ impl Fleet {
             retry_budget: outlier::RetryBudget::default(),
             random: crate::random::SeededRandom::default(),
             disagg: None,
+            shared_backlog: SharedBacklog::default(),
             rank_every: false,
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
@@ -509,7 +516,9 @@ impl Fleet {
                 load,
                 cache,
                 prefill_tokens_per_s: rate,
-                tier_rates: e.tier_rates,
+                tier_rates: e
+                    .tier_rates
+                    .with_queued_shared(self.shared_backlog.tokens(e.shared_mount(), now)),
             });
         }
         let info = RequestInfo {
@@ -568,6 +577,14 @@ impl Fleet {
         // Read before this request enters the predicted overlay.
         let (tier_tokens, tier_uncertain) =
             self.dispatch_tier_tokens(predicted, request, endpoint, now);
+        let shared_load = self.endpoints.get(slot).and_then(|e| {
+            self.shared_backlog.dispatched(
+                e.shared_mount(),
+                tier_tokens[LoadTier::Shared as usize],
+                e.tier_rates.rate(LoadTier::Shared, &self.profile.tiers),
+                now,
+            )
+        });
         // Queued prefill work counts what the engine will compute when it admits the request:
         // the queue ahead may evict part of what is cached now.
         let uncached = request
@@ -625,6 +642,7 @@ impl Fleet {
             tier_tokens,
             tier_uncertain,
             tier_seconds: None,
+            shared_load,
             keys: request.keys.clone(),
             prefill_done: false,
             rate_sample,
@@ -714,6 +732,9 @@ impl Fleet {
             return None;
         }
         dispatch.prefill_done = true;
+        if let Some(load) = dispatch.shared_load.take() {
+            self.shared_backlog.finished(load);
+        }
         let e = self.endpoints.get_mut(dispatch.endpoint.0 as usize)?;
         e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
         e.inflight_prefill_tokens = e
@@ -731,6 +752,13 @@ impl Fleet {
             dispatch.rate_sample && ok,
         );
         let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
+        // The shared-tier tokens queued ahead of its load were waited for, not loaded.
+        let waited_s = match (dispatch.shared_load, self.endpoint(dispatch.endpoint)) {
+            (Some(load), Some(e)) => {
+                load.ahead_tokens() / e.tier_rates.rate(LoadTier::Shared, &self.profile.tiers)
+            }
+            _ => 0.0,
+        };
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
@@ -747,7 +775,7 @@ impl Fleet {
             && let Some((fixed, per_token)) = e.tier_rates.baseline.line()
         {
             // The loads are learned once the engine says how much it found cached.
-            dispatch.tier_seconds = Some(seconds - fixed - tokens as f64 * per_token);
+            dispatch.tier_seconds = Some(seconds - fixed - tokens as f64 * per_token - waited_s);
         }
         if ok {
             // Every prefill teaches the prefill rate as before tier lessons (taking a tiered

@@ -793,6 +793,125 @@ fn a_shared_tier_prefix_is_a_hit_on_every_endpoint_that_mounts_it() {
     assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
 }
 
+#[test]
+fn a_shared_load_waits_for_the_loads_already_sent_to_the_filesystem() {
+    // Endpoints 0 and 1 mount the filesystem; endpoint 2 does not, and recomputes.
+    let mut builder = FleetBuilder::new(3);
+    for e in [0, 1] {
+        builder.specs[e].offload = lustre();
+    }
+    let mut fleet = builder.build();
+    let (first, second) = (prompt(2048, 21), prompt(2048, 22));
+    for doc in [&first, &second] {
+        fleet.apply_events(EndpointId(0), &offloaded_only(doc, "FS"), 0.0);
+    }
+    // Alone, a shared load (2,048 tokens at 25k tokens/s, 0.08 s) beats recomputing (at 20k
+    // tokens/s, 0.1 s): the first goes to a mounted endpoint.
+    let (plan, mut loading) = send(&mut fleet, &Req::new(&first), 0.0);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+    // While it loads, the second would wait for its tokens on the filesystem (0.16 s in all):
+    // the endpoint that recomputes is faster, though a mounted one is idle.
+    let shared = crate::tiers::LoadTier::Shared as usize;
+    let plan = fleet.plan_every(&Req::new(&second).features(), 1, 0.0);
+    let idle_mounted = EndpointId(if loading.endpoint == EndpointId(0) {
+        1
+    } else {
+        0
+    });
+    let queued = plan
+        .decision
+        .assessment(idle_mounted)
+        .unwrap()
+        .cost
+        .tiers
+        .tiers[shared];
+    assert_eq!(queued.queued_tokens, (2048 - BS) as f64, "{queued:?}");
+    assert!(queued.slower_than_recompute, "{queued:?}");
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(2)));
+    // Once its first token came, the filesystem is free again.
+    fleet.first_token(&mut loading, true, 0.05);
+    let plan = fleet.plan_every(&Req::new(&second).features(), 1, 0.05);
+    let free = plan
+        .decision
+        .assessment(idle_mounted)
+        .unwrap()
+        .cost
+        .tiers
+        .tiers[shared];
+    assert_eq!(free.queued_tokens, 0.0);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(2)));
+}
+
+#[test]
+fn a_shared_tier_lesson_leaves_out_the_wait_for_loads_sent_ahead_of_it() {
+    // The filesystem reads 40k tokens/s in all (the configured rate is 25k); every round,
+    // endpoint 1's load is sent first and endpoint 0's waits for it.
+    let mut builder = FleetBuilder::new(2);
+    for e in [0, 1] {
+        builder.specs[e].offload = lustre();
+    }
+    let mut fleet = builder.build();
+    let (prefill_rate, fs_rate) = (10_000.0, 40_000.0);
+    // Rounds 0.5 s apart: the engines announce nothing here, and 30 s of silence would
+    // distrust their events.
+    let mut now = 0.0;
+    // Endpoint 0's own line: untiered requests alone, of several sizes.
+    for i in 0..5 {
+        let len = 1000 + 400 * i as usize;
+        let req = Req::new(&prompt(len, 500 + i as u32));
+        serve_on(
+            &mut fleet,
+            &req,
+            EndpointId(0),
+            now,
+            len as f64 / prefill_rate,
+        );
+        now += 0.5;
+    }
+    let doc = prompt(4096, 15);
+    fleet.apply_events(EndpointId(1), &offloaded_only(&doc, "FS"), now);
+    for i in 0..40 {
+        let request = |salt| {
+            let mut tokens = doc.clone();
+            tokens.extend(prompt(512, salt));
+            Req::new(&tokens)
+        };
+        let (ahead, waiting) = (request(600 + 2 * i), request(601 + 2 * i));
+        let plan = fleet.plan(&ahead.features(), 7, now);
+        let mut first = fleet.dispatched(
+            &plan.predicted_cached,
+            &ahead.features(),
+            EndpointId(1),
+            now,
+        );
+        let plan = fleet.plan(&waiting.features(), 7, now);
+        let mut second = fleet.dispatched(
+            &plan.predicted_cached,
+            &waiting.features(),
+            EndpointId(0),
+            now,
+        );
+        assert_eq!(second.tier_tokens, [0, 0, 4096]);
+        let first_at = now + 4096.0 / fs_rate + 512.0 / prefill_rate;
+        let second_at = now + 8192.0 / fs_rate + 512.0 / prefill_rate;
+        fleet.first_token(&mut first, true, first_at);
+        fleet.first_token(&mut second, true, second_at);
+        for d in [first, second] {
+            let cached = d.predicted_cached;
+            fleet.finished(d, Some(cached), second_at);
+        }
+        now += 0.5;
+    }
+    let shared = crate::tiers::LoadTier::Shared;
+    let rates = fleet.endpoint(EndpointId(0)).unwrap().tier_rates();
+    let learned = rates.rate(shared, &fleet.profile.tiers);
+    assert!(rates.samples[shared as usize] > 30, "{rates:?}");
+    assert!(
+        (learned - fs_rate).abs() / fs_rate < 0.05,
+        "learned {learned:.0} tokens/s, the filesystem reads {fs_rate:.0}"
+    );
+}
+
 fn lustre() -> crate::index::OffloadSpec {
     crate::index::OffloadSpec {
         block_size: None,

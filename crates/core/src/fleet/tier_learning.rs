@@ -2,7 +2,7 @@
 //! below the GPU (set on its dispatch, so that its time to first token teaches the tiers' load
 //! rates), and the engines' own per-tier load counters.
 
-use super::{Fleet, IndexState};
+use super::{EndpointState, Fleet, IndexState};
 use crate::fleet::{EndpointId, RequestFeatures};
 use crate::index::PrefixMatch;
 use crate::tiers::{TierTokens, reportable_tiers};
@@ -29,6 +29,14 @@ pub(super) fn predicted_tier_tokens(
             predicted,
         ),
         _ => [0; 3],
+    }
+}
+
+impl EndpointState {
+    /// The name of the shared tier it mounts, if any (endpoints with the same name share the
+    /// filesystem's bandwidth).
+    pub fn shared_mount(&self) -> Option<&str> {
+        self.spec.offload.shared.as_ref().map(|m| m.name.as_str())
     }
 }
 

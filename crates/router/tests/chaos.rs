@@ -152,7 +152,8 @@ struct Tally {
 }
 
 /// A client: conversations of growing turns, one request at a time, until `stop`. It waits
-/// while `paused` (the router restarting) and reconnects when the router's port is closed.
+/// while `paused` (the router restarting), and sends again a request that failed to connect
+/// or failed while the router was restarting.
 async fn client_loop(
     addr: std::net::SocketAddr,
     seed: usize,
@@ -189,7 +190,10 @@ async fn client_loop(
                     .send()
                     .await
                 {
-                    Err(e) if e.is_connect() => {
+                    // A refused connection, or one the draining router accepted in the
+                    // kernel and closed unanswered (sent just as the restart began): the
+                    // router is restarting, so the request is sent again once it is back.
+                    Err(e) if e.is_connect() || paused.load(Ordering::Relaxed) => {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                     other => break other,

@@ -454,3 +454,42 @@ fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
     assert_eq!(names, ["defaults", "tuned"]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
+    let dir = std::env::temp_dir().join(format!("kvroute-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let table = dir.join("table.json");
+    std::fs::write(
+        &table,
+        r#"{"title": "TTFT p90", "y_label": "ms", "groups": ["tcp", "ib-400"],
+            "series": [{"name": "aggregated", "values": [411, 411]},
+                       {"name": "always", "values": [81396, null]}]}"#,
+    )
+    .unwrap();
+    let out = kvroute(&["report", "--bars", table.to_str().unwrap()], "");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let svg = stdout(&out);
+    assert!(
+        svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+        "{svg}"
+    );
+    assert_eq!(svg.matches("</title></rect>").count(), 3, "{svg}");
+    std::fs::write(
+        &table,
+        r#"{"title": "t", "y_label": "ms", "groups": ["a"], "series": [{"name": "s", "values": [1, 2]}]}"#,
+    )
+    .unwrap();
+    let out = kvroute(&["report", "--bars", table.to_str().unwrap()], "");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("series \"s\" has 2 values for 1 groups"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

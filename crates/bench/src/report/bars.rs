@@ -124,7 +124,13 @@ pub fn bar_chart_svg(table: &BarTable) -> Result<String, BarTableError> {
             key: Key::Box,
         })
         .collect();
-    let left = 78.0;
+    // Room for the widest tick label and the rotated axis title beside it.
+    let widest = scale
+        .ticks()
+        .iter()
+        .map(|t| (scale.label(*t).chars().count() + table.unit.chars().count()) as f64)
+        .fold(0.0, f64::max);
+    let left = (34.0 + widest * CHAR_W).max(60.0);
     let legend = Legend::new(entries, left, width - left - 16.0);
     let mut frame = Frame {
         w: width,
@@ -147,7 +153,7 @@ pub fn bar_chart_svg(table: &BarTable) -> Result<String, BarTableError> {
     );
     w!(
         out,
-        r##"<rect width="100%" height="100%" fill="#ffffff"/><text x="{left}" y="18" font-size="13" font-weight="600" fill="#24292f">{}</text>"##,
+        r##"<rect width="100%" height="100%" fill="#ffffff"/><text x="{left:.1}" y="18" font-size="13" font-weight="600" fill="#24292f">{}</text>"##,
         esc(&table.title)
     );
     out.push_str(&format!(r#"<g fill="{MUTED}">"#));

@@ -8,9 +8,11 @@ use crate::config::RouterConfig;
 pub const BASE_BYTES: u64 = 50 << 20;
 /// One (block, endpoint) entry of the KV index (benchmarks.md, "Memory per entry").
 pub const INDEX_ENTRY_BYTES: u64 = 48;
-/// One record of the routing history or the predicted overlay at full capacity: a queue slot
-/// and, for a distinct block, a hash-map entry, both at the tables' worst fill.
-pub const HISTORY_RECORD_BYTES: u64 = 114;
+/// One (block, endpoint) record of the routing history or the predicted overlay at full
+/// capacity, in the worst case: every request one block long, so each record is a request's
+/// record, a run of the chain tree and a key, at the tables' worst fill. Requests of many blocks
+/// share a run and a record (about 54 B a block at 64 blocks a request).
+pub const HISTORY_RECORD_BYTES: u64 = 144;
 /// One block of the table of shared prefixes (sized by `cache.history_capacity`).
 pub const SHARED_BLOCK_BYTES: u64 = 66;
 /// One remembered session.

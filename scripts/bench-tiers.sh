@@ -3,6 +3,7 @@
 # `kvroute bench`, for GPU-only / +CPU / +CPU+SSD / +shared filesystem, each under round-robin,
 # tier-blind precise (every tier credited as the GPU) and tier-aware precise routing.
 # Usage: scripts/bench-tiers.sh [KVROUTE_BINARY] [OUT_DIR]
+# CELLS picks the tier rows (default: all four), e.g. CELLS=cpu-ssd-shared.
 set -euo pipefail
 BIN=${1:-target/release/kvroute}
 OUT=${2:-kvroute-bench-tiers}
@@ -34,7 +35,8 @@ wait_up() {
   return 1
 }
 
-for tiers in gpu-only cpu cpu-ssd cpu-ssd-shared; do
+CELLS=${CELLS:-gpu-only cpu cpu-ssd cpu-ssd-shared}
+for tiers in $CELLS; do
   for policy in round-robin tier-blind tier-aware; do
     http=$BASE events=$((BASE + 10)) replay=$((BASE + 20)) listen=$((BASE + 30)) admin=$((BASE + 31))
     BASE=$((BASE + 40))

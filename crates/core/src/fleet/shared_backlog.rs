@@ -109,6 +109,11 @@ impl SharedBacklog {
         Some(load)
     }
 
+    /// Per mount: the tokens of dispatched shared-tier loads whose first token has not come.
+    pub fn unfinished(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.mounts.iter().map(|m| (m.name.as_str(), m.unfinished))
+    }
+
     /// `load` is done (its request's first token came, or the request ended without one).
     pub fn finished(&mut self, load: SharedLoad) {
         if let Some(mount) = self.mounts.get_mut(load.mount) {

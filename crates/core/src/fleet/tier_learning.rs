@@ -87,6 +87,11 @@ impl Fleet {
         })
     }
 
+    /// The shared-tier loads dispatched and not done, per mount.
+    pub fn shared_backlog(&self) -> &super::SharedBacklog {
+        &self.shared_backlog
+    }
+
     /// One scrape of `id`'s per-tier counters of tokens loaded (CPU, own storage, shared;
     /// cumulative, `None` where the engine does not report the tier): what the engine says it
     /// loaded, against what was predicted (see

@@ -48,6 +48,13 @@ impl EncodeLabelSet for TierSeries {
     }
 }
 
+/// A shared mount's series: its name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MountSeries {
+    /// The mount's name (`endpoints[].offload.shared_mount`).
+    mount: String,
+}
+
 /// How often, at most, one endpoint's uncertain tier predictions are warned about.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
@@ -76,6 +83,9 @@ pub struct TierMetrics {
     uncertain_requests: Counts,
     /// Blocks on the fleet-wide shared tier, over every mount.
     shared_blocks: Gauge,
+    /// Tokens of the shared-tier loads this router dispatched whose first token has not come,
+    /// by mount (what the cost model charges a new shared load as queued ahead, at most).
+    shared_unfinished_tokens: Family<MountSeries, Gauge>,
     /// When each endpoint's uncertain predictions were last warned about (the last minute's).
     warned: Mutex<HashMap<String, Instant>>,
 }
@@ -95,6 +105,7 @@ impl TierMetrics {
             uncertain: Family::default(),
             uncertain_requests: Family::default(),
             shared_blocks: Gauge::default(),
+            shared_unfinished_tokens: Family::default(),
             warned: Mutex::default(),
         }
     }
@@ -165,6 +176,13 @@ impl TierMetrics {
                 .set(sum / f64::from(n.max(1)));
         }
         self.shared_blocks.set(saturate(shared_blocks.unwrap_or(0)));
+        for (mount, tokens) in fleet.shared_backlog().unfinished() {
+            self.shared_unfinished_tokens
+                .get_or_create(&MountSeries {
+                    mount: mount.to_owned(),
+                })
+                .set(tokens.round() as i64);
+        }
     }
 
     /// A request was dispatched to `endpoint` on an uncertain tier prediction: warned about,
@@ -257,6 +275,11 @@ impl MetricGroup for TierMetrics {
             "shared_tier_blocks",
             "Blocks on the fleet-wide shared tier, over every mount",
             self.shared_blocks.clone(),
+        );
+        registry.register(
+            "shared_tier_unfinished_tokens",
+            "Tokens of shared-tier loads dispatched whose first token has not come, by mount",
+            self.shared_unfinished_tokens.clone(),
         );
     }
 }
@@ -360,6 +383,80 @@ mod tests {
         // An endpoint that left (a) holds nothing once its minute is over.
         m.warn_uncertain("b", "r3");
         assert_eq!(m.warned.lock().keys().collect::<Vec<_>>(), vec!["b"]);
+    }
+
+    #[test]
+    fn the_shared_tiers_unfinished_loads_are_shown_by_mount() {
+        use kvroute_core::fleet::RequestFeatures;
+        use kvroute_core::index::{OffloadSpec, SharedMount};
+        let spec = EndpointSpec {
+            name: "a".into(),
+            models: vec!["m".into()],
+            role: Role::Both,
+            has_events: true,
+            block_size: 16,
+            offload: OffloadSpec {
+                block_size: None,
+                shared: Some(SharedMount::new("lustre")),
+            },
+        };
+        let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), vec![spec]).unwrap();
+        // The engine wrote 4 blocks to the filesystem and dropped them from its GPU.
+        let tokens: Vec<u32> = (0..64).collect();
+        let keys = std::sync::Arc::new(router_keys(&tokens, 16, None).unwrap());
+        let hashes: Vec<EngineHash> = keys.iter().map(|k| EngineHash(k.0 ^ 1)).collect();
+        let events = vec![
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.clone(),
+                token_ids: tokens.clone(),
+                block_size: 16,
+                ..Default::default()
+            }),
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.clone(),
+                medium: Some("FS".into()),
+                ..Default::default()
+            }),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes,
+                medium: Some("GPU".into()),
+                group_idx: None,
+            }),
+        ];
+        fleet.apply_events(EndpointId(0), &events, 0.0);
+        let mut prompt = tokens;
+        prompt.extend(100..116);
+        let keys = std::sync::Arc::new(router_keys(&prompt, 16, None).unwrap());
+        let request = RequestFeatures {
+            model: "m",
+            keys: &keys,
+            prompt_tokens: prompt.len(),
+            block_size: 16,
+            session: None,
+            role: Role::Both,
+        };
+        let plan = fleet.plan(&request, 1, 0.0);
+        let mut dispatch = fleet.dispatched(&plan.predicted_cached, &request, EndpointId(0), 0.0);
+        let shown = |fleet: &Fleet| {
+            let mut registry = Registry::with_prefix("kvroute");
+            let m = TierMetrics::new(&MetricsConfig::default());
+            m.register(&mut registry);
+            m.refresh(fleet, &|_| "a".to_owned());
+            let mut out = String::new();
+            encode(&mut out, &registry).unwrap();
+            out
+        };
+        let text = shown(&fleet);
+        assert!(
+            text.contains("kvroute_shared_tier_unfinished_tokens{mount=\"lustre\"} 64"),
+            "{text}"
+        );
+        fleet.first_token(&mut dispatch, true, 0.1);
+        let text = shown(&fleet);
+        assert!(
+            text.contains("kvroute_shared_tier_unfinished_tokens{mount=\"lustre\"} 0"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 pub mod config_builder;
 pub mod fleet_view;
+pub mod routing_memory;
 
 /// One simulated engine on loopback (ephemeral ports, KV events and replay, 10× speed).
 pub async fn engine() -> SimFleet {

@@ -8,7 +8,7 @@
 //!
 //! [`Fleet::peer_prefill_started`]: kvroute_core::fleet::Fleet::peer_prefill_started
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 

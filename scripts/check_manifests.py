@@ -10,7 +10,10 @@ Kubernetes version given. Custom resources are checked against the `openAPIV3Sch
 CRD in DIR (the vendored CRDs under deploy/crds), made strict the same way; the CRDs' CEL rules
 (`x-kubernetes-validations`) are not evaluated. A kind with neither a built-in schema nor a CRD
 is an error. Configuration carried as text is parsed too: `*.yaml` keys of ConfigMaps and
-Secrets as YAML, `*.json` keys as JSON.
+Secrets as YAML, `*.json` keys as JSON. The references between the objects are checked
+(selectors, named ports, volumes, the pool's picker Service), and so is the router's way to
+its replica peers (`replicas.kubernetes`: a selector of the router pods only, their admin port,
+a Role that lets it list and watch pods).
 
 --self-test takes one valid rendered FILE, checks that it passes, then breaks it in ways the
 checks must catch (a port given as a name where a number is needed, an unknown field, a bad
@@ -237,6 +240,7 @@ def check_references(docs):
             secret = ((endpoint.get("authorization") or {}).get("credentials") or {})
             if secret and secret.get("key") not in (by_kind.get("Secret", {}).get(secret.get("name")) or {}).get("stringData", {}):
                 errors.append(f"{name_of(monitor)}: credentials {secret} are not in a rendered Secret")
+    errors.extend(check_replica_peers(by_kind, templates))
     for pool in by_kind.get("InferencePool", {}).values():
         ref = pool["spec"].get("endpointPickerRef") or {}
         service = by_kind.get("Service", {}).get(ref.get("name"))
@@ -246,6 +250,50 @@ def check_references(docs):
             number = (ref.get("port") or {}).get("number")
             if number not in [p["port"] for p in service["spec"]["ports"]]:
                 errors.append(f"{name_of(pool)}: endpointPickerRef port {number} is no port of {name_of(service)}")
+    return errors
+
+
+def router_configs(by_kind):
+    """(Secret or ConfigMap, parsed kvroute.yaml) for every rendered router configuration."""
+    for kind, field in (("Secret", "stringData"), ("ConfigMap", "data")):
+        for doc in by_kind.get(kind, {}).values():
+            text = (doc.get(field) or {}).get("kvroute.yaml")
+            if text:
+                yield doc, yaml.safe_load(text) or {}
+
+
+def check_replica_peers(by_kind, templates):
+    """Errors in how router replicas find each other (`replicas.kubernetes`): the selector must
+    select this release's router pods, which must expose the admin port, and the Role must let
+    the router list and watch pods."""
+    errors = []
+    for doc, config in router_configs(by_kind):
+        peers = (config.get("replicas") or {}).get("kubernetes")
+        if not peers:
+            continue
+        where = name_of(doc)
+        selector = peers.get("selector") or {}
+        selected = [t for _, t in templates if selects(selector, t["metadata"].get("labels") or {})]
+        routers = [t for t in selected if any(c["name"] == "kvroute" for c in t["spec"]["containers"])]
+        if not routers:
+            errors.append(f"{where}: replicas.kubernetes.selector {selector} matches no router pod template")
+        if len(routers) < len(selected):
+            errors.append(f"{where}: replicas.kubernetes.selector {selector} also selects pods that are not routers")
+        ports = {p.get("containerPort") for t in routers for c in t["spec"]["containers"] for p in c.get("ports") or []}
+        if routers and peers.get("admin_port") not in ports:
+            errors.append(f"{where}: replicas.kubernetes.admin_port {peers.get('admin_port')} is no port of the router pods")
+        admin = (config.get("admin") or {}).get("listen", "")
+        if not str(admin).endswith(f":{peers.get('admin_port')}"):
+            errors.append(f"{where}: replicas.kubernetes.admin_port {peers.get('admin_port')} is not admin.listen's port ({admin})")
+        granted = {
+            verb
+            for role in by_kind.get("Role", {}).values()
+            for rule in role.get("rules") or []
+            if "" in (rule.get("apiGroups") or []) and "pods" in (rule.get("resources") or [])
+            for verb in rule.get("verbs") or []
+        }
+        if not {"list", "watch"} <= granted:
+            errors.append(f"{where}: replicas.kubernetes needs a Role granting list and watch on pods")
     return errors
 
 
@@ -334,6 +382,19 @@ def breakages(docs):
         "unknown field in an InferencePool (v1alpha2's targetPortNumber)",
         lambda d: first(d, "InferencePool")["spec"].update(targetPortNumber=8000),
     )
+    def peer_config(d, change):
+        secret = next(doc for doc in d if doc.get("kind") == "Secret" and "kvroute.yaml" in (doc.get("stringData") or {}))
+        config = yaml.safe_load(secret["stringData"]["kvroute.yaml"])
+        if not (config.get("replicas") or {}).get("kubernetes"):
+            raise SystemExit("self-test: the rendered router configuration has no replicas.kubernetes (render with replicas > 1)")
+        change(config["replicas"]["kubernetes"])
+        secret["stringData"]["kvroute.yaml"] = yaml.safe_dump(config)
+
+    yield broken(
+        "replica peers selected by labels no router pod has",
+        lambda d: peer_config(d, lambda k: k["selector"].update({"app.kubernetes.io/name": "kvroute-sim"})),
+    )
+    yield broken("replica peers on a port the router pods lack", lambda d: peer_config(d, lambda k: k.update(admin_port=9999)))
     yield broken(
         "ServiceMonitor endpoint port as a list",
         lambda d: first(d, "ServiceMonitor")["spec"]["endpoints"][0].update(port=["admin"]),

@@ -139,6 +139,43 @@ pub struct ReplicasConfig {
     /// With dispatches shared: also count each peer's request as queued prefill at its engine
     /// until the peer says its first token came (one more small message per request per peer).
     pub share_load: bool,
+    /// Peers found in Kubernetes (feature `kube`), besides `peers`: the ready pods of the
+    /// router's own Deployment, by label, each reached on its admin port.
+    pub kubernetes: Option<PeerDiscovery>,
+}
+
+/// Replica peers found in Kubernetes: the ready pods a label selector picks (the router
+/// Deployment's own pods), watched, each a peer at `http://<pod IP>:<admin_port>`; this
+/// replica's own pod is left out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerDiscovery {
+    /// The API server's URL, unauthenticated (e.g. `kubectl proxy`'s); default: the in-cluster
+    /// service account, else the kubeconfig.
+    #[serde(default)]
+    pub api_server: Option<String>,
+    /// The namespace of the router's pods (default: the client's, usually the pod's own).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// The label selector of the router's pods (`matchLabels`), e.g. its Deployment's.
+    pub selector: BTreeMap<String, String>,
+    /// The admin listener's port on every router pod.
+    pub admin_port: u16,
+    /// This replica's own pod name, left out of its peers (default: `$POD_NAME`, else
+    /// `$HOSTNAME`, which Kubernetes sets to the pod's name).
+    #[serde(default)]
+    pub self_pod: Option<String>,
+}
+
+impl PeerDiscovery {
+    /// This replica's own pod name: configured, else from the environment.
+    pub fn own_pod(&self) -> Option<String> {
+        self.self_pod
+            .clone()
+            .or_else(|| std::env::var("POD_NAME").ok())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .filter(|name| !name.is_empty())
+    }
 }
 
 impl Default for ReplicasConfig {
@@ -148,6 +185,7 @@ impl Default for ReplicasConfig {
             warm_timeout_s: 30.0,
             share_dispatches: true,
             share_load: true,
+            kubernetes: None,
         }
     }
 }
@@ -709,6 +747,20 @@ impl RouterConfig {
     pub fn validate(&self) -> Result<(), RouterError> {
         if self.models.is_empty() {
             return Err(invalid("models", "at least one model is required"));
+        }
+        if let Some(k) = &self.replicas.kubernetes {
+            if !cfg!(feature = "kube") {
+                return Err(invalid(
+                    "replicas.kubernetes",
+                    "this kvroute was built without the `kube` feature",
+                ));
+            }
+            if k.selector.is_empty() {
+                return Err(invalid(
+                    "replicas.kubernetes.selector",
+                    "name at least one label of the router's pods",
+                ));
+            }
         }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(invalid(

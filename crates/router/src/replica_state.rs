@@ -1,14 +1,16 @@
-//! A replica's own state, below everything that serves or warms it: the journal it answers
-//! peers' snapshots from (each endpoint's event position), the nonce of the ids it gives shared
-//! requests, and where its warm-up stands (the warm-up itself is
-//! the `replica` module's).
+//! A replica's own state, below everything that serves or warms it: its peers (static, or found
+//! in Kubernetes), the journal it answers peers' snapshots from (each endpoint's event
+//! position), the nonce of the ids it gives shared requests, and where its warm-up stands (the
+//! warm-up itself is the `replica` module's).
 
 use std::collections::hash_map::{DefaultHasher, RandomState};
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use serde::Serialize;
+use tokio::sync::Notify;
 
 use crate::config::ReplicasConfig;
 use crate::journal::Journal;
@@ -42,6 +44,12 @@ pub enum WarmStatus {
 /// A replica's own state: the journal it answers peers' snapshots from, and its warm-up.
 pub struct ReplicaState {
     journal: Option<Mutex<Journal>>,
+    /// The peers' admin listeners now: `replicas.peers`, and those found in Kubernetes.
+    peers: RwLock<Arc<Vec<String>>>,
+    /// Whether the peers are known (at once for a static list; after the first list of the
+    /// router's pods with `replicas.kubernetes`), and its signal.
+    peers_known: AtomicBool,
+    peers_listed: Notify,
     /// Seeds the ids peers know this replica's requests by (random per process).
     request_ids: RandomState,
     warming: AtomicBool,
@@ -51,9 +59,12 @@ pub struct ReplicaState {
 impl ReplicaState {
     /// The state for `config`: a journal and a warm-up when it names peers.
     pub fn new(config: &ReplicasConfig) -> Self {
-        let peers = !config.peers.is_empty();
+        let peers = !config.peers.is_empty() || config.kubernetes.is_some();
         Self {
             journal: peers.then(|| Mutex::new(Journal::default())),
+            peers: RwLock::new(Arc::new(config.peers.clone())),
+            peers_known: AtomicBool::new(config.kubernetes.is_none()),
+            peers_listed: Notify::new(),
             request_ids: RandomState::new(),
             warming: AtomicBool::new(peers),
             status: Mutex::new(if peers {
@@ -69,9 +80,36 @@ impl ReplicaState {
         self.journal.as_ref().map(Mutex::lock)
     }
 
-    /// Whether this replica keeps a journal (it has peers), so it can answer their snapshots.
+    /// Whether this replica keeps a journal (it has peers, static or discovered), so it can
+    /// answer their snapshots.
     pub fn keeps_journal(&self) -> bool {
         self.journal.is_some()
+    }
+
+    /// The peers' admin listeners now (the static list, and those found in Kubernetes).
+    pub fn peers(&self) -> Arc<Vec<String>> {
+        self.peers.read().clone()
+    }
+
+    /// Replaces the peers found in Kubernetes (`found`, beside the static `configured` ones):
+    /// from now on dispatches go to them, and a warm-up waiting for its first list goes on.
+    pub(crate) fn set_peers(&self, configured: &[String], found: Vec<String>) {
+        let mut peers = configured.to_vec();
+        peers.extend(found.into_iter().filter(|p| !configured.contains(p)));
+        *self.peers.write() = Arc::new(peers);
+        self.peers_known.store(true, Ordering::Release);
+        self.peers_listed.notify_waiters();
+    }
+
+    /// Resolves once the peers are known (at once for a static list).
+    pub async fn peers_known(&self) {
+        loop {
+            let listed = self.peers_listed.notified();
+            if self.peers_known.load(Ordering::Acquire) {
+                return;
+            }
+            listed.await;
+        }
     }
 
     /// A hasher seeded with this replica's random nonce, for the ids of requests it shares with

@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 mod common;
+mod replicas_common;
 
 use common::config_builder::ConfigBuilder;
 use common::fleet_view::present_endpoints;
@@ -35,6 +36,8 @@ struct Fake {
     lists: Mutex<VecDeque<Value>>,
     watches: Mutex<VecDeque<mpsc::UnboundedReceiver<Value>>>,
     port: u16,
+    /// The label selector lists and watches must name (default: `app=vllm`, the engines').
+    selector: Option<&'static str>,
     list_calls: AtomicUsize,
     watch_versions: Mutex<Vec<String>>,
 }
@@ -61,7 +64,10 @@ fn status(code: u16, reason: &str) -> Value {
 
 async fn pods(State(fake): State<Arc<Fake>>, Query(q): Query<Vec<(String, String)>>) -> Response {
     let param = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
-    assert_eq!(param("labelSelector"), Some("app=vllm"));
+    assert_eq!(
+        param("labelSelector"),
+        Some(fake.selector.unwrap_or("app=vllm"))
+    );
     if param("watch") != Some("true") {
         fake.list_calls.fetch_add(1, Ordering::Relaxed);
         let mut lists = fake.lists.lock();
@@ -377,4 +383,99 @@ async fn pods_join_when_ready_and_leave_when_deleted_or_relabelled_while_request
         "every request succeeded: {served:?}"
     );
     drop((a_engine, b_engine));
+}
+
+/// A router pod of the Deployment `kvroute` (label `app=kvroute`).
+fn router_pod(name: &str, ip: &str, ready: bool, rv: u32) -> Value {
+    labelled(name, ip, ready, rv, json!({"app": "kvroute"}))
+}
+
+/// Replica peers found in Kubernetes (`replicas.kubernetes`): a starting replica lists the
+/// router's pods from the fake API server, leaves its own out, warms up from the ready one (a
+/// real replica on loopback), and follows the pods as they become ready or are deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_finds_its_peers_among_the_routers_pods_and_warms_up_from_them() {
+    use kvroute_router::config::{PeerDiscovery, ReplicasConfig};
+    use replicas_common::{admin_json, complete, config, explain, fleet, replica, until_ready};
+
+    let engines = fleet(1, 10_000, Default::default()).await;
+    let client = reqwest::Client::new();
+    // A: a running replica (its own peers static and absent), on the pods' admin port.
+    let admin_port = kvroute_testkit::free_ports(1);
+    let static_peers = ReplicasConfig {
+        peers: vec!["http://127.0.0.1:1".to_owned()],
+        warm_timeout_s: 1.0,
+        ..ReplicasConfig::default()
+    };
+    let a = replica(config(&engines, admin_port, static_peers)).await;
+    until_ready(&client, &a).await;
+    let prompt = "a document the running replica has seen. ".repeat(30);
+    complete(&client, &a, &prompt).await;
+
+    let fake = Arc::new(Fake {
+        selector: Some("app=kvroute"),
+        ..Fake::default()
+    });
+    // The Deployment's pods: A (ready, on 127.0.0.1), B itself, C not ready yet.
+    fake.lists.lock().push_back(list(
+        vec![
+            router_pod("router-a", "127.0.0.1", true, 5),
+            router_pod("router-b", "127.0.0.2", true, 6),
+            router_pod("router-c", "127.0.0.3", false, 7),
+        ],
+        10,
+    ));
+    let (watch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let api = fake_api(fake.clone()).await;
+    let discovered = ReplicasConfig {
+        warm_timeout_s: 10.0,
+        kubernetes: Some(PeerDiscovery {
+            api_server: Some(format!("http://{api}")),
+            namespace: Some("llm".into()),
+            selector: [("app".to_owned(), "kvroute".to_owned())].into(),
+            admin_port,
+            self_pod: Some("router-b".into()),
+        }),
+        ..ReplicasConfig::default()
+    };
+    let b = replica(config(&engines, 0, discovered)).await;
+    until_ready(&client, &b).await;
+    let a_url = format!("http://127.0.0.1:{admin_port}");
+    let status = admin_json(&client, &b, "/kvroute/v1/replica").await;
+    assert_eq!(status["state"], "warm", "{status}");
+    assert_eq!(status["peer"], a_url.as_str(), "{status}");
+    assert_eq!(status["peers"], json!([a_url]), "{status}");
+    // A's index came with the snapshot: B matches the prompt's blocks on the engine.
+    let plan = explain(&client, &b, &prompt).await;
+    let blocks = plan["blocks"].as_u64().unwrap();
+    let indexed = plan["endpoints"][0]["matched_blocks"]["index"]["total"].as_u64();
+    assert_eq!(indexed, Some(blocks), "{plan}");
+
+    // The pods change: B's peers follow.
+    let peers = |want: Vec<String>| {
+        let b = &b;
+        async move {
+            eventually("B's peers", || {
+                let now = b.router.replica().peers().to_vec();
+                (now == want, now)
+            })
+            .await;
+        }
+    };
+    watch
+        .send(event(
+            "MODIFIED",
+            router_pod("router-c", "127.0.0.3", true, 11),
+        ))
+        .unwrap();
+    let c_url = format!("http://127.0.0.3:{admin_port}");
+    peers(vec![a_url, c_url.clone()]).await;
+    watch
+        .send(event(
+            "DELETED",
+            router_pod("router-a", "127.0.0.1", true, 12),
+        ))
+        .unwrap();
+    peers(vec![c_url]).await;
 }

@@ -6,9 +6,12 @@
 //! and relists when the server answers 410 Gone.
 //!
 //! The pure part (`pool`, `pods`) reads InferencePools and pods; `watch` drives the router.
+//! `peers` finds the router's own replicas the same way (`replicas.kubernetes`).
 //! Tests use a fake API server (`crates/router/tests/discovery.rs`): no kube-apiserver can
 //! run where kvroute is built and tested.
 
+#[cfg(feature = "kube")]
+pub mod peers;
 #[cfg(feature = "kube")]
 pub mod pods;
 pub mod pool;

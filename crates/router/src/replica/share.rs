@@ -68,7 +68,7 @@ pub struct PeerPrefillDone {
 /// without waiting.
 pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Dispatch) {
     let config = &router.config().replicas;
-    if !config.share_dispatches || config.peers.is_empty() {
+    if !config.share_dispatches || router.replica().peers().is_empty() {
         return;
     }
     let request = config.share_load.then(|| request_id(router, dispatch));
@@ -90,7 +90,7 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
 /// once, at its first token or at its end without one.
 pub fn prefill_done(router: &Router, dispatch: &Dispatch) {
     let config = &router.config().replicas;
-    if !config.share_dispatches || !config.share_load || config.peers.is_empty() {
+    if !config.share_dispatches || !config.share_load || router.replica().peers().is_empty() {
         return;
     }
     let message = PeerPrefillDone {
@@ -118,7 +118,7 @@ fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
         return;
     };
     let body = Bytes::from(body);
-    for peer in &router.config().replicas.peers {
+    for peer in router.replica().peers().iter() {
         let mut request = http::Request::post(format!(
             "{}/kvroute/v1/peer/{path}",
             peer.trim_end_matches('/')

@@ -23,13 +23,20 @@ use crate::service::Router;
 /// How often the warm-up checks whether every subscriber caught up.
 const POLL: Duration = Duration::from_millis(20);
 
-/// Starts the warm-up when the configuration names peers (`None` otherwise: subscribers were
-/// started with the endpoints' other tasks).
-pub(crate) fn spawn(router: &Arc<Router>) -> Option<JoinHandle<()>> {
-    router
-        .replica()
-        .warming()
-        .then(|| tokio::spawn(warm_up(router.clone())))
+/// Starts the warm-up when the configuration names peers (none otherwise: subscribers were
+/// started with the endpoints' other tasks), and the watch of peers in Kubernetes when
+/// configured.
+pub(crate) fn spawn(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    // Configuration refuses `replicas.kubernetes` in a build without the `kube` feature.
+    #[cfg(feature = "kube")]
+    if let Some(discovery) = &router.config().replicas.kubernetes {
+        tasks.push(crate::discovery::peers::spawn(router, discovery.clone()));
+    }
+    if router.replica().warming() {
+        tasks.push(tokio::spawn(warm_up(router.clone())));
+    }
+    tasks
 }
 
 /// Subscribes every present endpoint that has events and no subscriber yet.
@@ -47,7 +54,16 @@ async fn warm_up(router: Arc<Router>) {
     let timeout = Duration::from_secs_f64(router.config().replicas.warm_timeout_s);
     let mut resume = std::collections::HashMap::new();
     let mut from = None;
-    for peer in &router.config().replicas.peers {
+    // Peers found in Kubernetes are known after the first list of the router's pods.
+    if tokio::time::timeout(timeout, router.replica().peers_known())
+        .await
+        .is_err()
+    {
+        warn!(
+            "no list of the router's pods within replicas.warm_timeout_s: warming up without peers"
+        );
+    }
+    for peer in router.replica().peers().iter() {
         let left = timeout.saturating_sub(started.elapsed());
         match snapshot::fetch(&router, peer, left).await {
             Ok(snapshot) => {
@@ -137,6 +153,8 @@ struct ReplicaReport {
     /// The warm-up's status (`state` and its details).
     #[serde(flatten)]
     warm: WarmStatus,
+    /// The peers' admin listeners now.
+    peers: Vec<String>,
     /// Peers' prefills counted in this replica's load (`replicas.share_load`).
     peer_load: PeerLoadStats,
 }
@@ -145,6 +163,7 @@ struct ReplicaReport {
 pub async fn status(State(router): State<Arc<Router>>) -> Response {
     let report = ReplicaReport {
         warm: router.replica().status(),
+        peers: router.replica().peers().to_vec(),
         peer_load: router.fleet().peer_load_stats().clone(),
     };
     axum::Json(report).into_response()

@@ -1,6 +1,9 @@
 //! What the replica tests share: a simulated fleet, a replica's configuration over it, and
 //! calls to a running replica.
-#![allow(dead_code)] // each test file uses its own part
+#![allow(dead_code)]
+// each test file uses its own part
+// Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
+#![allow(clippy::disallowed_methods)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

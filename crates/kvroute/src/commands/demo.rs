@@ -234,6 +234,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         };
         default.split(',').map(str::to_owned).collect()
     });
+    anyhow::ensure!(
+        !args.offload || args.blocks_per_engine >= OFFLOAD_GPU_DIVISOR,
+        "--offload puts a quarter of --blocks-per-engine on the GPU: give at least {OFFLOAD_GPU_DIVISOR}"
+    );
     if let Some(policy) = policies
         .iter()
         .find(|p| !args.offload && offload_scheduler(p).is_some())

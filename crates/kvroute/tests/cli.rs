@@ -142,21 +142,19 @@ fn demo_runs_and_the_index_matches_the_engines() {
 /// A small `kvroute demo` (2 engines, 4 conversations of 2 turns) with `extra` arguments,
 /// writing to `out`: its standard output and the runs of its `demo.json`, once it succeeded.
 fn short_demo(extra: &[&str], out: &std::path::Path) -> (String, Vec<serde_json::Value>) {
-    let mut args = vec![
-        "demo",
-        "--engines",
-        "2",
-        "--users",
-        "4",
-        "--turns",
-        "2",
-        "--rate",
-        "8",
-        "--blocks-per-engine",
-        "600",
-        "--out",
-        out.to_str().unwrap(),
-    ];
+    let mut args = vec!["demo", "--out", out.to_str().unwrap()];
+    // The short fleet and workload, unless `extra` sets the flag itself.
+    for (flag, value) in [
+        ("--engines", "2"),
+        ("--users", "4"),
+        ("--turns", "2"),
+        ("--rate", "8"),
+        ("--blocks-per-engine", "600"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend([flag, value]);
+        }
+    }
     args.extend_from_slice(extra);
     let output = kvroute(&args, "");
     let text = stdout(&output);
@@ -197,6 +195,61 @@ fn a_pd_demo_serves_every_request_from_the_decode_half() {
         );
     }
     std::fs::remove_dir_all(&out).ok();
+}
+
+/// `kvroute demo --offload`: with a working set that overflows the GPU, the engines with a CPU
+/// tier answer every request, load prompt tokens from that tier, and find more of each prompt
+/// cached than the same GPUs alone; tier-blind and tier-aware routing both profit.
+#[test]
+fn an_offload_demo_finds_more_cached_tokens_with_the_cpu_tier_than_gpu_only() {
+    let out =
+        std::env::temp_dir().join(format!("kvroute-demo-offload-test-{}", std::process::id()));
+    // 100 GPU blocks per engine; 4 conversations an engine of up to ~70 blocks each.
+    let (text, runs) = short_demo(
+        &["--offload", "--blocks-per-engine", "400", "--users", "8"],
+        &out,
+    );
+    assert!(
+        text.contains("x 100 GPU blocks (+ 400 CPU-tier blocks)"),
+        "{text}"
+    );
+    let names: Vec<_> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gpu-only", "tier-blind", "tier-aware"]);
+    for run in &runs {
+        assert_eq!(run["summary"]["requests"], 16, "{}", run["name"]);
+        assert_eq!(run["summary"]["errors"], 0, "{}", run["name"]);
+    }
+    let cpu_loaded =
+        |run: &serde_json::Value| run["config"]["offload"]["tier_loaded_tokens"]["cpu"].as_f64();
+    let hit_rate = |run: &serde_json::Value| run["summary"]["hit_rate"].as_f64().unwrap();
+    assert_eq!(cpu_loaded(&runs[0]), Some(0.0), "gpu-only has no CPU tier");
+    for tiered in &runs[1..] {
+        assert!(
+            cpu_loaded(tiered).unwrap() > 0.0,
+            "{}: nothing loaded from the CPU tier",
+            tiered["name"]
+        );
+        assert!(
+            hit_rate(tiered) > hit_rate(&runs[0]),
+            "{}: hit rate {} not above gpu-only's {}",
+            tiered["name"],
+            hit_rate(tiered),
+            hit_rate(&runs[0])
+        );
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
+/// The tier policies compare offload tiers: without `--offload` they are refused, clearly.
+#[test]
+fn the_tier_policies_need_the_offload_flag() {
+    let output = kvroute(&["demo", "--policies", "tier-aware"], "");
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        err.contains("tier-aware") && err.contains("--offload"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -3,7 +3,11 @@
 //! ceiling: one pooled cache as large as the fleet's serving the same requests. With `--pd`,
 //! prefill/decode disaggregation instead: precise routing on the whole fleet against the same
 //! engines split into prefill and decode halves, every request disaggregated (`pd-always`) or
-//! decided per request by cost (`pd-cost`).
+//! decided per request by cost (`pd-cost`). With `--offload`, tiered KV offload instead: engines
+//! whose GPU holds a quarter of `--blocks-per-engine` (the working set overflows it), routed by
+//! precise routing without an offload tier (`gpu-only`), and with a CPU tier of
+//! `--blocks-per-engine` blocks each, credited as the GPU (`tier-blind`) or priced in seconds
+//! (`tier-aware`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,14 +44,21 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2.0)]
     rate: f64,
     /// Policies to compare, in order (default: round-robin, least-load, prefix-hash,
-    /// approximate, precise; with `--pd`: precise, pd-always, pd-cost).
+    /// approximate, precise; with `--pd`: precise, pd-always, pd-cost; with `--offload`:
+    /// gpu-only, tier-blind, tier-aware).
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
     /// Prefill/decode disaggregation: the policies `pd-always` and `pd-cost` run on the same
     /// number of engines, the first half kv_producer and the rest kv_consumer, with the
     /// router orchestrating both legs (`pd.mode: always` or `orchestrate`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "offload")]
     pd: bool,
+    /// Tiered KV offload: each engine's GPU holds a quarter of --blocks-per-engine, so the
+    /// working set overflows it; `gpu-only` runs precise routing on those engines alone,
+    /// `tier-blind` and `tier-aware` (and any other policy) on the same engines with a CPU
+    /// tier of --blocks-per-engine blocks each, credited as the GPU or priced in seconds.
+    #[arg(long)]
+    offload: bool,
     /// P/D: the KV link between prefill and decode engines (`tcp`, `roce-100`, `ib-400`,
     /// `custom:<GB/s>[:<latency ms>]`).
     #[arg(long, default_value = "ib-400")]
@@ -66,6 +77,22 @@ const MODEL: &str = "sim-llama-3.1-8b";
 const POLICIES: &str = "round-robin,least-load,prefix-hash,approximate,precise";
 /// The policies compared by default with `--pd`.
 const PD_POLICIES: &str = "precise,pd-always,pd-cost";
+/// The policies compared by default with `--offload`.
+const OFFLOAD_POLICIES: &str = "gpu-only,tier-blind,tier-aware";
+
+/// The share of `--blocks-per-engine` an engine's GPU holds with `--offload`.
+const OFFLOAD_GPU_DIVISOR: usize = 4;
+
+/// The router's scheduler for an `--offload` policy of the demo; `None`: not one.
+fn offload_scheduler(policy: &str) -> Option<&'static str> {
+    match policy {
+        "gpu-only" | "tier-aware" => Some("{policy: precise}"),
+        "tier-blind" => Some(
+            "{policy: precise, tiers: {cpu_weight: 1.0, storage_weight: 1.0, shared_weight: 1.0}}",
+        ),
+        _ => None,
+    }
+}
 
 /// The router's `pd.mode` for a P/D policy of the demo; `None`: not a P/D policy.
 fn pd_mode(policy: &str) -> Option<&'static str> {
@@ -80,6 +107,23 @@ fn engine_config(blocks: usize) -> EngineConfig {
     EngineConfig {
         num_gpu_blocks: blocks,
         ..EngineConfig::default()
+    }
+}
+
+/// One engine of the demo running `policy`: `--blocks-per-engine` GPU blocks; with
+/// `--offload`, a quarter of them on the GPU and (except for `gpu-only`) a CPU tier of
+/// `--blocks-per-engine` blocks.
+fn demo_engine(args: &DemoArgs, policy: &str) -> EngineConfig {
+    if !args.offload {
+        return engine_config(args.blocks_per_engine);
+    }
+    EngineConfig {
+        num_cpu_blocks: if policy == "gpu-only" {
+            0
+        } else {
+            args.blocks_per_engine
+        },
+        ..engine_config(args.blocks_per_engine / OFFLOAD_GPU_DIVISOR)
     }
 }
 
@@ -122,7 +166,7 @@ async fn fleet(args: &DemoArgs, policy: &str) -> anyhow::Result<Vec<SimFleet>> {
                 port: 0,
                 events_port: 0,
                 replay_port: Some(0),
-                engine: engine_config(args.blocks_per_engine),
+                engine: demo_engine(args, policy),
                 ..SimConfig::default()
             })
             .await
@@ -135,15 +179,16 @@ async fn fleet(args: &DemoArgs, policy: &str) -> anyhow::Result<Vec<SimFleet>> {
 /// The router's configuration for `policy` over `engines` (a P/D policy: precise scheduling,
 /// the endpoints' roles, and `pd.mode` over `kv_link`).
 fn router_yaml(engines: &[SimFleet], policy: &str, kv_link: &str) -> String {
-    let (scheduled, pd) = match pd_mode(policy) {
-        Some(mode) => (
-            "precise",
+    let (scheduler, pd) = match (pd_mode(policy), offload_scheduler(policy)) {
+        (Some(mode), _) => (
+            "{policy: precise}".to_owned(),
             format!("pd: {{mode: {mode}, link: '{kv_link}'}}\n"),
         ),
-        None => (policy, String::new()),
+        (None, Some(scheduler)) => (scheduler.to_owned(), String::new()),
+        (None, None) => (format!("{{policy: {policy}}}"), String::new()),
     };
     let mut yaml = format!(
-        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {{policy: {scheduled}}}\nscrape: {{interval_ms: 200}}\n{pd}endpoints:\n"
+        "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {scheduler}\nscrape: {{interval_ms: 200}}\n{pd}endpoints:\n"
     );
     let endpoints: Vec<_> = engines.iter().flat_map(|f| &f.endpoints).collect();
     let producers = if pd.is_empty() {
@@ -182,9 +227,23 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         "--engines must be at least 2 to compare routing"
     );
     let policies: Vec<String> = args.policies.clone().unwrap_or_else(|| {
-        let default = if args.pd { PD_POLICIES } else { POLICIES };
+        let default = match (args.pd, args.offload) {
+            (true, _) => PD_POLICIES,
+            (false, true) => OFFLOAD_POLICIES,
+            (false, false) => POLICIES,
+        };
         default.split(',').map(str::to_owned).collect()
     });
+    anyhow::ensure!(
+        !args.offload || args.blocks_per_engine >= OFFLOAD_GPU_DIVISOR,
+        "--offload puts a quarter of --blocks-per-engine on the GPU: give at least {OFFLOAD_GPU_DIVISOR}"
+    );
+    if let Some(policy) = policies
+        .iter()
+        .find(|p| !args.offload && offload_scheduler(p).is_some())
+    {
+        anyhow::bail!("policy {policy} compares offload tiers: it needs --offload");
+    }
     LinkSpec::parse(&args.kv_link).context("--kv-link")?;
     let params = MultiTurn {
         users: args.users,
@@ -197,9 +256,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         seed: args.seed,
     };
     let workload = multi_turn(&params);
+    let tiers = demo_engine(&args, "tier-aware");
+    let cpu = if args.offload {
+        format!(" (+ {} CPU-tier blocks)", tiers.num_cpu_blocks)
+    } else {
+        String::new()
+    };
     println!(
-        "kvroute demo: {} simulated engines x {} blocks; {} conversations x {} turns sharing a {}-token system prompt",
-        args.engines, args.blocks_per_engine, args.users, args.turns, params.system_tokens
+        "kvroute demo: {} simulated engines x {} GPU blocks{cpu}; {} conversations x {} turns sharing a {}-token system prompt",
+        args.engines, tiers.num_gpu_blocks, args.users, args.turns, params.system_tokens
     );
     let mut runs: Vec<RunResult> = Vec::new();
     let mut prompts_for_ceiling = None;
@@ -233,10 +298,19 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let mut summary = kvroute_bench::stats::summarize(&records, duration);
         let counters_after = engine_counters(&engines).await;
         let (queries, hits) = (
-            counters_after.0 - counters_before.0,
-            counters_after.1 - counters_before.1,
+            counters_after.queries - counters_before.queries,
+            counters_after.hits - counters_before.hits,
         );
         summary.engine_hit_rate = (queries > 0.0).then(|| hits / queries);
+        let tier_loaded = std::array::from_fn::<f64, 3, _>(|tier| {
+            counters_after.tier_loaded[tier] - counters_before.tier_loaded[tier]
+        });
+        if args.offload {
+            println!(
+                "    {:.0} prompt tokens loaded from the CPU tier",
+                tier_loaded[0]
+            );
+        }
         if prompts_for_ceiling.is_none() {
             prompts_for_ceiling = Some(
                 records
@@ -247,22 +321,31 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }
         runs.push(RunResult {
             name: policy.clone(),
-            config: serde_json::json!({"policy": policy, "workload": workload.description, "engines": args.engines, "blocks_per_engine": args.blocks_per_engine, "kv_link": pd_mode(policy).map(|_| &args.kv_link)}),
+            config: serde_json::json!({
+                "policy": policy,
+                "workload": workload.description,
+                "engines": args.engines,
+                "blocks_per_engine": args.blocks_per_engine,
+                "kv_link": pd_mode(policy).map(|_| &args.kv_link),
+                "offload": args.offload.then(|| serde_json::json!({
+                    "gpu_blocks": demo_engine(&args, policy).num_gpu_blocks,
+                    "cpu_blocks": demo_engine(&args, policy).num_cpu_blocks,
+                    "tier_loaded_tokens": {"cpu": tier_loaded[0], "ssd": tier_loaded[1], "shared_fs": tier_loaded[2]},
+                })),
+            }),
             summary,
             records,
         });
         drop(router);
         drop(engines);
     }
-    let ceiling = kvroute_bench::ceiling::pooled_hit_rate(
-        &workload,
-        &engine_config(args.engines * args.blocks_per_engine),
-    );
+    // With --offload, the pool holds what the fleet's GPUs and CPU tiers hold together.
+    let pooled_blocks = args.engines * (tiers.num_gpu_blocks + tiers.num_cpu_blocks);
+    let ceiling = kvroute_bench::ceiling::pooled_hit_rate(&workload, &engine_config(pooled_blocks));
     println!();
     println!("{}", kvroute_bench::report::table(&runs));
     println!(
-        "Ceiling: one pooled cache of {} blocks serving the same requests in order reaches a {:.1}% hit rate.",
-        args.engines * args.blocks_per_engine,
+        "Ceiling: one pooled cache of {pooled_blocks} blocks serving the same requests in order reaches a {:.1}% hit rate.",
         ceiling * 100.0
     );
     std::fs::create_dir_all(&args.out)
@@ -273,18 +356,35 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The engines' own prefix-cache counters, summed: (tokens queried, tokens hit).
-async fn engine_counters(engines: &[SimFleet]) -> (f64, f64) {
-    let client = reqwest::Client::new();
-    let (mut queries, mut hits) = (0.0, 0.0);
+/// The engines' own counters, summed over the fleet.
+#[derive(Default)]
+struct EngineCounters {
+    /// Prompt tokens looked up in the GPU prefix cache.
+    queries: f64,
+    /// Prompt tokens found there.
+    hits: f64,
+    /// Prompt tokens loaded from each offload tier (CPU, own storage, shared).
+    tier_loaded: [f64; 3],
+}
+
+/// The engines' own prefix-cache and tier counters, summed (an unreachable engine counts 0).
+async fn engine_counters(engines: &[SimFleet]) -> EngineCounters {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap_or_default();
+    let mut sum = EngineCounters::default();
     for endpoint in engines.iter().flat_map(|f| &f.endpoints) {
         if let Ok(resp) = client.get(format!("{}/metrics", endpoint.url)).send().await
             && let Ok(text) = resp.text().await
         {
             let sample = kvroute_vllm::metrics::parse_engine_metrics(&text);
-            queries += sample.prefix_cache_queries.unwrap_or(0.0);
-            hits += sample.prefix_cache_hits.unwrap_or(0.0);
+            sum.queries += sample.prefix_cache_queries.unwrap_or(0.0);
+            sum.hits += sample.prefix_cache_hits.unwrap_or(0.0);
+            for (total, loaded) in sum.tier_loaded.iter_mut().zip(sample.tier_loaded_tokens) {
+                *total += loaded.unwrap_or(0.0);
+            }
         }
     }
-    (queries, hits)
+    sum
 }

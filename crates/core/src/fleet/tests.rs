@@ -856,18 +856,7 @@ fn a_shared_tier_lesson_leaves_out_the_wait_for_loads_sent_ahead_of_it() {
     // distrust their events.
     let mut now = 0.0;
     // Endpoint 0's own line: untiered requests alone, of several sizes.
-    for i in 0..5 {
-        let len = 1000 + 400 * i as usize;
-        let req = Req::new(&prompt(len, 500 + i as u32));
-        serve_on(
-            &mut fleet,
-            &req,
-            EndpointId(0),
-            now,
-            len as f64 / prefill_rate,
-        );
-        now += 0.5;
-    }
+    now = teach_prefill_line(&mut fleet, EndpointId(0), prefill_rate, 500, now, 0.5);
     let doc = prompt(4096, 15);
     fleet.apply_events(EndpointId(1), &offloaded_only(&doc, "FS"), now);
     for i in 0..40 {
@@ -1016,6 +1005,26 @@ fn serve_on(fleet: &mut Fleet, req: &Req, endpoint: EndpointId, now: f64, ttft: 
     tiers
 }
 
+/// Serves five uncached prompts of several sizes (1,000 to 2,600 tokens, seeds from `seed`) on
+/// `endpoint` at `prefill_rate`, `spacing` seconds apart from `now`: the endpoint's own prefill
+/// line, which tier lessons need. The time after them.
+fn teach_prefill_line(
+    fleet: &mut Fleet,
+    endpoint: EndpointId,
+    prefill_rate: f64,
+    seed: u32,
+    mut now: f64,
+    spacing: f64,
+) -> f64 {
+    for i in 0..5 {
+        let len = 1000 + 400 * i as usize;
+        let req = Req::new(&prompt(len, seed + i as u32));
+        serve_on(fleet, &req, endpoint, now, len as f64 / prefill_rate);
+        now += spacing;
+    }
+    now
+}
+
 #[test]
 fn tier_lessons_wait_for_the_endpoints_own_line() {
     // Endpoint 0 has only served tiered requests: it cannot tell their loads from the rest of
@@ -1024,18 +1033,7 @@ fn tier_lessons_wait_for_the_endpoints_own_line() {
     let mut fleet = FleetBuilder::new(2).build();
     let (prefill_rate, cpu_rate) = (8_000.0, 60_000.0);
     let mut now = 0.0;
-    for i in 0..5 {
-        let len = 1000 + 400 * i as usize;
-        let req = Req::new(&prompt(len, 400 + i as u32));
-        serve_on(
-            &mut fleet,
-            &req,
-            EndpointId(1),
-            now,
-            len as f64 / prefill_rate,
-        );
-        now += 0.3;
-    }
+    now = teach_prefill_line(&mut fleet, EndpointId(1), prefill_rate, 400, now, 0.3);
     let shared = prompt(4096, 14);
     fleet.apply_events(EndpointId(0), &offloaded_only(&shared, "CPU"), now);
     let tiered = |fleet: &mut Fleet, now: &mut f64, salt: u32| {
@@ -1052,18 +1050,7 @@ fn tier_lessons_wait_for_the_endpoints_own_line() {
     }
     let rates = *fleet.endpoint(EndpointId(0)).unwrap().tier_rates();
     assert_eq!(rates.samples, [0; 3], "no line of its own: no lesson");
-    for i in 0..5 {
-        let len = 1000 + 400 * i as usize;
-        let req = Req::new(&prompt(len, 800 + i as u32));
-        serve_on(
-            &mut fleet,
-            &req,
-            EndpointId(0),
-            now,
-            len as f64 / prefill_rate,
-        );
-        now += 0.3;
-    }
+    now = teach_prefill_line(&mut fleet, EndpointId(0), prefill_rate, 800, now, 0.3);
     for i in 0..30 {
         tiered(&mut fleet, &mut now, 900 + i);
     }

@@ -13,6 +13,8 @@
 
 mod tree;
 
+pub(crate) use tree::chain_overlap;
+
 use std::collections::VecDeque;
 
 use crate::index::EndpointId;

@@ -8,27 +8,74 @@
 //! as shared until [`MIN_CONTINUATIONS`] different continuations were seen. The fleet uses it to
 //! tell a new conversation (a placement, which balancing evens out) from a follow-up turn.
 //! Bounded: the oldest blocks are forgotten first.
+//!
+//! It answers exactly as a table of block → (last continuation, changes) would (the naive model
+//! its tests hold it to), but keeps the blocks as runs: consecutive blocks of one chain,
+//! recorded one after another, each followed only by the next (one continuation ever seen).
+//! Only a run's last block can be a branch point, so walking a prompt costs one table
+//! operation per run it goes through (the system prompt, each earlier turn), not one per block.
+//! A prompt that leaves a run part way splits it there (its last block gets a second
+//! continuation); forgetting the oldest blocks trims runs from the front (a run's blocks were
+//! recorded in order, so the oldest block always starts its run).
+//!
+//! Keys are assumed not to collide (64-bit chained hashes), as in the routing history's tree.
 
 use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
+use crate::history::chain_overlap;
 use crate::keys::RouterKey;
+
+#[cfg(test)]
+mod tests;
 
 /// Different continuations after which a prefix counts as shared between conversations.
 pub const MIN_CONTINUATIONS: u16 = 3;
 
-/// What followed a block: the last continuation seen, and how often the continuation
-/// changed (a lower bound on the distinct continuations, minus one).
-#[derive(Debug, Clone, Copy)]
-struct Next {
-    last: RouterKey,
+// A block inside a run has had one continuation, so it never counts as shared.
+const _: () = assert!(MIN_CONTINUATIONS > 1);
+
+/// Consecutive blocks of one chain; every block but the last is followed only by the next.
+#[derive(Debug, Default)]
+struct Run {
+    /// Its blocks' keys from `head` on (those before were forgotten).
+    keys: Vec<RouterKey>,
+    /// Blocks forgotten from the front.
+    head: usize,
+    /// The last continuation seen after its last block.
+    last: u64,
+    /// How often that continuation changed (a lower bound on the distinct continuations,
+    /// minus one).
     changes: u16,
 }
 
-impl Next {
+impl Run {
+    /// Its blocks still remembered.
+    fn live(&self) -> &[RouterKey] {
+        &self.keys[self.head..]
+    }
+
+    /// Whether its last block counts as shared.
     fn shared(&self) -> bool {
         self.changes + 1 >= MIN_CONTINUATIONS
+    }
+
+    /// Its last block was followed by `child`.
+    fn follow(&mut self, child: RouterKey) {
+        if self.last != child.0 {
+            self.last = child.0;
+            self.changes = self.changes.saturating_add(1);
+        }
+    }
+
+    /// Forgets its first `count` blocks (fewer than it has).
+    fn forget_front(&mut self, count: usize) {
+        self.head += count;
+        if self.head * 2 > self.keys.len() {
+            self.keys.drain(..self.head);
+            self.head = 0;
+        }
     }
 }
 
@@ -36,7 +83,12 @@ impl Next {
 #[derive(Debug)]
 pub struct SharedPrefixes {
     capacity: usize,
-    next: HashMap<RouterKey, Next>,
+    /// The runs, in a slab (`free` lists the unused).
+    runs: Vec<Run>,
+    free: Vec<u32>,
+    /// Each run by its first remembered key.
+    starts: HashMap<RouterKey, u32>,
+    /// Every remembered block, oldest first.
     order: VecDeque<RouterKey>,
 }
 
@@ -45,7 +97,9 @@ impl SharedPrefixes {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity: capacity.max(1),
-            next: HashMap::new(),
+            runs: Vec::new(),
+            free: Vec::new(),
+            starts: HashMap::new(),
             order: VecDeque::new(),
         }
     }
@@ -58,127 +112,139 @@ impl SharedPrefixes {
     /// Records a prompt's block keys, and returns what [`SharedPrefixes::shared_blocks`] said
     /// of them just before: one walk along the keys for both.
     pub fn record_shared(&mut self, keys: &[RouterKey]) -> usize {
-        // The walk of `shared_blocks`, read off each block's entry before it is updated (a
-        // prompt's chained keys do not repeat, so no entry is read after its update).
-        let (mut shared, mut walking) = (0, true);
-        for (i, pair) in keys.windows(2).enumerate() {
-            let (key, child) = (pair[0], pair[1]);
-            if let Some(next) = self.next.get_mut(&key) {
-                if walking && next.shared() {
-                    shared = i + 1;
-                }
-                if next.last != child {
-                    next.last = child;
-                    next.changes = next.changes.saturating_add(1);
-                }
-            } else {
+        let (mut shared, mut walking, mut depth) = (0, true, 0);
+        // A block is remembered with its continuation, so a prompt's last block is not
+        // recorded, only read (while the walk has found every block before it).
+        while depth < keys.len() && (walking || depth + 1 < keys.len()) {
+            let Some(&id) = self.starts.get(&keys[depth]) else {
                 walking = false;
-                self.next.insert(
-                    key,
-                    Next {
-                        last: child,
-                        changes: 0,
-                    },
-                );
-                self.order.push_back(key);
+                if depth + 1 < keys.len() {
+                    depth = self.add_run(keys, depth);
+                }
+                continue;
+            };
+            let run = &mut self.runs[id as usize];
+            let through = chain_overlap(&keys[depth..], run.live());
+            let end = depth + through;
+            if through == run.live().len() {
+                if walking && run.shared() {
+                    shared = end;
+                }
+                if let Some(&child) = keys.get(end) {
+                    run.follow(child);
+                }
+            } else if let Some(&child) = keys.get(end) {
+                // The prompt leaves the run after its block at `end - 1`: that block's second
+                // continuation, so it ends a run from now on.
+                self.split(id, through, child);
             }
+            depth = end;
         }
-        if walking
-            && let Some(last) = keys.last()
-            && self.next.get(last).is_some_and(Next::shared)
-        {
-            shared = keys.len();
-        }
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.next.remove(&old);
-            }
-        }
+        self.forget_oldest();
         shared
+    }
+
+    /// Adds the blocks of `keys` from `depth` (not remembered) up to the next remembered one
+    /// or the prompt's last, as a new run; returns the depth where it stops.
+    fn add_run(&mut self, keys: &[RouterKey], depth: usize) -> usize {
+        let mut end = depth + 1;
+        while end + 1 < keys.len() && !self.starts.contains_key(&keys[end]) {
+            end += 1;
+        }
+        let id = self.alloc();
+        let run = &mut self.runs[id as usize];
+        run.keys.extend_from_slice(&keys[depth..end]);
+        run.last = keys[end].0;
+        self.starts.insert(keys[depth], id);
+        self.order.extend(&keys[depth..end]);
+        end
+    }
+
+    /// Splits run `id` after its first `through` blocks (fewer than it has), whose last is now
+    /// followed by `child`.
+    fn split(&mut self, id: u32, through: usize, child: RouterKey) {
+        let front = &mut self.runs[id as usize];
+        let rest_keys = front.keys.split_off(front.head + through);
+        let (last, changes) = (front.last, front.changes);
+        // An inner block had one continuation: `child` is its second.
+        front.last = child.0;
+        front.changes = 1;
+        let first = rest_keys[0];
+        let rest = self.alloc();
+        let back = &mut self.runs[rest as usize];
+        back.keys = rest_keys;
+        back.last = last;
+        back.changes = changes;
+        self.starts.insert(first, rest);
+    }
+
+    /// Forgets the oldest blocks beyond the capacity, a run's front at a time.
+    fn forget_oldest(&mut self) {
+        while self.order.len() > self.capacity {
+            let excess = self.order.len() - self.capacity;
+            let oldest = self.order[0];
+            let Some(id) = self.starts.remove(&oldest) else {
+                // Not a run's first block: only after a key collision.
+                self.order.pop_front();
+                continue;
+            };
+            let run = &mut self.runs[id as usize];
+            let live = run.live();
+            let mut count = 1;
+            while count < excess.min(live.len()) && self.order[count] == live[count] {
+                count += 1;
+            }
+            self.order.drain(..count);
+            if count == live.len() {
+                run.keys.clear();
+                run.head = 0;
+                self.free.push(id);
+            } else {
+                run.forget_front(count);
+                let first = run.live()[0];
+                self.starts.insert(first, id);
+            }
+        }
+    }
+
+    /// An unused run, cleared.
+    fn alloc(&mut self) -> u32 {
+        let id = self.free.pop().unwrap_or_else(|| {
+            self.runs.push(Run::default());
+            (self.runs.len() - 1) as u32
+        });
+        let run = &mut self.runs[id as usize];
+        run.keys.clear();
+        run.head = 0;
+        run.changes = 0;
+        id
     }
 
     /// Blocks of `keys` shared with other prompts: up to and including the deepest block
     /// after which [`MIN_CONTINUATIONS`] different continuations were seen (0 when none).
     pub fn shared_blocks(&self, keys: &[RouterKey]) -> usize {
-        let mut shared = 0;
-        for (i, key) in keys.iter().enumerate() {
-            match self.next.get(key) {
-                Some(next) if next.shared() => shared = i + 1,
-                Some(_) => {}
-                None => break,
+        let (mut shared, mut depth) = (0, 0);
+        while depth < keys.len() {
+            let Some(&id) = self.starts.get(&keys[depth]) else {
+                break;
+            };
+            let run = &self.runs[id as usize];
+            let through = chain_overlap(&keys[depth..], run.live());
+            if through == run.live().len() && run.shared() {
+                shared = depth + through;
             }
+            depth += through;
         }
         shared
     }
 
     /// Blocks remembered.
     pub fn len(&self) -> usize {
-        self.next.len()
+        self.order.len()
     }
 
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.next.is_empty()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn keys(ids: &[u64]) -> Vec<RouterKey> {
-        ids.iter().map(|&i| RouterKey(i)).collect()
-    }
-
-    #[test]
-    fn a_system_prompt_branches_and_a_history_does_not() {
-        let mut s = SharedPrefixes::new(100);
-        // Conversations under the system prompt [1, 2].
-        s.record(&keys(&[1, 2, 10, 11]));
-        s.record(&keys(&[1, 2, 20]));
-        assert_eq!(
-            s.shared_blocks(&keys(&[1, 2, 40])),
-            0,
-            "two conversations are few"
-        );
-        s.record(&keys(&[1, 2, 30]));
-        assert_eq!(s.shared_blocks(&keys(&[1, 2, 50])), 2);
-        // The first conversation forks once (a regenerated answer) and goes on: its own
-        // history is not shared.
-        s.record(&keys(&[1, 2, 10, 11, 12]));
-        s.record(&keys(&[1, 2, 10, 11, 13, 14]));
-        s.record(&keys(&[1, 2, 10, 11, 13, 14, 15]));
-        assert_eq!(s.shared_blocks(&keys(&[1, 2, 10, 11, 13, 14, 15, 16])), 2);
-    }
-
-    proptest::proptest! {
-        /// Recording and measuring in one walk says what measuring, then recording, says.
-        #[test]
-        fn one_walk_measures_as_the_walk_before_the_record(
-            prompts in proptest::collection::vec(proptest::collection::vec(0u64..6, 0..8), 1..40),
-        ) {
-            let (mut fused, mut apart) = (SharedPrefixes::new(20), SharedPrefixes::new(20));
-            for ids in prompts {
-                // Chained, as router keys are: a key names its whole prefix.
-                let mut chained = Vec::new();
-                let mut key = 0u64;
-                for id in ids {
-                    key = key.wrapping_mul(31).wrapping_add(id + 1);
-                    chained.push(key);
-                }
-                let keys = keys(&chained);
-                let before = apart.shared_blocks(&keys);
-                apart.record(&keys);
-                proptest::prop_assert_eq!(fused.record_shared(&keys), before);
-                proptest::prop_assert_eq!(fused.len(), apart.len());
-            }
-        }
-    }
-
-    #[test]
-    fn bounded() {
-        let mut s = SharedPrefixes::new(3);
-        s.record(&keys(&[1, 2, 3, 4, 5, 6]));
-        assert_eq!(s.len(), 3);
+        self.order.is_empty()
     }
 }

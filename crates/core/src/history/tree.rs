@@ -123,23 +123,7 @@ impl ChainTree {
         if run.start as usize != depth {
             return None; // a collision: not this chain's run
         }
-        let rest = &keys[depth..];
-        let common = rest.len().min(run.keys.len());
-        if rest[common - 1] == run.keys[common - 1] {
-            return Some((id, common));
-        }
-        // Chained keys: once the chain leaves the run it never meets it again. The first block
-        // matches (it is the run's key in `starts`), the last compared does not.
-        let (mut same, mut differs) = (0, common - 1);
-        while differs - same > 1 {
-            let mid = same + (differs - same) / 2;
-            if rest[mid] == run.keys[mid] {
-                same = mid;
-            } else {
-                differs = mid;
-            }
-        }
-        Some((id, same + 1))
+        Some((id, chain_overlap(&keys[depth..], &run.keys)))
     }
 
     /// The runs along `keys`, from the first block: each run and how many of its blocks `keys`
@@ -257,6 +241,28 @@ impl ChainTree {
         run.live = true;
         id
     }
+}
+
+/// How many leading blocks two chains that start with the same key share (at least one; both
+/// non-empty, `chain[0] == run[0]`). Chained keys: once a chain leaves another it never meets it
+/// again, so one comparison says whether the chain goes through all of the shorter, and a
+/// binary search finds where it leaves.
+pub(crate) fn chain_overlap(chain: &[RouterKey], run: &[RouterKey]) -> usize {
+    let common = chain.len().min(run.len());
+    if chain[common - 1] == run[common - 1] {
+        return common;
+    }
+    // The first block matches, the last compared does not.
+    let (mut same, mut differs) = (0, common - 1);
+    while differs - same > 1 {
+        let mid = same + (differs - same) / 2;
+        if chain[mid] == run[mid] {
+            same = mid;
+        } else {
+            differs = mid;
+        }
+    }
+    same + 1
 }
 
 /// Two different elements of a slice, mutably.

@@ -11,7 +11,8 @@ pub const INDEX_ENTRY_BYTES: u64 = 48;
 /// One (block, endpoint) record of the routing history or the predicted overlay at full
 /// capacity, in the worst case: every request one block long, so each record is a request's
 /// record, a run of the chain tree and a key, at the tables' worst fill. Requests of many blocks
-/// share a run and a record (about 54 B a block at 64 blocks a request).
+/// share a run and a record (at 64 blocks a request, with the shared prefixes' runs: about a
+/// seventh of the formula, `tests/memory_long_requests.rs`).
 pub const HISTORY_RECORD_BYTES: u64 = 144;
 /// One block of the table of shared prefixes (sized by `cache.history_capacity`).
 pub const SHARED_BLOCK_BYTES: u64 = 66;

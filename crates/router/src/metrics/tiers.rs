@@ -317,26 +317,34 @@ mod tests {
         // Endpoint a: 4 blocks stored, then offloaded to the CPU and dropped from the GPU;
         // one CPU event names a hash it never saw (an orphan).
         let tokens: Vec<u32> = (0..64).collect();
-        let hashes: Vec<EngineHash> = router_keys(&tokens, 16, None)
+        let mut events = moved_off_the_gpu(&tokens, "CPU");
+        events.push(KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash(7)],
+            medium: Some("CPU".into()),
+            ..Default::default()
+        }));
+        fleet.apply_events(EndpointId(0), &events, 0.0);
+        fleet
+    }
+
+    /// An engine's events for `tokens` (16-token blocks): stored on its GPU, written to
+    /// `medium`, dropped from the GPU.
+    fn moved_off_the_gpu(tokens: &[u32], medium: &str) -> Vec<KvEvent> {
+        let hashes: Vec<EngineHash> = router_keys(tokens, 16, None)
             .unwrap()
             .iter()
             .map(|k| EngineHash(k.0 ^ 1))
             .collect();
-        let events = vec![
+        vec![
             KvEvent::BlockStored(BlockStored {
                 block_hashes: hashes.clone(),
-                token_ids: tokens,
+                token_ids: tokens.to_vec(),
                 block_size: 16,
                 ..Default::default()
             }),
             KvEvent::BlockStored(BlockStored {
                 block_hashes: hashes.clone(),
-                medium: Some("CPU".into()),
-                ..Default::default()
-            }),
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![EngineHash(7)],
-                medium: Some("CPU".into()),
+                medium: Some(medium.into()),
                 ..Default::default()
             }),
             KvEvent::BlockRemoved(BlockRemoved {
@@ -344,9 +352,7 @@ mod tests {
                 medium: Some("GPU".into()),
                 group_idx: None,
             }),
-        ];
-        fleet.apply_events(EndpointId(0), &events, 0.0);
-        fleet
+        ]
     }
 
     fn render(per_endpoint: bool) -> String {
@@ -403,26 +409,7 @@ mod tests {
         let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), vec![spec]).unwrap();
         // The engine wrote 4 blocks to the filesystem and dropped them from its GPU.
         let tokens: Vec<u32> = (0..64).collect();
-        let keys = std::sync::Arc::new(router_keys(&tokens, 16, None).unwrap());
-        let hashes: Vec<EngineHash> = keys.iter().map(|k| EngineHash(k.0 ^ 1)).collect();
-        let events = vec![
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: hashes.clone(),
-                token_ids: tokens.clone(),
-                block_size: 16,
-                ..Default::default()
-            }),
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: hashes.clone(),
-                medium: Some("FS".into()),
-                ..Default::default()
-            }),
-            KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: hashes,
-                medium: Some("GPU".into()),
-                group_idx: None,
-            }),
-        ];
+        let events = moved_off_the_gpu(&tokens, "FS");
         fleet.apply_events(EndpointId(0), &events, 0.0);
         let mut prompt = tokens;
         prompt.extend(100..116);

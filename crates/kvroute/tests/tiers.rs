@@ -5,15 +5,14 @@
 //! than a recompute of the same length; a tier configured slower than recomputing gets no
 //! credit, and `explain` says so.
 
+mod serve_support;
 mod sim_support;
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_testkit::{
-    Killed, eventually_blocking, free_ports, http_get, http_post, sum_labelled, wait_http,
-};
+use kvroute_testkit::{eventually_blocking, http_get, http_post, sum_labelled};
 use serde_json::{Value, json};
+use serve_support::{Serve, Served};
 use sim_support::SimProcess;
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -71,63 +70,41 @@ impl Sims {
     }
 }
 
-/// A running `kvroute serve`.
+/// A running `kvroute serve` (started again on fresh ports if it loses a port race).
 struct Router {
-    _process: Killed,
-    api: u16,
-    admin: u16,
-    dir: std::path::PathBuf,
+    served: Served,
 }
 
 impl Router {
     /// `kvroute serve` over `endpoints` with `extra` configuration, waited for.
     fn start(endpoints: &str, extra: &str) -> Self {
-        let (api, admin) = (free_ports(1), free_ports(1));
-        let dir = std::env::temp_dir().join(format!("kvroute-tiers-{}-{api}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("kvroute.yaml");
-        let yaml = format!(
-            "listen: 127.0.0.1:{api}\nadmin: {{listen: 127.0.0.1:{admin}}}\nmodels: [{{name: {MODEL}}}]\n{extra}\nendpoints:\n{endpoints}"
-        );
-        std::fs::write(&config, yaml).unwrap();
-        let process = Killed(
-            Command::new(env!("CARGO_BIN_EXE_kvroute"))
-                .args(["serve", "-c", config.to_str().unwrap()])
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        wait_http(&format!("http://127.0.0.1:{api}"));
         Self {
-            _process: process,
-            api,
-            admin,
-            dir,
+            served: Serve::new(endpoints, extra).start(),
         }
     }
 
     /// The router's decision for `tokens`, without forwarding it.
     fn explain(&self, tokens: &[u32]) -> Value {
         let body = json!({"model": MODEL, "token_ids": tokens}).to_string();
-        let (status, text) = http_post(addr(self.admin), "/kvroute/v1/explain", &body);
+        let (status, text) = http_post(addr(self.served.admin), "/kvroute/v1/explain", &body);
         assert_eq!(status, 200, "{text}");
         serde_json::from_str(&text).unwrap()
     }
 
     /// A one-token completion of `tokens` through the router: the answer and its time.
     fn complete(&self, tokens: &[u32]) -> (Value, Duration) {
-        complete(self.api, tokens)
+        complete(self.served.listen, tokens)
     }
 
     /// The router's `/metrics`.
     fn metrics(&self) -> String {
-        http_get(addr(self.admin), "/metrics")
+        http_get(addr(self.served.admin), "/metrics")
     }
 }
 
 impl Drop for Router {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.served.dir);
     }
 }
 

@@ -153,7 +153,7 @@ async fn conversations_stick_to_the_endpoint_holding_their_history() {
     }
     assert!(cached_total > 0);
     // On a quiet fleet the router's predictions equal what the engines report.
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     let count = |outcome: &str| -> u64 {
         metrics
             .lines()
@@ -347,7 +347,7 @@ async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
         assert_eq!(answer.status, 200, "{}", answer.body);
         assert_eq!(answer.endpoint, "live");
     }
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     assert!(
         metrics.contains("kvroute_retries_total{endpoint=\"dead\",reason=\"connect\"} 1"),
         "{metrics}"
@@ -644,7 +644,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
     let endpoint = &explained["endpoints"][0];
     assert_eq!(endpoint["index_trusted"], false, "{endpoint}");
     assert_eq!(endpoint["index_distrust"], "silent");
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     assert!(
         metrics.contains("kvroute_endpoint_index_trusted{endpoint=\"quiet\"} 0"),
         "{metrics}"
@@ -848,17 +848,6 @@ async fn a_saturated_fleet_holds_requests_then_serves_or_sheds_them() {
     assert_eq!(long.await.unwrap().0, 200);
 }
 
-async fn admin_metrics(client: &reqwest::Client, router: &RunningRouter) -> String {
-    client
-        .get(format!("http://{}/metrics", router.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// Two engines behind a round-robin router configured with `extra`: e0 answers every
 /// generation request `status` at once while passing its health checks, e1 is well.
 async fn failing_beside_healthy(
@@ -896,7 +885,7 @@ async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
         assert_eq!(answer.endpoint, "e1");
     }
     assert!(router.router.healthy(kvroute_core::index::EndpointId(0)));
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     let series = |s: &str| kvroute_testkit::sample(&metrics, s);
     assert_eq!(
         series("kvroute_retries_total{endpoint=\"e0\",reason=\"5xx\"}"),
@@ -940,7 +929,7 @@ async fn retries_stop_when_the_budget_is_spent() {
     // Round robin sends two to e0: an empty budget refuses their retries.
     statuses.sort_unstable();
     assert_eq!(statuses, vec![200, 200, 500, 500]);
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     assert_eq!(
         kvroute_testkit::sample(
             &metrics,
@@ -1038,7 +1027,7 @@ async fn abandoned_requests_are_counted_as_client_closed() {
     )
     .await;
     assert_eq!(answer.status, 200);
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     let count = |status: &str, outcome: &str| {
         metrics
             .lines()
@@ -1119,7 +1108,7 @@ async fn a_drain_refuses_new_connections_and_lets_streams_finish() {
     tokio::time::timeout(Duration::from_secs(10), router.drained())
         .await
         .expect("drained once the stream ended");
-    let metrics = admin_metrics(&client, &router).await;
+    let metrics = common::router_metrics(&client, &router).await;
     assert!(metrics.contains("outcome=\"completed\"} 1"), "{metrics}");
 }
 

@@ -125,7 +125,12 @@ async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
             assert_eq!(response.status(), 200);
         }
     });
+    let started = Instant::now();
     loop {
+        assert!(
+            started.elapsed() < kvroute_testkit::patience(),
+            "B never counted A's request in the engine's queue"
+        );
         let (prefills, tokens) = queued(&explain(&client, &b, "another prompt").await);
         if prefills == 1 {
             assert!(tokens > 500, "the prompt's uncached tokens: {tokens}");

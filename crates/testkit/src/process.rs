@@ -20,11 +20,19 @@ pub fn output_within(command: &mut Command, stdin: &str, limit: Duration) -> Out
     // Both pipes are drained on their own threads, so a child that fills one cannot block.
     let stdout = drain(child.stdout.take());
     let stderr = drain(child.stderr.take());
-    if let Some(mut input) = child.stdin.take() {
-        // A child that exits without reading its input closes the pipe: not this helper's error.
-        let _ = input.write_all(stdin.as_bytes());
-    }
+    // Fed on its own thread too: a child that never reads a large input must not block the
+    // deadline. A child that exits without reading it closes the pipe: not this helper's error.
+    let feeder = child.stdin.take().map(|mut input| {
+        let bytes = stdin.as_bytes().to_vec();
+        std::thread::spawn(move || {
+            let _ = input.write_all(&bytes);
+        })
+    });
     let status = wait_or_kill(&mut child, limit);
+    if let Some(feeder) = feeder {
+        // The child exited or was killed, so its end of the pipe is closed and the write ends.
+        let _ = feeder.join();
+    }
     let output = Output {
         status: status.unwrap_or_else(|| child.wait().expect("a killed child is reaped")),
         stdout: stdout.join().expect("stdout reader"),

@@ -261,7 +261,6 @@ pub struct Fleet {
     /// Per-request buffers, kept between plans: the candidates, and the ranking's.
     candidates: Vec<Candidate>,
     rank_buffers: RankBuffers,
-    held_blocks: Vec<u64>,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
 }
@@ -302,7 +301,6 @@ impl Fleet {
             rank_every: false,
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
-            held_blocks: Vec::new(),
             peer_load: Default::default(),
         })
     }
@@ -553,7 +551,6 @@ impl Fleet {
             disagg::rank_roles(&self.profile, &info, &candidates, &mut decision, depth);
         }
         self.candidates = candidates;
-        self.held_blocks = held_blocks;
         Plan {
             decision,
             facts,

@@ -74,6 +74,7 @@ impl Run {
         self.head += count;
         if self.head * 2 > self.keys.len() {
             self.keys.drain(..self.head);
+            self.keys.shrink_to(2 * self.keys.len());
             self.head = 0;
         }
     }
@@ -165,6 +166,8 @@ impl SharedPrefixes {
     fn split(&mut self, id: u32, through: usize, child: RouterKey) {
         let front = &mut self.runs[id as usize];
         let rest_keys = front.keys.split_off(front.head + through);
+        // The front keeps no more than twice its keys' allocation (memory follows the blocks).
+        front.keys.shrink_to(2 * front.keys.len());
         let (last, changes) = (front.last, front.changes);
         // An inner block had one continuation: `child` is its second.
         front.last = child.0;
@@ -196,7 +199,8 @@ impl SharedPrefixes {
             }
             self.order.drain(..count);
             if count == live.len() {
-                run.keys.clear();
+                // Freed with its buffer: a reused slot must not keep a long run's allocation.
+                run.keys = Vec::new();
                 run.head = 0;
                 self.free.push(id);
             } else {

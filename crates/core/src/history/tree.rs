@@ -177,6 +177,9 @@ impl ChainTree {
         front.holders = back.holders.clone();
         front.children = 1;
         back.keys.drain(..cut);
+        // A buffer holds no more than twice its keys: splits must not leave each part with the
+        // whole run's allocation (memory is bounded by the blocks recorded).
+        back.keys.shrink_to(2 * back.keys.len());
         back.parent = prefix;
         back.start = at;
         self.starts.insert(first, prefix);
@@ -204,7 +207,8 @@ impl ChainTree {
             let run = &mut self.runs[id as usize];
             let parent = run.parent;
             let first = run.keys[0];
-            run.keys.clear();
+            // Freed with its buffer: a reused slot must not keep a long run's allocation.
+            run.keys = Vec::new();
             run.live = false;
             if self.starts.get(&first) == Some(&id) {
                 self.starts.remove(&first);

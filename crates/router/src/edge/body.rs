@@ -129,7 +129,11 @@ impl HttpBody for Finishing {
 /// Reads a body up to the configured limit. A body the edge cut off answers 408 (too slow) or
 /// 503 (the router's buffered-bytes budget is spent).
 pub(crate) async fn read_body(router: &Router, body: Body) -> Result<Bytes, ApiError> {
-    let limit = router.config().limits.max_body_bytes;
+    read_body_within(body, router.config().limits.max_body_bytes).await
+}
+
+/// Reads a body of at most `limit` bytes (413 past it), for messages far smaller than a request.
+pub(crate) async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) => Err(body_error(limit, e.as_ref())),

@@ -39,8 +39,8 @@ use crate::metrics::listener as listener_labels;
 use crate::reply::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
-pub(crate) use body::read_body;
 use body::{EdgeBody, Finishing};
+pub(crate) use body::{read_body, read_body_within};
 use conn::{Activity, InFlight, TrackedIo};
 
 /// Largest request head (request line and headers) read from a client; larger ones get 431.

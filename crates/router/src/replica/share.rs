@@ -24,9 +24,12 @@ use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::edge::read_body;
+use crate::edge::{read_body, read_body_within};
 use crate::reply::error_response;
 use crate::service::Router;
+
+/// The largest prefill-done message read from a peer.
+const PREFILL_DONE_MAX_BYTES: usize = 4 << 10;
 
 /// How long a peer has to take a dispatch message.
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -187,7 +190,8 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
 /// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended
 /// without one); its prefill no longer counts in the engine's load here.
 pub async fn receive_prefill_done(State(router): State<Arc<Router>>, request: Request) -> Response {
-    let body = match read_body(&router, request.into_body()).await {
+    // A prefill-done message is one request id: a few dozen bytes.
+    let body = match read_body_within(request.into_body(), PREFILL_DONE_MAX_BYTES).await {
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
     };

@@ -168,6 +168,40 @@ pub struct PeerDiscovery {
 }
 
 impl PeerDiscovery {
+    /// What would otherwise fail only at run time, retried forever: the API server's URL, the
+    /// selector's labels (`key=value` pairs joined by commas on the wire) and the port.
+    fn validate(&self) -> Result<(), RouterError> {
+        if let Some(url) = &self.api_server {
+            let parsed: Result<axum::http::Uri, _> = url.parse();
+            if !parsed.is_ok_and(|u| u.scheme().is_some() && u.host().is_some()) {
+                return Err(invalid(
+                    "replicas.kubernetes.api_server",
+                    format!("{url:?} is not an http(s) URL"),
+                ));
+            }
+        }
+        let malformed = |text: &str| text.contains([',', '=', ' ', '!']);
+        if let Some((key, value)) = self
+            .selector
+            .iter()
+            .find(|(k, v)| k.is_empty() || malformed(k) || malformed(v))
+        {
+            return Err(invalid(
+                "replicas.kubernetes.selector",
+                format!(
+                    "{key:?}: {value:?} is not a label (no empty key; no ',', '=', '!' or spaces)"
+                ),
+            ));
+        }
+        if self.admin_port == 0 {
+            return Err(invalid(
+                "replicas.kubernetes.admin_port",
+                "must be the router pods' admin port, not 0",
+            ));
+        }
+        Ok(())
+    }
+
     /// This replica's own pod name: configured, else from the environment.
     pub fn own_pod(&self) -> Option<String> {
         self.self_pod
@@ -749,6 +783,7 @@ impl RouterConfig {
             return Err(invalid("models", "at least one model is required"));
         }
         if let Some(k) = &self.replicas.kubernetes {
+            k.validate()?;
             if !cfg!(feature = "kube") {
                 return Err(invalid(
                     "replicas.kubernetes",
@@ -1055,6 +1090,18 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nretry: {window_s: 0}",
                 "retry",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nreplicas: {kubernetes: {selector: {'app,x': r}, admin_port: 9000}}",
+                "replicas.kubernetes.selector",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nreplicas: {kubernetes: {selector: {app: r}, admin_port: 0}}",
+                "replicas.kubernetes.admin_port",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nreplicas: {kubernetes: {selector: {app: r}, admin_port: 9000, api_server: 'not a url'}}",
+                "replicas.kubernetes.api_server",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",

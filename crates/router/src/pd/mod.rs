@@ -58,6 +58,18 @@ enum Route {
 
 /// Asks core for the request's P/D choice; counted by reason.
 fn decide(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
+    let route = choose(router, plan, prompt_tokens, block_size);
+    if let Route::Aggregated { ranking } = &route
+        && let Some(first) = ranking.first()
+    {
+        // Served whole: its prefill counts on the endpoint that computes it.
+        prefill_sent(router, plan, *first);
+    }
+    route
+}
+
+/// The choice [`decide`] records: aggregated or disaggregated, counted by reason.
+fn choose(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize) -> Route {
     let now = router.now();
     let (decoders, explain) = {
         let fleet = router.fleet();
@@ -135,9 +147,6 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     let route = decide(router, &plan, a.prepared.prompt_tokens, block_size);
     let (option, decoders) = match route {
         Route::Aggregated { ranking } => {
-            if let Some(first) = ranking.first() {
-                prefill_sent(router, &plan, *first);
-            }
             a.leg = Leg {
                 ranking,
                 predicted_cached: plan.predicted_cached,
@@ -218,12 +227,7 @@ pub(crate) fn header_mode(
     }
     let block_size = prepared.model.block_size;
     match decide(router, plan, prepared.prompt_tokens, block_size) {
-        Route::Aggregated { ranking } => {
-            if let Some(first) = ranking.first() {
-                prefill_sent(router, plan, *first);
-            }
-            (ranking, None)
-        }
+        Route::Aggregated { ranking } => (ranking, None),
         Route::Disaggregated { option, decoders } => {
             prefill_sent(router, plan, option.prefill);
             let now = router.now();

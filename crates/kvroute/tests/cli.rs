@@ -3,6 +3,7 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use kvroute_testkit::ScratchDir;
 use kvroute_testkit::process::output_within;
 
 /// Runs the built binary with `args` and `stdin`; a run past five minutes (the longest here is a
@@ -13,6 +14,11 @@ fn kvroute(args: &[&str], stdin: &str) -> Output {
         stdin,
         Duration::from_secs(300),
     )
+}
+
+/// `p` as a command-line argument.
+fn path(p: &std::path::Path) -> String {
+    p.to_str().unwrap().to_owned()
 }
 
 fn stdout(out: &Output) -> String {
@@ -172,8 +178,8 @@ fn short_demo(extra: &[&str], out: &std::path::Path) -> (String, Vec<serde_json:
 /// running both legs; every request answered, and answered by the decode engine.
 #[test]
 fn a_pd_demo_serves_every_request_from_the_decode_half() {
-    let out = std::env::temp_dir().join(format!("kvroute-demo-pd-test-{}", std::process::id()));
-    let (text, runs) = short_demo(&["--pd", "--policies", "pd-always,pd-cost"], &out);
+    let out = ScratchDir::new("demo-pd-test");
+    let (text, runs) = short_demo(&["--pd", "--policies", "pd-always,pd-cost"], out.path());
     assert!(
         text.contains("1 prefill + 1 decode engines over ib-400"),
         "{text}"
@@ -194,7 +200,6 @@ fn a_pd_demo_serves_every_request_from_the_decode_half() {
             run["records"]
         );
     }
-    std::fs::remove_dir_all(&out).ok();
 }
 
 /// `kvroute demo --offload`: with a working set that overflows the GPU, the engines with a CPU
@@ -202,12 +207,11 @@ fn a_pd_demo_serves_every_request_from_the_decode_half() {
 /// cached than the same GPUs alone; tier-blind and tier-aware routing both profit.
 #[test]
 fn an_offload_demo_finds_more_cached_tokens_with_the_cpu_tier_than_gpu_only() {
-    let out =
-        std::env::temp_dir().join(format!("kvroute-demo-offload-test-{}", std::process::id()));
+    let out = ScratchDir::new("demo-offload-test");
     // 100 GPU blocks per engine; 4 conversations an engine of up to ~70 blocks each.
     let (text, runs) = short_demo(
         &["--offload", "--blocks-per-engine", "400", "--users", "8"],
-        &out,
+        out.path(),
     );
     assert!(
         text.contains("x 100 GPU blocks (+ 400 CPU-tier blocks)"),
@@ -237,7 +241,6 @@ fn an_offload_demo_finds_more_cached_tokens_with_the_cpu_tier_than_gpu_only() {
             hit_rate(&runs[0])
         );
     }
-    std::fs::remove_dir_all(&out).ok();
 }
 
 /// The tier policies compare offload tiers: without `--offload` they are refused, clearly.
@@ -254,8 +257,8 @@ fn the_tier_policies_need_the_offload_flag() {
 
 #[test]
 fn a_short_demo_writes_a_well_formed_report() {
-    let out = std::env::temp_dir().join(format!("kvroute-demo-test-{}", std::process::id()));
-    let (text, runs) = short_demo(&["--policies", "round-robin,precise"], &out);
+    let out = ScratchDir::new("demo-test");
+    let (text, runs) = short_demo(&["--policies", "round-robin,precise"], out.path());
     assert!(
         text.contains("round-robin") && text.contains("precise") && text.contains("Ceiling"),
         "{text}"
@@ -290,7 +293,7 @@ fn a_short_demo_writes_a_well_formed_report() {
             "compare",
             out.join("demo.json").to_str().unwrap(),
             "--out",
-            out.to_str().unwrap(),
+            out.path().to_str().unwrap(),
         ],
         "",
     );
@@ -300,7 +303,6 @@ fn a_short_demo_writes_a_well_formed_report() {
         String::from_utf8_lossy(&compared.stderr)
     );
     assert!(out.join("compare.html").exists());
-    let _ = std::fs::remove_dir_all(out);
 }
 
 #[test]
@@ -315,8 +317,7 @@ fn bench_refuses_bad_arguments_clearly() {
 
 #[test]
 fn simulate_replays_a_trace_into_results_bench_compare_reads() {
-    let dir = std::env::temp_dir().join(format!("kvroute-simulate-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("simulate-test");
     let trace = dir.join("trace.jsonl");
     std::fs::write(
         &trace,
@@ -329,7 +330,6 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
     let ok = |o: &Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     };
-    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
     let simulated = kvroute(
         &[
             "simulate",
@@ -366,14 +366,12 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
         "",
     ));
     assert!(out.join("compare.html").exists());
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
-    let dir = std::env::temp_dir().join(format!("kvroute-matrix-test-{}", std::process::id()));
+    let dir = ScratchDir::new("matrix-test");
     let out = dir.join("out");
-    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
     let matrix = kvroute(&["simulate", "--matrix", "small", "--out", &path(&out)], "");
     assert!(
         matrix.status.success(),
@@ -450,12 +448,11 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
     );
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("tenant skew"));
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
-    let dir = std::env::temp_dir().join(format!("kvroute-tune-test-{}", std::process::id()));
+    let dir = ScratchDir::new("tune-test");
     let out = dir.join("out");
     let tuned = kvroute(
         &[
@@ -505,13 +502,11 @@ fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
         serde_json::from_str(&std::fs::read_to_string(out.join("tune.json")).unwrap()).unwrap();
     let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["defaults", "tuned"]);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
-    let dir = std::env::temp_dir().join(format!("kvroute-report-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("report");
     let table = dir.join("table.json");
     std::fs::write(
         &table,
@@ -544,5 +539,4 @@ fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
         err.contains("series \"s\" has 2 values for 1 groups"),
         "{err}"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }

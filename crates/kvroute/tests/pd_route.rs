@@ -9,6 +9,7 @@ mod sim_support;
 use std::net::SocketAddr;
 use std::process::Command;
 
+use kvroute_testkit::process::{CLIENT_DEADLINE, output_within};
 use kvroute_testkit::{
     eventually_blocking, http_get, http_post_within, patience, sample, sum_labelled,
 };
@@ -143,15 +144,17 @@ fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/python/pd_route_client.py"
     );
-    let output = Command::new(&python)
-        .args([
+    // A client that hangs fails the test with what it printed, not the suite.
+    let output = output_within(
+        Command::new(&python).args([
             script,
             &format!("http://127.0.0.1:{}/v1", served.listen),
             &format!("http://127.0.0.1:{}/v1", aggregated.http),
             MODEL,
-        ])
-        .output()
-        .expect("the test Python runs");
+        ]),
+        "",
+        CLIENT_DEADLINE,
+    );
     assert!(
         output.status.success(),
         "{}",

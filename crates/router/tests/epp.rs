@@ -119,6 +119,34 @@ impl Stream {
             .await
             .unwrap();
     }
+
+    /// As an observer, claims the routed request whose routing answer carried `token`.
+    async fn claim(&mut self, token: &str) {
+        let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, token)], false);
+        self.tell(Request::RequestHeaders(claim)).await;
+    }
+
+    /// As an observer, sees a 200 response whose body is one event, to its end.
+    async fn see_response_end(&mut self) {
+        self.tell(Request::ResponseHeaders(headers(
+            &[(":status", "200")],
+            false,
+        )))
+        .await;
+        self.tell(response_body("data: {}\n\n", true)).await;
+    }
+
+    /// Waits (up to [`kvroute_testkit::patience`]) for the picker to end the stream, and checks
+    /// that it answered nothing before; `what` says which end was due.
+    async fn ends_unanswered(&mut self, what: &str) {
+        let ended = tokio::time::timeout(kvroute_testkit::patience(), self.rx.message())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the stream did not end"));
+        assert!(
+            matches!(ended, Ok(None)),
+            "{what}: nothing is answered: {ended:?}"
+        );
+    }
 }
 
 fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
@@ -509,14 +537,7 @@ async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
     let set = routed_headers(&mut routing).await;
     let id = id_of(epp, &set[DESTINATION]);
     let mut observer = Stream::open(epp).await;
-    let request = headers(
-        &[
-            (":path", "/v1/completions"),
-            (EXCHANGE, set[EXCHANGE].as_str()),
-        ],
-        false,
-    );
-    observer.tell(Request::RequestHeaders(request)).await;
+    observer.claim(&set[EXCHANGE]).await;
     let status = || Request::ResponseHeaders(headers(&[(":status", "200")], false));
     let answer = routing.send(status(), None).await;
     assert!(matches!(answer, Response::ResponseHeaders(_)), "{answer:?}");
@@ -531,10 +552,9 @@ async fn follow_one(epp: &RunningEpp, close_routing_early: bool) -> EndpointId {
     assert_eq!(epp.router.load(id).inflight, 1, "in flight until the end");
     let usage = r#"data: {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"#;
     observer.tell(response_body(usage, true)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
-        .await
-        .expect("the picker ends the observer stream");
-    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    observer
+        .ends_unanswered("the picker ends the observer stream")
+        .await;
     drop(routing);
     id
 }
@@ -561,8 +581,7 @@ async fn observer_streams_have_their_own_bound_and_a_refused_one_is_no_rejection
 
     // Its observer is served all the same.
     let mut observer = Stream::open(&epp).await;
-    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
-    observer.tell(Request::RequestHeaders(claim)).await;
+    observer.claim(&token).await;
     eventually("the observer is served", || {
         let open = kvroute_testkit::sample(&metrics(), "kvroute_picker_observer_streams");
         (open == Some(1.0), open)
@@ -573,10 +592,9 @@ async fn observer_streams_have_their_own_bound_and_a_refused_one_is_no_rejection
     let mut extra = Stream::open(&epp).await;
     let stray = headers(&[(EXCHANGE, "00000000000000ff")], false);
     extra.tell(Request::RequestHeaders(stray)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), extra.rx.message())
-        .await
-        .expect("the picker ends an observer past its bound");
-    assert!(matches!(ended, Ok(None)), "nothing is answered: {ended:?}");
+    extra
+        .ends_unanswered("the picker ends an observer past its bound")
+        .await;
     let text = metrics();
     assert_eq!(
         kvroute_testkit::sample(&text, "kvroute_observer_streams_refused_total"),
@@ -590,17 +608,10 @@ async fn observer_streams_have_their_own_bound_and_a_refused_one_is_no_rejection
     );
 
     // The served observer follows its request to the end.
+    observer.see_response_end().await;
     observer
-        .tell(Request::ResponseHeaders(headers(
-            &[(":status", "200")],
-            false,
-        )))
+        .ends_unanswered("the observer follows its request to the end")
         .await;
-    observer.tell(response_body("data: {}\n\n", true)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
-        .await
-        .expect("the observer follows its request to the end");
-    assert!(matches!(ended, Ok(None)), "{ended:?}");
     assert_eq!(epp.router.load(id).inflight, 0);
     drop(routing);
 }
@@ -652,19 +663,11 @@ async fn a_client_supplied_exchange_header_is_overwritten_and_claims_nothing() {
 
     // The first request's token still claims it: its observer follows it to the end.
     let mut observer = Stream::open(&epp).await;
-    let claim = headers(&[(":path", "/v1/completions"), (EXCHANGE, &token)], false);
-    observer.tell(Request::RequestHeaders(claim)).await;
+    observer.claim(&token).await;
+    observer.see_response_end().await;
     observer
-        .tell(Request::ResponseHeaders(headers(
-            &[(":status", "200")],
-            false,
-        )))
+        .ends_unanswered("the observer follows the first request to its end")
         .await;
-    observer.tell(response_body("data: {}\n\n", true)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), observer.rx.message())
-        .await
-        .expect("the observer follows the first request to its end");
-    assert!(matches!(ended, Ok(None)), "{ended:?}");
     let completed = kvroute_testkit::sum_labelled(
         &epp.router.metrics().render(),
         "kvroute_requests_total",
@@ -710,10 +713,9 @@ async fn an_observer_stream_follows_the_response_without_answering() {
     let mut stray = Stream::open(&epp).await;
     let request = headers(&[(EXCHANGE, "00000000000000ff")], false);
     stray.tell(Request::RequestHeaders(request)).await;
-    let ended = tokio::time::timeout(kvroute_testkit::patience(), stray.rx.message())
-        .await
-        .expect("the picker ends a stray observer stream");
-    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    stray
+        .ends_unanswered("the picker ends a stray observer stream")
+        .await;
 
     // A routed request no observer claims is handed back as unfinished once its routing
     // stream is gone.

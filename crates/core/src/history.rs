@@ -13,8 +13,6 @@
 
 mod tree;
 
-pub(crate) use tree::chain_overlap;
-
 use std::collections::VecDeque;
 
 use crate::index::EndpointId;
@@ -67,7 +65,7 @@ impl RoutingHistory {
         let (mut depth, mut parent) = (0, NO_RUN);
         while depth < keys.len() {
             let run = match self.tree.find(keys, depth) {
-                Some((id, through)) if through < self.tree.run(id).keys.len() => {
+                Some((id, through)) if through < self.tree.run(id).keys().len() => {
                     // The prompt ends or leaves the run part way: only its part is held anew.
                     let Some(prefix) = self.tree.split(id, (depth + through) as u32) else {
                         break;
@@ -94,7 +92,7 @@ impl RoutingHistory {
             return;
         };
         for &id in &self.path {
-            self.tree.run_mut(id).hold(endpoint, expiry);
+            self.tree.run_mut(id).info.hold(endpoint, expiry);
         }
         self.tree.pin(last);
         self.records.push_back(Record {
@@ -140,15 +138,16 @@ impl RoutingHistory {
         let mut id = record.run;
         while id != NO_RUN && self.tree.run(id).end() > from {
             self.path.push(id);
-            id = self.tree.run(id).parent;
+            id = self.tree.run(id).info.parent;
         }
         // From the first block down; a split leaves `id` the later part.
         for &id in self.path.iter().rev() {
             let run = self.tree.run(id);
-            if run.start >= until || !run.expiry_of(endpoint).is_some_and(|x| x <= expiry) {
+            if run.info.start >= until || !run.info.expiry_of(endpoint).is_some_and(|x| x <= expiry)
+            {
                 continue;
             }
-            if run.start < from {
+            if run.info.start < from {
                 // Its part before `from` stays held (on a collision, the whole run goes).
                 let _ = self.tree.split(id, from);
             }
@@ -157,7 +156,7 @@ impl RoutingHistory {
             } else {
                 id
             };
-            self.tree.run_mut(target).release(endpoint);
+            self.tree.run_mut(target).info.release(endpoint);
         }
     }
 
@@ -168,15 +167,15 @@ impl RoutingHistory {
         let mut depth = 0;
         while let Some((id, through)) = self.tree.find(keys, depth) {
             let run = self.tree.run(id);
-            let whole = through == run.keys.len();
-            if run.expiry_of(endpoint).is_some_and(|x| x > expiry) {
+            let whole = through == run.keys().len();
+            if run.info.expiry_of(endpoint).is_some_and(|x| x > expiry) {
                 // Only the part of the run that `keys` goes through (on a collision, all of it).
                 let target = if whole {
                     id
                 } else {
                     self.tree.split(id, (depth + through) as u32).unwrap_or(id)
                 };
-                self.tree.run_mut(target).shorten(endpoint, expiry);
+                self.tree.run_mut(target).info.shorten(endpoint, expiry);
             }
             depth += through;
             if !whole || depth == keys.len() {
@@ -209,7 +208,8 @@ impl RoutingHistory {
         for id in std::mem::take(&mut self.path) {
             self.tree.unpin(id);
         }
-        self.tree.for_each_then_prune(|run| run.release(endpoint));
+        self.tree
+            .for_each_then_prune(|run| run.info.release(endpoint));
     }
 
     /// Each endpoint's longest prefix of `keys` sent to it and not expired at `now`, in endpoint
@@ -223,6 +223,7 @@ impl RoutingHistory {
         // O(holders × log active), not O(holders × active): a hot prefix (a shared system
         // prompt) may be held by hundreds of endpoints.
         let mut active: Vec<(EndpointId, u32)> = first
+            .info
             .holders
             .iter()
             .filter(|(_, x)| *x > now)
@@ -231,7 +232,7 @@ impl RoutingHistory {
         for (run, start, through) in path {
             let mut any = false;
             // An endpoint appears once among a run's holders.
-            for (h, x) in &run.holders {
+            for (h, x) in &run.info.holders {
                 if *x <= now {
                     continue;
                 }

@@ -17,6 +17,7 @@ pub mod history;
 pub mod index;
 pub mod keys;
 pub mod random;
+mod run_slab;
 pub mod schedule;
 pub mod tiers;
 

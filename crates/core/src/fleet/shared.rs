@@ -18,14 +18,13 @@
 //! continuation); forgetting the oldest blocks trims runs from the front (a run's blocks were
 //! recorded in order, so the oldest block always starts its run).
 //!
-//! Keys are assumed not to collide (64-bit chained hashes), as in the routing history's tree.
+//! The runs live in a [`RunSlab`], as the routing history's do. Keys are assumed not to collide
+//! (64-bit chained hashes), as in the routing history's tree.
 
 use std::collections::VecDeque;
 
-use hashbrown::HashMap;
-
-use crate::history::chain_overlap;
 use crate::keys::RouterKey;
+use crate::run_slab::RunSlab;
 
 #[cfg(test)]
 mod tests;
@@ -36,13 +35,10 @@ pub const MIN_CONTINUATIONS: u16 = 3;
 // A block inside a run has had one continuation, so it never counts as shared.
 const _: () = assert!(MIN_CONTINUATIONS > 1);
 
-/// Consecutive blocks of one chain; every block but the last is followed only by the next.
-#[derive(Debug, Default)]
-struct Run {
-    /// Its blocks' keys from `head` on (those before were forgotten).
-    keys: Vec<RouterKey>,
-    /// Blocks forgotten from the front.
-    head: usize,
+/// What the table keeps about a run of consecutive blocks of one chain (every block but the
+/// last followed only by the next): its last block's continuations.
+#[derive(Debug)]
+struct Continuations {
     /// The last continuation seen after its last block.
     last: u64,
     /// How often that continuation changed (a lower bound on the distinct continuations,
@@ -50,12 +46,7 @@ struct Run {
     changes: u16,
 }
 
-impl Run {
-    /// Its blocks still remembered.
-    fn live(&self) -> &[RouterKey] {
-        &self.keys[self.head..]
-    }
-
+impl Continuations {
     /// Whether its last block counts as shared.
     fn shared(&self) -> bool {
         self.changes + 1 >= MIN_CONTINUATIONS
@@ -68,27 +59,14 @@ impl Run {
             self.changes = self.changes.saturating_add(1);
         }
     }
-
-    /// Forgets its first `count` blocks (fewer than it has).
-    fn forget_front(&mut self, count: usize) {
-        self.head += count;
-        if self.head * 2 > self.keys.len() {
-            self.keys.drain(..self.head);
-            self.keys.shrink_to(2 * self.keys.len());
-            self.head = 0;
-        }
-    }
 }
 
 /// The prefix tree's branch points, as far as the router has seen.
 #[derive(Debug)]
 pub struct SharedPrefixes {
     capacity: usize,
-    /// The runs, in a slab (`free` lists the unused).
-    runs: Vec<Run>,
-    free: Vec<u32>,
-    /// Each run by its first remembered key.
-    starts: HashMap<RouterKey, u32>,
+    /// The runs, each by its first remembered key.
+    runs: RunSlab<Continuations>,
     /// Every remembered block, oldest first.
     order: VecDeque<RouterKey>,
 }
@@ -98,9 +76,7 @@ impl SharedPrefixes {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity: capacity.max(1),
-            runs: Vec::new(),
-            free: Vec::new(),
-            starts: HashMap::new(),
+            runs: RunSlab::default(),
             order: VecDeque::new(),
         }
     }
@@ -117,22 +93,21 @@ impl SharedPrefixes {
         // A block is remembered with its continuation, so a prompt's last block is not
         // recorded, only read (while the walk has found every block before it).
         while depth < keys.len() && (walking || depth + 1 < keys.len()) {
-            let Some(&id) = self.starts.get(&keys[depth]) else {
+            let Some((id, through)) = self.runs.find(&keys[depth..]) else {
                 walking = false;
                 if depth + 1 < keys.len() {
                     depth = self.add_run(keys, depth);
                 }
                 continue;
             };
-            let run = &mut self.runs[id as usize];
-            let through = chain_overlap(&keys[depth..], run.live());
+            let run = self.runs.get_mut(id);
             let end = depth + through;
-            if through == run.live().len() {
-                if walking && run.shared() {
+            if through == run.keys().len() {
+                if walking && run.info.shared() {
                     shared = end;
                 }
                 if let Some(&child) = keys.get(end) {
-                    run.follow(child);
+                    run.info.follow(child);
                 }
             } else if let Some(&child) = keys.get(end) {
                 // The prompt leaves the run after its block at `end - 1`: that block's second
@@ -149,36 +124,36 @@ impl SharedPrefixes {
     /// or the prompt's last, as a new run; returns the depth where it stops.
     fn add_run(&mut self, keys: &[RouterKey], depth: usize) -> usize {
         let mut end = depth + 1;
-        while end + 1 < keys.len() && !self.starts.contains_key(&keys[end]) {
+        while end + 1 < keys.len() && self.runs.starting_with(&keys[end]).is_none() {
             end += 1;
         }
-        let id = self.alloc();
-        let run = &mut self.runs[id as usize];
-        run.keys.extend_from_slice(&keys[depth..end]);
-        run.last = keys[end].0;
-        self.starts.insert(keys[depth], id);
-        self.order.extend(&keys[depth..end]);
+        let continuations = Continuations {
+            last: keys[end].0,
+            changes: 0,
+        };
+        // `keys[depth]` starts no run: the walk did not find it.
+        if self.runs.add(&keys[depth..end], continuations).is_some() {
+            self.order.extend(&keys[depth..end]);
+        }
         end
     }
 
     /// Splits run `id` after its first `through` blocks (fewer than it has), whose last is now
-    /// followed by `child`.
+    /// followed by `child`. On a key collision (the rest's first key already starts a run)
+    /// nothing changes and the continuation goes unrecorded.
     fn split(&mut self, id: u32, through: usize, child: RouterKey) {
-        let front = &mut self.runs[id as usize];
-        let rest_keys = front.keys.split_off(front.head + through);
-        // The front keeps no more than twice its keys' allocation (memory follows the blocks).
-        front.keys.shrink_to(2 * front.keys.len());
-        let (last, changes) = (front.last, front.changes);
-        // An inner block had one continuation: `child` is its second.
-        front.last = child.0;
-        front.changes = 1;
-        let first = rest_keys[0];
-        let rest = self.alloc();
-        let back = &mut self.runs[rest as usize];
-        back.keys = rest_keys;
-        back.last = last;
-        back.changes = changes;
-        self.starts.insert(first, rest);
+        let front = &self.runs.get(id).info;
+        let rest = Continuations {
+            last: front.last,
+            changes: front.changes,
+        };
+        if self.runs.split_back_off(id, through, rest).is_some() {
+            // An inner block had one continuation: `child` is its second.
+            self.runs.get_mut(id).info = Continuations {
+                last: child.0,
+                changes: 1,
+            };
+        }
     }
 
     /// Forgets the oldest blocks beyond the capacity, a run's front at a time.
@@ -186,55 +161,33 @@ impl SharedPrefixes {
         while self.order.len() > self.capacity {
             let excess = self.order.len() - self.capacity;
             let oldest = self.order[0];
-            let Some(id) = self.starts.remove(&oldest) else {
+            let Some(id) = self.runs.starting_with(&oldest) else {
                 // Not a run's first block: only after a key collision.
                 self.order.pop_front();
                 continue;
             };
-            let run = &mut self.runs[id as usize];
-            let live = run.live();
+            let live = self.runs.get(id).keys();
             let mut count = 1;
             while count < excess.min(live.len()) && self.order[count] == live[count] {
                 count += 1;
             }
+            let whole = count == live.len();
             self.order.drain(..count);
-            if count == live.len() {
-                // Freed with its buffer: a reused slot must not keep a long run's allocation.
-                run.keys = Vec::new();
-                run.head = 0;
-                self.free.push(id);
+            if whole {
+                self.runs.free(id);
             } else {
-                run.forget_front(count);
-                let first = run.live()[0];
-                self.starts.insert(first, id);
+                self.runs.forget_front(id, count);
             }
         }
-    }
-
-    /// An unused run, cleared.
-    fn alloc(&mut self) -> u32 {
-        let id = self.free.pop().unwrap_or_else(|| {
-            self.runs.push(Run::default());
-            (self.runs.len() - 1) as u32
-        });
-        let run = &mut self.runs[id as usize];
-        run.keys.clear();
-        run.head = 0;
-        run.changes = 0;
-        id
     }
 
     /// Blocks of `keys` shared with other prompts: up to and including the deepest block
     /// after which [`MIN_CONTINUATIONS`] different continuations were seen (0 when none).
     pub fn shared_blocks(&self, keys: &[RouterKey]) -> usize {
         let (mut shared, mut depth) = (0, 0);
-        while depth < keys.len() {
-            let Some(&id) = self.starts.get(&keys[depth]) else {
-                break;
-            };
-            let run = &self.runs[id as usize];
-            let through = chain_overlap(&keys[depth..], run.live());
-            if through == run.live().len() && run.shared() {
+        while let Some((id, through)) = self.runs.find(&keys[depth..]) {
+            let run = self.runs.get(id);
+            if through == run.keys().len() && run.info.shared() {
                 shared = depth + through;
             }
             depth += through;

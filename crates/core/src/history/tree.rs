@@ -1,6 +1,6 @@
 //! The chain tree behind [`RoutingHistory`](super::RoutingHistory): the prompts recorded, as
 //! runs of consecutive blocks that every operation so far treated alike (the same holders, with
-//! the same expiries), in one flat slab.
+//! the same expiries), in one flat slab ([`crate::run_slab`]).
 //!
 //! Router keys chain their parents, so a key names its whole prefix: one table from a run's
 //! first key to the run finds where a prompt continues, and one comparison of a run's last key
@@ -14,11 +14,11 @@
 //! removal or a shortening covers the whole run), so the tree stays consistent, and never says a
 //! prefix is held that was not sent.
 
-use hashbrown::HashMap;
 use smallvec::SmallVec;
 
 use crate::index::EndpointId;
 use crate::keys::RouterKey;
+use crate::run_slab::{self, RunSlab};
 
 /// One run's holders with their expiry times, in endpoint order (an endpoint at most once).
 /// Most runs (a conversation's own turns) have one holder, kept inline.
@@ -27,29 +27,34 @@ pub(super) type Holders = SmallVec<[(EndpointId, f64); 1]>;
 /// No run (the parent of a run that starts at the prompt's first block).
 pub(super) const NO_RUN: u32 = u32::MAX;
 
-/// Consecutive blocks of one chain, at depths `start..start + keys.len()`.
-#[derive(Debug, Default)]
-pub(super) struct Run {
+/// Consecutive blocks of one chain, at depths `start..start + keys().len()`.
+pub(super) type Run = run_slab::Run<Chain>;
+
+/// What the tree keeps about a run, besides its keys.
+#[derive(Debug)]
+pub(super) struct Chain {
     /// The run this one continues ([`NO_RUN`] at depth 0).
     pub(super) parent: u32,
     /// Depth of its first block in the prompt.
     pub(super) start: u32,
-    /// Its blocks' keys (never empty while the run is in use).
-    pub(super) keys: Vec<RouterKey>,
     /// Who holds all of its blocks, until when.
     pub(super) holders: Holders,
     /// Runs that continue it.
     children: u32,
     /// Records that end here (their run must stay: see `RoutingHistory`'s entries).
     pins: u32,
-    /// In use (not on the free list).
-    live: bool,
 }
 
-impl Run {
-    /// Depth just past its last block.
-    pub(super) fn end(&self) -> u32 {
-        self.start + self.keys.len() as u32
+impl Chain {
+    /// A run at depth `start` continuing `parent`, held by nobody yet.
+    fn new(parent: u32, start: u32) -> Self {
+        Self {
+            parent,
+            start,
+            holders: Holders::new(),
+            children: 0,
+            pins: 0,
+        }
     }
 
     /// Its expiry for `endpoint`, if `endpoint` holds it.
@@ -84,46 +89,48 @@ impl Run {
         }
     }
 
-    fn removable(&self) -> bool {
-        self.live && self.holders.is_empty() && self.children == 0 && self.pins == 0
+    fn needed(&self) -> bool {
+        !self.holders.is_empty() || self.children > 0 || self.pins > 0
+    }
+}
+
+impl Run {
+    /// Depth just past its last block.
+    pub(super) fn end(&self) -> u32 {
+        self.info.start + self.keys().len() as u32
     }
 }
 
 /// The recorded chains, as runs.
 #[derive(Debug, Default)]
 pub(super) struct ChainTree {
-    runs: Vec<Run>,
-    /// Runs no longer in use, for reuse (their key buffers kept).
-    free: Vec<u32>,
-    /// Each run by its first key.
-    starts: HashMap<RouterKey, u32>,
+    runs: RunSlab<Chain>,
 }
 
 impl ChainTree {
     /// A run in use.
     pub(super) fn run(&self, id: u32) -> &Run {
-        &self.runs[id as usize]
+        self.runs.get(id)
     }
 
     /// A run in use, to change its holders.
     pub(super) fn run_mut(&mut self, id: u32) -> &mut Run {
-        &mut self.runs[id as usize]
+        self.runs.get_mut(id)
     }
 
     /// Runs in use.
     pub(super) fn len(&self) -> usize {
-        self.runs.len() - self.free.len()
+        self.runs.len()
     }
 
     /// The run that starts at `depth` of the chain `keys` (`depth < keys.len()`), and how many
     /// of its blocks `keys` goes through (at least one).
     pub(super) fn find(&self, keys: &[RouterKey], depth: usize) -> Option<(u32, usize)> {
-        let id = *self.starts.get(keys.get(depth)?)?;
-        let run = self.run(id);
-        if run.start as usize != depth {
+        let (id, through) = self.runs.find(keys.get(depth..)?)?;
+        if self.run(id).info.start as usize != depth {
             return None; // a collision: not this chain's run
         }
-        Some((id, chain_overlap(&keys[depth..], &run.keys)))
+        Some((id, through))
     }
 
     /// The runs along `keys`, from the first block: each run and how many of its blocks `keys`
@@ -140,18 +147,9 @@ impl ChainTree {
     /// Adds a run for `keys` at `start`, continuing `parent`; `None` if a run already starts
     /// with its first key (a collision).
     pub(super) fn add(&mut self, parent: u32, start: usize, keys: &[RouterKey]) -> Option<u32> {
-        let first = *keys.first()?;
-        if self.starts.contains_key(&first) {
-            return None;
-        }
-        let id = self.alloc();
-        self.starts.insert(first, id);
-        let run = self.run_mut(id);
-        run.parent = parent;
-        run.start = start as u32;
-        run.keys.extend_from_slice(keys);
+        let id = self.runs.add(keys, Chain::new(parent, start as u32))?;
         if parent != NO_RUN {
-            self.run_mut(parent).children += 1;
+            self.run_mut(parent).info.children += 1;
         }
         Some(id)
     }
@@ -162,40 +160,29 @@ impl ChainTree {
     /// run (a collision): nothing changes.
     pub(super) fn split(&mut self, id: u32, at: u32) -> Option<u32> {
         let run = self.run(id);
-        debug_assert!(run.start < at && at < run.end());
-        let cut = (at - run.start) as usize;
-        let rest_first = run.keys[cut];
-        if self.starts.contains_key(&rest_first) {
-            return None;
-        }
-        let first = run.keys[0];
-        let prefix = self.alloc();
-        let (front, back) = pair_mut(&mut self.runs, prefix as usize, id as usize);
-        front.parent = back.parent;
-        front.start = back.start;
-        front.keys.extend_from_slice(&back.keys[..cut]);
-        front.holders = back.holders.clone();
-        front.children = 1;
-        back.keys.drain(..cut);
-        // A buffer holds no more than twice its keys: splits must not leave each part with the
-        // whole run's allocation (memory is bounded by the blocks recorded).
-        back.keys.shrink_to(2 * back.keys.len());
+        debug_assert!(run.info.start < at && at < run.end());
+        let cut = (at - run.info.start) as usize;
+        let front = Chain {
+            holders: run.info.holders.clone(),
+            children: 1,
+            ..Chain::new(run.info.parent, run.info.start)
+        };
+        let prefix = self.runs.split_front_off(id, cut, front)?;
+        let back = &mut self.run_mut(id).info;
         back.parent = prefix;
         back.start = at;
-        self.starts.insert(first, prefix);
-        self.starts.insert(rest_first, id);
         Some(prefix)
     }
 
     /// One more record ends at run `id`.
     pub(super) fn pin(&mut self, id: u32) {
-        self.run_mut(id).pins += 1;
+        self.run_mut(id).info.pins += 1;
     }
 
     /// One record fewer ends at run `id`; the run and the runs above it go once nothing needs
     /// them.
     pub(super) fn unpin(&mut self, id: u32) {
-        let run = self.run_mut(id);
+        let run = &mut self.run_mut(id).info;
         run.pins = run.pins.saturating_sub(1);
         self.prune(id);
     }
@@ -203,19 +190,11 @@ impl ChainTree {
     /// Removes run `id` if nothing needs it (no holders, no continuation, no record ending
     /// there), then its parent likewise, and so on up.
     pub(super) fn prune(&mut self, mut id: u32) {
-        while id != NO_RUN && self.run(id).removable() {
-            let run = &mut self.runs[id as usize];
-            let parent = run.parent;
-            let first = run.keys[0];
-            // Freed with its buffer: a reused slot must not keep a long run's allocation.
-            run.keys = Vec::new();
-            run.live = false;
-            if self.starts.get(&first) == Some(&id) {
-                self.starts.remove(&first);
-            }
-            self.free.push(id);
+        while id != NO_RUN && self.run(id).is_live() && !self.run(id).info.needed() {
+            let parent = self.run(id).info.parent;
+            self.runs.free(id);
             if parent != NO_RUN {
-                let p = self.run_mut(parent);
+                let p = &mut self.run_mut(parent).info;
                 p.children = p.children.saturating_sub(1);
             }
             id = parent;
@@ -223,61 +202,11 @@ impl ChainTree {
     }
 
     /// Calls `f` on every run in use, then removes those no longer needed.
-    pub(super) fn for_each_then_prune(&mut self, mut f: impl FnMut(&mut Run)) {
-        for run in self.runs.iter_mut().filter(|r| r.live) {
-            f(run);
-        }
-        for id in 0..self.runs.len() as u32 {
+    pub(super) fn for_each_then_prune(&mut self, f: impl FnMut(&mut Run)) {
+        self.runs.for_each_live_mut(f);
+        for id in 0..self.runs.slots() {
             self.prune(id);
         }
-    }
-
-    fn alloc(&mut self) -> u32 {
-        let id = self.free.pop().unwrap_or_else(|| {
-            self.runs.push(Run::default());
-            (self.runs.len() - 1) as u32
-        });
-        let run = self.run_mut(id);
-        run.keys.clear();
-        run.holders.clear();
-        run.children = 0;
-        run.pins = 0;
-        run.live = true;
-        id
-    }
-}
-
-/// How many leading blocks two chains that start with the same key share (at least one; both
-/// non-empty, `chain[0] == run[0]`). Chained keys: once a chain leaves another it never meets it
-/// again, so one comparison says whether the chain goes through all of the shorter, and a
-/// binary search finds where it leaves.
-pub(crate) fn chain_overlap(chain: &[RouterKey], run: &[RouterKey]) -> usize {
-    let common = chain.len().min(run.len());
-    if chain[common - 1] == run[common - 1] {
-        return common;
-    }
-    // The first block matches, the last compared does not.
-    let (mut same, mut differs) = (0, common - 1);
-    while differs - same > 1 {
-        let mid = same + (differs - same) / 2;
-        if chain[mid] == run[mid] {
-            same = mid;
-        } else {
-            differs = mid;
-        }
-    }
-    same + 1
-}
-
-/// Two different elements of a slice, mutably.
-fn pair_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
-    debug_assert_ne!(a, b);
-    if a < b {
-        let (low, high) = items.split_at_mut(b);
-        (&mut low[a], &mut high[0])
-    } else {
-        let (low, high) = items.split_at_mut(a);
-        (&mut high[0], &mut low[b])
     }
 }
 
@@ -304,7 +233,7 @@ impl<'a> Iterator for Path<'a> {
         let run = self.tree.run(id);
         let start = self.depth;
         self.depth += through;
-        self.done = through < run.keys.len() || self.depth == self.keys.len();
+        self.done = through < run.keys().len() || self.depth == self.keys.len();
         Some((run, start, through))
     }
 }

@@ -19,8 +19,8 @@ use kvroute_simulate::{FleetConfig, simulate_with};
 const ENGINES: usize = 4;
 
 /// Conversations whose histories are resent each turn (about 1,450 tokens, 90 blocks, per user
-/// at the end), `users` of them arriving at `rate_per_s`.
-fn workload(users: usize, rate_per_s: f64) -> Workload {
+/// at the end), `users` of them arriving at `rate_per_s`, from workload seed `seed`.
+fn workload(users: usize, rate_per_s: f64, seed: u64) -> Workload {
     multi_turn(&MultiTurn {
         users,
         turns: 4,
@@ -29,7 +29,7 @@ fn workload(users: usize, rate_per_s: f64) -> Workload {
         output_tokens: 16,
         think_s: 0.3,
         rate_per_s,
-        seed: 21,
+        seed,
     })
 }
 
@@ -62,6 +62,7 @@ fn cpu(blocks: usize) -> Tiers {
     }
 }
 
+/// [`ENGINES`] engines of `gpu_blocks` GPU blocks each, over `tiers`.
 fn fleet(gpu_blocks: usize, tiers: Tiers) -> FleetConfig {
     FleetConfig {
         engines: ENGINES,
@@ -80,9 +81,52 @@ fn fleet(gpu_blocks: usize, tiers: Tiers) -> FleetConfig {
     }
 }
 
-fn run(name: &str, profile: Profile, fleet: &FleetConfig, load: (usize, f64)) -> RunResult {
+/// One simulated set-up of these tests: [`ENGINES`] engines of `gpu_blocks` GPU blocks over
+/// `tiers` (see [`fleet`]) under conversations at `load` (see [`workload`]), which [`Setup::run`]
+/// plays through one policy. The workload's seed is 21 and the fleet's its default, unless
+/// [`Setup::seed`] sets both.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    gpu_blocks: usize,
+    tiers: Tiers,
+    load: (usize, f64),
+    seed: Option<u64>,
+}
+
+impl Setup {
+    fn new(gpu_blocks: usize, tiers: Tiers, load: (usize, f64)) -> Self {
+        Self {
+            gpu_blocks,
+            tiers,
+            load,
+            seed: None,
+        }
+    }
+
+    /// The same set-up with the workload's and the fleet's seed `seed`.
+    fn seed(self, seed: u64) -> Self {
+        Self {
+            seed: Some(seed),
+            ..self
+        }
+    }
+
+    /// Plays the workload on the fleet under `profile`, the run named `name`.
+    fn run(&self, name: &str, profile: Profile) -> RunResult {
+        let fleet = FleetConfig {
+            seed: self.seed.unwrap_or(FleetConfig::default().seed),
+            ..fleet(self.gpu_blocks, self.tiers)
+        };
+        let (users, rate_per_s) = self.load;
+        let workload = workload(users, rate_per_s, self.seed.unwrap_or(21));
+        simulate(name, profile, &fleet, &workload)
+    }
+}
+
+/// `workload` on `fleet` under `profile`, the run named `name`.
+fn simulate(name: &str, profile: Profile, fleet: &FleetConfig, workload: &Workload) -> RunResult {
     let mut policy = CorePolicy::new(profile, CoreFleetConfig::default(), fleet).unwrap();
-    simulate_with(name, fleet, &workload(load.0, load.1), None, &mut policy).unwrap()
+    simulate_with(name, fleet, workload, None, &mut policy).unwrap()
 }
 
 /// The engine model's own load rates, as an operator who measured them would configure them.
@@ -111,8 +155,8 @@ fn sweep(
     policies()
         .into_iter()
         .map(|(name, profile)| {
-            let gpu_only = run(name, profile.clone(), &fleet(gpu_blocks, NONE), load);
-            let tiered = run(name, profile, &fleet(gpu_blocks, tiers), load);
+            let gpu_only = Setup::new(gpu_blocks, NONE, load).run(name, profile.clone());
+            let tiered = Setup::new(gpu_blocks, tiers, load).run(name, profile);
             (name, gpu_only, tiered)
         })
         .collect()
@@ -211,17 +255,13 @@ fn loaded_sweep_for_the_record() {
 /// so even round-robin (which scatters each conversation across the fleet) finds it.
 #[test]
 fn a_shared_filesystem_serves_every_engine_the_prefixes_any_engine_wrote() {
-    let gpu_only = fleet(250, NONE);
-    let shared = fleet(
-        250,
-        Tiers {
-            shared: 20_000,
-            ..NONE
-        },
-    );
+    let shared = Tiers {
+        shared: 20_000,
+        ..NONE
+    };
     let rr = || Profile::named(ProfileName::RoundRobin);
-    let without = run("round-robin", rr(), &gpu_only, LIGHT);
-    let with = run("round-robin + shared FS", rr(), &shared, LIGHT);
+    let without = Setup::new(250, NONE, LIGHT).run("round-robin", rr());
+    let with = Setup::new(250, shared, LIGHT).run("round-robin + shared FS", rr());
     println!(
         "round-robin mean TTFT: GPU-only {:.3} s, + shared FS {:.3} s",
         without.summary.ttft.mean, with.summary.ttft.mean
@@ -284,30 +324,14 @@ fn seeded(
     load: (usize, f64),
     policies: &[(&'static str, Profile)],
 ) -> Vec<(&'static str, Vec<f64>)> {
+    let setup = Setup::new(gpu_blocks, tiers, load);
     policies
         .iter()
         .map(|(name, profile)| {
             let means = SEEDS
                 .iter()
                 .map(|&seed| {
-                    let fleet = FleetConfig {
-                        seed,
-                        ..fleet(gpu_blocks, tiers)
-                    };
-                    let workload = multi_turn(&MultiTurn {
-                        users: load.0,
-                        turns: 4,
-                        system_tokens: 400,
-                        user_tokens: 250,
-                        output_tokens: 16,
-                        think_s: 0.3,
-                        rate_per_s: load.1,
-                        seed,
-                    });
-                    let mut policy =
-                        CorePolicy::new(profile.clone(), CoreFleetConfig::default(), &fleet)
-                            .unwrap();
-                    let result = simulate_with(name, &fleet, &workload, None, &mut policy).unwrap();
+                    let result = setup.seed(seed).run(name, profile.clone());
                     result.summary.ttft.mean
                 })
                 .collect();
@@ -346,9 +370,10 @@ fn llm_d_mean_ttft(groups: usize, profile: &Profile, with_cpu: bool) -> f64 {
         seed: 21,
     });
     let fleet = fleet(758, if with_cpu { cpu(4_000) } else { NONE });
-    let mut policy = CorePolicy::new(profile.clone(), CoreFleetConfig::default(), &fleet).unwrap();
-    let result = simulate_with("llm-d", &fleet, &workload, None, &mut policy).unwrap();
-    result.summary.ttft.mean
+    simulate("llm-d", profile.clone(), &fleet, &workload)
+        .summary
+        .ttft
+        .mean
 }
 
 /// llm-d's result as ratios: with the working set at 1.32× HBM (16 documents × 250 blocks

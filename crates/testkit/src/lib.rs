@@ -305,8 +305,9 @@ static HANDED_OUT: std::sync::Mutex<std::collections::VecDeque<u16>> =
     std::sync::Mutex::new(std::collections::VecDeque::new());
 
 /// A run of `n` consecutive free loopback ports (best effort: bound and released), none of
-/// which an earlier call in this process handed out: two servers a test starts one after the
-/// other never get the same port, although the kernel may offer a released port again at once.
+/// which is among the last [`REMEMBERED_PORTS`] this process handed out: two servers a test
+/// starts one after the other never get the same port, although the kernel may offer a
+/// released port again at once.
 pub fn free_ports(n: u16) -> u16 {
     use std::net::TcpListener;
     // Held while picking, so that tests picking at once on several threads get distinct ports.

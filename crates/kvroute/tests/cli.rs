@@ -16,6 +16,25 @@ fn kvroute(args: &[&str], stdin: &str) -> Output {
     )
 }
 
+/// Checks that a run succeeded; if not, fails showing what it printed.
+fn succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        stdout(out),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Checks that a run failed with a message that names each of `names`.
+fn refused(out: &Output, names: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded: {}\n{err}", stdout(out));
+    for name in names {
+        assert!(err.contains(name), "{name:?} not named: {err}");
+    }
+}
+
 /// `p` as a command-line argument.
 fn path(p: &std::path::Path) -> String {
     p.to_str().unwrap().to_owned()
@@ -43,11 +62,7 @@ fn hash_prints_vllm_hashes_for_the_fixture_cases() {
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = kvroute(&args, &case["token_ids"].to_string());
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(&out);
         let got: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
         assert_eq!(got["none_hash"], case["none_hash"]);
         let digests: Vec<&serde_json::Value> = got["blocks"]
@@ -84,8 +99,7 @@ fn hash_prints_vllm_hashes_for_the_fixture_cases() {
 #[test]
 fn hash_rejects_bad_input_with_a_clear_message() {
     let out = kvroute(&["hash"], "[1, 2, -3]");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("JSON array of token ids"));
+    refused(&out, &["JSON array of token ids"]);
     let out = kvroute(&["hash", "--block-size", "0"], "[1]");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
 }
@@ -134,11 +148,7 @@ fn demo_runs_and_the_index_matches_the_engines() {
         "",
     );
     let text = stdout(&out);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert!(
         text.contains("OK: the index matches every engine's cache"),
         "{text}"
@@ -164,11 +174,7 @@ fn short_demo(extra: &[&str], out: &std::path::Path) -> (String, Vec<serde_json:
     args.extend_from_slice(extra);
     let output = kvroute(&args, "");
     let text = stdout(&output);
-    assert!(
-        output.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    succeeded(&output);
     let runs =
         serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
     (text, runs)
@@ -247,12 +253,7 @@ fn an_offload_demo_finds_more_cached_tokens_with_the_cpu_tier_than_gpu_only() {
 #[test]
 fn the_tier_policies_need_the_offload_flag() {
     let output = kvroute(&["demo", "--policies", "tier-aware"], "");
-    assert!(!output.status.success());
-    let err = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        err.contains("tier-aware") && err.contains("--offload"),
-        "{err}"
-    );
+    refused(&output, &["tier-aware", "--offload"]);
 }
 
 #[test]
@@ -297,22 +298,16 @@ fn a_short_demo_writes_a_well_formed_report() {
         ],
         "",
     );
-    assert!(
-        compared.status.success(),
-        "{}",
-        String::from_utf8_lossy(&compared.stderr)
-    );
+    succeeded(&compared);
     assert!(out.join("compare.html").exists());
 }
 
 #[test]
 fn bench_refuses_bad_arguments_clearly() {
     let output = kvroute(&["bench", "--workload", "trace"], "");
-    assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("--trace"));
+    refused(&output, &["--trace"]);
     let output = kvroute(&["bench", "compare", "/nonexistent.json"], "");
-    assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("nonexistent.json"));
+    refused(&output, &["nonexistent.json"]);
 }
 
 #[test]
@@ -327,9 +322,6 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
     )
     .unwrap();
     let out = dir.join("out");
-    let ok = |o: &Output| {
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
     let simulated = kvroute(
         &[
             "simulate",
@@ -348,14 +340,14 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
         ],
         "",
     );
-    ok(&simulated);
+    succeeded(&simulated);
     let runs: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
     let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["round-robin", "precise"]);
     // Under precise, the second request finds the first one's blocks.
     assert!(runs[1]["records"][1]["cached_tokens"].as_u64().unwrap() >= 512);
-    ok(&kvroute(
+    succeeded(&kvroute(
         &[
             "bench",
             "compare",
@@ -373,11 +365,7 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
     let dir = ScratchDir::new("matrix-test");
     let out = dir.join("out");
     let matrix = kvroute(&["simulate", "--matrix", "small", "--out", &path(&out)], "");
-    assert!(
-        matrix.status.success(),
-        "{}",
-        String::from_utf8_lossy(&matrix.stderr)
-    );
+    succeeded(&matrix);
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("matrix.json")).unwrap()).unwrap();
     let cells = report["cells"].as_array().unwrap();
@@ -427,11 +415,7 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
         ],
         "",
     );
-    assert!(
-        tenants.status.success(),
-        "{}",
-        String::from_utf8_lossy(&tenants.stderr)
-    );
+    succeeded(&tenants);
     let runs: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
     assert_eq!(runs.len(), 2);
@@ -446,8 +430,7 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
         ],
         "",
     );
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("tenant skew"));
+    refused(&bad, &["tenant skew"]);
 }
 
 #[test]
@@ -480,11 +463,7 @@ fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
         ],
         "",
     );
-    assert!(
-        tuned.status.success(),
-        "{}",
-        String::from_utf8_lossy(&tuned.stderr)
-    );
+    succeeded(&tuned);
     let stdout = String::from_utf8_lossy(&tuned.stdout);
     assert!(stdout.contains("3 trials"), "{stdout}");
     assert!(
@@ -516,11 +495,7 @@ fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
     )
     .unwrap();
     let out = kvroute(&["report", "--bars", table.to_str().unwrap()], "");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let svg = stdout(&out);
     assert!(
         svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
@@ -533,10 +508,5 @@ fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
     )
     .unwrap();
     let out = kvroute(&["report", "--bars", table.to_str().unwrap()], "");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("series \"s\" has 2 values for 1 groups"),
-        "{err}"
-    );
+    refused(&out, &["series \"s\" has 2 values for 1 groups"]);
 }

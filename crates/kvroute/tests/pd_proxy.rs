@@ -8,6 +8,7 @@ mod sim_support;
 use std::process::Command;
 use std::time::Duration;
 
+use kvroute_testkit::process::client_output;
 use kvroute_testkit::{http_get, patience, sample};
 use serde_json::Value;
 use sim_support::SimProcess;
@@ -38,16 +39,14 @@ fn the_reference_proxy_sequence_through_a_simulated_pd_pair_answers_like_aggrega
     let (_a, a_port) = sim(&["--engines", "1"]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/toy_pd_proxy.py");
     let url = |port: u16| format!("http://127.0.0.1:{port}");
-    let output = Command::new(&python)
-        .args([script, &url(p_port), &url(d_port), &url(a_port), MODEL])
-        .output()
-        .expect("the test Python runs");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let result: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let printed = client_output(Command::new(&python).args([
+        script,
+        &url(p_port),
+        &url(d_port),
+        &url(a_port),
+        MODEL,
+    ]));
+    let result: Value = serde_json::from_str(&printed).unwrap();
     let turns = result["turns"].as_array().unwrap();
     assert_eq!(turns.len(), 3);
     let mut full_prompts = 0;

@@ -9,7 +9,7 @@ mod sim_support;
 use std::net::SocketAddr;
 use std::process::Command;
 
-use kvroute_testkit::process::{CLIENT_DEADLINE, output_within};
+use kvroute_testkit::process::client_output;
 use kvroute_testkit::{
     eventually_blocking, http_get, http_post_within, patience, sample, sum_labelled,
 };
@@ -144,23 +144,14 @@ fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/python/pd_route_client.py"
     );
-    // A client that hangs fails the test with what it printed, not the suite.
-    let output = output_within(
-        Command::new(&python).args([
-            script,
-            &format!("http://127.0.0.1:{}/v1", served.listen),
-            &format!("http://127.0.0.1:{}/v1", aggregated.http),
-            MODEL,
-        ]),
-        "",
-        CLIENT_DEADLINE,
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let result: Value = serde_json::from_slice(&output.stdout).unwrap();
+    // A client that hangs or fails fails the test with what it printed, not the suite.
+    let printed = client_output(Command::new(&python).args([
+        script,
+        &format!("http://127.0.0.1:{}/v1", served.listen),
+        &format!("http://127.0.0.1:{}/v1", aggregated.http),
+        MODEL,
+    ]));
+    let result: Value = serde_json::from_str(&printed).unwrap();
     let turns = result["turns"].as_array().unwrap();
     assert_eq!(turns.len(), 3);
     for (i, turn) in turns.iter().enumerate() {

@@ -384,17 +384,7 @@ pub fn health_ok(url: &str) -> bool {
 /// with `python`, and returns what it printed, as JSON; past [`process::CLIENT_DEADLINE`] the
 /// client is killed and the test fails with its output.
 pub fn run_openai_client(python: &str, script: &str, base_url: &str, model: &str) -> String {
-    let output = process::output_within(
-        std::process::Command::new(python).args([script, base_url, model]),
-        "",
-        process::CLIENT_DEADLINE,
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    process::client_output(std::process::Command::new(python).args([script, base_url, model]))
 }
 
 /// The sum over every series of the Prometheus `metric` in `text` that carries `label`

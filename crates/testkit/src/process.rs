@@ -56,6 +56,20 @@ pub fn output_within(command: &mut Command, stdin: &str, limit: Duration) -> Out
     output
 }
 
+/// Runs a test's client script (`command`, with nothing on its standard input) within
+/// [`CLIENT_DEADLINE`], checks that it succeeded (failing the test with what it printed if
+/// not), and returns its standard output.
+pub fn client_output(command: &mut Command) -> String {
+    let output = output_within(command, "", CLIENT_DEADLINE);
+    assert!(
+        output.status.success(),
+        "{command:?} failed\n--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// Waits up to `limit` for `child`; kills it and returns `None` past that.
 fn wait_or_kill(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     match child.wait_timeout(limit) {

@@ -10,12 +10,14 @@ mod common;
 use common::config_builder::{ConfigBuilder, endpoint};
 use common::engine;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
+};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
@@ -502,16 +504,22 @@ async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
 async fn routed_headers(stream: &mut Stream) -> std::collections::HashMap<String, String> {
     stream.send(completion_headers(), None).await;
     let prompt = "A picker follows every response it routes. ".repeat(20);
+    by_name(route_body(stream, &prompt).await.set_headers)
+}
+
+/// Sends the body of a completion request for two tokens of `prompt` on `stream` (its headers
+/// sent), and returns how the picker's answer changes the request's headers; panics when the
+/// request is not routed.
+async fn route_body(stream: &mut Stream, prompt: &str) -> HeaderMutation {
     let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
-    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
-        panic!("not routed");
-    };
-    let set = answer
-        .response
-        .unwrap()
-        .header_mutation
-        .unwrap()
-        .set_headers;
+    match stream.send(body(&request), None).await {
+        Response::RequestBody(answer) => answer.response.unwrap().header_mutation.unwrap(),
+        other => panic!("not routed: {other:?}"),
+    }
+}
+
+/// Headers set, by name.
+fn by_name(set: Vec<HeaderValueOption>) -> std::collections::HashMap<String, String> {
     set.into_iter()
         .map(|h| h.header.unwrap())
         .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
@@ -639,16 +647,7 @@ async fn a_client_supplied_exchange_header_is_overwritten_and_claims_nothing() {
     );
     forged.send(Request::RequestHeaders(request), None).await;
     let prompt = "A forged exchange token claims nothing. ".repeat(20);
-    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
-    let Response::RequestBody(answer) = forged.send(body(&request), None).await else {
-        panic!("not routed");
-    };
-    let set = answer
-        .response
-        .unwrap()
-        .header_mutation
-        .unwrap()
-        .set_headers;
+    let set = route_body(&mut forged, &prompt).await.set_headers;
     let exchange = set
         .iter()
         .find(|h| h.header.as_ref().is_some_and(|h| h.key == EXCHANGE))
@@ -750,18 +749,8 @@ async fn answer_naming(
     );
     stream.send(Request::RequestHeaders(h), None).await;
     let prompt = "A long document the sidecar would prefill elsewhere. ".repeat(40);
-    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
-    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
-        panic!("not routed");
-    };
-    let mutation = answer.response.unwrap().header_mutation.unwrap();
-    let set = mutation
-        .set_headers
-        .into_iter()
-        .map(|h| h.header.unwrap())
-        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
-        .collect();
-    (set, mutation.remove_headers)
+    let mutation = route_body(&mut stream, &prompt).await;
+    (by_name(mutation.set_headers), mutation.remove_headers)
 }
 
 /// Header mode for llm-d's P/D sidecar: with `pd` on, the picker names core's prefill endpoint

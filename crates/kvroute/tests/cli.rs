@@ -35,6 +35,13 @@ fn refused(out: &Output, names: &[&str]) {
     }
 }
 
+/// The JSON file at `path`, read and parsed (a file a run should have written: failing the
+/// test, naming it, when it cannot be read or is no such JSON).
+fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> T {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// `p` as a command-line argument.
 fn path(p: &std::path::Path) -> String {
     p.to_str().unwrap().to_owned()
@@ -175,8 +182,7 @@ fn short_demo(extra: &[&str], out: &std::path::Path) -> (String, Vec<serde_json:
     let output = kvroute(&args, "");
     let text = stdout(&output);
     succeeded(&output);
-    let runs =
-        serde_json::from_str(&std::fs::read_to_string(out.join("demo.json")).unwrap()).unwrap();
+    let runs = read_json(&out.join("demo.json"));
     (text, runs)
 }
 
@@ -341,8 +347,7 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
         "",
     );
     succeeded(&simulated);
-    let runs: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
+    let runs: Vec<serde_json::Value> = read_json(&out.join("simulate.json"));
     let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["round-robin", "precise"]);
     // Under precise, the second request finds the first one's blocks.
@@ -366,8 +371,7 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
     let out = dir.join("out");
     let matrix = kvroute(&["simulate", "--matrix", "small", "--out", &path(&out)], "");
     succeeded(&matrix);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("matrix.json")).unwrap()).unwrap();
+    let report: serde_json::Value = read_json(&out.join("matrix.json"));
     let cells = report["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 2);
     let policies: Vec<&str> = cells[0]["policies"]
@@ -416,8 +420,7 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
         "",
     );
     succeeded(&tenants);
-    let runs: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("simulate.json")).unwrap()).unwrap();
+    let runs: Vec<serde_json::Value> = read_json(&out.join("simulate.json"));
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0]["summary"]["requests"].as_u64(), Some(80));
     let bad = kvroute(
@@ -477,8 +480,7 @@ fn tune_reports_a_held_out_gain_and_prints_a_configuration_serve_accepts() {
     let parsed = kvroute_router::config::RouterConfig::from_yaml(&config)
         .unwrap_or_else(|e| panic!("{e}\n{config}"));
     assert!(parsed.scheduler.weights.is_some());
-    let runs: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("tune.json")).unwrap()).unwrap();
+    let runs: Vec<serde_json::Value> = read_json(&out.join("tune.json"));
     let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["defaults", "tuned"]);
 }

@@ -19,7 +19,7 @@ use crate::index::EndpointId;
 use crate::schedule::disagg::{
     self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
 };
-use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess, cost, rejection};
+use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess};
 
 /// How the fleet prices and learns P/D.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -96,13 +96,18 @@ impl DisaggState {
         self.inflow.insert(endpoint, (w, now));
     }
 
-    /// KV bytes queued on `endpoint`'s NIC at `now`.
-    fn backlog_of(&self, endpoint: EndpointId, now: f64) -> f64 {
-        self.transfers
-            .values()
-            .filter(|t| (t.prefill == endpoint || t.decode == endpoint) && t.queued(now))
-            .map(|t| t.bytes)
-            .sum()
+    /// KV bytes queued on each of `endpoints`' NICs at `now`, in one pass over the transfers
+    /// (a decision reads every candidate's).
+    fn backlogs_of(&self, endpoints: &[EndpointId], now: f64) -> Vec<f64> {
+        let mut bytes = vec![0.0; endpoints.len()];
+        for t in self.transfers.values().filter(|t| t.queued(now)) {
+            for (e, sum) in endpoints.iter().zip(bytes.iter_mut()) {
+                if t.prefill == *e || t.decode == *e {
+                    *sum += t.bytes;
+                }
+            }
+        }
+        bytes
     }
 
     /// Drops what is kept of an endpoint that left the fleet.
@@ -120,20 +125,34 @@ impl DisaggState {
 /// hold a single role (idle dedicated producers are the cheapest whole-request candidates);
 /// P/D reads the head of each role, as the aggregated path reads the head of the fleet, never
 /// every candidate's breakdown.
+///
+/// `costs` are the plan's own (position, cost) of every competing candidate
+/// ([`crate::schedule::RankBuffers::competing_costs`]): no cost is computed again to rank the roles, only the
+/// breakdowns of the few candidates added. Empty when the plan ranked every competitor (then
+/// there is nothing to add).
 pub(super) fn rank_roles(
     profile: &Profile,
     request: &RequestInfo,
     candidates: &[Candidate],
+    costs: impl Iterator<Item = (usize, f64)>,
     decision: &mut Decision,
     depth: usize,
 ) {
+    // By position, so that each role's candidates are taken in the order they were planned.
+    let mut cost_at: Vec<Option<f64>> = vec![None; candidates.len()];
+    for (at, total) in costs {
+        if let Some(slot) = cost_at.get_mut(at) {
+            *slot = Some(total);
+        }
+    }
     let mut added: Vec<(f64, usize)> = Vec::new();
     for role_fits in [decodes as fn(Role) -> bool, prefills] {
         let mut best: Vec<(f64, usize)> = candidates
             .iter()
+            .zip(&cost_at)
             .enumerate()
-            .filter(|(_, c)| role_fits(c.role) && rejection(profile, request, c).is_none())
-            .map(|(at, c)| (cost::assess(profile, request, c).0.total_s, at))
+            .filter(|(_, (c, _))| role_fits(c.role))
+            .filter_map(|(at, (_, total))| total.map(|total| (total, at)))
             .collect();
         if best.len() > depth {
             best.select_nth_unstable_by(depth - 1, |a, b| a.0.total_cmp(&b.0));
@@ -205,20 +224,32 @@ impl Fleet {
             .collect()
     }
 
-    fn side_cost(
+    /// Each of `endpoints`' side of the choice, as `plan` assessed it (those it did not are
+    /// left out), with its NIC backlog and queue inflow at `now`.
+    fn side_costs(
         &self,
         state: &DisaggState,
         plan: &Plan,
-        e: EndpointId,
+        endpoints: &[EndpointId],
         now: f64,
-    ) -> Option<SideCost> {
-        plan.decision.assessment(e).map(|a| SideCost {
-            endpoint: e,
-            cost: a.cost.clone(),
-            cached_tokens: a.cached_tokens,
-            link_backlog_bytes: state.backlog_of(e, now),
-            queue_inflow: state.inflow_rate(e, now),
-        })
+    ) -> Vec<SideCost> {
+        let assessed: Vec<_> = endpoints
+            .iter()
+            .filter_map(|e| plan.decision.assessment(*e))
+            .collect();
+        let ids: Vec<EndpointId> = assessed.iter().map(|a| a.endpoint).collect();
+        let backlogs = state.backlogs_of(&ids, now);
+        assessed
+            .into_iter()
+            .zip(backlogs)
+            .map(|(a, backlog)| SideCost {
+                endpoint: a.endpoint,
+                cost: a.cost.clone(),
+                cached_tokens: a.cached_tokens,
+                link_backlog_bytes: backlog,
+                queue_inflow: state.inflow_rate(a.endpoint, now),
+            })
+            .collect()
     }
 
     /// Prices aggregated on `decode` against P/D with every prefill-capable endpoint of `plan`
@@ -235,12 +266,13 @@ impl Fleet {
         now: f64,
     ) -> Option<DisaggExplain> {
         let state = self.disagg.as_ref()?;
-        let decode_side = self.side_cost(state, plan, decode, now)?;
-        let prefills: Vec<SideCost> = self
-            .prefill_candidates(plan, decode)
-            .into_iter()
-            .filter_map(|e| self.side_cost(state, plan, e, now))
-            .collect();
+        plan.decision.assessment(decode)?;
+        // The decode endpoint first, then the prefill candidates: every side in one pass.
+        let mut endpoints = vec![decode];
+        endpoints.extend(self.prefill_candidates(plan, decode));
+        let mut sides = self.side_costs(state, plan, &endpoints, now);
+        let decode_side = sides.remove(0);
+        let prefills = sides;
         let request = PdRequest {
             prompt_tokens,
             block_size,
@@ -292,9 +324,10 @@ impl Fleet {
         let bytes = tokens as f64 * state.config.kv_bytes_per_token;
         // Those predicted done are gone (their callers will not say).
         state.transfers.retain(|_, t| t.queued(now));
-        let ahead = state
-            .backlog_of(prefill, now)
-            .max(state.backlog_of(decode, now));
+        let [on_prefill, on_decode] = state.backlogs_of(&[prefill, decode], now)[..] else {
+            unreachable!("one backlog per endpoint asked")
+        };
+        let ahead = on_prefill.max(on_decode);
         let sent = Transfer {
             prefill,
             decode,
@@ -370,5 +403,7 @@ impl Fleet {
     }
 }
 
+#[cfg(test)]
+mod naive_tests;
 #[cfg(test)]
 mod tests;

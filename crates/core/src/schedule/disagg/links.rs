@@ -74,6 +74,27 @@ pub enum LinkHealth {
     Probing,
 }
 
+/// One pair's link as a decision prices it: its health and the bandwidth to predict with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkEstimate {
+    /// Where the bandwidth comes from.
+    pub health: LinkHealth,
+    /// Bytes per second (the configured link's unless healthy and learned).
+    pub bandwidth_bytes_per_s: f64,
+    /// Seconds before the first byte moves (the configured link's).
+    pub latency_s: f64,
+}
+
+impl LinkEstimate {
+    /// Predicted seconds to move `bytes` (none: no time).
+    pub fn transfer_s(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        self.latency_s + bytes / self.bandwidth_bytes_per_s.max(1.0)
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Pair {
     seconds_per_byte: f64,
@@ -125,7 +146,14 @@ impl LinkBook {
 
     /// The pair's health at `now`.
     pub fn health(&self, p: EndpointId, d: EndpointId, now: f64) -> LinkHealth {
-        match self.pairs.get(&(p, d)) {
+        self.estimate(p, d, now).health
+    }
+
+    /// The pair's health and the bandwidth to predict with at `now`, from one look at the pair:
+    /// what a decision reads once per option.
+    pub fn estimate(&self, p: EndpointId, d: EndpointId, now: f64) -> LinkEstimate {
+        let pair = self.pairs.get(&(p, d));
+        let health = match pair {
             None => LinkHealth::Healthy { samples: 0 },
             Some(pair) => match pair.quarantined_until {
                 Some(until) if now < until => LinkHealth::Quarantined { until },
@@ -134,23 +162,26 @@ impl LinkBook {
                     samples: pair.samples,
                 },
             },
+        };
+        let bandwidth_bytes_per_s = match (health, pair) {
+            (LinkHealth::Healthy { .. }, Some(pair)) => 1.0 / pair.seconds_per_byte.max(1e-15),
+            _ => self.prior.bandwidth_bytes_per_s,
+        };
+        LinkEstimate {
+            health,
+            bandwidth_bytes_per_s,
+            latency_s: self.prior.latency_s,
         }
     }
 
     /// The bandwidth to predict with, bytes per second (the configured one while probing).
     pub fn bandwidth(&self, p: EndpointId, d: EndpointId, now: f64) -> f64 {
-        match (self.health(p, d, now), self.pairs.get(&(p, d))) {
-            (LinkHealth::Healthy { .. }, Some(pair)) => 1.0 / pair.seconds_per_byte.max(1e-15),
-            _ => self.prior.bandwidth_bytes_per_s,
-        }
+        self.estimate(p, d, now).bandwidth_bytes_per_s
     }
 
     /// Predicted seconds to move `bytes` from `p` to `d`.
     pub fn transfer_s(&self, p: EndpointId, d: EndpointId, bytes: f64, now: f64) -> f64 {
-        if bytes <= 0.0 {
-            return 0.0;
-        }
-        self.prior.latency_s + bytes / self.bandwidth(p, d, now).max(1.0)
+        self.estimate(p, d, now).transfer_s(bytes)
     }
 
     /// A transfer of `bytes` from `p` to `d` that took `seconds` (an engine's transfer metrics,

@@ -6,8 +6,10 @@
 //! Learning: each transfer gives seconds per byte (its time less the link latency, over its
 //! bytes); the estimate is an exponentially weighted mean of those, so a time prediction is
 //! unbiased where a mean of bandwidths would not be. A transfer counts as *degraded* when it
-//! took more than `degraded_factor` × what the configured link would take; a failure or a
-//! degraded transfer is a strike, and `quarantine_after` consecutive strikes quarantine the
+//! took more than `degraded_factor` × what the configured link would take *and* more than
+//! `noise_floor_s` seconds beyond it (on a fast link a few milliseconds' prediction is
+//! dwarfed by the timing noise of whoever measures it: relative slowness alone would strike a
+//! healthy pair); a failure or a degraded transfer is a strike, and `quarantine_after` consecutive strikes quarantine the
 //! pair for `quarantine_s` (doubling on each relapse, up to `max_quarantine_s`). When the
 //! quarantine ends the pair is *probing*: its estimate restarts from the configured link, so
 //! the next request that would gain from it tries it; a good transfer heals it, a strike sends
@@ -34,8 +36,15 @@ pub struct LinkPrior {
 pub struct LinkLearning {
     /// Weight of a new transfer in the estimate (0–1).
     pub weight: f64,
-    /// A transfer slower than this many times the configured link's time is a strike.
+    /// A transfer slower than this many times the configured link's time is a strike (if
+    /// also slower than it by more than `noise_floor_s`).
     pub degraded_factor: f64,
+    /// Seconds a transfer must take beyond the configured link's time to be a strike, whatever
+    /// the factor: the timing noise of a measured transfer (the router times a pull from its
+    /// decode leg's first token, which carries an engine step and a queue wait it can only
+    /// predict). A slower transfer under it is still learned from (and priced); it only
+    /// cannot quarantine the pair.
+    pub noise_floor_s: f64,
     /// Consecutive strikes that quarantine a pair.
     pub quarantine_after: u32,
     /// First quarantine, seconds.
@@ -49,6 +58,7 @@ impl Default for LinkLearning {
         Self {
             weight: 0.3,
             degraded_factor: 4.0,
+            noise_floor_s: 0.25,
             quarantine_after: 3,
             quarantine_s: 30.0,
             max_quarantine_s: 600.0,
@@ -199,7 +209,8 @@ impl LinkBook {
         }
         let learning = self.learning;
         let expected = self.prior.latency_s + bytes * self.prior_seconds_per_byte();
-        let degraded = seconds > learning.degraded_factor * expected;
+        let degraded = seconds > learning.degraded_factor * expected
+            && seconds - expected > learning.noise_floor_s;
         let observed = (seconds - self.prior.latency_s).max(0.0) / bytes;
         let pair = self.pair(p, d);
         if pair.quarantined_until.is_some() {

@@ -42,7 +42,7 @@ use crate::schedule::{
 };
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
-pub use disagg::DisaggConfig;
+pub use disagg::{DisaggConfig, TransfersDropped};
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,

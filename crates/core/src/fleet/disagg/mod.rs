@@ -9,8 +9,13 @@
 //! was chosen) and the transfer's life: [`Fleet::transfer_started`] once both legs are sent,
 //! [`Fleet::observe_transfer`] with its measured seconds, or [`Fleet::observe_failure`], and
 //! [`Fleet::transfer_ended`] when its bytes have left the NICs.
+//!
+//! The transfers in flight are bounded: one whose end is never reported expires (after
+//! [`TRANSFER_EXPIRY_FACTOR`] × the link's predicted time for it, at least
+//! [`TRANSFER_EXPIRY_FLOOR_S`]) and at most [`MAX_TRANSFERS`] are kept (the oldest dropped);
+//! either is counted ([`Fleet::take_transfers_dropped`]) for the caller's metrics.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -39,22 +44,60 @@ pub struct DisaggConfig {
 /// prefills and load scrapes, not a decision threshold (the decision prices what it measures).
 pub const INFLOW_WINDOW_S: f64 = 5.0;
 
+/// The most transfers tracked at once. A router's transfers in flight are its P/D requests
+/// between the decode leg's connection and its first token: a few per decode endpoint (1,000
+/// endpoints with 16 pulls pending on each are this many). Past it the oldest is dropped
+/// (counted): the map is bounded whatever its callers forget to report. Each decision and
+/// each transfer's start reads them once.
+pub const MAX_TRANSFERS: usize = 16_384;
+
+/// A transfer not reported over after this many times the link's predicted time for it (behind
+/// the bytes ahead of it) has lost its end (a caller that never reported it): it is dropped,
+/// counted, and its bytes no longer count as backlog. Ten times: far past any contention the
+/// backlog already prices.
+pub const TRANSFER_EXPIRY_FACTOR: f64 = 10.0;
+
+/// ... and never sooner than this, seconds: twice vLLM 0.33's producer lease (30 s), after
+/// which the producer has freed the blocks and no pull can still be moving them; a decode leg
+/// queued behind other work on its engine may legitimately wait that long before it pulls.
+pub const TRANSFER_EXPIRY_FLOOR_S: f64 = 60.0;
+
+/// How often, in seconds of the caller's clock, finished and expired transfers are swept
+/// (they stop counting as backlog at once; the sweep only frees their memory).
+const SWEEP_EVERY_S: f64 = 1.0;
+
+/// Transfers the fleet stopped tracking without being told they ended, since the last
+/// [`Fleet::take_transfers_dropped`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransfersDropped {
+    /// Past their expiry ([`TRANSFER_EXPIRY_FACTOR`], [`TRANSFER_EXPIRY_FLOOR_S`]).
+    pub expired: u64,
+    /// The oldest, to keep [`MAX_TRANSFERS`].
+    pub evicted: u64,
+}
+
 /// One dispatched transfer: its pair, its bytes, the bytes queued ahead of it on the busier
-/// NIC when it was sent, and, for one whose end the caller cannot see, when the link predicts
-/// it done.
+/// NIC when it was sent, when it expires, and, for one whose end the caller cannot see, when
+/// the link predicts it done.
 #[derive(Clone, Copy, Debug)]
 struct Transfer {
     prefill: EndpointId,
     decode: EndpointId,
     bytes: f64,
     ahead: f64,
+    expires_at: f64,
     predicted_end: Option<f64>,
 }
 
 impl Transfer {
     /// Whether its bytes are still on the NICs at `now`.
     fn queued(&self, now: f64) -> bool {
-        self.predicted_end.is_none_or(|end| now < end)
+        self.predicted_end.is_none_or(|end| now < end) && !self.expired(now)
+    }
+
+    /// Whether its end was lost.
+    fn expired(&self, now: f64) -> bool {
+        now >= self.expires_at
     }
 }
 
@@ -66,6 +109,15 @@ pub(super) struct DisaggState {
     links: LinkBook,
     /// Dispatched, unfinished transfers: their bytes are each NIC's backlog.
     transfers: HashMap<u64, Transfer>,
+    /// Transfer ids in the order they started (some already ended): the oldest is evicted at
+    /// the cap.
+    started: VecDeque<u64>,
+    /// When finished and expired transfers are swept next.
+    next_sweep: f64,
+    /// Dropped since last taken.
+    dropped: TransfersDropped,
+    /// The cap on `transfers` ([`MAX_TRANSFERS`]).
+    max_transfers: usize,
     /// Per endpoint: decayed prefill seconds sent there, and when last decayed.
     inflow: HashMap<EndpointId, (f64, f64)>,
 }
@@ -76,6 +128,10 @@ impl DisaggState {
             links: LinkBook::new(config.link, config.learning),
             config,
             transfers: HashMap::new(),
+            started: VecDeque::new(),
+            next_sweep: f64::NEG_INFINITY,
+            dropped: TransfersDropped::default(),
+            max_transfers: MAX_TRANSFERS,
             inflow: HashMap::new(),
         }
     }
@@ -108,6 +164,46 @@ impl DisaggState {
             }
         }
         bytes
+    }
+
+    /// Forgets transfers that are over at `now`: those predicted done, and those expired
+    /// (counted), at most once per [`SWEEP_EVERY_S`].
+    fn sweep(&mut self, now: f64) {
+        if now < self.next_sweep {
+            return;
+        }
+        self.next_sweep = now + SWEEP_EVERY_S;
+        let mut expired = 0;
+        self.transfers.retain(|_, t| {
+            expired += u64::from(t.expired(now));
+            t.queued(now)
+        });
+        self.dropped.expired += expired;
+        let transfers = &self.transfers;
+        self.started.retain(|id| transfers.contains_key(id));
+    }
+
+    /// Tracks `transfer` as `id`, within the cap.
+    fn track(&mut self, id: u64, transfer: Transfer, now: f64) {
+        self.sweep(now);
+        while self.transfers.len() >= self.max_transfers.max(1) {
+            let Some(oldest) = self.started.pop_front() else {
+                break;
+            };
+            match self.transfers.remove(&oldest) {
+                Some(t) if t.expired(now) => self.dropped.expired += 1,
+                Some(t) if t.queued(now) => self.dropped.evicted += 1,
+                // Over (predicted done), not yet swept.
+                _ => {}
+            }
+        }
+        // Ended ids linger in the start order until a sweep: keep it within twice the map.
+        if self.started.len() > 2 * self.transfers.len() + 64 {
+            let transfers = &self.transfers;
+            self.started.retain(|id| transfers.contains_key(id));
+        }
+        self.transfers.insert(id, transfer);
+        self.started.push_back(id);
     }
 
     /// Drops what is kept of an endpoint that left the fleet.
@@ -322,20 +418,20 @@ impl Fleet {
         let bs = block_size.max(1);
         let tokens = (prompt_tokens / bs).saturating_sub(decode_cached / bs) * bs;
         let bytes = tokens as f64 * state.config.kv_bytes_per_token;
-        // Those predicted done are gone (their callers will not say).
-        state.transfers.retain(|_, t| t.queued(now));
         let [on_prefill, on_decode] = state.backlogs_of(&[prefill, decode], now)[..] else {
             unreachable!("one backlog per endpoint asked")
         };
         let ahead = on_prefill.max(on_decode);
+        let predicted_s = state.links.transfer_s(prefill, decode, bytes + ahead, now);
         let sent = Transfer {
             prefill,
             decode,
             bytes,
             ahead,
+            expires_at: now + (TRANSFER_EXPIRY_FACTOR * predicted_s).max(TRANSFER_EXPIRY_FLOOR_S),
             predicted_end: None,
         };
-        state.transfers.insert(transfer, sent);
+        state.track(transfer, sent, now);
         bytes
     }
 
@@ -355,6 +451,22 @@ impl Fleet {
             .links
             .transfer_s(t.prefill, t.decode, t.bytes + t.ahead, now);
         t.predicted_end = Some(now + seconds);
+    }
+
+    /// The transfers dropped without being reported over since the last call (expired, or
+    /// evicted at [`MAX_TRANSFERS`]): what the caller counts in its metrics.
+    pub fn take_transfers_dropped(&mut self) -> TransfersDropped {
+        self.disagg
+            .as_mut()
+            .map(|state| std::mem::take(&mut state.dropped))
+            .unwrap_or_default()
+    }
+
+    /// Transfers tracked now (in flight, or over and not yet swept).
+    pub fn transfers_tracked(&self) -> usize {
+        self.disagg
+            .as_ref()
+            .map_or(0, |state| state.transfers.len())
     }
 
     /// Transfer `transfer` is over (or its request ended without one): its bytes leave the

@@ -95,9 +95,14 @@ impl Transfer {
         self.predicted_end.is_none_or(|end| now < end) && !self.expired(now)
     }
 
-    /// Whether its end was lost.
+    /// Whether it is past its expiry at `now`.
     fn expired(&self, now: f64) -> bool {
         now >= self.expires_at
+    }
+
+    /// Whether its end was lost: past its expiry, and not one whose end the link predicts.
+    fn lost(&self, now: f64) -> bool {
+        self.predicted_end.is_none() && self.expired(now)
     }
 }
 
@@ -175,7 +180,7 @@ impl DisaggState {
         self.next_sweep = now + SWEEP_EVERY_S;
         let mut expired = 0;
         self.transfers.retain(|_, t| {
-            expired += u64::from(t.expired(now));
+            expired += u64::from(t.lost(now));
             t.queued(now)
         });
         self.dropped.expired += expired;
@@ -191,7 +196,7 @@ impl DisaggState {
                 break;
             };
             match self.transfers.remove(&oldest) {
-                Some(t) if t.expired(now) => self.dropped.expired += 1,
+                Some(t) if t.lost(now) => self.dropped.expired += 1,
                 Some(t) if t.queued(now) => self.dropped.evicted += 1,
                 // Over (predicted done), not yet swept.
                 _ => {}
@@ -223,9 +228,9 @@ impl DisaggState {
 /// every candidate's breakdown.
 ///
 /// `costs` are the plan's own (position, cost) of every competing candidate
-/// ([`crate::schedule::RankBuffers::competing_costs`]): no cost is computed again to rank the roles, only the
-/// breakdowns of the few candidates added. Empty when the plan ranked every competitor (then
-/// there is nothing to add).
+/// ([`crate::schedule::RankBuffers::competing_costs`]): no cost is computed again to rank the
+/// roles, only the breakdowns of the few candidates added. Empty when the plan ranked every
+/// competitor (then there is nothing to add).
 pub(super) fn rank_roles(
     profile: &Profile,
     request: &RequestInfo,

@@ -207,8 +207,16 @@ fn a_transfer_whose_end_is_not_seen_leaves_the_nics_when_the_link_predicts_it_do
     assert!(second > 0.0);
     f.transfer_started(3, (p0, d), 4096, 0, BS, 0.0);
     assert_eq!(backlog(&mut f, 50.0), bytes);
-    // Until it expires: its end was lost.
+    // Until it expires: its end was lost (the one predicted done was not).
     assert_eq!(backlog(&mut f, 1e6), 0.0);
+    f.transfer_started(4, (p0, d), 4096, 0, BS, 1e6);
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped {
+            expired: 1,
+            evicted: 0
+        }
+    );
 }
 
 #[test]

@@ -62,7 +62,7 @@ impl DecodeLeg {
         let cached = self.decode_cached.get(&decode).copied().unwrap_or(0);
         let link = (self.prefill, decode);
         let now = router.now();
-        let bytes = {
+        let (bytes, dropped) = {
             let mut fleet = router.fleet();
             let bytes =
                 fleet.transfer_started(id, link, self.prompt_tokens, cached, self.block_size, now);
@@ -71,8 +71,10 @@ impl DecodeLeg {
                 // NICs when the link predicts the pull done.
                 fleet.transfer_unobserved(id, now);
             }
-            bytes
+            // A start is when core drops what expired or overflowed.
+            (bytes, fleet.take_transfers_dropped())
         };
+        router.metrics().pd.transfers_dropped(dropped);
         TransferWatch {
             router: router.clone(),
             id,

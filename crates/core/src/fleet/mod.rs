@@ -26,6 +26,7 @@ mod tier_learning;
 pub mod trust;
 mod warm;
 
+use std::cell::OnceCell;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -41,7 +42,7 @@ use crate::schedule::{
 };
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
-pub use disagg::DisaggConfig;
+pub use disagg::{DisaggConfig, TransfersDropped};
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
@@ -548,7 +549,14 @@ impl Fleet {
             None => schedule(&self.profile, &info, &candidates, random, self.round_robin),
         };
         if let (Some(depth), Some(_)) = (depth, &self.disagg) {
-            disagg::rank_roles(&self.profile, &info, &candidates, &mut decision, depth);
+            disagg::rank_roles(
+                &self.profile,
+                &info,
+                &candidates,
+                self.rank_buffers.competing_costs(),
+                &mut decision,
+                depth,
+            );
         }
         self.candidates = candidates;
         Plan {
@@ -571,9 +579,11 @@ impl Fleet {
     ) -> Dispatch {
         let slot = endpoint.0 as usize;
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
-        // Read before this request enters the predicted overlay.
+        // Read before this request enters the predicted overlay; walked at most once, by
+        // whichever of the two reads below needs it first.
+        let overlay = OnceCell::new();
         let (tier_tokens, tier_uncertain) =
-            self.dispatch_tier_tokens(predicted, request, endpoint, now);
+            self.dispatch_tier_tokens(predicted, request, endpoint, now, &overlay);
         let shared_load = self.endpoints.get(slot).and_then(|e| {
             self.shared_backlog.dispatched(
                 e.shared_mount(),
@@ -586,7 +596,7 @@ impl Fleet {
         // the queue ahead may evict part of what is cached now.
         let uncached = request
             .prompt_tokens
-            .saturating_sub(self.expected_cached(predicted, request, endpoint, now))
+            .saturating_sub(self.expected_cached(predicted, request, endpoint, now, &overlay))
             as u64;
         // A placement: a request this endpoint does not hold much more of than the others or
         // than what conversations share (a new conversation, an uncached prompt). Placements
@@ -651,12 +661,23 @@ impl Fleet {
     /// engine admits it: the queue ahead may evict the rest first (see
     /// [`cost::survival`](crate::schedule::cost::survival)), except the blocks of requests just
     /// sent there, which those use first.
+    /// The blocks of `request`'s prompt the predicted overlay says were just sent to `endpoint`
+    /// (not expired at `now`).
+    fn overlay_blocks(&self, request: &RequestFeatures<'_>, endpoint: EndpointId, now: f64) -> u32 {
+        self.predicted
+            .longest_prefixes(request.keys, now)
+            .iter()
+            .find(|(id, _)| *id == endpoint)
+            .map_or(0, |(_, blocks)| *blocks)
+    }
+
     fn expected_cached(
         &self,
         predicted: usize,
         request: &RequestFeatures<'_>,
         endpoint: EndpointId,
         now: f64,
+        overlay: &OnceCell<u32>,
     ) -> usize {
         let Some(e) = self.endpoint(endpoint) else {
             return predicted;
@@ -671,13 +692,8 @@ impl Fleet {
         if survival >= 1.0 {
             return predicted;
         }
-        let in_use = self
-            .predicted
-            .longest_prefixes(request.keys, now)
-            .iter()
-            .find(|(id, _)| *id == endpoint)
-            .map_or(0, |(_, blocks)| *blocks as usize * bs)
-            .min(predicted);
+        let overlay_blocks = *overlay.get_or_init(|| self.overlay_blocks(request, endpoint, now));
+        let in_use = (overlay_blocks as usize * bs).min(predicted);
         in_use + ((predicted - in_use) as f64 * survival) as usize
     }
 

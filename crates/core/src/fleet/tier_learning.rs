@@ -2,6 +2,8 @@
 //! below the GPU (set on its dispatch, so that its time to first token teaches the tiers' load
 //! rates), and the engines' own per-tier load counters.
 
+use std::cell::OnceCell;
+
 use super::{EndpointState, Fleet, IndexState};
 use crate::fleet::{EndpointId, RequestFeatures};
 use crate::index::PrefixMatch;
@@ -43,7 +45,9 @@ impl EndpointState {
 impl Fleet {
     /// The tier tokens of `predicted` cached tokens of `request` on `endpoint`, for its
     /// dispatch: read from the index at dispatch (what the plan saw, or fresher). No index
-    /// read when the endpoint holds nothing below the GPU and the shared tier is empty.
+    /// lookup and no walk of the predicted overlay (`overlay`: its blocks there, walked at most
+    /// once per dispatch) when the endpoint holds nothing below the GPU and the shared tier is
+    /// empty.
     /// Whether they rely on tiers whose events were recently inconsistent (see
     /// [`PrefixMatches::tier_uncertain`](crate::index::PrefixMatches::tier_uncertain)).
     pub(super) fn dispatch_tier_tokens(
@@ -52,6 +56,7 @@ impl Fleet {
         request: &RequestFeatures<'_>,
         endpoint: EndpointId,
         now: f64,
+        overlay: &OnceCell<u32>,
     ) -> (TierTokens, bool) {
         let none = ([0; 3], false);
         let (Some(e), Some(index)) = (self.endpoint(endpoint), self.index_of(endpoint)) else {
@@ -65,13 +70,8 @@ impl Fleet {
             Ok(()) => IndexState::Trusted,
             Err(_) => return none,
         };
-        let overlay = self
-            .predicted
-            .longest_prefixes(request.keys, now)
-            .iter()
-            .find(|(id, _)| *id == endpoint)
-            .map_or(0, |(_, blocks)| *blocks);
-        // The endpoint's own shard (the shared tier is every shard's).
+        // The endpoint's own shard (the shared tier is every shard's), read once; the prompt is
+        // walked (overlay and index) only when something sits below the GPU.
         index.read_endpoint(endpoint, |ix| {
             let below_gpu = ix
                 .endpoint_stats(endpoint)
@@ -80,6 +80,7 @@ impl Fleet {
             if !below_gpu {
                 return none;
             }
+            let overlay = *overlay.get_or_init(|| self.overlay_blocks(request, endpoint, now));
             let matches = ix.lookup(request.keys);
             let tiers = predicted_tier_tokens(state, matches.get(endpoint), overlay, predicted, bs);
             let uncertain = tiers.iter().any(|&t| t > 0) && matches.tier_uncertain(endpoint);

@@ -46,6 +46,16 @@ pub struct RankBuffers {
     standings: Vec<Standing>,
 }
 
+impl RankBuffers {
+    /// The last [`schedule_near_best`] call's competing candidates (position among its
+    /// candidates, weighted cost), in no particular order: each cost computed once, for whoever
+    /// ranks more of them (P/D ranks the head of each role). Empty when that call ranked every
+    /// competitor.
+    pub fn competing_costs(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        self.standings.iter().map(|s| (s.at, s.total))
+    }
+}
+
 /// Ranks the best `depth` (at least 2) of `candidates` for `request` under `profile`: the
 /// same winner, reason, saturation and first `depth` of the ranking as [`schedule`], with
 /// breakdowns for the ranked candidates only. `random` and `round_robin` as for [`schedule`].
@@ -59,11 +69,11 @@ pub fn schedule_near_best(
     buffers: &mut RankBuffers,
 ) -> Decision {
     let depth = depth.max(2);
+    let standings = &mut buffers.standings;
+    standings.clear();
     if profile.picker != Picker::Cheapest || candidates.len() <= depth {
         return schedule(profile, request, candidates, random, round_robin);
     }
-    let standings = &mut buffers.standings;
-    standings.clear();
     let mut all_saturated = true;
     for (at, c) in candidates.iter().enumerate() {
         if rejection(profile, request, c).is_some() {
@@ -81,6 +91,7 @@ pub fn schedule_near_best(
     }
     if standings.len() <= depth {
         // Every competitor is ranked anyway (and a fleet with none competing reports why).
+        standings.clear();
         return schedule(profile, request, candidates, random, round_robin);
     }
     let cheapest = *standings

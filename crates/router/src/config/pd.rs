@@ -111,6 +111,12 @@ impl PdConfig {
         if !(l.degraded_factor.is_finite() && l.degraded_factor >= 1.0) {
             return Err(invalid("pd.learning.degraded_factor", "must be at least 1"));
         }
+        if !(l.noise_floor_s.is_finite() && l.noise_floor_s >= 0.0) {
+            return Err(invalid(
+                "pd.learning.noise_floor_s",
+                "must be finite and not negative",
+            ));
+        }
         if l.quarantine_after == 0 {
             return Err(invalid(
                 "pd.learning.quarantine_after",
@@ -156,6 +162,10 @@ mod tests {
             ("{prefill_deadline_s: 0}", "pd.prefill_deadline_s"),
             ("{leg_overhead_s: -1}", "pd.leg_overhead_s"),
             ("{learning: {weight: 0}}", "pd.learning.weight"),
+            (
+                "{learning: {noise_floor_s: -0.1}}",
+                "pd.learning.noise_floor_s",
+            ),
             (
                 "{learning: {quarantine_after: 0}}",
                 "pd.learning.quarantine_after",

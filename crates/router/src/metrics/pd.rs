@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::ops::Deref;
 use std::sync::atomic::AtomicU64;
 
+use kvroute_core::fleet::TransfersDropped;
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -133,6 +134,12 @@ metric_group! {
         leg_seconds: Seconds<LegLabel> = Family::new_with_constructor(seconds_histogram),
             "pd_leg_seconds",
             "Each P/D leg's latency: prefill to its answer, decode to its first byte";
+        /// Transfers core stopped tracking without their end reported, by `reason`:
+        /// `expired` (not over long after the link predicted it) or `evicted` (the oldest, at
+        /// core's cap). Their bytes no longer count as a NIC's backlog.
+        transfers_dropped: Family<ReasonLabel, Counter> = Family::default(),
+            "pd_transfers_dropped",
+            "KV transfers dropped from the NIC backlog without their end reported, by reason";
         /// Requests whose own `kv_transfer_params` were removed (only the router names a
         /// producer).
         client_params_removed: Counter = Counter::default(),
@@ -152,6 +159,17 @@ impl PdMetrics {
     /// Counts a fallback.
     pub fn fallback(&self, reason: &'static str) {
         self.fallbacks.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts the transfers core dropped.
+    pub fn transfers_dropped(&self, dropped: TransfersDropped) {
+        for (reason, count) in [("expired", dropped.expired), ("evicted", dropped.evicted)] {
+            if count > 0 {
+                self.transfers_dropped
+                    .get_or_create(&ReasonLabel { reason })
+                    .inc_by(count);
+            }
+        }
     }
 
     /// Observes a leg's latency.
@@ -181,6 +199,28 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         text
+    }
+
+    #[test]
+    fn dropped_transfers_are_counted_by_reason() {
+        let metrics = PdMetrics::new(&MetricsConfig::default());
+        metrics.transfers_dropped(TransfersDropped {
+            expired: 3,
+            evicted: 0,
+        });
+        metrics.transfers_dropped(TransfersDropped {
+            expired: 1,
+            evicted: 2,
+        });
+        let text = rendered(&metrics);
+        assert!(
+            text.contains("pd_transfers_dropped_total{reason=\"expired\"} 4"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pd_transfers_dropped_total{reason=\"evicted\"} 2"),
+            "{text}"
+        );
     }
 
     #[test]

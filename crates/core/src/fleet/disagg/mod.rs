@@ -9,8 +9,13 @@
 //! was chosen) and the transfer's life: [`Fleet::transfer_started`] once both legs are sent,
 //! [`Fleet::observe_transfer`] with its measured seconds, or [`Fleet::observe_failure`], and
 //! [`Fleet::transfer_ended`] when its bytes have left the NICs.
+//!
+//! The transfers in flight are bounded: one whose end is never reported expires (after
+//! [`TRANSFER_EXPIRY_FACTOR`] × the link's predicted time for it, at least
+//! [`TRANSFER_EXPIRY_FLOOR_S`]) and at most [`MAX_TRANSFERS`] are kept (the oldest dropped);
+//! either is counted ([`Fleet::take_transfers_dropped`]) for the caller's metrics.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -19,7 +24,7 @@ use crate::index::EndpointId;
 use crate::schedule::disagg::{
     self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
 };
-use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess, cost, rejection};
+use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess};
 
 /// How the fleet prices and learns P/D.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -39,22 +44,65 @@ pub struct DisaggConfig {
 /// prefills and load scrapes, not a decision threshold (the decision prices what it measures).
 pub const INFLOW_WINDOW_S: f64 = 5.0;
 
+/// The most transfers tracked at once. A router's transfers in flight are its P/D requests
+/// between the decode leg's connection and its first token: a few per decode endpoint (1,000
+/// endpoints with 16 pulls pending on each are this many). Past it the oldest is dropped
+/// (counted): the map is bounded whatever its callers forget to report. Each decision and
+/// each transfer's start reads them once.
+pub const MAX_TRANSFERS: usize = 16_384;
+
+/// A transfer not reported over after this many times the link's predicted time for it (behind
+/// the bytes ahead of it) has lost its end (a caller that never reported it): it is dropped,
+/// counted, and its bytes no longer count as backlog. Ten times: far past any contention the
+/// backlog already prices.
+pub const TRANSFER_EXPIRY_FACTOR: f64 = 10.0;
+
+/// ... and never sooner than this, seconds: twice vLLM 0.33's producer lease (30 s), after
+/// which the producer has freed the blocks and no pull can still be moving them; a decode leg
+/// queued behind other work on its engine may legitimately wait that long before it pulls.
+pub const TRANSFER_EXPIRY_FLOOR_S: f64 = 60.0;
+
+/// How often, in seconds of the caller's clock, finished and expired transfers are swept
+/// (they stop counting as backlog at once; the sweep only frees their memory).
+const SWEEP_EVERY_S: f64 = 1.0;
+
+/// Transfers the fleet stopped tracking without being told they ended, since the last
+/// [`Fleet::take_transfers_dropped`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransfersDropped {
+    /// Past their expiry ([`TRANSFER_EXPIRY_FACTOR`], [`TRANSFER_EXPIRY_FLOOR_S`]).
+    pub expired: u64,
+    /// The oldest, to keep [`MAX_TRANSFERS`].
+    pub evicted: u64,
+}
+
 /// One dispatched transfer: its pair, its bytes, the bytes queued ahead of it on the busier
-/// NIC when it was sent, and, for one whose end the caller cannot see, when the link predicts
-/// it done.
+/// NIC when it was sent, when it expires, and, for one whose end the caller cannot see, when
+/// the link predicts it done.
 #[derive(Clone, Copy, Debug)]
 struct Transfer {
     prefill: EndpointId,
     decode: EndpointId,
     bytes: f64,
     ahead: f64,
+    expires_at: f64,
     predicted_end: Option<f64>,
 }
 
 impl Transfer {
     /// Whether its bytes are still on the NICs at `now`.
     fn queued(&self, now: f64) -> bool {
-        self.predicted_end.is_none_or(|end| now < end)
+        self.predicted_end.is_none_or(|end| now < end) && !self.expired(now)
+    }
+
+    /// Whether it is past its expiry at `now`.
+    fn expired(&self, now: f64) -> bool {
+        now >= self.expires_at
+    }
+
+    /// Whether its end was lost: past its expiry, and not one whose end the link predicts.
+    fn lost(&self, now: f64) -> bool {
+        self.predicted_end.is_none() && self.expired(now)
     }
 }
 
@@ -66,6 +114,15 @@ pub(super) struct DisaggState {
     links: LinkBook,
     /// Dispatched, unfinished transfers: their bytes are each NIC's backlog.
     transfers: HashMap<u64, Transfer>,
+    /// Transfer ids in the order they started (some already ended): the oldest is evicted at
+    /// the cap.
+    started: VecDeque<u64>,
+    /// When finished and expired transfers are swept next.
+    next_sweep: f64,
+    /// Dropped since last taken.
+    dropped: TransfersDropped,
+    /// The cap on `transfers` ([`MAX_TRANSFERS`]).
+    max_transfers: usize,
     /// Per endpoint: decayed prefill seconds sent there, and when last decayed.
     inflow: HashMap<EndpointId, (f64, f64)>,
 }
@@ -76,6 +133,10 @@ impl DisaggState {
             links: LinkBook::new(config.link, config.learning),
             config,
             transfers: HashMap::new(),
+            started: VecDeque::new(),
+            next_sweep: f64::NEG_INFINITY,
+            dropped: TransfersDropped::default(),
+            max_transfers: MAX_TRANSFERS,
             inflow: HashMap::new(),
         }
     }
@@ -96,13 +157,58 @@ impl DisaggState {
         self.inflow.insert(endpoint, (w, now));
     }
 
-    /// KV bytes queued on `endpoint`'s NIC at `now`.
-    fn backlog_of(&self, endpoint: EndpointId, now: f64) -> f64 {
-        self.transfers
-            .values()
-            .filter(|t| (t.prefill == endpoint || t.decode == endpoint) && t.queued(now))
-            .map(|t| t.bytes)
-            .sum()
+    /// KV bytes queued on each of `endpoints`' NICs at `now`, in one pass over the transfers
+    /// (a decision reads every candidate's).
+    fn backlogs_of(&self, endpoints: &[EndpointId], now: f64) -> Vec<f64> {
+        let mut bytes = vec![0.0; endpoints.len()];
+        for t in self.transfers.values().filter(|t| t.queued(now)) {
+            for (e, sum) in endpoints.iter().zip(bytes.iter_mut()) {
+                if t.prefill == *e || t.decode == *e {
+                    *sum += t.bytes;
+                }
+            }
+        }
+        bytes
+    }
+
+    /// Forgets transfers that are over at `now`: those predicted done, and those expired
+    /// (counted), at most once per [`SWEEP_EVERY_S`].
+    fn sweep(&mut self, now: f64) {
+        if now < self.next_sweep {
+            return;
+        }
+        self.next_sweep = now + SWEEP_EVERY_S;
+        let mut expired = 0;
+        self.transfers.retain(|_, t| {
+            expired += u64::from(t.lost(now));
+            t.queued(now)
+        });
+        self.dropped.expired += expired;
+        let transfers = &self.transfers;
+        self.started.retain(|id| transfers.contains_key(id));
+    }
+
+    /// Tracks `transfer` as `id`, within the cap.
+    fn track(&mut self, id: u64, transfer: Transfer, now: f64) {
+        self.sweep(now);
+        while self.transfers.len() >= self.max_transfers.max(1) {
+            let Some(oldest) = self.started.pop_front() else {
+                break;
+            };
+            match self.transfers.remove(&oldest) {
+                Some(t) if t.lost(now) => self.dropped.expired += 1,
+                Some(t) if t.queued(now) => self.dropped.evicted += 1,
+                // Over (predicted done), not yet swept.
+                _ => {}
+            }
+        }
+        // Ended ids linger in the start order until a sweep: keep it within twice the map.
+        if self.started.len() > 2 * self.transfers.len() + 64 {
+            let transfers = &self.transfers;
+            self.started.retain(|id| transfers.contains_key(id));
+        }
+        self.transfers.insert(id, transfer);
+        self.started.push_back(id);
     }
 
     /// Drops what is kept of an endpoint that left the fleet.
@@ -120,20 +226,34 @@ impl DisaggState {
 /// hold a single role (idle dedicated producers are the cheapest whole-request candidates);
 /// P/D reads the head of each role, as the aggregated path reads the head of the fleet, never
 /// every candidate's breakdown.
+///
+/// `costs` are the plan's own (position, cost) of every competing candidate
+/// ([`crate::schedule::RankBuffers::competing_costs`]): no cost is computed again to rank the
+/// roles, only the breakdowns of the few candidates added. Empty when the plan ranked every
+/// competitor (then there is nothing to add).
 pub(super) fn rank_roles(
     profile: &Profile,
     request: &RequestInfo,
     candidates: &[Candidate],
+    costs: impl Iterator<Item = (usize, f64)>,
     decision: &mut Decision,
     depth: usize,
 ) {
+    // By position, so that each role's candidates are taken in the order they were planned.
+    let mut cost_at: Vec<Option<f64>> = vec![None; candidates.len()];
+    for (at, total) in costs {
+        if let Some(slot) = cost_at.get_mut(at) {
+            *slot = Some(total);
+        }
+    }
     let mut added: Vec<(f64, usize)> = Vec::new();
     for role_fits in [decodes as fn(Role) -> bool, prefills] {
         let mut best: Vec<(f64, usize)> = candidates
             .iter()
+            .zip(&cost_at)
             .enumerate()
-            .filter(|(_, c)| role_fits(c.role) && rejection(profile, request, c).is_none())
-            .map(|(at, c)| (cost::assess(profile, request, c).0.total_s, at))
+            .filter(|(_, (c, _))| role_fits(c.role))
+            .filter_map(|(at, (_, total))| total.map(|total| (total, at)))
             .collect();
         if best.len() > depth {
             best.select_nth_unstable_by(depth - 1, |a, b| a.0.total_cmp(&b.0));
@@ -205,20 +325,32 @@ impl Fleet {
             .collect()
     }
 
-    fn side_cost(
+    /// Each of `endpoints`' side of the choice, as `plan` assessed it (those it did not are
+    /// left out), with its NIC backlog and queue inflow at `now`.
+    fn side_costs(
         &self,
         state: &DisaggState,
         plan: &Plan,
-        e: EndpointId,
+        endpoints: &[EndpointId],
         now: f64,
-    ) -> Option<SideCost> {
-        plan.decision.assessment(e).map(|a| SideCost {
-            endpoint: e,
-            cost: a.cost.clone(),
-            cached_tokens: a.cached_tokens,
-            link_backlog_bytes: state.backlog_of(e, now),
-            queue_inflow: state.inflow_rate(e, now),
-        })
+    ) -> Vec<SideCost> {
+        let assessed: Vec<_> = endpoints
+            .iter()
+            .filter_map(|e| plan.decision.assessment(*e))
+            .collect();
+        let ids: Vec<EndpointId> = assessed.iter().map(|a| a.endpoint).collect();
+        let backlogs = state.backlogs_of(&ids, now);
+        assessed
+            .into_iter()
+            .zip(backlogs)
+            .map(|(a, backlog)| SideCost {
+                endpoint: a.endpoint,
+                cost: a.cost.clone(),
+                cached_tokens: a.cached_tokens,
+                link_backlog_bytes: backlog,
+                queue_inflow: state.inflow_rate(a.endpoint, now),
+            })
+            .collect()
     }
 
     /// Prices aggregated on `decode` against P/D with every prefill-capable endpoint of `plan`
@@ -235,12 +367,13 @@ impl Fleet {
         now: f64,
     ) -> Option<DisaggExplain> {
         let state = self.disagg.as_ref()?;
-        let decode_side = self.side_cost(state, plan, decode, now)?;
-        let prefills: Vec<SideCost> = self
-            .prefill_candidates(plan, decode)
-            .into_iter()
-            .filter_map(|e| self.side_cost(state, plan, e, now))
-            .collect();
+        plan.decision.assessment(decode)?;
+        // The decode endpoint first, then the prefill candidates: every side in one pass.
+        let mut endpoints = vec![decode];
+        endpoints.extend(self.prefill_candidates(plan, decode));
+        let mut sides = self.side_costs(state, plan, &endpoints, now);
+        let decode_side = sides.remove(0);
+        let prefills = sides;
         let request = PdRequest {
             prompt_tokens,
             block_size,
@@ -290,19 +423,20 @@ impl Fleet {
         let bs = block_size.max(1);
         let tokens = (prompt_tokens / bs).saturating_sub(decode_cached / bs) * bs;
         let bytes = tokens as f64 * state.config.kv_bytes_per_token;
-        // Those predicted done are gone (their callers will not say).
-        state.transfers.retain(|_, t| t.queued(now));
-        let ahead = state
-            .backlog_of(prefill, now)
-            .max(state.backlog_of(decode, now));
+        let [on_prefill, on_decode] = state.backlogs_of(&[prefill, decode], now)[..] else {
+            unreachable!("one backlog per endpoint asked")
+        };
+        let ahead = on_prefill.max(on_decode);
+        let predicted_s = state.links.transfer_s(prefill, decode, bytes + ahead, now);
         let sent = Transfer {
             prefill,
             decode,
             bytes,
             ahead,
+            expires_at: now + (TRANSFER_EXPIRY_FACTOR * predicted_s).max(TRANSFER_EXPIRY_FLOOR_S),
             predicted_end: None,
         };
-        state.transfers.insert(transfer, sent);
+        state.track(transfer, sent, now);
         bytes
     }
 
@@ -322,6 +456,22 @@ impl Fleet {
             .links
             .transfer_s(t.prefill, t.decode, t.bytes + t.ahead, now);
         t.predicted_end = Some(now + seconds);
+    }
+
+    /// The transfers dropped without being reported over since the last call (expired, or
+    /// evicted at [`MAX_TRANSFERS`]): what the caller counts in its metrics.
+    pub fn take_transfers_dropped(&mut self) -> TransfersDropped {
+        self.disagg
+            .as_mut()
+            .map(|state| std::mem::take(&mut state.dropped))
+            .unwrap_or_default()
+    }
+
+    /// Transfers tracked now (in flight, or over and not yet swept).
+    pub fn transfers_tracked(&self) -> usize {
+        self.disagg
+            .as_ref()
+            .map_or(0, |state| state.transfers.len())
     }
 
     /// Transfer `transfer` is over (or its request ended without one): its bytes leave the
@@ -370,5 +520,7 @@ impl Fleet {
     }
 }
 
+#[cfg(test)]
+mod naive_tests;
 #[cfg(test)]
 mod tests;

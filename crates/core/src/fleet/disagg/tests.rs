@@ -206,7 +206,17 @@ fn a_transfer_whose_end_is_not_seen_leaves_the_nics_when_the_link_predicts_it_do
     assert_eq!(f.transfer_ended(2), 0.0);
     assert!(second > 0.0);
     f.transfer_started(3, (p0, d), 4096, 0, BS, 0.0);
-    assert_eq!(backlog(&mut f, 1e6), bytes);
+    assert_eq!(backlog(&mut f, 50.0), bytes);
+    // Until it expires: its end was lost (the one predicted done was not).
+    assert_eq!(backlog(&mut f, 1e6), 0.0);
+    f.transfer_started(4, (p0, d), 4096, 0, BS, 1e6);
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped {
+            expired: 1,
+            evicted: 0
+        }
+    );
 }
 
 #[test]
@@ -245,4 +255,79 @@ fn a_large_fleet_ranks_the_head_of_each_role_not_every_candidate() {
     let decode = f.decode_pick(&p).unwrap();
     let explain = f.plan_disagg(&p, decode, 4096, BS, 0.0).unwrap();
     assert!(explain.disaggregated.len() >= depth);
+}
+
+#[test]
+fn transfers_whose_end_is_never_reported_expire_and_their_backlog_goes() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("roce-100"));
+    let link = (EndpointId(0), EndpointId(1));
+    // A flood of transfers nobody reports over (a lost end each).
+    for id in 0..1000 {
+        f.transfer_started(id, link, 2048, 0, BS, f64::from(id as u32) * 1e-3);
+    }
+    let p = plan(&mut f, 2048);
+    assert!(
+        f.plan_disagg(&p, link.1, 2048, BS, 1.0)
+            .unwrap()
+            .disaggregated[0]
+            .link_backlog_bytes
+            > 0.0
+    );
+    assert_eq!(f.take_transfers_dropped(), TransfersDropped::default());
+    // Past each one's expiry (ten times its predicted time behind those ahead of it: 1,000 ×
+    // 268 MB at 12.1 GB/s is 22 s, 220 s for the last): their bytes are no backlog, and the
+    // next start sweeps them, counted.
+    let later = 1000.0;
+    let p = plan_at(&mut f, 2048, later);
+    let explain = f.plan_disagg(&p, link.1, 2048, BS, later).unwrap();
+    assert_eq!(explain.disaggregated[0].link_backlog_bytes, 0.0);
+    f.transfer_started(5000, link, 2048, 0, BS, later);
+    assert_eq!(f.transfers_tracked(), 1);
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped {
+            expired: 1000,
+            evicted: 0
+        }
+    );
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped::default(),
+        "taken once"
+    );
+    // One whose end is reported is not dropped.
+    f.transfer_ended(5000);
+    f.transfer_started(5001, link, 2048, 0, BS, later + TRANSFER_EXPIRY_FLOOR_S);
+    assert_eq!(f.take_transfers_dropped(), TransfersDropped::default());
+}
+
+#[test]
+fn the_transfers_tracked_stay_bounded_under_a_flood() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    // A smaller cap than MAX_TRANSFERS, for a quick test: each start reads every transfer.
+    let cap = 2000;
+    f.disagg.as_mut().unwrap().max_transfers = cap;
+    let link = (EndpointId(0), EndpointId(1));
+    let flood = cap as u64 + 500;
+    for id in 0..flood {
+        // All within the expiry: only the cap bounds them.
+        f.transfer_started(id, link, 32, 0, BS, id as f64 * 1e-6);
+        assert!(f.transfers_tracked() <= cap);
+    }
+    assert_eq!(f.transfers_tracked(), cap);
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped {
+            expired: 0,
+            evicted: 500
+        }
+    );
+    // The oldest went: the first ids are no longer tracked, the last are.
+    assert_eq!(f.transfer_ended(0), 0.0);
+    assert!(
+        f.transfer_ended(flood - 1) > 0.0,
+        "the newest waits behind the others"
+    );
 }

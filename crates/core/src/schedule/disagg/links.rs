@@ -6,8 +6,10 @@
 //! Learning: each transfer gives seconds per byte (its time less the link latency, over its
 //! bytes); the estimate is an exponentially weighted mean of those, so a time prediction is
 //! unbiased where a mean of bandwidths would not be. A transfer counts as *degraded* when it
-//! took more than `degraded_factor` × what the configured link would take; a failure or a
-//! degraded transfer is a strike, and `quarantine_after` consecutive strikes quarantine the
+//! took more than `degraded_factor` × what the configured link would take *and* more than
+//! `noise_floor_s` seconds beyond it (on a fast link a few milliseconds' prediction is
+//! dwarfed by the timing noise of whoever measures it: relative slowness alone would strike a
+//! healthy pair); a failure or a degraded transfer is a strike, and `quarantine_after` consecutive strikes quarantine the
 //! pair for `quarantine_s` (doubling on each relapse, up to `max_quarantine_s`). When the
 //! quarantine ends the pair is *probing*: its estimate restarts from the configured link, so
 //! the next request that would gain from it tries it; a good transfer heals it, a strike sends
@@ -34,8 +36,15 @@ pub struct LinkPrior {
 pub struct LinkLearning {
     /// Weight of a new transfer in the estimate (0–1).
     pub weight: f64,
-    /// A transfer slower than this many times the configured link's time is a strike.
+    /// A transfer slower than this many times the configured link's time is a strike (if
+    /// also slower than it by more than `noise_floor_s`).
     pub degraded_factor: f64,
+    /// Seconds a transfer must take beyond the configured link's time to be a strike, whatever
+    /// the factor: the timing noise of a measured transfer (the router times a pull from its
+    /// decode leg's first token, which carries an engine step and a queue wait it can only
+    /// predict). A slower transfer under it is still learned from (and priced); it only
+    /// cannot quarantine the pair.
+    pub noise_floor_s: f64,
     /// Consecutive strikes that quarantine a pair.
     pub quarantine_after: u32,
     /// First quarantine, seconds.
@@ -49,6 +58,7 @@ impl Default for LinkLearning {
         Self {
             weight: 0.3,
             degraded_factor: 4.0,
+            noise_floor_s: 0.25,
             quarantine_after: 3,
             quarantine_s: 30.0,
             max_quarantine_s: 600.0,
@@ -72,6 +82,27 @@ pub enum LinkHealth {
     },
     /// Usable again after a quarantine, at the configured link's speed, until a transfer tells.
     Probing,
+}
+
+/// One pair's link as a decision prices it: its health and the bandwidth to predict with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkEstimate {
+    /// Where the bandwidth comes from.
+    pub health: LinkHealth,
+    /// Bytes per second (the configured link's unless healthy and learned).
+    pub bandwidth_bytes_per_s: f64,
+    /// Seconds before the first byte moves (the configured link's).
+    pub latency_s: f64,
+}
+
+impl LinkEstimate {
+    /// Predicted seconds to move `bytes` (none: no time).
+    pub fn transfer_s(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        self.latency_s + bytes / self.bandwidth_bytes_per_s.max(1.0)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -125,7 +156,14 @@ impl LinkBook {
 
     /// The pair's health at `now`.
     pub fn health(&self, p: EndpointId, d: EndpointId, now: f64) -> LinkHealth {
-        match self.pairs.get(&(p, d)) {
+        self.estimate(p, d, now).health
+    }
+
+    /// The pair's health and the bandwidth to predict with at `now`, from one look at the pair:
+    /// what a decision reads once per option.
+    pub fn estimate(&self, p: EndpointId, d: EndpointId, now: f64) -> LinkEstimate {
+        let pair = self.pairs.get(&(p, d));
+        let health = match pair {
             None => LinkHealth::Healthy { samples: 0 },
             Some(pair) => match pair.quarantined_until {
                 Some(until) if now < until => LinkHealth::Quarantined { until },
@@ -134,23 +172,26 @@ impl LinkBook {
                     samples: pair.samples,
                 },
             },
+        };
+        let bandwidth_bytes_per_s = match (health, pair) {
+            (LinkHealth::Healthy { .. }, Some(pair)) => 1.0 / pair.seconds_per_byte.max(1e-15),
+            _ => self.prior.bandwidth_bytes_per_s,
+        };
+        LinkEstimate {
+            health,
+            bandwidth_bytes_per_s,
+            latency_s: self.prior.latency_s,
         }
     }
 
     /// The bandwidth to predict with, bytes per second (the configured one while probing).
     pub fn bandwidth(&self, p: EndpointId, d: EndpointId, now: f64) -> f64 {
-        match (self.health(p, d, now), self.pairs.get(&(p, d))) {
-            (LinkHealth::Healthy { .. }, Some(pair)) => 1.0 / pair.seconds_per_byte.max(1e-15),
-            _ => self.prior.bandwidth_bytes_per_s,
-        }
+        self.estimate(p, d, now).bandwidth_bytes_per_s
     }
 
     /// Predicted seconds to move `bytes` from `p` to `d`.
     pub fn transfer_s(&self, p: EndpointId, d: EndpointId, bytes: f64, now: f64) -> f64 {
-        if bytes <= 0.0 {
-            return 0.0;
-        }
-        self.prior.latency_s + bytes / self.bandwidth(p, d, now).max(1.0)
+        self.estimate(p, d, now).transfer_s(bytes)
     }
 
     /// A transfer of `bytes` from `p` to `d` that took `seconds` (an engine's transfer metrics,
@@ -168,7 +209,8 @@ impl LinkBook {
         }
         let learning = self.learning;
         let expected = self.prior.latency_s + bytes * self.prior_seconds_per_byte();
-        let degraded = seconds > learning.degraded_factor * expected;
+        let degraded = seconds > learning.degraded_factor * expected
+            && seconds - expected > learning.noise_floor_s;
         let observed = (seconds - self.prior.latency_s).max(0.0) / bytes;
         let pair = self.pair(p, d);
         if pair.quarantined_until.is_some() {

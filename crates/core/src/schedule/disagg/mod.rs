@@ -36,7 +36,7 @@ use serde::Serialize;
 
 use super::Cost;
 use crate::index::EndpointId;
-pub use links::{LinkBook, LinkHealth, LinkLearning, LinkPrior};
+pub use links::{LinkBook, LinkEstimate, LinkHealth, LinkLearning, LinkPrior};
 pub use presets::kv_bytes_per_token;
 
 /// One endpoint's side of the choice: its cost for the whole request, as the cost model
@@ -183,10 +183,11 @@ pub fn decide(
         .iter()
         .filter(|p| p.endpoint != decode.endpoint)
         .map(|p| {
-            let link = links.health(p.endpoint, decode.endpoint, now);
+            // One look at the pair: its health, bandwidth and the transfer's time agree.
+            let link = links.estimate(p.endpoint, decode.endpoint, now);
             let backlog = p.link_backlog_bytes.max(decode.link_backlog_bytes).max(0.0);
             let transfer_s = if transfer_bytes > 0.0 {
-                links.transfer_s(p.endpoint, decode.endpoint, transfer_bytes + backlog, now)
+                link.transfer_s(transfer_bytes + backlog)
             } else {
                 0.0
             };
@@ -207,13 +208,13 @@ pub fn decide(
                 transfer_tokens,
                 transfer_bytes,
                 link_backlog_bytes: backlog,
-                bandwidth_bytes_per_s: links.bandwidth(p.endpoint, decode.endpoint, now),
-                link,
+                bandwidth_bytes_per_s: link.bandwidth_bytes_per_s,
+                link: link.health,
                 transfer_s,
                 decode_queue_s: decode_wait_s,
                 leg_overhead_s: shape.leg_overhead_s,
                 total_s,
-                eligible: !matches!(link, LinkHealth::Quarantined { .. }),
+                eligible: !matches!(link.health, LinkHealth::Quarantined { .. }),
             }
         })
         .collect();

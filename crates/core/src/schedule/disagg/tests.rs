@@ -347,3 +347,35 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_fast_healthy_link_is_never_struck_by_timing_noise_and_a_degraded_one_still_is() {
+    // A 2,048-token pull of Llama-3.1-8B's KV on roce-100 is predicted at ~22 ms: 4x is 89 ms,
+    // which a router's scheduling jitter (~90 ms, up to an engine step) crosses on its own.
+    let bytes = 2048.0 * 131_072.0;
+    let predicted = ROCE.latency_s + bytes / ROCE.bandwidth_bytes_per_s;
+    assert!((predicted - 0.0222).abs() < 1e-3, "{predicted}");
+    let mut links = book(ROCE);
+    let mut now = 0.0;
+    for i in 0..600u32 {
+        // Jitter from none to 200 ms (twice the observed ~90 ms), with runs of several noisy
+        // transfers in a row.
+        let jitter = f64::from((i * 37) % 100) / 100.0 * 0.2;
+        links.observe_transfer(P, D, bytes, predicted + jitter, now);
+        assert!(
+            !matches!(links.health(P, D, now), LinkHealth::Quarantined { .. }),
+            "quarantined by noise at transfer {i} (jitter {jitter})"
+        );
+        now += 0.5;
+    }
+    // RDMA fallen back to TCP: the same pulls take 22 times as long (~490 ms, far past the
+    // floor): three strikes quarantine the pair.
+    for _ in 0..3 {
+        links.observe_transfer(P, D, bytes, predicted * 22.0, now);
+        now += 0.5;
+    }
+    assert!(matches!(
+        links.health(P, D, now),
+        LinkHealth::Quarantined { .. }
+    ));
+}

@@ -111,7 +111,9 @@ metric_group! {
         outlier_ejections: EndpointFamily<Counter> = EndpointFamily::new(config.per_endpoint),
             "outlier_ejections", "Endpoints ejected because their requests failed";
         /// Failed scrapes of an engine's `/metrics`, by endpoint and kind (`timeout`,
-        /// `body_timeout`, `request`, `status`, `body`, `invalid`): its load is not updated then.
+        /// `body_timeout`, `request`, `status`, `body`, `invalid`; `stale`: answered after the
+        /// load sample's maximum age, counted from when it was sent): its load is not updated
+        /// then.
         scrape_failures: EndpointFamily<Counter, KindLabel> = EndpointFamily::new(config.per_endpoint),
             "scrape_failures", "Failed scrapes of an engine's /metrics, by kind";
         /// Requests refused by the router itself, by status.

@@ -19,13 +19,71 @@
 //!   size published by releases before 0.20, self-describing offload payloads): the next event
 //!   of that shape teaches it again. A shared-tier block is restored once per endpoint that
 //!   wrote it, onto a tier assumed empty (a starting replica's is).
+//! - **Keys are checked before they are trusted**: a router key names a block only for the
+//!   block size (and offloaded chunk size) it was made with. A snapshot carries its
+//!   [`KeyLayout`], and [`crate::fleet::Fleet::restore_endpoint`] refuses one that differs from
+//!   the endpoint's own, changing nothing.
 
 use serde::{Deserialize, Serialize};
 
 use super::offload::{Place, Tables, store_block};
 use super::{EndpointId, KvIndex};
+use crate::CoreError;
 use crate::event::{EngineHash, Tier};
 use crate::keys::RouterKey;
+
+/// What a snapshot's router keys were made with. A peer's keys name the same blocks as this
+/// router's only when every field agrees; otherwise the same key means other tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyLayout {
+    /// Tokens per block (the model's `block_size`).
+    pub block_size: usize,
+    /// Tokens per offloaded chunk (the connector's `block_size`), when configured.
+    #[serde(default)]
+    pub offload_block_size: Option<usize>,
+}
+
+impl KeyLayout {
+    /// Why keys made with `theirs` cannot be restored where keys are made with `self`.
+    pub fn check(&self, theirs: &KeyLayout) -> Result<(), CoreError> {
+        let mismatch = |field: &'static str, snapshot: Option<usize>, ours: Option<usize>| {
+            CoreError::KeyLayoutMismatch {
+                field,
+                snapshot,
+                ours,
+            }
+        };
+        if theirs.block_size != self.block_size {
+            return Err(mismatch(
+                "block_size",
+                Some(theirs.block_size),
+                Some(self.block_size),
+            ));
+        }
+        if theirs.offload_block_size != self.offload_block_size {
+            return Err(mismatch(
+                "offload_block_size",
+                theirs.offload_block_size,
+                self.offload_block_size,
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One endpoint's part of a peer replica's snapshot, restored in one step by
+/// [`crate::fleet::Fleet::restore_endpoint`].
+#[derive(Clone, Debug)]
+pub struct EndpointRestore<I> {
+    /// What the peer's keys were made with.
+    pub layout: KeyLayout,
+    /// Every block the peer's index held for the endpoint.
+    pub blocks: I,
+    /// Whether the peer trusted the endpoint's index.
+    pub trusted: bool,
+    /// Whether the peer's picture of the endpoint's offloaded tiers was uncertain.
+    pub tier_uncertain: bool,
+}
 
 /// One block an endpoint holds, as [`KvIndex::endpoint_blocks`] reads it and
 /// [`KvIndex::restore`] applies it.

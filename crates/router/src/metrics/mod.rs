@@ -123,6 +123,11 @@ metric_group! {
         /// replay_without_events).
         discovery_problems: Family<KindLabel, Counter> = Family::default(),
             "discovery_problems", "What discovery ignored (and warned about), by kind";
+        /// Endpoints of a peer replica's index snapshot refused, by the key-layout field that
+        /// differed (`block_size`, `offload_block_size`): they are rebuilt from their engines'
+        /// replay buffers instead.
+        replica_snapshot_refused: Family<KindLabel, Counter> = Family::default(),
+            "replica_snapshot_refused", "Endpoints of a peer's index snapshot refused (keys made with another layout), by field";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

@@ -1,5 +1,6 @@
-//! What a replica takes from its peers: a peer's index snapshot whose keys were made with
-//! another block size is refused (and the endpoint rebuilt from its engine's replay buffer).
+//! What a replica takes from its peers, and from whom: a peer's index snapshot whose keys were
+//! made with another block size is refused (and the endpoint rebuilt from its engine's replay
+//! buffer), and sharing dispatches or load without an admin token is flagged at start.
 
 mod common;
 mod replicas_common;
@@ -7,6 +8,7 @@ mod replicas_common;
 use std::sync::Arc;
 
 use common::eventually_async;
+use kvroute_router::config::ReplicasConfig;
 use kvroute_router::server::RunningRouter;
 use kvroute_testkit::{free_ports, sample};
 use replicas_common::{
@@ -106,4 +108,28 @@ async fn a_snapshot_keyed_with_another_block_size_is_refused() {
     // The endpoint itself is rebuilt from its engine: trusted once its events caught up.
     let status = admin_json(&client, &refusing, "/kvroute/v1/replica").await;
     assert_eq!(status["state"], "warm", "{status}");
+}
+
+/// Peers post dispatches and shared load to the admin listener: without `admin.token` anyone
+/// who reaches it may too, which is flagged in a gauge (and warned) while replicas share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharing_with_peers_without_an_admin_token_is_flagged() {
+    let engines = fleet(1, 1_000, Default::default()).await;
+    let gauge = "kvroute_replica_peer_messages_unauthenticated";
+    let sharing = replicas(&[dead_peer()], 0.2, true);
+
+    let open = replica(config(&engines, 0, sharing.clone())).await;
+    assert_eq!(metric(&open, gauge), 1.0);
+
+    let mut with_token = config(&engines, 0, sharing.clone());
+    with_token.admin.token = Some("secret".into());
+    assert_eq!(metric(&replica(with_token).await, gauge), 0.0);
+
+    let quiet = replicas(&[dead_peer()], 0.2, false);
+    assert_eq!(
+        metric(&replica(config(&engines, 0, quiet)).await, gauge),
+        0.0
+    );
+    let alone = config(&engines, 0, ReplicasConfig::default());
+    assert_eq!(metric(&replica(alone).await, gauge), 0.0);
 }

@@ -128,6 +128,11 @@ metric_group! {
         /// replay buffers instead.
         replica_snapshot_refused: Family<KindLabel, Counter> = Family::default(),
             "replica_snapshot_refused", "Endpoints of a peer's index snapshot refused (keys made with another layout), by field";
+        /// 1 while peer messages (`/kvroute/v1/peer/*`: dispatches, shared load) are accepted
+        /// without a token (`admin.token` unset): any process that reaches the admin listener
+        /// can add load or cache predictions to any engine.
+        replica_peer_messages_unauthenticated: Gauge = Gauge::default(),
+            "replica_peer_messages_unauthenticated", "1 while replicas share dispatches or load without admin.token";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

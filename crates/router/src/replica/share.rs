@@ -67,6 +67,37 @@ pub struct PeerPrefillDone {
     pub request: u64,
 }
 
+/// Says, at start, what peers can do to this replica unchecked. Peer messages go to the admin
+/// listener, which needs `admin.token` only when it listens beyond loopback: without one, any
+/// process that reaches it (another container of the pod, a host-network neighbour, a port
+/// forward) can post dispatches, and with `replicas.share_load` add queued prefill to any
+/// engine (each counted until `cache.predicted_ttl_s`), steering traffic away from it. This
+/// is warned loudly and shown in `kvroute_replica_peer_messages_unauthenticated` (1), not
+/// refused: a loopback admin listener is trusted for metrics and explanations alike, and
+/// replicas on one host (`scripts/replicas.sh`) need no token. Also warned: peers found in Kubernetes reach this
+/// replica at its pod IP, which a loopback admin listener never answers.
+pub fn check_peer_access(router: &Router) {
+    let config = router.config();
+    let replicas = &config.replicas;
+    let has_peers = !replicas.peers.is_empty() || replicas.kubernetes.is_some();
+    let open = has_peers && replicas.share_dispatches && config.admin.token.is_none();
+    router
+        .metrics()
+        .replica_peer_messages_unauthenticated
+        .set(i64::from(open));
+    if open {
+        let shares = if replicas.share_load {
+            "dispatches and in-flight load"
+        } else {
+            "dispatches"
+        };
+        warn!(admin = %config.admin.listen, shares, "replicas share {shares} without admin.token: any process that reaches the admin listener can post peer messages and inflate an engine's load or cached blocks here; set admin.token (the same on every replica)");
+    }
+    if replicas.kubernetes.is_some() && config.admin.listen.ip().is_loopback() {
+        warn!(admin = %config.admin.listen, "replicas.kubernetes: peers reach this replica at its pod IP, but admin.listen is a loopback address: they cannot ask it for snapshots or send it dispatches (listen on 0.0.0.0 with admin.token)");
+    }
+}
+
 /// Tells every peer about `dispatch` of the request of `features` (when dispatches are shared),
 /// without waiting.
 pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Dispatch) {

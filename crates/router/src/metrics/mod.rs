@@ -133,6 +133,10 @@ metric_group! {
         /// can add load or cache predictions to any engine.
         replica_peer_messages_unauthenticated: Gauge = Gauge::default(),
             "replica_peer_messages_unauthenticated", "1 while replicas share dispatches or load without admin.token";
+        /// Peer messages (and snapshot requests) this replica received from itself, its own
+        /// admin listener being among its peers: dropped, and the address left out of its peers.
+        replica_self_messages: Counter = Counter::default(),
+            "replica_self_messages", "Peer messages a replica received from itself (dropped; the address is no longer a peer)";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

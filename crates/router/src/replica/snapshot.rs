@@ -89,8 +89,11 @@ pub fn build(router: &Router) -> Option<Snapshot> {
 }
 
 /// `GET /kvroute/v1/snapshot`: this replica's index for a starting peer (404 when it keeps
-/// none, 503 while it is warming up itself).
-pub async fn snapshot(State(router): State<Arc<Router>>) -> Response {
+/// none, 503 while it is warming up itself, 409 to itself).
+pub async fn snapshot(State(router): State<Arc<Router>>, headers: http::HeaderMap) -> Response {
+    if super::share::own_message(&router, &headers) {
+        return super::share::own_message_refused(&router);
+    }
     if router.replica().warming() {
         return error_response(
             &router,
@@ -123,6 +126,7 @@ pub(crate) async fn fetch(
         request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
     let request = request
+        .header(crate::replica_state::REPLICA_HEADER, router.replica().id())
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
     let work = async {

@@ -21,7 +21,7 @@
 //!   wrote it, onto a tier assumed empty (a starting replica's is).
 //! - **Keys are checked before they are trusted**: a router key names a block only for the
 //!   block size (and offloaded chunk size) it was made with. A snapshot carries its
-//!   [`KeyLayout`], and [`crate::fleet::Fleet::restore_endpoint`] refuses one that differs from
+//!   [`KeyLayout`], and `Fleet::restore_endpoint` refuses one that differs from
 //!   the endpoint's own, changing nothing.
 
 use serde::{Deserialize, Serialize};
@@ -72,7 +72,7 @@ impl KeyLayout {
 }
 
 /// One endpoint's part of a peer replica's snapshot, restored in one step by
-/// [`crate::fleet::Fleet::restore_endpoint`].
+/// `Fleet::restore_endpoint`.
 #[derive(Clone, Debug)]
 pub struct EndpointRestore<I> {
     /// What the peer's keys were made with.

@@ -37,7 +37,7 @@ pub enum CoreError {
         "the snapshot's keys were made with {field} {snapshot:?}, this router's with {ours:?}: they name other blocks here"
     )]
     KeyLayoutMismatch {
-        /// The field that differs (`block_size`, `offload_block_size`).
+        /// The field that differs (`key_scheme`, `block_size`, `offload_block_size`).
         field: &'static str,
         /// The snapshot's value.
         snapshot: Option<usize>,

@@ -35,7 +35,7 @@ use crate::event::KvEvent;
 use crate::history::RoutingHistory;
 use crate::index::{
     EndpointId, EndpointRestore, HeldEntry, IndexConfig, KeyLayout, PrefixMatch, PrefixMatches,
-    SharedIndex,
+    ROUTER_KEY_SCHEME, SharedIndex,
 };
 use crate::keys::RouterKey;
 use crate::schedule::{
@@ -901,6 +901,7 @@ impl Fleet {
     /// The layout `id`'s router keys are made with (what a snapshot of its blocks carries).
     pub fn key_layout(&self, id: EndpointId) -> Option<KeyLayout> {
         self.endpoint(id).map(|e| KeyLayout {
+            key_scheme: ROUTER_KEY_SCHEME,
             block_size: e.spec.block_size,
             offload_block_size: e.spec.offload.block_size,
         })

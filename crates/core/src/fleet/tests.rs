@@ -1367,7 +1367,7 @@ fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alik
         plan.facts[0].index_match.map_or(0, |m| m.blocks)
     };
 
-    // Keys made with another block size (or offloaded chunk size) name other tokens here:
+    // Keys made with another block size (offloaded chunk size, key chain) name other tokens:
     // refused, and nothing changes.
     let mut target = FleetBuilder::new(1).build();
     let larger = KeyLayout {
@@ -1390,6 +1390,17 @@ fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alik
         target.restore_endpoint(e0, restore(chunked, true), 1.0),
         Err(CoreError::KeyLayoutMismatch {
             field: "offload_block_size",
+            ..
+        })
+    ));
+    let rekeyed = KeyLayout {
+        key_scheme: layout.key_scheme + 1,
+        ..layout
+    };
+    assert!(matches!(
+        target.restore_endpoint(e0, restore(rekeyed, true), 1.0),
+        Err(CoreError::KeyLayoutMismatch {
+            field: "key_scheme",
             ..
         })
     ));

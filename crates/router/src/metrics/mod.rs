@@ -124,8 +124,8 @@ metric_group! {
         discovery_problems: Family<KindLabel, Counter> = Family::default(),
             "discovery_problems", "What discovery ignored (and warned about), by kind";
         /// Endpoints of a peer replica's index snapshot refused, by the key-layout field that
-        /// differed (`block_size`, `offload_block_size`): they are rebuilt from their engines'
-        /// replay buffers instead.
+        /// differed (`key_scheme`, `block_size`, `offload_block_size`): they are rebuilt from
+        /// their engines' replay buffers instead.
         replica_snapshot_refused: Family<KindLabel, Counter> = Family::default(),
             "replica_snapshot_refused", "Endpoints of a peer's index snapshot refused (keys made with another layout), by field";
         /// 1 while peer messages (`/kvroute/v1/peer/*`: dispatches, shared load) are accepted

@@ -32,8 +32,8 @@ pub struct Snapshot {
 pub struct EndpointSnapshot {
     /// The endpoint's URL (replicas name endpoints alike by URL; ids may differ).
     pub url: String,
-    /// What the blocks' router keys were made with (block size, offloaded chunk size): a
-    /// replica keying the endpoint otherwise refuses them.
+    /// What the blocks' router keys were made with (key chain version, block size, offloaded
+    /// chunk size): a replica keying the endpoint otherwise refuses them.
     #[serde(flatten)]
     pub layout: KeyLayout,
     /// The last engine batch the blocks reflect; the peer resumes after it.

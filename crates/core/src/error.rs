@@ -31,6 +31,19 @@ pub enum CoreError {
         /// Entries in the extra-keys list.
         extra: usize,
     },
+    /// Keys made with another block layout than this router's (a peer replica's snapshot):
+    /// the same key would name other tokens.
+    #[error(
+        "the snapshot's keys were made with {field} {snapshot:?}, this router's with {ours:?}: they name other blocks here"
+    )]
+    KeyLayoutMismatch {
+        /// The field that differs (`key_scheme`, `block_size`, `offload_block_size`).
+        field: &'static str,
+        /// The snapshot's value.
+        snapshot: Option<usize>,
+        /// This router's value.
+        ours: Option<usize>,
+    },
     /// A named preset (a KV link, a model's KV shape) that does not exist or a custom one
     /// out of range.
     #[error("{0}")]

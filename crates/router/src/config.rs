@@ -162,7 +162,9 @@ pub struct PeerDiscovery {
     /// The admin listener's port on every router pod.
     pub admin_port: u16,
     /// This replica's own pod name, left out of its peers (default: `$POD_NAME`, else
-    /// `$HOSTNAME`, which Kubernetes sets to the pod's name).
+    /// `$HOSTNAME`, which Kubernetes sets to the pod's name). Should it be unset or wrong, the
+    /// replica still leaves itself out once its first peer message reaches its own admin
+    /// listener (it carries the replica's id, `x-kvroute-replica`), and drops that message.
     #[serde(default)]
     pub self_pod: Option<String>,
 }

@@ -99,8 +99,13 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let timeout = Duration::from_millis(router.config().scrape.timeout_ms);
     // Whether the last scrape failed, so that a failing engine is reported once, not per scrape.
     let mut failing = false;
+    // Whether the last answer came too late to count, reported once per spell likewise.
+    let mut late = false;
     loop {
         tick.tick().await;
+        // A sample says how the engine stood when it was asked, not when its answer came: a
+        // slow answer is that much older against `load_sample_max_age`.
+        let sent = router.now();
         let scraped = match get_text(
             &router,
             format!("http://{}/metrics", endpoint.authority),
@@ -164,7 +169,22 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             num_gpu_blocks: sample.num_gpu_blocks,
         };
         let mut fleet = router.fleet();
-        fleet.observe_load(endpoint.id, load, now);
+        fleet.observe_load(endpoint.id, load, sent);
+        let max_age_s = fleet.config().load_sample_max_age_s;
+        if now - sent > max_age_s {
+            // Already too old to plan with: counted, and the load stays unknown (the router's
+            // own in-flight count stands alone), never read as the engine's present state.
+            router
+                .metrics()
+                .scrape_failures
+                .get_or_create(&endpoint.name, KindLabel { kind: "stale" })
+                .inc();
+            if !std::mem::replace(&mut late, true) {
+                warn!(endpoint = %endpoint.name, answer_s = now - sent, max_age_s, "the engine's /metrics answered after the load sample's maximum age: its load is counted stale, not used (a scrape.timeout_ms longer than the maximum age lets such answers in)");
+            }
+        } else if std::mem::replace(&mut late, false) {
+            info!(endpoint = %endpoint.name, "the engine's /metrics answer in time again");
+        }
         if sample.tier_loaded_tokens.iter().any(Option::is_some) {
             // What it loaded from each tier, against what was predicted there.
             fleet.observe_engine_tier_loads(endpoint.id, sample.tier_loaded_tokens);

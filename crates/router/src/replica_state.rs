@@ -3,6 +3,7 @@
 //! position), the nonce of the ids it gives shared requests, and where its warm-up stands (the
 //! warm-up itself is the `replica` module's).
 
+use std::collections::HashSet;
 use std::collections::hash_map::{DefaultHasher, RandomState};
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -41,11 +42,22 @@ pub enum WarmStatus {
     },
 }
 
+/// The request header naming the replica that sends a peer message (or asks for a snapshot):
+/// a replica that receives its own id is among its own peers.
+pub const REPLICA_HEADER: &str = "x-kvroute-replica";
+
 /// A replica's own state: the journal it answers peers' snapshots from, and its warm-up.
 pub struct ReplicaState {
     journal: Option<Mutex<Journal>>,
-    /// The peers' admin listeners now: `replicas.peers`, and those found in Kubernetes.
+    /// The peers' admin listeners now: `replicas.peers`, and those found in Kubernetes, less
+    /// this replica's own.
     peers: RwLock<Arc<Vec<String>>>,
+    /// This replica's id (random per process), sent with every peer message in
+    /// [`REPLICA_HEADER`].
+    id: String,
+    /// The authorities (`host:port`) at which this replica reached itself as a peer: left out
+    /// of its peers from then on, whatever discovery finds.
+    own: Mutex<HashSet<String>>,
     /// Whether the peers are known (at once for a static list; after the first list of the
     /// router's pods with `replicas.kubernetes`), and its signal.
     peers_known: AtomicBool,
@@ -63,6 +75,8 @@ impl ReplicaState {
         Self {
             journal: peers.then(|| Mutex::new(Journal::default())),
             peers: RwLock::new(Arc::new(config.peers.clone())),
+            id: format!("{:016x}", RandomState::new().hash_one(0u8)),
+            own: Mutex::new(HashSet::new()),
             peers_known: AtomicBool::new(config.kubernetes.is_none()),
             peers_listed: Notify::new(),
             request_ids: RandomState::new(),
@@ -96,9 +110,43 @@ impl ReplicaState {
     pub(crate) fn set_peers(&self, configured: &[String], found: Vec<String>) {
         let mut peers = configured.to_vec();
         peers.extend(found.into_iter().filter(|p| !configured.contains(p)));
+        let own = self.own.lock();
+        peers.retain(|p| !own.contains(&authority(p)));
         *self.peers.write() = Arc::new(peers);
         self.peers_known.store(true, Ordering::Release);
         self.peers_listed.notify_waiters();
+    }
+
+    /// This replica's id, as [`REPLICA_HEADER`] carries it.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether a peer message carrying `sender` (its [`REPLICA_HEADER`]) was sent by this very
+    /// replica, which reached its own admin listener at `host` (the request's `Host`): if so,
+    /// every peer at that address is left out from now on (a configured peer list naming every
+    /// replica, or discovery that did not recognise this replica's own pod). `None`: another
+    /// replica's message; `Some(new)`: this replica's own (to be dropped), `new` when its
+    /// address was not known to be its own yet.
+    pub fn sent_by_itself(&self, sender: Option<&str>, host: Option<&str>) -> Option<bool> {
+        if sender != Some(self.id.as_str()) {
+            return None;
+        }
+        let Some(host) = host else {
+            return Some(false);
+        };
+        let mut own = self.own.lock();
+        if !own.insert(host.to_owned()) {
+            return Some(false);
+        }
+        let mut peers = self.peers.write();
+        let kept: Vec<String> = peers
+            .iter()
+            .filter(|p| authority(p) != host)
+            .cloned()
+            .collect();
+        *peers = Arc::new(kept);
+        Some(true)
     }
 
     /// Resolves once the peers are known (at once for a static list).
@@ -133,4 +181,12 @@ impl ReplicaState {
         *self.status.lock() = status;
         self.warming.store(false, Ordering::Release);
     }
+}
+
+/// The `host:port` of a peer URL (`http://host:port`), as a request to it names it in `Host`.
+fn authority(url: &str) -> String {
+    url.parse::<http::Uri>()
+        .ok()
+        .and_then(|u| u.authority().map(|a| a.as_str().to_owned()))
+        .unwrap_or_else(|| url.to_owned())
 }

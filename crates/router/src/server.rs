@@ -190,6 +190,7 @@ pub fn spawn_background(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
         crate::membership::spawn_endpoint_tasks(router, &e);
     }
     let mut tasks = vec![tokio::spawn(housekeeping(router.clone()))];
+    crate::replica::share::check_peer_access(router);
     tasks.extend(crate::replica::warm::spawn(router));
     tasks
 }

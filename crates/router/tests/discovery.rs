@@ -479,3 +479,82 @@ async fn a_replica_finds_its_peers_among_the_routers_pods_and_warms_up_from_them
         .unwrap();
     peers(vec![c_url]).await;
 }
+
+/// A replica that does not recognise its own pod (no `POD_NAME`, or another name) finds itself
+/// among the router's pods: its first peer message to its own admin listener carries its own
+/// replica id, so it is dropped (the request is not counted twice) and the address leaves its
+/// peers; the real peer stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_does_not_know_its_pod_name_leaves_itself_out_of_its_peers() {
+    use kvroute_router::config::{PeerDiscovery, ReplicasConfig};
+    use replicas_common::{complete, config, fleet, replica, until_ready};
+
+    let engines = fleet(1, 10_000, Default::default()).await;
+    let client = reqwest::Client::new();
+    // A: a running replica on 127.0.0.1, B: this one on 127.0.0.2, both on the pods' admin port.
+    let admin_port = kvroute_testkit::free_ports(1);
+    let static_peers = ReplicasConfig {
+        peers: vec!["http://127.0.0.1:1".to_owned()],
+        warm_timeout_s: 1.0,
+        ..ReplicasConfig::default()
+    };
+    let a = replica(config(&engines, admin_port, static_peers)).await;
+    until_ready(&client, &a).await;
+
+    let fake = Arc::new(Fake {
+        selector: Some("app=kvroute"),
+        ..Fake::default()
+    });
+    fake.lists.lock().push_back(list(
+        vec![
+            router_pod("router-a", "127.0.0.1", true, 5),
+            router_pod("router-b", "127.0.0.2", true, 6),
+        ],
+        10,
+    ));
+    let api = fake_api(fake.clone()).await;
+    let discovered = ReplicasConfig {
+        warm_timeout_s: 10.0,
+        kubernetes: Some(PeerDiscovery {
+            api_server: Some(format!("http://{api}")),
+            namespace: Some("llm".into()),
+            selector: [("app".to_owned(), "kvroute".to_owned())].into(),
+            admin_port,
+            // Not its pod's name: as when POD_NAME is unset and HOSTNAME differs.
+            self_pod: Some("router-elsewhere".into()),
+        }),
+        ..ReplicasConfig::default()
+    };
+    let mut b_config = config(&engines, 0, discovered);
+    b_config.admin.listen = std::net::SocketAddr::from(([127, 0, 0, 2], admin_port));
+    let b = replica(b_config).await;
+    until_ready(&client, &b).await;
+    let (a_url, b_url) = (
+        format!("http://127.0.0.1:{admin_port}"),
+        format!("http://127.0.0.2:{admin_port}"),
+    );
+    assert_eq!(b.router.replica().peers().to_vec(), [a_url.clone(), b_url]);
+
+    // A request through B: its dispatch goes to A, and to B itself, which drops it.
+    let prompt = "a prompt the replica shares with its peers. ".repeat(20);
+    complete(&client, &b, &prompt).await;
+    eventually("B leaves itself out of its peers", || {
+        let now = b.router.replica().peers().to_vec();
+        (now == [a_url.clone()], now)
+    })
+    .await;
+    let peer_load = b.router.fleet().peer_load_stats().clone();
+    assert_eq!(
+        peer_load.started, 0,
+        "B counted its own request as a peer's"
+    );
+    eventually("A counts B's request", || {
+        let started = a.router.fleet().peer_load_stats().started;
+        (started == 1, started)
+    })
+    .await;
+    // Its dispatch, and perhaps its prefill-done message sent before the first was dropped.
+    let rendered = b.router.metrics().render();
+    let own = kvroute_testkit::sample(&rendered, "kvroute_replica_self_messages_total");
+    assert!(own.is_some_and(|n| (1.0..=2.0).contains(&n)), "{rendered}");
+}

@@ -792,3 +792,65 @@ async fn header_mode_names_only_the_fleets_prefill_endpoints() {
         "something connected to the address a client named"
     );
 }
+
+/// Under `pd.mode`, a client's `kv_transfer_params` are removed from the body the gateway sends
+/// upstream (a body mutation, with the new body's `content-length`), as `serve` removes them;
+/// a body that came in several messages (not `BUFFERED`) cannot be replaced whole and is
+/// refused 400 rather than passed on with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_pd_the_picker_removes_a_clients_kv_transfer_params_or_refuses_the_body() {
+    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+
+    let (prefill, decode) = (engine().await, engine().await);
+    let roles = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+    let epp = picker_with_roles(&roles, |c| c.pd.mode = PdMode::Orchestrate).await;
+    let request = format!(
+        r#"{{"model": "{MODEL}", "prompt": "hello there", "max_tokens": 2, "kv_transfer_params": {{"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": 9}}}}"#
+    );
+
+    let mut stream = Stream::open(&epp).await;
+    stream.send(completion_headers(), None).await;
+    let Response::RequestBody(answer) = stream.send(body(&request), None).await else {
+        panic!("not routed");
+    };
+    let common = answer.response.unwrap();
+    let Some(Mutation::Body(sent)) = common.body_mutation.and_then(|m| m.mutation) else {
+        panic!("the body was not replaced");
+    };
+    let length = common
+        .header_mutation
+        .unwrap()
+        .set_headers
+        .into_iter()
+        .filter_map(|h| h.header)
+        .find(|h| h.key == "content-length")
+        .map(|h| String::from_utf8(h.raw_value).unwrap());
+    assert_eq!(length, Some(sent.len().to_string()));
+    let sent: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+    assert!(sent.get("kv_transfer_params").is_none(), "{sent}");
+    assert_eq!(
+        (sent["prompt"].as_str(), sent["max_tokens"].as_u64()),
+        (Some("hello there"), Some(2))
+    );
+
+    let mut stream = Stream::open(&epp).await;
+    stream.send(completion_headers(), None).await;
+    let (head, tail) = request.split_at(20);
+    let chunk = |text: &str, end_of_stream| {
+        Request::RequestBody(HttpBody {
+            body: text.as_bytes().to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })
+    };
+    stream.send(chunk(head, false), None).await;
+    assert_eq!(
+        immediate_status(&stream.send(chunk(tail, true), None).await),
+        400
+    );
+    let metrics = epp.router.metrics().render();
+    assert!(
+        metrics.contains("kvroute_pd_client_params_removed_total 2"),
+        "{metrics}"
+    );
+}

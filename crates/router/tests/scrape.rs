@@ -71,3 +71,30 @@ async fn a_late_metrics_answer_is_waited_for_within_the_scrape_timeout_and_count
     )
     .await;
 }
+
+/// A sample counts from when its scrape was sent: an answer slower than the load sample's
+/// maximum age (4 × 100 ms + 1 s here) arrives already too old to plan with, so it is counted
+/// `stale` and the load stays unknown, instead of passing for a fresh picture of the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metrics_answer_slower_than_the_max_age_leaves_the_load_stale() {
+    let engine = common::engine().await;
+    let client = reqwest::Client::new();
+    fault(&client, &engine, 0, json!({"metrics_delay_ms": 2_000})).await;
+    let config = ConfigBuilder::new(MODEL)
+        .scrape(100)
+        .with(|c| c.scrape.timeout_ms = 5_000)
+        .engines(&[&engine])
+        .build();
+    let router = router_from_config(config).await;
+    eventually_async("a late answer counted stale", || async {
+        let stale = scrape_failures(&client, &router, "stale").await;
+        (stale >= 1.0, stale)
+    })
+    .await;
+    let load = scraped_load(&client, &router).await;
+    assert!(
+        load["kv_usage"].is_null(),
+        "a stale sample was used: {load}"
+    );
+    assert_eq!(scrape_failures(&client, &router, "timeout").await, 0.0);
+}

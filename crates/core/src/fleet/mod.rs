@@ -34,7 +34,10 @@ use serde::{Deserialize, Serialize};
 use crate::CoreError;
 use crate::event::KvEvent;
 use crate::history::RoutingHistory;
-use crate::index::{EndpointId, IndexConfig, PrefixMatch, PrefixMatches, SharedIndex};
+use crate::index::{
+    EndpointId, EndpointRestore, HeldEntry, IndexConfig, KeyLayout, PrefixMatch, PrefixMatches,
+    ROUTER_KEY_SCHEME, SharedIndex,
+};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RankBuffers, RequestInfo,
@@ -909,6 +912,51 @@ impl Fleet {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.trust.lost(now);
         }
+    }
+
+    /// The layout `id`'s router keys are made with (what a snapshot of its blocks carries).
+    pub fn key_layout(&self, id: EndpointId) -> Option<KeyLayout> {
+        self.endpoint(id).map(|e| KeyLayout {
+            key_scheme: ROUTER_KEY_SCHEME,
+            block_size: e.spec.block_size,
+            offload_block_size: e.spec.offload.block_size,
+        })
+    }
+
+    /// Restores what a peer replica's index held for `id` (a warm start), as one step: the
+    /// snapshot's [`KeyLayout`] is checked against the endpoint's own, and one keyed otherwise
+    /// is refused with nothing changed ([`CoreError::KeyLayoutMismatch`]); else the
+    /// endpoint's index entries become exactly the snapshot's blocks, its offloaded tiers are
+    /// marked uncertain where the peer's were, and the restore counts as its events arriving
+    /// at `now` (trusted), or as events lost where the peer did not trust them. Returns the
+    /// blocks restored, `None` when `id` is not present (or has no index).
+    pub fn restore_endpoint(
+        &mut self,
+        id: EndpointId,
+        restore: EndpointRestore<impl IntoIterator<Item = HeldEntry>>,
+        now: f64,
+    ) -> Result<Option<usize>, CoreError> {
+        let present = self.endpoint(id).is_some_and(EndpointState::present);
+        let Some(ours) = self.key_layout(id).filter(|_| present) else {
+            return Ok(None);
+        };
+        ours.check(&restore.layout)?;
+        let Some(index) = self.index_of(id).cloned() else {
+            return Ok(None);
+        };
+        let restored = index.write_endpoint(id, |ix| {
+            let restored = ix.restore(id, restore.blocks);
+            if restore.tier_uncertain {
+                ix.mark_tier_uncertain(id);
+            }
+            restored
+        });
+        // The snapshot stands for the events it reflects: the endpoint has published.
+        self.apply_events(id, &[], now);
+        if !restore.trusted {
+            self.events_lost(id, now);
+        }
+        Ok(Some(restored))
     }
 
     /// Forgets everything known of what `id` holds: its index entries, the history and

@@ -1343,3 +1343,82 @@ fn a_routing_plan_ranks_the_head_of_the_full_ranking() {
         assert_eq!(routed.predicted_cached, every.predicted_cached);
     }
 }
+
+#[test]
+fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alike() {
+    let e0 = EndpointId(0);
+    let tokens = prompt(64, 9);
+    let mut source = FleetBuilder::new(1).build();
+    source.apply_events(e0, &[stored(&tokens, BS)], 0.0);
+    let blocks: Vec<HeldEntry> = source
+        .index_of(e0)
+        .unwrap()
+        .read_endpoint(e0, |ix| ix.endpoint_blocks(e0).collect());
+    assert_eq!(blocks.len(), 4);
+    let layout = source.key_layout(e0).unwrap();
+    let restore = |layout, trusted| EndpointRestore {
+        layout,
+        blocks: blocks.clone(),
+        trusted,
+        tier_uncertain: false,
+    };
+    let matched = |fleet: &mut Fleet| {
+        let plan = fleet.plan_every(&Req::new(&tokens).features(), 1, 1.0);
+        plan.facts[0].index_match.map_or(0, |m| m.blocks)
+    };
+
+    // Keys made with another block size (offloaded chunk size, key chain) name other tokens:
+    // refused, and nothing changes.
+    let mut target = FleetBuilder::new(1).build();
+    let larger = KeyLayout {
+        block_size: 32,
+        ..layout
+    };
+    assert_eq!(
+        target.restore_endpoint(e0, restore(larger, true), 1.0),
+        Err(CoreError::KeyLayoutMismatch {
+            field: "block_size",
+            snapshot: Some(32),
+            ours: Some(BS),
+        })
+    );
+    let chunked = KeyLayout {
+        offload_block_size: Some(64),
+        ..layout
+    };
+    assert!(matches!(
+        target.restore_endpoint(e0, restore(chunked, true), 1.0),
+        Err(CoreError::KeyLayoutMismatch {
+            field: "offload_block_size",
+            ..
+        })
+    ));
+    let rekeyed = KeyLayout {
+        key_scheme: layout.key_scheme + 1,
+        ..layout
+    };
+    assert!(matches!(
+        target.restore_endpoint(e0, restore(rekeyed, true), 1.0),
+        Err(CoreError::KeyLayoutMismatch {
+            field: "key_scheme",
+            ..
+        })
+    ));
+    assert_eq!(matched(&mut target), 0);
+
+    // Alike: the blocks are the endpoint's, trusted as if its events had arrived.
+    assert_eq!(
+        target.restore_endpoint(e0, restore(layout, true), 1.0),
+        Ok(Some(4))
+    );
+    assert_eq!(matched(&mut target), 4);
+    assert!(target.trust(e0, 1.0).is_ok());
+
+    // What the peer did not trust is not trusted here either.
+    let mut wary = FleetBuilder::new(1).build();
+    assert_eq!(
+        wary.restore_endpoint(e0, restore(layout, false), 1.0),
+        Ok(Some(4))
+    );
+    assert!(wary.trust(e0, 1.0).is_err());
+}

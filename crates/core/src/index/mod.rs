@@ -50,7 +50,7 @@ use table::{FlatTable, ShardedTable, Slot};
 pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
 pub use offload::{OffloadSpec, SharedMount};
-pub use restore::HeldEntry;
+pub use restore::{EndpointRestore, HeldEntry, KeyLayout, ROUTER_KEY_SCHEME};
 pub use shared::{IndexRead, SharedIndex};
 
 /// The caller's identifier for an endpoint (one engine, or one data-parallel rank).

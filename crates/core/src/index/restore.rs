@@ -19,13 +19,85 @@
 //!   size published by releases before 0.20, self-describing offload payloads): the next event
 //!   of that shape teaches it again. A shared-tier block is restored once per endpoint that
 //!   wrote it, onto a tier assumed empty (a starting replica's is).
+//! - **Keys are checked before they are trusted**: a router key names a block only for the
+//!   block size (and offloaded chunk size) it was made with. A snapshot carries its
+//!   [`KeyLayout`], and `Fleet::restore_endpoint` refuses one that differs from
+//!   the endpoint's own, changing nothing.
 
 use serde::{Deserialize, Serialize};
 
 use super::offload::{Place, Tables, store_block};
 use super::{EndpointId, KvIndex};
+use crate::CoreError;
 use crate::event::{EngineHash, Tier};
 use crate::keys::RouterKey;
+
+/// The version of the router key chain ([`crate::keys::router_keys`]) this build makes:
+/// bumped whenever a key is computed otherwise, so that replicas of different builds never take
+/// each other's keys for their own (a pinned key in this module's tests fails first).
+pub const ROUTER_KEY_SCHEME: u32 = 1;
+
+/// What a snapshot's router keys were made with. A peer's keys name the same blocks as this
+/// router's only when every field agrees; otherwise the same key means other tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyLayout {
+    /// The key chain's version ([`ROUTER_KEY_SCHEME`] of the build that made them).
+    pub key_scheme: u32,
+    /// Tokens per block (the model's `block_size`).
+    pub block_size: usize,
+    /// Tokens per offloaded chunk (the connector's `block_size`), when configured.
+    #[serde(default)]
+    pub offload_block_size: Option<usize>,
+}
+
+impl KeyLayout {
+    /// Why keys made with `theirs` cannot be restored where keys are made with `self`.
+    pub fn check(&self, theirs: &KeyLayout) -> Result<(), CoreError> {
+        let mismatch = |field: &'static str, snapshot: Option<usize>, ours: Option<usize>| {
+            CoreError::KeyLayoutMismatch {
+                field,
+                snapshot,
+                ours,
+            }
+        };
+        if theirs.key_scheme != self.key_scheme {
+            return Err(mismatch(
+                "key_scheme",
+                Some(theirs.key_scheme as usize),
+                Some(self.key_scheme as usize),
+            ));
+        }
+        if theirs.block_size != self.block_size {
+            return Err(mismatch(
+                "block_size",
+                Some(theirs.block_size),
+                Some(self.block_size),
+            ));
+        }
+        if theirs.offload_block_size != self.offload_block_size {
+            return Err(mismatch(
+                "offload_block_size",
+                theirs.offload_block_size,
+                self.offload_block_size,
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One endpoint's part of a peer replica's snapshot, restored in one step by
+/// `Fleet::restore_endpoint`.
+#[derive(Clone, Debug)]
+pub struct EndpointRestore<I> {
+    /// What the peer's keys were made with.
+    pub layout: KeyLayout,
+    /// Every block the peer's index held for the endpoint.
+    pub blocks: I,
+    /// Whether the peer trusted the endpoint's index.
+    pub trusted: bool,
+    /// Whether the peer's picture of the endpoint's offloaded tiers was uncertain.
+    pub tier_uncertain: bool,
+}
 
 /// One block an endpoint holds, as [`KvIndex::endpoint_blocks`] reads it and
 /// [`KvIndex::restore`] applies it.
@@ -222,8 +294,21 @@ mod tests {
     use crate::keys::router_keys;
 
     const BS: usize = 4;
+    /// The second key of tokens 0..32 in blocks of 16, under [`ROUTER_KEY_SCHEME`] 1.
+    const PINNED_SECOND_KEY: u64 = 0x1b34_090c_b109_fe02;
     const E0: EndpointId = EndpointId(0);
     const E1: EndpointId = EndpointId(1);
+
+    /// Router keys are what replicas exchange: one computed otherwise must come with a new
+    /// [`ROUTER_KEY_SCHEME`] (then update the pinned value here).
+    #[test]
+    fn the_router_key_chain_is_the_one_its_scheme_names() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let keys = router_keys(&tokens, 16, None).unwrap();
+        assert_eq!(ROUTER_KEY_SCHEME, 1);
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys[1].0, PINNED_SECOND_KEY, "{:#x}", keys[1].0);
+    }
 
     fn index() -> KvIndex {
         KvIndex::new(IndexConfig {

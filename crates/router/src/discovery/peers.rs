@@ -1,6 +1,7 @@
 //! Replica peers found in Kubernetes (`replicas.kubernetes`, feature `kube`): the ready pods of
 //! the router's own Deployment, picked by label and watched, each a peer at its pod IP and the
-//! admin port; this replica's own pod is left out. Every change replaces the peer list the
+//! admin port; this replica's own pod is left out (by name here; should the name not match,
+//! by the replica id its first peer message to itself carries). Every change replaces the peer list the
 //! replica shares dispatches with; the first list also lets a starting replica's warm-up ask
 //! them for a snapshot. The watch is kube-runtime's, as for engine pods ([`super::watch`]).
 

@@ -22,6 +22,7 @@ use super::handoff::{self, Followed, Handoffs};
 use super::protocol;
 use crate::accounting::Outcome;
 use crate::budget::BudgetHold;
+use crate::pd::ClientBody;
 use crate::pipeline::{self, Leg, Prepared};
 use crate::proxy::{self, Api, Refused, Routed, healthy_rotation};
 use crate::service::Router;
@@ -35,6 +36,12 @@ pub struct Exchange {
     headers: http::HeaderMap,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The ext_proc messages the request body came in (one in `BUFFERED` mode, the only mode
+    /// in which the picker can replace it).
+    body_messages: u32,
+    /// The request body to send upstream instead of the client's (a client's
+    /// `kv_transfer_params` removed under P/D), with the routing answer.
+    replaced_body: Option<Vec<u8>>,
     /// The request body's bytes, charged to the router's budget until it is routed.
     hold: Option<BudgetHold>,
     /// When the rest of the request body is due (while one is expected).
@@ -101,6 +108,8 @@ impl Exchange {
             headers: http::HeaderMap::new(),
             subset: None,
             body: Vec::new(),
+            body_messages: 0,
+            replaced_body: None,
             hold: Some(hold),
             body_due: None,
             followed: None,
@@ -239,6 +248,7 @@ impl Exchange {
             );
         }
         self.body.extend_from_slice(&b.body);
+        self.body_messages += 1;
         if !b.end_of_stream {
             return protocol::continue_request_body();
         }
@@ -264,9 +274,13 @@ impl Exchange {
     }
 
     /// Routes a planned generation request: the first endpoint of core's ranking the subset
-    /// allows, recorded as dispatched there.
+    /// allows, recorded as dispatched there. Under P/D, a client's `kv_transfer_params` are
+    /// removed from the body first, as `serve` removes them.
     fn route_planned(&mut self, routed: Routed) -> ProcessingResponse {
         let Routed { prepared, mut plan } = routed;
+        if let Err(refused) = self.remove_client_params(&prepared) {
+            return self.refuse(&refused.into());
+        }
         if self.subset.is_some()
             && !plan.decision.ranking.is_empty()
             && self.allowed(&plan.decision.ranking).is_empty()
@@ -279,6 +293,30 @@ impl Exchange {
         let mut leg = Leg::planned(plan);
         leg.ranking = self.allowed(&ranking);
         self.dispatch(&leg, &prepared, true)
+    }
+
+    /// Under P/D, replaces a body that names `kv_transfer_params` with one without them (the
+    /// check `serve` makes, [`crate::pd::without_client_params`]); a body the picker cannot
+    /// replace whole (it came in several messages: a `request_body_mode` other than
+    /// `BUFFERED`) is refused rather than passed on with them.
+    fn remove_client_params(&mut self, prepared: &Prepared) -> Result<(), ApiError> {
+        if !self.router.config().pd.orchestrates() {
+            return Ok(());
+        }
+        let request_id = pipeline::request_id(&self.headers);
+        let ClientBody::Stripped(body) =
+            crate::pd::without_client_params(&self.router, prepared, &request_id)?
+        else {
+            return Ok(());
+        };
+        if self.body_messages != 1 {
+            return Err(ApiError::bad_request(
+                "the request names kv_transfer_params, which only the router may set under pd.mode, and its body came in several ext_proc messages, so the picker cannot remove them (configure request_body_mode: BUFFERED)",
+                Some("kv_transfer_params"),
+            ));
+        }
+        self.replaced_body = Some(serde_json::to_vec(&body).unwrap_or_default());
+        Ok(())
     }
 
     /// Routes a request that needs no cache to any healthy endpoint the subset allows.
@@ -336,13 +374,18 @@ impl Exchange {
             .into_iter()
             .collect();
         extra.push((protocol::EXCHANGE, &header));
-        protocol::route(&fallbacks, &extra, on_body)
-            .unwrap_or_else(protocol::continue_request_headers)
+        let mut answer = protocol::route(&fallbacks, &extra, on_body)
+            .unwrap_or_else(protocol::continue_request_headers);
+        if let Some(body) = self.replaced_body.take() {
+            protocol::replace_request_body(&mut answer, body);
+        }
+        answer
     }
 
     fn refuse(&mut self, refused: &Refused) -> ProcessingResponse {
         self.body_due = None;
         self.body = Vec::new();
+        self.replaced_body = None;
         self.hold = None;
         let e = &refused.error;
         crate::reply::count(&self.router, e);

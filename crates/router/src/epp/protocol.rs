@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
-    ProcessingResponse, processing_response::Response,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
+    ImmediateResponse, ProcessingResponse, body_mutation, processing_response::Response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -205,6 +205,27 @@ pub fn route(
     })
 }
 
+/// Makes a routing answer to the (buffered) request body send `body` upstream instead of the
+/// client's, with its `content-length`: in `BUFFERED` mode Envoy keeps the client's length and
+/// refuses a replaced body whose length differs from it. A bodiless answer is left as it is.
+pub fn replace_request_body(answer: &mut ProcessingResponse, body: Vec<u8>) {
+    let Some(Response::RequestBody(BodyResponse {
+        response: Some(common),
+    })) = answer.response.as_mut()
+    else {
+        return;
+    };
+    let length = body.len().to_string();
+    common
+        .header_mutation
+        .get_or_insert_with(HeaderMutation::default)
+        .set_headers
+        .push(set_header("content-length", &length));
+    common.body_mutation = Some(BodyMutation {
+        mutation: Some(body_mutation::Mutation::Body(body)),
+    });
+}
+
 /// A response Envoy sends to the client at once, without an upstream: `body` is the OpenAI
 /// error JSON; `dropped` names flow control's reason when it shed the request.
 pub fn immediate(status: u16, body: String, dropped: Option<&str>) -> ProcessingResponse {
@@ -262,6 +283,37 @@ mod tests {
         assert_eq!(h.key, DESTINATION);
         assert_eq!(h.raw_value, b"10.0.0.2:8000");
         assert!(route(&[], &[], true).is_none());
+    }
+
+    #[test]
+    fn a_replaced_request_body_comes_with_its_own_content_length() {
+        let list = vec!["10.0.0.2:8000".to_owned()];
+        let mut answer = route(&list, &[], true).unwrap();
+        replace_request_body(&mut answer, b"{\"model\":\"m\"}".to_vec());
+        let Some(Response::RequestBody(body)) = &answer.response else {
+            panic!("not a body response");
+        };
+        let common = body.response.as_ref().unwrap();
+        let Some(body_mutation::Mutation::Body(sent)) = common
+            .body_mutation
+            .as_ref()
+            .and_then(|m| m.mutation.as_ref())
+        else {
+            panic!("no body mutation");
+        };
+        assert_eq!(sent, b"{\"model\":\"m\"}");
+        let set = &common.header_mutation.as_ref().unwrap().set_headers;
+        let length = set
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == "content-length")
+            .unwrap();
+        assert_eq!(length.raw_value, b"13");
+        // A bodiless request's answer (to its headers) has no body to replace.
+        let mut headers_only = route(&list, &[], false).unwrap();
+        let before = headers_only.clone();
+        replace_request_body(&mut headers_only, b"{}".to_vec());
+        assert_eq!(headers_only, before);
     }
 
     #[test]

@@ -111,7 +111,9 @@ metric_group! {
         outlier_ejections: EndpointFamily<Counter> = EndpointFamily::new(config.per_endpoint),
             "outlier_ejections", "Endpoints ejected because their requests failed";
         /// Failed scrapes of an engine's `/metrics`, by endpoint and kind (`timeout`,
-        /// `body_timeout`, `request`, `status`, `body`, `invalid`): its load is not updated then.
+        /// `body_timeout`, `request`, `status`, `body`, `invalid`; `stale`: answered after the
+        /// load sample's maximum age, counted from when it was sent): its load is not updated
+        /// then.
         scrape_failures: EndpointFamily<Counter, KindLabel> = EndpointFamily::new(config.per_endpoint),
             "scrape_failures", "Failed scrapes of an engine's /metrics, by kind";
         /// Requests refused by the router itself, by status.
@@ -121,6 +123,20 @@ metric_group! {
         /// replay_without_events).
         discovery_problems: Family<KindLabel, Counter> = Family::default(),
             "discovery_problems", "What discovery ignored (and warned about), by kind";
+        /// Endpoints of a peer replica's index snapshot refused, by the key-layout field that
+        /// differed (`key_scheme`, `block_size`, `offload_block_size`): they are rebuilt from
+        /// their engines' replay buffers instead.
+        replica_snapshot_refused: Family<KindLabel, Counter> = Family::default(),
+            "replica_snapshot_refused", "Endpoints of a peer's index snapshot refused (keys made with another layout), by field";
+        /// 1 while peer messages (`/kvroute/v1/peer/*`: dispatches, shared load) are accepted
+        /// without a token (`admin.token` unset): any process that reaches the admin listener
+        /// can add load or cache predictions to any engine.
+        replica_peer_messages_unauthenticated: Gauge = Gauge::default(),
+            "replica_peer_messages_unauthenticated", "1 while replicas share dispatches or load without admin.token";
+        /// Peer messages (and snapshot requests) this replica received from itself, its own
+        /// admin listener being among its peers: dropped, and the address left out of its peers.
+        replica_self_messages: Counter = Counter::default(),
+            "replica_self_messages", "Peer messages a replica received from itself (dropped; the address is no longer a peer)";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

@@ -239,31 +239,58 @@ pub(crate) fn header_mode(
     }
 }
 
+/// A client's generation body under P/D, checked for `kv_transfer_params`.
+pub(crate) enum ClientBody<'b> {
+    /// It names none: the body goes on as it is.
+    Clean(&'b Value),
+    /// It named some: the body without them, to send instead (counted and logged).
+    Stripped(Value),
+}
+
 /// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
 /// producer, so a request can never make an engine pull from (connect to) an address outside
-/// the fleet. Counted and logged. Read from the body parsed once in `prepare` (escaped key
-/// spellings such as `kv_transfer\u005fparams` are the same key there); a body that did not
-/// read exactly (lone surrogate escapes) cannot be checked and rewritten, and is refused (400)
-/// rather than passed on unchecked. Returns the client's body, without the key.
-fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, ApiError> {
-    let Some(body) = a.prepared.body_json.as_ref() else {
+/// the fleet. `kvroute serve` and `kvroute epp` both check here. Counted
+/// (`kvroute_pd_client_params_removed_total`) and logged. Read from the body parsed once in
+/// `prepare` (escaped key spellings such as `kv_transfer\u005fparams` are the same key there);
+/// a body that did not read exactly (lone surrogate escapes) cannot be checked and rewritten,
+/// and is refused (400) rather than passed on unchecked.
+pub(crate) fn without_client_params<'b>(
+    router: &Router,
+    prepared: &'b crate::pipeline::Prepared,
+    request_id: &str,
+) -> Result<ClientBody<'b>, ApiError> {
+    let Some(body) = prepared.body_json.as_ref() else {
         return Err(ApiError::new(
             400,
             "the request body is not JSON kvroute can read exactly, so its kv_transfer_params cannot be checked (pd.mode is on)",
         ));
     };
     if body.get("kv_transfer_params").is_none() {
-        return Ok(Cow::Borrowed(body));
+        return Ok(ClientBody::Clean(body));
     }
     let mut body = body.clone();
     if let Some(map) = body.as_object_mut() {
         map.remove("kv_transfer_params");
     }
-    // The aggregated leg sends the body as it is.
-    a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
-    a.router.metrics().pd.client_params_removed.inc();
-    tracing::warn!(request_id = %a.context.request_id, "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer");
-    Ok(Cow::Owned(body))
+    router.metrics().pd.client_params_removed.inc();
+    tracing::warn!(
+        request_id,
+        "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer"
+    );
+    Ok(ClientBody::Stripped(body))
+}
+
+/// [`without_client_params`] for `serve`'s request: the body to forward is replaced when they
+/// were removed. Returns the client's body, without the key.
+fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, ApiError> {
+    match without_client_params(a.router, a.prepared, &a.context.request_id)? {
+        ClientBody::Clean(body) => Ok(Cow::Borrowed(body)),
+        ClientBody::Stripped(body) => {
+            // The aggregated leg sends the body as it is.
+            a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+            Ok(Cow::Owned(body))
+        }
+    }
 }
 
 /// The prefill of `plan`'s request was sent to `endpoint` (the endpoint that computes it,

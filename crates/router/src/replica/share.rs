@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::edge::{read_body, read_body_within};
+use crate::replica_state::REPLICA_HEADER;
 use crate::reply::error_response;
 use crate::service::Router;
 
@@ -65,6 +66,37 @@ pub struct PeerDispatch {
 pub struct PeerPrefillDone {
     /// The id its [`PeerDispatch`] gave.
     pub request: u64,
+}
+
+/// Says, at start, what peers can do to this replica unchecked. Peer messages go to the admin
+/// listener, which needs `admin.token` only when it listens beyond loopback: without one, any
+/// process that reaches it (another container of the pod, a host-network neighbour, a port
+/// forward) can post dispatches, and with `replicas.share_load` add queued prefill to any
+/// engine (each counted until `cache.predicted_ttl_s`), steering traffic away from it. This
+/// is warned loudly and shown in `kvroute_replica_peer_messages_unauthenticated` (1), not
+/// refused: a loopback admin listener is trusted for metrics and explanations alike, and
+/// replicas on one host (`scripts/replicas.sh`) need no token. Also warned: peers found in Kubernetes reach this
+/// replica at its pod IP, which a loopback admin listener never answers.
+pub fn check_peer_access(router: &Router) {
+    let config = router.config();
+    let replicas = &config.replicas;
+    let has_peers = !replicas.peers.is_empty() || replicas.kubernetes.is_some();
+    let open = has_peers && replicas.share_dispatches && config.admin.token.is_none();
+    router
+        .metrics()
+        .replica_peer_messages_unauthenticated
+        .set(i64::from(open));
+    if open {
+        let shares = if replicas.share_load {
+            "dispatches and in-flight load"
+        } else {
+            "dispatches"
+        };
+        warn!(admin = %config.admin.listen, shares, "replicas share {shares} without admin.token: any process that reaches the admin listener can post peer messages and inflate an engine's load or cached blocks here; set admin.token (the same on every replica)");
+    }
+    if replicas.kubernetes.is_some() && config.admin.listen.ip().is_loopback() {
+        warn!(admin = %config.admin.listen, "replicas.kubernetes: peers reach this replica at its pod IP, but admin.listen is a loopback address: they cannot ask it for snapshots or send it dispatches (listen on 0.0.0.0 with admin.token)");
+    }
 }
 
 /// Tells every peer about `dispatch` of the request of `features` (when dispatches are shared),
@@ -126,7 +158,8 @@ fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
             "{}/kvroute/v1/peer/{path}",
             peer.trim_end_matches('/')
         ))
-        .header(header::CONTENT_TYPE, "application/json");
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(REPLICA_HEADER, router.replica().id());
         if let Some(token) = &router.config().admin.token {
             request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
         }
@@ -140,8 +173,39 @@ fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
     }
 }
 
+/// Whether a peer request (`headers`) is this replica's own, sent to its own admin listener as
+/// if to a peer: then it is dropped (recording it would count the request twice), counted in
+/// `kvroute_replica_self_messages_total`, and the address is left out of the peers (warned
+/// once).
+pub(crate) fn own_message(router: &Router, headers: &http::HeaderMap) -> bool {
+    let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
+    let host = text(header::HOST.as_str());
+    let Some(new) = router.replica().sent_by_itself(text(REPLICA_HEADER), host) else {
+        return false;
+    };
+    router.metrics().replica_self_messages.inc();
+    if new {
+        warn!(
+            address = host,
+            "this replica reached its own admin listener as a peer (its pod name or address among the peers): that address is no longer a peer"
+        );
+    }
+    true
+}
+
+/// The answer to this replica's own peer request.
+pub(crate) fn own_message_refused(router: &Router) -> Response {
+    error_response(
+        router,
+        &ApiError::new(409, "a replica's own peer request: it is not its own peer"),
+    )
+}
+
 /// `POST /kvroute/v1/peer/dispatch`: a peer replica's dispatch, recorded in this one's fleet.
 pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Response {
+    if own_message(&router, request.headers()) {
+        return own_message_refused(&router);
+    }
     let body = match read_body(&router, request.into_body()).await {
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
@@ -190,6 +254,9 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
 /// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended
 /// without one); its prefill no longer counts in the engine's load here.
 pub async fn receive_prefill_done(State(router): State<Arc<Router>>, request: Request) -> Response {
+    if own_message(&router, request.headers()) {
+        return own_message_refused(&router);
+    }
     // A prefill-done message is one request id: a few dozen bytes.
     let body = match read_body_within(request.into_body(), PREFILL_DONE_MAX_BYTES).await {
         Ok(b) => b,

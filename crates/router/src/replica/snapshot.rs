@@ -10,7 +10,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::index::{EndpointId, HeldEntry};
+use kvroute_core::index::{EndpointId, EndpointRestore, HeldEntry, KeyLayout};
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +32,10 @@ pub struct Snapshot {
 pub struct EndpointSnapshot {
     /// The endpoint's URL (replicas name endpoints alike by URL; ids may differ).
     pub url: String,
+    /// What the blocks' router keys were made with (key chain version, block size, offloaded
+    /// chunk size): a replica keying the endpoint otherwise refuses them.
+    #[serde(flatten)]
+    pub layout: KeyLayout,
     /// The last engine batch the blocks reflect; the peer resumes after it.
     pub seq: Option<u64>,
     /// Whether the serving replica trusted this endpoint's index.
@@ -64,6 +68,9 @@ pub fn build(router: &Router) -> Option<Snapshot> {
             continue;
         };
         let trusted = fleet.trust(e.id, now).is_ok();
+        let Some(layout) = fleet.key_layout(e.id) else {
+            continue;
+        };
         let seq = router.replica().journal()?.seq(e.id);
         let (blocks, tier_uncertain) = index.read_endpoint(e.id, |ix| {
             (ix.endpoint_blocks(e.id).collect(), ix.tier_uncertain(e.id))
@@ -71,6 +78,7 @@ pub fn build(router: &Router) -> Option<Snapshot> {
         drop(fleet);
         snapshot.endpoints.push(EndpointSnapshot {
             url: e.config.url.clone(),
+            layout,
             seq,
             trusted,
             tier_uncertain,
@@ -81,8 +89,11 @@ pub fn build(router: &Router) -> Option<Snapshot> {
 }
 
 /// `GET /kvroute/v1/snapshot`: this replica's index for a starting peer (404 when it keeps
-/// none, 503 while it is warming up itself).
-pub async fn snapshot(State(router): State<Arc<Router>>) -> Response {
+/// none, 503 while it is warming up itself, 409 to itself).
+pub async fn snapshot(State(router): State<Arc<Router>>, headers: http::HeaderMap) -> Response {
+    if super::share::own_message(&router, &headers) {
+        return super::share::own_message_refused(&router);
+    }
     if router.replica().warming() {
         return error_response(
             &router,
@@ -115,6 +126,7 @@ pub(crate) async fn fetch(
         request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
     let request = request
+        .header(crate::replica_state::REPLICA_HEADER, router.replica().id())
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
     let work = async {
@@ -143,10 +155,14 @@ pub(crate) async fn fetch(
 }
 
 /// Applies a snapshot to the fleet (and the journal): each endpoint named by URL gets the
-/// blocks, restored in its index (counted as its events arriving); one the peer did not trust
-/// is marked as having lost events. Returns the sequence each endpoint's subscriber resumes
-/// after.
-pub(crate) fn apply(router: &Router, snapshot: &Snapshot) -> HashMap<EndpointId, u64> {
+/// blocks, restored by core in one step ([`Fleet::restore_endpoint`]). An endpoint whose keys
+/// the peer made with another layout (block size) is refused, logged and counted
+/// (`kvroute_replica_snapshot_refused_total`), and rebuilt from its engine's replay buffer like
+/// an endpoint the peer did not send. Returns the sequence each restored endpoint's subscriber
+/// resumes after.
+///
+/// [`Fleet::restore_endpoint`]: kvroute_core::fleet::Fleet::restore_endpoint
+pub(crate) fn apply(router: &Router, peer: &str, snapshot: &Snapshot) -> HashMap<EndpointId, u64> {
     let mut resume = HashMap::new();
     let endpoints = router.endpoints();
     for entry in &snapshot.endpoints {
@@ -156,27 +172,34 @@ pub(crate) fn apply(router: &Router, snapshot: &Snapshot) -> HashMap<EndpointId,
         else {
             continue;
         };
+        let restore = EndpointRestore {
+            layout: entry.layout,
+            blocks: entry.blocks.iter().copied(),
+            trusted: entry.trusted,
+            tier_uncertain: entry.tier_uncertain,
+        };
         let now = router.now();
         let mut fleet = router.fleet();
-        if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
-            continue;
-        }
-        let Some(index) = fleet.index_of(e.id).cloned() else {
-            continue;
-        };
-        index.write_endpoint(e.id, |ix| {
-            ix.restore(e.id, entry.blocks.iter().copied());
-            if entry.tier_uncertain {
-                ix.mark_tier_uncertain(e.id);
+        match fleet.restore_endpoint(e.id, restore, now) {
+            Ok(Some(_)) => {}
+            Ok(None) => continue,
+            Err(why) => {
+                drop(fleet);
+                let field = match why {
+                    kvroute_core::CoreError::KeyLayoutMismatch { field, .. } => field,
+                    _ => "other",
+                };
+                router
+                    .metrics()
+                    .replica_snapshot_refused
+                    .get_or_create(&crate::metrics::KindLabel { kind: field })
+                    .inc();
+                tracing::warn!(%peer, endpoint = %e.name, error = %why, "refused a peer's snapshot of this endpoint: its keys were made otherwise (replicas configured differently); rebuilding it from the engine's replay buffer");
+                continue;
             }
-        });
-        // The snapshot stands for the events it reflects: the endpoint has published.
-        fleet.apply_events(e.id, &[], now);
+        }
         if let (Some(mut journal), Some(seq)) = (router.replica().journal(), entry.seq) {
             journal.apply(e.id, seq);
-        }
-        if !entry.trusted {
-            fleet.events_lost(e.id, now);
         }
         drop(fleet);
         if let Some(seq) = entry.seq {

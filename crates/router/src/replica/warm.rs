@@ -67,7 +67,7 @@ async fn warm_up(router: Arc<Router>) {
         let left = timeout.saturating_sub(started.elapsed());
         match snapshot::fetch(&router, peer, left).await {
             Ok(snapshot) => {
-                resume = snapshot::apply(&router, &snapshot);
+                resume = snapshot::apply(&router, peer, &snapshot);
                 let blocks: usize = snapshot.endpoints.iter().map(|e| e.blocks.len()).sum();
                 info!(%peer, endpoints = snapshot.endpoints.len(), blocks, "applied a peer's index snapshot");
                 from = Some(peer.clone());

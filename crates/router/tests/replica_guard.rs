@@ -1,0 +1,135 @@
+//! What a replica takes from its peers, and from whom: a peer's index snapshot whose keys were
+//! made with another block size is refused (and the endpoint rebuilt from its engine's replay
+//! buffer), and sharing dispatches or load without an admin token is flagged at start.
+
+mod common;
+mod replicas_common;
+
+use std::sync::Arc;
+
+use common::eventually_async;
+use kvroute_router::config::ReplicasConfig;
+use kvroute_router::server::RunningRouter;
+use kvroute_testkit::{free_ports, sample};
+use replicas_common::{
+    admin_json, complete, config, explain, fleet, replica, replicas, until_ready,
+};
+use serde_json::Value;
+
+/// A loopback address nobody listens on.
+fn dead_peer() -> String {
+    format!("http://127.0.0.1:{}", free_ports(1))
+}
+
+/// The router's own metric `series` (0 when absent).
+fn metric(router: &RunningRouter, series: &str) -> f64 {
+    sample(&router.router.metrics().render(), series).unwrap_or(0.0)
+}
+
+/// Blocks of `prompt` the index of `router` holds on its only endpoint.
+async fn indexed(client: &reqwest::Client, router: &RunningRouter, prompt: &str) -> (u64, u64) {
+    let plan = explain(client, router, prompt).await;
+    let blocks = plan["blocks"].as_u64().unwrap();
+    let held = plan["endpoints"][0]["matched_blocks"]["index"]["total"]
+        .as_u64()
+        .unwrap_or(0);
+    (held, blocks)
+}
+
+/// A peer's admin listener that answers `GET /kvroute/v1/snapshot` with `snapshot`; its URL.
+async fn snapshot_peer(snapshot: Value) -> String {
+    let snapshot = Arc::new(snapshot);
+    let app = axum::Router::new().route(
+        "/kvroute/v1/snapshot",
+        axum::routing::get(move || {
+            let snapshot = snapshot.clone();
+            async move { axum::Json((*snapshot).clone()) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+/// A real replica's snapshot of a prompt one engine cached is moved, by URL, onto another
+/// engine that never saw it: a starting replica restores it when its keys were made with the
+/// same block size (the blocks show in its plan), and refuses it, counted and logged, when they
+/// were made with another (the blocks never show, and the endpoint is rebuilt from its engine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_keyed_with_another_block_size_is_refused() {
+    let client = reqwest::Client::new();
+    let (seen, unseen) = (
+        fleet(1, 10_000, Default::default()).await,
+        fleet(1, 10_000, Default::default()).await,
+    );
+    let source = replica(config(&seen, 0, replicas(&[dead_peer()], 0.5, false))).await;
+    until_ready(&client, &source).await;
+    let prompt = "a document only the first engine has seen. ".repeat(30);
+    complete(&client, &source, &prompt).await;
+    eventually_async("the source replica indexed the prompt", || async {
+        let (held, blocks) = indexed(&client, &source, &prompt).await;
+        (held == blocks && blocks > 0, (held, blocks))
+    })
+    .await;
+    let mut snapshot = admin_json(&client, &source, "/kvroute/v1/snapshot").await;
+    let entry = &mut snapshot["endpoints"][0];
+    assert_eq!(entry["block_size"], 16, "{entry}");
+    entry["url"] = Value::from(unseen.endpoints[0].url.clone());
+    // Resume the other engine's events from the start of its replay buffer.
+    entry["seq"] = Value::Null;
+
+    let alike = snapshot_peer(snapshot.clone()).await;
+    let restored = replica(config(
+        &unseen,
+        0,
+        replicas(std::slice::from_ref(&alike), 10.0, false),
+    ))
+    .await;
+    until_ready(&client, &restored).await;
+    let status = admin_json(&client, &restored, "/kvroute/v1/replica").await;
+    assert_eq!(status["peer"], alike.as_str(), "{status}");
+    let (held, blocks) = indexed(&client, &restored, &prompt).await;
+    assert_eq!(held, blocks, "the snapshot's blocks are restored");
+
+    snapshot["endpoints"][0]["block_size"] = Value::from(32);
+    let larger = snapshot_peer(snapshot).await;
+    let refusing = replica(config(&unseen, 0, replicas(&[larger], 10.0, false))).await;
+    until_ready(&client, &refusing).await;
+    assert_eq!(
+        metric(
+            &refusing,
+            "kvroute_replica_snapshot_refused_total{kind=\"block_size\"}"
+        ),
+        1.0
+    );
+    let (held, _) = indexed(&client, &refusing, &prompt).await;
+    assert_eq!(held, 0, "keys made with another block size were restored");
+    // The endpoint itself is rebuilt from its engine: trusted once its events caught up.
+    let status = admin_json(&client, &refusing, "/kvroute/v1/replica").await;
+    assert_eq!(status["state"], "warm", "{status}");
+}
+
+/// Peers post dispatches and shared load to the admin listener: without `admin.token` anyone
+/// who reaches it may too, which is flagged in a gauge (and warned) while replicas share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharing_with_peers_without_an_admin_token_is_flagged() {
+    let engines = fleet(1, 1_000, Default::default()).await;
+    let gauge = "kvroute_replica_peer_messages_unauthenticated";
+    let sharing = replicas(&[dead_peer()], 0.2, true);
+
+    let open = replica(config(&engines, 0, sharing.clone())).await;
+    assert_eq!(metric(&open, gauge), 1.0);
+
+    let mut with_token = config(&engines, 0, sharing.clone());
+    with_token.admin.token = Some("secret".into());
+    assert_eq!(metric(&replica(with_token).await, gauge), 0.0);
+
+    let quiet = replicas(&[dead_peer()], 0.2, false);
+    assert_eq!(
+        metric(&replica(config(&engines, 0, quiet)).await, gauge),
+        0.0
+    );
+    let alone = config(&engines, 0, ReplicasConfig::default());
+    assert_eq!(metric(&replica(alone).await, gauge), 0.0);
+}

@@ -355,14 +355,21 @@ fn print_seeded(title: &str, rows: &[(&str, Vec<f64>)]) {
 }
 
 /// llm-d's multi-tier benchmark shape (issue 21): tenants' long documents with many short
-/// questions, `groups` documents of 4,000 tokens (250 blocks each), 480 questions at 40/s,
-/// over 758 GPU blocks per engine and, with the tier, a CPU tier per engine that holds every
-/// document. Mean TTFT of `profile`, GPU-only or with the CPU tier.
-fn llm_d_mean_ttft(groups: usize, profile: &Profile, with_cpu: bool) -> f64 {
+/// questions, `groups` documents of `context_words` words each, 480 questions at 40/s, over 758
+/// GPU blocks per engine and, with the tier, a CPU tier per engine that holds every document.
+/// Mean TTFT of `profile`, GPU-only or with the CPU tier, and the working set as a share of the
+/// fleet's GPU blocks (measured from the prompts: a word is about 1.5 tokens, so the documents'
+/// size in blocks is read, not assumed).
+fn llm_d_mean_ttft(
+    groups: usize,
+    context_words: usize,
+    profile: &Profile,
+    with_cpu: bool,
+) -> (f64, f64) {
     use kvroute_bench::workload::{SharedPrefix, shared_prefix};
     let workload = shared_prefix(&SharedPrefix {
         groups,
-        context_tokens: 4_000,
+        context_tokens: context_words,
         questions: 480 / groups,
         question_tokens: 100,
         output_tokens: 16,
@@ -370,18 +377,24 @@ fn llm_d_mean_ttft(groups: usize, profile: &Profile, with_cpu: bool) -> f64 {
         seed: 21,
     });
     let fleet = fleet(758, if with_cpu { cpu(4_000) } else { NONE });
-    simulate("llm-d", profile.clone(), &fleet, &workload)
-        .summary
-        .ttft
-        .mean
+    let result = simulate("llm-d", profile.clone(), &fleet, &workload);
+    let records = &result.records;
+    // A document is a prompt less its question (about 150 tokens with the template's).
+    let mean_prompt =
+        records.iter().map(|r| r.prompt_tokens as f64).sum::<f64>() / records.len().max(1) as f64;
+    let document_blocks = (mean_prompt - 150.0).max(0.0) / fleet.engine.block_size as f64;
+    let hbm_blocks = (ENGINES * fleet.engine.num_gpu_blocks) as f64;
+    let share = groups as f64 * document_blocks / hbm_blocks;
+    (result.summary.ttft.mean, share)
 }
 
-/// llm-d's result as ratios: with the working set at 1.32× HBM (16 documents × 250 blocks
-/// against 4 × 758 GPU blocks), tier-aware routing with a CPU tier at most 0.1× HBM-only mean
-/// TTFT and 0.25× tier-blind (llm-d's tier-blind routes on GPU blocks only: CPU weight 0;
-/// kvroute's, every tier credited as the GPU, is printed too); and their counter-case, a
-/// working set that fits HBM (8 documents, 0.66×, and 4, 0.33×), where tier-aware routing
-/// with the tier should be no worse than GPU-only.
+/// llm-d's result as ratios: with the working set at 1.32× HBM, tier-aware routing with a CPU
+/// tier at most 0.1× HBM-only mean TTFT and 0.25× tier-blind (llm-d's tier-blind routes on GPU
+/// blocks only: CPU weight 0; kvroute's, every tier credited as the GPU, is printed too); and
+/// their counter-case, a working set that fits HBM, where tier-aware routing with the tier
+/// should be no worse than GPU-only. Two document sizes: 4,000 words (about 5,950 tokens, 372
+/// blocks: the first rounds' shape, 16 documents are 1.98× HBM) and 2,667 words (about 4,000
+/// tokens, 250 blocks: llm-d's, 16 documents are 1.32× HBM); each line prints the share it ran.
 #[test]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 fn llm_d_multi_tier_ratios() {
@@ -398,22 +411,24 @@ fn llm_d_multi_tier_ratios() {
         },
         ..Profile::named(ProfileName::Precise)
     };
-    let hbm_only = llm_d_mean_ttft(16, &aware, false);
-    let unaware_cpu = llm_d_mean_ttft(16, &cpu_unaware, true);
-    let blind_cpu = llm_d_mean_ttft(16, &blind, true);
-    let aware_cpu = llm_d_mean_ttft(16, &aware, true);
-    println!(
-        "1.32x HBM: HBM-only {hbm_only:.3} s, CPU tier: GPU-only scoring {unaware_cpu:.3} s, tier-blind {blind_cpu:.3} s, tier-aware {aware_cpu:.3} s: aware/HBM-only {:.3}, aware/GPU-only scoring {:.3}, aware/blind {:.3}",
-        aware_cpu / hbm_only,
-        aware_cpu / unaware_cpu,
-        aware_cpu / blind_cpu
-    );
-    for (groups, share) in [(8, "0.66x"), (4, "0.33x")] {
-        let fits_gpu = llm_d_mean_ttft(groups, &aware, false);
-        let fits_cpu = llm_d_mean_ttft(groups, &aware, true);
+    for words in [4_000, 2_667] {
+        let (hbm_only, share) = llm_d_mean_ttft(16, words, &aware, false);
+        let (unaware_cpu, _) = llm_d_mean_ttft(16, words, &cpu_unaware, true);
+        let (blind_cpu, _) = llm_d_mean_ttft(16, words, &blind, true);
+        let (aware_cpu, _) = llm_d_mean_ttft(16, words, &aware, true);
         println!(
-            "fits ({share} HBM): GPU-only {fits_gpu:.3} s, tier-aware with CPU {fits_cpu:.3} s: {:.3}",
-            fits_cpu / fits_gpu
+            "{words}-word documents, 16: {share:.2}x HBM: HBM-only {hbm_only:.3} s, CPU tier: GPU-only scoring {unaware_cpu:.3} s, tier-blind {blind_cpu:.3} s, tier-aware {aware_cpu:.3} s: aware/HBM-only {:.3}, aware/GPU-only scoring {:.3}, aware/blind {:.3}",
+            aware_cpu / hbm_only,
+            aware_cpu / unaware_cpu,
+            aware_cpu / blind_cpu
         );
+        for groups in [8, 4] {
+            let (fits_gpu, share) = llm_d_mean_ttft(groups, words, &aware, false);
+            let (fits_cpu, _) = llm_d_mean_ttft(groups, words, &aware, true);
+            println!(
+                "{words}-word documents, {groups}: {share:.2}x HBM: GPU-only {fits_gpu:.3} s, tier-aware with CPU {fits_cpu:.3} s: {:.3}",
+                fits_cpu / fits_gpu
+            );
+        }
     }
 }

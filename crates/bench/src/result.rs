@@ -85,6 +85,26 @@ pub struct Summary {
     pub endpoints: Vec<EndpointShare>,
     /// Load balance: the busiest endpoint's requests over the mean (1.0 is perfect).
     pub load_imbalance: f64,
+    /// Where the engines found the prompt tokens, tier by tier, from their own counters, when a
+    /// run read them (`kvroute demo --offload`); absent from older result files.
+    #[serde(default)]
+    pub tier_tokens: Option<TierTokens>,
+}
+
+/// Prompt tokens the engines served from each KV-cache tier during one run: the difference of
+/// their counters over the run (`vllm:prefix_cache_hits` for the GPU, the offload connector's
+/// loaded-token counters for the other tiers), summed over the fleet.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TierTokens {
+    /// Found in the GPU prefix cache.
+    pub gpu: u64,
+    /// Loaded from the engines' CPU tier.
+    pub cpu: u64,
+    /// Loaded from the engines' own storage (local SSD).
+    pub ssd: u64,
+    /// Loaded from the fleet's shared filesystem.
+    pub shared_fs: u64,
 }
 
 /// A complete run: what was run, its summary, every request.

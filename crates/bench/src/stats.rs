@@ -11,7 +11,8 @@
 //!   finite number; negative values count as 0.
 //! - `hit_rate` is the sum of `cached_tokens` over the sum of `prompt_tokens`, over the records
 //!   that reported `cached_tokens` (0 when none did, or their prompts sum to 0).
-//! - `engine_hit_rate` is left `None`: the driver fills it from the engines' counters.
+//! - `engine_hit_rate` and `tier_tokens` are left `None`: whoever can read the engines'
+//!   counters fills them in.
 //! - `endpoints` has one entry per endpoint, sorted by name, counting every record it received
 //!   (failed ones included). Records without an endpoint are grouped under
 //!   [`UNKNOWN_ENDPOINT`] (`"-"`).
@@ -34,8 +35,9 @@ const SIGNIFICANT_DIGITS: u8 = 3;
 /// Microseconds per second: the histograms' unit.
 const MICROS_PER_S: f64 = 1_000_000.0;
 
-/// Computes every field of a run's [`Summary`] (except `engine_hit_rate`, left `None`) from its
-/// records and its wall time in seconds. See the [module docs](self) for the exact rules.
+/// Computes every field of a run's [`Summary`] (except `engine_hit_rate` and `tier_tokens`,
+/// left `None`) from its records and its wall time in seconds. See the [module docs](self) for
+/// the exact rules.
 #[must_use]
 pub fn summarize(records: &[RequestRecord], duration_s: f64) -> Summary {
     let mut ttft = LatencyRecorder::new();
@@ -109,6 +111,7 @@ pub fn summarize(records: &[RequestRecord], duration_s: f64) -> Summary {
         engine_hit_rate: None,
         endpoints,
         load_imbalance,
+        tier_tokens: None,
     }
 }
 

@@ -147,6 +147,7 @@ fn synthetic(
         engine_hit_rate: Some((cached as f64 / prompt as f64 * 0.97).min(1.0)),
         load_imbalance: busiest / (ok.len() as f64 / 4.0),
         endpoints,
+        tier_tokens: None,
     };
     RunResult {
         name: name.to_string(),

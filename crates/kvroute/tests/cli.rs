@@ -512,3 +512,79 @@ fn report_draws_a_bar_table_as_svg_and_refuses_a_malformed_one() {
     let out = kvroute(&["report", "--bars", table.to_str().unwrap()], "");
     refused(&out, &["series \"s\" has 2 values for 1 groups"]);
 }
+
+/// `kvroute demo --offload` records, in each run's summary, the prompt tokens the engines found
+/// on the GPU and loaded from each tier, and `bench compare` shows them side by side, also next
+/// to a result file written before those figures existed (which still loads, showing `-`).
+#[test]
+fn bench_compare_shows_the_offload_demo_tokens_by_tier() {
+    let out = ScratchDir::new("demo-offload-tiers-test");
+    let (_, runs) = short_demo(
+        &["--offload", "--blocks-per-engine", "400", "--users", "8"],
+        out.path(),
+    );
+    let tokens = |run: &serde_json::Value, tier: &str| {
+        run["summary"]["tier_tokens"][tier]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{}: no {tier} tokens in its summary", run["name"]))
+    };
+    assert_eq!(tokens(&runs[0], "cpu"), 0, "gpu-only has no CPU tier");
+    for run in &runs {
+        assert!(
+            tokens(run, "gpu") > 0,
+            "{}: nothing found on GPU",
+            run["name"]
+        );
+        assert_eq!(
+            tokens(run, "cpu") as f64,
+            run["config"]["offload"]["tier_loaded_tokens"]["cpu"]
+                .as_f64()
+                .unwrap(),
+            "{}: the summary and the config disagree",
+            run["name"]
+        );
+    }
+    assert!(tokens(&runs[2], "cpu") > 0, "tier-aware loaded nothing");
+    // The same runs as a file from before the tier figures: the summary without them.
+    let mut old_runs = runs.clone();
+    for run in &mut old_runs {
+        run["name"] = format!("old-{}", run["name"].as_str().unwrap()).into();
+        run["summary"]
+            .as_object_mut()
+            .unwrap()
+            .remove("tier_tokens");
+    }
+    let old = out.join("old.json");
+    std::fs::write(&old, serde_json::to_string(&old_runs).unwrap()).unwrap();
+    let compared = kvroute(
+        &[
+            "bench",
+            "compare",
+            &path(&out.join("demo.json")),
+            &path(&old),
+            "--out",
+            &path(&out.join("compare")),
+        ],
+        "",
+    );
+    succeeded(&compared);
+    let text = stdout(&compared);
+    let row = |label: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no row {label} in\n{text}"));
+        line[label.len()..]
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    for (label, tier) in [
+        ("tokens found on GPU", "gpu"),
+        ("tokens loaded from CPU", "cpu"),
+    ] {
+        let mut expected: Vec<String> = runs.iter().map(|r| tokens(r, tier).to_string()).collect();
+        expected.extend(["-"; 3].map(str::to_owned));
+        assert_eq!(row(label), expected, "{label}\n{text}");
+    }
+}

@@ -4,8 +4,9 @@
 //! set × offered rate relative to round-robin's saturation. Each cell runs every policy on
 //! several seeds (a fresh fleet each time) and keeps, per policy, the median over seeds of the
 //! hit rate, TTFT p50/p90/p99, ITL p99 and load imbalance, next to the pooled-cache ceiling.
-//! [`report`] renders the results: a text table and an HTML heat map of precise against the
-//! best other policy.
+//! [`report`] renders the results: a text table (with every policy's ITL p99 next to precise's,
+//! so a reader sees whether decodes pay for precise's TTFT) and an HTML heat map of precise
+//! against the best other policy.
 //!
 //! - The **working set** is the tenants' contexts, in blocks: what must stay cached for
 //!   conversations to reuse it (a conversation's own history is reused only during its life).
@@ -166,6 +167,9 @@ pub struct CellResult {
     pub ceiling: f64,
     /// Per policy, in the spec's order.
     pub policies: Vec<PolicyFigures>,
+    /// Precise's ITL p99 over round-robin's (`None` without either): whether concentrating
+    /// prefills where the cache is makes the running decodes pay for TTFT.
+    pub precise_itl_p99_over_round_robin: Option<f64>,
 }
 
 impl CellResult {
@@ -177,6 +181,13 @@ impl CellResult {
     /// Whether the working set fits the pooled cache.
     pub fn fits(&self) -> bool {
         self.cell.effective_cache_ratio >= 1.0
+    }
+
+    /// Precise's ITL p99 over `policy`'s (`None` without either).
+    pub fn precise_itl_p99_over(&self, policy: &str) -> Option<f64> {
+        let precise = self.figures("precise")?.itl_p99;
+        let other = self.figures(policy)?.itl_p99;
+        Some(precise / other.max(1e-9))
     }
 
     /// Precise's TTFT p50, p90 and p99 over the best of the other policies', each (`None`
@@ -389,7 +400,7 @@ pub fn run_matrix(
                         }
                     })
                     .collect();
-                results.push(CellResult {
+                let mut result = CellResult {
                     cell: Cell {
                         kind: shape.kind,
                         tenants: shape.tenants,
@@ -404,7 +415,11 @@ pub fn run_matrix(
                     },
                     ceiling: median(ceilings),
                     policies,
-                });
+                    precise_itl_p99_over_round_robin: None,
+                };
+                result.precise_itl_p99_over_round_robin =
+                    result.precise_itl_p99_over("round-robin");
+                results.push(result);
             }
         }
     }

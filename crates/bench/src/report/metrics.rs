@@ -197,6 +197,9 @@ pub(crate) fn metrics(runs: &[RunResult]) -> Vec<Metric> {
             value: |r| r.summary.engine_hit_rate.and_then(finite),
         });
     }
+    if runs.iter().any(|r| r.summary.tier_tokens.is_some()) {
+        rows.extend(tier_rows());
+    }
     rows.extend([
         Metric {
             label: "TTFT p50 (ms)",
@@ -257,6 +260,32 @@ pub(crate) fn metrics(runs: &[RunResult]) -> Vec<Metric> {
         },
     ]);
     rows
+}
+
+/// The rows of where the engines found the prompt tokens, tier by tier (for runs that read
+/// the engines' tier counters). Not compared: more tokens loaded from a slower tier is better
+/// than recomputing them and worse than finding them on the GPU.
+fn tier_rows() -> [Metric; 4] {
+    let tokens = |label, value| Metric {
+        label,
+        unit: Unit::Count,
+        better: Better::Neither,
+        value,
+    };
+    [
+        tokens("tokens found on GPU", |r| {
+            r.summary.tier_tokens.as_ref().map(|t| t.gpu as f64)
+        }),
+        tokens("tokens loaded from CPU", |r| {
+            r.summary.tier_tokens.as_ref().map(|t| t.cpu as f64)
+        }),
+        tokens("tokens loaded from SSD", |r| {
+            r.summary.tier_tokens.as_ref().map(|t| t.ssd as f64)
+        }),
+        tokens("tokens loaded from shared FS", |r| {
+            r.summary.tier_tokens.as_ref().map(|t| t.shared_fs as f64)
+        }),
+    ]
 }
 
 /// Which runs hold the best value of `metric`: empty unless at least two runs have a value and

@@ -31,8 +31,9 @@ mod tests;
 
 /// A plain-text table comparing `runs` side by side, one column per run: requests, errors,
 /// throughput, prefix-cache hit rate, TTFT, end-to-end and inter-token latency percentiles (in
-/// milliseconds) and load imbalance. Figures a run lacks (no successful request, no engine
-/// counters) show as `-`.
+/// milliseconds) and load imbalance; when a run read its engines' tier counters, the prompt
+/// tokens found on the GPU and loaded from each offload tier. Figures a run lacks (no successful
+/// request, no engine counters) show as `-`.
 pub fn table(runs: &[RunResult]) -> String {
     terminal::render(runs)
 }

@@ -4,7 +4,7 @@
 use super::charts::{endpoint_counts, endpoint_labels, rolling_median, ttft_cdf_points};
 use super::svg::Scale;
 use super::*;
-use crate::result::{EndpointShare, Percentiles, RequestRecord, Summary};
+use crate::result::{EndpointShare, Percentiles, RequestRecord, Summary, TierTokens};
 
 /// A run with known figures and `n` records cycling over four endpoints.
 fn run(name: &str, ttft_base: f64, hit: f64, n: usize) -> RunResult {
@@ -64,6 +64,7 @@ fn run(name: &str, ttft_base: f64, hit: f64, n: usize) -> RunResult {
                 })
                 .collect(),
             load_imbalance: 1.25,
+            tier_tokens: None,
         },
         records,
     }
@@ -120,6 +121,66 @@ fn table_marks_missing_figures() {
     let ttft = t.lines().find(|l| l.starts_with("TTFT p50")).unwrap();
     assert!(ttft.trim_end().ends_with('-'), "{t}");
     assert_eq!(table(&[]), "(no runs)\n");
+}
+
+/// The runs of `kvroute demo --offload` carry, per run, the prompt tokens the engines found on
+/// the GPU and loaded from each tier; the table shows them next to each other, `-` for a run
+/// that did not read them, and no tier rows at all when no run did.
+#[test]
+fn table_shows_tokens_by_tier_when_runs_have_them() {
+    let mut gpu_only = run("gpu-only", 0.3, 0.2, 8);
+    gpu_only.summary.tier_tokens = Some(TierTokens {
+        gpu: 4000,
+        ..TierTokens::default()
+    });
+    let mut tiered = run("tier-aware", 0.1, 0.6, 8);
+    tiered.summary.tier_tokens = Some(TierTokens {
+        gpu: 5000,
+        cpu: 2400,
+        ssd: 160,
+        shared_fs: 32,
+    });
+    let live = run("live", 0.1, 0.6, 8);
+    let t = table(&[gpu_only, tiered, live.clone()]);
+    let row = |label: &str| {
+        t.lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no row {label} in\n{t}"))
+            .split_whitespace()
+            .rev()
+            .take(3)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(row("tokens found on GPU"), ["-", "5000", "4000"]);
+    assert_eq!(row("tokens loaded from CPU"), ["-", "2400", "0"]);
+    assert_eq!(row("tokens loaded from SSD"), ["-", "160", "0"]);
+    assert_eq!(row("tokens loaded from shared FS"), ["-", "32", "0"]);
+    let without = table(&[live]);
+    assert!(!without.contains("tokens loaded"), "{without}");
+}
+
+/// A result file written before the tier figures existed still loads, without them; one with
+/// them reads them back.
+#[test]
+fn result_files_load_with_and_without_tier_tokens() {
+    let mut old = serde_json::to_value(run("old", 0.1, 0.5, 2)).unwrap();
+    old["summary"]
+        .as_object_mut()
+        .unwrap()
+        .remove("tier_tokens")
+        .expect("the field is written");
+    let back: RunResult = serde_json::from_value(old).expect("an old file loads");
+    assert_eq!(back.summary.tier_tokens, None);
+    let mut new = run("new", 0.1, 0.5, 2);
+    new.summary.tier_tokens = Some(TierTokens {
+        gpu: 1,
+        cpu: 2,
+        ssd: 3,
+        shared_fs: 4,
+    });
+    let text = serde_json::to_string(&new).unwrap();
+    let back: RunResult = serde_json::from_str(&text).unwrap();
+    assert_eq!(back.summary.tier_tokens, new.summary.tier_tokens);
 }
 
 #[test]

@@ -7,7 +7,8 @@
 //! whose GPU holds a quarter of `--blocks-per-engine` (the working set overflows it), routed by
 //! precise routing without an offload tier (`gpu-only`), and with a CPU tier of
 //! `--blocks-per-engine` blocks each, credited as the GPU (`tier-blind`) or priced in seconds
-//! (`tier-aware`).
+//! (`tier-aware`); each run's summary counts the prompt tokens the engines found on the GPU and
+//! loaded from each tier (`tier_tokens`, shown by `bench compare`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,7 +17,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvroute_bench::driver::{DriverConfig, run as drive};
-use kvroute_bench::result::RunResult;
+use kvroute_bench::result::{RunResult, TierTokens};
 use kvroute_bench::workload::{MultiTurn, multi_turn};
 use kvroute_router::config::RouterConfig;
 use kvroute_sim::engine::EngineConfig;
@@ -310,6 +311,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
                 "    {:.0} prompt tokens loaded from the CPU tier",
                 tier_loaded[0]
             );
+            // Counters are whole tokens; a negative difference (an engine restarted) saturates
+            // to 0.
+            summary.tier_tokens = Some(TierTokens {
+                gpu: hits as u64,
+                cpu: tier_loaded[0] as u64,
+                ssd: tier_loaded[1] as u64,
+                shared_fs: tier_loaded[2] as u64,
+            });
         }
         if prompts_for_ceiling.is_none() {
             prompts_for_ceiling = Some(

@@ -1,13 +1,15 @@
 //! The matrix's results as a text table and as an HTML page with a heat map of precise against
-//! the best other policy (TTFT p90 ratio; green where precise is faster) and its hit rate
-//! against the pooled-cache ceiling.
+//! the best other policy (TTFT p90 ratio; green where precise is faster), its hit rate against
+//! the pooled-cache ceiling, and its ITL p99 against round-robin's (whether the decodes pay for
+//! the TTFT).
 
 use std::fmt::Write as _;
 
 use super::CellResult;
 
 /// One line per cell: its coordinates, the ceiling, and each policy's hit rate and TTFT p90,
-/// then precise's TTFT ratios to the best other policy.
+/// then precise's TTFT ratios to the best other policy, each policy's ITL p99, and precise's
+/// ITL p99 over round-robin's.
 pub fn table(results: &[CellResult]) -> String {
     let mut out = String::new();
     let Some(first) = results.first() else {
@@ -21,7 +23,16 @@ pub fn table(results: &[CellResult]) -> String {
     for p in &first.policies {
         let _ = write!(out, " {:>20}", format!("{} hit/p90", p.policy));
     }
-    let _ = writeln!(out, " {:>18} {:>8}", "precise/best p50,90,99", "ITL p99");
+    let _ = write!(out, " {:>RATIOS_WIDTH$}", "precise/best p50,90,99");
+    for p in &first.policies {
+        let _ = write!(
+            out,
+            " {:>w$}",
+            itl_heading(&p.policy),
+            w = itl_width(&p.policy)
+        );
+    }
+    let _ = writeln!(out, " {:>ITL_RATIO_WIDTH$}", "ITL99 precise/RR");
     for r in results {
         let c = &r.cell;
         let _ = write!(
@@ -45,12 +56,36 @@ pub fn table(results: &[CellResult]) -> String {
         let ratios = r
             .precise_over_best_other()
             .map_or("-".to_owned(), |[a, b, c]| format!("{a:.2},{b:.2},{c:.2}"));
-        let itl = r
-            .figures("precise")
-            .map_or("-".to_owned(), |p| format!("{:.1}ms", p.itl_p99 * 1e3));
-        let _ = writeln!(out, " {ratios:>18} {itl:>8}");
+        let _ = write!(out, " {ratios:>RATIOS_WIDTH$}");
+        // Each column of the heading's policies: the figures of that policy, wherever it is.
+        for heading in &first.policies {
+            let itl = r
+                .figures(&heading.policy)
+                .map_or("-".to_owned(), |p| format!("{:.1}ms", p.itl_p99 * 1e3));
+            let _ = write!(out, " {itl:>w$}", w = itl_width(&heading.policy));
+        }
+        let itl_ratio = r
+            .precise_itl_p99_over("round-robin")
+            .map_or("-".to_owned(), |x| format!("{x:.2}"));
+        let _ = writeln!(out, " {itl_ratio:>ITL_RATIO_WIDTH$}");
     }
     out
+}
+
+/// Width of the column of precise's TTFT ratios to the best other policy (its heading's).
+const RATIOS_WIDTH: usize = 22;
+
+/// Width of the column of precise's ITL p99 over round-robin's.
+const ITL_RATIO_WIDTH: usize = 16;
+
+/// The heading of `policy`'s ITL p99 column.
+fn itl_heading(policy: &str) -> String {
+    format!("{policy} ITL99")
+}
+
+/// The width of `policy`'s ITL p99 column: its heading, or a figure such as `1234.5ms`.
+fn itl_width(policy: &str) -> usize {
+    itl_heading(policy).chars().count().max(8)
 }
 
 /// A colour from green (ratio ≤ 0.5) through white (1) to red (≥ 2), on a log scale.
@@ -95,8 +130,9 @@ pub fn html(results: &[CellResult], command: &str) -> String {
     let _ = write!(
         out,
         "<p><code>{}</code></p><p>Each cell: precise's TTFT p90 over the best of the other \
-         policies' (median of the seeds; green: precise faster, red: slower), and precise's hit \
-         rate over the pooled-cache ceiling's.</p><table><tr><th>shape</th>",
+         policies' (median of the seeds; green: precise faster, red: slower), precise's hit \
+         rate over the pooled-cache ceiling's, and precise's ITL p99 over round-robin's (with \
+         both in milliseconds: above 1, the running decodes pay for precise's TTFT).</p><table><tr><th>shape</th>",
         escape(command)
     );
     for l in &loads {
@@ -112,9 +148,21 @@ pub fn html(results: &[CellResult], command: &str) -> String {
                     let hit = r
                         .figures("precise")
                         .map_or(0.0, |p| p.hit_rate / r.ceiling.max(1e-9));
+                    let itl = match (
+                        r.precise_itl_p99_over("round-robin"),
+                        r.figures("precise"),
+                        r.figures("round-robin"),
+                    ) {
+                        (Some(ratio), Some(precise), Some(round_robin)) => format!(
+                            "<br>ITL p99 {ratio:.2}× RR ({:.1} vs {:.1} ms)",
+                            precise.itl_p99 * 1e3,
+                            round_robin.itl_p99 * 1e3
+                        ),
+                        _ => String::new(),
+                    };
                     let _ = write!(
                         out,
-                        "<td style=\"background:{}\">p90 {p90:.2}×<br>hit {:.0}% of ceiling</td>",
+                        "<td style=\"background:{}\">p90 {p90:.2}×<br>hit {:.0}% of ceiling{itl}</td>",
                         colour(p90),
                         hit * 100.0
                     );
@@ -136,4 +184,92 @@ fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matrix::{Cell, Kind, PolicyFigures};
+
+    /// A cell where precise wins TTFT and pays in ITL: its ITL p99 is 2.74× round-robin's.
+    fn cell() -> CellResult {
+        let policy = |name: &str, ttft_p90: f64, itl_p99: f64| PolicyFigures {
+            policy: name.to_owned(),
+            hit_rate: 0.5,
+            ttft_p50: ttft_p90 / 2.0,
+            ttft_p90,
+            ttft_p99: ttft_p90 * 2.0,
+            itl_p99,
+            imbalance: 1.1,
+        };
+        let mut result = CellResult {
+            cell: Cell {
+                kind: Kind::TenantQuestions,
+                tenants: 12,
+                context_tokens: 1000,
+                cache_ratio: 1.5,
+                effective_cache_ratio: 1.5,
+                load_ratio: 0.9,
+                blocks_per_engine: 300,
+                saturation_rate: 40.0,
+                rate: 36.0,
+            },
+            ceiling: 0.9,
+            policies: vec![
+                policy("round-robin", 0.8, 0.0065),
+                policy("least-load", 0.7, 0.0071),
+                policy("prefix-hash", 0.3, 0.0082),
+                policy("precise", 0.1, 0.0178),
+            ],
+            precise_itl_p99_over_round_robin: None,
+        };
+        result.precise_itl_p99_over_round_robin = result.precise_itl_p99_over("round-robin");
+        result
+    }
+
+    #[test]
+    fn the_table_prints_every_policys_itl_p99_next_to_precises() {
+        let text = table(&[cell()]);
+        let mut lines = text.lines();
+        let heading = lines.next().unwrap();
+        for name in ["round-robin", "least-load", "prefix-hash", "precise"] {
+            assert!(heading.contains(&format!("{name} ITL99")), "{text}");
+        }
+        assert!(heading.contains("ITL99 precise/RR"), "{text}");
+        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(
+            row[row.len() - 5..],
+            ["6.5ms", "7.1ms", "8.2ms", "17.8ms", "2.74"],
+            "{text}"
+        );
+        // Every line as wide as the heading: the columns line up.
+        let width = heading.chars().count();
+        assert!(text.lines().all(|l| l.chars().count() == width), "{text}");
+    }
+
+    #[test]
+    fn a_cell_without_round_robin_shows_no_itl_ratio() {
+        let mut result = cell();
+        result.policies.remove(0);
+        let text = table(&[result.clone()]);
+        let row = text.lines().nth(1).unwrap();
+        assert!(row.trim_end().ends_with(" -"), "{text}");
+        assert_eq!(result.precise_itl_p99_over("round-robin"), None);
+        assert!(!html(&[result], "kvroute simulate").contains("<br>ITL p99"));
+    }
+
+    #[test]
+    fn the_heat_map_compares_precises_itl_p99_with_round_robins() {
+        let page = html(&[cell()], "kvroute simulate --matrix small");
+        assert!(page.contains("ITL p99 2.74× RR (17.8 vs 6.5 ms)"), "{page}");
+    }
+
+    #[test]
+    fn the_json_keeps_its_fields_and_adds_the_itl_ratio() {
+        let json = serde_json::to_value(cell()).unwrap();
+        let ratio = json["precise_itl_p99_over_round_robin"].as_f64().unwrap();
+        assert!((ratio - 0.0178 / 0.0065).abs() < 1e-9, "{json}");
+        assert_eq!(json["policies"][0]["itl_p99"], 0.0065);
+        assert_eq!(json["policies"][3]["ttft_p90"], 0.1);
+    }
 }

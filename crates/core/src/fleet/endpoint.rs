@@ -24,24 +24,35 @@ const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 pub fn pooled_prefill_rate<'a>(
     endpoints: impl IntoIterator<Item = &'a EndpointState>,
 ) -> Option<f64> {
+    pooled_and_fastest_prefill_rates(endpoints).0
+}
+
+/// [`pooled_prefill_rate`], and the fastest observed rate (0 when none is observed), in one
+/// pass.
+pub fn pooled_and_fastest_prefill_rates<'a>(
+    endpoints: impl IntoIterator<Item = &'a EndpointState>,
+) -> (Option<f64>, f64) {
     let (mut weighted, mut weights, mut sum, mut count) = (0.0, 0.0, 0.0, 0usize);
+    let mut fastest = 0.0f64;
     for e in endpoints {
         let Some(rate) = e.observed_prefill_rate() else {
             continue;
         };
+        fastest = fastest.max(rate);
         let w = e.prefill_rate_freshness();
         weighted += w * rate;
         weights += w;
         sum += rate;
         count += 1;
     }
-    if count == 0 {
+    let pooled = if count == 0 {
         None
     } else if weights > 1e-6 {
         Some(weighted / weights)
     } else {
         Some(sum / count as f64)
-    }
+    };
+    (pooled, fastest)
 }
 
 /// What the router is told about an endpoint when it joins the fleet.
@@ -296,6 +307,26 @@ impl EndpointState {
                 .map(|blocks| blocks * self.spec.block_size as f64),
             recent_placements: self.recent_placements(now),
         }
+    }
+
+    /// Its requests decoding and queued as [`EndpointState::load`] counts them
+    /// ([`EndpointLoad::decoding`] + [`EndpointLoad::queue`]), with its load sample if
+    /// `with_sample` (and it has one), else the router's own counts only: never more than with
+    /// the sample.
+    pub(super) fn busy(&self, with_sample: bool) -> f64 {
+        let sample = self
+            .sample
+            .filter(|_| with_sample)
+            .map(|(s, _)| s)
+            .unwrap_or_default();
+        let load = EndpointLoad {
+            waiting: sample.waiting,
+            running: sample.running,
+            inflight: self.inflight,
+            inflight_prefills: self.inflight_prefills,
+            ..EndpointLoad::default()
+        };
+        load.decoding() + load.queue()
     }
 
     pub(super) fn note_placement(&mut self, now: f64) {

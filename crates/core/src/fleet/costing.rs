@@ -1,0 +1,215 @@
+//! What a plan reads of each endpoint (its [`Candidate`] and the cached tokens the router
+//! expects it to report), and the plan that builds it only for the endpoints that can matter:
+//! those holding part of the prompt, and the least busy of the rest in the fleet's
+//! [`LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
+
+use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
+use crate::index::{EndpointId, KvIndex, PrefixMatch, PrefixMatches, SharedIndex};
+use crate::schedule::{CacheView, Candidate, IndexState, RequestInfo, schedule_pruned};
+use crate::tiers::TierTokens;
+
+/// What every endpoint's view in one plan is made from.
+pub(super) struct PlanInputs<'a> {
+    /// The model the request names.
+    pub(super) model: &'a str,
+    /// Tokens per block of the request.
+    pub(super) block_size: usize,
+    /// The index's matches, sorted by endpoint.
+    pub(super) index_matches: &'a PrefixMatches,
+    /// The routing history's matches, sorted by endpoint.
+    pub(super) history: &'a [(EndpointId, u32)],
+    /// The predicted overlay's matches, sorted by endpoint.
+    pub(super) predicted: &'a [(EndpointId, u32)],
+    /// Full blocks an engine can report cached (all tokens but the last).
+    pub(super) reportable: usize,
+    /// The prefill rate an endpoint's own estimate shrinks toward.
+    pub(super) prior_rate: f64,
+    /// The plan's time.
+    pub(super) now: f64,
+}
+
+/// Blocks `id` holds in a list sorted by endpoint (0 when absent).
+fn blocks_in(list: &[(EndpointId, u32)], id: EndpointId) -> u32 {
+    list.binary_search_by_key(&id, |(e, _)| *e)
+        .map_or(0, |at| list[at].1)
+}
+
+/// One endpoint as a plan sees it.
+pub(super) struct EndpointView {
+    /// What the scheduler reads.
+    pub(super) candidate: Candidate,
+    /// Whether its index is trusted, or why not.
+    pub(super) verdict: Result<(), Distrust>,
+    /// Cached tokens it is expected to report (see [`Plan::predicted_cached`]).
+    pub(super) predicted_tokens: usize,
+    /// Of those, per tier below the GPU (see [`Plan::predicted_tiers`]).
+    pub(super) predicted_tiers: TierTokens,
+}
+
+impl Fleet {
+    /// `e`'s view for a plan, `held`: the GPU blocks its index holds.
+    pub(super) fn view(
+        &self,
+        inputs: &PlanInputs<'_>,
+        e: &EndpointState,
+        held: u64,
+    ) -> EndpointView {
+        let bs = inputs.block_size;
+        let now = inputs.now;
+        let verdict = e.trust.verdict(&self.config.trust, now);
+        let index_state = match verdict {
+            Ok(()) => IndexState::Trusted,
+            Err(Distrust::NoEvents) => IndexState::NoEvents,
+            Err(_) => IndexState::Distrusted,
+        };
+        let same_block_size = e.spec.block_size == bs;
+        let matches = &inputs.index_matches.matches;
+        let index_match = matches
+            .binary_search_by_key(&e.id, |m| m.endpoint)
+            .ok()
+            .map(|at| matches[at])
+            .filter(|_| same_block_size);
+        // Room left in its cache: capacity less what its index holds and what its in-flight
+        // prefills are about to store.
+        let free_blocks = e.capacity_blocks.map(|capacity| {
+            capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
+        });
+        let cache = CacheView {
+            index: index_match,
+            index_state,
+            history: blocks_in(inputs.history, e.id),
+            predicted: blocks_in(inputs.predicted, e.id),
+            free_blocks,
+            capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
+            block_reuse: e.reuse.per_evicted_block(),
+            tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
+        };
+        let known = match index_state {
+            IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
+            IndexState::NoEvents => cache.history.max(cache.predicted),
+            IndexState::Distrusted => cache.predicted,
+        };
+        let predicted_tokens = (known as usize).min(inputs.reportable) * bs;
+        let predicted_tiers = tier_learning::predicted_tier_tokens(
+            index_state,
+            index_match.as_ref(),
+            cache.predicted,
+            predicted_tokens,
+            bs,
+        );
+        let cache_fill = e
+            .capacity_blocks
+            .map_or(0.0, |capacity| held as f64 / capacity.max(1) as f64);
+        let candidate = Candidate {
+            cache_fill,
+            endpoint: e.id,
+            healthy: e.healthy,
+            ejected: e.outlier.ejected(now),
+            circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
+            serves_model: same_block_size && e.spec.models.iter().any(|m| m == inputs.model),
+            role: e.spec.role,
+            load: e.load(now, self.config.load_sample_max_age_s),
+            cache,
+            prefill_tokens_per_s: e.prefill_rate_toward(inputs.prior_rate),
+            tier_rates: e
+                .tier_rates
+                .with_queued_shared(self.shared_backlog.tokens(e.shared_mount(), now)),
+        };
+        EndpointView {
+            candidate,
+            verdict,
+            predicted_tokens,
+            predicted_tiers,
+        }
+    }
+
+    /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
+    /// index, the history or the prediction, or the session's) and the least busy of the rest
+    /// are viewed and costed. `None` when it cannot (no more than `depth` competitors, or a
+    /// picker that reads every candidate): plan every endpoint then. `fastest_rate`: at least
+    /// every endpoint's prefill rate.
+    pub(super) fn plan_pruned(
+        &mut self,
+        inputs: &PlanInputs<'_>,
+        index: Option<&SharedIndex>,
+        info: &RequestInfo,
+        fastest_rate: f64,
+        random: u64,
+        depth: usize,
+    ) -> Option<Plan> {
+        let mut expired = std::mem::take(&mut self.expired_samples);
+        self.load_order.expire(inputs.now, &mut expired);
+        for id in expired.drain(..) {
+            self.load_changed(id);
+        }
+        self.expired_samples = expired;
+        let mut holders = std::mem::take(&mut self.holders);
+        holders.clear();
+        holders.extend(
+            inputs
+                .index_matches
+                .matches
+                .iter()
+                .filter(|m| m.blocks > 0)
+                .map(|m: &PrefixMatch| m.endpoint),
+        );
+        holders.extend(inputs.history.iter().filter(|h| h.1 > 0).map(|h| h.0));
+        holders.extend(inputs.predicted.iter().filter(|p| p.1 > 0).map(|p| p.0));
+        holders.extend(info.session_endpoint);
+        holders.retain(|id| (id.0 as usize) < self.endpoints.len());
+        holders.sort_unstable();
+        holders.dedup();
+        let held = |id: EndpointId| {
+            index.map_or(0, |index| {
+                index.read_endpoint(id, |i: &KvIndex| i.gpu_blocks(id))
+            })
+        };
+        // Every endpoint not viewed holds nothing of the prompt: it is expected to report
+        // nothing.
+        let mut predicted_cached = vec![0; self.endpoints.len()];
+        let mut predicted_tiers = vec![TierTokens::default(); self.endpoints.len()];
+        let mut buffers = std::mem::take(&mut self.prune_buffers);
+        let mut viewed = 0;
+        let decision = schedule_pruned(
+            &self.profile,
+            info,
+            &holders,
+            &self.load_order,
+            fastest_rate,
+            |id| {
+                viewed += 1;
+                let e = &self.endpoints[id.0 as usize];
+                let view = self.view(inputs, e, held(id));
+                predicted_cached[id.0 as usize] = view.predicted_tokens;
+                predicted_tiers[id.0 as usize] = view.predicted_tiers;
+                view.candidate
+            },
+            random,
+            depth,
+            &mut buffers,
+        );
+        self.prune_buffers = buffers;
+        self.holders = holders;
+        self.last_plan_viewed = viewed;
+        Some(Plan {
+            decision: decision?,
+            facts: Vec::new(),
+            predicted_cached,
+            predicted_tiers,
+        })
+    }
+
+    /// Sets `id`'s place in the load order from its load now (call whenever its in-flight
+    /// counts or its load sample change, or it leaves or joins).
+    pub(super) fn load_changed(&mut self, id: EndpointId) {
+        let Some(e) = self.endpoints.get(id.0 as usize) else {
+            return;
+        };
+        if e.present {
+            let busy = e.busy(self.load_order.counts_sample(id));
+            self.load_order.set(id, busy);
+        } else {
+            self.load_order.remove(id);
+        }
+    }
+}

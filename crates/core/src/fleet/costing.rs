@@ -34,6 +34,17 @@ fn blocks_in(list: &[(EndpointId, u32)], id: EndpointId) -> u32 {
         .map_or(0, |at| list[at].1)
 }
 
+/// What an endpoint is known to hold of a request.
+struct Expected {
+    verdict: Result<(), Distrust>,
+    index_state: IndexState,
+    index_match: Option<PrefixMatch>,
+    history: u32,
+    predicted: u32,
+    predicted_tokens: usize,
+    predicted_tiers: TierTokens,
+}
+
 /// One endpoint as a plan sees it.
 pub(super) struct EndpointView {
     /// What the scheduler reads.
@@ -47,6 +58,47 @@ pub(super) struct EndpointView {
 }
 
 impl Fleet {
+    /// What `e` is known to hold of the request, and what it is expected to report cached.
+    fn expected(&self, inputs: &PlanInputs<'_>, e: &EndpointState) -> Expected {
+        let bs = inputs.block_size;
+        let verdict = e.trust.verdict(&self.config.trust, inputs.now);
+        let index_state = match verdict {
+            Ok(()) => IndexState::Trusted,
+            Err(Distrust::NoEvents) => IndexState::NoEvents,
+            Err(_) => IndexState::Distrusted,
+        };
+        let matches = &inputs.index_matches.matches;
+        let index_match = matches
+            .binary_search_by_key(&e.id, |m| m.endpoint)
+            .ok()
+            .map(|at| matches[at])
+            .filter(|_| e.spec.block_size == bs);
+        let history = blocks_in(inputs.history, e.id);
+        let predicted = blocks_in(inputs.predicted, e.id);
+        let known = match index_state {
+            IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(predicted),
+            IndexState::NoEvents => history.max(predicted),
+            IndexState::Distrusted => predicted,
+        };
+        let predicted_tokens = (known as usize).min(inputs.reportable) * bs;
+        let predicted_tiers = tier_learning::predicted_tier_tokens(
+            index_state,
+            index_match.as_ref(),
+            predicted,
+            predicted_tokens,
+            bs,
+        );
+        Expected {
+            verdict,
+            index_state,
+            index_match,
+            history,
+            predicted,
+            predicted_tokens,
+            predicted_tiers,
+        }
+    }
+
     /// `e`'s view for a plan, `held`: the GPU blocks its index holds.
     pub(super) fn view(
         &self,
@@ -56,19 +108,16 @@ impl Fleet {
     ) -> EndpointView {
         let bs = inputs.block_size;
         let now = inputs.now;
-        let verdict = e.trust.verdict(&self.config.trust, now);
-        let index_state = match verdict {
-            Ok(()) => IndexState::Trusted,
-            Err(Distrust::NoEvents) => IndexState::NoEvents,
-            Err(_) => IndexState::Distrusted,
-        };
+        let Expected {
+            verdict,
+            index_state,
+            index_match,
+            history,
+            predicted,
+            predicted_tokens,
+            predicted_tiers,
+        } = self.expected(inputs, e);
         let same_block_size = e.spec.block_size == bs;
-        let matches = &inputs.index_matches.matches;
-        let index_match = matches
-            .binary_search_by_key(&e.id, |m| m.endpoint)
-            .ok()
-            .map(|at| matches[at])
-            .filter(|_| same_block_size);
         // Room left in its cache: capacity less what its index holds and what its in-flight
         // prefills are about to store.
         let free_blocks = e.capacity_blocks.map(|capacity| {
@@ -77,26 +126,13 @@ impl Fleet {
         let cache = CacheView {
             index: index_match,
             index_state,
-            history: blocks_in(inputs.history, e.id),
-            predicted: blocks_in(inputs.predicted, e.id),
+            history,
+            predicted,
             free_blocks,
             capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
             block_reuse: e.reuse.per_evicted_block(),
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
         };
-        let known = match index_state {
-            IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
-            IndexState::NoEvents => cache.history.max(cache.predicted),
-            IndexState::Distrusted => cache.predicted,
-        };
-        let predicted_tokens = (known as usize).min(inputs.reportable) * bs;
-        let predicted_tiers = tier_learning::predicted_tier_tokens(
-            index_state,
-            index_match.as_ref(),
-            cache.predicted,
-            predicted_tokens,
-            bs,
-        );
         let cache_fill = e
             .capacity_blocks
             .map_or(0.0, |capacity| held as f64 / capacity.max(1) as f64);
@@ -143,46 +179,57 @@ impl Fleet {
             self.load_changed(id);
         }
         self.expired_samples = expired;
+        // Every endpoint holding part of the prompt, with the most it can hold by any source.
+        let bs = inputs.block_size;
         let mut holders = std::mem::take(&mut self.holders);
         holders.clear();
-        holders.extend(
-            inputs
-                .index_matches
-                .matches
-                .iter()
-                .filter(|m| m.blocks > 0)
-                .map(|m: &PrefixMatch| m.endpoint),
-        );
-        holders.extend(inputs.history.iter().filter(|h| h.1 > 0).map(|h| h.0));
-        holders.extend(inputs.predicted.iter().filter(|p| p.1 > 0).map(|p| p.0));
-        holders.extend(info.session_endpoint);
-        holders.retain(|id| (id.0 as usize) < self.endpoints.len());
+        let matches = inputs.index_matches.matches.iter();
+        holders.extend(matches.map(|m: &PrefixMatch| (m.endpoint, m.blocks)));
+        holders.extend(inputs.history.iter().copied());
+        holders.extend(inputs.predicted.iter().copied());
+        holders.retain(|&(id, blocks)| blocks > 0 && (id.0 as usize) < self.endpoints.len());
         holders.sort_unstable();
-        holders.dedup();
+        // Sorted by endpoint, then blocks: the last of each endpoint's entries is its most.
+        holders.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                earlier.1 = later.1;
+            }
+            same
+        });
+        let mut holding = std::mem::take(&mut self.holding);
+        holding.clear();
+        holding.extend(
+            holders
+                .iter()
+                .map(|&(id, blocks)| (id, (blocks as usize).saturating_mul(bs))),
+        );
         let held = |id: EndpointId| {
             index.map_or(0, |index| {
                 index.read_endpoint(id, |i: &KvIndex| i.gpu_blocks(id))
             })
         };
-        // Every endpoint not viewed holds nothing of the prompt: it is expected to report
+        // Every endpoint but the holders holds nothing of the prompt: it is expected to report
         // nothing.
         let mut predicted_cached = vec![0; self.endpoints.len()];
         let mut predicted_tiers = vec![TierTokens::default(); self.endpoints.len()];
+        for &(id, _) in &holders {
+            let expected = self.expected(inputs, &self.endpoints[id.0 as usize]);
+            predicted_cached[id.0 as usize] = expected.predicted_tokens;
+            predicted_tiers[id.0 as usize] = expected.predicted_tiers;
+        }
         let mut buffers = std::mem::take(&mut self.prune_buffers);
         let mut viewed = 0;
         let decision = schedule_pruned(
             &self.profile,
             info,
-            &holders,
+            &holding,
             &self.load_order,
             fastest_rate,
             |id| {
                 viewed += 1;
                 let e = &self.endpoints[id.0 as usize];
-                let view = self.view(inputs, e, held(id));
-                predicted_cached[id.0 as usize] = view.predicted_tokens;
-                predicted_tiers[id.0 as usize] = view.predicted_tiers;
-                view.candidate
+                self.view(inputs, e, held(id)).candidate
             },
             random,
             depth,
@@ -190,6 +237,7 @@ impl Fleet {
         );
         self.prune_buffers = buffers;
         self.holders = holders;
+        self.holding = holding;
         self.last_plan_viewed = viewed;
         Some(Plan {
             decision: decision?,

@@ -272,7 +272,8 @@ pub struct Fleet {
     /// Buffers of pruned plans: the scheduler's, the endpoints holding part of the prompt, and
     /// those whose load sample expired.
     prune_buffers: PruneBuffers,
-    holders: Vec<EndpointId>,
+    holders: Vec<(EndpointId, u32)>,
+    holding: Vec<(EndpointId, usize)>,
     expired_samples: Vec<EndpointId>,
     /// Endpoints the last plan viewed and costed.
     last_plan_viewed: usize,
@@ -319,6 +320,7 @@ impl Fleet {
             prune: true,
             prune_buffers: PruneBuffers::default(),
             holders: Vec::new(),
+            holding: Vec::new(),
             expired_samples: Vec::new(),
             last_plan_viewed: 0,
         };

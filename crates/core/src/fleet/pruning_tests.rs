@@ -39,15 +39,21 @@ fn tokens(p: u8, shared: u8, len: u8) -> Vec<u32> {
         .collect()
 }
 
-fn stored(tokens: &[u32]) -> KvEvent {
+/// An engine's event: it stored `tokens` on the GPU, or (`cpu`) offloaded them to its CPU.
+fn stored_on(tokens: &[u32], cpu: bool) -> KvEvent {
     let keys = router_keys(tokens, BS, None).unwrap();
     KvEvent::BlockStored(BlockStored {
         block_hashes: keys.iter().map(|k| EngineHash(k.0 ^ 0x55)).collect(),
         parent_block_hash: None,
         token_ids: tokens[..keys.len() * BS].to_vec(),
         block_size: BS as u32,
+        medium: cpu.then(|| "CPU".to_string()),
         ..Default::default()
     })
+}
+
+fn stored(tokens: &[u32]) -> KvEvent {
+    stored_on(tokens, false)
 }
 
 /// One step a router takes.
@@ -63,8 +69,9 @@ enum Step {
     FirstToken(u8),
     /// The oldest request in flight ends.
     Finish,
-    /// An endpoint publishes that it stored a prompt.
-    Stored(u8, u8, u8, u8),
+    /// Endpoints from the first, so many, publish that they stored a prompt (on their GPU, or
+    /// offloaded to their CPU).
+    Stored(u8, u8, u8, u8, bool, u8),
     /// A health check fails (twice ejects).
     Unhealthy(u8),
     /// An endpoint leaves, or one joins.
@@ -80,11 +87,12 @@ fn arb_step() -> impl Strategy<Value = Step> {
         3 => (0u8..40).prop_map(Step::Wait),
         4 => (any::<u8>(), 0u8..4, 0u8..12, proptest::option::of(100u16..400))
             .prop_map(|(e, w, r, c)| Step::Sample(e, w, r, c)),
-        6 => (any::<u8>(), 0u8..6, 1u8..30, proptest::option::of(0u8..6))
+        6 => (prop_oneof![1 => any::<u8>(), 2 => 0u8..6], 0u8..6, 1u8..30, proptest::option::of(0u8..6))
             .prop_map(|(p, s, l, session)| Step::Request(p, s, l, session)),
         3 => (1u8..50).prop_map(Step::FirstToken),
         2 => Just(Step::Finish),
-        2 => (any::<u8>(), any::<u8>(), 0u8..6, 1u8..30).prop_map(|(e, p, s, l)| Step::Stored(e, p, s, l)),
+        3 => (any::<u8>(), 0u8..6, 0u8..6, 1u8..30, any::<bool>(), prop_oneof![3 => Just(1u8), 1 => 2u8..30])
+            .prop_map(|(e, p, s, l, cpu, n)| Step::Stored(e, p, s, l, cpu, n)),
         1 => any::<u8>().prop_map(Step::Unhealthy),
         1 => any::<u8>().prop_map(Step::Leave),
         1 => Just(Step::Join),
@@ -194,9 +202,12 @@ proptest! {
                         fleet.finished(d, Some(0), now);
                     }
                 }
-                Step::Stored(e, p, shared, len) => {
-                    let id = pick(&fleet, e);
-                    fleet.apply_events(id, &[stored(&tokens(p, shared, len))], now);
+                Step::Stored(e, p, shared, len, cpu, n) => {
+                    let event = stored_on(&tokens(p, shared, len), cpu);
+                    for k in 0..n {
+                        let id = pick(&fleet, e.wrapping_add(k));
+                        fleet.apply_events(id, std::slice::from_ref(&event), now);
+                    }
                 }
                 Step::Unhealthy(e) => {
                     let id = pick(&fleet, e);
@@ -261,6 +272,66 @@ fn a_plan_costs_the_holders_and_the_least_busy_only() {
     let plan = plan_both(&mut fleet, &features, 1, 30.0);
     assert_eq!(plan.decision.chosen(), Some(EndpointId(7)));
     assert_eq!(fleet.last_plan_viewed(), 200);
+}
+
+/// A hot prefix held by a dozen endpoints, each busy with a few decodes: each holder is bounded
+/// by what it holds, so the holders are costed before the busier endpoints that hold nothing,
+/// and every holder within the balance tolerance is costed, beyond the head of the ranking too:
+/// the one with no placements wins.
+#[test]
+fn holders_are_bounded_by_what_they_hold_and_balanced() {
+    let specs = (0..100).map(|i| spec(i * 5, MODEL)).collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    let prompt = tokens(1, 0, 60);
+    let prefix = &prompt[..40 * BS];
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = RequestFeatures {
+        model: MODEL,
+        keys: &keys,
+        prompt_tokens: prompt.len(),
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    };
+    // Holders 0–11, a little busier each (costs within 4% of each other); the rest busier.
+    for e in 0..100u32 {
+        let running = if e < 12 {
+            2.0 + 0.01 * f64::from(e)
+        } else {
+            4.0
+        };
+        let sample = LoadSample {
+            waiting: Some(0.0),
+            running: Some(running),
+            kv_usage: Some(0.5),
+            num_gpu_blocks: Some(10_000),
+        };
+        fleet.observe_load(EndpointId(e), sample, 0.0);
+        if e < 12 {
+            fleet.apply_events(EndpointId(e), &[stored(prefix)], 0.0);
+        }
+    }
+    // A placement on each holder but the last.
+    for e in 0..11u32 {
+        let other = tokens(9 + e as u8, 0, 2);
+        let other_keys = Arc::new(router_keys(&other, BS, None).unwrap());
+        let request = RequestFeatures {
+            keys: &other_keys,
+            prompt_tokens: other.len(),
+            ..features.clone()
+        };
+        let plan = fleet.plan(&request, 0, 0.0);
+        let mut d = fleet.dispatched(&plan.predicted_cached, &request, EndpointId(e), 0.0);
+        fleet.first_token(&mut d, true, 0.01);
+        fleet.finished(d, Some(0), 0.02);
+    }
+    for random in 0..10 {
+        let plan = plan_both(&mut fleet, &features, random, 1.0);
+        assert_eq!(plan.decision.chosen(), Some(EndpointId(11)));
+        assert_eq!(plan.decision.reason, crate::schedule::Reason::Balance);
+        let viewed = fleet.last_plan_viewed();
+        assert!(viewed < 40, "{viewed} endpoints viewed of 100");
+    }
 }
 
 /// A picker other than the cheapest reads every candidate: it is never pruned.

@@ -194,34 +194,38 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     (cost, held)
 }
 
-/// A lower bound of [`assess`]'s `total_s` for every candidate that holds nothing of the
-/// request (no index match, routing history or prediction: [`cached`] is zero on every tier
-/// under any cache source and index state), is not the session's endpoint, prefills at most
-/// `fastest_rate` tokens/s and has at least `busy` requests decoding and queued
-/// ([`super::EndpointLoad::decoding`] + [`super::EndpointLoad::queue`]); `None` when a weight
-/// is negative or not finite (no bound is known then).
+/// A lower bound of [`assess`]'s `total_s` for every candidate that holds at most
+/// `held_at_most` tokens of the request by any source ([`cached`]'s `all`: the larger of its
+/// index match on every tier, routing history and prediction bounds it under any cache source
+/// and index state), is not the session's endpoint, prefills at most `fastest_rate` tokens/s
+/// and has at least `busy` requests decoding and queued ([`super::EndpointLoad::decoding`] +
+/// [`super::EndpointLoad::queue`]); `None` when a weight is negative or not finite, or the rate
+/// is not a number (no bound is known then).
 ///
-/// Proof, term by term, for such a candidate with prompt `P` tokens and `rate` =
-/// `prefill_tokens_per_s.max(1)` ≤ `fastest_rate.max(1)` = `R`:
-/// - `held` is all zero, so `in_use` = `lost` = 0, `uncached` = `P` and `prefill_s` = `P /
-///   rate` ≥ `P / R`;
-/// - `tier_load` charges only tiers with tokens: `tier_load_s` = 0;
+/// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
+/// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `fastest_rate.max(1)` =
+/// `R`:
+/// - `uncached` = `P − held.all + lost` ≥ `U` (`lost` ≥ 0: GPU tokens × a share 0–1), so
+///   `prefill_s` ≥ `U / rate` ≥ `U / R`;
+/// - `tier_load_s` ≥ 0 (each tier charges tokens over a rate of at least 1, or a 0–1 share of
+///   their recompute);
 /// - `queue_s` = `queued_tokens / rate + queue × queue_wait_s` ≥ 0 (`queued_tokens` is the
 ///   larger of an unsigned count and another value, `queue` of a count and the scraped queue,
 ///   `queue_wait_s` ≥ 0);
-/// - `decode_interference_s` = `(prefill_s + 0) × (decoding + queue) × w_di` ≥ `P / R × busy ×
-///   w_di` (both factors are non-negative: `decoding` and `queue` are each the larger of a
-///   count and a scraped value);
+/// - `decode_interference_s` = `(prefill_s + tier_load_s) × (decoding + queue) × w_di` ≥ `U / R
+///   × busy × w_di` (both factors are non-negative: `decoding` and `queue` are each the larger
+///   of a count and a scraped value);
 /// - `eviction_s` ≥ 0 (a non-negative count of blocks × block size / rate × a reuse clamped to
 ///   0–1), and `session_credit_s` = 0.
 ///
-/// So `total_s` = `w_prefix × prefill_s + w_eviction × eviction_s + w_load × (queue_s +
-/// decode_interference_s)` ≥ `P / R × (w_prefix + w_load × w_di × busy)` when every weight is
-/// ≥ 0. The bound is taken a relative 1e-9 lower, far more than the rounding of either side
-/// (a few ulps of each term).
-pub fn floor_without_cache(
+/// So `total_s` = `w_prefix × (prefill_s + tier_load_s) + w_eviction × eviction_s + w_load ×
+/// (queue_s + decode_interference_s)` ≥ `U / R × (w_prefix + w_load × w_di × busy)` when every
+/// weight is ≥ 0. The bound is taken a relative 1e-9 lower, far more than the rounding of either
+/// side (a few ulps of each term).
+pub fn cost_floor(
     profile: &Profile,
     request: &RequestInfo,
+    held_at_most: usize,
     busy: f64,
     fastest_rate: f64,
 ) -> Option<f64> {
@@ -236,7 +240,8 @@ pub fn floor_without_cache(
     if !weights.iter().all(|w| w.is_finite() && *w >= 0.0) || fastest_rate.is_nan() {
         return None;
     }
-    let prefill_s = request.prompt_tokens as f64 / fastest_rate.max(1.0);
+    let uncached = request.prompt_tokens - held_at_most.min(request.prompt_tokens);
+    let prefill_s = uncached as f64 / fastest_rate.max(1.0);
     let floor = prefill_s * (w.prefix + w.load * w.decode_interference * busy.max(0.0));
     Some(floor * (1.0 - 1e-9))
 }

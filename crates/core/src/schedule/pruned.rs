@@ -1,25 +1,28 @@
 //! Costing only the endpoints that can come near the best, so that a decision's work follows
-//! the endpoints that hold part of the prompt, not the fleet's size.
+//! the endpoints that can win, not the fleet's size.
 //!
-//! An endpoint that holds none of the prompt's blocks (no index match on any tier, no routing
-//! history, no prediction) and is not the session's differs from every other such endpoint only
-//! through its load: its cost is at least [`cost::floor_without_cache`] of its requests decoding
-//! and queued ("busy") and the fleet's fastest prefill rate, a bound that grows with `busy`.
-//! [`LoadOrder`] keeps the endpoints ordered by a lower bound of their `busy`, updated when
-//! their load changes. [`schedule_pruned`] costs exactly every endpoint that holds part of the
-//! prompt (and the session's), then the others in that order, and stops at the first whose
-//! bound exceeds every cost the decision can still read:
+//! An endpoint's cost is at least [`cost::cost_floor`] of what it can hold of the prompt at
+//! most, its requests decoding and queued ("busy") and the fleet's fastest prefill rate: a bound
+//! that grows with `busy` and shrinks with what it holds. An endpoint that holds none of the
+//! prompt's blocks (no index match on any tier, no routing history, no prediction) differs from
+//! every other such endpoint only through its load. [`LoadOrder`] keeps the endpoints ordered by
+//! a lower bound of their `busy`, updated when their load changes. [`schedule_pruned`] costs the
+//! session's endpoint, then two streams, each in increasing order of its bound: the endpoints
+//! that hold part of the prompt (a short list, sorted by their bound at each decision) and the
+//! rest (the load order). A stream ends at the first endpoint whose bound exceeds every cost the
+//! decision can still read:
 //! - the cost of the `depth`-th best so far (the head of the ranking, ties included: a bound
 //!   equal to it is still costed);
-//! - the balance limit (the cheapest's cost plus the tolerance) while the cheapest holds
-//!   nothing of the prompt (balancing reads every near-equal cost that holds at least as much
-//!   as the cheapest, so it reads the empty ones only then).
+//! - the balance limit (the cheapest's cost plus the tolerance), which balancing reads among
+//!   the costs that hold at least as much as the cheapest: for the holders always, for the rest
+//!   (which hold nothing) only while the cheapest holds nothing.
 //!
-//! Every endpoint left out costs more than both, so it is neither in the head of the ranking nor
-//! among the near-equal costs, and the winner, reason and head are those of [`super::schedule`].
-//! The walk does not stop before more than `depth` competitors are costed (with fewer, the
-//! caller ranks everything as before) nor before one of them is unsaturated (whether every
-//! competitor is saturated is a fact about all of them).
+//! Both only fall as endpoints are costed, so every endpoint left out costs more than both at
+//! the end: it is neither in the head of the ranking nor among the near-equal costs, and the
+//! winner, reason and head are those of [`super::schedule`]. The walk does not stop before more
+//! than `depth` competitors are costed (with fewer, the caller ranks everything as before) nor
+//! before one of them is unsaturated (whether every competitor is saturated is a fact about all
+//! of them).
 
 use std::collections::BTreeSet;
 
@@ -163,6 +166,7 @@ pub struct PruneBuffers {
     candidates: Vec<Candidate>,
     standings: Vec<Standing>,
     best: Vec<f64>,
+    by_floor: Vec<(f64, EndpointId)>,
 }
 
 /// What the walk has found so far.
@@ -204,14 +208,15 @@ impl Walk<'_> {
         self.candidates.push(c);
     }
 
-    /// The highest cost a decision can still read (`None`: any).
-    fn stop(&self, profile: &Profile) -> Option<f64> {
+    /// The highest cost a decision can still read from an endpoint that holds part of the
+    /// prompt (`holds`) or none of it (`None`: any).
+    fn stop(&self, profile: &Profile, holds: bool) -> Option<f64> {
         let cheapest = self.cheapest?;
         if self.standings.len() <= self.depth || !self.any_unsaturated {
             return None;
         }
         let head = self.best[self.depth - 1];
-        Some(if cheapest.cached == 0 {
+        Some(if holds || cheapest.cached == 0 {
             head.max(balance_limit(profile, cheapest.total))
         } else {
             head
@@ -220,17 +225,18 @@ impl Walk<'_> {
 }
 
 /// Ranks the best `depth` (at least 2) endpoints for `request` as [`super::schedule_near_best`]
-/// does over every endpoint, costing only those that can matter (see the module's doc):
-/// `holders` (sorted, every endpoint holding any part of the prompt by any source, and the
-/// session's), then the rest of `order` while the bound can reach the head or the balance
-/// limit. `fastest_rate`: at least every endpoint's prefill rate, tokens/s. `candidate` builds
-/// an endpoint's view. `None` when the profile's picker reads every candidate, or when no more
-/// than `depth` endpoints compete (rank them all then).
+/// does over every endpoint, costing only those that can matter (see the module's doc): the
+/// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
+/// prompt by any source, with the most tokens it can hold by any) and the rest of `order`,
+/// each while its bound can reach the head or the balance limit. `fastest_rate`: at least
+/// every endpoint's prefill rate, tokens/s. `candidate` builds an endpoint's view. `None` when
+/// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
+/// (rank them all then).
 #[allow(clippy::too_many_arguments)]
 pub fn schedule_pruned(
     profile: &Profile,
     request: &RequestInfo,
-    holders: &[EndpointId],
+    holders: &[(EndpointId, usize)],
     order: &LoadOrder,
     fastest_rate: f64,
     mut candidate: impl FnMut(EndpointId) -> Candidate,
@@ -246,10 +252,30 @@ pub fn schedule_pruned(
         candidates,
         standings,
         best,
+        by_floor,
     } = buffers;
     candidates.clear();
     standings.clear();
     best.clear();
+    let session = request.session_endpoint;
+    let floor = |held: usize, busy: f64| {
+        cost::cost_floor(profile, request, held, busy, fastest_rate).unwrap_or(f64::NEG_INFINITY)
+    };
+    // The holders by their bound (one not in the order is not present: costed first, and
+    // rejected).
+    by_floor.clear();
+    by_floor.extend(
+        holders
+            .iter()
+            .filter(|(id, _)| Some(*id) != session)
+            .map(|&(id, held)| {
+                let bound = order
+                    .busy(id)
+                    .map_or(f64::NEG_INFINITY, |busy| floor(held, busy));
+                (bound, id)
+            }),
+    );
+    by_floor.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut walk = Walk {
         depth,
         random,
@@ -259,19 +285,45 @@ pub fn schedule_pruned(
         standings,
         best,
     };
-    for &id in holders {
+    if let Some(id) = session {
         walk.consider(profile, request, candidate(id));
     }
-    for (busy, id) in order.iter() {
-        if let Some(stop) = walk.stop(profile)
-            && cost::floor_without_cache(profile, request, busy, fastest_rate)
-                .is_some_and(|floor| floor > stop)
+    let mut held = by_floor.iter().copied().peekable();
+    let mut rest = order
+        .iter()
+        .filter(|&(_, id)| {
+            Some(id) != session && holders.binary_search_by_key(&id, |h| h.0).is_err()
+        })
+        .map(|(busy, id)| (floor(0, busy), id))
+        .peekable();
+    loop {
+        let next_held = held.peek().copied();
+        let next_rest = rest.peek().copied();
+        let take_held = match (next_held, next_rest) {
+            (None, None) => break,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (Some(h), Some(r)) => h.0 <= r.0,
+        };
+        let (bound, id) = if take_held { next_held } else { next_rest }.expect("one is next");
+        if walk
+            .stop(profile, take_held)
+            .is_some_and(|stop| bound > stop)
         {
-            break;
+            // Every later endpoint of this stream is bounded higher, and the stop only falls.
+            if take_held {
+                held.by_ref().for_each(drop);
+            } else {
+                break;
+            }
+            continue;
         }
-        if holders.binary_search(&id).is_err() {
-            walk.consider(profile, request, candidate(id));
+        if take_held {
+            held.next();
+        } else {
+            rest.next();
         }
+        walk.consider(profile, request, candidate(id));
     }
     if walk.standings.len() <= depth {
         return None;

@@ -4,11 +4,12 @@
 //! [`LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
-use crate::index::{EndpointId, KvIndex, PrefixMatch, PrefixMatches, SharedIndex};
+use crate::index::{EndpointId, PrefixMatch, PrefixMatches};
 use crate::schedule::{CacheView, Candidate, IndexState, RequestInfo, schedule_pruned};
 use crate::tiers::TierTokens;
 
 /// What every endpoint's view in one plan is made from.
+#[derive(Clone, Copy)]
 pub(super) struct PlanInputs<'a> {
     /// The model the request names.
     pub(super) model: &'a str,
@@ -161,13 +162,13 @@ impl Fleet {
 
     /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
     /// index, the history or the prediction, or the session's) and the least busy of the rest
-    /// are viewed and costed. `None` when it cannot (no more than `depth` competitors, or a
+    /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it cannot (no more than `depth` competitors, or a
     /// picker that reads every candidate): plan every endpoint then. `fastest_rate`: at least
     /// every endpoint's prefill rate.
     pub(super) fn plan_pruned(
         &mut self,
         inputs: &PlanInputs<'_>,
-        index: Option<&SharedIndex>,
+        held: impl Fn(EndpointId) -> u64,
         info: &RequestInfo,
         fastest_rate: f64,
         random: u64,
@@ -204,11 +205,6 @@ impl Fleet {
                 .iter()
                 .map(|&(id, blocks)| (id, (blocks as usize).saturating_mul(bs))),
         );
-        let held = |id: EndpointId| {
-            index.map_or(0, |index| {
-                index.read_endpoint(id, |i: &KvIndex| i.gpu_blocks(id))
-            })
-        };
         // Every endpoint but the holders holds nothing of the prompt: it is expected to report
         // nothing.
         let mut predicted_cached = vec![0; self.endpoints.len()];

@@ -483,37 +483,50 @@ impl Fleet {
             && self.disagg.is_none()
             && depth.is_some_and(|depth| self.endpoints.len() > depth);
         let index = self.index_for_block_size(bs).cloned();
-        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match &index {
-            // The pruned plan reads the fill of the endpoints it costs only.
-            Some(index) if pruned => index.lookup_and_gpu_blocks(keys, []),
-            // One read of each index shard for both: the request's matches and each
-            // endpoint's fill.
-            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
-            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
-        };
-        let inputs = costing::PlanInputs {
+        let history = self.history.longest_prefixes(keys, now);
+        let predicted = self.predicted.longest_prefixes(keys, now);
+        let no_matches = PrefixMatches::default();
+        let base = costing::PlanInputs {
             model: request.model,
             block_size: bs,
-            index_matches: &index_matches,
-            history: &self.history.longest_prefixes(keys, now),
-            predicted: &self.predicted.longest_prefixes(keys, now),
+            index_matches: &no_matches,
+            history: &history,
+            predicted: &predicted,
             reportable: request.prompt_tokens.saturating_sub(1) / bs,
             prior_rate,
             now,
         };
         self.round_robin = self.round_robin.wrapping_add(1);
-        if let (true, Some(depth)) = (pruned, depth)
-            && let Some(plan) = self.plan_pruned(
-                &inputs,
-                index.as_deref(),
-                &info,
-                fastest.max(prior_rate),
-                random,
-                depth,
-            )
-        {
-            return plan;
+        if let (true, Some(depth)) = (pruned, depth) {
+            let fastest = fastest.max(prior_rate);
+            // One read of every index shard for the request's matches and the fill of the
+            // endpoints costed.
+            let planned = match &index {
+                Some(index) => index.read(|read| {
+                    let held = |id| read.endpoint_stats(id).map_or(0, |s| s.blocks_gpu);
+                    let matches = read.lookup(keys);
+                    let inputs = costing::PlanInputs {
+                        index_matches: &matches,
+                        ..base
+                    };
+                    self.plan_pruned(&inputs, held, &info, fastest, random, depth)
+                }),
+                None => self.plan_pruned(&base, |_| 0, &info, fastest, random, depth),
+            };
+            if let Some(plan) = planned {
+                return plan;
+            }
         }
+        // One read of each index shard for both: the request's matches and each endpoint's
+        // fill.
+        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match &index {
+            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
+            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
+        };
+        let inputs = costing::PlanInputs {
+            index_matches: &index_matches,
+            ..base
+        };
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
         self.last_plan_viewed = self.endpoints.len();
@@ -522,11 +535,7 @@ impl Fleet {
         let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
         let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
         for e in &self.endpoints {
-            let held = match (&index, pruned) {
-                (Some(index), true) => index.read_endpoint(e.id, |i| i.gpu_blocks(e.id)),
-                _ => held_blocks[e.id.0 as usize],
-            };
-            let view = self.view(&inputs, e, held);
+            let view = self.view(&inputs, e, held_blocks[e.id.0 as usize]);
             predicted_cached.push(view.predicted_tokens);
             predicted_tiers.push(view.predicted_tiers);
             if explain {

@@ -163,14 +163,12 @@ impl Fleet {
     /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
     /// index, the history or the prediction, or the session's) and the least busy of the rest
     /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it cannot (no more than `depth` competitors, or a
-    /// picker that reads every candidate): plan every endpoint then. `fastest_rate`: at least
-    /// every endpoint's prefill rate.
+    /// picker that reads every candidate): plan every endpoint then.
     pub(super) fn plan_pruned(
         &mut self,
         inputs: &PlanInputs<'_>,
         held: impl Fn(EndpointId) -> u64,
         info: &RequestInfo,
-        fastest_rate: f64,
         random: u64,
         depth: usize,
     ) -> Option<Plan> {
@@ -180,6 +178,13 @@ impl Fleet {
             self.load_changed(id);
         }
         self.expired_samples = expired;
+        // Keys assume this decision's prior rate from now on; every key is set again when it
+        // rose too far above the lowest one they assume.
+        if self.load_order.assume_prior(inputs.prior_rate) {
+            for at in 0..self.endpoints.len() {
+                self.load_changed(EndpointId(at as u32));
+            }
+        }
         // Every endpoint holding part of the prompt, with the most it can hold by any source.
         let bs = inputs.block_size;
         let mut holders = std::mem::take(&mut self.holders);
@@ -200,11 +205,10 @@ impl Fleet {
         });
         let mut holding = std::mem::take(&mut self.holding);
         holding.clear();
-        holding.extend(
-            holders
-                .iter()
-                .map(|&(id, blocks)| (id, (blocks as usize).saturating_mul(bs))),
-        );
+        holding.extend(holders.iter().map(|&(id, blocks)| {
+            let rate = self.endpoints[id.0 as usize].prefill_rate_toward(inputs.prior_rate);
+            (id, (blocks as usize).saturating_mul(bs), rate)
+        }));
         // Every endpoint but the holders holds nothing of the prompt: it is expected to report
         // nothing.
         let mut predicted_cached = vec![0; self.endpoints.len()];
@@ -221,7 +225,7 @@ impl Fleet {
             info,
             &holding,
             &self.load_order,
-            fastest_rate,
+            inputs.prior_rate,
             |id| {
                 viewed += 1;
                 let e = &self.endpoints[id.0 as usize];
@@ -243,15 +247,18 @@ impl Fleet {
         })
     }
 
-    /// Sets `id`'s place in the load order from its load now (call whenever its in-flight
-    /// counts or its load sample change, or it leaves or joins).
+    /// Sets `id`'s place in the load order from its load and prefill rate now (call whenever
+    /// its in-flight counts, its load sample or its observed rate change, or it leaves or
+    /// joins).
     pub(super) fn load_changed(&mut self, id: EndpointId) {
         let Some(e) = self.endpoints.get(id.0 as usize) else {
             return;
         };
         if e.present {
             let busy = e.busy(self.load_order.counts_sample(id));
-            self.load_order.set(id, busy);
+            let own = e.observed_prefill_rate().unwrap_or(0.0);
+            let key = self.load_order.key(&self.profile, busy, own);
+            self.load_order.set(id, busy, key);
         } else {
             self.load_order.remove(id);
         }

@@ -24,35 +24,24 @@ const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 pub fn pooled_prefill_rate<'a>(
     endpoints: impl IntoIterator<Item = &'a EndpointState>,
 ) -> Option<f64> {
-    pooled_and_fastest_prefill_rates(endpoints).0
-}
-
-/// [`pooled_prefill_rate`], and the fastest observed rate (0 when none is observed), in one
-/// pass.
-pub fn pooled_and_fastest_prefill_rates<'a>(
-    endpoints: impl IntoIterator<Item = &'a EndpointState>,
-) -> (Option<f64>, f64) {
     let (mut weighted, mut weights, mut sum, mut count) = (0.0, 0.0, 0.0, 0usize);
-    let mut fastest = 0.0f64;
     for e in endpoints {
         let Some(rate) = e.observed_prefill_rate() else {
             continue;
         };
-        fastest = fastest.max(rate);
         let w = e.prefill_rate_freshness();
         weighted += w * rate;
         weights += w;
         sum += rate;
         count += 1;
     }
-    let pooled = if count == 0 {
+    if count == 0 {
         None
     } else if weights > 1e-6 {
         Some(weighted / weights)
     } else {
         Some(sum / count as f64)
-    };
-    (pooled, fastest)
+    }
 }
 
 /// What the router is told about an endpoint when it joins the fleet.

@@ -45,7 +45,7 @@ pub use admit::{Admission, HeldTurn};
 pub use disagg::DisaggConfig;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
-    PREFILL_RATE_SAMPLE_WEIGHT, pooled_and_fastest_prefill_rates, pooled_prefill_rate,
+    PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
@@ -273,7 +273,7 @@ pub struct Fleet {
     /// those whose load sample expired.
     prune_buffers: PruneBuffers,
     holders: Vec<(EndpointId, u32)>,
-    holding: Vec<(EndpointId, usize)>,
+    holding: Vec<(EndpointId, usize, f64)>,
     expired_samples: Vec<EndpointId>,
     /// Endpoints the last plan viewed and costed.
     last_plan_viewed: usize,
@@ -296,6 +296,7 @@ impl Fleet {
             .enumerate()
             .map(|(i, spec)| EndpointState::new(EndpointId(i as u32), spec))
             .collect();
+        let default_rate = config.default_prefill_tokens_per_s;
         let mut fleet = Self {
             history: RoutingHistory::new(config.history_ttl_s, config.history_capacity),
             predicted: RoutingHistory::new(config.predicted_ttl_s, config.predicted_capacity),
@@ -316,7 +317,7 @@ impl Fleet {
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
             peer_load: Default::default(),
-            load_order: LoadOrder::default(),
+            load_order: LoadOrder::new(default_rate),
             prune: true,
             prune_buffers: PruneBuffers::default(),
             holders: Vec::new(),
@@ -460,8 +461,7 @@ impl Fleet {
         let keys = request.keys.as_slice();
         // An endpoint not yet observed is assumed as fast as the observed ones (fleets are
         // mostly uniform); the configured rate is the prior when none is observed yet.
-        let (pooled, fastest) =
-            pooled_and_fastest_prefill_rates(self.endpoints.iter().filter(|e| e.present));
+        let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
         let session_endpoint = request.session.and_then(|s| self.sessions.get(s));
         let info = RequestInfo {
@@ -498,7 +498,6 @@ impl Fleet {
         };
         self.round_robin = self.round_robin.wrapping_add(1);
         if let (true, Some(depth)) = (pruned, depth) {
-            let fastest = fastest.max(prior_rate);
             // One read of every index shard for the request's matches and the fill of the
             // endpoints costed.
             let planned = match &index {
@@ -509,9 +508,9 @@ impl Fleet {
                         index_matches: &matches,
                         ..base
                     };
-                    self.plan_pruned(&inputs, held, &info, fastest, random, depth)
+                    self.plan_pruned(&inputs, held, &info, random, depth)
                 }),
-                None => self.plan_pruned(&base, |_| 0, &info, fastest, random, depth),
+                None => self.plan_pruned(&base, |_| 0, &info, random, depth),
             };
             if let Some(plan) = planned {
                 return plan;
@@ -802,6 +801,8 @@ impl Fleet {
                 e.tier_rates.baseline.observe(tokens as f64, seconds);
             }
         }
+        // Its own prefill rate is part of its key in the load order.
+        self.load_changed(dispatch.endpoint);
         if !dispatch.keys.is_empty() {
             let expiry = now + self.config.prediction_grace_s;
             self.predicted

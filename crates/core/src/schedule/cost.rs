@@ -197,13 +197,13 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 /// A lower bound of [`assess`]'s `total_s` for every candidate that holds at most
 /// `held_at_most` tokens of the request by any source ([`cached`]'s `all`: the larger of its
 /// index match on every tier, routing history and prediction bounds it under any cache source
-/// and index state), is not the session's endpoint, prefills at most `fastest_rate` tokens/s
+/// and index state), is not the session's endpoint, prefills at most `rate_at_most` tokens/s
 /// and has at least `busy` requests decoding and queued ([`super::EndpointLoad::decoding`] +
 /// [`super::EndpointLoad::queue`]); `None` when a weight is negative or not finite, or the rate
 /// is not a number (no bound is known then).
 ///
 /// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
-/// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `fastest_rate.max(1)` =
+/// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `rate_at_most.max(1)` =
 /// `R`:
 /// - `uncached` = `P − held.all + lost` ≥ `U` (`lost` ≥ 0: GPU tokens × a share 0–1), so
 ///   `prefill_s` ≥ `U / rate` ≥ `U / R`;
@@ -227,8 +227,20 @@ pub fn cost_floor(
     request: &RequestInfo,
     held_at_most: usize,
     busy: f64,
-    fastest_rate: f64,
+    rate_at_most: f64,
 ) -> Option<f64> {
+    if rate_at_most.is_nan() {
+        return None;
+    }
+    let uncached = request.prompt_tokens - held_at_most.min(request.prompt_tokens);
+    let floor = uncached as f64 * floor_per_token_second(profile, busy)? / rate_at_most.max(1.0);
+    Some(floor * (1.0 - 1e-9))
+}
+
+/// The factor of [`cost_floor`] that depends on the profile and the load only: `w_prefix +
+/// w_load × w_di × busy` (the bound is `U / R` times it), not below zero; `None` when a weight
+/// is negative or not finite.
+pub fn floor_per_token_second(profile: &Profile, busy: f64) -> Option<f64> {
     let w = &profile.weights;
     let weights = [
         w.prefix,
@@ -237,13 +249,10 @@ pub fn cost_floor(
         w.eviction,
         profile.queue_wait_s,
     ];
-    if !weights.iter().all(|w| w.is_finite() && *w >= 0.0) || fastest_rate.is_nan() {
+    if !weights.iter().all(|w| w.is_finite() && *w >= 0.0) {
         return None;
     }
-    let uncached = request.prompt_tokens - held_at_most.min(request.prompt_tokens);
-    let prefill_s = uncached as f64 / fastest_rate.max(1.0);
-    let floor = prefill_s * (w.prefix + w.load * w.decode_interference * busy.max(0.0));
-    Some(floor * (1.0 - 1e-9))
+    Some(w.prefix + w.load * w.decode_interference * busy.max(0.0))
 }
 
 /// Expected seconds of re-prefill that placing the request on `c` makes others pay: the blocks

@@ -2,13 +2,14 @@
 //! the endpoints that can win, not the fleet's size.
 //!
 //! An endpoint's cost is at least [`cost::cost_floor`] of what it can hold of the prompt at
-//! most, its requests decoding and queued ("busy") and the fleet's fastest prefill rate: a bound
-//! that grows with `busy` and shrinks with what it holds. An endpoint that holds none of the
+//! most, its requests decoding and queued ("busy") and its prefill rate: a bound that grows with
+//! `busy` and shrinks with what it holds and its rate. An endpoint that holds none of the
 //! prompt's blocks (no index match on any tier, no routing history, no prediction) differs from
-//! every other such endpoint only through its load. [`LoadOrder`] keeps the endpoints ordered by
-//! a lower bound of their `busy`, updated when their load changes. [`schedule_pruned`] costs the
-//! session's endpoint, then two streams, each in increasing order of its bound: the endpoints
-//! that hold part of the prompt (a short list, sorted by their bound at each decision) and the
+//! every other such endpoint only through its load and rate: [`LoadOrder`] keeps the endpoints
+//! ordered by a lower bound of their cost per prompt token then, updated when their load or rate
+//! changes. [`schedule_pruned`] costs the session's endpoint, then two streams, each in
+//! increasing order of its bound: the endpoints that hold part of the prompt (a short list,
+//! sorted by their bound at each decision) and the
 //! rest (the load order). A stream ends at the first endpoint whose bound exceeds every cost the
 //! decision can still read:
 //! - the cost of the `depth`-th best so far (the head of the ranking, ties included: a bound
@@ -53,53 +54,120 @@ fn from_order_bits(key: u64) -> f64 {
     }
 }
 
-/// The endpoints in increasing order of a lower bound of their busy count (requests decoding
-/// and queued, as the scheduler reads them), kept by the fleet as their load changes.
+/// How far the prior prefill rate may rise above the lowest one the keys were set with before
+/// every key is set again: the bound of an endpoint that holds nothing loosens by as much.
+const PRIOR_DRIFT: f64 = 0.01;
+
+/// The endpoints in increasing order of a lower bound of their cost per prompt token while
+/// they hold nothing of a prompt ("key"), kept by the fleet as their load and prefill rate
+/// change, with a lower bound of their busy count (requests decoding and queued, as the
+/// scheduler reads them).
 ///
-/// A bound may count a scraped load sample only while the sample is fresh: the owner says when
+/// An endpoint's key is [`cost::floor_per_token_second`] of its busy count over the larger of
+/// its own observed prefill rate, the prior rate the keys assume (the fleet's pooled rate when
+/// it was set) and 1: its costed rate is its own and the prior at the decision mixed, so never
+/// above that larger one once the prior at the decision is scaled in ([`LoadOrder::scale`]).
+///
+/// A key may count a scraped load sample only while the sample is fresh: the owner says when
 /// each counted sample expires ([`LoadOrder::sample_expires`]), and [`LoadOrder::expire`] hands
-/// back the endpoints whose sample expired, whose bound must be set again without it. Without
+/// back the endpoints whose sample expired, whose key must be set again without it. Without
 /// its sample an endpoint's busy count is only the router's own, never more than with it, so a
-/// bound set while the sample counted stays a lower bound until then.
-#[derive(Debug, Default)]
+/// key set while the sample counted stays a lower bound until then.
+#[derive(Debug)]
 pub struct LoadOrder {
-    by_busy: BTreeSet<(u64, u32)>,
-    busy_of: Vec<Option<u64>>,
+    by_key: BTreeSet<(u64, u32)>,
+    key_of: Vec<Option<u64>>,
+    busy_of: Vec<f64>,
     expiries: BTreeSet<(u64, u32)>,
     expiry_of: Vec<Option<u64>>,
+    /// The prior rate keys are set with now.
+    prior: f64,
+    /// The lowest prior rate any key in the order was set with.
+    lowest_prior: f64,
 }
 
 impl LoadOrder {
-    fn slot(list: &mut Vec<Option<u64>>, endpoint: EndpointId) -> &mut Option<u64> {
+    /// An empty order whose keys assume the prior rate `prior` (tokens/s).
+    pub fn new(prior: f64) -> Self {
+        Self {
+            by_key: BTreeSet::new(),
+            key_of: Vec::new(),
+            busy_of: Vec::new(),
+            expiries: BTreeSet::new(),
+            expiry_of: Vec::new(),
+            prior,
+            lowest_prior: prior,
+        }
+    }
+
+    fn slot<T: Clone + Default>(list: &mut Vec<T>, endpoint: EndpointId) -> &mut T {
         let at = endpoint.0 as usize;
         if list.len() <= at {
-            list.resize(at + 1, None);
+            list.resize(at + 1, T::default());
         }
         &mut list[at]
     }
 
-    /// Sets `endpoint`'s bound to `busy` (placing it in the order).
-    pub fn set(&mut self, endpoint: EndpointId, busy: f64) {
+    /// The prior rate keys are set with now: the key of an endpoint with busy count `busy` and
+    /// observed prefill rate `own` (0 if none) under `profile`.
+    pub fn key(&self, profile: &Profile, busy: f64, own: f64) -> f64 {
+        cost::floor_per_token_second(profile, busy).unwrap_or(0.0) / own.max(self.prior).max(1.0)
+    }
+
+    /// Keys are set with the prior rate `prior` from now on. `true` when it rose more than
+    /// [`PRIOR_DRIFT`] above the lowest prior of the keys in the order: set every key again (the
+    /// order then assumes `prior` alone).
+    pub fn assume_prior(&mut self, prior: f64) -> bool {
+        if !(prior.is_finite() && prior > 0.0) {
+            return false;
+        }
+        self.prior = prior;
+        if prior > self.lowest_prior * (1.0 + PRIOR_DRIFT) {
+            self.lowest_prior = prior;
+            return true;
+        }
+        self.lowest_prior = self.lowest_prior.min(prior);
+        false
+    }
+
+    /// What a key is multiplied by for a decision whose prior rate is `prior`: a key assumed a
+    /// prior of at least the lowest one, and a costed rate rises at most in proportion to the
+    /// prior (0 for a prior that is not a positive number: no bound).
+    pub fn scale(&self, prior: f64) -> f64 {
+        if prior.is_finite() && prior > 0.0 {
+            (self.lowest_prior / prior).min(1.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// Sets `endpoint`'s busy count bound and key (placing it in the order).
+    pub fn set(&mut self, endpoint: EndpointId, busy: f64, key: f64) {
         // `+ 0.0` turns a negative zero into zero; a NaN counts as nothing.
-        let key = order_bits(if busy.is_nan() { 0.0 } else { busy + 0.0 });
-        let old = Self::slot(&mut self.busy_of, endpoint).replace(key);
+        let key = order_bits(if key.is_nan() {
+            0.0
+        } else {
+            key.max(0.0) + 0.0
+        });
+        *Self::slot(&mut self.busy_of, endpoint) = busy;
+        let old = Self::slot(&mut self.key_of, endpoint).replace(key);
         if old != Some(key) {
             if let Some(old) = old {
-                self.by_busy.remove(&(old, endpoint.0));
+                self.by_key.remove(&(old, endpoint.0));
             }
-            self.by_busy.insert((key, endpoint.0));
+            self.by_key.insert((key, endpoint.0));
         }
     }
 
     /// Takes `endpoint` out of the order (it is no longer planned).
     pub fn remove(&mut self, endpoint: EndpointId) {
-        if let Some(old) = Self::slot(&mut self.busy_of, endpoint).take() {
-            self.by_busy.remove(&(old, endpoint.0));
+        if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
+            self.by_key.remove(&(old, endpoint.0));
         }
         self.sample_expires(endpoint, None);
     }
 
-    /// The load sample `endpoint`'s bound counts stops being fresh at `at` (`None`: its bound
+    /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
     /// counts no sample).
     pub fn sample_expires(&mut self, endpoint: EndpointId, at: Option<f64>) {
         let key = at.map(order_bits);
@@ -112,7 +180,7 @@ impl LoadOrder {
         }
     }
 
-    /// Whether `endpoint`'s bound may count its load sample.
+    /// Whether `endpoint`'s key may count its load sample.
     pub fn counts_sample(&self, endpoint: EndpointId) -> bool {
         self.expiry_of
             .get(endpoint.0 as usize)
@@ -120,7 +188,7 @@ impl LoadOrder {
     }
 
     /// Stops counting every sample that is stale at `now` (or within a slack of it), and adds
-    /// their endpoints to `expired`: set their bounds again.
+    /// their endpoints to `expired`: set their keys again.
     pub fn expire(&mut self, now: f64, expired: &mut Vec<EndpointId>) {
         let horizon = order_bits(now + EXPIRY_SLACK_S);
         while let Some(&(key, id)) = self.expiries.first() {
@@ -133,9 +201,19 @@ impl LoadOrder {
         }
     }
 
-    /// `endpoint`'s bound, if it is in the order.
+    /// `endpoint`'s busy count bound, if it is in the order.
     pub fn busy(&self, endpoint: EndpointId) -> Option<f64> {
-        self.busy_of
+        let at = endpoint.0 as usize;
+        self.key_of
+            .get(at)
+            .copied()
+            .flatten()
+            .map(|_| self.busy_of[at])
+    }
+
+    /// `endpoint`'s key, if it is in the order.
+    pub fn key_of(&self, endpoint: EndpointId) -> Option<f64> {
+        self.key_of
             .get(endpoint.0 as usize)
             .copied()
             .flatten()
@@ -144,17 +222,17 @@ impl LoadOrder {
 
     /// Endpoints in the order.
     pub fn len(&self) -> usize {
-        self.by_busy.len()
+        self.by_key.len()
     }
 
     /// Whether no endpoint is in the order.
     pub fn is_empty(&self) -> bool {
-        self.by_busy.is_empty()
+        self.by_key.is_empty()
     }
 
-    /// The endpoints, least busy first, with their bounds.
+    /// The endpoints, lowest key first, with their keys.
     pub fn iter(&self) -> impl Iterator<Item = (f64, EndpointId)> + '_ {
-        self.by_busy
+        self.by_key
             .iter()
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
@@ -227,18 +305,19 @@ impl Walk<'_> {
 /// Ranks the best `depth` (at least 2) endpoints for `request` as [`super::schedule_near_best`]
 /// does over every endpoint, costing only those that can matter (see the module's doc): the
 /// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
-/// prompt by any source, with the most tokens it can hold by any) and the rest of `order`,
-/// each while its bound can reach the head or the balance limit. `fastest_rate`: at least
-/// every endpoint's prefill rate, tokens/s. `candidate` builds an endpoint's view. `None` when
+/// prompt by any source, with the most tokens it can hold by any and at least its costed
+/// prefill rate) and the rest of `order`, each while its bound can reach the head or the
+/// balance limit. `prior_rate`: the prior prefill rate of this decision's costed rates.
+/// `candidate` builds an endpoint's view. `None` when
 /// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
 /// (rank them all then).
 #[allow(clippy::too_many_arguments)]
 pub fn schedule_pruned(
     profile: &Profile,
     request: &RequestInfo,
-    holders: &[(EndpointId, usize)],
+    holders: &[(EndpointId, usize, f64)],
     order: &LoadOrder,
-    fastest_rate: f64,
+    prior_rate: f64,
     mut candidate: impl FnMut(EndpointId) -> Candidate,
     random: u64,
     depth: usize,
@@ -258,23 +337,17 @@ pub fn schedule_pruned(
     standings.clear();
     best.clear();
     let session = request.session_endpoint;
-    let floor = |held: usize, busy: f64| {
-        cost::cost_floor(profile, request, held, busy, fastest_rate).unwrap_or(f64::NEG_INFINITY)
-    };
     // The holders by their bound (one not in the order is not present: costed first, and
     // rejected).
     by_floor.clear();
-    by_floor.extend(
-        holders
-            .iter()
-            .filter(|(id, _)| Some(*id) != session)
-            .map(|&(id, held)| {
-                let bound = order
-                    .busy(id)
-                    .map_or(f64::NEG_INFINITY, |busy| floor(held, busy));
-                (bound, id)
-            }),
-    );
+    by_floor.extend(holders.iter().filter(|(id, ..)| Some(*id) != session).map(
+        |&(id, held, rate)| {
+            let bound = order
+                .busy(id)
+                .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
+            (bound.unwrap_or(f64::NEG_INFINITY), id)
+        },
+    ));
     by_floor.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut walk = Walk {
         depth,
@@ -289,16 +362,24 @@ pub fn schedule_pruned(
         walk.consider(profile, request, candidate(id));
     }
     let mut held = by_floor.iter().copied().peekable();
+    // The rest hold nothing: the whole prompt is uncached (see `LoadOrder` for the key).
+    let per_key = match cost::floor_per_token_second(profile, 0.0) {
+        Some(_) => request.prompt_tokens as f64 * order.scale(prior_rate) * (1.0 - 1e-9),
+        None => f64::NEG_INFINITY,
+    };
     let mut rest = order
         .iter()
         .filter(|&(_, id)| {
             Some(id) != session && holders.binary_search_by_key(&id, |h| h.0).is_err()
         })
-        .map(|(busy, id)| (floor(0, busy), id))
+        .map(|(key, id)| (key * per_key, id))
         .peekable();
+    // A stream ends at its first bound past the stop: every later one of it is bounded higher,
+    // and the stop only falls. The other stream goes on.
+    let (mut held_done, mut rest_done) = (false, false);
     loop {
-        let next_held = held.peek().copied();
-        let next_rest = rest.peek().copied();
+        let next_held = held.peek().copied().filter(|_| !held_done);
+        let next_rest = rest.peek().copied().filter(|_| !rest_done);
         let take_held = match (next_held, next_rest) {
             (None, None) => break,
             (Some(_), None) => true,
@@ -310,11 +391,10 @@ pub fn schedule_pruned(
             .stop(profile, take_held)
             .is_some_and(|stop| bound > stop)
         {
-            // Every later endpoint of this stream is bounded higher, and the stop only falls.
             if take_held {
-                held.by_ref().for_each(drop);
+                held_done = true;
             } else {
-                break;
+                rest_done = true;
             }
             continue;
         }

@@ -256,8 +256,8 @@ impl Fleet {
         };
         if e.present {
             let busy = e.busy(self.load_order.counts_sample(id));
-            let own = e.observed_prefill_rate().unwrap_or(0.0);
-            let key = self.load_order.key(&self.profile, busy, own);
+            let rate = e.prefill_rate_toward(self.load_order.prior());
+            let key = self.load_order.key(&self.profile, busy, rate);
             self.load_order.set(id, busy, key);
         } else {
             self.load_order.remove(id);

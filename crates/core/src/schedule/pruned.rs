@@ -25,7 +25,7 @@
 //! before one of them is unsaturated (whether every competitor is saturated is a fact about all
 //! of them).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::near_best::{Ranked, Standing, balance_limit, by_cost};
 use super::{Candidate, Decision, Picker, Profile, RequestInfo, cost, rejection, saturated};
@@ -56,17 +56,18 @@ fn from_order_bits(key: u64) -> f64 {
 
 /// How far the prior prefill rate may rise above the lowest one the keys were set with before
 /// every key is set again: the bound of an endpoint that holds nothing loosens by as much.
-const PRIOR_DRIFT: f64 = 0.01;
+const PRIOR_DRIFT: f64 = 0.001;
 
 /// The endpoints in increasing order of a lower bound of their cost per prompt token while
 /// they hold nothing of a prompt ("key"), kept by the fleet as their load and prefill rate
 /// change, with a lower bound of their busy count (requests decoding and queued, as the
 /// scheduler reads them).
 ///
-/// An endpoint's key is [`cost::floor_per_token_second`] of its busy count over the larger of
-/// its own observed prefill rate, the prior rate the keys assume (the fleet's pooled rate when
-/// it was set) and 1: its costed rate is its own and the prior at the decision mixed, so never
-/// above that larger one once the prior at the decision is scaled in ([`LoadOrder::scale`]).
+/// An endpoint's key is [`cost::floor_per_token_second`] of its busy count over its costed
+/// prefill rate had the decision the prior rate the keys assume (its own observed rate and that
+/// prior mixed by its freshness: `f × own + (1 − f) × prior`). A decision whose prior is higher
+/// costs it at most that rate times the ratio of the priors (both parts of the mix grow by at
+/// most that ratio), so a key times [`LoadOrder::scale`] stays a bound.
 ///
 /// A key may count a scraped load sample only while the sample is fresh: the owner says when
 /// each counted sample expires ([`LoadOrder::sample_expires`]), and [`LoadOrder::expire`] hands
@@ -82,8 +83,10 @@ pub struct LoadOrder {
     expiry_of: Vec<Option<u64>>,
     /// The prior rate keys are set with now.
     prior: f64,
-    /// The lowest prior rate any key in the order was set with.
-    lowest_prior: f64,
+    /// The prior rates the keys in the order were set with (order bits, keys), and each
+    /// endpoint's.
+    priors: BTreeMap<u64, u32>,
+    prior_of: Vec<Option<u64>>,
 }
 
 impl LoadOrder {
@@ -96,7 +99,8 @@ impl LoadOrder {
             expiries: BTreeSet::new(),
             expiry_of: Vec::new(),
             prior,
-            lowest_prior: prior,
+            priors: BTreeMap::new(),
+            prior_of: Vec::new(),
         }
     }
 
@@ -108,26 +112,34 @@ impl LoadOrder {
         &mut list[at]
     }
 
-    /// The prior rate keys are set with now: the key of an endpoint with busy count `busy` and
-    /// observed prefill rate `own` (0 if none) under `profile`.
-    pub fn key(&self, profile: &Profile, busy: f64, own: f64) -> f64 {
-        cost::floor_per_token_second(profile, busy).unwrap_or(0.0) / own.max(self.prior).max(1.0)
+    /// The prior rate keys are set with now.
+    pub fn prior(&self) -> f64 {
+        self.prior
+    }
+
+    /// The key of an endpoint with busy count `busy` under `profile` whose costed rate at
+    /// [`LoadOrder::prior`] is `rate` (tokens/s).
+    pub fn key(&self, profile: &Profile, busy: f64, rate: f64) -> f64 {
+        cost::floor_per_token_second(profile, busy).unwrap_or(0.0) / rate.max(1.0)
+    }
+
+    /// The lowest prior rate a key in the order was set with (the current one if none).
+    fn lowest_prior(&self) -> f64 {
+        self.priors
+            .first_key_value()
+            .map_or(self.prior, |(&bits, _)| from_order_bits(bits))
     }
 
     /// Keys are set with the prior rate `prior` from now on. `true` when it rose more than
-    /// [`PRIOR_DRIFT`] above the lowest prior of the keys in the order: set every key again (the
-    /// order then assumes `prior` alone).
+    /// [`PRIOR_DRIFT`] above the lowest prior of the keys in the order: set every key again.
+    /// (Keys are set again whenever an endpoint's load changes, a scrape included, so the
+    /// lowest prior follows the current one without that.)
     pub fn assume_prior(&mut self, prior: f64) -> bool {
         if !(prior.is_finite() && prior > 0.0) {
             return false;
         }
         self.prior = prior;
-        if prior > self.lowest_prior * (1.0 + PRIOR_DRIFT) {
-            self.lowest_prior = prior;
-            return true;
-        }
-        self.lowest_prior = self.lowest_prior.min(prior);
-        false
+        prior > self.lowest_prior() * (1.0 + PRIOR_DRIFT)
     }
 
     /// What a key is multiplied by for a decision whose prior rate is `prior`: a key assumed a
@@ -135,9 +147,20 @@ impl LoadOrder {
     /// prior (0 for a prior that is not a positive number: no bound).
     pub fn scale(&self, prior: f64) -> f64 {
         if prior.is_finite() && prior > 0.0 {
-            (self.lowest_prior / prior).min(1.0)
+            (self.lowest_prior() / prior).min(1.0)
         } else {
             0.0
+        }
+    }
+
+    fn forget_prior(&mut self, endpoint: EndpointId) {
+        if let Some(old) = Self::slot(&mut self.prior_of, endpoint).take()
+            && let Some(count) = self.priors.get_mut(&old)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.priors.remove(&old);
+            }
         }
     }
 
@@ -150,6 +173,10 @@ impl LoadOrder {
             key.max(0.0) + 0.0
         });
         *Self::slot(&mut self.busy_of, endpoint) = busy;
+        self.forget_prior(endpoint);
+        let prior = order_bits(self.prior);
+        *Self::slot(&mut self.prior_of, endpoint) = Some(prior);
+        *self.priors.entry(prior).or_insert(0) += 1;
         let old = Self::slot(&mut self.key_of, endpoint).replace(key);
         if old != Some(key) {
             if let Some(old) = old {
@@ -161,6 +188,7 @@ impl LoadOrder {
 
     /// Takes `endpoint` out of the order (it is no longer planned).
     pub fn remove(&mut self, endpoint: EndpointId) {
+        self.forget_prior(endpoint);
         if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
             self.by_key.remove(&(old, endpoint.0));
         }

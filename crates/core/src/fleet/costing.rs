@@ -1,7 +1,7 @@
 //! What a plan reads of each endpoint (its [`Candidate`] and the cached tokens the router
 //! expects it to report), and the plan that builds it only for the endpoints that can matter:
 //! those holding part of the prompt, and the least busy of the rest in the fleet's
-//! [`LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
+//! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, PrefixMatch, PrefixMatches};

@@ -131,7 +131,7 @@ impl LoadOrder {
     }
 
     /// Keys are set with the prior rate `prior` from now on. `true` when it rose more than
-    /// [`PRIOR_DRIFT`] above the lowest prior of the keys in the order: set every key again.
+    /// `PRIOR_DRIFT` (0.1%) above the lowest prior of the keys in the order: set every key again.
     /// (Keys are set again whenever an endpoint's load changes, a scrape included, so the
     /// lowest prior follows the current one without that.)
     pub fn assume_prior(&mut self, prior: f64) -> bool {

@@ -298,6 +298,26 @@ impl EndpointState {
         }
     }
 
+    /// Its requests decoding and queued as [`EndpointState::load`] counts them
+    /// ([`EndpointLoad::decoding`] + [`EndpointLoad::queue`]), with its load sample if
+    /// `with_sample` (and it has one), else the router's own counts only: never more than with
+    /// the sample.
+    pub(super) fn busy(&self, with_sample: bool) -> f64 {
+        let sample = self
+            .sample
+            .filter(|_| with_sample)
+            .map(|(s, _)| s)
+            .unwrap_or_default();
+        let load = EndpointLoad {
+            waiting: sample.waiting,
+            running: sample.running,
+            inflight: self.inflight,
+            inflight_prefills: self.inflight_prefills,
+            ..EndpointLoad::default()
+        };
+        load.decoding() + load.queue()
+    }
+
     pub(super) fn note_placement(&mut self, now: f64) {
         self.placements.add(now, PLACEMENT_TAU_S);
     }

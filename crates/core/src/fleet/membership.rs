@@ -33,6 +33,9 @@ impl Fleet {
                 id
             }
         };
+        // A fresh state: its place in the load order starts from nothing in flight.
+        self.load_order.sample_expires(id, None);
+        self.load_changed(id);
         // A reused slot's previous owner mounted what it mounted: this one says its own.
         index.set_offload(id, &offload)?;
         Ok(id)
@@ -52,6 +55,7 @@ impl Fleet {
                 e.present = false;
                 e.healthy = false;
             }
+            self.load_changed(id);
         }
         present
     }

@@ -9,6 +9,7 @@
 //! them decides anything itself.
 
 mod admit;
+mod costing;
 mod decay;
 pub mod disagg;
 mod endpoint;
@@ -40,8 +41,8 @@ use crate::index::{
 };
 use crate::keys::RouterKey;
 use crate::schedule::{
-    CacheView, Candidate, Decision, EndpointLoad, IndexState, Profile, RankBuffers, RequestInfo,
-    Role, schedule, schedule_near_best,
+    Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers, RankBuffers,
+    RequestInfo, Role, schedule, schedule_near_best,
 };
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
@@ -267,6 +268,19 @@ pub struct Fleet {
     rank_buffers: RankBuffers,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
+    /// The present endpoints by a lower bound of their busy count, for pruned plans.
+    load_order: LoadOrder,
+    /// Whether [`Fleet::plan`] costs only the endpoints that can matter (see
+    /// [`Fleet::prune_costing`]).
+    prune: bool,
+    /// Buffers of pruned plans: the scheduler's, the endpoints holding part of the prompt, and
+    /// those whose load sample expired.
+    prune_buffers: PruneBuffers,
+    holders: Vec<(EndpointId, u32)>,
+    holding: Vec<(EndpointId, usize, f64)>,
+    expired_samples: Vec<EndpointId>,
+    /// Endpoints the last plan viewed and costed.
+    last_plan_viewed: usize,
 }
 
 impl Fleet {
@@ -286,7 +300,8 @@ impl Fleet {
             .enumerate()
             .map(|(i, spec)| EndpointState::new(EndpointId(i as u32), spec))
             .collect();
-        Ok(Self {
+        let default_rate = config.default_prefill_tokens_per_s;
+        let mut fleet = Self {
             history: RoutingHistory::new(config.history_ttl_s, config.history_capacity),
             predicted: RoutingHistory::new(config.predicted_ttl_s, config.predicted_capacity),
             sessions: Sessions::new(config.sessions_capacity),
@@ -306,13 +321,37 @@ impl Fleet {
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
             peer_load: Default::default(),
-        })
+            load_order: LoadOrder::new(default_rate),
+            prune: true,
+            prune_buffers: PruneBuffers::default(),
+            holders: Vec::new(),
+            holding: Vec::new(),
+            expired_samples: Vec::new(),
+            last_plan_viewed: 0,
+        };
+        for at in 0..fleet.endpoints.len() {
+            fleet.load_changed(EndpointId(at as u32));
+        }
+        Ok(fleet)
+    }
+
+    /// Whether [`Fleet::plan`] costs only the endpoints that hold part of the prompt and the
+    /// least busy of the rest (on by default: the same decisions as costing every endpoint,
+    /// see [`crate::schedule::schedule_pruned`]), or every endpoint.
+    pub fn prune_costing(&mut self, prune: bool) {
+        self.prune = prune;
     }
 
     /// Makes [`Fleet::plan`] rank and break down every candidate, as [`Fleet::plan_every`]
     /// does: for a caller that reads the whole ranking (pairing prefill with decode endpoints).
     pub fn rank_every_candidate(&mut self, every: bool) {
         self.rank_every = every;
+    }
+
+    /// Endpoints the last plan viewed and costed: every endpoint, or with pruning those that
+    /// hold part of its prompt and the least busy of the rest.
+    pub fn last_plan_viewed(&self) -> usize {
+        self.last_plan_viewed
     }
 
     /// The configuration.
@@ -424,109 +463,15 @@ impl Fleet {
     ) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
-        // One read of each index shard for both: the request's matches and each endpoint's fill.
-        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match self
-            .index_for_block_size(bs)
-        {
-            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
-            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
-        };
-        let history = self.history.longest_prefixes(keys, now);
-        let predicted = self.predicted.longest_prefixes(keys, now);
-        // Both lists are in endpoint order.
-        let blocks_in = |list: &[(EndpointId, u32)], id| {
-            list.binary_search_by_key(&id, |(e, _)| *e)
-                .map_or(0, |at| list[at].1)
-        };
-        let reportable = request.prompt_tokens.saturating_sub(1) / bs;
         // An endpoint not yet observed is assumed as fast as the observed ones (fleets are
         // mostly uniform); the configured rate is the prior when none is observed yet.
         let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
-        let mut candidates = std::mem::take(&mut self.candidates);
-        candidates.clear();
-        let explain = depth.is_none();
-        let mut facts = Vec::with_capacity(if explain { self.endpoints.len() } else { 0 });
-        let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
-        let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
-        for e in &self.endpoints {
-            let verdict = e.trust.verdict(&self.config.trust, now);
-            let index_state = match verdict {
-                Ok(()) => IndexState::Trusted,
-                Err(Distrust::NoEvents) => IndexState::NoEvents,
-                Err(_) => IndexState::Distrusted,
-            };
-            let same_block_size = e.spec.block_size == bs;
-            let index_match = index_matches.get(e.id).copied().filter(|_| same_block_size);
-            // Room left in its cache: capacity less what its index holds and what its
-            // in-flight prefills are about to store.
-            let free_blocks = e.capacity_blocks.map(|capacity| {
-                capacity as f64
-                    - held_blocks[e.id.0 as usize] as f64
-                    - (e.inflight_prefill_tokens / bs as u64) as f64
-            });
-            let cache = CacheView {
-                index: index_match,
-                index_state,
-                history: blocks_in(&history, e.id),
-                predicted: blocks_in(&predicted, e.id),
-                free_blocks,
-                capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
-                block_reuse: e.reuse.per_evicted_block(),
-                tier_uncertain: index_matches.tier_uncertain(e.id),
-            };
-            let known = match index_state {
-                IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(cache.predicted),
-                IndexState::NoEvents => cache.history.max(cache.predicted),
-                IndexState::Distrusted => cache.predicted,
-            };
-            let predicted_tokens = (known as usize).min(reportable) * bs;
-            predicted_cached.push(predicted_tokens);
-            predicted_tiers.push(tier_learning::predicted_tier_tokens(
-                index_state,
-                index_match.as_ref(),
-                cache.predicted,
-                predicted_tokens,
-                bs,
-            ));
-            let load = e.load(now, self.config.load_sample_max_age_s);
-            let rate = e.prefill_rate_toward(prior_rate);
-            if explain {
-                facts.push(EndpointFacts {
-                    endpoint: e.id,
-                    healthy: e.healthy,
-                    ejected_until: e.outlier.ejected_until(now),
-                    index_distrust: verdict.err(),
-                    index_match,
-                    history_blocks: cache.history,
-                    predicted_blocks: cache.predicted,
-                    load: load.clone(),
-                    prefill_tokens_per_s: rate,
-                });
-            }
-            let cache_fill = e.capacity_blocks.map_or(0.0, |capacity| {
-                held_blocks[e.id.0 as usize] as f64 / capacity.max(1) as f64
-            });
-            candidates.push(Candidate {
-                cache_fill,
-                endpoint: e.id,
-                healthy: e.healthy,
-                ejected: e.outlier.ejected(now),
-                circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
-                serves_model: same_block_size && e.spec.models.iter().any(|m| m == request.model),
-                role: e.spec.role,
-                load,
-                cache,
-                prefill_tokens_per_s: rate,
-                tier_rates: e
-                    .tier_rates
-                    .with_queued_shared(self.shared_backlog.tokens(e.shared_mount(), now)),
-            });
-        }
+        let session_endpoint = request.session.and_then(|s| self.sessions.get(s));
         let info = RequestInfo {
             prompt_tokens: request.prompt_tokens,
             block_size: bs,
-            session_endpoint: request.session.and_then(|s| self.sessions.get(s)),
+            session_endpoint,
             role: request.role,
             prefix_key: self
                 .profile
@@ -538,7 +483,79 @@ impl Fleet {
                     keys.get(blocks - 1).map(|k| k.0)
                 }),
         };
+        let pruned = self.prune
+            && self.disagg.is_none()
+            && depth.is_some_and(|depth| self.endpoints.len() > depth);
+        let index = self.index_for_block_size(bs).cloned();
+        let history = self.history.longest_prefixes(keys, now);
+        let predicted = self.predicted.longest_prefixes(keys, now);
+        let no_matches = PrefixMatches::default();
+        let base = costing::PlanInputs {
+            model: request.model,
+            block_size: bs,
+            index_matches: &no_matches,
+            history: &history,
+            predicted: &predicted,
+            reportable: request.prompt_tokens.saturating_sub(1) / bs,
+            prior_rate,
+            now,
+        };
         self.round_robin = self.round_robin.wrapping_add(1);
+        if let (true, Some(depth)) = (pruned, depth) {
+            // One read of every index shard for the request's matches and the fill of the
+            // endpoints costed.
+            let planned = match &index {
+                Some(index) => index.read(|read| {
+                    let held = |id| read.endpoint_stats(id).map_or(0, |s| s.blocks_gpu);
+                    let matches = read.lookup(keys);
+                    let inputs = costing::PlanInputs {
+                        index_matches: &matches,
+                        ..base
+                    };
+                    self.plan_pruned(&inputs, held, &info, random, depth)
+                }),
+                None => self.plan_pruned(&base, |_| 0, &info, random, depth),
+            };
+            if let Some(plan) = planned {
+                return plan;
+            }
+        }
+        // One read of each index shard for both: the request's matches and each endpoint's
+        // fill.
+        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match &index {
+            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
+            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
+        };
+        let inputs = costing::PlanInputs {
+            index_matches: &index_matches,
+            ..base
+        };
+        let mut candidates = std::mem::take(&mut self.candidates);
+        candidates.clear();
+        self.last_plan_viewed = self.endpoints.len();
+        let explain = depth.is_none();
+        let mut facts = Vec::with_capacity(if explain { self.endpoints.len() } else { 0 });
+        let mut predicted_cached = Vec::with_capacity(self.endpoints.len());
+        let mut predicted_tiers = Vec::with_capacity(self.endpoints.len());
+        for e in &self.endpoints {
+            let view = self.view(&inputs, e, held_blocks[e.id.0 as usize]);
+            predicted_cached.push(view.predicted_tokens);
+            predicted_tiers.push(view.predicted_tiers);
+            if explain {
+                facts.push(EndpointFacts {
+                    endpoint: e.id,
+                    healthy: e.healthy,
+                    ejected_until: e.outlier.ejected_until(now),
+                    index_distrust: view.verdict.err(),
+                    index_match: view.candidate.cache.index,
+                    history_blocks: view.candidate.cache.history,
+                    predicted_blocks: view.candidate.cache.predicted,
+                    load: view.candidate.load.clone(),
+                    prefill_tokens_per_s: view.candidate.prefill_tokens_per_s,
+                });
+            }
+            candidates.push(view.candidate);
+        }
         let mut decision = match depth {
             Some(depth) => schedule_near_best(
                 &self.profile,
@@ -642,6 +659,7 @@ impl Fleet {
             e.inflight_prefill_tokens += uncached;
             e.trust.dispatched(expects_event, now);
         }
+        self.load_changed(endpoint);
         Dispatch {
             endpoint,
             uncached_tokens: uncached,
@@ -756,7 +774,8 @@ impl Fleet {
         e.inflight_prefill_tokens = e
             .inflight_prefill_tokens
             .saturating_sub(dispatch.uncached_tokens);
-        Some(e)
+        self.load_changed(dispatch.endpoint);
+        self.endpoints.get_mut(dispatch.endpoint.0 as usize)
     }
 
     /// The request's first token arrived at `now` (`ok`: a successful response): its prefill
@@ -801,6 +820,8 @@ impl Fleet {
                 e.tier_rates.baseline.observe(tokens as f64, seconds);
             }
         }
+        // Its own prefill rate is part of its key in the load order.
+        self.load_changed(dispatch.endpoint);
         if !dispatch.keys.is_empty() {
             let expiry = now + self.config.prediction_grace_s;
             self.predicted
@@ -839,6 +860,7 @@ impl Fleet {
                 }
             }
         }
+        self.load_changed(dispatch.endpoint);
     }
 
     /// How a request sent to `id` went at `now` (a refused connection counts, though nothing
@@ -880,6 +902,9 @@ impl Fleet {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.capacity_blocks = sample.num_gpu_blocks.or(e.capacity_blocks);
             e.sample = Some((sample, now));
+            let fresh_until = now + self.config.load_sample_max_age_s;
+            self.load_order.sample_expires(id, Some(fresh_until));
+            self.load_changed(id);
         }
     }
 
@@ -1006,5 +1031,7 @@ fn ensure_index<'a>(
     Ok(&indexes[position].1)
 }
 
+#[cfg(test)]
+mod pruning_tests;
 #[cfg(test)]
 mod tests;

@@ -93,6 +93,7 @@ impl Fleet {
         e.inflight += 1;
         e.inflight_prefills += 1;
         e.inflight_prefill_tokens += uncached_tokens;
+        self.load_changed(endpoint);
         let load = &mut self.peer_load;
         load.open.insert(
             request,
@@ -165,6 +166,7 @@ impl Fleet {
             e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
             e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_sub(p.uncached_tokens);
         }
+        self.load_changed(p.endpoint);
         self.peer_load.stats.open = self.peer_load.open.len() as u64;
         true
     }

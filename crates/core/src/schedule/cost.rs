@@ -194,6 +194,67 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     (cost, held)
 }
 
+/// A lower bound of [`assess`]'s `total_s` for every candidate that holds at most
+/// `held_at_most` tokens of the request by any source ([`cached`]'s `all`: the larger of its
+/// index match on every tier, routing history and prediction bounds it under any cache source
+/// and index state), is not the session's endpoint, prefills at most `rate_at_most` tokens/s
+/// and has at least `busy` requests decoding and queued ([`super::EndpointLoad::decoding`] +
+/// [`super::EndpointLoad::queue`]); `None` when a weight is negative or not finite, or the rate
+/// is not a number (no bound is known then).
+///
+/// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
+/// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `rate_at_most.max(1)` =
+/// `R`:
+/// - `uncached` = `P − held.all + lost` ≥ `U` (`lost` ≥ 0: GPU tokens × a share 0–1), so
+///   `prefill_s` ≥ `U / rate` ≥ `U / R`;
+/// - `tier_load_s` ≥ 0 (each tier charges tokens over a rate of at least 1, or a 0–1 share of
+///   their recompute);
+/// - `queue_s` = `queued_tokens / rate + queue × queue_wait_s` ≥ 0 (`queued_tokens` is the
+///   larger of an unsigned count and another value, `queue` of a count and the scraped queue,
+///   `queue_wait_s` ≥ 0);
+/// - `decode_interference_s` = `(prefill_s + tier_load_s) × (decoding + queue) × w_di` ≥ `U / R
+///   × busy × w_di` (both factors are non-negative: `decoding` and `queue` are each the larger
+///   of a count and a scraped value);
+/// - `eviction_s` ≥ 0 (a non-negative count of blocks × block size / rate × a reuse clamped to
+///   0–1), and `session_credit_s` = 0.
+///
+/// So `total_s` = `w_prefix × (prefill_s + tier_load_s) + w_eviction × eviction_s + w_load ×
+/// (queue_s + decode_interference_s)` ≥ `U / R × (w_prefix + w_load × w_di × busy)` when every
+/// weight is ≥ 0. The bound is taken a relative 1e-9 lower, far more than the rounding of either
+/// side (a few ulps of each term).
+pub fn cost_floor(
+    profile: &Profile,
+    request: &RequestInfo,
+    held_at_most: usize,
+    busy: f64,
+    rate_at_most: f64,
+) -> Option<f64> {
+    if rate_at_most.is_nan() {
+        return None;
+    }
+    let uncached = request.prompt_tokens - held_at_most.min(request.prompt_tokens);
+    let floor = uncached as f64 * floor_per_token_second(profile, busy)? / rate_at_most.max(1.0);
+    Some(floor * (1.0 - 1e-9))
+}
+
+/// The factor of [`cost_floor`] that depends on the profile and the load only: `w_prefix +
+/// w_load × w_di × busy` (the bound is `U / R` times it), not below zero; `None` when a weight
+/// is negative or not finite.
+pub fn floor_per_token_second(profile: &Profile, busy: f64) -> Option<f64> {
+    let w = &profile.weights;
+    let weights = [
+        w.prefix,
+        w.load,
+        w.decode_interference,
+        w.eviction,
+        profile.queue_wait_s,
+    ];
+    if !weights.iter().all(|w| w.is_finite() && *w >= 0.0) {
+        return None;
+    }
+    Some(w.prefix + w.load * w.decode_interference * busy.max(0.0))
+}
+
 /// Expected seconds of re-prefill that placing the request on `c` makes others pay: the blocks
 /// it stores beyond `c`'s free blocks evict as many cached ones, each reused with probability
 /// `c.cache.block_reuse` (0 where the free blocks are unknown, or where it all fits). `held`:

@@ -16,6 +16,7 @@ pub mod disagg;
 mod near_best;
 mod picker;
 mod profile;
+mod pruned;
 mod ring;
 
 use serde::{Deserialize, Serialize};
@@ -28,6 +29,7 @@ pub use profile::{
     BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
     TierCosts,
 };
+pub use pruned::{LoadOrder, PruneBuffers, schedule_pruned};
 
 /// What an endpoint is for (prefill/decode disaggregation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,21 +21,42 @@ use super::{
 
 /// A competing candidate's standing: what ranking and balancing compare.
 #[derive(Clone, Copy, Debug)]
-struct Standing {
+pub(super) struct Standing {
     /// Its position among the candidates.
-    at: usize,
+    pub(super) at: usize,
     /// Its weighted cost, seconds.
-    total: f64,
+    pub(super) total: f64,
     /// Its random tie-break key.
-    tie: u64,
+    pub(super) tie: u64,
     /// Its recent placements (not negative).
-    placements: f64,
+    pub(super) placements: f64,
     /// Prompt tokens it holds.
-    cached: usize,
+    pub(super) cached: usize,
+}
+
+impl Standing {
+    /// The standing of `c`, at position `at`, whose cost is `total` and that holds `cached`
+    /// prompt tokens.
+    pub(super) fn of(c: &Candidate, at: usize, total: f64, cached: usize, random: u64) -> Self {
+        Standing {
+            at,
+            total,
+            tie: tie_key(random, c.endpoint.0),
+            placements: c.load.recent_placements.max(0.0),
+            cached,
+        }
+    }
+}
+
+/// The highest cost that a winner or a balancing alternative may have, given the cheapest:
+/// the cheapest's cost plus the balance tolerance.
+pub(super) fn balance_limit(profile: &Profile, cheapest: f64) -> f64 {
+    let tolerance = &profile.balance;
+    cheapest + tolerance.relative * cheapest.max(0.0) + tolerance.absolute_s
 }
 
 /// Cost order, exact ties broken at random: the order [`schedule`] ranks in.
-fn by_cost(a: &Standing, b: &Standing) -> Ordering {
+pub(super) fn by_cost(a: &Standing, b: &Standing) -> Ordering {
     a.total.total_cmp(&b.total).then(a.tie.cmp(&b.tie))
 }
 
@@ -81,83 +102,110 @@ pub fn schedule_near_best(
         }
         let (cost, cached) = cost::assess(profile, request, c);
         all_saturated &= saturated(profile, &c.load);
-        standings.push(Standing {
-            at,
-            total: cost.total_s,
-            tie: tie_key(random, c.endpoint.0),
-            placements: c.load.recent_placements.max(0.0),
-            cached: cached.all,
-        });
+        standings.push(Standing::of(c, at, cost.total_s, cached.all, random));
     }
     if standings.len() <= depth {
         // Every competitor is ranked anyway (and a fleet with none competing reports why).
         standings.clear();
         return schedule(profile, request, candidates, random, round_robin);
     }
-    let cheapest = *standings
-        .iter()
-        .min_by(|a, b| by_cost(a, b))
-        .expect("more competitors than the depth");
-    // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
-    // as the cheapest, the fewest placements win, the cheaper (then the random key) first.
-    let tolerance = &profile.balance;
-    let limit =
-        cheapest.total + tolerance.relative * cheapest.total.max(0.0) + tolerance.absolute_s;
-    let near = |s: &Standing| s.total <= limit && s.cached >= cheapest.cached;
-    let mut near_count = 0usize;
-    let mut fewest = cheapest;
-    for s in standings.iter().filter(|s| near(s)) {
-        near_count += 1;
-        if s.placements
-            .total_cmp(&fewest.placements)
-            .then_with(|| by_cost(s, &fewest))
-            .is_lt()
-        {
-            fewest = *s;
-        }
-    }
-    let (all_equal, all_tied) =
-        standings
-            .iter()
-            .filter(|s| near(s))
-            .fold((true, true), |(equal, tied), s| {
-                (
-                    equal && (s.placements - fewest.placements).abs() < 1e-9,
-                    tied && (s.total - cheapest.total).abs() < 1e-12,
-                )
-            });
-    // The head of the cost order.
-    standings.select_nth_unstable_by(depth - 1, by_cost);
-    let head = &mut standings[..depth];
-    head.sort_unstable_by(by_cost);
-    let mut ranked: Vec<usize> = head.iter().map(|s| s.at).collect();
-    let cost_of = |at: usize| cost::assess(profile, request, &candidates[at]).0;
-    let reason = if near_count > 1 && (!all_equal || all_tied) {
-        // The fewest placements move to the front.
-        if let Some(position) = ranked.iter().position(|&at| at == fewest.at) {
-            ranked.remove(position);
-        } else {
-            ranked.pop();
-        }
-        ranked.insert(0, fewest.at);
-        if all_equal {
-            Reason::Tie
-        } else {
-            Reason::Balance
-        }
-    } else {
-        why_cheaper(&cost_of(ranked[0]), &cost_of(ranked[1]))
+    let ranked = Ranked {
+        all_saturated,
+        depth,
+        by_endpoint: false,
     };
-    let mut broken_down = ranked.clone();
-    broken_down.sort_unstable();
-    let assessments: Vec<Assessment> = broken_down
-        .iter()
-        .map(|&at| assess(profile, request, &candidates[at]))
-        .collect();
-    Decision {
-        ranking: ranked.iter().map(|&at| candidates[at].endpoint).collect(),
-        assessments,
-        reason,
-        saturated: all_saturated,
+    ranked.decide(profile, request, candidates, standings)
+}
+
+/// How [`Ranked::decide`] finishes a decision from the competitors' standings.
+pub(super) struct Ranked {
+    /// Every competitor is saturated.
+    pub(super) all_saturated: bool,
+    /// Candidates ranked and broken down.
+    pub(super) depth: usize,
+    /// Breakdowns in endpoint order (else in the candidates' order).
+    pub(super) by_endpoint: bool,
+}
+
+impl Ranked {
+    /// The decision from `standings` (more than `depth` of them) of `candidates`: the winner,
+    /// reason and the head of the ranking that [`schedule`] gives when every competitor whose
+    /// cost can reach the head or the balance limit has a standing.
+    pub(super) fn decide(
+        &self,
+        profile: &Profile,
+        request: &RequestInfo,
+        candidates: &[Candidate],
+        standings: &mut [Standing],
+    ) -> Decision {
+        let depth = self.depth;
+        let cheapest = *standings
+            .iter()
+            .min_by(|a, b| by_cost(a, b))
+            .expect("more competitors than the depth");
+        // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
+        // as the cheapest, the fewest placements win, the cheaper (then the random key) first.
+        let limit = balance_limit(profile, cheapest.total);
+        let near = |s: &Standing| s.total <= limit && s.cached >= cheapest.cached;
+        let mut near_count = 0usize;
+        let mut fewest = cheapest;
+        for s in standings.iter().filter(|s| near(s)) {
+            near_count += 1;
+            if s.placements
+                .total_cmp(&fewest.placements)
+                .then_with(|| by_cost(s, &fewest))
+                .is_lt()
+            {
+                fewest = *s;
+            }
+        }
+        let (all_equal, all_tied) =
+            standings
+                .iter()
+                .filter(|s| near(s))
+                .fold((true, true), |(equal, tied), s| {
+                    (
+                        equal && (s.placements - fewest.placements).abs() < 1e-9,
+                        tied && (s.total - cheapest.total).abs() < 1e-12,
+                    )
+                });
+        // The head of the cost order.
+        standings.select_nth_unstable_by(depth - 1, by_cost);
+        let head = &mut standings[..depth];
+        head.sort_unstable_by(by_cost);
+        let mut ranked: Vec<usize> = head.iter().map(|s| s.at).collect();
+        let cost_of = |at: usize| cost::assess(profile, request, &candidates[at]).0;
+        let reason = if near_count > 1 && (!all_equal || all_tied) {
+            // The fewest placements move to the front.
+            if let Some(position) = ranked.iter().position(|&at| at == fewest.at) {
+                ranked.remove(position);
+            } else {
+                ranked.pop();
+            }
+            ranked.insert(0, fewest.at);
+            if all_equal {
+                Reason::Tie
+            } else {
+                Reason::Balance
+            }
+        } else {
+            why_cheaper(&cost_of(ranked[0]), &cost_of(ranked[1]))
+        };
+        let mut broken_down = ranked.clone();
+        if self.by_endpoint {
+            broken_down.sort_unstable_by_key(|&at| candidates[at].endpoint);
+        } else {
+            broken_down.sort_unstable();
+        }
+        let assessments: Vec<Assessment> = broken_down
+            .iter()
+            .map(|&at| assess(profile, request, &candidates[at]))
+            .collect();
+        Decision {
+            ranking: ranked.iter().map(|&at| candidates[at].endpoint).collect(),
+            assessments,
+            reason,
+            saturated: self.all_saturated,
+        }
     }
 }

@@ -1,0 +1,266 @@
+//! What a plan reads of each endpoint (its [`Candidate`] and the cached tokens the router
+//! expects it to report), and the plan that builds it only for the endpoints that can matter:
+//! those holding part of the prompt, and the least busy of the rest in the fleet's
+//! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
+
+use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
+use crate::index::{EndpointId, PrefixMatch, PrefixMatches};
+use crate::schedule::{CacheView, Candidate, IndexState, RequestInfo, schedule_pruned};
+use crate::tiers::TierTokens;
+
+/// What every endpoint's view in one plan is made from.
+#[derive(Clone, Copy)]
+pub(super) struct PlanInputs<'a> {
+    /// The model the request names.
+    pub(super) model: &'a str,
+    /// Tokens per block of the request.
+    pub(super) block_size: usize,
+    /// The index's matches, sorted by endpoint.
+    pub(super) index_matches: &'a PrefixMatches,
+    /// The routing history's matches, sorted by endpoint.
+    pub(super) history: &'a [(EndpointId, u32)],
+    /// The predicted overlay's matches, sorted by endpoint.
+    pub(super) predicted: &'a [(EndpointId, u32)],
+    /// Full blocks an engine can report cached (all tokens but the last).
+    pub(super) reportable: usize,
+    /// The prefill rate an endpoint's own estimate shrinks toward.
+    pub(super) prior_rate: f64,
+    /// The plan's time.
+    pub(super) now: f64,
+}
+
+/// Blocks `id` holds in a list sorted by endpoint (0 when absent).
+fn blocks_in(list: &[(EndpointId, u32)], id: EndpointId) -> u32 {
+    list.binary_search_by_key(&id, |(e, _)| *e)
+        .map_or(0, |at| list[at].1)
+}
+
+/// What an endpoint is known to hold of a request.
+struct Expected {
+    verdict: Result<(), Distrust>,
+    index_state: IndexState,
+    index_match: Option<PrefixMatch>,
+    history: u32,
+    predicted: u32,
+    predicted_tokens: usize,
+    predicted_tiers: TierTokens,
+}
+
+/// One endpoint as a plan sees it.
+pub(super) struct EndpointView {
+    /// What the scheduler reads.
+    pub(super) candidate: Candidate,
+    /// Whether its index is trusted, or why not.
+    pub(super) verdict: Result<(), Distrust>,
+    /// Cached tokens it is expected to report (see [`Plan::predicted_cached`]).
+    pub(super) predicted_tokens: usize,
+    /// Of those, per tier below the GPU (see [`Plan::predicted_tiers`]).
+    pub(super) predicted_tiers: TierTokens,
+}
+
+impl Fleet {
+    /// What `e` is known to hold of the request, and what it is expected to report cached.
+    fn expected(&self, inputs: &PlanInputs<'_>, e: &EndpointState) -> Expected {
+        let bs = inputs.block_size;
+        let verdict = e.trust.verdict(&self.config.trust, inputs.now);
+        let index_state = match verdict {
+            Ok(()) => IndexState::Trusted,
+            Err(Distrust::NoEvents) => IndexState::NoEvents,
+            Err(_) => IndexState::Distrusted,
+        };
+        let matches = &inputs.index_matches.matches;
+        let index_match = matches
+            .binary_search_by_key(&e.id, |m| m.endpoint)
+            .ok()
+            .map(|at| matches[at])
+            .filter(|_| e.spec.block_size == bs);
+        let history = blocks_in(inputs.history, e.id);
+        let predicted = blocks_in(inputs.predicted, e.id);
+        let known = match index_state {
+            IndexState::Trusted => index_match.map_or(0, |m| m.blocks).max(predicted),
+            IndexState::NoEvents => history.max(predicted),
+            IndexState::Distrusted => predicted,
+        };
+        let predicted_tokens = (known as usize).min(inputs.reportable) * bs;
+        let predicted_tiers = tier_learning::predicted_tier_tokens(
+            index_state,
+            index_match.as_ref(),
+            predicted,
+            predicted_tokens,
+            bs,
+        );
+        Expected {
+            verdict,
+            index_state,
+            index_match,
+            history,
+            predicted,
+            predicted_tokens,
+            predicted_tiers,
+        }
+    }
+
+    /// `e`'s view for a plan, `held`: the GPU blocks its index holds.
+    pub(super) fn view(
+        &self,
+        inputs: &PlanInputs<'_>,
+        e: &EndpointState,
+        held: u64,
+    ) -> EndpointView {
+        let bs = inputs.block_size;
+        let now = inputs.now;
+        let Expected {
+            verdict,
+            index_state,
+            index_match,
+            history,
+            predicted,
+            predicted_tokens,
+            predicted_tiers,
+        } = self.expected(inputs, e);
+        let same_block_size = e.spec.block_size == bs;
+        // Room left in its cache: capacity less what its index holds and what its in-flight
+        // prefills are about to store.
+        let free_blocks = e.capacity_blocks.map(|capacity| {
+            capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
+        });
+        let cache = CacheView {
+            index: index_match,
+            index_state,
+            history,
+            predicted,
+            free_blocks,
+            capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
+            block_reuse: e.reuse.per_evicted_block(),
+            tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
+        };
+        let cache_fill = e
+            .capacity_blocks
+            .map_or(0.0, |capacity| held as f64 / capacity.max(1) as f64);
+        let candidate = Candidate {
+            cache_fill,
+            endpoint: e.id,
+            healthy: e.healthy,
+            ejected: e.outlier.ejected(now),
+            circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
+            serves_model: same_block_size && e.spec.models.iter().any(|m| m == inputs.model),
+            role: e.spec.role,
+            load: e.load(now, self.config.load_sample_max_age_s),
+            cache,
+            prefill_tokens_per_s: e.prefill_rate_toward(inputs.prior_rate),
+            tier_rates: e
+                .tier_rates
+                .with_queued_shared(self.shared_backlog.tokens(e.shared_mount(), now)),
+        };
+        EndpointView {
+            candidate,
+            verdict,
+            predicted_tokens,
+            predicted_tiers,
+        }
+    }
+
+    /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
+    /// index, the history or the prediction, or the session's) and the least busy of the rest
+    /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it cannot (no more than `depth` competitors, or a
+    /// picker that reads every candidate): plan every endpoint then.
+    pub(super) fn plan_pruned(
+        &mut self,
+        inputs: &PlanInputs<'_>,
+        held: impl Fn(EndpointId) -> u64,
+        info: &RequestInfo,
+        random: u64,
+        depth: usize,
+    ) -> Option<Plan> {
+        let mut expired = std::mem::take(&mut self.expired_samples);
+        self.load_order.expire(inputs.now, &mut expired);
+        for id in expired.drain(..) {
+            self.load_changed(id);
+        }
+        self.expired_samples = expired;
+        // Keys assume this decision's prior rate from now on; every key is set again when it
+        // rose too far above the lowest one they assume.
+        if self.load_order.assume_prior(inputs.prior_rate) {
+            for at in 0..self.endpoints.len() {
+                self.load_changed(EndpointId(at as u32));
+            }
+        }
+        // Every endpoint holding part of the prompt, with the most it can hold by any source.
+        let bs = inputs.block_size;
+        let mut holders = std::mem::take(&mut self.holders);
+        holders.clear();
+        let matches = inputs.index_matches.matches.iter();
+        holders.extend(matches.map(|m: &PrefixMatch| (m.endpoint, m.blocks)));
+        holders.extend(inputs.history.iter().copied());
+        holders.extend(inputs.predicted.iter().copied());
+        holders.retain(|&(id, blocks)| blocks > 0 && (id.0 as usize) < self.endpoints.len());
+        holders.sort_unstable();
+        // Sorted by endpoint, then blocks: the last of each endpoint's entries is its most.
+        holders.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                earlier.1 = later.1;
+            }
+            same
+        });
+        let mut holding = std::mem::take(&mut self.holding);
+        holding.clear();
+        holding.extend(holders.iter().map(|&(id, blocks)| {
+            let rate = self.endpoints[id.0 as usize].prefill_rate_toward(inputs.prior_rate);
+            (id, (blocks as usize).saturating_mul(bs), rate)
+        }));
+        // Every endpoint but the holders holds nothing of the prompt: it is expected to report
+        // nothing.
+        let mut predicted_cached = vec![0; self.endpoints.len()];
+        let mut predicted_tiers = vec![TierTokens::default(); self.endpoints.len()];
+        for &(id, _) in &holders {
+            let expected = self.expected(inputs, &self.endpoints[id.0 as usize]);
+            predicted_cached[id.0 as usize] = expected.predicted_tokens;
+            predicted_tiers[id.0 as usize] = expected.predicted_tiers;
+        }
+        let mut buffers = std::mem::take(&mut self.prune_buffers);
+        let mut viewed = 0;
+        let decision = schedule_pruned(
+            &self.profile,
+            info,
+            &holding,
+            &self.load_order,
+            inputs.prior_rate,
+            |id| {
+                viewed += 1;
+                let e = &self.endpoints[id.0 as usize];
+                self.view(inputs, e, held(id)).candidate
+            },
+            random,
+            depth,
+            &mut buffers,
+        );
+        self.prune_buffers = buffers;
+        self.holders = holders;
+        self.holding = holding;
+        self.last_plan_viewed = viewed;
+        Some(Plan {
+            decision: decision?,
+            facts: Vec::new(),
+            predicted_cached,
+            predicted_tiers,
+        })
+    }
+
+    /// Sets `id`'s place in the load order from its load and prefill rate now (call whenever
+    /// its in-flight counts, its load sample or its observed rate change, or it leaves or
+    /// joins).
+    pub(super) fn load_changed(&mut self, id: EndpointId) {
+        let Some(e) = self.endpoints.get(id.0 as usize) else {
+            return;
+        };
+        if e.present {
+            let busy = e.busy(self.load_order.counts_sample(id));
+            let rate = e.prefill_rate_toward(self.load_order.prior());
+            let key = self.load_order.key(&self.profile, busy, rate);
+            self.load_order.set(id, busy, key);
+        } else {
+            self.load_order.remove(id);
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! Pruned plans against plans that cost every endpoint, on random fleets driven as the router
+//! drives them: the same decision (winner, reason, saturation, head of the ranking and its
+//! breakdowns) and the same expected cached tokens, whatever the loads, samples (fresh or
+//! expired), caches, sessions, peers, departures and arrivals.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::event::{BlockStored, EngineHash};
+use crate::keys::router_keys;
+use crate::schedule::{CacheSource, Picker};
+
+const BS: usize = 16;
+const MODEL: &str = "m";
+
+fn spec(i: usize, model: &str) -> EndpointSpec {
+    EndpointSpec {
+        name: format!("e{i}"),
+        models: vec![model.into()],
+        role: Role::Both,
+        has_events: i % 5 != 4,
+        block_size: BS,
+        offload: Default::default(),
+    }
+}
+
+/// Prompt `p` of a few families: prompts of one family share a prefix of `shared` blocks.
+fn tokens(p: u8, shared: u8, len: u8) -> Vec<u32> {
+    let family = u32::from(p % 3);
+    let shared = usize::from(shared) * BS;
+    (0..(usize::from(len) + 1) * BS)
+        .map(|t| {
+            if t < shared {
+                family * 1_000_003 + t as u32
+            } else {
+                u32::from(p) * 7_919 + t as u32 * 31
+            }
+        })
+        .collect()
+}
+
+/// An engine's event: it stored `tokens` on the GPU, or (`cpu`) offloaded them to its CPU.
+fn stored_on(tokens: &[u32], cpu: bool) -> KvEvent {
+    let keys = router_keys(tokens, BS, None).unwrap();
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: keys.iter().map(|k| EngineHash(k.0 ^ 0x55)).collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..keys.len() * BS].to_vec(),
+        block_size: BS as u32,
+        medium: cpu.then(|| "CPU".to_string()),
+        ..Default::default()
+    })
+}
+
+fn stored(tokens: &[u32]) -> KvEvent {
+    stored_on(tokens, false)
+}
+
+/// One step a router takes.
+#[derive(Clone, Debug)]
+enum Step {
+    /// Time passes (seconds, a tenth each).
+    Wait(u8),
+    /// A load sample of an endpoint: waiting, running, capacity (`None`: not reported).
+    Sample(u8, u8, u8, Option<u16>),
+    /// A request (prompt, shared blocks, length in blocks, session) is planned and sent.
+    Request(u8, u8, u8, Option<u8>),
+    /// The oldest request in flight gets its first token (after seconds / 100).
+    FirstToken(u8),
+    /// The oldest request in flight ends.
+    Finish,
+    /// Endpoints from the first, so many, publish that they stored a prompt (on their GPU, or
+    /// offloaded to their CPU).
+    Stored(u8, u8, u8, u8, bool, u8),
+    /// A health check fails (twice ejects).
+    Unhealthy(u8),
+    /// An endpoint leaves, or one joins.
+    Leave(u8),
+    Join,
+    /// Another replica's prefill starts on an endpoint (uncached blocks), or the oldest ends.
+    Peer(u8, u8),
+    PeerDone,
+}
+
+fn arb_step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (0u8..40).prop_map(Step::Wait),
+        4 => (any::<u8>(), 0u8..4, 0u8..12, proptest::option::of(100u16..400))
+            .prop_map(|(e, w, r, c)| Step::Sample(e, w, r, c)),
+        6 => (prop_oneof![1 => any::<u8>(), 2 => 0u8..6], 0u8..6, 1u8..30, proptest::option::of(0u8..6))
+            .prop_map(|(p, s, l, session)| Step::Request(p, s, l, session)),
+        3 => (1u8..50).prop_map(Step::FirstToken),
+        2 => Just(Step::Finish),
+        3 => (any::<u8>(), 0u8..6, 0u8..6, 1u8..30, any::<bool>(), prop_oneof![3 => Just(1u8), 1 => 2u8..30])
+            .prop_map(|(e, p, s, l, cpu, n)| Step::Stored(e, p, s, l, cpu, n)),
+        1 => any::<u8>().prop_map(Step::Unhealthy),
+        1 => any::<u8>().prop_map(Step::Leave),
+        1 => Just(Step::Join),
+        1 => (any::<u8>(), 1u8..40).prop_map(|(e, b)| Step::Peer(e, b)),
+        1 => Just(Step::PeerDone),
+    ]
+}
+
+fn arb_profile() -> impl Strategy<Value = Profile> {
+    (
+        0u8..3,
+        prop_oneof![Just(0.1f64), 0.0f64..0.6],
+        prop_oneof![Just(1.0f64), 0.0f64..3.0],
+        prop_oneof![Just(1.0f64), 0.0f64..3.0],
+        prop_oneof![Just(0.0f64), 0.0f64..0.5],
+    )
+        .prop_map(|(source, relative, load, interference, affinity)| {
+            let sources = [
+                CacheSource::Precise,
+                CacheSource::Approximate,
+                CacheSource::None,
+            ];
+            let mut p = Profile {
+                cache: sources[usize::from(source)],
+                session_affinity_s: affinity,
+                ..Profile::default()
+            };
+            p.balance.relative = relative;
+            p.weights.load = load;
+            p.weights.decode_interference = interference;
+            p
+        })
+}
+
+/// Plans `features` pruned and unpruned; both must agree.
+fn plan_both(fleet: &mut Fleet, features: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+    fleet.prune_costing(false);
+    let every = fleet.plan(features, random, now);
+    fleet.prune_costing(true);
+    let pruned = fleet.plan(features, random, now);
+    assert_eq!(pruned.decision, every.decision, "the pruned decision");
+    assert_eq!(pruned.predicted_cached, every.predicted_cached);
+    assert_eq!(pruned.predicted_tiers, every.predicted_tiers);
+    pruned
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Costing only the endpoints that hold part of the prompt and the least busy of the
+    /// rest decides exactly as costing every endpoint.
+    #[test]
+    fn a_pruned_plan_decides_as_costing_every_endpoint(
+        endpoints in 9usize..48,
+        profile in arb_profile(),
+        steps in proptest::collection::vec(arb_step(), 1..160),
+        seed: u64,
+    ) {
+        let specs = (0..endpoints).map(|i| spec(i, if i % 7 == 6 { "other" } else { MODEL })).collect();
+        let mut fleet = Fleet::new(FleetConfig::default(), profile, specs).unwrap();
+        let mut now = 0.0;
+        let mut inflight: std::collections::VecDeque<Dispatch> = Default::default();
+        let mut random = seed;
+        let (mut peers_started, mut peers_done) = (0u64, 0u64);
+        let pick = |fleet: &Fleet, e: u8| EndpointId(u32::from(e) % fleet.endpoints().len() as u32);
+        for step in steps {
+            random = random.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            match step {
+                Step::Wait(tenths) => now += f64::from(tenths) / 10.0,
+                Step::Sample(e, waiting, running, capacity) => {
+                    let sample = LoadSample {
+                        waiting: Some(f64::from(waiting)),
+                        running: Some(f64::from(running)),
+                        kv_usage: Some(0.5),
+                        num_gpu_blocks: capacity.map(usize::from),
+                    };
+                    let id = pick(&fleet, e);
+                    fleet.observe_load(id, sample, now);
+                }
+                Step::Request(p, shared, len, session) => {
+                    let prompt = tokens(p, shared, len);
+                    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+                    let session = session.map(|s| format!("s{s}"));
+                    let features = RequestFeatures {
+                        model: MODEL,
+                        keys: &keys,
+                        prompt_tokens: prompt.len(),
+                        block_size: BS,
+                        session: session.as_deref(),
+                        role: Role::Both,
+                    };
+                    let plan = plan_both(&mut fleet, &features, random, now);
+                    if let Some(chosen) = plan.decision.chosen() {
+                        let d = fleet.dispatched(&plan.predicted_cached, &features, chosen, now);
+                        inflight.push_back(d);
+                    }
+                }
+                Step::FirstToken(hundredths) => {
+                    if let Some(d) = inflight.iter_mut().find(|d| !d.prefill_done()) {
+                        let at = d.dispatched_at.max(now) + f64::from(hundredths) / 100.0;
+                        fleet.first_token(d, true, at);
+                        now = at;
+                    }
+                }
+                Step::Finish => {
+                    if let Some(d) = inflight.pop_front() {
+                        fleet.finished(d, Some(0), now);
+                    }
+                }
+                Step::Stored(e, p, shared, len, cpu, n) => {
+                    let event = stored_on(&tokens(p, shared, len), cpu);
+                    for k in 0..n {
+                        let id = pick(&fleet, e.wrapping_add(k));
+                        fleet.apply_events(id, std::slice::from_ref(&event), now);
+                    }
+                }
+                Step::Unhealthy(e) => {
+                    let id = pick(&fleet, e);
+                    fleet.health_check(id, false, now);
+                }
+                Step::Leave(e) => {
+                    let id = pick(&fleet, e);
+                    fleet.remove_endpoint(id, now);
+                }
+                Step::Join => {
+                    let at = fleet.endpoints().len();
+                    fleet.add_endpoint(spec(at, MODEL), now).unwrap();
+                }
+                Step::Peer(e, blocks) => {
+                    let id = pick(&fleet, e);
+                    fleet.peer_prefill_started(peers_started, id, u64::from(blocks) * BS as u64, now);
+                    peers_started += 1;
+                }
+                Step::PeerDone => {
+                    fleet.peer_prefill_done(peers_done, now);
+                    peers_done += 1;
+                }
+            }
+        }
+    }
+}
+
+/// In a large idle fleet, a request whose prompt one endpoint holds costs that endpoint and
+/// the few least busy of the rest, not every endpoint: the work follows what can win.
+#[test]
+fn a_plan_costs_the_holders_and_the_least_busy_only() {
+    let specs = (0..200).map(|i| spec(i * 5, MODEL)).collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    // Every endpoint busy with 4 decodes but 20, which are idle.
+    for e in 0..200u32 {
+        let running = if e % 10 == 0 { 0.0 } else { 4.0 };
+        let sample = LoadSample {
+            waiting: Some(0.0),
+            running: Some(running),
+            kv_usage: Some(0.5),
+            num_gpu_blocks: Some(10_000),
+        };
+        fleet.observe_load(EndpointId(e), sample, 0.0);
+    }
+    let prompt = tokens(1, 0, 40);
+    fleet.apply_events(EndpointId(7), &[stored(&prompt)], 0.0);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = RequestFeatures {
+        model: MODEL,
+        keys: &keys,
+        prompt_tokens: prompt.len(),
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    };
+    let plan = plan_both(&mut fleet, &features, 1, 0.1);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(7)));
+    let viewed = fleet.last_plan_viewed();
+    assert!(viewed < 40, "{viewed} endpoints viewed of 200");
+    // Once the samples expire, the busy ones count only the router's own requests (none):
+    // every endpoint is idle and costs the same, and the random tie-break reads them all.
+    let plan = plan_both(&mut fleet, &features, 1, 30.0);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(7)));
+    assert_eq!(fleet.last_plan_viewed(), 200);
+}
+
+/// A hot prefix held by a dozen endpoints, each busy with a few decodes: each holder is bounded
+/// by what it holds, so the holders are costed before the busier endpoints that hold nothing,
+/// and every holder within the balance tolerance is costed, beyond the head of the ranking too:
+/// the one with no placements wins.
+#[test]
+fn holders_are_bounded_by_what_they_hold_and_balanced() {
+    let specs = (0..100).map(|i| spec(i * 5, MODEL)).collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    let prompt = tokens(1, 0, 60);
+    let prefix = &prompt[..40 * BS];
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = RequestFeatures {
+        model: MODEL,
+        keys: &keys,
+        prompt_tokens: prompt.len(),
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    };
+    // Holders 0–11, a little busier each (costs within 4% of each other); the rest busier.
+    for e in 0..100u32 {
+        let running = if e < 12 {
+            2.0 + 0.01 * f64::from(e)
+        } else {
+            4.0
+        };
+        let sample = LoadSample {
+            waiting: Some(0.0),
+            running: Some(running),
+            kv_usage: Some(0.5),
+            num_gpu_blocks: Some(10_000),
+        };
+        fleet.observe_load(EndpointId(e), sample, 0.0);
+        if e < 12 {
+            fleet.apply_events(EndpointId(e), &[stored(prefix)], 0.0);
+        }
+    }
+    // A placement on each holder but the last.
+    for e in 0..11u32 {
+        let other = tokens(9 + e as u8, 0, 2);
+        let other_keys = Arc::new(router_keys(&other, BS, None).unwrap());
+        let request = RequestFeatures {
+            keys: &other_keys,
+            prompt_tokens: other.len(),
+            ..features.clone()
+        };
+        let plan = fleet.plan(&request, 0, 0.0);
+        let mut d = fleet.dispatched(&plan.predicted_cached, &request, EndpointId(e), 0.0);
+        fleet.first_token(&mut d, true, 0.01);
+        fleet.finished(d, Some(0), 0.02);
+    }
+    for random in 0..10 {
+        let plan = plan_both(&mut fleet, &features, random, 1.0);
+        assert_eq!(plan.decision.chosen(), Some(EndpointId(11)));
+        assert_eq!(plan.decision.reason, crate::schedule::Reason::Balance);
+        let viewed = fleet.last_plan_viewed();
+        assert!(viewed < 40, "{viewed} endpoints viewed of 100");
+    }
+}
+
+/// A picker other than the cheapest reads every candidate: it is never pruned.
+#[test]
+fn pickers_that_read_every_candidate_are_not_pruned() {
+    let specs = (0..20).map(|i| spec(i * 5, MODEL)).collect();
+    let profile = Profile {
+        picker: Picker::RoundRobin,
+        ..Profile::default()
+    };
+    let mut fleet = Fleet::new(FleetConfig::default(), profile, specs).unwrap();
+    let prompt = tokens(1, 0, 4);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = RequestFeatures {
+        model: MODEL,
+        keys: &keys,
+        prompt_tokens: prompt.len(),
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    };
+    let plan = fleet.plan(&features, 3, 0.0);
+    assert_eq!(plan.decision.ranking.len(), 20);
+    assert_eq!(fleet.last_plan_viewed(), 20);
+}

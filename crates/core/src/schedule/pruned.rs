@@ -1,0 +1,445 @@
+//! Costing only the endpoints that can come near the best, so that a decision's work follows
+//! the endpoints that can win, not the fleet's size.
+//!
+//! An endpoint's cost is at least [`cost::cost_floor`] of what it can hold of the prompt at
+//! most, its requests decoding and queued ("busy") and its prefill rate: a bound that grows with
+//! `busy` and shrinks with what it holds and its rate. An endpoint that holds none of the
+//! prompt's blocks (no index match on any tier, no routing history, no prediction) differs from
+//! every other such endpoint only through its load and rate: [`LoadOrder`] keeps the endpoints
+//! ordered by a lower bound of their cost per prompt token then, updated when their load or rate
+//! changes. [`schedule_pruned`] costs the session's endpoint, then two streams, each in
+//! increasing order of its bound: the endpoints that hold part of the prompt (a short list,
+//! sorted by their bound at each decision) and the
+//! rest (the load order). A stream ends at the first endpoint whose bound exceeds every cost the
+//! decision can still read:
+//! - the cost of the `depth`-th best so far (the head of the ranking, ties included: a bound
+//!   equal to it is still costed);
+//! - the balance limit (the cheapest's cost plus the tolerance), which balancing reads among
+//!   the costs that hold at least as much as the cheapest: for the holders always, for the rest
+//!   (which hold nothing) only while the cheapest holds nothing.
+//!
+//! Both only fall as endpoints are costed, so every endpoint left out costs more than both at
+//! the end: it is neither in the head of the ranking nor among the near-equal costs, and the
+//! winner, reason and head are those of [`super::schedule`]. The walk does not stop before more
+//! than `depth` competitors are costed (with fewer, the caller ranks everything as before) nor
+//! before one of them is unsaturated (whether every competitor is saturated is a fact about all
+//! of them).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::near_best::{Ranked, Standing, balance_limit, by_cost};
+use super::{Candidate, Decision, Picker, Profile, RequestInfo, cost, rejection, saturated};
+use crate::index::EndpointId;
+
+/// Seconds before a load sample's expiry at which its endpoint's bound stops counting it: far
+/// more than the rounding of `at + max_age` against `now - at`.
+const EXPIRY_SLACK_S: f64 = 1e-6;
+
+/// An `f64` as a `u64` with the same total order (negative values first).
+fn order_bits(x: f64) -> u64 {
+    let bits = x.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | 1 << 63
+    }
+}
+
+/// The inverse of [`order_bits`].
+fn from_order_bits(key: u64) -> f64 {
+    if key >> 63 == 1 {
+        f64::from_bits(key & !(1 << 63))
+    } else {
+        f64::from_bits(!key)
+    }
+}
+
+/// How far the prior prefill rate may rise above the lowest one the keys were set with before
+/// every key is set again: the bound of an endpoint that holds nothing loosens by as much.
+const PRIOR_DRIFT: f64 = 0.001;
+
+/// The endpoints in increasing order of a lower bound of their cost per prompt token while
+/// they hold nothing of a prompt ("key"), kept by the fleet as their load and prefill rate
+/// change, with a lower bound of their busy count (requests decoding and queued, as the
+/// scheduler reads them).
+///
+/// An endpoint's key is [`cost::floor_per_token_second`] of its busy count over its costed
+/// prefill rate had the decision the prior rate the keys assume (its own observed rate and that
+/// prior mixed by its freshness: `f × own + (1 − f) × prior`). A decision whose prior is higher
+/// costs it at most that rate times the ratio of the priors (both parts of the mix grow by at
+/// most that ratio), so a key times [`LoadOrder::scale`] stays a bound.
+///
+/// A key may count a scraped load sample only while the sample is fresh: the owner says when
+/// each counted sample expires ([`LoadOrder::sample_expires`]), and [`LoadOrder::expire`] hands
+/// back the endpoints whose sample expired, whose key must be set again without it. Without
+/// its sample an endpoint's busy count is only the router's own, never more than with it, so a
+/// key set while the sample counted stays a lower bound until then.
+#[derive(Debug)]
+pub struct LoadOrder {
+    by_key: BTreeSet<(u64, u32)>,
+    key_of: Vec<Option<u64>>,
+    busy_of: Vec<f64>,
+    expiries: BTreeSet<(u64, u32)>,
+    expiry_of: Vec<Option<u64>>,
+    /// The prior rate keys are set with now.
+    prior: f64,
+    /// The prior rates the keys in the order were set with (order bits, keys), and each
+    /// endpoint's.
+    priors: BTreeMap<u64, u32>,
+    prior_of: Vec<Option<u64>>,
+}
+
+impl LoadOrder {
+    /// An empty order whose keys assume the prior rate `prior` (tokens/s).
+    pub fn new(prior: f64) -> Self {
+        Self {
+            by_key: BTreeSet::new(),
+            key_of: Vec::new(),
+            busy_of: Vec::new(),
+            expiries: BTreeSet::new(),
+            expiry_of: Vec::new(),
+            prior,
+            priors: BTreeMap::new(),
+            prior_of: Vec::new(),
+        }
+    }
+
+    fn slot<T: Clone + Default>(list: &mut Vec<T>, endpoint: EndpointId) -> &mut T {
+        let at = endpoint.0 as usize;
+        if list.len() <= at {
+            list.resize(at + 1, T::default());
+        }
+        &mut list[at]
+    }
+
+    /// The prior rate keys are set with now.
+    pub fn prior(&self) -> f64 {
+        self.prior
+    }
+
+    /// The key of an endpoint with busy count `busy` under `profile` whose costed rate at
+    /// [`LoadOrder::prior`] is `rate` (tokens/s).
+    pub fn key(&self, profile: &Profile, busy: f64, rate: f64) -> f64 {
+        cost::floor_per_token_second(profile, busy).unwrap_or(0.0) / rate.max(1.0)
+    }
+
+    /// The lowest prior rate a key in the order was set with (the current one if none).
+    fn lowest_prior(&self) -> f64 {
+        self.priors
+            .first_key_value()
+            .map_or(self.prior, |(&bits, _)| from_order_bits(bits))
+    }
+
+    /// Keys are set with the prior rate `prior` from now on. `true` when it rose more than
+    /// `PRIOR_DRIFT` (0.1%) above the lowest prior of the keys in the order: set every key again.
+    /// (Keys are set again whenever an endpoint's load changes, a scrape included, so the
+    /// lowest prior follows the current one without that.)
+    pub fn assume_prior(&mut self, prior: f64) -> bool {
+        if !(prior.is_finite() && prior > 0.0) {
+            return false;
+        }
+        self.prior = prior;
+        prior > self.lowest_prior() * (1.0 + PRIOR_DRIFT)
+    }
+
+    /// What a key is multiplied by for a decision whose prior rate is `prior`: a key assumed a
+    /// prior of at least the lowest one, and a costed rate rises at most in proportion to the
+    /// prior (0 for a prior that is not a positive number: no bound).
+    pub fn scale(&self, prior: f64) -> f64 {
+        if prior.is_finite() && prior > 0.0 {
+            (self.lowest_prior() / prior).min(1.0)
+        } else {
+            0.0
+        }
+    }
+
+    fn forget_prior(&mut self, endpoint: EndpointId) {
+        if let Some(old) = Self::slot(&mut self.prior_of, endpoint).take()
+            && let Some(count) = self.priors.get_mut(&old)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.priors.remove(&old);
+            }
+        }
+    }
+
+    /// Sets `endpoint`'s busy count bound and key (placing it in the order).
+    pub fn set(&mut self, endpoint: EndpointId, busy: f64, key: f64) {
+        // `+ 0.0` turns a negative zero into zero; a NaN counts as nothing.
+        let key = order_bits(if key.is_nan() {
+            0.0
+        } else {
+            key.max(0.0) + 0.0
+        });
+        *Self::slot(&mut self.busy_of, endpoint) = busy;
+        self.forget_prior(endpoint);
+        let prior = order_bits(self.prior);
+        *Self::slot(&mut self.prior_of, endpoint) = Some(prior);
+        *self.priors.entry(prior).or_insert(0) += 1;
+        let old = Self::slot(&mut self.key_of, endpoint).replace(key);
+        if old != Some(key) {
+            if let Some(old) = old {
+                self.by_key.remove(&(old, endpoint.0));
+            }
+            self.by_key.insert((key, endpoint.0));
+        }
+    }
+
+    /// Takes `endpoint` out of the order (it is no longer planned).
+    pub fn remove(&mut self, endpoint: EndpointId) {
+        self.forget_prior(endpoint);
+        if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
+            self.by_key.remove(&(old, endpoint.0));
+        }
+        self.sample_expires(endpoint, None);
+    }
+
+    /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
+    /// counts no sample).
+    pub fn sample_expires(&mut self, endpoint: EndpointId, at: Option<f64>) {
+        let key = at.map(order_bits);
+        let old = std::mem::replace(Self::slot(&mut self.expiry_of, endpoint), key);
+        if let Some(old) = old {
+            self.expiries.remove(&(old, endpoint.0));
+        }
+        if let Some(key) = key {
+            self.expiries.insert((key, endpoint.0));
+        }
+    }
+
+    /// Whether `endpoint`'s key may count its load sample.
+    pub fn counts_sample(&self, endpoint: EndpointId) -> bool {
+        self.expiry_of
+            .get(endpoint.0 as usize)
+            .is_some_and(Option::is_some)
+    }
+
+    /// Stops counting every sample that is stale at `now` (or within a slack of it), and adds
+    /// their endpoints to `expired`: set their keys again.
+    pub fn expire(&mut self, now: f64, expired: &mut Vec<EndpointId>) {
+        let horizon = order_bits(now + EXPIRY_SLACK_S);
+        while let Some(&(key, id)) = self.expiries.first() {
+            if key > horizon {
+                break;
+            }
+            self.expiries.pop_first();
+            self.expiry_of[id as usize] = None;
+            expired.push(EndpointId(id));
+        }
+    }
+
+    /// `endpoint`'s busy count bound, if it is in the order.
+    pub fn busy(&self, endpoint: EndpointId) -> Option<f64> {
+        let at = endpoint.0 as usize;
+        self.key_of
+            .get(at)
+            .copied()
+            .flatten()
+            .map(|_| self.busy_of[at])
+    }
+
+    /// `endpoint`'s key, if it is in the order.
+    pub fn key_of(&self, endpoint: EndpointId) -> Option<f64> {
+        self.key_of
+            .get(endpoint.0 as usize)
+            .copied()
+            .flatten()
+            .map(from_order_bits)
+    }
+
+    /// Endpoints in the order.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether no endpoint is in the order.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    /// The endpoints, lowest key first, with their keys.
+    pub fn iter(&self) -> impl Iterator<Item = (f64, EndpointId)> + '_ {
+        self.by_key
+            .iter()
+            .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
+    }
+}
+
+/// Buffers [`schedule_pruned`] reuses between decisions.
+#[derive(Debug, Default)]
+pub struct PruneBuffers {
+    candidates: Vec<Candidate>,
+    standings: Vec<Standing>,
+    best: Vec<f64>,
+    by_floor: Vec<(f64, EndpointId)>,
+}
+
+/// What the walk has found so far.
+struct Walk<'b> {
+    depth: usize,
+    random: u64,
+    cheapest: Option<Standing>,
+    any_unsaturated: bool,
+    candidates: &'b mut Vec<Candidate>,
+    standings: &'b mut Vec<Standing>,
+    /// The best costs so far, cheapest first, at most `depth` of them.
+    best: &'b mut Vec<f64>,
+}
+
+impl Walk<'_> {
+    /// Costs `c` and, if it competes, keeps its standing.
+    fn consider(&mut self, profile: &Profile, request: &RequestInfo, c: Candidate) {
+        if rejection(profile, request, &c).is_some() {
+            return;
+        }
+        let (cost, cached) = cost::assess(profile, request, &c);
+        self.any_unsaturated |= !saturated(profile, &c.load);
+        let s = Standing::of(
+            &c,
+            self.candidates.len(),
+            cost.total_s,
+            cached.all,
+            self.random,
+        );
+        if self.cheapest.is_none_or(|b| by_cost(&s, &b).is_lt()) {
+            self.cheapest = Some(s);
+        }
+        let at = self.best.partition_point(|b| b.total_cmp(&s.total).is_le());
+        if at < self.depth {
+            self.best.insert(at, s.total);
+            self.best.truncate(self.depth);
+        }
+        self.standings.push(s);
+        self.candidates.push(c);
+    }
+
+    /// The highest cost a decision can still read from an endpoint that holds part of the
+    /// prompt (`holds`) or none of it (`None`: any).
+    fn stop(&self, profile: &Profile, holds: bool) -> Option<f64> {
+        let cheapest = self.cheapest?;
+        if self.standings.len() <= self.depth || !self.any_unsaturated {
+            return None;
+        }
+        let head = self.best[self.depth - 1];
+        Some(if holds || cheapest.cached == 0 {
+            head.max(balance_limit(profile, cheapest.total))
+        } else {
+            head
+        })
+    }
+}
+
+/// Ranks the best `depth` (at least 2) endpoints for `request` as [`super::schedule_near_best`]
+/// does over every endpoint, costing only those that can matter (see the module's doc): the
+/// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
+/// prompt by any source, with the most tokens it can hold by any and at least its costed
+/// prefill rate) and the rest of `order`, each while its bound can reach the head or the
+/// balance limit. `prior_rate`: the prior prefill rate of this decision's costed rates.
+/// `candidate` builds an endpoint's view. `None` when
+/// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
+/// (rank them all then).
+#[allow(clippy::too_many_arguments)]
+pub fn schedule_pruned(
+    profile: &Profile,
+    request: &RequestInfo,
+    holders: &[(EndpointId, usize, f64)],
+    order: &LoadOrder,
+    prior_rate: f64,
+    mut candidate: impl FnMut(EndpointId) -> Candidate,
+    random: u64,
+    depth: usize,
+    buffers: &mut PruneBuffers,
+) -> Option<Decision> {
+    let depth = depth.max(2);
+    if profile.picker != Picker::Cheapest {
+        return None;
+    }
+    let PruneBuffers {
+        candidates,
+        standings,
+        best,
+        by_floor,
+    } = buffers;
+    candidates.clear();
+    standings.clear();
+    best.clear();
+    let session = request.session_endpoint;
+    // The holders by their bound (one not in the order is not present: costed first, and
+    // rejected).
+    by_floor.clear();
+    by_floor.extend(holders.iter().filter(|(id, ..)| Some(*id) != session).map(
+        |&(id, held, rate)| {
+            let bound = order
+                .busy(id)
+                .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
+            (bound.unwrap_or(f64::NEG_INFINITY), id)
+        },
+    ));
+    by_floor.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut walk = Walk {
+        depth,
+        random,
+        cheapest: None,
+        any_unsaturated: false,
+        candidates,
+        standings,
+        best,
+    };
+    if let Some(id) = session {
+        walk.consider(profile, request, candidate(id));
+    }
+    let mut held = by_floor.iter().copied().peekable();
+    // The rest hold nothing: the whole prompt is uncached (see `LoadOrder` for the key).
+    let per_key = match cost::floor_per_token_second(profile, 0.0) {
+        Some(_) => request.prompt_tokens as f64 * order.scale(prior_rate) * (1.0 - 1e-9),
+        None => f64::NEG_INFINITY,
+    };
+    let mut rest = order
+        .iter()
+        .filter(|&(_, id)| {
+            Some(id) != session && holders.binary_search_by_key(&id, |h| h.0).is_err()
+        })
+        .map(|(key, id)| (key * per_key, id))
+        .peekable();
+    // A stream ends at its first bound past the stop: every later one of it is bounded higher,
+    // and the stop only falls. The other stream goes on.
+    let (mut held_done, mut rest_done) = (false, false);
+    loop {
+        let next_held = held.peek().copied().filter(|_| !held_done);
+        let next_rest = rest.peek().copied().filter(|_| !rest_done);
+        let take_held = match (next_held, next_rest) {
+            (None, None) => break,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (Some(h), Some(r)) => h.0 <= r.0,
+        };
+        let (bound, id) = if take_held { next_held } else { next_rest }.expect("one is next");
+        if walk
+            .stop(profile, take_held)
+            .is_some_and(|stop| bound > stop)
+        {
+            if take_held {
+                held_done = true;
+            } else {
+                rest_done = true;
+            }
+            continue;
+        }
+        if take_held {
+            held.next();
+        } else {
+            rest.next();
+        }
+        walk.consider(profile, request, candidate(id));
+    }
+    if walk.standings.len() <= depth {
+        return None;
+    }
+    let ranked = Ranked {
+        all_saturated: !walk.any_unsaturated,
+        depth,
+        by_endpoint: true,
+    };
+    Some(ranked.decide(profile, request, walk.candidates, walk.standings))
+}

@@ -357,3 +357,47 @@ fn pickers_that_read_every_candidate_are_not_pruned() {
     assert_eq!(plan.decision.ranking.len(), 20);
     assert_eq!(fleet.last_plan_viewed(), 20);
 }
+
+/// A request for `prompt` (keys in `keys`), without a session.
+fn request_for<'a>(keys: &'a Arc<Vec<RouterKey>>, prompt: &[u32]) -> RequestFeatures<'a> {
+    RequestFeatures {
+        model: MODEL,
+        keys,
+        prompt_tokens: prompt.len(),
+        block_size: BS,
+        session: None,
+        role: Role::Both,
+    }
+}
+
+/// A load sample whose freshness cannot be told (a NaN age limit, or a NaN scrape time) is
+/// never fresh for the cost model, so the load order must not count it either: the endpoint it
+/// names is as idle as the router's own counts say, and wins.
+#[test]
+fn a_sample_that_is_never_fresh_does_not_count_in_the_load_order() {
+    let config = FleetConfig {
+        load_sample_max_age_s: f64::NAN,
+        ..FleetConfig::default()
+    };
+    let specs = (0..16).map(|i| spec(i * 5, MODEL)).collect();
+    let mut fleet = Fleet::new(config, Profile::default(), specs).unwrap();
+    let swamped = LoadSample {
+        waiting: Some(100.0),
+        running: Some(100.0),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: None,
+    };
+    fleet.observe_load(EndpointId(0), swamped, 0.0);
+    // Every other endpoint has one request of the router's own in flight.
+    let mut in_flight = Vec::new();
+    for e in 1..16u32 {
+        let other = tokens(40 + e as u8, 0, 2);
+        let other_keys = Arc::new(router_keys(&other, BS, None).unwrap());
+        let request = request_for(&other_keys, &other);
+        in_flight.push(fleet.dispatched(&[], &request, EndpointId(e), 0.0));
+    }
+    let prompt = tokens(1, 0, 20);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), 7, 0.5);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+}

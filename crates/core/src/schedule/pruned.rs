@@ -196,9 +196,10 @@ impl LoadOrder {
     }
 
     /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
-    /// counts no sample).
+    /// counts no sample). A NaN `at` (a NaN scrape time or age limit) is never fresh for the
+    /// cost model: its key counts no sample either.
     pub fn sample_expires(&mut self, endpoint: EndpointId, at: Option<f64>) {
-        let key = at.map(order_bits);
+        let key = at.filter(|at| !at.is_nan()).map(order_bits);
         let old = std::mem::replace(Self::slot(&mut self.expiry_of, endpoint), key);
         if let Some(old) = old {
             self.expiries.remove(&(old, endpoint.0));

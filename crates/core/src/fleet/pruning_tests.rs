@@ -401,3 +401,35 @@ fn a_sample_that_is_never_fresh_does_not_count_in_the_load_order() {
     let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), 7, 0.5);
     assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
 }
+
+/// A fleet configured with a prior prefill rate that is not a number bounds nothing with it:
+/// once rates are observed, the keys are set again with the pooled rate, and every near-equal
+/// idle endpoint is still read by balancing.
+#[test]
+fn a_prior_rate_that_is_not_a_number_bounds_nothing() {
+    let config = FleetConfig {
+        default_prefill_tokens_per_s: f64::NAN,
+        ..FleetConfig::default()
+    };
+    let specs = (0..40).map(|i| spec(i * 5, MODEL)).collect();
+    let mut fleet = Fleet::new(config, Profile::default(), specs).unwrap();
+    // One prefill observed alone on endpoint 0: the fleet's pooled rate from now on.
+    let first = tokens(2, 0, 64);
+    let first_keys = Arc::new(router_keys(&first, BS, None).unwrap());
+    let request = request_for(&first_keys, &first);
+    let mut d = fleet.dispatched(&[], &request, EndpointId(0), 0.0);
+    fleet.first_token(&mut d, true, 0.05);
+    fleet.finished(d, Some(0), 0.1);
+    assert!(
+        fleet
+            .endpoint(EndpointId(0))
+            .unwrap()
+            .observed_prefill_rate()
+            .is_some()
+    );
+    let prompt = tokens(1, 0, 20);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    for random in 0..20 {
+        plan_both(&mut fleet, &request_for(&keys, &prompt), random, 1.0);
+    }
+}

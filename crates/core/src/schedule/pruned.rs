@@ -90,8 +90,15 @@ pub struct LoadOrder {
 }
 
 impl LoadOrder {
-    /// An empty order whose keys assume the prior rate `prior` (tokens/s).
+    /// An empty order whose keys assume the prior rate `prior` (tokens/s). A prior that is not
+    /// a positive number counts as 0: keys set with it bound nothing ([`LoadOrder::scale`] is 0)
+    /// until the first positive prior sets them all again ([`LoadOrder::assume_prior`]).
     pub fn new(prior: f64) -> Self {
+        let prior = if prior.is_finite() && prior > 0.0 {
+            prior
+        } else {
+            0.0
+        };
         Self {
             by_key: BTreeSet::new(),
             key_of: Vec::new(),

@@ -268,7 +268,8 @@ pub struct Fleet {
     rank_buffers: RankBuffers,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
-    /// The present endpoints by a lower bound of their busy count, for pruned plans.
+    /// The present endpoints by a lower bound of their cost per prompt token while they hold
+    /// nothing of a prompt (from their busy count and prefill rate), for pruned plans.
     load_order: LoadOrder,
     /// Whether [`Fleet::plan`] costs only the endpoints that can matter (see
     /// [`Fleet::prune_costing`]).

@@ -162,8 +162,9 @@ impl Fleet {
 
     /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
     /// index, the history or the prediction, or the session's) and the least busy of the rest
-    /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it cannot (no more than `depth` competitors, or a
-    /// picker that reads every candidate): plan every endpoint then.
+    /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it
+    /// cannot (no more than `depth` competitors, or a picker that reads every candidate): plan
+    /// every endpoint then.
     pub(super) fn plan_pruned(
         &mut self,
         inputs: &PlanInputs<'_>,

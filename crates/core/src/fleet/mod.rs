@@ -268,7 +268,8 @@ pub struct Fleet {
     rank_buffers: RankBuffers,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
-    /// The present endpoints by a lower bound of their busy count, for pruned plans.
+    /// The present endpoints by a lower bound of their cost per prompt token while they hold
+    /// nothing of a prompt (from their busy count and prefill rate), for pruned plans.
     load_order: LoadOrder,
     /// Whether [`Fleet::plan`] costs only the endpoints that can matter (see
     /// [`Fleet::prune_costing`]).
@@ -435,11 +436,13 @@ impl Fleet {
         changes
     }
 
-    /// Plans a request at `now`: every endpoint costed, the best ranked. The decision's ranking
-    /// holds the winner and the next best, [`RANKING_DEPTH`] (or the retry policy's attempts,
-    /// if more) in all, and breakdowns for those: the same winner and head of the ranking as
-    /// [`Fleet::plan_every`], at a fraction of the work on a large fleet. `random` is a
-    /// uniformly random `u64` (ties, sampling).
+    /// Plans a request at `now`: every endpoint that can come near the best costed (those
+    /// holding part of the prompt and the least busy of the rest, see
+    /// [`Fleet::prune_costing`]; every endpoint where that cannot be told), the best ranked.
+    /// The decision's ranking holds the winner and the next best, [`RANKING_DEPTH`] (or the
+    /// retry policy's attempts, if more) in all, and breakdowns for those: the same winner and
+    /// head of the ranking as [`Fleet::plan_every`], at a fraction of the work on a large
+    /// fleet. `random` is a uniformly random `u64` (ties, sampling).
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
         let depth = (!self.rank_every).then(|| {
             RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))

@@ -239,30 +239,16 @@ proptest! {
 /// the few least busy of the rest, not every endpoint: the work follows what can win.
 #[test]
 fn a_plan_costs_the_holders_and_the_least_busy_only() {
-    let specs = (0..200).map(|i| spec(i * 5, MODEL)).collect();
-    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    let mut fleet = fleet_of(200, FleetConfig::default());
     // Every endpoint busy with 4 decodes but 20, which are idle.
     for e in 0..200u32 {
         let running = if e % 10 == 0 { 0.0 } else { 4.0 };
-        let sample = LoadSample {
-            waiting: Some(0.0),
-            running: Some(running),
-            kv_usage: Some(0.5),
-            num_gpu_blocks: Some(10_000),
-        };
-        fleet.observe_load(EndpointId(e), sample, 0.0);
+        fleet.observe_load(EndpointId(e), decoding(running), 0.0);
     }
     let prompt = tokens(1, 0, 40);
     fleet.apply_events(EndpointId(7), &[stored(&prompt)], 0.0);
     let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
-    let features = RequestFeatures {
-        model: MODEL,
-        keys: &keys,
-        prompt_tokens: prompt.len(),
-        block_size: BS,
-        session: None,
-        role: Role::Both,
-    };
+    let features = request_for(&keys, &prompt);
     let plan = plan_both(&mut fleet, &features, 1, 0.1);
     assert_eq!(plan.decision.chosen(), Some(EndpointId(7)));
     let viewed = fleet.last_plan_viewed();
@@ -280,19 +266,11 @@ fn a_plan_costs_the_holders_and_the_least_busy_only() {
 /// the one with no placements wins.
 #[test]
 fn holders_are_bounded_by_what_they_hold_and_balanced() {
-    let specs = (0..100).map(|i| spec(i * 5, MODEL)).collect();
-    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    let mut fleet = fleet_of(100, FleetConfig::default());
     let prompt = tokens(1, 0, 60);
     let prefix = &prompt[..40 * BS];
     let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
-    let features = RequestFeatures {
-        model: MODEL,
-        keys: &keys,
-        prompt_tokens: prompt.len(),
-        block_size: BS,
-        session: None,
-        role: Role::Both,
-    };
+    let features = request_for(&keys, &prompt);
     // Holders 0–11, a little busier each (costs within 4% of each other); the rest busier.
     for e in 0..100u32 {
         let running = if e < 12 {
@@ -300,13 +278,7 @@ fn holders_are_bounded_by_what_they_hold_and_balanced() {
         } else {
             4.0
         };
-        let sample = LoadSample {
-            waiting: Some(0.0),
-            running: Some(running),
-            kv_usage: Some(0.5),
-            num_gpu_blocks: Some(10_000),
-        };
-        fleet.observe_load(EndpointId(e), sample, 0.0);
+        fleet.observe_load(EndpointId(e), decoding(running), 0.0);
         if e < 12 {
             fleet.apply_events(EndpointId(e), &[stored(prefix)], 0.0);
         }
@@ -345,15 +317,102 @@ fn pickers_that_read_every_candidate_are_not_pruned() {
     let mut fleet = Fleet::new(FleetConfig::default(), profile, specs).unwrap();
     let prompt = tokens(1, 0, 4);
     let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
-    let features = RequestFeatures {
+    let features = request_for(&keys, &prompt);
+    let plan = fleet.plan(&features, 3, 0.0);
+    assert_eq!(plan.decision.ranking.len(), 20);
+    assert_eq!(fleet.last_plan_viewed(), 20);
+}
+
+/// A request for `prompt` (keys in `keys`), without a session.
+fn request_for<'a>(keys: &'a Arc<Vec<RouterKey>>, prompt: &[u32]) -> RequestFeatures<'a> {
+    RequestFeatures {
         model: MODEL,
-        keys: &keys,
+        keys,
         prompt_tokens: prompt.len(),
         block_size: BS,
         session: None,
         role: Role::Both,
+    }
+}
+
+/// A load sample of an endpoint decoding `running` requests, none waiting.
+fn decoding(running: f64) -> LoadSample {
+    LoadSample {
+        waiting: Some(0.0),
+        running: Some(running),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: Some(10_000),
+    }
+}
+
+/// `endpoints` endpoints serving [`MODEL`], each with events, under `config`.
+fn fleet_of(endpoints: usize, config: FleetConfig) -> Fleet {
+    let specs = (0..endpoints).map(|i| spec(i * 5, MODEL)).collect();
+    Fleet::new(config, Profile::default(), specs).unwrap()
+}
+
+/// A load sample whose freshness cannot be told (a NaN age limit, or a NaN scrape time) is
+/// never fresh for the cost model, so the load order must not count it either: the endpoint it
+/// names is as idle as the router's own counts say, and wins.
+#[test]
+fn a_sample_that_is_never_fresh_does_not_count_in_the_load_order() {
+    let mut fleet = fleet_of(
+        16,
+        FleetConfig {
+            load_sample_max_age_s: f64::NAN,
+            ..FleetConfig::default()
+        },
+    );
+    let swamped = LoadSample {
+        waiting: Some(100.0),
+        running: Some(100.0),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: None,
     };
-    let plan = fleet.plan(&features, 3, 0.0);
-    assert_eq!(plan.decision.ranking.len(), 20);
-    assert_eq!(fleet.last_plan_viewed(), 20);
+    fleet.observe_load(EndpointId(0), swamped, 0.0);
+    // Every other endpoint has one request of the router's own in flight.
+    let mut in_flight = Vec::new();
+    for e in 1..16u32 {
+        let other = tokens(40 + e as u8, 0, 2);
+        let other_keys = Arc::new(router_keys(&other, BS, None).unwrap());
+        let request = request_for(&other_keys, &other);
+        in_flight.push(fleet.dispatched(&[], &request, EndpointId(e), 0.0));
+    }
+    let prompt = tokens(1, 0, 20);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), 7, 0.5);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(0)));
+}
+
+/// A fleet configured with a prior prefill rate that is not a number bounds nothing with it:
+/// once rates are observed, the keys are set again with the pooled rate, and every near-equal
+/// idle endpoint is still read by balancing.
+#[test]
+fn a_prior_rate_that_is_not_a_number_bounds_nothing() {
+    let mut fleet = fleet_of(
+        40,
+        FleetConfig {
+            default_prefill_tokens_per_s: f64::NAN,
+            ..FleetConfig::default()
+        },
+    );
+    // One prefill observed alone on endpoint 0: the fleet's pooled rate from now on.
+    let first = tokens(2, 0, 64);
+    let first_keys = Arc::new(router_keys(&first, BS, None).unwrap());
+    let request = request_for(&first_keys, &first);
+    let mut d = fleet.dispatched(&[], &request, EndpointId(0), 0.0);
+    fleet.first_token(&mut d, true, 0.05);
+    fleet.finished(d, Some(0), 0.1);
+    assert!(
+        fleet
+            .endpoint(EndpointId(0))
+            .unwrap()
+            .observed_prefill_rate()
+            .is_some()
+    );
+    let prompt = tokens(1, 0, 20);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    for random in 0..20 {
+        plan_both(&mut fleet, &request_for(&keys, &prompt), random, 1.0);
+    }
 }

@@ -90,8 +90,15 @@ pub struct LoadOrder {
 }
 
 impl LoadOrder {
-    /// An empty order whose keys assume the prior rate `prior` (tokens/s).
+    /// An empty order whose keys assume the prior rate `prior` (tokens/s). A prior that is not
+    /// a positive number counts as 0: keys set with it bound nothing ([`LoadOrder::scale`] is 0)
+    /// until the first positive prior sets them all again ([`LoadOrder::assume_prior`]).
     pub fn new(prior: f64) -> Self {
+        let prior = if prior.is_finite() && prior > 0.0 {
+            prior
+        } else {
+            0.0
+        };
         Self {
             by_key: BTreeSet::new(),
             key_of: Vec::new(),
@@ -196,9 +203,10 @@ impl LoadOrder {
     }
 
     /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
-    /// counts no sample).
+    /// counts no sample). A NaN `at` (a NaN scrape time or age limit) is never fresh for the
+    /// cost model: its key counts no sample either.
     pub fn sample_expires(&mut self, endpoint: EndpointId, at: Option<f64>) {
-        let key = at.map(order_bits);
+        let key = at.filter(|at| !at.is_nan()).map(order_bits);
         let old = std::mem::replace(Self::slot(&mut self.expiry_of, endpoint), key);
         if let Some(old) = old {
             self.expiries.remove(&(old, endpoint.0));

@@ -87,6 +87,9 @@ struct Transfer {
     ahead: f64,
     expires_at: f64,
     predicted_end: Option<f64>,
+    /// Its place in the order transfers started, set when tracked (an id may be used again
+    /// once its transfer ended).
+    serial: u64,
 }
 
 impl Transfer {
@@ -114,9 +117,11 @@ pub(super) struct DisaggState {
     links: LinkBook,
     /// Dispatched, unfinished transfers: their bytes are each NIC's backlog.
     transfers: HashMap<u64, Transfer>,
-    /// Transfer ids in the order they started (some already ended): the oldest is evicted at
-    /// the cap.
-    started: VecDeque<u64>,
+    /// Transfer ids in the order they started, with their serials (some already ended, or
+    /// their id used again since): the oldest still tracked is evicted at the cap.
+    started: VecDeque<(u64, u64)>,
+    /// The serial of the next transfer to start.
+    next_serial: u64,
     /// When finished and expired transfers are swept next.
     next_sweep: f64,
     /// Dropped since last taken.
@@ -134,6 +139,7 @@ impl DisaggState {
             config,
             transfers: HashMap::new(),
             started: VecDeque::new(),
+            next_serial: 0,
             next_sweep: f64::NEG_INFINITY,
             dropped: TransfersDropped::default(),
             max_transfers: MAX_TRANSFERS,
@@ -184,17 +190,31 @@ impl DisaggState {
             t.queued(now)
         });
         self.dropped.expired += expired;
+        self.forget_ended_starts();
+    }
+
+    /// Drops from the start order every entry that no longer names a tracked transfer.
+    fn forget_ended_starts(&mut self) {
         let transfers = &self.transfers;
-        self.started.retain(|id| transfers.contains_key(id));
+        self.started
+            .retain(|(id, serial)| transfers.get(id).is_some_and(|t| t.serial == *serial));
     }
 
     /// Tracks `transfer` as `id`, within the cap.
-    fn track(&mut self, id: u64, transfer: Transfer, now: f64) {
+    fn track(&mut self, id: u64, mut transfer: Transfer, now: f64) {
         self.sweep(now);
         while self.transfers.len() >= self.max_transfers.max(1) {
-            let Some(oldest) = self.started.pop_front() else {
+            let Some((oldest, serial)) = self.started.pop_front() else {
                 break;
             };
+            // An entry whose id ended (and maybe started again since) names nothing.
+            if self
+                .transfers
+                .get(&oldest)
+                .is_none_or(|t| t.serial != serial)
+            {
+                continue;
+            }
             match self.transfers.remove(&oldest) {
                 Some(t) if t.lost(now) => self.dropped.expired += 1,
                 Some(t) if t.queued(now) => self.dropped.evicted += 1,
@@ -204,11 +224,12 @@ impl DisaggState {
         }
         // Ended ids linger in the start order until a sweep: keep it within twice the map.
         if self.started.len() > 2 * self.transfers.len() + 64 {
-            let transfers = &self.transfers;
-            self.started.retain(|id| transfers.contains_key(id));
+            self.forget_ended_starts();
         }
+        transfer.serial = self.next_serial;
+        self.next_serial += 1;
         self.transfers.insert(id, transfer);
-        self.started.push_back(id);
+        self.started.push_back((id, transfer.serial));
     }
 
     /// Drops what is kept of an endpoint that left the fleet.
@@ -435,6 +456,7 @@ impl Fleet {
             ahead,
             expires_at: now + (TRANSFER_EXPIRY_FACTOR * predicted_s).max(TRANSFER_EXPIRY_FLOOR_S),
             predicted_end: None,
+            serial: 0,
         };
         state.track(transfer, sent, now);
         bytes

@@ -331,3 +331,33 @@ fn the_transfers_tracked_stay_bounded_under_a_flood() {
         "the newest waits behind the others"
     );
 }
+
+/// An id may be used again once its transfer ended (ids are unique among those in flight): at
+/// the cap the oldest transfer in flight goes, not the newest that reuses an ended one's id.
+#[test]
+fn at_the_cap_the_oldest_goes_even_when_an_id_is_used_again() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    f.disagg.as_mut().unwrap().max_transfers = 3;
+    let link = (EndpointId(0), EndpointId(1));
+    f.transfer_started(1, link, 2048, 0, BS, 0.0);
+    f.transfer_started(2, link, 2048, 0, BS, 1e-6);
+    f.transfer_ended(1);
+    // Id 1 again, behind transfer 2's bytes; then two more reach and pass the cap.
+    f.transfer_started(1, link, 2048, 0, BS, 2e-6);
+    f.transfer_started(3, link, 2048, 0, BS, 3e-6);
+    f.transfer_started(4, link, 2048, 0, BS, 4e-6);
+    assert_eq!(f.transfers_tracked(), 3);
+    assert_eq!(
+        f.take_transfers_dropped(),
+        TransfersDropped {
+            expired: 0,
+            evicted: 1
+        }
+    );
+    assert_eq!(f.transfer_ended(2), 0.0, "the oldest in flight was dropped");
+    assert!(
+        f.transfer_ended(1) > 0.0,
+        "the newest id 1 is still tracked"
+    );
+}

@@ -9,8 +9,9 @@
 //! took more than `degraded_factor` × what the configured link would take *and* more than
 //! `noise_floor_s` seconds beyond it (on a fast link a few milliseconds' prediction is
 //! dwarfed by the timing noise of whoever measures it: relative slowness alone would strike a
-//! healthy pair); a failure or a degraded transfer is a strike, and `quarantine_after` consecutive strikes quarantine the
-//! pair for `quarantine_s` (doubling on each relapse, up to `max_quarantine_s`). When the
+//! healthy pair); a failure or a degraded transfer is a strike, and `quarantine_after`
+//! consecutive strikes quarantine the pair for `quarantine_s` (doubling on each relapse, up to
+//! `max_quarantine_s`). When the
 //! quarantine ends the pair is *probing*: its estimate restarts from the configured link, so
 //! the next request that would gain from it tries it; a good transfer heals it, a strike sends
 //! it straight back to quarantine.

@@ -166,3 +166,25 @@ async fn a_message_naming_a_replicas_id_cannot_make_it_forget_a_real_peer() {
     assert_eq!(metric(&running, "kvroute_replica_self_messages_total"), 1.0);
     assert_eq!(running.router.replica().peers().to_vec(), [real_peer]);
 }
+
+/// A replica whose static peer list names its own admin listener asks itself for a snapshot
+/// while warming up: the answer (409 with its own id) takes that address out of its peers, and
+/// it warms up from the engines instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_asking_itself_for_a_snapshot_leaves_itself_out_of_its_peers() {
+    let engines = fleet(1, 1_000, Default::default()).await;
+    let admin_port = free_ports(1);
+    let itself = format!("http://127.0.0.1:{admin_port}");
+    let running = replica(config(
+        &engines,
+        admin_port,
+        replicas(std::slice::from_ref(&itself), 5.0, true),
+    ))
+    .await;
+    let client = reqwest::Client::new();
+    until_ready(&client, &running).await;
+    assert!(running.router.replica().peers().is_empty());
+    assert!(metric(&running, "kvroute_replica_self_messages_total") >= 1.0);
+    let status = admin_json(&client, &running, "/kvroute/v1/replica").await;
+    assert_eq!(status["peer"], Value::Null, "{status}");
+}

@@ -9,7 +9,7 @@ mod sim_support;
 use std::net::SocketAddr;
 
 use envoy_support::{envoy_config, spawn_envoy, spawn_epp};
-use kvroute_testkit::{free_ports, http_get, http_post_within, patience, sample};
+use kvroute_testkit::{ScratchDir, free_ports, http_get, http_post_within, patience, sample};
 use serde_json::{Value, json};
 use sim_support::SimProcess;
 
@@ -45,8 +45,8 @@ fn the_picker_removes_a_clients_kv_transfer_params_under_pd() {
         ]
         .concat(),
     );
-    let dir = std::env::temp_dir().join(format!("kvroute-epp-pd-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = ScratchDir::new("epp-pd-test");
+    let dir = scratch.path();
     let (grpc, admin, listen, envoy_admin) =
         (free_ports(1), free_ports(1), free_ports(1), free_ports(1));
     let config = dir.join("kvroute.yaml");
@@ -62,7 +62,7 @@ fn the_picker_removes_a_clients_kv_transfer_params_under_pd() {
     let _epp = spawn_epp(&config, grpc);
     let _envoy = spawn_envoy(
         &envoy,
-        &dir,
+        dir,
         &envoy_config(listen, grpc, envoy_admin),
         listen,
     );
@@ -117,5 +117,4 @@ fn the_picker_removes_a_clients_kv_transfer_params_under_pd() {
         "an engine connected to the address a client named"
     );
     drop(producer);
-    let _ = std::fs::remove_dir_all(&dir);
 }

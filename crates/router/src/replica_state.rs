@@ -46,18 +46,58 @@ pub enum WarmStatus {
 /// a replica that receives its own id is among its own peers.
 pub const REPLICA_HEADER: &str = "x-kvroute-replica";
 
+/// The peers' admin listeners now: `replicas.peers`, and those found in Kubernetes, less the
+/// addresses at which this replica reached itself. Shared with the tasks that send peer
+/// messages, which learn from the answers which addresses are the replica's own.
+#[derive(Default)]
+pub struct PeerList {
+    list: RwLock<Arc<Vec<String>>>,
+    /// The authorities (`host:port`) of peer URLs at which this replica reached itself: left
+    /// out of its peers from then on, whatever discovery finds. Only URLs this replica sent to
+    /// itself get here (at most its peer list's), never an address a request names.
+    own: Mutex<HashSet<String>>,
+}
+
+impl PeerList {
+    /// The peers now.
+    pub fn current(&self) -> Arc<Vec<String>> {
+        self.list.read().clone()
+    }
+
+    /// Replaces the peers with `peers`, less the addresses known to be this replica's own.
+    fn set(&self, mut peers: Vec<String>) {
+        let own = self.own.lock();
+        peers.retain(|p| !own.contains(&authority(p)));
+        *self.list.write() = Arc::new(peers);
+    }
+
+    /// Leaves `peer` (a URL this replica sent a peer message to, and that answered with this
+    /// replica's own id) out of the peers from now on. Returns whether it was not known yet.
+    pub(crate) fn forget_own(&self, peer: &str) -> bool {
+        let address = authority(peer);
+        let mut own = self.own.lock();
+        if !own.insert(address.clone()) {
+            return false;
+        }
+        let mut list = self.list.write();
+        let kept: Vec<String> = list
+            .iter()
+            .filter(|p| authority(p) != address)
+            .cloned()
+            .collect();
+        *list = Arc::new(kept);
+        true
+    }
+}
+
 /// A replica's own state: the journal it answers peers' snapshots from, and its warm-up.
 pub struct ReplicaState {
     journal: Option<Mutex<Journal>>,
-    /// The peers' admin listeners now: `replicas.peers`, and those found in Kubernetes, less
-    /// this replica's own.
-    peers: RwLock<Arc<Vec<String>>>,
+    /// The peers' admin listeners now.
+    peers: Arc<PeerList>,
     /// This replica's id (random per process), sent with every peer message in
     /// [`REPLICA_HEADER`].
     id: String,
-    /// The authorities (`host:port`) at which this replica reached itself as a peer: left out
-    /// of its peers from then on, whatever discovery finds.
-    own: Mutex<HashSet<String>>,
     /// Whether the peers are known (at once for a static list; after the first list of the
     /// router's pods with `replicas.kubernetes`), and its signal.
     peers_known: AtomicBool,
@@ -74,9 +114,11 @@ impl ReplicaState {
         let peers = !config.peers.is_empty() || config.kubernetes.is_some();
         Self {
             journal: peers.then(|| Mutex::new(Journal::default())),
-            peers: RwLock::new(Arc::new(config.peers.clone())),
+            peers: Arc::new(PeerList {
+                list: RwLock::new(Arc::new(config.peers.clone())),
+                own: Mutex::default(),
+            }),
             id: format!("{:016x}", RandomState::new().hash_one(0u8)),
-            own: Mutex::new(HashSet::new()),
             peers_known: AtomicBool::new(config.kubernetes.is_none()),
             peers_listed: Notify::new(),
             request_ids: RandomState::new(),
@@ -102,7 +144,12 @@ impl ReplicaState {
 
     /// The peers' admin listeners now (the static list, and those found in Kubernetes).
     pub fn peers(&self) -> Arc<Vec<String>> {
-        self.peers.read().clone()
+        self.peers.current()
+    }
+
+    /// The peer list itself, for tasks that outlive a borrow of the router.
+    pub(crate) fn peer_list(&self) -> Arc<PeerList> {
+        self.peers.clone()
     }
 
     /// Replaces the peers found in Kubernetes (`found`, beside the static `configured` ones):
@@ -110,9 +157,7 @@ impl ReplicaState {
     pub(crate) fn set_peers(&self, configured: &[String], found: Vec<String>) {
         let mut peers = configured.to_vec();
         peers.extend(found.into_iter().filter(|p| !configured.contains(p)));
-        let own = self.own.lock();
-        peers.retain(|p| !own.contains(&authority(p)));
-        *self.peers.write() = Arc::new(peers);
+        self.peers.set(peers);
         self.peers_known.store(true, Ordering::Release);
         self.peers_listed.notify_waiters();
     }
@@ -123,30 +168,13 @@ impl ReplicaState {
     }
 
     /// Whether a peer message carrying `sender` (its [`REPLICA_HEADER`]) was sent by this very
-    /// replica, which reached its own admin listener at `host` (the request's `Host`): if so,
-    /// every peer at that address is left out from now on (a configured peer list naming every
-    /// replica, or discovery that did not recognise this replica's own pod). `None`: another
-    /// replica's message; `Some(new)`: this replica's own (to be dropped), `new` when its
-    /// address was not known to be its own yet.
-    pub fn sent_by_itself(&self, sender: Option<&str>, host: Option<&str>) -> Option<bool> {
-        if sender != Some(self.id.as_str()) {
-            return None;
-        }
-        let Some(host) = host else {
-            return Some(false);
-        };
-        let mut own = self.own.lock();
-        if !own.insert(host.to_owned()) {
-            return Some(false);
-        }
-        let mut peers = self.peers.write();
-        let kept: Vec<String> = peers
-            .iter()
-            .filter(|p| authority(p) != host)
-            .cloned()
-            .collect();
-        *peers = Arc::new(kept);
-        Some(true)
+    /// replica to its own admin listener (a configured peer list naming every replica, or
+    /// discovery that did not recognise this replica's own pod): it is dropped, and answered
+    /// with the id so that the sending side, which knows the URL it used, forgets that peer
+    /// ([`PeerList::forget_own`]). The request's own addresses (`Host`) are never trusted for
+    /// that: any peer knows the id and could name a real peer's address in them.
+    pub fn sent_by_itself(&self, sender: Option<&str>) -> bool {
+        sender == Some(self.id.as_str())
     }
 
     /// Resolves once the peers are known (at once for a static list).

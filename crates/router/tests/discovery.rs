@@ -393,52 +393,78 @@ fn router_pod(name: &str, ip: &str, ready: bool, rv: u32) -> Value {
 /// Replica peers found in Kubernetes (`replicas.kubernetes`): a starting replica lists the
 /// router's pods from the fake API server, leaves its own out, warms up from the ready one (a
 /// real replica on loopback), and follows the pods as they become ready or are deleted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_finds_its_peers_among_the_routers_pods_and_warms_up_from_them() {
-    use kvroute_router::config::{PeerDiscovery, ReplicasConfig};
-    use replicas_common::{admin_json, complete, config, explain, fleet, replica, until_ready};
-
-    let engines = fleet(1, 10_000, Default::default()).await;
-    let client = reqwest::Client::new();
-    // A: a running replica (its own peers static and absent), on the pods' admin port.
-    let admin_port = kvroute_testkit::free_ports(1);
+/// Replica A of the peer-discovery tests: running on 127.0.0.1 at the router pods' admin
+/// port, its own (static) peer absent, and ready.
+async fn running_replica_a(
+    client: &reqwest::Client,
+    engines: &SimFleet,
+    admin_port: u16,
+) -> RunningRouter {
+    use kvroute_router::config::ReplicasConfig;
     let static_peers = ReplicasConfig {
         peers: vec!["http://127.0.0.1:1".to_owned()],
         warm_timeout_s: 1.0,
         ..ReplicasConfig::default()
     };
-    let a = replica(config(&engines, admin_port, static_peers)).await;
-    until_ready(&client, &a).await;
-    let prompt = "a document the running replica has seen. ".repeat(30);
-    complete(&client, &a, &prompt).await;
+    let a =
+        replicas_common::replica(replicas_common::config(engines, admin_port, static_peers)).await;
+    replicas_common::until_ready(client, &a).await;
+    a
+}
 
+/// A fake API server listing the router Deployment's pods (`app=kvroute`), first `pods`.
+fn router_pods_api(pods: Vec<Value>) -> Arc<Fake> {
     let fake = Arc::new(Fake {
         selector: Some("app=kvroute"),
         ..Fake::default()
     });
-    // The Deployment's pods: A (ready, on 127.0.0.1), B itself, C not ready yet.
-    fake.lists.lock().push_back(list(
-        vec![
-            router_pod("router-a", "127.0.0.1", true, 5),
-            router_pod("router-b", "127.0.0.2", true, 6),
-            router_pod("router-c", "127.0.0.3", false, 7),
-        ],
-        10,
-    ));
-    let (watch, rx) = mpsc::unbounded_channel();
-    fake.watches.lock().push_back(rx);
-    let api = fake_api(fake.clone()).await;
-    let discovered = ReplicasConfig {
+    fake.lists.lock().push_back(list(pods, 10));
+    fake
+}
+
+/// Peers found through the fake API server at `api`: the `app=kvroute` pods in `llm`, at
+/// `admin_port`, this replica's own pod named `self_pod`.
+fn discovered_peers(
+    api: std::net::SocketAddr,
+    admin_port: u16,
+    self_pod: &str,
+) -> kvroute_router::config::ReplicasConfig {
+    use kvroute_router::config::{PeerDiscovery, ReplicasConfig};
+    ReplicasConfig {
         warm_timeout_s: 10.0,
         kubernetes: Some(PeerDiscovery {
             api_server: Some(format!("http://{api}")),
             namespace: Some("llm".into()),
             selector: [("app".to_owned(), "kvroute".to_owned())].into(),
             admin_port,
-            self_pod: Some("router-b".into()),
+            self_pod: Some(self_pod.into()),
         }),
         ..ReplicasConfig::default()
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_finds_its_peers_among_the_routers_pods_and_warms_up_from_them() {
+    use replicas_common::{admin_json, complete, config, explain, fleet, replica, until_ready};
+
+    let engines = fleet(1, 10_000, Default::default()).await;
+    let client = reqwest::Client::new();
+    // A: a running replica (its own peers static and absent), on the pods' admin port.
+    let admin_port = kvroute_testkit::free_ports(1);
+    let a = running_replica_a(&client, &engines, admin_port).await;
+    let prompt = "a document the running replica has seen. ".repeat(30);
+    complete(&client, &a, &prompt).await;
+
+    // The Deployment's pods: A (ready, on 127.0.0.1), B itself, C not ready yet.
+    let fake = router_pods_api(vec![
+        router_pod("router-a", "127.0.0.1", true, 5),
+        router_pod("router-b", "127.0.0.2", true, 6),
+        router_pod("router-c", "127.0.0.3", false, 7),
+    ]);
+    let (watch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let api = fake_api(fake.clone()).await;
+    let discovered = discovered_peers(api, admin_port, "router-b");
     let b = replica(config(&engines, 0, discovered)).await;
     until_ready(&client, &b).await;
     let a_url = format!("http://127.0.0.1:{admin_port}");
@@ -482,49 +508,25 @@ async fn a_replica_finds_its_peers_among_the_routers_pods_and_warms_up_from_them
 
 /// A replica that does not recognise its own pod (no `POD_NAME`, or another name) finds itself
 /// among the router's pods: its first peer message to its own admin listener carries its own
-/// replica id, so it is dropped (the request is not counted twice) and the address leaves its
-/// peers; the real peer stays.
+/// replica id, so it is dropped (the request is not counted twice) and answered 409 with that
+/// id, and the address it was sent to leaves its peers; the real peer stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_does_not_know_its_pod_name_leaves_itself_out_of_its_peers() {
-    use kvroute_router::config::{PeerDiscovery, ReplicasConfig};
     use replicas_common::{complete, config, fleet, replica, until_ready};
 
     let engines = fleet(1, 10_000, Default::default()).await;
     let client = reqwest::Client::new();
     // A: a running replica on 127.0.0.1, B: this one on 127.0.0.2, both on the pods' admin port.
     let admin_port = kvroute_testkit::free_ports(1);
-    let static_peers = ReplicasConfig {
-        peers: vec!["http://127.0.0.1:1".to_owned()],
-        warm_timeout_s: 1.0,
-        ..ReplicasConfig::default()
-    };
-    let a = replica(config(&engines, admin_port, static_peers)).await;
-    until_ready(&client, &a).await;
+    let a = running_replica_a(&client, &engines, admin_port).await;
 
-    let fake = Arc::new(Fake {
-        selector: Some("app=kvroute"),
-        ..Fake::default()
-    });
-    fake.lists.lock().push_back(list(
-        vec![
-            router_pod("router-a", "127.0.0.1", true, 5),
-            router_pod("router-b", "127.0.0.2", true, 6),
-        ],
-        10,
-    ));
+    let fake = router_pods_api(vec![
+        router_pod("router-a", "127.0.0.1", true, 5),
+        router_pod("router-b", "127.0.0.2", true, 6),
+    ]);
     let api = fake_api(fake.clone()).await;
-    let discovered = ReplicasConfig {
-        warm_timeout_s: 10.0,
-        kubernetes: Some(PeerDiscovery {
-            api_server: Some(format!("http://{api}")),
-            namespace: Some("llm".into()),
-            selector: [("app".to_owned(), "kvroute".to_owned())].into(),
-            admin_port,
-            // Not its pod's name: as when POD_NAME is unset and HOSTNAME differs.
-            self_pod: Some("router-elsewhere".into()),
-        }),
-        ..ReplicasConfig::default()
-    };
+    // Not its pod's name: as when POD_NAME is unset and HOSTNAME differs.
+    let discovered = discovered_peers(api, admin_port, "router-elsewhere");
     let mut b_config = config(&engines, 0, discovered);
     b_config.admin.listen = std::net::SocketAddr::from(([127, 0, 0, 2], admin_port));
     let b = replica(b_config).await;

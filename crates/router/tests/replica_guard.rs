@@ -1,6 +1,7 @@
 //! What a replica takes from its peers, and from whom: a peer's index snapshot whose keys were
 //! made with another block size is refused (and the endpoint rebuilt from its engine's replay
-//! buffer), and sharing dispatches or load without an admin token is flagged at start.
+//! buffer), sharing dispatches or load without an admin token is flagged at start, and a
+//! message naming the replica's own id never makes it forget a real peer.
 
 mod common;
 mod replicas_common;
@@ -132,4 +133,58 @@ async fn sharing_with_peers_without_an_admin_token_is_flagged() {
     );
     let alone = config(&engines, 0, ReplicasConfig::default());
     assert_eq!(metric(&replica(alone).await, gauge), 0.0);
+}
+
+/// A peer message that carries a replica's own id (`x-kvroute-replica`, which every peer
+/// receives) is dropped (409, counted), but its `Host` header, which the sender writes, never
+/// makes the replica forget a real peer: only the replica's own request coming back to it
+/// (the sender sees its id in the 409) takes an address out of its peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_naming_a_replicas_id_cannot_make_it_forget_a_real_peer() {
+    let engines = fleet(1, 1_000, Default::default()).await;
+    let real_peer = dead_peer();
+    let running = replica(config(
+        &engines,
+        0,
+        replicas(std::slice::from_ref(&real_peer), 0.2, true),
+    ))
+    .await;
+    let id = running.router.replica().id().to_owned();
+    let client = reqwest::Client::new();
+    let answer = client
+        .post(format!(
+            "http://{}/kvroute/v1/peer/prefill_done",
+            running.admin_addr
+        ))
+        .header("x-kvroute-replica", &id)
+        .header("host", real_peer.trim_start_matches("http://"))
+        .body(r#"{"request": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 409);
+    assert_eq!(metric(&running, "kvroute_replica_self_messages_total"), 1.0);
+    assert_eq!(running.router.replica().peers().to_vec(), [real_peer]);
+}
+
+/// A replica whose static peer list names its own admin listener asks itself for a snapshot
+/// while warming up: the answer (409 with its own id) takes that address out of its peers, and
+/// it warms up from the engines instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_asking_itself_for_a_snapshot_leaves_itself_out_of_its_peers() {
+    let engines = fleet(1, 1_000, Default::default()).await;
+    let admin_port = free_ports(1);
+    let itself = format!("http://127.0.0.1:{admin_port}");
+    let running = replica(config(
+        &engines,
+        admin_port,
+        replicas(std::slice::from_ref(&itself), 5.0, true),
+    ))
+    .await;
+    let client = reqwest::Client::new();
+    until_ready(&client, &running).await;
+    assert!(running.router.replica().peers().is_empty());
+    assert!(metric(&running, "kvroute_replica_self_messages_total") >= 1.0);
+    let status = admin_json(&client, &running, "/kvroute/v1/replica").await;
+    assert_eq!(status["peer"], Value::Null, "{status}");
 }

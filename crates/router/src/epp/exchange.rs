@@ -303,10 +303,7 @@ impl Exchange {
         if !self.router.config().pd.orchestrates() {
             return Ok(());
         }
-        let request_id = pipeline::request_id(&self.headers);
-        let ClientBody::Stripped(body) =
-            crate::pd::without_client_params(&self.router, prepared, &request_id)?
-        else {
+        let ClientBody::Stripped(body) = crate::pd::without_client_params(prepared)? else {
             return Ok(());
         };
         if self.body_messages != 1 {
@@ -315,6 +312,7 @@ impl Exchange {
                 Some("kv_transfer_params"),
             ));
         }
+        crate::pd::client_params_removed(&self.router, &pipeline::request_id(&self.headers));
         self.replaced_body = Some(serde_json::to_vec(&body).unwrap_or_default());
         Ok(())
     }

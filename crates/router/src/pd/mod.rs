@@ -249,16 +249,15 @@ pub(crate) enum ClientBody<'b> {
 
 /// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
 /// producer, so a request can never make an engine pull from (connect to) an address outside
-/// the fleet. `kvroute serve` and `kvroute epp` both check here. Counted
-/// (`kvroute_pd_client_params_removed_total`) and logged. Read from the body parsed once in
-/// `prepare` (escaped key spellings such as `kv_transfer\u005fparams` are the same key there);
-/// a body that did not read exactly (lone surrogate escapes) cannot be checked and rewritten,
-/// and is refused (400) rather than passed on unchecked.
-pub(crate) fn without_client_params<'b>(
-    router: &Router,
-    prepared: &'b crate::pipeline::Prepared,
-    request_id: &str,
-) -> Result<ClientBody<'b>, ApiError> {
+/// the fleet. `kvroute serve` and `kvroute epp` both check here; the caller that sends the
+/// stripped body counts it ([`client_params_removed`]), so that a request refused instead is
+/// not counted as stripped. Read from the body parsed once in `prepare` (escaped key spellings
+/// such as `kv_transfer\u005fparams` are the same key there); a body that did not read exactly
+/// (lone surrogate escapes) cannot be checked and rewritten, and is refused (400) rather than
+/// passed on unchecked.
+pub(crate) fn without_client_params(
+    prepared: &crate::pipeline::Prepared,
+) -> Result<ClientBody<'_>, ApiError> {
     let Some(body) = prepared.body_json.as_ref() else {
         return Err(ApiError::new(
             400,
@@ -272,20 +271,26 @@ pub(crate) fn without_client_params<'b>(
     if let Some(map) = body.as_object_mut() {
         map.remove("kv_transfer_params");
     }
+    Ok(ClientBody::Stripped(body))
+}
+
+/// Counts (`kvroute_pd_client_params_removed_total`) and logs a request whose client
+/// `kv_transfer_params` were removed and whose body goes on without them.
+pub(crate) fn client_params_removed(router: &Router, request_id: &str) {
     router.metrics().pd.client_params_removed.inc();
     tracing::warn!(
         request_id,
         "removed the kv_transfer_params a client sent: under pd.mode the router alone names a producer"
     );
-    Ok(ClientBody::Stripped(body))
 }
 
 /// [`without_client_params`] for `serve`'s request: the body to forward is replaced when they
 /// were removed. Returns the client's body, without the key.
 fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, ApiError> {
-    match without_client_params(a.router, a.prepared, &a.context.request_id)? {
+    match without_client_params(a.prepared)? {
         ClientBody::Clean(body) => Ok(Cow::Borrowed(body)),
         ClientBody::Stripped(body) => {
+            client_params_removed(a.router, &a.context.request_id);
             // The aggregated leg sends the body as it is.
             a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
             Ok(Cow::Owned(body))

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::edge::{read_body, read_body_within};
-use crate::replica_state::REPLICA_HEADER;
+use crate::replica_state::{PeerList, REPLICA_HEADER};
 use crate::reply::error_response;
 use crate::service::Router;
 
@@ -167,38 +167,67 @@ fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
             continue;
         };
         let client = router.client().clone();
+        let (peers, id, peer) = (
+            router.replica().peer_list(),
+            router.replica().id().to_owned(),
+            peer.clone(),
+        );
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(SEND_TIMEOUT, client.request(request)).await;
+            if let Ok(Ok(answer)) =
+                tokio::time::timeout(SEND_TIMEOUT, client.request(request)).await
+            {
+                came_back(&peers, &id, &peer, answer.status(), answer.headers());
+            }
         });
     }
 }
 
 /// Whether a peer request (`headers`) is this replica's own, sent to its own admin listener as
-/// if to a peer: then it is dropped (recording it would count the request twice), counted in
-/// `kvroute_replica_self_messages_total`, and the address is left out of the peers (warned
-/// once).
+/// if to a peer: then it is dropped (recording it would count the request twice) and counted in
+/// `kvroute_replica_self_messages_total`; the answer ([`own_message_refused`]) tells the sender
+/// to leave that address out of its peers.
 pub(crate) fn own_message(router: &Router, headers: &http::HeaderMap) -> bool {
-    let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
-    let host = text(header::HOST.as_str());
-    let Some(new) = router.replica().sent_by_itself(text(REPLICA_HEADER), host) else {
+    let sender = headers.get(REPLICA_HEADER).and_then(|v| v.to_str().ok());
+    if !router.replica().sent_by_itself(sender) {
         return false;
-    };
+    }
     router.metrics().replica_self_messages.inc();
-    if new {
+    true
+}
+
+/// The answer to this replica's own peer request: 409, with its id in [`REPLICA_HEADER`].
+pub(crate) fn own_message_refused(router: &Router) -> Response {
+    let mut response = error_response(
+        router,
+        &ApiError::new(409, "a replica's own peer request: it is not its own peer"),
+    );
+    if let Ok(id) = http::HeaderValue::from_str(router.replica().id()) {
+        response.headers_mut().insert(REPLICA_HEADER, id);
+    }
+    response
+}
+
+/// Whether a peer's answer (`status`, `headers`) says the request reached this replica itself
+/// (409 with this replica's `id`): then `peer`, the URL it was sent to, is left out of the
+/// peers from now on (warned once).
+pub(crate) fn came_back(
+    peers: &PeerList,
+    id: &str,
+    peer: &str,
+    status: http::StatusCode,
+    headers: &http::HeaderMap,
+) -> bool {
+    let echoed = headers.get(REPLICA_HEADER).and_then(|v| v.to_str().ok());
+    if status != http::StatusCode::CONFLICT || echoed != Some(id) {
+        return false;
+    }
+    if peers.forget_own(peer) {
         warn!(
-            address = host,
+            %peer,
             "this replica reached its own admin listener as a peer (its pod name or address among the peers): that address is no longer a peer"
         );
     }
     true
-}
-
-/// The answer to this replica's own peer request.
-pub(crate) fn own_message_refused(router: &Router) -> Response {
-    error_response(
-        router,
-        &ApiError::new(409, "a replica's own peer request: it is not its own peer"),
-    )
 }
 
 /// `POST /kvroute/v1/peer/dispatch`: a peer replica's dispatch, recorded in this one's fleet.

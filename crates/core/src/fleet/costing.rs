@@ -226,6 +226,7 @@ impl Fleet {
             info,
             &holding,
             &self.load_order,
+            (inputs.model, inputs.block_size),
             inputs.prior_rate,
             |id| {
                 viewed += 1;
@@ -248,9 +249,9 @@ impl Fleet {
         })
     }
 
-    /// Sets `id`'s place in the load order from its load and prefill rate now (call whenever
-    /// its in-flight counts, its load sample or its observed rate change, or it leaves or
-    /// joins).
+    /// Sets `id`'s place in the load order from its load and prefill rate now, and whether a
+    /// plan may use it (call whenever its in-flight counts, its load sample or its observed
+    /// rate change, its health or ejection changes, or it leaves or joins).
     pub(super) fn load_changed(&mut self, id: EndpointId) {
         let Some(e) = self.endpoints.get(id.0 as usize) else {
             return;
@@ -259,7 +260,10 @@ impl Fleet {
             let busy = e.busy(self.load_order.counts_sample(id));
             let rate = e.prefill_rate_toward(self.load_order.prior());
             let key = self.load_order.key(&self.profile, busy, rate);
+            let plannable = e.healthy && !self.load_order.ejected(id);
+            self.load_order.serve(id, &e.spec.models, e.spec.block_size);
             self.load_order.set(id, busy, key);
+            self.load_order.set_plannable(id, plannable);
         } else {
             self.load_order.remove(id);
         }

@@ -74,9 +74,25 @@ const PRIOR_DRIFT: f64 = 0.001;
 /// back the endpoints whose sample expired, whose key must be set again without it. Without
 /// its sample an endpoint's busy count is only the router's own, never more than with it, so a
 /// key set while the sample counted stays a lower bound until then.
+///
+/// Besides the fleet-wide order, one order per (model, block size) an endpoint serves holds
+/// the endpoints a request of that model can use: present, healthy and not ejected
+/// ([`LoadOrder::set_plannable`]; an ejection's end is handed back by [`LoadOrder::expire`]).
+/// A plan walks only its request's order ([`LoadOrder::iter_serving`]): an idle endpoint that
+/// no request of the model could use would otherwise be walked, and viewed, first on every
+/// decision.
 #[derive(Debug)]
 pub struct LoadOrder {
     by_key: BTreeSet<(u64, u32)>,
+    /// The (model, block size) orders.
+    groups: Vec<ServingGroup>,
+    /// The groups each endpoint serves (whether or not it is in their orders now).
+    served_of: Vec<Vec<u32>>,
+    /// Whether each endpoint is in its groups' orders now.
+    plannable_of: Vec<bool>,
+    /// When each ejected endpoint's ejection ends (order bits, endpoint).
+    ejections: BTreeSet<(u64, u32)>,
+    ejection_of: Vec<Option<u64>>,
     key_of: Vec<Option<u64>>,
     busy_of: Vec<f64>,
     expiries: BTreeSet<(u64, u32)>,
@@ -101,6 +117,11 @@ impl LoadOrder {
         };
         Self {
             by_key: BTreeSet::new(),
+            groups: Vec::new(),
+            served_of: Vec::new(),
+            plannable_of: Vec::new(),
+            ejections: BTreeSet::new(),
+            ejection_of: Vec::new(),
             key_of: Vec::new(),
             busy_of: Vec::new(),
             expiries: BTreeSet::new(),
@@ -190,16 +211,108 @@ impl LoadOrder {
                 self.by_key.remove(&(old, endpoint.0));
             }
             self.by_key.insert((key, endpoint.0));
+            if *Self::slot(&mut self.plannable_of, endpoint) {
+                for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+                    let members = &mut self.groups[g as usize].members;
+                    if let Some(old) = old {
+                        members.remove(&(old, endpoint.0));
+                    }
+                    members.insert((key, endpoint.0));
+                }
+            }
         }
     }
 
     /// Takes `endpoint` out of the order (it is no longer planned).
     pub fn remove(&mut self, endpoint: EndpointId) {
+        self.set_plannable(endpoint, false);
         self.forget_prior(endpoint);
         if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
             self.by_key.remove(&(old, endpoint.0));
         }
         self.sample_expires(endpoint, None);
+        self.ejected_until(endpoint, None);
+    }
+
+    /// The group of (`model`, `block_size`), if an endpoint ever served it.
+    fn group(&self, model: &str, block_size: usize) -> Option<u32> {
+        self.groups
+            .iter()
+            .position(|g| g.block_size == block_size && g.model == model)
+            .map(|at| at as u32)
+    }
+
+    /// `endpoint` serves `models` at `block_size` (call before [`LoadOrder::set_plannable`]
+    /// whenever it may have changed: cheap when it has not).
+    pub fn serve(&mut self, endpoint: EndpointId, models: &[String], block_size: usize) {
+        let served = Self::slot(&mut self.served_of, endpoint);
+        let same = served.len() == models.len()
+            && served.iter().zip(models).all(|(&g, model)| {
+                let g = &self.groups[g as usize];
+                g.block_size == block_size && g.model == *model
+            });
+        if same {
+            return;
+        }
+        let plannable = *Self::slot(&mut self.plannable_of, endpoint);
+        self.set_plannable(endpoint, false);
+        let mut served = Vec::with_capacity(models.len());
+        for model in models {
+            let g = self.group(model, block_size).unwrap_or_else(|| {
+                self.groups.push(ServingGroup {
+                    model: model.clone(),
+                    block_size,
+                    members: BTreeSet::new(),
+                });
+                (self.groups.len() - 1) as u32
+            });
+            if !served.contains(&g) {
+                served.push(g);
+            }
+        }
+        self.served_of[endpoint.0 as usize] = served;
+        self.set_plannable(endpoint, plannable);
+    }
+
+    /// Whether a plan may use `endpoint` (present, healthy, not ejected): it is in the orders
+    /// of the groups it serves while it has a key.
+    pub fn set_plannable(&mut self, endpoint: EndpointId, plannable: bool) {
+        let was = std::mem::replace(Self::slot(&mut self.plannable_of, endpoint), plannable);
+        let key = Self::slot(&mut self.key_of, endpoint).to_owned();
+        let Some(key) = key else {
+            return;
+        };
+        if was == plannable {
+            return;
+        }
+        for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+            let members = &mut self.groups[g as usize].members;
+            if plannable {
+                members.insert((key, endpoint.0));
+            } else {
+                members.remove(&(key, endpoint.0));
+            }
+        }
+    }
+
+    /// `endpoint` is ejected until `at` (`None`: not ejected); [`LoadOrder::expire`] hands it
+    /// back once `at` is reached. A NaN `at` ejects nothing (nothing is ejected until then).
+    pub fn ejected_until(&mut self, endpoint: EndpointId, at: Option<f64>) {
+        let key = at.filter(|at| !at.is_nan()).map(order_bits);
+        let old = std::mem::replace(Self::slot(&mut self.ejection_of, endpoint), key);
+        if let Some(old) = old {
+            self.ejections.remove(&(old, endpoint.0));
+        }
+        if let Some(key) = key {
+            self.ejections.insert((key, endpoint.0));
+        }
+    }
+
+    /// Whether `endpoint` is ejected (until [`LoadOrder::expire`] hands it back).
+    pub fn ejected(&self, endpoint: EndpointId) -> bool {
+        self.ejection_of
+            .get(endpoint.0 as usize)
+            .is_some_and(Option::is_some)
     }
 
     /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
@@ -233,6 +346,16 @@ impl LoadOrder {
             }
             self.expiries.pop_first();
             self.expiry_of[id as usize] = None;
+            expired.push(EndpointId(id));
+        }
+        // An ejection ends exactly at its time (`now < until` is ejected).
+        let now_bits = order_bits(now);
+        while let Some(&(key, id)) = self.ejections.first() {
+            if key > now_bits {
+                break;
+            }
+            self.ejections.pop_first();
+            self.ejection_of[id as usize] = None;
             expired.push(EndpointId(id));
         }
     }
@@ -272,6 +395,27 @@ impl LoadOrder {
             .iter()
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
+
+    /// The endpoints a request of `model` at `block_size` can use (serving it, present,
+    /// healthy, not ejected), lowest key first, with their keys.
+    pub fn iter_serving(
+        &self,
+        model: &str,
+        block_size: usize,
+    ) -> impl Iterator<Item = (f64, EndpointId)> + '_ {
+        self.group(model, block_size)
+            .into_iter()
+            .flat_map(|g| self.groups[g as usize].members.iter())
+            .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
+    }
+}
+
+/// The order of the endpoints serving one (model, block size) that a plan may use.
+#[derive(Debug)]
+struct ServingGroup {
+    model: String,
+    block_size: usize,
+    members: BTreeSet<(u64, u32)>,
 }
 
 /// Buffers [`schedule_pruned`] reuses between decisions.
@@ -343,7 +487,9 @@ impl Walk<'_> {
 /// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
 /// prompt by any source, with the most tokens it can hold by any and at least its costed
 /// prefill rate) and the rest of `order`, each while its bound can reach the head or the
-/// balance limit. `prior_rate`: the prior prefill rate of this decision's costed rates.
+/// balance limit. `serving`: the request's model and block size (only the endpoints of that
+/// order are walked: the others are rejected by every plan). `prior_rate`: the prior prefill
+/// rate of this decision's costed rates.
 /// `candidate` builds an endpoint's view. `None` when
 /// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
 /// (rank them all then).
@@ -353,6 +499,7 @@ pub fn schedule_pruned(
     request: &RequestInfo,
     holders: &[(EndpointId, usize, f64)],
     order: &LoadOrder,
+    serving: (&str, usize),
     prior_rate: f64,
     mut candidate: impl FnMut(EndpointId) -> Candidate,
     random: u64,
@@ -404,7 +551,7 @@ pub fn schedule_pruned(
         None => f64::NEG_INFINITY,
     };
     let mut rest = order
-        .iter()
+        .iter_serving(serving.0, serving.1)
         .filter(|&(_, id)| {
             Some(id) != session && holders.binary_search_by_key(&id, |h| h.0).is_err()
         })

@@ -77,6 +77,8 @@ enum Step {
     Wait(u8),
     /// A load sample of an endpoint: waiting, running, capacity (`None`: not reported).
     Sample(u8, u8, u8, Option<u16>),
+    /// A load sample of every endpoint: waiting (4 or more saturates), a nearly full cache.
+    SampleAll(u8, bool),
     /// A request (prompt, shared blocks, length in blocks, session) is planned and sent.
     Request(u8, u8, u8, Option<u8>),
     /// The oldest request in flight gets its first token (after seconds / 100).
@@ -105,6 +107,7 @@ fn arb_step() -> impl Strategy<Value = Step> {
         3 => (0u8..40).prop_map(Step::Wait),
         4 => (any::<u8>(), prop_oneof![3 => 0u8..4, 1 => 0u8..64], 0u8..12, proptest::option::of(100u16..400))
             .prop_map(|(e, w, r, c)| Step::Sample(e, w, r, c)),
+        1 => (0u8..8, any::<bool>()).prop_map(|(w, full)| Step::SampleAll(w, full)),
         6 => (prop_oneof![1 => any::<u8>(), 2 => 0u8..6], 0u8..6, 1u8..30, proptest::option::of(0u8..6))
             .prop_map(|(p, s, l, session)| Step::Request(p, s, l, session)),
         3 => (1u8..50).prop_map(Step::FirstToken),
@@ -192,6 +195,17 @@ proptest! {
                     };
                     let id = pick(&fleet, e);
                     fleet.observe_load(id, sample, now);
+                }
+                Step::SampleAll(waiting, full) => {
+                    for e in 0..fleet.endpoints().len() as u32 {
+                        let sample = LoadSample {
+                            waiting: Some(f64::from(waiting)),
+                            running: Some(f64::from(2 + e % 5)),
+                            kv_usage: Some(if full { 0.97 } else { 0.5 }),
+                            num_gpu_blocks: None,
+                        };
+                        fleet.observe_load(EndpointId(e), sample, now);
+                    }
                 }
                 Step::Request(p, shared, len, session) => {
                     let prompt = tokens(p, shared, len);
@@ -582,4 +596,50 @@ fn endpoints_return_to_their_order_when_they_recover() {
             "{shape}: idle endpoints chosen {chosen:?}"
         );
     }
+}
+
+/// A load sample of an endpoint decoding `running` requests with one queued, its cache at
+/// `kv_usage` (0.95 or more saturates it).
+fn queued(kv_usage: f64, running: f64) -> LoadSample {
+    LoadSample {
+        waiting: Some(1.0),
+        kv_usage: Some(kv_usage),
+        ..decoding(running)
+    }
+}
+
+/// In a saturated fleet (every cache full, requests queued) a plan views as many endpoints as
+/// in the same fleet unsaturated: that every competitor is saturated is known without viewing
+/// them all. One unsaturated endpoint, however busy, says the fleet is not saturated, and is
+/// viewed once to tell.
+#[test]
+fn a_saturated_fleet_is_pruned() {
+    let prompt = tokens(1, 0, 30);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = request_for(&keys, &prompt);
+    let mut viewed = Vec::new();
+    let mut fleets = Vec::new();
+    for kv_usage in [0.5, 0.97] {
+        let mut fleet = fleet_of(200, FleetConfig::default());
+        for e in 0..200u32 {
+            fleet.observe_load(
+                EndpointId(e),
+                queued(kv_usage, 2.0 + f64::from(e % 10)),
+                0.0,
+            );
+        }
+        let plan = plan_both(&mut fleet, &features, 3, 0.5);
+        assert_eq!(plan.decision.saturated, kv_usage > 0.95);
+        viewed.push(fleet.last_plan_viewed());
+        fleets.push(fleet);
+    }
+    assert!(viewed[0] < 100, "{} endpoints viewed of 200", viewed[0]);
+    assert_eq!(viewed[1], viewed[0], "endpoints viewed, saturated");
+    // Endpoint 199 decodes more than any but its cache has room: not saturated.
+    let fleet = &mut fleets[1];
+    fleet.observe_load(EndpointId(199), queued(0.5, 40.0), 0.5);
+    let plan = plan_both(fleet, &features, 3, 0.6);
+    assert!(!plan.decision.saturated);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(199)));
+    assert_eq!(fleet.last_plan_viewed(), viewed[0] + 1);
 }

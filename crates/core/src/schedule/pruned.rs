@@ -21,14 +21,17 @@
 //! Both only fall as endpoints are costed, so every endpoint left out costs more than both at
 //! the end: it is neither in the head of the ranking nor among the near-equal costs, and the
 //! winner, reason and head are those of [`super::schedule`]. The walk does not stop before more
-//! than `depth` competitors are costed (with fewer, the caller ranks everything as before) nor
-//! before one of them is unsaturated (whether every competitor is saturated is a fact about all
-//! of them).
+//! than `depth` competitors are costed (with fewer, the caller ranks everything as before).
+//! Whether every competitor is saturated is a fact about all of them: when none costed is
+//! unsaturated, the order's endpoints that may be unsaturated ([`LoadOrder::set_saturated`],
+//! kept as their load changes) are viewed until one is; a saturated fleet has none.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::near_best::{Ranked, Standing, balance_limit, by_cost};
-use super::{Candidate, Decision, Picker, Profile, RequestInfo, cost, rejection, saturated};
+use super::{
+    Candidate, Decision, EndpointLoad, Picker, Profile, RequestInfo, cost, rejection, saturated,
+};
 use crate::index::EndpointId;
 
 /// Seconds before a load sample's expiry at which its endpoint's bound stops counting it: far
@@ -90,6 +93,8 @@ pub struct LoadOrder {
     served_of: Vec<Vec<u32>>,
     /// Whether each endpoint is in its groups' orders now.
     plannable_of: Vec<bool>,
+    /// Whether each endpoint is saturated as any plan will see it.
+    saturated_of: Vec<bool>,
     /// When each ejected endpoint's ejection ends (order bits, endpoint).
     ejections: BTreeSet<(u64, u32)>,
     ejection_of: Vec<Option<u64>>,
@@ -120,6 +125,7 @@ impl LoadOrder {
             groups: Vec::new(),
             served_of: Vec::new(),
             plannable_of: Vec::new(),
+            saturated_of: Vec::new(),
             ejections: BTreeSet::new(),
             ejection_of: Vec::new(),
             key_of: Vec::new(),
@@ -212,12 +218,16 @@ impl LoadOrder {
             }
             self.by_key.insert((key, endpoint.0));
             if *Self::slot(&mut self.plannable_of, endpoint) {
+                let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
                 for &g in Self::slot(&mut self.served_of, endpoint).iter() {
-                    let members = &mut self.groups[g as usize].members;
+                    let group = &mut self.groups[g as usize];
                     if let Some(old) = old {
-                        members.remove(&(old, endpoint.0));
+                        group.members.remove(&(old, endpoint.0));
                     }
-                    members.insert((key, endpoint.0));
+                    group.members.insert((key, endpoint.0));
+                    if unsaturated {
+                        group.unsaturated.insert(endpoint.0);
+                    }
                 }
             }
         }
@@ -263,6 +273,7 @@ impl LoadOrder {
                     model: model.clone(),
                     block_size,
                     members: BTreeSet::new(),
+                    unsaturated: BTreeSet::new(),
                 });
                 (self.groups.len() - 1) as u32
             });
@@ -285,12 +296,36 @@ impl LoadOrder {
         if was == plannable {
             return;
         }
+        let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
         for &g in Self::slot(&mut self.served_of, endpoint).iter() {
-            let members = &mut self.groups[g as usize].members;
+            let group = &mut self.groups[g as usize];
             if plannable {
-                members.insert((key, endpoint.0));
+                group.members.insert((key, endpoint.0));
+                if unsaturated {
+                    group.unsaturated.insert(endpoint.0);
+                }
             } else {
-                members.remove(&(key, endpoint.0));
+                group.members.remove(&(key, endpoint.0));
+                group.unsaturated.remove(&endpoint.0);
+            }
+        }
+    }
+
+    /// Whether `endpoint` is saturated as any plan will see it until its load changes again
+    /// (`false` where a plan might see it unsaturated: it may be viewed to tell).
+    pub fn set_saturated(&mut self, endpoint: EndpointId, saturated: bool) {
+        let was = std::mem::replace(Self::slot(&mut self.saturated_of, endpoint), saturated);
+        let in_groups = *Self::slot(&mut self.plannable_of, endpoint)
+            && Self::slot(&mut self.key_of, endpoint).is_some();
+        if was == saturated || !in_groups {
+            return;
+        }
+        for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+            let unsaturated = &mut self.groups[g as usize].unsaturated;
+            if saturated {
+                unsaturated.remove(&endpoint.0);
+            } else {
+                unsaturated.insert(endpoint.0);
             }
         }
     }
@@ -408,6 +443,23 @@ impl LoadOrder {
             .flat_map(|g| self.groups[g as usize].members.iter())
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
+
+    /// Of [`LoadOrder::iter_serving`]'s endpoints, those a plan may see unsaturated.
+    pub fn unsaturated_serving(
+        &self,
+        model: &str,
+        block_size: usize,
+    ) -> impl Iterator<Item = EndpointId> + '_ {
+        self.group(model, block_size)
+            .into_iter()
+            .flat_map(|g| self.groups[g as usize].unsaturated.iter())
+            .map(|&id| EndpointId(id))
+    }
+}
+
+/// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it).
+pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
+    saturated(profile, load)
 }
 
 /// The order of the endpoints serving one (model, block size) that a plan may use.
@@ -416,6 +468,8 @@ struct ServingGroup {
     model: String,
     block_size: usize,
     members: BTreeSet<(u64, u32)>,
+    /// The members a plan may see unsaturated.
+    unsaturated: BTreeSet<u32>,
 }
 
 /// Buffers [`schedule_pruned`] reuses between decisions.
@@ -470,7 +524,7 @@ impl Walk<'_> {
     /// prompt (`holds`) or none of it (`None`: any).
     fn stop(&self, profile: &Profile, holds: bool) -> Option<f64> {
         let cheapest = self.cheapest?;
-        if self.standings.len() <= self.depth || !self.any_unsaturated {
+        if self.standings.len() <= self.depth {
             return None;
         }
         let head = self.best[self.depth - 1];
@@ -590,6 +644,12 @@ pub fn schedule_pruned(
     }
     if walk.standings.len() <= depth {
         return None;
+    }
+    if !walk.any_unsaturated {
+        walk.any_unsaturated = order.unsaturated_serving(serving.0, serving.1).any(|id| {
+            let c = candidate(id);
+            rejection(profile, request, &c).is_none() && !saturated(profile, &c.load)
+        });
     }
     let ranked = Ranked {
         all_saturated: !walk.any_unsaturated,

@@ -643,3 +643,27 @@ fn a_saturated_fleet_is_pruned() {
     assert_ne!(plan.decision.chosen(), Some(EndpointId(199)));
     assert_eq!(fleet.last_plan_viewed(), viewed[0] + 1);
 }
+
+/// Endpoints ejected while they hold the prompt (an ejection keeps the engine's cache) are not
+/// viewed either: a plan views as many as if they held nothing.
+#[test]
+fn ejected_holders_are_not_viewed() {
+    // The prompt `views_beside_idle` plans.
+    let prompt = tokens(1, 0, 30);
+    let mut viewed = Vec::new();
+    for hold in [false, true] {
+        let (count, plan) = views_beside_idle(
+            40,
+            |i| spec(i, MODEL),
+            |fleet, id| {
+                if hold {
+                    fleet.apply_events(id, &[stored(&prompt)], 0.0);
+                }
+                fail_requests(fleet, id, 0.0);
+            },
+        );
+        assert!(plan.decision.chosen().is_some_and(|e| e.0 < 100));
+        viewed.push(count);
+    }
+    assert_eq!(viewed[1], viewed[0], "endpoints viewed");
+}

@@ -444,6 +444,21 @@ impl LoadOrder {
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
 
+    /// Whether `endpoint` is in the order of `group` (`None`: no endpoint serves it).
+    fn in_group(&self, endpoint: EndpointId, group: Option<u32>) -> bool {
+        let at = endpoint.0 as usize;
+        group.is_some_and(|g| {
+            self.plannable_of
+                .get(at)
+                .is_some_and(|&plannable| plannable)
+                && self.key_of.get(at).is_some_and(Option::is_some)
+                && self
+                    .served_of
+                    .get(at)
+                    .is_some_and(|served| served.contains(&g))
+        })
+    }
+
     /// Of [`LoadOrder::iter_serving`]'s endpoints, those a plan may see unsaturated.
     pub fn unsaturated_serving(
         &self,
@@ -574,17 +589,22 @@ pub fn schedule_pruned(
     standings.clear();
     best.clear();
     let session = request.session_endpoint;
-    // The holders by their bound (one not in the order is not present: costed first, and
-    // rejected).
+    // The holders by their bound, but those out of the request's order (another model or
+    // block size, unhealthy, ejected, gone): every plan rejects them.
+    let group = order.group(serving.0, serving.1);
     by_floor.clear();
-    by_floor.extend(holders.iter().filter(|(id, ..)| Some(*id) != session).map(
-        |&(id, held, rate)| {
-            let bound = order
-                .busy(id)
-                .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
-            (bound.unwrap_or(f64::NEG_INFINITY), id)
-        },
-    ));
+    let competing = |id: EndpointId| Some(id) != session && order.in_group(id, group);
+    by_floor.extend(
+        holders
+            .iter()
+            .filter(|(id, ..)| competing(*id))
+            .map(|&(id, held, rate)| {
+                let bound = order
+                    .busy(id)
+                    .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
+                (bound.unwrap_or(f64::NEG_INFINITY), id)
+            }),
+    );
     by_floor.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut walk = Walk {
         depth,

@@ -3,9 +3,11 @@
 //! those holding part of the prompt, and the least busy of the rest in the fleet's
 //! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
-use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
+use super::{Distrust, EndpointState, Fleet, LoadSample, Plan, tier_learning};
 use crate::index::{EndpointId, PrefixMatch, PrefixMatches};
-use crate::schedule::{CacheView, Candidate, IndexState, RequestInfo, schedule_pruned};
+use crate::schedule::{
+    CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load, schedule_pruned,
+};
 use crate::tiers::TierTokens;
 
 /// What every endpoint's view in one plan is made from.
@@ -226,6 +228,7 @@ impl Fleet {
             info,
             &holding,
             &self.load_order,
+            (inputs.model, inputs.block_size),
             inputs.prior_rate,
             |id| {
                 viewed += 1;
@@ -248,9 +251,28 @@ impl Fleet {
         })
     }
 
-    /// Sets `id`'s place in the load order from its load and prefill rate now (call whenever
-    /// its in-flight counts, its load sample or its observed rate change, or it leaves or
-    /// joins).
+    /// Whether every plan sees `e` saturated until its load changes again: with its load
+    /// sample while its key counts it (fresh for every plan until the order expires it), both
+    /// with and without it otherwise (a plan just before the expiry may still read it).
+    fn saturated_as_planned(&self, e: &EndpointState, counts_sample: bool) -> bool {
+        let load = |sample: Option<LoadSample>| {
+            let sample = sample.unwrap_or_default();
+            EndpointLoad {
+                waiting: sample.waiting,
+                running: sample.running,
+                kv_usage: sample.kv_usage,
+                inflight: e.inflight,
+                inflight_prefills: e.inflight_prefills,
+                ..EndpointLoad::default()
+            }
+        };
+        let with_sample = saturated_load(&self.profile, &load(e.sample.map(|(s, _)| s)));
+        with_sample && (counts_sample || saturated_load(&self.profile, &load(None)))
+    }
+
+    /// Sets `id`'s place in the load order from its load and prefill rate now, and whether a
+    /// plan may use it (call whenever its in-flight counts, its load sample or its observed
+    /// rate change, its health or ejection changes, or it leaves or joins).
     pub(super) fn load_changed(&mut self, id: EndpointId) {
         let Some(e) = self.endpoints.get(id.0 as usize) else {
             return;
@@ -259,7 +281,12 @@ impl Fleet {
             let busy = e.busy(self.load_order.counts_sample(id));
             let rate = e.prefill_rate_toward(self.load_order.prior());
             let key = self.load_order.key(&self.profile, busy, rate);
+            let plannable = e.healthy && !self.load_order.ejected(id);
+            let saturated = self.saturated_as_planned(e, self.load_order.counts_sample(id));
+            self.load_order.serve(id, &e.spec.models, e.spec.block_size);
             self.load_order.set(id, busy, key);
+            self.load_order.set_saturated(id, saturated);
+            self.load_order.set_plannable(id, plannable);
         } else {
             self.load_order.remove(id);
         }

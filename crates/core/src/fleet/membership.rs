@@ -35,6 +35,7 @@ impl Fleet {
         };
         // A fresh state: its place in the load order starts from nothing in flight.
         self.load_order.sample_expires(id, None);
+        self.load_order.ejected_until(id, None);
         self.load_changed(id);
         // A reused slot's previous owner mounted what it mounted: this one says its own.
         index.set_offload(id, &offload)?;

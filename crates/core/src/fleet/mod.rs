@@ -888,10 +888,15 @@ impl Fleet {
             ejected == 0 || (ejected as f64) < cap
         };
         let policy = &self.config.outlier;
-        self.endpoints
-            .get_mut(id.0 as usize)?
-            .outlier
-            .result(outcome, policy, may_eject, now)
+        let outlier = &mut self.endpoints.get_mut(id.0 as usize)?.outlier;
+        let ejection = outlier.result(outcome, policy, may_eject, now);
+        if ejection.is_some() {
+            // Out of its model's load order until the ejection ends.
+            let until = outlier.ejected_until(now);
+            self.load_order.ejected_until(id, until);
+            self.load_changed(id);
+        }
+        ejection
     }
 
     /// Takes one retry from the fleet's budget at `now`, or says it is spent (see
@@ -921,6 +926,10 @@ impl Fleet {
             .health_check(ok, &policy);
         if change == Some(HealthChange::Ejected) {
             self.forget_endpoint(id, now);
+        }
+        if change.is_some() {
+            // In or out of its model's load order.
+            self.load_changed(id);
         }
         change
     }

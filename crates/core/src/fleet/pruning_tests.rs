@@ -14,13 +14,27 @@ const BS: usize = 16;
 const MODEL: &str = "m";
 
 fn spec(i: usize, model: &str) -> EndpointSpec {
+    spec_at(i, model, BS)
+}
+
+/// Endpoint `i` serving `model` at `block_size` tokens per block.
+fn spec_at(i: usize, model: &str, block_size: usize) -> EndpointSpec {
     EndpointSpec {
         name: format!("e{i}"),
         models: vec![model.into()],
         role: Role::Both,
         has_events: i % 5 != 4,
-        block_size: BS,
+        block_size,
         offload: Default::default(),
+    }
+}
+
+/// The model (and block size) endpoint `i` of a mixed fleet serves.
+fn mixed_spec(i: usize) -> EndpointSpec {
+    match i % 7 {
+        6 => spec(i, "other"),
+        5 if i % 2 == 1 => spec_at(i, MODEL, 2 * BS),
+        _ => spec(i, MODEL),
     }
 }
 
@@ -63,6 +77,8 @@ enum Step {
     Wait(u8),
     /// A load sample of an endpoint: waiting, running, capacity (`None`: not reported).
     Sample(u8, u8, u8, Option<u16>),
+    /// A load sample of every endpoint: waiting (4 or more saturates), a nearly full cache.
+    SampleAll(u8, bool),
     /// A request (prompt, shared blocks, length in blocks, session) is planned and sent.
     Request(u8, u8, u8, Option<u8>),
     /// The oldest request in flight gets its first token (after seconds / 100).
@@ -72,8 +88,12 @@ enum Step {
     /// Endpoints from the first, so many, publish that they stored a prompt (on their GPU, or
     /// offloaded to their CPU).
     Stored(u8, u8, u8, u8, bool, u8),
-    /// A health check fails (twice ejects).
+    /// Health checks of an endpoint fail until it is taken out, or pass until it is restored.
     Unhealthy(u8),
+    Healthy(u8),
+    /// Requests sent to an endpoint fail until it is ejected for a while, or one succeeds.
+    Failed(u8),
+    Succeeded(u8),
     /// An endpoint leaves, or one joins.
     Leave(u8),
     Join,
@@ -85,15 +105,19 @@ enum Step {
 fn arb_step() -> impl Strategy<Value = Step> {
     prop_oneof![
         3 => (0u8..40).prop_map(Step::Wait),
-        4 => (any::<u8>(), 0u8..4, 0u8..12, proptest::option::of(100u16..400))
+        4 => (any::<u8>(), prop_oneof![3 => 0u8..4, 1 => 0u8..64], 0u8..12, proptest::option::of(100u16..400))
             .prop_map(|(e, w, r, c)| Step::Sample(e, w, r, c)),
+        1 => (0u8..8, any::<bool>()).prop_map(|(w, full)| Step::SampleAll(w, full)),
         6 => (prop_oneof![1 => any::<u8>(), 2 => 0u8..6], 0u8..6, 1u8..30, proptest::option::of(0u8..6))
             .prop_map(|(p, s, l, session)| Step::Request(p, s, l, session)),
         3 => (1u8..50).prop_map(Step::FirstToken),
         2 => Just(Step::Finish),
         3 => (any::<u8>(), 0u8..6, 0u8..6, 1u8..30, any::<bool>(), prop_oneof![3 => Just(1u8), 1 => 2u8..30])
             .prop_map(|(e, p, s, l, cpu, n)| Step::Stored(e, p, s, l, cpu, n)),
-        1 => any::<u8>().prop_map(Step::Unhealthy),
+        1 => (0u8..6).prop_map(Step::Unhealthy),
+        1 => (0u8..6).prop_map(Step::Healthy),
+        1 => (0u8..6).prop_map(Step::Failed),
+        1 => (0u8..6).prop_map(Step::Succeeded),
         1 => any::<u8>().prop_map(Step::Leave),
         1 => Just(Step::Join),
         1 => (any::<u8>(), 1u8..40).prop_map(|(e, b)| Step::Peer(e, b)),
@@ -151,7 +175,7 @@ proptest! {
         steps in proptest::collection::vec(arb_step(), 1..160),
         seed: u64,
     ) {
-        let specs = (0..endpoints).map(|i| spec(i, if i % 7 == 6 { "other" } else { MODEL })).collect();
+        let specs = (0..endpoints).map(mixed_spec).collect();
         let mut fleet = Fleet::new(FleetConfig::default(), profile, specs).unwrap();
         let mut now = 0.0;
         let mut inflight: std::collections::VecDeque<Dispatch> = Default::default();
@@ -171,6 +195,17 @@ proptest! {
                     };
                     let id = pick(&fleet, e);
                     fleet.observe_load(id, sample, now);
+                }
+                Step::SampleAll(waiting, full) => {
+                    for e in 0..fleet.endpoints().len() as u32 {
+                        let sample = LoadSample {
+                            waiting: Some(f64::from(waiting)),
+                            running: Some(f64::from(2 + e % 5)),
+                            kv_usage: Some(if full { 0.97 } else { 0.5 }),
+                            num_gpu_blocks: None,
+                        };
+                        fleet.observe_load(EndpointId(e), sample, now);
+                    }
                 }
                 Step::Request(p, shared, len, session) => {
                     let prompt = tokens(p, shared, len);
@@ -211,7 +246,21 @@ proptest! {
                 }
                 Step::Unhealthy(e) => {
                     let id = pick(&fleet, e);
-                    fleet.health_check(id, false, now);
+                    fail_health_checks(&mut fleet, id, now);
+                }
+                Step::Healthy(e) => {
+                    let id = pick(&fleet, e);
+                    for _ in 0..fleet.config.health.healthy_after {
+                        fleet.health_check(id, true, now);
+                    }
+                }
+                Step::Failed(e) => {
+                    let id = pick(&fleet, e);
+                    fail_requests(&mut fleet, id, now);
+                }
+                Step::Succeeded(e) => {
+                    let id = pick(&fleet, e);
+                    fleet.upstream_result(id, UpstreamOutcome::Success, now);
                 }
                 Step::Leave(e) => {
                     let id = pick(&fleet, e);
@@ -219,7 +268,7 @@ proptest! {
                 }
                 Step::Join => {
                     let at = fleet.endpoints().len();
-                    fleet.add_endpoint(spec(at, MODEL), now).unwrap();
+                    fleet.add_endpoint(mixed_spec(at), now).unwrap();
                 }
                 Step::Peer(e, blocks) => {
                     let id = pick(&fleet, e);
@@ -415,4 +464,206 @@ fn a_prior_rate_that_is_not_a_number_bounds_nothing() {
     for random in 0..20 {
         plan_both(&mut fleet, &request_for(&keys, &prompt), random, 1.0);
     }
+}
+
+/// Something done to one endpoint of a fleet.
+type EndpointStep = Box<dyn Fn(&mut Fleet, EndpointId)>;
+
+/// An endpoint's spec by its number.
+type SpecOf = Box<dyn Fn(usize) -> EndpointSpec>;
+
+/// `id`'s health checks fail at `now` until it is taken out.
+fn fail_health_checks(fleet: &mut Fleet, id: EndpointId, now: f64) {
+    for _ in 0..fleet.config.health.unhealthy_after {
+        fleet.health_check(id, false, now);
+    }
+}
+
+/// Requests sent to `id` fail at `now` until it is ejected.
+fn fail_requests(fleet: &mut Fleet, id: EndpointId, now: f64) {
+    for _ in 0..fleet.config.outlier.consecutive_failures {
+        fleet.upstream_result(id, UpstreamOutcome::Failure, now);
+    }
+}
+
+/// Views of a plan for a fresh prompt on a fleet of 100 endpoints of [`MODEL`] (endpoint `e`
+/// busy with `2 + e % 10` decodes) and `idle` idle endpoints, built by `idle_spec`, that
+/// `sideline` (called with each idle one) may take out of competition. Every plan must decide
+/// as costing every endpoint.
+fn views_beside_idle(
+    idle: usize,
+    idle_spec: impl Fn(usize) -> EndpointSpec,
+    sideline: impl Fn(&mut Fleet, EndpointId),
+) -> (usize, Plan) {
+    let specs = (0..100)
+        .map(|i| spec(i, MODEL))
+        .chain((100..100 + idle).map(idle_spec))
+        .collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    for e in 0..100u32 {
+        fleet.observe_load(EndpointId(e), decoding(2.0 + f64::from(e % 10)), 0.0);
+    }
+    for e in 100..(100 + idle) as u32 {
+        sideline(&mut fleet, EndpointId(e));
+    }
+    let prompt = tokens(1, 0, 30);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), 3, 0.5);
+    (fleet.last_plan_viewed(), plan)
+}
+
+/// Idle endpoints that no request of the model can use (another model, another block size,
+/// failing health checks, ejected) are not walked: a plan views as many endpoints as without
+/// them, though they are the least busy of the fleet.
+#[test]
+fn endpoints_that_cannot_compete_are_not_viewed() {
+    let (alone, plan) = views_beside_idle(0, |i| spec(i, MODEL), |_, _| {});
+    assert!(alone < 40, "{alone} endpoints viewed of 100");
+    assert!(plan.decision.chosen().is_some_and(|e| e.0 % 10 == 0));
+    let shapes: [(&str, SpecOf, EndpointStep); 4] = [
+        (
+            "another model",
+            Box::new(|i| spec(i, "other")),
+            Box::new(|_, _| {}),
+        ),
+        (
+            "another block size",
+            Box::new(|i| spec_at(i, MODEL, 2 * BS)),
+            Box::new(|_, _| {}),
+        ),
+        (
+            "unhealthy",
+            Box::new(|i| spec(i, MODEL)),
+            Box::new(|fleet, id| fail_health_checks(fleet, id, 0.0)),
+        ),
+        (
+            "ejected",
+            Box::new(|i| spec(i, MODEL)),
+            Box::new(|fleet, id| fail_requests(fleet, id, 0.0)),
+        ),
+    ];
+    for (shape, idle_spec, sideline) in shapes {
+        let (viewed, plan) = views_beside_idle(100, idle_spec, sideline);
+        assert_eq!(viewed, alone, "{shape}: endpoints viewed");
+        let chosen = plan.decision.chosen().unwrap();
+        assert!(chosen.0 < 100, "{shape}: chose {chosen:?}");
+    }
+}
+
+/// An endpoint taken out of competition returns to its model's order when it recovers: once
+/// healthy again, or once its ejection ends, the idle endpoints win again.
+#[test]
+fn endpoints_return_to_their_order_when_they_recover() {
+    let recover: [(&str, EndpointStep, EndpointStep, f64); 2] = [
+        (
+            "health",
+            Box::new(|fleet, id| fail_health_checks(fleet, id, 0.0)),
+            Box::new(|fleet, id| {
+                for _ in 0..fleet.config.health.healthy_after {
+                    fleet.health_check(id, true, 0.2);
+                }
+            }),
+            0.5,
+        ),
+        (
+            "ejection",
+            Box::new(|fleet, id| fail_requests(fleet, id, 0.0)),
+            Box::new(|_, _| {}),
+            FleetConfig::default().outlier.base_ejection_s,
+        ),
+    ];
+    for (shape, fail, restore, at) in recover {
+        let specs = (0..40).map(|i| spec(i, MODEL)).collect();
+        let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+        for e in 4..40u32 {
+            fleet.observe_load(EndpointId(e), decoding(4.0), 0.0);
+        }
+        let prompt = tokens(1, 0, 30);
+        let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+        fail(&mut fleet, EndpointId(3));
+        let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), 3, 0.1);
+        assert!(plan.decision.chosen().is_some_and(|e| e.0 < 3), "{shape}");
+        restore(&mut fleet, EndpointId(3));
+        // Its load is not touched: only its recovery returns it.
+        let mut chosen = std::collections::BTreeSet::new();
+        for draw in 0..40u64 {
+            let random = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let plan = plan_both(&mut fleet, &request_for(&keys, &prompt), random, at);
+            chosen.insert(plan.decision.chosen().unwrap().0);
+        }
+        assert!(
+            chosen.contains(&3),
+            "{shape}: idle endpoints chosen {chosen:?}"
+        );
+    }
+}
+
+/// A load sample of an endpoint decoding `running` requests with one queued, its cache at
+/// `kv_usage` (0.95 or more saturates it).
+fn queued(kv_usage: f64, running: f64) -> LoadSample {
+    LoadSample {
+        waiting: Some(1.0),
+        kv_usage: Some(kv_usage),
+        ..decoding(running)
+    }
+}
+
+/// In a saturated fleet (every cache full, requests queued) a plan views as many endpoints as
+/// in the same fleet unsaturated: that every competitor is saturated is known without viewing
+/// them all. One unsaturated endpoint, however busy, says the fleet is not saturated, and is
+/// viewed once to tell.
+#[test]
+fn a_saturated_fleet_is_pruned() {
+    let prompt = tokens(1, 0, 30);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = request_for(&keys, &prompt);
+    let mut viewed = Vec::new();
+    let mut fleets = Vec::new();
+    for kv_usage in [0.5, 0.97] {
+        let mut fleet = fleet_of(200, FleetConfig::default());
+        for e in 0..200u32 {
+            fleet.observe_load(
+                EndpointId(e),
+                queued(kv_usage, 2.0 + f64::from(e % 10)),
+                0.0,
+            );
+        }
+        let plan = plan_both(&mut fleet, &features, 3, 0.5);
+        assert_eq!(plan.decision.saturated, kv_usage > 0.95);
+        viewed.push(fleet.last_plan_viewed());
+        fleets.push(fleet);
+    }
+    assert!(viewed[0] < 100, "{} endpoints viewed of 200", viewed[0]);
+    assert_eq!(viewed[1], viewed[0], "endpoints viewed, saturated");
+    // Endpoint 199 decodes more than any but its cache has room: not saturated.
+    let fleet = &mut fleets[1];
+    fleet.observe_load(EndpointId(199), queued(0.5, 40.0), 0.5);
+    let plan = plan_both(fleet, &features, 3, 0.6);
+    assert!(!plan.decision.saturated);
+    assert_ne!(plan.decision.chosen(), Some(EndpointId(199)));
+    assert_eq!(fleet.last_plan_viewed(), viewed[0] + 1);
+}
+
+/// Endpoints ejected while they hold the prompt (an ejection keeps the engine's cache) are not
+/// viewed either: a plan views as many as if they held nothing.
+#[test]
+fn ejected_holders_are_not_viewed() {
+    // The prompt `views_beside_idle` plans.
+    let prompt = tokens(1, 0, 30);
+    let mut viewed = Vec::new();
+    for hold in [false, true] {
+        let (count, plan) = views_beside_idle(
+            40,
+            |i| spec(i, MODEL),
+            |fleet, id| {
+                if hold {
+                    fleet.apply_events(id, &[stored(&prompt)], 0.0);
+                }
+                fail_requests(fleet, id, 0.0);
+            },
+        );
+        assert!(plan.decision.chosen().is_some_and(|e| e.0 < 100));
+        viewed.push(count);
+    }
+    assert_eq!(viewed[1], viewed[0], "endpoints viewed");
 }

@@ -29,7 +29,7 @@ pub use profile::{
     BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
     TierCosts,
 };
-pub use pruned::{LoadOrder, PruneBuffers, schedule_pruned};
+pub use pruned::{LoadOrder, PruneBuffers, saturated_load, schedule_pruned};
 
 /// What an endpoint is for (prefill/decode disaggregation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

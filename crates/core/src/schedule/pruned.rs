@@ -21,14 +21,17 @@
 //! Both only fall as endpoints are costed, so every endpoint left out costs more than both at
 //! the end: it is neither in the head of the ranking nor among the near-equal costs, and the
 //! winner, reason and head are those of [`super::schedule`]. The walk does not stop before more
-//! than `depth` competitors are costed (with fewer, the caller ranks everything as before) nor
-//! before one of them is unsaturated (whether every competitor is saturated is a fact about all
-//! of them).
+//! than `depth` competitors are costed (with fewer, the caller ranks everything as before).
+//! Whether every competitor is saturated is a fact about all of them: when none costed is
+//! unsaturated, the order's endpoints that may be unsaturated ([`LoadOrder::set_saturated`],
+//! kept as their load changes) are viewed until one is; a saturated fleet has none.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::near_best::{Ranked, Standing, balance_limit, by_cost};
-use super::{Candidate, Decision, Picker, Profile, RequestInfo, cost, rejection, saturated};
+use super::{
+    Candidate, Decision, EndpointLoad, Picker, Profile, RequestInfo, cost, rejection, saturated,
+};
 use crate::index::EndpointId;
 
 /// Seconds before a load sample's expiry at which its endpoint's bound stops counting it: far
@@ -74,9 +77,27 @@ const PRIOR_DRIFT: f64 = 0.001;
 /// back the endpoints whose sample expired, whose key must be set again without it. Without
 /// its sample an endpoint's busy count is only the router's own, never more than with it, so a
 /// key set while the sample counted stays a lower bound until then.
+///
+/// Besides the fleet-wide order, one order per (model, block size) an endpoint serves holds
+/// the endpoints a request of that model can use: present, healthy and not ejected
+/// ([`LoadOrder::set_plannable`]; an ejection's end is handed back by [`LoadOrder::expire`]).
+/// A plan walks only its request's order ([`LoadOrder::iter_serving`]): an idle endpoint that
+/// no request of the model could use would otherwise be walked, and viewed, first on every
+/// decision.
 #[derive(Debug)]
 pub struct LoadOrder {
     by_key: BTreeSet<(u64, u32)>,
+    /// The (model, block size) orders.
+    groups: Vec<ServingGroup>,
+    /// The groups each endpoint serves (whether or not it is in their orders now).
+    served_of: Vec<Vec<u32>>,
+    /// Whether each endpoint is in its groups' orders now.
+    plannable_of: Vec<bool>,
+    /// Whether each endpoint is saturated as any plan will see it.
+    saturated_of: Vec<bool>,
+    /// When each ejected endpoint's ejection ends (order bits, endpoint).
+    ejections: BTreeSet<(u64, u32)>,
+    ejection_of: Vec<Option<u64>>,
     key_of: Vec<Option<u64>>,
     busy_of: Vec<f64>,
     expiries: BTreeSet<(u64, u32)>,
@@ -101,6 +122,12 @@ impl LoadOrder {
         };
         Self {
             by_key: BTreeSet::new(),
+            groups: Vec::new(),
+            served_of: Vec::new(),
+            plannable_of: Vec::new(),
+            saturated_of: Vec::new(),
+            ejections: BTreeSet::new(),
+            ejection_of: Vec::new(),
             key_of: Vec::new(),
             busy_of: Vec::new(),
             expiries: BTreeSet::new(),
@@ -190,16 +217,137 @@ impl LoadOrder {
                 self.by_key.remove(&(old, endpoint.0));
             }
             self.by_key.insert((key, endpoint.0));
+            if *Self::slot(&mut self.plannable_of, endpoint) {
+                let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
+                for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+                    let group = &mut self.groups[g as usize];
+                    if let Some(old) = old {
+                        group.members.remove(&(old, endpoint.0));
+                    }
+                    group.members.insert((key, endpoint.0));
+                    if unsaturated {
+                        group.unsaturated.insert(endpoint.0);
+                    }
+                }
+            }
         }
     }
 
     /// Takes `endpoint` out of the order (it is no longer planned).
     pub fn remove(&mut self, endpoint: EndpointId) {
+        self.set_plannable(endpoint, false);
         self.forget_prior(endpoint);
         if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
             self.by_key.remove(&(old, endpoint.0));
         }
         self.sample_expires(endpoint, None);
+        self.ejected_until(endpoint, None);
+    }
+
+    /// The group of (`model`, `block_size`), if an endpoint ever served it.
+    fn group(&self, model: &str, block_size: usize) -> Option<u32> {
+        self.groups
+            .iter()
+            .position(|g| g.block_size == block_size && g.model == model)
+            .map(|at| at as u32)
+    }
+
+    /// `endpoint` serves `models` at `block_size` (call before [`LoadOrder::set_plannable`]
+    /// whenever it may have changed: cheap when it has not).
+    pub fn serve(&mut self, endpoint: EndpointId, models: &[String], block_size: usize) {
+        let served = Self::slot(&mut self.served_of, endpoint);
+        let same = served.len() == models.len()
+            && served.iter().zip(models).all(|(&g, model)| {
+                let g = &self.groups[g as usize];
+                g.block_size == block_size && g.model == *model
+            });
+        if same {
+            return;
+        }
+        let plannable = *Self::slot(&mut self.plannable_of, endpoint);
+        self.set_plannable(endpoint, false);
+        let mut served = Vec::with_capacity(models.len());
+        for model in models {
+            let g = self.group(model, block_size).unwrap_or_else(|| {
+                self.groups.push(ServingGroup {
+                    model: model.clone(),
+                    block_size,
+                    members: BTreeSet::new(),
+                    unsaturated: BTreeSet::new(),
+                });
+                (self.groups.len() - 1) as u32
+            });
+            if !served.contains(&g) {
+                served.push(g);
+            }
+        }
+        self.served_of[endpoint.0 as usize] = served;
+        self.set_plannable(endpoint, plannable);
+    }
+
+    /// Whether a plan may use `endpoint` (present, healthy, not ejected): it is in the orders
+    /// of the groups it serves while it has a key.
+    pub fn set_plannable(&mut self, endpoint: EndpointId, plannable: bool) {
+        let was = std::mem::replace(Self::slot(&mut self.plannable_of, endpoint), plannable);
+        let key = Self::slot(&mut self.key_of, endpoint).to_owned();
+        let Some(key) = key else {
+            return;
+        };
+        if was == plannable {
+            return;
+        }
+        let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
+        for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+            let group = &mut self.groups[g as usize];
+            if plannable {
+                group.members.insert((key, endpoint.0));
+                if unsaturated {
+                    group.unsaturated.insert(endpoint.0);
+                }
+            } else {
+                group.members.remove(&(key, endpoint.0));
+                group.unsaturated.remove(&endpoint.0);
+            }
+        }
+    }
+
+    /// Whether `endpoint` is saturated as any plan will see it until its load changes again
+    /// (`false` where a plan might see it unsaturated: it may be viewed to tell).
+    pub fn set_saturated(&mut self, endpoint: EndpointId, saturated: bool) {
+        let was = std::mem::replace(Self::slot(&mut self.saturated_of, endpoint), saturated);
+        let in_groups = *Self::slot(&mut self.plannable_of, endpoint)
+            && Self::slot(&mut self.key_of, endpoint).is_some();
+        if was == saturated || !in_groups {
+            return;
+        }
+        for &g in Self::slot(&mut self.served_of, endpoint).iter() {
+            let unsaturated = &mut self.groups[g as usize].unsaturated;
+            if saturated {
+                unsaturated.remove(&endpoint.0);
+            } else {
+                unsaturated.insert(endpoint.0);
+            }
+        }
+    }
+
+    /// `endpoint` is ejected until `at` (`None`: not ejected); [`LoadOrder::expire`] hands it
+    /// back once `at` is reached. A NaN `at` ejects nothing (nothing is ejected until then).
+    pub fn ejected_until(&mut self, endpoint: EndpointId, at: Option<f64>) {
+        let key = at.filter(|at| !at.is_nan()).map(order_bits);
+        let old = std::mem::replace(Self::slot(&mut self.ejection_of, endpoint), key);
+        if let Some(old) = old {
+            self.ejections.remove(&(old, endpoint.0));
+        }
+        if let Some(key) = key {
+            self.ejections.insert((key, endpoint.0));
+        }
+    }
+
+    /// Whether `endpoint` is ejected (until [`LoadOrder::expire`] hands it back).
+    pub fn ejected(&self, endpoint: EndpointId) -> bool {
+        self.ejection_of
+            .get(endpoint.0 as usize)
+            .is_some_and(Option::is_some)
     }
 
     /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
@@ -233,6 +381,16 @@ impl LoadOrder {
             }
             self.expiries.pop_first();
             self.expiry_of[id as usize] = None;
+            expired.push(EndpointId(id));
+        }
+        // An ejection ends exactly at its time (`now < until` is ejected).
+        let now_bits = order_bits(now);
+        while let Some(&(key, id)) = self.ejections.first() {
+            if key > now_bits {
+                break;
+            }
+            self.ejections.pop_first();
+            self.ejection_of[id as usize] = None;
             expired.push(EndpointId(id));
         }
     }
@@ -272,6 +430,61 @@ impl LoadOrder {
             .iter()
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
+
+    /// The endpoints a request of `model` at `block_size` can use (serving it, present,
+    /// healthy, not ejected), lowest key first, with their keys.
+    pub fn iter_serving(
+        &self,
+        model: &str,
+        block_size: usize,
+    ) -> impl Iterator<Item = (f64, EndpointId)> + '_ {
+        self.group(model, block_size)
+            .into_iter()
+            .flat_map(|g| self.groups[g as usize].members.iter())
+            .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
+    }
+
+    /// Whether `endpoint` is in the order of `group` (`None`: no endpoint serves it).
+    fn in_group(&self, endpoint: EndpointId, group: Option<u32>) -> bool {
+        let at = endpoint.0 as usize;
+        group.is_some_and(|g| {
+            self.plannable_of
+                .get(at)
+                .is_some_and(|&plannable| plannable)
+                && self.key_of.get(at).is_some_and(Option::is_some)
+                && self
+                    .served_of
+                    .get(at)
+                    .is_some_and(|served| served.contains(&g))
+        })
+    }
+
+    /// Of [`LoadOrder::iter_serving`]'s endpoints, those a plan may see unsaturated.
+    pub fn unsaturated_serving(
+        &self,
+        model: &str,
+        block_size: usize,
+    ) -> impl Iterator<Item = EndpointId> + '_ {
+        self.group(model, block_size)
+            .into_iter()
+            .flat_map(|g| self.groups[g as usize].unsaturated.iter())
+            .map(|&id| EndpointId(id))
+    }
+}
+
+/// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it).
+pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
+    saturated(profile, load)
+}
+
+/// The order of the endpoints serving one (model, block size) that a plan may use.
+#[derive(Debug)]
+struct ServingGroup {
+    model: String,
+    block_size: usize,
+    members: BTreeSet<(u64, u32)>,
+    /// The members a plan may see unsaturated.
+    unsaturated: BTreeSet<u32>,
 }
 
 /// Buffers [`schedule_pruned`] reuses between decisions.
@@ -326,7 +539,7 @@ impl Walk<'_> {
     /// prompt (`holds`) or none of it (`None`: any).
     fn stop(&self, profile: &Profile, holds: bool) -> Option<f64> {
         let cheapest = self.cheapest?;
-        if self.standings.len() <= self.depth || !self.any_unsaturated {
+        if self.standings.len() <= self.depth {
             return None;
         }
         let head = self.best[self.depth - 1];
@@ -343,7 +556,9 @@ impl Walk<'_> {
 /// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
 /// prompt by any source, with the most tokens it can hold by any and at least its costed
 /// prefill rate) and the rest of `order`, each while its bound can reach the head or the
-/// balance limit. `prior_rate`: the prior prefill rate of this decision's costed rates.
+/// balance limit. `serving`: the request's model and block size (only the endpoints of that
+/// order are walked: the others are rejected by every plan). `prior_rate`: the prior prefill
+/// rate of this decision's costed rates.
 /// `candidate` builds an endpoint's view. `None` when
 /// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
 /// (rank them all then).
@@ -353,6 +568,7 @@ pub fn schedule_pruned(
     request: &RequestInfo,
     holders: &[(EndpointId, usize, f64)],
     order: &LoadOrder,
+    serving: (&str, usize),
     prior_rate: f64,
     mut candidate: impl FnMut(EndpointId) -> Candidate,
     random: u64,
@@ -373,17 +589,22 @@ pub fn schedule_pruned(
     standings.clear();
     best.clear();
     let session = request.session_endpoint;
-    // The holders by their bound (one not in the order is not present: costed first, and
-    // rejected).
+    // The holders by their bound, but those out of the request's order (another model or
+    // block size, unhealthy, ejected, gone): every plan rejects them.
+    let group = order.group(serving.0, serving.1);
     by_floor.clear();
-    by_floor.extend(holders.iter().filter(|(id, ..)| Some(*id) != session).map(
-        |&(id, held, rate)| {
-            let bound = order
-                .busy(id)
-                .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
-            (bound.unwrap_or(f64::NEG_INFINITY), id)
-        },
-    ));
+    let competing = |id: EndpointId| Some(id) != session && order.in_group(id, group);
+    by_floor.extend(
+        holders
+            .iter()
+            .filter(|(id, ..)| competing(*id))
+            .map(|&(id, held, rate)| {
+                let bound = order
+                    .busy(id)
+                    .and_then(|busy| cost::cost_floor(profile, request, held, busy, rate));
+                (bound.unwrap_or(f64::NEG_INFINITY), id)
+            }),
+    );
     by_floor.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut walk = Walk {
         depth,
@@ -404,7 +625,7 @@ pub fn schedule_pruned(
         None => f64::NEG_INFINITY,
     };
     let mut rest = order
-        .iter()
+        .iter_serving(serving.0, serving.1)
         .filter(|&(_, id)| {
             Some(id) != session && holders.binary_search_by_key(&id, |h| h.0).is_err()
         })
@@ -443,6 +664,12 @@ pub fn schedule_pruned(
     }
     if walk.standings.len() <= depth {
         return None;
+    }
+    if !walk.any_unsaturated {
+        walk.any_unsaturated = order.unsaturated_serving(serving.0, serving.1).any(|id| {
+            let c = candidate(id);
+            rejection(profile, request, &c).is_none() && !saturated(profile, &c.load)
+        });
     }
     let ranked = Ranked {
         all_saturated: !walk.any_unsaturated,

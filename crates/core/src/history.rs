@@ -196,16 +196,18 @@ impl RoutingHistory {
     /// Forgets everything sent to `endpoint` (it restarted or left).
     pub fn forget_endpoint(&mut self, endpoint: EndpointId) {
         let mut kept = VecDeque::with_capacity(self.records.len());
+        // The runs its records end at (its own list: `path` still holds the last walk's runs).
+        let mut ended_at = Vec::new();
         for record in self.records.drain(..) {
             if record.endpoint == endpoint {
                 self.blocks -= (record.to - record.from) as usize;
-                self.path.push(record.run);
+                ended_at.push(record.run);
             } else {
                 kept.push_back(record);
             }
         }
         self.records = kept;
-        for id in std::mem::take(&mut self.path) {
+        for id in ended_at {
             self.tree.unpin(id);
         }
         self.tree

@@ -83,6 +83,28 @@ fn a_conversation_is_a_few_runs_not_one_entry_per_block() {
     );
 }
 
+#[test]
+fn forgetting_an_endpoint_leaves_the_others_records_whole() {
+    let mut h = RoutingHistory::new(10.0, 6);
+    h.record(EndpointId(0), &keys(3, 0), 10.0);
+    h.record(EndpointId(1), &keys(1, 7), 30.0);
+    // Its prefix again, expiring earlier: the record ends at the prefix's own run.
+    h.record(EndpointId(0), &keys(2, 0), 0.0);
+    // Drops only the first record (the second's expiry stops it).
+    h.expire(25.0);
+    // Endpoint 2 sent nothing: forgetting it changes nothing.
+    h.forget_endpoint(EndpointId(2));
+    h.record(EndpointId(0), &keys(2, 9), 0.0);
+    // Over capacity: drops endpoint 1's record and the first block of `keys(2, 0)`'s.
+    h.record(EndpointId(4), &keys(3, 8), 0.0);
+    assert_eq!(h.len(), 6);
+    assert_eq!(
+        h.longest_prefixes(&keys(2, 9), 0.0),
+        vec![(EndpointId(0), 2)],
+        "a record no capacity or expiry dropped is still there"
+    );
+}
+
 /// The history as a table of (block, endpoint) → expiry, with one record per block sent: what
 /// `RoutingHistory` must answer as.
 struct PerBlock {

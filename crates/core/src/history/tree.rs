@@ -182,7 +182,12 @@ impl ChainTree {
     /// One record fewer ends at run `id`; the run and the runs above it go once nothing needs
     /// them.
     pub(super) fn unpin(&mut self, id: u32) {
-        let run = &mut self.run_mut(id).info;
+        let run = self.run_mut(id);
+        debug_assert!(
+            run.is_live() && run.info.pins > 0,
+            "run {id} unpinned without a record ending there"
+        );
+        let run = &mut run.info;
         run.pins = run.pins.saturating_sub(1);
         self.prune(id);
     }

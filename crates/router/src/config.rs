@@ -607,7 +607,7 @@ impl Default for HealthConfig {
 pub struct ScrapeConfig {
     /// Between scrapes, milliseconds.
     pub interval_ms: u64,
-    /// Longest wait for an engine's `/metrics` (headers, then body), milliseconds. A busy
+    /// Longest wait for an engine's `/metrics` answer, headers and body together, milliseconds. A busy
     /// engine's API server answers late (a CPU-bound vLLM took over a second on a loaded
     /// machine), and a busy engine is the one whose load matters: a timeout shorter than that
     /// leaves the router with the idle picture it had before.
@@ -680,6 +680,7 @@ impl RouterConfig {
             default_prefill_tokens_per_s: self.scheduler.prefill_tokens_per_s,
             load_sample_max_age_s: FleetConfig::load_sample_max_age_for(
                 self.scrape.interval_ms as f64 / 1000.0,
+                self.scrape.timeout_ms as f64 / 1000.0,
             ),
             trust: TrustPolicy {
                 silent_after_s: c.silent_after_s,

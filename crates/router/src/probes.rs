@@ -26,18 +26,21 @@ pub(crate) fn spawn(router: &Arc<Router>, e: &Arc<Endpoint>) {
     tasks.push(tokio::spawn(scrape_loop(router.clone(), e.clone())));
 }
 
+/// `GET url`, its status and body, within `timeout` for the whole answer (headers and body
+/// together: a scrape's sample must not arrive later than its deadline says).
 async fn get_text(
     router: &Router,
     url: String,
     timeout: Duration,
 ) -> Result<(u16, Bytes), ProbeError> {
+    let deadline = tokio::time::Instant::now() + timeout;
     let request = http::Request::get(url).body(Full::new(Bytes::new()))?;
-    let response = tokio::time::timeout(timeout, router.client().request(request))
+    let response = tokio::time::timeout_at(deadline, router.client().request(request))
         .await
         .map_err(|_| ProbeError::Timeout)??;
     let status = response.status().as_u16();
-    let body = tokio::time::timeout(
-        timeout,
+    let body = tokio::time::timeout_at(
+        deadline,
         Limited::new(response.into_body(), MAX_SCRAPE_BYTES).collect(),
     )
     .await
@@ -99,12 +102,11 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
     let timeout = Duration::from_millis(router.config().scrape.timeout_ms);
     // Whether the last scrape failed, so that a failing engine is reported once, not per scrape.
     let mut failing = false;
-    // Whether the last answer came too late to count, reported once per spell likewise.
-    let mut late = false;
     loop {
         tick.tick().await;
         // A sample says how the engine stood when it was asked, not when its answer came: a
-        // slow answer is that much older against `load_sample_max_age`.
+        // slow answer is that much older against the load sample's maximum age, which is
+        // derived so that an answer within `scrape.timeout_ms` is still young enough to use.
         let sent = router.now();
         let scraped = match get_text(
             &router,
@@ -170,21 +172,6 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         };
         let mut fleet = router.fleet();
         fleet.observe_load(endpoint.id, load, sent);
-        let max_age_s = fleet.config().load_sample_max_age_s;
-        if now - sent > max_age_s {
-            // Already too old to plan with: counted, and the load stays unknown (the router's
-            // own in-flight count stands alone), never read as the engine's present state.
-            router
-                .metrics()
-                .scrape_failures
-                .get_or_create(&endpoint.name, KindLabel { kind: "stale" })
-                .inc();
-            if !std::mem::replace(&mut late, true) {
-                warn!(endpoint = %endpoint.name, answer_s = now - sent, max_age_s, "the engine's /metrics answered after the load sample's maximum age: its load is counted stale, not used (a scrape.timeout_ms longer than the maximum age lets such answers in)");
-            }
-        } else if std::mem::replace(&mut late, false) {
-            info!(endpoint = %endpoint.name, "the engine's /metrics answer in time again");
-        }
         if sample.tier_loaded_tokens.iter().any(Option::is_some) {
             // What it loaded from each tier, against what was predicted there.
             fleet.observe_engine_tier_loads(endpoint.id, sample.tier_loaded_tokens);

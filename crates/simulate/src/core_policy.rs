@@ -89,7 +89,7 @@ impl CorePolicy {
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
         config.load_sample_max_age_s =
-            CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s);
+            CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s, 0.0);
         if profile.cache != CacheSource::Approximate {
             // Only the approximate source reads the routing history (every endpoint here has
             // events): entries that expire at once keep it small and change no decision. Its

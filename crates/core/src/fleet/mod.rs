@@ -125,11 +125,16 @@ impl Default for FleetConfig {
 }
 
 impl FleetConfig {
-    /// The age past which a load sample is too old, for scrapes every `scrape_interval_s`:
-    /// four missed scrapes and a second of slack. The router and the simulator both derive it
-    /// here.
-    pub fn load_sample_max_age_for(scrape_interval_s: f64) -> f64 {
-        scrape_interval_s * 4.0 + 1.0
+    /// The age past which a load sample is too old, for scrapes sent every `scrape_interval_s`
+    /// and answered within `scrape_timeout_s` (a sample dates from when its scrape was sent).
+    /// The larger of two spans: four missed scrapes and a second of slack; and the longest gap
+    /// between two answers that each came within the deadline (one sent right after the other
+    /// answered, at the next interval: timeout + interval + timeout), so that an engine whose
+    /// every answer is slow but in time keeps a known load. An answer the router waited for is
+    /// never too old to use on arrival. The router and the simulator (whose scrapes answer at
+    /// once: timeout 0) both derive it here.
+    pub fn load_sample_max_age_for(scrape_interval_s: f64, scrape_timeout_s: f64) -> f64 {
+        (scrape_interval_s * 4.0 + 1.0).max(2.0 * scrape_timeout_s + scrape_interval_s)
     }
 }
 

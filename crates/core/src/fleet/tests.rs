@@ -496,6 +496,26 @@ fn stale_load_samples_are_ignored() {
     );
 }
 
+/// A sample dates from when its scrape was sent. Answers that each take the whole timeout, the
+/// next sent at the following interval, must leave no gap in which the load reads unknown; with
+/// fast scrapes four missed intervals and a second of slack still bound it.
+#[test]
+fn a_load_sample_lives_from_one_answer_within_the_timeout_to_the_next() {
+    for (interval, timeout) in [(0.5, 2.0), (0.1, 1.5), (1.0, 0.0), (0.2, 0.05)] {
+        let max_age = FleetConfig::load_sample_max_age_for(interval, timeout);
+        // Sent at 0, answered at `timeout`; the next sent one interval later, answered at the
+        // deadline again.
+        let next_answer = timeout + interval + timeout;
+        assert!(max_age >= next_answer, "{interval} {timeout}: {max_age}");
+        assert!(
+            max_age >= 4.0 * interval + 1.0,
+            "{interval} {timeout}: {max_age}"
+        );
+    }
+    // Not looser than it needs to be where the scrapes are fast.
+    assert_eq!(FleetConfig::load_sample_max_age_for(0.5, 0.0), 3.0);
+}
+
 #[test]
 fn approximate_mode_follows_the_routers_own_history() {
     let mut builder = FleetBuilder::new(3);

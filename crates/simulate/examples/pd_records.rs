@@ -7,28 +7,13 @@
 //! `cargo run -p kvroute-simulate --example pd_records > records.json`
 
 use kvroute_bench::workload::{Workload, from_prompts};
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::link::LinkSpec;
-use kvroute_simulate::config::PdFleet;
 use kvroute_simulate::{FleetConfig, simulate};
 use kvroute_vllm::nixl::KvRole;
 
 /// Engines with `roles`, Llama-3.1-8B's KV over `link`, `blocks` GPU blocks each.
 fn fleet(roles: &[KvRole], link: &str, blocks: usize) -> FleetConfig {
-    FleetConfig {
-        engines: roles.len(),
-        engine: EngineConfig {
-            num_gpu_blocks: blocks,
-            max_model_len: 16_384,
-            ..EngineConfig::default()
-        },
-        pd: Some(PdFleet {
-            roles: roles.to_vec(),
-            link: LinkSpec::parse(link).unwrap(),
-            kv_bytes_per_token: 128 * 1024,
-        }),
-        ..FleetConfig::default()
-    }
+    FleetConfig::disaggregated(roles, LinkSpec::parse(link).unwrap(), blocks)
 }
 
 /// Mixed: shared system prompts, multi-turn-ish growth, some long documents.

@@ -47,6 +47,28 @@ pub struct PdFleet {
     pub kv_bytes_per_token: u64,
 }
 
+impl FleetConfig {
+    /// A P/D fleet of Llama-3.1-8B engines (128 KiB of KV per token, 16,384-token context),
+    /// one per entry of `roles`, each with `num_gpu_blocks` GPU blocks, every pair joined by
+    /// `link`; the rest as [`FleetConfig::default`]. The shape the P/D tests and examples run.
+    pub fn disaggregated(roles: &[KvRole], link: LinkSpec, num_gpu_blocks: usize) -> Self {
+        Self {
+            engines: roles.len(),
+            engine: EngineConfig {
+                num_gpu_blocks,
+                max_model_len: 16_384,
+                ..EngineConfig::default()
+            },
+            pd: Some(PdFleet {
+                roles: roles.to_vec(),
+                link,
+                kv_bytes_per_token: 128 * 1024,
+            }),
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for FleetConfig {
     fn default() -> Self {
         Self {

@@ -4,30 +4,15 @@
 
 use kvroute_bench::result::RunResult;
 use kvroute_bench::workload::{Workload, from_prompts};
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::link::LinkSpec;
-use kvroute_simulate::config::PdFleet;
 use kvroute_simulate::{FleetConfig, simulate};
 use kvroute_vllm::nixl::KvRole;
 
 const PROMPT: usize = 8192;
 
-/// Four engines with `roles`, Llama-3.1-8B's KV over `link`.
+/// Engines with `roles`, Llama-3.1-8B's KV over `link`, 8,000 GPU blocks each.
 fn fleet(roles: &[KvRole], link: &str) -> FleetConfig {
-    FleetConfig {
-        engines: roles.len(),
-        engine: EngineConfig {
-            num_gpu_blocks: 8000,
-            max_model_len: 16_384,
-            ..EngineConfig::default()
-        },
-        pd: Some(PdFleet {
-            roles: roles.to_vec(),
-            link: LinkSpec::parse(link).unwrap(),
-            kv_bytes_per_token: 128 * 1024,
-        }),
-        ..FleetConfig::default()
-    }
+    FleetConfig::disaggregated(roles, LinkSpec::parse(link).unwrap(), 8000)
 }
 
 /// `n` distinct 8k-token prompts, one every `gap_s`, 32 tokens out each.

@@ -186,6 +186,7 @@ impl Drop for Accounting {
         if !dispatch.prefill_done() {
             crate::replica::share::prefill_done(&self.router, &dispatch);
         }
+        crate::replica::share::ended(&self.router, &dispatch);
         self.router.fleet().finished(dispatch, reported, now);
         self.router.capacity_changed();
         let m = self.router.metrics();

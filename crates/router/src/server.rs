@@ -161,6 +161,10 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
             "/kvroute/v1/peer/prefill_done",
             post(crate::replica::share::receive_prefill_done),
         )
+        .route(
+            "/kvroute/v1/peer/ended",
+            post(crate::replica::share::receive_ended),
+        )
         .route_layer(middleware::from_fn_with_state(
             router.clone(),
             admin::require_token,

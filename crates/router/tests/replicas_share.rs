@@ -2,7 +2,7 @@
 //! replica shows in its peer's plan at once (predicted blocks on the chosen engine, a recent
 //! placement there), before the engine's KV events say anything; a replica that does not share
 //! sees nothing until the events arrive; and (`replicas.share_load`) a peer's request counts in
-//! the engine's queued prefill until its first token. Routers and simulated engines over real
+//! the engine's queued prefill until its first token, then as decoding there until its end. Routers and simulated engines over real
 //! HTTP and ZMQ on loopback.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
@@ -87,9 +87,10 @@ async fn a_peers_dispatch_shows_in_the_plan_before_the_engines_events() {
 }
 
 /// While A's request waits for its first token, B counts it as queued prefill at the engine
-/// (before any scrape could show it), and stops once A says the first token came.
+/// (before any scrape could show it); once A says the first token came, as decoding there; and
+/// not at all once A says it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
+async fn a_peers_request_counts_as_queued_prefill_then_decoding_until_its_end() {
     // One engine, very slow: a long prompt's prefill takes seconds.
     let faults = Faults {
         slow_factor: 400.0,
@@ -112,17 +113,21 @@ async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
             load["inflight_prefill_tokens"].as_u64().unwrap(),
         )
     };
+    let in_flight_there = |plan: &Value| entry(plan, "e0")["load"]["inflight"].as_u64().unwrap();
     let in_flight = tokio::spawn({
         let (client, prompt) = (client.clone(), prompt.clone());
         let a_addr = a.addr;
         async move {
             let response = client
                 .post(format!("http://{a_addr}/v1/completions"))
-                .json(&serde_json::json!({"model": replicas_common::MODEL, "prompt": prompt, "max_tokens": 1}))
+                // Streamed (a whole answer comes at its end), two tokens: one decode step after
+                // the first, seconds on this slow engine.
+                .json(&serde_json::json!({"model": replicas_common::MODEL, "prompt": prompt, "max_tokens": 2, "stream": true}))
                 .send()
                 .await
                 .unwrap();
             assert_eq!(response.status(), 200);
+            response.bytes().await.unwrap();
         }
     });
     let started = Instant::now();
@@ -142,9 +147,26 @@ async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Past its first token, still decoding: no longer queued prefill, still in flight there.
+    loop {
+        let plan = explain(&client, &b, "another prompt").await;
+        if queued(&plan) == (0, 0) {
+            assert_eq!(in_flight_there(&plan), 1, "A's decoding request: {plan}");
+            assert!(
+                !in_flight.is_finished(),
+                "A's request ended before its first token showed"
+            );
+            break;
+        }
+        assert!(
+            started.elapsed() < kvroute_testkit::patience(),
+            "B never saw A's first token"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     in_flight.await.unwrap();
     let done = Instant::now();
-    while queued(&explain(&client, &b, "another prompt").await) != (0, 0) {
+    while in_flight_there(&explain(&client, &b, "another prompt").await) != 0 {
         assert!(
             done.elapsed() < Duration::from_secs(4),
             "B still counts A's finished request"
@@ -153,6 +175,7 @@ async fn a_peers_request_counts_in_the_engines_queue_until_its_first_token() {
     }
     let stats = &replicas_common::admin_json(&client, &b, "/kvroute/v1/replica").await;
     assert_eq!(stats["peer_load"]["done"], 1, "{stats}");
+    assert_eq!(stats["peer_load"]["ended"], 1, "{stats}");
 }
 
 /// A peer's dispatch for a model this replica does not serve, or keyed with another block size,

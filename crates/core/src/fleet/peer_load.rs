@@ -1,16 +1,24 @@
-//! Other router replicas' prefills in flight, counted in this replica's load.
+//! Other router replicas' requests in flight, counted in this replica's load.
 //!
 //! Each replica counts the requests it sent itself, from dispatch to first token, as queued
-//! prefill at their engine (`inflight_prefills`, `inflight_prefill_tokens`): the fresh part of
-//! the load its costs read, next to the engines' scraped queues (hundreds of milliseconds old).
-//! Behind a round-robin balancer each of `n` replicas sees only `1/n` of that; a burst of
-//! requests for one engine then looks short to every replica. With dispatches shared
-//! ([`Fleet::peer_prefill_started`]), a peer's request counts here as one of this replica's own
-//! until the peer says its first token came ([`Fleet::peer_prefill_done`]).
+//! prefill at their engine (`inflight_prefills`, `inflight_prefill_tokens`), and from first
+//! token to end as decoding there (`inflight`): the fresh part of the load its costs read, next
+//! to the engines' scraped counts (hundreds of milliseconds old). Behind a round-robin balancer
+//! each of `n` replicas sees only `1/n` of that; a burst of requests for one engine then looks
+//! short to every replica. With dispatches shared ([`Fleet::peer_prefill_started`]), a peer's
+//! request counts here as one of this replica's own: queued prefill until the peer says its
+//! first token came ([`Fleet::peer_prefill_done`]), then, if the peer said it will post its end,
+//! decoding until it does ([`Fleet::peer_request_ended`]).
 //!
 //! # Decisions
-//! - **Only the prefill is shared.** A queued prefill is what makes a new request wait; decodes
-//!   show in the engine's scraped running count, and would cost one more message per request.
+//! - **Decodes are shared too, when the peer promises its end.** A decode lasts less than a
+//!   scrape interval in chat loads (0.3 s against 0.5 s in the demo), so the scraped running
+//!   count rarely shows it, and the decode-stall term of a replica that sees a quarter of the
+//!   decodes moves a conversation off its cache on noise: measured with 4 replicas, 7–16 of
+//!   160 follow-ups per run went to an engine without their history, 4–10 with one replica
+//!   (`docs/benchmarks.md`, "Sharing decodes"). It costs one more message per request per
+//!   peer. A peer that does not say it will post its end (an older build) has its request
+//!   released at its first token, as before.
 //! - **Unconfirmed load ends.** A peer that crashed, or a lost message, would otherwise inflate
 //!   an engine's queue forever: a peer prefill not confirmed within `predicted_ttl_s` (the
 //!   longest an unconfirmed routing record stands) is released and counted
@@ -31,27 +39,34 @@ use crate::index::EndpointId;
 /// Most peer prefills open at once.
 pub const MAX_OPEN: usize = 1 << 16;
 
-/// One peer request still in its prefill, as counted here.
+/// One peer request in flight, as counted here.
 #[derive(Clone, Copy, Debug)]
 struct PeerPrefill {
     endpoint: EndpointId,
     uncached_tokens: u64,
+    /// The peer posts its end: after its first token it counts as decoding until then.
+    shares_end: bool,
+    /// Past its first token: counted as decoding, no longer as queued prefill.
+    decoding: bool,
 }
 
 /// Counters of peer prefills, for operators and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PeerLoadStats {
-    /// Peer prefills counted now.
+    /// Peer requests counted now (in their prefill, or decoding).
     pub open: u64,
     /// Peer prefills started (counted) so far.
     pub started: u64,
-    /// Confirmed done by their peer.
+    /// Prefills confirmed done by their peer.
     pub done: u64,
+    /// Requests whose end their peer confirmed.
+    pub ended: u64,
     /// Released unconfirmed after `predicted_ttl_s`.
     pub expired: u64,
     /// Released unconfirmed because [`MAX_OPEN`] were open, or its id was started again.
     pub displaced: u64,
-    /// Confirmations naming no open prefill (it expired first, or never arrived).
+    /// Confirmations (of a first token or an end) naming no open request (it expired first, or
+    /// never arrived).
     pub unknown_done: u64,
 }
 
@@ -67,12 +82,14 @@ pub(super) struct PeerLoad {
 impl Fleet {
     /// A peer replica sent request `request` (its id) to `endpoint` at `now`, predicting
     /// `uncached_tokens` of prefill: counted as this replica's own queued prefill there until
-    /// [`Self::peer_prefill_done`], or for `predicted_ttl_s` at most.
+    /// [`Self::peer_prefill_done`], then, if `shares_end` (the peer will post its end), as
+    /// decoding there until [`Self::peer_request_ended`]; for `predicted_ttl_s` at most in all.
     pub fn peer_prefill_started(
         &mut self,
         request: u64,
         endpoint: EndpointId,
         uncached_tokens: u64,
+        shares_end: bool,
         now: f64,
     ) {
         self.expire_peer_prefills(now);
@@ -100,6 +117,8 @@ impl Fleet {
             PeerPrefill {
                 endpoint,
                 uncached_tokens,
+                shares_end,
+                decoding: false,
             },
         );
         load.deadlines
@@ -115,12 +134,40 @@ impl Fleet {
     }
 
     /// The peer's request `request` got its first token (or ended without one) at `now`: its
-    /// prefill no longer counts here. Returns whether it was counted.
+    /// prefill no longer counts here; it counts as decoding until its end if its peer said it
+    /// would post that, else not at all. Returns whether it was counted.
     pub fn peer_prefill_done(&mut self, request: u64, now: f64) -> bool {
+        self.expire_peer_prefills(now);
+        let counted = match self.peer_load.open.get_mut(&request) {
+            Some(p) if p.shares_end && !p.decoding => {
+                p.decoding = true;
+                let (endpoint, tokens) = (p.endpoint, p.uncached_tokens);
+                if let Some(e) = self.endpoints.get_mut(endpoint.0 as usize) {
+                    e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
+                    e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_sub(tokens);
+                }
+                self.load_changed(endpoint);
+                true
+            }
+            // Already decoding: a repeated confirmation changes nothing.
+            Some(p) if p.decoding => true,
+            _ => self.release_peer_prefill(request),
+        };
+        if counted {
+            self.peer_load.stats.done += 1;
+        } else {
+            self.peer_load.stats.unknown_done += 1;
+        }
+        counted
+    }
+
+    /// The peer's request `request` ended at `now` (completed, failed or abandoned): it no
+    /// longer counts here, in its prefill or decoding. Returns whether it was counted.
+    pub fn peer_request_ended(&mut self, request: u64, now: f64) -> bool {
         self.expire_peer_prefills(now);
         let released = self.release_peer_prefill(request);
         if released {
-            self.peer_load.stats.done += 1;
+            self.peer_load.stats.ended += 1;
         } else {
             self.peer_load.stats.unknown_done += 1;
         }
@@ -163,8 +210,11 @@ impl Fleet {
         };
         if let Some(e) = self.endpoints.get_mut(p.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
-            e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
-            e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_sub(p.uncached_tokens);
+            if !p.decoding {
+                e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
+                e.inflight_prefill_tokens =
+                    e.inflight_prefill_tokens.saturating_sub(p.uncached_tokens);
+            }
         }
         self.load_changed(p.endpoint);
         self.peer_load.stats.open = self.peer_load.open.len() as u64;
@@ -217,7 +267,7 @@ mod tests {
         let e0 = EndpointId(0);
         // Four long prefills a peer sent to e0, none of which this replica sent.
         for request in 1..=4 {
-            fleet.peer_prefill_started(request, e0, 8000, 0.0);
+            fleet.peer_prefill_started(request, e0, 8000, false, 0.0);
         }
         let load = fleet.load(e0, 0.0).unwrap();
         assert_eq!(
@@ -236,11 +286,61 @@ mod tests {
         assert_eq!(fleet.peer_load_stats().open, 0);
     }
 
+    /// A peer that posts its ends has its request counted as decoding from its first token to
+    /// its end, as this replica counts its own (the decode-stall term reads it).
+    #[test]
+    fn a_peer_request_that_shares_its_end_counts_as_decoding_until_then() {
+        let mut fleet = fleet(2);
+        let e0 = EndpointId(0);
+        fleet.peer_prefill_started(1, e0, 800, true, 0.0);
+        fleet.peer_prefill_started(2, e0, 800, false, 0.0);
+        assert!(fleet.peer_prefill_done(1, 0.1));
+        assert!(fleet.peer_prefill_done(2, 0.1));
+        let load = fleet.load(e0, 0.1).unwrap();
+        assert_eq!(
+            (
+                load.inflight,
+                load.inflight_prefills,
+                load.inflight_prefill_tokens
+            ),
+            (1, 0, 0),
+            "request 1 decoding; request 2's peer does not post ends, so it left at its first token"
+        );
+        assert_eq!(load.decoding(), 1.0);
+        // A repeated first-token message changes nothing.
+        assert!(fleet.peer_prefill_done(1, 0.2));
+        assert_eq!(fleet.load(e0, 0.2).unwrap().inflight, 1);
+        assert!(fleet.peer_request_ended(1, 0.4));
+        let load = fleet.load(e0, 0.4).unwrap();
+        assert_eq!((load.inflight, load.inflight_prefills), (0, 0));
+        let stats = fleet.peer_load_stats();
+        assert_eq!((stats.open, stats.ended), (0, 1));
+        // An end without a first token releases its prefill.
+        fleet.peer_prefill_started(3, e0, 500, true, 1.0);
+        assert!(fleet.peer_request_ended(3, 1.1));
+        let load = fleet.load(e0, 1.1).unwrap();
+        assert_eq!(
+            (
+                load.inflight,
+                load.inflight_prefills,
+                load.inflight_prefill_tokens
+            ),
+            (0, 0, 0)
+        );
+        // A decoding request whose end never comes is released at the deadline.
+        let ttl = FleetConfig::default().predicted_ttl_s;
+        fleet.peer_prefill_started(4, e0, 500, true, 2.0);
+        fleet.peer_prefill_done(4, 2.1);
+        fleet.housekeeping(2.0 + ttl);
+        assert_eq!(fleet.load(e0, 2.0 + ttl).unwrap().inflight, 0);
+        assert_eq!(fleet.peer_load_stats().expired, 1);
+    }
+
     #[test]
     fn an_unconfirmed_peer_prefill_is_released_after_the_prediction_ttl_and_counted() {
         let mut fleet = fleet(2);
         let ttl = FleetConfig::default().predicted_ttl_s;
-        fleet.peer_prefill_started(7, EndpointId(1), 500, 0.0);
+        fleet.peer_prefill_started(7, EndpointId(1), 500, false, 0.0);
         fleet.housekeeping(ttl - 0.1);
         assert_eq!(fleet.load(EndpointId(1), ttl).unwrap().inflight_prefills, 1);
         fleet.housekeeping(ttl);
@@ -260,8 +360,8 @@ mod tests {
     fn an_id_started_again_is_counted_once_and_the_open_set_is_bounded() {
         let mut fleet = fleet(1);
         let e0 = EndpointId(0);
-        fleet.peer_prefill_started(1, e0, 100, 0.0);
-        fleet.peer_prefill_started(1, e0, 300, 0.0);
+        fleet.peer_prefill_started(1, e0, 100, false, 0.0);
+        fleet.peer_prefill_started(1, e0, 300, false, 0.0);
         let load = fleet.load(e0, 0.0).unwrap();
         assert_eq!(
             (load.inflight_prefills, load.inflight_prefill_tokens),
@@ -269,7 +369,7 @@ mod tests {
         );
         assert_eq!(fleet.peer_load_stats().displaced, 1);
         for request in 2..=(MAX_OPEN as u64 + 1) {
-            fleet.peer_prefill_started(request, e0, 1, 0.0);
+            fleet.peer_prefill_started(request, e0, 1, false, 0.0);
         }
         let stats = fleet.peer_load_stats().clone();
         assert_eq!(stats.open, MAX_OPEN as u64);
@@ -283,7 +383,7 @@ mod tests {
     #[test]
     fn a_peer_prefill_for_an_absent_endpoint_is_not_counted() {
         let mut fleet = fleet(1);
-        fleet.peer_prefill_started(1, EndpointId(5), 100, 0.0);
+        fleet.peer_prefill_started(1, EndpointId(5), 100, false, 0.0);
         assert_eq!(fleet.peer_load_stats().started, 0);
     }
 }

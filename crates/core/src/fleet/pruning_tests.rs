@@ -97,9 +97,12 @@ enum Step {
     /// An endpoint leaves, or one joins.
     Leave(u8),
     Join,
-    /// Another replica's prefill starts on an endpoint (uncached blocks), or the oldest ends.
+    /// Another replica's prefill starts on an endpoint (uncached blocks), or the oldest
+    /// reaches its first token.
     Peer(u8, u8),
     PeerDone,
+    /// The oldest peer request not yet ended ends (after its first token or without one).
+    PeerEnded,
 }
 
 fn arb_step() -> impl Strategy<Value = Step> {
@@ -122,6 +125,7 @@ fn arb_step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Join),
         1 => (any::<u8>(), 1u8..40).prop_map(|(e, b)| Step::Peer(e, b)),
         1 => Just(Step::PeerDone),
+        1 => Just(Step::PeerEnded),
     ]
 }
 
@@ -180,7 +184,7 @@ proptest! {
         let mut now = 0.0;
         let mut inflight: std::collections::VecDeque<Dispatch> = Default::default();
         let mut random = seed;
-        let (mut peers_started, mut peers_done) = (0u64, 0u64);
+        let (mut peers_started, mut peers_done, mut peers_ended) = (0u64, 0u64, 0u64);
         let pick = |fleet: &Fleet, e: u8| EndpointId(u32::from(e) % fleet.endpoints().len() as u32);
         for step in steps {
             random = random.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
@@ -272,12 +276,24 @@ proptest! {
                 }
                 Step::Peer(e, blocks) => {
                     let id = pick(&fleet, e);
-                    fleet.peer_prefill_started(peers_started, id, u64::from(blocks) * BS as u64, now);
+                    // Every other peer posts its ends (its requests then count as decoding).
+                    let shares_end = peers_started % 2 == 0;
+                    fleet.peer_prefill_started(
+                        peers_started,
+                        id,
+                        u64::from(blocks) * BS as u64,
+                        shares_end,
+                        now,
+                    );
                     peers_started += 1;
                 }
                 Step::PeerDone => {
                     fleet.peer_prefill_done(peers_done, now);
                     peers_done += 1;
+                }
+                Step::PeerEnded => {
+                    fleet.peer_request_ended(peers_ended, now);
+                    peers_ended += 1;
                 }
             }
         }

@@ -2,9 +2,10 @@
 //! fire-and-forget `POST /kvroute/v1/peer/dispatch` to every peer's admin listener, which
 //! records it with [`Fleet::peer_dispatched`](kvroute_core::fleet::Fleet::peer_dispatched):
 //! predicted blocks, routing history, shared prefixes, session and placement, as if it had
-//! sent the request itself. With `replicas.share_load`, the peer also counts the request's
-//! prefill in the engine's load ([`Fleet::peer_prefill_started`]) until this replica posts
-//! `POST /kvroute/v1/peer/prefill_done` at its first token (or its end without one).
+//! sent the request itself. With `replicas.share_load`, the peer also counts the request in
+//! the engine's load ([`Fleet::peer_prefill_started`]): its prefill until this replica posts
+//! `POST /kvroute/v1/peer/prefill_done` at its first token (or its end without one), then its
+//! decode until this replica posts `POST /kvroute/v1/peer/ended` at its end.
 //!
 //! [`Fleet::peer_prefill_started`]: kvroute_core::fleet::Fleet::peer_prefill_started
 
@@ -59,9 +60,15 @@ pub struct PeerDispatch {
     /// Uncached prompt tokens the sender predicted there (with `request`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uncached_tokens: Option<u64>,
+    /// The sender posts the request's end (with `request`): after its first token it counts as
+    /// decoding at the endpoint until then. Absent from older builds, whose requests stop
+    /// counting at their first token.
+    #[serde(default)]
+    pub shares_end: bool,
 }
 
-/// A shared request's prefill is over (first token, or its end without one).
+/// A shared request's prefill is over (first token, or its end without one), or, on
+/// `/peer/ended`, the request is over.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct PeerPrefillDone {
     /// The id its [`PeerDispatch`] gave.
@@ -117,6 +124,7 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
         placement: dispatch.placement,
         request,
         uncached_tokens: request.map(|_| dispatch.uncached_tokens),
+        shares_end: request.is_some(),
     };
     post_to_peers(router, "dispatch", &message);
 }
@@ -132,6 +140,19 @@ pub fn prefill_done(router: &Router, dispatch: &Dispatch) {
         request: request_id(router, dispatch),
     };
     post_to_peers(router, "prefill_done", &message);
+}
+
+/// Tells every peer that `dispatch` (one this replica shared) ended: call once, at its end,
+/// after [`prefill_done`].
+pub fn ended(router: &Router, dispatch: &Dispatch) {
+    let config = &router.config().replicas;
+    if !config.share_dispatches || !config.share_load || router.replica().peers().is_empty() {
+        return;
+    }
+    let message = PeerPrefillDone {
+        request: request_id(router, dispatch),
+    };
+    post_to_peers(router, "ended", &message);
 }
 
 /// The id peers know `dispatch` by: a hash of this replica's random nonce and what makes the
@@ -275,7 +296,7 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
     if let (Some(request), Some(uncached)) = (message.request, message.uncached_tokens) {
         // Never more than the prompt: a peer's figure is bounded like anything it sends.
         let uncached = uncached.min(message.prompt_tokens as u64);
-        fleet.peer_prefill_started(request, endpoint, uncached, now);
+        fleet.peer_prefill_started(request, endpoint, uncached, message.shares_end, now);
     }
     StatusCode::NO_CONTENT.into_response()
 }
@@ -283,25 +304,46 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
 /// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended
 /// without one); its prefill no longer counts in the engine's load here.
 pub async fn receive_prefill_done(State(router): State<Arc<Router>>, request: Request) -> Response {
-    if own_message(&router, request.headers()) {
-        return own_message_refused(&router);
+    receive_request_message(&router, request, "prefill-done", |fleet, id, now| {
+        fleet.peer_prefill_done(id, now);
+    })
+    .await
+}
+
+/// `POST /kvroute/v1/peer/ended`: a peer's shared request ended; it no longer counts in the
+/// engine's load here.
+pub async fn receive_ended(State(router): State<Arc<Router>>, request: Request) -> Response {
+    receive_request_message(&router, request, "ended", |fleet, id, now| {
+        fleet.peer_request_ended(id, now);
+    })
+    .await
+}
+
+/// Reads a peer's message naming one of its requests (a few dozen bytes) and applies it.
+async fn receive_request_message(
+    router: &Router,
+    request: Request,
+    what: &str,
+    apply: impl FnOnce(&mut kvroute_core::fleet::Fleet, u64, f64),
+) -> Response {
+    if own_message(router, request.headers()) {
+        return own_message_refused(router);
     }
-    // A prefill-done message is one request id: a few dozen bytes.
     let body = match read_body_within(request.into_body(), PREFILL_DONE_MAX_BYTES).await {
         Ok(b) => b,
-        Err(e) => return error_response(&router, &e),
+        Err(e) => return error_response(router, &e),
     };
     let message: PeerPrefillDone = match serde_json::from_slice(&body) {
         Ok(m) => m,
         Err(e) => {
             return error_response(
-                &router,
-                &ApiError::bad_request(format!("not a prefill-done message: {e}"), None),
+                router,
+                &ApiError::bad_request(format!("not a {what} message: {e}"), None),
             );
         }
     };
     let now = router.now();
-    router.fleet().peer_prefill_done(message.request, now);
+    apply(&mut router.fleet(), message.request, now);
     StatusCode::NO_CONTENT.into_response()
 }
 

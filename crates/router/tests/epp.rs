@@ -850,8 +850,9 @@ async fn under_pd_the_picker_removes_a_clients_kv_transfer_params_or_refuses_the
     );
     // Only the stripped request counts as stripped; the refused one is a 400, not a removal.
     let metrics = epp.router.metrics().render();
-    assert!(
-        metrics.contains("kvroute_pd_client_params_removed_total 1"),
+    assert_eq!(
+        kvroute_testkit::sample(&metrics, "kvroute_pd_client_params_removed_total"),
+        Some(1.0),
         "{metrics}"
     );
 }

@@ -120,9 +120,9 @@ async fn a_peers_request_counts_as_queued_prefill_then_decoding_until_its_end() 
         async move {
             let response = client
                 .post(format!("http://{a_addr}/v1/completions"))
-                // Streamed (a whole answer comes at its end), two tokens: one decode step after
-                // the first, seconds on this slow engine.
-                .json(&serde_json::json!({"model": replicas_common::MODEL, "prompt": prompt, "max_tokens": 2, "stream": true}))
+                // Streamed (a whole answer comes at its end), four tokens: three decode steps
+                // after the first, a window to see it decoding on this slow engine.
+                .json(&serde_json::json!({"model": replicas_common::MODEL, "prompt": prompt, "max_tokens": 4, "stream": true}))
                 .send()
                 .await
                 .unwrap();

@@ -74,17 +74,17 @@ async fn a_late_metrics_answer_is_waited_for_within_the_scrape_timeout_and_count
 
 /// A sample counts from when its scrape was sent, and the load sample's maximum age is derived
 /// so that an answer within `scrape.timeout_ms` is young enough to use: an engine whose every
-/// answer is slow but in time (1.5 s, against 4 × 100 ms + 1 s of missed scrapes) keeps a known
+/// answer is slow but in time (1 s of a 3 s timeout, against 4 × 100 ms + 1 s of missed scrapes) keeps a known
 /// load from one answer to the next. It was once discarded as stale on arrival, so a busy CPU
 /// engine, the one whose load matters, looked unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_whose_every_answer_is_slow_but_in_time_keeps_a_known_load() {
     let engine = common::engine().await;
     let client = reqwest::Client::new();
-    fault(&client, &engine, 0, json!({"metrics_delay_ms": 1_500})).await;
+    fault(&client, &engine, 0, json!({"metrics_delay_ms": 1_000})).await;
     let config = ConfigBuilder::new(MODEL)
         .scrape(100)
-        .with(|c| c.scrape.timeout_ms = 2_000)
+        .with(|c| c.scrape.timeout_ms = 3_000)
         .engines(&[&engine])
         .build();
     let router = router_from_config(config).await;

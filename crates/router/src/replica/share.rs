@@ -30,8 +30,8 @@ use crate::replica_state::{PeerList, REPLICA_HEADER};
 use crate::reply::error_response;
 use crate::service::Router;
 
-/// The largest prefill-done message read from a peer.
-const PREFILL_DONE_MAX_BYTES: usize = 4 << 10;
+/// The largest prefill-done or ended message read from a peer.
+const REQUEST_MESSAGE_MAX_BYTES: usize = 4 << 10;
 
 /// How long a peer has to take a dispatch message.
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -54,7 +54,7 @@ pub struct PeerDispatch {
     /// It counted as a placement at the endpoint.
     pub placement: bool,
     /// The sender's id for the request, when it shares its load: its prefill counts at the
-    /// endpoint until a [`PeerPrefillDone`] names it.
+    /// endpoint until a [`PeerRequestMessage`] names it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<u64>,
     /// Uncached prompt tokens the sender predicted there (with `request`).
@@ -67,10 +67,10 @@ pub struct PeerDispatch {
     pub shares_end: bool,
 }
 
-/// A shared request's prefill is over (first token, or its end without one), or, on
-/// `/peer/ended`, the request is over.
+/// A message naming one shared request: on `/peer/prefill_done` its prefill is over (first
+/// token, or its end without one), on `/peer/ended` the request is over.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct PeerPrefillDone {
+pub struct PeerRequestMessage {
     /// The id its [`PeerDispatch`] gave.
     pub request: u64,
 }
@@ -132,27 +132,26 @@ pub fn dispatched(router: &Router, features: &RequestFeatures<'_>, dispatch: &Di
 /// Tells every peer that the prefill of `dispatch` (one this replica shared) is over: call
 /// once, at its first token or at its end without one.
 pub fn prefill_done(router: &Router, dispatch: &Dispatch) {
-    let config = &router.config().replicas;
-    if !config.share_dispatches || !config.share_load || router.replica().peers().is_empty() {
-        return;
-    }
-    let message = PeerPrefillDone {
-        request: request_id(router, dispatch),
-    };
-    post_to_peers(router, "prefill_done", &message);
+    post_request_message(router, dispatch, "prefill_done");
 }
 
 /// Tells every peer that `dispatch` (one this replica shared) ended: call once, at its end,
 /// after [`prefill_done`].
 pub fn ended(router: &Router, dispatch: &Dispatch) {
+    post_request_message(router, dispatch, "ended");
+}
+
+/// Posts a [`PeerRequestMessage`] naming `dispatch` to `/kvroute/v1/peer/<path>` on every peer,
+/// when this replica shares its load.
+fn post_request_message(router: &Router, dispatch: &Dispatch, path: &str) {
     let config = &router.config().replicas;
     if !config.share_dispatches || !config.share_load || router.replica().peers().is_empty() {
         return;
     }
-    let message = PeerPrefillDone {
+    let message = PeerRequestMessage {
         request: request_id(router, dispatch),
     };
-    post_to_peers(router, "ended", &message);
+    post_to_peers(router, path, &message);
 }
 
 /// The id peers know `dispatch` by: a hash of this replica's random nonce and what makes the
@@ -329,11 +328,11 @@ async fn receive_request_message(
     if own_message(router, request.headers()) {
         return own_message_refused(router);
     }
-    let body = match read_body_within(request.into_body(), PREFILL_DONE_MAX_BYTES).await {
+    let body = match read_body_within(request.into_body(), REQUEST_MESSAGE_MAX_BYTES).await {
         Ok(b) => b,
         Err(e) => return error_response(router, &e),
     };
-    let message: PeerPrefillDone = match serde_json::from_slice(&body) {
+    let message: PeerRequestMessage = match serde_json::from_slice(&body) {
         Ok(m) => m,
         Err(e) => {
             return error_response(

@@ -491,8 +491,11 @@ impl Fleet {
                     keys.get(blocks - 1).map(|k| k.0)
                 }),
         };
+        // Only the cheapest-cost picker can be pruned (the others read every candidate):
+        // checked here so that a plan that would fall back does not read the index twice.
         let pruned = self.prune
             && self.disagg.is_none()
+            && self.profile.picker == crate::schedule::Picker::Cheapest
             && depth.is_some_and(|depth| self.endpoints.len() > depth);
         let index = self.index_for_block_size(bs).cloned();
         let history = self.history.longest_prefixes(keys, now);
@@ -782,8 +785,8 @@ impl Fleet {
         e.inflight_prefill_tokens = e
             .inflight_prefill_tokens
             .saturating_sub(dispatch.uncached_tokens);
-        self.load_changed(dispatch.endpoint);
-        self.endpoints.get_mut(dispatch.endpoint.0 as usize)
+        // Its callers set the endpoint's place in the load order once they are done with it.
+        Some(e)
     }
 
     /// The request's first token arrived at `now` (`ok`: a successful response): its prefill

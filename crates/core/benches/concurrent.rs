@@ -7,13 +7,19 @@
 //! writers together) and per second of the writers' CPU time (other processes on a shared
 //! machine lower the first, not the second); the lookup latencies are wall-clock.
 //!
-//! Run with `cargo bench -p kvroute-core --bench concurrent` (about two minutes; 2 cores).
+//! Run with `cargo bench -p kvroute-core --bench concurrent` (about three minutes; 2 cores).
 //! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries) and
 //! `KVROUTE_BENCH_ENDPOINTS` the fleet (default 64); 1,000 endpoints × 100k blocks is
 //! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`. `KVROUTE_BENCH_CONFIGS`
 //! lists the (shards, writers) pairs to run, default `1x1,2x2`. A last phase paces the writers
 //! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
 //! saturate the writers).
+//!
+//! Five more phases put the index behind kvroute-core's `Fleet`, as the router runs it: the
+//! reader plans requests (`Fleet::plan`, the precise profile) under the fleet's mutex, and the
+//! writers apply their batches either under that mutex (`Fleet::apply_events`, how the router
+//! applied them until 2026-12-02) or beside it (`Fleet::events_arrived` under the mutex, then
+//! the index's own shard lock: how it applies them now), saturating and paced.
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -27,10 +33,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
-use kvroute_core::index::{EndpointId, SharedIndex};
+use kvroute_core::fleet::{EndpointSpec, Fleet, FleetConfig, RequestFeatures};
+use kvroute_core::index::{EndpointId, OffloadSpec, SharedIndex};
 use kvroute_core::keys::RouterKey;
+use kvroute_core::schedule::{Profile, ProfileName, Role};
+use parking_lot::Mutex;
 
-use fixtures::{Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
+use fixtures::{BLOCK_SIZE, Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
 
 /// Blocks per churned conversation.
 const CHURN_BLOCKS: usize = 64;
@@ -47,6 +56,41 @@ const REQUEST_BLOCKS: usize = 512;
 const MIN_SPARE: usize = 2_048;
 /// How long each phase runs.
 const PHASE: Duration = Duration::from_secs(6);
+/// The model every endpoint serves.
+const MODEL: &str = "m";
+
+/// What a phase's reader does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reader {
+    /// Nothing (no reader thread).
+    Idle,
+    /// Index lookups.
+    Lookup,
+    /// Whole decisions under the fleet's mutex.
+    Plan,
+}
+
+/// How a phase's writers apply a batch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    /// Not at all (no writer threads).
+    Idle,
+    /// Straight to the index.
+    Index,
+    /// Under the fleet's mutex.
+    UnderFleet,
+    /// Noted under the fleet's mutex, applied after releasing it.
+    BesideFleet,
+}
+
+/// The index behind its fleet, and the requests the reader looks up.
+struct Bench {
+    fleet: Arc<Mutex<Fleet>>,
+    index: Arc<SharedIndex>,
+    keys: Vec<Arc<Vec<RouterKey>>>,
+    /// The fleet's clock starts here.
+    epoch: Instant,
+}
 
 /// A size from the environment, or its default.
 fn setting(name: &str, default: usize) -> usize {
@@ -73,7 +117,7 @@ fn main() {
         .collect();
     let churn = Arc::new(churn);
     println!(
-        "{:<18} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
+        "{:<22} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
         "phase",
         "shards",
         "writers",
@@ -85,22 +129,51 @@ fn main() {
         "max us"
     );
     for (shards, writers) in configurations() {
-        let (index, keys) = build(entries, endpoints, shards);
-        let index = Arc::new(index);
-        for (name, ingest, lookup, pace) in [
-            ("ingest alone", true, false, None),
-            ("lookups alone", false, true, None),
-            ("ingest + lookups", true, true, None),
-            ("paced + lookups", true, true, Some(paced)),
+        let bench = build(entries, endpoints, shards);
+        for (name, writes, reader, pace) in [
+            ("ingest alone", Writes::Index, Reader::Idle, None),
+            ("lookups alone", Writes::Idle, Reader::Lookup, None),
+            ("ingest + lookups", Writes::Index, Reader::Lookup, None),
+            (
+                "paced + lookups",
+                Writes::Index,
+                Reader::Lookup,
+                Some(paced),
+            ),
+            ("plans alone", Writes::Idle, Reader::Plan, None),
+            (
+                "plans, events in lock",
+                Writes::UnderFleet,
+                Reader::Plan,
+                None,
+            ),
+            (
+                "plans, events beside",
+                Writes::BesideFleet,
+                Reader::Plan,
+                None,
+            ),
+            (
+                "plans, paced in lock",
+                Writes::UnderFleet,
+                Reader::Plan,
+                Some(paced),
+            ),
+            (
+                "plans, paced beside",
+                Writes::BesideFleet,
+                Reader::Plan,
+                Some(paced),
+            ),
         ] {
-            let writers = if ingest { writers } else { 0 };
             let feed = Feed {
                 endpoints,
                 churn: churn.clone(),
-                writers,
+                writers: if writes == Writes::Idle { 0 } else { writers },
+                writes,
                 pace,
             };
-            run_phase(name, &index, &feed, &keys, lookup);
+            run_phase(name, &bench, &feed, reader);
         }
     }
 }
@@ -119,8 +192,9 @@ fn configurations() -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// An index of `shards` shards filled for the phases, and the requests the reader looks up.
-fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<Vec<RouterKey>>) {
+/// A fleet whose index of `shards` shards is filled for the phases, and the requests the
+/// reader looks up.
+fn build(entries: usize, endpoints: usize, shards: usize) -> Bench {
     let rss_before = rss_bytes();
     let start = Instant::now();
     // The bound's high-water mark sits half-way through the churn window's growth, so that it
@@ -131,11 +205,27 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<V
     let spare = REQUESTS * REQUEST_BLOCKS * 3 / endpoints + MIN_SPARE;
     let live = entries + endpoints / 2 * spare + REQUESTS * REQUEST_BLOCKS * 3 / 2;
     let capacity = (live + WINDOW * CHURN_BLOCKS / 2) * 10 / 9;
-    let mut index = fixtures::sharded(capacity, shards);
+    let config = FleetConfig {
+        index_capacity: capacity,
+        index_shards: shards,
+        ..FleetConfig::default()
+    };
+    let specs = (0..endpoints)
+        .map(|e| EndpointSpec {
+            name: format!("e{e}"),
+            models: vec![MODEL.to_owned()],
+            role: Role::Both,
+            has_events: true,
+            block_size: BLOCK_SIZE,
+            offload: OffloadSpec::default(),
+        })
+        .collect();
+    let mut fleet =
+        Fleet::new(config, Profile::named(ProfileName::Precise), specs).expect("a valid fleet");
     for e in 0..endpoints {
         let spare = if e >= endpoints / 2 { spare } else { 0 };
         let chains = chain_lengths(entries / endpoints + spare).zip(private_seeds(e));
-        fill(&mut index, EndpointId(e as u32), chains, false);
+        fill(&mut fleet, EndpointId(e as u32), chains, false);
     }
     // Requests: each stored whole on one endpoint and half on another (lower half).
     let requests: Vec<Chain> = (0..REQUESTS)
@@ -143,10 +233,11 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<V
         .collect();
     for (r, chain) in requests.iter().enumerate() {
         let whole = chain.stores(0, REQUEST_BLOCKS, None, &mut std::iter::repeat(32));
-        index.apply(EndpointId((r % (endpoints / 2)) as u32), &whole);
+        fleet.apply_events(EndpointId((r % (endpoints / 2)) as u32), &whole, 0.0);
         let half = chain.stores(0, REQUEST_BLOCKS / 2, None, &mut std::iter::repeat(32));
-        index.apply(EndpointId(((r + 1) % (endpoints / 2)) as u32), &half);
+        fleet.apply_events(EndpointId(((r + 1) % (endpoints / 2)) as u32), &half, 0.0);
     }
+    let index = fleet.index_of(EndpointId(0)).cloned().expect("an index");
     let (entry_count, block_count) = index.read(|r| (r.entry_count(), r.block_count()));
     println!(
         "index: {} shard(s), {} endpoints, {} entries, {} blocks (per shard, summed), built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry)",
@@ -158,31 +249,30 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> (SharedIndex, Vec<V
         rss_bytes().saturating_sub(rss_before) as f64 / (1 << 20) as f64,
         rss_bytes().saturating_sub(rss_before) as f64 / entry_count as f64,
     );
-    (index, requests.into_iter().map(|c| c.keys).collect())
+    Bench {
+        fleet: Arc::new(Mutex::new(fleet)),
+        index,
+        keys: requests.into_iter().map(|c| Arc::new(c.keys)).collect(),
+        epoch: Instant::now(),
+    }
 }
 
-/// Runs one phase for `PHASE`: `writers` writers, one reader if `lookup`; prints its row.
-fn run_phase(
-    name: &str,
-    index: &Arc<SharedIndex>,
-    feed: &Feed,
-    keys: &[Vec<RouterKey>],
-    lookup: bool,
-) {
-    let shards = index.shard_count();
+/// Runs one phase for `PHASE`: the feed's writers, and `reader`; prints its row.
+fn run_phase(name: &str, bench: &Bench, feed: &Feed, reader: Reader) {
+    let shards = bench.index.shard_count();
     let writers = feed.writers;
     let ingest = writers > 0;
     let stop = Arc::new(AtomicBool::new(false));
     let wall = Instant::now();
     let writer_threads: Vec<_> = (0..writers)
         .map(|w| {
-            let (index, stop, feed) = (index.clone(), stop.clone(), feed.clone());
-            std::thread::spawn(move || ingest_until(&index, &feed, w, &stop))
+            let (target, stop, feed) = (Target::of(bench), stop.clone(), feed.clone());
+            std::thread::spawn(move || ingest_until(&target, &feed, w, &stop))
         })
         .collect();
-    let reader = lookup.then(|| {
-        let (index, stop, keys) = (index.clone(), stop.clone(), keys.to_vec());
-        std::thread::spawn(move || lookups_until(&index, &keys, &stop))
+    let reader = (reader != Reader::Idle).then(|| {
+        let (target, stop, keys) = (Target::of(bench), stop.clone(), bench.keys.clone());
+        std::thread::spawn(move || reads_until(&target, reader, &keys, &stop))
     });
     std::thread::sleep(PHASE);
     stop.store(true, Ordering::Relaxed);
@@ -210,7 +300,7 @@ fn run_phase(
         }
     };
     println!(
-        "{:<18} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
+        "{:<22} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
         name,
         shards,
         writers,
@@ -243,6 +333,8 @@ struct Feed {
     /// Writers; writer `w` takes the endpoints `e` with `e mod writers = w` (with one writer
     /// per shard: its shard's).
     writers: usize,
+    /// How they apply each batch.
+    writes: Writes,
     /// Block events per second of all writers together (`None`: as fast as they can).
     pace: Option<f64>,
 }
@@ -250,7 +342,7 @@ struct Feed {
 /// Applies churn batches until told to stop: writer `writer` takes its endpoints'
 /// conversations, stores each and removes it `WINDOW` (all writers together) conversations
 /// later. Returns (block events applied, CPU seconds).
-fn ingest_until(index: &SharedIndex, feed: &Feed, writer: usize, stop: &AtomicBool) -> (u64, f64) {
+fn ingest_until(target: &Target, feed: &Feed, writer: usize, stop: &AtomicBool) -> (u64, f64) {
     let endpoint = |c: usize| EndpointId((c % feed.endpoints) as u32);
     let mine: Vec<usize> = (0..CHURN_CHAINS)
         .filter(|&c| endpoint(c).0 as usize % feed.writers == writer)
@@ -263,12 +355,12 @@ fn ingest_until(index: &SharedIndex, feed: &Feed, writer: usize, stop: &AtomicBo
     while !stop.load(Ordering::Relaxed) {
         let c = mine[step % mine.len()];
         for batch in &feed.churn[c].0 {
-            index.apply(endpoint(c), std::slice::from_ref(batch));
+            target.apply(feed.writes, endpoint(c), std::slice::from_ref(batch));
         }
         events += CHURN_BLOCKS as u64;
         if step >= window {
             let old = mine[(step - window) % mine.len()];
-            index.apply(endpoint(old), &feed.churn[old].1);
+            target.apply(feed.writes, endpoint(old), &feed.churn[old].1);
             events += CHURN_BLOCKS as u64;
         }
         step += 1;
@@ -282,15 +374,74 @@ fn ingest_until(index: &SharedIndex, feed: &Feed, writer: usize, stop: &AtomicBo
     (events, thread_cpu_seconds() - start)
 }
 
-/// Looks up requests in a fixed pseudo-random order until told to stop; returns each lookup's
-/// time.
-fn lookups_until(index: &SharedIndex, keys: &[Vec<RouterKey>], stop: &AtomicBool) -> Vec<Duration> {
+/// What a phase's threads work on: the fleet, its index, and the fleet's clock.
+struct Target {
+    fleet: Arc<Mutex<Fleet>>,
+    index: Arc<SharedIndex>,
+    epoch: Instant,
+}
+
+impl Target {
+    fn of(bench: &Bench) -> Self {
+        Self {
+            fleet: bench.fleet.clone(),
+            index: bench.index.clone(),
+            epoch: bench.epoch,
+        }
+    }
+
+    /// Seconds on the fleet's clock.
+    fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
+    }
+
+    /// Applies one endpoint's batch the way `writes` says.
+    fn apply(&self, writes: Writes, endpoint: EndpointId, events: &[KvEvent]) {
+        match writes {
+            Writes::Idle => {}
+            Writes::Index => self.index.apply(endpoint, events),
+            Writes::UnderFleet => self.fleet.lock().apply_events(endpoint, events, self.now()),
+            Writes::BesideFleet => {
+                let index = self.fleet.lock().events_arrived(endpoint, self.now());
+                if let Some(index) = index {
+                    index.apply(endpoint, events);
+                }
+            }
+        }
+    }
+}
+
+/// Looks up or plans requests (as `reader` says) in a fixed pseudo-random order until told to
+/// stop; returns each one's time, waiting for locks included.
+fn reads_until(
+    target: &Target,
+    reader: Reader,
+    keys: &[Arc<Vec<RouterKey>>],
+    stop: &AtomicBool,
+) -> Vec<Duration> {
     let mut times = Vec::new();
     let mut r = 0usize;
     while !stop.load(Ordering::Relaxed) {
         r = (r * 7 + 13) % keys.len();
         let start = Instant::now();
-        black_box(index.lookup(&keys[r]));
+        match reader {
+            Reader::Idle => {}
+            Reader::Lookup => {
+                black_box(target.index.lookup(&keys[r]));
+            }
+            Reader::Plan => {
+                let request = RequestFeatures {
+                    model: MODEL,
+                    keys: &keys[r],
+                    prompt_tokens: keys[r].len() * BLOCK_SIZE,
+                    block_size: BLOCK_SIZE,
+                    session: None,
+                    role: Role::Both,
+                };
+                let now = target.now();
+                black_box(target.fleet.lock().plan(&request, r as u64, now));
+            }
+        }
         times.push(start.elapsed());
     }
     times

@@ -30,6 +30,12 @@ pub struct Endpoint {
     pub(crate) subscriber: Mutex<Option<SubscriberHandle>>,
     /// Its health-check and scrape tasks.
     pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Held while one of its KV-event batches is checked and applied, and by what must not
+    /// interleave with that: its removal (a batch found current is applied before its id can
+    /// be reused) and a snapshot of it (its blocks and sequence number agree). Batches are
+    /// applied outside the fleet's lock, so this is what orders them. Taken before the fleet's
+    /// lock, never while holding it.
+    pub(crate) ingest: Mutex<()>,
 }
 
 impl Endpoint {
@@ -46,6 +52,7 @@ impl Endpoint {
             last_health_error: Mutex::new(None),
             subscriber: Mutex::new(None),
             tasks: Mutex::new(Vec::new()),
+            ingest: Mutex::new(()),
         }
     }
 

@@ -1,6 +1,11 @@
 //! Event sinks: each endpoint's KV-event subscriber, and the sink it feeds (the fleet's index
-//! and trust, and the replica journal under the same fleet lock, so that a snapshot's index and
-//! sequence number always agree).
+//! and trust, and the replica journal).
+//!
+//! A batch is applied to the index outside the fleet's lock: the index has a lock per shard,
+//! so event ingestion never stalls a decision (which plans under the fleet's lock) and the
+//! shards' endpoints are applied in parallel. The endpoint's own ingest lock
+//! ([`Endpoint::ingest`]) orders a batch with the endpoint's removal and with a snapshot of it,
+//! which the fleet's lock did before.
 
 use std::sync::{Arc, Weak};
 
@@ -60,22 +65,32 @@ impl EventSink for FleetSink {
         let Some(router) = self.router.upgrade() else {
             return;
         };
-        let now = router.now();
-        let mut fleet = router.fleet();
-        if !self.current(&router, &fleet, endpoint) {
-            drop(fleet);
+        let late = || {
             debug!(
                 id = endpoint.0,
                 seq, "dropping a KV-event batch that arrived after its endpoint left"
             );
             router.metrics().late_event_batches.inc();
-            return;
+        };
+        let Some(own) = self.endpoint.upgrade() else {
+            return late();
+        };
+        let _ingest = own.ingest.lock();
+        let now = router.now();
+        let index = {
+            let mut fleet = router.fleet();
+            if !self.current(&router, &fleet, endpoint) {
+                drop(fleet);
+                return late();
+            }
+            fleet.events_arrived(endpoint, now)
+        };
+        if let Some(index) = index {
+            index.apply(endpoint, &batch.events);
         }
-        fleet.apply_events(endpoint, &batch.events, now);
         if let Some(mut journal) = router.replica().journal() {
             journal.apply(endpoint, seq);
         }
-        drop(fleet);
     }
 
     fn purge(&self, endpoint: EndpointId) {
@@ -155,10 +170,62 @@ mod tests {
         }
     }
 
+    /// A router of one endpoint with KV events (id 0).
+    fn router() -> Arc<Router> {
+        let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:1', events: 'tcp://127.0.0.1:1'}\n";
+        Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap())
+    }
+
+    #[test]
+    fn a_batch_waiting_for_the_index_leaves_the_fleet_free_for_decisions() {
+        use std::sync::mpsc;
+        use std::time::Duration;
+
+        let router = router();
+        let id = EndpointId(0);
+        let index = router.fleet().index_of(id).cloned().unwrap();
+        // Hold the endpoint's shard, as a long batch of another endpoint on it would.
+        let (held_tx, held_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            index.write_endpoint(id, |_| {
+                held_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+            })
+        });
+        held_rx.recv().unwrap();
+        let applier = std::thread::spawn({
+            let sink = sink(&router, &router.endpoint(id));
+            move || sink.apply(id, 1, &stored())
+        });
+        // The batch is noted under the fleet's lock, then waits for the shard: meanwhile the
+        // fleet must be free (a decision would plan under it).
+        let (seen_tx, seen_rx) = mpsc::channel();
+        let watcher = std::thread::spawn({
+            let router = router.clone();
+            move || {
+                while router.fleet().events_age(id, router.now()).is_none() {
+                    std::thread::yield_now();
+                }
+                seen_tx.send(()).unwrap();
+            }
+        });
+        let noted = seen_rx.recv_timeout(Duration::from_secs(10));
+        release_tx.send(()).unwrap();
+        for thread in [holder, applier, watcher] {
+            thread.join().unwrap();
+        }
+        assert!(
+            noted.is_ok(),
+            "the fleet stayed locked while the batch waited for the index"
+        );
+        let held = router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+        assert_eq!(held, 1, "the batch was applied once the shard was free");
+    }
+
     #[test]
     fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
-        let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:1', events: 'tcp://127.0.0.1:1'}\n";
-        let router = Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap());
+        let router = router();
         let id = EndpointId(0);
         let departed = sink(&router, &router.endpoint(id));
         assert!(router.deregister(id).is_some());

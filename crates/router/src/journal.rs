@@ -1,7 +1,8 @@
 //! What a replica notes beside its KV index so that it can hand the index to a starting peer:
 //! where each endpoint's event stream stands (the sequence number of the last batch applied).
 //! The blocks themselves come from the index ([`KvIndex::endpoint_blocks`]); a snapshot pairs
-//! the two, read under the fleet lock that event batches are applied under, so they agree.
+//! the two, read under the endpoint's ingest lock that its event batches are applied under, so
+//! they agree.
 //!
 //! (It used to keep every block's parent hash and tokens too, 150–250 B per entry, to export
 //! the index as events: the index's own read and restore replaced that.)
@@ -19,8 +20,8 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Notes that `endpoint`'s batch `seq` was applied (call under the fleet lock, right after
-    /// the index applied it).
+    /// Notes that `endpoint`'s batch `seq` was applied (call under the endpoint's ingest lock,
+    /// right after the index applied it).
     pub fn apply(&mut self, endpoint: EndpointId, seq: u64) {
         self.applied.insert(endpoint, seq);
     }

@@ -31,6 +31,11 @@ impl Registry {
         self.endpoints.read()[id.0 as usize].clone()
     }
 
+    /// The endpoint in `id`'s slot, if the registry has one.
+    pub(crate) fn find(&self, id: EndpointId) -> Option<Arc<Endpoint>> {
+        self.endpoints.read().get(id.0 as usize).cloned()
+    }
+
     /// Puts `endpoint` in its id's slot: a reused one, or a new one at the end.
     pub(crate) fn put(&self, endpoint: Arc<Endpoint>) {
         let mut endpoints = self.endpoints.write();

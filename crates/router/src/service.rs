@@ -167,12 +167,15 @@ impl Router {
     /// Deregisters an endpoint while running: the fleet forgets it and never plans it again.
     /// Returns it when it was present (its tasks are membership's to stop).
     pub(crate) fn deregister(&self, id: EndpointId) -> Option<Arc<Endpoint>> {
+        let endpoint = self.registry.find(id)?;
+        // A batch of its events being applied finishes first; any later one finds it gone.
+        let _ingest = endpoint.ingest.lock();
         let now = self.now();
         if !self.fleet().remove_endpoint(id, now) {
             return None;
         }
         self.forget_journal(id);
-        Some(self.endpoint(id))
+        Some(endpoint.clone())
     }
 
     /// Drops what the replica journal keeps for `id` (its blocks and event sequence), so that a

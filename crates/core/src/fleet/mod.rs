@@ -942,14 +942,26 @@ impl Fleet {
         change
     }
 
-    /// One batch of `id`'s KV events arrived at `now`.
+    /// One batch of `id`'s KV events arrived at `now`: applies it (see [`Self::events_arrived`]
+    /// for applying it outside whatever lock guards the fleet).
     pub fn apply_events(&mut self, id: EndpointId, events: &[KvEvent], now: f64) {
-        if let Some(index) = self.index_of(id) {
+        if let Some(index) = self.events_arrived(id, now) {
             index.apply(id, events);
         }
-        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
-            e.trust.events(now);
-        }
+    }
+
+    /// A batch of `id`'s KV events arrived at `now`: notes it (the index's trust in `id` is
+    /// fresh) and returns the index the caller applies it to, `None` when `id` has none.
+    ///
+    /// The index has its own locks, one per shard, so a concurrent caller applies the batch
+    /// after releasing the fleet: planning and every other fleet operation then never wait for
+    /// event ingestion, and the endpoints of different shards are applied in parallel. The
+    /// note comes first; a plan made in between reads the index a batch behind, as it would
+    /// have had the batch arrived a moment later.
+    pub fn events_arrived(&mut self, id: EndpointId, now: f64) -> Option<Arc<SharedIndex>> {
+        let e = self.endpoints.get_mut(id.0 as usize)?;
+        e.trust.events(now);
+        self.index_of(id).cloned()
     }
 
     /// Some of `id`'s events were lost for good at `now`.

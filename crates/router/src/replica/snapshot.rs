@@ -48,8 +48,9 @@ pub struct EndpointSnapshot {
     pub blocks: Vec<HeldEntry>,
 }
 
-/// Builds the snapshot of every endpoint with events, each under the fleet lock (so that its
-/// index and sequence agree). `None` when this replica keeps no journal.
+/// Builds the snapshot of every endpoint with events, each under its ingest lock (so that its
+/// index and sequence agree: no batch is applied meanwhile). `None` when this replica keeps no
+/// journal.
 pub fn build(router: &Router) -> Option<Snapshot> {
     if !router.replica().keeps_journal() {
         return None;
@@ -59,6 +60,7 @@ pub fn build(router: &Router) -> Option<Snapshot> {
         if e.config.events.is_none() {
             continue;
         }
+        let _ingest = e.ingest.lock();
         let now = router.now();
         let fleet = router.fleet();
         if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
@@ -188,6 +190,7 @@ pub(crate) fn apply(router: &Router, peer: &str, snapshot: &Snapshot) -> HashMap
             trusted: entry.trusted,
             tier_uncertain: entry.tier_uncertain,
         };
+        let _ingest = e.ingest.lock();
         let now = router.now();
         let mut fleet = router.fleet();
         match fleet.restore_endpoint(e.id, restore, now) {

@@ -12,9 +12,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use serde::Serialize;
 use tokio::sync::Notify;
+use tracing::warn;
 
 use crate::config::ReplicasConfig;
 use crate::journal::Journal;
+
+mod outbox;
+
+pub(crate) use outbox::{Courier, Outboxes};
 
 /// Where a replica's warm-up stands.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -71,9 +76,32 @@ impl PeerList {
         *self.list.write() = Arc::new(peers);
     }
 
+    /// Whether a peer's answer (`status`, `headers`) says the request reached this replica
+    /// itself (409 with this replica's `id`): then `peer`, the URL it was sent to, is left out of
+    /// the peers from now on (warned once).
+    pub(crate) fn came_back(
+        &self,
+        id: &str,
+        peer: &str,
+        status: http::StatusCode,
+        headers: &http::HeaderMap,
+    ) -> bool {
+        let echoed = headers.get(REPLICA_HEADER).and_then(|v| v.to_str().ok());
+        if status != http::StatusCode::CONFLICT || echoed != Some(id) {
+            return false;
+        }
+        if self.forget_own(peer) {
+            warn!(
+                %peer,
+                "this replica reached its own admin listener as a peer (its pod name or address among the peers): that address is no longer a peer"
+            );
+        }
+        true
+    }
+
     /// Leaves `peer` (a URL this replica sent a peer message to, and that answered with this
     /// replica's own id) out of the peers from now on. Returns whether it was not known yet.
-    pub(crate) fn forget_own(&self, peer: &str) -> bool {
+    fn forget_own(&self, peer: &str) -> bool {
         let address = authority(peer);
         let mut own = self.own.lock();
         if !own.insert(address.clone()) {
@@ -106,6 +134,8 @@ pub struct ReplicaState {
     request_ids: RandomState,
     warming: AtomicBool,
     status: Mutex<WarmStatus>,
+    /// One ordered, bounded outbox per peer for the messages this replica shares.
+    outboxes: Outboxes,
 }
 
 impl ReplicaState {
@@ -128,7 +158,13 @@ impl ReplicaState {
             } else {
                 WarmStatus::NotConfigured
             }),
+            outboxes: Outboxes::default(),
         }
+    }
+
+    /// Every peer's outbox: messages to peers leave through it, in order.
+    pub(crate) fn outboxes(&self) -> &Outboxes {
+        &self.outboxes
     }
 
     /// The journal, when this replica keeps one (it has peers).

@@ -137,6 +137,11 @@ metric_group! {
         /// admin listener being among its peers: dropped, and the address left out of its peers.
         replica_self_messages: Counter = Counter::default(),
             "replica_self_messages", "Peer messages a replica received from itself (dropped; the address is no longer a peer)";
+        /// Messages to peers (`/kvroute/v1/peer/*`) not delivered, by kind: `outbox_full` (the
+        /// peer's outbox held `4096` waiting), `timeout` (no answer within 1 s), `unreachable`,
+        /// `refused` (an error status), `invalid`. Each costs only what sharing would have won.
+        replica_peer_messages_dropped: Family<KindLabel, Counter> = Family::default(),
+            "replica_peer_messages_dropped", "Messages to peer replicas not delivered, by kind";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

@@ -1,5 +1,6 @@
 //! Replicas telling each other where they sent each request (`replicas.share_dispatches`): a
-//! fire-and-forget `POST /kvroute/v1/peer/dispatch` to every peer's admin listener, which
+//! `POST /kvroute/v1/peer/dispatch` to every peer's admin listener (through that peer's ordered
+//! outbox, without waiting: [`crate::replica_state::Outboxes`]), which
 //! records it with [`Fleet::peer_dispatched`](kvroute_core::fleet::Fleet::peer_dispatched):
 //! predicted blocks, routing history, shared prefixes, session and placement, as if it had
 //! sent the request itself. With `replicas.share_load`, the peer also counts the request in
@@ -26,15 +27,12 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::edge::{read_body, read_body_within};
-use crate::replica_state::{PeerList, REPLICA_HEADER};
+use crate::replica_state::{Courier, REPLICA_HEADER};
 use crate::reply::error_response;
 use crate::service::Router;
 
 /// The largest prefill-done or ended message read from a peer.
 const REQUEST_MESSAGE_MAX_BYTES: usize = 4 << 10;
-
-/// How long a peer has to take a dispatch message.
-const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One dispatch, as sent to peers.
 #[derive(Debug, Serialize, Deserialize)]
@@ -143,7 +141,7 @@ pub fn ended(router: &Router, dispatch: &Dispatch) {
 
 /// Posts a [`PeerRequestMessage`] naming `dispatch` to `/kvroute/v1/peer/<path>` on every peer,
 /// when this replica shares its load.
-fn post_request_message(router: &Router, dispatch: &Dispatch, path: &str) {
+fn post_request_message(router: &Router, dispatch: &Dispatch, path: &'static str) {
     let config = &router.config().replicas;
     if !config.share_dispatches || !config.share_load || router.replica().peers().is_empty() {
         return;
@@ -166,40 +164,24 @@ fn request_id(router: &Router, dispatch: &Dispatch) -> u64 {
     hasher.finish()
 }
 
-/// Posts `message` to `/kvroute/v1/peer/<path>` on every peer, without waiting: a lost message
-/// only costs what sharing would have won.
-fn post_to_peers(router: &Router, path: &str, message: &impl Serialize) {
+/// Posts `message` to `/kvroute/v1/peer/<path>` on every peer, without waiting: each peer's
+/// messages leave in order through its outbox, and what does not fit or is not taken is
+/// dropped and counted (a lost message only costs what sharing would have won).
+fn post_to_peers(router: &Router, path: &'static str, message: &impl Serialize) {
     let Ok(body) = serde_json::to_vec(message) else {
         return;
     };
-    let body = Bytes::from(body);
-    for peer in router.replica().peers().iter() {
-        let mut request = http::Request::post(format!(
-            "{}/kvroute/v1/peer/{path}",
-            peer.trim_end_matches('/')
-        ))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(REPLICA_HEADER, router.replica().id());
-        if let Some(token) = &router.config().admin.token {
-            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
-        }
-        let Ok(request) = request.body(Full::new(body.clone())) else {
-            continue;
-        };
-        let client = router.client().clone();
-        let (peers, id, peer) = (
-            router.replica().peer_list(),
-            router.replica().id().to_owned(),
-            peer.clone(),
-        );
-        tokio::spawn(async move {
-            if let Ok(Ok(answer)) =
-                tokio::time::timeout(SEND_TIMEOUT, client.request(request)).await
-            {
-                came_back(&peers, &id, &peer, answer.status(), answer.headers());
-            }
-        });
-    }
+    let replica = router.replica();
+    let courier = || Courier {
+        client: router.client().clone(),
+        token: router.config().admin.token.clone(),
+        id: replica.id().to_owned(),
+        peers: replica.peer_list(),
+        dropped: router.metrics().replica_peer_messages_dropped.clone(),
+    };
+    replica
+        .outboxes()
+        .post(&replica.peers(), path, &Bytes::from(body), courier);
 }
 
 /// Whether a peer request (`headers`) is this replica's own, sent to its own admin listener as
@@ -225,29 +207,6 @@ pub(crate) fn own_message_refused(router: &Router) -> Response {
         response.headers_mut().insert(REPLICA_HEADER, id);
     }
     response
-}
-
-/// Whether a peer's answer (`status`, `headers`) says the request reached this replica itself
-/// (409 with this replica's `id`): then `peer`, the URL it was sent to, is left out of the
-/// peers from now on (warned once).
-pub(crate) fn came_back(
-    peers: &PeerList,
-    id: &str,
-    peer: &str,
-    status: http::StatusCode,
-    headers: &http::HeaderMap,
-) -> bool {
-    let echoed = headers.get(REPLICA_HEADER).and_then(|v| v.to_str().ok());
-    if status != http::StatusCode::CONFLICT || echoed != Some(id) {
-        return false;
-    }
-    if peers.forget_own(peer) {
-        warn!(
-            %peer,
-            "this replica reached its own admin listener as a peer (its pod name or address among the peers): that address is no longer a peer"
-        );
-    }
-    true
 }
 
 /// `POST /kvroute/v1/peer/dispatch`: a peer replica's dispatch, recorded in this one's fleet.

@@ -139,13 +139,10 @@ pub(crate) async fn fetch(
             .map_err(|e| e.to_string())?;
         let status = response.status();
         let replica = router.replica();
-        if super::share::came_back(
-            &replica.peer_list(),
-            replica.id(),
-            peer,
-            status,
-            response.headers(),
-        ) {
+        if replica
+            .peer_list()
+            .came_back(replica.id(), peer, status, response.headers())
+        {
             return Err("it is this replica itself: no longer a peer".to_owned());
         }
         let body = Limited::new(response.into_body(), MAX_SNAPSHOT_BYTES)

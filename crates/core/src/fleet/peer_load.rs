@@ -22,7 +22,9 @@
 //! - **Unconfirmed load ends.** A peer that crashed, or a lost message, would otherwise inflate
 //!   an engine's queue forever: a peer prefill not confirmed within `predicted_ttl_s` (the
 //!   longest an unconfirmed routing record stands) is released and counted
-//!   ([`PeerLoadStats::expired`]). Released early, it only costs what sharing would have won.
+//!   ([`PeerLoadStats::expired`]), and so is a decode whose end is not confirmed within
+//!   `predicted_ttl_s` of its first token (its own span, not what is left of its prefill's).
+//!   Released early, it only costs what sharing would have won.
 //! - **Bounded.** At most [`MAX_OPEN`] peer prefills are open; past that the oldest is released
 //!   (counted in [`PeerLoadStats::displaced`]).
 //! - **Ids are the sender's.** A peer names each request by a random-looking 64-bit id of its
@@ -48,6 +50,9 @@ struct PeerPrefill {
     shares_end: bool,
     /// Past its first token: counted as decoding, no longer as queued prefill.
     decoding: bool,
+    /// When it is released unconfirmed: `predicted_ttl_s` after its start, then after its
+    /// first token.
+    until: f64,
 }
 
 /// Counters of peer prefills, for operators and tests.
@@ -57,7 +62,7 @@ pub struct PeerLoadStats {
     pub open: u64,
     /// Peer prefills started (counted) so far.
     pub started: u64,
-    /// Prefills confirmed done by their peer.
+    /// Prefills confirmed done by their peer (a repeated confirmation counts once).
     pub done: u64,
     /// Requests whose end their peer confirmed.
     pub ended: u64,
@@ -74,16 +79,32 @@ pub struct PeerLoadStats {
 #[derive(Debug, Default)]
 pub(super) struct PeerLoad {
     open: HashMap<u64, PeerPrefill>,
-    /// (deadline, id) in start order; an entry whose id was confirmed since is skipped.
+    /// (deadline, id) in deadline order (each deadline is `predicted_ttl_s` after the moment it
+    /// was set, so pushing keeps the order); an entry whose id ended, or whose deadline moved
+    /// since, is skipped.
     deadlines: VecDeque<(f64, u64)>,
     stats: PeerLoadStats,
+}
+
+impl PeerLoad {
+    /// Queues `id`'s deadline. Entries of requests that ended, or whose deadline moved, are
+    /// dropped before they outnumber the open requests, so the queue stays within a small
+    /// multiple of [`MAX_OPEN`].
+    fn push_deadline(&mut self, until: f64, id: u64) {
+        self.deadlines.push_back((until, id));
+        if self.deadlines.len() > 2 * MAX_OPEN {
+            let open = &self.open;
+            self.deadlines
+                .retain(|&(deadline, id)| open.get(&id).is_some_and(|p| p.until == deadline));
+        }
+    }
 }
 
 impl Fleet {
     /// A peer replica sent request `request` (its id) to `endpoint` at `now`, predicting
     /// `uncached_tokens` of prefill: counted as this replica's own queued prefill there until
     /// [`Self::peer_prefill_done`], then, if `shares_end` (the peer will post its end), as
-    /// decoding there until [`Self::peer_request_ended`]; for `predicted_ttl_s` at most in all.
+    /// decoding there until [`Self::peer_request_ended`]; each for `predicted_ttl_s` at most.
     pub fn peer_prefill_started(
         &mut self,
         request: u64,
@@ -111,6 +132,7 @@ impl Fleet {
         e.inflight_prefills += 1;
         e.inflight_prefill_tokens += uncached_tokens;
         self.load_changed(endpoint);
+        let until = now + self.config.predicted_ttl_s;
         let load = &mut self.peer_load;
         load.open.insert(
             request,
@@ -119,16 +141,10 @@ impl Fleet {
                 uncached_tokens,
                 shares_end,
                 decoding: false,
+                until,
             },
         );
-        load.deadlines
-            .push_back((now + self.config.predicted_ttl_s, request));
-        // Confirmed prefills leave their deadlines behind: drop them before they outnumber
-        // the open ones, so the queue stays within a small multiple of MAX_OPEN.
-        if load.deadlines.len() > 2 * MAX_OPEN {
-            let open = &load.open;
-            load.deadlines.retain(|(_, id)| open.contains_key(id));
-        }
+        load.push_deadline(until, request);
         load.stats.started += 1;
         load.stats.open = load.open.len() as u64;
     }
@@ -138,10 +154,15 @@ impl Fleet {
     /// would post that, else not at all. Returns whether it was counted.
     pub fn peer_prefill_done(&mut self, request: u64, now: f64) -> bool {
         self.expire_peer_prefills(now);
+        let until = now + self.config.predicted_ttl_s;
         let counted = match self.peer_load.open.get_mut(&request) {
-            Some(p) if p.shares_end && !p.decoding => {
+            // Already decoding: a repeated confirmation changes nothing, and counts nothing.
+            Some(p) if p.decoding => return true,
+            Some(p) if p.shares_end => {
                 p.decoding = true;
+                p.until = until;
                 let (endpoint, tokens) = (p.endpoint, p.uncached_tokens);
+                self.peer_load.push_deadline(until, request);
                 if let Some(e) = self.endpoints.get_mut(endpoint.0 as usize) {
                     e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
                     e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_sub(tokens);
@@ -149,8 +170,6 @@ impl Fleet {
                 self.load_changed(endpoint);
                 true
             }
-            // Already decoding: a repeated confirmation changes nothing.
-            Some(p) if p.decoding => true,
             _ => self.release_peer_prefill(request),
         };
         if counted {
@@ -179,14 +198,16 @@ impl Fleet {
         &self.peer_load.stats
     }
 
-    /// Releases the peer prefills whose deadline passed by `now` (also run by housekeeping).
+    /// Releases the peer requests whose deadline passed by `now` (also run by housekeeping).
     pub(super) fn expire_peer_prefills(&mut self, now: f64) {
         while let Some(&(deadline, id)) = self.peer_load.deadlines.front() {
             if deadline > now {
                 break;
             }
             self.peer_load.deadlines.pop_front();
-            if self.release_peer_prefill(id) {
+            // Its deadline may have moved on since (its first token came): a later entry ends it.
+            let due = self.peer_load.open.get(&id).is_some_and(|p| p.until <= now);
+            if due && self.release_peer_prefill(id) {
                 self.peer_load.stats.expired += 1;
             }
         }
@@ -201,9 +222,9 @@ impl Fleet {
         }
     }
 
-    /// Stops counting the peer prefill `id`; whether it was counted. (A deadline left behind
-    /// for a confirmed id finds nothing when it comes: an id restarted since gets a deadline
-    /// of its own, and the earlier one may end it sooner, the safe direction.)
+    /// Stops counting the peer request `id`; whether it was counted. (A deadline left behind
+    /// for an ended id finds nothing when it comes; one left behind by an id started again or
+    /// past its first token finds a later `until`, and is skipped.)
     fn release_peer_prefill(&mut self, id: u64) -> bool {
         let Some(p) = self.peer_load.open.remove(&id) else {
             return false;
@@ -307,9 +328,10 @@ mod tests {
             "request 1 decoding; request 2's peer does not post ends, so it left at its first token"
         );
         assert_eq!(load.decoding(), 1.0);
-        // A repeated first-token message changes nothing.
+        // A repeated first-token message changes nothing, and is not counted again.
         assert!(fleet.peer_prefill_done(1, 0.2));
         assert_eq!(fleet.load(e0, 0.2).unwrap().inflight, 1);
+        assert_eq!(fleet.peer_load_stats().done, 2);
         assert!(fleet.peer_request_ended(1, 0.4));
         let load = fleet.load(e0, 0.4).unwrap();
         assert_eq!((load.inflight, load.inflight_prefills), (0, 0));
@@ -327,12 +349,15 @@ mod tests {
             ),
             (0, 0, 0)
         );
-        // A decoding request whose end never comes is released at the deadline.
+        // A decoding request whose end never comes is released `predicted_ttl_s` after its
+        // first token, not after its dispatch: a long prefill does not shorten its decode.
         let ttl = FleetConfig::default().predicted_ttl_s;
         fleet.peer_prefill_started(4, e0, 500, true, 2.0);
-        fleet.peer_prefill_done(4, 2.1);
+        fleet.peer_prefill_done(4, 2.0 + ttl - 1.0);
         fleet.housekeeping(2.0 + ttl);
-        assert_eq!(fleet.load(e0, 2.0 + ttl).unwrap().inflight, 0);
+        assert_eq!(fleet.load(e0, 2.0 + ttl).unwrap().inflight, 1);
+        fleet.housekeeping(2.0 + 2.0 * ttl - 1.0);
+        assert_eq!(fleet.load(e0, 2.0 + 2.0 * ttl).unwrap().inflight, 0);
         assert_eq!(fleet.peer_load_stats().expired, 1);
     }
 

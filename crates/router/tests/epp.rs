@@ -848,7 +848,17 @@ async fn under_pd_the_picker_removes_a_clients_kv_transfer_params_or_refuses_the
         immediate_status(&stream.send(chunk(tail, true), None).await),
         400
     );
-    // Only the stripped request counts as stripped; the refused one is a 400, not a removal.
+    // A request the picker strips and then cannot place (its subset allows no endpoint) is
+    // refused, not counted as sent on without them.
+    let mut stream = Stream::open(&epp).await;
+    stream
+        .send(completion_headers(), Some(subset(&["10.9.9.9:8000"])))
+        .await;
+    assert_eq!(
+        immediate_status(&stream.send(body(&request), None).await),
+        503
+    );
+    // Only the stripped request counts as stripped; the refused ones are not removals.
     let metrics = epp.router.metrics().render();
     assert_eq!(
         kvroute_testkit::sample(&metrics, "kvroute_pd_client_params_removed_total"),

@@ -312,8 +312,10 @@ impl Exchange {
                 Some("kv_transfer_params"),
             ));
         }
-        crate::pd::client_params_removed(&self.router, &pipeline::request_id(&self.headers));
-        self.replaced_body = Some(serde_json::to_vec(&body).unwrap_or_default());
+        let body = serde_json::to_vec(&body)
+            .map_err(|e| ApiError::new(500, format!("re-encoding the request body: {e}")))?;
+        // Sent, and counted, by `dispatch` (which may still refuse the request).
+        self.replaced_body = Some(body);
         Ok(())
     }
 
@@ -350,10 +352,14 @@ impl Exchange {
             };
             return self.refuse(&ApiError::new(503, why).into());
         };
+        let authority = |id| self.router.endpoint(id).authority.to_string();
+        let destination = authority(first);
+        // Fallbacks after the first endpoint (`fallbacks` names at most that many in all).
         let fallbacks: Vec<String> = ranking
             .iter()
-            .take(self.fallbacks)
-            .map(|&id| self.router.endpoint(id).authority.to_string())
+            .skip(1)
+            .take(self.fallbacks - 1)
+            .map(|&id| authority(id))
             .collect();
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
@@ -372,9 +378,10 @@ impl Exchange {
             .into_iter()
             .collect();
         extra.push((protocol::EXCHANGE, &header));
-        let mut answer = protocol::route(&fallbacks, &extra, on_body)
-            .unwrap_or_else(protocol::continue_request_headers);
+        let mut answer = protocol::route(&destination, &fallbacks, &extra, on_body);
         if let Some(body) = self.replaced_body.take() {
+            // Counted only now that the body without them goes on.
+            crate::pd::client_params_removed(&self.router, &pipeline::request_id(&self.headers));
             protocol::replace_request_body(&mut answer, body);
         }
         answer

@@ -161,17 +161,17 @@ fn respond(response: Response) -> ProcessingResponse {
     }
 }
 
-/// Where the request goes: the header names the first endpoint (what an `ORIGINAL_DST`
-/// cluster keyed on the header connects to), the `envoy.lb` metadata the ordered fallback
-/// list (first the same endpoint), and any `extra` headers (the P/D hook). `on_body` says
-/// whether this answers the request body (buffered mode) or its headers (a bodiless request).
+/// Where the request goes: the header names `first` (what an `ORIGINAL_DST` cluster keyed on
+/// the header connects to), the `envoy.lb` metadata the ordered fallback list (`first`, then
+/// `fallbacks`), and any `extra` headers (the P/D hook). `on_body` says whether this answers
+/// the request body (buffered mode) or its headers (a bodiless request).
 pub fn route(
+    first: &str,
     fallbacks: &[String],
     extra: &[(&str, &str)],
     on_body: bool,
-) -> Option<ProcessingResponse> {
-    let first = fallbacks.first()?;
-    let mut headers = vec![(DESTINATION, first.as_str())];
+) -> ProcessingResponse {
+    let mut headers = vec![(DESTINATION, first)];
     headers.extend_from_slice(extra);
     let mut common = mutation(&headers, true);
     // Only the picker names a prefiller: whatever a client sent is removed, so a request can
@@ -188,7 +188,15 @@ pub fn route(
         Response::RequestHeaders(HeadersResponse { response: common })
     };
     let lb = Struct {
-        fields: HashMap::from([(DESTINATION.to_owned(), string_value(fallbacks.join(",")))]),
+        fields: HashMap::from([(
+            DESTINATION.to_owned(),
+            string_value(
+                std::iter::once(first)
+                    .chain(fallbacks.iter().map(String::as_str))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
+        )]),
     };
     let metadata = Struct {
         fields: HashMap::from([(
@@ -198,11 +206,11 @@ pub fn route(
             },
         )]),
     };
-    Some(ProcessingResponse {
+    ProcessingResponse {
         response: Some(response),
         dynamic_metadata: Some(metadata),
         ..ProcessingResponse::default()
-    })
+    }
 }
 
 /// Makes a routing answer to the (buffered) request body send `body` upstream instead of the
@@ -270,8 +278,7 @@ mod tests {
 
     #[test]
     fn route_names_the_first_endpoint_and_every_fallback_in_order() {
-        let list = vec!["10.0.0.2:8000".to_owned(), "10.0.0.1:8000".to_owned()];
-        let r = route(&list, &[], true).unwrap();
+        let r = route("10.0.0.2:8000", &["10.0.0.1:8000".to_owned()], &[], true);
         assert_eq!(lb_metadata(&r), "10.0.0.2:8000,10.0.0.1:8000");
         let Some(Response::RequestBody(body)) = &r.response else {
             panic!("not a body response");
@@ -282,13 +289,11 @@ mod tests {
         let h = set[0].header.as_ref().unwrap();
         assert_eq!(h.key, DESTINATION);
         assert_eq!(h.raw_value, b"10.0.0.2:8000");
-        assert!(route(&[], &[], true).is_none());
     }
 
     #[test]
     fn a_replaced_request_body_comes_with_its_own_content_length() {
-        let list = vec!["10.0.0.2:8000".to_owned()];
-        let mut answer = route(&list, &[], true).unwrap();
+        let mut answer = route("10.0.0.2:8000", &[], &[], true);
         replace_request_body(&mut answer, b"{\"model\":\"m\"}".to_vec());
         let Some(Response::RequestBody(body)) = &answer.response else {
             panic!("not a body response");
@@ -310,7 +315,7 @@ mod tests {
             .unwrap();
         assert_eq!(length.raw_value, b"13");
         // A bodiless request's answer (to its headers) has no body to replace.
-        let mut headers_only = route(&list, &[], false).unwrap();
+        let mut headers_only = route("10.0.0.2:8000", &[], &[], false);
         let before = headers_only.clone();
         replace_request_body(&mut headers_only, b"{}".to_vec());
         assert_eq!(headers_only, before);

@@ -290,9 +290,11 @@ fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, A
     match without_client_params(a.prepared)? {
         ClientBody::Clean(body) => Ok(Cow::Borrowed(body)),
         ClientBody::Stripped(body) => {
+            let encoded = serde_json::to_vec(&body)
+                .map_err(|e| ApiError::new(500, format!("re-encoding the request body: {e}")))?;
             client_params_removed(a.router, &a.context.request_id);
             // The aggregated leg sends the body as it is.
-            a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+            a.body = Bytes::from(encoded);
             Ok(Cow::Owned(body))
         }
     }

@@ -12,13 +12,11 @@
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http_body_util::Full;
 use kvroute_core::fleet::{Dispatch, RequestFeatures};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::Role;

@@ -180,6 +180,16 @@ pub fn prefill_request_params() -> Value {
     })
 }
 
+/// A client's request body without the `kv_transfer_params` it named, or `None` when it named
+/// none (or is not an object). Under P/D only the router may name a producer: a client's own
+/// params could make an engine pull from (connect to) any address.
+pub fn without_client_params(client: &Value) -> Option<Value> {
+    client.get("kv_transfer_params")?;
+    let mut body = client.clone();
+    body.as_object_mut()?.remove("kv_transfer_params");
+    Some(body)
+}
+
 /// The prefill leg a proxy derives from a client's request body (`vllm-wire.md` §5.1): the
 /// same body with [`prefill_request_params`], `stream: false`, `max_tokens: 1` (and
 /// `max_completion_tokens: 1` if the client set it), and without `stream_options`,
@@ -426,6 +436,17 @@ impl ProducerParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clients_own_params_are_removed_and_nothing_else() {
+        let client = json!({"model": "m", "prompt": "hi", "kv_transfer_params": {"remote_host": "10.9.9.9"}});
+        assert_eq!(
+            without_client_params(&client),
+            Some(json!({"model": "m", "prompt": "hi"}))
+        );
+        assert_eq!(without_client_params(&json!({"model": "m"})), None);
+        assert_eq!(without_client_params(&json!([1, 2])), None);
+    }
 
     #[test]
     fn the_lease_expiry_is_read_from_a_producers_params() {

@@ -247,7 +247,8 @@ pub(crate) enum ClientBody<'b> {
     Stripped(Value),
 }
 
-/// Removes `kv_transfer_params` a client put in its body: with P/D on, only the router names a
+/// Removes `kv_transfer_params` a client put in its body
+/// ([`kvroute_vllm::nixl::without_client_params`]): with P/D on, only the router names a
 /// producer, so a request can never make an engine pull from (connect to) an address outside
 /// the fleet. `kvroute serve` and `kvroute epp` both check here; the caller that sends the
 /// stripped body counts it ([`client_params_removed`]), so that a request refused instead is
@@ -264,14 +265,10 @@ pub(crate) fn without_client_params(
             "the request body is not JSON kvroute can read exactly, so its kv_transfer_params cannot be checked (pd.mode is on)",
         ));
     };
-    if body.get("kv_transfer_params").is_none() {
-        return Ok(ClientBody::Clean(body));
-    }
-    let mut body = body.clone();
-    if let Some(map) = body.as_object_mut() {
-        map.remove("kv_transfer_params");
-    }
-    Ok(ClientBody::Stripped(body))
+    Ok(match kvroute_vllm::nixl::without_client_params(body) {
+        Some(stripped) => ClientBody::Stripped(stripped),
+        None => ClientBody::Clean(body),
+    })
 }
 
 /// Counts (`kvroute_pd_client_params_removed_total`) and logs a request whose client

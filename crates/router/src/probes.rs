@@ -121,6 +121,9 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         };
         let body = match scraped {
             Ok(body) => {
+                // Slow but in time: used, and shown.
+                let took = (router.now() - sent).max(0.0);
+                router.metrics().scrape_seconds.of(&endpoint.name).set(took);
                 if std::mem::replace(&mut failing, false) {
                     info!(endpoint = %endpoint.name, "the engine's /metrics answer again");
                 }

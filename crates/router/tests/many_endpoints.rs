@@ -99,6 +99,7 @@ async fn without_per_endpoint_series_metrics_do_not_grow_with_the_endpoints() {
         "kvroute_index_blocks{",
         "kvroute_kv_events{",
         "kvroute_kv_events_age_seconds",
+        "kvroute_scrape_seconds",
     ];
     let mut texts = Vec::new();
     for router in [&small, &large, &labelled] {

@@ -49,6 +49,10 @@ async fn a_late_metrics_answer_is_waited_for_within_the_scrape_timeout_and_count
     })
     .await;
     assert_eq!(scrape_failures(&client, &patient, "timeout").await, 0.0);
+    // Used, and shown: how long the answer took.
+    let text = router_metrics(&client, &patient).await;
+    let took = kvroute_testkit::sum_labelled(&text, "kvroute_scrape_seconds{", "");
+    assert!((0.6..2.0).contains(&took), "scrape seconds {took}");
 
     // Beyond it: every scrape times out, is counted, and the load stays unknown.
     let hasty = router_from_config(config(200)).await;

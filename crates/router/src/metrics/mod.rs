@@ -166,6 +166,11 @@ metric_group! {
         events_age_seconds: EndpointGauges<NoLabels, f64, AtomicU64> =
             EndpointGauges::new(config.per_endpoint, Aggregate::Max),
             "kv_events_age_seconds", "Seconds since the endpoint's last KV event";
+        /// Seconds the endpoint's last answered `/metrics` scrape took (its load sample is that
+        /// much older when it arrives; the slowest endpoint's without per-endpoint series).
+        scrape_seconds: EndpointGauges<NoLabels, f64, AtomicU64> =
+            EndpointGauges::new(config.per_endpoint, Aggregate::Max),
+            "scrape_seconds", "Seconds the endpoint's last answered /metrics scrape took";
         /// Requests held by flow control now.
         flow_queue_requests: Gauge = Gauge::default(),
             "flow_queue_requests", "Requests held by flow control while every endpoint is saturated";

@@ -113,6 +113,12 @@ fn a_freed_slot_is_reused_last_freed_first_without_its_buffer() {
     slab.for_each_live_mut(|run| seen.push(run.info));
     assert_eq!(seen, ['c', 'b']);
     assert!(slab.get(b).is_live());
+    // Of two freed slots, the one freed last is reused first.
+    slab.free(c);
+    slab.free(b);
+    assert_eq!(slab.add(&keys(0, 4, 3), 'd').unwrap(), b);
+    assert_eq!(slab.add(&keys(0, 4, 4), 'e').unwrap(), a);
+    assert_eq!(slab.slots(), 2, "no slot added while freed ones were left");
 }
 
 #[test]

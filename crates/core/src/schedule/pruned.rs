@@ -26,7 +26,7 @@
 //! unsaturated, the order's endpoints that may be unsaturated ([`LoadOrder::set_saturated`],
 //! kept as their load changes) are viewed until one is; a saturated fleet has none.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::near_best::{Ranked, Standing, balance_limit, by_cost};
 use super::{
@@ -87,8 +87,13 @@ const PRIOR_DRIFT: f64 = 0.001;
 #[derive(Debug)]
 pub struct LoadOrder {
     by_key: BTreeSet<(u64, u32)>,
-    /// The (model, block size) orders.
-    groups: Vec<ServingGroup>,
+    /// The (model, block size) orders, by number; a number no endpoint serves any more is
+    /// freed (its slot `None`) and reused, so that models coming and going do not pile up.
+    groups: Vec<Option<ServingGroup>>,
+    /// Each group's number, by model and block size.
+    group_of: HashMap<String, Vec<(usize, u32)>>,
+    /// Group numbers free for reuse.
+    free_groups: Vec<u32>,
     /// The groups each endpoint serves (whether or not it is in their orders now).
     served_of: Vec<Vec<u32>>,
     /// Whether each endpoint is in its groups' orders now.
@@ -123,6 +128,8 @@ impl LoadOrder {
         Self {
             by_key: BTreeSet::new(),
             groups: Vec::new(),
+            group_of: HashMap::new(),
+            free_groups: Vec::new(),
             served_of: Vec::new(),
             plannable_of: Vec::new(),
             saturated_of: Vec::new(),
@@ -220,7 +227,7 @@ impl LoadOrder {
             if *Self::slot(&mut self.plannable_of, endpoint) {
                 let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
                 for &g in Self::slot(&mut self.served_of, endpoint).iter() {
-                    let group = &mut self.groups[g as usize];
+                    let group = Self::serving(&mut self.groups, g);
                     if let Some(old) = old {
                         group.members.remove(&(old, endpoint.0));
                     }
@@ -233,9 +240,11 @@ impl LoadOrder {
         }
     }
 
-    /// Takes `endpoint` out of the order (it is no longer planned).
+    /// Takes `endpoint` out of the order (it is no longer planned, and serves nothing).
     pub fn remove(&mut self, endpoint: EndpointId) {
         self.set_plannable(endpoint, false);
+        let served = std::mem::take(Self::slot(&mut self.served_of, endpoint));
+        self.unserve(&served);
         self.forget_prior(endpoint);
         if let Some(old) = Self::slot(&mut self.key_of, endpoint).take() {
             self.by_key.remove(&(old, endpoint.0));
@@ -244,23 +253,81 @@ impl LoadOrder {
         self.ejected_until(endpoint, None);
     }
 
-    /// The group of (`model`, `block_size`), if an endpoint ever served it.
+    /// The group of (`model`, `block_size`), if an endpoint serves it.
     fn group(&self, model: &str, block_size: usize) -> Option<u32> {
-        self.groups
+        self.group_of
+            .get(model)?
             .iter()
-            .position(|g| g.block_size == block_size && g.model == model)
-            .map(|at| at as u32)
+            .find(|&&(size, _)| size == block_size)
+            .map(|&(_, g)| g)
+    }
+
+    /// Group `g`, which an endpoint serves.
+    fn serving(groups: &mut [Option<ServingGroup>], g: u32) -> &mut ServingGroup {
+        groups[g as usize]
+            .as_mut()
+            .expect("a group an endpoint serves is live")
+    }
+
+    /// The group of (`model`, `block_size`), made if no endpoint served it; one more endpoint
+    /// serves it.
+    fn join_group(&mut self, model: &str, block_size: usize) -> u32 {
+        let g = self.group(model, block_size).unwrap_or_else(|| {
+            let group = ServingGroup {
+                servers: 0,
+                members: BTreeSet::new(),
+                unsaturated: BTreeSet::new(),
+            };
+            let g = match self.free_groups.pop() {
+                Some(g) => {
+                    self.groups[g as usize] = Some(group);
+                    g
+                }
+                None => {
+                    self.groups.push(Some(group));
+                    (self.groups.len() - 1) as u32
+                }
+            };
+            self.group_of
+                .entry(model.to_owned())
+                .or_default()
+                .push((block_size, g));
+            g
+        });
+        Self::serving(&mut self.groups, g).servers += 1;
+        g
+    }
+
+    /// One endpoint fewer serves each of `served` (its members already left): a group nobody
+    /// serves is freed.
+    fn unserve(&mut self, served: &[u32]) {
+        for &g in served {
+            let group = Self::serving(&mut self.groups, g);
+            group.servers -= 1;
+            if group.servers > 0 {
+                continue;
+            }
+            self.groups[g as usize] = None;
+            self.free_groups.push(g);
+            self.group_of.retain(|_, sizes| {
+                sizes.retain(|&(_, number)| number != g);
+                !sizes.is_empty()
+            });
+        }
     }
 
     /// `endpoint` serves `models` at `block_size` (call before [`LoadOrder::set_plannable`]
     /// whenever it may have changed: cheap when it has not).
     pub fn serve(&mut self, endpoint: EndpointId, models: &[String], block_size: usize) {
-        let served = Self::slot(&mut self.served_of, endpoint);
-        let same = served.len() == models.len()
-            && served.iter().zip(models).all(|(&g, model)| {
-                let g = &self.groups[g as usize];
-                g.block_size == block_size && g.model == *model
-            });
+        Self::slot(&mut self.served_of, endpoint);
+        let same = {
+            let served = &self.served_of[endpoint.0 as usize];
+            served.len() == models.len()
+                && served
+                    .iter()
+                    .zip(models)
+                    .all(|(&g, model)| self.group(model, block_size) == Some(g))
+        };
         if same {
             return;
         }
@@ -268,20 +335,15 @@ impl LoadOrder {
         self.set_plannable(endpoint, false);
         let mut served = Vec::with_capacity(models.len());
         for model in models {
-            let g = self.group(model, block_size).unwrap_or_else(|| {
-                self.groups.push(ServingGroup {
-                    model: model.clone(),
-                    block_size,
-                    members: BTreeSet::new(),
-                    unsaturated: BTreeSet::new(),
-                });
-                (self.groups.len() - 1) as u32
-            });
-            if !served.contains(&g) {
-                served.push(g);
+            if self
+                .group(model, block_size)
+                .is_none_or(|g| !served.contains(&g))
+            {
+                served.push(self.join_group(model, block_size));
             }
         }
-        self.served_of[endpoint.0 as usize] = served;
+        let old = std::mem::replace(&mut self.served_of[endpoint.0 as usize], served);
+        self.unserve(&old);
         self.set_plannable(endpoint, plannable);
     }
 
@@ -298,7 +360,7 @@ impl LoadOrder {
         }
         let unsaturated = !*Self::slot(&mut self.saturated_of, endpoint);
         for &g in Self::slot(&mut self.served_of, endpoint).iter() {
-            let group = &mut self.groups[g as usize];
+            let group = Self::serving(&mut self.groups, g);
             if plannable {
                 group.members.insert((key, endpoint.0));
                 if unsaturated {
@@ -321,7 +383,7 @@ impl LoadOrder {
             return;
         }
         for &g in Self::slot(&mut self.served_of, endpoint).iter() {
-            let unsaturated = &mut self.groups[g as usize].unsaturated;
+            let unsaturated = &mut Self::serving(&mut self.groups, g).unsaturated;
             if saturated {
                 unsaturated.remove(&endpoint.0);
             } else {
@@ -440,7 +502,8 @@ impl LoadOrder {
     ) -> impl Iterator<Item = (f64, EndpointId)> + '_ {
         self.group(model, block_size)
             .into_iter()
-            .flat_map(|g| self.groups[g as usize].members.iter())
+            .filter_map(|g| self.groups[g as usize].as_ref())
+            .flat_map(|g| g.members.iter())
             .map(|&(key, id)| (from_order_bits(key), EndpointId(id)))
     }
 
@@ -467,7 +530,8 @@ impl LoadOrder {
     ) -> impl Iterator<Item = EndpointId> + '_ {
         self.group(model, block_size)
             .into_iter()
-            .flat_map(|g| self.groups[g as usize].unsaturated.iter())
+            .filter_map(|g| self.groups[g as usize].as_ref())
+            .flat_map(|g| g.unsaturated.iter())
             .map(|&id| EndpointId(id))
     }
 }
@@ -480,8 +544,8 @@ pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
 /// The order of the endpoints serving one (model, block size) that a plan may use.
 #[derive(Debug)]
 struct ServingGroup {
-    model: String,
-    block_size: usize,
+    /// Endpoints serving it (in its order or not).
+    servers: u32,
     members: BTreeSet<(u64, u32)>,
     /// The members a plan may see unsaturated.
     unsaturated: BTreeSet<u32>,
@@ -678,3 +742,6 @@ pub fn schedule_pruned(
     };
     Some(ranked.decide(profile, request, walk.candidates, walk.standings))
 }
+
+#[cfg(test)]
+mod tests;

@@ -7,7 +7,7 @@
 //! writers together) and per second of the writers' CPU time (other processes on a shared
 //! machine lower the first, not the second); the lookup latencies are wall-clock.
 //!
-//! Run with `cargo bench -p kvroute-core --bench concurrent` (about three minutes; 2 cores).
+//! Run with `cargo bench -p kvroute-core --bench concurrent` (about four minutes; 2 cores).
 //! `KVROUTE_BENCH_ENTRIES` sets the index size (default 10M entries) and
 //! `KVROUTE_BENCH_ENDPOINTS` the fleet (default 64); 1,000 endpoints × 100k blocks is
 //! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`. `KVROUTE_BENCH_CONFIGS`
@@ -15,11 +15,14 @@
 //! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
 //! saturate the writers).
 //!
-//! Five more phases put the index behind kvroute-core's `Fleet`, as the router runs it: the
-//! reader plans requests (`Fleet::plan`, the precise profile) under the fleet's mutex, and the
-//! writers apply their batches either under that mutex (`Fleet::apply_events`, how the router
-//! applied them until 2026-12-02) or beside it (`Fleet::events_arrived` under the mutex, then
-//! the index's own shard lock: how it applies them now), saturating and paced.
+//! The other phases put the index behind kvroute-core's `Fleet`, as the router runs it, the
+//! precise profile planning 512-block requests. "before" is the router until 2026-12-02: a
+//! decision walks the index under the fleet's mutex (`Fleet::plan`) and event batches are
+//! applied under it too (`Fleet::apply_events`). "now" is the router since: the walk runs before
+//! the mutex is taken (`Fleet::lookup_target`, then `Fleet::plan_with`), and a batch is noted
+//! under the mutex and applied after it is released, under the index shard's own lock
+//! (`Fleet::events_arrived`). Both with saturating and paced ingest, then two planners at
+//! once (as the router's workers plan), without ingest and with paced ingest.
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -68,6 +71,9 @@ enum Reader {
     Lookup,
     /// Whole decisions under the fleet's mutex.
     Plan,
+    /// Decisions whose index walk runs before the fleet's mutex is taken
+    /// (`Fleet::lookup_target`, then `Fleet::plan_with`), as the router plans.
+    PlanWalkFirst,
 }
 
 /// How a phase's writers apply a batch.
@@ -117,7 +123,7 @@ fn main() {
         .collect();
     let churn = Arc::new(churn);
     println!(
-        "{:<22} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
+        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
         "phase",
         "shards",
         "writers",
@@ -130,52 +136,84 @@ fn main() {
     );
     for (shards, writers) in configurations() {
         let bench = build(entries, endpoints, shards);
-        for (name, writes, reader, pace) in [
-            ("ingest alone", Writes::Index, Reader::Idle, None),
-            ("lookups alone", Writes::Idle, Reader::Lookup, None),
-            ("ingest + lookups", Writes::Index, Reader::Lookup, None),
-            (
-                "paced + lookups",
-                Writes::Index,
-                Reader::Lookup,
-                Some(paced),
-            ),
-            ("plans alone", Writes::Idle, Reader::Plan, None),
-            (
-                "plans, events in lock",
-                Writes::UnderFleet,
-                Reader::Plan,
-                None,
-            ),
-            (
-                "plans, events beside",
-                Writes::BesideFleet,
-                Reader::Plan,
-                None,
-            ),
-            (
-                "plans, paced in lock",
-                Writes::UnderFleet,
-                Reader::Plan,
-                Some(paced),
-            ),
-            (
-                "plans, paced beside",
-                Writes::BesideFleet,
-                Reader::Plan,
-                Some(paced),
-            ),
-        ] {
+        for phase in phases(paced) {
             let feed = Feed {
                 endpoints,
                 churn: churn.clone(),
-                writers: if writes == Writes::Idle { 0 } else { writers },
-                writes,
-                pace,
+                writers: if phase.writes == Writes::Idle {
+                    0
+                } else {
+                    writers
+                },
+                writes: phase.writes,
+                pace: phase.pace,
             };
-            run_phase(name, &bench, &feed, reader);
+            run_phase(&phase, &bench, &feed);
         }
     }
+}
+
+/// One timed phase: what its writers and readers do.
+struct Phase {
+    name: &'static str,
+    writes: Writes,
+    reader: Reader,
+    /// Reader threads (each a client of the fleet, as the router's workers are).
+    readers: usize,
+    /// Block events per second of all writers together (`None`: as fast as they can).
+    pace: Option<f64>,
+}
+
+/// Every phase, in the order run; `paced` is the paced phases' rate.
+fn phases(paced: f64) -> Vec<Phase> {
+    let phase = |name, writes, reader, readers, pace| Phase {
+        name,
+        writes,
+        reader,
+        readers,
+        pace,
+    };
+    use Reader::{Idle, Lookup, Plan, PlanWalkFirst};
+    use Writes::{BesideFleet, Index, UnderFleet};
+    vec![
+        phase("ingest alone", Index, Idle, 0, None),
+        phase("lookups alone", Writes::Idle, Lookup, 1, None),
+        phase("ingest + lookups", Index, Lookup, 1, None),
+        phase("paced + lookups", Index, Lookup, 1, Some(paced)),
+        phase("plans alone", Writes::Idle, Plan, 1, None),
+        phase("before: plans + events", UnderFleet, Plan, 1, None),
+        phase("now: plans + events", BesideFleet, PlanWalkFirst, 1, None),
+        phase("before: plans + paced", UnderFleet, Plan, 1, Some(paced)),
+        phase(
+            "now: plans + paced",
+            BesideFleet,
+            PlanWalkFirst,
+            1,
+            Some(paced),
+        ),
+        phase("2 planners, walk in lock", Writes::Idle, Plan, 2, None),
+        phase(
+            "2 planners, walk first",
+            Writes::Idle,
+            PlanWalkFirst,
+            2,
+            None,
+        ),
+        phase(
+            "before: 2 planners + paced",
+            UnderFleet,
+            Plan,
+            2,
+            Some(paced),
+        ),
+        phase(
+            "now: 2 planners + paced",
+            BesideFleet,
+            PlanWalkFirst,
+            2,
+            Some(paced),
+        ),
+    ]
 }
 
 /// (shards, writers) to run: `KVROUTE_BENCH_CONFIGS` as `1x1,2x2` (the default), or any list.
@@ -257,8 +295,8 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> Bench {
     }
 }
 
-/// Runs one phase for `PHASE`: the feed's writers, and `reader`; prints its row.
-fn run_phase(name: &str, bench: &Bench, feed: &Feed, reader: Reader) {
+/// Runs one phase for `PHASE`: the feed's writers, and the phase's readers; prints its row.
+fn run_phase(phase: &Phase, bench: &Bench, feed: &Feed) {
     let shards = bench.index.shard_count();
     let writers = feed.writers;
     let ingest = writers > 0;
@@ -270,10 +308,13 @@ fn run_phase(name: &str, bench: &Bench, feed: &Feed, reader: Reader) {
             std::thread::spawn(move || ingest_until(&target, &feed, w, &stop))
         })
         .collect();
-    let reader = (reader != Reader::Idle).then(|| {
-        let (target, stop, keys) = (Target::of(bench), stop.clone(), bench.keys.clone());
-        std::thread::spawn(move || reads_until(&target, reader, &keys, &stop))
-    });
+    let readers: Vec<_> = (0..phase.readers)
+        .map(|r| {
+            let (target, stop, keys) = (Target::of(bench), stop.clone(), bench.keys.clone());
+            let reader = phase.reader;
+            std::thread::spawn(move || reads_until(&target, reader, r, &keys, &stop))
+        })
+        .collect();
     std::thread::sleep(PHASE);
     stop.store(true, Ordering::Relaxed);
     let done: Vec<(u64, f64)> = writer_threads
@@ -283,9 +324,10 @@ fn run_phase(name: &str, bench: &Bench, feed: &Feed, reader: Reader) {
     let seconds = wall.elapsed().as_secs_f64();
     let events: u64 = done.iter().map(|(events, _)| events).sum();
     let cpu: f64 = done.iter().map(|(_, cpu)| cpu).sum();
-    let mut times = reader
-        .map(|r| r.join().expect("reader"))
-        .unwrap_or_default();
+    let mut times: Vec<Duration> = readers
+        .into_iter()
+        .flat_map(|r| r.join().expect("reader"))
+        .collect();
     times.sort_unstable();
     let at = |p: usize| {
         times
@@ -300,8 +342,8 @@ fn run_phase(name: &str, bench: &Bench, feed: &Feed, reader: Reader) {
         }
     };
     println!(
-        "{:<22} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
-        name,
+        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
+        phase.name,
         shards,
         writers,
         rate(seconds),
@@ -416,11 +458,12 @@ impl Target {
 fn reads_until(
     target: &Target,
     reader: Reader,
+    seed: usize,
     keys: &[Arc<Vec<RouterKey>>],
     stop: &AtomicBool,
 ) -> Vec<Duration> {
     let mut times = Vec::new();
-    let mut r = 0usize;
+    let mut r = seed * 101;
     while !stop.load(Ordering::Relaxed) {
         r = (r * 7 + 13) % keys.len();
         let start = Instant::now();
@@ -429,7 +472,7 @@ fn reads_until(
             Reader::Lookup => {
                 black_box(target.index.lookup(&keys[r]));
             }
-            Reader::Plan => {
+            Reader::Plan | Reader::PlanWalkFirst => {
                 let request = RequestFeatures {
                     model: MODEL,
                     keys: &keys[r],
@@ -438,8 +481,16 @@ fn reads_until(
                     session: None,
                     role: Role::Both,
                 };
+                let lookup = (reader == Reader::PlanWalkFirst).then(|| {
+                    let target = target.fleet.lock().lookup_target(BLOCK_SIZE);
+                    target.run(&keys[r])
+                });
                 let now = target.now();
-                black_box(target.fleet.lock().plan(&request, r as u64, now));
+                let plan = target
+                    .fleet
+                    .lock()
+                    .plan_with(&request, lookup, r as u64, now);
+                black_box(plan);
             }
         }
         times.push(start.elapsed());

@@ -37,12 +37,16 @@ impl FleetHandle {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// Plans a request now, with core's seeded randomness.
+    /// Plans a request now, with core's seeded randomness. Its walk of the KV index runs
+    /// before the fleet is locked ([`Fleet::plan_with`]): decisions hold the lock for their
+    /// costing only, and walk the index side by side.
     pub(crate) fn plan(&self, features: &RequestFeatures<'_>) -> Plan {
+        let target = self.lock().lookup_target(features.block_size);
+        let lookup = target.run(features.keys);
         let now = self.now();
         let mut fleet = self.lock();
         let random = fleet.next_random();
-        fleet.plan(features, random, now)
+        fleet.plan_with(features, Some(lookup), random, now)
     }
 
     /// Plans a request now with every endpoint ranked and broken down (see

@@ -14,6 +14,7 @@ mod decay;
 pub mod disagg;
 mod endpoint;
 pub mod flow;
+mod lookup;
 mod membership;
 pub mod outlier;
 mod peer_load;
@@ -52,6 +53,7 @@ pub use endpoint::{
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
+pub use lookup::{IndexLookup, LookupTarget};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
 pub use peer_load::PeerLoadStats;
 pub use restart::{RestartSignals, RestartWatch};
@@ -285,6 +287,10 @@ pub struct Fleet {
     holders: Vec<(EndpointId, u32)>,
     holding: Vec<(EndpointId, usize, f64)>,
     expired_samples: Vec<EndpointId>,
+    /// Counts the times an endpoint's cache picture was dropped or replaced (forgotten,
+    /// restored, its id reused): a lookup read before the last one is not used
+    /// ([`Fleet::plan_with`]).
+    cache_epoch: u64,
     /// Endpoints the last plan viewed and costed.
     last_plan_viewed: usize,
 }
@@ -333,6 +339,7 @@ impl Fleet {
             holders: Vec::new(),
             holding: Vec::new(),
             expired_samples: Vec::new(),
+            cache_epoch: 0,
             last_plan_viewed: 0,
         };
         for at in 0..fleet.endpoints.len() {
@@ -449,22 +456,37 @@ impl Fleet {
     /// head of the ranking as [`Fleet::plan_every`], at a fraction of the work on a large
     /// fleet. `random` is a uniformly random `u64` (ties, sampling).
     pub fn plan(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
+        self.plan_with(request, None, random, now)
+    }
+
+    /// [`Fleet::plan`] with the request's index matches read beforehand, outside whatever
+    /// lock guards the fleet ([`Fleet::lookup_target`], [`LookupTarget::run`]); a lookup read
+    /// before an endpoint's cache picture was dropped is not used (the index is walked again).
+    pub fn plan_with(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        lookup: Option<IndexLookup>,
+        random: u64,
+        now: f64,
+    ) -> Plan {
         let depth = (!self.rank_every).then(|| {
             RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
         });
-        self.plan_ranked(request, random, now, depth)
+        self.plan_ranked(request, lookup, random, now, depth)
     }
 
     /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
     /// broken down, and the facts behind each (the explain API).
     pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
-        self.plan_ranked(request, random, now, None)
+        self.plan_ranked(request, None, random, now, None)
     }
 
-    /// Plans a request, ranking the best `depth` candidates (`None`: every one).
+    /// Plans a request, ranking the best `depth` candidates (`None`: every one), with its
+    /// index matches from `lookup` when usable.
     fn plan_ranked(
         &mut self,
         request: &RequestFeatures<'_>,
+        lookup: Option<IndexLookup>,
         random: u64,
         now: f64,
         depth: Option<usize>,
@@ -498,6 +520,7 @@ impl Fleet {
             && self.profile.picker == crate::schedule::Picker::Cheapest
             && depth.is_some_and(|depth| self.endpoints.len() > depth);
         let index = self.index_for_block_size(bs).cloned();
+        let mut looked_up = self.usable_lookup(lookup, bs);
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         let no_matches = PrefixMatches::default();
@@ -513,12 +536,12 @@ impl Fleet {
         };
         self.round_robin = self.round_robin.wrapping_add(1);
         if let (true, Some(depth)) = (pruned, depth) {
-            // One read of every index shard for the request's matches and the fill of the
-            // endpoints costed.
+            // One read of every index shard for the request's matches (unless looked up
+            // already) and the fill of the endpoints costed.
             let planned = match &index {
                 Some(index) => index.read(|read| {
                     let held = |id| read.endpoint_stats(id).map_or(0, |s| s.blocks_gpu);
-                    let matches = read.lookup(keys);
+                    let matches = looked_up.take().unwrap_or_else(|| read.lookup(keys));
                     let inputs = costing::PlanInputs {
                         index_matches: &matches,
                         ..base
@@ -534,7 +557,14 @@ impl Fleet {
         // One read of each index shard for both: the request's matches and each endpoint's
         // fill.
         let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match &index {
-            Some(index) => index.lookup_and_gpu_blocks(keys, self.endpoints.iter().map(|e| e.id)),
+            Some(index) => {
+                let endpoints = self.endpoints.iter().map(|e| e.id);
+                match looked_up {
+                    // The fill alone (an empty walk).
+                    Some(matches) => (matches, index.lookup_and_gpu_blocks(&[], endpoints).1),
+                    None => index.lookup_and_gpu_blocks(keys, endpoints),
+                }
+            }
             None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
         };
         let inputs = costing::PlanInputs {
@@ -1001,6 +1031,7 @@ impl Fleet {
         let Some(index) = self.index_of(id).cloned() else {
             return Ok(None);
         };
+        self.cache_dropped();
         let restored = index.write_endpoint(id, |ix| {
             let restored = ix.restore(id, restore.blocks);
             if restore.tier_uncertain {
@@ -1020,6 +1051,7 @@ impl Fleet {
     /// predictions of requests sent there, and sessions that went there. The one operation for
     /// an engine restart, a health ejection and a pod that left.
     pub fn forget_endpoint(&mut self, id: EndpointId, now: f64) {
+        self.cache_dropped();
         if let Some(index) = self.index_of(id) {
             index.clear_endpoint(id);
         }

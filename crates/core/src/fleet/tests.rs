@@ -322,6 +322,48 @@ fn follow_up_turns_stay_with_their_history_at_zero_load() {
 }
 
 #[test]
+fn a_plan_with_its_lookup_read_beforehand_decides_as_one_that_looks_up_itself() {
+    let mut fleet = FleetBuilder::new(3).build();
+    let tokens = prompt(800, 5);
+    let req = Req::new(&tokens);
+    fleet.apply_events(EndpointId(2), &[stored(&tokens, BS)], 0.0);
+    let lookup = fleet.lookup_target(BS).run(&req.keys);
+    let with = fleet.plan_with(&req.features(), Some(lookup), 1, 0.1);
+    let without = fleet.plan(&req.features(), 1, 0.1);
+    assert_eq!(with.decision.chosen(), Some(EndpointId(2)));
+    assert_eq!(with.decision.chosen(), without.decision.chosen());
+    assert_eq!(with.predicted_cached, without.predicted_cached);
+    assert_eq!(with.predicted_cached[2], 784);
+}
+
+#[test]
+fn a_lookup_read_before_an_endpoint_was_forgotten_is_not_used() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let tokens = prompt(800, 6);
+    let req = Req::new(&tokens);
+    fleet.apply_events(EndpointId(1), &[stored(&tokens, BS)], 0.0);
+    let lookup = fleet.lookup_target(BS).run(&req.keys);
+    assert_eq!(lookup.matches.blocks(EndpointId(1)), 50);
+    // The engine restarted between the lookup and the plan.
+    fleet.forget_endpoint(EndpointId(1), 0.1);
+    let plan = fleet.plan_with(&req.features(), Some(lookup), 1, 0.2);
+    assert_eq!(
+        plan.predicted_cached,
+        vec![0, 0],
+        "its old cache is not credited"
+    );
+    // A lookup of another block size is not used either.
+    let mut fleet = FleetBuilder::new(2).build();
+    fleet.apply_events(EndpointId(1), &[stored(&tokens, BS)], 0.0);
+    let elsewhere = fleet.lookup_target(2 * BS).run(&req.keys);
+    let plan = fleet.plan_with(&req.features(), Some(elsewhere), 1, 0.1);
+    assert_eq!(
+        plan.predicted_cached[1], 784,
+        "looked up again with its own block size"
+    );
+}
+
+#[test]
 fn forgetting_an_endpoint_drops_everything_known_of_its_cache() {
     let mut fleet = FleetBuilder::new(2).build();
     let tokens = prompt(800, 3);

@@ -19,6 +19,8 @@
 //!   to a shared filesystem is a hit for every endpoint mounting it, whatever its shard. Locks
 //!   are always taken shard first, then tier, so they cannot deadlock.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::fleet_tier::{FleetTier, SharedFleetTier};
@@ -33,7 +35,7 @@ use crate::keys::RouterKey;
 /// A thread-safe index of one or more shards; clone the `Arc` it usually lives in.
 #[derive(Debug)]
 pub struct SharedIndex {
-    shards: Box<[RwLock<KvIndex>]>,
+    shards: Box<[Shard]>,
     /// The shared tier every shard refers to.
     fleet: SharedFleetTier,
 }
@@ -43,7 +45,7 @@ impl SharedIndex {
     pub fn new(index: KvIndex) -> Self {
         Self {
             fleet: index.fleet.clone(),
-            shards: Box::new([RwLock::new(index)]),
+            shards: Box::new([Shard::new(index)]),
         }
     }
 
@@ -60,7 +62,7 @@ impl SharedIndex {
                     capacity: part,
                     ..config.clone()
                 };
-                KvIndex::shard(config, fleet.clone(), s as u32).map(RwLock::new)
+                KvIndex::shard(config, fleet.clone(), s as u32).map(Shard::new)
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { shards, fleet })
@@ -77,14 +79,16 @@ impl SharedIndex {
     }
 
     fn shard(&self, endpoint: EndpointId) -> &RwLock<KvIndex> {
-        &self.shards[self.shard_of(endpoint)]
+        &self.shards[self.shard_of(endpoint)].index
     }
 
     /// Applies one batch of an endpoint's events atomically with respect to lookups, holding
     /// only that endpoint's shard. (Handing the lock to a waiting lookup after each batch was
     /// measured again with two shards: inconclusive, so it is not done.)
     pub fn apply(&self, endpoint: EndpointId, events: &[KvEvent]) {
-        self.shard(endpoint).write().apply(endpoint, events);
+        let shard = &self.shards[self.shard_of(endpoint)];
+        shard.let_readers_in();
+        shard.index.write().apply(endpoint, events);
     }
 
     /// Runs `f` with write access to the shard holding `endpoint` (restoring a snapshot of it:
@@ -121,7 +125,7 @@ impl SharedIndex {
     /// Each endpoint's longest cached prefix of `keys`, one shard's read guard at a time.
     /// (Reading the shards a writer holds last was measured: it changed nothing.)
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
-        merge(self.shards.iter().map(|s| s.read().lookup(keys)))
+        merge(self.shards.iter().map(|s| s.read_soon().lookup(keys)))
     }
 
     /// Each endpoint's longest cached prefix of `keys`, and the GPU blocks each of `endpoints`
@@ -134,7 +138,7 @@ impl SharedIndex {
         let endpoints: Vec<EndpointId> = endpoints.into_iter().collect();
         let mut held = vec![0; endpoints.len()];
         let parts = self.shards.iter().enumerate().map(|(s, shard)| {
-            let shard = shard.read();
+            let shard = shard.read_soon();
             for (i, &e) in endpoints.iter().enumerate() {
                 if self.shard_of(e) == s {
                     held[i] = shard.gpu_blocks(e);
@@ -162,7 +166,7 @@ impl SharedIndex {
     pub fn read<R>(&self, f: impl FnOnce(&IndexRead<'_>) -> R) -> R {
         f(&IndexRead {
             index: self,
-            shards: self.shards.iter().map(RwLock::read).collect(),
+            shards: self.shards.iter().map(Shard::read_soon).collect(),
         })
     }
 }
@@ -220,6 +224,70 @@ impl IndexRead<'_> {
             .map(|s| s.own_heap_bytes())
             .sum::<usize>()
             + self.index.fleet.read().heap_bytes()
+    }
+}
+
+/// Tries for a shard's read guard this many times, spinning, before sleeping until it is free.
+const READ_SPINS: u32 = 64;
+
+/// Most tries a writer makes, yielding between them, to let announced readers in first.
+const WRITER_DEFERS: u32 = 32;
+
+/// One shard: its index behind its lock, and the lookups waiting for it.
+#[derive(Debug)]
+struct Shard {
+    index: RwLock<KvIndex>,
+    /// Lookups spinning for this shard's read guard now ([`Shard::read_soon`]).
+    readers_waiting: AtomicU32,
+}
+
+impl Shard {
+    fn new(index: KvIndex) -> Self {
+        Self {
+            index: RwLock::new(index),
+            readers_waiting: AtomicU32::new(0),
+        }
+    }
+
+    /// The read guard for a lookup. A writer holds a shard for one batch (microseconds), and a
+    /// reader that sleeps behind it waits to be woken, which costs more than the batch: the
+    /// reader spins for about a batch's length first (a few tens of microseconds at most, then
+    /// it yields its core between tries), announced to the writers, who let it in before
+    /// their next batch ([`Shard::let_readers_in`]); it sleeps only if a writer holds on
+    /// longer (preempted).
+    fn read_soon(&self) -> RwLockReadGuard<'_, KvIndex> {
+        if let Some(guard) = self.index.try_read() {
+            return guard;
+        }
+        self.readers_waiting.fetch_add(1, Ordering::AcqRel);
+        let mut guard = None;
+        for attempt in 0..READ_SPINS {
+            if attempt < READ_SPINS / 2 {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            } else {
+                std::thread::yield_now();
+            }
+            guard = self.index.try_read();
+            if guard.is_some() {
+                break;
+            }
+        }
+        self.readers_waiting.fetch_sub(1, Ordering::AcqRel);
+        guard.unwrap_or_else(|| self.index.read())
+    }
+
+    /// Before a writer's batch: while lookups wait for this shard, yields to them (a bounded
+    /// number of times), so that a writer applying batch after batch does not keep them out
+    /// (a lookup is the request path; a batch can wait a walk's length).
+    fn let_readers_in(&self) {
+        for _ in 0..WRITER_DEFERS {
+            if self.readers_waiting.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 }
 

@@ -165,6 +165,10 @@ pub fn admin_routes(router: Arc<Router>) -> Routes {
             "/kvroute/v1/peer/ended",
             post(crate::replica::share::receive_ended),
         )
+        .route(
+            "/kvroute/v1/peer/batch",
+            post(crate::replica::receive_batch),
+        )
         .route_layer(middleware::from_fn_with_state(
             router.clone(),
             admin::require_token,

@@ -222,3 +222,58 @@ async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
         "{metrics}"
     );
 }
+
+/// A batch of peer messages (what a peer's outbox sends once several queued up) is applied in
+/// order: a request's dispatch, first token and end leave nothing counted; an entry this
+/// replica cannot read or refuses is skipped, the rest applied; a body that is not a batch is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_peer_messages_is_applied_in_order() {
+    let fleet = fleet(1, 100, Faults::default()).await;
+    let replicas = replicas(&["http://127.0.0.1:1".to_owned()], 1.0, true);
+    let r = replica(config(&fleet, 0, replicas)).await;
+    let client = reqwest::Client::new();
+    let dispatch = |model: &str| {
+        serde_json::json!({
+            "endpoint": fleet.endpoints[0].url,
+            "model": model,
+            "block_size": 16,
+            "prompt_tokens": 64,
+            "session": null,
+            "keys": [1, 2, 3, 4],
+            "placement": true,
+            "request": 7,
+            "uncached_tokens": 40,
+            "shares_end": true,
+        })
+    };
+    let post = |body: serde_json::Value| {
+        let request = client
+            .post(format!("http://{}/kvroute/v1/peer/batch", r.admin_addr))
+            .json(&body);
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    let batch = serde_json::json!({"messages": [
+        {"path": "dispatch", "body": dispatch(replicas_common::MODEL)},
+        {"path": "a-newer-kind", "body": {}},
+        {"path": "dispatch", "body": dispatch("another-model")},
+        {"path": "prefill_done", "body": {"request": 7}},
+    ]});
+    assert_eq!(post(batch).await, 204);
+    let stats = &replicas_common::admin_json(&client, &r, "/kvroute/v1/replica").await;
+    let load = &stats["peer_load"];
+    assert_eq!(
+        (&load["started"], &load["done"], &load["open"]),
+        (&1.into(), &1.into(), &1.into()),
+        "dispatched, then decoding: {stats}"
+    );
+    let batch = serde_json::json!({"messages": [{"path": "ended", "body": {"request": 7}}]});
+    assert_eq!(post(batch).await, 204);
+    let stats = &replicas_common::admin_json(&client, &r, "/kvroute/v1/replica").await;
+    assert_eq!(
+        (&stats["peer_load"]["ended"], &stats["peer_load"]["open"]),
+        (&1.into(), &0.into()),
+        "{stats}"
+    );
+    assert_eq!(post(serde_json::json!([1, 2])).await, 400);
+}

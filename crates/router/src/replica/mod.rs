@@ -12,9 +12,11 @@
 //!
 //! Without a peer that answers, step 2 subscribes from the start of each engine's replay buffer.
 
+mod batch;
 pub mod share;
 mod snapshot;
 pub mod warm;
 
+pub use batch::receive_batch;
 pub use snapshot::snapshot;
 pub use warm::{ready, status};

@@ -225,9 +225,24 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
             );
         }
     };
-    if let Err(why) = check(&router, &message) {
+    let now = router.now();
+    match record_dispatch(&router, &mut router.fleet(), message, now) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(why) => error_response(&router, &ApiError::bad_request(why, None)),
+    }
+}
+
+/// Records a peer's dispatch in `fleet` (refused, and warned, when it does not fit this
+/// replica: [`check`]); a dispatch to an endpoint this replica does not have is ignored.
+pub(crate) fn record_dispatch(
+    router: &Router,
+    fleet: &mut kvroute_core::fleet::Fleet,
+    message: PeerDispatch,
+    now: f64,
+) -> Result<(), String> {
+    if let Err(why) = check(router, &message) {
         warn!(peer_endpoint = %message.endpoint, model = %message.model, %why, "refusing a peer's dispatch: the replicas are configured differently");
-        return error_response(&router, &ApiError::bad_request(why, None));
+        return Err(why);
     }
     let Some(endpoint) = router
         .endpoints()
@@ -235,7 +250,7 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         .find(|e| e.config.url == message.endpoint)
         .map(|e| e.id)
     else {
-        return StatusCode::NO_CONTENT.into_response();
+        return Ok(());
     };
     let keys = Arc::new(message.keys);
     let features = RequestFeatures {
@@ -246,15 +261,13 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         session: message.session.as_deref(),
         role: Role::Both,
     };
-    let now = router.now();
-    let mut fleet = router.fleet();
     fleet.peer_dispatched(&features, endpoint, message.placement, now);
     if let (Some(request), Some(uncached)) = (message.request, message.uncached_tokens) {
         // Never more than the prompt: a peer's figure is bounded like anything it sends.
         let uncached = uncached.min(message.prompt_tokens as u64);
         fleet.peer_prefill_started(request, endpoint, uncached, message.shares_end, now);
     }
-    StatusCode::NO_CONTENT.into_response()
+    Ok(())
 }
 
 /// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended

@@ -2,7 +2,8 @@
 //! messages one request at a time, each answered (or given up on) before the next leaves; what
 //! queued up meanwhile leaves as one batch (`POST /kvroute/v1/peer/batch`, in order), so that a
 //! peer a network round trip away still takes thousands of messages a second. A peer of an
-//! older build (no batch route: 404) gets them one by one, in order.
+//! older build (no batch route: 404) gets them one by one, in order, and a batch again a
+//! minute later (it may have been upgraded).
 //!
 //! A request's messages (dispatch, prefill done, ended) then reach each peer in the order they
 //! were posted: an `ended` can no longer overtake its `prefill_done` (which the peer would count
@@ -26,6 +27,7 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tokio::sync::mpsc::{self, error::TrySendError};
+use tokio::time::Instant;
 
 use super::{PeerList, REPLICA_HEADER};
 use crate::metrics::KindLabel;
@@ -41,6 +43,10 @@ const MAX_BATCH_MESSAGES: usize = 256;
 
 /// Most body bytes in one batch (within any admin listener's request limit).
 const MAX_BATCH_BYTES: usize = 256 << 10;
+
+/// How long a peer that had no batch route (an older build) gets messages one by one before a
+/// batch is tried again (it may have been upgraded since).
+const SINGLES_FOR: Duration = Duration::from_secs(60);
 
 /// One message for a peer: its path under `/kvroute/v1/peer/` and its JSON body.
 struct Message {
@@ -129,16 +135,22 @@ impl Courier {
         }
     }
 
-    /// Sends `messages` to `peer` in order: as one batch while the peer takes batches (`batches`
-    /// turns false at the first 404, and they go one by one from then on).
-    async fn send_all(&self, peer: &str, messages: Vec<Message>, batches: &mut bool) {
-        if messages.len() > 1 && *batches {
+    /// Sends `messages` to `peer` in order: as one batch unless the peer had no batch route
+    /// lately (`singles_until`, set for [`SINGLES_FOR`] at a 404), else one by one.
+    async fn send_all(
+        &self,
+        peer: &str,
+        messages: Vec<Message>,
+        singles_until: &mut Option<Instant>,
+    ) {
+        let batches = singles_until.is_none_or(|until| Instant::now() >= until);
+        if messages.len() > 1 && batches {
             let count = messages.len();
             let body = batch_body(&messages);
             match self.post(peer, "batch", body).await {
                 Sent::Taken => return,
                 Sent::Dropped(kind) => return self.drop_messages(kind, count),
-                Sent::NoRoute => *batches = false,
+                Sent::NoRoute => *singles_until = Some(Instant::now() + SINGLES_FOR),
             }
         }
         for message in messages {
@@ -214,7 +226,7 @@ fn open(peer: &str, courier: Courier) -> mpsc::Sender<Message> {
     let (outbox, mut messages) = mpsc::channel::<Message>(OUTBOX_CAPACITY);
     let peer = peer.to_owned();
     tokio::spawn(async move {
-        let mut batches = true;
+        let mut singles_until = None;
         while let Some(first) = messages.recv().await {
             let mut bytes = first.body.len();
             let mut batch = vec![first];
@@ -225,7 +237,7 @@ fn open(peer: &str, courier: Courier) -> mpsc::Sender<Message> {
                 bytes += next.body.len();
                 batch.push(next);
             }
-            courier.send_all(&peer, batch, &mut batches).await;
+            courier.send_all(&peer, batch, &mut singles_until).await;
         }
     });
     outbox

@@ -13,11 +13,13 @@ use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendA
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap, HeaderValue, HeaderValueOption, Metadata,
 };
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_core::index::EndpointId;
@@ -99,14 +101,17 @@ impl Stream {
         request: Request,
         metadata: Option<Metadata>,
     ) -> ProcessingResponse {
-        self.tx
-            .send(ProcessingRequest {
-                request: Some(request),
-                metadata_context: metadata,
-                ..ProcessingRequest::default()
-            })
-            .await
-            .unwrap();
+        self.send_message(ProcessingRequest {
+            request: Some(request),
+            metadata_context: metadata,
+            ..ProcessingRequest::default()
+        })
+        .await
+    }
+
+    /// Sends a whole message (protocol configuration and all) and returns its answer.
+    async fn send_message(&mut self, message: ProcessingRequest) -> ProcessingResponse {
+        self.tx.send(message).await.unwrap();
         self.rx.message().await.unwrap().unwrap()
     }
 
@@ -846,6 +851,23 @@ async fn under_pd_the_picker_removes_a_clients_kv_transfer_params_or_refuses_the
     stream.send(chunk(head, false), None).await;
     assert_eq!(
         immediate_status(&stream.send(chunk(tail, true), None).await),
+        400
+    );
+    // A data plane that says it streams request bodies sent the headers upstream first: even a
+    // body in one message cannot be replaced, so it is refused.
+    let mut stream = Stream::open(&epp).await;
+    stream
+        .send_message(ProcessingRequest {
+            request: Some(completion_headers()),
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::Streamed as i32,
+                ..ProtocolConfiguration::default()
+            }),
+            ..ProcessingRequest::default()
+        })
+        .await;
+    assert_eq!(
+        immediate_status(&stream.send(body(&request), None).await),
         400
     );
     // A request the picker strips and then cannot place (its subset allows no endpoint) is

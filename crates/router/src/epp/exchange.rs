@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_response,
@@ -39,6 +40,9 @@ pub struct Exchange {
     /// The ext_proc messages the request body came in (one in `BUFFERED` mode, the only mode
     /// in which the picker can replace it).
     body_messages: u32,
+    /// The data plane's request body mode, when it says (Envoy sends its protocol
+    /// configuration with a stream's first message; older releases do not).
+    request_body_mode: Option<BodySendMode>,
     /// The request body to send upstream instead of the client's (a client's
     /// `kv_transfer_params` removed under P/D), with the routing answer.
     replaced_body: Option<Vec<u8>>,
@@ -109,6 +113,7 @@ impl Exchange {
             subset: None,
             body: Vec::new(),
             body_messages: 0,
+            request_body_mode: None,
             replaced_body: None,
             hold: Some(hold),
             body_due: None,
@@ -196,6 +201,9 @@ impl Exchange {
         if message.observability_mode {
             self.observe(message.request?);
             return None;
+        }
+        if let Some(config) = &message.protocol_config {
+            self.request_body_mode = BodySendMode::try_from(config.request_body_mode).ok();
         }
         let metadata = message.metadata_context;
         Some(match message.request? {
@@ -306,9 +314,9 @@ impl Exchange {
         let ClientBody::Stripped(body) = crate::pd::without_client_params(prepared)? else {
             return Ok(());
         };
-        if self.body_messages != 1 {
+        if !self.body_replaceable() {
             return Err(ApiError::bad_request(
-                "the request names kv_transfer_params, which only the router may set under pd.mode, and its body came in several ext_proc messages, so the picker cannot remove them (configure request_body_mode: BUFFERED)",
+                "the request names kv_transfer_params, which only the router may set under pd.mode, and its body was not buffered whole before its headers went upstream, so the picker cannot remove them (configure request_body_mode: BUFFERED)",
                 Some("kv_transfer_params"),
             ));
         }
@@ -317,6 +325,18 @@ impl Exchange {
         // Sent, and counted, by `dispatch` (which may still refuse the request).
         self.replaced_body = Some(body);
         Ok(())
+    }
+
+    /// Whether the picker's answer to the request body can replace it whole (with its
+    /// `content-length`): in `BUFFERED` mode, or a `BUFFERED_PARTIAL` body that came whole. In
+    /// `STREAMED` modes the headers went upstream before the body, whatever its size. A data
+    /// plane that does not say its mode is trusted for a body that came in one message.
+    fn body_replaceable(&self) -> bool {
+        match self.request_body_mode {
+            Some(BodySendMode::Buffered) => true,
+            Some(BodySendMode::BufferedPartial) | None => self.body_messages == 1,
+            Some(_) => false,
+        }
     }
 
     /// Routes a request that needs no cache to any healthy endpoint the subset allows.

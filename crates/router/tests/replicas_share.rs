@@ -13,6 +13,8 @@ mod replicas_common;
 
 use std::time::{Duration, Instant};
 
+use kvroute_router::server::RunningRouter;
+use kvroute_sim::server::SimFleet;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::free_ports;
 use replicas_common::{complete, config, explain, fleet, replica, replicas, until_ready};
@@ -178,24 +180,36 @@ async fn a_peers_request_counts_as_queued_prefill_then_decoding_until_its_end() 
     assert_eq!(stats["peer_load"]["ended"], 1, "{stats}");
 }
 
+/// One engine and a replica sharing dispatches with a peer that is never there: a replica that
+/// only receives peer messages (the tests post them).
+async fn lone_replica() -> (SimFleet, RunningRouter) {
+    let fleet = fleet(1, 100, Faults::default()).await;
+    let replicas = replicas(&["http://127.0.0.1:1".to_owned()], 1.0, true);
+    let r = replica(config(&fleet, 0, replicas)).await;
+    (fleet, r)
+}
+
+/// A peer's dispatch of a 64-token prompt to `fleet`'s engine, as `PeerDispatch` serializes it.
+fn dispatch_body(fleet: &SimFleet, model: &str, block_size: usize) -> Value {
+    serde_json::json!({
+        "endpoint": fleet.endpoints[0].url,
+        "model": model,
+        "block_size": block_size,
+        "prompt_tokens": 64,
+        "session": null,
+        "keys": [1, 2, 3, 4],
+        "placement": true,
+    })
+}
+
 /// A peer's dispatch for a model this replica does not serve, or keyed with another block size,
 /// is refused (400, counted), not recorded against the wrong blocks; a fitting one is taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
-    let fleet = fleet(1, 100, Faults::default()).await;
-    let replicas = replicas(&["http://127.0.0.1:1".to_owned()], 1.0, true);
-    let r = replica(config(&fleet, 0, replicas)).await;
+    let (fleet, r) = lone_replica().await;
     let client = reqwest::Client::new();
     let send = |model: &str, block_size: usize| {
-        let body = serde_json::json!({
-            "endpoint": fleet.endpoints[0].url,
-            "model": model,
-            "block_size": block_size,
-            "prompt_tokens": 64,
-            "session": null,
-            "keys": [1, 2, 3, 4],
-            "placement": true,
-        });
+        let body = dispatch_body(&fleet, model, block_size);
         let request = client
             .post(format!("http://{}/kvroute/v1/peer/dispatch", r.admin_addr))
             .json(&body);
@@ -229,23 +243,14 @@ async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
 /// refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_peer_messages_is_applied_in_order() {
-    let fleet = fleet(1, 100, Faults::default()).await;
-    let replicas = replicas(&["http://127.0.0.1:1".to_owned()], 1.0, true);
-    let r = replica(config(&fleet, 0, replicas)).await;
+    let (fleet, r) = lone_replica().await;
     let client = reqwest::Client::new();
     let dispatch = |model: &str| {
-        serde_json::json!({
-            "endpoint": fleet.endpoints[0].url,
-            "model": model,
-            "block_size": 16,
-            "prompt_tokens": 64,
-            "session": null,
-            "keys": [1, 2, 3, 4],
-            "placement": true,
-            "request": 7,
-            "uncached_tokens": 40,
-            "shares_end": true,
-        })
+        let mut body = dispatch_body(&fleet, model, 16);
+        body["request"] = 7.into();
+        body["uncached_tokens"] = 40.into();
+        body["shares_end"] = true.into();
+        body
     };
     let post = |body: serde_json::Value| {
         let request = client

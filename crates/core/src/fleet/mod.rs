@@ -520,7 +520,7 @@ impl Fleet {
             && self.profile.picker == crate::schedule::Picker::Cheapest
             && depth.is_some_and(|depth| self.endpoints.len() > depth);
         let index = self.index_for_block_size(bs).cloned();
-        let mut looked_up = self.usable_lookup(lookup, bs);
+        let looked_up = self.usable_lookup(lookup, bs);
         let history = self.history.longest_prefixes(keys, now);
         let predicted = self.predicted.longest_prefixes(keys, now);
         let no_matches = PrefixMatches::default();
@@ -541,9 +541,16 @@ impl Fleet {
             let planned = match &index {
                 Some(index) => index.read(|read| {
                     let held = |id| read.endpoint_stats(id).map_or(0, |s| s.blocks_gpu);
-                    let matches = looked_up.take().unwrap_or_else(|| read.lookup(keys));
+                    let walked;
+                    let matches = match &looked_up {
+                        Some(matches) => matches,
+                        None => {
+                            walked = read.lookup(keys);
+                            &walked
+                        }
+                    };
                     let inputs = costing::PlanInputs {
-                        index_matches: &matches,
+                        index_matches: matches,
                         ..base
                     };
                     self.plan_pruned(&inputs, held, &info, random, depth)
@@ -1040,7 +1047,7 @@ impl Fleet {
             restored
         });
         // The snapshot stands for the events it reflects: the endpoint has published.
-        self.apply_events(id, &[], now);
+        self.events_arrived(id, now);
         if !restore.trusted {
             self.events_lost(id, now);
         }

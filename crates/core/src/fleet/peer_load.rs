@@ -268,6 +268,16 @@ mod tests {
         Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap()
     }
 
+    /// `endpoint`'s requests in flight, queued prefills and their uncached tokens at `now`.
+    fn in_flight(fleet: &Fleet, endpoint: EndpointId, now: f64) -> (u32, u32, u64) {
+        let load = fleet.load(endpoint, now).unwrap();
+        (
+            load.inflight,
+            load.inflight_prefills,
+            load.inflight_prefill_tokens,
+        )
+    }
+
     fn chosen(fleet: &mut Fleet, salt: u32, now: f64) -> Option<EndpointId> {
         let tokens: Vec<u32> = (0..2000u32).map(|t| t.wrapping_mul(31) ^ salt).collect();
         let keys = Arc::new(router_keys(&tokens, BS, None).unwrap());
@@ -319,11 +329,7 @@ mod tests {
         assert!(fleet.peer_prefill_done(2, 0.1));
         let load = fleet.load(e0, 0.1).unwrap();
         assert_eq!(
-            (
-                load.inflight,
-                load.inflight_prefills,
-                load.inflight_prefill_tokens
-            ),
+            in_flight(&fleet, e0, 0.1),
             (1, 0, 0),
             "request 1 decoding; request 2's peer does not post ends, so it left at its first token"
         );
@@ -340,15 +346,7 @@ mod tests {
         // An end without a first token releases its prefill.
         fleet.peer_prefill_started(3, e0, 500, true, 1.0);
         assert!(fleet.peer_request_ended(3, 1.1));
-        let load = fleet.load(e0, 1.1).unwrap();
-        assert_eq!(
-            (
-                load.inflight,
-                load.inflight_prefills,
-                load.inflight_prefill_tokens
-            ),
-            (0, 0, 0)
-        );
+        assert_eq!(in_flight(&fleet, e0, 1.1), (0, 0, 0));
         // A decoding request whose end never comes is released `predicted_ttl_s` after its
         // first token, not after its dispatch: a long prefill does not shorten its decode.
         let ttl = FleetConfig::default().predicted_ttl_s;

@@ -321,12 +321,18 @@ fn follow_up_turns_stay_with_their_history_at_zero_load() {
     }
 }
 
+/// A fleet of `endpoints` whose `holder` holds an 800-token prompt (salt `salt`), and that
+/// prompt as a request.
+fn holding(endpoints: usize, holder: EndpointId, salt: u32) -> (Fleet, Req) {
+    let mut fleet = FleetBuilder::new(endpoints).build();
+    let tokens = prompt(800, salt);
+    fleet.apply_events(holder, &[stored(&tokens, BS)], 0.0);
+    (fleet, Req::new(&tokens))
+}
+
 #[test]
 fn a_plan_with_its_lookup_read_beforehand_decides_as_one_that_looks_up_itself() {
-    let mut fleet = FleetBuilder::new(3).build();
-    let tokens = prompt(800, 5);
-    let req = Req::new(&tokens);
-    fleet.apply_events(EndpointId(2), &[stored(&tokens, BS)], 0.0);
+    let (mut fleet, req) = holding(3, EndpointId(2), 5);
     let lookup = fleet.lookup_target(BS).run(&req.keys);
     let with = fleet.plan_with(&req.features(), Some(lookup), 1, 0.1);
     let without = fleet.plan(&req.features(), 1, 0.1);
@@ -338,10 +344,7 @@ fn a_plan_with_its_lookup_read_beforehand_decides_as_one_that_looks_up_itself() 
 
 #[test]
 fn a_lookup_read_before_an_endpoint_was_forgotten_is_not_used() {
-    let mut fleet = FleetBuilder::new(2).build();
-    let tokens = prompt(800, 6);
-    let req = Req::new(&tokens);
-    fleet.apply_events(EndpointId(1), &[stored(&tokens, BS)], 0.0);
+    let (mut fleet, req) = holding(2, EndpointId(1), 6);
     let lookup = fleet.lookup_target(BS).run(&req.keys);
     assert_eq!(lookup.matches.blocks(EndpointId(1)), 50);
     // The engine restarted between the lookup and the plan.
@@ -353,8 +356,7 @@ fn a_lookup_read_before_an_endpoint_was_forgotten_is_not_used() {
         "its old cache is not credited"
     );
     // A lookup of another block size is not used either.
-    let mut fleet = FleetBuilder::new(2).build();
-    fleet.apply_events(EndpointId(1), &[stored(&tokens, BS)], 0.0);
+    let (mut fleet, req) = holding(2, EndpointId(1), 6);
     let elsewhere = fleet.lookup_target(2 * BS).run(&req.keys);
     let plan = fleet.plan_with(&req.features(), Some(elsewhere), 1, 0.1);
     assert_eq!(

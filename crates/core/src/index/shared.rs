@@ -11,7 +11,13 @@
 //!   merging is concatenation). A writer then stalls only its own shard's part of a lookup, and
 //!   each part is whole batches of its endpoints' events. The price is the walk: a block held on
 //!   endpoints of two shards is looked up in two block tables, so a cold walk costs up to `n`
-//!   times the random reads (measured in `docs/benchmarks.md`).
+//!   times the random reads (measured in `docs/benchmarks.md`). ([`SharedIndex::read`], for
+//!   diagnostics and a plan's fill counts, holds every shard's guard at once.)
+//! - **Lookups come first.** A lookup that finds its shard write-locked spins for about a
+//!   batch's length (then yields) instead of sleeping, announced, and a writer lets announced
+//!   lookups in before its next batch: the request path waits at most a batch, a batch a walk.
+//!   This is the only scheduling this crate does with threads (no spawning, no clock: a
+//!   bounded number of tries), kept here because it is part of what the shard lock means.
 //! - **The capacity is split evenly between the shards**, and each keeps itself within its part
 //!   (its clock hand sweeps the largest endpoint of that shard): the total never exceeds the
 //!   configured capacity, and no shard waits for another to make room.
@@ -83,8 +89,7 @@ impl SharedIndex {
     }
 
     /// Applies one batch of an endpoint's events atomically with respect to lookups, holding
-    /// only that endpoint's shard. (Handing the lock to a waiting lookup after each batch was
-    /// measured again with two shards: inconclusive, so it is not done.)
+    /// only that endpoint's shard, after letting lookups that wait for it in.
     pub fn apply(&self, endpoint: EndpointId, events: &[KvEvent]) {
         let shard = &self.shards[self.shard_of(endpoint)];
         shard.let_readers_in();

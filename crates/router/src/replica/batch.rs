@@ -13,15 +13,10 @@ use std::sync::Arc;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvroute_vllm::openai::ApiError;
 use serde::Deserialize;
 use tracing::warn;
 
-use super::share::{
-    PeerDispatch, PeerRequestMessage, own_message, own_message_refused, record_dispatch,
-};
-use crate::edge::read_body;
-use crate::reply::error_response;
+use super::share::{PeerDispatch, PeerRequestMessage, read_peer_message, record_dispatch};
 use crate::service::Router;
 
 /// A batch of peer messages.
@@ -39,22 +34,12 @@ struct BatchEntry {
 
 /// `POST /kvroute/v1/peer/batch`.
 pub async fn receive_batch(State(router): State<Arc<Router>>, request: Request) -> Response {
-    if own_message(&router, request.headers()) {
-        return own_message_refused(&router);
-    }
-    let body = match read_body(&router, request.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error_response(&router, &e),
-    };
-    let batch: PeerBatch = match serde_json::from_slice(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            return error_response(
-                &router,
-                &ApiError::bad_request(format!("not a batch of peer messages: {e}"), None),
-            );
-        }
-    };
+    let limit = router.config().limits.max_body_bytes;
+    let batch: PeerBatch =
+        match read_peer_message(&router, request, limit, "a batch of peer messages").await {
+            Ok(b) => b,
+            Err(answer) => return answer,
+        };
     let now = router.now();
     let mut skipped = 0usize;
     let mut fleet = router.fleet();

@@ -24,7 +24,7 @@ use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::edge::{read_body, read_body_within};
+use crate::edge::read_body_within;
 use crate::replica_state::{Courier, REPLICA_HEADER};
 use crate::reply::error_response;
 use crate::service::Router;
@@ -207,23 +207,36 @@ pub(crate) fn own_message_refused(router: &Router) -> Response {
     response
 }
 
+/// Reads a peer's message of type `T`: this replica's own is refused ([`own_message`]); the
+/// body is read within `limit` bytes and must be `T`'s JSON (else 400 naming `what`). The
+/// error is the answer to send.
+pub(crate) async fn read_peer_message<T: serde::de::DeserializeOwned>(
+    router: &Router,
+    request: Request,
+    limit: usize,
+    what: &str,
+) -> Result<T, Response> {
+    if own_message(router, request.headers()) {
+        return Err(own_message_refused(router));
+    }
+    let body = read_body_within(request.into_body(), limit)
+        .await
+        .map_err(|e| error_response(router, &e))?;
+    serde_json::from_slice(&body).map_err(|e| {
+        error_response(
+            router,
+            &ApiError::bad_request(format!("not {what}: {e}"), None),
+        )
+    })
+}
+
 /// `POST /kvroute/v1/peer/dispatch`: a peer replica's dispatch, recorded in this one's fleet.
 pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Response {
-    if own_message(&router, request.headers()) {
-        return own_message_refused(&router);
-    }
-    let body = match read_body(&router, request.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error_response(&router, &e),
-    };
-    let message: PeerDispatch = match serde_json::from_slice(&body) {
+    let limit = router.config().limits.max_body_bytes;
+    let message: PeerDispatch = match read_peer_message(&router, request, limit, "a dispatch").await
+    {
         Ok(m) => m,
-        Err(e) => {
-            return error_response(
-                &router,
-                &ApiError::bad_request(format!("not a dispatch: {e}"), None),
-            );
-        }
+        Err(answer) => return answer,
     };
     let now = router.now();
     match record_dispatch(&router, &mut router.fleet(), message, now) {
@@ -295,22 +308,12 @@ async fn receive_request_message(
     what: &str,
     apply: impl FnOnce(&mut kvroute_core::fleet::Fleet, u64, f64),
 ) -> Response {
-    if own_message(router, request.headers()) {
-        return own_message_refused(router);
-    }
-    let body = match read_body_within(request.into_body(), REQUEST_MESSAGE_MAX_BYTES).await {
-        Ok(b) => b,
-        Err(e) => return error_response(router, &e),
-    };
-    let message: PeerRequestMessage = match serde_json::from_slice(&body) {
-        Ok(m) => m,
-        Err(e) => {
-            return error_response(
-                router,
-                &ApiError::bad_request(format!("not a {what} message: {e}"), None),
-            );
-        }
-    };
+    let what = format!("a {what} message");
+    let message: PeerRequestMessage =
+        match read_peer_message(router, request, REQUEST_MESSAGE_MAX_BYTES, &what).await {
+            Ok(m) => m,
+            Err(answer) => return answer,
+        };
     let now = router.now();
     apply(&mut router.fleet(), message.request, now);
     StatusCode::NO_CONTENT.into_response()

@@ -275,11 +275,13 @@ mod tests {
         arrivals: Mutex<Vec<(String, bool)>>,
         first_answered: std::sync::atomic::AtomicBool,
         second_arrived: Notify,
+        /// The test lets the first answer go.
+        release: Notify,
     }
 
-    /// A peer that holds its answer to the first message until a second one arrives or 300 ms
-    /// pass: a sender that does not wait for answers sends the second one meanwhile. Without
-    /// `batches` it is of an older build: no batch route (404, not recorded).
+    /// A peer that holds its answer to the first message until a second one arrives or the test
+    /// releases it: a sender that does not wait for answers sends the second one meanwhile.
+    /// Without `batches` it is of an older build: no batch route (404, not recorded).
     async fn slow_peer(batches: bool) -> (String, Arc<Seen>) {
         let seen = Arc::new(Seen::default());
         let app =
@@ -300,11 +302,13 @@ mod tests {
                                 arrivals.len() == 1
                             };
                             if first {
-                                let _ = tokio::time::timeout(
-                                    Duration::from_millis(300),
-                                    seen.second_arrived.notified(),
-                                )
-                                .await;
+                                let held = async {
+                                    tokio::select! {
+                                        () = seen.second_arrived.notified() => {}
+                                        () = seen.release.notified() => {}
+                                    }
+                                };
+                                let _ = tokio::time::timeout(Duration::from_secs(10), held).await;
                                 seen.first_answered.store(true, Ordering::SeqCst);
                             } else {
                                 seen.second_arrived.notify_one();
@@ -342,6 +346,7 @@ mod tests {
         for path in ["prefill_done", "ended"] {
             outboxes.post(&peers, path, &Bytes::from("1"), || courier.clone());
         }
+        seen.release.notify_one();
         let count = if batches { 2 } else { 3 };
         (arrivals(&seen, count).await, courier)
     }
@@ -436,6 +441,7 @@ mod tests {
             courier.clone()
         });
         assert!(outboxes.boxes.lock().is_empty());
+        seen.release.notify_one();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while !seen.first_answered.load(Ordering::SeqCst) {
             assert!(tokio::time::Instant::now() < deadline, "first message lost");

@@ -1,8 +1,8 @@
 //! Cache tiers below the GPU end to end, as separate processes on loopback: `kvroute sim`
 //! engines with a CPU tier or a shared filesystem, `kvroute serve` in front. A prompt whose
 //! prefix survives only in one engine's CPU memory, or only on the shared filesystem, is routed
-//! to an engine that can load it, predicted as the engine then reports it, and answered faster
-//! than a recompute of the same length; a tier configured slower than recomputing gets no
+//! to an engine that can load it, predicted as the engine then reports it, and its first token
+//! comes sooner (by the engine's own clock) than a recompute of the same length's; a tier configured slower than recomputing gets no
 //! credit, and `explain` says so.
 
 mod serve_support;
@@ -123,6 +123,31 @@ fn complete(port: u16, tokens: &[u32]) -> (Value, Duration) {
     (serde_json::from_str(&text).unwrap(), took)
 }
 
+/// `request`'s answer and its time to first token as the engine on one of `ports` measured it
+/// (the growth of their `vllm:time_to_first_token_seconds` sums; they serve nothing else
+/// meanwhile). The
+/// engine's own clock leaves out connecting to it: a loopback connect whose SYN is dropped
+/// waits a whole second to retry, longer than the difference these tests assert.
+fn engine_ttft(ports: &[u16], request: impl FnOnce() -> (Value, Duration)) -> (Value, Duration) {
+    let ttft_total = || -> f64 {
+        ports
+            .iter()
+            .map(|&port| {
+                let text = http_get(addr(port), "/metrics");
+                sum_labelled(&text, "vllm:time_to_first_token_seconds_sum", "")
+            })
+            .sum()
+    };
+    let before = ttft_total();
+    let (answer, _) = request();
+    let mut after = before;
+    eventually_blocking("the engine's time to first token recorded", || {
+        after = ttft_total();
+        (after > before, after)
+    });
+    (answer, Duration::from_secs_f64(after - before))
+}
+
 /// `len` token ids, distinct per `salt`.
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
     (0..len as u32)
@@ -228,9 +253,10 @@ fn prefix_only_in_cpu_memory(shape: &str) {
 
     // Through the router: to e0, which loads what was predicted, faster than a recompute of
     // a prompt as long on the other engine.
-    let (answer, loaded) = router.complete(&question);
+    let (answer, loaded) = engine_ttft(&[sims.port(0)], || router.complete(&question));
     assert_eq!(reported_cached(&answer), predicted, "{answer}");
-    let (fresh, recomputed) = complete(sims.port(1), &with_question(&prompt(PREFIX_TOKENS, 3), 4));
+    let other = with_question(&prompt(PREFIX_TOKENS, 3), 4);
+    let (fresh, recomputed) = engine_ttft(&[sims.port(1)], || complete(sims.port(1), &other));
     assert_eq!(reported_cached(&fresh), 0);
     assert!(
         loaded * 2 < recomputed,
@@ -288,9 +314,12 @@ fn a_prefix_only_on_the_shared_filesystem_is_routed_to_an_engine_that_mounts_it(
     assert_eq!(entry(&explain, "local0")["predicted_cached_tokens"], 0);
     let chosen = explain["chosen"].as_str().unwrap().to_owned();
     assert!(chosen.starts_with("fs"), "{explain:#}");
-    let (answer, loaded) = router.complete(&question);
+    let (answer, loaded) = engine_ttft(&[shared.port(0), shared.port(1)], || {
+        router.complete(&question)
+    });
     assert_eq!(reported_cached(&answer), PREFIX_TOKENS as u64, "{answer}");
-    let (fresh, recomputed) = complete(alone.port(0), &with_question(&prompt(PREFIX_TOKENS, 7), 8));
+    let other = with_question(&prompt(PREFIX_TOKENS, 7), 8);
+    let (fresh, recomputed) = engine_ttft(&[alone.port(0)], || complete(alone.port(0), &other));
     assert_eq!(reported_cached(&fresh), 0);
     assert!(
         loaded * 2 < recomputed,

@@ -224,6 +224,32 @@ mod tests {
     }
 
     #[test]
+    fn a_forget_waits_for_a_batch_already_being_applied_so_none_of_it_survives_the_forget() {
+        use std::time::{Duration, Instant};
+
+        let router = router();
+        let id = EndpointId(0);
+        let endpoint = router.endpoint(id);
+        let index = router.fleet().index_of(id).cloned().unwrap();
+        // A batch found current and being applied holds its endpoint's ingest lock throughout.
+        let applying = endpoint.ingest.lock();
+        let forget = std::thread::spawn({
+            let router = router.clone();
+            move || router.forget_endpoint(id, "the engine restarted")
+        });
+        // The forget must wait for the batch: give it every chance to overtake (it must not).
+        let started = Instant::now();
+        while !forget.is_finished() && started.elapsed() < Duration::from_millis(200) {
+            std::thread::yield_now();
+        }
+        index.apply(id, &stored().events);
+        drop(applying);
+        forget.join().unwrap();
+        let held = router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+        assert_eq!(held, 0, "a block of the batch outlived the forget");
+    }
+
+    #[test]
     fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
         let router = router();
         let id = EndpointId(0);

@@ -269,6 +269,10 @@ impl Router {
     /// Forgets what `id` holds (restart, ejection), saying why in the log.
     pub fn forget_endpoint(&self, id: EndpointId, why: &str) {
         warn!(endpoint = %self.endpoint(id).name, why, "forgetting everything known of this endpoint's cache");
+        // A batch of its events found current before this is applied first (it holds the
+        // ingest lock from its check to its last block), so nothing from before lands after.
+        let endpoint = self.registry.find(id);
+        let _ingest = endpoint.as_ref().map(|e| e.ingest.lock());
         let now = self.now();
         self.fleet().forget_endpoint(id, now);
         self.forget_journal(id);

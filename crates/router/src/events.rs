@@ -225,7 +225,8 @@ mod tests {
 
     #[test]
     fn a_forget_waits_for_a_batch_already_being_applied_so_none_of_it_survives_the_forget() {
-        use std::time::{Duration, Instant};
+        use std::time::Duration;
+        use tokio::time::Instant;
 
         let router = router();
         let id = EndpointId(0);

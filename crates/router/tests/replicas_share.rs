@@ -177,7 +177,14 @@ async fn a_peers_request_counts_as_queued_prefill_then_decoding_until_its_end() 
     }
     let stats = &replicas_common::admin_json(&client, &b, "/kvroute/v1/replica").await;
     assert_eq!(stats["peer_load"]["done"], 1, "{stats}");
-    assert_eq!(stats["peer_load"]["ended"], 1, "{stats}");
+    assert_eq!(
+        (
+            &stats["peer_load"]["ended"],
+            &stats["peer_load"]["unknown_done"]
+        ),
+        (&1.into(), &0.into()),
+        "{stats}"
+    );
 }
 
 /// One engine and a replica sharing dispatches with a peer that is never there: a replica that
@@ -239,8 +246,8 @@ async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
 
 /// A batch of peer messages (what a peer's outbox sends once several queued up) is applied in
 /// order: a request's dispatch, first token and end leave nothing counted; an entry this
-/// replica cannot read or refuses is skipped, the rest applied; a body that is not a batch is
-/// refused.
+/// replica cannot read or refuses is skipped (counted by kind), the rest applied; a body that
+/// is not a batch, or larger than any sender makes, is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_peer_messages_is_applied_in_order() {
     let (fleet, r) = lone_replica().await;
@@ -280,5 +287,28 @@ async fn a_batch_of_peer_messages_is_applied_in_order() {
         (&1.into(), &0.into()),
         "{stats}"
     );
+    let metrics = r.router.metrics().render();
+    for kind in ["unreadable", "refused"] {
+        let line = format!("kvroute_replica_peer_messages_skipped_total{{kind=\"{kind}\"}} 1");
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
     assert_eq!(post(serde_json::json!([1, 2])).await, 400);
+    // More entries than any sender puts in one batch, or more bytes: refused whole, nothing
+    // applied.
+    let ended = serde_json::json!({"path": "ended", "body": {"request": 8}});
+    let too_many = serde_json::json!({"messages": vec![ended; 257]});
+    assert_eq!(post(too_many).await, 413);
+    let long = "x".repeat(2 << 20);
+    let too_large =
+        serde_json::json!({"messages": [{"path": "dispatch", "body": {"padding": long}}]});
+    assert_eq!(post(too_large).await, 413);
+    let stats = &replicas_common::admin_json(&client, &r, "/kvroute/v1/replica").await;
+    assert_eq!(
+        (
+            &stats["peer_load"]["ended"],
+            &stats["peer_load"]["unknown_done"]
+        ),
+        (&1.into(), &0.into()),
+        "{stats}"
+    );
 }

@@ -138,10 +138,15 @@ metric_group! {
         replica_self_messages: Counter = Counter::default(),
             "replica_self_messages", "Peer messages a replica received from itself (dropped; the address is no longer a peer)";
         /// Messages to peers (`/kvroute/v1/peer/*`) not delivered, by kind: `outbox_full` (the
-        /// peer's outbox held `4096` waiting), `timeout` (no answer within 1 s), `unreachable`,
+        /// peer's outbox held `4096` messages or 16 MiB waiting), `timeout` (no answer within 1 s), `unreachable`,
         /// `refused` (an error status), `invalid`. Each costs only what sharing would have won.
         replica_peer_messages_dropped: Family<KindLabel, Counter> = Family::default(),
             "replica_peer_messages_dropped", "Messages to peer replicas not delivered, by kind";
+        /// Entries of peers' message batches skipped here, by kind: `unreadable` (a kind or
+        /// body this build does not read), `refused` (a dispatch that does not fit this
+        /// replica's configuration).
+        replica_peer_messages_skipped: Family<KindLabel, Counter> = Family::default(),
+            "replica_peer_messages_skipped", "Entries of peers' message batches skipped, by kind";
         /// KV-event batches dropped because their endpoint had left when they arrived.
         late_event_batches: Counter = Counter::default(),
             "late_event_batches", "KV-event batches dropped because their endpoint had left";

@@ -18,6 +18,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_core::fleet::{Dispatch, RequestFeatures};
+use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::Role;
 use kvroute_vllm::openai::ApiError;
@@ -238,49 +239,63 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         Ok(m) => m,
         Err(answer) => return answer,
     };
-    let now = router.now();
-    match record_dispatch(&router, &mut router.fleet(), message, now) {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+    match PeerRecord::resolve(&router, message) {
+        Ok(record) => {
+            let mut fleet = router.fleet();
+            let now = router.now();
+            record.apply(&mut fleet, now);
+            StatusCode::NO_CONTENT.into_response()
+        }
         Err(why) => error_response(&router, &ApiError::bad_request(why, None)),
     }
 }
 
-/// Records a peer's dispatch in `fleet` (refused, and warned, when it does not fit this
-/// replica: [`check`]); a dispatch to an endpoint this replica does not have is ignored.
-pub(crate) fn record_dispatch(
-    router: &Router,
-    fleet: &mut kvroute_core::fleet::Fleet,
+/// A peer's dispatch, checked and resolved to this replica's endpoint before the fleet's lock
+/// is taken to record it.
+pub(crate) struct PeerRecord {
+    /// The endpoint here; none when this replica does not have it (then it is ignored).
+    endpoint: Option<EndpointId>,
     message: PeerDispatch,
-    now: f64,
-) -> Result<(), String> {
-    if let Err(why) = check(router, &message) {
-        warn!(peer_endpoint = %message.endpoint, model = %message.model, %why, "refusing a peer's dispatch: the replicas are configured differently");
-        return Err(why);
+}
+
+impl PeerRecord {
+    /// `message` checked against this replica ([`check`]: refused, and warned, when it does not
+    /// fit) and its endpoint looked up.
+    pub(crate) fn resolve(router: &Router, message: PeerDispatch) -> Result<Self, String> {
+        if let Err(why) = check(router, &message) {
+            warn!(peer_endpoint = %message.endpoint, model = %message.model, %why, "refusing a peer's dispatch: the replicas are configured differently");
+            return Err(why);
+        }
+        let endpoint = router
+            .endpoints()
+            .iter()
+            .find(|e| e.config.url == message.endpoint)
+            .map(|e| e.id);
+        Ok(Self { endpoint, message })
     }
-    let Some(endpoint) = router
-        .endpoints()
-        .iter()
-        .find(|e| e.config.url == message.endpoint)
-        .map(|e| e.id)
-    else {
-        return Ok(());
-    };
-    let keys = Arc::new(message.keys);
-    let features = RequestFeatures {
-        model: &message.model,
-        keys: &keys,
-        prompt_tokens: message.prompt_tokens,
-        block_size: message.block_size,
-        session: message.session.as_deref(),
-        role: Role::Both,
-    };
-    fleet.peer_dispatched(&features, endpoint, message.placement, now);
-    if let (Some(request), Some(uncached)) = (message.request, message.uncached_tokens) {
-        // Never more than the prompt: a peer's figure is bounded like anything it sends.
-        let uncached = uncached.min(message.prompt_tokens as u64);
-        fleet.peer_prefill_started(request, endpoint, uncached, message.shares_end, now);
+
+    /// Records it in `fleet` (the fleet's lock held, `now` read under it).
+    pub(crate) fn apply(self, fleet: &mut kvroute_core::fleet::Fleet, now: f64) {
+        let Some(endpoint) = self.endpoint else {
+            return;
+        };
+        let message = self.message;
+        let keys = Arc::new(message.keys);
+        let features = RequestFeatures {
+            model: &message.model,
+            keys: &keys,
+            prompt_tokens: message.prompt_tokens,
+            block_size: message.block_size,
+            session: message.session.as_deref(),
+            role: Role::Both,
+        };
+        fleet.peer_dispatched(&features, endpoint, message.placement, now);
+        if let (Some(request), Some(uncached)) = (message.request, message.uncached_tokens) {
+            // Never more than the prompt: a peer's figure is bounded like anything it sends.
+            let uncached = uncached.min(message.prompt_tokens as u64);
+            fleet.peer_prefill_started(request, endpoint, uncached, message.shares_end, now);
+        }
     }
-    Ok(())
 }
 
 /// `POST /kvroute/v1/peer/prefill_done`: a peer's shared request got its first token (or ended
@@ -314,8 +329,9 @@ async fn receive_request_message(
             Ok(m) => m,
             Err(answer) => return answer,
         };
+    let mut fleet = router.fleet();
     let now = router.now();
-    apply(&mut router.fleet(), message.request, now);
+    apply(&mut fleet, message.request, now);
     StatusCode::NO_CONTENT.into_response()
 }
 

@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,14 +36,28 @@ use crate::metrics::KindLabel;
 /// Messages waiting for one peer; more are dropped (kind `outbox_full`).
 pub(crate) const OUTBOX_CAPACITY: usize = 4_096;
 
+/// Body bytes waiting for one peer; more are dropped (kind `outbox_full`). Dispatches of long
+/// prompts are large (a 16k-block prompt's keys are about 350 KB): messages alone would not
+/// bound the memory a slow peer holds here.
+const OUTBOX_MAX_BYTES: usize = 16 << 20;
+
 /// How long a peer has to answer one request (kind `timeout` past it).
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Most messages in one batch.
-const MAX_BATCH_MESSAGES: usize = 256;
+/// Most messages in one batch (a receiver refuses more).
+pub(crate) const MAX_BATCH_MESSAGES: usize = 256;
 
-/// Most body bytes in one batch (within any admin listener's request limit).
+/// Most bytes of the messages' bodies in one batch; a message larger than this alone leaves
+/// on its own route.
 const MAX_BATCH_BYTES: usize = 256 << 10;
+
+/// Bytes a batch's framing adds per message (`{"path":"prefill_done","body":` ... `},`), with
+/// room to spare.
+const BATCH_FRAMING_PER_MESSAGE: usize = 64;
+
+/// The largest batch body a sender makes, and so the most a receiver reads.
+pub(crate) const BATCH_BODY_LIMIT: usize =
+    MAX_BATCH_BYTES + MAX_BATCH_MESSAGES * BATCH_FRAMING_PER_MESSAGE + 64;
 
 /// How long a peer that had no batch route (an older build) gets messages one by one before a
 /// batch is tried again (it may have been upgraded since).
@@ -182,7 +197,32 @@ fn batch_body(messages: &[Message]) -> Bytes {
 /// has sent what it holds) when the peer leaves the list.
 #[derive(Default)]
 pub(crate) struct Outboxes {
-    boxes: Mutex<HashMap<String, mpsc::Sender<Message>>>,
+    boxes: Mutex<HashMap<String, Outbox>>,
+}
+
+/// One peer's outbox: the queue its task empties, and the body bytes waiting in it.
+struct Outbox {
+    queue: mpsc::Sender<Message>,
+    queued_bytes: Arc<AtomicUsize>,
+}
+
+impl Outbox {
+    /// Queues `message` unless the outbox is full in messages or in bytes. Gives the message
+    /// back when the outbox's task is gone.
+    fn try_post(&self, message: Message) -> Result<(), Option<Message>> {
+        let len = message.body.len();
+        if self.queued_bytes.fetch_add(len, Ordering::Relaxed) + len > OUTBOX_MAX_BYTES {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            return Err(None);
+        }
+        self.queue.try_send(message).map_err(|e| {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            match e {
+                TrySendError::Full(_) => None,
+                TrySendError::Closed(message) => Some(message),
+            }
+        })
+    }
 }
 
 impl Outboxes {
@@ -205,13 +245,13 @@ impl Outboxes {
                 path,
                 body: body.clone(),
             };
-            match outbox.try_send(message) {
+            match outbox.try_post(message) {
                 Ok(()) => {}
-                Err(TrySendError::Full(_)) => courier().drop_one("outbox_full"),
-                Err(TrySendError::Closed(message)) => {
+                Err(None) => courier().drop_one("outbox_full"),
+                Err(Some(message)) => {
                     // Its task is gone (the runtime is shutting down): a fresh outbox.
                     *outbox = open(peer, courier());
-                    if outbox.try_send(message).is_err() {
+                    if outbox.try_post(message).is_err() {
                         courier().drop_one("outbox_full");
                     }
                 }
@@ -221,26 +261,48 @@ impl Outboxes {
 }
 
 /// An outbox for `peer` and the task that empties it, in order: each request carries the
-/// message that woke the task and whatever queued up behind it (up to a batch's bounds).
-fn open(peer: &str, courier: Courier) -> mpsc::Sender<Message> {
-    let (outbox, mut messages) = mpsc::channel::<Message>(OUTBOX_CAPACITY);
+/// message that woke the task and whatever queued up behind it, up to a batch's bounds (a
+/// message that would pass them leads the next request).
+fn open(peer: &str, courier: Courier) -> Outbox {
+    let (queue, mut messages) = mpsc::channel::<Message>(OUTBOX_CAPACITY);
+    let queued_bytes = Arc::new(AtomicUsize::new(0));
     let peer = peer.to_owned();
+    let queued = queued_bytes.clone();
     tokio::spawn(async move {
         let mut singles_until = None;
-        while let Some(first) = messages.recv().await {
+        let mut carried: Option<Message> = None;
+        loop {
+            let taken = |message: Message| {
+                queued.fetch_sub(message.body.len(), Ordering::Relaxed);
+                message
+            };
+            let first = match carried.take() {
+                Some(message) => message,
+                None => match messages.recv().await {
+                    Some(message) => taken(message),
+                    None => break,
+                },
+            };
             let mut bytes = first.body.len();
             let mut batch = vec![first];
-            while batch.len() < MAX_BATCH_MESSAGES && bytes < MAX_BATCH_BYTES {
-                let Ok(next) = messages.try_recv() else {
+            while batch.len() < MAX_BATCH_MESSAGES {
+                let Ok(next) = messages.try_recv().map(taken) else {
                     break;
                 };
+                if bytes + next.body.len() > MAX_BATCH_BYTES {
+                    carried = Some(next);
+                    break;
+                }
                 bytes += next.body.len();
                 batch.push(next);
             }
             courier.send_all(&peer, batch, &mut singles_until).await;
         }
     });
-    outbox
+    Outbox {
+        queue,
+        queued_bytes,
+    }
 }
 
 #[cfg(test)]
@@ -423,6 +485,74 @@ mod tests {
         assert!(
             (1..=3).contains(&opened),
             "{opened} connections for the first timed-out requests"
+        );
+    }
+
+    /// A JSON body of `len` bytes (a string of `fill`).
+    fn body_of(len: usize, fill: char) -> Bytes {
+        Bytes::from(format!("\"{}\"", fill.to_string().repeat(len - 2)))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_stays_within_its_bytes_and_what_would_pass_them_leads_the_next() {
+        let (peer, seen) = slow_peer(true).await;
+        let peers = vec![peer];
+        let courier = courier();
+        let outboxes = Outboxes::default();
+        outboxes.post(&peers, "dispatch", &Bytes::from("1"), || courier.clone());
+        arrivals(&seen, 1).await;
+        // Three of 100 KiB queue up behind the first: two fit a batch, the third does not.
+        let fills = ['a', 'b', 'c'];
+        for fill in fills {
+            outboxes.post(&peers, "dispatch", &body_of(100 << 10, fill), || {
+                courier.clone()
+            });
+        }
+        seen.release.notify_one();
+        let arrivals = arrivals(&seen, 3).await;
+        let firsts: Vec<&str> = arrivals
+            .iter()
+            .map(|(text, _)| text.split(' ').next().unwrap())
+            .collect();
+        assert_eq!(firsts, ["dispatch", "batch", "dispatch"], "{firsts:?}");
+        let (batch, single) = (&arrivals[1].0, &arrivals[2].0);
+        assert!(batch.len() <= BATCH_BODY_LIMIT + "batch ".len());
+        let order: Vec<char> = [batch, single]
+            .iter()
+            .flat_map(|text| {
+                fills
+                    .iter()
+                    .filter(|f| text.contains(&f.to_string().repeat(64)))
+            })
+            .copied()
+            .collect();
+        assert_eq!(order, fills, "each message once, in posting order");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_outbox_of_large_messages_is_bounded_in_bytes() {
+        // Accepts connections and reads nothing: what is queued stays queued.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peers = vec![format!("http://{}", listener.local_addr().unwrap())];
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let courier = courier();
+        let outboxes = Outboxes::default();
+        let (posted, size) = (200, 100 << 10);
+        for _ in 0..posted {
+            outboxes.post(&peers, "dispatch", &body_of(size, 'x'), || courier.clone());
+        }
+        // The outbox holds what fits its bytes; the task has taken at most a batch and the
+        // message that would have passed it.
+        let fits = OUTBOX_MAX_BYTES / size;
+        let full = dropped(&courier, "outbox_full") as usize;
+        assert!(
+            (posted - fits - 3..=posted - fits).contains(&full),
+            "{full} dropped of {posted}, {fits} fit"
         );
     }
 

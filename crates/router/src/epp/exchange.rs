@@ -41,8 +41,9 @@ pub struct Exchange {
     /// in which the picker can replace it).
     body_messages: u32,
     /// The data plane's request body mode, when it says (Envoy sends its protocol
-    /// configuration with a stream's first message; older releases do not).
-    request_body_mode: Option<BodySendMode>,
+    /// configuration with a stream's first message; older releases do not): the number itself
+    /// when this build does not know it.
+    request_body_mode: Option<Result<BodySendMode, i32>>,
     /// The request body to send upstream instead of the client's (a client's
     /// `kv_transfer_params` removed under P/D), with the routing answer.
     replaced_body: Option<Vec<u8>>,
@@ -203,7 +204,8 @@ impl Exchange {
             return None;
         }
         if let Some(config) = &message.protocol_config {
-            self.request_body_mode = BodySendMode::try_from(config.request_body_mode).ok();
+            let mode = config.request_body_mode;
+            self.request_body_mode = Some(BodySendMode::try_from(mode).map_err(|_| mode));
         }
         let metadata = message.metadata_context;
         Some(match message.request? {
@@ -330,12 +332,13 @@ impl Exchange {
     /// Whether the picker's answer to the request body can replace it whole (with its
     /// `content-length`): in `BUFFERED` mode, or a `BUFFERED_PARTIAL` body that came whole. In
     /// `STREAMED` modes the headers went upstream before the body, whatever its size. A data
-    /// plane that does not say its mode is trusted for a body that came in one message.
+    /// plane that does not say its mode is trusted for a body that came in one message; one that
+    /// names a mode this build does not know is not (it may stream).
     fn body_replaceable(&self) -> bool {
         match self.request_body_mode {
-            Some(BodySendMode::Buffered) => true,
-            Some(BodySendMode::BufferedPartial) | None => self.body_messages == 1,
-            Some(_) => false,
+            Some(Ok(BodySendMode::Buffered)) => true,
+            Some(Ok(BodySendMode::BufferedPartial)) | None => self.body_messages == 1,
+            Some(Ok(_) | Err(_)) => false,
         }
     }
 

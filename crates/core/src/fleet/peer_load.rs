@@ -213,9 +213,17 @@ impl Fleet {
         }
     }
 
+    /// Releases the open peer request whose deadline comes first (deadlines are queued in
+    /// order); an entry its request has moved past (a first token pushed it out) is skipped, as
+    /// the request's own later entry stands for it.
     fn release_oldest_peer_prefill(&mut self) {
-        while let Some((_, id)) = self.peer_load.deadlines.pop_front() {
-            if self.release_peer_prefill(id) {
+        while let Some((deadline, id)) = self.peer_load.deadlines.pop_front() {
+            let current = self
+                .peer_load
+                .open
+                .get(&id)
+                .is_some_and(|p| p.until == deadline);
+            if current && self.release_peer_prefill(id) {
                 self.peer_load.stats.displaced += 1;
                 return;
             }
@@ -400,6 +408,31 @@ mod tests {
         assert_eq!(
             fleet.load(e0, 0.0).unwrap().inflight_prefills,
             MAX_OPEN as u32
+        );
+    }
+
+    #[test]
+    fn a_full_open_set_releases_the_request_due_first_not_one_whose_first_token_moved_it_on() {
+        let mut fleet = fleet(2);
+        let (e0, e1) = (EndpointId(0), EndpointId(1));
+        // Request 1 starts first, but its first token pushes its deadline past request 2's.
+        fleet.peer_prefill_started(1, e0, 100, true, 0.0);
+        fleet.peer_prefill_started(2, e1, 100, true, 1.0);
+        assert!(fleet.peer_prefill_done(1, 2.0));
+        for request in 3..=(MAX_OPEN as u64) {
+            fleet.peer_prefill_started(request, e0, 1, true, 2.0);
+        }
+        assert_eq!(fleet.peer_load_stats().displaced, 0);
+        fleet.peer_prefill_started(MAX_OPEN as u64 + 1, e0, 1, true, 2.0);
+        assert_eq!(fleet.peer_load_stats().displaced, 1);
+        assert_eq!(
+            fleet.load(e1, 2.0).unwrap().inflight,
+            0,
+            "request 2, due first, made room"
+        );
+        assert!(
+            fleet.peer_request_ended(1, 2.0),
+            "request 1 is still counted (decoding)"
         );
     }
 

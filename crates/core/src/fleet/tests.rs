@@ -332,14 +332,39 @@ fn holding(endpoints: usize, holder: EndpointId, salt: u32) -> (Fleet, Req) {
 
 #[test]
 fn a_plan_with_its_lookup_read_beforehand_decides_as_one_that_looks_up_itself() {
-    let (mut fleet, req) = holding(3, EndpointId(2), 5);
-    let lookup = fleet.lookup_target(BS).run(&req.keys);
-    let with = fleet.plan_with(&req.features(), Some(lookup), 1, 0.1);
-    let without = fleet.plan(&req.features(), 1, 0.1);
-    assert_eq!(with.decision.chosen(), Some(EndpointId(2)));
-    assert_eq!(with.decision.chosen(), without.decision.chosen());
-    assert_eq!(with.predicted_cached, without.predicted_cached);
-    assert_eq!(with.predicted_cached[2], 784);
+    // Three endpoints cost every one; sixty-four, more than a plan ranks, take the pruned path.
+    for endpoints in [3, 64] {
+        let (mut fleet, req) = holding(endpoints, EndpointId(2), 5);
+        let lookup = fleet.lookup_target(BS).run(&req.keys);
+        let with = fleet.plan_with(&req.features(), Some(lookup), 1, 0.1);
+        let without = fleet.plan(&req.features(), 1, 0.1);
+        assert_eq!(with.decision.chosen(), Some(EndpointId(2)));
+        assert_eq!(with.decision.chosen(), without.decision.chosen());
+        assert_eq!(with.predicted_cached, without.predicted_cached);
+        assert_eq!(with.predicted_cached[2], 784);
+    }
+}
+
+#[test]
+fn a_plan_credits_the_lookup_it_is_given_not_the_index_since() {
+    // Both paths (every endpoint costed; pruned).
+    for endpoints in [3, 64] {
+        let (mut fleet, req) = holding(endpoints, EndpointId(2), 7);
+        let lookup = fleet.lookup_target(BS).run(&req.keys);
+        // Another engine stores the prompt between the walk and the plan (events race
+        // decisions): the plan goes by its walk, which the next one will not.
+        fleet.apply_events(EndpointId(0), &[stored(&prompt(800, 7), BS)], 0.05);
+        let with = fleet.plan_with(&req.features(), Some(lookup), 1, 0.1);
+        assert_eq!(
+            (with.predicted_cached[0], with.predicted_cached[2]),
+            (0, 784)
+        );
+        let fresh = fleet.plan(&req.features(), 1, 0.1);
+        assert_eq!(
+            (fresh.predicted_cached[0], fresh.predicted_cached[2]),
+            (784, 784)
+        );
+    }
 }
 
 #[test]

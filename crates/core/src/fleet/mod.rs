@@ -535,47 +535,31 @@ impl Fleet {
             now,
         };
         self.round_robin = self.round_robin.wrapping_add(1);
+        // The request's matches: walked before the fleet's lock was taken, else now (one
+        // shard's read guard at a time). Each endpoint's fill as its shard last published it:
+        // nothing here waits for a writer.
+        let walked;
+        let index_matches = match (&looked_up, &index) {
+            (Some(matches), _) => matches,
+            (None, Some(index)) => {
+                walked = index.lookup(keys);
+                &walked
+            }
+            (None, None) => &no_matches,
+        };
+        let held = |id| index.as_ref().map_or(0, |index| index.gpu_blocks(id));
         if let (true, Some(depth)) = (pruned, depth) {
-            // One read of every index shard for the request's matches (unless looked up
-            // already) and the fill of the endpoints costed.
-            let planned = match &index {
-                Some(index) => index.read(|read| {
-                    let held = |id| read.endpoint_stats(id).map_or(0, |s| s.blocks_gpu);
-                    let walked;
-                    let matches = match &looked_up {
-                        Some(matches) => matches,
-                        None => {
-                            walked = read.lookup(keys);
-                            &walked
-                        }
-                    };
-                    let inputs = costing::PlanInputs {
-                        index_matches: matches,
-                        ..base
-                    };
-                    self.plan_pruned(&inputs, held, &info, random, depth)
-                }),
-                None => self.plan_pruned(&base, |_| 0, &info, random, depth),
+            let inputs = costing::PlanInputs {
+                index_matches,
+                ..base
             };
-            if let Some(plan) = planned {
+            if let Some(plan) = self.plan_pruned(&inputs, held, &info, random, depth) {
                 return plan;
             }
         }
-        // One read of each index shard for both: the request's matches and each endpoint's
-        // fill.
-        let (index_matches, held_blocks): (PrefixMatches, Vec<u64>) = match &index {
-            Some(index) => {
-                let endpoints = self.endpoints.iter().map(|e| e.id);
-                match looked_up {
-                    // The fill alone (an empty walk).
-                    Some(matches) => (matches, index.lookup_and_gpu_blocks(&[], endpoints).1),
-                    None => index.lookup_and_gpu_blocks(keys, endpoints),
-                }
-            }
-            None => (PrefixMatches::default(), vec![0; self.endpoints.len()]),
-        };
+        let held_blocks: Vec<u64> = self.endpoints.iter().map(|e| held(e.id)).collect();
         let inputs = costing::PlanInputs {
-            index_matches: &index_matches,
+            index_matches,
             ..base
         };
         let mut candidates = std::mem::take(&mut self.candidates);
@@ -755,7 +739,7 @@ impl Fleet {
             return predicted;
         };
         let bs = request.block_size.max(1);
-        let held = index.read_endpoint(endpoint, |ix| ix.gpu_blocks(endpoint));
+        let held = index.gpu_blocks(endpoint);
         let free = capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64;
         let survival = crate::schedule::cost::survival_of(free, capacity as f64);
         if survival >= 1.0 {

@@ -58,6 +58,10 @@ impl KvIndex {
             return;
         };
         let slot = state.slot;
+        // At most one entry per endpoint, however long nobody takes them.
+        if !self.evicted_from.contains(&id) {
+            self.evicted_from.push(id);
+        }
         while self.entries > target && *visits > 0 && state.blocks.len() > 0 {
             *visits -= 1;
             if state.hand >= state.blocks.capacity() {

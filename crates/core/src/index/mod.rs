@@ -191,6 +191,9 @@ pub struct KvIndex {
     shard: u32,
     /// Endpoints of this index that mount a shared tier (lookups skip the tier while none does).
     mounted: usize,
+    /// Endpoints the capacity bound evicted from since [`KvIndex::take_evicted_from`] last
+    /// took them (their GPU counts changed though no event of theirs was applied).
+    evicted_from: Vec<EndpointId>,
 }
 
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
@@ -275,6 +278,7 @@ impl KvIndex {
             fleet,
             shard,
             mounted: 0,
+            evicted_from: Vec::new(),
         })
     }
 
@@ -626,6 +630,11 @@ impl KvIndex {
     /// Counters for one endpoint, if it is known.
     pub fn endpoint_stats(&self, endpoint: EndpointId) -> Option<EndpointIndexStats> {
         self.endpoints.get(&endpoint).map(|s| s.stats.clone())
+    }
+
+    /// The endpoints the capacity bound evicted from since this was last called.
+    pub(super) fn take_evicted_from(&mut self) -> std::vec::Drain<'_, EndpointId> {
+        self.evicted_from.drain(..)
     }
 
     /// Blocks `endpoint` holds on the GPU now (0 when unknown).

@@ -12,7 +12,10 @@
 //!   each part is whole batches of its endpoints' events. The price is the walk: a block held on
 //!   endpoints of two shards is looked up in two block tables, so a cold walk costs up to `n`
 //!   times the random reads (measured in `docs/benchmarks.md`). ([`SharedIndex::read`], for
-//!   diagnostics and a plan's fill counts, holds every shard's guard at once.)
+//!   diagnostics, holds every shard's guard at once.)
+//! - **Each endpoint's GPU block count is published** after every write to its shard (and for
+//!   the endpoints the capacity bound evicted from), readable without any shard's lock: a plan
+//!   reads its candidates' fill there, never waiting for a writer under the fleet's lock.
 //! - **Lookups come first.** A lookup that finds its shard write-locked spins for about a
 //!   batch's length (then yields) instead of sleeping, announced, and a writer lets announced
 //!   lookups in before its next batch: the request path waits at most a batch, a batch a walk.
@@ -25,7 +28,7 @@
 //!   to a shared filesystem is a hit for every endpoint mounting it, whatever its shard. Locks
 //!   are always taken shard first, then tier, so they cannot deadlock.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
@@ -44,15 +47,27 @@ pub struct SharedIndex {
     shards: Box<[Shard]>,
     /// The shared tier every shard refers to.
     fleet: SharedFleetTier,
+    /// Each endpoint's GPU blocks (by id) as of the last write to its shard, readable without
+    /// the shard's lock: a plan that walked the index beforehand reads its candidates' fill
+    /// here, so it never waits for a writer while holding the fleet's lock. (The lock is taken
+    /// for writing only to grow the list for a new endpoint.)
+    gpu_blocks: RwLock<Vec<AtomicU64>>,
 }
 
 impl SharedIndex {
     /// Wraps an index as a single shard (one writer at a time).
     pub fn new(index: KvIndex) -> Self {
-        Self {
+        let published = Self {
             fleet: index.fleet.clone(),
             shards: Box::new([Shard::new(index)]),
+            gpu_blocks: RwLock::default(),
+        };
+        let shard = published.shards[0].index.read();
+        for endpoint in shard.endpoints() {
+            published.publish_gpu_blocks(endpoint, shard.gpu_blocks(endpoint));
         }
+        drop(shard);
+        published
     }
 
     /// An empty index of `shards` shards (at least one) sharing `config.capacity` entries.
@@ -71,7 +86,11 @@ impl SharedIndex {
                 KvIndex::shard(config, fleet.clone(), s as u32).map(Shard::new)
             })
             .collect::<Result<_, _>>()?;
-        Ok(Self { shards, fleet })
+        Ok(Self {
+            shards,
+            fleet,
+            gpu_blocks: RwLock::default(),
+        })
     }
 
     /// Shards of the index.
@@ -91,30 +110,61 @@ impl SharedIndex {
     /// Applies one batch of an endpoint's events atomically with respect to lookups, holding
     /// only that endpoint's shard, after letting lookups that wait for it in.
     pub fn apply(&self, endpoint: EndpointId, events: &[KvEvent]) {
-        let shard = &self.shards[self.shard_of(endpoint)];
-        shard.let_readers_in();
-        shard.index.write().apply(endpoint, events);
+        self.shards[self.shard_of(endpoint)].let_readers_in();
+        self.write_endpoint(endpoint, |index| index.apply(endpoint, events));
     }
 
     /// Runs `f` with write access to the shard holding `endpoint` (restoring a snapshot of it:
-    /// [`KvIndex::restore`]).
+    /// [`KvIndex::restore`]), then publishes the GPU blocks of `endpoint` and of every endpoint
+    /// the capacity bound evicted from meanwhile.
     pub fn write_endpoint<R>(&self, endpoint: EndpointId, f: impl FnOnce(&mut KvIndex) -> R) -> R {
-        f(&mut self.shard(endpoint).write())
+        let mut shard = self.shard(endpoint).write();
+        let result = f(&mut shard);
+        self.publish_gpu_blocks(endpoint, shard.gpu_blocks(endpoint));
+        let evicted: Vec<EndpointId> = shard.take_evicted_from().collect();
+        for other in evicted {
+            self.publish_gpu_blocks(other, shard.gpu_blocks(other));
+        }
+        result
     }
 
     /// Drops everything `endpoint` holds.
     pub fn clear_endpoint(&self, endpoint: EndpointId) {
-        self.shard(endpoint).write().clear_endpoint(endpoint);
+        self.write_endpoint(endpoint, |index| index.clear_endpoint(endpoint));
     }
 
     /// Forgets `endpoint`.
     pub fn remove_endpoint(&self, endpoint: EndpointId) {
-        self.shard(endpoint).write().remove_endpoint(endpoint);
+        self.write_endpoint(endpoint, |index| index.remove_endpoint(endpoint));
     }
 
     /// Registers `endpoint`.
     pub fn add_endpoint(&self, endpoint: EndpointId) {
-        self.shard(endpoint).write().add_endpoint(endpoint);
+        self.write_endpoint(endpoint, |index| index.add_endpoint(endpoint));
+    }
+
+    /// Blocks `endpoint` holds on the GPU as of the last write to its shard (0 when unknown),
+    /// without taking the shard's lock.
+    pub fn gpu_blocks(&self, endpoint: EndpointId) -> u64 {
+        self.gpu_blocks
+            .read()
+            .get(endpoint.0 as usize)
+            .map_or(0, |count| count.load(Ordering::Relaxed))
+    }
+
+    /// Records `blocks` as `endpoint`'s GPU blocks (under its shard's write lock, so that
+    /// publications of one endpoint happen in the order of its writes).
+    fn publish_gpu_blocks(&self, endpoint: EndpointId, blocks: u64) {
+        let at = endpoint.0 as usize;
+        if let Some(count) = self.gpu_blocks.read().get(at) {
+            count.store(blocks, Ordering::Relaxed);
+            return;
+        }
+        let mut list = self.gpu_blocks.write();
+        if list.len() <= at {
+            list.resize_with(at + 1, AtomicU64::default);
+        }
+        list[at].store(blocks, Ordering::Relaxed);
     }
 
     /// Declares how `endpoint` offloads (see [`KvIndex::set_offload`]).
@@ -131,28 +181,6 @@ impl SharedIndex {
     /// (Reading the shards a writer holds last was measured: it changed nothing.)
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
         merge(self.shards.iter().map(|s| s.read_soon().lookup(keys)))
-    }
-
-    /// Each endpoint's longest cached prefix of `keys`, and the GPU blocks each of `endpoints`
-    /// holds (0 when unknown), in their order: both from the same read of each shard.
-    pub fn lookup_and_gpu_blocks(
-        &self,
-        keys: &[RouterKey],
-        endpoints: impl IntoIterator<Item = EndpointId>,
-    ) -> (PrefixMatches, Vec<u64>) {
-        let endpoints: Vec<EndpointId> = endpoints.into_iter().collect();
-        let mut held = vec![0; endpoints.len()];
-        let parts = self.shards.iter().enumerate().map(|(s, shard)| {
-            let shard = shard.read_soon();
-            for (i, &e) in endpoints.iter().enumerate() {
-                if self.shard_of(e) == s {
-                    held[i] = shard.gpu_blocks(e);
-                }
-            }
-            shard.lookup(keys)
-        });
-        let matches = merge(parts);
-        (matches, held)
     }
 
     /// Counters for one endpoint.

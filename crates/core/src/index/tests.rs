@@ -649,6 +649,7 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
             prop_assert_eq!(Some(stats.clone()), ix.sharded.endpoint_stats(*e));
             let count = |t: Tier| map.values().filter(|(_, ts)| ts.contains_key(&t)).count() as u64;
             prop_assert_eq!(stats.blocks_gpu, count(Tier::Gpu));
+            prop_assert_eq!(ix.sharded.gpu_blocks(*e), stats.blocks_gpu, "published");
             prop_assert_eq!(stats.blocks_cpu, count(Tier::Cpu));
             prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));
         }
@@ -693,6 +694,29 @@ impl Both {
 }
 
 #[test]
+fn an_endpoints_published_gpu_blocks_follow_evictions_made_by_anothers_batch() {
+    let config = IndexConfig {
+        block_size: BS,
+        capacity: 100,
+    };
+    let ix = SharedIndex::sharded(config, 1).unwrap();
+    ix.apply(E0, &[stored(0, &tokens(80, 1), 0, 80, "GPU")]);
+    assert_eq!(ix.gpu_blocks(E0), 80);
+    // E1's batch takes the index past its capacity: the bound evicts from E0, the largest.
+    ix.apply(E1, &[stored(0, &tokens(40, 2), 0, 40, "GPU")]);
+    let held = ix.endpoint_stats(E0).unwrap().blocks_gpu;
+    assert!(held < 80, "{held}");
+    assert_eq!(
+        ix.gpu_blocks(E0),
+        held,
+        "E0's count published after E1's batch"
+    );
+    assert_eq!(ix.gpu_blocks(E1), 40);
+    ix.remove_endpoint(E1);
+    assert_eq!(ix.gpu_blocks(E1), 0);
+}
+
+#[test]
 fn a_sharded_index_needs_a_shard_and_splits_its_capacity() {
     let config = IndexConfig {
         block_size: BS,
@@ -715,8 +739,10 @@ fn a_sharded_index_needs_a_shard_and_splits_its_capacity() {
     });
     assert_eq!(ix.endpoint_stats(E0).unwrap().capacity_evictions, 13);
     let keys = router_keys(&doc, BS, None).unwrap();
-    let (matches, gpu) = ix.lookup_and_gpu_blocks(&keys, [E1, EndpointId(7), E0]);
+    // Published as of the last writes, the bound's evictions from E0 included.
+    let gpu: Vec<u64> = [E1, EndpointId(7), E0].map(|e| ix.gpu_blocks(e)).to_vec();
     assert_eq!(gpu, vec![2, 0, 27]);
+    let matches = ix.lookup(&keys);
     assert_eq!(matches.blocks(E1), 2);
     assert_eq!(matches, ix.read(|r| r.lookup(&keys)));
 }

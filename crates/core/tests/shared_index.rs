@@ -208,6 +208,10 @@ proptest::proptest! {
                 .map(|s| s.blocks_gpu)
                 .sum();
             assert_eq!(held as usize, index.entry_count(), "counters agree with contents");
+            for e in (0..ENDPOINTS).map(EndpointId) {
+                let counted = index.endpoint_stats(e).map_or(0, |s| s.blocks_gpu);
+                assert_eq!(shared.gpu_blocks(e), counted, "{e:?}'s published count");
+            }
         });
         for probe in &probes {
             let (got, truth) = (shared.lookup(probe), engines.lookup(probe));

@@ -19,10 +19,12 @@
 //! precise profile planning 512-block requests. "before" is the router until 2026-12-02: a
 //! decision walks the index under the fleet's mutex (`Fleet::plan`) and event batches are
 //! applied under it too (`Fleet::apply_events`). "now" is the router since: the walk runs before
-//! the mutex is taken (`Fleet::lookup_target`, then `Fleet::plan_with`), and a batch is noted
-//! under the mutex and applied after it is released, under the index shard's own lock
-//! (`Fleet::events_arrived`). Both with saturating and paced ingest, then two planners at
-//! once (as the router's workers plan), without ingest and with paced ingest.
+//! the mutex is taken (its target read without the mutex: `Fleet::lookup_targets`, then
+//! `Fleet::plan_with`), and a batch is noted under the mutex and applied after it is released,
+//! under the index shard's own lock (`Fleet::events_arrived`). Both with saturating and paced
+//! ingest, then two planners at once (as the router's workers plan), without ingest and with
+//! paced ingest; the last two phases read the walk's target under the mutex instead (the mutex
+//! taken twice per decision, as the router did until the lock-free targets).
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -36,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
-use kvroute_core::fleet::{EndpointSpec, Fleet, FleetConfig, RequestFeatures};
+use kvroute_core::fleet::{EndpointSpec, Fleet, FleetConfig, LookupTargets, RequestFeatures};
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedIndex};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, ProfileName, Role};
@@ -71,9 +73,12 @@ enum Reader {
     Lookup,
     /// Whole decisions under the fleet's mutex.
     Plan,
-    /// Decisions whose index walk runs before the fleet's mutex is taken
-    /// (`Fleet::lookup_target`, then `Fleet::plan_with`), as the router plans.
+    /// Decisions whose index walk runs before the fleet's mutex is taken, its target read
+    /// without the mutex (`Fleet::lookup_targets`, then `Fleet::plan_with`), as the router plans.
     PlanWalkFirst,
+    /// The same with the walk's target read under the mutex (`Fleet::lookup_target`): the
+    /// mutex taken twice per decision, as the router planned before.
+    PlanTargetInLock,
 }
 
 /// How a phase's writers apply a batch.
@@ -173,7 +178,7 @@ fn phases(paced: f64) -> Vec<Phase> {
         readers,
         pace,
     };
-    use Reader::{Idle, Lookup, Plan, PlanWalkFirst};
+    use Reader::{Idle, Lookup, Plan, PlanTargetInLock, PlanWalkFirst};
     use Writes::{BesideFleet, Index, UnderFleet};
     vec![
         phase("ingest alone", Index, Idle, 0, None),
@@ -210,6 +215,20 @@ fn phases(paced: f64) -> Vec<Phase> {
             "now: 2 planners + paced",
             BesideFleet,
             PlanWalkFirst,
+            2,
+            Some(paced),
+        ),
+        phase(
+            "2 planners, target in lock",
+            Writes::Idle,
+            PlanTargetInLock,
+            2,
+            None,
+        ),
+        phase(
+            "2 planners + paced, target in lock",
+            BesideFleet,
+            PlanTargetInLock,
             2,
             Some(paced),
         ),
@@ -419,6 +438,7 @@ fn ingest_until(target: &Target, feed: &Feed, writer: usize, stop: &AtomicBool) 
 /// What a phase's threads work on: the fleet, its index, and the fleet's clock.
 struct Target {
     fleet: Arc<Mutex<Fleet>>,
+    targets: Arc<LookupTargets>,
     index: Arc<SharedIndex>,
     epoch: Instant,
 }
@@ -427,6 +447,7 @@ impl Target {
     fn of(bench: &Bench) -> Self {
         Self {
             fleet: bench.fleet.clone(),
+            targets: bench.fleet.lock().lookup_targets(),
             index: bench.index.clone(),
             epoch: bench.epoch,
         }
@@ -472,7 +493,7 @@ fn reads_until(
             Reader::Lookup => {
                 black_box(target.index.lookup(&keys[r]));
             }
-            Reader::Plan | Reader::PlanWalkFirst => {
+            Reader::Plan | Reader::PlanWalkFirst | Reader::PlanTargetInLock => {
                 let request = RequestFeatures {
                     model: MODEL,
                     keys: &keys[r],
@@ -481,10 +502,14 @@ fn reads_until(
                     session: None,
                     role: Role::Both,
                 };
-                let lookup = (reader == Reader::PlanWalkFirst).then(|| {
-                    let target = target.fleet.lock().lookup_target(BLOCK_SIZE);
-                    target.run(&keys[r])
-                });
+                let lookup = match reader {
+                    Reader::PlanWalkFirst => Some(target.targets.target(BLOCK_SIZE).run(&keys[r])),
+                    Reader::PlanTargetInLock => {
+                        let walk = target.fleet.lock().lookup_target(BLOCK_SIZE);
+                        Some(walk.run(&keys[r]))
+                    }
+                    _ => None,
+                };
                 let now = target.now();
                 let plan = target
                     .fleet

@@ -2,7 +2,11 @@
 //! with (tokio's, so tests can pause it), and the notification that capacity may have freed up.
 //! What changes together: every plan, dispatch and observation goes through here.
 
-use kvroute_core::fleet::{Dispatch, Fleet, HeldTurn, HoldTicket, Plan, RequestFeatures};
+use std::sync::Arc;
+
+use kvroute_core::fleet::{
+    Dispatch, Fleet, HeldTurn, HoldTicket, LookupTargets, Plan, RequestFeatures,
+};
 use kvroute_core::index::EndpointId;
 use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::Notify;
@@ -11,6 +15,8 @@ use tokio::time::Instant;
 /// Core's fleet, its clock and the capacity notification.
 pub(crate) struct FleetHandle {
     fleet: Mutex<Fleet>,
+    /// The fleet's indexes and epoch, read without its lock to walk the index first.
+    targets: Arc<LookupTargets>,
     started: Instant,
     /// Woken whenever capacity may have freed up (a first token, an end, a scrape): held
     /// requests check again.
@@ -21,6 +27,7 @@ impl FleetHandle {
     /// A handle on `fleet`, its clock starting now.
     pub(crate) fn new(fleet: Fleet) -> Self {
         Self {
+            targets: fleet.lookup_targets(),
             fleet: Mutex::new(fleet),
             started: Instant::now(),
             capacity: Notify::new(),
@@ -38,11 +45,10 @@ impl FleetHandle {
     }
 
     /// Plans a request now, with core's seeded randomness. Its walk of the KV index runs
-    /// before the fleet is locked ([`Fleet::plan_with`]): decisions hold the lock for their
-    /// costing only, and walk the index side by side.
+    /// before the fleet is locked ([`Fleet::plan_with`]): decisions take the lock once, for
+    /// their costing only, and walk the index side by side.
     pub(crate) fn plan(&self, features: &RequestFeatures<'_>) -> Plan {
-        let target = self.lock().lookup_target(features.block_size);
-        let lookup = target.run(features.keys);
+        let lookup = self.targets.target(features.block_size).run(features.keys);
         let now = self.now();
         let mut fleet = self.lock();
         let random = fleet.next_random();

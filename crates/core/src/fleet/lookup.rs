@@ -11,12 +11,60 @@
 //! never be used is a picture of a cache the fleet has since dropped (an endpoint forgotten,
 //! restored, or its id given to another): the fleet counts such changes, and a plan whose
 //! lookup was read before one walks the index again under the lock.
+//!
+//! The target itself needs no lock either: [`LookupTargets`], shared with the caller, holds the
+//! indexes by block size and the count of dropped pictures. The fleet bumps the count after it
+//! changed an index (under the change's own locks), and a target reads the count before its
+//! walk: a walk that may have seen an index before a change carries the count from before it,
+//! and is refused.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::RwLock;
 
 use super::Fleet;
 use crate::index::{PrefixMatches, SharedIndex};
 use crate::keys::RouterKey;
+
+/// The fleet's indexes and its count of dropped cache pictures, readable without the fleet's
+/// lock ([`Fleet::lookup_targets`]).
+#[derive(Debug, Default)]
+pub struct LookupTargets {
+    /// Cache pictures dropped so far (see the module documentation).
+    epoch: AtomicU64,
+    /// One index per block size in use (they are only ever added).
+    indexes: RwLock<Vec<(usize, Arc<SharedIndex>)>>,
+}
+
+impl LookupTargets {
+    /// What a lookup of a request of `block_size` needs, read now.
+    pub fn target(&self, block_size: usize) -> LookupTarget {
+        let block_size = block_size.max(1);
+        // Before the index is walked: a change after this read makes the walk stale.
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let index = self
+            .indexes
+            .read()
+            .iter()
+            .find(|(bs, _)| *bs == block_size)
+            .map(|(_, index)| index.clone());
+        LookupTarget {
+            index,
+            block_size,
+            epoch,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Records that `indexes` are the fleet's now.
+    pub(super) fn set_indexes(&self, indexes: &[(usize, Arc<SharedIndex>)]) {
+        *self.indexes.write() = indexes.to_vec();
+    }
+}
 
 /// What a request's index lookup needs, taken from the fleet under its lock.
 #[derive(Clone, Debug)]
@@ -51,12 +99,12 @@ impl LookupTarget {
 impl Fleet {
     /// What a lookup of a request of `block_size` needs (see the module documentation).
     pub fn lookup_target(&self, block_size: usize) -> LookupTarget {
-        let block_size = block_size.max(1);
-        LookupTarget {
-            index: self.index_for_block_size(block_size).cloned(),
-            block_size,
-            epoch: self.cache_epoch,
-        }
+        self.targets.target(block_size)
+    }
+
+    /// The fleet's lookup targets, to read without its lock.
+    pub fn lookup_targets(&self) -> Arc<LookupTargets> {
+        self.targets.clone()
     }
 
     /// `lookup`, if it can stand for a lookup under the lock now: read for this block size,
@@ -66,14 +114,15 @@ impl Fleet {
         lookup: Option<IndexLookup>,
         block_size: usize,
     ) -> Option<PrefixMatches> {
+        let epoch = self.targets.epoch();
         lookup
-            .filter(|l| l.block_size == block_size && l.epoch == self.cache_epoch)
+            .filter(|l| l.block_size == block_size && l.epoch == epoch)
             .map(|l| l.matches)
     }
 
-    /// An endpoint's cache picture was dropped or replaced: lookups read before now are not
-    /// used.
+    /// An endpoint's cache picture was dropped or replaced (call once the index changed):
+    /// lookups read before now are not used.
     pub(super) fn cache_dropped(&mut self) {
-        self.cache_epoch = self.cache_epoch.wrapping_add(1);
+        self.targets.epoch.fetch_add(1, Ordering::Release);
     }
 }

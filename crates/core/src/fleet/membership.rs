@@ -12,6 +12,7 @@ impl Fleet {
     /// arrive (when it has them), with nothing cached.
     pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
         let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
+        self.targets.set_indexes(&self.indexes);
         let offload = spec.offload.clone();
         let free = self
             .endpoints

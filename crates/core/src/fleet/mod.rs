@@ -53,7 +53,7 @@ pub use endpoint::{
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
-pub use lookup::{IndexLookup, LookupTarget};
+pub use lookup::{IndexLookup, LookupTarget, LookupTargets};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
 pub use peer_load::PeerLoadStats;
 pub use restart::{RestartSignals, RestartWatch};
@@ -287,10 +287,9 @@ pub struct Fleet {
     holders: Vec<(EndpointId, u32)>,
     holding: Vec<(EndpointId, usize, f64)>,
     expired_samples: Vec<EndpointId>,
-    /// Counts the times an endpoint's cache picture was dropped or replaced (forgotten,
-    /// restored, its id reused): a lookup read before the last one is not used
-    /// ([`Fleet::plan_with`]).
-    cache_epoch: u64,
+    /// The indexes and the count of dropped cache pictures, shared with callers that walk the
+    /// index without the fleet's lock ([`Fleet::lookup_targets`]).
+    targets: Arc<LookupTargets>,
     /// Endpoints the last plan viewed and costed.
     last_plan_viewed: usize,
 }
@@ -339,12 +338,13 @@ impl Fleet {
             holders: Vec::new(),
             holding: Vec::new(),
             expired_samples: Vec::new(),
-            cache_epoch: 0,
+            targets: Arc::default(),
             last_plan_viewed: 0,
         };
         for at in 0..fleet.endpoints.len() {
             fleet.load_changed(EndpointId(at as u32));
         }
+        fleet.targets.set_indexes(&fleet.indexes);
         Ok(fleet)
     }
 
@@ -460,7 +460,8 @@ impl Fleet {
     }
 
     /// [`Fleet::plan`] with the request's index matches read beforehand, outside whatever
-    /// lock guards the fleet ([`Fleet::lookup_target`], [`LookupTarget::run`]); a lookup read
+    /// lock guards the fleet ([`Fleet::lookup_targets`] or [`Fleet::lookup_target`], then
+    /// [`LookupTarget::run`]); a lookup read
     /// before an endpoint's cache picture was dropped is not used (the index is walked again).
     pub fn plan_with(
         &mut self,
@@ -1022,7 +1023,6 @@ impl Fleet {
         let Some(index) = self.index_of(id).cloned() else {
             return Ok(None);
         };
-        self.cache_dropped();
         let restored = index.write_endpoint(id, |ix| {
             let restored = ix.restore(id, restore.blocks);
             if restore.tier_uncertain {
@@ -1030,6 +1030,7 @@ impl Fleet {
             }
             restored
         });
+        self.cache_dropped();
         // The snapshot stands for the events it reflects: the endpoint has published.
         self.events_arrived(id, now);
         if !restore.trusted {
@@ -1042,10 +1043,10 @@ impl Fleet {
     /// predictions of requests sent there, and sessions that went there. The one operation for
     /// an engine restart, a health ejection and a pod that left.
     pub fn forget_endpoint(&mut self, id: EndpointId, now: f64) {
-        self.cache_dropped();
         if let Some(index) = self.index_of(id) {
             index.clear_endpoint(id);
         }
+        self.cache_dropped();
         self.history.forget_endpoint(id);
         self.predicted.forget_endpoint(id);
         self.sessions.forget_endpoint(id);

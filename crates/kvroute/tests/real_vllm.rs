@@ -226,7 +226,13 @@ fn the_engines_own_metrics_feed_the_load_model() {
     let Some(fleet) = shared_fleet() else {
         return;
     };
-    let router = Router::start(&[&fleet[0], &fleet[1]], "remote", "");
+    // Scraped five times a second: the generation below lasts a few seconds on a quiet
+    // machine, and less on a fast one; the default second between scrapes once missed it.
+    let router = Router::start(
+        &[&fleet[0], &fleet[1]],
+        "remote",
+        "scrape: {interval_ms: 200}",
+    );
     // Idle engines: vLLM's gauges are scraped as zeros (not missing).
     let body = chat_body("metrics", "Which engine is busy?");
     kvroute_testkit::eventually_blocking("idle engines scraped", || {
@@ -255,7 +261,12 @@ fn the_engines_own_metrics_feed_the_load_model() {
             .clone();
         let usage = load["kv_usage"].as_f64().unwrap_or(-1.0);
         // kv_cache_usage_perc is a fraction (0-1), as vLLM exports it.
-        (load["running"] == 1.0 && usage > 0.0 && usage < 1.0, load)
+        let seen = load["running"] == 1.0 && usage > 0.0 && usage < 1.0;
+        assert!(
+            seen || !long.is_finished(),
+            "the generation ended before a scrape saw it running: {load}"
+        );
+        (seen, load)
     });
     assert_eq!(long.join().unwrap(), 200);
 }

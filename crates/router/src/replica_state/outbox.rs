@@ -396,21 +396,48 @@ mod tests {
         seen.arrivals.lock().clone()
     }
 
-    /// Posts a dispatch, waits until the peer holds it, then posts its first token and end
-    /// (which queue up behind it); returns what the peer saw.
-    async fn a_request_to(batches: bool) -> (Vec<(String, bool)>, Courier) {
+    /// A slow peer (see [`slow_peer`]), the outboxes posting to it and their courier, once the
+    /// peer holds its first message (`dispatch 1`) unanswered: what is posted next queues up.
+    struct Holding {
+        peers: Vec<String>,
+        seen: Arc<Seen>,
+        courier: Courier,
+        outboxes: Outboxes,
+    }
+
+    impl Holding {
+        /// Posts `body` to `/kvroute/v1/peer/<path>` on the peer.
+        fn post(&self, path: &'static str, body: Bytes) {
+            self.outboxes
+                .post(&self.peers, path, &body, || self.courier.clone());
+        }
+    }
+
+    async fn holding(batches: bool) -> Holding {
         let (peer, seen) = slow_peer(batches).await;
         let peers = vec![peer];
         let courier = courier();
         let outboxes = Outboxes::default();
         outboxes.post(&peers, "dispatch", &Bytes::from("1"), || courier.clone());
         arrivals(&seen, 1).await;
-        for path in ["prefill_done", "ended"] {
-            outboxes.post(&peers, path, &Bytes::from("1"), || courier.clone());
+        Holding {
+            peers,
+            seen,
+            courier,
+            outboxes,
         }
-        seen.release.notify_one();
+    }
+
+    /// Posts a dispatch, waits until the peer holds it, then posts its first token and end
+    /// (which queue up behind it); returns what the peer saw.
+    async fn a_request_to(batches: bool) -> (Vec<(String, bool)>, Courier) {
+        let h = holding(batches).await;
+        for path in ["prefill_done", "ended"] {
+            h.post(path, Bytes::from("1"));
+        }
+        h.seen.release.notify_one();
         let count = if batches { 2 } else { 3 };
-        (arrivals(&seen, count).await, courier)
+        (arrivals(&h.seen, count).await, h.courier)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -495,21 +522,14 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_stays_within_its_bytes_and_what_would_pass_them_leads_the_next() {
-        let (peer, seen) = slow_peer(true).await;
-        let peers = vec![peer];
-        let courier = courier();
-        let outboxes = Outboxes::default();
-        outboxes.post(&peers, "dispatch", &Bytes::from("1"), || courier.clone());
-        arrivals(&seen, 1).await;
+        let h = holding(true).await;
         // Three of 100 KiB queue up behind the first: two fit a batch, the third does not.
         let fills = ['a', 'b', 'c'];
         for fill in fills {
-            outboxes.post(&peers, "dispatch", &body_of(100 << 10, fill), || {
-                courier.clone()
-            });
+            h.post("dispatch", body_of(100 << 10, fill));
         }
-        seen.release.notify_one();
-        let arrivals = arrivals(&seen, 3).await;
+        h.seen.release.notify_one();
+        let arrivals = arrivals(&h.seen, 3).await;
         let firsts: Vec<&str> = arrivals
             .iter()
             .map(|(text, _)| text.split(' ').next().unwrap())
@@ -558,25 +578,17 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_peer_that_leaves_the_list_loses_its_outbox_once_what_it_held_has_left() {
-        let (peer, seen) = slow_peer(true).await;
-        let peers = vec![peer];
-        let courier = courier();
-        let outboxes = Outboxes::default();
-        outboxes.post(&peers, "dispatch", &Bytes::from_static(b"1"), || {
-            courier.clone()
-        });
-        arrivals(&seen, 1).await;
+        let h = holding(true).await;
         // Queued behind the first (held unanswered), then the peer leaves the list.
-        outboxes.post(&peers, "ended", &Bytes::from_static(b"1"), || {
-            courier.clone()
-        });
-        outboxes.post(&[], "dispatch", &Bytes::from_static(b"2"), || {
-            courier.clone()
-        });
-        assert!(outboxes.boxes.lock().is_empty(), "its outbox was dropped");
-        seen.release.notify_one();
+        h.post("ended", Bytes::from_static(b"1"));
+        h.outboxes
+            .post(&[], "dispatch", &Bytes::from_static(b"2"), || {
+                h.courier.clone()
+            });
+        assert!(h.outboxes.boxes.lock().is_empty(), "its outbox was dropped");
+        h.seen.release.notify_one();
         assert_eq!(
-            arrivals(&seen, 2).await,
+            arrivals(&h.seen, 2).await,
             vec![
                 ("dispatch 1".to_owned(), false),
                 ("ended 1".to_owned(), true)

@@ -145,7 +145,9 @@ impl Courier {
     async fn send(&self, peer: &str, message: Message) {
         match self.post(peer, message.path, message.body).await {
             Sent::Taken => {}
-            Sent::NoRoute => self.drop_one("refused"),
+            // A peer of an older build that lacks this message's route (`ended`): not an error
+            // of the peer's, and counted apart so that `refused` keeps meaning one.
+            Sent::NoRoute => self.drop_one("unsupported"),
             Sent::Dropped(kind) => self.drop_one(kind),
         }
     }
@@ -469,6 +471,33 @@ mod tests {
             0,
             "the 404 to a batch loses nothing"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_an_older_peer_has_no_route_for_is_counted_unsupported_not_refused() {
+        // A peer of a build before `/peer/ended`: 404 for it, 204 for the rest.
+        let app = axum::Router::new().route(
+            "/kvroute/v1/peer/{path}",
+            axum::routing::post(|Path(path): Path<String>| async move {
+                if path == "ended" {
+                    http::StatusCode::NOT_FOUND
+                } else {
+                    http::StatusCode::NO_CONTENT
+                }
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peers = vec![format!("http://{}", listener.local_addr().unwrap())];
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let courier = courier();
+        let outboxes = Outboxes::default();
+        outboxes.post(&peers, "ended", &Bytes::from("1"), || courier.clone());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while dropped(&courier, "unsupported") == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "never counted");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(dropped(&courier, "refused"), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

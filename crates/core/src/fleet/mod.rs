@@ -514,8 +514,7 @@ impl Fleet {
                     keys.get(blocks - 1).map(|k| k.0)
                 }),
         };
-        // Only the cheapest-cost picker can be pruned (the others read every candidate):
-        // checked here so that a plan that would fall back does not read the index twice.
+        // Only the cheapest-cost picker can be pruned (the others read every candidate).
         let pruned = self.prune
             && self.disagg.is_none()
             && self.profile.picker == crate::schedule::Picker::Cheapest
@@ -558,7 +557,11 @@ impl Fleet {
                 return plan;
             }
         }
-        let held_blocks: Vec<u64> = self.endpoints.iter().map(|e| held(e.id)).collect();
+        let ids = self.endpoints.iter().map(|e| e.id);
+        let held_blocks: Vec<u64> = match &index {
+            Some(index) => index.gpu_blocks_of(ids),
+            None => vec![0; self.endpoints.len()],
+        };
         let inputs = costing::PlanInputs {
             index_matches,
             ..base

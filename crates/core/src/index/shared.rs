@@ -152,6 +152,19 @@ impl SharedIndex {
             .map_or(0, |count| count.load(Ordering::Relaxed))
     }
 
+    /// [`SharedIndex::gpu_blocks`] of each of `endpoints`, in their order, under one read of
+    /// the published list (a plan that costs every endpoint).
+    pub fn gpu_blocks_of(&self, endpoints: impl Iterator<Item = EndpointId>) -> Vec<u64> {
+        let counts = self.gpu_blocks.read();
+        endpoints
+            .map(|e| {
+                counts
+                    .get(e.0 as usize)
+                    .map_or(0, |count| count.load(Ordering::Relaxed))
+            })
+            .collect()
+    }
+
     /// Records `blocks` as `endpoint`'s GPU blocks (under its shard's write lock, so that
     /// publications of one endpoint happen in the order of its writes).
     fn publish_gpu_blocks(&self, endpoint: EndpointId, blocks: u64) {

@@ -742,6 +742,7 @@ fn a_sharded_index_needs_a_shard_and_splits_its_capacity() {
     // Published as of the last writes, the bound's evictions from E0 included.
     let gpu: Vec<u64> = [E1, EndpointId(7), E0].map(|e| ix.gpu_blocks(e)).to_vec();
     assert_eq!(gpu, vec![2, 0, 27]);
+    assert_eq!(ix.gpu_blocks_of([E1, EndpointId(7), E0].into_iter()), gpu);
     let matches = ix.lookup(&keys);
     assert_eq!(matches.blocks(E1), 2);
     assert_eq!(matches, ix.read(|r| r.lookup(&keys)));

@@ -3,8 +3,10 @@
 //! those holding part of the prompt, and the least busy of the rest in the fleet's
 //! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
-use super::{Distrust, EndpointState, Fleet, LoadSample, Plan, tier_learning};
+use super::pinned::RoomAsked;
+use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, PrefixMatch, PrefixMatches};
+use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load, schedule_pruned,
 };
@@ -15,6 +17,10 @@ use crate::tiers::TierTokens;
 pub(super) struct PlanInputs<'a> {
     /// The model the request names.
     pub(super) model: &'a str,
+    /// The request's full blocks' keys.
+    pub(super) keys: &'a [RouterKey],
+    /// The request's prompt length.
+    pub(super) prompt_tokens: usize,
     /// Tokens per block of the request.
     pub(super) block_size: usize,
     /// The index's matches, sorted by endpoint.
@@ -27,6 +33,8 @@ pub(super) struct PlanInputs<'a> {
     pub(super) reportable: usize,
     /// The prefill rate an endpoint's own estimate shrinks toward.
     pub(super) prior_rate: f64,
+    /// The fleet's decode time (first token to end), for an endpoint with none of its own.
+    pub(super) decode_s: Option<f64>,
     /// The plan's time.
     pub(super) now: f64,
 }
@@ -147,7 +155,19 @@ impl Fleet {
             circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
             serves_model: same_block_size && e.spec.models.iter().any(|m| m == inputs.model),
             role: e.spec.role,
-            load: e.load(now, self.config.load_sample_max_age_s),
+            load: EndpointLoad {
+                room_wait_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {
+                    e.pinned.room_wait_s(&RoomAsked {
+                        keys: inputs.keys,
+                        prompt_tokens: inputs.prompt_tokens,
+                        block_size: bs,
+                        capacity_blocks,
+                        fallback_decode_s: inputs.decode_s,
+                        now,
+                    })
+                }),
+                ..e.load(now, self.config.load_sample_max_age_s)
+            },
             cache,
             prefill_tokens_per_s: e.prefill_rate_toward(inputs.prior_rate),
             tier_rates: e
@@ -255,19 +275,11 @@ impl Fleet {
     /// sample while its key counts it (fresh for every plan until the order expires it), both
     /// with and without it otherwise (a plan just before the expiry may still read it).
     fn saturated_as_planned(&self, e: &EndpointState, counts_sample: bool) -> bool {
-        let load = |sample: Option<LoadSample>| {
-            let sample = sample.unwrap_or_default();
-            EndpointLoad {
-                waiting: sample.waiting,
-                running: sample.running,
-                kv_usage: sample.kv_usage,
-                inflight: e.inflight,
-                inflight_prefills: e.inflight_prefills,
-                ..EndpointLoad::default()
-            }
-        };
-        let with_sample = saturated_load(&self.profile, &load(e.sample.map(|(s, _)| s)));
-        with_sample && (counts_sample || saturated_load(&self.profile, &load(None)))
+        let with_sample = saturated_load(
+            &self.profile,
+            &e.counts_with(e.sample.as_ref().map(|(s, _)| s)),
+        );
+        with_sample && (counts_sample || saturated_load(&self.profile, &e.counts_with(None)))
     }
 
     /// Sets `id`'s place in the load order from its load and prefill rate now, and whether a

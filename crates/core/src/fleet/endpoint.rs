@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::decay::Decaying;
 use super::outlier::Outlier;
+use super::pinned::PinnedBlocks;
 use super::trust::Trust;
 use crate::index::{EndpointId, OffloadSpec};
 use crate::schedule::{EndpointLoad, Role};
@@ -183,6 +184,8 @@ pub struct EndpointState {
     pub(super) capacity_blocks: Option<usize>,
     /// How much its requests recently reused cached blocks.
     pub(super) reuse: BlockReuse,
+    /// The blocks the router's in-flight requests pin there.
+    pub(super) pinned: PinnedBlocks,
     /// Passive outlier detection.
     pub(super) outlier: Outlier,
     /// False once removed from the fleet (its id may be reused by a later endpoint).
@@ -210,6 +213,7 @@ impl EndpointState {
             forgotten_at: None,
             capacity_blocks: None,
             reuse: BlockReuse::default(),
+            pinned: PinnedBlocks::default(),
             outlier: Outlier::default(),
             present: true,
         }
@@ -275,26 +279,60 @@ impl EndpointState {
         self.placements.at(now, PLACEMENT_TAU_S)
     }
 
-    /// Load for scoring at `now`: the last sample if younger than `max_age_s`, plus the
-    /// router's own counters.
-    pub fn load(&self, now: f64, max_age_s: f64) -> EndpointLoad {
-        let sample = self
-            .sample
-            .filter(|(_, at)| now - at <= max_age_s)
-            .map(|(s, _)| s)
-            .unwrap_or_default();
+    /// Keeps `sample`, scraped at `now`, as the load of requests that are not the router's
+    /// own: its waiting and running counts less the router's requests there at that moment
+    /// (see [`EndpointState::counts_with`]).
+    pub(super) fn observe_sample(&mut self, sample: LoadSample, now: f64) {
+        let others = |count: Option<f64>, own: u32| count.map(|c| (c - f64::from(own)).max(0.0));
+        let sample = LoadSample {
+            // Its own requests not past their first token are waiting or prefilling (counted
+            // running): taking them all as waiting errs toward more load, never less.
+            waiting: others(sample.waiting, self.inflight_prefills),
+            running: others(
+                sample.running,
+                self.inflight.saturating_sub(self.inflight_prefills),
+            ),
+            ..sample
+        };
+        self.sample = Some((sample, now));
+    }
+
+    /// The waiting and running counts of its load with `others` (another source's requests,
+    /// as [`EndpointState::observe_sample`] keeps them) added to the router's own, as they are
+    /// now. The router's own requests are counted as they change (dispatch, first token, end),
+    /// so only the part it cannot see ages with the scrape: a queue that drained since the
+    /// last scrape is not taken as still there, and requests sent since are not missed.
+    pub(super) fn counts_with(&self, others: Option<&LoadSample>) -> EndpointLoad {
+        let sample = others.copied().unwrap_or_default();
+        let own_decoding = self.inflight.saturating_sub(self.inflight_prefills);
         EndpointLoad {
-            waiting: sample.waiting,
-            running: sample.running,
+            waiting: sample
+                .waiting
+                .map(|w| w + f64::from(self.inflight_prefills)),
+            running: sample.running.map(|r| r + f64::from(own_decoding)),
             kv_usage: sample.kv_usage,
             inflight: self.inflight,
             inflight_prefills: self.inflight_prefills,
+            ..EndpointLoad::default()
+        }
+    }
+
+    /// Load for scoring at `now`: the router's own counters, plus what the last sample, if
+    /// younger than `max_age_s`, said of other requests.
+    pub fn load(&self, now: f64, max_age_s: f64) -> EndpointLoad {
+        let sample = self
+            .sample
+            .as_ref()
+            .filter(|(_, at)| now - at <= max_age_s)
+            .map(|(s, _)| s);
+        EndpointLoad {
             inflight_prefill_tokens: self.inflight_prefill_tokens,
             recent_uncached_tokens: self
                 .reuse
                 .stored_per_request()
                 .map(|blocks| blocks * self.spec.block_size as f64),
             recent_placements: self.recent_placements(now),
+            ..self.counts_with(sample)
         }
     }
 
@@ -303,18 +341,8 @@ impl EndpointState {
     /// `with_sample` (and it has one), else the router's own counts only: never more than with
     /// the sample.
     pub(super) fn busy(&self, with_sample: bool) -> f64 {
-        let sample = self
-            .sample
-            .filter(|_| with_sample)
-            .map(|(s, _)| s)
-            .unwrap_or_default();
-        let load = EndpointLoad {
-            waiting: sample.waiting,
-            running: sample.running,
-            inflight: self.inflight,
-            inflight_prefills: self.inflight_prefills,
-            ..EndpointLoad::default()
-        };
+        let sample = self.sample.as_ref().filter(|_| with_sample).map(|(s, _)| s);
+        let load = self.counts_with(sample);
         load.decoding() + load.queue()
     }
 

@@ -18,6 +18,7 @@ mod lookup;
 mod membership;
 pub mod outlier;
 mod peer_load;
+mod pinned;
 mod restart;
 mod retry;
 mod rotation;
@@ -230,6 +231,8 @@ pub struct Dispatch {
     /// Its shared-tier load, queued on the mount's backlog until its first token.
     shared_load: Option<SharedLoad>,
     keys: Arc<Vec<RouterKey>>,
+    /// The id its blocks are pinned under at its endpoint ([`pinned`]).
+    pin: u64,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
     rate_sample: bool,
@@ -292,6 +295,11 @@ pub struct Fleet {
     targets: Arc<LookupTargets>,
     /// Endpoints the last plan viewed and costed.
     last_plan_viewed: usize,
+    /// The id the next dispatch pins its blocks under ([`pinned`]).
+    next_pin: u64,
+    /// Seconds from first token to end, averaged over the fleet's requests: the decode time
+    /// of an endpoint where none ended yet.
+    decode_s: Option<f64>,
 }
 
 impl Fleet {
@@ -340,6 +348,8 @@ impl Fleet {
             expired_samples: Vec::new(),
             targets: Arc::default(),
             last_plan_viewed: 0,
+            next_pin: 0,
+            decode_s: None,
         };
         for at in 0..fleet.endpoints.len() {
             fleet.load_changed(EndpointId(at as u32));
@@ -526,12 +536,15 @@ impl Fleet {
         let no_matches = PrefixMatches::default();
         let base = costing::PlanInputs {
             model: request.model,
+            keys,
+            prompt_tokens: request.prompt_tokens,
             block_size: bs,
             index_matches: &no_matches,
             history: &history,
             predicted: &predicted,
             reportable: request.prompt_tokens.saturating_sub(1) / bs,
             prior_rate,
+            decode_s: self.decode_s,
             now,
         };
         self.round_robin = self.round_robin.wrapping_add(1);
@@ -690,11 +703,26 @@ impl Fleet {
             if tier_uncertain {
                 e.tier_rates.uncertain_requests = e.tier_rates.uncertain_requests.saturating_add(1);
             }
+            // The earliest its prefill can end: the prefill queued ahead of it, then its own.
+            let rate = match e.prefill_rate {
+                r if r > 0.0 => r,
+                _ => self.config.default_prefill_tokens_per_s.max(1.0),
+            };
+            let prefill_end = now + (e.inflight_prefill_tokens + uncached) as f64 / rate;
+            e.pinned.pin(
+                self.next_pin,
+                request.keys.clone(),
+                request.prompt_tokens,
+                bs,
+                prefill_end,
+            );
             e.inflight += 1;
             e.inflight_prefills += 1;
             e.inflight_prefill_tokens += uncached;
             e.trust.dispatched(expects_event, now);
         }
+        let pin = self.next_pin;
+        self.next_pin += 1;
         self.load_changed(endpoint);
         Dispatch {
             endpoint,
@@ -708,6 +736,7 @@ impl Fleet {
             tier_seconds: None,
             shared_load,
             keys: request.keys.clone(),
+            pin,
             prefill_done: false,
             rate_sample,
             quiet,
@@ -833,6 +862,7 @@ impl Fleet {
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
+        e.pinned.first_token(dispatch.pin, now);
         // A tier lesson needs a request that ran alone (under load the decodes batched with it
         // inflate what is left to its loads, and the tier is learned far too slow: measured,
         // docs/benchmarks.md) on a certain tier prediction, and the endpoint's own line of what
@@ -868,10 +898,12 @@ impl Fleet {
     /// The request ended at `now` (completed, failed, or abandoned by its client);
     /// `reported_cached`: the engine's `cached_tokens`, if it said.
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
-        let _ = now;
         self.end_prefill(&mut dispatch);
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
+            if let Some(decode_s) = e.pinned.unpin(dispatch.pin, now) {
+                self.decode_s = Some(pinned::averaged(self.decode_s, decode_s));
+            }
             if let Some(reported) = reported_cached {
                 e.trust
                     .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
@@ -942,7 +974,7 @@ impl Fleet {
     pub fn observe_load(&mut self, id: EndpointId, sample: LoadSample, now: f64) {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.capacity_blocks = sample.num_gpu_blocks.or(e.capacity_blocks);
-            e.sample = Some((sample, now));
+            e.observe_sample(sample, now);
             let fresh_until = now + self.config.load_sample_max_age_s;
             self.load_order.sample_expires(id, Some(fresh_until));
             self.load_changed(id);
@@ -1062,6 +1094,9 @@ impl Fleet {
 
     /// Drops expired history and predictions (call now and then).
     pub fn housekeeping(&mut self, now: f64) {
+        for e in &mut self.endpoints {
+            e.pinned.expire(now - pinned::PIN_MAX_AGE_S);
+        }
         self.history.expire(now);
         self.predicted.expire(now);
         self.expire_peer_prefills(now);

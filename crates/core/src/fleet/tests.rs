@@ -565,6 +565,109 @@ fn stale_load_samples_are_ignored() {
     );
 }
 
+/// The router counts its own requests as they change; a scrape counts everyone's, and ages.
+/// Between two scrapes only what the router cannot see (another client's requests) keeps the
+/// scrape's value: its own queue that drained since is not counted as still waiting, and its
+/// own requests sent since are not missed.
+#[test]
+fn a_load_sample_ages_only_in_what_the_router_cannot_see() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let e = EndpointId(0);
+    let (_, mut first) = send(&mut fleet, &Req::new(&prompt(320, 1)), 0.0);
+    let (_, mut second) = send(&mut fleet, &Req::new(&prompt(320, 2)), 0.0);
+    let (_, mut third) = send(&mut fleet, &Req::new(&prompt(320, 3)), 0.0);
+    fleet.first_token(&mut third, true, 0.05);
+    // Its two requests wait beside another client's one; its third decodes beside two others.
+    let sample = LoadSample {
+        waiting: Some(3.0),
+        running: Some(3.0),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: Some(1000),
+    };
+    fleet.observe_load(e, sample, 0.1);
+    let counts = |fleet: &Fleet, now| {
+        let load = fleet.load(e, now).unwrap();
+        (load.queue(), load.decoding())
+    };
+    assert_eq!(counts(&fleet, 0.1), (3.0, 3.0));
+    // Its two start decoding: what waits is the other client's one.
+    fleet.first_token(&mut first, true, 0.2);
+    fleet.first_token(&mut second, true, 0.2);
+    assert_eq!(counts(&fleet, 0.2), (1.0, 5.0));
+    // Its three end: the other client's requests are still there until a scrape says not.
+    for d in [first, second, third] {
+        fleet.finished(d, Some(0), 0.3);
+    }
+    assert_eq!(counts(&fleet, 0.3), (1.0, 2.0));
+    // One it sends now counts at once.
+    send(&mut fleet, &Req::new(&prompt(320, 4)), 0.4);
+    assert_eq!(counts(&fleet, 0.4), (2.0, 2.0));
+}
+
+/// An endpoint a scrape found saturated by the router's own queue opens as soon as that queue
+/// leaves prefill, not when the scrape expires (seconds later, with the engine running dry).
+#[test]
+fn a_queue_a_scrape_saw_full_opens_when_the_routers_own_requests_leave_it() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let e = EndpointId(0);
+    let threshold = fleet.profile().saturation.queue as u32;
+    let mut queued: Vec<Dispatch> = (0..threshold)
+        .map(|i| send(&mut fleet, &Req::new(&prompt(320, i)), 0.0).1)
+        .collect();
+    let sample = LoadSample {
+        waiting: Some(f64::from(threshold)),
+        running: Some(0.0),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: Some(1000),
+    };
+    fleet.observe_load(e, sample, 0.1);
+    let next = Req::new(&prompt(320, 99));
+    assert!(fleet.plan(&next.features(), 1, 0.1).decision.saturated);
+    for d in &mut queued {
+        fleet.first_token(d, true, 0.2);
+    }
+    assert!(
+        !fleet.plan(&next.features(), 1, 0.2).decision.saturated,
+        "the queue the scrape saw has left"
+    );
+}
+
+/// An engine admits a request only when its blocks fit beside those its running requests
+/// pin: one whose cache a running request fills waits for that request's decode to end, and
+/// the plan says so in its queue term (and sends it where it fits).
+#[test]
+fn a_request_that_does_not_fit_beside_running_ones_waits_for_their_end() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let (busy, idle) = (EndpointId(0), EndpointId(1));
+    let room = LoadSample {
+        waiting: Some(0.0),
+        running: Some(0.0),
+        kv_usage: Some(0.0),
+        num_gpu_blocks: Some(150),
+    };
+    for e in [busy, idle] {
+        fleet.observe_load(e, room, 0.0);
+    }
+    // A first request there decodes for 0.4 s: the decode time it learns.
+    let mut first = send_to(&mut fleet, &Req::new(&prompt(160, 1)), busy, 0.0);
+    fleet.first_token(&mut first, true, 0.1);
+    fleet.finished(first, Some(0), 0.5);
+    // A 100-block request runs there from 1.0 (expected to end at 1.4).
+    let mut running = send_to(&mut fleet, &Req::new(&prompt(1_600, 2)), busy, 0.9);
+    fleet.first_token(&mut running, true, 1.0);
+    let plan = fleet.plan(&Req::new(&prompt(1_600, 3)).features(), 7, 1.1);
+    let queue_s = plan.decision.assessment(busy).unwrap().cost.queue_s;
+    assert!(
+        queue_s >= 0.3 - 1e-9,
+        "waits for the running request's end: {queue_s}"
+    );
+    assert_eq!(plan.decision.chosen(), Some(idle));
+    // Once it ended, nothing is in the way.
+    fleet.finished(running, Some(0), 1.2);
+    let plan = fleet.plan(&Req::new(&prompt(1_600, 3)).features(), 7, 1.2);
+    assert!(plan.decision.assessment(busy).unwrap().cost.queue_s < 0.05);
+}
+
 /// A sample dates from when its scrape was sent. Answers that each take the whole timeout, the
 /// next sent at the following interval, must leave no gap in which the load reads unknown; with
 /// fast scrapes four missed intervals and a second of slack still bound it.

@@ -166,7 +166,10 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     };
     let queued_tokens =
         (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
-    let queue_s = queued_tokens / rate + load.queue() * profile.queue_wait_s;
+    // The prefills queued ahead, or the requests that must end before this one's blocks fit,
+    // whichever is longer (the latter includes the former's prefills).
+    let queue_s =
+        (queued_tokens / rate).max(load.room_wait_s) + load.queue() * profile.queue_wait_s;
     // Who waits for this prefill: every running decode (its next token comes after the step
     // that computes it), and the requests that will queue behind it, as many, in steady state,
     // as are queued there now.

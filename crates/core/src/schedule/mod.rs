@@ -65,6 +65,10 @@ pub struct EndpointLoad {
     /// Requests the router recently placed there for reasons other than its cache (a
     /// time-decayed count): what balancing evens out among near-equal costs.
     pub recent_placements: f64,
+    /// Seconds this request would wait there for room in the cache: until enough of the
+    /// router's in-flight requests there have ended for its blocks to fit beside the ones they
+    /// pin (0 when they fit, or nothing says how long a request runs there).
+    pub room_wait_s: f64,
 }
 
 impl EndpointLoad {

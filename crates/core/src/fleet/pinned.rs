@@ -331,12 +331,26 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_request_that_fits_beside_the_pinned_blocks_waits_for_nothing() {
+    /// An endpoint where one request ran and decoded for 0.4 s (from 0.1 to 0.5): the decode
+    /// time it has learned. Request ids from 2 are free.
+    fn decoding_for_0_4_s() -> PinnedBlocks {
         let mut pinned = PinnedBlocks::default();
-        pinned.pin(1, keys(1, 100), 100 * 16 + 8, 16, 0.1);
+        pinned.pin(1, keys(99, 10), 168, 16, 0.0);
         pinned.first_token(1, 0.1);
         pinned.unpin(1, 0.5);
+        pinned
+    }
+
+    /// Pins request `id` with `keys` at `at` and gives it its first token then.
+    fn running(pinned: &mut PinnedBlocks, id: u64, keys: Arc<Vec<RouterKey>>, at: f64) {
+        let tokens = keys.len() * 16 + 8;
+        pinned.pin(id, keys, tokens, 16, at);
+        pinned.first_token(id, at);
+    }
+
+    #[test]
+    fn a_request_that_fits_beside_the_pinned_blocks_waits_for_nothing() {
+        let mut pinned = decoding_for_0_4_s();
         pinned.pin(2, keys(2, 100), 100 * 16 + 8, 16, 0.6);
         let new = keys(3, 100);
         assert_eq!(pinned.room_wait_s(&asked(&new, 300, 0.6)), 0.0);
@@ -344,16 +358,10 @@ mod tests {
 
     #[test]
     fn a_request_that_does_not_fit_waits_for_the_first_end_that_makes_room() {
-        let mut pinned = PinnedBlocks::default();
-        // Decodes take 0.4 s here.
-        pinned.pin(1, keys(1, 10), 168, 16, 0.0);
-        pinned.first_token(1, 0.1);
-        pinned.unpin(1, 0.5);
+        let mut pinned = decoding_for_0_4_s();
         // Two running requests of 100 blocks each (+1): 202 of 250 pinned.
-        pinned.pin(2, keys(2, 100), 1_608, 16, 1.0);
-        pinned.first_token(2, 1.0);
-        pinned.pin(3, keys(3, 100), 1_608, 16, 1.2);
-        pinned.first_token(3, 1.2);
+        running(&mut pinned, 2, keys(2, 100), 1.0);
+        running(&mut pinned, 3, keys(3, 100), 1.2);
         let new = keys(4, 100);
         let wait = pinned.room_wait_s(&asked(&new, 250, 1.3));
         assert!((wait - 0.1).abs() < 1e-9, "request 2 ends at 1.4: {wait}");
@@ -364,15 +372,10 @@ mod tests {
 
     #[test]
     fn a_prefix_in_flight_requests_pin_needs_no_room_and_frees_none_by_ending() {
-        let mut pinned = PinnedBlocks::default();
-        pinned.pin(1, keys(9, 10), 168, 16, 0.0);
-        pinned.first_token(1, 0.1);
-        pinned.unpin(1, 0.5);
+        let mut pinned = decoding_for_0_4_s();
         // Two questions under one tenant's 100-block context, running.
-        pinned.pin(2, chain(1, 100, 2, 5), 1_688, 16, 1.0);
-        pinned.first_token(2, 1.0);
-        pinned.pin(3, chain(1, 100, 3, 5), 1_688, 16, 1.1);
-        pinned.first_token(3, 1.1);
+        running(&mut pinned, 2, chain(1, 100, 2, 5), 1.0);
+        running(&mut pinned, 3, chain(1, 100, 3, 5), 1.1);
         assert_eq!(pinned.blocks(), 112, "the context counts once");
         // Another question of that tenant needs 6 blocks: it fits in 120.
         let same_tenant = chain(1, 100, 4, 5);
@@ -389,18 +392,13 @@ mod tests {
 
     #[test]
     fn what_an_endpoint_releases_follows_each_change_of_its_requests() {
-        let mut pinned = PinnedBlocks::default();
-        pinned.pin(1, keys(1, 10), 168, 16, 0.0);
-        pinned.first_token(1, 0.1);
-        pinned.unpin(1, 0.5); // decodes take 0.4 s here
-        pinned.pin(2, keys(2, 100), 1_608, 16, 1.0);
-        pinned.first_token(2, 1.0);
+        let mut pinned = decoding_for_0_4_s();
+        running(&mut pinned, 2, keys(2, 100), 1.0);
         let new = keys(4, 100);
         // 101 of 150 pinned: the new request waits for request 2 (ends at 1.4).
         assert!((pinned.room_wait_s(&asked(&new, 150, 1.1)) - 0.3).abs() < 1e-9);
         // A second request pins 61 more and ends at 1.55: the new one now waits for both.
-        pinned.pin(3, keys(3, 60), 968, 16, 1.1);
-        pinned.first_token(3, 1.15);
+        running(&mut pinned, 3, keys(3, 60), 1.15);
         assert!((pinned.room_wait_s(&asked(&new, 150, 1.2)) - 0.35).abs() < 1e-9);
         // Request 2 ends after 0.3 s of decoding (learned: 0.8 × 0.4 + 0.2 × 0.3 = 0.38 s): the
         // new request waits for request 3 alone, until 1.15 + 0.38.

@@ -27,7 +27,8 @@ use crate::keys::RouterKey;
 /// lost (a generation longer than this is rare; one that runs on is only under-counted).
 pub(super) const PIN_MAX_AGE_S: f64 = 1_800.0;
 
-/// Weight of a new decode-time observation in the endpoint's average (as for prefill rates).
+/// Weight of a new decode-time observation in the endpoint's average (as for the index's
+/// prediction error: the last five carry two thirds).
 const DECODE_SAMPLE_WEIGHT: f64 = 0.2;
 
 /// One in-flight request's pinned blocks and timing.
@@ -55,9 +56,8 @@ pub(super) struct PinnedBlocks {
     /// Seconds from first token to end, averaged over the requests that ended here.
     decode_s: Option<f64>,
     /// The order the in-flight requests are expected to end in, and the blocks freed as each
-    /// ends, for a request that shares none of their blocks: made when first asked after a
-    /// change, so that costing every endpoint of a large fleet does not walk each one's
-    /// in-flight blocks (see [`PinnedBlocks::room_wait_s`]).
+    /// ends: made when first asked after a change, so that costing every endpoint of a large
+    /// fleet does not walk each one's in-flight blocks (see [`PinnedBlocks::room_wait_s`]).
     releases: OnceLock<Releases>,
 }
 
@@ -199,7 +199,7 @@ impl PinnedBlocks {
     ///
     /// It reads the endpoint's releases, made once per change of its in-flight requests (not
     /// once per plan: costing every endpoint of a large fleet must not walk each one's
-    /// in-flight blocks), and halves over them.
+    /// in-flight blocks), halves over them, and allocates nothing.
     pub(super) fn room_wait_s(&self, asked: &RoomAsked<'_>) -> f64 {
         let pinned = self.blocks();
         if pinned == 0 || asked.capacity_blocks == 0 {
@@ -222,19 +222,26 @@ impl PinnedBlocks {
         let steps = &releases.steps;
         let made_room = |at: usize| steps.get(at).or(steps.last());
         let wait = |r: &Release| (r.heard_at + decode_s - asked.now).max(0.0);
-        if shared == 0 {
-            let at = steps.partition_point(|r| room + r.freed < needed);
-            return made_room(at).map_or(0.0, wait);
-        }
-        // A freed block the request shares was never needed: it frees nothing for it. Keys
-        // chain their parents, so the shared blocks still pinned after a step are the longest
-        // prefix the request shares with any request ending later.
-        let mut later = vec![0; steps.len() + 1];
-        for at in (0..steps.len()).rev() {
-            later[at] = later[at + 1].max(common_prefix(&releases.keys[at], &asked.keys[..shared]));
-        }
-        let at = (0..steps.len())
-            .find(|&at| room + steps[at].freed - (shared - later[at + 1]) as i64 >= needed)
+        // A freed block the request shares was never needed: it frees nothing for it, so what
+        // ending frees for it lies between what is freed less all it shares and what is freed:
+        // no step before the first that frees enough blocks can make room. Keys chain their
+        // parents, so the shared blocks still pinned after a step are the longest prefix it
+        // shares with a request ending later (most often one of them holds all it shares: the
+        // first looked at).
+        let first_possible = steps.partition_point(|r| room + r.freed < needed);
+        let shared_keys = &asked.keys[..shared];
+        let still_shared = |after: usize| {
+            let mut longest = 0;
+            for keys in &releases.keys[after..] {
+                if longest == shared {
+                    break;
+                }
+                longest = longest.max(common_prefix(keys, shared_keys));
+            }
+            longest
+        };
+        let at = (first_possible..steps.len())
+            .find(|&at| room + steps[at].freed - (shared - still_shared(at + 1)) as i64 >= needed)
             .unwrap_or(steps.len());
         made_room(at).map_or(0.0, wait)
     }

@@ -75,6 +75,28 @@ async fn read_response(socket: &mut TcpStream, needle: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Reads one response with a `Content-Length` body (and nothing after it): its head and body.
+async fn read_one_response(socket: &mut TcpStream) -> (String, String) {
+    let answer = read_response(socket, "\r\n\r\n").await;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let length: usize = head
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no content-length: {head}"));
+    let mut body = body.as_bytes().to_vec();
+    let mut rest = vec![0u8; length.saturating_sub(body.len())];
+    tokio::time::timeout(patience(), socket.read_exact(&mut rest))
+        .await
+        .expect("the body in time")
+        .unwrap();
+    body.extend_from_slice(&rest);
+    (head.to_owned(), String::from_utf8(body).unwrap())
+}
+
 async fn completion(client: &reqwest::Client, router: &RunningRouter, body: Value) -> (u16, Value) {
     let resp = client
         .post(format!("http://{}/v1/completions", router.addr))
@@ -138,9 +160,49 @@ async fn a_declared_oversized_body_gets_413_before_any_body_byte() {
         b"POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n",
     )
     .await;
-    let answer = read_response(&mut socket, "}").await;
+    let answer = read_until_closed(&mut socket).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("RequestTooLargeError"), "{answer}");
+    let (head, _) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "the body is never read, so the connection cannot be reused: {head}"
+    );
+}
+
+/// A body refused part way (past the limit, with no length declared) leaves its rest unread on
+/// the connection: the answer says `Connection: close` and the router closes it, so a client
+/// that keeps connections alive does not send its next request there. A body read to its end
+/// keeps the connection open, whatever the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_body_is_read_closes_the_connection_and_says_so() {
+    let (_engine, router) = engine_and_router(|c| c.limits.max_body_bytes = 1000).await;
+    let chunk = "x".repeat(4000);
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n",
+        chunk.len()
+    );
+    let mut socket = send_raw(router.addr, request.as_bytes()).await;
+    let answer = read_until_closed(&mut socket).await;
+    let (head, _) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+    // A body read to its end and refused (not JSON) leaves the connection open: a second
+    // request on it is answered.
+    let bad = "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: 3\r\n\r\n{{{";
+    let mut socket = send_raw(router.addr, bad.as_bytes()).await;
+    let (first, _) = read_one_response(&mut socket).await;
+    assert!(first.starts_with("HTTP/1.1 400"), "{first}");
+    assert!(
+        !first.to_ascii_lowercase().contains("connection: close"),
+        "{first}"
+    );
+    socket.write_all(bad.as_bytes()).await.unwrap();
+    let (second, _) = read_one_response(&mut socket).await;
+    assert!(second.starts_with("HTTP/1.1 400"), "{second}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

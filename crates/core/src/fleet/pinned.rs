@@ -18,8 +18,9 @@
 //! to have ended for their blocks to make that room, in order of their expected ends, each
 //! releasing the blocks no request still running references.
 
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+
+use hashbrown::HashMap;
 
 use crate::keys::RouterKey;
 
@@ -205,19 +206,23 @@ impl PinnedBlocks {
         if pinned == 0 || asked.capacity_blocks == 0 {
             return 0.0;
         }
-        let bs = asked.block_size.max(1);
-        let shared = self.pinned_prefix(asked.keys);
-        let needed = asked.prompt_tokens.div_ceil(bs).max(1) - shared.min(asked.prompt_tokens);
-        // Negative when more is pinned than the cache holds (an estimate's error).
-        let room = asked.capacity_blocks as i64 - pinned as i64;
-        let needed = needed as i64;
-        if needed <= room {
-            return 0.0;
-        }
         let Some(decode_s) = self.decode_s.or(asked.fallback_decode_s) else {
             // No request has ended here yet: nothing says how long one runs.
             return 0.0;
         };
+        let bs = asked.block_size.max(1);
+        let blocks = asked.prompt_tokens.div_ceil(bs).max(1);
+        // Negative when more is pinned than the cache holds (an estimate's error).
+        let room = asked.capacity_blocks as i64 - pinned as i64;
+        if blocks as i64 <= room {
+            // Fits even with nothing shared: no need to look the keys up.
+            return 0.0;
+        }
+        let shared = self.pinned_prefix(asked.keys);
+        let needed = (blocks - shared.min(blocks)) as i64;
+        if needed <= room {
+            return 0.0;
+        }
         let releases = self.releases.get_or_init(|| self.releases());
         let steps = &releases.steps;
         let made_room = |at: usize| steps.get(at).or(steps.last());

@@ -4,6 +4,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -28,17 +29,41 @@ pub struct EdgeBody<B> {
     timeout: Duration,
     hold: Arc<BudgetHold>,
     failed: bool,
+    read_to_end: ReadToEnd,
+}
+
+/// Whether a request's body was read to its end: shared by the body and the edge, which asks
+/// once the handler has answered.
+#[derive(Clone, Debug)]
+pub struct ReadToEnd(Arc<AtomicBool>);
+
+impl ReadToEnd {
+    /// For a body that is (`true`: it has none) or is not yet read to its end.
+    pub fn new(already: bool) -> Self {
+        Self(Arc::new(AtomicBool::new(already)))
+    }
+
+    /// Whether the body was read to its end.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 impl<B> EdgeBody<B> {
-    /// `inner`, due complete within `timeout` from now.
-    pub fn new(inner: B, timeout: Duration, hold: Arc<BudgetHold>) -> Self {
+    /// `inner`, due complete within `timeout` from now; `read_to_end` is set once it has been
+    /// read to its end.
+    pub fn new(inner: B, timeout: Duration, hold: Arc<BudgetHold>, read_to_end: ReadToEnd) -> Self {
         Self {
             inner,
             deadline: Box::pin(tokio::time::sleep(timeout)),
             timeout,
             hold,
             failed: false,
+            read_to_end,
         }
     }
 }
@@ -67,7 +92,10 @@ where
                 _ => return Poll::Ready(Some(Ok(frame))),
             },
             Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Ready(None) => {
+                self.read_to_end.set();
+                return Poll::Ready(None);
+            }
             Poll::Pending => match self.deadline.as_mut().poll(cx) {
                 Poll::Ready(()) => RouterError::ClientTimeout(format!(
                     "the request body did not arrive within {:?}",

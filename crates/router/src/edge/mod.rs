@@ -7,7 +7,10 @@
 //! answered 413 before any body byte is read, the body must arrive within
 //! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
 //! listener's byte budget until the handler answers (503 when the budget is spent): a declared
-//! length costs nothing until its bytes come.
+//! length costs nothing until its bytes come. An HTTP/1 answer given before the request's body
+//! was read to its end (413, or any early refusal) says `Connection: close` and closes the
+//! connection: the rest of the body is never read, so the connection cannot carry another
+//! request, and a client told so does not send its next request on it.
 //!
 //! A listener that drains (the API listener, see [`crate::shutdown`]) stops accepting when the
 //! router drains, closes each open connection once its request is answered, and returns when
@@ -39,7 +42,7 @@ use crate::metrics::listener as listener_labels;
 use crate::reply::error_response;
 use crate::service::Router;
 use crate::shutdown::Phase;
-use body::{EdgeBody, Finishing};
+use body::{EdgeBody, Finishing, ReadToEnd};
 pub(crate) use body::{read_body, read_body_within};
 use conn::{Activity, InFlight, TrackedIo};
 
@@ -217,6 +220,26 @@ async fn serve_connection(
     }
 }
 
+/// `response`, saying `Connection: close` when it answers an HTTP/1 request whose body was not
+/// read to its end (`read_to_end` false). The server then closes the connection after it (the
+/// unread rest of the body cannot be told from a next request); without the header a client
+/// that keeps connections alive would send its next request on a connection being closed, and
+/// see it fail.
+fn closing_unless_read(
+    mut response: Response,
+    version: http::Version,
+    read_to_end: bool,
+) -> Response {
+    let http1 = matches!(version, http::Version::HTTP_10 | http::Version::HTTP_11);
+    if http1 && !read_to_end {
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+    }
+    response
+}
+
 impl Edge {
     /// One request: admitted (or refused) at the edge, then routed. It counts as in progress
     /// on its connection until its response body is dropped, or this future is.
@@ -248,28 +271,33 @@ impl Edge {
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
+        let version = parts.version;
         if let Some(declared) = declared
             && declared > limits.max_body_bytes as u64
         {
-            return Err(refuse(
+            let refused = refuse(
                 413,
                 format!("request body larger than {} bytes", limits.max_body_bytes),
-            ));
+            );
+            return Err(closing_unless_read(refused, version, false));
         }
         // Charged as the bytes arrive: a declared length reserves nothing.
         let hold = Arc::new(self.budget.hold());
+        let read_to_end = ReadToEnd::new(hyper::body::Body::is_end_stream(&body));
         let body = EdgeBody::new(
             body,
             Duration::from_millis(limits.body_timeout_ms),
             hold.clone(),
+            read_to_end.clone(),
         );
         let request = http::Request::from_parts(parts, Body::new(body));
         let response = self.routes.clone().oneshot(request).await;
         // The handler answered: the body it read is no longer held.
         drop(hold);
-        Ok(match response {
+        let response = match response {
             Ok(response) => response,
             Err(never) => match never {},
-        })
+        };
+        Ok(closing_unless_read(response, version, read_to_end.get()))
     }
 }

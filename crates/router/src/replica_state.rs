@@ -19,7 +19,7 @@ use crate::journal::Journal;
 
 mod outbox;
 
-pub(crate) use outbox::{BATCH_BODY_LIMIT, Courier, MAX_BATCH_MESSAGES, Outboxes};
+pub(crate) use outbox::{BATCH_BODY_LIMIT, Courier, MAX_BATCH_MESSAGES, Outboxes, SINGLES_FOR};
 
 /// Where a replica's warm-up stands.
 #[derive(Clone, Debug, PartialEq, Serialize)]

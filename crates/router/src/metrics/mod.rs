@@ -140,7 +140,8 @@ metric_group! {
         /// Messages to peers (`/kvroute/v1/peer/*`) not delivered, by kind: `outbox_full` (the
         /// peer's outbox held `4096` messages or 16 MiB waiting), `timeout` (no answer within 1 s), `unreachable`,
         /// `refused` (an error status), `unsupported` (an older peer without that message's route),
-        /// `invalid`. Each costs only what sharing would have won.
+        /// `invalid`, `shutdown` (posted while the router shuts down: no task to send it). Each
+        /// costs only what sharing would have won.
         replica_peer_messages_dropped: Family<KindLabel, Counter> = Family::default(),
             "replica_peer_messages_dropped", "Messages to peer replicas not delivered, by kind";
         /// Entries of peers' message batches skipped here, by kind: `unreadable` (a kind or

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::edge::read_body_within;
-use crate::replica_state::{Courier, REPLICA_HEADER};
+use crate::replica_state::{Courier, REPLICA_HEADER, SINGLES_FOR};
 use crate::reply::error_response;
 use crate::service::Router;
 
@@ -177,6 +177,7 @@ fn post_to_peers(router: &Router, path: &'static str, message: &impl Serialize) 
         id: replica.id().to_owned(),
         peers: replica.peer_list(),
         dropped: router.metrics().replica_peer_messages_dropped.clone(),
+        singles_for: SINGLES_FOR,
     };
     replica
         .outboxes()

@@ -61,7 +61,7 @@ pub(crate) const BATCH_BODY_LIMIT: usize =
 
 /// How long a peer that had no batch route (an older build) gets messages one by one before a
 /// batch is tried again (it may have been upgraded since).
-const SINGLES_FOR: Duration = Duration::from_secs(60);
+pub(crate) const SINGLES_FOR: Duration = Duration::from_secs(60);
 
 /// One message for a peer: its path under `/kvroute/v1/peer/` and its JSON body.
 struct Message {
@@ -83,6 +83,8 @@ pub(crate) struct Courier {
     pub peers: Arc<PeerList>,
     /// `kvroute_replica_peer_messages_dropped_total`, by kind.
     pub dropped: Family<KindLabel, Counter>,
+    /// How long a peer that answered a batch 404 gets messages one by one ([`SINGLES_FOR`]).
+    pub singles_for: Duration,
 }
 
 /// How a request to a peer ended.
@@ -153,7 +155,7 @@ impl Courier {
     }
 
     /// Sends `messages` to `peer` in order: as one batch unless the peer had no batch route
-    /// lately (`singles_until`, set for [`SINGLES_FOR`] at a 404), else one by one.
+    /// lately (`singles_until`, set for `singles_for` at a 404), else one by one.
     async fn send_all(
         &self,
         peer: &str,
@@ -167,7 +169,7 @@ impl Courier {
             match self.post(peer, "batch", body).await {
                 Sent::Taken => return,
                 Sent::Dropped(kind) => return self.drop_messages(kind, count),
-                Sent::NoRoute => *singles_until = Some(Instant::now() + SINGLES_FOR),
+                Sent::NoRoute => *singles_until = Some(Instant::now() + self.singles_for),
             }
         }
         for message in messages {
@@ -251,10 +253,13 @@ impl Outboxes {
                 Ok(()) => {}
                 Err(None) => courier().drop_one("outbox_full"),
                 Err(Some(message)) => {
-                    // Its task is gone (the runtime is shutting down): a fresh outbox.
+                    // Its task is gone (its runtime ended): a fresh outbox, whose task is gone
+                    // at once too where this runtime is shutting down (not a full outbox).
                     *outbox = open(peer, courier());
-                    if outbox.try_post(message).is_err() {
-                        courier().drop_one("outbox_full");
+                    match outbox.try_post(message) {
+                        Ok(()) => {}
+                        Err(None) => courier().drop_one("outbox_full"),
+                        Err(Some(_)) => courier().drop_one("shutdown"),
                     }
                 }
             }
@@ -325,6 +330,7 @@ mod tests {
             id: "me".into(),
             peers: Arc::default(),
             dropped: Family::default(),
+            singles_for: SINGLES_FOR,
         }
     }
 
@@ -471,6 +477,144 @@ mod tests {
             0,
             "the 404 to a batch loses nothing"
         );
+    }
+
+    /// A peer that answers a batch 404 (an older build) gets messages one by one for the
+    /// courier's `singles_for`, even once it takes batches again, and a batch after that (it
+    /// was upgraded meanwhile).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_had_no_batch_route_gets_a_batch_again_after_a_while() {
+        #[derive(Default)]
+        struct Upgrading {
+            takes_batches: std::sync::atomic::AtomicBool,
+            arrivals: Mutex<Vec<String>>,
+            release: Notify,
+        }
+        let peer = Arc::new(Upgrading::default());
+        let app =
+            axum::Router::new()
+                .route(
+                    "/kvroute/v1/peer/{path}",
+                    axum::routing::post(
+                        |State(peer): State<Arc<Upgrading>>,
+                         Path(path): Path<String>,
+                         body: String| async move {
+                            if path == "batch" && !peer.takes_batches.load(Ordering::SeqCst) {
+                                return http::StatusCode::NOT_FOUND;
+                            }
+                            peer.arrivals.lock().push(format!("{path} {body}"));
+                            if body == "\"hold\"" {
+                                let _ = tokio::time::timeout(
+                                    Duration::from_secs(10),
+                                    peer.release.notified(),
+                                )
+                                .await;
+                            }
+                            http::StatusCode::NO_CONTENT
+                        },
+                    ),
+                )
+                .with_state(peer.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peers = vec![format!("http://{}", listener.local_addr().unwrap())];
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let courier = Courier {
+            singles_for: Duration::from_secs(3),
+            ..courier()
+        };
+        let outboxes = Outboxes::default();
+        let post = |body: &str| {
+            outboxes.post(&peers, "ended", &Bytes::from(body.to_owned()), || {
+                courier.clone()
+            });
+        };
+        // Waits until `done` holds for what the peer took, then returns it.
+        let arrived = async |done: &dyn Fn(&[String]) -> bool| {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let arrivals = peer.arrivals.lock().clone();
+                if done(&arrivals) {
+                    return arrivals;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "messages lost: {arrivals:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        // A held message, then two queued behind it, which leave once it is answered: what the
+        // peer took after the held one, until the second (`b`) arrived.
+        let mut taken = 0;
+        let mut two_after_a_held_one = async |a: &str, b: &str| {
+            post("\"hold\"");
+            arrived(&|arrivals| arrivals.len() > taken).await;
+            post(a);
+            post(b);
+            peer.release.notify_one();
+            let last = format!("{b}}}]}}");
+            let arrivals = arrived(&|arrivals| {
+                arrivals
+                    .last()
+                    .is_some_and(|m| m == &format!("ended {b}") || m.ends_with(&last))
+            })
+            .await;
+            let after_held = arrivals[taken + 1..].to_vec();
+            taken = arrivals.len();
+            after_held
+        };
+        // The 404 comes between these two instants.
+        let before_404 = tokio::time::Instant::now();
+        let one_by_one = two_after_a_held_one("1", "2").await;
+        let after_404 = tokio::time::Instant::now();
+        assert_eq!(one_by_one, ["ended 1", "ended 2"], "the batch got 404");
+        peer.takes_batches.store(true, Ordering::SeqCst);
+        let still = two_after_a_held_one("3", "4").await;
+        if before_404.elapsed() < courier.singles_for {
+            assert_eq!(
+                still,
+                ["ended 3", "ended 4"],
+                "within the while, one by one"
+            );
+        }
+        tokio::time::sleep_until(after_404 + courier.singles_for).await;
+        let batch = two_after_a_held_one("5", "6").await;
+        assert_eq!(
+            batch,
+            [r#"batch {"messages":[{"path":"ended","body":5},{"path":"ended","body":6}]}"#],
+            "after the while, a batch again"
+        );
+        assert_eq!(dropped(&courier, "refused"), 0, "the 404s lost nothing");
+    }
+
+    /// A message posted while the router's runtime shuts down has no task left to send it: it
+    /// is counted as such, not as a full outbox (which would say a peer is too slow).
+    #[test]
+    fn a_message_posted_during_shutdown_is_counted_as_shutdown_not_outbox_full() {
+        let courier = courier();
+        let outboxes = Outboxes::default();
+        // Nothing listens there; the message only has to be queued.
+        let peers = vec!["http://127.0.0.1:9".to_owned()];
+        let post = |body: &'static str| {
+            outboxes.post(
+                &peers,
+                "ended",
+                &Bytes::from_static(body.as_bytes()),
+                || courier.clone(),
+            );
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        runtime.block_on(async { post("1") });
+        // The outbox's task ends with its runtime; a task spawned on it now ends at once.
+        drop(runtime);
+        let _entered = handle.enter();
+        post("2");
+        assert_eq!(dropped(&courier, "shutdown"), 1);
+        assert_eq!(dropped(&courier, "outbox_full"), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

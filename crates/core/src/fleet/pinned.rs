@@ -9,15 +9,25 @@
 //! (traced: a request predicted to wait 53 ms waited 0.7 s behind three decodes,
 //! docs/benchmarks.md).
 //!
-//! Per endpoint this keeps the router keys of each in-flight request, reference-counted, so a
-//! block several of them share (a tenant's context) counts once, and a new request whose prefix
-//! they pin needs room only for the rest; when each is expected to end (its first token, or the
+//! Per endpoint this keeps the router keys of each in-flight request, so that a block several
+//! of them share (a tenant's context) counts once, and a new request whose prefix they pin
+//! needs room only for the rest; when each is expected to end (its first token, or the
 //! earliest its prefill can end, plus the endpoint's decode time); and that decode time (first
 //! token to end, learned from the requests that ended there). A request needs room for its
 //! blocks no in-flight request pins; the wait is until enough in-flight requests are expected
 //! to have ended for their blocks to make that room, in order of their expected ends, each
 //! releasing the blocks no request still running references.
+//!
+//! Keys chain their parents, so what two requests share is a common prefix of their key
+//! chains, and the in-flight chains form a tree. They are kept in lexicographic order: the
+//! longest prefix a chain shares with any of them is the longer of what it shares with its two
+//! neighbours in that order, found in `O(log n)` comparisons, each a halving search for the
+//! first key two chains differ in (the chain property again). Pinning or unpinning a request
+//! then costs a few searches, not a map operation per block (a 512-block prompt made 1,024),
+//! and the pinned block count is kept as chains come and go: a new chain adds the blocks past
+//! its longest shared prefix, a leaving one frees those no remaining chain shares.
 
+use std::cmp::Ordering;
 use std::sync::{Arc, OnceLock};
 
 use hashbrown::HashMap;
@@ -49,8 +59,11 @@ struct PinnedRequest {
 /// One endpoint's in-flight requests, as pinned blocks.
 #[derive(Clone, Debug, Default)]
 pub(super) struct PinnedBlocks {
-    /// In-flight requests holding each key.
-    refs: HashMap<RouterKey, u32>,
+    /// The in-flight requests' key chains in order ([`chain_order`]), each with the number of
+    /// requests that have exactly that chain.
+    chains: Vec<(Arc<Vec<RouterKey>>, u32)>,
+    /// Distinct keys the chains hold.
+    keys: usize,
     requests: HashMap<u64, PinnedRequest>,
     /// Blocks pinned beyond the keys (each request's partial block).
     extra_blocks: usize,
@@ -111,8 +124,10 @@ impl PinnedBlocks {
         prefill_end: f64,
     ) {
         self.releases = OnceLock::new();
-        for key in keys.iter() {
-            *self.refs.entry(*key).or_insert(0) += 1;
+        self.keys += keys.len() - longest_shared(&self.chains, &keys);
+        match find_chain(&self.chains, &keys) {
+            Ok(at) => self.chains[at].1 += 1,
+            Err(at) => self.chains.insert(at, (keys.clone(), 1)),
         }
         let extra_blocks = prompt_tokens
             .div_ceil(block_size.max(1))
@@ -152,13 +167,15 @@ impl PinnedBlocks {
 
     fn release(&mut self, r: &PinnedRequest) {
         self.releases = OnceLock::new();
-        for key in r.keys.iter() {
-            if let Some(n) = self.refs.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.refs.remove(key);
-                }
+        let chain: &[RouterKey] = &r.keys;
+        if let Ok(at) = find_chain(&self.chains, chain) {
+            self.chains[at].1 -= 1;
+            if self.chains[at].1 == 0 {
+                self.chains.remove(at);
             }
+            // Its keys no remaining chain shares are freed (none, when another has the same
+            // chain).
+            self.keys -= chain.len() - longest_shared(&self.chains, chain);
         }
         self.extra_blocks -= r.extra_blocks;
     }
@@ -183,13 +200,13 @@ impl PinnedBlocks {
 
     /// Blocks pinned now.
     pub(super) fn blocks(&self) -> usize {
-        self.refs.len() + self.extra_blocks
+        self.keys + self.extra_blocks
     }
 
     /// Leading keys of `keys` that some in-flight request pins (keys chain their parents, so a
     /// pinned key's whole prefix is pinned).
     fn pinned_prefix(&self, keys: &[RouterKey]) -> usize {
-        keys.partition_point(|k| self.refs.contains_key(k))
+        longest_shared(&self.chains, keys)
     }
 
     /// Seconds a request (`asked`) waits here for room in the cache: 0 when its blocks that
@@ -252,27 +269,25 @@ impl PinnedBlocks {
     }
 
     /// The in-flight requests in the order they are expected to end, with the blocks freed by
-    /// each end (a block is freed once every request holding it has ended).
+    /// each end (a block is freed once every request holding it has ended): a request's end
+    /// frees its keys past the longest prefix it shares with a request ending after it, found
+    /// by walking the order backwards with the later chains in order.
     fn releases(&self) -> Releases {
         let mut order: Vec<&PinnedRequest> = self.requests.values().collect();
         order.sort_by(|a, b| a.heard_at().total_cmp(&b.heard_at()));
-        let mut ended: HashMap<RouterKey, u32> = HashMap::new();
-        let mut freed = 0i64;
-        let holders = |key: &RouterKey| self.refs.get(key).copied().unwrap_or(0);
-        let mut releases = Releases::default();
-        for r in order {
-            freed += r.extra_blocks as i64;
-            // Keys chain their parents, so the keys other requests also hold are a prefix;
-            // the rest are its alone, freed by its end.
-            let with_others = r.keys.partition_point(|k| holders(k) > 1);
-            freed += (r.keys.len() - with_others) as i64;
-            for key in &r.keys[..with_others] {
-                let done = ended.entry(*key).or_insert(0);
-                *done += 1;
-                if *done >= holders(key) {
-                    freed += 1;
-                }
+        let mut later: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::with_capacity(order.len());
+        let mut own_freed = vec![0i64; order.len()];
+        for (i, r) in order.iter().enumerate().rev() {
+            let chain: &[RouterKey] = &r.keys;
+            own_freed[i] = (r.extra_blocks + chain.len() - longest_shared(&later, chain)) as i64;
+            if let Err(at) = find_chain(&later, chain) {
+                later.insert(at, (r.keys.clone(), 1));
             }
+        }
+        let mut freed = 0i64;
+        let mut releases = Releases::default();
+        for (r, own) in order.into_iter().zip(own_freed) {
+            freed += own;
             releases.steps.push(Release {
                 heard_at: r.heard_at(),
                 freed,
@@ -296,6 +311,35 @@ pub(super) fn averaged(average: Option<f64>, sample: f64) -> f64 {
         Some(a) => (1.0 - DECODE_SAMPLE_WEIGHT) * a + DECODE_SAMPLE_WEIGHT * sample,
         None => sample,
     }
+}
+
+/// The lexicographic order of two key chains, found from the first key they differ in (keys
+/// chain their parents: chains equal at one position are equal at every one before it).
+fn chain_order(a: &[RouterKey], b: &[RouterKey]) -> Ordering {
+    let same = common_prefix(a, b);
+    a.get(same).cmp(&b.get(same))
+}
+
+/// Where `keys` is in `chains` (in [`chain_order`]): `Ok` with its place, or `Err` with the
+/// place it would go.
+fn find_chain(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> Result<usize, usize> {
+    chains.binary_search_by(|(chain, _)| chain_order(chain, keys))
+}
+
+/// The longest prefix `keys` shares with any of `chains` (in [`chain_order`]): the longer of
+/// what it shares with its neighbours in that order.
+fn longest_shared(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> usize {
+    let at = match find_chain(chains, keys) {
+        Ok(_) => return keys.len(),
+        Err(at) => at,
+    };
+    let before = at.checked_sub(1).map(|i| &chains[i]);
+    [before, chains.get(at)]
+        .into_iter()
+        .flatten()
+        .map(|(chain, _)| common_prefix(chain, keys))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Leading keys `a` and `b` share (keys chain their parents: equal at one position means
@@ -430,6 +474,118 @@ mod tests {
         assert_eq!(pinned.decode_s, None, "request 1 had no first token");
         assert_eq!(pinned.expire(0.8), 1);
         assert_eq!(pinned.blocks(), 0);
-        assert!(pinned.refs.is_empty());
+        assert!(pinned.chains.is_empty());
+        assert_eq!(pinned.keys, 0);
+    }
+
+    /// The pinned blocks, counted key by key: what each key's holders say.
+    #[derive(Default)]
+    struct Naive {
+        requests: Vec<(u64, Arc<Vec<RouterKey>>, usize, f64)>,
+    }
+
+    impl Naive {
+        fn holders(&self) -> std::collections::HashMap<RouterKey, u32> {
+            let mut holders = std::collections::HashMap::new();
+            for (_, keys, _, _) in &self.requests {
+                for key in keys.iter() {
+                    *holders.entry(*key).or_insert(0) += 1;
+                }
+            }
+            holders
+        }
+
+        fn blocks(&self) -> usize {
+            self.holders().len() + self.requests.iter().map(|r| r.2).sum::<usize>()
+        }
+
+        fn pinned_prefix(&self, keys: &[RouterKey]) -> usize {
+            let holders = self.holders();
+            keys.iter().take_while(|k| holders.contains_key(k)).count()
+        }
+
+        /// Blocks freed after each end, in the order of `heard_at` (ties: any order, so the
+        /// test gives each request its own time).
+        fn freed(&self) -> Vec<i64> {
+            let mut order: Vec<_> = self.requests.iter().collect();
+            order.sort_by(|a, b| a.3.total_cmp(&b.3));
+            let mut holders = self.holders();
+            let mut freed = 0i64;
+            let mut steps = Vec::new();
+            for (_, keys, extra, _) in order {
+                freed += *extra as i64;
+                for key in keys.iter() {
+                    let n = holders.get_mut(key).unwrap();
+                    *n -= 1;
+                    if *n == 0 {
+                        freed += 1;
+                    }
+                }
+                steps.push(freed);
+            }
+            steps
+        }
+    }
+
+    /// A real key chain (each key names its whole prefix): `shared` blocks of tenant `tenant`'s
+    /// context, then `own` blocks of question `question`.
+    fn real_chain(tenant: u64, shared: u64, question: u64, own: u64) -> Arc<Vec<RouterKey>> {
+        let blocks = (0..shared)
+            .map(|j| (tenant, j))
+            .chain((0..own).map(|j| (100 + question, j)));
+        let mut parent = 0u64;
+        Arc::new(
+            blocks
+                .map(|(label, j)| {
+                    // splitmix64 of (parent, block): distinct prefixes, distinct keys.
+                    let mut z = parent
+                        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                        .wrapping_add(label << 32 | (j + 1));
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    parent = z ^ (z >> 31);
+                    RouterKey(parent)
+                })
+                .collect(),
+        )
+    }
+
+    proptest::proptest! {
+        /// Pinning and unpinning requests of a few tenants (each a shared context, questions
+        /// under it, some with the same prompt) keeps the same pinned blocks, pinned prefixes
+        /// and releases as counting every key's holders.
+        #[test]
+        fn chains_in_order_count_what_each_keys_holders_say(
+            ops in proptest::collection::vec((0u8..3, 0u64..3, 0u64..12, 0u64..4, 0u64..6), 1..60),
+        ) {
+            let mut pinned = PinnedBlocks::default();
+            let mut naive = Naive::default();
+            let mut next_id = 0u64;
+            for (i, (op, tenant, shared, question, own)) in ops.into_iter().enumerate() {
+                let at = i as f64;
+                match op {
+                    // Pin a question under a tenant's context (a context cut short: its prefix).
+                    0 | 1 => {
+                        let keys = real_chain(tenant, shared, question, own);
+                        let tokens = keys.len() * 16 + 8;
+                        pinned.pin(next_id, keys.clone(), tokens, 16, at);
+                        naive.requests.push((next_id, keys, 1, at));
+                        next_id += 1;
+                    }
+                    // Unpin the oldest.
+                    _ => {
+                        if !naive.requests.is_empty() {
+                            let (id, ..) = naive.requests.remove(0);
+                            pinned.unpin(id, at);
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(pinned.blocks(), naive.blocks());
+                let probe = real_chain(tenant, shared + 2, question + 1, own);
+                proptest::prop_assert_eq!(pinned.pinned_prefix(&probe), naive.pinned_prefix(&probe));
+                let freed: Vec<i64> = pinned.releases().steps.iter().map(|r| r.freed).collect();
+                proptest::prop_assert_eq!(freed, naive.freed());
+            }
+        }
     }
 }

@@ -63,7 +63,7 @@ pub(super) struct PinnedBlocks {
     /// requests that have exactly that chain.
     chains: Vec<(Arc<Vec<RouterKey>>, u32)>,
     /// Distinct keys the chains hold.
-    keys: usize,
+    distinct_keys: usize,
     requests: HashMap<u64, PinnedRequest>,
     /// Blocks pinned beyond the keys (each request's partial block).
     extra_blocks: usize,
@@ -124,7 +124,7 @@ impl PinnedBlocks {
         prefill_end: f64,
     ) {
         self.releases = OnceLock::new();
-        self.keys += keys.len() - longest_shared(&self.chains, &keys);
+        self.distinct_keys += keys.len() - longest_shared(&self.chains, &keys);
         match find_chain(&self.chains, &keys) {
             Ok(at) => self.chains[at].1 += 1,
             Err(at) => self.chains.insert(at, (keys.clone(), 1)),
@@ -174,8 +174,9 @@ impl PinnedBlocks {
                 self.chains.remove(at);
             }
             // Its keys no remaining chain shares are freed (none, when another has the same
-            // chain).
-            self.keys -= chain.len() - longest_shared(&self.chains, chain);
+            // chain). Never below zero, should two keys ever collide.
+            let freed = chain.len() - longest_shared(&self.chains, chain);
+            self.distinct_keys = self.distinct_keys.saturating_sub(freed);
         }
         self.extra_blocks -= r.extra_blocks;
     }
@@ -200,7 +201,7 @@ impl PinnedBlocks {
 
     /// Blocks pinned now.
     pub(super) fn blocks(&self) -> usize {
-        self.keys + self.extra_blocks
+        self.distinct_keys + self.extra_blocks
     }
 
     /// Leading keys of `keys` that some in-flight request pins (keys chain their parents, so a
@@ -475,7 +476,7 @@ mod tests {
         assert_eq!(pinned.expire(0.8), 1);
         assert_eq!(pinned.blocks(), 0);
         assert!(pinned.chains.is_empty());
-        assert_eq!(pinned.keys, 0);
+        assert_eq!(pinned.distinct_keys, 0);
     }
 
     /// The pinned blocks, counted key by key: what each key's holders say.

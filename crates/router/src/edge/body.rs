@@ -89,7 +89,14 @@ where
                 Some(data) if !self.hold.charge(data.len()) => RouterError::Overloaded(
                     "the router holds as many request bytes as it may; retry shortly".into(),
                 ),
-                _ => return Poll::Ready(Some(Ok(frame))),
+                _ => {
+                    // A reader may stop at the last frame without polling the end (it asks
+                    // `is_end_stream`); the body is read to its end all the same.
+                    if self.inner.is_end_stream() {
+                        self.read_to_end.set();
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
             },
             Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
             Poll::Ready(None) => {
@@ -186,4 +193,50 @@ fn body_error(limit: usize, e: &(dyn std::error::Error + 'static)) -> ApiError {
         cause = current.source();
     }
     ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::{BodyExt, Full};
+    use prometheus_client::metrics::gauge::Gauge;
+
+    use super::*;
+    use crate::budget::ByteBudget;
+
+    fn edge_body(bytes: &'static [u8], budget: usize) -> (EdgeBody<Full<Bytes>>, ReadToEnd) {
+        let hold = Arc::new(ByteBudget::new(budget, Gauge::default()).hold());
+        let read_to_end = ReadToEnd::new(false);
+        let body = EdgeBody::new(
+            Full::new(Bytes::from_static(bytes)),
+            Duration::from_secs(5),
+            hold,
+            read_to_end.clone(),
+        );
+        (body, read_to_end)
+    }
+
+    #[tokio::test]
+    async fn a_body_whose_last_frame_was_taken_counts_as_read_to_its_end() {
+        let (mut body, read_to_end) = edge_body(b"{\"prompt\": \"hi\"}", 1024);
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().unwrap().len(), 16);
+        assert!(body.is_end_stream());
+        assert!(
+            read_to_end.get(),
+            "a reader that stops at is_end_stream has read the whole body: the connection may be reused"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_refused_part_way_is_not_read_to_its_end() {
+        let (mut body, read_to_end) = edge_body(b"0123456789", 4);
+        assert!(
+            body.frame().await.expect("an answer").is_err(),
+            "over budget"
+        );
+        assert!(
+            !read_to_end.get(),
+            "its bytes were never taken off the connection"
+        );
+    }
 }

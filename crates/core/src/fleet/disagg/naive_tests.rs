@@ -11,7 +11,9 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::fleet::{EndpointSpec, FleetConfig, LoadSample, RANKING_DEPTH, RequestFeatures};
 use crate::keys::router_keys;
-use crate::schedule::disagg::{AggregatedOption, DisaggChoice, LinkHealth, PdOption};
+use crate::schedule::disagg::{
+    AggregatedOption, DisaggChoice, LinkHealth, PdOption, stall_at_decode_rate,
+};
 use crate::schedule::{Profile, ProfileName, RankBuffers, cost, rejection, schedule_near_best};
 
 const BS: usize = 16;
@@ -114,6 +116,7 @@ fn naive_plan_disagg(
                 0.0
             };
             let c = &p.cost;
+            let stall_s = stall_at_decode_rate(prompt_tokens, &decode_side, p);
             let ready_s = c.queue_s + c.prefill_s + c.tier_load_s + transfer_s;
             let inflow = decode_side.queue_inflow.max(0.0);
             let decode_wait_s = (d.queue_s + (inflow - 1.0) * ready_s).max(0.0);
@@ -123,7 +126,7 @@ fn naive_plan_disagg(
                 prefill_queue_s: c.queue_s,
                 prefill_s: c.prefill_s,
                 prefill_tier_load_s: c.tier_load_s,
-                prefill_interference_s: c.decode_interference_s,
+                prefill_interference_s: stall_s,
                 transfer_tokens,
                 transfer_bytes,
                 link_backlog_bytes: backlog,
@@ -132,10 +135,7 @@ fn naive_plan_disagg(
                 transfer_s,
                 decode_queue_s: decode_wait_s,
                 leg_overhead_s: state.config.leg_overhead_s,
-                total_s: ready_s
-                    + decode_wait_s
-                    + c.decode_interference_s
-                    + state.config.leg_overhead_s,
+                total_s: ready_s + decode_wait_s + stall_s + state.config.leg_overhead_s,
                 eligible: !matches!(link, LinkHealth::Quarantined { .. }),
             }
         })

@@ -7,7 +7,9 @@
 //! - **aggregated** on D: D's queue wait + its prefill of what it does not hold + tier loading
 //!   + the stall that prefill imposes on D's running decodes (decode interference);
 //! - **P/D with Pᵢ**: Pᵢ's queue wait + its prefill of what *it* does not hold + its tier
-//!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer) + the transfer of
+//!   loading + the stall on Pᵢ's own decodes (zero on a dedicated producer; the prefill's
+//!   seconds in it at D's rate, so that the two options' stalls differ by the decodes each
+//!   endpoint has, not by the noise in their learned rates) + the transfer of
 //!   the blocks D lacks at the (Pᵢ, D) pair's learned bandwidth, behind the bytes already
 //!   queued on the busier of the two NICs (a shared link's backlog is a queue like an
 //!   engine's; counted in full, as if first come first served) + the decode leg's wait in D's
@@ -104,7 +106,9 @@ pub struct PdOption {
     pub prefill_s: f64,
     /// Its tier loading.
     pub prefill_tier_load_s: f64,
-    /// The stall the prefill imposes on the prefill endpoint's own decodes.
+    /// The stall the prefill imposes on the prefill endpoint's own decodes: the decodes it
+    /// stalls there, for as long as the prefill takes at the decode endpoint's rate
+    /// ([`decide`]).
     pub prefill_interference_s: f64,
     /// Prompt tokens the decode endpoint lacks, whose KV moves.
     pub transfer_tokens: usize,
@@ -197,14 +201,15 @@ pub fn decide(
             // what is left ahead of the leg then is its wait.
             let ready_s = c.queue_s + c.prefill_s + c.tier_load_s + transfer_s;
             let decode_wait_s = decode_wait_at(d.queue_s, decode.queue_inflow, ready_s);
-            let total_s = ready_s + decode_wait_s + c.decode_interference_s + shape.leg_overhead_s;
+            let stall_s = stall_at_decode_rate(shape.prompt_tokens, decode, p);
+            let total_s = ready_s + decode_wait_s + stall_s + shape.leg_overhead_s;
             PdOption {
                 prefill: p.endpoint,
                 decode: decode.endpoint,
                 prefill_queue_s: c.queue_s,
                 prefill_s: c.prefill_s,
                 prefill_tier_load_s: c.tier_load_s,
-                prefill_interference_s: c.decode_interference_s,
+                prefill_interference_s: stall_s,
                 transfer_tokens,
                 transfer_bytes,
                 link_backlog_bytes: backlog,
@@ -239,6 +244,32 @@ pub fn decide(
         aggregated,
         disaggregated: options,
     }
+}
+
+/// The stall a prefill on `prefill` imposes on its decodes, priced at `decode`'s prefill rate:
+/// the decodes it stalls there (its interference per second of prefill) times the seconds
+/// `decode` would take for the tokens `prefill` lacks, plus `prefill`'s own tier loading.
+///
+/// Why one rate: disaggregating moves one prefill, and its stall, from D's decodes to P's.
+/// Whether that saves anything depends on how many decodes each has, not on which engine's
+/// learned rate is a few percent higher: a learned rate averages prefills run beside different
+/// batches, and between engines of one model its differences are mostly that. Multiplied by the
+/// decodes stalled, such a difference outweighed the transfer and the second leg and sent
+/// prompts to P/D that came out slower than aggregated, with no stall saved (measured:
+/// `docs/benchmarks.md`, "P/D: one prefill, one rate"). The TTFT terms keep each engine's own
+/// rate. Falls back to P's own figure when D has nothing to prefill (no rate of D is implied).
+pub fn stall_at_decode_rate(prompt_tokens: usize, decode: &SideCost, prefill: &SideCost) -> f64 {
+    let (d, p) = (&decode.cost, &prefill.cost);
+    let uncached = |cached: usize| prompt_tokens.saturating_sub(cached) as f64;
+    let own_duration_s = p.prefill_s + p.tier_load_s;
+    let d_uncached = uncached(decode.cached_tokens);
+    if own_duration_s <= 0.0 || d.prefill_s <= 0.0 || d_uncached <= 0.0 {
+        return p.decode_interference_s;
+    }
+    let stalled_per_s = p.decode_interference_s / own_duration_s;
+    let duration_at_d_s =
+        d.prefill_s * uncached(prefill.cached_tokens) / d_uncached + p.tier_load_s;
+    stalled_per_s * duration_at_d_s
 }
 
 /// The seconds of work ahead of a leg that joins a queue of `queue_s` after `after_s`, while

@@ -379,3 +379,68 @@ fn a_fast_healthy_link_is_never_struck_by_timing_noise_and_a_degraded_one_still_
         LinkHealth::Quarantined { .. }
     ));
 }
+
+/// `side` with a learned prefill rate `factor` times the usual (its prefill and the stall it
+/// imposes shrink alike).
+fn at_rate(mut side: SideCost, factor: f64) -> SideCost {
+    side.cost.prefill_s /= factor;
+    side.cost.decode_interference_s /= factor;
+    side
+}
+
+const IB: LinkPrior = LinkPrior {
+    bandwidth_bytes_per_s: 49.5e9,
+    latency_s: 50e-6,
+};
+
+#[test]
+fn a_few_percent_faster_learned_rate_beside_as_many_decodes_keeps_the_request_aggregated() {
+    // The long-prompt sweep's tail: D and P of one model, three decodes each, P's learned
+    // rate 5% above D's. Moving the prefill saves no stall (as many decodes wait either way)
+    // and costs the transfer and the second leg; priced at each engine's own rate, the 5%
+    // times four (the request and three decodes) outweighed both.
+    let prompt = 12_160;
+    let links = book(IB);
+    let d = side(D, prompt, 0, 0.0, 3.0);
+    let p = at_rate(side(P, prompt, 0, 0.0, 3.0), 1.05);
+    let explain = decide(request(prompt), &d, &[p], &links, 0.0);
+    assert_eq!(explain.choice, DisaggChoice::Aggregated, "{explain:#?}");
+    let o = &explain.disaggregated[0];
+    // The stall on P's decodes: three of them, for the prefill's seconds at D's rate.
+    let at_d = prompt as f64 * PREFILL_S;
+    assert!(
+        (o.prefill_interference_s - 3.0 * at_d).abs() < 1e-9,
+        "{o:#?}"
+    );
+    // Its own prefill still counts at its own rate in the time to first token.
+    assert!((o.prefill_s - at_d / 1.05).abs() < 1e-9);
+}
+
+#[test]
+fn a_prefill_endpoint_with_fewer_decodes_still_takes_the_long_prompt() {
+    // D decodes four sequences, P one: moving the prefill spares three decodes its seconds,
+    // far more than the transfer and the second leg.
+    let prompt = 12_160;
+    let links = book(IB);
+    let d = side(D, prompt, 0, 0.0, 4.0);
+    let p = at_rate(side(P, prompt, 0, 0.0, 1.0), 0.95);
+    let explain = decide(request(prompt), &d, &[p], &links, 0.0);
+    assert_eq!(
+        explain.choice,
+        DisaggChoice::Disaggregated { prefill: P },
+        "{explain:#?}"
+    );
+    let at_d = prompt as f64 * PREFILL_S;
+    assert!((explain.disaggregated[0].prefill_interference_s - at_d).abs() < 1e-9);
+}
+
+#[test]
+fn the_stall_on_a_prefill_endpoint_counts_only_the_tokens_it_lacks() {
+    // P holds half the prompt, D nothing: P's stall is half the prefill at D's rate.
+    let prompt = 8_192;
+    let d = side(D, prompt, 0, 0.0, 2.0);
+    let p = side(P, prompt, 4_096, 0.0, 2.0);
+    let explain = decide(request(prompt), &d, &[p], &book(ROCE), 0.0);
+    let at_d_half = 4_096.0 * PREFILL_S;
+    assert!((explain.disaggregated[0].prefill_interference_s - 2.0 * at_d_half).abs() < 1e-9);
+}

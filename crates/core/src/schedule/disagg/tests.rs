@@ -380,18 +380,25 @@ fn a_fast_healthy_link_is_never_struck_by_timing_noise_and_a_degraded_one_still_
     ));
 }
 
-/// `side` with a learned prefill rate `factor` times the usual (its prefill and the stall it
-/// imposes shrink alike).
-fn at_rate(mut side: SideCost, factor: f64) -> SideCost {
-    side.cost.prefill_s /= factor;
-    side.cost.decode_interference_s /= factor;
-    side
-}
-
 const IB: LinkPrior = LinkPrior {
     bandwidth_bytes_per_s: 49.5e9,
     latency_s: 50e-6,
 };
+
+/// The long-prompt sweep's request.
+const LONG_PROMPT: usize = 12_160;
+
+/// The choice over IB for [`LONG_PROMPT`], nothing cached: D with `d_decodes` running decodes
+/// at the usual rate, P with `p_decodes` and a learned prefill rate `p_rate` times the usual
+/// (its prefill and the stall it imposes shrink alike); and the prefill's seconds at D's rate.
+fn long_prompt_choice(d_decodes: f64, p_decodes: f64, p_rate: f64) -> (DisaggExplain, f64) {
+    let d = side(D, LONG_PROMPT, 0, 0.0, d_decodes);
+    let mut p = side(P, LONG_PROMPT, 0, 0.0, p_decodes);
+    p.cost.prefill_s /= p_rate;
+    p.cost.decode_interference_s /= p_rate;
+    let explain = decide(request(LONG_PROMPT), &d, &[p], &book(IB), 0.0);
+    (explain, LONG_PROMPT as f64 * PREFILL_S)
+}
 
 #[test]
 fn a_few_percent_faster_learned_rate_beside_as_many_decodes_keeps_the_request_aggregated() {
@@ -399,15 +406,10 @@ fn a_few_percent_faster_learned_rate_beside_as_many_decodes_keeps_the_request_ag
     // rate 5% above D's. Moving the prefill saves no stall (as many decodes wait either way)
     // and costs the transfer and the second leg; priced at each engine's own rate, the 5%
     // times four (the request and three decodes) outweighed both.
-    let prompt = 12_160;
-    let links = book(IB);
-    let d = side(D, prompt, 0, 0.0, 3.0);
-    let p = at_rate(side(P, prompt, 0, 0.0, 3.0), 1.05);
-    let explain = decide(request(prompt), &d, &[p], &links, 0.0);
+    let (explain, at_d) = long_prompt_choice(3.0, 3.0, 1.05);
     assert_eq!(explain.choice, DisaggChoice::Aggregated, "{explain:#?}");
     let o = &explain.disaggregated[0];
     // The stall on P's decodes: three of them, for the prefill's seconds at D's rate.
-    let at_d = prompt as f64 * PREFILL_S;
     assert!(
         (o.prefill_interference_s - 3.0 * at_d).abs() < 1e-9,
         "{o:#?}"
@@ -418,19 +420,14 @@ fn a_few_percent_faster_learned_rate_beside_as_many_decodes_keeps_the_request_ag
 
 #[test]
 fn a_prefill_endpoint_with_fewer_decodes_still_takes_the_long_prompt() {
-    // D decodes four sequences, P one: moving the prefill spares three decodes its seconds,
-    // far more than the transfer and the second leg.
-    let prompt = 12_160;
-    let links = book(IB);
-    let d = side(D, prompt, 0, 0.0, 4.0);
-    let p = at_rate(side(P, prompt, 0, 0.0, 1.0), 0.95);
-    let explain = decide(request(prompt), &d, &[p], &links, 0.0);
+    // D decodes four sequences, P one (and learned 5% slower): moving the prefill spares three
+    // decodes its seconds, far more than the transfer and the second leg.
+    let (explain, at_d) = long_prompt_choice(4.0, 1.0, 0.95);
     assert_eq!(
         explain.choice,
         DisaggChoice::Disaggregated { prefill: P },
         "{explain:#?}"
     );
-    let at_d = prompt as f64 * PREFILL_S;
     assert!((explain.disaggregated[0].prefill_interference_s - at_d).abs() < 1e-9);
 }
 

@@ -42,10 +42,48 @@ pub struct RunningRouter {
     pub router: Arc<Router>,
     #[cfg(not(feature = "test-support"))]
     router: Arc<Router>,
+    tasks: ServerTasks,
+}
+
+/// What a running front (the OpenAI API, the endpoint picker) owns besides its addresses: the
+/// tasks it spawned, its own listener last, and the router state they serve. Dropping it aborts
+/// the tasks and stops the endpoints' own (health checks, scrapes, event subscribers).
+pub(crate) struct ServerTasks {
+    router: Arc<Router>,
     tasks: Vec<JoinHandle<()>>,
 }
 
-impl Drop for RunningRouter {
+impl ServerTasks {
+    /// Starts what every front runs beside its own listener, on the current tokio runtime:
+    /// the admin listener (at most `admin_connections` at once), the background tasks and
+    /// discovery. Returns them with the admin listener's address.
+    pub(crate) async fn start(
+        router: &Arc<Router>,
+        admin_connections: usize,
+    ) -> Result<(Self, SocketAddr), RouterError> {
+        let (admin_addr, admin) = spawn_admin(router, admin_connections).await?;
+        let mut tasks = spawn_background(router);
+        tasks.push(admin);
+        tasks.extend(crate::discovery::spawn(router).await?);
+        let owned = Self {
+            router: router.clone(),
+            tasks,
+        };
+        Ok((owned, admin_addr))
+    }
+
+    /// Adds a task; the last one added is the front's own listener.
+    pub(crate) fn push(&mut self, task: JoinHandle<()>) {
+        self.tasks.push(task);
+    }
+
+    /// The front's own listener (the last task added).
+    pub(crate) fn listener(&mut self) -> Option<&mut JoinHandle<()>> {
+        self.tasks.last_mut()
+    }
+}
+
+impl Drop for ServerTasks {
     fn drop(&mut self) {
         for task in &self.tasks {
             task.abort();
@@ -68,7 +106,7 @@ impl RunningRouter {
     /// Resolves once the API listener has stopped: after a drain, when its last connection
     /// closed. Pending until then (and forever if it was never started).
     pub async fn drained(&mut self) {
-        match self.tasks.last_mut() {
+        match self.tasks.listener() {
             Some(server) if !server.is_finished() => {
                 let _ = server.await;
             }
@@ -246,10 +284,7 @@ pub async fn start(config: RouterConfig) -> Result<RunningRouter, RouterError> {
         router.config().limits.max_connections,
         router.endpoints().len(),
     )?;
-    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
-    let mut tasks = spawn_background(&router);
-    tasks.push(admin);
-    tasks.extend(crate::discovery::spawn(&router).await?);
+    let (mut tasks, admin_addr) = ServerTasks::start(&router, connections.admin).await?;
     info!(%addr, %admin_addr, endpoints = router.endpoints().len(), policy = ?router.config().scheduler.policy, "kvroute serving");
     // Last, so that `wait` waits on it.
     tasks.push(tokio::spawn(edge::serve(

@@ -27,7 +27,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::{Stream, StreamExt};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
@@ -38,7 +37,7 @@ use tracing::{debug, info, warn};
 use crate::RouterError;
 use crate::budget::ByteBudget;
 use crate::config::RouterConfig;
-use crate::server::{bind, request_budget, spawn_admin, spawn_background};
+use crate::server::{ServerTasks, bind, request_budget};
 use crate::service::Router;
 use exchange::Exchange;
 use handoff::Handoffs;
@@ -254,16 +253,7 @@ pub struct RunningEpp {
     pub router: Arc<Router>,
     #[cfg(not(feature = "test-support"))]
     router: Arc<Router>,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-impl Drop for RunningEpp {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
-        self.router.stop_endpoints();
-    }
+    tasks: ServerTasks,
 }
 
 impl RunningEpp {
@@ -274,7 +264,7 @@ impl RunningEpp {
 
     /// Waits until the gRPC server stops (it runs until dropped).
     pub async fn wait(mut self) {
-        if let Some(server) = self.tasks.pop() {
+        if let Some(server) = self.tasks.listener() {
             let _ = server.await;
         }
     }
@@ -288,10 +278,7 @@ pub async fn start(config: RouterConfig, options: EppOptions) -> Result<RunningE
         router.config().limits.max_connections,
         router.endpoints().len(),
     )?;
-    let (admin_addr, admin) = spawn_admin(&router, connections.admin).await?;
-    let mut tasks = spawn_background(&router);
-    tasks.push(admin);
-    tasks.extend(crate::discovery::spawn(&router).await?);
+    let (mut tasks, admin_addr) = ServerTasks::start(&router, connections.admin).await?;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status("liveness", ServingStatus::Serving)

@@ -18,9 +18,12 @@
 //!   [`UNKNOWN_ENDPOINT`] (`"-"`).
 //! - `load_imbalance` is the busiest endpoint's requests over the mean requests per endpoint,
 //!   over the named endpoints (the `"-"` group is left out unless it is the only one); 1.0 with
-//!   a single endpoint or none.
+//!   a single endpoint or none. The records name only the endpoints that received something:
+//!   a caller that knows the fleet adds the idle ones with [`count_idle_endpoints`], else an
+//!   endpoint that got nothing does not count (a run that sent everything to one of four
+//!   endpoints would read 1.0).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use hdrhistogram::Histogram;
 
@@ -113,6 +116,35 @@ pub fn summarize(records: &[RequestRecord], duration_s: f64) -> Summary {
         load_imbalance,
         tier_tokens: None,
     }
+}
+
+/// Adds to `summary` the endpoints of `serving` that received no request, with zero counts, and
+/// recomputes `load_imbalance` over them all: a run that sent every request to one of four
+/// endpoints is 4.0, not the 1.0 its records alone say. `serving`: every endpoint that could
+/// have been sent a request (a P/D fleet's prefill-only endpoints are not: their work is the
+/// decode endpoints' requests). Endpoints are kept sorted by name.
+pub fn count_idle_endpoints<S: AsRef<str>>(
+    summary: &mut Summary,
+    serving: impl IntoIterator<Item = S>,
+) {
+    let seen: HashSet<String> = summary
+        .endpoints
+        .iter()
+        .map(|e| e.endpoint.clone())
+        .collect();
+    for name in serving {
+        let name = name.as_ref();
+        if !seen.contains(name) {
+            summary.endpoints.push(EndpointShare {
+                endpoint: name.to_owned(),
+                ..EndpointShare::default()
+            });
+        }
+    }
+    summary
+        .endpoints
+        .sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+    summary.load_imbalance = load_imbalance(&summary.endpoints);
 }
 
 /// The busiest endpoint's requests over the mean, over the named endpoints (or over the

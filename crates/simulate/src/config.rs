@@ -153,11 +153,38 @@ impl FleetConfig {
     pub fn endpoint_name(i: usize) -> String {
         format!("engine-{i}")
     }
+
+    /// The names of the endpoints a request can be sent to: every engine but a P/D fleet's
+    /// prefill-only ones (whose work is the decode endpoints' requests).
+    pub fn serving_endpoints(&self) -> Vec<String> {
+        (0..self.engines)
+            .filter(|&i| {
+                let role = self.pd.as_ref().and_then(|pd| pd.roles.get(i));
+                role != Some(&KvRole::Producer)
+            })
+            .map(Self::endpoint_name)
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_can_be_sent_to_every_engine_but_a_pd_fleets_prefill_only_ones() {
+        let plain = FleetConfig {
+            engines: 3,
+            ..FleetConfig::default()
+        };
+        assert_eq!(
+            plain.serving_endpoints(),
+            ["engine-0", "engine-1", "engine-2"]
+        );
+        let roles = [KvRole::Producer, KvRole::Both, KvRole::Consumer];
+        let pd = FleetConfig::disaggregated(&roles, LinkSpec::parse("ib-400").unwrap(), 100);
+        assert_eq!(pd.serving_endpoints(), ["engine-1", "engine-2"]);
+    }
 
     #[test]
     fn a_mixed_fleet_slows_only_the_engines_named_and_refuses_bad_factors() {

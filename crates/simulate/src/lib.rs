@@ -62,6 +62,7 @@ pub fn simulate_with(
 ) -> Result<RunResult, SimulateError> {
     let outcome = run::run(fleet, workload, concurrency, policy)?;
     let mut summary = kvroute_bench::stats::summarize(&outcome.records, outcome.duration_s);
+    kvroute_bench::stats::count_idle_endpoints(&mut summary, fleet.serving_endpoints());
     summary.engine_hit_rate = outcome.engine_hit_rate;
     Ok(RunResult {
         name: name.to_owned(),

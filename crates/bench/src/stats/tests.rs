@@ -161,6 +161,29 @@ fn load_imbalance_of_10_10_20() {
 }
 
 #[test]
+fn a_fleet_whose_requests_all_went_to_one_of_four_endpoints_is_imbalanced_4_to_1() {
+    // The records alone name only the endpoint that was used: 1.0, as if it were balanced.
+    let records: Vec<_> = (0..8).map(|_| on("e2", ok(0.01, 0.1))).collect();
+    let mut summary = summarize(&records, 1.0);
+    assert_eq!(summary.load_imbalance, 1.0);
+    count_idle_endpoints(&mut summary, ["e0", "e1", "e2", "e3"]);
+    assert!((summary.load_imbalance - 4.0).abs() < 1e-12);
+    let names: Vec<(&str, u64)> = summary
+        .endpoints
+        .iter()
+        .map(|e| (e.endpoint.as_str(), e.requests))
+        .collect();
+    assert_eq!(names, [("e0", 0), ("e1", 0), ("e2", 8), ("e3", 0)]);
+    // The used endpoint keeps its counts; adding the fleet again changes nothing.
+    assert_eq!(
+        summary.endpoints[2].prompt_tokens,
+        records.len() as u64 * 100
+    );
+    count_idle_endpoints(&mut summary, ["e0", "e1", "e2", "e3"]);
+    assert_eq!(summary.endpoints.len(), 4);
+}
+
+#[test]
 fn load_imbalance_with_one_endpoint_or_none() {
     let one: Vec<_> = (0..5).map(|_| on("only", ok(0.01, 0.1))).collect();
     assert_eq!(summarize(&one, 1.0).load_imbalance, 1.0);

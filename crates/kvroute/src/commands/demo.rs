@@ -128,14 +128,23 @@ fn demo_engine(args: &DemoArgs, policy: &str) -> EngineConfig {
     }
 }
 
+/// Whether engine `i` of `engines` only prefills: with P/D (`pd`) the first half does.
+fn produces_only(i: usize, engines: usize, pd: bool) -> bool {
+    pd && i < engines / 2
+}
+
+/// Engine `i`'s endpoint name in the router's configuration and the results.
+fn endpoint_name(i: usize) -> String {
+    format!("engine-{i}")
+}
+
 /// The engines for `policy`: a P/D fleet (the first half kv_producer, the rest kv_consumer)
 /// for a P/D policy, else independent engines without a KV connector.
 async fn fleet(args: &DemoArgs, policy: &str) -> anyhow::Result<Vec<SimFleet>> {
     if pd_mode(policy).is_some() {
-        let producers = args.engines / 2;
         let roles = (0..args.engines)
             .map(|i| {
-                if i < producers {
+                if produces_only(i, args.engines, true) {
                     KvRole::Producer
                 } else {
                     KvRole::Consumer
@@ -192,19 +201,16 @@ fn router_yaml(engines: &[SimFleet], policy: &str, kv_link: &str) -> String {
         "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}}}]\nscheduler: {scheduler}\nscrape: {{interval_ms: 200}}\n{pd}endpoints:\n"
     );
     let endpoints: Vec<_> = engines.iter().flat_map(|f| &f.endpoints).collect();
-    let producers = if pd.is_empty() {
-        0
-    } else {
-        endpoints.len() / 2
-    };
+    let n = endpoints.len();
     for (i, ep) in endpoints.iter().enumerate() {
-        let role = match (pd.is_empty(), i < producers) {
+        let role = match (pd.is_empty(), produces_only(i, n, !pd.is_empty())) {
             (true, _) => "both",
             (false, true) => "prefill",
             (false, false) => "decode",
         };
         yaml.push_str(&format!(
-            "  - {{name: engine-{i}, role: {role}, url: '{}', events: '{}', replay: '{}'}}\n",
+            "  - {{name: {}, role: {role}, url: '{}', events: '{}', replay: '{}'}}\n",
+            endpoint_name(i),
             ep.url,
             ep.events,
             ep.replay.as_deref().unwrap_or_default()
@@ -297,6 +303,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         )
         .await;
         let mut summary = kvroute_bench::stats::summarize(&records, duration);
+        // Every engine a request could be sent to counts in the imbalance, the idle ones too.
+        let pd = pd_mode(policy).is_some();
+        kvroute_bench::stats::count_idle_endpoints(
+            &mut summary,
+            (0..args.engines)
+                .filter(|&i| !produces_only(i, args.engines, pd))
+                .map(endpoint_name),
+        );
         let counters_after = engine_counters(&engines).await;
         let (queries, hits) = (
             counters_after.queries - counters_before.queries,

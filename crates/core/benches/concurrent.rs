@@ -13,7 +13,8 @@
 //! `KVROUTE_BENCH_ENDPOINTS=1000 KVROUTE_BENCH_ENTRIES=100000000`. `KVROUTE_BENCH_CONFIGS`
 //! lists the (shards, writers) pairs to run, default `1x1,2x2`. A last phase paces the writers
 //! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
-//! saturate the writers).
+//! saturate the writers). `KVROUTE_BENCH_PHASES` runs only the phases whose names contain one
+//! of its comma-separated parts.
 //!
 //! The other phases put the index behind kvroute-core's `Fleet`, as the router runs it, the
 //! precise profile planning 512-block requests. "before" is the router until 2026-12-02: a
@@ -141,7 +142,7 @@ fn main() {
     );
     for (shards, writers) in configurations() {
         let bench = build(entries, endpoints, shards);
-        for phase in phases(paced) {
+        for phase in phases(paced).into_iter().filter(|p| wanted(p.name)) {
             let feed = Feed {
                 endpoints,
                 churn: churn.clone(),
@@ -156,6 +157,14 @@ fn main() {
             run_phase(&phase, &bench, &feed);
         }
     }
+}
+
+/// Whether to run the phase `name`: every phase, or those whose names contain one of the
+/// comma-separated parts of `KVROUTE_BENCH_PHASES` (`ingest alone` to profile ingest only).
+fn wanted(name: &str) -> bool {
+    std::env::var("KVROUTE_BENCH_PHASES").map_or(true, |spec| {
+        spec.split(',').any(|part| name.contains(part.trim()))
+    })
 }
 
 /// One timed phase: what its writers and readers do.

@@ -205,17 +205,20 @@ fn add_holder(
     slot: u32,
     tier: Tier,
 ) -> bool {
-    let blocks = blocks.shard_mut(key.0);
-    if let Some(entry) = blocks.get_mut(key.0) {
-        return wide.insert(&mut entry.holders, slot, tier);
-    }
-    let mut holders = Holders::default();
-    wide.insert(&mut holders, slot, tier);
-    blocks.insert_absent(BlockEntry {
-        key: key.0,
-        holders,
+    let mut inserted = false;
+    let (entry, new) = blocks.shard_mut(key.0).get_or_insert_with(key.0, || {
+        let mut holders = Holders::default();
+        inserted = wide.insert(&mut holders, slot, tier);
+        BlockEntry {
+            key: key.0,
+            holders,
+        }
     });
-    true
+    if new {
+        inserted
+    } else {
+        wide.insert(&mut entry.holders, slot, tier)
+    }
 }
 
 /// Clears `slot` on `tier` for `key`, dropping the block once nobody holds it; returns whether

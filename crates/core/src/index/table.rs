@@ -128,12 +128,6 @@ impl<E: Slot> FlatTable<E> {
         self.find(key).map(|at| &self.slots[at])
     }
 
-    /// The entry for `key`, mutably. Changing its key through this is not allowed.
-    #[inline]
-    pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut E> {
-        self.find(key).map(|at| &mut self.slots[at])
-    }
-
     /// The entry at slot `at`, mutably, if used.
     pub(crate) fn at_mut(&mut self, at: usize) -> Option<&mut E> {
         self.slots.get_mut(at).filter(|e| !e.is_vacant())
@@ -142,11 +136,53 @@ impl<E: Slot> FlatTable<E> {
     /// The entry for `entry.key()`, inserting `entry` first if the key is absent; the flag says
     /// whether it was inserted.
     pub(crate) fn get_or_insert(&mut self, entry: E) -> (&mut E, bool) {
-        debug_assert!(!entry.is_vacant(), "a vacant entry cannot be inserted");
-        if let Some(at) = self.find(entry.key()) {
-            return (&mut self.slots[at], false);
+        self.get_or_insert_with(entry.key(), || entry)
+    }
+
+    /// The entry for `key`, inserting `make()` (whose key must be `key`) first if the key is
+    /// absent; the flag says whether it was inserted. One walk of the probe sequence: where a
+    /// search for an absent key stops (a vacant slot, or an entry closer to its home) is where
+    /// Robin Hood insertion puts it.
+    pub(crate) fn get_or_insert_with(
+        &mut self,
+        key: u64,
+        make: impl FnOnce() -> E,
+    ) -> (&mut E, bool) {
+        if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PERCENT {
+            // An insertion would grow the table: a present key must not.
+            if let Some(at) = self.find(key) {
+                return (&mut self.slots[at], false);
+            }
+            let at = self.insert_absent(make());
+            return (&mut self.slots[at], true);
         }
-        let at = self.insert_absent(entry);
+        let mut at = self.home(key);
+        let mut dist = 0;
+        loop {
+            let slot = &self.slots[at];
+            if slot.is_vacant() {
+                break;
+            }
+            if slot.key() == key {
+                return (&mut self.slots[at], false);
+            }
+            let resident = self.distance(at);
+            if resident < dist {
+                // Absent: it takes this slot, and the resident moves on.
+                let entry = make();
+                debug_assert!(entry.key() == key && !entry.is_vacant());
+                let displaced = std::mem::replace(&mut self.slots[at], entry);
+                self.len += 1;
+                self.place_from(displaced, self.next(at), resident + 1);
+                return (&mut self.slots[at], true);
+            }
+            dist += 1;
+            at = self.next(at);
+        }
+        let entry = make();
+        debug_assert!(entry.key() == key && !entry.is_vacant());
+        self.slots[at] = entry;
+        self.len += 1;
         (&mut self.slots[at], true)
     }
 
@@ -162,9 +198,15 @@ impl<E: Slot> FlatTable<E> {
 
     /// Puts an absent entry in, returning where it ended up.
     fn place(&mut self, entry: E) -> usize {
+        let home = self.home(entry.key());
+        self.place_from(entry, home, 0)
+    }
+
+    /// Puts an absent entry in, searching from slot `at`, `dist` slots past its home; returns
+    /// where it ended up.
+    fn place_from(&mut self, entry: E, at: usize, dist: usize) -> usize {
         let mut carried = entry;
-        let mut at = self.home(carried.key());
-        let mut dist = 0;
+        let (mut at, mut dist) = (at, dist);
         let mut placed = None;
         loop {
             if self.slots[at].is_vacant() {

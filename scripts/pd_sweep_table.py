@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Tabulates scripts/pd-sweep.sh's results: one Markdown row per model, workload and fleet
-(median over the seeds run), TTFT p50/p90/p99 and ITL p99 in milliseconds.
+(median over the seeds run), TTFT p50/p90/p99 and ITL p99 in milliseconds; then issue 20's
+verdict per model, workload and link: whether a cost-decided fleet (on kv_both engines, or on
+prefill and decode engines) is no worse than the better of aggregated and always-P/D on each of
+the four figures, from the unrounded medians, with the worst figure's ratio beside it (a cell
+missed by 0.1% says so).
 
 usage: pd_sweep_table.py OUT_DIR
 """
@@ -34,3 +38,40 @@ for model in ("8b", "70b"):
                 f"{med(lambda s: s['ttft']['p90']):.0f} | {med(lambda s: s['ttft']['p99']):.0f} | "
                 f"{med(lambda s: s['itl']['p99']):.1f} | {sum(s['errors'] for s in runs)} |"
             )
+
+FIGURES = (
+    ("TTFT p50", lambda s: s["ttft"]["p50"]),
+    ("TTFT p90", lambda s: s["ttft"]["p90"]),
+    ("TTFT p99", lambda s: s["ttft"]["p99"]),
+    ("ITL p99", lambda s: s["itl"]["p99"]),
+)
+
+
+def medians(key):
+    runs = cells.get(key)
+    return [statistics.median(f(s) for s in runs) for _, f in FIGURES] if runs else None
+
+
+print()
+print("| model | workload | link | cost-decided: worst figure over the better of aggregated and always-P/D | verdict |")
+print("|---|---|---|---:|---|")
+met = total = 0
+for model in ("8b", "70b"):
+    for workload in ("long8k", "multiturn", "mixed"):
+        for link in ("tcp", "roce-100", "ib-400"):
+            baselines = [m for m in (medians((model, workload, "aggregated")), medians((model, workload, f"always-{link}"))) if m]
+            decided = [m for m in (medians((model, workload, f"{fleet}-{link}")) for fleet in ("cost", "costsplit")) if m]
+            if not baselines or not decided:
+                continue
+            best = [min(values) for values in zip(*baselines)]
+            # The cost-decided fleet closest to meeting it: the fewest figures over, then the smallest worst ratio.
+            def shortfall(m):
+                ratios = [mine / max(theirs, 1e-12) for mine, theirs in zip(m, best)]
+                return sum(r > 1 for r in ratios), max(ratios), ratios
+            over, worst, ratios = min(shortfall(m) for m in decided)
+            total += 1
+            met += over == 0
+            missed = ", ".join(name for (name, _), r in zip(FIGURES, ratios) if r > 1)
+            print(f"| {model} | {workload} | {link} | {worst:.3f} | {'met' if over == 0 else 'missed: ' + missed} |")
+print()
+print(f"Met in {met} of {total} cells.")

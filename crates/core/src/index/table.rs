@@ -166,14 +166,12 @@ impl<E: Slot> FlatTable<E> {
             if slot.key() == key {
                 return (&mut self.slots[at], false);
             }
-            let resident = self.distance(at);
-            if resident < dist {
-                // Absent: it takes this slot, and the resident moves on.
+            if self.distance(at) < dist {
+                // Absent: it takes this slot, and the rest of the run moves on.
                 let entry = make();
                 debug_assert!(entry.key() == key && !entry.is_vacant());
-                let displaced = std::mem::replace(&mut self.slots[at], entry);
+                self.shift_in(at, entry);
                 self.len += 1;
-                self.place_from(displaced, self.next(at), resident + 1);
                 return (&mut self.slots[at], true);
             }
             dist += 1;
@@ -205,24 +203,44 @@ impl<E: Slot> FlatTable<E> {
     /// Puts an absent entry in, searching from slot `at`, `dist` slots past its home; returns
     /// where it ended up.
     fn place_from(&mut self, entry: E, at: usize, dist: usize) -> usize {
-        let mut carried = entry;
         let (mut at, mut dist) = (at, dist);
-        let mut placed = None;
         loop {
             if self.slots[at].is_vacant() {
-                self.slots[at] = carried;
-                return placed.unwrap_or(at);
+                self.slots[at] = entry;
+                return at;
             }
-            let resident = self.distance(at);
-            if resident < dist {
-                // Take the slot from the entry closer to its home; carry that one on.
-                std::mem::swap(&mut self.slots[at], &mut carried);
-                placed.get_or_insert(at);
-                dist = resident;
+            if self.distance(at) < dist {
+                self.shift_in(at, entry);
+                return at;
             }
             dist += 1;
             at = self.next(at);
         }
+    }
+
+    /// Puts `entry` at slot `at`, where a search for its key stopped at an entry closer to its
+    /// home, moving that entry and the ones after it, up to the next vacant slot, one slot on.
+    ///
+    /// Robin Hood order keeps each run of used slots sorted by home slot (an entry passes every
+    /// entry whose home is not later than its own and stops at the first whose home is later),
+    /// so the new entry belongs before every entry from `at` to the end of the run, and moving
+    /// them all one slot on keeps the run sorted: a copy, with no distance to compute (the
+    /// swapping insertion recomputed one for every slot it passed).
+    fn shift_in(&mut self, at: usize, entry: E) {
+        let mut end = at;
+        while !self.slots[end].is_vacant() {
+            end = self.next(end);
+        }
+        if end > at {
+            self.slots.copy_within(at..end, at + 1);
+        } else {
+            // The run wraps past the last slot: move the part at the start first.
+            self.slots.copy_within(0..end, 1);
+            let last = self.slots.len() - 1;
+            self.slots[0] = self.slots[last];
+            self.slots.copy_within(at..last, at + 1);
+        }
+        self.slots[at] = entry;
     }
 
     fn grow(&mut self) {
@@ -374,6 +392,25 @@ mod tests {
         }
     }
 
+    /// Whether every run of used slots is in Robin Hood order: along a run, an entry sits at
+    /// most one slot further from its home than the entry before it (homes never go back),
+    /// and no run starts with an entry away from its home.
+    fn in_robin_hood_order<E: Slot>(table: &FlatTable<E>) -> bool {
+        let len = table.slots.len();
+        (0..len).all(|at| {
+            if table.slots[at].is_vacant() {
+                return true;
+            }
+            let before = (at + len - 1) % len;
+            let dist = table.distance(at);
+            if table.slots[before].is_vacant() {
+                dist == 0
+            } else {
+                dist <= table.distance(before) + 1
+            }
+        })
+    }
+
     proptest! {
         /// The table behaves like a map, whatever the keys (small, clustered or random), and
         /// stays within its load bounds.
@@ -402,6 +439,7 @@ mod tests {
                 }
                 prop_assert_eq!(table.len(), model.len());
                 prop_assert!(table.len() * 100 <= table.capacity() * MAX_LOAD_PERCENT || table.capacity() == 0);
+                prop_assert!(in_robin_hood_order(&table));
             }
             for (key, value) in &model {
                 prop_assert_eq!(table.get(*key).map(|p| p.value), Some(*value));

@@ -194,16 +194,11 @@ impl<E: Slot> FlatTable<E> {
         self.place(entry)
     }
 
-    /// Puts an absent entry in, returning where it ended up.
+    /// Puts an absent entry in, returning where it ended up: the first vacant slot from its
+    /// home, or before the first entry closer to its home (see [`Self::shift_in`]).
     fn place(&mut self, entry: E) -> usize {
-        let home = self.home(entry.key());
-        self.place_from(entry, home, 0)
-    }
-
-    /// Puts an absent entry in, searching from slot `at`, `dist` slots past its home; returns
-    /// where it ended up.
-    fn place_from(&mut self, entry: E, at: usize, dist: usize) -> usize {
-        let (mut at, mut dist) = (at, dist);
+        let mut at = self.home(entry.key());
+        let mut dist = 0;
         loop {
             if self.slots[at].is_vacant() {
                 self.slots[at] = entry;

@@ -35,6 +35,13 @@ const EARLY_EXIT_AFTER: usize = 2;
 /// Smallest non-zero capacity.
 const MIN_CAPACITY: usize = 16;
 
+/// Where an absent key goes in a [`FlatTable`]: slot `at`, vacant, or holding the first entry
+/// of the run whose home is later than the key's.
+struct Gap {
+    at: usize,
+    vacant: bool,
+}
+
 /// A Robin Hood hash table of [`Slot`]s.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FlatTable<E> {
@@ -141,8 +148,7 @@ impl<E: Slot> FlatTable<E> {
 
     /// The entry for `key`, inserting `make()` (whose key must be `key`) first if the key is
     /// absent; the flag says whether it was inserted. One walk of the probe sequence: where a
-    /// search for an absent key stops (a vacant slot, or an entry closer to its home) is where
-    /// Robin Hood insertion puts it.
+    /// search for an absent key stops is where Robin Hood insertion puts it ([`Self::probe`]).
     pub(crate) fn get_or_insert_with(
         &mut self,
         key: u64,
@@ -153,64 +159,55 @@ impl<E: Slot> FlatTable<E> {
             if let Some(at) = self.find(key) {
                 return (&mut self.slots[at], false);
             }
-            let at = self.insert_absent(make());
-            return (&mut self.slots[at], true);
+            self.grow();
         }
+        match self.probe(key) {
+            Ok(at) => (&mut self.slots[at], false),
+            Err(gap) => {
+                let entry = make();
+                debug_assert!(entry.key() == key, "make() must build the entry for `key`");
+                let at = self.fill(gap, entry);
+                self.len += 1;
+                (&mut self.slots[at], true)
+            }
+        }
+    }
+
+    /// Walks `key`'s probe sequence from its home slot (the table must have slots): `Ok` with
+    /// the key's slot, or `Err` with where Robin Hood order puts the absent key, the first
+    /// vacant slot or the first entry closer to its home (whose home is later). Unlike
+    /// [`Self::find`] it checks the order at every slot, as an insertion must.
+    #[inline]
+    fn probe(&self, key: u64) -> Result<usize, Gap> {
         let mut at = self.home(key);
         let mut dist = 0;
         loop {
             let slot = &self.slots[at];
             if slot.is_vacant() {
-                break;
+                return Err(Gap { at, vacant: true });
             }
             if slot.key() == key {
-                return (&mut self.slots[at], false);
+                return Ok(at);
             }
             if self.distance(at) < dist {
-                // Absent: it takes this slot, and the rest of the run moves on.
-                let entry = make();
-                debug_assert!(entry.key() == key && !entry.is_vacant());
-                self.shift_in(at, entry);
-                self.len += 1;
-                return (&mut self.slots[at], true);
+                return Err(Gap { at, vacant: false });
             }
             dist += 1;
             at = self.next(at);
         }
-        let entry = make();
-        debug_assert!(entry.key() == key && !entry.is_vacant());
-        self.slots[at] = entry;
-        self.len += 1;
-        (&mut self.slots[at], true)
     }
 
-    /// Inserts an entry whose key the caller knows to be absent; returns its slot.
-    pub(crate) fn insert_absent(&mut self, entry: E) -> usize {
-        debug_assert!(!entry.is_vacant() && self.find(entry.key()).is_none());
-        if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PERCENT {
-            self.grow();
+    /// Puts `entry`, absent, where [`Self::probe`] stopped for its key; returns its slot (the
+    /// caller counts it in `len`).
+    #[inline]
+    fn fill(&mut self, gap: Gap, entry: E) -> usize {
+        debug_assert!(!entry.is_vacant(), "a vacant entry cannot be inserted");
+        if gap.vacant {
+            self.slots[gap.at] = entry;
+        } else {
+            self.shift_in(gap.at, entry);
         }
-        self.len += 1;
-        self.place(entry)
-    }
-
-    /// Puts an absent entry in, returning where it ended up: the first vacant slot from its
-    /// home, or before the first entry closer to its home (see [`Self::shift_in`]).
-    fn place(&mut self, entry: E) -> usize {
-        let mut at = self.home(entry.key());
-        let mut dist = 0;
-        loop {
-            if self.slots[at].is_vacant() {
-                self.slots[at] = entry;
-                return at;
-            }
-            if self.distance(at) < dist {
-                self.shift_in(at, entry);
-                return at;
-            }
-            dist += 1;
-            at = self.next(at);
-        }
+        gap.at
     }
 
     /// Puts `entry` at slot `at`, where a search for its key stopped at an entry closer to its
@@ -242,7 +239,10 @@ impl<E: Slot> FlatTable<E> {
         let capacity = (self.slots.len() + self.slots.len() / 4).max(MIN_CAPACITY);
         let old = std::mem::replace(&mut self.slots, vec![E::default(); capacity]);
         for entry in old.into_iter().filter(|e| !e.is_vacant()) {
-            self.place(entry);
+            // The old table's keys are distinct, so each is absent from the new one.
+            if let Err(gap) = self.probe(entry.key()) {
+                self.fill(gap, entry);
+            }
         }
     }
 
@@ -404,6 +404,48 @@ mod tests {
                 dist <= table.distance(before) + 1
             }
         })
+    }
+
+    /// The first keys whose home is `home` in a table of `table`'s size.
+    fn keys_at_home(table: &FlatTable<Pair>, home: usize, count: usize) -> Vec<u64> {
+        (1u64..)
+            .filter(|&k| table.home(k) == home)
+            .take(count)
+            .collect()
+    }
+
+    /// An insertion into a run that wraps past the last slot moves the entries at both ends
+    /// and loses none: the case small random tables reach only by chance.
+    #[test]
+    fn an_insertion_into_a_run_that_wraps_keeps_every_entry() {
+        let mut table = FlatTable::<Pair>::default();
+        table.get_or_insert(Pair { key: 0, value: 1 });
+        table.remove(0);
+        let last = table.capacity() - 1;
+        let before_last = keys_at_home(&table, last - 1, 2);
+        let at_last = keys_at_home(&table, last, 2);
+        // The run: before_last[0] in the second-to-last slot, at_last[0] in the last, at_last[1]
+        // wrapped to slot 0. before_last[1] then belongs in the last slot, before both.
+        for (value, &key) in [before_last[0], at_last[0], at_last[1], before_last[1]]
+            .iter()
+            .enumerate()
+        {
+            let (_, new) = table.get_or_insert(Pair {
+                key,
+                value: value as u64 + 1,
+            });
+            assert!(new);
+        }
+        assert_eq!(table.len(), 4);
+        for (value, key) in [before_last[0], at_last[0], at_last[1], before_last[1]]
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(table.get(key).map(|p| p.value), Some(value as u64 + 1));
+        }
+        assert_eq!(table.find(before_last[1]), Some(last));
+        assert_eq!(table.find(at_last[1]), Some(1), "moved on past the wrap");
+        assert!(in_robin_hood_order(&table));
     }
 
     proptest! {

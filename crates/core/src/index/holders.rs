@@ -9,7 +9,7 @@
 //! with one more memory access, at an address it can compute (and prefetch) from the block
 //! table entry alone.
 
-use super::table::touch;
+use super::table::prefetch_line;
 use crate::event::Tier;
 
 /// Slots per bit-set word.
@@ -157,7 +157,7 @@ impl WideHolders {
         if let Some(set) = holders.wide_set() {
             // One cache line is eight words; a set spans `stride` words.
             for word in (0..self.stride).step_by(8) {
-                touch(self.words[set * self.stride + word]);
+                prefetch_line(&self.words[set * self.stride + word]);
             }
         }
     }

@@ -289,7 +289,7 @@ impl<E: Slot> FlatTable<E> {
         if self.slots.is_empty() {
             return;
         }
-        touch(self.slots[self.home(key)].key());
+        prefetch_line(&self.slots[self.home(key)]);
     }
 }
 
@@ -356,12 +356,28 @@ impl<E: Slot> ShardedTable<E> {
     }
 }
 
-/// Starts loading the cache line a value was read from, without waiting for it: the value is
-/// only handed to `black_box`, so nothing depends on it and the CPU runs on while the memory
-/// access completes (a safe stand-in for a prefetch instruction).
+/// Starts loading the cache line `value` lives in, without waiting for it.
+///
+/// On x86-64 this is the `prefetcht0` instruction. The stand-in it replaced, a load handed to
+/// `black_box`, also started the access, but a load must complete before the CPU retires it,
+/// so a walk issuing sixteen of them ahead filled the reorder buffer and waited; a prefetch
+/// retires at once (cold lookups 15–20% faster, `docs/benchmarks.md`). Elsewhere it is that
+/// load.
 #[inline(always)]
-pub(crate) fn touch(value: u64) {
-    std::hint::black_box(value);
+pub(crate) fn prefetch_line<T: Copy>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is `unsafe` only because it is a `#[target_feature(enable =
+    // "sse")]` function taking a raw pointer. SSE is part of the x86-64 baseline, so the
+    // instruction exists on every CPU this code can run on; and a prefetch never dereferences
+    // its pointer in the language's sense (it cannot fault, and changes no value any load
+    // observes), besides which the pointer comes from a live reference.
+    #[allow(unsafe_code)]
+    unsafe {
+        use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(core::ptr::from_ref(value).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::hint::black_box(*value);
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 //! The walk keeps the set of endpoints that hold every block so far as bit-set words and
 //! intersects it with each block's holders, stopping when the set is empty. While every active
 //! endpoint holds the block on the GPU (the common case) a block costs a few word operations;
-//! only mixed-tier blocks are counted per endpoint. When the fleet-wide shared tier holds
+//! only mixed-tier blocks are counted per endpoint, and a block whose holders are those of the
+//! block before it (the same word: equal wide sets are one set) costs a comparison. When the fleet-wide shared tier holds
 //! anything, each block also adds the endpoints mounting a mount that holds it (one hash lookup
 //! per block; none while the shared tier is empty).
 
@@ -117,6 +118,11 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     let fleet = fleet.as_deref().filter(|f| !f.is_empty());
     let with_shared = fleet.is_some();
     let mut shared = vec![0u64; if with_shared { words } else { 0 }];
+    // The holders of the block before, when that block was on every active endpoint's GPU and
+    // not reached through the shared tier: a block with the same holders then changes nothing
+    // but the count (the blocks of a chain stored by the same endpoints; equal wide sets are
+    // one set), so it is counted without reading its set.
+    let mut uniform_before: Option<Holders> = None;
     for i in 0..keys.len() {
         if active.iter().all(|&w| w == 0) {
             break;
@@ -138,6 +144,11 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             }
         }
         let holders = stretch[i % PREFETCH_AHEAD];
+        if uniform_before == Some(holders) && !with_shared {
+            uniform_gpu += 1;
+            walked += 1;
+            continue;
+        }
         let entry = (!holders.is_empty()).then(|| index.wide.view(holders));
         let any_shared = fleet.is_some_and(|f| f.slots_holding(index.shard, keys[i], &mut shared));
         let mut all_gpu = true;
@@ -161,6 +172,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             *word &= held;
             all_gpu &= *word & !gpu == 0;
         }
+        uniform_before = (all_gpu && !any_shared).then_some(holders);
         if all_gpu {
             uniform_gpu += 1;
         } else if entry.is_some() || any_shared {

@@ -1,5 +1,5 @@
-//! Memory per (block, endpoint) entry of the KV block index, and the pause the capacity bound
-//! costs when it runs.
+//! Memory per (block, endpoint) entry of the KV block index, the pause the capacity bound
+//! costs when it runs, and the pauses of its tables' growth.
 //!
 //! Each measurement runs in a child process of this binary so that it starts from a clean heap:
 //! the child builds an index from streamed events and reports `heap_bytes()` (table capacities,
@@ -132,6 +132,34 @@ fn measure_eviction(capacity: usize, bounded: bool) {
     );
 }
 
+/// Child: time every 16-block batch while an index grows from empty to `entries` entries (16
+/// endpoints, none shared, batches taking turns between them), so that every table's growth
+/// (each endpoint's, each block sub-table's) is among them.
+/// Prints `p50_seconds p99_seconds p99.9_seconds max_seconds`.
+fn measure_growth(entries: usize) {
+    let mut index = fixtures::index(UNBOUNDED);
+    let batches = (entries / 16) as u64;
+    let mut times: Vec<f64> = (0..batches)
+        .map(|i| {
+            let events =
+                Chain::new(u64::MAX - i, 16).stores(0, 16, None, &mut std::iter::repeat(16));
+            let start = Instant::now();
+            index.apply(EndpointId((i % 16) as u32), &events);
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    assert_eq!(index.entry_count(), batches as usize * 16);
+    times.sort_by(f64::total_cmp);
+    let at = |per_mille: usize| times[(times.len() - 1) * per_mille / 1000];
+    println!(
+        "{} {} {} {}",
+        at(500),
+        at(990),
+        at(999),
+        times[times.len() - 1]
+    );
+}
+
 fn child(job: &str) -> Vec<f64> {
     let out = Command::new(std::env::current_exe().expect("own path"))
         .env(CHILD_VAR, job)
@@ -152,6 +180,7 @@ fn main() {
     if let Ok(job) = std::env::var(CHILD_VAR) {
         let (kind, arg) = job.split_once(':').expect("job:arg");
         match kind {
+            "grow" => measure_growth(arg.parse().expect("entries")),
             "evict" => {
                 let (capacity, bounded) = arg.split_once(':').expect("capacity:bounded");
                 measure_eviction(
@@ -211,5 +240,26 @@ fn main() {
                 v[3] * 1e6
             );
         }
+    }
+
+    println!();
+    println!(
+        "growth: 16-block batches while the index grows from empty (16 ep, none shared, \
+         every table's growth among them)"
+    );
+    println!(
+        "{:>10} {:>9} {:>9} {:>10} {:>9}",
+        "entries", "p50 us", "p99 us", "p99.9 us", "max us"
+    );
+    for entries in [1_000_000usize, 4_000_000] {
+        let v = child(&format!("grow:{entries}"));
+        println!(
+            "{:>10} {:>9.1} {:>9.1} {:>10.1} {:>9.1}",
+            entries,
+            v[0] * 1e6,
+            v[1] * 1e6,
+            v[2] * 1e6,
+            v[3] * 1e6
+        );
     }
 }

@@ -116,7 +116,7 @@ pub struct EndpointIndexStats {
 /// One block an endpoint holds: its engine hash (how removals name it) and its router key (how
 /// lookups name it), with the clock's referenced bit in the key's top bit (router keys never
 /// use it; see [`crate::keys::router_key`]). A zero key marks a vacant slot: no router key is 0.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Zeroable)]
 struct HeldBlock {
     hash: u64,
     tagged_key: u64,
@@ -141,7 +141,7 @@ impl Slot for HeldBlock {
 }
 
 /// One block of the block table: its router key and who holds it.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Zeroable)]
 struct BlockEntry {
     key: u64,
     holders: Holders,
@@ -231,7 +231,7 @@ fn drop_holder(
     tier: Tier,
 ) -> (bool, bool) {
     let blocks = blocks.shard_mut(key.0);
-    let Some(at) = blocks.find(key.0) else {
+    let Some(at) = blocks.find_mut(key.0) else {
         return (false, false);
     };
     let entry = blocks.at_mut(at).expect("found");

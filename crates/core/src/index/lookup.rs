@@ -5,9 +5,9 @@
 //! intersects it with each block's holders, stopping when the set is empty. While every active
 //! endpoint holds the block on the GPU (the common case) a block costs a few word operations;
 //! only mixed-tier blocks are counted per endpoint, and a block whose holders are those of the
-//! block before it (the same word: equal wide sets are one set) costs a comparison. When the fleet-wide shared tier holds
-//! anything, each block also adds the endpoints mounting a mount that holds it (one hash lookup
-//! per block; none while the shared tier is empty).
+//! block before it (the same word: equal wide sets are one set) costs a comparison. When the
+//! fleet-wide shared tier holds anything, each block also adds the endpoints mounting a mount
+//! that holds it (one hash lookup per block; none while the shared tier is empty).
 
 use serde::Serialize;
 

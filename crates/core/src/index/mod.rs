@@ -161,7 +161,8 @@ struct EndpointState {
     slot: u32,
     /// Every block this endpoint holds on any tier, by engine hash.
     blocks: FlatTable<HeldBlock>,
-    /// The capacity bound's clock hand: the next slot of `blocks` it looks at.
+    /// The capacity bound's clock hand: the next position of `blocks` it looks at (past the
+    /// current array's slots while a growth lasts: the old array's, see `FlatTable::positions`).
     hand: usize,
     stats: EndpointIndexStats,
     /// Offloaded tiers' bookkeeping, once the endpoint has any.

@@ -15,10 +15,12 @@
 //! **Growth is incremental.** A large table (from [`MOVE_FROM`] slots) past 90% allocates its new
 //! array and keeps the old one beside it; each later insertion or removal moves a stretch of old
 //! slots across (at least [`MOVE_STEP`], then on to the next vacant slot), so no operation pays
-//! for a whole rehash (4 ms for a million slots). A stretch always ends at a vacant slot, so every run of used slots is
-//! wholly moved or wholly left, and the old array's unmoved part answers searches as a table of
-//! its own: a key whose home slot was moved (and vacated) was moved with its run. A key lives in
-//! one array only; a mutable access to one still in the old array moves it first.
+//! for a whole rehash (4 ms for a million slots). A stretch always ends at a vacant slot, so
+//! every run of used slots is wholly moved or wholly left, and the old array's unmoved part
+//! answers searches as a table of its own: a key whose home slot was moved (and vacated) was
+//! moved with its run. A key lives in one array only; a mutable access to one still in the old
+//! array moves it first. While a growth lasts the table holds both arrays (2.25 times its slots);
+//! a table whose writes stop mid-growth keeps them until its next write.
 //!
 //! [`ShardedTable`] splits the block table, the one that grows with the whole fleet, into
 //! sub-tables so that no single resize holds the index's lock for long.
@@ -47,8 +49,8 @@ const EARLY_EXIT_AFTER: usize = 2;
 const MIN_CAPACITY: usize = 16;
 /// Old slots a growing table moves per insertion or removal, at least. A table grows by a
 /// quarter at 90% full, so the new array starts 72% full and the move must end within the
-/// 0.18 × capacity insertions that would fill it again: any step above 5 does (a growth that
-/// finds the last one unfinished completes it first). Tests move a few slots at a time, so that
+/// 0.18 × capacity insertions that would fill it again: any step of 5 or more does (a growth
+/// that finds the last one unfinished completes it first). Tests move a few slots at a time, so that
 /// operations meet half-moved tables.
 const MOVE_STEP: usize = if cfg!(test) { 3 } else { 16 };
 /// Slots from which a table grows incrementally; a smaller one moves everything at once (at
@@ -222,6 +224,7 @@ impl<E: Slot> FlatTable<E> {
     /// The entry for `key`, inserting `make()` (whose key must be `key`) first if the key is
     /// absent; the flag says whether it was inserted. One walk of the probe sequence: where a
     /// search for an absent key stops is where Robin Hood insertion puts it ([`Self::probe`]).
+    /// While a growth lasts it also moves the growth on and looks in the old array first.
     pub(crate) fn get_or_insert_with(
         &mut self,
         key: u64,
@@ -254,7 +257,7 @@ impl<E: Slot> FlatTable<E> {
     /// Walks `key`'s probe sequence from its home slot (the table must have slots): `Ok` with
     /// the key's slot, or `Err` with where Robin Hood order puts the absent key, the first
     /// vacant slot or the first entry closer to its home (whose home is later). Unlike
-    /// [`Self::find`] it checks the order at every slot, as an insertion must.
+    /// [`Self::find_here`] it checks the order at every slot, as an insertion must.
     #[inline]
     fn probe(&self, key: u64) -> Result<usize, Gap> {
         let mut at = self.home(key);
@@ -335,11 +338,12 @@ impl<E: Slot> FlatTable<E> {
             len: self.len,
             growth: None,
         };
+        debug_assert!(E::zeroed().is_vacant(), "a zeroed slot must be vacant");
         // The move starts at a vacant slot (one exists below 100% fill), so that no run of used
-        // slots is split between the moved and the unmoved part.
-        if let Some(start) = old.slots.iter().position(|e| e.is_vacant())
-            && old.len > 0
-        {
+        // slots is split between the moved and the unmoved part. (Were none vacant, the first
+        // stretch, which ends only at a vacant slot, would move everything.)
+        if old.len > 0 {
+            let start = old.slots.iter().position(|e| e.is_vacant()).unwrap_or(0);
             let moved_at_once = old.slots.len() < MOVE_FROM;
             self.growth = Some(Box::new(Growth {
                 left: old.slots.len(),
@@ -374,7 +378,7 @@ impl<E: Slot> FlatTable<E> {
             growth.left -= 1;
             visited += 1;
         }
-        if growth.left > 0 {
+        if growth.left > 0 && growth.old.len > 0 {
             self.growth = Some(growth);
         } else {
             debug_assert_eq!(growth.old.len, 0, "every old entry moved");
@@ -392,7 +396,12 @@ impl<E: Slot> FlatTable<E> {
             // An unmoved entry of the old array: its run lies wholly in the unmoved part, so
             // the shift stays there too.
             self.len -= 1;
-            return growth.old.remove_at(at - here);
+            let removed = growth.old.remove_at(at - here);
+            if growth.old.len == 0 {
+                // Nothing left to move (removals emptied it): the growth is over.
+                self.growth = None;
+            }
+            return removed;
         }
         let removed = self.slots[at];
         let mut hole = at;
@@ -427,10 +436,9 @@ impl<E: Slot> FlatTable<E> {
         self.growth = None;
     }
 
-    /// Starts loading `key`'s home slot into the CPU caches, so that a later [`find`] does not
-    /// wait for memory (a cold lookup walks hundreds of keys, each in a random place).
-    ///
-    /// [`find`]: Self::find
+    /// Starts loading `key`'s home slot (in both arrays while a growth lasts) into the CPU
+    /// caches, so that a later [`Self::get`] does not wait for memory (a cold lookup walks
+    /// hundreds of keys, each in a random place).
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
         if self.slots.is_empty() {
@@ -447,9 +455,9 @@ impl<E: Slot> FlatTable<E> {
 const SHARDS: usize = 256;
 
 /// A [`FlatTable`] split by key into 256 independent sub-tables, for the one table that grows to
-/// the size of the whole fleet's cache. A table resizes in one step, and at 100M entries one
-/// step would hold the index's lock for a second; split, each step moves 1/256 of the entries,
-/// and the sub-tables reach their thresholds at different inserts.
+/// the size of the whole fleet's cache. Split, the sub-tables reach their growth thresholds at
+/// different inserts, and a small one (under [`MOVE_FROM`] slots) moves at once; a large one
+/// grows a stretch at a time, like any [`FlatTable`].
 #[derive(Clone, Debug)]
 pub(crate) struct ShardedTable<E> {
     shards: Vec<FlatTable<E>>,

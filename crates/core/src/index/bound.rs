@@ -64,7 +64,7 @@ impl KvIndex {
         }
         while self.entries > target && *visits > 0 && state.blocks.len() > 0 {
             *visits -= 1;
-            if state.hand >= state.blocks.positions() {
+            if state.hand >= state.blocks.capacity() {
                 state.hand = 0;
             }
             let Some(held) = state.blocks.at_mut(state.hand) else {

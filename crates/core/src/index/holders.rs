@@ -35,7 +35,7 @@ fn tier_bit(tier: Tier) -> u16 {
 }
 
 /// One block's holders: packed lanes, or the marker for a wide set. Zero means nobody.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Holders(u64);
 
 impl Holders {

@@ -116,7 +116,7 @@ pub struct EndpointIndexStats {
 /// One block an endpoint holds: its engine hash (how removals name it) and its router key (how
 /// lookups name it), with the clock's referenced bit in the key's top bit (router keys never
 /// use it; see [`crate::keys::router_key`]). A zero key marks a vacant slot: no router key is 0.
-#[derive(Clone, Copy, Debug, Default, bytemuck::Zeroable)]
+#[derive(Clone, Copy, Debug, Default)]
 struct HeldBlock {
     hash: u64,
     tagged_key: u64,
@@ -141,7 +141,7 @@ impl Slot for HeldBlock {
 }
 
 /// One block of the block table: its router key and who holds it.
-#[derive(Clone, Copy, Debug, Default, bytemuck::Zeroable)]
+#[derive(Clone, Copy, Debug, Default)]
 struct BlockEntry {
     key: u64,
     holders: Holders,
@@ -161,8 +161,7 @@ struct EndpointState {
     slot: u32,
     /// Every block this endpoint holds on any tier, by engine hash.
     blocks: FlatTable<HeldBlock>,
-    /// The capacity bound's clock hand: the next position of `blocks` it looks at (past the
-    /// current array's slots while a growth lasts: the old array's, see `FlatTable::positions`).
+    /// The capacity bound's clock hand: the next slot of `blocks` it looks at.
     hand: usize,
     stats: EndpointIndexStats,
     /// Offloaded tiers' bookkeeping, once the endpoint has any.
@@ -232,7 +231,7 @@ fn drop_holder(
     tier: Tier,
 ) -> (bool, bool) {
     let blocks = blocks.shard_mut(key.0);
-    let Some(at) = blocks.find_mut(key.0) else {
+    let Some(at) = blocks.find(key.0) else {
         return (false, false);
     };
     let entry = blocks.at_mut(at).expect("found");

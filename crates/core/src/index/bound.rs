@@ -64,16 +64,14 @@ impl KvIndex {
         }
         while self.entries > target && *visits > 0 && state.blocks.len() > 0 {
             *visits -= 1;
-            if state.hand >= state.blocks.capacity() {
-                state.hand = 0;
-            }
+            state.hand = state.blocks.wrap(state.hand);
             let Some(held) = state.blocks.at_mut(state.hand) else {
-                state.hand += 1;
+                state.hand = state.hand.next();
                 continue;
             };
             if second_chance && held.tagged_key & REFERENCED != 0 {
                 held.tagged_key &= !REFERENCED;
-                state.hand += 1;
+                state.hand = state.hand.next();
                 continue;
             }
             // Removal shifts the next entry into this slot: the hand stays to look at it.

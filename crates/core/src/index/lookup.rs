@@ -12,6 +12,7 @@
 use serde::Serialize;
 
 use super::holders::{Holders, WORD_BITS};
+use super::split_table::PartId;
 use super::{EndpointId, KvIndex};
 use crate::event::Tier;
 use crate::keys::RouterKey;
@@ -71,6 +72,8 @@ const SHARED: usize = 3;
 
 /// Keys whose slots are prefetched at a time, one stretch ahead of the walk.
 const PREFETCH_AHEAD: usize = 16;
+/// Keys in flight in the walk's pipeline: the current stretch and the two ahead.
+const PIPELINE: usize = 3 * PREFETCH_AHEAD;
 
 pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMatches {
     let slots = index.slots.len();
@@ -89,8 +92,14 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     let mut uniform_gpu = 0u32;
     let mut mixed: Option<TierCounts> = None;
     let mut walked = 0u32;
-    for key in keys.iter().take(PREFETCH_AHEAD) {
-        index.blocks.prefetch(key.0);
+    // The block table's part of each key, from two stretches ahead of the walk to the current
+    // stretch: key `j` at `parts[j % PIPELINE]`.
+    let mut parts = [PartId::default(); PIPELINE];
+    for (j, key) in keys.iter().enumerate().take(2 * PREFETCH_AHEAD) {
+        parts[j] = index.blocks.locate(key.0);
+    }
+    for (j, key) in keys.iter().enumerate().take(PREFETCH_AHEAD) {
+        index.blocks.prefetch_in(parts[j], key.0);
     }
 
     let mut finish = |slot: usize, len: u32, uniform: u32, mixed: &Option<TierCounts>| {
@@ -128,17 +137,23 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             break;
         }
         if i % PREFETCH_AHEAD == 0 {
-            // A two-stage pipeline, so that a cold lookup waits for memory about once per
-            // stretch of blocks instead of once or twice per block: start fetching the next
-            // stretch's table slots, then find this stretch's entries (fetched one stretch
-            // ago) and start fetching their wide holder sets.
-            for ahead in keys.iter().skip(i + PREFETCH_AHEAD).take(PREFETCH_AHEAD) {
-                index.blocks.prefetch(ahead.0);
+            // A pipeline, so that a cold lookup waits for memory about once per stretch of
+            // blocks instead of once or twice per block: find the table parts of the keys two
+            // stretches on and start fetching their headers; start fetching the table slots of
+            // the next stretch (whose headers came one stretch ago); then find this stretch's
+            // entries (their slots fetched one stretch ago) and start fetching their wide
+            // holder sets.
+            let ahead = |from: usize| from..keys.len().min(from + PREFETCH_AHEAD);
+            for j in ahead(i + 2 * PREFETCH_AHEAD) {
+                parts[j % PIPELINE] = index.blocks.locate(keys[j].0);
             }
-            for (found, now) in stretch.iter_mut().zip(&keys[i..]) {
+            for j in ahead(i + PREFETCH_AHEAD) {
+                index.blocks.prefetch_in(parts[j % PIPELINE], keys[j].0);
+            }
+            for (found, j) in stretch.iter_mut().zip(ahead(i)) {
                 *found = index
                     .blocks
-                    .get(now.0)
+                    .get_in(parts[j % PIPELINE], keys[j].0)
                     .map_or_else(Holders::default, |e| e.holders);
                 index.wide.prefetch(*found);
             }

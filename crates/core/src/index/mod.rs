@@ -35,6 +35,7 @@ mod lookup;
 mod offload;
 mod restore;
 mod shared;
+mod split_table;
 mod table;
 
 use hashbrown::HashMap;
@@ -45,7 +46,8 @@ use crate::keys::{ExtraKey, ROOT_KEY, RouterKey, router_key};
 use fleet_tier::{FleetTier, SharedFleetTier};
 use holders::{Holders, WideHolders};
 use offload::{EndpointOffload, Place, Tables, chunk_chain, remove_block, resolve, store_block};
-use table::{FlatTable, ShardedTable, Slot};
+use split_table::{Position, SplitTable};
+use table::Slot;
 
 pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
@@ -160,9 +162,9 @@ impl Slot for BlockEntry {
 struct EndpointState {
     slot: u32,
     /// Every block this endpoint holds on any tier, by engine hash.
-    blocks: FlatTable<HeldBlock>,
+    blocks: SplitTable<HeldBlock>,
     /// The capacity bound's clock hand: the next slot of `blocks` it looks at.
-    hand: usize,
+    hand: Position,
     stats: EndpointIndexStats,
     /// Offloaded tiers' bookkeeping, once the endpoint has any.
     offload: Option<Box<EndpointOffload>>,
@@ -173,7 +175,7 @@ struct EndpointState {
 pub struct KvIndex {
     config: IndexConfig,
     /// Router key → holders, for every block held by at least one endpoint.
-    blocks: ShardedTable<BlockEntry>,
+    blocks: SplitTable<BlockEntry>,
     /// Holder sets too large for a block table entry.
     wide: WideHolders,
     endpoints: HashMap<EndpointId, EndpointState>,
@@ -199,14 +201,14 @@ pub struct KvIndex {
 /// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
 /// (slot, tier) pair was new.
 fn add_holder(
-    blocks: &mut ShardedTable<BlockEntry>,
+    blocks: &mut SplitTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
 ) -> bool {
     let mut inserted = false;
-    let (entry, new) = blocks.shard_mut(key.0).get_or_insert_with(key.0, || {
+    let (entry, new) = blocks.get_or_insert_with(key.0, || {
         let mut holders = Holders::default();
         inserted = wide.insert(&mut holders, slot, tier);
         BlockEntry {
@@ -224,13 +226,12 @@ fn add_holder(
 /// Clears `slot` on `tier` for `key`, dropping the block once nobody holds it; returns whether
 /// it was set, and whether `slot` still holds the block on another tier.
 fn drop_holder(
-    blocks: &mut ShardedTable<BlockEntry>,
+    blocks: &mut SplitTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
 ) -> (bool, bool) {
-    let blocks = blocks.shard_mut(key.0);
     let Some(at) = blocks.find(key.0) else {
         return (false, false);
     };
@@ -245,7 +246,7 @@ fn drop_holder(
 
 /// Clears `slot` on every tier of `key`, keeping `stats`' per-tier counts.
 fn drop_slot(
-    blocks: &mut ShardedTable<BlockEntry>,
+    blocks: &mut SplitTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
@@ -272,7 +273,7 @@ impl KvIndex {
         }
         Ok(Self {
             config,
-            blocks: ShardedTable::default(),
+            blocks: SplitTable::default(),
             wide: WideHolders::default(),
             endpoints: HashMap::new(),
             slots: Vec::new(),
@@ -308,8 +309,8 @@ impl KvIndex {
             slots[slot] = Some(endpoint);
             EndpointState {
                 slot: slot as u32,
-                blocks: FlatTable::default(),
-                hand: 0,
+                blocks: SplitTable::default(),
+                hand: Position::default(),
                 stats: EndpointIndexStats::default(),
                 offload: None,
             }
@@ -392,7 +393,7 @@ impl KvIndex {
             }
         }
         state.blocks.clear();
-        state.hand = 0;
+        state.hand = Position::default();
         if let Some(o) = state.offload.as_deref_mut() {
             o.clear();
         }

@@ -27,7 +27,7 @@ use parking_lot::RwLock;
 
 use super::fleet_tier::{FleetTier, MountId};
 use super::holders::WideHolders;
-use super::table::ShardedTable;
+use super::split_table::SplitTable;
 use super::{
     BlockEntry, EndpointState, HeldBlock, REFERENCED, add_holder, bump, drop_holder, drop_slot,
 };
@@ -204,7 +204,7 @@ impl EndpointOffload {
 
 /// The index's tables an event changes, borrowed apart from the endpoint's own state.
 pub(super) struct Tables<'a> {
-    pub(super) blocks: &'a mut ShardedTable<BlockEntry>,
+    pub(super) blocks: &'a mut SplitTable<BlockEntry>,
     pub(super) wide: &'a mut WideHolders,
     /// The shared tier, locked only for a shared-tier event (the shards share it).
     pub(super) fleet: &'a RwLock<FleetTier>,

@@ -23,9 +23,8 @@ use fixtures::{Chain, UNBOUNDED, chain_lengths, fill, private_seeds, rss_bytes};
 
 /// Selects the child's job; unset in the parent.
 const CHILD_VAR: &str = "KVROUTE_MEMORY_BENCH_CHILD";
-/// Entry counts measured; hashbrown tables double when 7/8 full, so these two sit early
-/// (1.0M, tables about half full) and late (1.8M, tables about 7/8 full) in a growth cycle
-/// for the unshared scenarios.
+/// Entry counts measured: two points in the tables' growth (the parts of a table grow and split
+/// at different times, so its fill varies less with the count than one table's did).
 const SIZES: [usize; 2] = [1_000_000, 1_800_000];
 
 /// One fleet shape.
@@ -96,9 +95,10 @@ fn measure_memory(scenario: &Scenario, entries: usize) {
     );
 }
 
-/// Batches of 16 blocks timed per measurement: 320k blocks, enough for the clock hand to pass
-/// over the whole index and reach its steady state (with 2,000 the hand was still in its first
-/// pass, clearing marks, and the figures were its best case).
+/// Batches of 16 blocks timed per measurement: 320k blocks, over which the clock hand visits
+/// 2.6M slots, twice round the 1M-entry index (with 2,000 batches it was still in its first
+/// pass, clearing marks that the build set, and the figures were its best case); at 4M entries
+/// it does not finish a pass.
 const TIMED_BATCHES: usize = 20_000;
 
 /// Child: fill an index to its capacity (the bound already evicting), then time single

@@ -37,6 +37,8 @@ mod restore;
 mod shared;
 mod split_table;
 mod table;
+#[cfg(test)]
+mod table_testing;
 
 use hashbrown::HashMap;
 

@@ -51,7 +51,11 @@ pub(crate) struct Tail {
 }
 
 /// A Robin Hood hash table of [`Slot`]s.
+///
+/// Aligned to its 32-byte size, so that a [`super::split_table::SplitTable`]'s parts never
+/// straddle two cache lines: [`Self::prefetch_header`] fetches one line and gets all of it.
 #[derive(Clone, Debug, Default)]
+#[repr(align(32))]
 pub(crate) struct FlatTable<E> {
     slots: Vec<E>,
     len: usize,
@@ -309,8 +313,8 @@ impl<E: Slot> FlatTable<E> {
     }
 
     /// Inserts `entry`, whose key the caller knows to be absent, into a table it is refilling
-    /// from another table's [`Self::into_entries_by_home`] (sized with [`Self::with_room_for`],
-    /// so the load is not checked).
+    /// from another table's [`Self::into_entries_by_home`] (sized with room for them all, so the
+    /// load is not checked).
     ///
     /// A key's home slot grows with its mixed value whatever the capacity, so entries that
     /// arrive in home order belong at the end of the last run: the entry goes to its home if
@@ -378,7 +382,7 @@ impl<E: Slot> FlatTable<E> {
     }
 
     /// Starts loading this table's header (its array's address and size, which finding a
-    /// key's home slot reads) into the CPU caches.
+    /// key's home slot reads) into the CPU caches: one line, the header being 32 bytes aligned.
     #[inline]
     pub(crate) fn prefetch_header(&self) {
         prefetch_line(&self.len);
@@ -428,21 +432,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-
-    #[derive(Clone, Copy, Debug, Default, PartialEq)]
-    struct Pair {
-        key: u64,
-        value: u64,
-    }
-
-    impl Slot for Pair {
-        fn key(&self) -> u64 {
-            self.key
-        }
-        fn is_vacant(&self) -> bool {
-            self.value == 0
-        }
-    }
+    use crate::index::table_testing::{Pair, apply_op};
 
     /// The first keys whose home is `home` in a table of `table`'s size.
     fn keys_at_home(table: &FlatTable<Pair>, home: usize, count: usize) -> Vec<u64> {
@@ -496,23 +486,7 @@ mod tests {
             let mut model = HashMap::new();
             for (op, k, value) in ops {
                 let key = k.wrapping_mul(spread);
-                match op {
-                    0 => {
-                        let (entry, new) = table.get_or_insert(Pair { key, value });
-                        prop_assert_eq!(new, !model.contains_key(&key));
-                        entry.value = value;
-                        model.insert(key, value);
-                    }
-                    1 => prop_assert_eq!(table.remove(key).map(|p| p.value), model.remove(&key)),
-                    _ => {
-                        let at = table.find(key);
-                        prop_assert_eq!(at.is_some(), model.contains_key(&key));
-                        if let Some(at) = at {
-                            prop_assert_eq!(table.remove_at(at).value, model.remove(&key).unwrap());
-                        }
-                    }
-                }
-                prop_assert_eq!(table.len(), model.len());
+                apply_op(&mut table, &mut model, op, key, value)?;
                 prop_assert!(table.len() * 100 <= table.capacity() * MAX_LOAD_PERCENT || table.capacity() == 0);
                 prop_assert!(table.is_in_robin_hood_order());
             }

@@ -14,11 +14,11 @@
 //! - between splits each part is a flat table that grows by a quarter.
 //!
 //! So a step moves one part: about the split size in entries, twice that for a part that this
-//! round has not reached yet (an insertion that splits a part may also grow its key's own). The parts stay within the flat table's load bounds,
-//! and only one part is rebuilt at a time, so the memory per entry is the flat table's. A table
-//! of at most the split size is one flat table, as before. The price is more steps, each
-//! short: a growing index pauses more batches a little and none for long (`docs/benchmarks.md`,
-//! "Table growth by parts").
+//! round has not reached yet (an insertion that splits a part may also grow its key's own).
+//! The parts stay within the flat table's load bounds, and only one part is rebuilt at a time,
+//! so the memory per entry is the flat table's. A table of at most the split size is one flat
+//! table, as before. The price is more steps, each short: a growing index pauses more batches
+//! a little and none for long (`docs/benchmarks.md`, "Table growth by parts").
 //!
 //! Slots are addressed by [`Position`] (a part and a slot in it), for the capacity bound's
 //! clock hand.
@@ -92,16 +92,21 @@ impl<E: Slot> SplitTable<E> {
         }
     }
 
+    /// Parts at the start of this round of splits: the largest power of two not above the
+    /// number of parts. Parts `0..n - round` are split this round, their halves at `round..n`.
+    #[inline]
+    fn round(&self) -> usize {
+        1usize << (usize::BITS - 1 - self.parts.len().leading_zeros())
+    }
+
     /// The part `key` lives in.
     #[inline]
     fn part_of(&self, key: u64) -> usize {
-        let n = self.parts.len();
-        // `low` parts are in this round's range; the first `n - low` of them are split.
-        let low = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let round = self.round();
         let h = part_hash(key) as usize;
-        let part = h & (low - 1);
-        if part < n - low {
-            h & (2 * low - 1)
+        let part = h & (round - 1);
+        if part < self.parts.len() - round {
+            h & (2 * round - 1)
         } else {
             part
         }
@@ -157,7 +162,8 @@ impl<E: Slot> SplitTable<E> {
 
     /// The entry for `key`, inserting `make()` (whose key must be `key`) first if the key is
     /// absent; the flag says whether it was inserted. An insertion that takes the table past
-    /// [`SPLIT_AT`] entries per part splits one part first.
+    /// its split size in entries per part splits the next part first; the key's own part may
+    /// then grow too.
     pub(crate) fn get_or_insert_with(
         &mut self,
         key: u64,
@@ -178,11 +184,11 @@ impl<E: Slot> SplitTable<E> {
     /// a new last part, each rebuilt at 80% full.
     fn split_next(&mut self) {
         let n = self.parts.len();
-        let low = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let splitting = n - low;
+        let round = self.round();
+        let splitting = n - round;
         let old = std::mem::take(&mut self.parts[splitting]);
-        // With the new part counted, each key goes to `splitting` or `n`.
-        let goes_up = |key: u64| part_hash(key) as usize & low != 0;
+        // With the new part counted, each key goes to `splitting` or `n` (= `splitting + round`).
+        let goes_up = |key: u64| part_hash(key) as usize & round != 0;
         let up = old.iter().filter(|e| goes_up(e.key())).count();
         let mut stay = FlatTable::with_room_for(old.len() - up);
         let mut moved = FlatTable::with_room_for(up);
@@ -263,7 +269,7 @@ impl<E: Slot> SplitTable<E> {
         }
     }
 
-    /// Parts (for tests and the bench's figures).
+    /// Parts (for tests).
     #[cfg(test)]
     pub(crate) fn parts(&self) -> &[FlatTable<E>] {
         &self.parts

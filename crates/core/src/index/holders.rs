@@ -9,6 +9,17 @@
 //! with one more memory access, at an address it can compute (and prefetch) from the block
 //! table entry alone. Blocks with the same holders share one set, so the blocks of a prefix
 //! that the same endpoints hold carry the same word: a lookup reads their set once.
+//!
+//! **Runs.** Consecutive blocks of one chain that an event leaves with the same holders are
+//! linked into a [`Run`]: their words name the run and their offset in it, and the run's record
+//! holds the holders and the router key of its last block. A member whose holders change
+//! leaves the run with a plain word. Members leaving from either end keep the rest a chain (an
+//! endpoint storing the run's first blocks too; an engine evicting a chain from its tail); the
+//! run is *intact* while its members are every offset between its first and its last. Then a
+//! lookup that reads one member and confirms the last one at the matching position of its own
+//! keys knows every block in between without reading them: router keys are chained, so the
+//! same block at the last position means the same blocks all the way. A member leaving from
+//! the middle breaks the run: it stays as the other members' holders until the last leaves.
 
 use hashbrown::HashTable;
 
@@ -29,6 +40,13 @@ const MAX_LANE_SLOT: u32 = (1 << (LANE_BITS - TIER_BITS)) - 2;
 /// The top lane of a word whose holders are in [`WideHolders`] (slot 8191, every tier: no
 /// packed lane has it); the low 32 bits then number the set.
 const WIDE_MARK: u64 = 0xffff << 48;
+/// The top lane of a word naming a [`Run`] member (slot 8191 again, with other tier bits); the
+/// next 16 bits are the member's offset in the run, the low 32 number the run.
+const RUN_MARK: u64 = 0xfffe << 48;
+/// The most blocks linked into one run (offsets are 16 bits); a longer chain starts another.
+const MAX_RUN: u32 = 1 << 16;
+/// The top lane.
+const MARK_MASK: u64 = 0xffff << 48;
 
 fn tier_bit(tier: Tier) -> u16 {
     1 << tier as u16
@@ -42,7 +60,31 @@ impl Holders {
     /// The wide set these holders live in, if any.
     #[inline]
     fn wide_set(self) -> Option<usize> {
-        (self.0 & WIDE_MARK == WIDE_MARK).then_some(self.0 as u32 as usize)
+        (self.0 & MARK_MASK == WIDE_MARK).then_some(self.0 as u32 as usize)
+    }
+
+    /// The run these holders are a member of, if any.
+    #[inline]
+    pub(crate) fn run(self) -> Option<usize> {
+        (self.0 & MARK_MASK == RUN_MARK).then_some(self.0 as u32 as usize)
+    }
+
+    /// The offset in its run of a run member.
+    #[inline]
+    fn offset(self) -> u32 {
+        (self.0 >> 32) as u16 as u32
+    }
+
+    /// The member at `offset` of run `run`.
+    fn of_run(run: usize, offset: u32) -> Self {
+        Self(RUN_MARK | u64::from(offset) << 32 | run as u64)
+    }
+
+    /// Whether two words stand for the same holders without reading either: equal words, or
+    /// members of the same run.
+    #[inline]
+    pub(crate) fn same(self, other: Self) -> bool {
+        self == other || (self.run().is_some() && self.run() == other.run())
     }
 
     /// True when no endpoint holds the block on any tier.
@@ -72,8 +114,49 @@ impl Holders {
     }
 }
 
+/// Consecutive blocks of one chain with the same holders: the record their words name.
+///
+/// Aligned to 32 bytes so that a lookup's one prefetch brings the whole record.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(align(32))]
+struct Run {
+    /// The members' holders: packed, or a wide set of which the run holds one use for all its
+    /// members.
+    holders: Holders,
+    /// The router key of the member linked last (offset `len - 1`).
+    end: u64,
+    /// Members linked in: a chain of `len` blocks at offsets `0..len`, ending at `end`.
+    len: u32,
+    /// Members whose word still names the run.
+    users: u32,
+    /// Offsets `first..last_end` bound the members still in the run: members that left from
+    /// either end moved them.
+    first: u32,
+    last_end: u32,
+}
+
+impl Run {
+    /// Whether every offset between the first and the last member is still a member.
+    fn intact(&self) -> bool {
+        self.users == self.last_end - self.first
+    }
+}
+
+/// What a lookup reading one member of an intact run learns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IntactRun {
+    /// Blocks from the member read to the run's last, both included.
+    pub(crate) blocks: u32,
+    /// The router key of the run's last member, when the run still ends at the block linked
+    /// last; else the lookup must confirm the last member by reading it ([`Self::last`]).
+    pub(crate) end: Option<u64>,
+    /// The word of the run's last member.
+    pub(crate) last: Holders,
+}
+
 /// The holder sets of blocks with more holders than a packed word takes: an arena of sets of
-/// `stride` words each, set `i` at `words[i * stride..]`, word `3w + tier` for slot word `w`.
+/// `stride` words each, set `i` at `words[i * stride..]`, word `3w + tier` for slot word `w`;
+/// and the [`Run`]s linking blocks with the same holders.
 ///
 /// Blocks with the same holders share one set (found by its contents, counted by its users):
 /// the blocks of a shared prefix are mostly held by the same endpoints, so a lookup walking
@@ -93,6 +176,10 @@ pub(crate) struct WideHolders {
     by_contents: HashTable<u32>,
     /// The contents an edit is building.
     scratch: Vec<u64>,
+    /// Runs, by number; a free run is all zero.
+    runs: Vec<Run>,
+    /// Runs no block names.
+    free_runs: Vec<u32>,
 }
 
 /// A read-only view of one block's holders, for lookups.
@@ -162,19 +249,32 @@ impl HolderView<'_> {
 }
 
 impl WideHolders {
+    /// The holders a word stands for: a run member's are the run's, never a run again.
+    #[inline]
+    pub(crate) fn resolve(&self, holders: Holders) -> Holders {
+        match holders.run() {
+            Some(run) => self.runs[run].holders,
+            None => holders,
+        }
+    }
+
     /// A view of `holders`.
     #[inline]
     pub(crate) fn view(&self, holders: Holders) -> HolderView<'_> {
+        let holders = self.resolve(holders);
         match holders.wide_set() {
             Some(set) => HolderView::Wide(&self.words[set * self.stride..][..self.stride]),
             None => HolderView::Packed(holders.0),
         }
     }
 
-    /// Starts loading `holders`' wide set into the CPU caches, if it has one.
+    /// Starts loading what `holders` needs read into the CPU caches: its wide set, or its run's
+    /// record (a run's wide set can only be found once the record is read).
     #[inline]
     pub(crate) fn prefetch(&self, holders: Holders) {
-        if let Some(set) = holders.wide_set() {
+        if let Some(run) = holders.run() {
+            prefetch_line(&self.runs[run]);
+        } else if let Some(set) = holders.wide_set() {
             // One cache line is eight words; a set spans `stride` words.
             for word in (0..self.stride).step_by(8) {
                 prefetch_line(&self.words[set * self.stride + word]);
@@ -182,8 +282,121 @@ impl WideHolders {
         }
     }
 
+    /// The run `holders` is a member of, if it is intact.
+    #[inline]
+    pub(crate) fn intact_run(&self, holders: Holders) -> Option<IntactRun> {
+        let id = holders.run()?;
+        let run = &self.runs[id];
+        run.intact().then(|| IntactRun {
+            blocks: run.last_end - holders.offset(),
+            end: (run.last_end == run.len).then_some(run.end),
+            last: Holders::of_run(id, run.last_end - 1),
+        })
+    }
+
+    /// A new run of no blocks yet with `holders` (plain), to be extended at once.
+    pub(crate) fn new_run(&mut self, holders: Holders) -> usize {
+        debug_assert!(holders.run().is_none() && !holders.is_empty());
+        if let Some(set) = holders.wide_set() {
+            // The run's own use, for all its members.
+            self.users[set] += 1;
+        }
+        let run = Run {
+            holders,
+            ..Run::default()
+        };
+        match self.free_runs.pop() {
+            Some(free) => {
+                self.runs[free as usize] = run;
+                free as usize
+            }
+            None => {
+                self.runs.push(run);
+                self.runs.len() - 1
+            }
+        }
+    }
+
+    /// Links `block` (router key `key`) into run `run` as its new last block, when the run is
+    /// intact, ends at `after` (the block's parent) or is empty, has room, and has the block's
+    /// holders; returns whether it did.
+    pub(crate) fn extend_run(
+        &mut self,
+        run: usize,
+        block: &mut Holders,
+        after: u64,
+        key: u64,
+    ) -> bool {
+        let r = &self.runs[run];
+        let open = r.len == 0 || (r.intact() && r.last_end == r.len && r.end == after);
+        if !open || r.len == MAX_RUN || *block != r.holders {
+            return false;
+        }
+        if let Some(set) = block.wide_set() {
+            // The run holds the set for its members: give back the block's own use.
+            self.release(set);
+        }
+        let r = &mut self.runs[run];
+        *block = Holders::of_run(run, r.len);
+        r.len += 1;
+        r.last_end = r.len;
+        r.users += 1;
+        r.end = key;
+        true
+    }
+
+    /// The run `holders` (router key `key`) is the last member of, if it is intact and can be
+    /// extended.
+    pub(crate) fn ends_intact_run(&self, holders: Holders, key: u64) -> Option<usize> {
+        let run = holders.run()?;
+        let r = &self.runs[run];
+        let last = r.len > 0 && holders.offset() == r.len - 1 && r.end == key;
+        (last && r.intact() && r.last_end == r.len).then_some(run)
+    }
+
+    /// Frees run `run` if no block was linked into it (a run started and then not extended).
+    pub(crate) fn drop_if_empty(&mut self, run: usize) {
+        if self.runs[run].len == 0 {
+            self.free_run(run);
+        }
+    }
+
+    /// Makes `holders`, a run member, a plain word with the run's holders.
+    fn leave_run(&mut self, holders: &mut Holders, run: usize) {
+        let r = &mut self.runs[run];
+        let plain = r.holders;
+        let offset = holders.offset();
+        r.users -= 1;
+        if offset == r.first {
+            r.first += 1;
+        } else if offset + 1 == r.last_end {
+            r.last_end -= 1;
+        }
+        if let Some(set) = plain.wide_set() {
+            self.users[set] += 1;
+        }
+        if self.runs[run].users == 0 {
+            self.free_run(run);
+        }
+        *holders = plain;
+    }
+
+    fn free_run(&mut self, run: usize) {
+        if let Some(set) = self.runs[run].holders.wide_set() {
+            self.release(set);
+        }
+        self.runs[run] = Run::default();
+        self.free_runs.push(run as u32);
+    }
+
     /// Marks `slot` as holding the block on `tier`; returns whether that was new.
     pub(crate) fn insert(&mut self, holders: &mut Holders, slot: u32, tier: Tier) -> bool {
+        if let Some(run) = holders.run() {
+            if self.view(*holders).has(slot, tier) {
+                return false;
+            }
+            self.leave_run(holders, run);
+        }
         let (word, bit) = split(slot);
         let at = word * 3 + tier as usize;
         let Some(set) = holders.wide_set() else {
@@ -217,6 +430,12 @@ impl WideHolders {
     /// Clears `slot` on `tier`; returns whether it was set. A wide set that fits a packed word
     /// again is packed.
     pub(crate) fn remove(&mut self, holders: &mut Holders, slot: u32, tier: Tier) -> bool {
+        if let Some(run) = holders.run() {
+            if !self.view(*holders).has(slot, tier) {
+                return false;
+            }
+            self.leave_run(holders, run);
+        }
         let Some(set) = holders.wide_set() else {
             let Some(i) = holders.lane_of(slot) else {
                 return false;
@@ -392,11 +611,19 @@ impl WideHolders {
         self.users.iter().map(|&u| u64::from(u)).sum()
     }
 
-    /// Heap bytes of the arena and its index.
+    /// Runs in use, and how many of them are intact.
+    #[cfg(test)]
+    pub(crate) fn runs(&self) -> (usize, usize) {
+        let used = self.runs.iter().filter(|r| r.users > 0);
+        (used.clone().count(), used.filter(|r| r.intact()).count())
+    }
+
+    /// Heap bytes of the arena, its index and the runs.
     pub(crate) fn heap_bytes(&self) -> usize {
         (self.words.capacity() + self.scratch.capacity()) * 8
-            + (self.users.capacity() + self.free.capacity()) * 4
+            + (self.users.capacity() + self.free.capacity() + self.free_runs.capacity()) * 4
             + self.by_contents.allocation_size()
+            + self.runs.capacity() * size_of::<Run>()
     }
 }
 

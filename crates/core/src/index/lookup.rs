@@ -8,6 +8,12 @@
 //! block before it (the same word: equal wide sets are one set) costs a comparison. When the
 //! fleet-wide shared tier holds anything, each block also adds the endpoints mounting a mount
 //! that holds it (one hash lookup per block; none while the shared tier is empty).
+//!
+//! **Runs.** A block that starts an intact run (see [`super::holders`]) whose last key is the
+//! request's key at the run's last position stands for the whole run: the walk counts its
+//! blocks at once and reads none of them. After such a skip the walk reads one block at a time
+//! (the next is most likely another run's first); at the first block that is not, it goes back
+//! to the pipeline below, which fetches blocks a stretch ahead.
 
 use serde::Serialize;
 
@@ -75,6 +81,107 @@ const PREFETCH_AHEAD: usize = 16;
 /// Keys in flight in the walk's pipeline: the current stretch and the two ahead.
 const PIPELINE: usize = 3 * PREFETCH_AHEAD;
 
+/// The block table's entries for a request's keys, fetched ahead of the walk.
+///
+/// A pipeline, so that a cold lookup waits for memory about once per stretch of blocks instead
+/// of once or twice per block: when the walk reaches a stretch, it finds the table parts of the
+/// keys two stretches on and starts fetching their headers; starts fetching the table slots of
+/// the next stretch (whose headers came one stretch ago); then finds this stretch's entries
+/// (their slots fetched one stretch ago) and starts fetching their wide holder sets or runs.
+struct Fetch<'a> {
+    index: &'a KvIndex,
+    keys: &'a [RouterKey],
+    /// The block table's part of each key from the stretch being walked to two stretches
+    /// ahead: key `j` at `parts[j % PIPELINE]`.
+    parts: [PartId; PIPELINE],
+    /// The holders of keys `base..base + PREFETCH_AHEAD`, once `loaded`.
+    stretch: [Holders; PREFETCH_AHEAD],
+    base: usize,
+    loaded: bool,
+}
+
+impl<'a> Fetch<'a> {
+    fn new(index: &'a KvIndex, keys: &'a [RouterKey]) -> Self {
+        let mut fetch = Self {
+            index,
+            keys,
+            parts: [PartId::default(); PIPELINE],
+            stretch: [Holders::default(); PREFETCH_AHEAD],
+            base: 0,
+            loaded: false,
+        };
+        fetch.restart(0);
+        fetch
+    }
+
+    /// Keys of the stretch `stretches` stretches after key `at`.
+    fn ahead(&self, at: usize, stretches: usize) -> std::ops::Range<usize> {
+        let from = (at + stretches * PREFETCH_AHEAD).min(self.keys.len());
+        from..self.keys.len().min(from + PREFETCH_AHEAD)
+    }
+
+    /// Starts the pipeline over at key `at`: its stretch and the next are located, its own
+    /// slots start loading.
+    fn restart(&mut self, at: usize) {
+        let blocks = &self.index.blocks;
+        for j in self.ahead(at, 0).chain(self.ahead(at, 1)) {
+            self.parts[j % PIPELINE] = blocks.locate(self.keys[j].0);
+        }
+        for j in self.ahead(at, 0) {
+            blocks.prefetch_in(self.parts[j % PIPELINE], self.keys[j].0);
+        }
+        self.base = at;
+        self.loaded = false;
+    }
+
+    /// The holders of key `i`, the key after the last one asked for, or any key after a
+    /// restart.
+    fn holders(&mut self, i: usize) -> Holders {
+        if self.loaded && i == self.base + PREFETCH_AHEAD {
+            self.base = i;
+            self.loaded = false;
+        } else if i < self.base || i >= self.base + PREFETCH_AHEAD {
+            self.restart(i);
+        }
+        if !self.loaded {
+            self.load();
+        }
+        self.stretch[i - self.base]
+    }
+
+    /// Moves the pipeline one stage on at the stretch starting at `base`.
+    fn load(&mut self) {
+        let (blocks, wide) = (&self.index.blocks, &self.index.wide);
+        let at = self.base;
+        for j in self.ahead(at, 2) {
+            self.parts[j % PIPELINE] = blocks.locate(self.keys[j].0);
+        }
+        for j in self.ahead(at, 1) {
+            blocks.prefetch_in(self.parts[j % PIPELINE], self.keys[j].0);
+        }
+        let own = self.ahead(at, 0);
+        for (found, j) in self.stretch.iter_mut().zip(own) {
+            *found = blocks
+                .get_in(self.parts[j % PIPELINE], self.keys[j].0)
+                .map_or_else(Holders::default, |e| e.holders);
+            wide.prefetch(*found);
+        }
+        self.loaded = true;
+    }
+
+    /// The holders of key `i` read on their own (no pipeline), their run's record or wide set
+    /// prefetched.
+    fn one(&self, i: usize) -> Holders {
+        let holders = self
+            .index
+            .blocks
+            .get(self.keys[i].0)
+            .map_or_else(Holders::default, |e| e.holders);
+        self.index.wide.prefetch(holders);
+        holders
+    }
+}
+
 pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMatches {
     let slots = index.slots.len();
     let words = slots.div_ceil(WORD_BITS);
@@ -92,15 +199,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     let mut uniform_gpu = 0u32;
     let mut mixed: Option<TierCounts> = None;
     let mut walked = 0u32;
-    // The block table's part of each key, from two stretches ahead of the walk to the current
-    // stretch: key `j` at `parts[j % PIPELINE]`.
-    let mut parts = [PartId::default(); PIPELINE];
-    for (j, key) in keys.iter().enumerate().take(2 * PREFETCH_AHEAD) {
-        parts[j] = index.blocks.locate(key.0);
-    }
-    for (j, key) in keys.iter().enumerate().take(PREFETCH_AHEAD) {
-        index.blocks.prefetch_in(parts[j], key.0);
-    }
+    let mut fetch = Fetch::new(index, keys);
 
     let mut finish = |slot: usize, len: u32, uniform: u32, mixed: &Option<TierCounts>| {
         let extra = mixed.as_ref().map_or([0; 4], |m| m.counts[slot]);
@@ -118,8 +217,6 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
     };
 
-    // Holders of the current stretch of keys, found once per key.
-    let mut stretch = [Holders::default(); PREFETCH_AHEAD];
     // Slots holding the current block through the shared tier (only while it holds anything).
     // The tier's lock is taken only while this index has endpoints mounting it, and then held
     // for the walk (its writers are shared-tier events, rarer than lookups).
@@ -132,40 +229,53 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     // but the count (the blocks of a chain stored by the same endpoints; equal wide sets are
     // one set), so it is counted without reading its set.
     let mut uniform_before: Option<Holders> = None;
-    for i in 0..keys.len() {
-        if active.iter().all(|&w| w == 0) {
-            break;
+    // Whether the last step skipped a run: read the next block alone.
+    let mut after_run = false;
+    // The last run the request was found to leave before its end.
+    let mut unfollowed = None;
+    let mut i = 0;
+    while i < keys.len() && active.iter().any(|&w| w != 0) {
+        let holders = if after_run {
+            fetch.one(i)
+        } else {
+            fetch.holders(i)
+        };
+        // Blocks this step counts: the rest of a run the request follows to the run's last
+        // block, or one block. (Not with the shared tier, which is looked up block by block.)
+        let count = match index.wide.intact_run(holders) {
+            Some(run) if run.blocks > 1 && !with_shared && holders.run() != unfollowed => {
+                let last = i + run.blocks as usize - 1;
+                let follows = keys.get(last).is_some_and(|key| match run.end {
+                    Some(end) => key.0 == end,
+                    None => index
+                        .blocks
+                        .get(key.0)
+                        .is_some_and(|e| e.holders == run.last),
+                });
+                if !follows {
+                    // The request leaves the run before its end: walk it block by block,
+                    // without asking again at every member.
+                    unfollowed = holders.run();
+                }
+                if follows { run.blocks } else { 1 }
+            }
+            _ => 1,
+        };
+        after_run = count > 1;
+        i += count as usize;
+        if after_run && i < keys.len() {
+            // The next block is read alone: start on its table part's header while this run's
+            // holders are read.
+            index.blocks.locate(keys[i].0);
         }
-        if i % PREFETCH_AHEAD == 0 {
-            // A pipeline, so that a cold lookup waits for memory about once per stretch of
-            // blocks instead of once or twice per block: find the table parts of the keys two
-            // stretches on and start fetching their headers; start fetching the table slots of
-            // the next stretch (whose headers came one stretch ago); then find this stretch's
-            // entries (their slots fetched one stretch ago) and start fetching their wide
-            // holder sets.
-            let ahead = |from: usize| from..keys.len().min(from + PREFETCH_AHEAD);
-            for j in ahead(i + 2 * PREFETCH_AHEAD) {
-                parts[j % PIPELINE] = index.blocks.locate(keys[j].0);
-            }
-            for j in ahead(i + PREFETCH_AHEAD) {
-                index.blocks.prefetch_in(parts[j % PIPELINE], keys[j].0);
-            }
-            for (found, j) in stretch.iter_mut().zip(ahead(i)) {
-                *found = index
-                    .blocks
-                    .get_in(parts[j % PIPELINE], keys[j].0)
-                    .map_or_else(Holders::default, |e| e.holders);
-                index.wide.prefetch(*found);
-            }
-        }
-        let holders = stretch[i % PREFETCH_AHEAD];
-        if uniform_before == Some(holders) && !with_shared {
-            uniform_gpu += 1;
-            walked += 1;
+        if uniform_before.is_some_and(|u| u.same(holders)) && !with_shared {
+            uniform_gpu += count;
+            walked += count;
             continue;
         }
         let entry = (!holders.is_empty()).then(|| index.wide.view(holders));
-        let any_shared = fleet.is_some_and(|f| f.slots_holding(index.shard, keys[i], &mut shared));
+        let any_shared =
+            fleet.is_some_and(|f| f.slots_holding(index.shard, keys[i - 1], &mut shared));
         let mut all_gpu = true;
         for (w, word) in active.iter_mut().enumerate() {
             if *word == 0 {
@@ -189,7 +299,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         }
         uniform_before = (all_gpu && !any_shared).then_some(holders);
         if all_gpu {
-            uniform_gpu += 1;
+            uniform_gpu += count;
         } else if entry.is_some() || any_shared {
             let counts = mixed.get_or_insert_with(|| TierCounts {
                 counts: vec![[0; 4]; slots],
@@ -201,14 +311,14 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
                     // The endpoint's own copy first; else it holds the block through the
                     // shared tier (the only way an active slot can hold it otherwise).
                     match entry.and_then(|e| e.best_tier(slot as u32)) {
-                        Some(tier) => counts.counts[slot][tier as usize] += 1,
-                        None => counts.counts[slot][SHARED] += 1,
+                        Some(tier) => counts.counts[slot][tier as usize] += count,
+                        None => counts.counts[slot][SHARED] += count,
                     }
                     bits &= bits - 1;
                 }
             }
         }
-        walked += 1;
+        walked += count;
     }
     for (w, &word) in active.iter().enumerate() {
         let mut bits = word;

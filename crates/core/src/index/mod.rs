@@ -34,6 +34,7 @@ mod holders;
 mod lookup;
 mod offload;
 mod restore;
+mod runs;
 mod shared;
 mod split_table;
 mod table;
@@ -48,6 +49,7 @@ use crate::keys::{ExtraKey, ROOT_KEY, RouterKey, router_key};
 use fleet_tier::{FleetTier, SharedFleetTier};
 use holders::{Holders, WideHolders};
 use offload::{EndpointOffload, Place, Tables, chunk_chain, remove_block, resolve, store_block};
+use runs::RunChain;
 use split_table::{Position, SplitTable};
 use table::Slot;
 
@@ -529,6 +531,7 @@ impl KvIndex {
 
         // Keys first, then the tables' slots fetched for the whole batch at once, so that a
         // large index waits for memory about once per batch rather than twice per block.
+        let first_parent = parent;
         let keys: Vec<RouterKey> = event
             .token_ids
             .chunks_exact(bs)
@@ -558,9 +561,15 @@ impl KvIndex {
             tables.blocks.prefetch(key.0);
         }
         let mut parent_hash = event.parent_block_hash.map(|h| h.0);
+        // The shared tier keeps no holders in the block table: nothing to link there.
+        let mut runs = matches!(place, Place::Local(_))
+            .then(|| RunChain::after(tables.blocks, tables.wide, first_parent));
         for (i, &key) in keys.iter().enumerate() {
             let hash = hash_of(i, key);
             store_block(&mut tables, state, place, hash, key, parent_hash);
+            if let Some(runs) = runs.as_mut() {
+                runs.push(tables.blocks, tables.wide, key);
+            }
             parent_hash = Some(hash);
         }
     }

@@ -553,6 +553,92 @@ proptest! {
     }
 }
 
+/// Long documents sharing prefixes of different lengths (doc i is the base for its first
+/// 3 × i blocks), for chains long enough to make runs.
+fn long_docs() -> Vec<Vec<u32>> {
+    (0..6)
+        .map(|i| {
+            let mut t = tokens(LONG_DOC, 500_000);
+            for (j, tok) in t.iter_mut().enumerate().skip(3 * i * BS) {
+                *tok = 2_000_000 * (i as u32 + 1) + j as u32;
+            }
+            t
+        })
+        .collect()
+}
+
+/// Blocks in each of [`long_docs`].
+const LONG_DOC: usize = 24;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Runs (blocks linked because they have the same holders) never change an answer: a few
+    /// endpoints store long chains in pieces (continuing each other, overlapping, on the GPU and
+    /// the CPU), remove single blocks from the middle or the end, clear; every prefix of every
+    /// document is then looked up, from one block to all of them, and matches the model.
+    #[test]
+    fn runs_agree_with_model(ops in proptest::collection::vec(prop_oneof![
+        6 => (0u32..4, 0usize..6, 0usize..LONG_DOC, 1usize..LONG_DOC, prop_oneof![4 => Just(0usize), 1 => Just(1usize)]).prop_map(|(e, doc, from, len, tier)| {
+            let to = (from + len).min(LONG_DOC);
+            Op::Store { e, doc, from: from.min(to - 1), to, tier }
+        }),
+        3 => (0u32..4, 0usize..6, 0usize..LONG_DOC, 0usize..2).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
+        1 => (0u32..4).prop_map(|e| Op::Clear { e }),
+    ], 1..80)) {
+        let docs = long_docs();
+        let mut ix = index();
+        let mut model = Model::default();
+        for op in &ops {
+            let (e, ev) = match *op {
+                Op::Store { e, doc, from, to, tier } => (e, stored(0, &docs[doc], from, to, MEDIA[tier])),
+                Op::Remove { e, doc, block, tier } => (e, removed(0, &docs[doc], &[block], MEDIA[tier])),
+                Op::Clear { e } => (e, KvEvent::AllBlocksCleared),
+                _ => unreachable!("not generated"),
+            };
+            ix.apply(EndpointId(e), std::slice::from_ref(&ev));
+            model.apply(EndpointId(e), &ev);
+        }
+        for doc in &docs {
+            let keys = router_keys(doc, BS, None).unwrap();
+            for cut in 1..=LONG_DOC {
+                prop_assert_eq!(&ix.lookup(&keys[..cut]).matches, &model.lookup(&keys[..cut]), "first {} blocks", cut);
+            }
+        }
+    }
+}
+
+/// A conversation stored over many events (a prefill in pieces, then a decode's blocks one at
+/// a time) is one run; it stays one while blocks leave it from either end, and lookups are
+/// right throughout.
+#[test]
+fn a_chain_stored_in_pieces_is_one_run() {
+    let mut ix = index();
+    let doc = tokens(40, 3);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let mut events: Vec<KvEvent> = (0..32)
+        .step_by(8)
+        .map(|from| stored(0, &doc, from, from + 8, "GPU"))
+        .collect();
+    events.extend((32..40).map(|b| stored(0, &doc, b, b + 1, "GPU")));
+    ix.apply(E0, &events);
+    assert_eq!(ix.wide.runs(), (1, 1));
+    assert_eq!(ix.lookup(&keys).blocks(E0), 40);
+    // Another endpoint storing the first half takes it out of the run, from its first block
+    // on: the rest is still a chain. Two intact runs.
+    ix.apply(E1, &[stored(0, &doc, 0, 20, "GPU")]);
+    assert_eq!(ix.wide.runs(), (2, 2));
+    assert_eq!(ix.lookup(&keys).blocks(E0), 40);
+    assert_eq!(ix.lookup(&keys).blocks(E1), 20);
+    // An eviction from the tail keeps it intact too; one from the middle breaks it.
+    ix.apply(E0, &[removed(0, &doc, &[39, 38], "GPU")]);
+    assert_eq!(ix.wide.runs(), (2, 2));
+    assert_eq!(ix.lookup(&keys).blocks(E0), 38);
+    assert_eq!(ix.lookup(&keys[..37]).blocks(E0), 37);
+    ix.apply(E0, &[removed(0, &doc, &[30], "GPU")]);
+    assert_eq!(ix.wide.runs(), (2, 1));
+    assert_eq!(ix.lookup(&keys).blocks(E0), 30);
+}
+
 fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
     {
         let docs = docs();

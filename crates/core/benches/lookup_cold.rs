@@ -8,6 +8,14 @@
 //! [`SharedIndex`](kvroute_core::index::SharedIndex) of one shard and of two (the price of
 //! sharding: a request's blocks held on both shards are walked in both).
 //!
+//! Two shapes of request:
+//! - `stairs`: endpoint `i` of `n` holds the first `(i + 1) / n` of the request, so the holders
+//!   change every `blocks / n` blocks. The worst case for runs of blocks with the same holders
+//!   (`n` of them: a lookup reads one per run).
+//! - `chat`: every endpoint holds a system prompt (an eighth of the request) and a conversation
+//!   of its own after it; the request is endpoint 0's, stored in prefill-sized events and a
+//!   decode's single blocks. Two runs: the prompt and the conversation.
+//!
 //! Run with `cargo bench -p kvroute-core --bench lookup_cold`; `KVROUTE_BENCH_QUICK=1` runs only
 //! 512 blocks × 64 endpoints.
 
@@ -20,7 +28,9 @@ mod fixtures;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fixtures::sharded_prefix_index;
+use fixtures::{sharded_chat_index, sharded_prefix_index};
+use kvroute_core::index::SharedIndex;
+use kvroute_core::keys::RouterKey;
 
 /// Timed lookups per configuration.
 const ROUNDS: usize = 200;
@@ -28,6 +38,10 @@ const ROUNDS: usize = 200;
 const BACKGROUND: usize = 1_000_000;
 /// Bytes written between lookups to evict the caches.
 const FLUSH_BYTES: usize = 96 << 20;
+
+/// Builds an index of a request's shape: (endpoints, blocks, background entries, shards) →
+/// the index and the request's keys.
+type Build = fn(usize, usize, usize, usize) -> (SharedIndex, Vec<RouterKey>);
 
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() - 1) * p / 100]
@@ -41,8 +55,16 @@ fn main() {
     let mut flush = vec![0u8; FLUSH_BYTES];
     println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
     println!(
-        "{:>7} {:>9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>9}",
-        "blocks", "endpoints", "shards", "warm p50", "cold p50", "cold p90", "cold p99", "cold/blk"
+        "{:>6} {:>7} {:>9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>9}",
+        "shape",
+        "blocks",
+        "endpoints",
+        "shards",
+        "warm p50",
+        "cold p50",
+        "cold p90",
+        "cold p99",
+        "cold/blk"
     );
     let quick = std::env::var_os("KVROUTE_BENCH_QUICK").is_some();
     let sizes: &[(usize, usize)] = if quick {
@@ -57,39 +79,46 @@ fn main() {
             (8_192, 256),
         ]
     };
-    for &(blocks, endpoints) in sizes {
-        for shards in [1usize, 2] {
-            let (index, keys) = sharded_prefix_index(endpoints, blocks, BACKGROUND, shards);
-            let mut warm = Vec::with_capacity(ROUNDS);
-            for _ in 0..ROUNDS {
-                let start = Instant::now();
-                black_box(index.lookup(black_box(&keys)));
-                warm.push(start.elapsed());
-            }
-            let mut cold = Vec::with_capacity(ROUNDS);
-            for round in 0..ROUNDS {
-                for line in flush.chunks_mut(64) {
-                    line[0] = line[0].wrapping_add(round as u8);
+    let shapes: [(&str, Build); 2] = [
+        ("stairs", sharded_prefix_index),
+        ("chat", sharded_chat_index),
+    ];
+    for (shape, build) in shapes {
+        for &(blocks, endpoints) in sizes {
+            for shards in [1usize, 2] {
+                let (index, keys) = build(endpoints, blocks, BACKGROUND, shards);
+                let mut warm = Vec::with_capacity(ROUNDS);
+                for _ in 0..ROUNDS {
+                    let start = Instant::now();
+                    black_box(index.lookup(black_box(&keys)));
+                    warm.push(start.elapsed());
                 }
-                black_box(&mut flush);
-                let start = Instant::now();
-                black_box(index.lookup(black_box(&keys)));
-                cold.push(start.elapsed());
+                let mut cold = Vec::with_capacity(ROUNDS);
+                for round in 0..ROUNDS {
+                    for line in flush.chunks_mut(64) {
+                        line[0] = line[0].wrapping_add(round as u8);
+                    }
+                    black_box(&mut flush);
+                    let start = Instant::now();
+                    black_box(index.lookup(black_box(&keys)));
+                    cold.push(start.elapsed());
+                }
+                warm.sort_unstable();
+                cold.sort_unstable();
+                let cold_p50 = percentile(&cold, 50);
+                println!(
+                    "{:>6} {:>7} {:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
+                    shape,
+                    blocks,
+                    endpoints,
+                    shards,
+                    micros(percentile(&warm, 50)),
+                    micros(cold_p50),
+                    micros(percentile(&cold, 90)),
+                    micros(percentile(&cold, 99)),
+                    micros(cold_p50) * 1e3 / blocks as f64,
+                );
             }
-            warm.sort_unstable();
-            cold.sort_unstable();
-            let cold_p50 = percentile(&cold, 50);
-            println!(
-                "{:>7} {:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
-                blocks,
-                endpoints,
-                shards,
-                micros(percentile(&warm, 50)),
-                micros(cold_p50),
-                micros(percentile(&cold, 90)),
-                micros(percentile(&cold, 99)),
-                micros(cold_p50) * 1e3 / blocks as f64,
-            );
         }
     }
 }

@@ -23,6 +23,7 @@
 
 use hashbrown::HashTable;
 
+use super::chunked::ChunkedVec;
 use super::table::prefetch_line;
 use crate::event::Tier;
 
@@ -176,8 +177,8 @@ pub(crate) struct WideHolders {
     by_contents: HashTable<u32>,
     /// The contents an edit is building.
     scratch: Vec<u64>,
-    /// Runs, by number; a free run is all zero.
-    runs: Vec<Run>,
+    /// Runs, by number (in chunks: millions of runs never move); a free run is all zero.
+    runs: ChunkedVec<Run>,
     /// Runs no block names.
     free_runs: Vec<u32>,
 }
@@ -310,10 +311,7 @@ impl WideHolders {
                 self.runs[free as usize] = run;
                 free as usize
             }
-            None => {
-                self.runs.push(run);
-                self.runs.len() - 1
-            }
+            None => self.runs.push(run),
         }
     }
 
@@ -614,8 +612,8 @@ impl WideHolders {
     /// Runs in use, and how many of them are intact.
     #[cfg(test)]
     pub(crate) fn runs(&self) -> (usize, usize) {
-        let used = self.runs.iter().filter(|r| r.users > 0);
-        (used.clone().count(), used.filter(|r| r.intact()).count())
+        let used: Vec<&Run> = self.runs.iter().filter(|r| r.users > 0).collect();
+        (used.len(), used.iter().filter(|r| r.intact()).count())
     }
 
     /// Heap bytes of the arena, its index and the runs.
@@ -623,7 +621,7 @@ impl WideHolders {
         (self.words.capacity() + self.scratch.capacity()) * 8
             + (self.users.capacity() + self.free.capacity() + self.free_runs.capacity()) * 4
             + self.by_contents.allocation_size()
-            + self.runs.capacity() * size_of::<Run>()
+            + self.runs.heap_bytes()
     }
 }
 

@@ -29,6 +29,7 @@
 //!   tracks group 0, the one every model has, and counts the others as ignored.
 
 mod bound;
+mod chunked;
 mod fleet_tier;
 mod holders;
 mod lookup;
@@ -202,14 +203,15 @@ pub struct KvIndex {
     evicted_from: Vec<EndpointId>,
 }
 
-/// Marks `slot` as holding `key` on `tier`, adding the block if new; returns whether the
-/// (slot, tier) pair was new.
+/// Marks `slot` as holding `key` on `tier`, adding the block if new, and links it into the
+/// chain's runs if it is stored as part of one; returns whether the (slot, tier) pair was new.
 fn add_holder(
     blocks: &mut SplitTable<BlockEntry>,
     wide: &mut WideHolders,
     key: RouterKey,
     slot: u32,
     tier: Tier,
+    runs: Option<&mut RunChain>,
 ) -> bool {
     let mut inserted = false;
     let (entry, new) = blocks.get_or_insert_with(key.0, || {
@@ -220,11 +222,15 @@ fn add_holder(
             holders,
         }
     });
-    if new {
-        inserted
-    } else {
-        wide.insert(&mut entry.holders, slot, tier)
+    if !new {
+        inserted = wide.insert(&mut entry.holders, slot, tier);
     }
+    if let Some(runs) = runs
+        && let Some(pair) = runs.push(wide, &mut entry.holders, key)
+    {
+        runs.link_pair(blocks, wide, pair, key);
+    }
+    inserted
 }
 
 /// Clears `slot` on `tier` for `key`, dropping the block once nobody holds it; returns whether
@@ -466,7 +472,9 @@ impl KvIndex {
             for hash in &event.block_hashes {
                 if chunk == 1 {
                     match resolve(state, hash.0, place) {
-                        Some(key) => store_block(&mut tables, state, place, hash.0, key, None),
+                        Some(key) => {
+                            store_block(&mut tables, state, place, hash.0, key, None, None)
+                        }
                         None => count_unresolved(state, gpu, 1),
                     }
                     continue;
@@ -474,7 +482,7 @@ impl KvIndex {
                 let (chain, missing) = chunk_chain(state, hash.0, chunk, place);
                 count_unresolved(state, gpu, missing);
                 for (h, key) in chain {
-                    store_block(&mut tables, state, place, h, key, None);
+                    store_block(&mut tables, state, place, h, key, None, None);
                 }
             }
             return;
@@ -561,15 +569,18 @@ impl KvIndex {
             tables.blocks.prefetch(key.0);
         }
         let mut parent_hash = event.parent_block_hash.map(|h| h.0);
-        // The shared tier keeps no holders in the block table: nothing to link there.
-        let mut runs = matches!(place, Place::Local(_))
-            .then(|| RunChain::after(tables.blocks, tables.wide, first_parent));
+        let mut runs = RunChain::after(tables.blocks, tables.wide, first_parent);
         for (i, &key) in keys.iter().enumerate() {
             let hash = hash_of(i, key);
-            store_block(&mut tables, state, place, hash, key, parent_hash);
-            if let Some(runs) = runs.as_mut() {
-                runs.push(tables.blocks, tables.wide, key);
-            }
+            store_block(
+                &mut tables,
+                state,
+                place,
+                hash,
+                key,
+                parent_hash,
+                Some(&mut runs),
+            );
             parent_hash = Some(hash);
         }
     }

@@ -27,6 +27,7 @@ use parking_lot::RwLock;
 
 use super::fleet_tier::{FleetTier, MountId};
 use super::holders::WideHolders;
+use super::runs::RunChain;
 use super::split_table::SplitTable;
 use super::{
     BlockEntry, EndpointState, HeldBlock, REFERENCED, add_holder, bump, drop_holder, drop_slot,
@@ -251,7 +252,8 @@ pub(super) fn chunk_chain(
 }
 
 /// Stores one block, `hash` naming `key`, on `place` for this endpoint; `parent` is the engine
-/// hash before it in its chain, if known.
+/// hash before it in its chain, if known; `runs` links the block into its chain's runs when it
+/// is stored as part of a chain (an event with tokens).
 #[inline]
 pub(super) fn store_block(
     t: &mut Tables<'_>,
@@ -260,6 +262,7 @@ pub(super) fn store_block(
     hash: u64,
     key: RouterKey,
     parent: Option<u64>,
+    runs: Option<&mut RunChain>,
 ) {
     let slot = state.slot;
     if let (Some(p), Some(o)) = (parent, state.offload.as_deref_mut())
@@ -298,7 +301,7 @@ pub(super) fn store_block(
             o.forget(hash);
         }
     }
-    let new_on_tier = add_holder(t.blocks, t.wide, key, slot, tier);
+    let new_on_tier = add_holder(t.blocks, t.wide, key, slot, tier, runs);
     if new_on_tier {
         bump(&mut state.stats, tier, true);
     }

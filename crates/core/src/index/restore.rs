@@ -252,6 +252,7 @@ impl KvIndex {
                         entry.hash.0,
                         entry.key,
                         parent,
+                        None,
                     );
                 }
             }
@@ -263,6 +264,7 @@ impl KvIndex {
                     entry.hash.0,
                     entry.key,
                     parent,
+                    None,
                 );
             }
             restored += 1;

@@ -2,9 +2,9 @@
 //! of [`super::holders`]).
 //!
 //! An event stores a chain: its blocks in order, each the child of the one before, the first
-//! the child of the event's parent. After each block is stored, [`RunChain::push`] links it to
-//! the block before it when both end up with the same holders: into the run that block ends, or
-//! into a new run of the two. A chain continuing an intact run (the next event of the same
+//! the child of the event's parent. As each block is stored, [`RunChain::push`] links it to the
+//! block before it when both end up with the same holders: into the run that block ends, or
+//! into a new run of the two ([`RunChain::link_pair`]). A chain continuing an intact run (the next event of the same
 //! prefill, or a decode's next block) extends it, so a conversation's blocks on one endpoint
 //! make one run however many events stored them.
 //!
@@ -16,8 +16,9 @@
 //! - **Equal holders means equal words.** Packed lanes in another order, or a wide set and a
 //!   run with the same contents, do not link. That misses a few runs and never links unequal
 //!   holders.
-//! - **The block before is read again, not remembered.** Storing a block may have edited it
-//!   (an engine that reused a hash drops the old block), so a link checks the word it changes.
+//! - **The block before is checked again when a run starts.** Storing a block may have edited
+//!   it (an engine that reused a hash drops the old block), so a new run checks the word it
+//!   changes; extending a run checks the run's record.
 
 use super::BlockEntry;
 use super::holders::{Holders, WideHolders};
@@ -56,35 +57,54 @@ impl RunChain {
         Self { before }
     }
 
-    /// Links block `key`, just stored, the child of the last block pushed (or of the parent).
+    /// Links block `key` (its word `block`, just stored), the child of the last block pushed
+    /// (or of the parent), into the run the block before ends. Returns the block before when
+    /// the two start a new run instead: the caller, no longer holding the block's entry,
+    /// passes it to [`Self::link_pair`].
     pub(super) fn push(
+        &mut self,
+        wide: &mut WideHolders,
+        block: &mut Holders,
+        key: RouterKey,
+    ) -> Option<PairToLink> {
+        let holders = *block;
+        match self.before {
+            Before::RunEnd { key: after, run } if wide.extend_run(run, block, after, key.0) => {
+                self.before = Before::RunEnd { key: key.0, run };
+                None
+            }
+            Before::Plain {
+                key: first,
+                holders: before,
+            } if holders == before => Some(PairToLink { first, holders }),
+            // A link that failed changed nothing: the block offers what its word did.
+            _ => {
+                self.before = before_of(wide, key.0, holders);
+                None
+            }
+        }
+    }
+
+    /// Starts a run of `pair`'s block and its child `second`, which has the same holders.
+    pub(super) fn link_pair(
         &mut self,
         blocks: &mut SplitTable<BlockEntry>,
         wide: &mut WideHolders,
-        key: RouterKey,
+        pair: PairToLink,
+        second: RouterKey,
     ) {
-        let Some(at) = blocks.find(key.0) else {
-            self.before = Before::Nothing;
-            return;
-        };
-        let entry = blocks.at_mut(at).expect("found");
-        let holders = entry.holders;
-        let linked = match self.before {
-            Before::RunEnd { key: after, run } => wide
-                .extend_run(run, &mut entry.holders, after, key.0)
-                .then_some(run),
-            Before::Plain {
-                key: after,
-                holders: before,
-            } if holders == before => link_pair(blocks, wide, after, before, key.0),
-            _ => None,
-        };
-        // A link that failed changed nothing: the block offers what its word did.
-        self.before = match linked {
-            Some(run) => Before::RunEnd { key: key.0, run },
-            None => before_of(wide, key.0, holders),
+        self.before = match link_pair(blocks, wide, pair.first, pair.holders, second.0) {
+            Some(run) => Before::RunEnd { key: second.0, run },
+            None => before_of(wide, second.0, pair.holders),
         };
     }
+}
+
+/// A block and its child with the same plain holders, to start a run of.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PairToLink {
+    first: u64,
+    holders: Holders,
 }
 
 /// What a block whose word is `holders` offers its child.

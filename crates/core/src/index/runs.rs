@@ -50,9 +50,9 @@ impl RunChain {
         wide: &WideHolders,
         parent: RouterKey,
     ) -> Self {
-        let before = match blocks.get(parent.0) {
-            Some(entry) if parent != ROOT_KEY => before_of(wide, parent.0, entry.holders),
-            _ => Before::Nothing,
+        let before = match blocks.get(parent.0).filter(|_| parent != ROOT_KEY) {
+            Some(entry) => before_of(wide, parent.0, entry.holders),
+            None => Before::Nothing,
         };
         Self { before }
     }

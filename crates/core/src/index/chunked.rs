@@ -48,6 +48,7 @@ impl<T> std::ops::Index<usize> for ChunkedVec<T> {
 
     #[inline]
     fn index(&self, at: usize) -> &T {
+        debug_assert!(at < self.len, "index {at} past {}", self.len);
         &self.chunks[at / CHUNK][at % CHUNK]
     }
 }
@@ -55,6 +56,7 @@ impl<T> std::ops::Index<usize> for ChunkedVec<T> {
 impl<T> std::ops::IndexMut<usize> for ChunkedVec<T> {
     #[inline]
     fn index_mut(&mut self, at: usize) -> &mut T {
+        debug_assert!(at < self.len, "index {at} past {}", self.len);
         &mut self.chunks[at / CHUNK][at % CHUNK]
     }
 }

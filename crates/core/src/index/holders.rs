@@ -78,6 +78,7 @@ impl Holders {
 
     /// The member at `offset` of run `run`.
     fn of_run(run: usize, offset: u32) -> Self {
+        debug_assert!(run <= u32::MAX as usize && offset < MAX_RUN);
         Self(RUN_MARK | u64::from(offset) << 32 | run as u64)
     }
 
@@ -614,6 +615,68 @@ impl WideHolders {
     pub(crate) fn runs(&self) -> (usize, usize) {
         let used: Vec<&Run> = self.runs.iter().filter(|r| r.users > 0).collect();
         (used.len(), used.iter().filter(|r| r.intact()).count())
+    }
+
+    /// Checks the books against every block's word: each run's users are the words naming it,
+    /// at offsets within its bounds, once each; each wide set's users are the plain words
+    /// naming it and the runs holding it; no word names a free run.
+    #[cfg(test)]
+    pub(crate) fn check(&self, words: impl IntoIterator<Item = Holders>) -> Result<(), String> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let mut members: BTreeMap<usize, BTreeSet<u32>> = BTreeMap::new();
+        let mut set_users: BTreeMap<usize, u32> = BTreeMap::new();
+        for word in words {
+            if let Some(run) = word.run() {
+                if !members.entry(run).or_default().insert(word.offset()) {
+                    return Err(format!("two words name run {run} offset {}", word.offset()));
+                }
+            } else if let Some(set) = word.wide_set() {
+                *set_users.entry(set).or_default() += 1;
+            }
+        }
+        let free: BTreeSet<usize> = self.free_runs.iter().map(|&r| r as usize).collect();
+        for (id, run) in self.runs.iter().enumerate() {
+            let named = members.remove(&id).unwrap_or_default();
+            if free.contains(&id) || run.users == 0 {
+                if !named.is_empty() || !free.contains(&id) {
+                    return Err(format!(
+                        "run {id}: free {}, named {}",
+                        free.contains(&id),
+                        named.len()
+                    ));
+                }
+                continue;
+            }
+            if named.len() != run.users as usize {
+                return Err(format!(
+                    "run {id}: {} users, {} words",
+                    run.users,
+                    named.len()
+                ));
+            }
+            if named
+                .iter()
+                .any(|&o| o < run.first || o >= run.last_end || o >= run.len)
+            {
+                return Err(format!(
+                    "run {id}: a member outside {}..{}",
+                    run.first, run.last_end
+                ));
+            }
+            if let Some(set) = run.holders.wide_set() {
+                *set_users.entry(set).or_default() += 1;
+            }
+        }
+        if let Some((run, _)) = members.first_key_value() {
+            return Err(format!("words name run {run}, past the arena"));
+        }
+        for (set, &users) in self.users.iter().enumerate() {
+            let used = set_users.get(&set).copied().unwrap_or(0);
+            if users != used {
+                return Err(format!("set {set}: {users} users, used {used} times"));
+            }
+        }
+        Ok(())
     }
 
     /// Heap bytes of the arena, its index and the runs.

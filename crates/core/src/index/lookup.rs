@@ -9,11 +9,11 @@
 //! fleet-wide shared tier holds anything, each block also adds the endpoints mounting a mount
 //! that holds it (one hash lookup per block; none while the shared tier is empty).
 //!
-//! **Runs.** A block that starts an intact run (see [`super::holders`]) whose last key is the
-//! request's key at the run's last position stands for the whole run: the walk counts its
-//! blocks at once and reads none of them. After such a skip the walk reads one block at a time
-//! (the next is most likely another run's first); at the first block that is not, it goes back
-//! to the pipeline below, which fetches blocks a stretch ahead.
+//! **Runs.** A block that is a member of an intact run (see [`super::holders`]) whose last
+//! block is the request's block at the matching position stands for the rest of the run: the
+//! walk counts those blocks at once and reads none of them. A skip longer than the pipeline's
+//! stretch (below) lands on a block nothing fetched, most likely another run's first, so the
+//! walk reads it alone; at the first block that starts no run it goes back to the pipeline.
 
 use serde::Serialize;
 
@@ -229,7 +229,7 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     // but the count (the blocks of a chain stored by the same endpoints; equal wide sets are
     // one set), so it is counted without reading its set.
     let mut uniform_before: Option<Holders> = None;
-    // Whether the last step skipped a run: read the next block alone.
+    // Whether the last step skipped a run longer than a stretch: read the next block alone.
     let mut after_run = false;
     // The last run the request was found to leave before its end.
     let mut unfollowed = None;
@@ -261,7 +261,9 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             }
             _ => 1,
         };
-        after_run = count > 1;
+        // A skip past the stretch the pipeline fetched lands on a block nothing fetched: read it
+        // alone (most likely another run's first). A shorter one lands inside the stretch.
+        after_run = count as usize >= PREFETCH_AHEAD;
         i += count as usize;
         if after_run && i < keys.len() {
             // The next block is read alone: start on its table part's header while this run's

@@ -570,23 +570,34 @@ fn long_docs() -> Vec<Vec<u32>> {
 /// Blocks in each of [`long_docs`].
 const LONG_DOC: usize = 24;
 
+/// Endpoints of the runs test: enough of them that a block's holders go wide (more than four),
+/// two of them in the second word of slots.
+fn runs_endpoint() -> impl Strategy<Value = u32> {
+    prop_oneof![0u32..6, 64u32..66]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     /// Runs (blocks linked because they have the same holders) never change an answer: a few
     /// endpoints store long chains in pieces (continuing each other, overlapping, on the GPU and
-    /// the CPU), remove single blocks from the middle or the end, clear; every prefix of every
-    /// document is then looked up, from one block to all of them, and matches the model.
+    /// the CPU), remove single blocks from the middle or the end, clear; the books of runs and
+    /// wide sets balance after every event, and every prefix of every document is then looked
+    /// up, from one block to all of them, and matches the model.
     #[test]
     fn runs_agree_with_model(ops in proptest::collection::vec(prop_oneof![
-        6 => (0u32..4, 0usize..6, 0usize..LONG_DOC, 1usize..LONG_DOC, prop_oneof![4 => Just(0usize), 1 => Just(1usize)]).prop_map(|(e, doc, from, len, tier)| {
+        6 => (runs_endpoint(), 0usize..6, 0usize..LONG_DOC, 1usize..LONG_DOC, prop_oneof![4 => Just(0usize), 1 => Just(1usize)]).prop_map(|(e, doc, from, len, tier)| {
             let to = (from + len).min(LONG_DOC);
             Op::Store { e, doc, from: from.min(to - 1), to, tier }
         }),
-        3 => (0u32..4, 0usize..6, 0usize..LONG_DOC, 0usize..2).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
-        1 => (0u32..4).prop_map(|e| Op::Clear { e }),
+        3 => (runs_endpoint(), 0usize..6, 0usize..LONG_DOC, 0usize..2).prop_map(|(e, doc, block, tier)| Op::Remove { e, doc, block, tier }),
+        1 => runs_endpoint().prop_map(|e| Op::Clear { e }),
     ], 1..80)) {
         let docs = long_docs();
         let mut ix = index();
+        // Slots in order of registration: the endpoints past 64 sit in a second word of slots.
+        for e in 0..66 {
+            ix.add_endpoint(EndpointId(e));
+        }
         let mut model = Model::default();
         for op in &ops {
             let (e, ev) = match *op {
@@ -597,6 +608,9 @@ proptest! {
             };
             ix.apply(EndpointId(e), std::slice::from_ref(&ev));
             model.apply(EndpointId(e), &ev);
+            if let Err(broken) = ix.wide.check(ix.blocks.iter().map(|b| b.holders)) {
+                prop_assert!(false, "{}", broken);
+            }
         }
         for doc in &docs {
             let keys = router_keys(doc, BS, None).unwrap();
@@ -637,6 +651,39 @@ fn a_chain_stored_in_pieces_is_one_run() {
     ix.apply(E0, &[removed(0, &doc, &[30], "GPU")]);
     assert_eq!(ix.wide.runs(), (2, 1));
     assert_eq!(ix.lookup(&keys).blocks(E0), 30);
+}
+
+/// Blocks held by more than four endpoints (a wide set) make a run too; members leaving it
+/// from the middle, either end or all at once keep the set's books and every answer right.
+#[test]
+fn a_run_of_wide_holders_keeps_its_set() {
+    let mut ix = index();
+    let doc = tokens(12, 9);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let check = |ix: &KvIndex| ix.wide.check(ix.blocks.iter().map(|b| b.holders)).unwrap();
+    for e in 0..6 {
+        ix.apply(EndpointId(e), &[stored(0, &doc, 0, 12, "GPU")]);
+        check(&ix);
+    }
+    assert_eq!(ix.wide.runs(), (1, 1), "one run of six holders");
+    ix.apply(EndpointId(5), &[removed(0, &doc, &[6], "GPU")]);
+    check(&ix);
+    ix.apply(EndpointId(4), &[removed(0, &doc, &[11, 10], "GPU")]);
+    check(&ix);
+    ix.apply(EndpointId(3), &[removed(0, &doc, &[0], "GPU")]);
+    check(&ix);
+    let found = ix.lookup(&keys);
+    assert_eq!(
+        (0..6)
+            .map(|e| found.blocks(EndpointId(e)))
+            .collect::<Vec<_>>(),
+        [12, 12, 12, 0, 10, 6]
+    );
+    ix.apply(EndpointId(0), &[KvEvent::AllBlocksCleared]);
+    check(&ix);
+    ix.remove_endpoint(EndpointId(1));
+    check(&ix);
+    assert_eq!(ix.lookup(&keys).blocks(EndpointId(2)), 12);
 }
 
 fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
@@ -717,6 +764,10 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
             }
             let entries: usize = model.endpoints.values().map(HashMap::len).sum();
             prop_assert_eq!(ix.single.entry_count(), entries);
+            let words = ix.single.blocks.iter().map(|b| b.holders);
+            if let Err(broken) = ix.single.wide.check(words) {
+                prop_assert!(false, "{}", broken);
+            }
             prop_assert_eq!(ix.sharded.read(|r| r.entry_count()), entries);
         }
         for doc in &docs {

@@ -294,46 +294,63 @@ impl Drop for Killed {
     }
 }
 
-/// How many of the ports [`free_ports`] handed out this process remembers, so as not to hand
-/// them out again: far more than any test binary uses, and a small part of the kernel's
-/// ephemeral range (about 28,000 ports), so picks still find free ports quickly.
-const REMEMBERED_PORTS: usize = 4096;
+/// The lowest port [`free_ports`] hands out: above the well-known and registered ports that
+/// services on a developer's machine tend to hold.
+const LOWEST_PICKED_PORT: u16 = 10_000;
 
-/// The ports [`free_ports`] handed out in this process, oldest first (at most
-/// [`REMEMBERED_PORTS`]).
-static HANDED_OUT: std::sync::Mutex<std::collections::VecDeque<u16>> =
-    std::sync::Mutex::new(std::collections::VecDeque::new());
+/// Where [`free_ports`] picks next in this process (`None` until the first pick).
+static NEXT_PICK: std::sync::Mutex<Option<u16>> = std::sync::Mutex::new(None);
 
-/// A run of `n` consecutive free loopback ports (best effort: bound and released), none of
-/// which is among the last [`REMEMBERED_PORTS`] this process handed out: two servers a test
-/// starts one after the other never get the same port, although the kernel may offer a
-/// released port again at once.
+/// The ports [`free_ports`] picks from, `lowest..end`: the ports below the kernel's ephemeral
+/// range, which the kernel never gives a socket bound to port 0 or an outgoing connection. A
+/// port picked there cannot be taken between the pick and the server's bind by another test's
+/// server on port 0 or by a client's connection (both happened: "Address already in use").
+/// Where the ephemeral range leaves too little room below it, the ports above it, and failing
+/// that the range itself.
+fn pickable_ports(n: u16) -> std::ops::Range<u16> {
+    let (ephemeral_low, ephemeral_high) =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|text| {
+                let mut bounds = text.split_whitespace().map(|b| b.parse::<u16>().ok());
+                Some((bounds.next()??, bounds.next()??))
+            })
+            .unwrap_or((32_768, 60_999));
+    let enough = 2_000u16.max(n.saturating_mul(16));
+    if ephemeral_low.saturating_sub(LOWEST_PICKED_PORT) >= enough {
+        LOWEST_PICKED_PORT..ephemeral_low
+    } else if u16::MAX - ephemeral_high >= enough {
+        ephemeral_high + 1..u16::MAX
+    } else {
+        ephemeral_low..ephemeral_high
+    }
+}
+
+/// A run of `n` consecutive free loopback ports (best effort: bound and released), outside the
+/// kernel's ephemeral range (see [`pickable_ports`]). Picks walk the range from a start that
+/// differs by process, so two servers a test starts one after the other never get the same
+/// port, and test binaries running at once rarely try the same one.
 pub fn free_ports(n: u16) -> u16 {
     use std::net::TcpListener;
+    let pickable = pickable_ports(n);
+    let span = pickable.end - pickable.start - n;
     // Held while picking, so that tests picking at once on several threads get distinct ports.
-    // A test that panicked elsewhere cannot leave the record inconsistent: it is only pushed to.
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
-    for _ in 0..200 {
-        let Ok(base) = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-        else {
-            continue;
-        };
-        if base > 60_000 - n {
-            continue;
+    // A test that panicked elsewhere cannot leave the cursor inconsistent: it is one number.
+    let mut next = NEXT_PICK.lock().unwrap_or_else(|e| e.into_inner());
+    let cursor = next.get_or_insert_with(|| {
+        let spread = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+            ^ std::process::id().wrapping_mul(2_654_435_761);
+        pickable.start + (spread % u32::from(span)) as u16
+    });
+    for _ in 0..=span / n.max(1) {
+        if *cursor > pickable.end - n {
+            *cursor = pickable.start;
         }
-        let ports = base..base + n;
-        if handed_out.iter().any(|p| ports.contains(p)) {
-            continue;
-        }
-        if ports
-            .clone()
-            .all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok())
-        {
-            handed_out.extend(ports);
-            let excess = handed_out.len().saturating_sub(REMEMBERED_PORTS);
-            handed_out.drain(..excess);
+        let base = *cursor;
+        *cursor += n;
+        if (base..base + n).all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok()) {
             return base;
         }
     }
@@ -413,6 +430,30 @@ mod tests {
         assert!(failed.is_err());
         let path = kept.expect("the directory was made");
         assert!(!path.exists(), "{} left behind", path.display());
+    }
+
+    /// A server bound to port 0 gets a port from the kernel's ephemeral range: a picked port
+    /// must lie outside it, or such a server (or a client's connection) can take it between
+    /// the pick and the bind.
+    #[test]
+    fn picked_ports_are_never_ones_the_kernel_hands_out_itself() {
+        let ephemeral: Vec<u16> = (0..50)
+            .map(|_| {
+                let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                held.local_addr().unwrap().port()
+            })
+            .collect();
+        let (low, high) = (
+            *ephemeral.iter().min().unwrap(),
+            *ephemeral.iter().max().unwrap(),
+        );
+        for _ in 0..200 {
+            let base = free_ports(2);
+            assert!(
+                base + 1 < low || base > high,
+                "picked {base} inside the kernel's range (seen {low}..={high})"
+            );
+        }
     }
 
     /// The kernel offers a port released a moment ago again (often within a few hundred

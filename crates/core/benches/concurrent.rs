@@ -43,6 +43,7 @@ use kvroute_core::fleet::{EndpointSpec, Fleet, FleetConfig, LookupTargets, Reque
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedIndex};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, ProfileName, Role};
+use kvroute_testkit::settings::{setting, setting_list};
 use parking_lot::Mutex;
 
 use fixtures::{BLOCK_SIZE, Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
@@ -104,21 +105,13 @@ struct Bench {
     epoch: Instant,
 }
 
-/// A size from the environment, or its default.
-fn setting(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// One conversation's stores and the removals that undo them.
 type Churn = Vec<(Vec<KvEvent>, Vec<KvEvent>)>;
 
 fn main() {
-    let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000);
-    let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64);
-    let paced = setting("KVROUTE_BENCH_PACED", 500_000) as f64;
+    let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000usize);
+    let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64usize);
+    let paced = setting("KVROUTE_BENCH_PACED", 500_000.0f64);
     let churn: Churn = (0..CHURN_CHAINS)
         .map(|c| {
             let chain = Chain::new(5_000_000 + c as u64, CHURN_BLOCKS);
@@ -140,9 +133,14 @@ fn main() {
         "p99 us",
         "max us"
     );
-    for (shards, writers) in configurations() {
+    let configurations = configurations();
+    let wanted = wanted_phases(paced);
+    for (shards, writers) in configurations {
         let bench = build(entries, endpoints, shards);
-        for phase in phases(paced).into_iter().filter(|p| wanted(p.name)) {
+        for phase in phases(paced)
+            .into_iter()
+            .filter(|p| wanted.contains(&p.name))
+        {
             let feed = Feed {
                 endpoints,
                 churn: churn.clone(),
@@ -159,12 +157,22 @@ fn main() {
     }
 }
 
-/// Whether to run the phase `name`: every phase, or those whose names contain one of the
-/// comma-separated parts of `KVROUTE_BENCH_PHASES` (`ingest alone` to profile ingest only).
-fn wanted(name: &str) -> bool {
-    std::env::var("KVROUTE_BENCH_PHASES").map_or(true, |spec| {
-        spec.split(',').any(|part| name.contains(part.trim()))
-    })
+/// The names of the phases to run: every phase, or those whose names contain one of the
+/// comma-separated parts of `KVROUTE_BENCH_PHASES` (`ingest alone` to profile ingest only). A
+/// part that names no phase stops the benchmark, listing the phases.
+fn wanted_phases(paced: f64) -> Vec<&'static str> {
+    let names: Vec<&'static str> = phases(paced).iter().map(|p| p.name).collect();
+    let expected = format!("parts of phase names, comma-separated: {names:?}");
+    let parts = setting_list("KVROUTE_BENCH_PHASES", "", &expected, |part| {
+        names
+            .iter()
+            .any(|name| name.contains(part))
+            .then(|| part.to_owned())
+    });
+    names
+        .into_iter()
+        .filter(|name| parts.is_empty() || parts.iter().any(|part| name.contains(part.as_str())))
+        .collect()
 }
 
 /// One timed phase: what its writers and readers do.
@@ -246,16 +254,17 @@ fn phases(paced: f64) -> Vec<Phase> {
 
 /// (shards, writers) to run: `KVROUTE_BENCH_CONFIGS` as `1x1,2x2` (the default), or any list.
 fn configurations() -> Vec<(usize, usize)> {
-    let spec = std::env::var("KVROUTE_BENCH_CONFIGS").unwrap_or_else(|_| "1x1,2x2".into());
-    spec.split(',')
-        .map(|c| {
-            let (shards, writers) = c.split_once('x').expect("SHARDSxWRITERS");
-            (
-                shards.trim().parse().expect("shards"),
-                writers.trim().parse().expect("writers"),
-            )
-        })
-        .collect()
+    setting_list(
+        "KVROUTE_BENCH_CONFIGS",
+        "1x1,2x2",
+        "SHARDSxWRITERS, comma-separated, each at least 1 (e.g. 1x1,2x2)",
+        |part| {
+            let (shards, writers) = part.split_once('x')?;
+            let shards: usize = shards.trim().parse().ok()?;
+            let writers: usize = writers.trim().parse().ok()?;
+            (shards >= 1 && writers >= 1).then_some((shards, writers))
+        },
+    )
 }
 
 /// A fleet whose index of `shards` shards is filled for the phases, and the requests the

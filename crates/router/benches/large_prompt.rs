@@ -33,18 +33,12 @@ use std::time::{Duration, Instant};
 use axum::routing::{get, post};
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start};
+use kvroute_testkit::settings::setting;
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-3.1-8b";
 /// Between two large prompts: the machine is not saturated by moving their bytes alone.
 const LARGE_PAUSE: Duration = Duration::from_millis(500);
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
-}
 
 /// A router on its own runtime (two workers), in front of `engine`.
 fn router(
@@ -53,7 +47,7 @@ fn router(
     offload_above: usize,
     routed_blocks: usize,
 ) -> RunningRouter {
-    let tokenizer: String = env("KVROUTE_BENCH_TOKENIZER", "builtin".to_owned());
+    let tokenizer: String = setting("KVROUTE_BENCH_TOKENIZER", "builtin".to_owned());
     let yaml = format!(
         "listen: 127.0.0.1:0\nadmin: {{listen: 127.0.0.1:0}}\nmodels: [{{name: {MODEL}, tokenizer: {tokenizer}}}]\nlimits: {{offload_above_bytes: {offload_above}, max_routed_blocks: {routed_blocks}, max_body_bytes: 33554432}}\nendpoints: [{{name: e0, url: '{engine}'}}]\n"
     );
@@ -166,8 +160,8 @@ async fn stub_engine() -> String {
 }
 
 fn main() {
-    let seconds: f64 = env("KVROUTE_BENCH_SECONDS", 6.0);
-    let large_mb: usize = env("KVROUTE_BENCH_LARGE_MB", 28);
+    let seconds: f64 = setting("KVROUTE_BENCH_SECONDS", 6.0);
+    let large_mb: usize = setting("KVROUTE_BENCH_LARGE_MB", 28);
     let driver = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -44,13 +44,13 @@ use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvroute_testkit::random::tokens;
+use kvroute_testkit::settings::{setting, setting_list};
 
 /// The model the simulator serves.
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -73,30 +73,23 @@ struct Settings {
     binary: PathBuf,
 }
 
-fn env<T: FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
-}
-
 impl Settings {
     fn from_env() -> Self {
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let binary = std::env::var_os("KVROUTE_BENCH_BINARY")
             .map(PathBuf::from)
             .unwrap_or_else(|| workspace.join("target/release/kvroute"));
-        let concurrency = std::env::var("KVROUTE_BENCH_CONCURRENCY")
-            .unwrap_or_else(|_| "16,64".into())
-            .split(',')
-            .filter_map(|c| c.trim().parse().ok())
-            .filter(|&c| c > 0)
-            .collect();
+        let concurrency = setting_list(
+            "KVROUTE_BENCH_CONCURRENCY",
+            "16,64",
+            "client counts, comma-separated, each at least 1",
+            |c| c.parse().ok().filter(|&c: &usize| c > 0),
+        );
         Self {
-            pairs: env("KVROUTE_BENCH_PAIRS", 3_000usize).max(10),
+            pairs: setting("KVROUTE_BENCH_PAIRS", 3_000usize).max(10),
             concurrency,
-            seconds: env("KVROUTE_BENCH_SECONDS", 8.0f64).max(1.0),
-            time_scale: env("KVROUTE_BENCH_TIME_SCALE", 1_000.0f64),
+            seconds: setting("KVROUTE_BENCH_SECONDS", 8.0f64).max(1.0),
+            time_scale: setting("KVROUTE_BENCH_TIME_SCALE", 1_000.0f64),
             binary,
         }
     }

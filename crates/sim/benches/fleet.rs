@@ -32,12 +32,12 @@ use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use kvroute_testkit::settings::{setting, setting_list};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -61,44 +61,31 @@ struct Settings {
     binary: PathBuf,
 }
 
-fn env_or<T: FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
-
 impl Settings {
     fn from_env() -> Self {
-        let rates = std::env::var("KVROUTE_BENCH_RATE")
-            .or_else(|_| std::env::var("KVROUTE_BENCH_RATES"))
-            .unwrap_or_else(|_| "25,50,100".into());
-        let rates = rates
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .map(|s| {
-                let r: f64 = s
-                    .trim()
-                    .parse()
-                    .unwrap_or_else(|_| panic!("bad rate {s:?}"));
-                assert!(r > 0.0, "rates must be positive");
-                r
-            })
-            .collect();
+        // Either spelling; the singular one wins when both are set.
+        let rates_name = if std::env::var_os("KVROUTE_BENCH_RATE").is_some() {
+            "KVROUTE_BENCH_RATE"
+        } else {
+            "KVROUTE_BENCH_RATES"
+        };
+        let rates = setting_list(
+            rates_name,
+            "25,50,100",
+            "request rates per second, comma-separated, each above 0",
+            |r| r.parse().ok().filter(|&r: &f64| r > 0.0),
+        );
         let binary = std::env::var_os("KVROUTE_BENCH_BINARY").map_or_else(
             || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/release/kvroute"),
             PathBuf::from,
         );
         Self {
             rates,
-            seconds: env_or("KVROUTE_BENCH_SECONDS", 30.0),
-            warmup: env_or("KVROUTE_BENCH_WARMUP", 5.0),
-            output_tokens: env_or("KVROUTE_BENCH_OUTPUT_TOKENS", 200),
-            engines: env_or("KVROUTE_BENCH_ENGINES", 8),
-            time_scale: env_or("KVROUTE_BENCH_TIME_SCALE", 1.0),
+            seconds: setting("KVROUTE_BENCH_SECONDS", 30.0),
+            warmup: setting("KVROUTE_BENCH_WARMUP", 5.0),
+            output_tokens: setting("KVROUTE_BENCH_OUTPUT_TOKENS", 200),
+            engines: setting("KVROUTE_BENCH_ENGINES", 8),
+            time_scale: setting("KVROUTE_BENCH_TIME_SCALE", 1.0),
             binary,
         }
     }

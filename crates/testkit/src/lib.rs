@@ -2,12 +2,13 @@
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
 //! sets up; a hostile KV-event publisher ([`hostile`]); running a binary with a deadline
 //! ([`process`]); deterministic random data for tests and
-//! benchmarks ([`random`]); free loopback ports and scratch directories. Tests only; nothing
+//! benchmarks ([`random`]); benchmark settings from the environment ([`settings`]); free loopback ports and scratch directories. Tests only; nothing
 //! here ships.
 
 pub mod hostile;
 pub mod process;
 pub mod random;
+pub mod settings;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

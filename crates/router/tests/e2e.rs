@@ -10,7 +10,7 @@ use kvroute_router::config::{RouterConfig, TokenizerConfig, TokenizerKind};
 use kvroute_router::server::{RunningRouter, start as start_router};
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, SimFleet, start as start_sim};
-use kvroute_testkit::eventually;
+use kvroute_testkit::{eventually, free_ports};
 use serde_json::{Value, json};
 
 mod common;
@@ -321,11 +321,8 @@ async fn a_killed_engine_is_ejected_and_its_blocks_dropped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_retried_once_on_the_next_endpoint() {
     let live = engine(512).await;
-    let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Outside the ephemeral range: no server on port 0 can take it during the test.
+    let dead_port = free_ports(1);
     let config = ConfigBuilder::new(MODEL)
         .with(|c| {
             c.health.interval_ms = 60_000;
@@ -604,11 +601,7 @@ async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
 async fn a_silent_event_stream_is_not_trusted_and_says_so() {
     let a = engine(512).await;
     // Events configured on a port where nothing publishes: requests go there, no event comes.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let dead = free_ports(1);
     let mut quiet = endpoint(Some("quiet".into()), &a.endpoints[0].url);
     quiet.events = Some(format!("tcp://127.0.0.1:{dead}"));
     let config = ConfigBuilder::new(MODEL)

@@ -15,6 +15,16 @@
 //! - `chat`: every endpoint holds a system prompt (an eighth of the request) and a conversation
 //!   of its own after it; the request is endpoint 0's, stored in prefill-sized events and a
 //!   decode's single blocks. Two runs: the prompt and the conversation.
+//! - `restored`: `chat` copied into an empty index as a starting replica copies a peer's
+//!   (`endpoint_blocks`, then `restore`), so the same two runs; `no-order`: the same copy
+//!   without the entries' run order (a peer of a build before runs), so no run.
+//!
+//! Cold is measured twice. *All cold*: the lookup runs right after the flush, so its code, the
+//! index's own fields and the lock are cold too, as they would be in a router idle for long
+//! enough to lose them. *Data cold*: a one-block lookup of an absent key runs between the flush
+//! and the timed lookup, as another request would in a router serving traffic, so the code and the
+//! index's fixed parts are warm and only the request's blocks come from memory. A `1`-block
+//! lookup of an absent key is each shape's floor (`floor` rows): what any lookup costs.
 //!
 //! Run with `cargo bench -p kvroute-core --bench lookup_cold`; `KVROUTE_BENCH_QUICK=1` runs only
 //! 512 blocks × 64 endpoints.
@@ -28,7 +38,9 @@ mod fixtures;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fixtures::{sharded_chat_index, sharded_prefix_index};
+use fixtures::{
+    restored_chat_index, sharded_chat_index, sharded_prefix_index, unordered_chat_index,
+};
 use kvroute_core::index::SharedIndex;
 use kvroute_core::keys::RouterKey;
 
@@ -51,11 +63,74 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// [`ROUNDS`] timings of looking up `keys` in `index`, each right after writing `flush` (which
+/// evicts the caches) and, with `warm_up`, after looking that up untimed.
+fn timed_after_flush(
+    flush: &mut [u8],
+    index: &SharedIndex,
+    keys: &[RouterKey],
+    warm_up: Option<&[RouterKey]>,
+) -> Vec<Duration> {
+    (0..ROUNDS)
+        .map(|round| {
+            for line in flush.chunks_mut(64) {
+                line[0] = line[0].wrapping_add(round as u8);
+            }
+            black_box(&mut *flush);
+            if let Some(other) = warm_up {
+                black_box(index.lookup(black_box(other)));
+            }
+            let start = Instant::now();
+            black_box(index.lookup(black_box(keys)));
+            start.elapsed()
+        })
+        .collect()
+}
+
+/// Times lookups of `keys` warm, all cold and data cold, and prints their row.
+fn report(
+    shape: &str,
+    endpoints: usize,
+    shards: usize,
+    index: &SharedIndex,
+    keys: &[RouterKey],
+    flush: &mut [u8],
+) {
+    let mut warm: Vec<Duration> = (0..ROUNDS)
+        .map(|_| {
+            let start = Instant::now();
+            black_box(index.lookup(black_box(keys)));
+            start.elapsed()
+        })
+        .collect();
+    let absent = [RouterKey::from_hash(0x5eed_0fab_5e17)];
+    let mut cold = timed_after_flush(flush, index, keys, None);
+    let mut data_cold = timed_after_flush(flush, index, keys, Some(&absent));
+    warm.sort_unstable();
+    cold.sort_unstable();
+    data_cold.sort_unstable();
+    let cold_p50 = percentile(&cold, 50);
+    println!(
+        "{:>8} {:>7} {:>9} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7.1}ns {:>9.1} {:>9.1}",
+        shape,
+        keys.len(),
+        endpoints,
+        shards,
+        micros(percentile(&warm, 50)),
+        micros(cold_p50),
+        micros(percentile(&cold, 90)),
+        micros(percentile(&cold, 99)),
+        micros(cold_p50) * 1e3 / keys.len() as f64,
+        micros(percentile(&data_cold, 50)),
+        micros(percentile(&data_cold, 99)),
+    );
+}
+
 fn main() {
     let mut flush = vec![0u8; FLUSH_BYTES];
     println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
     println!(
-        "{:>6} {:>7} {:>9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>9}",
+        "{:>8} {:>7} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "shape",
         "blocks",
         "endpoints",
@@ -64,8 +139,11 @@ fn main() {
         "cold p50",
         "cold p90",
         "cold p99",
-        "cold/blk"
+        "cold/blk",
+        "data p50",
+        "data p99"
     );
+    println!("{:>48} {:-^31}  {:-^19}", "", " all cold ", " data cold ");
     let quick = std::env::var_os("KVROUTE_BENCH_QUICK").is_some();
     let sizes: &[(usize, usize)] = if quick {
         &[(512, 64)]
@@ -79,45 +157,22 @@ fn main() {
             (8_192, 256),
         ]
     };
-    let shapes: [(&str, Build); 2] = [
+    let shapes: [(&str, Build); 4] = [
         ("stairs", sharded_prefix_index),
         ("chat", sharded_chat_index),
+        ("restored", restored_chat_index),
+        ("no-order", unordered_chat_index),
     ];
     for (shape, build) in shapes {
         for &(blocks, endpoints) in sizes {
             for shards in [1usize, 2] {
                 let (index, keys) = build(endpoints, blocks, BACKGROUND, shards);
-                let mut warm = Vec::with_capacity(ROUNDS);
-                for _ in 0..ROUNDS {
-                    let start = Instant::now();
-                    black_box(index.lookup(black_box(&keys)));
-                    warm.push(start.elapsed());
+                report(shape, endpoints, shards, &index, &keys, &mut flush);
+                if blocks == sizes[0].0 && endpoints == sizes[0].1 {
+                    // Two absent keys: the timed one is never the one that warmed up.
+                    let floor = [RouterKey::from_hash(0x0f10_0a5e)];
+                    report("floor", endpoints, shards, &index, &floor, &mut flush);
                 }
-                let mut cold = Vec::with_capacity(ROUNDS);
-                for round in 0..ROUNDS {
-                    for line in flush.chunks_mut(64) {
-                        line[0] = line[0].wrapping_add(round as u8);
-                    }
-                    black_box(&mut flush);
-                    let start = Instant::now();
-                    black_box(index.lookup(black_box(&keys)));
-                    cold.push(start.elapsed());
-                }
-                warm.sort_unstable();
-                cold.sort_unstable();
-                let cold_p50 = percentile(&cold, 50);
-                println!(
-                    "{:>6} {:>7} {:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.1}ns",
-                    shape,
-                    blocks,
-                    endpoints,
-                    shards,
-                    micros(percentile(&warm, 50)),
-                    micros(cold_p50),
-                    micros(percentile(&cold, 90)),
-                    micros(percentile(&cold, 99)),
-                    micros(cold_p50) * 1e3 / blocks as f64,
-                );
             }
         }
     }

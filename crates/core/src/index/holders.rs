@@ -70,6 +70,13 @@ impl Holders {
         (self.0 & MARK_MASK == RUN_MARK).then_some(self.0 as u32 as usize)
     }
 
+    /// The run these holders are a member of and the member's offset in it (consecutive
+    /// offsets of one run are a block and its child), if any.
+    #[inline]
+    pub(crate) fn run_position(self) -> Option<(usize, u32)> {
+        self.run().map(|run| (run, self.offset()))
+    }
+
     /// The offset in its run of a run member.
     #[inline]
     fn offset(self) -> u32 {

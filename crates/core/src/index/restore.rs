@@ -10,6 +10,11 @@
 //!   span several blocks, the parent hash chunk placeholders are walked by. No tokens: the
 //!   router key was made from them once and is all a lookup needs. So a snapshot costs nothing
 //!   to keep beside the index (the journal it replaces cost 150–250 B per entry).
+//! - **Runs travel**: the entries of a run come in its order, each marked as following the one
+//!   before ([`HeldEntry::follows`]), and restore links them again, so a restored index skips
+//!   the same runs as its source (a run's holders may differ here until every endpoint is
+//!   restored: a run of two endpoints' blocks becomes one again as the second one's entries
+//!   link). A peer is trusted with this order as it is with the blocks themselves.
 //! - **Uncertainty travels**: an endpoint whose offloaded tiers are uncertain at the source
 //!   (recent orphans) is marked so in the copy ([`KvIndex::mark_tier_uncertain`]).
 //! - **Restore replaces**: the endpoint's blocks become exactly the entries given; what it held
@@ -27,6 +32,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::offload::{Place, Tables, store_block};
+use super::runs::RunChain;
 use super::{EndpointId, KvIndex};
 use crate::CoreError;
 use crate::event::{EngineHash, Tier};
@@ -124,6 +130,11 @@ pub struct HeldEntry {
     /// span several blocks (chunk placeholders name a chunk by its last block).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<EngineHash>,
+    /// The block is the child of the entry before it in the list, and both had the same holders
+    /// at the source (consecutive members of one run): restore links them into a run again, so
+    /// lookups skip them as they did there. Absent (false) from peers of builds before runs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub follows: bool,
 }
 
 impl HeldEntry {
@@ -146,8 +157,9 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl KvIndex {
-    /// Every block `endpoint` holds, in no particular order (empty when it is unknown). Read it
-    /// under the same lock as the event sequence it reflects.
+    /// Every block `endpoint` holds (nothing when it is unknown): the members of each run in
+    /// the run's order, each marked as following the member before it, then the other blocks in
+    /// no particular order. Read it under the same lock as the event sequence it reflects.
     pub fn endpoint_blocks(&self, endpoint: EndpointId) -> impl Iterator<Item = HeldEntry> + '_ {
         let state = self.endpoints.get(&endpoint);
         let offload = state.and_then(|s| s.offload.as_deref());
@@ -164,27 +176,42 @@ impl KvIndex {
                 .unwrap_or(0)
         };
         let shared_written = offload.map(|o| &o.shared_written);
-        let held = state.into_iter().flat_map(move |s| {
-            s.blocks.iter().map(move |held| {
-                let key = held.router_key();
-                let tiers = self.blocks.get(key.0).map_or(0, |b| {
-                    let view = self.wide.view(b.holders);
-                    Tier::ALL
-                        .into_iter()
-                        .filter(|&t| view.has(s.slot, t))
-                        .fold(0, |bits, t| bits | tier_bit(t))
-                });
-                HeldEntry {
-                    hash: EngineHash(held.hash),
-                    key,
-                    tiers,
-                    cpu_repeats: repeats(held.hash, Tier::Cpu),
-                    storage_repeats: repeats(held.hash, Tier::Storage),
-                    shared: shared_written.is_some_and(|w| w.contains_key(&held.hash)),
-                    parent: parent_of(held.hash),
-                }
+        // Each entry with its place in a run (run, offset), if its block is in one.
+        let mut held: Vec<(Option<(usize, u32)>, HeldEntry)> = state
+            .into_iter()
+            .flat_map(|s| {
+                s.blocks.iter().map(move |held| {
+                    let key = held.router_key();
+                    let (tiers, position) = self.blocks.get(key.0).map_or((0, None), |b| {
+                        let view = self.wide.view(b.holders);
+                        let tiers = Tier::ALL
+                            .into_iter()
+                            .filter(|&t| view.has(s.slot, t))
+                            .fold(0, |bits, t| bits | tier_bit(t));
+                        (tiers, b.holders.run_position())
+                    });
+                    let entry = HeldEntry {
+                        hash: EngineHash(held.hash),
+                        key,
+                        tiers,
+                        cpu_repeats: repeats(held.hash, Tier::Cpu),
+                        storage_repeats: repeats(held.hash, Tier::Storage),
+                        shared: shared_written.is_some_and(|w| w.contains_key(&held.hash)),
+                        parent: parent_of(held.hash),
+                        follows: false,
+                    };
+                    (position.filter(|_| tiers != 0), entry)
+                })
             })
-        });
+            .collect();
+        // Runs first, each in order (stable: the other blocks keep the table's order after them).
+        held.sort_by_key(|(position, _)| position.map_or((1, 0, 0), |(run, at)| (0, run, at)));
+        for i in 1..held.len() {
+            if let (Some((run, at)), Some((before_run, before_at))) = (held[i].0, held[i - 1].0) {
+                held[i].1.follows = run == before_run && at == before_at + 1;
+            }
+        }
+        let held = held.into_iter().map(|(_, entry)| entry);
         // Blocks written to the shared tier that the endpoint's own tiers no longer hold.
         let shared_only = state
             .zip(shared_written)
@@ -201,6 +228,7 @@ impl KvIndex {
                         storage_repeats: 0,
                         shared: true,
                         parent: parent_of(hash),
+                        follows: false,
                     })
             });
         held.chain(shared_only)
@@ -235,16 +263,25 @@ impl KvIndex {
             entries: &mut self.entries,
         };
         let mut restored = 0;
+        // The run the entries being restored extend (see `HeldEntry::follows`).
+        let mut chain = RunChain::start();
         for entry in blocks {
             let parent = entry.parent.map(|p| p.0);
+            if !entry.follows || entry.tiers == 0 {
+                chain = RunChain::start();
+            }
+            let last_tier = Tier::ALL.into_iter().rfind(|&t| entry.on(t));
             for tier in Tier::ALL.into_iter().filter(|&t| entry.on(t)) {
                 let repeats = match tier {
                     Tier::Gpu => 0,
                     Tier::Cpu => entry.cpu_repeats,
                     Tier::Storage => entry.storage_repeats,
-                };
-                // The first store sets the holder bit; each repeat adds a reference.
-                for _ in 0..=repeats.min(MAX_REPEATS) {
+                }
+                .min(MAX_REPEATS);
+                // The first store sets the holder bit; each repeat adds a reference. The last
+                // store links the block, with its holders complete, to the entry before it.
+                for repeat in 0..=repeats {
+                    let link = Some(tier) == last_tier && repeat == repeats;
                     store_block(
                         &mut tables,
                         state,
@@ -252,7 +289,7 @@ impl KvIndex {
                         entry.hash.0,
                         entry.key,
                         parent,
-                        None,
+                        link.then_some(&mut chain),
                     );
                 }
             }
@@ -417,6 +454,59 @@ mod tests {
         assert_eq!(copy.endpoint_stats(E0).unwrap().orphan_blocks, 0);
     }
 
+    /// A copy links the runs its source had: a conversation stored in pieces, a prefix two
+    /// endpoints share, a run broken in the middle, a run of six holders (a wide set). Without
+    /// the order marks (a peer of a build before runs) the copy answers the same, with no run.
+    #[test]
+    fn a_copy_skips_the_runs_its_source_skips() {
+        let (talk, shared) = (doc(40, 3), doc(12, 9));
+        let mut source = index();
+        let mut pieces: Vec<KvEvent> = (0..32)
+            .step_by(8)
+            .map(|b| store(&talk, b, b + 8, "GPU"))
+            .collect();
+        pieces.extend((32..40).map(|b| store(&talk, b, b + 1, "GPU")));
+        source.apply(E0, &pieces);
+        source.apply(E1, &[store(&talk, 0, 20, "GPU")]);
+        let h = hashes(&talk);
+        source.apply(E1, &[removal(vec![h[10]], "GPU")]);
+        let all: Vec<EndpointId> = (0..6).map(EndpointId).collect();
+        for &e in &all {
+            source.apply(e, &[store(&shared, 0, 12, "GPU")]);
+        }
+        let (used, intact) = source.wide.runs();
+        assert!(
+            intact >= 2 && used > intact,
+            "the source has intact and broken runs: {used}, {intact}"
+        );
+        let copy = copied(&source, &all, |_| {});
+        copy.wide
+            .check(copy.blocks.iter().map(|b| b.holders))
+            .unwrap();
+        // Every run the source skips is skipped in the copy, and the pieces of the broken run
+        // (the shared prefix before and after block 10) are runs of their own there: four.
+        assert_eq!(copy.wide.runs(), (intact + 2, intact + 2));
+        let prefixes = |d: &[u32]| {
+            (1..=d.len() / BS)
+                .map(|n| d[..n * BS].to_vec())
+                .collect::<Vec<_>>()
+        };
+        same_lookups(&source, &copy, &prefixes(&talk));
+        same_lookups(&source, &copy, &prefixes(&shared));
+
+        let mut unordered = index();
+        for &e in &all {
+            let entries = source.endpoint_blocks(e).map(|entry| HeldEntry {
+                follows: false,
+                ..entry
+            });
+            unordered.restore(e, entries.collect::<Vec<_>>());
+        }
+        assert_eq!(unordered.wide.runs(), (0, 0));
+        same_lookups(&source, &unordered, &prefixes(&talk));
+        same_lookups(&source, &unordered, &prefixes(&shared));
+    }
+
     #[test]
     fn restore_replaces_what_the_endpoint_held() {
         let (a, b) = (doc(3, 3), doc(3, 4));
@@ -496,10 +586,13 @@ mod tests {
                 original.apply(EndpointId(op.0 as u32), &[event(op)]);
             }
             let mut copy = copied(&original, &[E0, E1], |_| {});
+            let books = |ix: &KvIndex| ix.wide.check(ix.blocks.iter().map(|b| b.holders));
+            prop_assert_eq!(books(&copy), Ok(()));
             same_lookups(&original, &copy, &docs);
             for op in after {
                 original.apply(EndpointId(op.0 as u32), &[event(op)]);
                 copy.apply(EndpointId(op.0 as u32), &[event(op)]);
+                prop_assert_eq!(books(&copy), Ok(()));
             }
             same_lookups(&original, &copy, &docs);
         }

@@ -9,9 +9,11 @@
 //! make one run however many events stored them.
 //!
 //! # Decisions
-//! - **Only stores with tokens link runs.** Their blocks are a chain by construction (each
-//!   router key is derived from the one before). Token-less tier placeholders name blocks by
-//!   engine hash with no proof of order, so they only edit holders (and break the runs they
+//! - **Only stores with tokens link runs, and restores of them.** Their blocks are a chain by
+//!   construction (each router key is derived from the one before). A peer's snapshot keeps
+//!   that proof: it lists a run's members in order and marks each that is the child of the
+//!   entry before it ([`super::HeldEntry::follows`]). Token-less tier placeholders name blocks
+//!   by engine hash with no proof of order, so they only edit holders (and break the runs they
 //!   touch).
 //! - **Equal holders means equal words.** Packed lanes in another order, or a wide set and a
 //!   run with the same contents, do not link. That misses a few runs and never links unequal
@@ -43,6 +45,13 @@ pub(super) struct RunChain {
 }
 
 impl RunChain {
+    /// A chain whose first block links to nothing before it (its parent unknown or the root).
+    pub(super) fn start() -> Self {
+        Self {
+            before: Before::Nothing,
+        }
+    }
+
     /// A chain whose first block is the child of `parent` ([`ROOT_KEY`]: a chain from the
     /// root).
     pub(super) fn after(

@@ -43,7 +43,7 @@ use kvroute_core::fleet::{EndpointSpec, Fleet, FleetConfig, LookupTargets, Reque
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedIndex};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{Profile, ProfileName, Role};
-use kvroute_testkit::settings::{setting, setting_list};
+use kvroute_testkit::settings::{setting, setting_at_least, setting_list};
 use parking_lot::Mutex;
 
 use fixtures::{BLOCK_SIZE, Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
@@ -111,7 +111,7 @@ type Churn = Vec<(Vec<KvEvent>, Vec<KvEvent>)>;
 fn main() {
     let entries = setting("KVROUTE_BENCH_ENTRIES", 10_000_000usize);
     let endpoints = setting("KVROUTE_BENCH_ENDPOINTS", 64usize);
-    let paced = setting("KVROUTE_BENCH_PACED", 500_000.0f64);
+    let paced = setting_at_least("KVROUTE_BENCH_PACED", 500_000.0, 1.0);
     let churn: Churn = (0..CHURN_CHAINS)
         .map(|c| {
             let chain = Chain::new(5_000_000 + c as u64, CHURN_BLOCKS);

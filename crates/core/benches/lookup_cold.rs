@@ -17,14 +17,15 @@
 //!   decode's single blocks. Two runs: the prompt and the conversation.
 //! - `restored`: `chat` copied into an empty index as a starting replica copies a peer's
 //!   (`endpoint_blocks`, then `restore`), so the same two runs; `no-order`: the same copy
-//!   without the entries' run order (a peer of a build before runs), so no run.
+//!   without the entries' run order (a peer of a build without `follows`), so no run.
 //!
 //! Cold is measured twice. *All cold*: the lookup runs right after the flush, so its code, the
 //! index's own fields and the lock are cold too, as they would be in a router idle for long
 //! enough to lose them. *Data cold*: a one-block lookup of an absent key runs between the flush
 //! and the timed lookup, as another request would in a router serving traffic, so the code and the
 //! index's fixed parts are warm and only the request's blocks come from memory. A `1`-block
-//! lookup of an absent key is each shape's floor (`floor` rows): what any lookup costs.
+//! lookup of an absent key is each shape's floor (`floor` rows, after the shape's first size):
+//! what any lookup costs.
 //!
 //! Run with `cargo bench -p kvroute-core --bench lookup_cold`; `KVROUTE_BENCH_QUICK=1` runs only
 //! 512 blocks × 64 endpoints.
@@ -143,7 +144,7 @@ fn main() {
         "data p50",
         "data p99"
     );
-    println!("{:>48} {:-^31}  {:-^19}", "", " all cold ", " data cold ");
+    println!("{:43} {:-^39} {:-^19}", "", " all cold ", " data cold ");
     let quick = std::env::var_os("KVROUTE_BENCH_QUICK").is_some();
     let sizes: &[(usize, usize)] = if quick {
         &[(512, 64)]

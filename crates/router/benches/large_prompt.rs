@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use axum::routing::{get, post};
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start};
-use kvroute_testkit::settings::setting;
+use kvroute_testkit::settings::{setting, setting_at_least};
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -160,7 +160,7 @@ async fn stub_engine() -> String {
 }
 
 fn main() {
-    let seconds: f64 = setting("KVROUTE_BENCH_SECONDS", 6.0);
+    let seconds = setting_at_least("KVROUTE_BENCH_SECONDS", 6.0, 0.1);
     let large_mb: usize = setting("KVROUTE_BENCH_LARGE_MB", 28);
     let driver = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

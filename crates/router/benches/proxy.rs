@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvroute_testkit::random::tokens;
-use kvroute_testkit::settings::{setting, setting_list};
+use kvroute_testkit::settings::{setting, setting_at_least, setting_list};
 
 /// The model the simulator serves.
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -88,8 +88,8 @@ impl Settings {
         Self {
             pairs: setting("KVROUTE_BENCH_PAIRS", 3_000usize).max(10),
             concurrency,
-            seconds: setting("KVROUTE_BENCH_SECONDS", 8.0f64).max(1.0),
-            time_scale: setting("KVROUTE_BENCH_TIME_SCALE", 1_000.0f64),
+            seconds: setting_at_least("KVROUTE_BENCH_SECONDS", 8.0, 1.0),
+            time_scale: setting_at_least("KVROUTE_BENCH_TIME_SCALE", 1_000.0, 0.001),
             binary,
         }
     }

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use kvroute_testkit::settings::{setting, setting_list};
+use kvroute_testkit::settings::{setting, setting_at_least, setting_list};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -81,11 +81,11 @@ impl Settings {
         );
         Self {
             rates,
-            seconds: setting("KVROUTE_BENCH_SECONDS", 30.0),
-            warmup: setting("KVROUTE_BENCH_WARMUP", 5.0),
+            seconds: setting_at_least("KVROUTE_BENCH_SECONDS", 30.0, 0.1),
+            warmup: setting_at_least("KVROUTE_BENCH_WARMUP", 5.0, 0.0),
             output_tokens: setting("KVROUTE_BENCH_OUTPUT_TOKENS", 200),
             engines: setting("KVROUTE_BENCH_ENGINES", 8),
-            time_scale: setting("KVROUTE_BENCH_TIME_SCALE", 1.0),
+            time_scale: setting_at_least("KVROUTE_BENCH_TIME_SCALE", 1.0, 0.001),
             binary,
         }
     }

@@ -299,16 +299,24 @@ impl Drop for Killed {
 /// services on a developer's machine tend to hold.
 const LOWEST_PICKED_PORT: u16 = 10_000;
 
-/// Where [`free_ports`] picks next in this process (`None` until the first pick).
-static NEXT_PICK: std::sync::Mutex<Option<u16>> = std::sync::Mutex::new(None);
+/// How many of the ports [`free_ports`] handed out this process remembers, so as not to hand
+/// them out again: far more than any test binary uses, and a small part of the range it picks
+/// from (about 22,000 ports below Linux's default ephemeral range).
+const REMEMBERED_PORTS: usize = 4096;
 
-/// The ports [`free_ports`] picks from, `lowest..end`: the ports below the kernel's ephemeral
+/// What [`free_ports`] keeps between picks: its random state (`0` until the first pick) and
+/// the ports it handed out, oldest first (at most [`REMEMBERED_PORTS`]).
+static PICKS: std::sync::Mutex<(u64, std::collections::VecDeque<u16>)> =
+    std::sync::Mutex::new((0, std::collections::VecDeque::new()));
+
+/// The ports [`free_ports`] picks from, and whether they lie outside the kernel's ephemeral
 /// range, which the kernel never gives a socket bound to port 0 or an outgoing connection. A
 /// port picked there cannot be taken between the pick and the server's bind by another test's
 /// server on port 0 or by a client's connection (both happened: "Address already in use").
-/// Where the ephemeral range leaves too little room below it, the ports above it, and failing
-/// that the range itself.
-fn pickable_ports(n: u16) -> std::ops::Range<u16> {
+/// Below the ephemeral range (from [`LOWEST_PICKED_PORT`]), else above it; where neither leaves
+/// room for a few thousand picks (a host that gave nearly every port to the ephemeral range),
+/// the ephemeral range itself, and the guarantee is lost.
+pub fn pickable_ports(n: u16) -> (std::ops::Range<u16>, bool) {
     let (ephemeral_low, ephemeral_high) =
         std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .ok()
@@ -319,39 +327,53 @@ fn pickable_ports(n: u16) -> std::ops::Range<u16> {
             .unwrap_or((32_768, 60_999));
     let enough = 2_000u16.max(n.saturating_mul(16));
     if ephemeral_low.saturating_sub(LOWEST_PICKED_PORT) >= enough {
-        LOWEST_PICKED_PORT..ephemeral_low
+        (LOWEST_PICKED_PORT..ephemeral_low, true)
     } else if u16::MAX - ephemeral_high >= enough {
-        ephemeral_high + 1..u16::MAX
+        (ephemeral_high + 1..u16::MAX, true)
     } else {
-        ephemeral_low..ephemeral_high
+        (1_024..u16::MAX, false)
     }
 }
 
 /// A run of `n` consecutive free loopback ports (best effort: bound and released), outside the
-/// kernel's ephemeral range (see [`pickable_ports`]). Picks walk the range from a start that
-/// differs by process, so two servers a test starts one after the other never get the same
-/// port, and test binaries running at once rarely try the same one.
+/// kernel's ephemeral range where the host leaves room (see [`pickable_ports`]), none of which
+/// is among the last [`REMEMBERED_PORTS`] this process handed out: two servers a test starts
+/// one after the other never get the same port. Each pick starts at a random place, so test
+/// binaries running at once rarely try the same ports, and never in step.
 pub fn free_ports(n: u16) -> u16 {
     use std::net::TcpListener;
-    let pickable = pickable_ports(n);
-    let span = pickable.end - pickable.start - n;
+    let (pickable, _) = pickable_ports(n);
+    let starts = (pickable.end - pickable.start)
+        .checked_sub(n)
+        .filter(|&starts| starts > 0)
+        .unwrap_or_else(|| panic!("no room for {n} consecutive ports in {pickable:?}"));
     // Held while picking, so that tests picking at once on several threads get distinct ports.
-    // A test that panicked elsewhere cannot leave the cursor inconsistent: it is one number.
-    let mut next = NEXT_PICK.lock().unwrap_or_else(|e| e.into_inner());
-    let cursor = next.get_or_insert_with(|| {
-        let spread = std::time::SystemTime::now()
+    // A test that panicked elsewhere cannot leave the record inconsistent: it is only pushed to.
+    let mut guard = PICKS.lock().unwrap_or_else(|e| e.into_inner());
+    let (state, handed_out) = &mut *guard;
+    if *state == 0 {
+        let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos())
-            ^ std::process::id().wrapping_mul(2_654_435_761);
-        pickable.start + (spread % u32::from(span)) as u16
-    });
-    for _ in 0..=span / n.max(1) {
-        if *cursor > pickable.end - n {
-            *cursor = pickable.start;
+            .map_or(0, |d| d.subsec_nanos());
+        *state = (u64::from(nanos) << 32 | u64::from(std::process::id())) | 1;
+    }
+    for _ in 0..1_000 {
+        // xorshift64: enough to spread picks, nothing rides on its quality.
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        let base = pickable.start + (*state % u64::from(starts)) as u16;
+        let ports = base..base + n;
+        if handed_out.iter().any(|p| ports.contains(p)) {
+            continue;
         }
-        let base = *cursor;
-        *cursor += n;
-        if (base..base + n).all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok()) {
+        if ports
+            .clone()
+            .all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok())
+        {
+            handed_out.extend(ports);
+            let excess = handed_out.len().saturating_sub(REMEMBERED_PORTS);
+            handed_out.drain(..excess);
             return base;
         }
     }
@@ -438,6 +460,10 @@ mod tests {
     /// the pick and the bind.
     #[test]
     fn picked_ports_are_never_ones_the_kernel_hands_out_itself() {
+        if !pickable_ports(2).1 {
+            eprintln!("skipped: this host's ephemeral range leaves no room outside it");
+            return;
+        }
         let ephemeral: Vec<u16> = (0..50)
             .map(|_| {
                 let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -7,8 +7,34 @@ use std::str::FromStr;
 /// `name` from the environment parsed as `T` (surrounding blanks ignored), or `default` when it
 /// is unset. Exits (status 2) naming the setting when it is set but does not parse.
 pub fn setting<T: FromStr>(name: &str, default: T) -> T {
-    parse_setting(std::env::var(name).ok().as_deref(), default)
+    parse_setting(read(name).as_deref(), default)
         .unwrap_or_else(|value| refuse(name, value, std::any::type_name::<T>()))
+}
+
+/// [`setting`] for a number that must be finite and at least `min` (a rate, a duration):
+/// exits naming the setting otherwise (`NaN`, `inf` and negative values parse as `f64`).
+pub fn setting_at_least(name: &str, default: f64, min: f64) -> f64 {
+    let value = setting(name, default);
+    if !(value.is_finite() && value >= min) {
+        refuse(
+            name,
+            &value.to_string(),
+            &format!("a finite number of at least {min}"),
+        );
+    }
+    value
+}
+
+/// The value of `name` (`None` when unset). Exits naming it when it is set but not UTF-8, so
+/// that such a value is not taken for unset.
+fn read(name: &str) -> Option<String> {
+    match std::env::var(name) {
+        Ok(value) => Some(value),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(value)) => {
+            refuse(name, &value.to_string_lossy(), "UTF-8 text")
+        }
+    }
 }
 
 /// [`setting`]'s reading of a value (`None`: unset): the value parsed, the default when
@@ -29,7 +55,7 @@ pub fn setting_list<T>(
     expected: &str,
     parse: impl Fn(&str) -> Option<T>,
 ) -> Vec<T> {
-    let value = std::env::var(name).ok();
+    let value = read(name);
     parse_list(value.as_deref(), default, &parse)
         .unwrap_or_else(|| refuse(name, value.as_deref().unwrap_or(default), expected))
 }

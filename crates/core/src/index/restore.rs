@@ -132,7 +132,8 @@ pub struct HeldEntry {
     pub parent: Option<EngineHash>,
     /// The block is the child of the entry before it in the list, and both had the same holders
     /// at the source (consecutive members of one run): restore links them into a run again, so
-    /// lookups skip them as they did there. Absent (false) from peers of builds before runs.
+    /// lookups skip them as they did there. Absent (false) from peers of builds before this
+    /// field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub follows: bool,
 }
@@ -267,10 +268,11 @@ impl KvIndex {
         let mut chain = RunChain::start();
         for entry in blocks {
             let parent = entry.parent.map(|p| p.0);
-            if !entry.follows || entry.tiers == 0 {
+            let last_tier = Tier::ALL.into_iter().rfind(|&t| entry.on(t));
+            // An entry stored on no tier of its own here links nothing, nor does the next.
+            if !entry.follows || last_tier.is_none() {
                 chain = RunChain::start();
             }
-            let last_tier = Tier::ALL.into_iter().rfind(|&t| entry.on(t));
             for tier in Tier::ALL.into_iter().filter(|&t| entry.on(t)) {
                 let repeats = match tier {
                     Tier::Gpu => 0,
@@ -456,7 +458,7 @@ mod tests {
 
     /// A copy links the runs its source had: a conversation stored in pieces, a prefix two
     /// endpoints share, a run broken in the middle, a run of six holders (a wide set). Without
-    /// the order marks (a peer of a build before runs) the copy answers the same, with no run.
+    /// the order marks (a peer of a build without them) the copy answers the same, with no run.
     #[test]
     fn a_copy_skips_the_runs_its_source_skips() {
         let (talk, shared) = (doc(40, 3), doc(12, 9));

@@ -1,9 +1,9 @@
 //! Helpers several crates' tests share: waiting for a condition without fixed sleeps, and
 //! finding the Python interpreter (and the real tokenizer it installed) that the test command
 //! sets up; a hostile KV-event publisher ([`hostile`]); running a binary with a deadline
-//! ([`process`]); deterministic random data for tests and
-//! benchmarks ([`random`]); benchmark settings from the environment ([`settings`]); free loopback ports and scratch directories. Tests only; nothing
-//! here ships.
+//! ([`process`]); deterministic random data for tests and benchmarks ([`random`]); benchmark
+//! settings from the environment ([`settings`]); free loopback ports and scratch directories.
+//! Tests only; nothing here ships.
 
 pub mod hostile;
 pub mod process;

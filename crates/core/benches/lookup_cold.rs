@@ -15,6 +15,9 @@
 //! - `chat`: every endpoint holds a system prompt (an eighth of the request) and a conversation
 //!   of its own after it; the request is endpoint 0's, stored in prefill-sized events and a
 //!   decode's single blocks. Two runs: the prompt and the conversation.
+//! - `inside`: `chat` with the request ending a block before endpoint 0's conversation does;
+//!   `leaving`: `chat` with the request leaving the conversation halfway. A lookup finds where
+//!   a request leaves a run by a search, not a walk.
 //! - `restored`: `chat` copied into an empty index as a starting replica copies a peer's
 //!   (`endpoint_blocks`, then `restore`), so the same two runs; `no-order`: the same copy
 //!   without the entries' run order (a peer of a build without `follows`), so no run.
@@ -40,7 +43,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use fixtures::{
-    restored_chat_index, sharded_chat_index, sharded_prefix_index, unordered_chat_index,
+    inside_chat_index, leaving_chat_index, restored_chat_index, sharded_chat_index,
+    sharded_prefix_index, unordered_chat_index,
 };
 use kvroute_core::index::SharedIndex;
 use kvroute_core::keys::RouterKey;
@@ -158,9 +162,11 @@ fn main() {
             (8_192, 256),
         ]
     };
-    let shapes: [(&str, Build); 4] = [
+    let shapes: [(&str, Build); 6] = [
         ("stairs", sharded_prefix_index),
         ("chat", sharded_chat_index),
+        ("inside", inside_chat_index),
+        ("leaving", leaving_chat_index),
         ("restored", restored_chat_index),
         ("no-order", unordered_chat_index),
     ];

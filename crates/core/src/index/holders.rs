@@ -163,6 +163,19 @@ pub(crate) struct IntactRun {
     pub(crate) last: Holders,
 }
 
+impl IntactRun {
+    /// The word of the member `ahead` blocks after the one read (`ahead < blocks`): the block
+    /// at that position of a request is this member exactly when its word is this one.
+    pub(crate) fn member(&self, ahead: u32) -> Holders {
+        debug_assert!(ahead < self.blocks);
+        let (run, last) = self
+            .last
+            .run_position()
+            .expect("an intact run's last word names the run");
+        Holders::of_run(run, last - (self.blocks - 1 - ahead))
+    }
+}
+
 /// The holder sets of blocks with more holders than a packed word takes: an arena of sets of
 /// `stride` words each, set `i` at `words[i * stride..]`, word `3w + tier` for slot word `w`;
 /// and the [`Run`]s linking blocks with the same holders.

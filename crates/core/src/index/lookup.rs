@@ -16,8 +16,9 @@
 //! block that starts no run it goes back to the pipeline below.
 
 use serde::Serialize;
+use smallvec::SmallVec;
 
-use super::holders::{Holders, WORD_BITS};
+use super::holders::{Holders, IntactRun, WORD_BITS};
 use super::split_table::PartId;
 use super::{EndpointId, KvIndex};
 use crate::event::Tier;
@@ -190,10 +191,82 @@ impl<'a> Fetch<'a> {
     }
 }
 
-pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMatches {
+/// Positions probed at once in each round of [`run_reach`]'s search.
+const SEARCH_PROBES: usize = 8;
+
+/// The last position of `keys`, from `from` on, whose block is the member of `run` at the
+/// matching offset, given that the block at `from` is the member `run` was read from.
+///
+/// Router keys are chained, so the positions whose block is the matching member are the first
+/// ones up to where the request leaves the run (or ends): a search, not a walk. The request
+/// that follows the run to its last block (the common case) costs no read when the run's last
+/// key is known, else one. One that leaves it (a prompt that ends inside a stored
+/// conversation, a re-tokenized answer that differs from the decoded one) costs a few rounds
+/// of [`SEARCH_PROBES`] slot reads made at once, instead of a read per block.
+fn run_reach(index: &KvIndex, keys: &[RouterKey], from: usize, run: &IntactRun) -> usize {
+    let last = from + run.blocks as usize - 1;
+    let mut hi = last.min(keys.len() - 1);
+    if hi == last
+        && let Some(end) = run.end
+    {
+        if keys[last].0 == end {
+            return last;
+        }
+        hi = last - 1;
+    }
+    let blocks = &index.blocks;
+    // The answer is in `lo..=hi`; `lo`'s block is a member.
+    let mut lo = from;
+    while lo < hi {
+        let span = hi - lo;
+        let probes = SEARCH_PROBES.min(span);
+        // Probe `k` of `1..=probes`, spread evenly up to `hi` (distinct: `span >= probes`).
+        let at = |k: usize| lo + (span * k).div_ceil(probes);
+        let mut parts = [PartId::default(); SEARCH_PROBES];
+        for k in 1..=probes {
+            parts[k - 1] = blocks.locate(keys[at(k)].0);
+        }
+        for k in 1..=probes {
+            blocks.prefetch_in(parts[k - 1], keys[at(k)].0);
+        }
+        let is_member = |k: usize| {
+            let p = at(k);
+            blocks
+                .get_in(parts[k - 1], keys[p].0)
+                .is_some_and(|e| e.holders == run.member((p - from) as u32))
+        };
+        match (1..=probes).take_while(|&k| is_member(k)).last() {
+            Some(k) if k == probes => lo = hi,
+            Some(k) => (lo, hi) = (at(k), at(k + 1) - 1),
+            None => hi = at(1) - 1,
+        }
+    }
+    lo
+}
+
+impl PrefixMatches {
+    /// Sorts the answer by endpoint, as one index answers, after [`append_longest_prefixes`]
+    /// added one or more indexes' matches (endpoints disjoint).
+    pub(super) fn sort(&mut self) {
+        self.matches.sort_unstable_by_key(|m| m.endpoint);
+        self.tier_uncertain.sort_unstable();
+    }
+}
+
+/// Appends each of `index`'s endpoints' longest cached prefix of `keys` to `out`, unsorted
+/// (see [`PrefixMatches::sort`]): the shards of an index answer into one list. `shards_left`
+/// (this one included) sizes the list's one allocation: shards split endpoints evenly.
+pub(super) fn append_longest_prefixes(
+    index: &KvIndex,
+    keys: &[RouterKey],
+    shards_left: usize,
+    out: &mut PrefixMatches,
+) {
     let slots = index.slots.len();
     let words = slots.div_ceil(WORD_BITS);
-    let mut active: Vec<u64> = (0..words)
+    // Up to 1,024 endpoints' bits on the stack (the allocator's state is cold after a quiet
+    // spell, and every allocation reads it).
+    let mut active: SmallVec<[u64; 16]> = (0..words)
         .map(|w| {
             let lo = w * WORD_BITS;
             let hi = (lo + WORD_BITS).min(slots);
@@ -202,7 +275,15 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
                 .fold(0u64, |acc, s| acc | 1 << (s % WORD_BITS))
         })
         .collect();
-    let mut matches = Vec::new();
+    // One allocation for the answer (each touches the allocator's state, cold after a quiet
+    // spell).
+    let first = out.matches.len();
+    let matches = &mut out.matches;
+    let active_count = active
+        .iter()
+        .map(|w| w.count_ones() as usize)
+        .sum::<usize>();
+    matches.reserve(active_count * shards_left.max(1));
     // Blocks every then-active endpoint held on the GPU.
     let mut uniform_gpu = 0u32;
     let mut mixed: Option<TierCounts> = None;
@@ -240,8 +321,6 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
     // Whether the last step skipped a run of `READ_ALONE_AFTER` blocks or more: read the next
     // block alone.
     let mut after_run = false;
-    // The last run the request was found to leave before its end.
-    let mut unfollowed = None;
     let mut i = 0;
     while i < keys.len() && active.iter().any(|&w| w != 0) {
         let holders = if after_run {
@@ -249,24 +328,11 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
         } else {
             fetch.holders(i)
         };
-        // Blocks this step counts: the rest of a run the request follows to the run's last
-        // block, or one block. (Not with the shared tier, which is looked up block by block.)
+        // Blocks this step counts: as far as the request follows the run this block is a member
+        // of, or one block. (Not with the shared tier, which is looked up block by block.)
         let count = match index.wide.intact_run(holders) {
-            Some(run) if run.blocks > 1 && !with_shared && holders.run() != unfollowed => {
-                let last = i + run.blocks as usize - 1;
-                let follows = keys.get(last).is_some_and(|key| match run.end {
-                    Some(end) => key.0 == end,
-                    None => index
-                        .blocks
-                        .get(key.0)
-                        .is_some_and(|e| e.holders == run.last),
-                });
-                if !follows {
-                    // The request leaves the run before its end: walk it block by block,
-                    // without asking again at every member.
-                    unfollowed = holders.run();
-                }
-                if follows { run.blocks } else { 1 }
+            Some(run) if run.blocks > 1 && !with_shared => {
+                (run_reach(index, keys, i, &run) - i + 1) as u32
             }
             _ => 1,
         };
@@ -343,15 +409,10 @@ pub(super) fn longest_prefixes(index: &KvIndex, keys: &[RouterKey]) -> PrefixMat
             bits &= bits - 1;
         }
     }
-    matches.sort_unstable_by_key(|m| m.endpoint);
-    let tier_uncertain = matches
+    let uncertain = out.matches[first..]
         .iter()
         .filter(|m| m.blocks > m.gpu_blocks)
         .filter(|m| index.tier_uncertain(m.endpoint))
-        .map(|m| m.endpoint)
-        .collect();
-    PrefixMatches {
-        matches,
-        tier_uncertain,
-    }
+        .map(|m| m.endpoint);
+    out.tier_uncertain.extend(uncertain);
 }

@@ -640,7 +640,22 @@ impl KvIndex {
 
     /// Each endpoint's longest cached prefix of a request's blocks, split by tier.
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
-        lookup::longest_prefixes(self, keys)
+        let mut out = PrefixMatches::default();
+        self.lookup_into(keys, 1, &mut out);
+        out.sort();
+        out
+    }
+
+    /// [`Self::lookup`]'s matches appended to `out`, unsorted: how a sharded index answers
+    /// from every shard into one list. `shards_left`: the shards still to answer, this one
+    /// included; `out` makes room for as many answers the size of this one's, once.
+    pub(super) fn lookup_into(
+        &self,
+        keys: &[RouterKey],
+        shards_left: usize,
+        out: &mut PrefixMatches,
+    ) {
+        lookup::append_longest_prefixes(self, keys, shards_left, out);
     }
 
     /// Whether `endpoint`'s offloaded-tier events were recently inconsistent (orphans): what

@@ -7,8 +7,8 @@
 //!   lock, so an endpoint's event stream has one writer, no event touches two shards, and no
 //!   cross-shard ordering is needed. Writers on different shards never wait for each other.
 //! - **A lookup holds one shard's read guard at a time**, never a global lock: it walks each
-//!   shard under that shard's guard and merges the answers (shards hold disjoint endpoints, so
-//!   merging is concatenation). A writer then stalls only its own shard's part of a lookup, and
+//!   shard under that shard's guard, appending to one answer (shards hold disjoint endpoints,
+//!   so merging is concatenation; the answer is sorted once). A writer then stalls only its own shard's part of a lookup, and
 //!   each part is whole batches of its endpoints' events. The price is the walk: a block held on
 //!   endpoints of two shards is looked up in two block tables, so a cold walk costs up to `n`
 //!   times the random reads (measured in `docs/benchmarks.md`). ([`SharedIndex::read`], for
@@ -193,7 +193,7 @@ impl SharedIndex {
     /// Each endpoint's longest cached prefix of `keys`, one shard's read guard at a time.
     /// (Reading the shards a writer holds last was measured: it changed nothing.)
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
-        merge(self.shards.iter().map(|s| s.read_soon().lookup(keys)))
+        lookup_in(self.shards.iter().map(Shard::read_soon), keys)
     }
 
     /// Counters for one endpoint.
@@ -230,7 +230,7 @@ impl IndexRead<'_> {
 
     /// Each endpoint's longest cached prefix of `keys`.
     pub fn lookup(&self, keys: &[RouterKey]) -> PrefixMatches {
-        merge(self.shards.iter().map(|s| s.lookup(keys)))
+        lookup_in(self.shards.iter().map(|s| &**s), keys)
     }
 
     /// Counters for one endpoint, if it is known.
@@ -337,22 +337,17 @@ impl Shard {
     }
 }
 
-/// One answer from the shards' answers (whose endpoints are disjoint), sorted as one index's.
-fn merge(parts: impl Iterator<Item = PrefixMatches>) -> PrefixMatches {
-    let mut merged = PrefixMatches::default();
-    let mut count = 0;
-    for part in parts {
-        count += 1;
-        if count == 1 {
-            merged = part;
-            continue;
-        }
-        merged.matches.extend(part.matches);
-        merged.tier_uncertain.extend(part.tier_uncertain);
+/// Each endpoint's longest cached prefix of `keys` in `shards` (disjoint endpoints), one shard
+/// after the other into one answer, sorted once.
+fn lookup_in(
+    shards: impl ExactSizeIterator<Item = impl std::ops::Deref<Target = KvIndex>>,
+    keys: &[RouterKey],
+) -> PrefixMatches {
+    let mut out = PrefixMatches::default();
+    let count = shards.len();
+    for (at, shard) in shards.enumerate() {
+        shard.lookup_into(keys, count - at, &mut out);
     }
-    if count > 1 {
-        merged.matches.sort_unstable_by_key(|m| m.endpoint);
-        merged.tier_uncertain.sort_unstable();
-    }
-    merged
+    out.sort();
+    out
 }

@@ -25,13 +25,15 @@
 //! Cold is measured twice. *All cold*: the lookup runs right after the flush, so its code, the
 //! index's own fields and the lock are cold too, as they would be in a router idle for long
 //! enough to lose them. *Data cold*: a one-block lookup of an absent key runs between the flush
-//! and the timed lookup, as another request would in a router serving traffic, so the code and the
-//! index's fixed parts are warm and only the request's blocks come from memory. A `1`-block
+//! and the timed lookup, as another request would in a router serving traffic, and the request's
+//! keys are read, as hashing its tokens just before the lookup leaves them, so the code, the
+//! index's fixed parts and the request are warm and only the index's blocks come from memory. A `1`-block
 //! lookup of an absent key is each shape's floor (`floor` rows, after the shape's first size):
 //! what any lookup costs.
 //!
 //! Run with `cargo bench -p kvroute-core --bench lookup_cold`; `KVROUTE_BENCH_QUICK=1` runs only
-//! 512 blocks × 64 endpoints.
+//! 512 blocks × 64 endpoints, `KVROUTE_BENCH_SHAPES=chat,inside` only those shapes, and
+//! `KVROUTE_BENCH_ROUNDS=N` times `N` lookups per row (200 by default).
 
 // A benchmark reads the clock (and /proc for memory): kvroute-core's purity rules
 // (crates/core/clippy.toml) are for the library, not for its measurements.
@@ -48,8 +50,10 @@ use fixtures::{
 };
 use kvroute_core::index::SharedIndex;
 use kvroute_core::keys::RouterKey;
+use kvroute_testkit::settings::{setting_at_least, setting_list};
 
-/// Timed lookups per configuration.
+/// Timed lookups per configuration, unless `KVROUTE_BENCH_ROUNDS` says otherwise (the p99 of
+/// 200 is the third-slowest lookup; more rounds steady it, each costing a flush of ~10 ms).
 const ROUNDS: usize = 200;
 /// Unshared entries besides the request's, so that the block table is production-sized.
 const BACKGROUND: usize = 1_000_000;
@@ -68,15 +72,17 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-/// [`ROUNDS`] timings of looking up `keys` in `index`, each right after writing `flush` (which
-/// evicts the caches) and, with `warm_up`, after looking that up untimed.
+/// `rounds` timings of looking up `keys` in `index`, each right after writing `flush` (which
+/// evicts the caches) and, with `warm_up`, after looking that up untimed and reading `keys`
+/// (a router hashes a request's keys from its tokens just before the lookup).
 fn timed_after_flush(
+    rounds: usize,
     flush: &mut [u8],
     index: &SharedIndex,
     keys: &[RouterKey],
     warm_up: Option<&[RouterKey]>,
 ) -> Vec<Duration> {
-    (0..ROUNDS)
+    (0..rounds)
         .map(|round| {
             for line in flush.chunks_mut(64) {
                 line[0] = line[0].wrapping_add(round as u8);
@@ -84,6 +90,7 @@ fn timed_after_flush(
             black_box(&mut *flush);
             if let Some(other) = warm_up {
                 black_box(index.lookup(black_box(other)));
+                black_box(keys.iter().fold(0u64, |acc, k| acc ^ k.0));
             }
             let start = Instant::now();
             black_box(index.lookup(black_box(keys)));
@@ -94,6 +101,7 @@ fn timed_after_flush(
 
 /// Times lookups of `keys` warm, all cold and data cold, and prints their row.
 fn report(
+    rounds: usize,
     shape: &str,
     endpoints: usize,
     shards: usize,
@@ -101,7 +109,7 @@ fn report(
     keys: &[RouterKey],
     flush: &mut [u8],
 ) {
-    let mut warm: Vec<Duration> = (0..ROUNDS)
+    let mut warm: Vec<Duration> = (0..rounds)
         .map(|_| {
             let start = Instant::now();
             black_box(index.lookup(black_box(keys)));
@@ -109,8 +117,8 @@ fn report(
         })
         .collect();
     let absent = [RouterKey::from_hash(0x5eed_0fab_5e17)];
-    let mut cold = timed_after_flush(flush, index, keys, None);
-    let mut data_cold = timed_after_flush(flush, index, keys, Some(&absent));
+    let mut cold = timed_after_flush(rounds, flush, index, keys, None);
+    let mut data_cold = timed_after_flush(rounds, flush, index, keys, Some(&absent));
     warm.sort_unstable();
     cold.sort_unstable();
     data_cold.sort_unstable();
@@ -132,8 +140,9 @@ fn report(
 }
 
 fn main() {
+    let rounds = setting_at_least("KVROUTE_BENCH_ROUNDS", ROUNDS as f64, 100.0) as usize;
     let mut flush = vec![0u8; FLUSH_BYTES];
-    println!("lookup with warm and cold caches ({ROUNDS} lookups each; microseconds)");
+    println!("lookup with warm and cold caches ({rounds} lookups each; microseconds)");
     println!(
         "{:>8} {:>7} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "shape",
@@ -170,15 +179,27 @@ fn main() {
         ("restored", restored_chat_index),
         ("no-order", unordered_chat_index),
     ];
+    let names: Vec<&str> = shapes.iter().map(|(name, _)| *name).collect();
+    let only = setting_list(
+        "KVROUTE_BENCH_SHAPES",
+        "",
+        &format!("shape names, comma-separated: {names:?}"),
+        |part| names.contains(&part).then(|| part.to_owned()),
+    );
     for (shape, build) in shapes {
+        if !only.is_empty() && !only.iter().any(|name| name == shape) {
+            continue;
+        }
         for &(blocks, endpoints) in sizes {
             for shards in [1usize, 2] {
                 let (index, keys) = build(endpoints, blocks, BACKGROUND, shards);
-                report(shape, endpoints, shards, &index, &keys, &mut flush);
+                report(rounds, shape, endpoints, shards, &index, &keys, &mut flush);
                 if blocks == sizes[0].0 && endpoints == sizes[0].1 {
                     // Two absent keys: the timed one is never the one that warmed up.
                     let floor = [RouterKey::from_hash(0x0f10_0a5e)];
-                    report("floor", endpoints, shards, &index, &floor, &mut flush);
+                    report(
+                        rounds, "floor", endpoints, shards, &index, &floor, &mut flush,
+                    );
                 }
             }
         }

@@ -16,9 +16,10 @@
 //! leaves the run with a plain word. Members leaving from either end keep the rest a chain (an
 //! endpoint storing the run's first blocks too; an engine evicting a chain from its tail); the
 //! run is *intact* while its members are every offset between its first and its last. Then a
-//! lookup that reads one member and confirms the last one at the matching position of its own
-//! keys knows every block in between without reading them: router keys are chained, so the
-//! same block at the last position means the same blocks all the way. A member leaving from
+//! lookup that reads one member and confirms a later one at the matching position of its own
+//! keys (the last, or where a search finds the request leaves the run) knows every block in
+//! between without reading them: router keys are chained, so the same block at a later position
+//! means the same blocks all the way. A member leaving from
 //! the middle breaks the run: it stays as the other members' holders until the last leaves.
 
 use hashbrown::HashTable;
@@ -157,7 +158,8 @@ pub(crate) struct IntactRun {
     /// Blocks from the member read to the run's last, both included.
     pub(crate) blocks: u32,
     /// The router key of the run's last member, when the run still ends at the block linked
-    /// last; else the lookup must confirm the last member by reading it ([`Self::last`]).
+    /// last; else the lookup confirms the last member by reading it ([`Self::last`], or
+    /// [`Self::member`] at any position).
     pub(crate) end: Option<u64>,
     /// The word of the run's last member.
     pub(crate) last: Holders,

@@ -9,9 +9,11 @@
 //! fleet-wide shared tier holds anything, each block also adds the endpoints mounting a mount
 //! that holds it (one hash lookup per block; none while the shared tier is empty).
 //!
-//! **Runs.** A block that is a member of an intact run (see [`super::holders`]) whose last
-//! block is the request's block at the matching position stands for the rest of the run: the
-//! walk counts those blocks at once and reads none of them. After a skip of a few blocks or more
+//! **Runs.** A block that is a member of an intact run (see [`super::holders`]) stands for the
+//! members after it as far as the request follows the run: to its last block when that is the
+//! request's block at the matching position (no read when the run's last key is known, else
+//! one), else up to where the request leaves the run or ends, found by a search of a few rounds
+//! of probes ([`run_reach`]). The walk counts those blocks at once without walking them. After a skip of a few blocks or more
 //! the next block is most likely another run's first, so the walk reads it alone; at the first
 //! block that starts no run it goes back to the pipeline below.
 
@@ -276,14 +278,14 @@ pub(super) fn append_longest_prefixes(
         })
         .collect();
     // One allocation for the answer (each touches the allocator's state, cold after a quiet
-    // spell).
+    // spell), sized at the first match: a lookup that matches nothing allocates nothing.
     let first = out.matches.len();
     let matches = &mut out.matches;
-    let active_count = active
+    let room = active
         .iter()
         .map(|w| w.count_ones() as usize)
-        .sum::<usize>();
-    matches.reserve(active_count * shards_left.max(1));
+        .sum::<usize>()
+        * shards_left.max(1);
     // Blocks every then-active endpoint held on the GPU.
     let mut uniform_gpu = 0u32;
     let mut mixed: Option<TierCounts> = None;
@@ -295,6 +297,9 @@ pub(super) fn append_longest_prefixes(
         if len > 0
             && let Some(endpoint) = index.slots[slot]
         {
+            if matches.len() == matches.capacity() {
+                matches.reserve(room);
+            }
             matches.push(PrefixMatch {
                 endpoint,
                 blocks: len,

@@ -13,9 +13,9 @@
 //! members after it as far as the request follows the run: to its last block when that is the
 //! request's block at the matching position (no read when the run's last key is known, else
 //! one), else up to where the request leaves the run or ends, found by a search of a few rounds
-//! of probes ([`run_reach`]). The walk counts those blocks at once without walking them. After a skip of a few blocks or more
-//! the next block is most likely another run's first, so the walk reads it alone; at the first
-//! block that starts no run it goes back to the pipeline below.
+//! of probes ([`run_reach`]). The walk counts those blocks at once without walking them. After
+//! a skip of a few blocks or more the next block is most likely another run's first, so the walk
+//! reads it alone; at the first block that starts no run it goes back to the pipeline below.
 
 use serde::Serialize;
 use smallvec::SmallVec;

@@ -51,7 +51,7 @@ use fixtures::{
 };
 use kvroute_core::index::SharedIndex;
 use kvroute_core::keys::RouterKey;
-use kvroute_testkit::settings::{setting_at_least, setting_list};
+use kvroute_testkit::settings::{refuse, setting, setting_list};
 
 /// Timed lookups per configuration, unless `KVROUTE_BENCH_ROUNDS` says otherwise (the p99 of
 /// 200 is the third-slowest lookup; more rounds steady it, each costing a flush of ~10 ms).
@@ -142,7 +142,14 @@ fn report(
 }
 
 fn main() {
-    let rounds = setting_at_least("KVROUTE_BENCH_ROUNDS", ROUNDS as f64, 100.0) as usize;
+    let rounds: usize = setting("KVROUTE_BENCH_ROUNDS", ROUNDS);
+    if rounds < 100 {
+        refuse(
+            "KVROUTE_BENCH_ROUNDS",
+            &rounds.to_string(),
+            "at least 100 lookups",
+        );
+    }
     let mut flush = vec![0u8; FLUSH_BYTES];
     println!("lookup with warm and cold caches ({rounds} lookups each; microseconds)");
     println!(

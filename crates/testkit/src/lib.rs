@@ -316,7 +316,7 @@ static PICKS: std::sync::Mutex<(u64, std::collections::VecDeque<u16>)> =
 /// Below the ephemeral range (from [`LOWEST_PICKED_PORT`]), else above it; where neither leaves
 /// room for a few thousand picks (a host that gave nearly every port to the ephemeral range),
 /// the ephemeral range itself, and the guarantee is lost.
-pub fn pickable_ports(n: u16) -> (std::ops::Range<u16>, bool) {
+fn pickable_ports(n: u16) -> (std::ops::Range<u16>, bool) {
     let (ephemeral_low, ephemeral_high) =
         std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .ok()

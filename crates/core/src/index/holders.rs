@@ -19,8 +19,8 @@
 //! lookup that reads one member and confirms a later one at the matching position of its own
 //! keys (the last, or where a search finds the request leaves the run) knows every block in
 //! between without reading them: router keys are chained, so the same block at a later position
-//! means the same blocks all the way. A member leaving from
-//! the middle breaks the run: it stays as the other members' holders until the last leaves.
+//! means the same blocks all the way. A member leaving from the middle breaks the run: it stays
+//! as the other members' holders until the last leaves.
 
 use hashbrown::HashTable;
 
@@ -163,6 +163,10 @@ pub(crate) struct IntactRun {
     pub(crate) end: Option<u64>,
     /// The word of the run's last member.
     pub(crate) last: Holders,
+    /// The run.
+    run: usize,
+    /// The offset in the run of the member read.
+    offset: u32,
 }
 
 impl IntactRun {
@@ -170,11 +174,7 @@ impl IntactRun {
     /// at that position of a request is this member exactly when its word is this one.
     pub(crate) fn member(&self, ahead: u32) -> Holders {
         debug_assert!(ahead < self.blocks);
-        let (run, last) = self
-            .last
-            .run_position()
-            .expect("an intact run's last word names the run");
-        Holders::of_run(run, last - (self.blocks - 1 - ahead))
+        Holders::of_run(self.run, self.offset + ahead)
     }
 }
 
@@ -315,6 +315,8 @@ impl WideHolders {
             blocks: run.last_end - holders.offset(),
             end: (run.last_end == run.len).then_some(run.end),
             last: Holders::of_run(id, run.last_end - 1),
+            run: id,
+            offset: holders.offset(),
         })
     }
 

@@ -4,9 +4,9 @@
 //! An event stores a chain: its blocks in order, each the child of the one before, the first
 //! the child of the event's parent. As each block is stored, [`RunChain::push`] links it to the
 //! block before it when both end up with the same holders: into the run that block ends, or
-//! into a new run of the two ([`RunChain::link_pair`]). A chain continuing an intact run (the next event of the same
-//! prefill, or a decode's next block) extends it, so a conversation's blocks on one endpoint
-//! make one run however many events stored them.
+//! into a new run of the two ([`RunChain::link_pair`]). A chain continuing an intact run (the
+//! next event of the same prefill, or a decode's next block) extends it, so a conversation's
+//! blocks on one endpoint make one run however many events stored them.
 //!
 //! # Decisions
 //! - **Only stores with tokens link runs, and restores of them.** Their blocks are a chain by

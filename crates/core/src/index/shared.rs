@@ -8,11 +8,12 @@
 //!   cross-shard ordering is needed. Writers on different shards never wait for each other.
 //! - **A lookup holds one shard's read guard at a time**, never a global lock: it walks each
 //!   shard under that shard's guard, appending to one answer (shards hold disjoint endpoints,
-//!   so merging is concatenation; the answer is sorted once). A writer then stalls only its own shard's part of a lookup, and
-//!   each part is whole batches of its endpoints' events. The price is the walk: a block held on
-//!   endpoints of two shards is looked up in two block tables, so a cold walk costs up to `n`
-//!   times the random reads (measured in `docs/benchmarks.md`). ([`SharedIndex::read`], for
-//!   diagnostics, holds every shard's guard at once.)
+//!   so merging is concatenation; the answer is sorted once). A writer then stalls only its own
+//!   shard's part of a lookup, and each part is whole batches of its endpoints' events. The
+//!   price is the walk: a block held on endpoints of two shards is looked up in two block
+//!   tables, so a cold walk costs up to `n` times the random reads (measured in
+//!   `docs/benchmarks.md`). ([`SharedIndex::read`], for diagnostics, holds every shard's guard
+//!   at once.)
 //! - **Each endpoint's GPU block count is published** after every write to its shard (and for
 //!   the endpoints the capacity bound evicted from), readable without any shard's lock: a plan
 //!   reads its candidates' fill there, never waiting for a writer under the fleet's lock.

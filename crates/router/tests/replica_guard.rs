@@ -6,14 +6,12 @@
 mod common;
 mod replicas_common;
 
-use std::sync::Arc;
-
 use common::eventually_async;
 use kvroute_router::config::ReplicasConfig;
 use kvroute_router::server::RunningRouter;
 use kvroute_testkit::{free_ports, sample};
 use replicas_common::{
-    admin_json, complete, config, explain, fleet, replica, replicas, until_ready,
+    admin_json, complete, config, explain, fleet, replica, replicas, snapshot_peer, until_ready,
 };
 use serde_json::Value;
 
@@ -35,22 +33,6 @@ async fn indexed(client: &reqwest::Client, router: &RunningRouter, prompt: &str)
         .as_u64()
         .unwrap_or(0);
     (held, blocks)
-}
-
-/// A peer's admin listener that answers `GET /kvroute/v1/snapshot` with `snapshot`; its URL.
-async fn snapshot_peer(snapshot: Value) -> String {
-    let snapshot = Arc::new(snapshot);
-    let app = axum::Router::new().route(
-        "/kvroute/v1/snapshot",
-        axum::routing::get(move || {
-            let snapshot = snapshot.clone();
-            async move { axum::Json((*snapshot).clone()) }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
 }
 
 /// A real replica's snapshot of a prompt one engine cached is moved, by URL, onto another
@@ -80,7 +62,7 @@ async fn a_snapshot_keyed_with_another_block_size_is_refused() {
     // Resume the other engine's events from the start of its replay buffer.
     entry["seq"] = Value::Null;
 
-    let alike = snapshot_peer(snapshot.clone()).await;
+    let alike = snapshot_peer(snapshot.clone()).await.0;
     let restored = replica(config(
         &unseen,
         0,
@@ -94,7 +76,7 @@ async fn a_snapshot_keyed_with_another_block_size_is_refused() {
     assert_eq!(held, blocks, "the snapshot's blocks are restored");
 
     snapshot["endpoints"][0]["block_size"] = Value::from(32);
-    let larger = snapshot_peer(snapshot).await;
+    let larger = snapshot_peer(snapshot).await.0;
     let refusing = replica(config(&unseen, 0, replicas(&[larger], 10.0, false))).await;
     until_ready(&client, &refusing).await;
     assert_eq!(

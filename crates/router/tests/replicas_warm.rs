@@ -15,7 +15,8 @@ use kvroute_router::server::RunningRouter;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::{free_ports, patience};
 use replicas_common::{
-    admin_json, complete, config, explain, fleet, replica, replicas, status, until_ready,
+    admin_json, complete, config, explain, fleet, replica, replicas, snapshot_peer, status,
+    until_ready,
 };
 use serde_json::{Value, json};
 
@@ -78,33 +79,71 @@ async fn small_replay_fleet() -> kvroute_sim::server::SimFleet {
     fleet(2, 4, Faults::default()).await
 }
 
+/// A replica over `fleet` whose only peer is not there (it warms up from the engines, nothing
+/// published yet), and 12 prompts sent through it, each indexed on the engine that served it:
+/// the replica, and each prompt with that engine.
+async fn replica_with_traffic(
+    client: &reqwest::Client,
+    fleet: &kvroute_sim::server::SimFleet,
+) -> (RunningRouter, Vec<(String, String)>) {
+    let dead = replicas(&[format!("http://{}", dead_address())], 10.0, true);
+    let a = replica(config(fleet, 0, dead)).await;
+    until_ready(client, &a).await;
+    let warm = admin_json(client, &a, "/kvroute/v1/replica").await;
+    assert_eq!(warm["state"], "warm", "{warm}");
+    assert_eq!(warm["peer"], Value::Null, "{warm}");
+    let mut served = Vec::new();
+    for i in 0..12 {
+        let p = prompt(i);
+        let endpoint = complete(client, &a, &p).await;
+        served.push((p, endpoint));
+    }
+    until_indexed(client, &a, &served).await;
+    (a, served)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
     let fleet = small_replay_fleet().await;
     let client = reqwest::Client::new();
     // A names a peer that is not there: it warms up from the engines (nothing published yet).
-    let dead = replicas(&[format!("http://{}", dead_address())], 10.0, true);
-    let a = replica(config(&fleet, 0, dead)).await;
-    until_ready(&client, &a).await;
-    let warm = admin_json(&client, &a, "/kvroute/v1/replica").await;
-    assert_eq!(warm["state"], "warm", "{warm}");
-    assert_eq!(warm["peer"], Value::Null, "{warm}");
-
-    // Traffic through A: each prompt's blocks cached on the engine that served it.
-    let mut served = Vec::new();
-    for i in 0..12 {
-        let p = prompt(i);
-        let endpoint = complete(&client, &a, &p).await;
-        served.push((p, endpoint));
-    }
-    until_indexed(&client, &a, &served).await;
+    let (a, served) = replica_with_traffic(&client, &fleet).await;
     let mut a_index = Vec::new();
     for (p, _) in &served {
         a_index.push(matched(&client, &a, p).await);
     }
 
-    // B starts beside A, naming A's admin listener as its peer.
+    // A answers a peer for one endpoint at a time (a fleet's whole index does not fit one
+    // answer): each endpoint's snapshot holds it alone, all the blocks of the whole snapshot's.
     let peer = format!("http://{}", a.admin_addr);
+    let snapshot = |query: Vec<(&'static str, String)>| {
+        let query = serde_urlencoded::to_string(&query).unwrap();
+        let request = client.get(format!("{peer}/kvroute/v1/snapshot?{query}"));
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let whole = snapshot(vec![]).await;
+    assert_eq!(whole["endpoints"].as_array().unwrap().len(), 2, "{whole}");
+    let mut held = 0;
+    for (at, engine) in fleet.endpoints.iter().enumerate() {
+        let one = snapshot(vec![("endpoint", engine.url.clone())]).await;
+        let entries = one["endpoints"].as_array().unwrap();
+        assert_eq!(entries.len(), 1, "{one}");
+        assert_eq!(entries[0]["url"], engine.url.as_str());
+        let blocks = |entry: &Value| entry["blocks"].as_array().unwrap().len();
+        let in_whole = whole["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["url"] == engine.url.as_str())
+            .map(blocks);
+        assert_eq!(Some(blocks(&entries[0])), in_whole, "endpoint {at}");
+        held += blocks(&entries[0]);
+    }
+    assert!(held > 0, "the traffic's blocks are in the snapshots");
+    let unknown = snapshot(vec![("endpoint", "http://elsewhere:8000".into())]).await;
+    assert_eq!(unknown["endpoints"], json!([]), "{unknown}");
+
+    // B starts beside A, naming A's admin listener as its peer.
     let b = replica(config(
         &fleet,
         0,
@@ -131,6 +170,36 @@ async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
     let p = prompt(100);
     let endpoint = complete(&client, &a, &p).await;
     until_indexed(&client, &b, &[(p, endpoint)]).await;
+}
+
+/// A peer of an earlier version ignores `?endpoint=` and answers with every endpoint: the
+/// starting replica applies that one answer to all its endpoints and asks nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_answering_with_every_endpoint_warms_a_replica_in_one_answer() {
+    let fleet = small_replay_fleet().await;
+    let client = reqwest::Client::new();
+    let (a, served) = replica_with_traffic(&client, &fleet).await;
+    let whole = admin_json(&client, &a, "/kvroute/v1/snapshot").await;
+    assert_eq!(whole["endpoints"].as_array().unwrap().len(), 2, "{whole}");
+
+    let (old_peer, asked) = snapshot_peer(whole).await;
+    let b = replica(config(
+        &fleet,
+        0,
+        replicas(std::slice::from_ref(&old_peer), 10.0, true),
+    ))
+    .await;
+    until_ready(&client, &b).await;
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 1);
+    for (p, _) in &served {
+        assert_eq!(
+            matched(&client, &b, p).await,
+            matched(&client, &a, p).await,
+            "{p}"
+        );
+    }
+    let warm = admin_json(&client, &b, "/kvroute/v1/replica").await;
+    assert_eq!(warm["peer"], old_peer.as_str(), "{warm}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,9 +2,10 @@
 //! KV events; a starting one copies a running peer's index before it reports ready.
 //!
 //! Warm start, in order (see [`warm`]):
-//! 1. ask each peer in `replicas.peers` for a snapshot (`GET /kvroute/v1/snapshot` on its
-//!    admin listener): per endpoint, the blocks its index holds (engine hash, router key, tiers)
-//!    and the sequence number of the last engine batch they reflect;
+//! 1. ask the peers in `replicas.peers`, in turn, for a snapshot of each endpoint (`GET
+//!    /kvroute/v1/snapshot?endpoint=URL` on their admin listener, one endpoint per answer): the
+//!    blocks its index holds (engine hash, router key, tiers) and the sequence number of the
+//!    last engine batch they reflect;
 //! 2. apply it, then subscribe to each engine resuming after that sequence: the engine's replay
 //!    buffer fills the few batches published since, so nothing is lost or applied twice;
 //! 3. report ready (`/health` on the API listener) once every subscriber caught up; after

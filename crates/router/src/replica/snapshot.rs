@@ -1,11 +1,17 @@
 //! A replica's KV index as a snapshot a peer can apply: `GET /kvroute/v1/snapshot` on the admin
 //! listener answers it, and a starting replica fetches and applies it.
+//!
+//! A starting replica asks for one endpoint at a time (`?endpoint=URL`), so that neither side
+//! holds more than one endpoint's blocks at once: a whole fleet's index (1,000 endpoints ×
+//! 100k blocks is 100M entries, several GB as JSON) does not fit one answer. Without the query
+//! the answer is every endpoint, as peers of earlier versions give it whatever is asked; the
+//! starting replica applies every endpoint an answer holds, so such a peer warms it in one
+//! answer, as before.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -17,8 +23,16 @@ use serde::{Deserialize, Serialize};
 use crate::reply::error_response;
 use crate::service::Router;
 
-/// Largest snapshot read from a peer.
+/// Largest snapshot answer read from a peer: one endpoint's blocks (100k blocks are about
+/// 10 MB), or a small fleet's from a peer that answers with every endpoint.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
+
+/// The query of `GET /kvroute/v1/snapshot`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SnapshotQuery {
+    /// Only this endpoint (by URL); every endpoint when absent.
+    pub endpoint: Option<String>,
+}
 
 /// Every endpoint's index, as a starting peer restores it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -48,16 +62,16 @@ pub struct EndpointSnapshot {
     pub blocks: Vec<HeldEntry>,
 }
 
-/// Builds the snapshot of every endpoint with events, each under its ingest lock (so that its
-/// index and sequence agree: no batch is applied meanwhile). `None` when this replica keeps no
-/// journal.
-pub fn build(router: &Router) -> Option<Snapshot> {
+/// Builds the snapshot of every endpoint with events, or only of the one whose URL is `only`,
+/// each under its ingest lock (so that its index and sequence agree: no batch is applied
+/// meanwhile). `None` when this replica keeps no journal.
+pub fn build(router: &Router, only: Option<&str>) -> Option<Snapshot> {
     if !router.replica().keeps_journal() {
         return None;
     }
     let mut snapshot = Snapshot::default();
     for e in router.endpoints() {
-        if e.config.events.is_none() {
+        if e.config.events.is_none() || only.is_some_and(|url| url != e.config.url) {
             continue;
         }
         let _ingest = e.ingest.lock();
@@ -90,9 +104,14 @@ pub fn build(router: &Router) -> Option<Snapshot> {
     Some(snapshot)
 }
 
-/// `GET /kvroute/v1/snapshot`: this replica's index for a starting peer (404 when it keeps
-/// none, 503 while it is warming up itself, 409 to itself).
-pub async fn snapshot(State(router): State<Arc<Router>>, headers: http::HeaderMap) -> Response {
+/// `GET /kvroute/v1/snapshot[?endpoint=URL]`: this replica's index for a starting peer, every
+/// endpoint or the one named (none when it has no such endpoint with events); 404 when it keeps
+/// none, 503 while it is warming up itself, 409 to itself.
+pub async fn snapshot(
+    State(router): State<Arc<Router>>,
+    Query(query): Query<SnapshotQuery>,
+    headers: http::HeaderMap,
+) -> Response {
     if super::share::own_message(&router, &headers) {
         return super::share::own_message_refused(&router);
     }
@@ -102,7 +121,7 @@ pub async fn snapshot(State(router): State<Arc<Router>>, headers: http::HeaderMa
             &ApiError::unavailable("this replica is warming up itself"),
         );
     }
-    let Some(snapshot) = build(&router) else {
+    let Some(snapshot) = build(&router, query.endpoint.as_deref()) else {
         return error_response(
             &router,
             &ApiError::not_found("this replica keeps no snapshot: replicas.peers is empty"),
@@ -114,14 +133,20 @@ pub async fn snapshot(State(router): State<Arc<Router>>, headers: http::HeaderMa
     }
 }
 
-/// Fetches a peer's snapshot within `timeout`.
+/// Fetches a peer's snapshot of the endpoint whose URL is `endpoint` within `timeout` (a peer
+/// of an earlier version answers with every endpoint).
 pub(crate) async fn fetch(
     router: &Router,
     peer: &str,
+    endpoint: &str,
     timeout: Duration,
 ) -> Result<Snapshot, String> {
+    let query = serde_urlencoded::to_string(SnapshotQuery {
+        endpoint: Some(endpoint.to_owned()),
+    })
+    .map_err(|e| e.to_string())?;
     let mut request = http::Request::get(format!(
-        "{}/kvroute/v1/snapshot",
+        "{}/kvroute/v1/snapshot?{query}",
         peer.trim_end_matches('/')
     ));
     if let Some(token) = &router.config().admin.token {
@@ -167,12 +192,16 @@ pub(crate) async fn fetch(
 /// blocks, restored by core in one step ([`Fleet::restore_endpoint`]). An endpoint whose keys
 /// the peer made with another layout (block size) is refused, logged and counted
 /// (`kvroute_replica_snapshot_refused_total`), and rebuilt from its engine's replay buffer like
-/// an endpoint the peer did not send. Returns the sequence each restored endpoint's subscriber
-/// resumes after.
+/// an endpoint the peer did not send. Returns each endpoint of this replica the snapshot named,
+/// with the sequence its subscriber resumes after when it was restored at one.
 ///
 /// [`Fleet::restore_endpoint`]: kvroute_core::fleet::Fleet::restore_endpoint
-pub(crate) fn apply(router: &Router, peer: &str, snapshot: &Snapshot) -> HashMap<EndpointId, u64> {
-    let mut resume = HashMap::new();
+pub(crate) fn apply(
+    router: &Router,
+    peer: &str,
+    snapshot: &Snapshot,
+) -> Vec<(EndpointId, Option<u64>)> {
+    let mut named = Vec::new();
     let endpoints = router.endpoints();
     for entry in &snapshot.endpoints {
         let Some(e) = endpoints
@@ -181,40 +210,48 @@ pub(crate) fn apply(router: &Router, peer: &str, snapshot: &Snapshot) -> HashMap
         else {
             continue;
         };
-        let restore = EndpointRestore {
-            layout: entry.layout,
-            blocks: entry.blocks.iter().copied(),
-            trusted: entry.trusted,
-            tier_uncertain: entry.tier_uncertain,
-        };
-        let _ingest = e.ingest.lock();
-        let now = router.now();
-        let mut fleet = router.fleet();
-        match fleet.restore_endpoint(e.id, restore, now) {
-            Ok(Some(_)) => {}
-            Ok(None) => continue,
-            Err(why) => {
-                drop(fleet);
-                let field = match why {
-                    kvroute_core::CoreError::KeyLayoutMismatch { field, .. } => field,
-                    _ => "other",
-                };
-                router
-                    .metrics()
-                    .replica_snapshot_refused
-                    .get_or_create(&crate::metrics::KindLabel { kind: field })
-                    .inc();
-                tracing::warn!(%peer, endpoint = %e.name, error = %why, "refused a peer's snapshot of this endpoint: its keys were made otherwise (replicas configured differently); rebuilding it from the engine's replay buffer");
-                continue;
-            }
-        }
-        if let (Some(mut journal), Some(seq)) = (router.replica().journal(), entry.seq) {
-            journal.apply(e.id, seq);
-        }
-        drop(fleet);
-        if let Some(seq) = entry.seq {
-            resume.insert(e.id, seq);
+        named.push((e.id, restore(router, peer, e, entry)));
+    }
+    named
+}
+
+/// Restores `entry` onto `e`; the sequence its subscriber resumes after, when it was restored
+/// at one.
+fn restore(
+    router: &Router,
+    peer: &str,
+    e: &crate::endpoint::Endpoint,
+    entry: &EndpointSnapshot,
+) -> Option<u64> {
+    let restore = EndpointRestore {
+        layout: entry.layout,
+        blocks: entry.blocks.iter().copied(),
+        trusted: entry.trusted,
+        tier_uncertain: entry.tier_uncertain,
+    };
+    let _ingest = e.ingest.lock();
+    let now = router.now();
+    let mut fleet = router.fleet();
+    match fleet.restore_endpoint(e.id, restore, now) {
+        Ok(Some(_)) => {}
+        Ok(None) => return None,
+        Err(why) => {
+            drop(fleet);
+            let field = match why {
+                kvroute_core::CoreError::KeyLayoutMismatch { field, .. } => field,
+                _ => "other",
+            };
+            router
+                .metrics()
+                .replica_snapshot_refused
+                .get_or_create(&crate::metrics::KindLabel { kind: field })
+                .inc();
+            tracing::warn!(%peer, endpoint = %e.name, error = %why, "refused a peer's snapshot of this endpoint: its keys were made otherwise (replicas configured differently); rebuilding it from the engine's replay buffer");
+            return None;
         }
     }
-    resume
+    if let (Some(mut journal), Some(seq)) = (router.replica().journal(), entry.seq) {
+        journal.apply(e.id, seq);
+    }
+    entry.seq
 }

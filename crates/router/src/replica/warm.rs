@@ -3,6 +3,7 @@
 //! the endpoints not caught up untrusted (logged, and visible in
 //! `kvroute_endpoint_index_trusted` and `GET /kvroute/v1/replica`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::snapshot;
+use crate::endpoint::Endpoint;
 use crate::replica_state::WarmStatus;
 use crate::service::Router;
 
@@ -40,7 +42,7 @@ pub(crate) fn spawn(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
 }
 
 /// Subscribes every present endpoint that has events and no subscriber yet.
-fn subscribe_all(router: &Arc<Router>, resume: &std::collections::HashMap<EndpointId, u64>) {
+fn subscribe_all(router: &Arc<Router>, resume: &HashMap<EndpointId, u64>) {
     for e in router.endpoints() {
         let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
         if present {
@@ -52,8 +54,6 @@ fn subscribe_all(router: &Arc<Router>, resume: &std::collections::HashMap<Endpoi
 async fn warm_up(router: Arc<Router>) {
     let started = Instant::now();
     let timeout = Duration::from_secs_f64(router.config().replicas.warm_timeout_s);
-    let mut resume = std::collections::HashMap::new();
-    let mut from = None;
     // Peers found in Kubernetes are known after the first list of the router's pods.
     if tokio::time::timeout(timeout, router.replica().peers_known())
         .await
@@ -63,24 +63,7 @@ async fn warm_up(router: Arc<Router>) {
             "no list of the router's pods within replicas.warm_timeout_s: warming up without peers"
         );
     }
-    for peer in router.replica().peers().iter() {
-        let left = timeout.saturating_sub(started.elapsed());
-        match snapshot::fetch(&router, peer, left).await {
-            Ok(snapshot) => {
-                resume = snapshot::apply(&router, peer, &snapshot);
-                let blocks: usize = snapshot.endpoints.iter().map(|e| e.blocks.len()).sum();
-                info!(%peer, endpoints = snapshot.endpoints.len(), blocks, "applied a peer's index snapshot");
-                from = Some(peer.clone());
-                break;
-            }
-            Err(why) => {
-                warn!(%peer, %why, "no index snapshot from this peer");
-            }
-        }
-    }
-    if from.is_none() {
-        info!("no peer snapshot: rebuilding the index from the engines' replay buffers");
-    }
+    let (resume, from) = copy_from_peers(&router, started, timeout).await;
     subscribe_all(&router, &resume);
     loop {
         let behind = not_caught_up(&router);
@@ -120,13 +103,78 @@ async fn warm_up(router: Arc<Router>) {
     subscribe_all(&router, &resume);
 }
 
-/// Present endpoints with events whose subscriber has not caught up (id and name).
-fn not_caught_up(router: &Router) -> Vec<(EndpointId, String)> {
+/// Copies each endpoint's index from the first peer that answers for it, one endpoint per
+/// answer, within `timeout` of `started`: the sequence each restored endpoint's subscriber
+/// resumes after, and the first peer that answered.
+async fn copy_from_peers(
+    router: &Router,
+    started: Instant,
+    timeout: Duration,
+) -> (HashMap<EndpointId, u64>, Option<String>) {
+    let mut resume = HashMap::new();
+    let mut from = None;
+    let mut pending: Vec<(EndpointId, String)> = with_events(router)
+        .map(|e| (e.id, e.config.url.clone()))
+        .collect();
+    let (mut endpoints, mut blocks) = (0, 0);
+    // Whether a peer answered with every endpoint it has.
+    let mut whole = false;
+    for peer in router.replica().peers().iter() {
+        // One endpoint per answer, for as long as this peer answers; the rest from the next.
+        while let Some((asked, url)) = pending.first().cloned() {
+            let left = timeout.saturating_sub(started.elapsed());
+            let snapshot = match snapshot::fetch(router, peer, &url, left).await {
+                Ok(snapshot) => snapshot,
+                Err(why) => {
+                    warn!(%peer, endpoint = %url, %why, "no index snapshot from this peer");
+                    break;
+                }
+            };
+            blocks += snapshot
+                .endpoints
+                .iter()
+                .map(|e| e.blocks.len())
+                .sum::<usize>();
+            let named = snapshot::apply(router, peer, &snapshot);
+            endpoints += named.len();
+            resume.extend(
+                named
+                    .iter()
+                    .filter_map(|(id, seq)| seq.map(|seq| (*id, seq))),
+            );
+            from.get_or_insert_with(|| peer.clone());
+            if snapshot.endpoints.iter().any(|e| e.url != url) {
+                // A peer of an earlier version answers with every endpoint: all it has is
+                // applied, the rest is rebuilt from the engines.
+                whole = true;
+                break;
+            }
+            // A peer without it has nothing for it: rebuilt from its engine.
+            pending.retain(|(id, _)| *id != asked);
+        }
+        if pending.is_empty() || whole {
+            break;
+        }
+    }
+    match &from {
+        Some(peer) => info!(%peer, endpoints, blocks, "applied peers' index snapshots"),
+        None => info!("no peer snapshot: rebuilding the index from the engines' replay buffers"),
+    }
+    (resume, from)
+}
+
+/// Present endpoints with events: those a peer's snapshot can restore.
+fn with_events(router: &Router) -> impl Iterator<Item = Arc<Endpoint>> + '_ {
     router
         .endpoints()
         .into_iter()
         .filter(|e| e.config.events.is_some())
         .filter(|e| router.fleet().endpoint(e.id).is_some_and(|s| s.present()))
+}
+
+/// Present endpoints with events whose subscriber has not caught up (id and name).
+fn not_caught_up(router: &Router) -> Vec<(EndpointId, String)> {
+    with_events(router)
         .filter(|e| {
             !e.subscriber
                 .lock()

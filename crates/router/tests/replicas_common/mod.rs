@@ -6,6 +6,7 @@
 #![allow(clippy::disallowed_methods)]
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_router::config::{ReplicasConfig, RouterConfig};
@@ -116,4 +117,25 @@ pub async fn complete(client: &reqwest::Client, router: &RunningRouter, prompt: 
         .to_str()
         .unwrap()
         .to_owned()
+}
+
+/// A peer's admin listener that answers every `GET /kvroute/v1/snapshot`, whatever its query,
+/// with `snapshot` (as a peer of an earlier version answers with every endpoint): its URL, and
+/// the count of snapshots it answered.
+pub async fn snapshot_peer(snapshot: Value) -> (String, std::sync::Arc<AtomicUsize>) {
+    let snapshot = std::sync::Arc::new(snapshot);
+    let asked = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = asked.clone();
+    let app = axum::Router::new().route(
+        "/kvroute/v1/snapshot",
+        axum::routing::get(move || {
+            let snapshot = snapshot.clone();
+            counter.fetch_add(1, Ordering::Relaxed);
+            async move { axum::Json((*snapshot).clone()) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), asked)
 }

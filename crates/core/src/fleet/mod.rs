@@ -743,10 +743,6 @@ impl Fleet {
         }
     }
 
-    /// Of the `predicted` cached tokens of `request` on `endpoint`, those still cached when the
-    /// engine admits it: the queue ahead may evict the rest first (see
-    /// [`cost::survival`](crate::schedule::cost::survival)), except the blocks of requests just
-    /// sent there, which those use first.
     /// The blocks of `request`'s prompt the predicted overlay says were just sent to `endpoint`
     /// (not expired at `now`).
     fn overlay_blocks(&self, request: &RequestFeatures<'_>, endpoint: EndpointId, now: f64) -> u32 {
@@ -757,6 +753,10 @@ impl Fleet {
             .map_or(0, |(_, blocks)| *blocks)
     }
 
+    /// Of the `predicted` cached tokens of `request` on `endpoint`, those still cached when the
+    /// engine admits it: the queue ahead may evict the rest first (see
+    /// [`cost::survival`](crate::schedule::cost::survival)), except the blocks of requests just
+    /// sent there, which those use first.
     fn expected_cached(
         &self,
         predicted: usize,

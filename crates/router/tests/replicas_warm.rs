@@ -11,12 +11,13 @@ mod replicas_common;
 
 use std::time::{Duration, Instant};
 
+use axum::http::StatusCode;
 use kvroute_router::server::RunningRouter;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::{free_ports, patience};
 use replicas_common::{
-    admin_json, complete, config, explain, fleet, replica, replicas, snapshot_peer, status,
-    until_ready,
+    admin_json, answering_peer, complete, config, explain, fleet, replica, replicas, snapshot_peer,
+    status, until_ready,
 };
 use serde_json::{Value, json};
 
@@ -172,6 +173,25 @@ async fn a_new_replica_copies_a_running_ones_index_before_it_reports_ready() {
     until_indexed(&client, &b, &[(p, endpoint)]).await;
 }
 
+/// Replica `b`'s index matches `a`'s for every prompt served, and `b` says it warmed up from
+/// `peer`.
+async fn same_index_from(
+    client: &reqwest::Client,
+    (a, b): (&RunningRouter, &RunningRouter),
+    served: &[(String, String)],
+    peer: &str,
+) {
+    for (p, _) in served {
+        assert_eq!(
+            matched(client, b, p).await,
+            matched(client, a, p).await,
+            "{p}"
+        );
+    }
+    let warm = admin_json(client, b, "/kvroute/v1/replica").await;
+    assert_eq!(warm["peer"], peer, "{warm}");
+}
+
 /// A peer of an earlier version ignores `?endpoint=` and answers with every endpoint: the
 /// starting replica applies that one answer to all its endpoints and asks nothing more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,16 +210,36 @@ async fn a_peer_answering_with_every_endpoint_warms_a_replica_in_one_answer() {
     ))
     .await;
     until_ready(&client, &b).await;
-    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 1);
-    for (p, _) in &served {
-        assert_eq!(
-            matched(&client, &b, p).await,
-            matched(&client, &a, p).await,
-            "{p}"
-        );
-    }
-    let warm = admin_json(&client, &b, "/kvroute/v1/replica").await;
-    assert_eq!(warm["peer"], old_peer.as_str(), "{warm}");
+    // Asked once, for the first endpoint by URL.
+    let asked = asked.lock().unwrap().clone();
+    let first = serde_urlencoded::to_string([("endpoint", &fleet.endpoints[0].url)]).unwrap();
+    assert_eq!(asked, [first]);
+    same_index_from(&client, (&a, &b), &served, &old_peer).await;
+}
+
+/// A peer that refuses (503: warming up itself) is asked once, not once per endpoint, and every
+/// endpoint is copied from the next peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_peer_is_asked_once_and_the_next_one_answers_for_every_endpoint() {
+    let fleet = small_replay_fleet().await;
+    let client = reqwest::Client::new();
+    let (a, served) = replica_with_traffic(&client, &fleet).await;
+    let (refusing, asked) = answering_peer(
+        StatusCode::SERVICE_UNAVAILABLE,
+        json!({"error": {"message": "warming up"}}),
+    )
+    .await;
+    let peer = format!("http://{}", a.admin_addr);
+    let b = replica(config(
+        &fleet,
+        0,
+        replicas(&[refusing, peer.clone()], 10.0, true),
+    ))
+    .await;
+    until_ready(&client, &b).await;
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    same_index_from(&client, (&a, &b), &served, &peer).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

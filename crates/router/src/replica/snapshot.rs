@@ -24,7 +24,7 @@ use crate::reply::error_response;
 use crate::service::Router;
 
 /// Largest snapshot answer read from a peer: one endpoint's blocks (100k blocks are about
-/// 10 MB), or a small fleet's from a peer that answers with every endpoint.
+/// 6.5 MB), or a small fleet's from a peer that answers with every endpoint.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
 
 /// The query of `GET /kvroute/v1/snapshot`.
@@ -133,6 +133,24 @@ pub async fn snapshot(
     }
 }
 
+/// Why a peer's snapshot was not had.
+#[derive(Debug)]
+pub(crate) enum FetchError {
+    /// The peer as a whole did not answer (unreachable, refusing, too slow, itself): not worth
+    /// asking for other endpoints.
+    Peer(String),
+    /// This answer could not be used (too large, not a snapshot): another peer may do better.
+    Answer(String),
+}
+
+impl std::fmt::Display for FetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Peer(why) | Self::Answer(why) => f.write_str(why),
+        }
+    }
+}
+
 /// Fetches a peer's snapshot of the endpoint whose URL is `endpoint` within `timeout` (a peer
 /// of an earlier version answers with every endpoint).
 pub(crate) async fn fetch(
@@ -140,11 +158,11 @@ pub(crate) async fn fetch(
     peer: &str,
     endpoint: &str,
     timeout: Duration,
-) -> Result<Snapshot, String> {
+) -> Result<Snapshot, FetchError> {
     let query = serde_urlencoded::to_string(SnapshotQuery {
         endpoint: Some(endpoint.to_owned()),
     })
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| FetchError::Answer(e.to_string()))?;
     let mut request = http::Request::get(format!(
         "{}/kvroute/v1/snapshot?{query}",
         peer.trim_end_matches('/')
@@ -155,55 +173,62 @@ pub(crate) async fn fetch(
     let request = request
         .header(crate::replica_state::REPLICA_HEADER, router.replica().id())
         .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| FetchError::Peer(e.to_string()))?;
     let work = async {
         let response = router
             .client()
             .request(request)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| FetchError::Peer(e.to_string()))?;
         let status = response.status();
         let replica = router.replica();
         if replica
             .peer_list()
             .came_back(replica.id(), peer, status, response.headers())
         {
-            return Err("it is this replica itself: no longer a peer".to_owned());
+            return Err(FetchError::Peer(
+                "it is this replica itself: no longer a peer".to_owned(),
+            ));
         }
         let body = Limited::new(response.into_body(), MAX_SNAPSHOT_BYTES)
             .collect()
             .await
-            .map_err(|e| format!("reading the snapshot (at most {MAX_SNAPSHOT_BYTES} bytes): {e}"))?
+            .map_err(|e| {
+                FetchError::Answer(format!(
+                    "reading the snapshot (at most {MAX_SNAPSHOT_BYTES} bytes): {e}"
+                ))
+            })?
             .to_bytes();
         if !status.is_success() {
-            return Err(format!(
+            return Err(FetchError::Peer(format!(
                 "answered {status}: {}",
                 String::from_utf8_lossy(&body[..body.len().min(200)])
-            ));
+            )));
         }
-        serde_json::from_slice(&body).map_err(|e| format!("not a snapshot: {e}"))
+        serde_json::from_slice(&body)
+            .map_err(|e| FetchError::Answer(format!("not a snapshot: {e}")))
     };
     tokio::time::timeout(timeout, work)
         .await
-        .map_err(|_| format!("no snapshot within {timeout:?}"))?
+        .map_err(|_| FetchError::Peer(format!("no snapshot within {timeout:?}")))?
 }
 
 /// Applies a snapshot to the fleet (and the journal): each endpoint named by URL gets the
 /// blocks, restored by core in one step ([`Fleet::restore_endpoint`]). An endpoint whose keys
 /// the peer made with another layout (block size) is refused, logged and counted
 /// (`kvroute_replica_snapshot_refused_total`), and rebuilt from its engine's replay buffer like
-/// an endpoint the peer did not send. Returns each endpoint of this replica the snapshot named,
-/// with the sequence its subscriber resumes after when it was restored at one.
+/// an endpoint the peer did not send. Returns each endpoint of this replica the entries
+/// named, with the sequence its subscriber resumes after when it was restored at one.
 ///
 /// [`Fleet::restore_endpoint`]: kvroute_core::fleet::Fleet::restore_endpoint
-pub(crate) fn apply(
+pub(crate) fn apply<'a>(
     router: &Router,
     peer: &str,
-    snapshot: &Snapshot,
+    entries: impl IntoIterator<Item = &'a EndpointSnapshot>,
 ) -> Vec<(EndpointId, Option<u64>)> {
     let mut named = Vec::new();
     let endpoints = router.endpoints();
-    for entry in &snapshot.endpoints {
+    for entry in entries {
         let Some(e) = endpoints
             .iter()
             .find(|e| e.config.url == entry.url && e.config.events.is_some())

@@ -3,7 +3,6 @@
 //! the endpoints not caught up untrusted (logged, and visible in
 //! `kvroute_endpoint_index_trusted` and `GET /kvroute/v1/replica`).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,12 +40,13 @@ pub(crate) fn spawn(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
     tasks
 }
 
-/// Subscribes every present endpoint that has events and no subscriber yet.
-fn subscribe_all(router: &Arc<Router>, resume: &HashMap<EndpointId, u64>) {
+/// Subscribes every present endpoint that has events and no subscriber yet, from the start of
+/// its engine's replay buffer (those restored from a peer's snapshot were subscribed then).
+fn subscribe_all(router: &Arc<Router>) {
     for e in router.endpoints() {
         let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
         if present {
-            crate::events::spawn_subscriber(router, &e, resume.get(&e.id).copied());
+            crate::events::spawn_subscriber(router, &e, None);
         }
     }
 }
@@ -63,8 +63,8 @@ async fn warm_up(router: Arc<Router>) {
             "no list of the router's pods within replicas.warm_timeout_s: warming up without peers"
         );
     }
-    let (resume, from) = copy_from_peers(&router, started, timeout).await;
-    subscribe_all(&router, &resume);
+    let from = copy_from_peers(&router, started, timeout).await;
+    subscribe_all(&router);
     loop {
         let behind = not_caught_up(&router);
         let ids: Vec<EndpointId> = behind.iter().map(|(id, _)| *id).collect();
@@ -98,69 +98,76 @@ async fn warm_up(router: Arc<Router>) {
         }
         tokio::time::sleep(POLL).await;
         // Endpoints discovered meanwhile.
-        subscribe_all(&router, &resume);
+        subscribe_all(&router);
     }
-    subscribe_all(&router, &resume);
+    subscribe_all(&router);
 }
 
 /// Copies each endpoint's index from the first peer that answers for it, one endpoint per
-/// answer, within `timeout` of `started`: the sequence each restored endpoint's subscriber
-/// resumes after, and the first peer that answered.
+/// answer, within `timeout` of `started`, and subscribes each restored endpoint to its engine's
+/// events at once, resuming after the snapshot's sequence (so that no restored snapshot ages
+/// while the others are copied). A peer that fails as a whole is not asked again; one whose
+/// answer for an endpoint cannot be used is, for the others. An endpoint no peer answers for is
+/// left to be rebuilt from its engine's replay buffer. Returns the first peer that answered.
 async fn copy_from_peers(
-    router: &Router,
+    router: &Arc<Router>,
     started: Instant,
     timeout: Duration,
-) -> (HashMap<EndpointId, u64>, Option<String>) {
-    let mut resume = HashMap::new();
+) -> Option<String> {
+    let peers = router.replica().peers();
+    let mut failed = vec![false; peers.len()];
+    let mut pending: Vec<Arc<Endpoint>> = with_events(router).collect();
     let mut from = None;
-    let mut pending: Vec<(EndpointId, String)> = with_events(router)
-        .map(|e| (e.id, e.config.url.clone()))
-        .collect();
-    let (mut endpoints, mut blocks) = (0, 0);
-    // Whether a peer answered with every endpoint it has.
-    let mut whole = false;
-    for peer in router.replica().peers().iter() {
-        // One endpoint per answer, for as long as this peer answers; the rest from the next.
-        while let Some((asked, url)) = pending.first().cloned() {
+    let (mut endpoints, mut blocks) = (0usize, 0usize);
+    'endpoints: while let Some(asked) = pending.first().cloned() {
+        pending.remove(0);
+        for (at, peer) in peers.iter().enumerate() {
+            if failed[at] {
+                continue;
+            }
             let left = timeout.saturating_sub(started.elapsed());
-            let snapshot = match snapshot::fetch(router, peer, &url, left).await {
+            if left.is_zero() {
+                warn!(
+                    "replicas.warm_timeout_s spent copying peers' snapshots: the endpoints left are rebuilt from their engines"
+                );
+                break 'endpoints;
+            }
+            let snapshot = match snapshot::fetch(router, peer, &asked.config.url, left).await {
                 Ok(snapshot) => snapshot,
                 Err(why) => {
-                    warn!(%peer, endpoint = %url, %why, "no index snapshot from this peer");
-                    break;
+                    warn!(%peer, endpoint = %asked.name, %why, "no index snapshot from this peer");
+                    failed[at] = matches!(why, snapshot::FetchError::Peer(_));
+                    continue;
                 }
             };
-            blocks += snapshot
+            from.get_or_insert_with(|| peer.clone());
+            // A peer of an earlier version answers with every endpoint it has: those not yet
+            // restored are taken from it, and the rest rebuilt from their engines.
+            let whole = snapshot.endpoints.iter().any(|e| e.url != asked.config.url);
+            let wanted =
+                |url: &str| url == asked.config.url || pending.iter().any(|p| p.config.url == url);
+            let entries: Vec<_> = snapshot
                 .endpoints
                 .iter()
-                .map(|e| e.blocks.len())
-                .sum::<usize>();
-            let named = snapshot::apply(router, peer, &snapshot);
-            endpoints += named.len();
-            resume.extend(
-                named
-                    .iter()
-                    .filter_map(|(id, seq)| seq.map(|seq| (*id, seq))),
-            );
-            from.get_or_insert_with(|| peer.clone());
-            if snapshot.endpoints.iter().any(|e| e.url != url) {
-                // A peer of an earlier version answers with every endpoint: all it has is
-                // applied, the rest is rebuilt from the engines.
-                whole = true;
-                break;
+                .filter(|e| wanted(&e.url))
+                .collect();
+            blocks += entries.iter().map(|e| e.blocks.len()).sum::<usize>();
+            for (id, seq) in snapshot::apply(router, peer, entries) {
+                endpoints += 1;
+                crate::events::spawn_subscriber(router, &router.endpoint(id), seq);
             }
-            // A peer without it has nothing for it: rebuilt from its engine.
-            pending.retain(|(id, _)| *id != asked);
-        }
-        if pending.is_empty() || whole {
-            break;
+            if whole {
+                break 'endpoints;
+            }
+            // Answered (a peer without it has nothing for it: rebuilt from its engine).
+            continue 'endpoints;
         }
     }
     match &from {
         Some(peer) => info!(%peer, endpoints, blocks, "applied peers' index snapshots"),
         None => info!("no peer snapshot: rebuilding the index from the engines' replay buffers"),
     }
-    (resume, from)
+    from
 }
 
 /// Present endpoints with events: those a peer's snapshot can restore.

@@ -6,7 +6,9 @@
 #![allow(clippy::disallowed_methods)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::http::StatusCode;
 use std::time::{Duration, Instant};
 
 use kvroute_router::config::{ReplicasConfig, RouterConfig};
@@ -121,18 +123,29 @@ pub async fn complete(client: &reqwest::Client, router: &RunningRouter, prompt: 
 
 /// A peer's admin listener that answers every `GET /kvroute/v1/snapshot`, whatever its query,
 /// with `snapshot` (as a peer of an earlier version answers with every endpoint): its URL, and
-/// the count of snapshots it answered.
-pub async fn snapshot_peer(snapshot: Value) -> (String, std::sync::Arc<AtomicUsize>) {
-    let snapshot = std::sync::Arc::new(snapshot);
-    let asked = std::sync::Arc::new(AtomicUsize::new(0));
-    let counter = asked.clone();
+/// the query of each snapshot it was asked for.
+pub async fn snapshot_peer(snapshot: Value) -> (String, Arc<Mutex<Vec<String>>>) {
+    answering_peer(StatusCode::OK, snapshot).await
+}
+
+/// A peer's admin listener that answers every `GET /kvroute/v1/snapshot` with `status` and
+/// `snapshot`: its URL, and the query of each snapshot it was asked for.
+pub async fn answering_peer(
+    status: StatusCode,
+    snapshot: Value,
+) -> (String, Arc<Mutex<Vec<String>>>) {
+    let snapshot = Arc::new(snapshot);
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let queries = asked.clone();
     let app = axum::Router::new().route(
         "/kvroute/v1/snapshot",
-        axum::routing::get(move || {
-            let snapshot = snapshot.clone();
-            counter.fetch_add(1, Ordering::Relaxed);
-            async move { axum::Json((*snapshot).clone()) }
-        }),
+        axum::routing::get(
+            move |axum::extract::RawQuery(query): axum::extract::RawQuery| {
+                let snapshot = snapshot.clone();
+                queries.lock().unwrap().push(query.unwrap_or_default());
+                async move { (status, axum::Json((*snapshot).clone())) }
+            },
+        ),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -5,7 +5,7 @@
 
 use super::pinned::RoomAsked;
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
-use crate::index::{EndpointId, PrefixMatch, PrefixMatches};
+use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load, schedule_pruned,
@@ -110,12 +110,12 @@ impl Fleet {
         }
     }
 
-    /// `e`'s view for a plan, `held`: the GPU blocks its index holds.
+    /// `e`'s view for a plan, `held`: what its index holds.
     pub(super) fn view(
         &self,
         inputs: &PlanInputs<'_>,
         e: &EndpointState,
-        held: u64,
+        held: HeldBlocks,
     ) -> EndpointView {
         let bs = inputs.block_size;
         let now = inputs.now;
@@ -132,7 +132,7 @@ impl Fleet {
         // Room left in its cache: capacity less what its index holds and what its in-flight
         // prefills are about to store.
         let free_blocks = e.capacity_blocks.map(|capacity| {
-            capacity as f64 - held as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
+            capacity as f64 - held.gpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
         let cache = CacheView {
             index: index_match,
@@ -142,11 +142,12 @@ impl Fleet {
             free_blocks,
             capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
             block_reuse: e.reuse.per_evicted_block(),
+            offloads_to_cpu: held.cpu > 0,
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
         };
         let cache_fill = e
             .capacity_blocks
-            .map_or(0.0, |capacity| held as f64 / capacity.max(1) as f64);
+            .map_or(0.0, |capacity| held.gpu as f64 / capacity.max(1) as f64);
         let candidate = Candidate {
             cache_fill,
             endpoint: e.id,
@@ -184,13 +185,13 @@ impl Fleet {
 
     /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
     /// index, the history or the prediction, or the session's) and the least busy of the rest
-    /// are viewed and costed (`held`: the GPU blocks an endpoint's index holds). `None` when it
+    /// are viewed and costed (`held`: what an endpoint's index holds). `None` when it
     /// cannot (no more than `depth` competitors, or a picker that reads every candidate): plan
     /// every endpoint then.
     pub(super) fn plan_pruned(
         &mut self,
         inputs: &PlanInputs<'_>,
-        held: impl Fn(EndpointId) -> u64,
+        held: impl Fn(EndpointId) -> HeldBlocks,
         info: &RequestInfo,
         random: u64,
         depth: usize,

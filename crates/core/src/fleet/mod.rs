@@ -38,8 +38,8 @@ use crate::CoreError;
 use crate::event::KvEvent;
 use crate::history::RoutingHistory;
 use crate::index::{
-    EndpointId, EndpointRestore, HeldEntry, IndexConfig, KeyLayout, PrefixMatch, PrefixMatches,
-    ROUTER_KEY_SCHEME, SharedIndex,
+    EndpointId, EndpointRestore, HeldBlocks, HeldEntry, IndexConfig, KeyLayout, PrefixMatch,
+    PrefixMatches, ROUTER_KEY_SCHEME, SharedIndex,
 };
 use crate::keys::RouterKey;
 use crate::schedule::{
@@ -560,7 +560,11 @@ impl Fleet {
             }
             (None, None) => &no_matches,
         };
-        let held = |id| index.as_ref().map_or(0, |index| index.gpu_blocks(id));
+        let held = |id| {
+            index
+                .as_ref()
+                .map_or_else(HeldBlocks::default, |index| index.held_blocks(id))
+        };
         if let (true, Some(depth)) = (pruned, depth) {
             let inputs = costing::PlanInputs {
                 index_matches,
@@ -571,9 +575,9 @@ impl Fleet {
             }
         }
         let ids = self.endpoints.iter().map(|e| e.id);
-        let held_blocks: Vec<u64> = match &index {
-            Some(index) => index.gpu_blocks_of(ids),
-            None => vec![0; self.endpoints.len()],
+        let held_blocks: Vec<HeldBlocks> = match &index {
+            Some(index) => index.held_blocks_of(ids),
+            None => vec![HeldBlocks::default(); self.endpoints.len()],
         };
         let inputs = costing::PlanInputs {
             index_matches,

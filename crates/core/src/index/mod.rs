@@ -58,7 +58,7 @@ pub use fleet_tier::SharedTierStats;
 pub use lookup::{PrefixMatch, PrefixMatches};
 pub use offload::{OffloadSpec, SharedMount};
 pub use restore::{EndpointRestore, HeldEntry, KeyLayout, ROUTER_KEY_SCHEME};
-pub use shared::{IndexRead, SharedIndex};
+pub use shared::{HeldBlocks, IndexRead, SharedIndex};
 
 /// The caller's identifier for an endpoint (one engine, or one data-parallel rank).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -683,6 +683,13 @@ impl KvIndex {
         self.endpoints
             .get(&endpoint)
             .map_or(0, |s| s.stats.blocks_gpu)
+    }
+
+    /// Blocks `endpoint` holds in CPU memory now (0 when unknown).
+    pub fn cpu_blocks(&self, endpoint: EndpointId) -> u64 {
+        self.endpoints
+            .get(&endpoint)
+            .map_or(0, |s| s.stats.blocks_cpu)
     }
 
     /// Every known endpoint.

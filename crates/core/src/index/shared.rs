@@ -48,11 +48,29 @@ pub struct SharedIndex {
     shards: Box<[Shard]>,
     /// The shared tier every shard refers to.
     fleet: SharedFleetTier,
-    /// Each endpoint's GPU blocks (by id) as of the last write to its shard, readable without
-    /// the shard's lock: a plan that walked the index beforehand reads its candidates' fill
-    /// here, so it never waits for a writer while holding the fleet's lock. (The lock is taken
-    /// for writing only to grow the list for a new endpoint.)
-    gpu_blocks: RwLock<Vec<AtomicU64>>,
+    /// Each endpoint's GPU and CPU blocks (by id) as of the last write to its shard, readable
+    /// without the shard's lock: a plan that walked the index beforehand reads its candidates'
+    /// fill here, so it never waits for a writer while holding the fleet's lock. (The lock is
+    /// taken for writing only to grow the list for a new endpoint.)
+    published: RwLock<Vec<[AtomicU64; 2]>>,
+}
+
+/// What an endpoint's index holds, in blocks, as its shard last published it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeldBlocks {
+    /// On the GPU: with the cache's capacity, how full it is.
+    pub gpu: u64,
+    /// In CPU memory: more than none means the endpoint offloads there.
+    pub cpu: u64,
+}
+
+impl HeldBlocks {
+    fn read(counts: &[AtomicU64; 2]) -> Self {
+        Self {
+            gpu: counts[0].load(Ordering::Relaxed),
+            cpu: counts[1].load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl SharedIndex {
@@ -61,11 +79,11 @@ impl SharedIndex {
         let published = Self {
             fleet: index.fleet.clone(),
             shards: Box::new([Shard::new(index)]),
-            gpu_blocks: RwLock::default(),
+            published: RwLock::default(),
         };
         let shard = published.shards[0].index.read();
         for endpoint in shard.endpoints() {
-            published.publish_gpu_blocks(endpoint, shard.gpu_blocks(endpoint));
+            published.publish(endpoint, &shard);
         }
         drop(shard);
         published
@@ -90,7 +108,7 @@ impl SharedIndex {
         Ok(Self {
             shards,
             fleet,
-            gpu_blocks: RwLock::default(),
+            published: RwLock::default(),
         })
     }
 
@@ -121,10 +139,10 @@ impl SharedIndex {
     pub fn write_endpoint<R>(&self, endpoint: EndpointId, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         let mut shard = self.shard(endpoint).write();
         let result = f(&mut shard);
-        self.publish_gpu_blocks(endpoint, shard.gpu_blocks(endpoint));
+        self.publish(endpoint, &shard);
         let evicted: Vec<EndpointId> = shard.take_evicted_from().collect();
         for other in evicted {
-            self.publish_gpu_blocks(other, shard.gpu_blocks(other));
+            self.publish(other, &shard);
         }
         result
     }
@@ -147,38 +165,49 @@ impl SharedIndex {
     /// Blocks `endpoint` holds on the GPU as of the last write to its shard (0 when unknown),
     /// without taking the shard's lock.
     pub fn gpu_blocks(&self, endpoint: EndpointId) -> u64 {
-        self.gpu_blocks
-            .read()
-            .get(endpoint.0 as usize)
-            .map_or(0, |count| count.load(Ordering::Relaxed))
+        self.held_blocks(endpoint).gpu
     }
 
-    /// [`SharedIndex::gpu_blocks`] of each of `endpoints`, in their order, under one read of
+    /// What `endpoint` holds on the GPU and in CPU memory as of the last write to its shard
+    /// (0 when unknown), without taking the shard's lock.
+    pub fn held_blocks(&self, endpoint: EndpointId) -> HeldBlocks {
+        self.published
+            .read()
+            .get(endpoint.0 as usize)
+            .map_or_else(HeldBlocks::default, HeldBlocks::read)
+    }
+
+    /// [`SharedIndex::held_blocks`] of each of `endpoints`, in their order, under one read of
     /// the published list (a plan that costs every endpoint).
-    pub fn gpu_blocks_of(&self, endpoints: impl Iterator<Item = EndpointId>) -> Vec<u64> {
-        let counts = self.gpu_blocks.read();
+    pub fn held_blocks_of(&self, endpoints: impl Iterator<Item = EndpointId>) -> Vec<HeldBlocks> {
+        let counts = self.published.read();
         endpoints
             .map(|e| {
                 counts
                     .get(e.0 as usize)
-                    .map_or(0, |count| count.load(Ordering::Relaxed))
+                    .map_or_else(HeldBlocks::default, HeldBlocks::read)
             })
             .collect()
     }
 
-    /// Records `blocks` as `endpoint`'s GPU blocks (under its shard's write lock, so that
-    /// publications of one endpoint happen in the order of its writes).
-    fn publish_gpu_blocks(&self, endpoint: EndpointId, blocks: u64) {
+    /// Publishes what `endpoint` holds in `shard`, its shard (under the shard's write lock, so
+    /// that publications of one endpoint happen in the order of its writes).
+    fn publish(&self, endpoint: EndpointId, shard: &KvIndex) {
+        let (gpu, cpu) = (shard.gpu_blocks(endpoint), shard.cpu_blocks(endpoint));
+        let store = |counts: &[AtomicU64; 2]| {
+            counts[0].store(gpu, Ordering::Relaxed);
+            counts[1].store(cpu, Ordering::Relaxed);
+        };
         let at = endpoint.0 as usize;
-        if let Some(count) = self.gpu_blocks.read().get(at) {
-            count.store(blocks, Ordering::Relaxed);
+        if let Some(counts) = self.published.read().get(at) {
+            store(counts);
             return;
         }
-        let mut list = self.gpu_blocks.write();
+        let mut list = self.published.write();
         if list.len() <= at {
-            list.resize_with(at + 1, AtomicU64::default);
+            list.resize_with(at + 1, Default::default);
         }
-        list[at].store(blocks, Ordering::Relaxed);
+        store(&list[at]);
     }
 
     /// Declares how `endpoint` offloads (see [`KvIndex::set_offload`]).

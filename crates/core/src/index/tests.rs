@@ -788,6 +788,11 @@ fn agrees_with_model(ops: &[Op]) -> Result<(), TestCaseError> {
             prop_assert_eq!(stats.blocks_gpu, count(Tier::Gpu));
             prop_assert_eq!(ix.sharded.gpu_blocks(*e), stats.blocks_gpu, "published");
             prop_assert_eq!(stats.blocks_cpu, count(Tier::Cpu));
+            prop_assert_eq!(
+                ix.sharded.held_blocks(*e).cpu,
+                stats.blocks_cpu,
+                "published"
+            );
             prop_assert_eq!(stats.blocks_storage, count(Tier::Storage));
         }
         prop_assert_eq!(
@@ -879,7 +884,8 @@ fn a_sharded_index_needs_a_shard_and_splits_its_capacity() {
     // Published as of the last writes, the bound's evictions from E0 included.
     let gpu: Vec<u64> = [E1, EndpointId(7), E0].map(|e| ix.gpu_blocks(e)).to_vec();
     assert_eq!(gpu, vec![2, 0, 27]);
-    assert_eq!(ix.gpu_blocks_of([E1, EndpointId(7), E0].into_iter()), gpu);
+    let held = ix.held_blocks_of([E1, EndpointId(7), E0].into_iter());
+    assert_eq!(held.iter().map(|h| h.gpu).collect::<Vec<_>>(), gpu);
     let matches = ix.lookup(&keys);
     assert_eq!(matches.blocks(E1), 2);
     assert_eq!(matches, ix.read(|r| r.lookup(&keys)));

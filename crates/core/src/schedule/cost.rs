@@ -7,7 +7,9 @@
 //!   survives the queue ahead: in a full cache the prefills queued ahead store their blocks
 //!   first and evict as many cached ones (least recently used first; this request's are taken
 //!   as equally likely as any to go), except blocks that requests just sent there are about
-//!   to use. At zero load, or with room for the queue ahead, everything held survives;
+//!   to use. At zero load, or with room for the queue ahead, everything held survives. On an
+//!   endpoint that offloads to CPU memory an evicted block is loaded back from there (tier
+//!   loading) instead of prefilled;
 //! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,
 //!   at each tier's load rate, learned per endpoint; a tier slower than recomputing gets no
 //!   credit (see [`crate::tiers`]);
@@ -142,16 +144,21 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let rate = c.prefill_tokens_per_s.max(1.0);
     let load = &c.load;
     // What it holds on the GPU may be evicted by the queue ahead before this request is
-    // admitted (an engine looks its prefix up only then): those tokens are prefilled too. The
-    // blocks of requests just sent there are not: those requests use them first.
-    let in_use = (c.cache.predicted as usize * request.block_size).min(held.gpu);
-    let lost = (held.gpu - in_use) as f64 * (1.0 - survival(c));
-    let uncached = request.prompt_tokens.saturating_sub(held.all) as f64 + lost;
+    // admitted (an engine looks its prefix up only then): those tokens are prefilled again,
+    // or loaded back from CPU memory where the endpoint offloads (an evicted block is stored
+    // there).
+    let lost = lost_ahead_tokens(request, c, held.gpu);
+    let (recomputed, reloaded) = if c.cache.offloads_to_cpu {
+        (0.0, lost)
+    } else {
+        (lost, 0.0)
+    };
+    let uncached = request.prompt_tokens.saturating_sub(held.all) as f64 + recomputed;
     let prefill_s = uncached / rate;
     let tiers = tier_load(
         &profile.tiers,
         &c.tier_rates,
-        [held.cpu, held.storage, held.shared],
+        [held.cpu + reloaded as usize, held.storage, held.shared],
         rate,
     );
     let tier_load_s = tiers.seconds;
@@ -208,7 +215,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 /// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
 /// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `rate_at_most.max(1)` =
 /// `R`:
-/// - `uncached` = `P − held.all + lost` ≥ `U` (`lost` ≥ 0: GPU tokens × a share 0–1), so
+/// - `uncached` = `P − held.all + recomputed` ≥ `U` (`recomputed` ≥ 0: evicted GPU tokens), so
 ///   `prefill_s` ≥ `U / rate` ≥ `U / R`;
 /// - `tier_load_s` ≥ 0 (each tier charges tokens over a rate of at least 1, or a 0–1 share of
 ///   their recompute);
@@ -270,6 +277,14 @@ pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: f64, rate: f64) ->
     let stored = ((request.prompt_tokens / bs) as f64 - (held / bs as f64).floor()).max(0.0);
     let evicted = (stored - free.max(0.0)).max(0.0);
     evicted * bs as f64 / rate * c.cache.block_reuse.clamp(0.0, 1.0)
+}
+
+/// Of the `held_gpu` prompt tokens `c` holds on its GPU, those the queue ahead is expected to
+/// evict before the request is admitted: each cached block is taken as equally likely to go
+/// ([`survival`]), except those of requests just sent there, which use them first.
+pub fn lost_ahead_tokens(request: &RequestInfo, c: &Candidate, held_gpu: usize) -> f64 {
+    let in_use = (c.cache.predicted as usize * request.block_size).min(held_gpu);
+    (held_gpu - in_use) as f64 * (1.0 - survival(c))
 }
 
 /// Share of the cached blocks on `c` expected to survive until a request queued there now is

@@ -123,6 +123,9 @@ pub struct CacheView {
     /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
     /// cached per block they stored (see [`cost`]).
     pub block_reuse: f64,
+    /// Its index holds blocks it offloaded to CPU memory: a GPU block evicted there is stored
+    /// on (or already in) that tier, so getting it back costs a CPU load, not a prefill.
+    pub offloads_to_cpu: bool,
     /// Its offloaded-tier events were recently inconsistent (orphans): what `index` says of
     /// tiers below the GPU is not certain.
     pub tier_uncertain: bool,

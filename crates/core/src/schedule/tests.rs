@@ -2,6 +2,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::index::PrefixMatch;
+use crate::tiers::LoadTier;
 
 const RATE: f64 = 20_000.0;
 
@@ -184,8 +185,22 @@ fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     let a = d.assessment(EndpointId(0)).unwrap();
     assert!((a.cost.prefill_s - prefill(200.0)).abs() < 1e-12, "{a:?}");
-    // Room for the queue ahead: nothing is lost.
+    // On an endpoint that offloads to CPU memory, what the queue ahead evicts is stored
+    // there: it is loaded back at the CPU tier's rate, not prefilled again.
     cands[0].cache.predicted = 0;
+    cands[0].cache.offloads_to_cpu = true;
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let a = d.assessment(EndpointId(0)).unwrap();
+    assert!((a.cost.prefill_s - prefill(200.0)).abs() < 1e-12, "{a:?}");
+    assert_eq!(a.cost.evicted_ahead_tokens, 400.0);
+    let reload = a.cost.tiers.tiers[LoadTier::Cpu as usize];
+    assert_eq!(reload.tokens, 400, "{a:?}");
+    assert!(
+        reload.seconds > 0.0 && reload.seconds < reload.recompute_s,
+        "{a:?}"
+    );
+    cands[0].cache.offloads_to_cpu = false;
+    // Room for the queue ahead: nothing is lost.
     cands[0].cache.free_blocks = Some(0.0);
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     let a = d.assessment(EndpointId(0)).unwrap();

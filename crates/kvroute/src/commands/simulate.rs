@@ -30,6 +30,11 @@ pub struct SimulateArgs {
     /// size and rate come from each cell. Writes `matrix.json` and `matrix.html`.
     #[arg(long, value_enum)]
     matrix: Option<MatrixSize>,
+    /// The matrix's workload seeds (each cell's figures are medians over them), in place of
+    /// its own (1, 2, 3 for `full`): held-out seeds check that a change did not fit the usual
+    /// ones.
+    #[arg(long, value_delimiter = ',', requires = "matrix")]
+    matrix_seeds: Vec<u64>,
     /// Where to write `simulate.json` and `simulate.html`.
     #[arg(long, default_value = "kvroute-simulate")]
     out: PathBuf,
@@ -47,10 +52,13 @@ enum MatrixSize {
 fn run_matrix(args: &SimulateArgs, size: MatrixSize) -> anyhow::Result<ExitCode> {
     use kvroute_simulate::matrix::{MatrixSpec, report, run_matrix};
     let fleet = args.fleet.fleet(args.workload.seed())?;
-    let spec = match size {
+    let mut spec = match size {
         MatrixSize::Small => MatrixSpec::small(),
         MatrixSize::Full => MatrixSpec::full(),
     };
+    if !args.matrix_seeds.is_empty() {
+        spec.seeds.clone_from(&args.matrix_seeds);
+    }
     let started = Instant::now();
     let results = run_matrix(&spec, &fleet, &mut |done, total| {
         eprint!("\rkvroute simulate --matrix: {done}/{total} runs");

@@ -134,6 +134,22 @@ impl Fleet {
         let free_blocks = e.capacity_blocks.map(|capacity| {
             capacity as f64 - held.gpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
+        // The prompt's prefix it holds, by last use: read only where part of the prompt is
+        // held and something can be lost (a search over its recent requests' keys).
+        let known = index_match
+            .map_or(0, |m| m.blocks)
+            .max(history)
+            .max(predicted);
+        let recency = match e.capacity_blocks {
+            Some(capacity) if known > 0 => e.recent.parts(
+                &e.pinned,
+                inputs.keys,
+                known as usize,
+                capacity,
+                free_blocks.is_some_and(|free| free < 0.0),
+            ),
+            _ => None,
+        };
         let cache = CacheView {
             index: index_match,
             index_state,
@@ -142,6 +158,7 @@ impl Fleet {
             free_blocks,
             capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
             block_reuse: e.reuse.per_evicted_block(),
+            recency,
             offloads_to_cpu: held.cpu > 0,
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
         };

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::decay::Decaying;
 use super::outlier::Outlier;
 use super::pinned::PinnedBlocks;
+use super::recent_use::RecentUse;
 use super::trust::Trust;
 use crate::index::{EndpointId, OffloadSpec};
 use crate::schedule::{EndpointLoad, Role};
@@ -186,6 +187,8 @@ pub struct EndpointState {
     pub(super) reuse: BlockReuse,
     /// The blocks the router's in-flight requests pin there.
     pub(super) pinned: PinnedBlocks,
+    /// The blocks its last requests used, newest last (what its cache evicts last).
+    pub(super) recent: RecentUse,
     /// Passive outlier detection.
     pub(super) outlier: Outlier,
     /// False once removed from the fleet (its id may be reused by a later endpoint).
@@ -214,6 +217,7 @@ impl EndpointState {
             capacity_blocks: None,
             reuse: BlockReuse::default(),
             pinned: PinnedBlocks::default(),
+            recent: RecentUse::default(),
             outlier: Outlier::default(),
             present: true,
         }

@@ -19,6 +19,7 @@ mod membership;
 pub mod outlier;
 mod peer_load;
 mod pinned;
+mod recent_use;
 mod restart;
 mod retry;
 mod rotation;
@@ -905,8 +906,11 @@ impl Fleet {
         self.end_prefill(&mut dispatch);
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
-            if let Some(decode_s) = e.pinned.unpin(dispatch.pin, now) {
-                self.decode_s = Some(pinned::averaged(self.decode_s, decode_s));
+            if let Some(ended) = e.pinned.unpin(dispatch.pin, now) {
+                if let Some(decode_s) = ended.decode_s {
+                    self.decode_s = Some(pinned::averaged(self.decode_s, decode_s));
+                }
+                e.recent.ended(ended.keys);
             }
             if let Some(reported) = reported_cached {
                 e.trust
@@ -1092,6 +1096,7 @@ impl Fleet {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.trust.reset();
             e.reuse = Default::default();
+            e.recent.clear();
             e.forgotten_at = Some(now);
         }
     }

@@ -56,6 +56,14 @@ struct PinnedRequest {
     first_token_at: Option<f64>,
 }
 
+/// A request that ended, as [`PinnedBlocks::unpin`] saw it.
+pub(super) struct Unpinned {
+    /// Its full blocks' keys.
+    pub keys: Arc<Vec<RouterKey>>,
+    /// First token to end, if it had a first token.
+    pub decode_s: Option<f64>,
+}
+
 /// One endpoint's in-flight requests, as pinned blocks.
 #[derive(Clone, Debug, Default)]
 pub(super) struct PinnedBlocks {
@@ -155,14 +163,20 @@ impl PinnedBlocks {
         }
     }
 
-    /// Request `id` ended at `now`: its blocks are no longer pinned by it. Returns its decode
-    /// time (first token to end), learned here, if it had a first token.
-    pub(super) fn unpin(&mut self, id: u64, now: f64) -> Option<f64> {
+    /// Request `id` ended at `now`: its blocks are no longer pinned by it. Returns its keys and
+    /// its decode time (first token to end), learned here, if it had a first token; `None` for
+    /// an unknown request.
+    pub(super) fn unpin(&mut self, id: u64, now: f64) -> Option<Unpinned> {
         let r = self.requests.remove(&id)?;
         self.release(&r);
-        let sample = (now - r.first_token_at?).max(0.0);
-        self.decode_s = Some(averaged(self.decode_s, sample));
-        Some(sample)
+        let decode_s = r.first_token_at.map(|first| (now - first).max(0.0));
+        if let Some(sample) = decode_s {
+            self.decode_s = Some(averaged(self.decode_s, sample));
+        }
+        Some(Unpinned {
+            keys: r.keys,
+            decode_s,
+        })
     }
 
     fn release(&mut self, r: &PinnedRequest) {
@@ -204,9 +218,24 @@ impl PinnedBlocks {
         self.distinct_keys + self.extra_blocks
     }
 
+    /// The in-flight requests' key chains in [`chain_order`], each with its request count.
+    pub(super) fn chains(&self) -> &[(Arc<Vec<RouterKey>>, u32)] {
+        &self.chains
+    }
+
+    /// Distinct keys the in-flight requests hold.
+    pub(super) fn distinct_keys(&self) -> usize {
+        self.distinct_keys
+    }
+
+    /// Blocks the in-flight requests pin beyond their prompts' full blocks.
+    pub(super) fn extra_blocks(&self) -> usize {
+        self.extra_blocks
+    }
+
     /// Leading keys of `keys` that some in-flight request pins (keys chain their parents, so a
     /// pinned key's whole prefix is pinned).
-    fn pinned_prefix(&self, keys: &[RouterKey]) -> usize {
+    pub(super) fn pinned_prefix(&self, keys: &[RouterKey]) -> usize {
         longest_shared(&self.chains, keys)
     }
 
@@ -316,20 +345,23 @@ pub(super) fn averaged(average: Option<f64>, sample: f64) -> f64 {
 
 /// The lexicographic order of two key chains, found from the first key they differ in (keys
 /// chain their parents: chains equal at one position are equal at every one before it).
-fn chain_order(a: &[RouterKey], b: &[RouterKey]) -> Ordering {
+pub(super) fn chain_order(a: &[RouterKey], b: &[RouterKey]) -> Ordering {
     let same = common_prefix(a, b);
     a.get(same).cmp(&b.get(same))
 }
 
 /// Where `keys` is in `chains` (in [`chain_order`]): `Ok` with its place, or `Err` with the
 /// place it would go.
-fn find_chain(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> Result<usize, usize> {
+pub(super) fn find_chain(
+    chains: &[(Arc<Vec<RouterKey>>, u32)],
+    keys: &[RouterKey],
+) -> Result<usize, usize> {
     chains.binary_search_by(|(chain, _)| chain_order(chain, keys))
 }
 
 /// The longest prefix `keys` shares with any of `chains` (in [`chain_order`]): the longer of
 /// what it shares with its neighbours in that order.
-fn longest_shared(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> usize {
+pub(super) fn longest_shared(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> usize {
     let at = match find_chain(chains, keys) {
         Ok(_) => return keys.len(),
         Err(at) => at,
@@ -345,7 +377,7 @@ fn longest_shared(chains: &[(Arc<Vec<RouterKey>>, u32)], keys: &[RouterKey]) -> 
 
 /// Leading keys `a` and `b` share (keys chain their parents: equal at one position means
 /// equal at every one before).
-fn common_prefix(a: &[RouterKey], b: &[RouterKey]) -> usize {
+pub(super) fn common_prefix(a: &[RouterKey], b: &[RouterKey]) -> usize {
     let (mut equal, mut differ) = (0, a.len().min(b.len()));
     while equal < differ {
         let mid = (equal + differ) / 2;

@@ -5,11 +5,12 @@
 //! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate. An engine looks a
 //!   request's prefix up only when it admits it, so what it holds now counts only as far as it
 //!   survives the queue ahead: in a full cache the prefills queued ahead store their blocks
-//!   first and evict as many cached ones (least recently used first; this request's are taken
-//!   as equally likely as any to go), except blocks that requests just sent there are about
-//!   to use. At zero load, or with room for the queue ahead, everything held survives. On an
-//!   endpoint that offloads to CPU memory an evicted block is loaded back from there (tier
-//!   loading) instead of prefilled;
+//!   first and evict as many cached ones, least recently used first, never those in-flight
+//!   requests pin ([`super::recency`]; where the fleet does not know when a block was last
+//!   used, it is taken as equally likely as any to go). At zero load, or with room for the
+//!   queue ahead, everything held survives. On an endpoint that offloads to CPU memory an
+//!   evicted block is loaded back from there (tier loading, and no eviction charge, as for a
+//!   block found there) instead;
 //! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,
 //!   at each tier's load rate, learned per endpoint; a tier slower than recomputing gets no
 //!   credit (see [`crate::tiers`]);
@@ -183,7 +184,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let decode_interference_s = (prefill_s + tier_load_s)
         * (load.decoding() + load.queue())
         * profile.weights.decode_interference;
-    let eviction_s = eviction_s(request, c, held.all as f64 - lost, rate);
+    // A block reloaded from CPU memory is priced as every block found there is: its load, not
+    // the room it takes again on the GPU.
+    let eviction_s = eviction_s(request, c, held.all as f64 - recomputed, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
     } else {
@@ -280,11 +283,21 @@ pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: f64, rate: f64) ->
 }
 
 /// Of the `held_gpu` prompt tokens `c` holds on its GPU, those the queue ahead is expected to
-/// evict before the request is admitted: each cached block is taken as equally likely to go
+/// evict before the request is admitted. By last use where the fleet knows it
+/// ([`super::RecencyParts`]); else each cached block is taken as equally likely to go
 /// ([`survival`]), except those of requests just sent there, which use them first.
 pub fn lost_ahead_tokens(request: &RequestInfo, c: &Candidate, held_gpu: usize) -> f64 {
-    let in_use = (c.cache.predicted as usize * request.block_size).min(held_gpu);
-    (held_gpu - in_use) as f64 * (1.0 - survival(c))
+    match (c.cache.recency, c.cache.capacity_blocks) {
+        (Some(recency), Some(capacity)) => {
+            let bs = request.block_size.max(1);
+            let blocks = u32::try_from(held_gpu.div_ceil(bs)).unwrap_or(u32::MAX);
+            (recency.lost(blocks, capacity, survival(c)) * bs as f64).min(held_gpu as f64)
+        }
+        _ => {
+            let in_use = (c.cache.predicted as usize * request.block_size).min(held_gpu);
+            (held_gpu - in_use) as f64 * (1.0 - survival(c))
+        }
+    }
 }
 
 /// Share of the cached blocks on `c` expected to survive until a request queued there now is

@@ -17,6 +17,7 @@ mod near_best;
 mod picker;
 mod profile;
 mod pruned;
+pub mod recency;
 mod ring;
 
 use serde::{Deserialize, Serialize};
@@ -30,6 +31,7 @@ pub use profile::{
     TierCosts,
 };
 pub use pruned::{LoadOrder, PruneBuffers, saturated_load, schedule_pruned};
+pub use recency::{RecencyPart, RecencyParts};
 
 /// What an endpoint is for (prefill/decode disaggregation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +125,10 @@ pub struct CacheView {
     /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
     /// cached per block they stored (see [`cost`]).
     pub block_reuse: f64,
+    /// The prompt's cached prefix there split by last use, so that the queue ahead evicts the
+    /// blocks used longest ago first (`None`: not known, and every cached block is taken as
+    /// equally likely to go).
+    pub recency: Option<RecencyParts>,
     /// Its index holds blocks it offloaded to CPU memory: a GPU block evicted there is stored
     /// on (or already in) that tier, so getting it back costs a CPU load, not a prefill.
     pub offloads_to_cpu: bool,

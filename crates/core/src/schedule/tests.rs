@@ -199,7 +199,18 @@ fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
         reload.seconds > 0.0 && reload.seconds < reload.recompute_s,
         "{a:?}"
     );
+    // Reloaded blocks are charged as blocks found on the CPU tier are: no eviction for the GPU
+    // room they take again; recomputed ones are stored again, and evict as much.
+    cands[0].cache.block_reuse = 1.0;
+    let reloading = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     cands[0].cache.offloads_to_cpu = false;
+    let recomputing = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let evicts = |d: &Decision| d.assessment(EndpointId(0)).unwrap().cost.eviction_s;
+    assert!(
+        evicts(&reloading) < evicts(&recomputing),
+        "{reloading:?} {recomputing:?}"
+    );
+    cands[0].cache.block_reuse = 0.0;
     // Room for the queue ahead: nothing is lost.
     cands[0].cache.free_blocks = Some(0.0);
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);

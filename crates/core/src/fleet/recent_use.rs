@@ -1,0 +1,117 @@
+//! The blocks an endpoint's recent requests used, in the order vLLM's cache will evict them.
+//!
+//! vLLM evicts the cached blocks used longest ago first and never one a running request
+//! references. What decides whether a prompt's cached prefix survives the queue ahead is how
+//! many **distinct** blocks were used after it (a tenant's context that every question reuses
+//! is counted once, however many questions used it), which this counts from the key chains of
+//! the router's in-flight requests ([`PinnedBlocks`]) and of the last requests that ended
+//! there, kept here.
+//!
+//! Keys chain their parents, so the distinct blocks of a set of chains kept in lexicographic
+//! order is the sum of their lengths less what each shares with its neighbours in that order:
+//! a prompt's prefix is split into parts by the newest request that used each, walking the
+//! ended requests from the newest and inserting each into that order as it is passed, with no
+//! set of keys.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::pinned::{PinnedBlocks, common_prefix, find_chain, longest_shared};
+use crate::keys::RouterKey;
+use crate::schedule::{RecencyPart, RecencyParts};
+
+/// Ended requests kept per endpoint.
+const ENDED_KEPT: usize = 128;
+
+/// Keys kept per endpoint over those requests (a 1M-token cache's worth at 32 tokens a block):
+/// the memory the recency costs is bounded whatever the prompts' lengths.
+const KEYS_KEPT: usize = 32_768;
+
+/// The key chains of the last requests that ended on one endpoint, oldest first.
+#[derive(Clone, Debug, Default)]
+pub(super) struct RecentUse {
+    ended: VecDeque<Arc<Vec<RouterKey>>>,
+    /// Keys over `ended`, counted with repeats.
+    keys: usize,
+}
+
+impl RecentUse {
+    /// A request that used `keys` ended (its blocks are now the newest unpinned ones).
+    pub(super) fn ended(&mut self, keys: Arc<Vec<RouterKey>>) {
+        if keys.is_empty() {
+            return;
+        }
+        self.keys += keys.len();
+        self.ended.push_back(keys);
+        while self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT {
+            let Some(old) = self.ended.pop_front() else {
+                break;
+            };
+            self.keys -= old.len();
+        }
+    }
+
+    /// Forgets every ended request (the engine restarted: its cache is empty).
+    pub(super) fn clear(&mut self) {
+        self.ended.clear();
+        self.keys = 0;
+    }
+
+    /// The first `held` blocks of a prompt with `keys` (cached there on the GPU) split by last
+    /// use: the prefix `pinned` pins, then a part per ended request that used more of it than
+    /// every newer one, newest first, each with the distinct blocks newer than it (the
+    /// in-flight requests' keys, the queue ahead's included; the newer ended requests'; and
+    /// the blocks running requests pin beyond their prompts).
+    ///
+    /// `None` when nothing can be lost: the queue ahead fits in the free blocks
+    /// (`!overflows`), and the prompt's held blocks, every key in flight or kept and the
+    /// pinned extra blocks fit in `capacity` together (a block of unknown age then survives
+    /// too, the queue ahead evicting nothing).
+    pub(super) fn parts(
+        &self,
+        pinned: &PinnedBlocks,
+        keys: &[RouterKey],
+        held: usize,
+        capacity: usize,
+        overflows: bool,
+    ) -> Option<RecencyParts> {
+        let keys = &keys[..held.min(keys.len())];
+        let mut newer = pinned.distinct_keys() + pinned.extra_blocks();
+        if !overflows && keys.len() + newer + self.keys <= capacity {
+            return None;
+        }
+        let mut covered = pinned.pinned_prefix(keys);
+        let mut parts = RecencyParts::new(as_u32(covered));
+        // The chains passed so far, in order, to count distinct keys.
+        let mut passed = pinned.chains().to_vec();
+        for chain in self.ended.iter().rev() {
+            if covered >= keys.len() {
+                break;
+            }
+            let shared = common_prefix(chain, keys);
+            if shared > covered {
+                let part = RecencyPart {
+                    from: as_u32(covered),
+                    to: as_u32(shared),
+                    newer: as_u32(newer),
+                };
+                if !parts.push(part) {
+                    break;
+                }
+                covered = shared;
+            }
+            newer += chain.len() - longest_shared(&passed, chain);
+            if let Err(at) = find_chain(&passed, chain) {
+                passed.insert(at, (chain.clone(), 1));
+            }
+        }
+        Some(parts)
+    }
+}
+
+fn as_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,176 @@
+//! [`RecentUse::parts`] against a block-by-block model of vLLM's eviction order.
+
+use std::collections::HashSet;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::schedule::recency::MAX_PARTS;
+
+const BLOCK: usize = 16;
+
+/// A chain of a tree of prompts: a tenant's context, a conversation under it, a turn of that
+/// conversation (each key names its whole prefix, as router keys do).
+fn chain(
+    tenant: u64,
+    context: u64,
+    conversation: u64,
+    turns: u64,
+    turn: u64,
+    own: u64,
+) -> Vec<RouterKey> {
+    let mut keys: Vec<RouterKey> = (0..context)
+        .map(|i| RouterKey(tenant * 1_000 + i + 1))
+        .collect();
+    let base = 1_000_000 + tenant * 100_000 + conversation * 1_000;
+    keys.extend((0..turns).map(|i| RouterKey(base + i + 1)));
+    let base =
+        100_000_000 + tenant * 10_000_000 + conversation * 1_000_000 + turns * 10_000 + turn * 100;
+    keys.extend((0..own).map(|i| RouterKey(base + i + 1)));
+    keys
+}
+
+fn a_chain() -> impl Strategy<Value = Vec<RouterKey>> {
+    (0u64..3, 0u64..4, 0u64..12, 0u64..4, 0u64..8)
+        .prop_map(|(t, c, turns, turn, own)| chain(t, 6 + 4 * t, c, turns, turn, own))
+}
+
+/// Lost blocks of the first `held` of `prompt`, block by block: a block pinned by an in-flight
+/// request is never lost; one last used by an ended request is lost when the distinct blocks
+/// newer than it (in-flight keys, newer ended requests' keys, the pinned extra blocks) and the
+/// blocks of its own stretch before it and itself exceed `capacity`; one used by none of them
+/// (or past the [`MAX_PARTS`]th stretch) survives with probability `survival`.
+fn lost_by_model(
+    inflight: &[Vec<RouterKey>],
+    extra_blocks: usize,
+    ended: &[Vec<RouterKey>],
+    prompt: &[RouterKey],
+    held: usize,
+    capacity: usize,
+    survival: f64,
+) -> f64 {
+    let pinned: HashSet<RouterKey> = inflight.iter().flatten().copied().collect();
+    let mut lost = 0.0;
+    let mut stretches = 0;
+    let mut stretch: Option<(usize, usize)> = None; // (last user, first block)
+    for (j, key) in prompt[..held].iter().enumerate() {
+        if pinned.contains(key) {
+            continue;
+        }
+        let Some(user) = (0..ended.len()).rev().find(|&u| ended[u].contains(key)) else {
+            lost += 1.0 - survival;
+            continue;
+        };
+        if stretch.is_none_or(|(u, _)| u != user) {
+            stretch = Some((user, j));
+            stretches += 1;
+        }
+        if stretches > MAX_PARTS {
+            lost += 1.0 - survival;
+            continue;
+        }
+        let first = stretch.map_or(j, |(_, first)| first);
+        let mut newer = pinned.clone();
+        newer.extend(ended[user + 1..].iter().flatten().copied());
+        if newer.len() + extra_blocks + (j - first + 1) > capacity {
+            lost += 1.0;
+        }
+    }
+    lost
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn parts_price_every_block_as_the_eviction_order_does(
+        inflight in prop::collection::vec(a_chain(), 0..4),
+        ended in prop::collection::vec(a_chain(), 0..24),
+        prompt in a_chain(),
+        held_share in 0.0f64..=1.0,
+        capacity in 1usize..120,
+        survival in prop::sample::select(vec![0.0, 0.5, 1.0]),
+    ) {
+        let mut pinned = PinnedBlocks::default();
+        for (id, keys) in inflight.iter().enumerate() {
+            pinned.pin(id as u64, Arc::new(keys.clone()), keys.len() * BLOCK + 3, BLOCK, 0.0);
+        }
+        let mut recent = RecentUse::default();
+        for keys in &ended {
+            recent.ended(Arc::new(keys.clone()));
+        }
+        let held = (prompt.len() as f64 * held_share).round() as usize;
+        let model = lost_by_model(
+            &inflight, pinned.extra_blocks(), &ended, &prompt, held, capacity, survival,
+        );
+        match recent.parts(&pinned, &prompt, held, capacity, true) {
+            Some(parts) => {
+                let lost = parts.lost(held as u32, capacity as f64, survival);
+                prop_assert!((lost - model).abs() < 1e-9, "parts {parts:?}: {lost} against {model}");
+            }
+            None => prop_assert!(false, "an overflowing queue always walks"),
+        }
+        // Without an overflowing queue, a walk is skipped only where nothing can be lost.
+        if recent.parts(&pinned, &prompt, held, capacity, false).is_none() {
+            let model = lost_by_model(
+                &inflight, pinned.extra_blocks(), &ended, &prompt, held, capacity, 1.0,
+            );
+            prop_assert_eq!(model, 0.0);
+        }
+    }
+}
+
+#[test]
+fn a_context_every_question_reuses_counts_once() {
+    // A tenant's 20-block context, then 30 questions of 2 blocks each under it, ended; the
+    // 31st question's prompt holds the context. The prompt-count model saw 30 × 22 = 660
+    // blocks used since the context; the distinct blocks are 20 + 60 = 80.
+    let context: Vec<RouterKey> = (1..=20).map(RouterKey).collect();
+    let question = |q: u64| {
+        let mut keys = context.clone();
+        keys.extend([RouterKey(1_000 + 2 * q), RouterKey(1_001 + 2 * q)]);
+        Arc::new(keys)
+    };
+    let mut recent = RecentUse::default();
+    for q in 0..30 {
+        recent.ended(question(q));
+    }
+    let prompt = question(30);
+    let parts = recent
+        .parts(&PinnedBlocks::default(), &prompt, 20, 100, true)
+        .expect("walked");
+    // The newest question used the whole context: nothing is newer than it.
+    assert_eq!(
+        parts.parts(),
+        &[RecencyPart {
+            from: 0,
+            to: 20,
+            newer: 0
+        }]
+    );
+    assert_eq!(parts.lost(20, 100.0, 1.0), 0.0);
+}
+
+#[test]
+fn the_window_keeps_the_newest_requests() {
+    let mut recent = RecentUse::default();
+    for r in 0..(ENDED_KEPT as u64 + 10) {
+        recent.ended(Arc::new(vec![RouterKey(r + 1)]));
+    }
+    assert_eq!(recent.ended.len(), ENDED_KEPT);
+    assert_eq!(recent.ended.front().map(|k| k[0]), Some(RouterKey(11)));
+    let long = Arc::new(
+        (0..KEYS_KEPT as u64)
+            .map(|k| RouterKey(10_000 + k))
+            .collect::<Vec<_>>(),
+    );
+    recent.ended(long);
+    assert_eq!(
+        recent.ended.len(),
+        1,
+        "a chain of the whole budget leaves room for no other"
+    );
+    assert_eq!(recent.keys, KEYS_KEPT);
+    recent.clear();
+    assert!(recent.ended.is_empty());
+}

@@ -910,7 +910,12 @@ impl Fleet {
                 if let Some(decode_s) = ended.decode_s {
                     self.decode_s = Some(pinned::averaged(self.decode_s, decode_s));
                 }
-                e.recent.ended(ended.keys);
+                // Its blocks are in the cache only if it was prefilled (it had a first token)
+                // in the engine's present life (sent after what was known of it was forgotten).
+                let this_life = e.forgotten_at.is_none_or(|at| dispatch.dispatched_at >= at);
+                if ended.decode_s.is_some() && this_life {
+                    e.recent.ended(ended.keys);
+                }
             }
             if let Some(reported) = reported_cached {
                 e.trust

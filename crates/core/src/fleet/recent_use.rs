@@ -23,8 +23,8 @@ use crate::schedule::{RecencyPart, RecencyParts};
 /// Ended requests kept per endpoint.
 const ENDED_KEPT: usize = 128;
 
-/// Keys kept per endpoint over those requests (a 1M-token cache's worth at 32 tokens a block):
-/// the memory the recency costs is bounded whatever the prompts' lengths.
+/// Keys kept per endpoint over those requests (512K tokens at 16 tokens a block), the newest
+/// request's always: the memory the recency costs is bounded by this and one prompt.
 const KEYS_KEPT: usize = 32_768;
 
 /// The key chains of the last requests that ended on one endpoint, oldest first.
@@ -43,12 +43,18 @@ impl RecentUse {
         }
         self.keys += keys.len();
         self.ended.push_back(keys);
-        while self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT {
+        while self.ended.len() > 1 && (self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT) {
             let Some(old) = self.ended.pop_front() else {
                 break;
             };
             self.keys -= old.len();
         }
+    }
+
+    /// Ended requests kept.
+    #[cfg(test)]
+    pub(super) fn ended_count(&self) -> usize {
+        self.ended.len()
     }
 
     /// Forgets every ended request (the engine restarted: its cache is empty).

@@ -417,6 +417,28 @@ fn forgetting_an_endpoint_drops_everything_known_of_its_cache() {
 }
 
 #[test]
+fn only_requests_prefilled_in_the_engines_present_life_count_as_its_recent_use() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let req = Req::new(&prompt(320, 5));
+    let kept = |fleet: &Fleet| fleet.endpoints[0].recent.ended_count();
+    // Refused or failed before its first token: it never reached the cache.
+    let (_, d) = send(&mut fleet, &req, 0.0);
+    fleet.finished(d, None, 0.1);
+    assert_eq!(kept(&fleet), 0);
+    let (_, mut d) = send(&mut fleet, &req, 1.0);
+    fleet.first_token(&mut d, true, 1.1);
+    fleet.finished(d, None, 1.5);
+    assert_eq!(kept(&fleet), 1);
+    // Sent before the engine restarted: its blocks went with the old process.
+    let (_, mut d) = send(&mut fleet, &req, 2.0);
+    fleet.first_token(&mut d, true, 2.1);
+    fleet.forget_endpoint(EndpointId(0), 2.2);
+    assert_eq!(kept(&fleet), 0);
+    fleet.finished(d, None, 2.5);
+    assert_eq!(kept(&fleet), 0);
+}
+
+#[test]
 fn health_ejection_forgets_and_restoration_needs_consecutive_passes() {
     let mut fleet = FleetBuilder::new(2).build();
     let tokens = prompt(320, 4);

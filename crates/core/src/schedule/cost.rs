@@ -5,10 +5,12 @@
 //! - **prefill**: the prompt tokens it does not hold, at the endpoint's rate. An engine looks a
 //!   request's prefix up only when it admits it, so what it holds now counts only as far as it
 //!   survives the queue ahead: in a full cache the prefills queued ahead store their blocks
-//!   first and evict as many cached ones, least recently used first, never those in-flight
-//!   requests pin ([`super::recency`]; where the fleet does not know when a block was last
-//!   used, it is taken as equally likely as any to go). At zero load, or with room for the
-//!   queue ahead, everything held survives. On an endpoint that offloads to CPU memory an
+//!   first and evict cached ones, least recently used first, never those in-flight requests
+//!   pin ([`super::recency`]: a part of the prefix survives while the distinct blocks used
+//!   after it, the blocks running requests pin beyond their prompts and the part fit in the
+//!   cache; where the fleet does not know when a block was last used, it is taken as equally
+//!   likely as any to go, by the blocks the queue ahead stores beyond the free ones). At zero
+//!   load everything held survives. On an endpoint that offloads to CPU memory an
 //!   evicted block is loaded back from there (tier loading, and no eviction charge, as for a
 //!   block found there) instead;
 //! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,

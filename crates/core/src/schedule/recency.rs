@@ -88,7 +88,7 @@ impl RecencyParts {
             let len = f64::from(part.to.min(held) - part.from);
             lost += (f64::from(part.newer) + len - capacity).clamp(0.0, len);
         }
-        let unknown = held.saturating_sub(self.known().max(self.pinned));
+        let unknown = held.saturating_sub(self.known());
         lost + f64::from(unknown) * (1.0 - survival.clamp(0.0, 1.0))
     }
 }

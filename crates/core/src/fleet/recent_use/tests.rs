@@ -171,6 +171,11 @@ fn the_window_keeps_the_newest_requests() {
         "a chain of the whole budget leaves room for no other"
     );
     assert_eq!(recent.keys, KEYS_KEPT);
+    // One longer than the budget is kept alone: the newest request is always known.
+    let longer = Arc::new((0..KEYS_KEPT as u64 + 5).map(RouterKey).collect::<Vec<_>>());
+    recent.ended(longer);
+    assert_eq!(recent.ended.len(), 1);
+    assert_eq!(recent.keys, KEYS_KEPT + 5);
     recent.clear();
     assert!(recent.ended.is_empty());
 }

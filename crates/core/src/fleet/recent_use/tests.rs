@@ -35,6 +35,26 @@ fn a_chain() -> impl Strategy<Value = Vec<RouterKey>> {
         .prop_map(|(t, c, turns, turn, own)| chain(t, 6 + 4 * t, c, turns, turn, own))
 }
 
+/// An endpoint with `inflight` requests pinning their chains (one extra block each) and
+/// `ended` ones remembered, oldest first.
+fn endpoint(inflight: &[Vec<RouterKey>], ended: &[Vec<RouterKey>]) -> (PinnedBlocks, RecentUse) {
+    let mut pinned = PinnedBlocks::default();
+    for (id, keys) in inflight.iter().enumerate() {
+        pinned.pin(
+            id as u64,
+            Arc::new(keys.clone()),
+            keys.len() * BLOCK + 3,
+            BLOCK,
+            0.0,
+        );
+    }
+    let mut recent = RecentUse::default();
+    for keys in ended {
+        recent.ended(Arc::new(keys.clone()));
+    }
+    (pinned, recent)
+}
+
 /// Lost blocks of the first `held` of `prompt`, block by block: a block pinned by an in-flight
 /// request is never lost; one last used by an ended request is lost when the distinct blocks
 /// newer than it (in-flight keys, newer ended requests' keys, the pinned extra blocks) and the
@@ -91,14 +111,7 @@ proptest! {
         capacity in 1usize..120,
         survival in prop::sample::select(vec![0.0, 0.5, 1.0]),
     ) {
-        let mut pinned = PinnedBlocks::default();
-        for (id, keys) in inflight.iter().enumerate() {
-            pinned.pin(id as u64, Arc::new(keys.clone()), keys.len() * BLOCK + 3, BLOCK, 0.0);
-        }
-        let mut recent = RecentUse::default();
-        for keys in &ended {
-            recent.ended(Arc::new(keys.clone()));
-        }
+        let (pinned, recent) = endpoint(&inflight, &ended);
         let held = (prompt.len() as f64 * held_share).round() as usize;
         let model = lost_by_model(
             &inflight, pinned.extra_blocks(), &ended, &prompt, held, capacity, survival,
@@ -117,6 +130,100 @@ proptest! {
             );
             prop_assert_eq!(model, 0.0);
         }
+    }
+}
+
+/// An LRU cache of `capacity` blocks, replayed block by block as vLLM runs it: each ended
+/// request in turn takes its blocks (a block not cached evicts the free one freed longest ago)
+/// and frees them, last block first; then the in-flight requests take theirs and pin them,
+/// with `extra_blocks` more. Returns how many leading blocks of `prompt` were cached before the
+/// in-flight requests came, and after.
+fn lru_replay(
+    ended: &[Vec<RouterKey>],
+    inflight: &[Vec<RouterKey>],
+    extra_blocks: usize,
+    prompt: &[RouterKey],
+    capacity: usize,
+) -> (usize, usize) {
+    use std::collections::HashMap;
+    // Cached blocks: when each was freed (`None`: in use, never evicted).
+    let mut cache: HashMap<RouterKey, Option<u64>> = HashMap::new();
+    let mut anonymous = 0; // pinned blocks outside any chain
+    let mut clock = 0u64;
+    let take =
+        |cache: &mut HashMap<RouterKey, Option<u64>>, anonymous: usize, key: Option<RouterKey>| {
+            if let Some(k) = key
+                && let Some(state) = cache.get_mut(&k)
+            {
+                *state = None;
+                return true;
+            }
+            if cache.len() + anonymous >= capacity {
+                let victim = cache
+                    .iter()
+                    .filter_map(|(k, freed)| freed.map(|at| (at, *k)))
+                    .min();
+                let Some((_, victim)) = victim else {
+                    return false; // everything is in use: no room
+                };
+                cache.remove(&victim);
+            }
+            if let Some(k) = key {
+                cache.insert(k, None);
+            }
+            true
+        };
+    for chain in ended {
+        for key in chain {
+            take(&mut cache, anonymous, Some(*key));
+        }
+        for key in chain.iter().rev() {
+            clock += 1;
+            if let Some(state) = cache.get_mut(key) {
+                *state = Some(clock);
+            }
+        }
+    }
+    let cached = |cache: &HashMap<RouterKey, Option<u64>>| {
+        prompt.iter().take_while(|k| cache.contains_key(k)).count()
+    };
+    let before = cached(&cache);
+    for key in inflight.iter().flatten() {
+        take(&mut cache, anonymous, Some(*key));
+    }
+    for _ in 0..extra_blocks {
+        if take(&mut cache, anonymous, None) {
+            anonymous += 1;
+        }
+    }
+    (before, cached(&cache))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Where the window holds every request the cache has seen, the parts' loss is what an LRU
+    /// cache replayed block by block loses (a check of the model, independent of its counting).
+    #[test]
+    fn parts_lose_what_an_lru_cache_replayed_block_by_block_loses(
+        inflight in prop::collection::vec(a_chain(), 0..4),
+        ended in prop::collection::vec(a_chain(), 1..24),
+        prompt in a_chain(),
+        capacity in 40usize..160,
+    ) {
+        let (pinned, recent) = endpoint(&inflight, &ended);
+        // The in-flight requests fit in the cache together (else some wait, and which is not
+        // this model's question).
+        prop_assume!(pinned.blocks() <= capacity);
+        let (held, kept) =
+            lru_replay(&ended, &inflight, pinned.extra_blocks(), &prompt, capacity);
+        let parts = recent
+            .parts(&pinned, &prompt, held, capacity, true)
+            .expect("an overflowing queue always walks");
+        // Past the parts kept, blocks are of unknown age: not this check's.
+        prop_assume!(parts.known() as usize >= held);
+        let lost = parts.lost(held as u32, capacity as f64, 1.0);
+        prop_assert_eq!(lost, held.saturating_sub(kept) as f64, "{:?}", parts);
     }
 }
 

@@ -379,7 +379,11 @@ fn a_small_cache_evicts_the_index_stays_exact_and_the_simulator_publishes_the_sa
     let took = engine.wait_healthy();
     eprintln!("small-cache engine healthy after {took:?}");
     let router = Router::start(&[&engine], "remote", "");
-    let recorder = Recorder::start(install, &format!("tcp://127.0.0.1:{}", engine.events));
+    let recorder = Recorder::start(
+        install,
+        &format!("tcp://127.0.0.1:{}", engine.events),
+        &format!("tcp://127.0.0.1:{}", engine.replay),
+    );
     let mut engine_cached = Vec::new();
     for (i, body) in sequence().iter().enumerate() {
         let (_, predicted, explain) = settled_prediction(&router, body);
@@ -407,7 +411,7 @@ fn a_small_cache_evicts_the_index_stays_exact_and_the_simulator_publishes_the_sa
     );
 
     let sim = Sim::start(install);
-    let recorder = Recorder::start(install, &sim.events);
+    let recorder = Recorder::start(install, &sim.events, &sim.replay);
     let sim_cached: Vec<u64> = sequence()
         .iter()
         .map(|body| {

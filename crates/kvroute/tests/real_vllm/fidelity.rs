@@ -39,20 +39,22 @@ pub fn sequence() -> Vec<Value> {
 }
 
 /// The KV events published on `events` (a `tcp://` address), recorded by a pyzmq + msgspec
-/// subscriber (`tests/python/kv_events_recorder.py`) until [`Recorder::finish`].
+/// subscriber (`tests/python/kv_events_recorder.py`) until [`Recorder::finish`], then completed
+/// from the publisher's `replay` socket (a subscription misses what is published before it
+/// reaches the publisher).
 pub struct Recorder {
     child: Child,
 }
 
 impl Recorder {
-    /// Subscribes, with the engine venv's Python, and waits until it has.
-    pub fn start(install: &Install, events: &str) -> Recorder {
+    /// Subscribes, with the engine venv's Python, and waits until it has connected.
+    pub fn start(install: &Install, events: &str, replay: &str) -> Recorder {
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/tests/python/kv_events_recorder.py"
         );
         let mut child = Command::new(&install.python)
-            .args([script, events])
+            .args([script, events, replay])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -65,7 +67,8 @@ impl Recorder {
         Recorder { child }
     }
 
-    /// Every event recorded, in order (the recorder drains until 100 ms pass without one).
+    /// Every event published, in order (the recorder drains until 100 ms pass without one, then
+    /// replays from the first batch and keeps each batch once).
     pub fn finish(mut self) -> Vec<Value> {
         self.child.stdin.take().unwrap().flush().unwrap();
         let out = self.child.wait_with_output().unwrap();
@@ -82,6 +85,8 @@ pub struct Sim {
     pub http: u16,
     /// KV-event PUB address.
     pub events: String,
+    /// KV-event replay address.
+    pub replay: String,
 }
 
 impl Sim {
@@ -110,6 +115,7 @@ impl Sim {
             _process: process,
             http: ports,
             events: format!("tcp://127.0.0.1:{}", ports + 1),
+            replay: format!("tcp://127.0.0.1:{}", ports + 2),
         }
     }
 }

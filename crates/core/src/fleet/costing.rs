@@ -8,7 +8,8 @@ use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
 use crate::schedule::{
-    CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load, schedule_pruned,
+    CacheSource, CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load,
+    schedule_pruned,
 };
 use crate::tiers::TierTokens;
 
@@ -134,14 +135,16 @@ impl Fleet {
         let free_blocks = e.capacity_blocks.map(|capacity| {
             capacity as f64 - held.gpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
-        // The prompt's prefix it holds, by last use: read only where part of the prompt is
-        // held and something can be lost (a search over its recent requests' keys).
+        // The prompt's prefix it holds, by last use: read only where the policy reads a cache
+        // picture, part of the prompt is held and something can be lost (a search over its
+        // recent requests' keys).
         let known = index_match
             .map_or(0, |m| m.blocks)
             .max(history)
             .max(predicted);
+        let reads_cache = self.profile.cache != CacheSource::None;
         let recency = match e.capacity_blocks {
-            Some(capacity) if known > 0 => e.recent.parts(
+            Some(capacity) if known > 0 && reads_cache => e.recent.parts(
                 &e.pinned,
                 inputs.keys,
                 known as usize,

@@ -345,7 +345,7 @@ pub(super) fn averaged(average: Option<f64>, sample: f64) -> f64 {
 
 /// The lexicographic order of two key chains, found from the first key they differ in (keys
 /// chain their parents: chains equal at one position are equal at every one before it).
-pub(super) fn chain_order(a: &[RouterKey], b: &[RouterKey]) -> Ordering {
+fn chain_order(a: &[RouterKey], b: &[RouterKey]) -> Ordering {
     let same = common_prefix(a, b);
     a.get(same).cmp(&b.get(same))
 }

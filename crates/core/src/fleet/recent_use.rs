@@ -88,8 +88,10 @@ impl RecentUse {
         }
         let mut covered = pinned.pinned_prefix(keys);
         let mut parts = RecencyParts::new(as_u32(covered));
-        // The chains passed so far, in order, to count distinct keys.
-        let mut passed = pinned.chains().to_vec();
+        // The ended chains passed so far, in order: with the in-flight ones (already in order,
+        // not copied), what counts the distinct keys. A chain adds the keys past the longest
+        // prefix it shares with either.
+        let mut passed: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::new();
         for chain in self.ended.iter().rev() {
             if covered >= keys.len() {
                 break;
@@ -106,7 +108,8 @@ impl RecentUse {
                 }
                 covered = shared;
             }
-            newer += chain.len() - longest_shared(&passed, chain);
+            let seen = longest_shared(&passed, chain).max(longest_shared(pinned.chains(), chain));
+            newer += chain.len() - seen;
             if let Err(at) = find_chain(&passed, chain) {
                 passed.insert(at, (chain.clone(), 1));
             }

@@ -126,8 +126,10 @@ pub struct CacheView {
     /// cached per block they stored (see [`cost`]).
     pub block_reuse: f64,
     /// The prompt's cached prefix there split by last use, so that the queue ahead evicts the
-    /// blocks used longest ago first (`None`: not known, and every cached block is taken as
-    /// equally likely to go).
+    /// blocks used longest ago first. `None` where it was not read: nothing can be lost there
+    /// (the queue ahead fits in the free blocks and every recently used block in the cache), no
+    /// cache picture is used, or the capacity is unknown; every cached block is then taken as
+    /// equally likely to go (which loses nothing when the queue ahead fits).
     pub recency: Option<RecencyParts>,
     /// Its index holds blocks it offloaded to CPU memory: a GPU block evicted there is stored
     /// on (or already in) that tier, so getting it back costs a CPU load, not a prefill.

@@ -39,6 +39,21 @@ pub struct TierCosts {
     pub storage_weight: Option<f64>,
     /// Override for the shared tier.
     pub shared_weight: Option<f64>,
+    /// How the engines' connector loads tier blocks, which says whom a load makes wait.
+    pub load_mode: TierLoadMode,
+}
+
+/// How an engine's offloading connector loads the blocks a request finds below the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TierLoadMode {
+    /// Beside the batch (vLLM's OffloadingConnector: `load_kv_async`): the request waits for
+    /// its blocks, running decodes do not. A load delays only its own request.
+    #[default]
+    Async,
+    /// In the step that admits the request (LMCache's connector unless configured for
+    /// asynchronous loading): every sequence in that step waits for the load too.
+    InStep,
 }
 
 impl Default for TierCosts {
@@ -53,6 +68,7 @@ impl Default for TierCosts {
             cpu_weight: None,
             storage_weight: None,
             shared_weight: None,
+            load_mode: TierLoadMode::default(),
         }
     }
 }

@@ -1065,6 +1065,19 @@ mod tests {
     }
 
     #[test]
+    fn the_tier_load_mode_follows_the_engines_connector() {
+        use kvroute_core::tiers::TierLoadMode;
+        let c = RouterConfig::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.scheduler.profile().tiers.load_mode, TierLoadMode::Async);
+        let lmcache = format!("{MINIMAL}scheduler: {{tiers: {{load_mode: in_step}}}}\n");
+        let c = RouterConfig::from_yaml(&lmcache).unwrap();
+        assert_eq!(c.scheduler.profile().tiers.load_mode, TierLoadMode::InStep);
+        let bad = format!("{MINIMAL}scheduler: {{tiers: {{load_mode: sometimes}}}}\n");
+        let err = RouterConfig::from_yaml(&bad).unwrap_err().to_string();
+        assert!(err.contains("load_mode"), "{err}");
+    }
+
+    #[test]
     fn a_public_admin_listener_needs_a_token() {
         let yaml = format!("{MINIMAL}admin: {{listen: '0.0.0.0:9000', token: secret}}\n");
         let c = RouterConfig::from_yaml(&yaml).unwrap();

@@ -14,6 +14,8 @@ use kvroute_core::fleet::{
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedMount};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
+use kvroute_core::tiers::TierLoadMode;
+use kvroute_sim::engine::TierLoads;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -82,14 +84,19 @@ impl CorePolicy {
     }
 
     /// `profile` on `fleet` with core's settings `config` (its load-sample age is derived from
-    /// the scrape interval, as the router derives it).
+    /// the scrape interval, as the router derives it), told how the engines load tier blocks,
+    /// as an operator configures it for their connector.
     pub fn new(
-        profile: Profile,
+        mut profile: Profile,
         mut config: CoreFleetConfig,
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
         config.load_sample_max_age_s =
             CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s, 0.0);
+        profile.tiers.load_mode = match fleet.engine.tier_loads {
+            TierLoads::Async => TierLoadMode::Async,
+            TierLoads::InStep => TierLoadMode::InStep,
+        };
         if profile.cache != CacheSource::Approximate {
             // Only the approximate source reads the routing history (every endpoint here has
             // events): entries that expire at once keep it small and change no decision. Its

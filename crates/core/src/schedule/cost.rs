@@ -19,8 +19,10 @@
 //! - **decode interference** (the stall it imposes on others): while it prefills, every running
 //!   decode there waits (its next token comes after that step), and so do the requests that
 //!   will queue behind it, in steady state as many as are queued there now (a queue that keeps
-//!   its length has as many arrive behind a request as were ahead of it); charged as prefill
-//!   seconds × (running decodes + queued requests) × a factor;
+//!   its length has as many arrive behind a request as were ahead of it); charged as the
+//!   seconds it occupies the engine's steps (its prefill, and its tier loads only where the
+//!   connector loads in the step: [`crate::tiers::TierLoadMode`]) × (running decodes + queued
+//!   requests) × a factor;
 //! - **eviction**: a vLLM cache is full in steady state, so the blocks this request stores
 //!   there push out cached blocks (least recently used first) that other requests may have
 //!   come back for. Charged as the blocks it stores beyond the endpoint's free blocks × their
@@ -41,7 +43,7 @@
 use serde::Serialize;
 
 use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
-use crate::tiers::{TierLoad, tier_load};
+use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 
 /// One candidate's cost, term by term, in seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -58,6 +60,9 @@ pub struct Cost {
     pub tier_load_s: f64,
     /// `tier_load_s` tier by tier: tokens, rate, seconds, and whether each is credited.
     pub tiers: TierLoad,
+    /// The seconds it occupies the engine's steps: its prefill, and its tier loads where they
+    /// run in the step ([`crate::tiers::TierLoadMode::InStep`]).
+    pub stalling_s: f64,
     /// The stall imposed on running decodes.
     pub decode_interference_s: f64,
     /// The expected re-prefill of the cached blocks the placement evicts.
@@ -183,9 +188,13 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     // Who waits for this prefill: every running decode (its next token comes after the step
     // that computes it), and the requests that will queue behind it, as many, in steady state,
     // as are queued there now.
-    let decode_interference_s = (prefill_s + tier_load_s)
-        * (load.decoding() + load.queue())
-        * profile.weights.decode_interference;
+    // A load beside the batch delays only this request.
+    let stalling_s = match profile.tiers.load_mode {
+        TierLoadMode::Async => prefill_s,
+        TierLoadMode::InStep => prefill_s + tier_load_s,
+    };
+    let decode_interference_s =
+        stalling_s * (load.decoding() + load.queue()) * profile.weights.decode_interference;
     // A block reloaded from CPU memory is priced as every block found there is: its load, not
     // the room it takes again on the GPU.
     let eviction_s = eviction_s(request, c, held.all as f64 - recomputed, rate);
@@ -200,6 +209,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         evicted_ahead_tokens: lost,
         tier_load_s,
         tiers,
+        stalling_s,
         decode_interference_s,
         eviction_s,
         session_credit_s,
@@ -227,9 +237,10 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 /// - `queue_s` = `queued_tokens / rate + queue × queue_wait_s` ≥ 0 (`queued_tokens` is the
 ///   larger of an unsigned count and another value, `queue` of a count and the scraped queue,
 ///   `queue_wait_s` ≥ 0);
-/// - `decode_interference_s` = `(prefill_s + tier_load_s) × (decoding + queue) × w_di` ≥ `U / R
-///   × busy × w_di` (both factors are non-negative: `decoding` and `queue` are each the larger
-///   of a count and a scraped value);
+/// - `decode_interference_s` = `stalling_s × (decoding + queue) × w_di` ≥ `U / R × busy × w_di`
+///   (`stalling_s` is `prefill_s`, plus `tier_load_s` ≥ 0 for in-step loads; both other factors
+///   are non-negative: `decoding` and `queue` are each the larger of a count and a scraped
+///   value);
 /// - `eviction_s` ≥ 0 (a non-negative count of blocks × block size / rate × a reuse clamped to
 ///   0–1), and `session_credit_s` = 0.
 ///

@@ -2,7 +2,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::index::PrefixMatch;
-use crate::tiers::LoadTier;
+use crate::tiers::{LoadTier, TierLoadMode};
 
 const RATE: f64 = 20_000.0;
 
@@ -44,6 +44,15 @@ fn gpu_match(id: u32, blocks: u32) -> Option<PrefixMatch> {
         cpu_blocks: 0,
         storage_blocks: 0,
         shared_blocks: 0,
+    })
+}
+
+/// A match of `blocks` held only in CPU memory.
+fn cpu_match(id: u32, blocks: u32) -> Option<PrefixMatch> {
+    Some(PrefixMatch {
+        cpu_blocks: blocks,
+        gpu_blocks: 0,
+        ..gpu_match(id, blocks)?
     })
 }
 
@@ -340,14 +349,7 @@ fn softmax_spreads_among_near_equal_candidates() {
 #[test]
 fn lower_tiers_cost_their_loading_time() {
     let mut cands = fleet(3);
-    cands[0].cache.index = Some(PrefixMatch {
-        endpoint: EndpointId(0),
-        blocks: 50,
-        gpu_blocks: 0,
-        cpu_blocks: 50,
-        storage_blocks: 0,
-        shared_blocks: 0,
-    });
+    cands[0].cache.index = cpu_match(0, 50);
     cands[1].cache.index = gpu_match(1, 50);
     let d = schedule(&Profile::default(), &request(1000), &cands, 0, 0);
     assert_eq!(d.chosen(), Some(EndpointId(1)), "a GPU hit beats a CPU hit");
@@ -386,6 +388,31 @@ fn the_stall_counts_running_decodes_and_the_queue_that_forms_behind() {
     // 5 running decodes and 3 queued requests wait for its 1,000 tokens.
     let stall = d.assessments[0].cost.decode_interference_s;
     assert!((stall - 8.0 * 1_000.0 / RATE).abs() < 1e-12, "{stall}");
+}
+
+#[test]
+fn a_tier_load_stalls_running_decodes_only_where_the_connector_loads_in_the_step() {
+    let mut cands = fleet(1);
+    cands[0].load.running = Some(5.0);
+    cands[0].cache.index = cpu_match(0, 50);
+    let stall_and_load = |mode: TierLoadMode| {
+        let mut profile = Profile::default();
+        profile.tiers.load_mode = mode;
+        let d = schedule(&profile, &request(1_000), &cands, 0, 0);
+        let c = &d.assessments[0].cost;
+        (c.decode_interference_s, c.tier_load_s, c.prefill_s)
+    };
+    // vLLM's OffloadingConnector loads beside the batch: the 5 decodes wait for the prefill of
+    // the 200 uncached tokens only.
+    let (stall, load, prefill) = stall_and_load(TierLoadMode::Async);
+    assert!(load > 0.0);
+    assert!(
+        (stall - 5.0 * prefill).abs() < 1e-12,
+        "{stall} vs {prefill}"
+    );
+    // A connector that loads in the step stalls them for the load as well.
+    let (stall, load, prefill) = stall_and_load(TierLoadMode::InStep);
+    assert!((stall - 5.0 * (prefill + load)).abs() < 1e-12, "{stall}");
 }
 
 #[test]

@@ -3,10 +3,10 @@
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::engine::latency::{LLAMA_8B_KV_BYTES_PER_TOKEN, LatencyModel};
 use kvroute_sim::engine::offload_config::apply_offload_config;
 use kvroute_sim::engine::shared_fs::SharedFsConfig;
+use kvroute_sim::engine::{EngineConfig, TierLoads};
 
 /// One engine's model.
 #[derive(Args)]
@@ -76,6 +76,12 @@ pub struct EngineArgs {
     /// Access latency of a step that loads from the SSD tier, seconds.
     #[arg(long, default_value_t = LatencyModel::default().ssd_load_latency_s)]
     ssd_load_latency_s: f64,
+    /// How blocks found on the offload tiers load: async (beside the batch, as vLLM's
+    /// OffloadingConnector loads them) or in-step (the admitting step waits, as LMCache's
+    /// connector loads by default). Default: async; `kvroute sim --offload-events lmcache`:
+    /// in-step.
+    #[arg(long)]
+    tier_loads: Option<TierLoads>,
 }
 
 fn parse_kv_bytes(text: &str) -> Result<usize, String> {
@@ -88,6 +94,11 @@ impl EngineArgs {
     /// KV-cache bytes per token.
     pub fn kv_bytes_per_token(&self) -> usize {
         self.kv_bytes_per_token
+    }
+
+    /// The tier load mode given on the command line, if any.
+    pub fn tier_loads(&self) -> Option<TierLoads> {
+        self.tier_loads
     }
 
     /// The engine configuration the flags describe.
@@ -119,6 +130,7 @@ impl EngineArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,
             hash_seed: self.hash_seed.clone(),
+            tier_loads: self.tier_loads.unwrap_or_default(),
             latency: LatencyModel {
                 step_overhead_s: self.step_overhead_s,
                 prefill_per_token_s: self.prefill_per_token_s,

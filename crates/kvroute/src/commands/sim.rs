@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use kvroute_sim::connector_events::OffloadEvents;
+use kvroute_sim::engine::{EngineConfig, TierLoads};
 use kvroute_sim::server::faults::Faults;
 use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, start};
@@ -62,7 +64,7 @@ pub struct SimArgs {
     /// placeholders), vllm-self-describing (its self_describing_kv_events payload) or lmcache
     /// (LMCache: stores only, its own chunk hashes).
     #[arg(long, default_value = "vllm")]
-    offload_events: kvroute_sim::connector_events::OffloadEvents,
+    offload_events: OffloadEvents,
     #[command(flatten)]
     engine: EngineArgs,
     /// Simulated seconds per wall second (10: ten times faster than real time).
@@ -125,7 +127,17 @@ impl SimArgs {
             events_port: self.events_port,
             replay_port: (self.replay_port != 0).then_some(self.replay_port),
             engines,
-            engine: self.engine.engine_config()?,
+            engine: EngineConfig {
+                // LMCache's connector loads in the step unless told otherwise.
+                tier_loads: self.engine.tier_loads().unwrap_or(
+                    if self.offload_events == OffloadEvents::Lmcache {
+                        TierLoads::InStep
+                    } else {
+                        TierLoads::Async
+                    },
+                ),
+                ..self.engine.engine_config()?
+            },
             time_scale: self.time_scale,
             vllm_version: self.vllm_version.clone(),
             topic: self.topic.clone(),
@@ -171,4 +183,45 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn tier_loads(args: &[&str]) -> TierLoads {
+        let cli = Cli::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).unwrap();
+        cli.sim.config().unwrap().engine.tier_loads
+    }
+
+    #[test]
+    fn engines_load_tiers_as_their_connector_does_unless_told() {
+        assert_eq!(
+            tier_loads(&[]),
+            TierLoads::Async,
+            "vLLM's OffloadingConnector"
+        );
+        assert_eq!(
+            tier_loads(&["--offload-events", "vllm-self-describing"]),
+            TierLoads::Async
+        );
+        assert_eq!(
+            tier_loads(&["--offload-events", "lmcache"]),
+            TierLoads::InStep,
+            "LMCache loads in the step by default"
+        );
+        assert_eq!(
+            tier_loads(&["--offload-events", "lmcache", "--tier-loads", "async"]),
+            TierLoads::Async
+        );
+        assert_eq!(tier_loads(&["--tier-loads", "in-step"]), TierLoads::InStep);
+    }
 }

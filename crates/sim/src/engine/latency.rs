@@ -1,8 +1,9 @@
 //! How long one engine step takes.
 //!
 //! A step's time grows with the prompt tokens it prefills (compute-bound), the sequences it
-//! decodes and the context they attend to (memory-bound), and the blocks it loads back from the
-//! CPU tier (transfer-bound). Cached prompt tokens are not recomputed, which is the whole point
+//! decodes and the context they attend to (memory-bound), and, where the connector loads in the
+//! step ([`super::tier_loads`]), the blocks it loads back from the offload tiers
+//! (transfer-bound). Cached prompt tokens are not recomputed, which is the whole point
 //! of prefix caching and of routing to where the cache is.
 //!
 //! The defaults approximate Llama-3.1-8B in bf16 on one H100 SXM, from public figures:
@@ -82,6 +83,8 @@ pub struct StepWork {
     /// Seconds spent loading from the shared filesystem (its bandwidth is shared by the fleet,
     /// so the tier prices each load).
     pub shared_fs_load_s: f64,
+    /// Seconds the engine waited for an asynchronous tier load, having nothing else to run.
+    pub load_wait_s: f64,
 }
 
 impl LatencyModel {
@@ -90,21 +93,31 @@ impl LatencyModel {
         if *work == StepWork::default() {
             return 0.0;
         }
+        let waited = StepWork {
+            load_wait_s: work.load_wait_s,
+            ..StepWork::default()
+        };
+        if *work == waited {
+            return work.load_wait_s;
+        }
         self.step_overhead_s
             + work.prefill_tokens as f64 * self.prefill_per_token_s
             + work.decode_seqs as f64 * self.decode_per_seq_s
             + work.context_tokens as f64 * self.decode_per_context_token_s
-            + work.cpu_blocks_loaded as f64 * self.cpu_load_per_block_s
-            + self.ssd_seconds(work.ssd_blocks_loaded)
+            + self.load_seconds(work.cpu_blocks_loaded, work.ssd_blocks_loaded)
             + work.shared_fs_load_s
+            + work.load_wait_s
     }
 
-    /// Time to load `blocks` from the SSD tier in one step (0 for none).
-    fn ssd_seconds(&self, blocks: usize) -> f64 {
-        if blocks == 0 {
-            return 0.0;
-        }
-        self.ssd_load_latency_s + blocks as f64 * self.ssd_load_per_block_s
+    /// Time to load `cpu` blocks from the CPU tier and `ssd` from the SSD tier in one go (the
+    /// SSD's access latency once, if any).
+    pub fn load_seconds(&self, cpu: usize, ssd: usize) -> f64 {
+        let ssd_s = if ssd == 0 {
+            0.0
+        } else {
+            self.ssd_load_latency_s + ssd as f64 * self.ssd_load_per_block_s
+        };
+        cpu as f64 * self.cpu_load_per_block_s + ssd_s
     }
 
     /// Scales every coefficient by `factor` (a slower or faster engine).

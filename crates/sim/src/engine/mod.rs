@@ -9,6 +9,7 @@ mod lru;
 pub mod offload_config;
 mod request;
 pub mod shared_fs;
+pub mod tier_loads;
 pub mod transfer;
 
 use std::collections::{HashMap, VecDeque};
@@ -23,6 +24,8 @@ use latency::{LatencyModel, StepWork};
 use request::Sequence;
 pub use request::{EngineRequest, FinishReason, TokenOutput};
 use shared_fs::{SharedFs, SharedFsConfig, SharedFsHandle};
+use tier_loads::AsyncLoads;
+pub use tier_loads::TierLoads;
 pub use transfer::{HeldBlocks, KvTransfer};
 
 /// Identifies a request inside one engine.
@@ -53,6 +56,9 @@ pub struct EngineConfig {
     pub shared_fs: Option<SharedFsConfig>,
     /// KV-cache bytes per token (sizes the bytes an offload tier loads).
     pub kv_bytes_per_token: usize,
+    /// Whether blocks found on the offload tiers load beside the batch (vLLM's
+    /// OffloadingConnector) or in the step that admits the request (LMCache's default).
+    pub tier_loads: TierLoads,
     /// Step timing.
     pub latency: LatencyModel,
 }
@@ -70,6 +76,7 @@ impl Default for EngineConfig {
             max_model_len: 32_768,
             hash_seed: kvroute_core::keys::VLLM_DEFAULT_SEED.to_owned(),
             kv_bytes_per_token: latency::LLAMA_8B_KV_BYTES_PER_TOKEN,
+            tier_loads: TierLoads::default(),
             latency: LatencyModel::default(),
         }
     }
@@ -158,6 +165,8 @@ pub struct Engine {
     clock_s: f64,
     /// Finished prefill legs' blocks, pinned for their consumer.
     held: HashMap<RequestId, (HeldBlocks, Vec<block_pool::BlockId>)>,
+    /// Requests waiting for their blocks to load beside the batch ([`TierLoads::Async`]).
+    loads: AsyncLoads,
 }
 
 impl Engine {
@@ -222,6 +231,7 @@ impl Engine {
             metrics: EngineMetrics::default(),
             clock_s: 0.0,
             held: HashMap::new(),
+            loads: AsyncLoads::default(),
         };
         if let Some(shared) = shared {
             engine.mount_shared_fs(shared);
@@ -274,23 +284,29 @@ impl Engine {
             self.waiting.remove(i);
             return true;
         }
-        if let Some(i) = self.running.iter().position(|s| s.id() == id) {
-            let mut seq = self.running.remove(i);
-            self.pool.free(&seq.take_blocks());
-            return true;
+        let running = self.running.iter().position(|s| s.id() == id);
+        let seq = match running {
+            Some(i) => Some(self.running.remove(i)),
+            None => self.loads.remove(id),
+        };
+        match seq {
+            Some(mut seq) => {
+                self.pool.free(&seq.take_blocks());
+                true
+            }
+            None => false,
         }
-        false
     }
 
     /// Whether a step would do anything.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || self.loads.len() > 0
     }
 
     /// Empties the prefix cache, as vLLM's `/reset_prefix_cache` does; refused (false) while
     /// requests hold blocks.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.running.is_empty() && self.pool.reset()
+        self.running.is_empty() && self.loads.len() == 0 && self.pool.reset()
     }
 
     /// The KV events produced outside a step (a cache reset).
@@ -302,7 +318,8 @@ impl Engine {
     pub fn metrics(&self) -> EngineMetrics {
         EngineMetrics {
             num_requests_running: self.running.len(),
-            num_requests_waiting: self.waiting.len(),
+            // vLLM keeps a request whose blocks are loading in its waiting queue.
+            num_requests_waiting: self.waiting.len() + self.loads.len(),
             kv_cache_usage: self.pool.usage(),
             cached_blocks: self.pool.cached_blocks(),
             cpu_blocks: self.pool.cpu_blocks(),
@@ -371,14 +388,16 @@ impl Engine {
         self.step_at(self.clock_s)
     }
 
-    /// Runs one scheduler step starting at `now_s` (the time shared-filesystem loads queue
-    /// at): continue running sequences (decode or the next prefill chunk), preempting the
-    /// newest when blocks run out, then admit waiting requests FCFS while the token budget and
-    /// batch size allow.
+    /// Runs one scheduler step starting at `now_s` (the time tier loads queue at): requests
+    /// whose blocks have loaded join the batch, running sequences continue (decode or the next
+    /// prefill chunk), preempting the newest when blocks run out, then waiting requests are
+    /// admitted FCFS while the token budget and batch size allow. A step with nothing to run
+    /// while loads are under way waits for the first of them.
     pub fn step_at(&mut self, now_s: f64) -> StepOutput {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
+        self.running.extend(self.loads.take_ready(now_s));
         // Tokens each scheduled sequence computes this step, by index in `running`.
         let mut scheduled: Vec<usize> = Vec::with_capacity(self.running.len());
 
@@ -408,7 +427,22 @@ impl Engine {
             };
             let hit = seq.prefix_hit(&self.pool);
             let computed = hit.total_blocks() * bs;
-            let want = (seq.len() - computed).min(budget);
+            let (cpu, ssd) = (
+                hit.loaded_from(OffloadTier::Cpu),
+                hit.loaded_from(OffloadTier::Ssd),
+            );
+            let own_load_s = self.config.latency.load_seconds(cpu, ssd);
+            // Beside the batch, a request that loads anything, or hits blocks another request
+            // is still loading, waits for them without taking part in this step.
+            let parks = self.config.tier_loads == TierLoads::Async
+                && (own_load_s > 0.0
+                    || hit.loaded_from(OffloadTier::SharedFs) > 0
+                    || self.loads.any_arriving(now_s, &hit.gpu));
+            let want = if parks {
+                0
+            } else {
+                (seq.len() - computed).min(budget)
+            };
             let needed = (computed + want).div_ceil(bs) - hit.gpu.len();
             // Take the hit blocks first, so allocating the rest cannot evict them.
             for &id in &hit.gpu {
@@ -423,29 +457,36 @@ impl Engine {
             self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
             self.metrics.external_prefix_cache_hits +=
                 ((hit.offloaded.len() + hit.external.len()) * bs) as u64;
-            let (cpu, ssd) = (
-                hit.loaded_from(OffloadTier::Cpu),
-                hit.loaded_from(OffloadTier::Ssd),
-            );
             self.metrics.cpu_hit_tokens += (cpu * bs) as u64;
             self.metrics.ssd_hit_tokens += (ssd * bs) as u64;
             let block_bytes = (bs * self.config.kv_bytes_per_token) as u64;
             self.metrics.cpu_bytes_loaded += cpu as u64 * block_bytes;
             self.metrics.ssd_bytes_loaded += ssd as u64 * block_bytes;
-            work.cpu_blocks_loaded += cpu;
-            work.ssd_blocks_loaded += ssd;
             let shared: Vec<_> = hit
                 .offloaded
                 .iter()
                 .filter(|(_, t)| *t == OffloadTier::SharedFs)
                 .map(|(d, _)| *d)
                 .collect();
+            let mut shared_fs_load_s = 0.0;
             if let Some(fs) = self.pool.shared().filter(|_| !shared.is_empty()) {
                 let bytes = shared.len() as u64 * block_bytes;
-                work.shared_fs_load_s += block_pool::lock(fs).load(&shared, bytes, now_s);
+                shared_fs_load_s = block_pool::lock(fs).load(&shared, bytes, now_s);
                 self.metrics.shared_fs_hit_tokens += (shared.len() * bs) as u64;
                 self.metrics.shared_fs_bytes_loaded += bytes;
             }
+            if parks {
+                let ready_s = self
+                    .loads
+                    .ready_at(now_s, own_load_s, shared_fs_load_s, &hit.gpu);
+                let filled = blocks.clone();
+                seq.admit(hit, blocks, &mut self.pool);
+                self.loads.park(seq, ready_s, filled);
+                continue;
+            }
+            work.cpu_blocks_loaded += cpu;
+            work.ssd_blocks_loaded += ssd;
+            work.shared_fs_load_s += shared_fs_load_s;
             seq.admit(hit, blocks, &mut self.pool);
             budget -= want;
             scheduled.push(want);
@@ -474,6 +515,12 @@ impl Engine {
         self.running = kept;
         for seq in finished {
             self.retire(seq);
+        }
+        if work == StepWork::default()
+            && let Some(ready_s) = self.loads.next_ready()
+        {
+            // Nothing to compute: the engine waits for the first load to end.
+            work.load_wait_s = ready_s - now_s;
         }
         let duration_s = self.config.latency.step_seconds(&work);
         self.clock_s = now_s + duration_s;
@@ -510,5 +557,7 @@ enum Allocation {
     SelfPreempted,
 }
 
+#[cfg(test)]
+mod async_load_tests;
 #[cfg(test)]
 mod tests;

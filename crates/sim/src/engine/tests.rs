@@ -1,6 +1,6 @@
 use super::*;
 
-fn engine(gpu_blocks: usize) -> Engine {
+pub(super) fn engine(gpu_blocks: usize) -> Engine {
     Engine::new(EngineConfig {
         block_size: 4,
         num_gpu_blocks: gpu_blocks,
@@ -10,7 +10,16 @@ fn engine(gpu_blocks: usize) -> Engine {
     .unwrap()
 }
 
-fn request(id: RequestId, prompt: Vec<u32>, outputs: usize) -> EngineRequest {
+/// [`engine`] loading offloaded blocks in the admitting step (LMCache's way).
+fn in_step_engine(gpu_blocks: usize) -> Engine {
+    Engine::new(EngineConfig {
+        tier_loads: TierLoads::InStep,
+        ..engine(gpu_blocks).config
+    })
+    .unwrap()
+}
+
+pub(super) fn request(id: RequestId, prompt: Vec<u32>, outputs: usize) -> EngineRequest {
     EngineRequest {
         id,
         prompt,
@@ -21,7 +30,7 @@ fn request(id: RequestId, prompt: Vec<u32>, outputs: usize) -> EngineRequest {
 }
 
 /// Steps until idle; returns every token output and the total simulated time.
-fn run(engine: &mut Engine) -> (Vec<TokenOutput>, f64, Vec<KvEvent>) {
+pub(super) fn run(engine: &mut Engine) -> (Vec<TokenOutput>, f64, Vec<KvEvent>) {
     let (mut tokens, mut time, mut events) = (Vec::new(), 0.0, Vec::new());
     let mut guard = 0;
     while engine.has_work() {
@@ -180,6 +189,7 @@ fn cpu_tier_hits_count_as_cached_and_cost_a_transfer() {
         block_size: 4,
         num_gpu_blocks: 8,
         num_cpu_blocks: 32,
+        tier_loads: TierLoads::InStep,
         max_num_batched_tokens: 64,
         ..EngineConfig::default()
     })
@@ -202,13 +212,15 @@ fn cpu_tier_hits_count_as_cached_and_cost_a_transfer() {
     );
 }
 
-/// An engine of 8 GPU blocks over a 2-block CPU tier and a 32-block SSD tier.
+/// An engine of 8 GPU blocks over a 2-block CPU tier and a 32-block SSD tier, loading in the
+/// admitting step.
 fn ssd_engine() -> Engine {
     Engine::new(EngineConfig {
         block_size: 4,
         num_gpu_blocks: 8,
         num_cpu_blocks: 2,
         num_ssd_blocks: 32,
+        tier_loads: TierLoads::InStep,
         max_num_batched_tokens: 64,
         ..EngineConfig::default()
     })
@@ -294,7 +306,7 @@ fn a_block_one_engine_writes_to_the_shared_fs_is_loaded_by_another_at_shared_ban
         latency_s: 1e-3,
     });
     let mut writer = engine(8);
-    let mut readers = [engine(8), engine(8)];
+    let mut readers = [in_step_engine(8), in_step_engine(8)];
     writer.mount_shared_fs(fs.clone());
     for reader in &mut readers {
         reader.mount_shared_fs(fs.clone());

@@ -411,15 +411,15 @@ impl Fleet {
     }
 
     /// The prefill of the request `plan` planned was sent to `endpoint` at `now` (a prefill
-    /// leg, a whole request, or a fallback's second try): its prefill seconds, as `plan`
-    /// assessed them there, count as work reaching that endpoint (the queue inflow a later
+    /// leg, a whole request, or a fallback's second try): the seconds it occupies that
+    /// endpoint's steps, as `plan` assessed them there, count as work reaching that endpoint (the queue inflow a later
     /// decode leg's wait is priced with). Nothing when P/D is off or `endpoint` was not
     /// assessed.
     pub fn prefill_sent(&mut self, plan: &Plan, endpoint: EndpointId, now: f64) {
         let Some(a) = plan.decision.assessment(endpoint) else {
             return;
         };
-        let seconds = a.cost.prefill_s + a.cost.tier_load_s;
+        let seconds = a.cost.stalling_s;
         if let Some(state) = self.disagg.as_mut() {
             state.record_inflow(endpoint, seconds, now);
         }

@@ -248,7 +248,8 @@ pub fn decide(
 
 /// The stall a prefill on `prefill` imposes on its decodes, priced at `decode`'s prefill rate:
 /// the decodes it stalls there (its interference per second of prefill) times the seconds
-/// `decode` would take for the tokens `prefill` lacks, plus `prefill`'s own tier loading.
+/// `decode` would take for the tokens `prefill` lacks, plus `prefill`'s own tier loading where
+/// it runs in the step (its `stalling_s` beyond its prefill).
 ///
 /// Why one rate: disaggregating moves one prefill, and its stall, from D's decodes to P's.
 /// Whether that saves anything depends on how many decodes each has, not on which engine's
@@ -261,14 +262,15 @@ pub fn decide(
 pub fn stall_at_decode_rate(prompt_tokens: usize, decode: &SideCost, prefill: &SideCost) -> f64 {
     let (d, p) = (&decode.cost, &prefill.cost);
     let uncached = |cached: usize| prompt_tokens.saturating_sub(cached) as f64;
-    let own_duration_s = p.prefill_s + p.tier_load_s;
+    let own_duration_s = p.stalling_s;
     let d_uncached = uncached(decode.cached_tokens);
     if own_duration_s <= 0.0 || d.prefill_s <= 0.0 || d_uncached <= 0.0 {
         return p.decode_interference_s;
     }
     let stalled_per_s = p.decode_interference_s / own_duration_s;
+    let in_step_load_s = p.stalling_s - p.prefill_s;
     let duration_at_d_s =
-        d.prefill_s * uncached(prefill.cached_tokens) / d_uncached + p.tier_load_s;
+        d.prefill_s * uncached(prefill.cached_tokens) / d_uncached + in_step_load_s;
     stalled_per_s * duration_at_d_s
 }
 

@@ -44,6 +44,7 @@ fn side(
         cost: Cost {
             queue_s,
             prefill_s,
+            stalling_s: prefill_s,
             decode_interference_s: prefill_s * decodes,
             ..Cost::default()
         },
@@ -395,6 +396,7 @@ fn long_prompt_choice(d_decodes: f64, p_decodes: f64, p_rate: f64) -> (DisaggExp
     let d = side(D, LONG_PROMPT, 0, 0.0, d_decodes);
     let mut p = side(P, LONG_PROMPT, 0, 0.0, p_decodes);
     p.cost.prefill_s /= p_rate;
+    p.cost.stalling_s /= p_rate;
     p.cost.decode_interference_s /= p_rate;
     let explain = decide(request(LONG_PROMPT), &d, &[p], &book(IB), 0.0);
     (explain, LONG_PROMPT as f64 * PREFILL_S)

@@ -1,0 +1,183 @@
+//! Tier loads beside the batch ([`TierLoads::Async`], vLLM's OffloadingConnector).
+
+use super::tests::{request, run};
+use super::*;
+
+/// Seconds to load one block from the CPU tier: large, so that a load spans many steps.
+const LOAD_PER_BLOCK_S: f64 = 0.02;
+
+/// An engine of 32 GPU blocks of 4 tokens over a 64-block CPU tier, loading asynchronously.
+fn engine() -> Engine {
+    let mut config = EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: 32,
+        num_cpu_blocks: 64,
+        max_num_batched_tokens: 64,
+        ..EngineConfig::default()
+    };
+    config.latency.cpu_load_per_block_s = LOAD_PER_BLOCK_S;
+    Engine::new(config).unwrap()
+}
+
+/// An engine whose GPU evicted prompt `a` (24 tokens) into its CPU tier: 5 blocks to load.
+fn a_prompt_on_cpu() -> (Engine, Vec<u32>) {
+    let mut e = engine();
+    let a: Vec<u32> = (0..24).collect();
+    e.add_request(request(1, a.clone(), 1)).unwrap();
+    run(&mut e);
+    for i in 0..6u32 {
+        let start = 1_000 * (i + 1);
+        e.add_request(request(2 + u64::from(i), (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut e);
+    }
+    let tiers = e.prefix_tiers(&a, None, None);
+    assert_eq!((tiers.gpu, tiers.cpu), (0, 5), "{tiers:?}");
+    (e, a)
+}
+
+/// Steps until request `id` produces its first token; returns when that step ended, and the
+/// longest step taken meanwhile.
+fn until_first_token(e: &mut Engine, id: RequestId, mut now: f64) -> (f64, f64, TokenOutput) {
+    let mut longest: f64 = 0.0;
+    for _ in 0..10_000 {
+        let step = e.step_at(now);
+        now += step.duration_s;
+        longest = longest.max(step.duration_s);
+        if let Some(t) = step.tokens.into_iter().find(|t| t.id == id && t.index == 0) {
+            return (now, longest, t);
+        }
+    }
+    panic!("request {id} never produced a token");
+}
+
+#[test]
+fn a_request_loading_from_cpu_waits_beside_the_batch_and_stalls_no_decode() {
+    let (mut e, a) = a_prompt_on_cpu();
+    // A decoding request: its steps must not wait for the load.
+    e.add_request(request(20, (9_000..9_008).collect(), 40))
+        .unwrap();
+    let (mut now, _, _) = until_first_token(&mut e, 20, 10.0);
+    e.add_request(request(21, a, 1)).unwrap();
+    let admitted = now;
+    let step = e.step_at(now);
+    now += step.duration_s;
+    assert_eq!(step.work.cpu_blocks_loaded, 0, "the load is not step work");
+    assert_eq!(step.work.decode_seqs, 1);
+    assert_eq!(
+        e.metrics().num_requests_waiting,
+        1,
+        "parked, as vLLM counts it"
+    );
+    assert_eq!(e.metrics().cpu_hit_tokens, 20);
+    let (first, longest, token) = until_first_token(&mut e, 21, now);
+    let load = 5.0 * LOAD_PER_BLOCK_S;
+    assert!(
+        first >= admitted + load,
+        "first token at {first}, before the load ended at {}",
+        admitted + load
+    );
+    assert!(
+        longest < load / 4.0,
+        "a step waited for the load: {longest} s"
+    );
+    assert_eq!(
+        token.cached_tokens, 20,
+        "5 blocks loaded, the last recomputed"
+    );
+}
+
+#[test]
+fn a_request_hitting_blocks_still_loading_waits_for_them() {
+    let (mut e, a) = a_prompt_on_cpu();
+    e.add_request(request(21, a.clone(), 1)).unwrap();
+    // The second, admitted in the same step, finds the blocks on the GPU (allocated, not yet
+    // filled) and waits for them.
+    let mut b = a.clone();
+    b.extend([7_000, 7_001, 7_002, 7_003]);
+    e.add_request(request(22, b, 1)).unwrap();
+    let step = e.step_at(10.0);
+    assert_eq!(step.work.prefill_tokens, 0, "both park");
+    assert_eq!(e.metrics().num_requests_waiting, 2);
+    let load_end = 10.0 + 5.0 * LOAD_PER_BLOCK_S;
+    assert!((step.duration_s - 5.0 * LOAD_PER_BLOCK_S).abs() < 1e-12);
+    assert_eq!(
+        e.metrics().prefix_cache_hits,
+        20,
+        "the second's GPU hits are the first's 5 blocks, counted at admission"
+    );
+    assert_eq!(
+        e.metrics().cpu_hit_tokens,
+        24,
+        "the 5 blocks are loaded once; the second loads only its sixth, stored by prompt a"
+    );
+    // Its own block queues behind the first's 5 on the host link.
+    let ready = 10.0 + 6.0 * LOAD_PER_BLOCK_S;
+    let (first, _, token) = until_first_token(&mut e, 22, load_end);
+    assert!(first >= ready, "{first} < {ready}");
+    assert_eq!(token.cached_tokens, 24);
+}
+
+#[test]
+fn an_engine_with_only_a_load_under_way_waits_for_it() {
+    let (mut e, a) = a_prompt_on_cpu();
+    e.add_request(request(21, a, 1)).unwrap();
+    let step = e.step_at(10.0);
+    let load = 5.0 * LOAD_PER_BLOCK_S;
+    assert!(
+        (step.work.load_wait_s - load).abs() < 1e-12,
+        "{:?}",
+        step.work
+    );
+    assert!((step.duration_s - load).abs() < 1e-12);
+    assert!(step.tokens.is_empty());
+    let step = e.step_at(10.0 + load);
+    assert_eq!(
+        step.work.prefill_tokens, 4,
+        "then only the last block is computed"
+    );
+    assert_eq!(step.tokens.len(), 1);
+}
+
+#[test]
+fn two_loads_queue_on_the_host_link() {
+    let (mut e, a) = a_prompt_on_cpu();
+    // A second prompt of the same length also evicted to CPU, by four more.
+    let b: Vec<u32> = (50_000..50_024).collect();
+    e.add_request(request(30, b.clone(), 1)).unwrap();
+    run(&mut e);
+    for i in 0..6u32 {
+        let start = 60_000 + 1_000 * i;
+        e.add_request(request(31 + u64::from(i), (start..start + 24).collect(), 1))
+            .unwrap();
+        run(&mut e);
+    }
+    assert_eq!(e.prefix_tiers(&b, None, None).cpu, 5);
+    assert_eq!(e.prefix_tiers(&a, None, None).cpu, 5);
+    e.add_request(request(40, a, 1)).unwrap();
+    e.add_request(request(41, b, 1)).unwrap();
+    let load = 5.0 * LOAD_PER_BLOCK_S;
+    let (first_a, _, _) = until_first_token(&mut e, 40, 10.0);
+    assert!(
+        first_a >= 10.0 + load && first_a < 10.0 + 2.0 * load,
+        "{first_a}"
+    );
+    let (first_b, _, _) = until_first_token(&mut e, 41, first_a);
+    assert!(
+        first_b >= 10.0 + 2.0 * load,
+        "b's load waits for a's: {first_b}"
+    );
+}
+
+#[test]
+fn an_aborted_load_frees_its_blocks() {
+    let (mut e, a) = a_prompt_on_cpu();
+    let idle_usage = e.metrics().kv_cache_usage;
+    e.add_request(request(21, a, 1)).unwrap();
+    e.step_at(10.0);
+    assert!(e.metrics().kv_cache_usage > idle_usage);
+    assert!(e.abort(21));
+    assert!(!e.has_work());
+    assert_eq!(e.metrics().num_requests_waiting, 0);
+    assert_eq!(e.metrics().kv_cache_usage, idle_usage);
+}

@@ -6,8 +6,8 @@ use super::*;
 /// Seconds to load one block from the CPU tier: large, so that a load spans many steps.
 const LOAD_PER_BLOCK_S: f64 = 0.02;
 
-/// An engine of 32 GPU blocks of 4 tokens over a 64-block CPU tier, loading asynchronously.
-fn engine() -> Engine {
+/// 32 GPU blocks of 4 tokens over a 64-block CPU tier, loading asynchronously.
+fn config() -> EngineConfig {
     let mut config = EngineConfig {
         block_size: 4,
         num_gpu_blocks: 32,
@@ -16,12 +16,18 @@ fn engine() -> Engine {
         ..EngineConfig::default()
     };
     config.latency.cpu_load_per_block_s = LOAD_PER_BLOCK_S;
-    Engine::new(config).unwrap()
+    config
 }
 
-/// An engine whose GPU evicted prompt `a` (24 tokens) into its CPU tier: 5 blocks to load.
+/// An engine of [`config`] whose GPU evicted prompt `a` into its CPU tier.
 fn a_prompt_on_cpu() -> (Engine, Vec<u32>) {
-    let mut e = engine();
+    a_prompt_on_cpu_of(config())
+}
+
+/// An engine of `config` whose GPU evicted prompt `a` (24 tokens) into its CPU tier: 5 blocks
+/// to load.
+fn a_prompt_on_cpu_of(config: EngineConfig) -> (Engine, Vec<u32>) {
+    let mut e = Engine::new(config).unwrap();
     let a: Vec<u32> = (0..24).collect();
     e.add_request(request(1, a.clone(), 1)).unwrap();
     run(&mut e);
@@ -180,4 +186,39 @@ fn an_aborted_load_frees_its_blocks() {
     assert!(!e.has_work());
     assert_eq!(e.metrics().num_requests_waiting, 0);
     assert_eq!(e.metrics().kv_cache_usage, idle_usage);
+}
+
+#[test]
+fn a_loaded_request_joins_the_batch_only_where_there_is_a_place() {
+    let (mut e, a) = a_prompt_on_cpu_of(EngineConfig {
+        max_num_seqs: 1,
+        ..config()
+    });
+    // `a` parks (it takes no place), then a long decode takes the only place.
+    e.add_request(request(21, a, 1)).unwrap();
+    e.add_request(request(22, (9_000..9_008).collect(), 60))
+        .unwrap();
+    let mut now = 10.0;
+    let mut last_decode = 0.0;
+    for _ in 0..10_000 {
+        let step = e.step_at(now);
+        now += step.duration_s;
+        assert!(e.metrics().num_requests_running <= 1);
+        if step
+            .tokens
+            .iter()
+            .any(|t| t.id == 22 && t.finished.is_some())
+        {
+            last_decode = now;
+        }
+        if step.tokens.iter().any(|t| t.id == 21) {
+            assert!(
+                last_decode > 0.0 && now > last_decode,
+                "the loaded request ran before the batch had a place"
+            );
+            assert!(now > 10.0 + 5.0 * LOAD_PER_BLOCK_S);
+            return;
+        }
+    }
+    panic!("the loaded request never ran");
 }

@@ -397,7 +397,8 @@ impl Engine {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
-        self.running.extend(self.loads.take_ready(now_s));
+        let places = self.config.max_num_seqs.saturating_sub(self.running.len());
+        self.running.extend(self.loads.take_ready(now_s, places));
         // Tokens each scheduled sequence computes this step, by index in `running`.
         let mut scheduled: Vec<usize> = Vec::with_capacity(self.running.len());
 

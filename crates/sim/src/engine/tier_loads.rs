@@ -107,22 +107,23 @@ impl AsyncLoads {
         });
     }
 
-    /// The parked requests whose blocks have all arrived by `now_s`, in the order they were
-    /// parked.
-    pub(super) fn take_ready(&mut self, now_s: f64) -> Vec<Sequence> {
-        if self.parked.is_empty() {
-            return Vec::new();
-        }
-        let (ready, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
-            .into_iter()
-            .partition(|p| p.ready_s <= now_s);
-        self.parked = waiting;
-        for p in &ready {
+    /// The parked requests whose blocks have all arrived by `now_s`, at most `limit` (the
+    /// batch's free places), in the order they were parked.
+    pub(super) fn take_ready(&mut self, now_s: f64, limit: usize) -> Vec<Sequence> {
+        let mut ready = Vec::new();
+        let mut i = 0;
+        while i < self.parked.len() && ready.len() < limit {
+            if self.parked[i].ready_s > now_s {
+                i += 1;
+                continue;
+            }
+            let p = self.parked.remove(i);
             for id in &p.blocks {
                 self.arriving.remove(id);
             }
+            ready.push(p.seq);
         }
-        ready.into_iter().map(|p| p.seq).collect()
+        ready
     }
 
     /// The earliest time a parked request's blocks arrive.

@@ -73,7 +73,8 @@ pub struct EngineArgs {
     /// Cost of loading one block from the SSD tier, seconds.
     #[arg(long, default_value_t = LatencyModel::default().ssd_load_per_block_s)]
     ssd_load_per_block_s: f64,
-    /// Access latency of a step that loads from the SSD tier, seconds.
+    /// Access latency of one load from the SSD tier (per request, or per step with
+    /// --tier-loads in-step), seconds.
     #[arg(long, default_value_t = LatencyModel::default().ssd_load_latency_s)]
     ssd_load_latency_s: f64,
     /// How blocks found on the offload tiers load: async (beside the batch, as vLLM's

@@ -31,15 +31,25 @@ fn a_prompt_on_cpu_of(config: EngineConfig) -> (Engine, Vec<u32>) {
     let a: Vec<u32> = (0..24).collect();
     e.add_request(request(1, a.clone(), 1)).unwrap();
     run(&mut e);
-    for i in 0..6u32 {
-        let start = 1_000 * (i + 1);
-        e.add_request(request(2 + u64::from(i), (start..start + 24).collect(), 1))
-            .unwrap();
-        run(&mut e);
-    }
+    push_out(&mut e, 2, 1_000, 6, 24);
     let tiers = e.prefix_tiers(&a, None, None);
     assert_eq!((tiers.gpu, tiers.cpu), (0, 5), "{tiers:?}");
     (e, a)
+}
+
+/// Runs `prompts` fresh prompts of `len` tokens one after another (ids from `first_id`, tokens
+/// from `first_token` on): the GPU's older blocks move to the CPU tier.
+fn push_out(e: &mut Engine, first_id: u64, first_token: u32, prompts: u32, len: u32) {
+    for i in 0..prompts {
+        let start = first_token + 1_000 * i;
+        e.add_request(request(
+            first_id + u64::from(i),
+            (start..start + len).collect(),
+            1,
+        ))
+        .unwrap();
+        run(e);
+    }
 }
 
 /// Steps until request `id` produces its first token; returns when that step ended, and the
@@ -94,55 +104,93 @@ fn a_request_loading_from_cpu_waits_beside_the_batch_and_stalls_no_decode() {
 }
 
 #[test]
-fn a_request_hitting_blocks_still_loading_waits_for_them() {
+fn a_request_that_would_load_blocks_still_loading_waits_for_them_and_finds_them_on_the_gpu() {
     let (mut e, a) = a_prompt_on_cpu();
     e.add_request(request(21, a.clone(), 1)).unwrap();
-    // The second, admitted in the same step, finds the blocks on the GPU (allocated, not yet
-    // filled) and waits for them.
-    let mut b = a.clone();
+    // The second shares exactly the 5 blocks the first loads.
+    let mut b = a[..20].to_vec();
     b.extend([7_000, 7_001, 7_002, 7_003]);
     e.add_request(request(22, b, 1)).unwrap();
     let step = e.step_at(10.0);
-    assert_eq!(step.work.prefill_tokens, 0, "both park");
-    assert_eq!(e.metrics().num_requests_waiting, 2);
-    let load_end = 10.0 + 5.0 * LOAD_PER_BLOCK_S;
-    assert!((step.duration_s - 5.0 * LOAD_PER_BLOCK_S).abs() < 1e-12);
     assert_eq!(
-        e.metrics().prefix_cache_hits,
-        20,
-        "the second's GPU hits are the first's 5 blocks, counted at admission"
+        step.work.prefill_tokens, 0,
+        "the first parks, the second is delayed"
     );
+    assert_eq!(e.metrics().num_requests_waiting, 2);
     assert_eq!(
         e.metrics().cpu_hit_tokens,
-        24,
-        "the 5 blocks are loaded once; the second loads only its sixth, stored by prompt a"
+        20,
+        "the second loads nothing itself"
     );
-    // Its own block queues behind the first's 5 on the host link.
-    let ready = 10.0 + 6.0 * LOAD_PER_BLOCK_S;
-    let (first, _, token) = until_first_token(&mut e, 22, load_end);
-    assert!(first >= ready, "{first} < {ready}");
-    assert_eq!(token.cached_tokens, 24);
+    let load_end = 10.0 + 5.0 * LOAD_PER_BLOCK_S;
+    let (first, _, token) = until_first_token(&mut e, 22, 10.0 + step.duration_s);
+    assert!(first >= load_end, "{first} < {load_end}");
+    assert_eq!(token.cached_tokens, 20);
+    let m = e.metrics();
+    assert_eq!(m.cpu_hit_tokens, 20, "the blocks were loaded once");
+    assert_eq!(m.prefix_cache_hits, 20, "the second found them on the GPU");
 }
 
 #[test]
-fn an_engine_with_only_a_load_under_way_waits_for_it() {
+fn an_engine_with_only_a_load_under_way_polls_until_it_ends() {
+    let (mut e, a) = a_prompt_on_cpu();
+    e.add_request(request(21, a, 1)).unwrap();
+    let load = 5.0 * LOAD_PER_BLOCK_S;
+    let mut now = 10.0;
+    let mut waits = 0;
+    loop {
+        let step = e.step_at(now);
+        if step.work.prefill_tokens > 0 {
+            assert_eq!(
+                step.work.prefill_tokens, 4,
+                "only the last block is computed"
+            );
+            assert_eq!(step.tokens.len(), 1);
+            break;
+        }
+        assert!(step.tokens.is_empty());
+        assert!(step.work.load_wait_s > 0.0 && step.work.load_wait_s <= tier_loads::LOAD_POLL_S);
+        assert_eq!(step.duration_s, step.work.load_wait_s);
+        now += step.duration_s;
+        waits += 1;
+        assert!(waits < 10_000, "never ends");
+    }
+    assert!((now - (10.0 + load)).abs() < 1e-9, "{now}");
+}
+
+#[test]
+fn a_request_arriving_while_the_engine_waits_for_a_load_runs_at_once() {
     let (mut e, a) = a_prompt_on_cpu();
     e.add_request(request(21, a, 1)).unwrap();
     let step = e.step_at(10.0);
-    let load = 5.0 * LOAD_PER_BLOCK_S;
+    e.add_request(request(22, (9_000..9_008).collect(), 1))
+        .unwrap();
+    let (first, _, _) = until_first_token(&mut e, 22, 10.0 + step.duration_s);
     assert!(
-        (step.work.load_wait_s - load).abs() < 1e-12,
-        "{:?}",
-        step.work
+        first < 10.0 + 5.0 * LOAD_PER_BLOCK_S,
+        "it waited for the load: {first}"
     );
-    assert!((step.duration_s - load).abs() < 1e-12);
-    assert!(step.tokens.is_empty());
-    let step = e.step_at(10.0 + load);
-    assert_eq!(
-        step.work.prefill_tokens, 4,
-        "then only the last block is computed"
-    );
-    assert_eq!(step.tokens.len(), 1);
+}
+
+#[test]
+fn loaded_blocks_are_announced_and_found_on_the_gpu_only_once_they_arrive() {
+    let (mut e, a) = a_prompt_on_cpu();
+    e.add_request(request(21, a.clone(), 1)).unwrap();
+    let gpu_stores = |events: &[KvEvent]| {
+        events
+            .iter()
+            .filter(
+                |ev| matches!(ev, KvEvent::BlockStored(s) if s.medium.as_deref() != Some("CPU")),
+            )
+            .count()
+    };
+    let step = e.step_at(10.0);
+    assert_eq!(gpu_stores(&step.events), 0, "nothing arrived yet");
+    assert_eq!(e.prefix_tiers(&a, None, None).gpu, 0);
+    let load_end = 10.0 + 5.0 * LOAD_PER_BLOCK_S;
+    let step = e.step_at(load_end);
+    assert!(gpu_stores(&step.events) > 0, "{:?}", step.events);
+    assert_eq!(e.prefix_tiers(&a, None, None).gpu, 5);
 }
 
 #[test]
@@ -152,12 +200,7 @@ fn two_loads_queue_on_the_host_link() {
     let b: Vec<u32> = (50_000..50_024).collect();
     e.add_request(request(30, b.clone(), 1)).unwrap();
     run(&mut e);
-    for i in 0..6u32 {
-        let start = 60_000 + 1_000 * i;
-        e.add_request(request(31 + u64::from(i), (start..start + 24).collect(), 1))
-            .unwrap();
-        run(&mut e);
-    }
+    push_out(&mut e, 31, 60_000, 6, 24);
     assert_eq!(e.prefix_tiers(&b, None, None).cpu, 5);
     assert_eq!(e.prefix_tiers(&a, None, None).cpu, 5);
     e.add_request(request(40, a, 1)).unwrap();
@@ -176,16 +219,22 @@ fn two_loads_queue_on_the_host_link() {
 }
 
 #[test]
-fn an_aborted_load_frees_its_blocks() {
+fn an_aborted_load_frees_its_blocks_and_leaves_them_on_cpu() {
     let (mut e, a) = a_prompt_on_cpu();
     let idle_usage = e.metrics().kv_cache_usage;
-    e.add_request(request(21, a, 1)).unwrap();
+    e.add_request(request(21, a.clone(), 1)).unwrap();
     e.step_at(10.0);
     assert!(e.metrics().kv_cache_usage > idle_usage);
     assert!(e.abort(21));
     assert!(!e.has_work());
     assert_eq!(e.metrics().num_requests_waiting, 0);
     assert_eq!(e.metrics().kv_cache_usage, idle_usage);
+    let tiers = e.prefix_tiers(&a, None, None);
+    assert_eq!(
+        (tiers.gpu, tiers.cpu),
+        (0, 5),
+        "blocks that never arrived are not hits"
+    );
 }
 
 #[test]
@@ -221,4 +270,36 @@ fn a_loaded_request_joins_the_batch_only_where_there_is_a_place() {
         }
     }
     panic!("the loaded request never ran");
+}
+
+#[test]
+fn loaded_requests_holding_every_block_do_not_deadlock_a_small_cache() {
+    // 19 usable GPU blocks; two 36-token prefixes (9 blocks each) evicted to CPU.
+    let mut e = Engine::new(EngineConfig {
+        num_gpu_blocks: 20,
+        ..config()
+    })
+    .unwrap();
+    let prefixes: Vec<Vec<u32>> = (0..2u32)
+        .map(|p| (p * 100..p * 100 + 36).collect())
+        .collect();
+    for (i, prefix) in prefixes.iter().enumerate() {
+        e.add_request(request(1 + i as u64, prefix.clone(), 1))
+            .unwrap();
+        run(&mut e);
+    }
+    push_out(&mut e, 10, 1_000, 4, 36);
+    for prefix in &prefixes {
+        assert_eq!(e.prefix_tiers(prefix, None, None).gpu, 0);
+    }
+    // Each loads its 9 blocks, then needs 7 more for its own 28 tokens: the two loads hold 18
+    // of the 19 blocks, and nothing runs to free any.
+    for (i, prefix) in prefixes.iter().enumerate() {
+        let mut prompt = prefix.clone();
+        prompt.extend(5_000 + 100 * i as u32..5_028 + 100 * i as u32);
+        e.add_request(request(20 + i as u64, prompt, 1)).unwrap();
+    }
+    let (tokens, _, _) = run(&mut e);
+    assert_eq!(tokens.len(), 2, "both answered");
+    assert!(tokens.iter().all(|t| t.cached_tokens == 36), "{tokens:?}");
 }

@@ -20,7 +20,7 @@
 //! - CPU tier: one 16-token block is 2 MiB; at ~25 GB/s effective, ~80 us per block.
 //! - SSD tier: a datacenter NVMe drive reads ~6 GB/s sequentially (e.g. Samsung PM1743 Gen5
 //!   ~13 GB/s, Gen4 drives ~6-7 GB/s), so ~350 us per 2 MiB block, plus ~100 us of access
-//!   latency (file open and first read) for a step that loads from it.
+//!   latency (file open and first read) for each load from it.
 
 use serde::{Deserialize, Serialize};
 
@@ -40,7 +40,8 @@ pub struct LatencyModel {
     /// Per block loaded from the local SSD tier.
     #[serde(default = "default_ssd_load_per_block_s")]
     pub ssd_load_per_block_s: f64,
-    /// Once per step that loads from the SSD tier (access latency).
+    /// Once per load from the SSD tier (access latency): per request loading beside the batch,
+    /// per step loading in it.
     #[serde(default = "default_ssd_load_latency_s")]
     pub ssd_load_latency_s: f64,
 }

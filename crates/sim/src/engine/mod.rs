@@ -183,6 +183,11 @@ impl Engine {
                 "block size and max sequences must be at least 1, GPU blocks at least 2".into(),
             ));
         }
+        if config.kv_bytes_per_token == 0 {
+            return Err(SimError::Config(
+                "kv_bytes_per_token must be at least 1 (it sizes what the tiers load)".into(),
+            ));
+        }
         if config.max_num_batched_tokens < config.block_size {
             return Err(SimError::Config(format!(
                 "max_num_batched_tokens ({}) must be at least the block size ({})",
@@ -397,8 +402,6 @@ impl Engine {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
-        let places = self.config.max_num_seqs.saturating_sub(self.running.len());
-        self.running.extend(self.loads.take_ready(now_s, places));
         // Tokens each scheduled sequence computes this step, by index in `running`.
         let mut scheduled: Vec<usize> = Vec::with_capacity(self.running.len());
 
@@ -422,11 +425,48 @@ impl Engine {
             }
         }
 
+        // Requests whose blocks have arrived come first, from the front of the waiting queue
+        // as in vLLM.
+        while self.running.len() < self.config.max_num_seqs && budget > 0 {
+            let Some(mut seq) = self.loads.take_ready(now_s) else {
+                break;
+            };
+            seq.finish_loading(&mut self.pool);
+            let want = seq.tokens_to_compute().min(budget);
+            let Some(blocks) = self.pool.allocate(seq.blocks_needed(want, bs)) else {
+                if !self.running.is_empty() {
+                    // Running requests will free blocks: it waits for them, as in vLLM.
+                    self.loads.put_back(seq);
+                    break;
+                }
+                // Nothing runs to free any: the blocks it and other loaded requests hold would
+                // deadlock a small cache, so it gives them back (they stay cached, now on the
+                // GPU) and queues again first, as a preempted request does.
+                self.pool.free(&seq.take_blocks());
+                seq.preempt();
+                self.metrics.num_preemptions += 1;
+                self.waiting.push_front(seq);
+                continue;
+            };
+            seq.add_blocks(blocks);
+            budget -= want;
+            scheduled.push(want);
+            self.running.push(seq);
+        }
+
+        // Requests that would load blocks another request is loading wait, keeping their place.
+        let mut delayed = Vec::new();
         while self.running.len() < self.config.max_num_seqs && budget > 0 {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
             let hit = seq.prefix_hit(&self.pool);
+            if self.config.tier_loads == TierLoads::Async
+                && self.loads.any_loading(hit.offloaded.iter().map(|(d, _)| d))
+            {
+                delayed.push(seq);
+                continue;
+            }
             let computed = hit.total_blocks() * bs;
             let (cpu, ssd) = (
                 hit.loaded_from(OffloadTier::Cpu),
@@ -436,9 +476,7 @@ impl Engine {
             // Beside the batch, a request that loads anything, or hits blocks another request
             // is still loading, waits for them without taking part in this step.
             let parks = self.config.tier_loads == TierLoads::Async
-                && (own_load_s > 0.0
-                    || hit.loaded_from(OffloadTier::SharedFs) > 0
-                    || self.loads.any_arriving(now_s, &hit.gpu));
+                && (own_load_s > 0.0 || hit.loaded_from(OffloadTier::SharedFs) > 0);
             let want = if parks {
                 0
             } else {
@@ -477,12 +515,9 @@ impl Engine {
                 self.metrics.shared_fs_bytes_loaded += bytes;
             }
             if parks {
-                let ready_s = self
-                    .loads
-                    .ready_at(now_s, own_load_s, shared_fs_load_s, &hit.gpu);
-                let filled = blocks.clone();
-                seq.admit(hit, blocks, &mut self.pool);
-                self.loads.park(seq, ready_s, filled);
+                let ready_s = self.loads.ready_at(now_s, own_load_s, shared_fs_load_s);
+                seq.admit_loading(hit, blocks);
+                self.loads.park(seq, ready_s);
                 continue;
             }
             work.cpu_blocks_loaded += cpu;
@@ -492,6 +527,9 @@ impl Engine {
             budget -= want;
             scheduled.push(want);
             self.running.push(seq);
+        }
+        for seq in delayed.into_iter().rev() {
+            self.waiting.push_front(seq);
         }
 
         let mut tokens = Vec::new();
@@ -518,10 +556,11 @@ impl Engine {
             self.retire(seq);
         }
         if work == StepWork::default()
-            && let Some(ready_s) = self.loads.next_ready()
+            && let Some(ready_s) = self.loads.next_arrival(now_s)
         {
-            // Nothing to compute: the engine waits for the first load to end.
-            work.load_wait_s = ready_s - now_s;
+            // Nothing to compute: the engine waits for the first load to end, looking at its
+            // queue again meanwhile.
+            work.load_wait_s = (ready_s - now_s).min(tier_loads::LOAD_POLL_S);
         }
         let duration_s = self.config.latency.step_seconds(&work);
         self.clock_s = now_s + duration_s;

@@ -86,6 +86,9 @@ pub(crate) struct Sequence {
     registered: usize,
     cached_tokens: Option<usize>,
     transfer: KvTransfer,
+    /// Blocks being loaded into its GPU blocks, registered in the prefix cache once they have
+    /// arrived ([`Sequence::finish_loading`]).
+    loading: Option<PrefixHit>,
 }
 
 impl Sequence {
@@ -111,6 +114,7 @@ impl Sequence {
             registered: 0,
             cached_tokens: None,
             transfer,
+            loading: None,
         }
     }
 
@@ -246,38 +250,63 @@ impl Sequence {
     /// Starts running with the cached prefix (GPU blocks referenced by the caller, offloaded blocks
     /// loaded into the first of the fresh `blocks`).
     pub(crate) fn admit(&mut self, hit: PrefixHit, blocks: Vec<BlockId>, pool: &mut BlockPool) {
+        self.admit_loading(hit, blocks);
+        self.finish_loading(pool);
+    }
+
+    /// Takes its blocks while its offloaded and pulled blocks load into the first of the fresh
+    /// `blocks`: they enter the prefix cache only when [`Sequence::finish_loading`] says they
+    /// have arrived, as vLLM caches a request's blocks once its asynchronous load is done.
+    pub(crate) fn admit_loading(&mut self, hit: PrefixHit, blocks: Vec<BlockId>) {
         let bs = self.block_size;
         let gpu = hit.gpu.len();
         let loaded = hit.offloaded.len() + hit.external.len();
-        self.blocks = hit.gpu;
+        self.blocks = hit.gpu.clone();
         self.blocks.extend(blocks);
-        if loaded > 0 {
-            let parent = gpu.checked_sub(1).map(|p| self.digests[p]);
-            let extra = self.extra_range(gpu, gpu + loaded);
-            let digests: Vec<VllmDigest> = hit
-                .offloaded
-                .iter()
-                .map(|(d, _)| d)
-                .chain(&hit.external)
-                .copied()
-                .collect();
-            pool.cache_full_blocks(
-                &self.blocks[gpu..gpu + loaded],
-                FullBlocks {
-                    digests: &digests,
-                    parent: parent.as_ref(),
-                    tokens: &self.tokens[gpu * bs..(gpu + loaded) * bs],
-                    extra: &extra,
-                    lora_name: self.request.lora_name.as_deref(),
-                },
-            );
-            for (digest, _) in hit.offloaded {
-                pool.touch_offloaded(digest);
-            }
-        }
         self.computed = (gpu + loaded) * bs;
-        self.registered = gpu + loaded;
+        self.registered = gpu;
         self.cached_tokens.get_or_insert(self.computed);
+        self.loading = (loaded > 0).then_some(hit);
+    }
+
+    /// The digests of the offloaded blocks it is loading.
+    pub(crate) fn loading_digests(&self) -> impl Iterator<Item = &VllmDigest> {
+        self.loading
+            .iter()
+            .flat_map(|hit| hit.offloaded.iter().map(|(d, _)| d))
+    }
+
+    /// Its loaded blocks have arrived: they enter the prefix cache.
+    pub(crate) fn finish_loading(&mut self, pool: &mut BlockPool) {
+        let Some(hit) = self.loading.take() else {
+            return;
+        };
+        let bs = self.block_size;
+        let gpu = hit.gpu.len();
+        let loaded = hit.offloaded.len() + hit.external.len();
+        let parent = gpu.checked_sub(1).map(|p| self.digests[p]);
+        let extra = self.extra_range(gpu, gpu + loaded);
+        let digests: Vec<VllmDigest> = hit
+            .offloaded
+            .iter()
+            .map(|(d, _)| d)
+            .chain(&hit.external)
+            .copied()
+            .collect();
+        pool.cache_full_blocks(
+            &self.blocks[gpu..gpu + loaded],
+            FullBlocks {
+                digests: &digests,
+                parent: parent.as_ref(),
+                tokens: &self.tokens[gpu * bs..(gpu + loaded) * bs],
+                extra: &extra,
+                lora_name: self.request.lora_name.as_deref(),
+            },
+        );
+        for (digest, _) in hit.offloaded {
+            pool.touch_offloaded(digest);
+        }
+        self.registered = gpu + loaded;
     }
 
     /// Computes `n` more tokens' KV: newly full blocks enter the prefix cache, and a sequence

@@ -412,9 +412,9 @@ impl Fleet {
 
     /// The prefill of the request `plan` planned was sent to `endpoint` at `now` (a prefill
     /// leg, a whole request, or a fallback's second try): the seconds it occupies that
-    /// endpoint's steps, as `plan` assessed them there, count as work reaching that endpoint (the queue inflow a later
-    /// decode leg's wait is priced with). Nothing when P/D is off or `endpoint` was not
-    /// assessed.
+    /// endpoint's steps, as `plan` assessed them there, count as work reaching that endpoint
+    /// (the queue inflow a later decode leg's wait is priced with). Nothing when P/D is off or
+    /// `endpoint` was not assessed.
     pub fn prefill_sent(&mut self, plan: &Plan, endpoint: EndpointId, now: f64) {
         let Some(a) = plan.decision.assessment(endpoint) else {
             return;

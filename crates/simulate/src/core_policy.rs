@@ -358,3 +358,25 @@ impl RoutingPolicy for CorePolicy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::tiers::TierLoadMode;
+    use kvroute_sim::engine::TierLoads;
+
+    use super::CorePolicy;
+    use crate::config::FleetConfig;
+
+    #[test]
+    fn the_router_is_told_how_its_engines_load_tier_blocks() {
+        for (engines, router) in [
+            (TierLoads::Async, TierLoadMode::Async),
+            (TierLoads::InStep, TierLoadMode::InStep),
+        ] {
+            let mut fleet = FleetConfig::default();
+            fleet.engine.tier_loads = engines;
+            let policy = CorePolicy::named("precise", &fleet).unwrap();
+            assert_eq!(policy.fleet.profile().tiers.load_mode, router);
+        }
+    }
+}

@@ -492,6 +492,17 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
     )
     .await;
     settle(&router, &[&a, &b, &c]).await;
+    // The premise: three healthy endpoints to spill to.
+    let health = || -> Vec<bool> {
+        (0..3)
+            .map(|i| router.router.healthy(kvroute_core::index::EndpointId(i)))
+            .collect()
+    };
+    kvroute_testkit::eventually("every endpoint is healthy", || {
+        let now = health();
+        (now.iter().all(|&h| h), now)
+    })
+    .await;
     // Then a flood: 48 concurrent requests sharing it, each with 200 output tokens.
     let mut tasks = Vec::new();
     for i in 0..48 {
@@ -508,7 +519,11 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         *counts.entry(t.await.unwrap()).or_insert(0) += 1;
     }
     let home = counts.get(&warm.endpoint).copied().unwrap_or(0);
-    assert!(counts.len() >= 2, "the flood must spill: {counts:?}");
+    assert!(
+        counts.len() >= 2,
+        "the flood must spill: {counts:?} (healthy after it: {:?})",
+        health()
+    );
     assert!(home < 48, "not everything on the warm endpoint: {counts:?}");
 }
 

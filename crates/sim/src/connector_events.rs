@@ -59,6 +59,18 @@ impl FromStr for OffloadEvents {
 /// The medium LMCache's events carry (as its connector publishes them).
 pub const LMCACHE_MEDIUM: &str = "cpu";
 
+impl OffloadEvents {
+    /// How this connector loads the blocks a request finds on its tiers: vLLM's
+    /// OffloadingConnector beside the batch, LMCache (without its asynchronous loading) in the
+    /// admitting step.
+    pub fn tier_loads(self) -> crate::engine::TierLoads {
+        match self {
+            Self::Vllm | Self::VllmSelfDescribing => crate::engine::TierLoads::Async,
+            Self::Lmcache => crate::engine::TierLoads::InStep,
+        }
+    }
+}
+
 /// What a GPU store said of one block.
 #[derive(Clone, Debug)]
 struct BlockInfo {

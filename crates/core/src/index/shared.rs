@@ -55,8 +55,9 @@ pub struct SharedIndex {
     published: RwLock<Vec<[AtomicU64; 2]>>,
 }
 
-/// What an endpoint's index holds, in blocks, as its shard last published it (read without a
-/// lock: the two counts may come from consecutive publications, a batch apart).
+/// What an endpoint's index holds, in blocks, as its shard last published it (read without the
+/// shard's lock, as two separate loads: the two counts may come from consecutive publications,
+/// a batch apart).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HeldBlocks {
     /// On the GPU: with the cache's capacity, how full it is.

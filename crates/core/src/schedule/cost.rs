@@ -315,8 +315,9 @@ pub fn lost_ahead_tokens(request: &RequestInfo, c: &Candidate, held_gpu: usize) 
 
 /// Share of the cached blocks on `c` expected to survive until a request queued there now is
 /// admitted, 0–1. The prefills queued ahead store their blocks first; beyond the free blocks
-/// each evicts a cached one, least recently used first. Where in that order this request's
-/// blocks are is not known, so each cached block is taken as equally likely to go: the share
+/// each evicts a cached one, least recently used first. For blocks whose place in that order
+/// is not known (no recency picture, or past its last part: [`lost_ahead_tokens`]) each cached
+/// block is taken as equally likely to go: the share
 /// evicted is the blocks the queue ahead stores beyond the free ones over the capacity
 /// (`free_blocks` already counts the in-flight prefills' blocks against the capacity). 1 when
 /// the capacity is unknown.

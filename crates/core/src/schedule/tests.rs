@@ -172,15 +172,50 @@ fn eviction_is_charged_only_beyond_the_free_blocks() {
     assert_eq!(d.chosen(), Some(EndpointId(1)));
 }
 
+/// Candidate `c` (endpoint 0) holds 50 blocks of the prompt on its GPU, in a full 400-block
+/// cache whose queue ahead stores 200 blocks beyond the free ones.
+fn holds_50_blocks_under_a_full_queue(c: &mut Candidate) {
+    c.cache.index = gpu_match(0, 50);
+    c.cache.capacity_blocks = Some(400.0);
+    c.cache.free_blocks = Some(-200.0);
+}
+
+#[test]
+fn what_the_queue_ahead_evicts_follows_the_prefix_parts_last_use_where_it_is_known() {
+    // Endpoint 0 holds 50 blocks of the prompt in a full 400-block cache: its first 20 were
+    // used by the newest request (100 distinct blocks newer), the next 30 long ago (390 newer).
+    let mut cands = fleet(1);
+    holds_50_blocks_under_a_full_queue(&mut cands[0]);
+    let mut parts = RecencyParts::new(0);
+    parts.push(RecencyPart {
+        from: 0,
+        to: 20,
+        newer: 100,
+    });
+    parts.push(RecencyPart {
+        from: 20,
+        to: 50,
+        newer: 390,
+    });
+    cands[0].cache.recency = Some(parts);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
+    let a = d.assessment(EndpointId(0)).unwrap();
+    // The old part loses what exceeds the cache (390 + 30 − 400 = 20 blocks), the new one
+    // nothing: 320 tokens, not the uniform share's half of 800.
+    assert_eq!(a.cost.evicted_ahead_tokens, 20.0 * 16.0, "{a:?}");
+    assert!(
+        (a.cost.prefill_s - prefill(200.0 + 320.0)).abs() < 1e-12,
+        "{a:?}"
+    );
+}
+
 #[test]
 fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
     // Endpoint 0 holds 50 of a 1,000-token request's 62 blocks, in a full 400-block cache
     // with prefills queued ahead that store 200 blocks: half of what it caches goes before
     // the request is admitted (an engine looks its prefix up only then).
     let mut cands = fleet(2);
-    cands[0].cache.index = gpu_match(0, 50);
-    cands[0].cache.capacity_blocks = Some(400.0);
-    cands[0].cache.free_blocks = Some(-200.0);
+    holds_50_blocks_under_a_full_queue(&mut cands[0]);
     busy(&mut cands[0], 2, 200 * 16);
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     let a = d.assessment(EndpointId(0)).unwrap();

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvroute_sim::connector_events::OffloadEvents;
-use kvroute_sim::engine::{EngineConfig, TierLoads};
+use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::faults::Faults;
 use kvroute_sim::server::pd::PdConfig;
 use kvroute_sim::server::{SimConfig, start};
@@ -128,14 +128,10 @@ impl SimArgs {
             replay_port: (self.replay_port != 0).then_some(self.replay_port),
             engines,
             engine: EngineConfig {
-                // LMCache's connector loads in the step unless told otherwise.
-                tier_loads: self.engine.tier_loads().unwrap_or(
-                    if self.offload_events == OffloadEvents::Lmcache {
-                        TierLoads::InStep
-                    } else {
-                        TierLoads::Async
-                    },
-                ),
+                tier_loads: self
+                    .engine
+                    .tier_loads()
+                    .unwrap_or(self.offload_events.tier_loads()),
                 ..self.engine.engine_config()?
             },
             time_scale: self.time_scale,
@@ -188,6 +184,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+    use kvroute_sim::engine::TierLoads;
 
     use super::*;
 

@@ -34,6 +34,8 @@ pub(super) struct PlanInputs<'a> {
     pub(super) reportable: usize,
     /// The prefill rate an endpoint's own estimate shrinks toward.
     pub(super) prior_rate: f64,
+    /// The block reuse an endpoint's own estimate shrinks toward: the fleet's.
+    pub(super) prior_reuse: f64,
     /// The fleet's decode time (first token to end), for an endpoint with none of its own.
     pub(super) decode_s: Option<f64>,
     /// The plan's time.
@@ -160,7 +162,11 @@ impl Fleet {
             predicted,
             free_blocks,
             capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
-            block_reuse: e.reuse.per_evicted_block(),
+            block_reuse: e.reuse.per_evicted_block_toward(
+                inputs.prior_reuse,
+                e.capacity_blocks,
+                now,
+            ),
             recency,
             offloads_to_cpu: held.cpu > 0,
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),

@@ -153,6 +153,28 @@ impl BlockReuse {
             (self.hits / self.stored.max(f64::MIN_POSITIVE)).min(1.0)
         }
     }
+
+    /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
+    /// `prior` (the fleet's) by what it has not yet stored of a cache's worth, as of `now`:
+    /// `(hits + capacity × prior) / (stored + capacity)`. Until an endpoint has stored about its
+    /// capacity, nothing it stored has had to be evicted, so its own hits per stored block do
+    /// not yet say how often a block is reused before eviction (a new tenant's first question
+    /// finds nothing, however often its context will be reused); once it has stored several
+    /// caches' worth recently, its own measure stands. Unknown capacity: its own measure.
+    pub(super) fn per_evicted_block_toward(
+        &self,
+        prior: f64,
+        capacity: Option<usize>,
+        now: f64,
+    ) -> f64 {
+        let Some(capacity) = capacity.filter(|c| *c > 0) else {
+            return self.per_evicted_block();
+        };
+        let d = self.decayed(now);
+        let weight = capacity as f64;
+        let shrunk = (self.hits * d + weight * prior.clamp(0.0, 1.0)) / (self.stored * d + weight);
+        shrunk.clamp(0.0, 1.0)
+    }
 }
 
 /// One endpoint's state.

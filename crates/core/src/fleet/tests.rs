@@ -278,6 +278,29 @@ proptest::proptest! {
     }
 }
 
+/// An endpoint that has stored less than a cache's worth has had nothing evicted, so its own
+/// hits per stored block do not yet measure reuse before eviction: its estimate starts at the
+/// fleet's and moves to its own as it stores caches' worth.
+#[test]
+fn an_endpoints_block_reuse_starts_at_the_fleets() {
+    let mut reuse = endpoint::BlockReuse::default();
+    assert_eq!(reuse.per_evicted_block_toward(0.8, Some(100), 0.0), 0.8);
+    // A new tenant's first questions find nothing.
+    reuse.note(0.0, 100.0, 0.0);
+    assert!((reuse.per_evicted_block_toward(0.8, Some(100), 0.0) - 0.4).abs() < 1e-12);
+    for _ in 0..9 {
+        reuse.note(0.0, 100.0, 0.0);
+    }
+    // Ten caches' worth stored and never reused: its own measure (0) dominates.
+    let own = reuse.per_evicted_block_toward(0.8, Some(100), 0.0);
+    assert!((own - 80.0 / 1_100.0).abs() < 1e-12, "{own}");
+    // Its stores fade with time, and the fleet's figure returns.
+    let later = reuse.per_evicted_block_toward(0.8, Some(100), 10.0 * endpoint::REUSE_TAU_S);
+    assert!(later > 0.79, "{later}");
+    // Without a capacity there is no cache's worth to measure by: its own figure.
+    assert_eq!(reuse.per_evicted_block_toward(0.8, None, 0.0), 0.0);
+}
+
 #[test]
 fn follow_up_turns_stay_with_their_history_at_zero_load() {
     // The first round's repro: 3 idle engines, 6 conversations of 4 turns sent one at a time,

@@ -65,6 +65,9 @@ pub struct Cost {
     pub stalling_s: f64,
     /// The stall imposed on running decodes.
     pub decode_interference_s: f64,
+    /// Cached blocks the placement evicts: the blocks it stores beyond the free ones, whether
+    /// or not they would be reused (0 where the free blocks are unknown).
+    pub evicted_blocks: f64,
     /// The expected re-prefill of the cached blocks the placement evicts.
     pub eviction_s: f64,
     /// Taken off for session affinity.
@@ -197,7 +200,8 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         stalling_s * (load.decoding() + load.queue()) * profile.weights.decode_interference;
     // A block reloaded from CPU memory is priced as every block found there is: its load, not
     // the room it takes again on the GPU.
-    let eviction_s = eviction_s(request, c, held.all as f64 - recomputed, rate);
+    let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed);
+    let eviction_s = eviction_s(request, c, evicted_blocks, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
     } else {
@@ -211,6 +215,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         tiers,
         stalling_s,
         decode_interference_s,
+        evicted_blocks,
         eviction_s,
         session_credit_s,
         total_s: 0.0,
@@ -281,17 +286,22 @@ pub fn floor_per_token_second(profile: &Profile, busy: f64) -> Option<f64> {
     Some(w.prefix + w.load * w.decode_interference * busy.max(0.0))
 }
 
-/// Expected seconds of re-prefill that placing the request on `c` makes others pay: the blocks
-/// it stores beyond `c`'s free blocks evict as many cached ones, each reused with probability
-/// `c.cache.block_reuse` (0 where the free blocks are unknown, or where it all fits). `held`:
-/// the prompt tokens it is expected to find cached.
-pub fn eviction_s(request: &RequestInfo, c: &Candidate, held: f64, rate: f64) -> f64 {
+/// Cached blocks placing the request on `c` evicts: the blocks it stores beyond `c`'s free
+/// blocks (0 where the free blocks are unknown, or where it all fits). `held`: the prompt tokens
+/// it is expected to find cached.
+pub fn evicted_blocks(request: &RequestInfo, c: &Candidate, held: f64) -> f64 {
     let Some(free) = c.cache.free_blocks else {
         return 0.0;
     };
     let bs = request.block_size.max(1);
     let stored = ((request.prompt_tokens / bs) as f64 - (held / bs as f64).floor()).max(0.0);
-    let evicted = (stored - free.max(0.0)).max(0.0);
+    (stored - free.max(0.0)).max(0.0)
+}
+
+/// Expected seconds of re-prefill that placing the request on `c` makes others pay: each of
+/// the `evicted` blocks ([`evicted_blocks`]) is reused with probability `c.cache.block_reuse`.
+pub fn eviction_s(request: &RequestInfo, c: &Candidate, evicted: f64, rate: f64) -> f64 {
+    let bs = request.block_size.max(1);
     evicted * bs as f64 / rate * c.cache.block_reuse.clamp(0.0, 1.0)
 }
 

@@ -13,10 +13,10 @@
 
 use std::cmp::Ordering;
 
-use super::picker::{tie_key, why_cheaper};
+use super::picker::{evicts_no_more, tie_key, why_cheaper};
 use super::{
-    Assessment, Candidate, Decision, Picker, Profile, Reason, RequestInfo, assess, cost, rejection,
-    saturated, schedule,
+    Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
+    rejection, saturated, schedule,
 };
 
 /// A competing candidate's standing: what ranking and balancing compare.
@@ -32,18 +32,21 @@ pub(super) struct Standing {
     pub(super) placements: f64,
     /// Prompt tokens it holds.
     pub(super) cached: usize,
+    /// Cached blocks its placement evicts.
+    pub(super) evicted: f64,
 }
 
 impl Standing {
-    /// The standing of `c`, at position `at`, whose cost is `total` and that holds `cached`
+    /// The standing of `c`, at position `at`, whose cost is `cost` and that holds `cached`
     /// prompt tokens.
-    pub(super) fn of(c: &Candidate, at: usize, total: f64, cached: usize, random: u64) -> Self {
+    pub(super) fn of(c: &Candidate, at: usize, cost: &Cost, cached: usize, random: u64) -> Self {
         Standing {
             at,
-            total,
+            total: cost.total_s,
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
             cached,
+            evicted: cost.evicted_blocks,
         }
     }
 }
@@ -102,7 +105,7 @@ pub fn schedule_near_best(
         }
         let (cost, cached) = cost::assess(profile, request, c);
         all_saturated &= saturated(profile, &c.load);
-        standings.push(Standing::of(c, at, cost.total_s, cached.all, random));
+        standings.push(Standing::of(c, at, &cost, cached.all, random));
     }
     if standings.len() <= depth {
         // Every competitor is ranked anyway (and a fleet with none competing reports why).
@@ -144,9 +147,13 @@ impl Ranked {
             .min_by(|a, b| by_cost(a, b))
             .expect("more competitors than the depth");
         // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
-        // as the cheapest, the fewest placements win, the cheaper (then the random key) first.
+        // as the cheapest and evict no more, the fewest placements win, the cheaper (then the random key) first.
         let limit = balance_limit(profile, cheapest.total);
-        let near = |s: &Standing| s.total <= limit && s.cached >= cheapest.cached;
+        let near = |s: &Standing| {
+            s.total <= limit
+                && s.cached >= cheapest.cached
+                && evicts_no_more(s.evicted, cheapest.evicted)
+        };
         let mut near_count = 0usize;
         let mut fewest = cheapest;
         for s in standings.iter().filter(|s| near(s)) {

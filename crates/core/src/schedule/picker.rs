@@ -9,8 +9,8 @@ use super::{Assessment, BalanceTolerance, Cost, Reason};
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Picker {
-    /// The cheapest; among near-equal costs that give up no cached block, the fewest recent
-    /// placements; exact ties at random.
+    /// The cheapest; among near-equal costs that give up no cached block (held for the request
+    /// or evicted by it), the fewest recent placements; exact ties at random.
     #[default]
     Cheapest,
     /// Sample the winner with probability ∝ exp(−(cost − cheapest) / temperature_s): spreads
@@ -138,9 +138,19 @@ impl Picker {
     }
 }
 
+/// Whether a placement that evicts `evicted` cached blocks may be chosen for evenness over the
+/// cheapest, which evicts `cheapest_evicts`: only if it evicts no more. Balancing gives up no
+/// cached block: neither one the request would find (a balancing winner holds as much of the
+/// prompt as the cheapest) nor one the placement pushes out of a cache, where others may find
+/// it. The count, not its priced reuse: a block evicted now is gone whatever its reuse
+/// estimate, and a count does not carry an estimate's noise.
+pub(super) fn evicts_no_more(evicted: f64, cheapest_evicts: f64) -> bool {
+    evicted <= cheapest_evicts + 1e-9
+}
+
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
-/// candidates that hold at least as much of the prompt as the cheapest: fewest recent
-/// placements first (see [`BalanceTolerance`]).
+/// candidates that hold at least as much of the prompt as the cheapest and evict no more
+/// ([`evicts_no_more`]): fewest recent placements first (see [`BalanceTolerance`]).
 fn balance(
     tolerance: &BalanceTolerance,
     assessments: &[Assessment],
@@ -150,12 +160,15 @@ fn balance(
     let best = cheapest.cost.total_s;
     let limit = best + tolerance.relative * best.max(0.0) + tolerance.absolute_s;
     let floor = cheapest.cached_tokens;
+    let evicts = cheapest.cost.evicted_blocks;
     let near: Vec<usize> = order
         .iter()
         .copied()
         .filter(|&i| {
             let a = &assessments[i];
-            a.cost.total_s <= limit && a.cached_tokens >= floor
+            a.cost.total_s <= limit
+                && a.cached_tokens >= floor
+                && evicts_no_more(a.cost.evicted_blocks, evicts)
         })
         .collect();
     if near.len() > 1 {

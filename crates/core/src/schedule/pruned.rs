@@ -580,13 +580,7 @@ impl Walk<'_> {
         }
         let (cost, cached) = cost::assess(profile, request, &c);
         self.any_unsaturated |= !saturated(profile, &c.load);
-        let s = Standing::of(
-            &c,
-            self.candidates.len(),
-            cost.total_s,
-            cached.all,
-            self.random,
-        );
+        let s = Standing::of(&c, self.candidates.len(), &cost, cached.all, self.random);
         if self.cheapest.is_none_or(|b| by_cost(&s, &b).is_lt()) {
             self.cheapest = Some(s);
         }

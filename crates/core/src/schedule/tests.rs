@@ -106,6 +106,39 @@ fn near_equal_costs_go_to_the_fewest_placements() {
     assert_eq!(d.reason, Reason::Balance);
 }
 
+/// The first failure of the tenant convergence property: a new tenant's context went to the
+/// engine whose cache its blocks overflowed, because the other had had more placements (one hot
+/// tenant's questions), though the two costs differed by what the placement evicts.
+#[test]
+fn balancing_never_evicts_a_block_the_cheapest_keeps() {
+    let mut cands = fleet(2);
+    for c in &mut cands {
+        c.cache.block_reuse = 0.05; // little reuse measured yet: costs stay near-equal
+    }
+    // A 34-block prompt, held nowhere. Endpoint 0 has room; endpoint 1 stores 4 blocks past its
+    // free ones, and has had fewer placements.
+    cands[0].cache.free_blocks = Some(100.0);
+    cands[0].load.recent_placements = 3.0;
+    cands[1].cache.free_blocks = Some(30.0);
+    cands[1].load.recent_placements = 1.0;
+    let req = request(34 * 16);
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    let evicting = d.assessment(EndpointId(1)).unwrap();
+    assert_eq!(evicting.cost.evicted_blocks, 4.0);
+    let tolerance = Profile::default().balance;
+    let cheapest = d.assessment(EndpointId(0)).unwrap().cost.total_s;
+    assert!(
+        evicting.cost.total_s <= cheapest * (1.0 + tolerance.relative) + tolerance.absolute_s,
+        "the costs are near-equal: balancing would decide"
+    );
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    // With room for it, the endpoint with fewer placements wins as before.
+    cands[1].cache.free_blocks = Some(40.0);
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Balance);
+}
+
 /// Seconds of prefill of `tokens` at the test fleet's rate.
 fn prefill(tokens: f64) -> f64 {
     tokens / RATE

@@ -155,12 +155,14 @@ impl BlockReuse {
     }
 
     /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
-    /// `prior` (the fleet's) by what it has not yet stored of a cache's worth, as of `now`:
-    /// `(hits + capacity × prior) / (stored + capacity)`. Until an endpoint has stored about its
-    /// capacity, nothing it stored has had to be evicted, so its own hits per stored block do
-    /// not yet say how often a block is reused before eviction (a new tenant's first question
-    /// finds nothing, however often its context will be reused); once it has stored several
-    /// caches' worth recently, its own measure stands. Unknown capacity: its own measure.
+    /// `prior` (the fleet's) by a cache's worth of blocks, as of `now`: `(hits + capacity ×
+    /// prior) / (stored + capacity)`, both counts decayed over [`REUSE_TAU_S`]. Until an
+    /// endpoint has stored about its capacity, nothing it stored has had to be evicted, so its
+    /// own hits per stored block do not yet say how often a block is reused before eviction (a
+    /// new tenant's first question finds nothing, however often its context will be reused);
+    /// once it has stored several caches' worth recently, its own measure stands. An endpoint
+    /// that stores less than a cache's worth per [`REUSE_TAU_S`] leans on the fleet's figure for
+    /// as long: its own rests on too few evictions. Unknown capacity: its own measure.
     pub(super) fn per_evicted_block_toward(
         &self,
         prior: f64,
@@ -172,7 +174,12 @@ impl BlockReuse {
         };
         let d = self.decayed(now);
         let weight = capacity as f64;
-        let shrunk = (self.hits * d + weight * prior.clamp(0.0, 1.0)) / (self.stored * d + weight);
+        let prior = if prior.is_finite() {
+            prior.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let shrunk = (self.hits * d + weight * prior) / (self.stored * d + weight);
         shrunk.clamp(0.0, 1.0)
     }
 }

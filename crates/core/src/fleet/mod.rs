@@ -280,7 +280,7 @@ pub struct Fleet {
     rank_buffers: RankBuffers,
     /// Blocks the fleet's requests found cached and stored, recently: the block reuse an
     /// endpoint's own shrinks toward while it has stored less than a cache's worth.
-    reuse: BlockReuse,
+    fleet_reuse: BlockReuse,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
     /// The present endpoints by a lower bound of their cost per prompt token while they hold
@@ -344,7 +344,7 @@ impl Fleet {
             rank_every: false,
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
-            reuse: BlockReuse::default(),
+            fleet_reuse: BlockReuse::default(),
             peer_load: Default::default(),
             load_order: LoadOrder::new(default_rate),
             prune: true,
@@ -550,7 +550,7 @@ impl Fleet {
             predicted: &predicted,
             reportable: request.prompt_tokens.saturating_sub(1) / bs,
             prior_rate,
-            prior_reuse: self.reuse.per_evicted_block(),
+            prior_reuse: self.fleet_reuse.per_evicted_block(),
             decode_s: self.decode_s,
             now,
         };
@@ -709,7 +709,7 @@ impl Fleet {
             let blocks = (request.prompt_tokens / bs) as f64;
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
-            self.reuse.note(hits, blocks - hits, now);
+            self.fleet_reuse.note(hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
             quiet = e.inflight == 0;
             if tier_uncertain {

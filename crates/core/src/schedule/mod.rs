@@ -123,7 +123,8 @@ pub struct CacheView {
     /// of what it caches the queue ahead of this request evicts before the request is admitted.
     pub capacity_blocks: Option<f64>,
     /// Expected reuses of a block its cache evicts, 0–1: recently, blocks its requests found
-    /// cached per block they stored (see [`cost`]).
+    /// cached per block they stored, shrunk toward the fleet's figure while it has stored less
+    /// than a cache's worth (see [`cost`]).
     pub block_reuse: f64,
     /// The prompt's cached prefix there split by last use, so that the queue ahead evicts the
     /// blocks used longest ago first. `None` where it was not read: nothing can be lost there
@@ -393,7 +394,7 @@ pub fn schedule(
         competing.iter().all(|&i| assessments[i].saturated)
     };
     let (ranking, reason) = profile.picker.rank(
-        &profile.balance,
+        profile,
         request.prefix_key,
         &assessments,
         &competing,

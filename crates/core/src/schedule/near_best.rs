@@ -26,6 +26,8 @@ pub(super) struct Standing {
     pub(super) at: usize,
     /// Its weighted cost, seconds.
     pub(super) total: f64,
+    /// Of that, the weighted seconds due to what it would compute ([`Cost::cache_part`]).
+    pub(super) computed: f64,
     /// Its random tie-break key.
     pub(super) tie: u64,
     /// Its recent placements (not negative).
@@ -37,25 +39,26 @@ pub(super) struct Standing {
 }
 
 impl Standing {
-    /// The standing of `c`, at position `at`, whose cost is `cost` and that holds `cached`
-    /// prompt tokens.
-    pub(super) fn of(c: &Candidate, at: usize, cost: &Cost, cached: usize, random: u64) -> Self {
+    /// The standing of `c`, at position `at`, whose cost under `profile` is `cost` and that
+    /// holds `cached` prompt tokens.
+    pub(super) fn of(
+        profile: &Profile,
+        c: &Candidate,
+        at: usize,
+        cost: &Cost,
+        cached: usize,
+        random: u64,
+    ) -> Self {
         Standing {
             at,
             total: cost.total_s,
+            computed: cost.cache_part(profile),
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
             cached,
             evicted: cost.evicted_blocks,
         }
     }
-}
-
-/// The highest cost that a winner or a balancing alternative may have, given the cheapest:
-/// the cheapest's cost plus the balance tolerance.
-pub(super) fn balance_limit(profile: &Profile, cheapest: f64) -> f64 {
-    let tolerance = &profile.balance;
-    cheapest + tolerance.relative * cheapest.max(0.0) + tolerance.absolute_s
 }
 
 /// Cost order, exact ties broken at random: the order [`schedule`] ranks in.
@@ -105,7 +108,7 @@ pub fn schedule_near_best(
         }
         let (cost, cached) = cost::assess(profile, request, c);
         all_saturated &= saturated(profile, &c.load);
-        standings.push(Standing::of(c, at, &cost, cached.all, random));
+        standings.push(Standing::of(profile, c, at, &cost, cached.all, random));
     }
     if standings.len() <= depth {
         // Every competitor is ranked anyway (and a fleet with none competing reports why).
@@ -148,11 +151,11 @@ impl Ranked {
             .expect("more competitors than the depth");
         // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
         // as the cheapest and evict no more, the fewest placements win, the cheaper (then the random key) first.
-        let limit = balance_limit(profile, cheapest.total);
+        let limit = profile.balance.limit(cheapest.total, cheapest.computed);
         let near = |s: &Standing| {
             s.total <= limit
                 && s.cached >= cheapest.cached
-                && evicts_no_more(s.evicted, cheapest.evicted)
+                && evicts_no_more(profile, s.evicted, cheapest.evicted)
         };
         let mut near_count = 0usize;
         let mut fewest = cheapest;

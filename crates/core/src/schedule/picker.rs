@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ring;
-use super::{Assessment, BalanceTolerance, Cost, Reason};
+use super::{Assessment, CacheSource, Cost, Profile, Reason};
 
 /// How the winner is chosen.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -72,7 +72,7 @@ impl Picker {
     /// Indices of `competing` candidates, best first, and why the first won.
     pub(super) fn rank(
         &self,
-        tolerance: &BalanceTolerance,
+        profile: &Profile,
         prefix_key: Option<u64>,
         assessments: &[Assessment],
         competing: &[usize],
@@ -93,7 +93,7 @@ impl Picker {
             _ => {}
         }
         match self {
-            Picker::Cheapest => balance(tolerance, assessments, order),
+            Picker::Cheapest => balance(profile, assessments, order),
             Picker::PrefixHash { epsilon, .. } => {
                 // Without a key (an untokenized prompt) the random input stands in for it.
                 let key = prefix_key.unwrap_or(random);
@@ -139,26 +139,30 @@ impl Picker {
 }
 
 /// Whether a placement that evicts `evicted` cached blocks may be chosen for evenness over the
-/// cheapest, which evicts `cheapest_evicts`: only if it evicts no more. Balancing gives up no
+/// cheapest, which evicts `cheapest_evicts`, under `profile`: only if it evicts no more, where
+/// the profile reads a cache and weighs evictions (the cache-blind baselines balance as they
+/// always did). Balancing gives up no
 /// cached block: neither one the request would find (a balancing winner holds as much of the
 /// prompt as the cheapest) nor one the placement pushes out of a cache, where others may find
 /// it. The count, not its priced reuse: a block evicted now is gone whatever its reuse
 /// estimate, and a count does not carry an estimate's noise.
-pub(super) fn evicts_no_more(evicted: f64, cheapest_evicts: f64) -> bool {
-    evicted <= cheapest_evicts + 1e-9
+pub(super) fn evicts_no_more(profile: &Profile, evicted: f64, cheapest_evicts: f64) -> bool {
+    let guards_evictions = profile.cache != CacheSource::None && profile.weights.eviction > 0.0;
+    !guards_evictions || evicted <= cheapest_evicts + 1e-9
 }
 
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
 /// candidates that hold at least as much of the prompt as the cheapest and evict no more
 /// ([`evicts_no_more`]): fewest recent placements first (see [`BalanceTolerance`]).
 fn balance(
-    tolerance: &BalanceTolerance,
+    profile: &Profile,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
-    let best = cheapest.cost.total_s;
-    let limit = best + tolerance.relative * best.max(0.0) + tolerance.absolute_s;
+    let limit = profile
+        .balance
+        .limit(cheapest.cost.total_s, cheapest.cost.cache_part(profile));
     let floor = cheapest.cached_tokens;
     let evicts = cheapest.cost.evicted_blocks;
     let near: Vec<usize> = order
@@ -168,7 +172,7 @@ fn balance(
             let a = &assessments[i];
             a.cost.total_s <= limit
                 && a.cached_tokens >= floor
-                && evicts_no_more(a.cost.evicted_blocks, evicts)
+                && evicts_no_more(profile, a.cost.evicted_blocks, evicts)
         })
         .collect();
     if near.len() > 1 {

@@ -58,18 +58,38 @@ impl Default for CostWeights {
 
 /// When costs count as equal, so that new sessions can be spread evenly.
 ///
-/// Among the candidates whose cost is within `relative × cheapest + absolute_s` of the cheapest
-/// and that hold at least as much of the prompt as the cheapest, the one with the fewest recent
-/// placements wins. Balancing therefore never gives up a cached block: copying a prefix onto
-/// another endpoint happens only when the cost model says it pays (the queue wait it saves
-/// exceeds its prefill plus what the copy evicts there).
+/// Among the candidates whose cost is within [`BalanceTolerance::limit`] of the cheapest's, that
+/// hold at least as much of the prompt as the cheapest and that evict no more cached blocks
+/// than it, the one with the fewest recent placements wins. Balancing therefore never gives up
+/// a cached block: copying a prefix onto another endpoint happens only when the cost model says
+/// it pays (the queue wait it saves exceeds its prefill plus what the copy evicts there).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BalanceTolerance {
-    /// Fraction of the cheapest cost (absorbs noise in observed prefill rates).
+    /// Fraction of what the cheapest would compute (absorbs noise in observed prefill rates).
     pub relative: f64,
     /// Seconds.
     pub absolute_s: f64,
+}
+
+impl BalanceTolerance {
+    /// The highest cost that counts as equal to the cheapest's `total` seconds, of which
+    /// `computed` are due to what it would compute ([`super::Cost::cache_part`]: its prefill,
+    /// tier loads and evictions): `total + relative × computed + absolute_s`, the relative share
+    /// taken of no more than `total`. The relative share absorbs the noise of the observed
+    /// prefill rates in what the endpoints would compute. Load is not in it: queued work is what
+    /// the router counts (its requests in flight, the engines' scraped queues), so a difference
+    /// in load is never balanced away, and where load dominates the costs (a saturated fleet)
+    /// the least-loaded endpoint wins.
+    pub fn limit(&self, total: f64, computed: f64) -> f64 {
+        total + self.relative * computed.min(total).max(0.0) + self.absolute_s
+    }
+
+    /// The most [`Self::limit`] can be for a cheapest that costs at most `total` seconds, whatever
+    /// it computes: what pruning may stop at before the cheapest is known.
+    pub fn limit_at_most(&self, total: f64) -> f64 {
+        total + self.relative * total.max(0.0) + self.absolute_s
+    }
 }
 
 impl Default for BalanceTolerance {

@@ -14,7 +14,8 @@
 //! decision can still read:
 //! - the cost of the `depth`-th best so far (the head of the ranking, ties included: a bound
 //!   equal to it is still costed);
-//! - the balance limit (the cheapest's cost plus the tolerance), which balancing reads among
+//! - the most the balance limit can be (the cheapest's cost plus the tolerance taken of all of
+//!   it, [`super::BalanceTolerance::limit_at_most`]), which balancing reads among
 //!   the costs that hold at least as much as the cheapest: for the holders always, for the rest
 //!   (which hold nothing) only while the cheapest holds nothing.
 //!
@@ -28,7 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::near_best::{Ranked, Standing, balance_limit, by_cost};
+use super::near_best::{Ranked, Standing, by_cost};
 use super::{
     Candidate, Decision, EndpointLoad, Picker, Profile, RequestInfo, cost, rejection, saturated,
 };
@@ -580,7 +581,14 @@ impl Walk<'_> {
         }
         let (cost, cached) = cost::assess(profile, request, &c);
         self.any_unsaturated |= !saturated(profile, &c.load);
-        let s = Standing::of(&c, self.candidates.len(), &cost, cached.all, self.random);
+        let s = Standing::of(
+            profile,
+            &c,
+            self.candidates.len(),
+            &cost,
+            cached.all,
+            self.random,
+        );
         if self.cheapest.is_none_or(|b| by_cost(&s, &b).is_lt()) {
             self.cheapest = Some(s);
         }
@@ -602,7 +610,8 @@ impl Walk<'_> {
         }
         let head = self.best[self.depth - 1];
         Some(if holds || cheapest.cached == 0 {
-            head.max(balance_limit(profile, cheapest.total))
+            // The cheapest can only get cheaper, and with it the limit.
+            head.max(profile.balance.limit_at_most(cheapest.total))
         } else {
             head
         })

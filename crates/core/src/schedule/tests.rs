@@ -139,6 +139,30 @@ fn balancing_never_evicts_a_block_the_cheapest_keeps() {
     assert_eq!(d.reason, Reason::Balance);
 }
 
+/// The heavy multi-turn load's tail: with every engine saturated, a tolerance of 10% of the
+/// whole cost made queues 150 ms apart "equal", and balancing sent the request to the longer one
+/// because it had had fewer placements. The tolerance covers what the endpoints would compute,
+/// not the queues the router counts.
+#[test]
+fn a_longer_queue_is_never_balanced_away() {
+    let mut cands = fleet(2);
+    busy(&mut cands[0], 10, 20_000); // 1.0 s of prefill queued
+    busy(&mut cands[1], 10, 21_000); // 1.05 s
+    cands[0].load.recent_placements = 5.0;
+    cands[1].load.recent_placements = 1.0;
+    let d = schedule(&Profile::default(), &request(400), &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    assert_eq!(d.reason, Reason::Load);
+    // Where only what they would compute differs by less than the tolerance, balancing decides.
+    let mut cands = fleet(2);
+    cands[0].load.recent_placements = 5.0;
+    cands[1].load.recent_placements = 1.0;
+    cands[1].prefill_tokens_per_s = RATE * 0.95; // a rate observed 5% lower
+    let d = schedule(&Profile::default(), &request(4_000), &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Balance);
+}
+
 /// Seconds of prefill of `tokens` at the test fleet's rate.
 fn prefill(tokens: f64) -> f64 {
     tokens / RATE

@@ -301,6 +301,37 @@ fn an_endpoints_block_reuse_starts_at_the_fleets() {
     assert_eq!(reuse.per_evicted_block_toward(0.8, None, 0.0), 0.0);
 }
 
+/// The fleet's figure reaches a plan: a full endpoint whose own requests never found anything
+/// cached still charges what a placement evicts there at the reuse the fleet measures.
+#[test]
+fn a_new_endpoints_evictions_are_priced_at_the_fleets_reuse() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let capacity = LoadSample {
+        waiting: Some(0.0),
+        running: Some(0.0),
+        kv_usage: Some(0.0),
+        num_gpu_blocks: Some(100),
+    };
+    fleet.observe_load(EndpointId(0), capacity, 0.0);
+    fleet.observe_load(EndpointId(1), capacity, 0.0);
+    // Endpoint 0's requests keep finding a 50-block context: the fleet measures reuse.
+    let context = prompt(800, 1);
+    fleet.apply_events(EndpointId(0), &[stored(&context, BS)], 0.0);
+    for question in 0..4 {
+        let mut tokens = context.clone();
+        tokens.extend(prompt(160, 10 + question));
+        let d = send_to(&mut fleet, &Req::new(&tokens), EndpointId(0), 0.1);
+        fleet.finished(d, None, 0.2);
+    }
+    // Endpoint 1 is 90 blocks full, and none of its requests has found anything cached.
+    fleet.apply_events(EndpointId(1), &[stored(&prompt(1440, 2), BS)], 0.3);
+    // A 40-block prompt held nowhere stores 30 blocks past endpoint 1's 10 free ones.
+    let plan = fleet.plan(&Req::new(&prompt(640, 3)).features(), 7, 0.4);
+    let full = plan.decision.assessment(EndpointId(1)).unwrap();
+    assert_eq!(full.cost.evicted_blocks, 30.0);
+    assert!(full.cost.eviction_s > 0.0, "{:?}", full.cost);
+}
+
 #[test]
 fn follow_up_turns_stay_with_their_history_at_zero_load() {
     // The first round's repro: 3 idle engines, 6 conversations of 4 turns sent one at a time,

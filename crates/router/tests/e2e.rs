@@ -519,9 +519,19 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         *counts.entry(t.await.unwrap()).or_insert(0) += 1;
     }
     let home = counts.get(&warm.endpoint).copied().unwrap_or(0);
+    // What a spill is priced at: a copy's prefill at the observed rates (one slow sample under
+    // a loaded machine makes every copy look dear).
+    let rates: Vec<Option<f64>> = router
+        .router
+        .fleet()
+        .endpoints()
+        .iter()
+        .map(|e| e.observed_prefill_rate())
+        .collect();
     assert!(
         counts.len() >= 2,
-        "the flood must spill: {counts:?} (healthy after it: {:?})",
+        "the flood must spill: {counts:?} (healthy after it: {:?}; observed prefill rates, \
+         tokens/s: {rates:?})",
         health()
     );
     assert!(home < 48, "not everything on the warm endpoint: {counts:?}");

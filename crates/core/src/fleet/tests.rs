@@ -58,6 +58,19 @@ fn stored(tokens: &[u32], block_size: usize) -> KvEvent {
     })
 }
 
+/// Every endpoint of `fleet` scraped at time 0 idle, with a cache of `num_gpu_blocks` blocks.
+fn scrape_idle(fleet: &mut Fleet, num_gpu_blocks: usize) {
+    let sample = LoadSample {
+        waiting: Some(0.0),
+        running: Some(0.0),
+        kv_usage: Some(0.0),
+        num_gpu_blocks: Some(num_gpu_blocks),
+    };
+    for at in 0..fleet.endpoints().len() {
+        fleet.observe_load(EndpointId(at as u32), sample, 0.0);
+    }
+}
+
 /// A request as the router prepares it.
 struct Req {
     keys: Arc<Vec<RouterKey>>,
@@ -306,14 +319,7 @@ fn an_endpoints_block_reuse_starts_at_the_fleets() {
 #[test]
 fn a_new_endpoints_evictions_are_priced_at_the_fleets_reuse() {
     let mut fleet = FleetBuilder::new(2).build();
-    let capacity = LoadSample {
-        waiting: Some(0.0),
-        running: Some(0.0),
-        kv_usage: Some(0.0),
-        num_gpu_blocks: Some(100),
-    };
-    fleet.observe_load(EndpointId(0), capacity, 0.0);
-    fleet.observe_load(EndpointId(1), capacity, 0.0);
+    scrape_idle(&mut fleet, 100);
     // Endpoint 0's requests keep finding a 50-block context: the fleet measures reuse.
     let context = prompt(800, 1);
     fleet.apply_events(EndpointId(0), &[stored(&context, BS)], 0.0);
@@ -715,15 +721,7 @@ fn a_queue_a_scrape_saw_full_opens_when_the_routers_own_requests_leave_it() {
 fn a_request_that_does_not_fit_beside_running_ones_waits_for_their_end() {
     let mut fleet = FleetBuilder::new(2).build();
     let (busy, idle) = (EndpointId(0), EndpointId(1));
-    let room = LoadSample {
-        waiting: Some(0.0),
-        running: Some(0.0),
-        kv_usage: Some(0.0),
-        num_gpu_blocks: Some(150),
-    };
-    for e in [busy, idle] {
-        fleet.observe_load(e, room, 0.0);
-    }
+    scrape_idle(&mut fleet, 150);
     // A first request there decodes for 0.4 s: the decode time it learns.
     let mut first = send_to(&mut fleet, &Req::new(&prompt(160, 1)), busy, 0.0);
     fleet.first_token(&mut first, true, 0.1);

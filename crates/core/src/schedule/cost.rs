@@ -31,9 +31,9 @@
 //!   they stored (a block stored there is, on average, reused that many times before it is
 //!   evicted), capped at 1 (an evicted block is prefilled again at most once before it is
 //!   cached again), and taken as the fleet's while the endpoint has stored less than a cache's
-//!   worth recently (nothing it stored had to be evicted yet). An endpoint whose cache turns over without reuse (a working set far above
-//!   the cache) charges almost nothing; one whose blocks keep being reused charges their full
-//!   re-prefill.
+//!   worth recently (nothing it stored had to be evicted yet). An endpoint whose cache turns
+//!   over without reuse (a working set far above the cache) charges almost nothing; one whose
+//!   blocks keep being reused charges their full re-prefill.
 //!
 //! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
 //! load × (queue wait + decode interference) − session credit`. At zero load and with room in

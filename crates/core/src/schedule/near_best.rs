@@ -13,7 +13,7 @@
 
 use std::cmp::Ordering;
 
-use super::picker::{evicts_no_more, tie_key, why_cheaper};
+use super::picker::{NearEqual, tie_key, why_cheaper};
 use super::{
     Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
     rejection, saturated, schedule,
@@ -149,14 +149,16 @@ impl Ranked {
             .iter()
             .min_by(|a, b| by_cost(a, b))
             .expect("more competitors than the depth");
-        // Balancing, as `picker::balance`: among the near-equal costs that hold at least as much
-        // as the cheapest and evict no more, the fewest placements win, the cheaper (then the random key) first.
-        let limit = profile.balance.limit(cheapest.total, cheapest.computed);
-        let near = |s: &Standing| {
-            s.total <= limit
-                && s.cached >= cheapest.cached
-                && evicts_no_more(profile, s.evicted, cheapest.evicted)
-        };
+        // Balancing, as `picker::balance`: among the near-equal candidates, the fewest
+        // placements win, the cheaper (then the random key) first.
+        let near_equal = NearEqual::around(
+            profile,
+            cheapest.total,
+            cheapest.computed,
+            cheapest.cached,
+            cheapest.evicted,
+        );
+        let near = |s: &Standing| near_equal.admits(s.total, s.cached, s.evicted);
         let mut near_count = 0usize;
         let mut fewest = cheapest;
         for s in standings.iter().filter(|s| near(s)) {

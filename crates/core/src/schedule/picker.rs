@@ -138,41 +138,70 @@ impl Picker {
     }
 }
 
-/// Whether a placement that evicts `evicted` cached blocks may be chosen for evenness over the
-/// cheapest, which evicts `cheapest_evicts`, under `profile`: only if it evicts no more, where
-/// the profile reads a cache and weighs evictions (the cache-blind baselines balance as they
-/// always did). Balancing gives up no
-/// cached block: neither one the request would find (a balancing winner holds as much of the
-/// prompt as the cheapest) nor one the placement pushes out of a cache, where others may find
-/// it. The count, not its priced reuse: a block evicted now is gone whatever its reuse
-/// estimate, and a count does not carry an estimate's noise.
-pub(super) fn evicts_no_more(profile: &Profile, evicted: f64, cheapest_evicts: f64) -> bool {
-    let guards_evictions = profile.cache != CacheSource::None && profile.weights.eviction > 0.0;
-    !guards_evictions || evicted <= cheapest_evicts + 1e-9
+/// The candidates balancing may choose among, around the cheapest: those whose cost is within
+/// the tolerance of its ([`super::BalanceTolerance::limit`]), that hold at least as much of the
+/// prompt, and that evict no more cached blocks, where the profile reads a cache and weighs
+/// evictions (the cache-blind baselines balance as they always did). So balancing gives up no
+/// cached block: neither one the request would find nor one the placement pushes out of a cache,
+/// where others may find it. Evictions are compared as counts, not priced reuse: a block evicted
+/// now is gone whatever its reuse estimate, and a count carries no estimate's noise.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct NearEqual {
+    limit: f64,
+    cached: usize,
+    evicted: f64,
+    guards_evictions: bool,
+}
+
+impl NearEqual {
+    /// The test around the cheapest candidate under `profile`: its weighted cost `total`, of
+    /// which `computed` is what it would compute ([`Cost::cache_part`]), the prompt tokens it
+    /// holds (`cached`) and the blocks its placement evicts (`evicted`).
+    pub(super) fn around(
+        profile: &Profile,
+        total: f64,
+        computed: f64,
+        cached: usize,
+        evicted: f64,
+    ) -> Self {
+        Self {
+            limit: profile.balance.limit(total, computed),
+            cached,
+            evicted,
+            guards_evictions: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
+        }
+    }
+
+    /// Whether a candidate of weighted cost `total` that holds `cached` prompt tokens and whose
+    /// placement evicts `evicted` blocks is near-equal to the cheapest.
+    pub(super) fn admits(&self, total: f64, cached: usize, evicted: f64) -> bool {
+        total <= self.limit
+            && cached >= self.cached
+            && (!self.guards_evictions || evicted <= self.evicted + 1e-9)
+    }
 }
 
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
-/// candidates that hold at least as much of the prompt as the cheapest and evict no more
-/// ([`evicts_no_more`]): fewest recent placements first (see [`BalanceTolerance`]).
+/// candidates ([`NearEqual`]): fewest recent placements first.
 fn balance(
     profile: &Profile,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
-    let limit = profile
-        .balance
-        .limit(cheapest.cost.total_s, cheapest.cost.cache_part(profile));
-    let floor = cheapest.cached_tokens;
-    let evicts = cheapest.cost.evicted_blocks;
+    let near_equal = NearEqual::around(
+        profile,
+        cheapest.cost.total_s,
+        cheapest.cost.cache_part(profile),
+        cheapest.cached_tokens,
+        cheapest.cost.evicted_blocks,
+    );
     let near: Vec<usize> = order
         .iter()
         .copied()
         .filter(|&i| {
             let a = &assessments[i];
-            a.cost.total_s <= limit
-                && a.cached_tokens >= floor
-                && evicts_no_more(profile, a.cost.evicted_blocks, evicts)
+            near_equal.admits(a.cost.total_s, a.cached_tokens, a.cost.evicted_blocks)
         })
         .collect();
     if near.len() > 1 {

@@ -180,7 +180,7 @@ impl Fleet {
             healthy: e.healthy,
             ejected: e.outlier.ejected(now),
             circuit_open: e.inflight >= self.config.outlier.max_inflight.max(1),
-            serves_model: same_block_size && e.spec.models.iter().any(|m| m == inputs.model),
+            serves_model: same_block_size && e.spec.serves(inputs.model),
             role: e.spec.role,
             load: EndpointLoad {
                 room_wait_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {

@@ -65,6 +65,13 @@ pub struct EndpointSpec {
     pub offload: OffloadSpec,
 }
 
+impl EndpointSpec {
+    /// Whether it serves `model` (a model or one of its adapters, by name).
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m == model)
+    }
+}
+
 /// A scraped load sample (vLLM's gauges).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadSample {

@@ -14,6 +14,9 @@ impl Fleet {
         let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
         self.targets.set_indexes(&self.indexes);
         let offload = spec.offload.clone();
+        for model in &spec.models {
+            self.model_priors.serve(model);
+        }
         let free = self
             .endpoints
             .iter()

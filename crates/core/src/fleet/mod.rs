@@ -16,6 +16,7 @@ mod endpoint;
 pub mod flow;
 mod lookup;
 mod membership;
+mod model_priors;
 pub mod outlier;
 mod peer_load;
 mod pinned;
@@ -50,7 +51,6 @@ use crate::schedule::{
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 pub use disagg::{DisaggConfig, TransfersDropped};
-use endpoint::BlockReuse;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
@@ -235,6 +235,8 @@ pub struct Dispatch {
     keys: Arc<Vec<RouterKey>>,
     /// The id its blocks are pinned under at its endpoint ([`pinned`]).
     pin: u64,
+    /// Its model's slot in the fleet's per-model priors (`None`: a model no endpoint serves).
+    model: Option<usize>,
     prefill_done: bool,
     /// No other prefill was in flight there: its time to first token measures the prefill rate.
     rate_sample: bool,
@@ -278,9 +280,10 @@ pub struct Fleet {
     /// Per-request buffers, kept between plans: the candidates, and the ranking's.
     candidates: Vec<Candidate>,
     rank_buffers: RankBuffers,
-    /// Blocks the fleet's requests found cached and stored, recently: the block reuse an
-    /// endpoint's own shrinks toward while it has stored less than a cache's worth.
-    fleet_reuse: BlockReuse,
+    /// Per model, blocks the fleet's requests found cached and stored, recently (the block
+    /// reuse an endpoint's own shrinks toward while it has stored less than a cache's worth),
+    /// and the decode time of an endpoint where none ended yet.
+    model_priors: model_priors::ModelPriors,
     /// Other replicas' prefills in flight, counted in the endpoints' load.
     peer_load: peer_load::PeerLoad,
     /// The present endpoints by a lower bound of their cost per prompt token while they hold
@@ -302,9 +305,6 @@ pub struct Fleet {
     last_plan_viewed: usize,
     /// The id the next dispatch pins its blocks under ([`pinned`]).
     next_pin: u64,
-    /// Seconds from first token to end, averaged over the fleet's requests: the decode time
-    /// of an endpoint where none ended yet.
-    decode_s: Option<f64>,
 }
 
 impl Fleet {
@@ -324,6 +324,10 @@ impl Fleet {
             .enumerate()
             .map(|(i, spec)| EndpointState::new(EndpointId(i as u32), spec))
             .collect();
+        let mut model_priors = model_priors::ModelPriors::default();
+        for model in endpoints.iter().flat_map(|e| &e.spec.models) {
+            model_priors.serve(model);
+        }
         let default_rate = config.default_prefill_tokens_per_s;
         let mut fleet = Self {
             history: RoutingHistory::new(config.history_ttl_s, config.history_capacity),
@@ -344,7 +348,7 @@ impl Fleet {
             rank_every: false,
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),
-            fleet_reuse: BlockReuse::default(),
+            model_priors,
             peer_load: Default::default(),
             load_order: LoadOrder::new(default_rate),
             prune: true,
@@ -355,7 +359,6 @@ impl Fleet {
             targets: Arc::default(),
             last_plan_viewed: 0,
             next_pin: 0,
-            decode_s: None,
         };
         for at in 0..fleet.endpoints.len() {
             fleet.load_changed(EndpointId(at as u32));
@@ -510,9 +513,15 @@ impl Fleet {
     ) -> Plan {
         let bs = request.block_size.max(1);
         let keys = request.keys.as_slice();
-        // An endpoint not yet observed is assumed as fast as the observed ones (fleets are
-        // mostly uniform); the configured rate is the prior when none is observed yet.
-        let pooled = pooled_prefill_rate(self.endpoints.iter().filter(|e| e.present));
+        // An endpoint not yet observed is assumed as fast as the observed ones serving the same
+        // model (a model's engines are mostly uniform; another model's may be ten times faster
+        // or slower); the configured rate is the prior when none is observed yet.
+        let pooled = pooled_prefill_rate(
+            self.endpoints
+                .iter()
+                .filter(|e| e.present && e.spec.serves(request.model)),
+        );
+        let model = self.model_priors.slot(request.model);
         let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
         let session_endpoint = request.session.and_then(|s| self.sessions.get(s));
         let info = RequestInfo {
@@ -550,8 +559,8 @@ impl Fleet {
             predicted: &predicted,
             reportable: request.prompt_tokens.saturating_sub(1) / bs,
             prior_rate,
-            prior_reuse: self.fleet_reuse.per_evicted_block(),
-            decode_s: self.decode_s,
+            prior_reuse: self.model_priors.reuse(model),
+            decode_s: self.model_priors.decode_s(model),
             now,
         };
         self.round_robin = self.round_robin.wrapping_add(1);
@@ -658,6 +667,7 @@ impl Fleet {
         now: f64,
     ) -> Dispatch {
         let slot = endpoint.0 as usize;
+        let model = self.model_priors.slot(request.model);
         let predicted = predicted_cached.get(slot).copied().unwrap_or(0);
         // Read before this request enters the predicted overlay; walked at most once, by
         // whichever of the two reads below needs it first.
@@ -709,7 +719,8 @@ impl Fleet {
             let blocks = (request.prompt_tokens / bs) as f64;
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
-            self.fleet_reuse.note(hits, blocks - hits, now);
+            self.model_priors
+                .note_reuse(model, hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;
             quiet = e.inflight == 0;
             if tier_uncertain {
@@ -749,6 +760,7 @@ impl Fleet {
             shared_load,
             keys: request.keys.clone(),
             pin,
+            model,
             prefill_done: false,
             rate_sample,
             quiet,
@@ -915,7 +927,7 @@ impl Fleet {
             e.inflight = e.inflight.saturating_sub(1);
             if let Some(ended) = e.pinned.unpin(dispatch.pin, now) {
                 if let Some(decode_s) = ended.decode_s {
-                    self.decode_s = Some(pinned::averaged(self.decode_s, decode_s));
+                    self.model_priors.note_decode(dispatch.model, decode_s);
                 }
                 // Its blocks are in the cache only if it was prefilled (it had a first token)
                 // in the engine's present life (sent after what was known of it was forgotten).

@@ -218,6 +218,41 @@ fn costed_rates(fleet: &mut Fleet, now: f64) -> Vec<f64> {
 }
 
 #[test]
+fn a_new_endpoint_is_costed_at_its_own_models_rate() {
+    // One router in front of two pools: a small model's engines prefill ten times faster than
+    // a big model's. A big-model endpoint with no sample of its own must not be priced at
+    // what the small ones measure.
+    let mut builder = FleetBuilder::new(0);
+    builder.specs = ["small", "big", "big"]
+        .iter()
+        .enumerate()
+        .map(|(i, model)| EndpointSpec {
+            models: vec![(*model).into()],
+            ..spec(&format!("e{i}"), BS)
+        })
+        .collect();
+    let mut fleet = builder.build();
+    let asking = |model: &'static str, salt: u32| Req {
+        model,
+        ..Req::new(&prompt(1000, salt))
+    };
+    let mut small = send_to(&mut fleet, &asking("small", 1), EndpointId(0), 0.0);
+    fleet.first_token(&mut small, true, 0.01); // 100k tokens/s, alone
+    let mut big = send_to(&mut fleet, &asking("big", 2), EndpointId(1), 0.0);
+    fleet.first_token(&mut big, true, 0.1); // 10k tokens/s, alone
+    let plan = fleet.plan_every(&asking("big", 3).features(), 7, 0.2);
+    let rates: Vec<f64> = plan.facts.iter().map(|f| f.prefill_tokens_per_s).collect();
+    assert_eq!(rates[1], 10_000.0);
+    assert_eq!(
+        rates[2], 10_000.0,
+        "the new big endpoint takes the big pool's rate: {rates:?}"
+    );
+    // And a small-model request prices a new small endpoint at the small pool's.
+    let plan = fleet.plan_every(&asking("small", 4).features(), 7, 0.2);
+    assert_eq!(plan.facts[0].prefill_tokens_per_s, 100_000.0);
+}
+
+#[test]
 fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
     // The heavy multi-turn load's failure: e0 was judged fast by one lucky uncontended
     // prefill, then stayed busy, so its rate was never read again and it kept getting work.

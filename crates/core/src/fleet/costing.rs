@@ -34,9 +34,14 @@ pub(super) struct PlanInputs<'a> {
     pub(super) reportable: usize,
     /// The prefill rate an endpoint's own estimate shrinks toward.
     pub(super) prior_rate: f64,
-    /// The block reuse an endpoint's own estimate shrinks toward: the fleet's.
+    /// The prior the pruned plan's load order keys its endpoints with: the whole fleet's
+    /// pooled rate, steady whatever model a request names (see [`Fleet::plan_pruned`]).
+    pub(super) order_prior: f64,
+    /// The block reuse an endpoint's own estimate shrinks toward: the fleet's, for the
+    /// request's model (its group: [`super::model_priors`]).
     pub(super) prior_reuse: f64,
-    /// The fleet's decode time (first token to end), for an endpoint with none of its own.
+    /// The fleet's decode time (first token to end) for the request's model, for an endpoint
+    /// with none of its own.
     pub(super) decode_s: Option<f64>,
     /// The plan's time.
     pub(super) now: f64,
@@ -230,7 +235,7 @@ impl Fleet {
         self.expired_samples = expired;
         // Keys assume this decision's prior rate from now on; every key is set again when it
         // rose too far above the lowest one they assume.
-        if self.load_order.assume_prior(inputs.prior_rate) {
+        if self.load_order.assume_prior(inputs.order_prior) {
             for at in 0..self.endpoints.len() {
                 self.load_changed(EndpointId(at as u32));
             }

@@ -26,23 +26,45 @@ const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 pub fn pooled_prefill_rate<'a>(
     endpoints: impl IntoIterator<Item = &'a EndpointState>,
 ) -> Option<f64> {
-    let (mut weighted, mut weights, mut sum, mut count) = (0.0, 0.0, 0.0, 0usize);
+    let mut pool = RatePool::default();
     for e in endpoints {
+        pool.add(e);
+    }
+    pool.rate()
+}
+
+/// Observed prefill rates being pooled ([`pooled_prefill_rate`]), one endpoint at a time, so
+/// that one pass over the fleet can pool several sets of endpoints.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RatePool {
+    weighted: f64,
+    weights: f64,
+    sum: f64,
+    count: usize,
+}
+
+impl RatePool {
+    /// Adds `e`'s observed rate, if it has one.
+    pub(super) fn add(&mut self, e: &EndpointState) {
         let Some(rate) = e.observed_prefill_rate() else {
-            continue;
+            return;
         };
         let w = e.prefill_rate_freshness();
-        weighted += w * rate;
-        weights += w;
-        sum += rate;
-        count += 1;
+        self.weighted += w * rate;
+        self.weights += w;
+        self.sum += rate;
+        self.count += 1;
     }
-    if count == 0 {
-        None
-    } else if weights > 1e-6 {
-        Some(weighted / weights)
-    } else {
-        Some(sum / count as f64)
+
+    /// The pooled rate (`None` when no endpoint added had one).
+    pub(super) fn rate(&self) -> Option<f64> {
+        if self.count == 0 {
+            None
+        } else if self.weights > 1e-6 {
+            Some(self.weighted / self.weights)
+        } else {
+            Some(self.sum / self.count as f64)
+        }
     }
 }
 
@@ -162,7 +184,7 @@ impl BlockReuse {
     }
 
     /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
-    /// `prior` (the fleet's) by a cache's worth of blocks, as of `now`: `(hits + capacity ×
+    /// `prior` (the fleet's, for the request's model) by a cache's worth of blocks, as of `now`: `(hits + capacity ×
     /// prior) / (stored + capacity)`, both counts decayed over [`REUSE_TAU_S`]. Until an
     /// endpoint has stored about its capacity, nothing it stored has had to be evicted, so its
     /// own hits per stored block do not yet say how often a block is reused before eviction (a
@@ -305,7 +327,8 @@ impl EndpointState {
     }
 
     /// Its prefill rate for costing, tokens/s: its own observed rate shrunk toward `pooled`
-    /// (the fleet's) by the samples it has missed. Each prefill it computed beside others is
+    /// (the pooled rate of the endpoints serving the request's model) by the samples it has
+    /// missed. Each prefill it computed beside others is
     /// a sample it could not read; the EWMA takes the pooled rate in its place. With fresh
     /// samples its own rate stands (a mixed fleet tells its engines apart); under deep queues,
     /// where no endpoint's own rate can be read, a rate frozen by chance fades into the pool.

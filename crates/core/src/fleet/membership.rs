@@ -14,9 +14,7 @@ impl Fleet {
         let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
         self.targets.set_indexes(&self.indexes);
         let offload = spec.offload.clone();
-        for model in &spec.models {
-            self.model_priors.serve(model);
-        }
+        self.model_priors.serve(&spec.models);
         let free = self
             .endpoints
             .iter()

@@ -51,6 +51,7 @@ use crate::schedule::{
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 pub use disagg::{DisaggConfig, TransfersDropped};
+use endpoint::RatePool;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
     PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
@@ -325,8 +326,8 @@ impl Fleet {
             .map(|(i, spec)| EndpointState::new(EndpointId(i as u32), spec))
             .collect();
         let mut model_priors = model_priors::ModelPriors::default();
-        for model in endpoints.iter().flat_map(|e| &e.spec.models) {
-            model_priors.serve(model);
+        for e in &endpoints {
+            model_priors.serve(&e.spec.models);
         }
         let default_rate = config.default_prefill_tokens_per_s;
         let mut fleet = Self {
@@ -516,13 +517,20 @@ impl Fleet {
         // An endpoint not yet observed is assumed as fast as the observed ones serving the same
         // model (a model's engines are mostly uniform; another model's may be ten times faster
         // or slower); the configured rate is the prior when none is observed yet.
-        let pooled = pooled_prefill_rate(
-            self.endpoints
-                .iter()
-                .filter(|e| e.present && e.spec.serves(request.model)),
-        );
+        // One pass pools both: the model's endpoints for the costs, the whole fleet for the
+        // pruned plan's load order, whose keys must not be set again whenever consecutive
+        // requests name models of different speeds (its bound scales to either prior).
+        let (mut fleet_pool, mut model_pool) = (RatePool::default(), RatePool::default());
+        for e in self.endpoints.iter().filter(|e| e.present) {
+            fleet_pool.add(e);
+            if e.spec.serves(request.model) {
+                model_pool.add(e);
+            }
+        }
         let model = self.model_priors.slot(request.model);
-        let prior_rate = pooled.unwrap_or(self.config.default_prefill_tokens_per_s);
+        let default_rate = self.config.default_prefill_tokens_per_s;
+        let prior_rate = model_pool.rate().unwrap_or(default_rate);
+        let order_prior = fleet_pool.rate().unwrap_or(default_rate);
         let session_endpoint = request.session.and_then(|s| self.sessions.get(s));
         let info = RequestInfo {
             prompt_tokens: request.prompt_tokens,
@@ -559,6 +567,7 @@ impl Fleet {
             predicted: &predicted,
             reportable: request.prompt_tokens.saturating_sub(1) / bs,
             prior_rate,
+            order_prior,
             prior_reuse: self.model_priors.reuse(model),
             decode_s: self.model_priors.decode_s(model),
             now,

@@ -215,8 +215,10 @@ proptest! {
                     let prompt = tokens(p, shared, len);
                     let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
                     let session = session.map(|s| format!("s{s}"));
+                    // Some requests name the other model: each model's prior rate is its own
+                    // endpoints', while the load order keeps the whole fleet's.
                     let features = RequestFeatures {
-                        model: MODEL,
+                        model: if p % 5 == 4 { "other" } else { MODEL },
                         keys: &keys,
                         prompt_tokens: prompt.len(),
                         block_size: BS,

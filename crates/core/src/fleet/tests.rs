@@ -223,7 +223,7 @@ fn a_new_endpoint_is_costed_at_its_own_models_rate() {
     // a big model's. A big-model endpoint with no sample of its own must not be priced at
     // what the small ones measure.
     let mut builder = FleetBuilder::new(0);
-    builder.specs = ["small", "big", "big"]
+    builder.specs = ["small", "big", "big", "small"]
         .iter()
         .enumerate()
         .map(|(i, model)| EndpointSpec {
@@ -249,7 +249,7 @@ fn a_new_endpoint_is_costed_at_its_own_models_rate() {
     );
     // And a small-model request prices a new small endpoint at the small pool's.
     let plan = fleet.plan_every(&asking("small", 4).features(), 7, 0.2);
-    assert_eq!(plan.facts[0].prefill_tokens_per_s, 100_000.0);
+    assert_eq!(plan.facts[3].prefill_tokens_per_s, 100_000.0);
 }
 
 #[test]

@@ -374,6 +374,63 @@ fn a_new_endpoints_evictions_are_priced_at_the_fleets_reuse() {
 }
 
 #[test]
+fn a_models_evictions_are_priced_at_its_own_reuse() {
+    // e0 and e1 serve model "a" and its adapter, e2 model "b"; e1 and e2 are new and full.
+    let mut builder = FleetBuilder::new(0);
+    builder.specs = [&["a", "a-lora"][..], &["a", "a-lora"], &["b"]]
+        .iter()
+        .enumerate()
+        .map(|(i, models)| EndpointSpec {
+            models: models.iter().map(|m| (*m).into()).collect(),
+            ..spec(&format!("e{i}"), BS)
+        })
+        .collect();
+    let mut fleet = builder.build();
+    scrape_idle(&mut fleet, 100);
+    let asking = |model: &'static str, tokens: &[u32]| Req {
+        model,
+        ..Req::new(tokens)
+    };
+    // Model a's requests keep finding a 50-block context on e0: its reuse is measured.
+    let context = prompt(800, 1);
+    fleet.apply_events(EndpointId(0), &[stored(&context, BS)], 0.0);
+    for question in 0..4 {
+        let mut tokens = context.clone();
+        tokens.extend(prompt(160, 10 + question));
+        let d = send_to(&mut fleet, &asking("a", &tokens), EndpointId(0), 0.1);
+        fleet.finished(d, None, 0.2);
+    }
+    for e in [1, 2] {
+        fleet.apply_events(EndpointId(e), &[stored(&prompt(1440, e), BS)], 0.3);
+    }
+    // A 40-block prompt held nowhere stores 30 blocks past 10 free ones, on either.
+    let eviction = |fleet: &mut Fleet, model: &'static str, e: u32| {
+        let plan = fleet.plan(&asking(model, &prompt(640, 3)).features(), 7, 0.4);
+        let cost = plan
+            .decision
+            .assessment(EndpointId(e))
+            .unwrap()
+            .cost
+            .clone();
+        assert_eq!(cost.evicted_blocks, 30.0);
+        cost.eviction_s
+    };
+    assert!(
+        eviction(&mut fleet, "a", 1) > 0.0,
+        "a's reuse prices e1's evictions"
+    );
+    assert!(
+        eviction(&mut fleet, "a-lora", 1) > 0.0,
+        "an adapter shares its base's"
+    );
+    assert_eq!(
+        eviction(&mut fleet, "b", 2),
+        0.0,
+        "nothing measured of b: a's reuse does not price it"
+    );
+}
+
+#[test]
 fn follow_up_turns_stay_with_their_history_at_zero_load() {
     // The first round's repro: 3 idle engines, 6 conversations of 4 turns sent one at a time,
     // one shared system prompt. Every follow-up must go where its history is.

@@ -3,8 +3,9 @@
 //! where that cannot be read, three times the 32 MiB of the machine these benchmarks were first
 //! run on), so the index's tables come from memory as they would for a request whose blocks no
 //! recent request touched. A fixed size is not enough: on a machine whose last-level cache is
-//! larger than the flush (480 MiB on some current servers) the "cold" lookups would read it. Criterion cannot exclude such a
-//! flush from its timing, so this target times single lookups itself and prints medians.
+//! larger than the flush (480 MiB on some current servers) the "cold" lookups would read it.
+//! Criterion cannot exclude such a flush from its timing, so this target times single lookups
+//! itself and prints medians.
 //!
 //! The index also holds 1M unshared entries, so the request's blocks are scattered over a
 //! production-sized block table (and over many pages). Every configuration runs on a

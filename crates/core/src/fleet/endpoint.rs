@@ -21,20 +21,9 @@ pub const PREFILL_RATE_SAMPLE_WEIGHT: f64 = 0.1;
 /// Fewest uncached tokens whose time to first token says something about the prefill rate.
 const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 
-/// The fleet's pooled prefill rate, tokens/s: the endpoints' observed rates, each weighted by
+/// A pooled prefill rate, tokens/s, built one endpoint at a time (so that one pass over the
+/// fleet can pool several sets of endpoints): the endpoints' observed rates, each weighted by
 /// its freshness (their plain mean when none is fresh; `None` when none is observed).
-pub fn pooled_prefill_rate<'a>(
-    endpoints: impl IntoIterator<Item = &'a EndpointState>,
-) -> Option<f64> {
-    let mut pool = RatePool::default();
-    for e in endpoints {
-        pool.add(e);
-    }
-    pool.rate()
-}
-
-/// Observed prefill rates being pooled ([`pooled_prefill_rate`]), one endpoint at a time, so
-/// that one pass over the fleet can pool several sets of endpoints.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct RatePool {
     weighted: f64,
@@ -184,8 +173,9 @@ impl BlockReuse {
     }
 
     /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
-    /// `prior` (the fleet's, for the request's model) by a cache's worth of blocks, as of `now`: `(hits + capacity ×
-    /// prior) / (stored + capacity)`, both counts decayed over [`REUSE_TAU_S`]. Until an
+    /// `prior` (the fleet's, for the request's model) by a cache's worth of blocks, as of `now`:
+    /// `(hits + capacity × prior) / (stored + capacity)`, both counts decayed over
+    /// [`REUSE_TAU_S`]. Until an
     /// endpoint has stored about its capacity, nothing it stored has had to be evicted, so its
     /// own hits per stored block do not yet say how often a block is reused before eviction (a
     /// new tenant's first question finds nothing, however often its context will be reused);
@@ -328,8 +318,8 @@ impl EndpointState {
 
     /// Its prefill rate for costing, tokens/s: its own observed rate shrunk toward `pooled`
     /// (the pooled rate of the endpoints serving the request's model) by the samples it has
-    /// missed. Each prefill it computed beside others is
-    /// a sample it could not read; the EWMA takes the pooled rate in its place. With fresh
+    /// missed. Each prefill it computed beside others is a sample it could not read; the EWMA
+    /// takes the pooled rate in its place. With fresh
     /// samples its own rate stands (a mixed fleet tells its engines apart); under deep queues,
     /// where no endpoint's own rate can be read, a rate frozen by chance fades into the pool.
     pub fn prefill_rate_toward(&self, pooled: f64) -> f64 {

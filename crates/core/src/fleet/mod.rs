@@ -53,8 +53,7 @@ pub use admit::{Admission, HeldTurn};
 pub use disagg::{DisaggConfig, TransfersDropped};
 use endpoint::RatePool;
 pub use endpoint::{
-    EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample,
-    PREFILL_RATE_SAMPLE_WEIGHT, pooled_prefill_rate,
+    EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample, PREFILL_RATE_SAMPLE_WEIGHT,
 };
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use lookup::{IndexLookup, LookupTarget, LookupTargets};

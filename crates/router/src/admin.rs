@@ -324,6 +324,12 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         "reason": plan.decision.reason,
         "saturated": plan.decision.saturated,
         "ranking": plan.decision.ranking.iter().map(|id| name(*id)).collect::<Vec<_>>(),
+        "copy_rent": plan.decision.copy.map(|c| json!({
+            "shared_tokens": c.shared_tokens,
+            "rent_s": c.rent_s,
+            "paid_s": c.paid_s,
+            "bought": c.bought.map(|(at, credit_s)| json!({"endpoint": name(at), "credit_s": credit_s})),
+        })),
         "endpoints": endpoints,
         "pd": crate::pd::explain(&router, &prepared, &plan),
     }))

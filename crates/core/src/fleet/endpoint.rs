@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::block_reuse::BlockReuse;
 use super::decay::Decaying;
 use super::outlier::Outlier;
 use super::pinned::PinnedBlocks;
@@ -127,81 +128,6 @@ pub enum HealthChange {
 
 /// Time constant of the recent-placements count, seconds.
 pub const PLACEMENT_TAU_S: f64 = 60.0;
-
-/// Time constant of the recent block reuse an endpoint's eviction cost reads, seconds: long
-/// enough to span many requests and a conversation's think times, short enough to follow a
-/// change of workload within a minute or two.
-pub const REUSE_TAU_S: f64 = 60.0;
-
-/// Blocks an endpoint's requests found cached, and blocks they stored, both decayed with
-/// [`REUSE_TAU_S`].
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct BlockReuse {
-    hits: f64,
-    stored: f64,
-    requests: f64,
-    at: f64,
-}
-
-impl BlockReuse {
-    fn decayed(&self, now: f64) -> f64 {
-        (-(now - self.at).max(0.0) / REUSE_TAU_S).exp()
-    }
-
-    /// A request found `hits` blocks cached and stored `stored` new ones at `now`.
-    pub(super) fn note(&mut self, hits: f64, stored: f64, now: f64) {
-        let d = self.decayed(now);
-        self.hits = self.hits * d + hits;
-        self.stored = self.stored * d + stored;
-        self.requests = self.requests * d + 1.0;
-        self.at = now;
-    }
-
-    /// Blocks stored per request, recently (`None` before the first request).
-    pub(super) fn stored_per_request(&self) -> Option<f64> {
-        (self.requests > 0.0).then(|| self.stored / self.requests)
-    }
-
-    /// Expected reuses of a block the cache evicts, 0–1: blocks found cached per block stored
-    /// (how often a stored block was reused before its eviction), capped at one re-prefill.
-    pub(super) fn per_evicted_block(&self) -> f64 {
-        if self.hits <= 0.0 {
-            0.0
-        } else {
-            (self.hits / self.stored.max(f64::MIN_POSITIVE)).min(1.0)
-        }
-    }
-
-    /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
-    /// `prior` (the fleet's, for the request's model) by a cache's worth of blocks, as of `now`:
-    /// `(hits + capacity × prior) / (stored + capacity)`, both counts decayed over
-    /// [`REUSE_TAU_S`]. Until an
-    /// endpoint has stored about its capacity, nothing it stored has had to be evicted, so its
-    /// own hits per stored block do not yet say how often a block is reused before eviction (a
-    /// new tenant's first question finds nothing, however often its context will be reused);
-    /// once it has stored several caches' worth recently, its own measure stands. An endpoint
-    /// that stores less than a cache's worth per [`REUSE_TAU_S`] leans on the fleet's figure for
-    /// as long: its own rests on too few evictions. Unknown capacity: its own measure.
-    pub(super) fn per_evicted_block_toward(
-        &self,
-        prior: f64,
-        capacity: Option<usize>,
-        now: f64,
-    ) -> f64 {
-        let Some(capacity) = capacity.filter(|c| *c > 0) else {
-            return self.per_evicted_block();
-        };
-        let d = self.decayed(now);
-        let weight = capacity as f64;
-        let prior = if prior.is_finite() {
-            prior.clamp(0.0, 1.0)
-        } else {
-            0.0
-        };
-        let shrunk = (self.hits * d + weight * prior) / (self.stored * d + weight);
-        shrunk.clamp(0.0, 1.0)
-    }
-}
 
 /// One endpoint's state.
 #[derive(Debug, Clone)]

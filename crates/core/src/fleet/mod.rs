@@ -9,6 +9,8 @@
 //! them decides anything itself.
 
 mod admit;
+mod block_reuse;
+mod copy_rent;
 mod costing;
 mod decay;
 pub mod disagg;
@@ -45,11 +47,12 @@ use crate::index::{
 };
 use crate::keys::RouterKey;
 use crate::schedule::{
-    Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers, RankBuffers,
-    RequestInfo, Role, schedule, schedule_near_best,
+    CacheSource, Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers,
+    RankBuffers, RequestInfo, Role, amortize, schedule, schedule_near_best,
 };
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
+use copy_rent::{CopyRents, PendingRent};
 pub use disagg::{DisaggConfig, TransfersDropped};
 use endpoint::RatePool;
 pub use endpoint::{
@@ -264,6 +267,8 @@ pub struct Fleet {
     predicted: RoutingHistory,
     sessions: Sessions,
     shared: SharedPrefixes,
+    /// Rent each shared prefix's requests paid for having too few copies.
+    copy_rents: CopyRents,
     flow: FlowQueue,
     round_robin: u64,
     retry_budget: outlier::RetryBudget,
@@ -334,6 +339,7 @@ impl Fleet {
             predicted: RoutingHistory::new(config.predicted_ttl_s, config.predicted_capacity),
             sessions: Sessions::new(config.sessions_capacity),
             shared: SharedPrefixes::new(config.history_capacity),
+            copy_rents: CopyRents::default(),
             flow: FlowQueue::new(config.flow.clone()),
             reported_trust: vec![None; endpoints.len()],
             endpoints,
@@ -501,9 +507,77 @@ impl Fleet {
         self.plan_ranked(request, None, random, now, None)
     }
 
-    /// Plans a request, ranking the best `depth` candidates (`None`: every one), with its
-    /// index matches from `lookup` when usable.
+    /// Plans a request, ranking the best `depth` candidates (`None`: every one, to explain the
+    /// choice: nothing is left pending for a dispatch), with its index matches from `lookup`
+    /// when usable; then applies the rent its shared prefix's requests paid so far.
     fn plan_ranked(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        lookup: Option<IndexLookup>,
+        random: u64,
+        now: f64,
+        depth: Option<usize>,
+    ) -> Plan {
+        let mut plan = self.plan_costed(request, lookup, random, now, depth);
+        self.apply_copy_rent(request, &mut plan, now, depth.is_some());
+        plan
+    }
+
+    /// Credits a copy of the request's shared prefix with the rent its holders' requests paid
+    /// ([`crate::schedule::amortize`]), where the profile chooses by cost from a cache picture;
+    /// `dispatching`: the plan routes a request, whose dispatch settles the account.
+    fn apply_copy_rent(
+        &mut self,
+        request: &RequestFeatures<'_>,
+        plan: &mut Plan,
+        now: f64,
+        dispatching: bool,
+    ) {
+        let by_cost = self.profile.picker == crate::schedule::Picker::Cheapest
+            && self.profile.cache != CacheSource::None;
+        let keys = request.keys.as_slice();
+        let shared = if by_cost {
+            self.shared.shared_blocks(keys)
+        } else {
+            0
+        };
+        let Some(prefix) = shared.checked_sub(1).and_then(|last| keys.get(last)) else {
+            if dispatching {
+                self.copy_rents.plan(None);
+            }
+            return;
+        };
+        let bs = request.block_size.max(1);
+        let shared_tokens = shared * bs;
+        let rent_s = self.copy_rents.rent(prefix.0, now);
+        let endpoints = &self.endpoints;
+        let cold = |id: EndpointId| {
+            endpoints
+                .get(id.0 as usize)
+                .and_then(|e| Some(e.reuse.cold_share() * e.capacity_blocks? as f64))
+                .unwrap_or(0.0)
+        };
+        let outcome = amortize::apply_rent(
+            &self.profile,
+            &mut plan.decision,
+            shared_tokens,
+            rent_s,
+            bs,
+            &cold,
+        );
+        if dispatching {
+            self.copy_rents.plan(outcome.map(|o| PendingRent {
+                prefix: prefix.0,
+                shared_tokens,
+                rent_s: o.paid_s,
+            }));
+        }
+        plan.decision.copy = outcome;
+    }
+
+    /// Plans a request by cost, ranking the best `depth` candidates (`None`: every one), with
+    /// its index matches from `lookup` when usable.
+    fn plan_costed(
         &mut self,
         request: &RequestFeatures<'_>,
         lookup: Option<IndexLookup>,
@@ -700,6 +774,14 @@ impl Fleet {
         // than what conversations share (a new conversation, an uncached prompt). Placements
         // are what balancing evens out.
         let bs = request.block_size.max(1);
+        // The pending rent of its shared prefix, settled by whether it went to a holder.
+        let shared_before = self.shared.shared_blocks(request.keys);
+        if let Some(prefix) = shared_before
+            .checked_sub(1)
+            .and_then(|last| request.keys.get(last))
+        {
+            self.copy_rents.dispatched(prefix.0, predicted, now);
+        }
         // Measured and recorded in one walk.
         let shared = self.shared.record_shared(request.keys) * bs;
         let best_other = predicted_cached
@@ -727,6 +809,13 @@ impl Fleet {
             let blocks = (request.prompt_tokens / bs) as f64;
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
+            // Where in its eviction order it finds them: how much room a copy may take there.
+            if let Some(capacity) = e.capacity_blocks {
+                let by_depth =
+                    e.recent
+                        .hit_depths(&e.pinned, request.keys, hits as usize, capacity);
+                e.reuse.note_depths(&by_depth);
+            }
             self.model_priors
                 .note_reuse(model, hits, blocks - hits, now);
             rate_sample = e.inflight_prefills == 0;

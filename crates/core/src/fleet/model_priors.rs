@@ -10,7 +10,7 @@
 //! The names are the endpoints' (from their specs), so a client naming an unknown model cannot
 //! grow the table.
 
-use super::endpoint::BlockReuse;
+use super::block_reuse::BlockReuse;
 use super::pinned;
 
 /// One group's fleet-wide measures.

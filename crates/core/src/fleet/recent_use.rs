@@ -16,6 +16,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use super::block_reuse::{DEPTH_BUCKETS, depth_bucket};
 use super::pinned::{PinnedBlocks, common_prefix, find_chain, longest_shared};
 use crate::keys::RouterKey;
 use crate::schedule::{RecencyPart, RecencyParts};
@@ -82,10 +83,64 @@ impl RecentUse {
         overflows: bool,
     ) -> Option<RecencyParts> {
         let keys = &keys[..held.min(keys.len())];
-        let mut newer = pinned.distinct_keys() + pinned.extra_blocks();
+        let newer = pinned.distinct_keys() + pinned.extra_blocks();
         if !overflows && keys.len() + newer + self.keys <= capacity {
             return None;
         }
+        Some(self.split(pinned, keys, newer).0)
+    }
+
+    /// Blocks of the first `held` of a prompt with `keys` found cached there, by depth bucket
+    /// in the eviction order of a cache of `capacity` blocks (what [`super::block_reuse`]
+    /// counts): the prefix the in-flight requests pin at the top; each part last used by an
+    /// ended request from the distinct blocks newer than it on, one block deeper per block;
+    /// what no kept request used (older than all of them) spread evenly from the newest depth
+    /// it can be at to the end of the cache.
+    pub(super) fn hit_depths(
+        &self,
+        pinned: &PinnedBlocks,
+        keys: &[RouterKey],
+        held: usize,
+        capacity: usize,
+    ) -> [f64; DEPTH_BUCKETS] {
+        let mut by_depth = [0.0; DEPTH_BUCKETS];
+        let keys = &keys[..held.min(keys.len())];
+        if keys.is_empty() {
+            return by_depth;
+        }
+        let cap = capacity as f64;
+        let (parts, newer, covered) =
+            self.split(pinned, keys, pinned.distinct_keys() + pinned.extra_blocks());
+        by_depth[0] += f64::from(parts.pinned);
+        for part in parts.parts() {
+            // Its first block is its newest: an ending request frees its blocks last first.
+            add_span(
+                &mut by_depth,
+                f64::from(part.newer),
+                f64::from(part.to - part.from),
+                cap,
+            );
+        }
+        let older = keys.len().saturating_sub(covered) as f64;
+        if older > 0.0 {
+            let first = depth_bucket(newer as f64, cap);
+            let spread = (DEPTH_BUCKETS - first) as f64;
+            for count in &mut by_depth[first..] {
+                *count += older / spread;
+            }
+        }
+        by_depth
+    }
+
+    /// `keys` split by last use (see [`Self::parts`]), starting from `newer` distinct blocks
+    /// newer than every ended request (the in-flight ones'), with the distinct blocks newer
+    /// than anything past the walk and the blocks the parts cover.
+    fn split(
+        &self,
+        pinned: &PinnedBlocks,
+        keys: &[RouterKey],
+        mut newer: usize,
+    ) -> (RecencyParts, usize, usize) {
         let mut covered = pinned.pinned_prefix(keys);
         let mut parts = RecencyParts::new(as_u32(covered));
         // The ended chains passed so far, in order: with the in-flight ones (already in order,
@@ -114,7 +169,30 @@ impl RecentUse {
                 passed.insert(at, (chain.clone(), 1));
             }
         }
-        Some(parts)
+        (parts, newer, covered)
+    }
+}
+
+/// Adds `len` blocks at depths `from` to `from + len` (one each) to `by_depth`, buckets of a
+/// cache of `capacity` blocks.
+fn add_span(by_depth: &mut [f64; DEPTH_BUCKETS], from: f64, len: f64, capacity: f64) {
+    let width = capacity / DEPTH_BUCKETS as f64;
+    if !width.is_finite() || width <= 0.0 {
+        by_depth[0] += len;
+        return;
+    }
+    let end = from + len;
+    for (b, count) in by_depth.iter_mut().enumerate() {
+        let lo = b as f64 * width;
+        let hi = if b == DEPTH_BUCKETS - 1 {
+            f64::INFINITY
+        } else {
+            lo + width
+        };
+        let overlap = end.min(hi) - from.max(lo);
+        if overlap > 0.0 {
+            *count += overlap;
+        }
     }
 }
 

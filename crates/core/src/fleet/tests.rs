@@ -331,7 +331,7 @@ proptest::proptest! {
 /// fleet's and moves to its own as it stores caches' worth.
 #[test]
 fn an_endpoints_block_reuse_starts_at_the_fleets() {
-    let mut reuse = endpoint::BlockReuse::default();
+    let mut reuse = block_reuse::BlockReuse::default();
     assert_eq!(reuse.per_evicted_block_toward(0.8, Some(100), 0.0), 0.8);
     // A new tenant's first questions find nothing.
     reuse.note(0.0, 100.0, 0.0);
@@ -343,7 +343,7 @@ fn an_endpoints_block_reuse_starts_at_the_fleets() {
     let own = reuse.per_evicted_block_toward(0.8, Some(100), 0.0);
     assert!((own - 80.0 / 1_100.0).abs() < 1e-12, "{own}");
     // Its stores fade with time, and the fleet's figure returns.
-    let later = reuse.per_evicted_block_toward(0.8, Some(100), 10.0 * endpoint::REUSE_TAU_S);
+    let later = reuse.per_evicted_block_toward(0.8, Some(100), 10.0 * block_reuse::REUSE_TAU_S);
     assert!(later > 0.79, "{later}");
     // Without a capacity there is no cache's worth to measure by: its own figure.
     assert_eq!(reuse.per_evicted_block_toward(0.8, None, 0.0), 0.0);
@@ -1779,4 +1779,52 @@ fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alik
         Ok(Some(4))
     );
     assert!(wary.trust(e0, 1.0).is_err());
+}
+
+#[test]
+fn a_busier_holders_rent_buys_a_copy_before_a_single_request_would() {
+    // Caches of 2,000 blocks; a 1,600-token shared prefix; questions of 160 tokens.
+    let mut fleet = FleetBuilder::new(3).build();
+    scrape_idle(&mut fleet, 2_000);
+    let system = prompt(1_600, 5);
+    let ask = |q: u32| {
+        let mut tokens = system.clone();
+        tokens.extend(prompt(160, 1_000 + q));
+        Req::new(&tokens)
+    };
+    // Three questions make the prefix shared; they end, cached where they went.
+    let mut now = 0.0;
+    for q in 0..3 {
+        let req = ask(q);
+        let (_, mut d) = send(&mut fleet, &req, now);
+        now += 0.1;
+        fleet.first_token(&mut d, true, now);
+        fleet.apply_events(d.endpoint, &[stored(&system, BS)], now);
+        fleet.finished(d, None, now);
+    }
+    let holder = send(&mut fleet, &ask(3), now).1.endpoint;
+    // Then questions keep arriving while the holder's answers never end: it stays the busiest.
+    let mut copied = None;
+    for q in 4..40 {
+        now += 0.01;
+        let (plan, d) = send(&mut fleet, &ask(q), now);
+        if d.endpoint != holder {
+            copied = Some((q, plan));
+            break;
+        }
+    }
+    let (q, plan) = copied.expect("a copy of the shared prefix");
+    assert!(
+        q > 4,
+        "not at the first busy request: rent must have been paid first"
+    );
+    assert_eq!(plan.decision.reason, Reason::CopyRent);
+    let copy = plan.decision.copy.expect("the rent account");
+    let (at, credit) = copy.bought.expect("bought");
+    // Bought with the rent: on its own cost the request would have stayed.
+    let own = plan.decision.assessment(at).unwrap().cost.total_s;
+    let held = plan.decision.assessment(holder).unwrap().cost.total_s;
+    assert!(own > held, "{own} vs {held}");
+    assert!(own - credit < held);
+    assert!(credit <= copy.rent_s);
 }

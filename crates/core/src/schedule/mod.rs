@@ -11,6 +11,7 @@
 //! competing candidate best first with the breakdown that `/kvroute/v1/explain` shows, so a
 //! retry can take the next one and an operator can see why.
 
+pub mod amortize;
 pub mod cost;
 pub mod disagg;
 mod near_best;
@@ -23,6 +24,7 @@ mod ring;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{EndpointId, PrefixMatch};
+pub use amortize::CopyRent;
 pub use cost::Cost;
 pub use near_best::{RankBuffers, schedule_near_best};
 pub use picker::Picker;
@@ -258,6 +260,9 @@ pub enum Reason {
     OnlyCandidate,
     /// No candidate passed the filters.
     NoCandidate,
+    /// The rent the shared prefix's holders kept paying bought a copy here
+    /// ([`amortize`]).
+    CopyRent,
 }
 
 impl Reason {
@@ -275,6 +280,7 @@ impl Reason {
             Reason::PrefixHash => "prefix_hash",
             Reason::OnlyCandidate => "only_candidate",
             Reason::NoCandidate => "no_candidate",
+            Reason::CopyRent => "copy_rent",
         }
     }
 }
@@ -292,6 +298,9 @@ pub struct Decision {
     pub reason: Reason,
     /// Every competing candidate is saturated (flow control may hold the request).
     pub saturated: bool,
+    /// The rent kept for the request's shared prefix, and the copy it bought, if any
+    /// ([`amortize`]); `None` where the fleet keeps no rent for it.
+    pub copy: Option<CopyRent>,
 }
 
 impl Decision {
@@ -406,6 +415,7 @@ pub fn schedule(
         assessments,
         reason,
         saturated,
+        copy: None,
     }
 }
 

@@ -218,6 +218,7 @@ impl Ranked {
             assessments,
             reason,
             saturated: self.all_saturated,
+            copy: None,
         }
     }
 }

@@ -884,3 +884,92 @@ proptest! {
         }
     }
 }
+
+/// Three endpoints and a 1,760-token prompt whose first 1,600 tokens are a shared prefix that
+/// only endpoint 0 holds; endpoint 0 has `holder_queue` requests queued (of 64 uncached tokens
+/// each) and endpoint 2 `other_queue`. Caches of 1,000 blocks, full (`free` blocks free).
+fn shared_prefix_fleet(holder_queue: u32, other_queue: u32, free: f64) -> Vec<Candidate> {
+    let mut cands = fleet(3);
+    cands[0].cache.index = gpu_match(0, 100);
+    busy(&mut cands[0], holder_queue, 64 * u64::from(holder_queue));
+    busy(&mut cands[2], other_queue, 64 * u64::from(other_queue));
+    for c in &mut cands {
+        c.cache.capacity_blocks = Some(1_000.0);
+        c.cache.free_blocks = Some(free);
+        c.cache.block_reuse = 1.0;
+    }
+    cands
+}
+
+const SHARED: usize = 1_600;
+
+/// Room its hits do not reach, the same on every endpoint.
+fn cold(blocks: f64) -> impl Fn(EndpointId) -> f64 {
+    move |_| blocks
+}
+
+#[test]
+fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
+    let profile = Profile::default();
+    let req = request(1_760);
+    let cands = shared_prefix_fleet(2, 0, 1_000.0);
+    // Alone, the request stays with the busier holder: the copy's prefill costs more than
+    // the wait it saves.
+    let mut d = schedule(&profile, &req, &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let holder = d.assessment(EndpointId(0)).unwrap().cost.total_s;
+    let copy = d.assessment(EndpointId(1)).unwrap().cost.total_s;
+    assert!(copy > holder);
+    let unpaid = amortize::apply_rent(&profile, &mut d, SHARED, 0.0, 16, &cold(0.0)).unwrap();
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    assert!(unpaid.bought.is_none());
+    // It pays rent: what a copy would save it wherever the copy went.
+    assert!(unpaid.paid_s > 0.0, "{unpaid:?}");
+    // Once the rent paid covers the copy's extra cost, the copy is bought where it is cheapest
+    // after the credit, and the credit never exceeds the rent.
+    let rent = copy - holder + 1e-3;
+    let mut d = schedule(&profile, &req, &cands, 1, 0);
+    let bought = amortize::apply_rent(&profile, &mut d, SHARED, rent, 16, &cold(0.0)).unwrap();
+    let (at, credit) = bought.bought.expect("a copy");
+    assert_ne!(at, EndpointId(0));
+    assert_eq!(d.chosen(), Some(at));
+    assert_eq!(d.reason, Reason::CopyRent);
+    assert!(credit <= rent && credit > 0.0, "{bought:?}");
+    // Short of it, no copy.
+    let mut d = schedule(&profile, &req, &cands, 1, 0);
+    let short = amortize::apply_rent(&profile, &mut d, SHARED, rent / 2.0, 16, &cold(0.0));
+    assert!(short.unwrap().bought.is_none());
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+}
+
+#[test]
+fn rent_is_paid_back_while_an_endpoint_lacking_the_prefix_is_busier_than_its_holder() {
+    let profile = Profile::default();
+    let mut d = schedule(
+        &profile,
+        &request(1_760),
+        &shared_prefix_fleet(2, 4, 1_000.0),
+        1,
+        0,
+    );
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 0.0, 16, &cold(0.0)).unwrap();
+    // Negative: it pays back what noise may have paid in, so a balanced fleet nets nothing.
+    assert!(outcome.paid_s < 0.0, "{outcome:?}");
+}
+
+#[test]
+fn a_copy_is_not_bought_into_room_the_endpoints_hits_use() {
+    let profile = Profile::default();
+    let req = request(1_760);
+    // Full caches: the copy evicts. Whatever the rent, no copy where every block is reused.
+    let cands = shared_prefix_fleet(2, 0, 0.0);
+    let mut d = schedule(&profile, &req, &cands, 1, 0);
+    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 1e6, 16, &cold(50.0)).unwrap();
+    assert!(outcome.bought.is_none());
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    // Where the 100 missing blocks fit in room no hit reaches, it is bought.
+    let mut d = schedule(&profile, &req, &cands, 1, 0);
+    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 1e6, 16, &cold(100.0)).unwrap();
+    assert!(outcome.bought.is_some());
+}

@@ -286,3 +286,34 @@ fn the_window_keeps_the_newest_requests() {
     recent.clear();
     assert!(recent.ended.is_empty());
 }
+
+#[test]
+fn hits_are_counted_at_their_depth_in_the_eviction_order() {
+    // A 16-block context used by the last request that ended, then 32 blocks of other
+    // requests' own; a cache of 160 blocks (buckets of 10).
+    let context = chain(0, 16, 0, 0, 0, 0);
+    let newest = chain(0, 16, 1, 0, 0, 8);
+    let others: Vec<Vec<RouterKey>> = (0..4).map(|c| chain(1, 0, c, 0, 0, 8)).collect();
+    let mut ended = others.clone();
+    ended.push(newest);
+    let (pinned, recent) = endpoint(&[], &ended);
+    let depths = recent.hit_depths(&pinned, &context, 16, 160);
+    // Nothing newer than the newest request: its first 16 blocks are at depths 0 to 16.
+    assert_eq!(depths.iter().sum::<f64>(), 16.0);
+    assert!((depths[0] - 10.0).abs() < 1e-9, "{depths:?}");
+    assert!((depths[1] - 6.0).abs() < 1e-9, "{depths:?}");
+    // A context only the oldest request used lies past everything newer: the four others'
+    // 8 blocks each, so at depths 32 to 48.
+    let ended = [vec![context.clone()], others].concat();
+    let (pinned, recent) = endpoint(&[], &ended);
+    let depths = recent.hit_depths(&pinned, &context, 16, 160);
+    assert_eq!(depths[..3].iter().sum::<f64>(), 0.0, "{depths:?}");
+    assert!(
+        (depths[3] - 8.0).abs() < 1e-9 && (depths[4] - 8.0).abs() < 1e-9,
+        "{depths:?}"
+    );
+    // Blocks no kept request used: spread from there to the end of the cache.
+    let (pinned, recent) = endpoint(&[], &[]);
+    let depths = recent.hit_depths(&pinned, &context, 16, 160);
+    assert!(depths.iter().all(|&d| (d - 1.0).abs() < 1e-9), "{depths:?}");
+}

@@ -1,0 +1,169 @@
+//! Rent or buy: when copying a shared prefix to another endpoint pays for itself over the
+//! requests that follow.
+//!
+//! Each request's cost ([`super::cost`]) is its own: copying a system prompt, a tenant's
+//! context or a document to a second endpoint costs its prefill once, while what the copy
+//! saves is spread over every later request for that prefix. Judged one request at a time,
+//! a copy never pays when its holder is only somewhat busier than the rest, so the holder
+//! stays busier for good: the conversations of a popular system prompt pile onto one engine
+//! and stall each other's decodes; an engine that took one document too many at start-up
+//! keeps reloading it from CPU memory.
+//!
+//! This is the ski-rental problem, and the deterministic answer needs no forecast of demand:
+//! keep paying the rent until the rent paid equals the price of buying, then buy (never more
+//! than twice the cost of the best choice made knowing the future).
+//! - **Rent** is what a request for the prefix pays because no other endpoint holds it: its
+//!   cost where it goes (a holder), less what it would cost on an endpoint that lacks the
+//!   prefix had that endpoint held it (its own queue and stall, the holder's prefill and
+//!   eviction). Taken against **every** competing endpoint that lacks it (the worst of them),
+//!   it is a saving a copy would bring wherever it went; against the best one it would accrue
+//!   from mere noise on a balanced fleet and buy copies that pay for nothing. It is signed: a
+//!   request whose holder is cheaper than that pays back (the account never goes below zero),
+//!   so what a balanced fleet's noise pays in, it pays back, and only a holder that stays
+//!   busier than the rest accrues rent. The fleet keeps each prefix's rent, decayed over the
+//!   time its reuse measures look back.
+//! - **Buying** is the part of a candidate's cost that acquiring the prefix adds (its prefill
+//!   of the missing part, the stall that imposes, what it evicts). The rent paid so far is
+//!   credited against it, never more.
+//! - **Only into room no hit uses.** A copy that displaces blocks the endpoint's requests come
+//!   back for moves the problem, it does not solve it (contexts evicting each other is how a
+//!   fleet's hit rate collapses). A candidate is credited only where the copy fits in its
+//!   free blocks, or in the part of its cache deeper in the eviction order than its requests
+//!   find their hits ([`ColdRoom`]).
+
+use serde::Serialize;
+
+use super::{Assessment, Decision, Profile, Reason};
+use crate::index::EndpointId;
+
+/// A copy of the request's shared prefix bought with the rent its holders kept paying, or the
+/// rent this request pays: what `/kvroute/v1/explain` shows.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct CopyRent {
+    /// Tokens of the prompt shared with other prompts (the prefix the rent is kept for).
+    pub shared_tokens: usize,
+    /// Rent paid for it so far, seconds (decayed).
+    pub rent_s: f64,
+    /// What this request pays if it goes where the plan sends it, seconds: negative when its
+    /// holder is cheaper than the busiest competing endpoint lacking the prefix would have been
+    /// (0 when it buys a copy).
+    pub paid_s: f64,
+    /// The endpoint a copy was bought on, with the credit that bought it.
+    pub bought: Option<(EndpointId, f64)>,
+}
+
+/// Room in an endpoint's cache that a copy may take without evicting what its requests come
+/// back for, in blocks.
+pub trait ColdRoom {
+    /// Blocks past the depth in `endpoint`'s eviction order where its requests find their
+    /// hits (0 when unknown).
+    fn cold_blocks(&self, endpoint: EndpointId) -> f64;
+}
+
+impl<F: Fn(EndpointId) -> f64> ColdRoom for F {
+    fn cold_blocks(&self, endpoint: EndpointId) -> f64 {
+        self(endpoint)
+    }
+}
+
+/// Applies the rent paid so far (`rent_s`) for the request's shared prefix of `shared_tokens`
+/// tokens (`block_size` tokens a block) to `decision`: when the chosen endpoint holds the
+/// prefix and a competing candidate that lacks it, credited up to `rent_s` against what
+/// acquiring the prefix costs it, comes out cheaper than the choice, that candidate is ranked
+/// first (a copy is bought). Returns the rent account's outcome (`None`: no shared prefix, no
+/// choice, or the choice lacks the prefix itself, which buys a copy at no credit).
+pub fn apply_rent(
+    profile: &Profile,
+    decision: &mut Decision,
+    shared_tokens: usize,
+    rent_s: f64,
+    block_size: usize,
+    cold: &impl ColdRoom,
+) -> Option<CopyRent> {
+    if shared_tokens == 0 {
+        return None;
+    }
+    let chosen = decision.chosen()?;
+    let holder = decision.assessment(chosen)?;
+    let rent_s = if rent_s.is_finite() {
+        rent_s.max(0.0)
+    } else {
+        0.0
+    };
+    if holder.cached_tokens < shared_tokens {
+        return Some(CopyRent {
+            shared_tokens,
+            rent_s,
+            paid_s: 0.0,
+            bought: Some((chosen, 0.0)),
+        });
+    }
+    let h = &holder.cost;
+    let held_cost = h.total_s;
+    let mut worst_recurring: Option<f64> = None;
+    let mut best: Option<(f64, EndpointId, f64)> = None;
+    for a in decision
+        .assessments
+        .iter()
+        .filter(|a| a.rejected.is_none() && a.endpoint != chosen && a.cached_tokens < shared_tokens)
+    {
+        let recurring = recurring_s(profile, holder, a);
+        worst_recurring = Some(worst_recurring.map_or(recurring, |w: f64| w.max(recurring)));
+        if !fits(a, shared_tokens, block_size, cold) {
+            continue;
+        }
+        let acquire = (a.cost.total_s - recurring).max(0.0);
+        let credit = rent_s.min(acquire);
+        let credited = a.cost.total_s - credit;
+        if best.is_none_or(|(b, _, _)| credited < b) {
+            best = Some((credited, a.endpoint, credit));
+        }
+    }
+    let worst_recurring = worst_recurring?;
+    if let Some((credited, endpoint, credit)) = best
+        && credited < held_cost
+    {
+        decision.ranking.retain(|e| *e != endpoint);
+        decision.ranking.insert(0, endpoint);
+        decision.reason = Reason::CopyRent;
+        return Some(CopyRent {
+            shared_tokens,
+            rent_s,
+            paid_s: 0.0,
+            bought: Some((endpoint, credit)),
+        });
+    }
+    Some(CopyRent {
+        shared_tokens,
+        rent_s,
+        paid_s: held_cost - worst_recurring,
+        bought: None,
+    })
+}
+
+/// What the request would cost on `other` had `other` held what `holder` holds, weighted as
+/// [`super::Cost::total_s`] is: the holder's prefill, tier loading and eviction, with `other`'s
+/// queue and its stall per second of the holder's prefill, less `other`'s session credit.
+fn recurring_s(profile: &Profile, holder: &Assessment, other: &Assessment) -> f64 {
+    let (h, c) = (&holder.cost, &other.cost);
+    let w = &profile.weights;
+    let stall_per_s = if c.stalling_s > 0.0 {
+        c.decode_interference_s / c.stalling_s
+    } else {
+        0.0
+    };
+    w.prefix * (h.prefill_s + h.tier_load_s)
+        + w.eviction * h.eviction_s
+        + w.load * (c.queue_s + h.stalling_s * stall_per_s)
+        - c.session_credit_s
+}
+
+/// Whether the missing part of the shared prefix fits on `a` without evicting what its
+/// requests come back for: in its free blocks, or in its cold room.
+fn fits(a: &Assessment, shared_tokens: usize, block_size: usize, cold: &impl ColdRoom) -> bool {
+    if a.cost.evicted_blocks <= 0.0 {
+        return true;
+    }
+    let missing = shared_tokens.saturating_sub(a.cached_tokens) / block_size.max(1);
+    missing as f64 <= cold.cold_blocks(a.endpoint)
+}

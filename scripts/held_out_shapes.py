@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Shapes of traffic that none of the scheduler's targets use, through `kvroute simulate`.
+
+A rule that improves one benchmark must hold on loads it was not fitted to (the lessons in
+docs/benchmarks.md). This runs 28 shapes, 3 seeds each, under round-robin, least-load,
+prefix-hash and precise, and prints, per shape, precise's TTFT p50/p90/p99 over the best of the
+others (median of the seeds), its hit rate, ITL p99 over round-robin's and load imbalance.
+A shape where a ratio exceeds 1.05 is marked LOSS.
+
+usage: scripts/held_out_shapes.py KVROUTE_BINARY OUT_DIR   (about 40 s on 2 cores)
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+POLICIES = "round-robin,least-load,prefix-hash,precise"
+SEEDS = (7, 8, 9)
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
+                     "mooncake-conversation.jsonl")
+
+
+def shapes():
+    out = []
+    for engines in (2, 8, 16):
+        for load in (0.5, 1.0):
+            out.append((f"multi-turn-e{engines}-x{load}",
+                        f"--engines {engines} --workload multi-turn --users {24 * engines} --turns 5 "
+                        f"--shared-tokens 600 --user-tokens 200 --output-tokens 48 --think-s 0.5 "
+                        f"--rate {2.0 * engines * load} --num-gpu-blocks 1000"))
+            out.append((f"shared-prefix-e{engines}-x{load}",
+                        f"--engines {engines} --workload shared-prefix --users {3 * engines} "
+                        f"--turns 40 --shared-tokens 1500 --user-tokens 80 --output-tokens 24 "
+                        f"--rate {8 * engines * load} --num-gpu-blocks 500"))
+            out.append((f"zipf-tenants-e{engines}-x{load}",
+                        f"--engines {engines} --workload tenants --users {4 * engines} "
+                        f"--conversations {60 * engines} --turns 3 --tenant-skew zipf:1.1 "
+                        f"--length-cv 0.5 --shared-tokens 1200 --user-tokens 120 --output-tokens 32 "
+                        f"--think-s 0.5 --rate {3 * engines * load} --num-gpu-blocks 700"))
+    for cv in (0.0, 1.0):
+        for blocks in (300, 3000):
+            out.append((f"tenants-cv{cv}-b{blocks}",
+                        f"--engines 4 --workload tenants --users 10 --conversations 300 --turns 4 "
+                        f"--tenant-skew uniform --length-cv {cv} --shared-tokens 1800 "
+                        f"--user-tokens 150 --output-tokens 40 --think-s 0.3 --rate 10 "
+                        f"--num-gpu-blocks {blocks}"))
+    out.append(("block-size-32", "--engines 4 --block-size 32 --workload multi-turn --users 96 "
+                "--turns 5 --shared-tokens 800 --user-tokens 200 --output-tokens 48 --think-s 0.5 "
+                "--rate 8 --num-gpu-blocks 500"))
+    out.append(("long-outputs", "--engines 4 --workload shared-prefix --users 8 --turns 40 "
+                "--shared-tokens 1000 --user-tokens 50 --output-tokens 400 --rate 6 "
+                "--num-gpu-blocks 800"))
+    out.append(("default-8-engines", "--engines 8 --num-gpu-blocks 600"))
+    if os.path.exists(TRACE):
+        out.append(("mooncake-x4", f"--engines 4 --workload trace --speed 4 --trace {TRACE} "
+                    "--limit 1500 --num-gpu-blocks 2000"))
+        out.append(("mooncake-x10", f"--engines 4 --workload trace --speed 10 --trace {TRACE} "
+                    "--limit 3000 --num-gpu-blocks 3000"))
+        out.append(("mooncake-8-engines-x4", f"--engines 8 --workload trace --speed 4 "
+                    f"--trace {TRACE} --limit 1500 --num-gpu-blocks 2000"))
+    return out
+
+
+def run(binary, out_dir, shape):
+    name, args = shape
+    for seed in SEEDS:
+        run_dir = os.path.join(out_dir, f"{name}-s{seed}")
+        if os.path.exists(os.path.join(run_dir, "simulate.json")):
+            continue
+        cmd = [binary, "simulate", *args.split(), "--seed", str(seed), "--policy", POLICIES,
+               "--out", run_dir]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            sys.exit(f"{name} seed {seed} failed: {done.stderr[-500:]}")
+    return name
+
+
+def table(out_dir, names):
+    losses = 0
+    print("| shape | p50 | p90 | p99 | precise hit (best other) | ITL p99 / RR | imbalance |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    for name in names:
+        by_policy = {}
+        for seed in SEEDS:
+            with open(os.path.join(out_dir, f"{name}-s{seed}", "simulate.json")) as f:
+                for run_result in json.load(f):
+                    s = run_result["summary"]
+                    by_policy.setdefault(run_result["name"], []).append(
+                        (s["ttft"]["p50"], s["ttft"]["p90"], s["ttft"]["p99"], s["hit_rate"],
+                         s["itl"]["p99"], s["load_imbalance"]))
+        med = {p: [statistics.median(r[i] for r in rows) for i in range(6)]
+               for p, rows in by_policy.items()}
+        precise = med.pop("precise")
+        ratios = [precise[i] / min(m[i] for m in med.values()) for i in range(3)]
+        best_hit = max(m[3] for m in med.values())
+        loss = max(ratios) > 1.05
+        losses += loss
+        itl = precise[4] / med["round-robin"][4]
+        print(f"| {name} | {ratios[0]:.2f} | {ratios[1]:.2f} | {ratios[2]:.2f} | "
+              f"{precise[3]:.3f} ({best_hit:.3f}) | {itl:.2f} | {precise[5]:.2f} |"
+              f"{' LOSS' if loss else ''}")
+    print(f"\nprecise within 1.05x of the best other on every TTFT percentile in "
+          f"{len(names) - losses} of {len(names)} shapes")
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    binary, out_dir = sys.argv[1], sys.argv[2]
+    os.makedirs(out_dir, exist_ok=True)
+    with ThreadPoolExecutor(2) as pool:
+        names = list(pool.map(lambda s: run(binary, out_dir, s), shapes()))
+    table(out_dir, names)
+
+
+if __name__ == "__main__":
+    main()

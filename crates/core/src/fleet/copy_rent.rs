@@ -3,94 +3,98 @@
 //!
 //! An account per shared prefix (named by the router key of its last block), decayed with
 //! [`REUSE_TAU_S`]: rent paid minutes ago says little about what the prefix's requests pay now.
-//! A plan reads the account and leaves what its request would add pending; the dispatch settles
-//! it, once: the rent is added when the request went to a holder (paid back, when negative,
-//! down to zero), and the account is emptied when it went where the prefix is copied. A plan that is not dispatched (held by flow
-//! control, an explanation) adds nothing. Bounded: past [`MAX_ACCOUNTS`] the accounts worth
-//! least are dropped.
+//! A routing plan records what a request for the prefix pays where it goes (its latest plan's
+//! figure, not added up: a request planned again while held, or one whose connection failed,
+//! pays nothing); a dispatch settles it: the rent is added when the request went to a holder
+//! (paid back, when negative, down to zero), and the account is emptied when it went where the
+//! prefix is not, a copy. Requests planned side by side settle with the latest figure, each
+//! once. Bounded: past [`MAX_ACCOUNTS`] the half worth least is dropped.
 
 use std::collections::HashMap;
 
 use super::block_reuse::REUSE_TAU_S;
 
-/// Accounts kept at most (one per shared prefix with rent on it).
+/// Accounts kept at most (one per shared prefix planned recently).
 const MAX_ACCOUNTS: usize = 4_096;
-
-/// A plan's effect on its prefix's account, applied when its request is dispatched.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct PendingRent {
-    /// The prefix's account.
-    pub(super) prefix: u64,
-    /// Tokens of the shared prefix (the dispatch settles the account by whether its endpoint
-    /// holds them).
-    pub(super) shared_tokens: usize,
-    /// Rent added if the request goes to an endpoint holding the prefix, seconds; negative
-    /// when its holder was cheaper than an endpoint lacking the prefix would have been (the
-    /// account never goes below zero).
-    pub(super) rent_s: f64,
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Account {
+    /// Rent paid so far, as of `at`.
     rent_s: f64,
     at: f64,
+    /// What a request going to a holder pays, as its latest plan put it (negative: paid back).
+    paid_s: f64,
+    /// Tokens of the shared prefix: a dispatch to an endpoint holding fewer is a copy.
+    shared_tokens: usize,
 }
 
 impl Account {
-    fn at(&self, now: f64) -> f64 {
+    fn rent_at(&self, now: f64) -> f64 {
         self.rent_s * (-(now - self.at).max(0.0) / REUSE_TAU_S).exp()
     }
 }
 
-/// Rent accounts by shared prefix, and the last plan's pending effect.
+/// Rent accounts by shared prefix.
 #[derive(Debug, Default)]
 pub(super) struct CopyRents {
     accounts: HashMap<u64, Account>,
-    pending: Option<PendingRent>,
 }
 
 impl CopyRents {
     /// Rent paid for `prefix` so far, as of `now`.
     pub(super) fn rent(&self, prefix: u64, now: f64) -> f64 {
-        self.accounts.get(&prefix).map_or(0.0, |a| a.at(now))
+        self.accounts.get(&prefix).map_or(0.0, |a| a.rent_at(now))
     }
 
-    /// The last plan's effect, replacing any earlier plan's that was not dispatched.
-    pub(super) fn plan(&mut self, pending: Option<PendingRent>) {
-        self.pending = pending;
+    /// A routing plan for `prefix`, `shared_tokens` long, at `now`: a request that goes to a
+    /// holder pays `paid_s`.
+    pub(super) fn plan(&mut self, prefix: u64, shared_tokens: usize, paid_s: f64, now: f64) {
+        let paid_s = if paid_s.is_finite() { paid_s } else { 0.0 };
+        if let Some(account) = self.accounts.get_mut(&prefix) {
+            account.paid_s = paid_s;
+            account.shared_tokens = shared_tokens;
+            return;
+        }
+        if self.accounts.len() >= MAX_ACCOUNTS {
+            self.drop_least(now);
+        }
+        self.accounts.insert(
+            prefix,
+            Account {
+                rent_s: 0.0,
+                at: now,
+                paid_s,
+                shared_tokens,
+            },
+        );
     }
 
     /// A request for `prefix` was dispatched at `now` to an endpoint expected to hold
-    /// `held_tokens` of it: settles the pending rent if it is this prefix's.
+    /// `held_tokens` of it: settles what its plan said it pays.
     pub(super) fn dispatched(&mut self, prefix: u64, held_tokens: usize, now: f64) {
-        let Some(pending) = self.pending.take().filter(|p| p.prefix == prefix) else {
+        let Some(account) = self.accounts.get_mut(&prefix) else {
             return;
         };
-        if held_tokens < pending.shared_tokens {
-            self.accounts.remove(&prefix);
-            return;
-        }
-        if !pending.rent_s.is_finite() {
-            return;
-        }
-        let rent_s = (self.rent(prefix, now) + pending.rent_s).max(0.0);
-        if rent_s <= 0.0 {
-            self.accounts.remove(&prefix);
-            return;
-        }
-        if !self.accounts.contains_key(&prefix) && self.accounts.len() >= MAX_ACCOUNTS {
-            self.drop_least(now);
-        }
-        self.accounts.insert(prefix, Account { rent_s, at: now });
+        let rent_s = if held_tokens < account.shared_tokens {
+            0.0
+        } else {
+            (account.rent_at(now) + account.paid_s).max(0.0)
+        };
+        account.rent_s = rent_s;
+        account.at = now;
     }
 
     /// Drops the half of the accounts worth least as of `now`.
     fn drop_least(&mut self, now: f64) {
-        let mut worth: Vec<f64> = self.accounts.values().map(|a| a.at(now)).collect();
-        let half = worth.len() / 2;
-        worth.select_nth_unstable_by(half, f64::total_cmp);
-        let cut = worth[half];
-        self.accounts.retain(|_, a| a.at(now) > cut);
+        let mut worth: Vec<(f64, u64)> = self
+            .accounts
+            .iter()
+            .map(|(prefix, a)| (a.rent_at(now), *prefix))
+            .collect();
+        worth.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        for (_, prefix) in &worth[..worth.len() / 2] {
+            self.accounts.remove(prefix);
+        }
     }
 
     /// Accounts kept.
@@ -104,66 +108,64 @@ impl CopyRents {
 mod tests {
     use super::*;
 
-    fn pending(prefix: u64, rent_s: f64) -> Option<PendingRent> {
-        Some(PendingRent {
-            prefix,
-            shared_tokens: 100,
-            rent_s,
-        })
+    /// A plan for prefix `prefix` (100 tokens) paying `paid_s`, then its dispatch to an
+    /// endpoint holding `held` tokens, at `now`.
+    fn send(rents: &mut CopyRents, prefix: u64, paid_s: f64, held: usize, now: f64) {
+        rents.plan(prefix, 100, paid_s, now);
+        rents.dispatched(prefix, held, now);
     }
 
     #[test]
-    fn rent_accrues_on_holders_decays_and_a_copy_empties_it() {
+    fn rent_accrues_on_holders_decays_is_paid_back_and_a_copy_empties_it() {
         let mut rents = CopyRents::default();
-        rents.plan(pending(7, 0.2));
-        rents.dispatched(7, 100, 0.0);
-        rents.plan(pending(7, 0.3));
-        rents.dispatched(7, 120, 0.0);
+        send(&mut rents, 7, 0.2, 100, 0.0);
+        send(&mut rents, 7, 0.3, 120, 0.0);
         assert!((rents.rent(7, 0.0) - 0.5).abs() < 1e-12);
         let later = rents.rent(7, REUSE_TAU_S);
         assert!((later - 0.5 / std::f64::consts::E).abs() < 1e-12);
         // A request whose holder was the cheaper pays back, never below zero.
-        rents.plan(pending(7, -0.2));
-        rents.dispatched(7, 100, 0.0);
+        send(&mut rents, 7, -0.2, 100, 0.0);
         assert!((rents.rent(7, 0.0) - 0.3).abs() < 1e-12);
-        rents.plan(pending(7, -1.0));
-        rents.dispatched(7, 100, 0.0);
+        send(&mut rents, 7, -1.0, 100, 0.0);
         assert_eq!(rents.rent(7, 0.0), 0.0);
-        rents.plan(pending(7, 0.5));
-        rents.dispatched(7, 100, 0.0);
+        send(&mut rents, 7, 0.5, 100, 0.0);
         assert!((rents.rent(7, 0.0) - 0.5).abs() < 1e-12);
         // Sent where the prefix is not: the copy is bought.
-        rents.plan(pending(7, 0.3));
-        rents.dispatched(7, 40, 1.0);
+        send(&mut rents, 7, 0.3, 40, 1.0);
         assert_eq!(rents.rent(7, 1.0), 0.0);
     }
 
     #[test]
-    fn only_a_dispatched_plan_for_the_same_prefix_counts() {
+    fn a_plan_pays_nothing_until_dispatched_and_plans_again_do_not_add_up() {
         let mut rents = CopyRents::default();
-        // A plan that was not dispatched, then another prefix's dispatch.
-        rents.plan(pending(7, 0.2));
-        rents.plan(pending(8, 0.4));
-        rents.dispatched(7, 100, 0.0);
-        assert_eq!(rents.rent(7, 0.0), 0.0);
+        // Planned three times while held: still nothing paid.
+        for _ in 0..3 {
+            rents.plan(8, 100, 0.4, 0.0);
+        }
         assert_eq!(rents.rent(8, 0.0), 0.0);
-        // Settled once.
-        rents.plan(pending(8, 0.4));
+        // Its dispatch pays once, at its latest plan's figure.
+        rents.plan(8, 100, 0.1, 0.0);
         rents.dispatched(8, 100, 0.0);
-        rents.dispatched(8, 100, 0.0);
-        assert!((rents.rent(8, 0.0) - 0.4).abs() < 1e-12);
+        assert!((rents.rent(8, 0.0) - 0.1).abs() < 1e-12);
+        // A prefix never planned has no account to settle.
+        rents.dispatched(9, 100, 0.0);
+        assert_eq!(rents.rent(9, 0.0), 0.0);
     }
 
     #[test]
-    fn accounts_stay_bounded() {
+    fn accounts_stay_bounded_and_the_largest_survive() {
         let mut rents = CopyRents::default();
         for prefix in 0..(3 * MAX_ACCOUNTS as u64) {
-            rents.plan(pending(prefix, 1.0 + prefix as f64));
-            rents.dispatched(prefix, 100, 0.0);
+            send(&mut rents, prefix, 1.0 + prefix as f64, 100, 0.0);
             assert!(rents.len() <= MAX_ACCOUNTS);
         }
-        // The most recent, largest account survives.
         let last = 3 * MAX_ACCOUNTS as u64 - 1;
         assert!(rents.rent(last, 0.0) > 0.0);
+        // Ties (all worth nothing) still leave half.
+        let mut even = CopyRents::default();
+        for prefix in 0..=(MAX_ACCOUNTS as u64) {
+            even.plan(prefix, 100, 0.0, 0.0);
+        }
+        assert_eq!(even.len(), MAX_ACCOUNTS / 2 + 1);
     }
 }

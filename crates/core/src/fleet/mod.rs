@@ -52,7 +52,7 @@ use crate::schedule::{
 };
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
-use copy_rent::{CopyRents, PendingRent};
+use copy_rent::CopyRents;
 pub use disagg::{DisaggConfig, TransfersDropped};
 use endpoint::RatePool;
 pub use endpoint::{
@@ -495,21 +495,26 @@ impl Fleet {
         random: u64,
         now: f64,
     ) -> Plan {
-        let depth = (!self.rank_every).then(|| {
-            RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
-        });
-        self.plan_ranked(request, lookup, random, now, depth)
+        let depth = (!self.rank_every).then(|| self.ranking_depth());
+        self.plan_ranked(request, lookup, random, now, depth, true)
     }
 
     /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
     /// broken down, and the facts behind each (the explain API).
     pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
-        self.plan_ranked(request, None, random, now, None)
+        self.plan_ranked(request, None, random, now, None, false)
     }
 
-    /// Plans a request, ranking the best `depth` candidates (`None`: every one, to explain the
-    /// choice: nothing is left pending for a dispatch), with its index matches from `lookup`
-    /// when usable; then applies the rent its shared prefix's requests paid so far.
+    /// How many candidates a routing plan ranks and breaks down: [`RANKING_DEPTH`], or the retry
+    /// policy's attempts if more.
+    fn ranking_depth(&self) -> usize {
+        RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
+    }
+
+    /// Plans a request, ranking the best `depth` candidates (`None`: every one), with its index
+    /// matches from `lookup` when usable; then applies the rent its shared prefix's requests
+    /// paid so far. `routing`: the plan routes a request (its dispatch settles the rent), not
+    /// an explanation.
     fn plan_ranked(
         &mut self,
         request: &RequestFeatures<'_>,
@@ -517,24 +522,28 @@ impl Fleet {
         random: u64,
         now: f64,
         depth: Option<usize>,
+        routing: bool,
     ) -> Plan {
         let mut plan = self.plan_costed(request, lookup, random, now, depth);
-        self.apply_copy_rent(request, &mut plan, now, depth.is_some());
+        self.apply_copy_rent(request, &mut plan, now, routing);
         plan
     }
 
     /// Credits a copy of the request's shared prefix with the rent its holders' requests paid
-    /// ([`crate::schedule::amortize`]), where the profile chooses by cost from a cache picture;
-    /// `dispatching`: the plan routes a request, whose dispatch settles the account.
+    /// ([`crate::schedule::amortize`]), where the profile chooses by cost from a cache picture
+    /// and every endpoint serves whole requests (on a fleet of prefill and decode roles the P/D
+    /// decision places the legs). Only the head of the ranking a routing plan breaks down
+    /// competes, so that an explanation shows what routing does.
     fn apply_copy_rent(
         &mut self,
         request: &RequestFeatures<'_>,
         plan: &mut Plan,
         now: f64,
-        dispatching: bool,
+        routing: bool,
     ) {
         let by_cost = self.profile.picker == crate::schedule::Picker::Cheapest
-            && self.profile.cache != CacheSource::None;
+            && self.profile.cache != CacheSource::None
+            && self.endpoints.iter().all(|e| e.spec.role == Role::Both);
         let keys = request.keys.as_slice();
         let shared = if by_cost {
             self.shared.shared_blocks(keys)
@@ -542,9 +551,6 @@ impl Fleet {
             0
         };
         let Some(prefix) = shared.checked_sub(1).and_then(|last| keys.get(last)) else {
-            if dispatching {
-                self.copy_rents.plan(None);
-            }
             return;
         };
         let bs = request.block_size.max(1);
@@ -552,25 +558,24 @@ impl Fleet {
         let rent_s = self.copy_rents.rent(prefix.0, now);
         let endpoints = &self.endpoints;
         let cold = |id: EndpointId| {
-            endpoints
-                .get(id.0 as usize)
-                .and_then(|e| Some(e.reuse.cold_share() * e.capacity_blocks? as f64))
-                .unwrap_or(0.0)
+            let e = endpoints.get(id.0 as usize)?;
+            Some(e.reuse.cold_share() * e.capacity_blocks? as f64)
         };
+        let head = self.ranking_depth();
         let outcome = amortize::apply_rent(
             &self.profile,
             &mut plan.decision,
-            shared_tokens,
-            rent_s,
-            bs,
+            amortize::SharedPrefix {
+                tokens: shared_tokens,
+                block_size: bs,
+                rent_s,
+            },
+            head,
             &cold,
         );
-        if dispatching {
-            self.copy_rents.plan(outcome.map(|o| PendingRent {
-                prefix: prefix.0,
-                shared_tokens,
-                rent_s: o.paid_s,
-            }));
+        if let (true, Some(outcome)) = (routing, outcome) {
+            self.copy_rents
+                .plan(prefix.0, shared_tokens, outcome.paid_s, now);
         }
         plan.decision.copy = outcome;
     }

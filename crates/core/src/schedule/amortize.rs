@@ -9,14 +9,15 @@
 //! and stall each other's decodes; an engine that took one document too many at start-up
 //! keeps reloading it from CPU memory.
 //!
-//! This is the ski-rental problem, and the deterministic answer needs no forecast of demand:
-//! keep paying the rent until the rent paid equals the price of buying, then buy (never more
-//! than twice the cost of the best choice made knowing the future).
+//! This is the ski-rental problem, whose deterministic answer needs no forecast of demand:
+//! keep paying the rent until the rent paid equals the price of buying, then buy (for one
+//! prefix with a fixed price and rent, never more than twice the cost of the best choice made
+//! knowing the future; here both are estimates, so the rule is that answer, not its bound).
 //! - **Rent** is what a request for the prefix pays because no other endpoint holds it: its
 //!   cost where it goes (a holder), less what it would cost on an endpoint that lacks the
 //!   prefix had that endpoint held it (its own queue and stall, the holder's prefill and
-//!   eviction). Taken against **every** competing endpoint that lacks it (the worst of them),
-//!   it is a saving a copy would bring wherever it went; against the best one it would accrue
+//!   eviction). Taken against **every** competing endpoint that lacks it (the worst of them;
+//!   of those the plan ranks, the best eight on a large fleet), it is a saving a copy would bring wherever it went; against the best one it would accrue
 //!   from mere noise on a balanced fleet and buy copies that pay for nothing. It is signed: a
 //!   request whose holder is cheaper than that pays back (the account never goes below zero),
 //!   so what a balanced fleet's noise pays in, it pays back, and only a holder that stays
@@ -27,9 +28,9 @@
 //!   credited against it, never more.
 //! - **Only into room no hit uses.** A copy that displaces blocks the endpoint's requests come
 //!   back for moves the problem, it does not solve it (contexts evicting each other is how a
-//!   fleet's hit rate collapses). A candidate is credited only where the copy fits in its
-//!   free blocks, or in the part of its cache deeper in the eviction order than its requests
-//!   find their hits ([`ColdRoom`]).
+//!   fleet's hit rate collapses). A candidate is credited only where its capacity is known and
+//!   the copy fits in its free blocks, or in the part of its cache deeper in the eviction order
+//!   than its requests find their hits ([`ColdRoom`]).
 
 use serde::Serialize;
 
@@ -56,37 +57,50 @@ pub struct CopyRent {
 /// back for, in blocks.
 pub trait ColdRoom {
     /// Blocks past the depth in `endpoint`'s eviction order where its requests find their
-    /// hits (0 when unknown).
-    fn cold_blocks(&self, endpoint: EndpointId) -> f64;
+    /// hits; `None` when its capacity is unknown (no copy that might evict is credited there).
+    fn cold_blocks(&self, endpoint: EndpointId) -> Option<f64>;
 }
 
-impl<F: Fn(EndpointId) -> f64> ColdRoom for F {
-    fn cold_blocks(&self, endpoint: EndpointId) -> f64 {
+impl<F: Fn(EndpointId) -> Option<f64>> ColdRoom for F {
+    fn cold_blocks(&self, endpoint: EndpointId) -> Option<f64> {
         self(endpoint)
     }
 }
 
-/// Applies the rent paid so far (`rent_s`) for the request's shared prefix of `shared_tokens`
-/// tokens (`block_size` tokens a block) to `decision`: when the chosen endpoint holds the
-/// prefix and a competing candidate that lacks it, credited up to `rent_s` against what
-/// acquiring the prefix costs it, comes out cheaper than the choice, that candidate is ranked
-/// first (a copy is bought). Returns the rent account's outcome (`None`: no shared prefix, no
-/// choice, or the choice lacks the prefix itself, which buys a copy at no credit).
+/// The request's shared prefix and what its requests paid so far.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedPrefix {
+    /// Tokens of the prompt shared with other prompts.
+    pub tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Rent paid for it so far, seconds.
+    pub rent_s: f64,
+}
+
+/// Applies the rent paid so far for the request's shared prefix to `decision`: when the chosen
+/// endpoint holds the prefix and a competing candidate among the first `head` of the ranking
+/// that lacks it, credited up to the rent against what acquiring the prefix adds to its cost,
+/// comes out cheaper than the choice, that candidate is ranked first (a copy is bought).
+/// Returns the account's outcome; `None` when there is no shared prefix or no choice, or when
+/// the choice holds the prefix and no ranked competitor lacks it (no rent to count). When the
+/// choice itself lacks the prefix, the plan copies it on its own merits: `bought` names it
+/// with no credit.
 pub fn apply_rent(
     profile: &Profile,
     decision: &mut Decision,
-    shared_tokens: usize,
-    rent_s: f64,
-    block_size: usize,
+    prefix: SharedPrefix,
+    head: usize,
     cold: &impl ColdRoom,
 ) -> Option<CopyRent> {
+    let shared_tokens = prefix.tokens;
     if shared_tokens == 0 {
         return None;
     }
     let chosen = decision.chosen()?;
     let holder = decision.assessment(chosen)?;
-    let rent_s = if rent_s.is_finite() {
-        rent_s.max(0.0)
+    let rent_s = if prefix.rent_s.is_finite() {
+        prefix.rent_s.max(0.0)
     } else {
         0.0
     };
@@ -102,14 +116,17 @@ pub fn apply_rent(
     let held_cost = h.total_s;
     let mut worst_recurring: Option<f64> = None;
     let mut best: Option<(f64, EndpointId, f64)> = None;
-    for a in decision
-        .assessments
-        .iter()
-        .filter(|a| a.rejected.is_none() && a.endpoint != chosen && a.cached_tokens < shared_tokens)
-    {
+    let ranked = &decision.ranking[..head.min(decision.ranking.len())];
+    for a in decision.assessments.iter().filter(|a| {
+        a.rejected.is_none()
+            && a.endpoint != chosen
+            && a.cached_tokens < shared_tokens
+            && a.cost.total_s.is_finite()
+            && ranked.contains(&a.endpoint)
+    }) {
         let recurring = recurring_s(profile, holder, a);
         worst_recurring = Some(worst_recurring.map_or(recurring, |w: f64| w.max(recurring)));
-        if !fits(a, shared_tokens, block_size, cold) {
+        if !fits(a, prefix, cold) {
             continue;
         }
         let acquire = (a.cost.total_s - recurring).max(0.0);
@@ -119,7 +136,7 @@ pub fn apply_rent(
             best = Some((credited, a.endpoint, credit));
         }
     }
-    let worst_recurring = worst_recurring?;
+    let worst_recurring = worst_recurring.filter(|w| w.is_finite())?;
     if let Some((credited, endpoint, credit)) = best
         && credited < held_cost
     {
@@ -159,11 +176,15 @@ fn recurring_s(profile: &Profile, holder: &Assessment, other: &Assessment) -> f6
 }
 
 /// Whether the missing part of the shared prefix fits on `a` without evicting what its
-/// requests come back for: in its free blocks, or in its cold room.
-fn fits(a: &Assessment, shared_tokens: usize, block_size: usize, cold: &impl ColdRoom) -> bool {
+/// requests come back for: its capacity is known, and the part fits in its free blocks or in
+/// its cold room.
+fn fits(a: &Assessment, prefix: SharedPrefix, cold: &impl ColdRoom) -> bool {
+    let Some(room) = cold.cold_blocks(a.endpoint) else {
+        return false;
+    };
     if a.cost.evicted_blocks <= 0.0 {
         return true;
     }
-    let missing = shared_tokens.saturating_sub(a.cached_tokens) / block_size.max(1);
-    missing as f64 <= cold.cold_blocks(a.endpoint)
+    let missing = prefix.tokens.saturating_sub(a.cached_tokens) / prefix.block_size.max(1);
+    missing as f64 <= room
 }

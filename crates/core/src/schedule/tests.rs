@@ -904,8 +904,17 @@ fn shared_prefix_fleet(holder_queue: u32, other_queue: u32, free: f64) -> Vec<Ca
 const SHARED: usize = 1_600;
 
 /// Room its hits do not reach, the same on every endpoint.
-fn cold(blocks: f64) -> impl Fn(EndpointId) -> f64 {
-    move |_| blocks
+fn cold(blocks: f64) -> impl Fn(EndpointId) -> Option<f64> {
+    move |_| Some(blocks)
+}
+
+/// The shared prefix of [`shared_prefix_fleet`]'s prompt with `rent_s` paid.
+fn shared(rent_s: f64) -> amortize::SharedPrefix {
+    amortize::SharedPrefix {
+        tokens: SHARED,
+        block_size: 16,
+        rent_s,
+    }
 }
 
 #[test]
@@ -920,7 +929,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     let holder = d.assessment(EndpointId(0)).unwrap().cost.total_s;
     let copy = d.assessment(EndpointId(1)).unwrap().cost.total_s;
     assert!(copy > holder);
-    let unpaid = amortize::apply_rent(&profile, &mut d, SHARED, 0.0, 16, &cold(0.0)).unwrap();
+    let unpaid = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, &cold(0.0)).unwrap();
     assert_eq!(d.chosen(), Some(EndpointId(0)));
     assert!(unpaid.bought.is_none());
     // It pays rent: what a copy would save it wherever the copy went.
@@ -929,7 +938,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     // after the credit, and the credit never exceeds the rent.
     let rent = copy - holder + 1e-3;
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let bought = amortize::apply_rent(&profile, &mut d, SHARED, rent, 16, &cold(0.0)).unwrap();
+    let bought = amortize::apply_rent(&profile, &mut d, shared(rent), 8, &cold(0.0)).unwrap();
     let (at, credit) = bought.bought.expect("a copy");
     assert_ne!(at, EndpointId(0));
     assert_eq!(d.chosen(), Some(at));
@@ -937,7 +946,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     assert!(credit <= rent && credit > 0.0, "{bought:?}");
     // Short of it, no copy.
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let short = amortize::apply_rent(&profile, &mut d, SHARED, rent / 2.0, 16, &cold(0.0));
+    let short = amortize::apply_rent(&profile, &mut d, shared(rent / 2.0), 8, &cold(0.0));
     assert!(short.unwrap().bought.is_none());
     assert_eq!(d.chosen(), Some(EndpointId(0)));
 }
@@ -953,7 +962,7 @@ fn rent_is_paid_back_while_an_endpoint_lacking_the_prefix_is_busier_than_its_hol
         0,
     );
     assert_eq!(d.chosen(), Some(EndpointId(0)));
-    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 0.0, 16, &cold(0.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, &cold(0.0)).unwrap();
     // Negative: it pays back what noise may have paid in, so a balanced fleet nets nothing.
     assert!(outcome.paid_s < 0.0, "{outcome:?}");
 }
@@ -965,11 +974,27 @@ fn a_copy_is_not_bought_into_room_the_endpoints_hits_use() {
     // Full caches: the copy evicts. Whatever the rent, no copy where every block is reused.
     let cands = shared_prefix_fleet(2, 0, 0.0);
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 1e6, 16, &cold(50.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &cold(50.0)).unwrap();
     assert!(outcome.bought.is_none());
     assert_eq!(d.chosen(), Some(EndpointId(0)));
     // Where the 100 missing blocks fit in room no hit reaches, it is bought.
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let outcome = amortize::apply_rent(&profile, &mut d, SHARED, 1e6, 16, &cold(100.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &cold(100.0)).unwrap();
     assert!(outcome.bought.is_some());
+}
+
+#[test]
+fn no_copy_is_credited_where_the_capacity_is_unknown() {
+    let profile = Profile::default();
+    let mut d = schedule(
+        &profile,
+        &request(1_760),
+        &shared_prefix_fleet(2, 0, 1_000.0),
+        1,
+        0,
+    );
+    let unknown = |_: EndpointId| None;
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &unknown).unwrap();
+    assert!(outcome.bought.is_none());
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
 }

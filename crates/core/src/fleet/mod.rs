@@ -567,6 +567,7 @@ impl Fleet {
             &mut plan.decision,
             amortize::SharedPrefix {
                 tokens: shared_tokens,
+                prompt_tokens: request.prompt_tokens,
                 block_size: bs,
                 rent_s,
             },

@@ -24,8 +24,10 @@
 //!   busier than the rest accrues rent. The fleet keeps each prefix's rent, decayed over the
 //!   time its reuse measures look back.
 //! - **Buying** is the part of a candidate's cost that acquiring the prefix adds (its prefill
-//!   of the missing part, the stall that imposes, what it evicts). The rent paid so far is
-//!   credited against it, never more.
+//!   of the missing part, the stall that imposes, what it evicts), in the share of the shared
+//!   prefix's tokens among those it lacks: the rent pays for the shared prefix, not for a
+//!   request's own part (a conversation's history). The rent paid so far is credited against
+//!   it, never more.
 //! - **Only into room no hit uses.** A copy that displaces blocks the endpoint's requests come
 //!   back for moves the problem, it does not solve it (contexts evicting each other is how a
 //!   fleet's hit rate collapses). A candidate is credited only where its capacity is known and
@@ -72,6 +74,8 @@ impl<F: Fn(EndpointId) -> Option<f64>> ColdRoom for F {
 pub struct SharedPrefix {
     /// Tokens of the prompt shared with other prompts.
     pub tokens: usize,
+    /// Tokens of the whole prompt.
+    pub prompt_tokens: usize,
     /// Tokens per block.
     pub block_size: usize,
     /// Rent paid for it so far, seconds.
@@ -129,7 +133,12 @@ pub fn apply_rent(
         if !fits(a, prefix, cold) {
             continue;
         }
-        let acquire = (a.cost.total_s - recurring).max(0.0);
+        // The rent was paid for the shared prefix: it buys that part of the copy, not the
+        // request's own (a conversation's history is its own to pay for).
+        let missing = prefix.prompt_tokens.saturating_sub(a.cached_tokens).max(1);
+        let missing_shared = shared_tokens.saturating_sub(a.cached_tokens);
+        let acquire =
+            (a.cost.total_s - recurring).max(0.0) * missing_shared as f64 / missing as f64;
         let credit = rent_s.min(acquire);
         let credited = a.cost.total_s - credit;
         if best.is_none_or(|(b, _, _)| credited < b) {

@@ -912,6 +912,7 @@ fn cold(blocks: f64) -> impl Fn(EndpointId) -> Option<f64> {
 fn shared(rent_s: f64) -> amortize::SharedPrefix {
     amortize::SharedPrefix {
         tokens: SHARED,
+        prompt_tokens: 1_760,
         block_size: 16,
         rent_s,
     }
@@ -996,5 +997,26 @@ fn no_copy_is_credited_where_the_capacity_is_unknown() {
     let unknown = |_: EndpointId| None;
     let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &unknown).unwrap();
     assert!(outcome.bought.is_none());
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+}
+
+#[test]
+fn a_shared_prefixs_rent_does_not_pay_for_moving_a_conversations_own_history() {
+    // Endpoint 0 holds a conversation: a 320-token system prompt (shared) and 1,440 tokens of
+    // its own history. It is somewhat busy; the others hold nothing.
+    let profile = Profile::default();
+    let mut cands = shared_prefix_fleet(2, 0, 1_000.0);
+    cands[0].cache.index = gpu_match(0, 110);
+    let mut d = schedule(&profile, &request(1_776), &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let system = amortize::SharedPrefix {
+        tokens: 320,
+        prompt_tokens: 1_776,
+        block_size: 16,
+        rent_s: 1e6,
+    };
+    // Whatever the system prompt's requests paid, the history stays where it is.
+    let outcome = amortize::apply_rent(&profile, &mut d, system, 8, &cold(1_000.0)).unwrap();
+    assert!(outcome.bought.is_none(), "{outcome:?}");
     assert_eq!(d.chosen(), Some(EndpointId(0)));
 }

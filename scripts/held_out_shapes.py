@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 POLICIES = "round-robin,least-load,prefix-hash,precise"
 SEEDS = (7, 8, 9)
+# One simulation takes seconds; a run past this is stuck, not slow.
+RUN_TIMEOUT_S = 600
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
                      "mooncake-conversation.jsonl")
 
@@ -72,7 +74,11 @@ def run(binary, out_dir, shape):
             continue
         cmd = [binary, "simulate", *args.split(), "--seed", str(seed), "--policy", POLICIES,
                "--out", run_dir]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"{name} seed {seed}: no result within {RUN_TIMEOUT_S} s")
         if done.returncode != 0:
             sys.exit(f"{name} seed {seed} failed: {done.stderr[-500:]}")
     return name

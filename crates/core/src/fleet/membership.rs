@@ -35,6 +35,7 @@ impl Fleet {
                 id
             }
         };
+        self.roles_changed();
         // A fresh state: its place in the load order starts from nothing in flight.
         self.load_order.sample_expires(id, None);
         self.load_order.ejected_until(id, None);

@@ -269,6 +269,10 @@ pub struct Fleet {
     shared: SharedPrefixes,
     /// Rent each shared prefix's requests paid for having too few copies.
     copy_rents: CopyRents,
+    /// Whether copies are bought with rent here: the profile chooses by cost from a cache
+    /// picture and every endpoint serves whole requests (see [`Fleet::apply_copy_rent`]);
+    /// set again when an endpoint joins.
+    copies_by_rent: bool,
     flow: FlowQueue,
     round_robin: u64,
     retry_budget: outlier::RetryBudget,
@@ -340,6 +344,7 @@ impl Fleet {
             sessions: Sessions::new(config.sessions_capacity),
             shared: SharedPrefixes::new(config.history_capacity),
             copy_rents: CopyRents::default(),
+            copies_by_rent: false,
             flow: FlowQueue::new(config.flow.clone()),
             reported_trust: vec![None; endpoints.len()],
             endpoints,
@@ -366,6 +371,7 @@ impl Fleet {
             last_plan_viewed: 0,
             next_pin: 0,
         };
+        fleet.roles_changed();
         for at in 0..fleet.endpoints.len() {
             fleet.load_changed(EndpointId(at as u32));
         }
@@ -496,13 +502,24 @@ impl Fleet {
         now: f64,
     ) -> Plan {
         let depth = (!self.rank_every).then(|| self.ranking_depth());
-        self.plan_ranked(request, lookup, random, now, depth, true)
+        let mut plan = self.plan_ranked(request, lookup, random, now, depth);
+        self.apply_copy_rent(request, &mut plan, now, true);
+        plan
     }
 
     /// Plans a request at `now` as [`Fleet::plan`] does, with every candidate ranked and
     /// broken down, and the facts behind each (the explain API).
     pub fn plan_every(&mut self, request: &RequestFeatures<'_>, random: u64, now: f64) -> Plan {
-        self.plan_ranked(request, None, random, now, None, false)
+        let mut plan = self.plan_ranked(request, None, random, now, None);
+        self.apply_copy_rent(request, &mut plan, now, false);
+        plan
+    }
+
+    /// An endpoint joined (or the fleet was built): whether copies are still bought with rent.
+    fn roles_changed(&mut self) {
+        self.copies_by_rent = self.profile.picker == crate::schedule::Picker::Cheapest
+            && self.profile.cache != CacheSource::None
+            && self.endpoints.iter().all(|e| e.spec.role == Role::Both);
     }
 
     /// How many candidates a routing plan ranks and breaks down: [`RANKING_DEPTH`], or the retry
@@ -511,29 +528,12 @@ impl Fleet {
         RANKING_DEPTH.max(usize::try_from(self.config.retry.max_attempts).unwrap_or(usize::MAX))
     }
 
-    /// Plans a request, ranking the best `depth` candidates (`None`: every one), with its index
-    /// matches from `lookup` when usable; then applies the rent its shared prefix's requests
-    /// paid so far. `routing`: the plan routes a request (its dispatch settles the rent), not
-    /// an explanation.
-    fn plan_ranked(
-        &mut self,
-        request: &RequestFeatures<'_>,
-        lookup: Option<IndexLookup>,
-        random: u64,
-        now: f64,
-        depth: Option<usize>,
-        routing: bool,
-    ) -> Plan {
-        let mut plan = self.plan_costed(request, lookup, random, now, depth);
-        self.apply_copy_rent(request, &mut plan, now, routing);
-        plan
-    }
-
     /// Credits a copy of the request's shared prefix with the rent its holders' requests paid
     /// ([`crate::schedule::amortize`]), where the profile chooses by cost from a cache picture
     /// and every endpoint serves whole requests (on a fleet of prefill and decode roles the P/D
     /// decision places the legs). Only the head of the ranking a routing plan breaks down
-    /// competes, so that an explanation shows what routing does.
+    /// competes, so that an explanation shows what routing does. `routing`: the plan routes a
+    /// request (its dispatch settles the rent), not an explanation.
     fn apply_copy_rent(
         &mut self,
         request: &RequestFeatures<'_>,
@@ -541,11 +541,8 @@ impl Fleet {
         now: f64,
         routing: bool,
     ) {
-        let by_cost = self.profile.picker == crate::schedule::Picker::Cheapest
-            && self.profile.cache != CacheSource::None
-            && self.endpoints.iter().all(|e| e.spec.role == Role::Both);
         let keys = request.keys.as_slice();
-        let shared = if by_cost {
+        let shared = if self.copies_by_rent {
             self.shared.shared_blocks(keys)
         } else {
             0
@@ -572,7 +569,7 @@ impl Fleet {
                 rent_s,
             },
             head,
-            &cold,
+            cold,
         );
         if let (true, Some(outcome)) = (routing, outcome) {
             self.copy_rents
@@ -583,7 +580,7 @@ impl Fleet {
 
     /// Plans a request by cost, ranking the best `depth` candidates (`None`: every one), with
     /// its index matches from `lookup` when usable.
-    fn plan_costed(
+    fn plan_ranked(
         &mut self,
         request: &RequestFeatures<'_>,
         lookup: Option<IndexLookup>,
@@ -780,16 +777,18 @@ impl Fleet {
         // than what conversations share (a new conversation, an uncached prompt). Placements
         // are what balancing evens out.
         let bs = request.block_size.max(1);
-        // The pending rent of its shared prefix, settled by whether it went to a holder.
-        let shared_before = self.shared.shared_blocks(request.keys);
-        if let Some(prefix) = shared_before
+        // Measured and recorded in one walk (what was shared before this request).
+        let shared_blocks = self.shared.record_shared(request.keys);
+        // What its plan said its shared prefix's requests pay, settled by whether it went to a
+        // holder.
+        if let Some(prefix) = shared_blocks
             .checked_sub(1)
             .and_then(|last| request.keys.get(last))
+            .filter(|_| self.copies_by_rent)
         {
             self.copy_rents.dispatched(prefix.0, predicted, now);
         }
-        // Measured and recorded in one walk.
-        let shared = self.shared.record_shared(request.keys) * bs;
+        let shared = shared_blocks * bs;
         let best_other = predicted_cached
             .iter()
             .enumerate()
@@ -816,7 +815,7 @@ impl Fleet {
             let hits = ((predicted / bs) as f64).min(blocks);
             e.reuse.note(hits, blocks - hits, now);
             // Where in its eviction order it finds them: how much room a copy may take there.
-            if let Some(capacity) = e.capacity_blocks {
+            if let (true, Some(capacity)) = (self.copies_by_rent, e.capacity_blocks) {
                 let by_depth =
                     e.recent
                         .hit_depths(&e.pinned, request.keys, hits as usize, capacity);

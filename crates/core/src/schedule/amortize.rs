@@ -32,7 +32,8 @@
 //!   back for moves the problem, it does not solve it (contexts evicting each other is how a
 //!   fleet's hit rate collapses). A candidate is credited only where its capacity is known and
 //!   the copy fits in its free blocks, or in the part of its cache deeper in the eviction order
-//!   than its requests find their hits ([`ColdRoom`]).
+//!   than its requests find their hits (`cold_blocks` of [`apply_rent`]: `None` where the
+//!   capacity is unknown).
 
 use serde::Serialize;
 
@@ -51,22 +52,9 @@ pub struct CopyRent {
     /// holder is cheaper than the busiest competing endpoint lacking the prefix would have been
     /// (0 when it buys a copy).
     pub paid_s: f64,
-    /// The endpoint a copy was bought on, with the credit that bought it.
+    /// Where the request goes when that endpoint lacks the prefix (a copy), with the credit
+    /// the rent gave it: 0 when the plan copies the prefix on its own cost.
     pub bought: Option<(EndpointId, f64)>,
-}
-
-/// Room in an endpoint's cache that a copy may take without evicting what its requests come
-/// back for, in blocks.
-pub trait ColdRoom {
-    /// Blocks past the depth in `endpoint`'s eviction order where its requests find their
-    /// hits; `None` when its capacity is unknown (no copy that might evict is credited there).
-    fn cold_blocks(&self, endpoint: EndpointId) -> Option<f64>;
-}
-
-impl<F: Fn(EndpointId) -> Option<f64>> ColdRoom for F {
-    fn cold_blocks(&self, endpoint: EndpointId) -> Option<f64> {
-        self(endpoint)
-    }
 }
 
 /// The request's shared prefix and what its requests paid so far.
@@ -86,6 +74,9 @@ pub struct SharedPrefix {
 /// endpoint holds the prefix and a competing candidate among the first `head` of the ranking
 /// that lacks it, credited up to the rent against what acquiring the prefix adds to its cost,
 /// comes out cheaper than the choice, that candidate is ranked first (a copy is bought).
+/// `cold_blocks` gives the room in an endpoint's cache past the depth where its requests find
+/// their hits, in blocks (`None` when its capacity is unknown: no copy that might evict is
+/// credited there).
 /// Returns the account's outcome; `None` when there is no shared prefix or no choice, or when
 /// the choice holds the prefix and no ranked competitor lacks it (no rent to count). When the
 /// choice itself lacks the prefix, the plan copies it on its own merits: `bought` names it
@@ -95,7 +86,7 @@ pub fn apply_rent(
     decision: &mut Decision,
     prefix: SharedPrefix,
     head: usize,
-    cold: &impl ColdRoom,
+    cold_blocks: impl Fn(EndpointId) -> Option<f64>,
 ) -> Option<CopyRent> {
     let shared_tokens = prefix.tokens;
     if shared_tokens == 0 {
@@ -130,7 +121,7 @@ pub fn apply_rent(
     }) {
         let recurring = recurring_s(profile, holder, a);
         worst_recurring = Some(worst_recurring.map_or(recurring, |w: f64| w.max(recurring)));
-        if !fits(a, prefix, cold) {
+        if !fits(a, prefix, &cold_blocks) {
             continue;
         }
         // The rent was paid for the shared prefix: it buys that part of the copy, not the
@@ -187,8 +178,12 @@ fn recurring_s(profile: &Profile, holder: &Assessment, other: &Assessment) -> f6
 /// Whether the missing part of the shared prefix fits on `a` without evicting what its
 /// requests come back for: its capacity is known, and the part fits in its free blocks or in
 /// its cold room.
-fn fits(a: &Assessment, prefix: SharedPrefix, cold: &impl ColdRoom) -> bool {
-    let Some(room) = cold.cold_blocks(a.endpoint) else {
+fn fits(
+    a: &Assessment,
+    prefix: SharedPrefix,
+    cold_blocks: &impl Fn(EndpointId) -> Option<f64>,
+) -> bool {
+    let Some(room) = cold_blocks(a.endpoint) else {
         return false;
     };
     if a.cost.evicted_blocks <= 0.0 {

@@ -930,7 +930,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     let holder = d.assessment(EndpointId(0)).unwrap().cost.total_s;
     let copy = d.assessment(EndpointId(1)).unwrap().cost.total_s;
     assert!(copy > holder);
-    let unpaid = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, &cold(0.0)).unwrap();
+    let unpaid = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, cold(0.0)).unwrap();
     assert_eq!(d.chosen(), Some(EndpointId(0)));
     assert!(unpaid.bought.is_none());
     // It pays rent: what a copy would save it wherever the copy went.
@@ -939,7 +939,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     // after the credit, and the credit never exceeds the rent.
     let rent = copy - holder + 1e-3;
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let bought = amortize::apply_rent(&profile, &mut d, shared(rent), 8, &cold(0.0)).unwrap();
+    let bought = amortize::apply_rent(&profile, &mut d, shared(rent), 8, cold(0.0)).unwrap();
     let (at, credit) = bought.bought.expect("a copy");
     assert_ne!(at, EndpointId(0));
     assert_eq!(d.chosen(), Some(at));
@@ -947,7 +947,7 @@ fn a_copy_is_bought_once_the_rent_paid_exceeds_what_it_costs() {
     assert!(credit <= rent && credit > 0.0, "{bought:?}");
     // Short of it, no copy.
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let short = amortize::apply_rent(&profile, &mut d, shared(rent / 2.0), 8, &cold(0.0));
+    let short = amortize::apply_rent(&profile, &mut d, shared(rent / 2.0), 8, cold(0.0));
     assert!(short.unwrap().bought.is_none());
     assert_eq!(d.chosen(), Some(EndpointId(0)));
 }
@@ -963,7 +963,7 @@ fn rent_is_paid_back_while_an_endpoint_lacking_the_prefix_is_busier_than_its_hol
         0,
     );
     assert_eq!(d.chosen(), Some(EndpointId(0)));
-    let outcome = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, &cold(0.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, cold(0.0)).unwrap();
     // Negative: it pays back what noise may have paid in, so a balanced fleet nets nothing.
     assert!(outcome.paid_s < 0.0, "{outcome:?}");
 }
@@ -975,12 +975,12 @@ fn a_copy_is_not_bought_into_room_the_endpoints_hits_use() {
     // Full caches: the copy evicts. Whatever the rent, no copy where every block is reused.
     let cands = shared_prefix_fleet(2, 0, 0.0);
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &cold(50.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, cold(50.0)).unwrap();
     assert!(outcome.bought.is_none());
     assert_eq!(d.chosen(), Some(EndpointId(0)));
     // Where the 100 missing blocks fit in room no hit reaches, it is bought.
     let mut d = schedule(&profile, &req, &cands, 1, 0);
-    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &cold(100.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, cold(100.0)).unwrap();
     assert!(outcome.bought.is_some());
 }
 
@@ -995,7 +995,7 @@ fn no_copy_is_credited_where_the_capacity_is_unknown() {
         0,
     );
     let unknown = |_: EndpointId| None;
-    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, &unknown).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, unknown).unwrap();
     assert!(outcome.bought.is_none());
     assert_eq!(d.chosen(), Some(EndpointId(0)));
 }
@@ -1016,7 +1016,7 @@ fn a_shared_prefixs_rent_does_not_pay_for_moving_a_conversations_own_history() {
         rent_s: 1e6,
     };
     // Whatever the system prompt's requests paid, the history stays where it is.
-    let outcome = amortize::apply_rent(&profile, &mut d, system, 8, &cold(1_000.0)).unwrap();
+    let outcome = amortize::apply_rent(&profile, &mut d, system, 8, cold(1_000.0)).unwrap();
     assert!(outcome.bought.is_none(), "{outcome:?}");
     assert_eq!(d.chosen(), Some(EndpointId(0)));
 }

@@ -15,10 +15,12 @@
 //! knowing the future; here both are estimates, so the rule is that answer, not its bound).
 //! - **Rent** is what a request for the prefix pays because no other endpoint holds it: its
 //!   cost where it goes (a holder), less what it would cost on an endpoint that lacks the
-//!   prefix had that endpoint held it (its own queue and stall, the holder's prefill and
-//!   eviction). Taken against **every** competing endpoint that lacks it (the worst of them;
-//!   of those the plan ranks, the best eight on a large fleet), it is a saving a copy would bring wherever it went; against the best one it would accrue
-//!   from mere noise on a balanced fleet and buy copies that pay for nothing. It is signed: a
+//!   prefix had that endpoint held it in GPU memory (its own queue and stall, the holder's
+//!   prefill and eviction; not the holder's loads from CPU memory or storage, which a copy
+//!   in room saves). Taken against **every** competing endpoint that lacks it (the worst of
+//!   them; of those the plan ranks, the best eight on a large fleet), it is a saving a copy
+//!   would bring wherever it went; against the best one it would accrue from mere noise on a
+//!   balanced fleet and buy copies that pay for nothing. It is signed: a
 //!   request whose holder is cheaper than that pays back (the account never goes below zero),
 //!   so what a balanced fleet's noise pays in, it pays back, and only a holder that stays
 //!   busier than the rest accrues rent. The fleet keeps each prefix's rent, decayed over the
@@ -158,9 +160,13 @@ pub fn apply_rent(
     })
 }
 
-/// What the request would cost on `other` had `other` held what `holder` holds, weighted as
-/// [`super::Cost::total_s`] is: the holder's prefill, tier loading and eviction, with `other`'s
-/// queue and its stall per second of the holder's prefill, less `other`'s session credit.
+/// What the request would cost on `other` had `other` held what `holder` holds in its GPU
+/// memory, weighted as [`super::Cost::total_s`] is: the holder's prefill and eviction, with
+/// `other`'s queue and its stall per second of the holder's prefill, less `other`'s session
+/// credit. The holder's loads from lower tiers are left out: a copy is credited only where it
+/// fits in room no hit uses ([`fits`]), so there it stays in GPU memory, and what the holder
+/// pays to load the prefix back (an engine holding more than its GPU memory keeps, reloading
+/// each context from CPU memory in turn) is part of the rent a copy saves.
 fn recurring_s(profile: &Profile, holder: &Assessment, other: &Assessment) -> f64 {
     let (h, c) = (&holder.cost, &other.cost);
     let w = &profile.weights;
@@ -169,9 +175,9 @@ fn recurring_s(profile: &Profile, holder: &Assessment, other: &Assessment) -> f6
     } else {
         0.0
     };
-    w.prefix * (h.prefill_s + h.tier_load_s)
+    w.prefix * h.prefill_s
         + w.eviction * h.eviction_s
-        + w.load * (c.queue_s + h.stalling_s * stall_per_s)
+        + w.load * (c.queue_s + h.prefill_s * stall_per_s)
         - c.session_credit_s
 }
 

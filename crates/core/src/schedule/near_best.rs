@@ -13,7 +13,7 @@
 
 use std::cmp::Ordering;
 
-use super::picker::{NearEqual, tie_key, why_cheaper};
+use super::picker::{Held, NearEqual, tie_key, why_cheaper};
 use super::{
     Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
     rejection, saturated, schedule,
@@ -32,10 +32,8 @@ pub(super) struct Standing {
     pub(super) tie: u64,
     /// Its recent placements (not negative).
     pub(super) placements: f64,
-    /// Prompt tokens it holds.
-    pub(super) cached: usize,
-    /// Cached blocks its placement evicts.
-    pub(super) evicted: f64,
+    /// What balancing must not give up of it.
+    pub(super) held: Held,
 }
 
 impl Standing {
@@ -55,8 +53,11 @@ impl Standing {
             computed: cost.cache_part(profile),
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
-            cached,
-            evicted: cost.evicted_blocks,
+            held: Held {
+                cached,
+                tier_load_s: cost.tier_load_s,
+                evicted: cost.evicted_blocks,
+            },
         }
     }
 }
@@ -151,14 +152,9 @@ impl Ranked {
             .expect("more competitors than the depth");
         // Balancing, as `picker::balance`: among the near-equal candidates, the fewest
         // placements win, the cheaper (then the random key) first.
-        let near_equal = NearEqual::around(
-            profile,
-            cheapest.total,
-            cheapest.computed,
-            cheapest.cached,
-            cheapest.evicted,
-        );
-        let near = |s: &Standing| near_equal.admits(s.total, s.cached, s.evicted);
+        let near_equal =
+            NearEqual::around(profile, cheapest.total, cheapest.computed, cheapest.held);
+        let near = |s: &Standing| near_equal.admits(s.total, s.held);
         let mut near_count = 0usize;
         let mut fewest = cheapest;
         for s in standings.iter().filter(|s| near(s)) {

@@ -140,44 +140,63 @@ impl Picker {
 
 /// The candidates balancing may choose among, around the cheapest: those whose cost is within
 /// the tolerance of its ([`super::BalanceTolerance::limit`]), that hold at least as much of the
-/// prompt, and that evict no more cached blocks, where the profile reads a cache and weighs
-/// evictions (the cache-blind baselines balance as they always did). So balancing gives up no
-/// cached block: neither one the request would find nor one the placement pushes out of a cache,
-/// where others may find it. Evictions are compared as counts, not priced reuse: a block evicted
-/// now is gone whatever its reuse estimate, and a count carries no estimate's noise.
+/// prompt, that load no more of it from lower tiers, and that evict no more cached blocks, where
+/// the profile reads a cache and weighs evictions (the cache-blind baselines balance as they
+/// always did). So balancing gives up no cached block: neither one the request would find, nor
+/// one the placement pushes out of a cache, where others may find it, nor the GPU memory a block
+/// is found in (a request balanced onto an endpoint that reloads the prefix from CPU memory keeps
+/// a second, thrashing copy of it warm there). Evictions are compared as counts, not priced
+/// reuse: a block evicted now is gone whatever its reuse estimate, and a count carries no
+/// estimate's noise.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct NearEqual {
     limit: f64,
-    cached: usize,
-    evicted: f64,
+    held: Held,
     guards_evictions: bool,
+}
+
+/// What balancing must not give up, of one candidate: the prompt tokens it holds, the seconds it
+/// loads them from lower tiers ([`super::Cost::tier_load_s`]), and the cached blocks its
+/// placement evicts.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Held {
+    /// Prompt tokens held.
+    pub(super) cached: usize,
+    /// Seconds loading them from lower tiers.
+    pub(super) tier_load_s: f64,
+    /// Cached blocks the placement evicts.
+    pub(super) evicted: f64,
+}
+
+impl Held {
+    /// What `a` holds and evicts.
+    pub(super) fn of(a: &Assessment) -> Self {
+        Self {
+            cached: a.cached_tokens,
+            tier_load_s: a.cost.tier_load_s,
+            evicted: a.cost.evicted_blocks,
+        }
+    }
 }
 
 impl NearEqual {
     /// The test around the cheapest candidate under `profile`: its weighted cost `total`, of
-    /// which `computed` is what it would compute ([`Cost::cache_part`]), the prompt tokens it
-    /// holds (`cached`) and the blocks its placement evicts (`evicted`).
-    pub(super) fn around(
-        profile: &Profile,
-        total: f64,
-        computed: f64,
-        cached: usize,
-        evicted: f64,
-    ) -> Self {
+    /// which `computed` is what it would compute ([`Cost::cache_part`]), and what it `held`.
+    pub(super) fn around(profile: &Profile, total: f64, computed: f64, held: Held) -> Self {
         Self {
             limit: profile.balance.limit(total, computed),
-            cached,
-            evicted,
+            held,
             guards_evictions: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
         }
     }
 
-    /// Whether a candidate of weighted cost `total` that holds `cached` prompt tokens and whose
-    /// placement evicts `evicted` blocks is near-equal to the cheapest.
-    pub(super) fn admits(&self, total: f64, cached: usize, evicted: f64) -> bool {
+    /// Whether a candidate of weighted cost `total` that holds and evicts what `held` says is
+    /// near-equal to the cheapest.
+    pub(super) fn admits(&self, total: f64, held: Held) -> bool {
         total <= self.limit
-            && cached >= self.cached
-            && (!self.guards_evictions || evicted <= self.evicted + 1e-9)
+            && held.cached >= self.held.cached
+            && held.tier_load_s <= self.held.tier_load_s + 1e-9
+            && (!self.guards_evictions || held.evicted <= self.held.evicted + 1e-9)
     }
 }
 
@@ -193,16 +212,12 @@ fn balance(
         profile,
         cheapest.cost.total_s,
         cheapest.cost.cache_part(profile),
-        cheapest.cached_tokens,
-        cheapest.cost.evicted_blocks,
+        Held::of(cheapest),
     );
     let near: Vec<usize> = order
         .iter()
         .copied()
-        .filter(|&i| {
-            let a = &assessments[i];
-            near_equal.admits(a.cost.total_s, a.cached_tokens, a.cost.evicted_blocks)
-        })
+        .filter(|&i| near_equal.admits(assessments[i].cost.total_s, Held::of(&assessments[i])))
         .collect();
     if near.len() > 1 {
         // `near` is in cost order, so among equal placements the cheaper (then random) wins.

@@ -609,7 +609,7 @@ impl Walk<'_> {
             return None;
         }
         let head = self.best[self.depth - 1];
-        Some(if holds || cheapest.cached == 0 {
+        Some(if holds || cheapest.held.cached == 0 {
             // The cheapest can only get cheaper, and `limit_at_most` of it bounds its limit.
             head.max(profile.balance.limit_at_most(cheapest.total))
         } else {

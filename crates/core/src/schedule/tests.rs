@@ -140,6 +140,42 @@ fn balancing_never_evicts_a_block_the_cheapest_keeps() {
     assert_eq!(d.reason, Reason::Balance);
 }
 
+/// The tier counter-case's duplicates: a document held on two engines, on one in GPU memory and
+/// on the other partly in CPU memory (it keeps another document too); balancing sent its
+/// requests to the second when it had had fewer placements, so both copies stayed warm and each
+/// engine kept reloading from CPU memory.
+#[test]
+fn balancing_never_trades_gpu_memory_for_a_reload() {
+    let mut cands = fleet(2);
+    cands[0].cache.index = gpu_match(0, 40);
+    cands[1].cache.index = Some(PrefixMatch {
+        gpu_blocks: 39,
+        cpu_blocks: 1,
+        ..gpu_match(1, 40).unwrap()
+    });
+    cands[0].load.recent_placements = 3.0;
+    cands[1].load.recent_placements = 1.0;
+    let req = request(41 * 16);
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    let reloading = d.assessment(EndpointId(1)).unwrap();
+    assert!(reloading.cost.tier_load_s > 0.0);
+    let cheapest = d.assessment(EndpointId(0)).unwrap().cost.clone();
+    let limit = Profile::default()
+        .balance
+        .limit(cheapest.total_s, cheapest.cache_part(&Profile::default()));
+    assert!(
+        reloading.cost.total_s <= limit,
+        "the costs are near-equal: balancing would decide"
+    );
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    assert_eq!(d.reason, Reason::Cache);
+    // Both in GPU memory: the endpoint with fewer placements wins as before.
+    cands[1].cache.index = gpu_match(1, 40);
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Balance);
+}
+
 /// The heavy multi-turn load's tail: with every engine saturated, a tolerance of 10% of the
 /// whole cost made queues 150 ms apart "equal", and balancing sent the request to the longer one
 /// because it had had fewer placements. The tolerance covers what the endpoints would compute,
@@ -1019,4 +1055,25 @@ fn a_shared_prefixs_rent_does_not_pay_for_moving_a_conversations_own_history() {
     let outcome = amortize::apply_rent(&profile, &mut d, system, 8, cold(1_000.0)).unwrap();
     assert!(outcome.bought.is_none(), "{outcome:?}");
     assert_eq!(d.chosen(), Some(EndpointId(0)));
+}
+
+#[test]
+fn a_holder_reloading_the_prefix_from_cpu_memory_pays_that_reload_as_rent() {
+    // Endpoint 0 holds the shared prefix only in CPU memory (an engine keeping more contexts
+    // than its GPU memory holds reloads each in turn); no queue anywhere.
+    let profile = Profile::default();
+    let mut cands = shared_prefix_fleet(0, 0, 1_000.0);
+    cands[0].cache.index = cpu_match(0, 100);
+    let mut d = schedule(&profile, &request(1_760), &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let reload_s = d.assessment(EndpointId(0)).unwrap().cost.tier_load_s;
+    assert!(reload_s > 0.0);
+    // A copy in room would stay in GPU memory, so the reload is what it saves each request.
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, cold(0.0)).unwrap();
+    assert!(outcome.bought.is_none());
+    let paid = outcome.paid_s;
+    assert!(
+        (paid - profile.weights.prefix * reload_s).abs() < 1e-9,
+        "{outcome:?}, reload {reload_s}"
+    );
 }

@@ -83,6 +83,19 @@ impl Cost {
         self.queue_s + self.prefill_s + self.tier_load_s
     }
 
+    /// Prompt tokens the endpoint loads from tiers below its GPU memory at a charge (its CPU
+    /// memory, storage, the shared filesystem, and GPU blocks the queue ahead pushes out to CPU
+    /// memory); a tier credited as the GPU, as a tier-blind profile credits every tier, loads
+    /// none.
+    pub fn charged_tier_tokens(&self) -> usize {
+        self.tiers
+            .tiers
+            .iter()
+            .filter(|t| t.seconds > 0.0)
+            .map(|t| t.tokens)
+            .sum()
+    }
+
     /// The weighted seconds due to what the endpoint does not hold, and what storing it there
     /// evicts.
     pub fn cache_part(&self, profile: &Profile) -> f64 {

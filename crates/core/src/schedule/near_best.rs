@@ -53,11 +53,7 @@ impl Standing {
             computed: cost.cache_part(profile),
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
-            held: Held {
-                cached,
-                tier_load_s: cost.tier_load_s,
-                evicted: cost.evicted_blocks,
-            },
+            held: Held::new(cached, cost),
         }
     }
 }

@@ -9,8 +9,9 @@ use super::{Assessment, CacheSource, Cost, Profile, Reason};
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Picker {
-    /// The cheapest; among near-equal costs that give up no cached block (held for the request
-    /// or evicted by it), the fewest recent placements; exact ties at random.
+    /// The cheapest; among near-equal costs that give up no cached block (held for the request,
+    /// held in GPU memory rather than loaded from a lower tier, or evicted by it), the fewest
+    /// recent placements; exact ties at random.
     #[default]
     Cheapest,
     /// Sample the winner with probability ∝ exp(−(cost − cheapest) / temperature_s): spreads
@@ -155,27 +156,32 @@ pub(super) struct NearEqual {
     guards_evictions: bool,
 }
 
-/// What balancing must not give up, of one candidate: the prompt tokens it holds, the seconds it
-/// loads them from lower tiers ([`super::Cost::tier_load_s`]), and the cached blocks its
-/// placement evicts.
+/// What balancing must not give up, of one candidate: the prompt tokens it holds, those of them
+/// it loads from lower tiers ([`Cost::charged_tier_tokens`]: tokens, not seconds, so that noise
+/// in the learned load rates decides nothing), and the cached blocks its placement evicts.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Held {
     /// Prompt tokens held.
     pub(super) cached: usize,
-    /// Seconds loading them from lower tiers.
-    pub(super) tier_load_s: f64,
+    /// Of those, tokens loaded from lower tiers at a charge.
+    pub(super) tier_tokens: usize,
     /// Cached blocks the placement evicts.
     pub(super) evicted: f64,
 }
 
 impl Held {
+    /// What a candidate holding `cached` prompt tokens at `cost` holds and evicts.
+    pub(super) fn new(cached: usize, cost: &Cost) -> Self {
+        Self {
+            cached,
+            tier_tokens: cost.charged_tier_tokens(),
+            evicted: cost.evicted_blocks,
+        }
+    }
+
     /// What `a` holds and evicts.
     pub(super) fn of(a: &Assessment) -> Self {
-        Self {
-            cached: a.cached_tokens,
-            tier_load_s: a.cost.tier_load_s,
-            evicted: a.cost.evicted_blocks,
-        }
+        Self::new(a.cached_tokens, &a.cost)
     }
 }
 
@@ -195,7 +201,7 @@ impl NearEqual {
     pub(super) fn admits(&self, total: f64, held: Held) -> bool {
         total <= self.limit
             && held.cached >= self.held.cached
-            && held.tier_load_s <= self.held.tier_load_s + 1e-9
+            && held.tier_tokens <= self.held.tier_tokens
             && (!self.guards_evictions || held.evicted <= self.held.evicted + 1e-9)
     }
 }

@@ -61,8 +61,9 @@ impl Default for CostWeights {
 /// Among the candidates whose cost is within [`BalanceTolerance::limit`] of the cheapest's, that
 /// hold at least as much of the prompt as the cheapest, load no more of it from lower tiers and
 /// evict no more cached blocks than it, the one with the fewest recent placements wins.
-/// Balancing therefore never gives up a cached block, nor the GPU memory it is found in: copying a prefix onto another endpoint happens only when the cost model says
-/// it pays (the queue wait it saves exceeds its prefill plus what the copy evicts there).
+/// Balancing therefore never gives up a cached block, nor the GPU memory it is found in:
+/// copying a prefix onto another endpoint happens only when the cost model says it pays (the
+/// queue wait it saves exceeds its prefill plus what the copy evicts there).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BalanceTolerance {

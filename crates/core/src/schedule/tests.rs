@@ -740,16 +740,23 @@ proptest! {
     }
 
     /// Balancing never gives up a cached block: the winner holds at least as much as a
-    /// cheapest candidate, evicts no more than it, and costs at most the tolerance more, taken
-    /// of what that candidate would compute.
+    /// cheapest candidate, loads no more of it from CPU memory, evicts no more than it, and
+    /// costs at most the tolerance more, taken of what that candidate would compute.
     #[test]
     fn balancing_stays_within_the_tolerance(
         fleet in proptest::collection::vec((0u32..100, 0.0f64..20.0, 0u64..5_000, proptest::option::of(0u32..150)), 2..10),
+        on_cpu in proptest::collection::vec(0u32..4, 10),
         random: u64,
     ) {
         let cands: Vec<Candidate> = fleet.iter().enumerate().map(|(i, (blocks, placements, q, free))| {
             let mut c = candidate(i as u32);
-            c.cache.index = gpu_match(i as u32, *blocks);
+            // The last few blocks of a match in CPU memory, on some endpoints.
+            let cpu = on_cpu[i].min(*blocks);
+            c.cache.index = gpu_match(i as u32, *blocks).map(|m| PrefixMatch {
+                gpu_blocks: blocks - cpu,
+                cpu_blocks: cpu,
+                ..m
+            });
             c.cache.free_blocks = free.map(f64::from);
             c.cache.block_reuse = 0.5;
             c.load.recent_placements = *placements;
@@ -767,6 +774,7 @@ proptest! {
                 + profile.balance.absolute_s;
             winner.cost.total_s <= limit + 1e-12
                 && winner.cached_tokens >= cheapest.cached_tokens
+                && winner.cost.charged_tier_tokens() <= cheapest.cost.charged_tier_tokens()
                 && winner.cost.evicted_blocks <= cheapest.cost.evicted_blocks
         });
         prop_assert!(bounded, "{:?}", d);
@@ -873,6 +881,14 @@ fn shaped(i: usize, shape: &Shape) -> Candidate {
     let mut c = candidate(i as u32);
     if blocks > 0 {
         c.cache.index = gpu_match(i as u32, blocks);
+    }
+    // State 3: healthy, with the match's last blocks in CPU memory (tier loads to compare).
+    if state == 3 && blocks > 0 {
+        c.cache.index = cpu_match(i as u32, blocks.min(2)).map(|m| PrefixMatch {
+            blocks,
+            gpu_blocks: blocks - m.cpu_blocks,
+            ..m
+        });
     }
     // Few distinct values, so that many costs and placements tie, as in an idle fleet.
     c.load.recent_placements = f64::from(placements) * 0.5;
@@ -1075,5 +1091,24 @@ fn a_holder_reloading_the_prefix_from_cpu_memory_pays_that_reload_as_rent() {
     assert!(
         (paid - profile.weights.prefix * reload_s).abs() < 1e-9,
         "{outcome:?}, reload {reload_s}"
+    );
+    // Where loads run in the step, they stall the running decodes too: that stall is rent as
+    // well (a copy in GPU memory stalls them only for its prefill).
+    let mut profile = Profile::default();
+    profile.tiers.load_mode = TierLoadMode::InStep;
+    for c in &mut cands {
+        c.load.running = Some(4.0);
+    }
+    let mut d = schedule(&profile, &request(1_760), &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let holder = d.assessment(EndpointId(0)).unwrap().cost.clone();
+    assert!(holder.decode_interference_s > 0.0);
+    let stall_per_s = holder.decode_interference_s / holder.stalling_s;
+    let outcome = amortize::apply_rent(&profile, &mut d, shared(0.0), 8, cold(0.0)).unwrap();
+    let expected =
+        holder.tier_load_s * (profile.weights.prefix + profile.weights.load * stall_per_s);
+    assert!(
+        (outcome.paid_s - expected).abs() < 1e-9,
+        "{outcome:?}, expected {expected}"
     );
 }

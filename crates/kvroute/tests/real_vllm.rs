@@ -260,7 +260,12 @@ fn the_engines_own_metrics_feed_the_load_model() {
     let mut unseen = Vec::new();
     while unseen.len() < 4 {
         let long = std::thread::spawn(move || {
-            let body = json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 1900, "ignore_eos": true});
+            let body = json!({
+                "model": MODEL,
+                "prompt": "a long answer",
+                "max_tokens": 1900,
+                "ignore_eos": true,
+            });
             send(port, &body).0
         });
         let mut seen = false;

@@ -862,8 +862,8 @@ fn prefix_hash_keeps_a_prefix_home_and_overflows_past_the_load_bound() {
 
 /// One endpoint of a fleet for the near-best property test: (cached blocks, placements, queued
 /// prefill tokens, running decodes, free blocks, state: 0 healthy, 1 unhealthy, 2 circuit open,
-/// 3 session endpoint).
-type Shape = (u32, u8, u64, u8, Option<u8>, u8);
+/// 3 session endpoint; whether the match's last blocks are in CPU memory).
+type Shape = (u32, u8, u64, u8, Option<u8>, u8, bool);
 
 fn arb_shape() -> impl Strategy<Value = Shape> {
     (
@@ -873,17 +873,18 @@ fn arb_shape() -> impl Strategy<Value = Shape> {
         prop_oneof![2 => Just(0u8), 1 => 0u8..8],
         proptest::option::of(0u8..60),
         prop_oneof![8 => Just(0u8), 1 => 1u8..4],
+        prop_oneof![3 => Just(false), 1 => Just(true)],
     )
 }
 
 fn shaped(i: usize, shape: &Shape) -> Candidate {
-    let &(blocks, placements, queued, decoding, free, state) = shape;
+    let &(blocks, placements, queued, decoding, free, state, on_cpu) = shape;
     let mut c = candidate(i as u32);
     if blocks > 0 {
         c.cache.index = gpu_match(i as u32, blocks);
     }
-    // State 3: healthy, with the match's last blocks in CPU memory (tier loads to compare).
-    if state == 3 && blocks > 0 {
+    // The match's last blocks in CPU memory: tier loads for balancing to compare.
+    if on_cpu && blocks > 0 {
         c.cache.index = cpu_match(i as u32, blocks.min(2)).map(|m| PrefixMatch {
             blocks,
             gpu_blocks: blocks - m.cpu_blocks,

@@ -7,7 +7,10 @@ prefix-hash and precise, and prints, per shape, precise's TTFT p50/p90/p99 over 
 others (median of the seeds), its hit rate, ITL p99 over round-robin's and load imbalance.
 A shape where a ratio exceeds 1.05 is marked LOSS.
 
-usage: scripts/held_out_shapes.py KVROUTE_BINARY OUT_DIR   (about 40 s on 2 cores)
+usage: scripts/held_out_shapes.py KVROUTE_BINARY OUT_DIR   (about 2 minutes on 2 cores)
+
+A run whose result is already in OUT_DIR is not run again (an interrupted sweep resumes), so
+give each binary its own OUT_DIR.
 """
 
 import json

@@ -16,7 +16,9 @@ pub const REUSE_TAU_S: f64 = 60.0;
 pub(super) const DEPTH_BUCKETS: usize = 16;
 
 /// Share of an endpoint's hits the room past them may hold: its requests find 99% of their
-/// cached blocks above that depth (the tail the latency targets read is the same 1%).
+/// cached blocks above that depth (the tail the latency targets read is the same 1%). Chosen,
+/// not fitted: 0.999 routes identically on the scheduler matrix and the P/D sweep; 0.95 lets
+/// copies into room that hits still use and loses a matrix cell (docs/benchmarks.md).
 const HIT_DEPTH_QUANTILE: f64 = 0.99;
 
 /// The depth bucket of a block with `newer` distinct blocks used after it, in a cache of
@@ -99,13 +101,13 @@ impl BlockReuse {
     /// [`Self::per_evicted_block`] of an endpoint with `capacity` GPU blocks, shrunk toward
     /// `prior` (the fleet's, for the request's model) by a cache's worth of blocks, as of `now`:
     /// `(hits + capacity × prior) / (stored + capacity)`, both counts decayed over
-    /// [`REUSE_TAU_S`]. Until an
-    /// endpoint has stored about its capacity, nothing it stored has had to be evicted, so its
-    /// own hits per stored block do not yet say how often a block is reused before eviction (a
-    /// new tenant's first question finds nothing, however often its context will be reused);
-    /// once it has stored several caches' worth recently, its own measure stands. An endpoint
-    /// that stores less than a cache's worth per [`REUSE_TAU_S`] leans on the fleet's figure for
-    /// as long: its own rests on too few evictions. Unknown capacity: its own measure.
+    /// [`REUSE_TAU_S`]. Until an endpoint has stored about its capacity, nothing it stored has
+    /// had to be evicted, so its own hits per stored block do not yet say how often a block is
+    /// reused before eviction (a new tenant's first question finds nothing, however often its
+    /// context will be reused); once it has stored several caches' worth recently, its own
+    /// measure stands. An endpoint that stores less than a cache's worth per [`REUSE_TAU_S`]
+    /// leans on the fleet's figure for as long: its own rests on too few evictions. Unknown
+    /// capacity: its own measure.
     pub(super) fn per_evicted_block_toward(
         &self,
         prior: f64,

@@ -59,6 +59,7 @@ impl Fleet {
                 e.present = false;
                 e.healthy = false;
             }
+            self.roles_changed();
             self.load_changed(id);
         }
         present

@@ -515,11 +515,16 @@ impl Fleet {
         plan
     }
 
-    /// An endpoint joined (or the fleet was built): whether copies are still bought with rent.
+    /// An endpoint joined or left (or the fleet was built): whether copies are bought with
+    /// rent, which they are while every endpoint in the fleet serves whole requests.
     fn roles_changed(&mut self) {
         self.copies_by_rent = self.profile.picker == crate::schedule::Picker::Cheapest
             && self.profile.cache != CacheSource::None
-            && self.endpoints.iter().all(|e| e.spec.role == Role::Both);
+            && self
+                .endpoints
+                .iter()
+                .filter(|e| e.present)
+                .all(|e| e.spec.role == Role::Both);
     }
 
     /// How many candidates a routing plan ranks and breaks down: [`RANKING_DEPTH`], or the retry

@@ -1828,3 +1828,52 @@ fn a_busier_holders_rent_buys_a_copy_before_a_single_request_would() {
     assert!(own - credit < held);
     assert!(credit <= copy.rent_s);
 }
+
+#[test]
+fn copies_are_bought_with_rent_again_once_the_last_prefill_endpoint_leaves() {
+    let mut fleet = FleetBuilder::new(3).build();
+    scrape_idle(&mut fleet, 2_000);
+    let system = prompt(1_600, 5);
+    let ask = |q: u32| {
+        let mut tokens = system.clone();
+        tokens.extend(prompt(160, 1_000 + q));
+        Req::new(&tokens)
+    };
+    // Three questions make the prefix shared; they end, cached where they went.
+    let mut now = 0.0;
+    for q in 0..3 {
+        let (_, mut d) = send(&mut fleet, &ask(q), now);
+        now += 0.1;
+        fleet.first_token(&mut d, true, now);
+        fleet.apply_events(d.endpoint, &[stored(&system, BS)], now);
+        fleet.finished(d, None, now);
+    }
+    let rent_kept = |fleet: &mut Fleet, now: f64| {
+        fleet
+            .plan_every(&ask(99).features(), 7, now)
+            .decision
+            .copy
+            .is_some()
+    };
+    assert!(
+        rent_kept(&mut fleet, now),
+        "whole-request fleet: rent is kept"
+    );
+    // A prefill endpoint joins: its P/D decision places the legs, no rent is kept.
+    let prefill = fleet
+        .add_endpoint(
+            EndpointSpec {
+                role: Role::Prefill,
+                ..spec("p", BS)
+            },
+            now,
+        )
+        .unwrap();
+    assert!(!rent_kept(&mut fleet, now), "a P/D fleet keeps no rent");
+    // It leaves: the fleet serves whole requests again.
+    assert!(fleet.remove_endpoint(prefill, now));
+    assert!(
+        rent_kept(&mut fleet, now),
+        "rent is kept again once the fleet has no prefill endpoint"
+    );
+}

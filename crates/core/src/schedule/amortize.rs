@@ -29,7 +29,10 @@
 //!   of the missing part, the stall that imposes, what it evicts), in the share of the shared
 //!   prefix's tokens among those it lacks: the rent pays for the shared prefix, not for a
 //!   request's own part (a conversation's history). The rent paid so far is credited against
-//!   it, never more.
+//!   it, never more. Only a request that prefills its own part wherever it goes buys (a new
+//!   conversation, a question): a later turn whose history its holder caches would prefill
+//!   that history again with the copy, a cold prefill the latency tail shows, and leave it
+//!   unused where it was; it pays rent, and the next new conversation buys.
 //! - **Only into room no hit uses.** A copy that displaces blocks the endpoint's requests come
 //!   back for moves the problem, it does not solve it (contexts evicting each other is how a
 //!   fleet's hit rate collapses). A candidate is credited only where its capacity is known and
@@ -109,6 +112,11 @@ pub fn apply_rent(
             bought: Some((chosen, 0.0)),
         });
     }
+    // A request that finds more than the shared prefix on its holder (a conversation's own
+    // history) does not buy the copy: it would prefill that history again where the copy goes
+    // and leave it unused where it was. A request that prefills its own part wherever it goes
+    // (a new conversation, a question) buys it, and the conversations it starts follow.
+    let uproots_own_part = holder.cached_tokens >= shared_tokens + prefix.block_size.max(1);
     let h = &holder.cost;
     let held_cost = h.total_s;
     let mut worst_recurring: Option<f64> = None;
@@ -123,7 +131,7 @@ pub fn apply_rent(
     }) {
         let recurring = recurring_s(profile, holder, a);
         worst_recurring = Some(worst_recurring.map_or(recurring, |w: f64| w.max(recurring)));
-        if !fits(a, prefix, &cold_blocks) {
+        if uproots_own_part || !fits(a, prefix, &cold_blocks) {
             continue;
         }
         // The rent was paid for the shared prefix: it buys that part of the copy, not the

@@ -1075,6 +1075,32 @@ fn a_shared_prefixs_rent_does_not_pay_for_moving_a_conversations_own_history() {
 }
 
 #[test]
+fn a_copy_is_bought_by_a_new_conversation_not_by_a_later_turn_it_would_uproot() {
+    let profile = Profile::default();
+    // A later turn: its holder, the busier endpoint, holds the 1,600-token shared prefix and
+    // 160 tokens of the conversation's own history. However much rent was paid, it stays
+    // with its history, and pays rent.
+    let mut cands = shared_prefix_fleet(2, 0, 1_000.0);
+    cands[0].cache.index = gpu_match(0, 110);
+    let mut d = schedule(&profile, &request(1_776), &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let later_turn = amortize::SharedPrefix {
+        prompt_tokens: 1_776,
+        ..shared(1e6)
+    };
+    let stays = amortize::apply_rent(&profile, &mut d, later_turn, 8, cold(1_000.0)).unwrap();
+    assert!(stays.bought.is_none(), "{stays:?}");
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    assert!(stays.paid_s > 0.0, "{stays:?}");
+    // A new conversation under the same prefix finds only the prefix there: it buys the copy.
+    let cands = shared_prefix_fleet(2, 0, 1_000.0);
+    let mut d = schedule(&profile, &request(1_760), &cands, 1, 0);
+    let buys = amortize::apply_rent(&profile, &mut d, shared(1e6), 8, cold(1_000.0)).unwrap();
+    assert!(buys.bought.is_some(), "{buys:?}");
+    assert_ne!(d.chosen(), Some(EndpointId(0)));
+}
+
+#[test]
 fn a_holder_reloading_the_prefix_from_cpu_memory_pays_that_reload_as_rent() {
     // Endpoint 0 holds the shared prefix only in CPU memory (an engine keeping more contexts
     // than its GPU memory holds reloads each in turn); no queue anywhere.

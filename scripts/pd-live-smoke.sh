@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A live smoke run of router-orchestrated P/D (docs/benchmarks.md, "Live P/D through kvroute
+# A live smoke run of router-orchestrated P/D (docs/benchmarks-log.md, "Live P/D through kvroute
 # serve"): `kvroute sim` engines, `kvroute serve` with `pd:`, and `kvroute bench`, one fleet at a
 # time on ports 18000-18404: aggregated (4 engines), always-P/D and cost-decided P/D on 2
 # prefill + 2 decode engines over ib-400, and cost-decided P/D on 4 kv_both engines.

@@ -16,7 +16,7 @@
 //!   count rarely shows it, and the decode-stall term of a replica that sees a quarter of the
 //!   decodes moves a conversation off its cache on noise: measured with 4 replicas, 7–16 of
 //!   160 follow-ups per run went to an engine without their history, 4–10 with one replica
-//!   (`docs/benchmarks.md`, "Sharing decodes"). It costs one more message per request per
+//!   (`docs/benchmarks-log.md`, "Sharing decodes"). It costs one more message per request per
 //!   peer. A peer that does not say it will post its end (an older build) has its request
 //!   released at its first token, as before.
 //! - **Unconfirmed load ends.** A peer that crashed, or a lost message, would otherwise inflate

@@ -4,7 +4,7 @@
 //! A flat table grows in one step: every entry moves at once (an endpoint table of 250k entries
 //! paused its batch for 7–9 ms), and the index's lock is held meanwhile. A table kept as two
 //! arrays while it grows has no pause, but one whose writes stop mid-growth keeps both (2.25×
-//! its slots), which the router's memory budget cannot afford (`docs/benchmarks.md`, "Table
+//! its slots), which the router's memory budget cannot afford (`docs/benchmarks-log.md`, "Table
 //! growth, incremental"). This table grows by linear hashing instead:
 //! - its parts are numbered `0..n`, and a key's part is its part hash modulo `2^k`, or modulo
 //!   `2^(k+1)` for the low parts already split this round (`2^k ≤ n < 2^(k+1)`);
@@ -18,7 +18,7 @@
 //! The parts stay within the flat table's load bounds, and only one part is rebuilt at a time,
 //! so the memory per entry is the flat table's. A table of at most the split size is one flat
 //! table, as before. The price is more steps, each short: a growing index pauses more batches
-//! a little and none for long (`docs/benchmarks.md`, "Table growth by parts").
+//! a little and none for long (`docs/benchmarks-log.md`, "Table growth by parts").
 //!
 //! Slots are addressed by [`Position`] (a part and a slot in it), for the capacity bound's
 //! clock hand.
@@ -31,7 +31,7 @@ use super::table::{FlatTable, Slot, Tail};
 /// (32 B per thousand entries; prefetched, see [`SplitTable::locate`]), but longer steps, and
 /// arrays past the size from which glibc's allocator maps memory of its own: with 8k-entry
 /// block parts an index held 48.4 B of RSS per entry, against 46.1 B with these
-/// (`docs/benchmarks.md`, "Table growth by parts").
+/// (`docs/benchmarks-log.md`, "Table growth by parts").
 pub(crate) const SPLIT_AT: usize = 1024;
 
 /// A slot of a [`SplitTable`]: a part and a slot in that part's array.

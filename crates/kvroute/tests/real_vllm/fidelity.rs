@@ -141,7 +141,7 @@ pub fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
-/// The events without what is known to differ (docs/benchmarks.md, "The simulator against
+/// The events without what is known to differ (docs/benchmarks-log.md, "The simulator against
 /// vLLM 0.32"): the sequence numbers (batching differs) and `kv_cache_spec_kind`, which
 /// kvroute's event model does not carry.
 pub fn comparable(events: &[Value]) -> Vec<Value> {

@@ -257,7 +257,7 @@ pub fn decide(
 /// batches, and between engines of one model its differences are mostly that. Multiplied by the
 /// decodes stalled, such a difference outweighed the transfer and the second leg and sent
 /// prompts to P/D that came out slower than aggregated, with no stall saved (measured:
-/// `docs/benchmarks.md`, "P/D: one prefill, one rate"). The TTFT terms keep each engine's own
+/// `docs/benchmarks-log.md`, "P/D: one prefill, one rate"). The TTFT terms keep each engine's own
 /// rate. Falls back to P's own figure when D has nothing to prefill (no rate of D is implied).
 pub fn stall_at_decode_rate(prompt_tokens: usize, decode: &SideCost, prefill: &SideCost) -> f64 {
     let (d, p) = (&decode.cost, &prefill.cost);

@@ -1781,33 +1781,44 @@ fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alik
     assert!(wary.trust(e0, 1.0).is_err());
 }
 
-#[test]
-fn a_busier_holders_rent_buys_a_copy_before_a_single_request_would() {
-    // Caches of 2,000 blocks; a 1,600-token shared prefix; questions of 160 tokens.
+/// The 1,600-token system prompt of [`shared_system_prompt`].
+fn system_prompt() -> Vec<u32> {
+    prompt(1_600, 5)
+}
+
+/// Question `q`: the system prompt and 160 tokens of its own.
+fn question(q: u32) -> Req {
+    let mut tokens = system_prompt();
+    tokens.extend(prompt(160, 1_000 + q));
+    Req::new(&tokens)
+}
+
+/// Three endpoints with caches of 2,000 blocks, where questions 0 to 2 made the system prompt
+/// shared: they ended, cached where they went. Returns the fleet and the time after them.
+fn shared_system_prompt() -> (Fleet, f64) {
     let mut fleet = FleetBuilder::new(3).build();
     scrape_idle(&mut fleet, 2_000);
-    let system = prompt(1_600, 5);
-    let ask = |q: u32| {
-        let mut tokens = system.clone();
-        tokens.extend(prompt(160, 1_000 + q));
-        Req::new(&tokens)
-    };
-    // Three questions make the prefix shared; they end, cached where they went.
+    let system = system_prompt();
     let mut now = 0.0;
     for q in 0..3 {
-        let req = ask(q);
-        let (_, mut d) = send(&mut fleet, &req, now);
+        let (_, mut d) = send(&mut fleet, &question(q), now);
         now += 0.1;
         fleet.first_token(&mut d, true, now);
         fleet.apply_events(d.endpoint, &[stored(&system, BS)], now);
         fleet.finished(d, None, now);
     }
-    let holder = send(&mut fleet, &ask(3), now).1.endpoint;
+    (fleet, now)
+}
+
+#[test]
+fn a_busier_holders_rent_buys_a_copy_before_a_single_request_would() {
+    let (mut fleet, mut now) = shared_system_prompt();
+    let holder = send(&mut fleet, &question(3), now).1.endpoint;
     // Then questions keep arriving while the holder's answers never end: it stays the busiest.
     let mut copied = None;
     for q in 4..40 {
         now += 0.01;
-        let (plan, d) = send(&mut fleet, &ask(q), now);
+        let (plan, d) = send(&mut fleet, &question(q), now);
         if d.endpoint != holder {
             copied = Some((q, plan));
             break;
@@ -1831,26 +1842,10 @@ fn a_busier_holders_rent_buys_a_copy_before_a_single_request_would() {
 
 #[test]
 fn copies_are_bought_with_rent_again_once_the_last_prefill_endpoint_leaves() {
-    let mut fleet = FleetBuilder::new(3).build();
-    scrape_idle(&mut fleet, 2_000);
-    let system = prompt(1_600, 5);
-    let ask = |q: u32| {
-        let mut tokens = system.clone();
-        tokens.extend(prompt(160, 1_000 + q));
-        Req::new(&tokens)
-    };
-    // Three questions make the prefix shared; they end, cached where they went.
-    let mut now = 0.0;
-    for q in 0..3 {
-        let (_, mut d) = send(&mut fleet, &ask(q), now);
-        now += 0.1;
-        fleet.first_token(&mut d, true, now);
-        fleet.apply_events(d.endpoint, &[stored(&system, BS)], now);
-        fleet.finished(d, None, now);
-    }
+    let (mut fleet, now) = shared_system_prompt();
     let rent_kept = |fleet: &mut Fleet, now: f64| {
         fleet
-            .plan_every(&ask(99).features(), 7, now)
+            .plan_every(&question(99).features(), 7, now)
             .decision
             .copy
             .is_some()

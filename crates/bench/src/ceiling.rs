@@ -1,7 +1,8 @@
 //! The ceiling a routing policy can reach: the prefix-cache hit rate of one engine whose cache
 //! is as large as the whole fleet's, serving the same requests in the same order. Computed
 //! offline with the simulator's engine model (vLLM's cache rules), for chat workloads rendered
-//! with the built-in tokenizer and template, and completions workloads (traces) as sent.
+//! with the built-in tokenizer and template, and completions workloads (traces) as sent. The
+//! same rendering gives the longest request, which every engine's cache must hold.
 
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest};
 use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
@@ -12,8 +13,48 @@ use crate::workload::{Api, Workload};
 /// requests one after another, with the assistant replies a real run would produce.
 pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
     let mut engine = Engine::new(config.clone()).expect("valid configuration");
+    let (mut prompt_total, mut cached_total) = (0u64, 0u64);
+    let mut id = 0u64;
+    for_each_request(workload, |prompt, reply| {
+        let _ = engine.add_request(EngineRequest {
+            id,
+            prompt: prompt.to_vec(),
+            output: reply.to_vec(),
+            lora_name: None,
+            cache_salt: None,
+        });
+        id += 1;
+        while engine.has_work() {
+            for t in engine.step().tokens.into_iter().filter(|t| t.index == 0) {
+                prompt_total += t.prompt_tokens as u64;
+                cached_total += t.cached_tokens as u64;
+            }
+        }
+    });
+    if prompt_total == 0 {
+        0.0
+    } else {
+        cached_total as f64 / prompt_total as f64
+    }
+}
+
+/// The most tokens one of the workload's requests holds in an engine's cache: its prompt (its
+/// conversation's history included) and its reply. An engine whose cache is smaller refuses
+/// it.
+pub fn longest_request_tokens(workload: &Workload) -> usize {
+    let mut longest = 0;
+    for_each_request(workload, |prompt, reply| {
+        longest = longest.max(prompt.len() + reply.len());
+    });
+    longest
+}
+
+/// Calls `f` with each of the workload's requests in the order they would arrive (by session
+/// start, then turn), as an engine receives it: its prompt (a chat rendered with the built-in
+/// template, its history included; a completions prompt as it is sent) and the reply a real run
+/// produces, which then joins its conversation's history.
+fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32])) {
     let tokenizer = BuiltinTokenizer;
-    // Order requests as they would arrive: by session start, then turn.
     let mut order: Vec<(f64, usize, usize)> = Vec::new();
     for (si, s) in workload.sessions.iter().enumerate() {
         let mut t = s.start_s;
@@ -36,11 +77,9 @@ pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
                 .collect()
         })
         .collect();
-    let (mut prompt_total, mut cached_total) = (0u64, 0u64);
-    for (i, (_, si, ti)) in order.into_iter().enumerate() {
+    for (_, si, ti) in order {
         let turn = &workload.sessions[si].turns[ti];
         let prompt = match workload.api {
-            // A completions prompt is sent as it is.
             Api::Completions => turn.content.completion_tokens(),
             Api::Chat => {
                 histories[si].push(ChatMessage {
@@ -51,28 +90,11 @@ pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
             }
         };
         let reply: Vec<u32> = tokenizer.encode(&" reply".repeat(turn.max_tokens as usize / 2));
-        let _ = engine.add_request(EngineRequest {
-            id: i as u64,
-            prompt: prompt.clone(),
-            output: reply.clone(),
-            lora_name: None,
-            cache_salt: None,
-        });
-        while engine.has_work() {
-            for t in engine.step().tokens.into_iter().filter(|t| t.index == 0) {
-                prompt_total += t.prompt_tokens as u64;
-                cached_total += t.cached_tokens as u64;
-            }
-        }
+        f(&prompt, &reply);
         histories[si].push(ChatMessage {
             role: "assistant".into(),
             content: tokenizer.decode(&reply),
         });
-    }
-    if prompt_total == 0 {
-        0.0
-    } else {
-        cached_total as f64 / prompt_total as f64
     }
 }
 
@@ -115,5 +137,39 @@ mod tests {
             "shared system prompt and histories are reused: {big}"
         );
         assert!(tiny < big, "{tiny} vs {big}");
+    }
+
+    /// Requests of `workload` an engine of `blocks` blocks refuses as too long.
+    fn refused(workload: &Workload, blocks: usize) -> usize {
+        let mut engine = Engine::new(EngineConfig {
+            num_gpu_blocks: blocks,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let mut refused = 0;
+        let mut id = 0;
+        for_each_request(workload, |prompt, reply| {
+            id += 1;
+            let request = EngineRequest {
+                id,
+                prompt: prompt.to_vec(),
+                output: reply.to_vec(),
+                lora_name: None,
+                cache_salt: None,
+            };
+            refused += usize::from(engine.add_request(request).is_err());
+        });
+        refused
+    }
+
+    #[test]
+    fn an_engine_holding_the_longest_request_refuses_none_and_a_smaller_one_refuses_it() {
+        let w = workload();
+        let longest = longest_request_tokens(&w);
+        // The last turn holds the system prompt, its history, its question and its reply.
+        assert!(longest > 200 + 2 * (50 + 16), "{longest}");
+        let blocks = longest.div_ceil(EngineConfig::default().block_size);
+        assert_eq!(refused(&w, blocks + 2), 0);
+        assert!(refused(&w, blocks - 1) > 0);
     }
 }

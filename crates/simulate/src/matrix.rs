@@ -18,7 +18,7 @@ pub mod report;
 
 use serde::Serialize;
 
-use kvroute_bench::ceiling::pooled_hit_rate;
+use kvroute_bench::ceiling::{longest_request_tokens, pooled_hit_rate};
 use kvroute_bench::result::RunResult;
 use kvroute_bench::workload::{TenantSkew, Tenants, Workload, tenants};
 use kvroute_sim::engine::EngineConfig;
@@ -156,6 +156,8 @@ pub struct PolicyFigures {
     pub itl_p99: f64,
     /// Busiest endpoint's requests over the mean.
     pub imbalance: f64,
+    /// Requests that failed (median over seeds): none where every engine holds every request.
+    pub errors: f64,
 }
 
 /// A cell's results.
@@ -311,9 +313,18 @@ pub fn run_matrix(
                 .map(|c| kvroute_vllm::tokenizer::BuiltinTokenizer.encode(c).len() / bs)
                 .sum()
         };
+        // The longest request of any seed's workload (its prompt, a conversation's history
+        // included, and its reply): an engine whose cache cannot hold it refuses it.
+        let longest_request = spec
+            .seeds
+            .iter()
+            .map(|&seed| longest_request_tokens(&shape.workload(spec, 1.0, seed)))
+            .max()
+            .unwrap_or(0);
         let mut last_blocks = None;
         for &cache_ratio in &spec.cache_ratios {
-            // At least room for the longest prompt, twice, on every engine.
+            // At least room on every engine for the longest context and four questions, and
+            // for the longest request, with 16 blocks to spare.
             let longest = probe_workload
                 .sessions
                 .iter()
@@ -321,7 +332,8 @@ pub fn run_matrix(
                 .map(|c| kvroute_vllm::tokenizer::BuiltinTokenizer.encode(c).len())
                 .max()
                 .unwrap_or(0);
-            let floor = (longest + 4 * spec.question_tokens) / bs + 16;
+            let floor =
+                ((longest + 4 * spec.question_tokens) / bs).max(longest_request.div_ceil(bs)) + 16;
             let blocks =
                 ((cache_ratio * working_blocks as f64 / base.engines as f64) as usize).max(floor);
             // Two ratios that come to the same cache (the floor) are one cell.
@@ -397,6 +409,7 @@ pub fn run_matrix(
                             ttft_p99: m(|r| r.summary.ttft.p99),
                             itl_p99: m(|r| r.summary.itl.p99),
                             imbalance: m(|r| r.summary.load_imbalance),
+                            errors: m(|r| r.summary.errors as f64),
                         }
                     })
                     .collect();

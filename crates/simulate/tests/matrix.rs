@@ -7,7 +7,7 @@
 //! written against) makes the copies evict each other and fails that.
 
 use kvroute_simulate::FleetConfig;
-use kvroute_simulate::matrix::{MatrixSpec, report, run_matrix};
+use kvroute_simulate::matrix::{Kind, MatrixSpec, report, run_matrix};
 
 #[test]
 fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
@@ -20,6 +20,13 @@ fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
     let table = report::table(&results);
     assert_eq!(results.len(), 2, "{table}");
     for r in &results {
+        for p in &r.policies {
+            assert_eq!(
+                p.errors, 0.0,
+                "{}: every engine holds every request\n{table}",
+                p.policy
+            );
+        }
         let precise = r.figures("precise").expect("precise ran");
         assert!(
             r.fits(),
@@ -46,6 +53,32 @@ fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
                 ratio <= 1.05,
                 "TTFT {name} {ratio:.2}× the best other policy's\n{table}"
             );
+        }
+    }
+}
+
+#[test]
+fn a_conversations_longest_turn_fits_every_engine_of_the_smallest_cell() {
+    // Chats at the floor: the third turn's prompt (the context, two questions and answers and
+    // its question) and reply must fit an engine, or every policy fails the same requests and
+    // the ceiling counts hits none of them can have.
+    let spec = MatrixSpec {
+        kinds: vec![Kind::TenantChats],
+        tenants: vec![4],
+        context_tokens: vec![2000],
+        cache_ratios: vec![0.25],
+        load_ratios: vec![0.3],
+        seeds: vec![2],
+        policies: vec!["round-robin".to_owned()],
+        requests: 120,
+        question_tokens: 100,
+        output_tokens: 32,
+    };
+    let results = run_matrix(&spec, &FleetConfig::default(), &mut |_, _| {}).expect("runs");
+    let table = report::table(&results);
+    for r in &results {
+        for p in &r.policies {
+            assert_eq!(p.errors, 0.0, "{}\n{table}", p.policy);
         }
     }
 }

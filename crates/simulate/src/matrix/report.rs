@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 use super::CellResult;
 
 /// One line per cell: its coordinates, the ceiling, and each policy's hit rate and TTFT p90,
-/// then precise's TTFT ratios to the best other policy, each policy's ITL p99, and precise's
-/// ITL p99 over round-robin's.
+/// then precise's TTFT ratios to the best other policy, each policy's ITL p99, precise's ITL
+/// p99 over round-robin's, and the policies that failed requests there, if any.
 pub fn table(results: &[CellResult]) -> String {
     let mut out = String::new();
     let Some(first) = results.first() else {
@@ -67,7 +67,18 @@ pub fn table(results: &[CellResult]) -> String {
         let itl_ratio = r
             .precise_itl_p99_over("round-robin")
             .map_or("-".to_owned(), |x| format!("{x:.2}"));
-        let _ = writeln!(out, " {itl_ratio:>ITL_RATIO_WIDTH$}");
+        let _ = write!(out, " {itl_ratio:>ITL_RATIO_WIDTH$}");
+        // A cell where requests failed compares what is left: it says so.
+        let failed: Vec<String> = r
+            .policies
+            .iter()
+            .filter(|p| p.errors > 0.0)
+            .map(|p| format!("{} {}", p.policy, p.errors))
+            .collect();
+        if !failed.is_empty() {
+            let _ = write!(out, "  failed requests: {}", failed.join(", "));
+        }
+        let _ = writeln!(out);
     }
     out
 }
@@ -201,6 +212,7 @@ mod tests {
             ttft_p99: ttft_p90 * 2.0,
             itl_p99,
             imbalance: 1.1,
+            errors: 0.0,
         };
         let mut result = CellResult {
             cell: Cell {
@@ -245,6 +257,16 @@ mod tests {
         // Every line as wide as the heading: the columns line up.
         let width = heading.chars().count();
         assert!(text.lines().all(|l| l.chars().count() == width), "{text}");
+    }
+
+    #[test]
+    fn a_cell_where_requests_failed_says_which_policies_failed_them() {
+        let mut result = cell();
+        result.policies[2].errors = 3.0;
+        let text = table(&[result]);
+        let row = text.lines().nth(1).unwrap();
+        assert!(row.ends_with("  failed requests: prefix-hash 3"), "{text}");
+        assert!(!table(&[cell()]).contains("failed"));
     }
 
     #[test]

@@ -516,7 +516,8 @@ impl Fleet {
     }
 
     /// An endpoint joined or left (or the fleet was built): whether copies are bought with
-    /// rent, which they are while every endpoint in the fleet serves whole requests.
+    /// rent, which they are under the cheapest picker with a cache picture while every present
+    /// endpoint serves whole requests.
     fn roles_changed(&mut self) {
         self.copies_by_rent = self.profile.picker == crate::schedule::Picker::Cheapest
             && self.profile.cache != CacheSource::None

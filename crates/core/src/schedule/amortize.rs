@@ -28,8 +28,8 @@
 //! - **Buying** is the part of a candidate's cost that acquiring the prefix adds (its prefill
 //!   of the missing part, the stall that imposes, what it evicts), in the share of the shared
 //!   prefix's tokens among those it lacks: the rent pays for the shared prefix, not for a
-//!   request's own part (a conversation's history). The rent paid so far is credited against
-//!   it, never more. Only a request that prefills its own part wherever it goes buys (a new
+//!   request's own part (a new conversation's first message, a question). The rent paid so far
+//!   is credited against it, never more. Only a request that prefills its own part wherever it goes buys (a new
 //!   conversation, a question): a later turn whose history its holder caches would prefill
 //!   that history again with the copy, a cold prefill the latency tail shows, and leave it
 //!   unused where it was; it pays rent, and the next new conversation buys.
@@ -78,8 +78,9 @@ pub struct SharedPrefix {
 /// Applies the rent paid so far for the request's shared prefix to `decision`: when the chosen
 /// endpoint holds the prefix and a competing candidate among the first `head` of the ranking
 /// that lacks it, credited up to the rent against what acquiring the prefix adds to its cost,
-/// comes out cheaper than the choice, that candidate is ranked first (a copy is bought).
-/// `cold_blocks` gives the room in an endpoint's cache past the depth where its requests find
+/// comes out cheaper than the choice, that candidate is ranked first (a copy is bought),
+/// unless the choice also holds a block or more of the request's own part (a later turn's
+/// history): the request then pays rent and stays. `cold_blocks` gives the room in an endpoint's cache past the depth where its requests find
 /// their hits, in blocks (`None` when its capacity is unknown: no copy that might evict is
 /// credited there).
 /// Returns the account's outcome; `None` when there is no shared prefix or no choice, or when
@@ -135,7 +136,7 @@ pub fn apply_rent(
             continue;
         }
         // The rent was paid for the shared prefix: it buys that part of the copy, not the
-        // request's own (a conversation's history is its own to pay for).
+        // request's own part, which is its own to pay for.
         let missing = prefix.prompt_tokens.saturating_sub(a.cached_tokens).max(1);
         let missing_shared = shared_tokens.saturating_sub(a.cached_tokens);
         let acquire =

@@ -1054,6 +1054,36 @@ fn no_copy_is_credited_where_the_capacity_is_unknown() {
 }
 
 #[test]
+fn a_shared_prefixs_rent_pays_only_for_the_shared_part_of_a_copy() {
+    // A new question: endpoint 0 holds its 1,600-token shared prefix and nothing of its own
+    // 640 tokens; it is somewhat busy, the others are idle and hold nothing.
+    let profile = Profile::default();
+    let mut cands = shared_prefix_fleet(1, 0, 1_000.0);
+    cands[0].cache.index = gpu_match(0, 100);
+    let mut d = schedule(&profile, &request(2_240), &cands, 1, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    let holder = d.assessment(EndpointId(0)).unwrap().cost.clone();
+    let prefix = amortize::SharedPrefix {
+        prompt_tokens: 2_240,
+        ..shared(1e6)
+    };
+    let outcome = amortize::apply_rent(&profile, &mut d, prefix, 8, cold(1_000.0)).unwrap();
+    let (at, credit) = outcome.bought.expect("a copy, with rent to spare");
+    let copy = d.assessment(at).unwrap().cost.clone();
+    // What acquiring the prefix adds there: its cost less what it would cost holding what the
+    // holder holds (the holder's prefill of the question, its own queue, nothing stalled).
+    assert_eq!(copy.decode_interference_s, 0.0);
+    assert_eq!(copy.eviction_s, 0.0);
+    let adds = copy.total_s - (holder.prefill_s + copy.queue_s);
+    // The credit is the shared prefix's share of it (1,600 of the 2,240 tokens it lacks), not
+    // all of it: the question's own part is the question's to pay for.
+    assert!(
+        (credit - adds * 1_600.0 / 2_240.0).abs() < 1e-9,
+        "{credit} vs {adds}"
+    );
+}
+
+#[test]
 fn a_shared_prefixs_rent_does_not_pay_for_moving_a_conversations_own_history() {
     // Endpoint 0 holds a conversation: a 320-token system prompt (shared) and 1,440 tokens of
     // its own history. It is somewhat busy; the others hold nothing.

@@ -9,7 +9,8 @@ use super::CellResult;
 
 /// One line per cell: its coordinates, the ceiling, and each policy's hit rate and TTFT p90,
 /// then precise's TTFT ratios to the best other policy, each policy's ITL p99, precise's ITL
-/// p99 over round-robin's, and the policies that failed requests there, if any.
+/// p99 over round-robin's, and, past the last column, the policies that failed requests there
+/// (in the seed where most failed), if any.
 pub fn table(results: &[CellResult]) -> String {
     let mut out = String::new();
     let Some(first) = results.first() else {

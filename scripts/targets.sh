@@ -23,14 +23,15 @@ suffix=${SUFFIX:-}
 mkdir -p "$out"
 
 # name | engines | blocks per engine | extra sim arguments | bench arguments
-# (`--ceiling-blocks` is engines × blocks: the pooled-cache ceiling.)
+# (`--ceiling-blocks` is engines × blocks: the pooled-cache ceiling; `--ceiling-max-model-len`
+# the engines' `--max-model-len` where it is not the default.)
 workloads() {
   cat <<'LIST'
 heavy-multi-turn|4|1200||--workload multi-turn --users 256 --turns 6 --rate 16 --shared-tokens 400 --user-tokens 250 --output-tokens 64 --think-s 1.0 --ceiling-blocks 4800
 llm-d-shape-30|8|3000||--workload shared-prefix --users 24 --turns 40 --shared-tokens 6000 --user-tokens 200 --output-tokens 64 --rate 30 --ceiling-blocks 24000
 llm-d-shape-60|8|3000||--workload shared-prefix --users 24 --turns 40 --shared-tokens 6000 --user-tokens 200 --output-tokens 64 --rate 60 --ceiling-blocks 24000
 shared-prefix-tenants|4|4096||--workload shared-prefix --users 8 --turns 40 --shared-tokens 3000 --user-tokens 150 --output-tokens 32 --rate 4 --ceiling-blocks 16384
-mooncake|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 1500 --speed 3 --output-tokens 256 --ceiling-blocks 500000
+mooncake|8|62500|--max-model-len 131072|--workload trace --trace ../shared/traces/mooncake-conversation.jsonl --limit 1500 --speed 3 --output-tokens 256 --ceiling-blocks 500000 --ceiling-max-model-len 131072
 LIST
 }
 

@@ -12,17 +12,36 @@ use crate::workload::{Api, Workload};
 /// The hit rate of a single engine with the whole fleet's cache serving the workload's
 /// requests one after another, with the assistant replies a real run would produce.
 pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
+    pooled_ceiling(workload, config).hit_rate
+}
+
+/// The pooled-cache ceiling of a workload, and what it left out.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ceiling {
+    /// Hit rate of the requests the pooled engine served (0 when it served none).
+    pub hit_rate: f64,
+    /// Requests the pooled engine refused (longer than its `max_model_len`, or its cache): a
+    /// fleet whose engines serve them has a ceiling the figure does not count them in.
+    pub refused: usize,
+}
+
+/// [`pooled_hit_rate`], with the requests the pooled engine refused counted: give it the
+/// fleet's engine settings (`max_model_len` above all), so that it refuses what the fleet's
+/// engines refuse and serves what they serve.
+pub fn pooled_ceiling(workload: &Workload, config: &EngineConfig) -> Ceiling {
     let mut engine = Engine::new(config.clone()).expect("valid configuration");
     let (mut prompt_total, mut cached_total) = (0u64, 0u64);
     let mut id = 0u64;
+    let mut refused = 0;
     for_each_request(workload, |prompt, reply, _| {
-        let _ = engine.add_request(EngineRequest {
+        let request = EngineRequest {
             id,
             prompt: prompt.to_vec(),
             output: reply.to_vec(),
             lora_name: None,
             cache_salt: None,
-        });
+        };
+        refused += usize::from(engine.add_request(request).is_err());
         id += 1;
         while engine.has_work() {
             for t in engine.step().tokens.into_iter().filter(|t| t.index == 0) {
@@ -31,10 +50,13 @@ pub fn pooled_hit_rate(workload: &Workload, config: &EngineConfig) -> f64 {
             }
         }
     });
-    if prompt_total == 0 {
-        0.0
-    } else {
-        cached_total as f64 / prompt_total as f64
+    Ceiling {
+        hit_rate: if prompt_total == 0 {
+            0.0
+        } else {
+            cached_total as f64 / prompt_total as f64
+        },
+        refused,
     }
 }
 
@@ -161,6 +183,25 @@ mod tests {
             refused += usize::from(engine.add_request(request).is_err());
         });
         refused
+    }
+
+    #[test]
+    fn the_ceiling_counts_what_its_engine_refuses() {
+        let w = workload();
+        let longest = longest_request_tokens(&w);
+        let ceiling = |max_model_len| {
+            pooled_ceiling(
+                &w,
+                &EngineConfig {
+                    num_gpu_blocks: 4096,
+                    max_model_len,
+                    ..EngineConfig::default()
+                },
+            )
+        };
+        assert_eq!(ceiling(longest).refused, 0);
+        let short = ceiling(longest - 1);
+        assert!(short.refused > 0, "{short:?}");
     }
 
     #[test]

@@ -57,6 +57,10 @@ struct RunArgs {
     /// total) serving the same requests in order.
     #[arg(long)]
     ceiling_blocks: Option<usize>,
+    /// The longest request (prompt and output, tokens) the ceiling's engine serves: the
+    /// fleet's engines' `--max-model-len`, so that the ceiling counts the requests they serve.
+    #[arg(long, default_value_t = kvroute_sim::engine::EngineConfig::default().max_model_len)]
+    ceiling_max_model_len: usize,
 }
 
 /// Runs a benchmark, or compares saved runs.
@@ -108,17 +112,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         kvroute_bench::report::write_files(std::slice::from_ref(&result), &a.out, &a.name)?;
     println!("Results: {}  Report: {}", json.display(), html.display());
     if let Some(blocks) = a.ceiling_blocks {
-        let ceiling = kvroute_bench::ceiling::pooled_hit_rate(
+        let max_model_len = a.ceiling_max_model_len;
+        let ceiling = kvroute_bench::ceiling::pooled_ceiling(
             &workload,
             &kvroute_sim::engine::EngineConfig {
                 num_gpu_blocks: blocks,
+                max_model_len,
                 ..kvroute_sim::engine::EngineConfig::default()
             },
         );
         println!(
             "Ceiling: one pooled cache of {blocks} blocks serving the same requests in order reaches a {:.1}% hit rate.",
-            ceiling * 100.0
+            ceiling.hit_rate * 100.0
         );
+        if ceiling.refused > 0 {
+            println!(
+                "  It leaves out {} requests longer than --ceiling-max-model-len {max_model_len}: give the engines' --max-model-len if they serve them.",
+                ceiling.refused
+            );
+        }
     }
     Ok(if result.summary.errors == 0 {
         ExitCode::SUCCESS

@@ -109,10 +109,17 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         num_gpu_blocks: fleet.engine.num_gpu_blocks * fleet.engines,
         ..fleet.engine.clone()
     };
+    let ceiling = kvroute_bench::ceiling::pooled_ceiling(&workload, &pooled);
     println!(
         "Pooled-cache ceiling (one cache as large as the fleet's): {:.1}% hit rate.",
-        kvroute_bench::ceiling::pooled_hit_rate(&workload, &pooled) * 100.0
+        ceiling.hit_rate * 100.0
     );
+    if ceiling.refused > 0 {
+        println!(
+            "  It leaves out {} requests too long for the fleet's engines (--max-model-len {}).",
+            ceiling.refused, pooled.max_model_len
+        );
+    }
     println!(
         "Simulated {:.1} s of fleet time per policy in {wall:.2} s of wall time.",
         runs.iter()

@@ -164,25 +164,11 @@ mod tests {
 
     /// Requests of `workload` an engine of `blocks` blocks refuses as too long.
     fn refused(workload: &Workload, blocks: usize) -> usize {
-        let mut engine = Engine::new(EngineConfig {
+        let engine = EngineConfig {
             num_gpu_blocks: blocks,
             ..EngineConfig::default()
-        })
-        .unwrap();
-        let mut refused = 0;
-        let mut id = 0;
-        for_each_request(workload, |prompt, reply, _| {
-            id += 1;
-            let request = EngineRequest {
-                id,
-                prompt: prompt.to_vec(),
-                output: reply.to_vec(),
-                lora_name: None,
-                cache_salt: None,
-            };
-            refused += usize::from(engine.add_request(request).is_err());
-        });
-        refused
+        };
+        pooled_ceiling(workload, &engine).refused
     }
 
     #[test]

@@ -270,8 +270,8 @@ pub struct Fleet {
     /// Rent each shared prefix's requests paid for having too few copies.
     copy_rents: CopyRents,
     /// Whether copies are bought with rent here: the profile chooses by cost from a cache
-    /// picture and every endpoint serves whole requests (see [`Fleet::apply_copy_rent`]);
-    /// set again when an endpoint joins.
+    /// picture and every present endpoint serves whole requests (see
+    /// [`Fleet::apply_copy_rent`]); set again when an endpoint joins or leaves.
     copies_by_rent: bool,
     flow: FlowQueue,
     round_robin: u64,

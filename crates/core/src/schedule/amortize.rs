@@ -28,11 +28,11 @@
 //! - **Buying** is the part of a candidate's cost that acquiring the prefix adds (its prefill
 //!   of the missing part, the stall that imposes, what it evicts), in the share of the shared
 //!   prefix's tokens among those it lacks: the rent pays for the shared prefix, not for a
-//!   request's own part (a new conversation's first message, a question). The rent paid so far
-//!   is credited against it, never more. Only a request that prefills its own part wherever it goes buys (a new
-//!   conversation, a question): a later turn whose history its holder caches would prefill
-//!   that history again with the copy, a cold prefill the latency tail shows, and leave it
-//!   unused where it was; it pays rent, and the next new conversation buys.
+//!   request's own part. The rent paid so far is credited against it, never more. Only a
+//!   request that prefills its own part wherever it goes buys (a new conversation, a
+//!   question): a later turn whose history its holder caches would prefill that history again
+//!   with the copy, a cold prefill the latency tail shows, and leave it unused where it was; it
+//!   pays rent, and the next new conversation buys.
 //! - **Only into room no hit uses.** A copy that displaces blocks the endpoint's requests come
 //!   back for moves the problem, it does not solve it (contexts evicting each other is how a
 //!   fleet's hit rate collapses). A candidate is credited only where its capacity is known and
@@ -80,9 +80,9 @@ pub struct SharedPrefix {
 /// that lacks it, credited up to the rent against what acquiring the prefix adds to its cost,
 /// comes out cheaper than the choice, that candidate is ranked first (a copy is bought),
 /// unless the choice also holds a block or more of the request's own part (a later turn's
-/// history): the request then pays rent and stays. `cold_blocks` gives the room in an endpoint's cache past the depth where its requests find
-/// their hits, in blocks (`None` when its capacity is unknown: no copy that might evict is
-/// credited there).
+/// history): the request then pays rent and stays. `cold_blocks` gives the room in an
+/// endpoint's cache past the depth where its requests find their hits, in blocks (`None` when
+/// its capacity is unknown: no copy that might evict is credited there).
 /// Returns the account's outcome; `None` when there is no shared prefix or no choice, or when
 /// the choice holds the prefix and no ranked competitor lacks it (no rent to count). When the
 /// choice itself lacks the prefix, the plan copies it on its own merits: `bought` names it

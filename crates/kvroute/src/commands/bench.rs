@@ -55,11 +55,15 @@ struct RunArgs {
     timeout_s: f64,
     /// Also print the ceiling: the hit rate of one cache of this many blocks (the fleet's
     /// total) serving the same requests in order.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..))]
     ceiling_blocks: Option<usize>,
     /// The longest request (prompt and output, tokens) the ceiling's engine serves: the
     /// fleet's engines' `--max-model-len`, so that the ceiling counts the requests they serve.
-    #[arg(long, default_value_t = kvroute_sim::engine::EngineConfig::default().max_model_len)]
+    #[arg(
+        long,
+        default_value_t = kvroute_sim::engine::EngineConfig::default().max_model_len,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     ceiling_max_model_len: usize,
 }
 
@@ -127,7 +131,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         );
         if ceiling.refused > 0 {
             println!(
-                "  It leaves out {} requests longer than --ceiling-max-model-len {max_model_len}: give the engines' --max-model-len if they serve them.",
+                "  It leaves out {} requests longer than --ceiling-max-model-len {max_model_len} or than the pooled cache: give the engines' --max-model-len if they serve longer ones.",
                 ceiling.refused
             );
         }

@@ -2,7 +2,7 @@
 """Shapes of traffic that none of the scheduler's targets use, through `kvroute simulate`.
 
 A rule that improves one benchmark must hold on loads it was not fitted to (the lessons in
-docs/benchmarks.md). This runs 28 shapes, 3 seeds each, under round-robin, least-load,
+docs/benchmarks.md). This runs 47 shapes, 3 seeds each, under round-robin, least-load,
 prefix-hash and precise, and prints, per shape, precise's TTFT p50/p90/p99 over the best of the
 others (median of the seeds), its hit rate, ITL p99 over round-robin's, load imbalance, and the
 requests that failed (too long for an engine, or shed by flow control; the percentiles are of
@@ -65,6 +65,7 @@ def shapes():
                 "--shared-tokens 1000 --user-tokens 50 --output-tokens 400 --rate 6 "
                 "--num-gpu-blocks 800"))
     out.append(("default-8-engines", "--engines 8 --num-gpu-blocks 600"))
+    out.extend(settings_shapes())
     if os.path.exists(TRACE):
         out.append(("mooncake-x4", f"--engines 4 --workload trace --speed 4 --trace {TRACE} "
                     "--limit 1500 --num-gpu-blocks 2000"))
@@ -73,6 +74,52 @@ def shapes():
         out.append(("mooncake-8-engines-x4", f"--engines 8 --workload trace --speed 4 "
                     f"--trace {TRACE} --limit 1500 --num-gpu-blocks 2000"))
     return out
+
+
+def settings_shapes():
+    """Axes the workload shapes above keep fixed: the engines' and the router's settings (stale
+    events, a small chunked-prefill budget, few batch slots, slow engines), closed-loop clients,
+    prompts that share nothing, overload, large blocks, long turns, one hot tenant or context,
+    32 engines, caches that hold only a few requests at once, and offload tiers (CPU, SSD, a
+    shared filesystem) under a small GPU cache."""
+    mt = ("--workload multi-turn --users 96 --turns 5 --shared-tokens 600 --user-tokens 200 "
+          "--output-tokens 48 --think-s 0.5")
+    questions = ("--workload shared-prefix --users 12 --turns 40 --shared-tokens 1500 "
+                 "--user-tokens 80 --output-tokens 24 --num-gpu-blocks 500")
+    small_gpu = f"--engines 4 {mt} --num-gpu-blocks 300"
+    return [
+        ("stale-events-200ms", f"--engines 4 {mt} --rate 6 --num-gpu-blocks 1000 "
+         "--event-delay 200ms"),
+        ("chunk-budget-512", f"--engines 4 {questions} --rate 24 --max-num-batched-tokens 512"),
+        ("batch-slots-4", f"--engines 4 {mt} --rate 8 --num-gpu-blocks 1000 --max-num-seqs 4"),
+        ("slow-engines", f"--engines 4 {mt} --rate 3 --num-gpu-blocks 1000 "
+         "--prefill-per-token-s 0.0001 --step-overhead-s 0.012 --decode-per-seq-s 0.00003"),
+        ("closed-loop-64", f"--engines 4 {mt} --concurrency 64 --num-gpu-blocks 1000"),
+        ("nothing-shared", "--engines 4 --workload multi-turn --users 400 --turns 1 "
+         "--shared-tokens 0 --user-tokens 800 --output-tokens 64 --rate 12 "
+         "--num-gpu-blocks 1000"),
+        ("overload-questions", f"--engines 4 {questions} --rate 60"),
+        ("block-size-64", f"--engines 4 --block-size 64 {mt} --rate 6 --num-gpu-blocks 250"),
+        ("long-turns", "--engines 4 --workload multi-turn --users 48 --turns 4 "
+         "--shared-tokens 300 --user-tokens 2000 --output-tokens 64 --think-s 1 --rate 1.5 "
+         "--num-gpu-blocks 2000"),
+        ("hot-tenant-zipf2", "--engines 4 --workload tenants --users 16 --conversations 400 "
+         "--turns 3 --tenant-skew zipf:2.0 --shared-tokens 1500 --user-tokens 100 "
+         "--output-tokens 32 --think-s 0.3 --rate 16 --num-gpu-blocks 700"),
+        ("one-hot-context", "--engines 4 --workload shared-prefix --users 1 --turns 600 "
+         "--shared-tokens 2000 --user-tokens 60 --output-tokens 24 --rate 40 "
+         "--num-gpu-blocks 600"),
+        ("engines-32", "--engines 32 --workload tenants --users 64 --conversations 1500 "
+         "--turns 3 --tenant-skew zipf:1.1 --shared-tokens 1200 --user-tokens 120 "
+         "--output-tokens 32 --think-s 0.5 --rate 60 --num-gpu-blocks 700"),
+        ("few-requests-fit-250", f"--engines 4 {mt} --rate 3 --num-gpu-blocks 250"),
+        ("few-requests-fit-300", f"--engines 4 {mt} --rate 6 --num-gpu-blocks 300"),
+        ("cpu-tier-rate-4", f"{small_gpu} --rate 4 --num-cpu-blocks 3000"),
+        ("cpu-tier-rate-6", f"{small_gpu} --rate 6 --num-cpu-blocks 3000"),
+        ("cpu-tier-rate-8", f"{small_gpu} --rate 8 --num-cpu-blocks 3000"),
+        ("ssd-tier", f"{small_gpu} --rate 6 --num-cpu-blocks 600 --num-ssd-blocks 6000"),
+        ("shared-fs-tier", f"{small_gpu} --rate 6 --shared-fs-blocks 20000"),
+    ]
 
 
 def run(binary, out_dir, shape):

@@ -23,6 +23,18 @@ use crate::VllmError;
 /// map passes two fewer to its elements.
 const MAX_DEPTH: u16 = 64;
 
+/// Most elements reserved ahead for one array ([`reserved_for`]): about 32 KiB of extra keys,
+/// past any real prompt's per-block arrays but for the longest, which grow as they arrive.
+const MAX_RESERVED: usize = 1024;
+
+/// Elements to reserve for an array that declares `len`: no more than the rest of the payload
+/// can hold (each element takes at least one byte), nor than [`MAX_RESERVED`], so that hostile
+/// lengths nested up to [`MAX_DEPTH`] cannot each reserve the payload's size again (a 1 MiB
+/// payload reserved 919 MiB before this bound, a 1 GiB one aborted the process).
+fn reserved_for(len: u32, rest: usize) -> usize {
+    (len as usize).min(rest).min(MAX_RESERVED)
+}
+
 /// A decoded batch plus what the decoder skipped on purpose.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodedBatch {
@@ -632,8 +644,7 @@ impl<'a> Reader<'a> {
             return invalid(format!("block_hashes is a {}, expected an array", kind(m)));
         }
         let len = self.array_len()?;
-        // Every element takes at least one byte, which bounds what hostile lengths allocate.
-        let mut out = Vec::with_capacity((len as usize).min(self.rest.len()));
+        let mut out = Vec::with_capacity(reserved_for(len, self.rest.len()));
         for _ in 0..len {
             let hash = match self.fast_u64(depth - 2) {
                 Some(h) => EngineHash(h),
@@ -651,7 +662,7 @@ impl<'a> Reader<'a> {
             return invalid(format!("token_ids is a {}, expected an array", kind(m)));
         }
         let len = self.array_len()?;
-        let mut out = Vec::with_capacity((len as usize).min(self.rest.len()));
+        let mut out = Vec::with_capacity(reserved_for(len, self.rest.len()));
         for _ in 0..len {
             let token = match self.fast_u32(depth - 2) {
                 Some(t) => t,
@@ -713,7 +724,7 @@ impl<'a> Reader<'a> {
         }
         let len = self.array_len()?;
         let inner = depth - 2;
-        let mut blocks = Vec::with_capacity((len as usize).min(self.rest.len()));
+        let mut blocks = Vec::with_capacity(reserved_for(len, self.rest.len()));
         for _ in 0..len {
             if self.nil(inner)? {
                 blocks.push(None);
@@ -734,7 +745,7 @@ impl<'a> Reader<'a> {
     /// The elements of an array (already peeked) of extra keys at `depth`.
     fn extra_key_list(&mut self, depth: u16) -> Res<Vec<ExtraKey>> {
         let len = self.array_len()?;
-        let mut keys = Vec::with_capacity((len as usize).min(self.rest.len()));
+        let mut keys = Vec::with_capacity(reserved_for(len, self.rest.len()));
         for _ in 0..len {
             keys.push(self.extra_key(depth - 2)?);
         }

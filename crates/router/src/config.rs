@@ -497,6 +497,10 @@ pub struct Limits {
     /// Time a connection may sit idle between requests (no request in progress, no byte
     /// received), milliseconds; it is closed after.
     pub idle_timeout_ms: u64,
+    /// Time a client may take none of the bytes the router is sending it (its socket's
+    /// buffers full, as when it stopped reading a stream), milliseconds; the connection is
+    /// closed after, which cancels its requests at their engines and releases their load.
+    pub write_timeout_ms: u64,
     /// Most client connections open at once on each listener (API and admin); further
     /// connections are closed at once and counted in `kvroute_connections_refused_total`.
     pub max_connections: usize,
@@ -538,6 +542,7 @@ impl Default for Limits {
             header_timeout_ms: 10_000,
             body_timeout_ms: 60_000,
             idle_timeout_ms: 60_000,
+            write_timeout_ms: 60_000,
             max_connections: 4_096,
             max_buffered_bytes: 256 << 20,
             token_cache_bytes: 256 << 20,
@@ -973,6 +978,7 @@ impl RouterConfig {
             ("limits.header_timeout_ms", l.header_timeout_ms),
             ("limits.body_timeout_ms", l.body_timeout_ms),
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
+            ("limits.write_timeout_ms", l.write_timeout_ms),
             ("limits.max_connections", l.max_connections as u64),
             ("limits.max_picker_streams", l.max_picker_streams as u64),
             ("limits.max_observer_streams", l.max_observer_streams as u64),

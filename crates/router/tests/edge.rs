@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::config_builder::ConfigBuilder;
@@ -309,6 +311,82 @@ async fn connections_past_the_limit_are_refused_and_idle_ones_closed() {
     )
     .await;
     assert_eq!(status, 200);
+}
+
+/// Counts a stream's end when dropped (the engine stops sending it).
+struct Ended(Arc<AtomicUsize>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// An engine whose completions stream an 8 KiB event every millisecond, without end, counting in
+/// `ended` the streams it stopped sending because their reader went away. Returns its URL.
+async fn endless_stream_engine(ended: Arc<AtomicUsize>) -> String {
+    let completion = move || {
+        let ended = Ended(ended.clone());
+        async move {
+            let event = bytes::Bytes::from(format!(
+                "data: {{\"choices\": [{{\"text\": \"{}\"}}]}}\n\n",
+                "x".repeat(8000)
+            ));
+            let events = futures::stream::unfold((ended, event), |(ended, event)| async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                Some((Ok::<_, std::io::Error>(event.clone()), (ended, event)))
+            });
+            axum::response::Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(axum::body::Body::from_stream(events))
+                .unwrap()
+        }
+    };
+    let routes = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "" }))
+        .route("/v1/completions", axum::routing::post(completion));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_a_stream_is_cut_off_and_its_engine_freed() {
+    let ended = Arc::new(AtomicUsize::new(0));
+    let engine = endless_stream_engine(ended.clone()).await;
+    let router = router_with(&engine, |c| c.limits.write_timeout_ms = 500).await;
+    // A client with a small receive buffer reads the response head, then stops reading and
+    // keeps its connection open.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(router.addr).await.unwrap();
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true})
+        .to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    let head = read_response(&mut client, "\r\n\r\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The engine's stream ends, the request's load is released, and the cut is counted.
+    eventually(
+        "the router cuts the stalled client and frees its engine",
+        || {
+            let text = http_get(router.admin_addr, "/metrics");
+            let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
+            let cut = sample(&text, "kvroute_client_timeouts_total{kind=\"write\"}");
+            let ended = ended.load(Ordering::SeqCst);
+            (
+                ended == 1 && inflight == Some(0.0) && cut == Some(1.0),
+                (ended, inflight, cut),
+            )
+        },
+    )
+    .await;
+    // The connection was closed: what the client had not read, then the end.
+    read_until_closed(&mut client).await;
 }
 
 /// The router's buffered request bytes now, on the API listener (`kvroute_buffered_bytes`) or

@@ -1,5 +1,7 @@
 //! One client connection's clock: when it started sending a request head, whether a request is
-//! in progress, and when a byte last moved, so that slow heads and idle connections are closed.
+//! in progress, when a byte last moved, and since when the client has taken none of the bytes
+//! the router is sending, so that slow heads, idle connections and clients that stopped reading
+//! are closed.
 
 use std::io;
 use std::pin::Pin;
@@ -20,6 +22,9 @@ pub enum Expiry {
     Header,
     /// No request in progress and no byte received for too long.
     Idle,
+    /// The client took none of the bytes sent to it for too long: its socket's buffers stayed
+    /// full, as when it stopped reading a stream but keeps the connection open.
+    Write,
 }
 
 impl Expiry {
@@ -28,6 +33,7 @@ impl Expiry {
         match self {
             Expiry::Header => "header",
             Expiry::Idle => "idle",
+            Expiry::Write => "write",
         }
     }
 }
@@ -37,6 +43,8 @@ struct State {
     active: usize,
     head_started: Option<Instant>,
     last_io: Instant,
+    /// Since when a write has waited for the socket to take bytes (`None` once one was taken).
+    write_blocked_since: Option<Instant>,
 }
 
 /// A connection's activity, shared by its I/O, its requests and its watchdog.
@@ -47,20 +55,23 @@ pub struct Activity {
     changed: Notify,
     header_timeout: Duration,
     idle_timeout: Duration,
+    write_timeout: Duration,
 }
 
 impl Activity {
     /// A fresh connection.
-    pub fn new(header_timeout: Duration, idle_timeout: Duration) -> Self {
+    pub fn new(header_timeout: Duration, idle_timeout: Duration, write_timeout: Duration) -> Self {
         Self {
             state: Mutex::new(State {
                 active: 0,
                 head_started: None,
                 last_io: Instant::now(),
+                write_blocked_since: None,
             }),
             changed: Notify::new(),
             header_timeout,
             idle_timeout,
+            write_timeout,
         }
     }
 
@@ -75,6 +86,21 @@ impl Activity {
         if s.active == 0 && s.head_started.is_none() {
             s.head_started = Some(s.last_io);
             self.changed.notify_one();
+        }
+    }
+
+    /// A write's outcome: the socket took bytes, or it is full and the write waits.
+    fn on_write(&self, result: &Poll<io::Result<usize>>) {
+        match result {
+            Poll::Pending => {
+                let mut s = self.state.lock();
+                if s.write_blocked_since.is_none() {
+                    s.write_blocked_since = Some(Instant::now());
+                    self.changed.notify_one();
+                }
+            }
+            Poll::Ready(Ok(n)) if *n > 0 => self.state.lock().write_blocked_since = None,
+            Poll::Ready(_) => {}
         }
     }
 
@@ -93,11 +119,15 @@ impl Activity {
         self.changed.notify_one();
     }
 
-    /// When the connection is due to close if nothing changes, and why; `None` while a request
-    /// is in progress (requests have their own timeouts).
+    /// When the connection is due to close if nothing changes, and why: while the client takes
+    /// none of what is sent to it, the write clock, whatever else goes on (a response's own
+    /// timeouts run only while the server reads it, which it stops doing once the socket is
+    /// full); else `None` while a request is in progress (requests have their own timeouts).
     pub fn deadline(&self) -> Option<(Instant, Expiry)> {
         let s = self.state.lock();
-        if s.active > 0 {
+        if let Some(since) = s.write_blocked_since {
+            Some((since + self.write_timeout, Expiry::Write))
+        } else if s.active > 0 {
             None
         } else if let Some(started) = s.head_started {
             Some((started + self.header_timeout, Expiry::Header))
@@ -125,7 +155,7 @@ impl Drop for InFlight {
     }
 }
 
-/// A socket that reports reads to its connection's [`Activity`].
+/// A socket that reports reads, and writes taken or waiting, to its connection's [`Activity`].
 pub struct TrackedIo<T> {
     io: T,
     activity: Arc<Activity>,
@@ -159,7 +189,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let result = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.activity.on_write(&result);
+        result
     }
 
     fn poll_write_vectored(
@@ -167,7 +199,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let result = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.activity.on_write(&result);
+        result
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -189,7 +223,11 @@ mod tests {
 
     #[test]
     fn a_started_head_runs_the_header_clock_and_a_request_stops_every_clock() {
-        let a = Activity::new(Duration::from_secs(1), Duration::from_secs(60));
+        let a = Activity::new(
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        );
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
         a.on_read();
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Header));
@@ -197,6 +235,29 @@ mod tests {
         let request = InFlight::start(a.clone());
         assert_eq!(a.deadline(), None);
         a.on_read();
+        drop(request);
+        assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
+    }
+
+    #[test]
+    fn a_full_socket_runs_the_write_clock_even_while_a_request_is_in_progress() {
+        let a = Arc::new(Activity::new(
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        ));
+        let request = InFlight::start(a.clone());
+        a.on_write(&Poll::Ready(Ok(100)));
+        assert_eq!(a.deadline(), None);
+        a.on_write(&Poll::Pending);
+        let (at, why) = a.deadline().unwrap();
+        assert_eq!(why, Expiry::Write);
+        // A later wait keeps the first one's start: the clock runs from the first byte refused.
+        a.on_write(&Poll::Pending);
+        assert_eq!(a.deadline(), Some((at, Expiry::Write)));
+        // A write the socket takes stops it.
+        a.on_write(&Poll::Ready(Ok(1)));
+        assert_eq!(a.deadline(), None);
         drop(request);
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
     }

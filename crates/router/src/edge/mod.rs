@@ -2,8 +2,11 @@
 //! clients, canonical paths, and request bodies held within a router-wide byte budget.
 //!
 //! Per connection: a request head must complete within `limits.header_timeout_ms` of its first
-//! byte, and a connection with no request in progress closes after `limits.idle_timeout_ms`
-//! without a byte. Per request: a declared `Content-Length` above `limits.max_body_bytes` is
+//! byte, a connection with no request in progress closes after `limits.idle_timeout_ms`
+//! without a byte, and one whose client takes none of the bytes sent to it for
+//! `limits.write_timeout_ms` closes whatever it is doing (a stream its client stopped reading
+//! would otherwise hold its engine and its load forever: a response's own timeouts run only
+//! while the server reads it). Per request: a declared `Content-Length` above `limits.max_body_bytes` is
 //! answered 413 before any body byte is read, the body must arrive within
 //! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
 //! listener's byte budget until the handler answers (503 when the budget is spent): a declared
@@ -75,6 +78,7 @@ pub async fn serve(
     let mut accept_errors = AcceptErrors::default();
     let header_timeout = Duration::from_millis(limits.header_timeout_ms);
     let idle_timeout = Duration::from_millis(limits.idle_timeout_ms);
+    let write_timeout = Duration::from_millis(limits.write_timeout_ms);
     let edge = Arc::new(Edge {
         router: router.clone(),
         routes,
@@ -111,7 +115,7 @@ pub async fn serve(
         };
         // Streamed tokens must not wait for the client's delayed ACK (Nagle).
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(Activity::new(header_timeout, idle_timeout));
+        let activity = Arc::new(Activity::new(header_timeout, idle_timeout, write_timeout));
         let edge = edge.clone();
         let open = router
             .metrics()

@@ -1,6 +1,7 @@
 //! An engine that fails after its response headers, over real loopback HTTP: a stream that
-//! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, and one
-//! engine stalling its `/v1/models` body does not hang the router's listing.
+//! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, one engine
+//! stalling its `/v1/models` body does not hang the router's listing, and an empty answer is
+//! accounted as completed.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
@@ -175,5 +176,56 @@ async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
         started.elapsed() < kvroute_router::testing::MODELS_TIMEOUT + Duration::from_secs(1),
         "{:?}",
         started.elapsed()
+    );
+}
+
+/// An engine on loopback whose completions answer 200 with an empty body. Returns its URL.
+async fn empty_answer_engine() -> String {
+    let routes = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/completions",
+            post(|| async {
+                Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Body::empty())
+                    .unwrap()
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_answer_is_accounted_completed() {
+    let url = empty_answer_engine().await;
+    let router = router(&[&url], |_| {}).await;
+    let client = reqwest::Client::new();
+    for _ in 0..2 {
+        let answer = client
+            .post(format!("http://{}/v1/completions", router.addr))
+            .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        assert!(answer.bytes().await.unwrap().is_empty());
+    }
+    let metrics = http_get(router.admin_addr, "/metrics");
+    let outcome = |o: &str| {
+        kvroute_testkit::sum_labelled(
+            &metrics,
+            "kvroute_requests_total",
+            &format!("outcome=\"{o}\""),
+        )
+    };
+    assert_eq!(outcome("completed"), 2.0, "{metrics}");
+    assert_eq!(outcome("client_closed"), 0.0, "{metrics}");
+    assert_eq!(
+        sample(&metrics, "kvroute_endpoint_inflight{endpoint=\"e0\"}"),
+        Some(0.0),
+        "{metrics}"
     );
 }

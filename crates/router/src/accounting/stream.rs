@@ -84,11 +84,15 @@ impl<B> AccountedBody<B> {
     /// Wraps `inner`; `sse`: it is a server-sent event stream (ended with an error event when
     /// cut). The engine must send its first body byte within `limits.response_timeout_s` and
     /// each later one within `limits.stream_idle_timeout_s` of the one before.
-    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self {
+    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self
+    where
+        B: Body,
+    {
         let router = accounting.router.clone();
         let limits = &router.config().limits;
         let first_byte = Duration::from_secs_f64(limits.response_timeout_s);
-        Self {
+        let empty = inner.is_end_stream();
+        let mut body = Self {
             inner,
             closing: Some(Box::pin(router.shutdown().reached(Phase::Closing))),
             accounting: Some(accounting),
@@ -97,7 +101,13 @@ impl<B> AccountedBody<B> {
             idle_timeout: Duration::from_secs_f64(limits.stream_idle_timeout_s),
             sse,
             done: false,
+        };
+        // An empty body (`Content-Length: 0`, a 204) is never polled: the server sees its end
+        // before sending the head. It ended, and its connection goes back to the pool.
+        if empty {
+            body.end();
         }
+        body
     }
 
     /// Cuts the stream: the request is accounted for as `why` says, counted, the engine

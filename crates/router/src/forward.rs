@@ -23,6 +23,7 @@ use crate::pipeline::{self, Leg, RequestContext};
 use crate::reply::error_response;
 use crate::service::Router;
 use crate::transfer::{DecodeLeg, TransferBody};
+use crate::upstream::UpstreamError;
 
 /// The header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
@@ -136,7 +137,13 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
                 if let Some(t) = transfer.as_mut() {
                     t.failed();
                 }
-                if retry(AttemptFailure::Transport) {
+                // A request no connection wrote never reached the engine: as a refused
+                // connection, it may go to the next endpoint.
+                let failure = match e {
+                    UpstreamError::Connect(_) => AttemptFailure::Connect,
+                    UpstreamError::Request(_) => AttemptFailure::Transport,
+                };
+                if retry(failure) {
                     continue;
                 }
                 let message = format!("the engine {} failed: {e}", endpoint.name);

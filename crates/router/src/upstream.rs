@@ -3,7 +3,10 @@
 //! A small pool of HTTP/1.1 connections per endpoint, each owned by the router so that when a
 //! client goes away mid-stream the engine's connection is closed at once (and the engine
 //! cancels the request). A connection whose response was read to the end goes back to the
-//! pool; any other is dropped.
+//! pool; any other is dropped. An engine may close a pooled connection just as a request takes
+//! it (uvicorn closes idle keep-alive connections after 5 s): a request the closed connection
+//! never wrote is sent again, once, on a new connection, so a healthy engine is neither failed
+//! nor charged for it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -44,6 +47,27 @@ impl std::fmt::Display for UpstreamError {
 pub struct Connection {
     sender: SendRequest<Full<Bytes>>,
     task: JoinHandle<()>,
+    /// Taken from the pool: the engine may have closed it since it was last used.
+    reused: bool,
+}
+
+/// How a try to send a request failed.
+enum Unsent {
+    /// The connection closed before writing it: it comes back, and never reached the engine.
+    Back(Box<http::Request<Full<Bytes>>>, String),
+    /// The connection failed after writing it, or while reading the answer.
+    Written(String),
+}
+
+impl Unsent {
+    fn into_error(self) -> UpstreamError {
+        match self {
+            Unsent::Back(_, e) => {
+                UpstreamError::Connect(format!("the connection closed before the request: {e}"))
+            }
+            Unsent::Written(e) => UpstreamError::Request(e),
+        }
+    }
 }
 
 /// The pool.
@@ -120,7 +144,11 @@ impl Upstream {
         let task = tokio::spawn(async move {
             let _ = conn.await;
         });
-        Ok(Connection { sender, task })
+        Ok(Connection {
+            sender,
+            task,
+            reused: false,
+        })
     }
 
     /// A ready connection to `authority` (host:port): a pooled one that is still open, or a
@@ -135,6 +163,7 @@ impl Upstream {
                         .await
                         .is_ok()
                     {
+                        conn.reused = true;
                         return Ok(conn);
                     }
                     conn.task.abort();
@@ -145,14 +174,35 @@ impl Upstream {
         }
     }
 
-    /// Sends a request on `conn` (from [`Upstream::connection`] for `authority`).
+    /// Sends a request on `conn` (from [`Upstream::connection`] for `authority`). If `conn`
+    /// came from the pool and closed before writing the request, the request is sent once more
+    /// on a new connection; a request no connection wrote is a [`UpstreamError::Connect`]
+    /// (nothing reached the engine).
     pub async fn send(
+        self: &Arc<Self>,
+        conn: Connection,
+        authority: &str,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<(http::Response<Incoming>, Lease), UpstreamError> {
+        let reused = conn.reused;
+        let unsent = match self.send_on(conn, authority, request).await {
+            Err(Unsent::Back(request, _)) if reused => *request,
+            other => return other.map_err(Unsent::into_error),
+        };
+        let conn = self.connect(authority).await?;
+        self.send_on(conn, authority, unsent)
+            .await
+            .map_err(Unsent::into_error)
+    }
+
+    /// One try of [`Upstream::send`] on `conn`.
+    async fn send_on(
         self: &Arc<Self>,
         mut conn: Connection,
         authority: &str,
         request: http::Request<Full<Bytes>>,
-    ) -> Result<(http::Response<Incoming>, Lease), UpstreamError> {
-        match conn.sender.send_request(request).await {
+    ) -> Result<(http::Response<Incoming>, Lease), Unsent> {
+        match conn.sender.try_send_request(request).await {
             Ok(response) => Ok((
                 response,
                 Lease {
@@ -161,10 +211,92 @@ impl Upstream {
                     connection: Some(conn),
                 },
             )),
-            Err(e) => {
+            Err(mut e) => {
                 conn.task.abort();
-                Err(UpstreamError::Request(e.to_string()))
+                Err(match e.take_message() {
+                    Some(request) => Unsent::Back(Box::new(request), e.into_error().to_string()),
+                    None => Unsent::Written(e.into_error().to_string()),
+                })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// An engine on loopback that closes its first connection at once (as an idle keep-alive
+    /// connection is closed) and answers `200 ok` on every later one.
+    async fn closes_its_first_connection() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (first, _) = listener.accept().await.unwrap();
+            drop(first);
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut head = [0u8; 4096];
+                    let _ = socket.read(&mut head).await;
+                    let answer = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        authority
+    }
+
+    fn request(authority: &str) -> http::Request<Full<Bytes>> {
+        http::Request::post(format!("http://{authority}/v1/completions"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    }
+
+    /// A connection to `authority` whose engine has closed it, and the pool knows it.
+    async fn closed_connection(pool: &Upstream, authority: &str) -> Connection {
+        let conn = pool.connection(authority).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !conn.task.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the connection task ends once the engine closed it");
+        conn
+    }
+
+    #[tokio::test]
+    async fn a_request_a_closed_pooled_connection_never_wrote_is_sent_on_a_new_one() {
+        let authority = closes_its_first_connection().await;
+        let pool = Arc::new(Upstream::new(Duration::from_secs(2)));
+        let mut conn = closed_connection(&pool, &authority).await;
+        conn.reused = true;
+        let (response, lease) = pool
+            .send(conn, &authority, request(&authority))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(pool.connections_opened(), 2);
+        drop(lease);
+    }
+
+    #[tokio::test]
+    async fn a_request_a_new_connection_never_wrote_did_not_reach_the_engine() {
+        let authority = closes_its_first_connection().await;
+        let pool = Arc::new(Upstream::new(Duration::from_secs(2)));
+        let conn = closed_connection(&pool, &authority).await;
+        let failed = pool.send(conn, &authority, request(&authority)).await;
+        assert!(
+            matches!(failed, Err(UpstreamError::Connect(_))),
+            "sent once, and may be retried elsewhere: {:?}",
+            failed.err()
+        );
+        assert_eq!(pool.connections_opened(), 1);
     }
 }

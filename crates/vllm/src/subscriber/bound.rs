@@ -202,6 +202,7 @@ impl Demux {
                 source.name.clone(),
                 source.replay.is_some(),
                 self.sink.clone(),
+                self.ctx.config.held_bytes(),
             );
             self.stats
                 .lock()

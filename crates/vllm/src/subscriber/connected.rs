@@ -35,11 +35,13 @@ pub fn spawn_connected_after(
     config: impl Into<SubscriberConfig>,
     resume_after: Option<u64>,
 ) -> SubscriberHandle {
+    let config = config.into();
     let mut feed = Feed::new(
         source.endpoint,
         source.name.clone(),
         source.replay.is_some(),
         sink,
+        config.held_bytes(),
     );
     if let Some(seq) = resume_after {
         feed.sequencer.resume_after(seq);
@@ -49,7 +51,7 @@ pub fn spawn_connected_after(
         feed.stats.clone(),
     )])));
     let stream = Stream::new(feed, source.replay.clone());
-    let task = tokio::spawn(run_connected(source, stream, config.into()));
+    let task = tokio::spawn(run_connected(source, stream, config));
     SubscriberHandle {
         task,
         stats,

@@ -1,6 +1,7 @@
 //! One publisher's stream inside a subscriber: its sequencer, its counters, and how each
 //! [`Action`] is carried out against the sink.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -65,7 +66,7 @@ pub struct FeedStats {
     pub replayed_batches: u64,
     /// Gaps that replay could not fill.
     pub unfilled_gaps: u64,
-    /// Batches lost in unfilled gaps.
+    /// Batches lost: in unfilled gaps, or undecodable.
     pub lost_batches: u64,
     /// Engine restarts detected (sequence went backwards).
     pub restarts: u64,
@@ -86,7 +87,12 @@ pub(crate) struct Feed {
     pub(crate) sink: Arc<dyn EventSink>,
     /// Limits the warnings about this stream's bad input.
     pub(crate) bad_input_log: LogLimiter,
+    /// Event types of a newer vLLM already logged (each is logged once, then only counted).
+    unknown_types_logged: HashSet<String>,
 }
+
+/// Distinct unknown event types logged per stream; more are only counted.
+const MAX_UNKNOWN_TYPES_LOGGED: usize = 16;
 
 impl Feed {
     pub(crate) fn new(
@@ -94,14 +100,16 @@ impl Feed {
         name: String,
         can_replay: bool,
         sink: Arc<dyn EventSink>,
+        held_bytes: usize,
     ) -> Self {
         Self {
             endpoint,
             name,
-            sequencer: Sequencer::new(can_replay),
+            sequencer: Sequencer::new(can_replay).holding_at_most(held_bytes),
             stats: Arc::default(),
             sink,
             bad_input_log: LogLimiter::new(),
+            unknown_types_logged: HashSet::new(),
         }
     }
 
@@ -165,7 +173,11 @@ impl Feed {
         match decode_batch(&msg.payload) {
             Ok(decoded) => {
                 for unknown in &decoded.unknown_events {
-                    info!(endpoint = %self.name, event_type = %unknown, "skipping KV event of unknown type");
+                    let first = self.unknown_types_logged.len() < MAX_UNKNOWN_TYPES_LOGGED
+                        && self.unknown_types_logged.insert(unknown.clone());
+                    if first {
+                        info!(endpoint = %self.name, event_type = %unknown, "skipping KV events of an unknown type (logged once per type; counted in unknown_events)");
+                    }
                 }
                 self.sink.apply(self.endpoint, msg.seq, &decoded.batch);
                 let mut stats = self.stats.lock();
@@ -192,9 +204,16 @@ impl Feed {
                     .map(|d| d.as_millis() as u64);
             }
             Err(e) => {
-                self.stats.lock().decode_errors += 1;
+                // Its sequence number is used up, so no replay asks for it again: its events
+                // are lost, and the fleet is told the picture may be stale.
+                {
+                    let mut stats = self.stats.lock();
+                    stats.decode_errors += 1;
+                    stats.lost_batches += 1;
+                }
+                self.sink.unfilled_gap(self.endpoint, msg.seq, msg.seq);
                 if let Verdict::Log { suppressed } = self.bad_input_log.check(Instant::now()) {
-                    warn!(endpoint = %self.name, seq = msg.seq, error = %e, suppressed, "dropping undecodable KV-event batch");
+                    warn!(endpoint = %self.name, seq = msg.seq, error = %e, suppressed, "dropping undecodable KV-event batch: this endpoint's cache picture may be stale");
                 }
             }
         }

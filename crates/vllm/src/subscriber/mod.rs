@@ -118,6 +118,14 @@ impl From<Timing> for SubscriberConfig {
 }
 
 impl SubscriberConfig {
+    /// Payload bytes of live messages a stream may hold while a replay is in flight: what its
+    /// queue holds, [`QUEUED_LARGEST_MESSAGES`] of the largest.
+    fn held_bytes(&self) -> usize {
+        self.limits
+            .max_message_bytes
+            .saturating_mul(QUEUED_LARGEST_MESSAGES)
+    }
+
     fn connection_options(&self) -> Options {
         Options {
             connect_timeout: self.timing.connect_timeout,
@@ -445,7 +453,18 @@ fn checked_message(
     topic: &str,
     frames: &[Bytes],
 ) -> Option<crate::codec::RawMessage> {
-    let msg = match parse_frames(frames) {
+    let parsed = parse_frames(frames).and_then(|msg| {
+        if msg.seq == replay::END_MARKER_SEQ {
+            // Its successor does not exist: no publisher numbers a live batch so.
+            Err(crate::VllmError::Framing(format!(
+                "live sequence number {} is the replay end marker's",
+                msg.seq
+            )))
+        } else {
+            Ok(msg)
+        }
+    });
+    let msg = match parsed {
         Ok(msg) => msg,
         Err(e) => {
             {
@@ -503,5 +522,60 @@ mod tests {
         );
         drop(rx.recv().await);
         assert_eq!(queue.send(message()).now_or_never(), Some(true));
+    }
+
+    /// A sink that records the gaps it is told of.
+    #[derive(Default)]
+    struct GapRecorder {
+        gaps: parking_lot::Mutex<Vec<(u64, u64)>>,
+        applied: parking_lot::Mutex<Vec<u64>>,
+    }
+
+    impl EventSink for GapRecorder {
+        fn apply(&self, _endpoint: EndpointId, seq: u64, _batch: &EventBatch) {
+            self.applied.lock().push(seq);
+        }
+        fn purge(&self, _endpoint: EndpointId) {}
+        fn unfilled_gap(&self, _endpoint: EndpointId, from: u64, to: u64) {
+            self.gaps.lock().push((from, to));
+        }
+    }
+
+    fn feed(sink: Arc<GapRecorder>) -> Feed {
+        Feed::new(EndpointId(0), "e0".into(), false, sink, 1 << 20)
+    }
+
+    fn frames(seq: u64, payload: &[u8]) -> Vec<Bytes> {
+        vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::copy_from_slice(payload),
+        ]
+    }
+
+    #[test]
+    fn an_undecodable_batch_is_reported_lost() {
+        let sink = Arc::new(GapRecorder::default());
+        let mut feed = feed(sink.clone());
+        let msg = checked_message(&mut feed, "", &frames(7, b"\xc1\xc1")).unwrap();
+        let actions = feed.sequencer.on_live(msg);
+        feed.execute(actions, false);
+        assert_eq!(
+            *sink.gaps.lock(),
+            vec![(7, 7)],
+            "the fleet is told its picture may be stale"
+        );
+        assert!(sink.applied.lock().is_empty());
+        let stats = feed.stats.lock();
+        assert_eq!((stats.decode_errors, stats.lost_batches), (1, 1));
+    }
+
+    #[test]
+    fn a_live_batch_numbered_as_the_replay_end_marker_is_refused() {
+        let sink = Arc::new(GapRecorder::default());
+        let mut feed = feed(sink);
+        let end = replay::END_MARKER_SEQ;
+        assert!(checked_message(&mut feed, "", &frames(end, b"\x90")).is_none());
+        assert_eq!(feed.stats.lock().framing_errors, 1);
     }
 }

@@ -12,6 +12,11 @@ use crate::codec::RawMessage;
 /// Live messages held while a replay is in flight; past this the replay is abandoned.
 const MAX_PENDING: usize = 10_000;
 
+/// Payload bytes held while a replay is in flight, unless set otherwise
+/// ([`Sequencer::holding_at_most`]): four messages of the default size limit, what the
+/// subscriber's queue holds.
+const DEFAULT_MAX_HELD_BYTES: usize = 4 * crate::zmtp::DEFAULT_MAX_MESSAGE_BYTES;
+
 /// What the transport must do next, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
@@ -57,6 +62,10 @@ pub struct Sequencer {
     last_live: Option<u64>,
     replay: Option<Replay>,
     pending: BTreeMap<u64, RawMessage>,
+    /// Payload bytes of `pending`.
+    held_bytes: usize,
+    /// Past this many held bytes, the replay is abandoned.
+    max_held_bytes: usize,
 }
 
 impl Sequencer {
@@ -68,7 +77,35 @@ impl Sequencer {
             last_live: None,
             replay: None,
             pending: BTreeMap::new(),
+            held_bytes: 0,
+            max_held_bytes: DEFAULT_MAX_HELD_BYTES,
         }
+    }
+
+    /// Holds at most `bytes` of live messages' payloads while a replay is in flight (one
+    /// message more is held whatever its size); past them the replay is abandoned, as a replay
+    /// that never answers would leave them growing.
+    pub fn holding_at_most(mut self, bytes: usize) -> Self {
+        self.max_held_bytes = bytes;
+        self
+    }
+
+    /// Keeps `msg` until the replay is over.
+    fn keep(&mut self, msg: RawMessage) {
+        let size = msg.payload.len();
+        if let Some(old) = self.pending.insert(msg.seq, msg) {
+            self.held_bytes -= old.payload.len();
+        }
+        self.held_bytes += size;
+    }
+
+    /// The first message kept, taken out.
+    fn take_first(&mut self) -> Option<(u64, RawMessage)> {
+        let first = self.pending.pop_first();
+        if let Some((_, msg)) = &first {
+            self.held_bytes -= msg.payload.len();
+        }
+        first
     }
 
     /// The next sequence number expected, if any batch was seen.
@@ -132,20 +169,21 @@ impl Sequencer {
         self.next = None;
         self.replay = None;
         self.pending.clear();
+        self.held_bytes = 0;
         let mut actions = vec![Action::Purge];
         if self.can_replay && msg.seq > 0 {
             actions.extend(self.start_replay(0));
-            self.pending.insert(msg.seq, msg);
+            self.keep(msg);
         } else {
-            self.next = Some(msg.seq + 1);
+            self.next = Some(msg.seq.saturating_add(1));
             actions.push(Action::Apply(msg));
         }
         actions
     }
 
     fn hold(&mut self, msg: RawMessage) -> Vec<Action> {
-        self.pending.insert(msg.seq, msg);
-        if self.pending.len() > MAX_PENDING {
+        self.keep(msg);
+        if self.pending.len() > MAX_PENDING || self.held_bytes > self.max_held_bytes {
             // The replay is not coming; stop waiting rather than grow without bound.
             return self.on_replay_failed();
         }
@@ -157,11 +195,11 @@ impl Sequencer {
         let seq = msg.seq;
         match self.next {
             None => {
-                self.next = Some(seq + 1);
+                self.next = Some(seq.saturating_add(1));
                 vec![Action::Apply(msg)]
             }
             Some(n) if seq == n => {
-                self.next = Some(n + 1);
+                self.next = Some(n.saturating_add(1));
                 vec![Action::Apply(msg)]
             }
             // Already delivered by a replay that overtook the live stream.
@@ -172,11 +210,11 @@ impl Sequencer {
                     to: seq - 1,
                 }];
                 actions.extend(self.start_replay(n));
-                self.pending.insert(seq, msg);
+                self.keep(msg);
                 actions
             }
             Some(n) => {
-                self.next = Some(seq + 1);
+                self.next = Some(seq.saturating_add(1));
                 vec![
                     Action::Gap {
                         from: n,
@@ -216,11 +254,11 @@ impl Sequencer {
                     from: n,
                     to: msg.seq - 1,
                 });
-                self.next = Some(msg.seq + 1);
+                self.next = Some(msg.seq.saturating_add(1));
                 actions.push(Action::Apply(msg));
             }
             _ => {
-                self.next = Some(msg.seq + 1);
+                self.next = Some(msg.seq.saturating_add(1));
                 actions.push(Action::Apply(msg));
             }
         }
@@ -255,11 +293,11 @@ impl Sequencer {
     /// (its reply was taken before they were published) is asked for again, a few times at most.
     fn drain(&mut self, attempt: u8) -> Vec<Action> {
         let mut actions = Vec::new();
-        while let Some((seq, msg)) = self.pending.pop_first() {
+        while let Some((seq, msg)) = self.take_first() {
             match self.next {
                 Some(n) if seq < n => {}
                 Some(n) if seq > n && attempt < MAX_ATTEMPTS => {
-                    self.pending.insert(seq, msg);
+                    self.keep(msg);
                     actions.extend(self.start_attempt(n, attempt + 1));
                     return actions;
                 }
@@ -268,7 +306,7 @@ impl Sequencer {
                         from: n,
                         to: seq - 1,
                     });
-                    self.next = Some(seq + 1);
+                    self.next = Some(seq.saturating_add(1));
                     actions.push(Action::Apply(msg));
                 }
                 _ => actions.extend(self.accept(msg)),

@@ -205,3 +205,33 @@ proptest! {
         prop_assert!(!lost, "nothing may be reported lost: {:?}", out);
     }
 }
+
+#[test]
+fn live_messages_held_past_the_byte_bound_abandon_the_replay() {
+    // msg() carries 8 payload bytes: 100 bytes hold twelve, the thirteenth is past the bound.
+    let mut s = Sequencer::new(true).holding_at_most(100);
+    s.resume_after(4);
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(5)]);
+    for seq in 10..22 {
+        assert!(s.on_live(msg(seq)).is_empty(), "held during the replay");
+    }
+    assert!(s.replaying());
+    let out = s.on_live(msg(22));
+    assert!(
+        !s.replaying(),
+        "abandoned once the held bytes pass the bound"
+    );
+    assert_eq!(applied(&out), (10..=22).collect::<Vec<_>>());
+    assert!(
+        out.contains(&Action::UnfilledGap { from: 5, to: 9 }),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn the_last_sequence_number_does_not_overflow() {
+    let mut s = Sequencer::new(false);
+    assert_eq!(applied(&s.on_live(msg(u64::MAX - 1))), vec![u64::MAX - 1]);
+    assert_eq!(applied(&s.on_live(msg(u64::MAX))), vec![u64::MAX]);
+    assert_eq!(s.next_expected(), Some(u64::MAX));
+}

@@ -55,8 +55,12 @@ fn parse_line(line: &str) -> Option<Sample<'_>> {
     if line.is_empty() || line.starts_with('#') {
         return None;
     }
-    let (head, value) = match line.find('}') {
-        Some(close) => (&line[..=close], line[close + 1..].trim()),
+    let (head, value) = match line.find('{') {
+        // A label value may hold a `}` (quoted): the set ends at the first one outside quotes.
+        Some(open) => {
+            let close = open + closing_brace(&line[open..])?;
+            (&line[..=close], line[close + 1..].trim())
+        }
         None => {
             let mut parts = line.splitn(2, char::is_whitespace);
             (parts.next()?, parts.next()?.trim())
@@ -70,6 +74,23 @@ fn parse_line(line: &str) -> Option<Sample<'_>> {
         (None, _) => (head, Vec::new()),
     };
     Some((name, labels, value))
+}
+
+/// Where the label set starting `text` (at its `{`) closes: the first `}` outside a quoted
+/// value (a quote escaped with a backslash does not end one); `None` if it never does.
+fn closing_brace(text: &str) -> Option<usize> {
+    let mut quoted = false;
+    let mut escaped = false;
+    for (i, b) in text.bytes().enumerate() {
+        match b {
+            _ if escaped => escaped = false,
+            b'\\' if quoted => escaped = true,
+            b'"' => quoted = !quoted,
+            b'}' if !quoted => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn parse_labels(text: &str) -> Vec<(&str, &str)> {
@@ -195,6 +216,16 @@ kvroute_sim_tier_hit_tokens_total{engine="0",model_name="m",tier="shared_fs"} 48
         assert_eq!(parse_line("vllm:num_requests_waiting{x=\"1\" 3"), None);
         let s = parse_engine_metrics("a{é 1\nvllm:num_requests_waiting 2\n");
         assert_eq!(s.waiting, Some(2.0));
+    }
+
+    #[test]
+    fn a_brace_or_quote_inside_a_label_value_is_part_of_it() {
+        let s = parse_engine_metrics(
+            "vllm:num_requests_waiting{model_name=\"a}b\"} 3\n\
+             vllm:num_requests_running{model_name=\"say \\\"}\\\"\",x=\"1\"} 4\n",
+        );
+        assert_eq!(s.waiting, Some(3.0));
+        assert_eq!(s.running, Some(4.0));
     }
 
     proptest! {

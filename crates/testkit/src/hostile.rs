@@ -110,16 +110,9 @@ fn long_header(flags: u8, size: u64) -> Vec<u8> {
     header
 }
 
-fn attack(
-    mut socket: TcpStream,
-    socket_type: &str,
-    attack: Attack,
-    limit: usize,
-    hold: Duration,
-) -> std::io::Result<()> {
-    socket.set_read_timeout(Some(Duration::from_secs(5)))?;
-    socket.set_write_timeout(Some(Duration::from_secs(5)))?;
-    // Greeting: signature, version 3.1, mechanism NULL, as-server 0, filler.
+/// The ZMTP 3.1 handshake as a `socket_type` server: greeting (signature, version 3.1,
+/// mechanism NULL, as-server 0, filler), the peer's greeting, then READY with the socket type.
+fn handshake(socket: &mut TcpStream, socket_type: &str) -> std::io::Result<()> {
     let mut greeting = [0u8; 64];
     greeting[0] = 0xFF;
     greeting[9] = 0x7F;
@@ -137,7 +130,63 @@ fn attack(
     ready.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
     ready.extend_from_slice(socket_type.as_bytes());
     ready[1] = (ready.len() - 2) as u8;
-    socket.write_all(&ready)?;
+    socket.write_all(&ready)
+}
+
+/// A KV-event publisher that completes the handshake as a PUB and then publishes nothing,
+/// counting the subscribers that hung up: what tells whether a stopped subscriber really let
+/// its connection go. Each connection's thread ends when it hangs up; the listening thread
+/// runs until the process ends.
+pub struct SilentPublisher {
+    address: String,
+    hung_up: Arc<AtomicUsize>,
+}
+
+impl SilentPublisher {
+    /// Listens on an ephemeral loopback port.
+    pub fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let address = format!("tcp://{}", listener.local_addr().expect("bound address"));
+        let hung_up = Arc::new(AtomicUsize::new(0));
+        let counter = hung_up.clone();
+        std::thread::spawn(move || {
+            for socket in listener.incoming() {
+                let Ok(mut socket) = socket else { return };
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    if handshake(&mut socket, "PUB").is_ok() {
+                        // The subscriber's bytes (its subscription, heartbeats) until it hangs up.
+                        let mut sink = [0u8; 4096];
+                        while matches!(socket.read(&mut sink), Ok(n) if n > 0) {}
+                    }
+                    counter.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+        });
+        Self { address, hung_up }
+    }
+
+    /// Where subscribers connect (`tcp://127.0.0.1:port`).
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Subscribers that hung up so far.
+    pub fn hung_up(&self) -> usize {
+        self.hung_up.load(Ordering::Relaxed)
+    }
+}
+
+fn attack(
+    mut socket: TcpStream,
+    socket_type: &str,
+    attack: Attack,
+    limit: usize,
+    hold: Duration,
+) -> std::io::Result<()> {
+    socket.set_read_timeout(Some(Duration::from_secs(5)))?;
+    socket.set_write_timeout(Some(Duration::from_secs(5)))?;
+    handshake(&mut socket, socket_type)?;
     std::thread::sleep(hold);
     match attack {
         Attack::HugeFrame => socket.write_all(&long_header(0, 1 << 62))?,

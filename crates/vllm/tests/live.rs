@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
-use kvroute_testkit::hostile::{ATTACKS, HostilePublisher, attack_subscriber};
+use kvroute_testkit::hostile::{ATTACKS, HostilePublisher, SilentPublisher, attack_subscriber};
 use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::codec::EventLayout;
 use kvroute_vllm::publisher::demo::{DemoConfig, DemoEngine};
@@ -546,4 +546,32 @@ async fn bound_subscriber_demultiplexes_engines_by_topic() {
     );
     assert!(index.endpoint_stats(EndpointId(1)).is_some());
     assert!(index.endpoint_stats(EndpointId(2)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_subscriber_lets_its_publisher_connection_go() {
+    // A quiet engine: nothing ends the connection but the subscriber (its heartbeat gives up
+    // only after 30 s of silence).
+    let publisher = SilentPublisher::start();
+    let handle = spawn_connected(
+        EndpointSource {
+            endpoint: E,
+            name: "engine-a".into(),
+            publisher: publisher.address().to_owned(),
+            replay: None,
+            topic: String::new(),
+        },
+        new_index() as Arc<dyn EventSink>,
+        timing(),
+    );
+    eventually("the subscriber is connected", || {
+        let connected = stats(&handle).connected;
+        (connected, connected)
+    })
+    .await;
+    handle.stop();
+    eventually("the publisher sees the stopped subscriber hang up", || {
+        (publisher.hung_up() == 1, publisher.hung_up())
+    })
+    .await;
 }

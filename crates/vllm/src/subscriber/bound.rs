@@ -10,14 +10,14 @@ use kvroute_core::index::EndpointId;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::feed::Feed;
 use super::log_limit::{LogLimiter, Verdict};
 use super::{
-    EventSink, FeedStats, Input, LiveQueue, LoopContext, QUEUE, StatsMap, Stream, SubscriberConfig,
-    SubscriberHandle, checked_message, read_publisher,
+    AbortOnDrop, EventSink, FeedStats, Input, LiveQueue, LoopContext, QUEUE, StatsMap, Stream,
+    SubscriberConfig, SubscriberHandle, checked_message, read_publisher,
 };
 use crate::VllmError;
 use crate::zmtp::{Connection, SocketType, ZmtpError, connection};
@@ -55,15 +55,6 @@ pub struct BoundSubscriber {
     pub handle: SubscriberHandle,
     /// Where engines should connect.
     pub address: String,
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Listens on `address` (bind topology) and demultiplexes the publishers' messages by topic.

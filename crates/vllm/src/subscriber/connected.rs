@@ -116,7 +116,7 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
                 Input::Ended { error, .. } => break error,
             }
         };
-        reader.abort();
+        drop(reader);
         stream.set_connected(false);
         let violation = stream.feed.connection_failed(&error);
         if !violation {

@@ -422,9 +422,20 @@ impl LiveQueue {
     }
 }
 
-/// Reads one publisher connection until it fails, passing its messages to the event loop.
-fn spawn_reader(conn: Connection, queue: LiveQueue) -> JoinHandle<()> {
-    tokio::spawn(read_publisher(conn, queue))
+/// Aborts a task when dropped: a task that serves another ends with it, also when that one is
+/// aborted (a stopped or resubscribed endpoint's subscriber).
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads one publisher connection until it fails, passing its messages to the event loop; the
+/// reader ends, and its connection closes, when the returned guard is dropped.
+fn spawn_reader(conn: Connection, queue: LiveQueue) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(read_publisher(conn, queue)))
 }
 
 /// Reads one publisher connection until it fails, passing its messages and then its end to the

@@ -457,6 +457,43 @@ fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
 }
 
 #[test]
+fn a_client_error_of_the_decode_leg_is_no_strike_on_the_pair() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let served = router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        "{mode: always, link: ib-400}",
+    );
+    // The prefill leg asks for one token and passes; the decode leg's `max_tokens` is past the
+    // model's length, which the decode engine refuses with a 400 error body.
+    for salt in 0..4 {
+        let (status, body) = post(
+            served.listen,
+            "/v1/completions",
+            &completion(256, salt, 40_000, true),
+        );
+        assert_eq!(status, 400, "{body}");
+    }
+    assert_eq!(
+        counted(&served, "kvroute_pd_transfer_failures_total", ""),
+        0.0,
+        "{}",
+        router_metrics(&served)
+    );
+    // The pair still serves disaggregated requests.
+    let (status, body) = post(
+        served.listen,
+        "/v1/completions",
+        &completion(256, 9, 4, true),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+}
+
+#[test]
 fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
     // A link whose healthy transfer of the prompt takes ~110 ms (2048 tokens × 128 KiB at
     // 2.5 GB/s). A transfer is a strike when it takes both 4× the configured time

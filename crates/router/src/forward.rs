@@ -164,6 +164,13 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
             }
         } else {
             router.upstream_result(id, UpstreamOutcome::Success);
+            if parts.status.is_client_error()
+                && let Some(mut t) = transfer.take()
+            {
+                // The request's own fault (a `max_tokens` past the model's length): it says
+                // nothing of the pull, good or bad, so a client cannot quarantine a pair.
+                t.ended();
+            }
         }
         let mut out = Response::builder().status(parts.status);
         for (name, value) in forwarding::end_to_end(&parts.headers, &[]) {

@@ -238,9 +238,33 @@ async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
         204,
         "a fitting dispatch"
     );
+    // A prompt longer than any body this replica accepts, with as many uncached tokens (a
+    // count that overflowed the engine's load): refused, twice, and the load unmoved.
+    let load = || {
+        r.router
+            .load(kvroute_core::index::EndpointId(0))
+            .inflight_prefill_tokens
+    };
+    let before = load();
+    for request in [8u64, 9] {
+        let mut body = dispatch_body(&fleet, replicas_common::MODEL, 16);
+        body["prompt_tokens"] = u64::MAX.into();
+        body["request"] = request.into();
+        body["uncached_tokens"] = u64::MAX.into();
+        let status = client
+            .post(format!("http://{}/kvroute/v1/peer/dispatch", r.admin_addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16();
+        assert_eq!(status, 400, "a prompt no body could carry");
+    }
+    assert_eq!(load(), before);
     let metrics = r.router.metrics().render();
     assert!(
-        metrics.contains("kvroute_rejected_total{status=\"400\"} 2"),
+        metrics.contains("kvroute_rejected_total{status=\"400\"} 4"),
         "{metrics}"
     );
 }

@@ -839,7 +839,8 @@ impl Fleet {
                 r if r > 0.0 => r,
                 _ => self.config.default_prefill_tokens_per_s.max(1.0),
             };
-            let prefill_end = now + (e.inflight_prefill_tokens + uncached) as f64 / rate;
+            let prefill_end =
+                now + e.inflight_prefill_tokens.saturating_add(uncached) as f64 / rate;
             e.pinned.pin(
                 self.next_pin,
                 request.keys.clone(),
@@ -849,7 +850,7 @@ impl Fleet {
             );
             e.inflight += 1;
             e.inflight_prefills += 1;
-            e.inflight_prefill_tokens += uncached;
+            e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_add(uncached);
             e.trust.dispatched(expects_event, now);
         }
         let pin = self.next_pin;

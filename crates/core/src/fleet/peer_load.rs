@@ -130,7 +130,9 @@ impl Fleet {
         let e = &mut self.endpoints[endpoint.0 as usize];
         e.inflight += 1;
         e.inflight_prefills += 1;
-        e.inflight_prefill_tokens += uncached_tokens;
+        // Saturating: a figure from the network must not overflow the count (checked by the
+        // receiver as well, this is the core's own bound).
+        e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_add(uncached_tokens);
         self.load_changed(endpoint);
         let until = now + self.config.predicted_ttl_s;
         let load = &mut self.peer_load;

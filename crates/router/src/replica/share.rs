@@ -352,6 +352,14 @@ fn check(router: &Router, message: &PeerDispatch) -> Result<(), String> {
             message.block_size, message.model, model.block_size
         ));
     }
+    // No prompt this replica accepts has more tokens than its body limit has bytes.
+    let longest = router.config().limits.max_body_bytes;
+    if message.prompt_tokens > longest {
+        return Err(format!(
+            "a prompt of {} tokens, more than limits.max_body_bytes ({longest}) allows",
+            message.prompt_tokens
+        ));
+    }
     let most = router.config().limits.max_routed_blocks;
     if message.keys.len() > most {
         return Err(format!(

@@ -705,6 +705,10 @@ impl RouterConfig {
     }
 }
 
+/// Seconds no timeout setting may reach (about 31 years): a duration made from more could
+/// overflow (and from 2⁶⁴ seconds on, panic), and no timeout means that much.
+pub(crate) const MAX_SECONDS: f64 = 1e9;
+
 /// The smallest `kv_events.max_message_bytes` accepted: below it, ordinary batches would be refused.
 const MIN_KV_EVENT_MESSAGE_BYTES: usize = 64 << 10;
 
@@ -941,7 +945,7 @@ impl RouterConfig {
                 "max_attempts must be at least 1, window_s positive, budget_ratio and min_retries_per_s not negative",
             ));
         }
-        if !(self.shutdown.drain_timeout_s >= 0.0 && self.shutdown.drain_timeout_s.is_finite()) {
+        if !(self.shutdown.drain_timeout_s >= 0.0 && self.shutdown.drain_timeout_s < MAX_SECONDS) {
             return Err(invalid(
                 "shutdown.drain_timeout_s",
                 "must be a finite number of seconds, not negative",
@@ -956,7 +960,7 @@ impl RouterConfig {
                 ));
             }
         }
-        if !(self.replicas.warm_timeout_s.is_finite() && self.replicas.warm_timeout_s > 0.0) {
+        if !(self.replicas.warm_timeout_s > 0.0 && self.replicas.warm_timeout_s < MAX_SECONDS) {
             return Err(invalid("replicas.warm_timeout_s", "must be positive"));
         }
         if self.health.unhealthy_after == 0 || self.health.healthy_after == 0 {
@@ -999,7 +1003,7 @@ impl RouterConfig {
             ("limits.response_timeout_s", l.response_timeout_s),
             ("limits.stream_idle_timeout_s", l.stream_idle_timeout_s),
         ] {
-            if !(value.is_finite() && value > 0.0 && value < 1e9) {
+            if !(value.is_finite() && value > 0.0 && value < MAX_SECONDS) {
                 return Err(invalid(field, "must be a positive number of seconds"));
             }
         }

@@ -95,8 +95,11 @@ impl PdConfig {
     /// Checks every field.
     pub fn validate(&self) -> Result<(), RouterError> {
         self.disagg_config()?;
-        if !(self.prefill_deadline_s.is_finite() && self.prefill_deadline_s > 0.0) {
-            return Err(invalid("pd.prefill_deadline_s", "must be positive"));
+        if !(self.prefill_deadline_s > 0.0 && self.prefill_deadline_s < super::MAX_SECONDS) {
+            return Err(invalid(
+                "pd.prefill_deadline_s",
+                "must be a positive number of seconds",
+            ));
         }
         if !(self.leg_overhead_s.is_finite() && self.leg_overhead_s >= 0.0) {
             return Err(invalid(
@@ -160,6 +163,7 @@ mod tests {
             ("{link: ethernet}", "pd.link"),
             ("{kv_bytes_per_token: big}", "pd.kv_bytes_per_token"),
             ("{prefill_deadline_s: 0}", "pd.prefill_deadline_s"),
+            ("{prefill_deadline_s: 1e20}", "pd.prefill_deadline_s"),
             ("{leg_overhead_s: -1}", "pd.leg_overhead_s"),
             ("{learning: {weight: 0}}", "pd.learning.weight"),
             (

@@ -1,7 +1,8 @@
 //! An engine that fails after its response headers, over real loopback HTTP: a stream that
 //! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, one engine
-//! stalling its `/v1/models` body does not hang the router's listing, and an empty answer is
-//! accounted as completed.
+//! stalling its `/v1/models` body does not hang the router's listing, an empty answer is
+//! accounted as completed, and a prefill answer too large to read is the request's problem,
+//! not the prefill endpoint's.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
@@ -228,4 +229,63 @@ async fn an_empty_answer_is_accounted_completed() {
         Some(0.0),
         "{metrics}"
     );
+}
+
+/// An engine on loopback whose completions answer 200 with `body`. Returns its URL.
+async fn answering_engine(body: &'static [u8]) -> String {
+    let routes = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/completions",
+            post(move || async move {
+                Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap()
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint() {
+    // A prefill engine whose answers are 2 MiB (as `echo` or `prompt_logprobs` of a long
+    // prompt make them), past what the router reads of one; a decode engine that answers.
+    let huge: &'static [u8] = format!("{{\"text\": \"{}\"}}", "x".repeat(2 << 20))
+        .leak()
+        .as_bytes();
+    let prefill = answering_engine(huge).await;
+    let decode = answering_engine(br#"{"choices": [{"text": "a"}]}"#).await;
+    let router = router(&[&prefill, &decode], |c| {
+        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
+        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
+        c.pd.mode = kvroute_router::config::PdMode::Always;
+    })
+    .await;
+    let client = reqwest::Client::new();
+    // More than the outlier detector's consecutive failures (5).
+    for _ in 0..7 {
+        let answer = client
+            .post(format!("http://{}/v1/completions", router.addr))
+            .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        // Each falls back to an aggregated prefill on the decode pick.
+        assert_eq!(answer.status(), 200);
+    }
+    assert!(
+        router.router.available(kvroute_core::index::EndpointId(0)),
+        "the prefill endpoint was ejected for answers its requests made large"
+    );
+    let metrics = http_get(router.admin_addr, "/metrics");
+    let fallbacks = kvroute_testkit::sum_labelled(
+        &metrics,
+        "kvroute_pd_fallbacks_total",
+        "reason=\"prefill_no_params\"",
+    );
+    assert_eq!(fallbacks, 7.0, "{metrics}");
 }

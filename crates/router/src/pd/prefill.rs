@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute_core::fleet::{Plan, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::nixl::{prefill_answer_params, prefill_leg_body};
@@ -113,6 +113,14 @@ pub(super) async fn run(
         accounting.status = parts.status.as_u16();
         let bytes = match Limited::new(body, MAX_ANSWER_BYTES).collect().await {
             Ok(collected) => collected.to_bytes(),
+            // The request's shape (`echo`, `prompt_logprobs` of a long prompt), not the
+            // endpoint's health: an unusable answer, not an outlier's strike.
+            Err(e) if e.is::<LengthLimitError>() => {
+                accounting.fail(502, Outcome::EngineError);
+                return Err(PrefillFailure::Answer(format!(
+                    "an answer over {MAX_ANSWER_BYTES} bytes"
+                )));
+            }
             Err(e) => {
                 accounting.fail(502, Outcome::EngineError);
                 return Err(PrefillFailure::Engine(e.to_string()));

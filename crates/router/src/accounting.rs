@@ -5,7 +5,7 @@
 
 mod stream;
 
-pub use stream::AccountedBody;
+pub use stream::{AccountedBody, Cut, CutAware};
 
 use std::sync::Arc;
 use tokio::time::Instant;

@@ -28,6 +28,7 @@ use kvroute_vllm::openai::is_stream_error_event;
 use tokio::time::Instant;
 use tracing::warn;
 
+use crate::accounting::{Cut, CutAware};
 use crate::metrics::pd::pair;
 use crate::service::Router;
 
@@ -256,6 +257,19 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl<B> CutAware for TransferBody<B> {
+    /// A decode leg the engine stalled or broke before its first byte (real vLLM sends a
+    /// stream's headers before it pulls) is a failed transfer: a strike on its pair. A cut
+    /// after it, or for the router's shutdown, says nothing of the pull.
+    fn cut(&mut self, why: Cut) {
+        if matches!(why, Cut::Stalled | Cut::EngineError)
+            && let Some(mut watch) = self.watch.take()
+        {
+            watch.failed();
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 //! An engine that fails after its response headers, over real loopback HTTP: a stream that
 //! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, one engine
 //! stalling its `/v1/models` body does not hang the router's listing, an empty answer is
-//! accounted as completed, and a prefill answer too large to read is the request's problem,
-//! not the prefill endpoint's.
+//! accounted as completed, a prefill answer too large to read is the request's problem, not
+//! the prefill endpoint's, and a decode leg that stalls before its first byte strikes its pair.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
@@ -288,4 +288,48 @@ async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint(
         "reason=\"prefill_no_params\"",
     );
     assert_eq!(fallbacks, 7.0, "{metrics}");
+}
+
+/// An engine on loopback whose completions send a stream's headers, then nothing (a decode
+/// engine whose pull hangs: real vLLM sends the headers before it pulls). Returns its URL.
+async fn headers_then_silence_engine() -> String {
+    let routes = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/completions",
+            post(|| async {
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(faulty_body(None, AfterFirstChunk::Stall))
+                    .unwrap()
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_leg_stalled_before_its_first_byte_strikes_its_pair() {
+    let prefill = answering_engine(
+        br#"{"choices": [{"text": "a"}], "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p", "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}}"#,
+    )
+    .await;
+    let decode = headers_then_silence_engine().await;
+    let router = router(&[&prefill, &decode], |c| {
+        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
+        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
+        c.pd.mode = kvroute_router::config::PdMode::Always;
+        c.limits.response_timeout_s = 0.3;
+    })
+    .await;
+    for _ in 0..3 {
+        let text = stream_completion(&router).await;
+        // Cut with an error event once the first byte is overdue.
+        assert_eq!(last_event(&text)["error"]["code"], 504, "{text}");
+    }
+    let metrics = http_get(router.admin_addr, "/metrics");
+    let strikes = kvroute_testkit::sum_labelled(&metrics, "kvroute_pd_transfer_failures_total", "");
+    assert_eq!(strikes, 3.0, "{metrics}");
 }

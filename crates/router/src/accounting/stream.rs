@@ -38,6 +38,13 @@ pub enum Cut {
     EngineError,
 }
 
+/// A body that wants to know why its stream is cut (before it is dropped): a prefill/decode
+/// transfer watch, whose pair a decode leg that stalls or breaks before its first byte strikes.
+pub trait CutAware {
+    /// The stream was cut for `why`.
+    fn cut(&mut self, why: Cut);
+}
+
 impl Cut {
     /// The `reason` label of `kvroute_streams_cut_total`.
     pub fn label(self) -> &'static str {
@@ -116,7 +123,11 @@ impl<B> AccountedBody<B> {
         &mut self,
         why: Cut,
         engine: Option<BoxError>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+    where
+        B: CutAware,
+    {
+        self.inner.cut(why);
         self.done = true;
         self.lease.take();
         let Some(mut acc) = self.accounting.take() else {
@@ -173,7 +184,7 @@ impl<B> AccountedBody<B> {
 
 impl<B> Body for AccountedBody<B>
 where
-    B: Body<Data = Bytes> + Unpin,
+    B: Body<Data = Bytes> + CutAware + Unpin,
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;

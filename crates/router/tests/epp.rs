@@ -52,6 +52,52 @@ async fn picker_with(engines: &[&SimFleet], change: impl FnOnce(&mut RouterConfi
 
 /// A picker in front of `engines` (unnamed, KV events), each with its role, with the
 /// configuration `change`d.
+/// In header mode the decode engine pulls what it lacks and reports the whole prompt cached:
+/// its endpoint is expected to, and keeps its index trusted (it was charged the prefill and
+/// distrusted after five such answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_mode_decode_answers_keep_their_endpoints_index_trusted() {
+    let (prefill, decode) = (engine().await, engine().await);
+    let roles = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+    let epp = picker_with_roles(&roles, |c| {
+        c.pd.mode = PdMode::Always;
+        c.pd.link = "ib-400".into();
+    })
+    .await;
+    let decode_id = EndpointId(1);
+    for i in 0..8u32 {
+        let mut stream = Stream::open(&epp).await;
+        stream.send(completion_headers(), None).await;
+        let tokens: Vec<u32> = (0..512).map(|t| 1_000 + i * 1_000 + t).collect();
+        let request = serde_json::json!({"model": MODEL, "prompt": tokens, "max_tokens": 2});
+        let set = match stream.send(body(&request.to_string()), None).await {
+            Response::RequestBody(answer) => by_name(
+                answer
+                    .response
+                    .unwrap()
+                    .header_mutation
+                    .unwrap()
+                    .set_headers,
+            ),
+            other => panic!("not routed: {other:?}"),
+        };
+        assert!(set.contains_key(PREFILLER), "disaggregated: {set:?}");
+        assert_eq!(id_of(&epp, &set[DESTINATION]), decode_id);
+        // The decode engine's answer: every prompt token pulled, reported as cached.
+        let status = Request::ResponseHeaders(headers(&[(":status", "200")], false));
+        stream.send(status, None).await;
+        let usage =
+            r#"{"usage": {"prompt_tokens": 512, "prompt_tokens_details": {"cached_tokens": 512}}}"#;
+        stream.send(response_body(usage, true), None).await;
+    }
+    let now = epp.router.now();
+    let trust = epp.router.fleet().trust(decode_id, now);
+    assert!(
+        trust.is_ok(),
+        "the decode endpoint is distrusted: {trust:?}"
+    );
+}
+
 async fn picker_with_roles(
     engines: &[(&SimFleet, Role)],
     change: impl FnOnce(&mut RouterConfig),

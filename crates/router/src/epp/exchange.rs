@@ -298,10 +298,9 @@ impl Exchange {
             // The plan ranks only the best few: the subset may allow one further down.
             plan = self.router.plan_every(&prepared.features());
         }
-        let (ranking, prefill) = crate::pd::header_mode(&self.router, &prepared, &plan);
+        let (mut leg, prefill) = crate::pd::header_mode(&self.router, &prepared, plan);
         self.prefiller = prefill.map(|id| self.router.endpoint(id).authority.to_string());
-        let mut leg = Leg::planned(plan);
-        leg.ranking = self.allowed(&ranking);
+        leg.ranking = self.allowed(&leg.ranking);
         self.dispatch(&leg, &prepared, true)
     }
 
@@ -388,7 +387,12 @@ impl Exchange {
         // endpoint, the closest it can see to "a connection was made".
         let dispatch = pipeline::connect(&self.router, &leg.predicted_cached, prepared, first);
         let context = pipeline::admit(&self.router, &self.headers, self.started);
-        let accounting = pipeline::respond(&self.router, &context, leg, 0, dispatch);
+        let mut accounting = pipeline::respond(&self.router, &context, leg, 0, dispatch);
+        if self.prefiller.is_some() {
+            // A decode leg reports the blocks it pulled as cached: not what its own cache
+            // predicted, so not a lesson on its index.
+            accounting.skip_cached_check();
+        }
         let followed: Followed = Arc::new(Mutex::new(Some(accounting)));
         let (token, header) = self.handoffs.offer(&followed);
         self.offered = Some(token);

@@ -171,13 +171,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     };
     let body = decode_leg_body(client, &answer.params, answer.cached_tokens);
     a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
-    // The decode endpoints compute (almost) nothing: they pull what they lack.
-    let mut predicted_cached = plan.predicted_cached.clone();
-    for e in &decoders {
-        if let Some(slot) = predicted_cached.get_mut(e.0 as usize) {
-            *slot = a.prepared.prompt_tokens;
-        }
-    }
+    let predicted_cached = decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens);
     // Once more elsewhere while the producer still holds the blocks.
     let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
@@ -220,23 +214,44 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
 pub(crate) fn header_mode(
     router: &Router,
     prepared: &crate::pipeline::Prepared,
-    plan: &Plan,
-) -> (Vec<EndpointId>, Option<EndpointId>) {
+    plan: Plan,
+) -> (Leg, Option<EndpointId>) {
     if !router.config().pd.orchestrates() {
-        return (plan.decision.ranking.clone(), None);
+        return (Leg::planned(plan), None);
     }
     let block_size = prepared.model.block_size;
-    match decide(router, plan, prepared.prompt_tokens, block_size) {
-        Route::Aggregated { ranking } => (ranking, None),
+    match decide(router, &plan, prepared.prompt_tokens, block_size) {
+        Route::Aggregated { ranking } => {
+            let mut leg = Leg::planned(plan);
+            leg.ranking = ranking;
+            (leg, None)
+        }
         Route::Disaggregated { option, decoders } => {
-            prefill_sent(router, plan, option.prefill);
+            prefill_sent(router, &plan, option.prefill);
             let now = router.now();
             router
                 .fleet()
                 .peer_dispatched(&prepared.features(), option.prefill, false, now);
-            (decoders, Some(option.prefill))
+            let leg = Leg {
+                predicted_cached: decoders_predicted(&plan, &decoders, prepared.prompt_tokens),
+                ranking: decoders,
+                reason: "pd_decode",
+            };
+            (leg, Some(option.prefill))
         }
     }
+}
+
+/// `plan`'s cached-token predictions for a decode leg: the decode endpoints compute (almost)
+/// nothing, they pull what they lack, so each is expected to report the whole prompt.
+fn decoders_predicted(plan: &Plan, decoders: &[EndpointId], prompt_tokens: usize) -> Vec<usize> {
+    let mut predicted_cached = plan.predicted_cached.clone();
+    for e in decoders {
+        if let Some(slot) = predicted_cached.get_mut(e.0 as usize) {
+            *slot = prompt_tokens;
+        }
+    }
+    predicted_cached
 }
 
 /// A client's generation body under P/D, checked for `kv_transfer_params`.

@@ -798,7 +798,19 @@ async fn answer_naming(
         ],
         false,
     );
-    stream.send(Request::RequestHeaders(h), None).await;
+    // Removed from the headers already: a gateway that fails open past the picker (its body
+    // answer never came) must not pass the client's value to the sidecar.
+    let Response::RequestHeaders(answer) = stream.send(Request::RequestHeaders(h), None).await
+    else {
+        panic!("the headers are answered");
+    };
+    let removed = answer
+        .response
+        .unwrap()
+        .header_mutation
+        .unwrap()
+        .remove_headers;
+    assert!(removed.iter().any(|h| h == PREFILLER), "{removed:?}");
     let prompt = "A long document the sidecar would prefill elsewhere. ".repeat(40);
     let mutation = route_body(&mut stream, &prompt).await;
     (by_name(mutation.set_headers), mutation.remove_headers)

@@ -121,9 +121,20 @@ fn string_value(s: String) -> Value {
     }
 }
 
-/// The answer that lets a request (or response) phase continue unchanged.
+/// The answer that lets a request's headers continue, the body to come. A client's
+/// `x-prefiller-host-port` is removed already here: should the picker fail before
+/// it answers the body and the gateway pass the request on (`failure_mode_allow`), a client's
+/// value must not reach the P/D sidecar, which would connect to it.
 pub fn continue_request_headers() -> ProcessingResponse {
-    respond(Response::RequestHeaders(HeadersResponse::default()))
+    respond(Response::RequestHeaders(HeadersResponse {
+        response: Some(CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                remove_headers: vec![PREFILLER.to_owned()],
+                ..HeaderMutation::default()
+            }),
+            ..CommonResponse::default()
+        }),
+    }))
 }
 
 /// Continue a request-body chunk unchanged.

@@ -342,13 +342,8 @@ async fn endless_stream_engine(ended: Arc<AtomicUsize>) -> String {
                 .unwrap()
         }
     };
-    let routes = axum::Router::new()
-        .route("/health", axum::routing::get(|| async { "" }))
-        .route("/v1/completions", axum::routing::post(completion));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    let routes = axum::Router::new().route("/v1/completions", axum::routing::post(completion));
+    common::fake_engine(routes).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -627,13 +622,8 @@ async fn header_echo_engine() -> String {
             .collect();
         axum::Json(json!(pairs))
     };
-    let routes = axum::Router::new()
-        .route("/health", axum::routing::get(|| async { "" }))
-        .route("/v1/completions", axum::routing::post(echo));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    let routes = axum::Router::new().route("/v1/completions", axum::routing::post(echo));
+    common::fake_engine(routes).await
 }
 
 /// The values of header `name` the echo engine received.

@@ -34,14 +34,10 @@ async fn stub_engine(called: mpsc::Sender<()>, release: Arc<Notify>) -> String {
     };
     let complete = || async { axum::Json(json!({"choices": [{"text": "ok"}]})) };
     let routes = axum::Router::new()
-        .route("/health", get(|| async { "" }))
         .route("/metrics", get(|| async { "" }))
         .route("/tokenize", post(tokenize))
         .route("/v1/completions", post(complete));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    common::fake_engine(routes).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,14 +66,10 @@ async fn faulty_engine(then: AfterFirstChunk) -> String {
             .unwrap()
     };
     let routes = axum::Router::new()
-        .route("/health", get(|| async { "" }))
         .route("/metrics", get(|| async { "" }))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completion));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    common::fake_engine(routes).await
 }
 
 async fn router(urls: &[&str], tune: impl FnOnce(&mut RouterConfig)) -> RunningRouter {
@@ -180,28 +176,9 @@ async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
     );
 }
 
-/// An engine on loopback whose completions answer 200 with an empty body. Returns its URL.
-async fn empty_answer_engine() -> String {
-    let routes = axum::Router::new()
-        .route("/health", get(|| async { "" }))
-        .route(
-            "/v1/completions",
-            post(|| async {
-                Response::builder()
-                    .header("content-type", "application/json")
-                    .body(Body::empty())
-                    .unwrap()
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_answer_is_accounted_completed() {
-    let url = empty_answer_engine().await;
+    let url = answering_engine(b"").await;
     let router = router(&[&url], |_| {}).await;
     let client = reqwest::Client::new();
     for _ in 0..2 {
@@ -233,21 +210,16 @@ async fn an_empty_answer_is_accounted_completed() {
 
 /// An engine on loopback whose completions answer 200 with `body`. Returns its URL.
 async fn answering_engine(body: &'static [u8]) -> String {
-    let routes = axum::Router::new()
-        .route("/health", get(|| async { "" }))
-        .route(
-            "/v1/completions",
-            post(move || async move {
-                Response::builder()
-                    .header("content-type", "application/json")
-                    .body(Body::from(body))
-                    .unwrap()
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    let routes = axum::Router::new().route(
+        "/v1/completions",
+        post(move || async move {
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        }),
+    );
+    common::fake_engine(routes).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,21 +265,16 @@ async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint(
 /// An engine on loopback whose completions send a stream's headers, then nothing (a decode
 /// engine whose pull hangs: real vLLM sends the headers before it pulls). Returns its URL.
 async fn headers_then_silence_engine() -> String {
-    let routes = axum::Router::new()
-        .route("/health", get(|| async { "" }))
-        .route(
-            "/v1/completions",
-            post(|| async {
-                Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(faulty_body(None, AfterFirstChunk::Stall))
-                    .unwrap()
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, routes).await });
-    format!("http://{addr}")
+    let routes = axum::Router::new().route(
+        "/v1/completions",
+        post(|| async {
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(faulty_body(None, AfterFirstChunk::Stall))
+                .unwrap()
+        }),
+    );
+    common::fake_engine(routes).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,6 +26,15 @@ pub async fn engine() -> SimFleet {
     .unwrap()
 }
 
+/// A hand-written engine on loopback: `routes`, and a `/health` that passes. Returns its URL.
+pub async fn fake_engine(routes: axum::Router) -> String {
+    let routes = routes.route("/health", axum::routing::get(|| async { "" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, routes).await });
+    format!("http://{addr}")
+}
+
 /// A router started from `config`, once its KV-event subscribers are connected.
 pub async fn router_from_config(
     config: kvroute_router::config::RouterConfig,

@@ -809,6 +809,14 @@ impl RouterConfig {
                 ));
             }
         }
+        if let Some(d) = &self.discovery
+            && !(d.pool_recheck_s > 0.0 && d.pool_recheck_s < MAX_SECONDS)
+        {
+            return Err(invalid(
+                "discovery.pool_recheck_s",
+                "must be a positive number of seconds",
+            ));
+        }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(invalid(
                 "endpoints",

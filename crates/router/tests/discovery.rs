@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::extract::{Query, State};
@@ -35,7 +35,8 @@ const MODEL: &str = "sim-llama-3.1-8b";
 struct Fake {
     lists: Mutex<VecDeque<Value>>,
     watches: Mutex<VecDeque<mpsc::UnboundedReceiver<Value>>>,
-    port: u16,
+    /// The pool's target port (changed by a test: the pool edited while discovery runs).
+    port: AtomicU16,
     /// The label selector lists and watches must name (default: `app=vllm`, the engines').
     selector: Option<&'static str>,
     list_calls: AtomicUsize,
@@ -101,7 +102,7 @@ async fn pool_v1alpha2(State(fake): State<Arc<Fake>>) -> Response {
     axum::Json(
         json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
         "metadata": {"name": "pool", "namespace": "llm"},
-        "spec": {"selector": {"app": "vllm"}, "targetPortNumber": fake.port,
+        "spec": {"selector": {"app": "vllm"}, "targetPortNumber": fake.port.load(Ordering::Relaxed),
                  "extensionRef": {"name": "kvroute-epp"}}}),
     )
     .into_response()
@@ -145,7 +146,7 @@ async fn expect(router: &RunningRouter, want: &[&str]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists() {
     let fake = Arc::new(Fake {
-        port: 8000,
+        port: 8000.into(),
         ..Fake::default()
     });
     fake.lists
@@ -186,6 +187,28 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
     watch.send(event("ERROR", status(410, "Expired"))).unwrap();
     drop(watch);
     expect(&running, &["http://10.0.0.3:8000"]).await;
+}
+
+/// An InferencePool edited while discovery runs (its target port moved): the pool is read
+/// again, and the pods' endpoints move to the new port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_pool_moves_its_pods_endpoints() {
+    let fake = Arc::new(Fake {
+        port: 8000.into(),
+        ..Fake::default()
+    });
+    fake.lists
+        .lock()
+        .push_back(list(vec![pod("a", "10.0.0.1", true, 5)], 10));
+    let api = fake_api(fake.clone()).await;
+    let config = ConfigBuilder::new("m")
+        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
+        .with(|c| c.discovery.as_mut().unwrap().pool_recheck_s = 0.2)
+        .build();
+    let running = start(config).await.unwrap();
+    expect(&running, &["http://10.0.0.1:8000"]).await;
+    fake.port.store(9000, Ordering::Relaxed);
+    expect(&running, &["http://10.0.0.1:9000"]).await;
 }
 
 /// `pod`, with other labels.
@@ -250,7 +273,7 @@ async fn pods_join_when_ready_and_leave_when_deleted_or_relabelled_while_request
     let a_engine = engine_at("127.0.0.2", port, events).await;
     let b_engine = engine_at("127.0.0.3", port, events).await;
     let fake = Arc::new(Fake {
-        port,
+        port: port.into(),
         ..Fake::default()
     });
     let vllm = || json!({"app": "vllm"});

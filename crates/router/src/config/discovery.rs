@@ -32,4 +32,12 @@ pub struct KubeDiscovery {
     /// The engines' replay ROUTER port, offset the same way.
     #[serde(default)]
     pub replay_port: Option<u16>,
+    /// Seconds between two reads of the InferencePool: a changed selector or target ports
+    /// restarts the pod watch with them (pods no longer selected leave, ports move).
+    #[serde(default = "default_pool_recheck_s")]
+    pub pool_recheck_s: f64,
+}
+
+fn default_pool_recheck_s() -> f64 {
+    30.0
 }

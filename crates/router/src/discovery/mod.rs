@@ -125,6 +125,7 @@ mod tests {
             target_ports: Vec::new(),
             events_port,
             replay_port,
+            pool_recheck_s: 30.0,
         }
     }
 

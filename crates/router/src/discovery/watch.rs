@@ -1,5 +1,6 @@
 //! Driving the router from the Kubernetes API: read the pool, then watch its pods and turn
-//! each change into endpoints joining or leaving.
+//! each change into endpoints joining or leaving; the pool is read again every
+//! `discovery.pool_recheck_s`, and a changed selector or target ports restarts the watch.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, ResourceExt};
 use kvroute_core::index::EndpointId;
 use tokio::task::JoinHandle;
+use tokio::time::{Duration, Instant, MissedTickBehavior};
 use tracing::{info, warn};
 
 use super::{KubeDiscovery, PoolSpec, pods, pool};
@@ -82,26 +84,77 @@ pub async fn run(
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_owned());
     let mut spec = resolve(&client, &ns, &discovery).await?;
+    report_problems(router.as_ref(), &mut spec, &discovery);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let recheck = Duration::from_secs_f64(discovery.pool_recheck_s);
+    Ok(tokio::spawn(async move {
+        let mut members = Members::default();
+        let mut pool_read = tokio::time::interval_at(Instant::now() + recheck, recheck);
+        pool_read.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            info!(namespace = %ns, selector = %spec.label_selector(), ports = ?spec.ports, "watching pods");
+            let config = watcher::Config::default().labels(&spec.label_selector());
+            // Backoff between failed polls: without it an unreachable API server is a busy
+            // loop.
+            let mut stream = watcher::watcher(pods.clone(), config)
+                .default_backoff()
+                .boxed();
+            // A new watch lists again: the pods it no longer selects leave at its end.
+            spec = loop {
+                tokio::select! {
+                    event = stream.next() => match event {
+                        Some(Ok(event)) => {
+                            members.apply(router.as_ref(), event, &spec.ports, &discovery);
+                        }
+                        // The watcher retries with backoff (and relists after 410 Gone) on
+                        // its own.
+                        Some(Err(e)) => warn!(error = %e, "pod watch failed; retrying"),
+                        None => return,
+                    },
+                    _ = pool_read.tick(), if discovery.inference_pool.is_some() => {
+                        if let Some(mut changed) =
+                            pool_changed(&client, &ns, &discovery, &spec).await
+                        {
+                            report_problems(router.as_ref(), &mut changed, &discovery);
+                            break changed;
+                        }
+                    }
+                }
+            };
+        }
+    }))
+}
+
+/// Warns about and counts what the pool's spec and the configuration make discovery ignore.
+fn report_problems(router: &dyn Membership, spec: &mut PoolSpec, discovery: &KubeDiscovery) {
     spec.problems
-        .extend(super::config_problems(&discovery, spec.ports.len()));
+        .extend(super::config_problems(discovery, spec.ports.len()));
     for problem in &spec.problems {
         router.ignored(problem.kind, &problem.detail);
     }
-    info!(namespace = %ns, selector = %spec.label_selector(), ports = ?spec.ports, "watching pods");
-    let pods: Api<Pod> = Api::namespaced(client, &ns);
-    let config = watcher::Config::default().labels(&spec.label_selector());
-    Ok(tokio::spawn(async move {
-        let mut members = Members::default();
-        // Backoff between failed polls: without it an unreachable API server is a busy loop.
-        let mut stream = watcher::watcher(pods, config).default_backoff().boxed();
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(event) => members.apply(router.as_ref(), event, &spec.ports, &discovery),
-                // The watcher retries with backoff (and relists after 410 Gone) on its own.
-                Err(e) => warn!(error = %e, "pod watch failed; retrying"),
-            }
+}
+
+/// The pool read again, if its selector or target ports changed; a pool that cannot be read
+/// keeps the last one, with a warning.
+async fn pool_changed(
+    client: &Client,
+    ns: &str,
+    discovery: &KubeDiscovery,
+    current: &PoolSpec,
+) -> Option<PoolSpec> {
+    match resolve(client, ns, discovery).await {
+        Ok(new) if new.selector != current.selector || new.ports != current.ports => {
+            info!(from_selector = %current.label_selector(), from_ports = ?current.ports,
+                selector = %new.label_selector(), ports = ?new.ports,
+                "the InferencePool changed; watching its pods anew");
+            Some(new)
         }
-    }))
+        Ok(_) => None,
+        Err(e) => {
+            warn!(error = %e, "cannot read the InferencePool again; keeping its last selector and ports");
+            None
+        }
+    }
 }
 
 /// The endpoints each pod put in the router, by pod name.

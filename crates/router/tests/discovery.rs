@@ -143,8 +143,8 @@ async fn expect(router: &RunningRouter, want: &[&str]) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists() {
+/// A pool targeting port 8000 whose first list holds one ready pod, `a` at 10.0.0.1.
+fn pool_of_pod_a() -> Arc<Fake> {
     let fake = Arc::new(Fake {
         port: 8000.into(),
         ..Fake::default()
@@ -152,6 +152,12 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
     fake.lists
         .lock()
         .push_back(list(vec![pod("a", "10.0.0.1", true, 5)], 10));
+    fake
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists() {
+    let fake = pool_of_pod_a();
     // After the 410, a relist finds only c: b vanished while the watch was down.
     fake.lists
         .lock()
@@ -193,13 +199,7 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
 /// again, and the pods' endpoints move to the new port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edited_pool_moves_its_pods_endpoints() {
-    let fake = Arc::new(Fake {
-        port: 8000.into(),
-        ..Fake::default()
-    });
-    fake.lists
-        .lock()
-        .push_back(list(vec![pod("a", "10.0.0.1", true, 5)], 10));
+    let fake = pool_of_pod_a();
     let api = fake_api(fake.clone()).await;
     let config = ConfigBuilder::new("m")
         .discovery(&format!("http://{api}"), "llm", "pool", 5557)

@@ -176,20 +176,26 @@ async fn an_engine_stalling_its_model_list_does_not_hang_the_listing() {
     );
 }
 
+/// Posts a two-token completion through `router`; its status and body.
+async fn complete(client: &reqwest::Client, router: &RunningRouter) -> (u16, bytes::Bytes) {
+    let answer = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    (answer.status().as_u16(), answer.bytes().await.unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_answer_is_accounted_completed() {
     let url = answering_engine(b"").await;
     let router = router(&[&url], |_| {}).await;
     let client = reqwest::Client::new();
     for _ in 0..2 {
-        let answer = client
-            .post(format!("http://{}/v1/completions", router.addr))
-            .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(answer.status(), 200);
-        assert!(answer.bytes().await.unwrap().is_empty());
+        let (status, body) = complete(&client, &router).await;
+        assert_eq!(status, 200);
+        assert!(body.is_empty());
     }
     let metrics = http_get(router.admin_addr, "/metrics");
     let outcome = |o: &str| {
@@ -240,14 +246,8 @@ async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint(
     let client = reqwest::Client::new();
     // More than the outlier detector's consecutive failures (5).
     for _ in 0..7 {
-        let answer = client
-            .post(format!("http://{}/v1/completions", router.addr))
-            .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}))
-            .send()
-            .await
-            .unwrap();
         // Each falls back to an aggregated prefill on the decode pick.
-        assert_eq!(answer.status(), 200);
+        assert_eq!(complete(&client, &router).await.0, 200);
     }
     assert!(
         router.router.available(kvroute_core::index::EndpointId(0)),

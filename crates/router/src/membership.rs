@@ -43,6 +43,7 @@ impl Membership for Arc<Router> {
             return false;
         };
         endpoint.stop();
+        self.upstream().forget(endpoint.authority.as_str());
         self.metrics().forget_endpoint(&endpoint.name);
         info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
         true

@@ -24,6 +24,12 @@ use tokio::task::JoinHandle;
 /// Idle connections kept per endpoint.
 const IDLE_PER_ENDPOINT: usize = 64;
 
+/// TCP keepalive of engine connections: the first probe after 30 s of silence, then every 10 s
+/// (the system's count of unanswered probes, 9 on Linux, ends it).
+const KEEPALIVE: socket2::TcpKeepalive = socket2::TcpKeepalive::new()
+    .with_time(Duration::from_secs(30))
+    .with_interval(Duration::from_secs(10));
+
 /// Why a request did not get a response.
 #[derive(Debug)]
 pub enum UpstreamError {
@@ -126,6 +132,16 @@ impl Upstream {
         self.opened.load(Ordering::Relaxed)
     }
 
+    /// Closes the idle connections to `authority` (an endpoint that left the fleet): a pod
+    /// that comes back at the same address gets new ones.
+    pub fn forget(&self, authority: &str) {
+        if let Some(idle) = self.idle.lock().remove(authority) {
+            for conn in idle {
+                conn.task.abort();
+            }
+        }
+    }
+
     async fn connect(&self, authority: &str) -> Result<Connection, UpstreamError> {
         let stream = tokio::time::timeout(
             self.connect_timeout,
@@ -137,6 +153,9 @@ impl Upstream {
         })?
         .map_err(|e| UpstreamError::Connect(e.to_string()))?;
         let _ = stream.set_nodelay(true);
+        // A pod that vanished without closing (its node failed) leaves an idle pooled
+        // connection open for good: probes find it dead, and the pool drops it.
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&KEEPALIVE);
         self.opened.fetch_add(1, Ordering::Relaxed);
         let (sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
@@ -250,6 +269,57 @@ mod tests {
             }
         });
         authority
+    }
+
+    /// An engine on loopback that answers `200 ok` to every request, keeping its connections.
+    async fn keeps_its_connections() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut head = [0u8; 4096];
+                    while matches!(socket.read(&mut head).await, Ok(n) if n > 0) {
+                        let answer = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if socket.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        authority
+    }
+
+    /// Sends one request on a pooled (or new) connection and reads its answer to the end,
+    /// which puts the connection back in the pool.
+    async fn exchange(pool: &Arc<Upstream>, authority: &str) {
+        let conn = pool.connection(authority).await.unwrap();
+        let (response, lease) = pool
+            .send(conn, authority, request(authority))
+            .await
+            .unwrap();
+        http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap();
+        lease.release();
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_that_left_leaves_no_idle_connection_behind() {
+        let authority = keeps_its_connections().await;
+        let pool = Arc::new(Upstream::new(Duration::from_secs(2)));
+        exchange(&pool, &authority).await;
+        exchange(&pool, &authority).await;
+        assert_eq!(pool.connections_opened(), 1, "the second reused the first");
+        pool.forget(&authority);
+        exchange(&pool, &authority).await;
+        assert_eq!(
+            pool.connections_opened(),
+            2,
+            "a new connection after it left"
+        );
     }
 
     fn request(authority: &str) -> http::Request<Full<Bytes>> {

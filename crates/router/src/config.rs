@@ -500,6 +500,8 @@ pub struct Limits {
     /// Time a client may take none of the bytes the router is sending it (its socket's
     /// buffers full, as when it stopped reading a stream), milliseconds; the connection is
     /// closed after, which cancels its requests at their engines and releases their load.
+    /// HTTP/1.1: an HTTP/2 stream its client stopped reading among others that move is not
+    /// seen (its socket keeps taking bytes).
     pub write_timeout_ms: u64,
     /// Most client connections open at once on each listener (API and admin); further
     /// connections are closed at once and counted in `kvroute_connections_refused_total`.
@@ -810,11 +812,11 @@ impl RouterConfig {
             }
         }
         if let Some(d) = &self.discovery
-            && !(d.pool_recheck_s > 0.0 && d.pool_recheck_s < MAX_SECONDS)
+            && !(d.pool_recheck_s >= 0.1 && d.pool_recheck_s < MAX_SECONDS)
         {
             return Err(invalid(
                 "discovery.pool_recheck_s",
-                "must be a positive number of seconds",
+                "must be at least 0.1 seconds (each recheck reads the pool from the API server)",
             ));
         }
         if self.endpoints.is_empty() && self.discovery.is_none() {
@@ -1192,6 +1194,14 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlimits: {max_buffered_bytes: 10}",
                 "limits.max_buffered_bytes",
+            ),
+            (
+                "models: [{name: m}]\ndiscovery: {inference_pool: p, pool_recheck_s: 0.000001}",
+                "discovery.pool_recheck_s",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: 1e20}",
+                "shutdown.drain_timeout_s",
             ),
         ];
         for (yaml, want) in cases {

@@ -134,15 +134,18 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
             Ok(Err(e)) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
                 accounting.fail(502, Outcome::EngineError);
-                if let Some(t) = transfer.as_mut() {
-                    t.failed();
-                }
                 // A request no connection wrote never reached the engine: as a refused
-                // connection, it may go to the next endpoint.
+                // connection, it may go to the next endpoint, and no pull was tried.
                 let failure = match e {
                     UpstreamError::Connect(_) => AttemptFailure::Connect,
                     UpstreamError::Request(_) => AttemptFailure::Transport,
                 };
+                if let Some(t) = transfer.as_mut() {
+                    match failure {
+                        AttemptFailure::Connect => t.ended(),
+                        _ => t.failed(),
+                    }
+                }
                 if retry(failure) {
                     continue;
                 }

@@ -50,8 +50,6 @@ async fn picker_with(engines: &[&SimFleet], change: impl FnOnce(&mut RouterConfi
     picker_with_roles(&both, change).await
 }
 
-/// A picker in front of `engines` (unnamed, KV events), each with its role, with the
-/// configuration `change`d.
 /// In header mode the decode engine pulls what it lacks and reports the whole prompt cached:
 /// its endpoint is expected to, and keeps its index trusted (it was charged the prefill and
 /// distrusted after five such answers).
@@ -98,6 +96,8 @@ async fn header_mode_decode_answers_keep_their_endpoints_index_trusted() {
     );
 }
 
+/// A picker in front of `engines` (unnamed, KV events), each with its role, with the
+/// configuration `change`d.
 async fn picker_with_roles(
     engines: &[(&SimFleet, Role)],
     change: impl FnOnce(&mut RouterConfig),

@@ -569,9 +569,16 @@ async fn a_stopped_subscriber_lets_its_publisher_connection_go() {
         (connected, connected)
     })
     .await;
+    let stopped = Instant::now();
     handle.stop();
     eventually("the publisher sees the stopped subscriber hang up", || {
         (publisher.hung_up() == 1, publisher.hung_up())
     })
     .await;
+    // Long before the subscriber's heartbeat would have given up on the silent publisher.
+    assert!(
+        stopped.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        stopped.elapsed()
+    );
 }

@@ -32,8 +32,9 @@ pub struct KubeDiscovery {
     /// The engines' replay ROUTER port, offset the same way.
     #[serde(default)]
     pub replay_port: Option<u16>,
-    /// Seconds between two reads of the InferencePool: a changed selector or target ports
-    /// restarts the pod watch with them (pods no longer selected leave, ports move).
+    /// Seconds between two reads of the InferencePool (at least 0.1): a changed selector or
+    /// target ports restarts the pod watch with them (pods no longer selected leave, ports
+    /// move).
     #[serde(default = "default_pool_recheck_s")]
     pub pool_recheck_s: f64,
 }

@@ -134,6 +134,9 @@ fn report_problems(router: &dyn Membership, spec: &mut PoolSpec, discovery: &Kub
     }
 }
 
+/// How long re-reading the pool may hold up the pod watch.
+const POOL_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The pool read again, if its selector or target ports changed; a pool that cannot be read
 /// keeps the last one, with a warning.
 async fn pool_changed(
@@ -142,7 +145,14 @@ async fn pool_changed(
     discovery: &KubeDiscovery,
     current: &PoolSpec,
 ) -> Option<PoolSpec> {
-    match resolve(client, ns, discovery).await {
+    // Bounded: while a slow API server answers, pod events wait behind the read.
+    let read = tokio::time::timeout(POOL_READ_TIMEOUT, resolve(client, ns, discovery)).await;
+    let read = read.unwrap_or_else(|_| {
+        Err(RouterError::Config(format!(
+            "no answer within {POOL_READ_TIMEOUT:?}"
+        )))
+    });
+    match read {
         Ok(new) if new.selector != current.selector || new.ports != current.ports => {
             info!(from_selector = %current.label_selector(), from_ports = ?current.ports,
                 selector = %new.label_selector(), ports = ?new.ports,

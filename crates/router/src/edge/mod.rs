@@ -6,7 +6,8 @@
 //! without a byte, and one whose client takes none of the bytes sent to it for
 //! `limits.write_timeout_ms` closes whatever it is doing (a stream its client stopped reading
 //! would otherwise hold its engine and its load forever: a response's own timeouts run only
-//! while the server reads it). Per request: a declared `Content-Length` above `limits.max_body_bytes` is
+//! while the server reads it; over HTTP/2 a stalled stream among moving ones is not seen, its
+//! socket keeps taking bytes). Per request: a declared `Content-Length` above `limits.max_body_bytes` is
 //! answered 413 before any body byte is read, the body must arrive within
 //! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
 //! listener's byte budget until the handler answers (503 when the budget is spent): a declared

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use crate::accounting::{Accounting, Outcome};
 use crate::forward::{ForwardArgs, upstream_request};
 use crate::pipeline::{self, Leg};
+use crate::upstream::UpstreamError;
 
 /// Largest prefill answer read: one token and the transfer params.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
@@ -106,7 +107,11 @@ pub(super) async fn run(
             Ok(answer) => answer,
             Err(e) => {
                 accounting.fail(502, Outcome::EngineError);
-                return Err(PrefillFailure::Engine(e.to_string()));
+                // Nothing reached the engine: as a refused connection.
+                return Err(match e {
+                    UpstreamError::Connect(_) => PrefillFailure::Connect(e.to_string()),
+                    UpstreamError::Request(_) => PrefillFailure::Engine(e.to_string()),
+                });
             }
         };
         let (parts, body) = response.into_parts();
@@ -115,7 +120,7 @@ pub(super) async fn run(
             Ok(collected) => collected.to_bytes(),
             // The request's shape (`echo`, `prompt_logprobs` of a long prompt), not the
             // endpoint's health: an unusable answer, not an outlier's strike.
-            Err(e) if e.is::<LengthLimitError>() => {
+            Err(e) if e.is::<LengthLimitError>() && parts.status.is_success() => {
                 accounting.fail(502, Outcome::EngineError);
                 return Err(PrefillFailure::Answer(format!(
                     "an answer over {MAX_ANSWER_BYTES} bytes"

@@ -4,6 +4,7 @@
 //! on by [`AccountedBody`] ([`stream`]).
 
 mod stream;
+mod unread;
 
 pub use stream::{AccountedBody, Cut, CutAware};
 

@@ -499,9 +499,9 @@ pub struct Limits {
     pub idle_timeout_ms: u64,
     /// Time a client may take none of the bytes the router is sending it (its socket's
     /// buffers full, as when it stopped reading a stream), milliseconds; the connection is
-    /// closed after, which cancels its requests at their engines and releases their load.
-    /// HTTP/1.1: an HTTP/2 stream its client stopped reading among others that move is not
-    /// seen (its socket keeps taking bytes).
+    /// closed after, which cancels its requests at their engines and releases their load. An
+    /// HTTP/2 stream its client stopped reading among others that move is given up alone after
+    /// as long without being asked for more (its socket keeps taking the others' bytes).
     pub write_timeout_ms: u64,
     /// Most client connections open at once on each listener (API and admin); further
     /// connections are closed at once and counted in `kvroute_connections_refused_total`.

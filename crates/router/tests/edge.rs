@@ -384,6 +384,43 @@ async fn a_client_that_stops_reading_a_stream_is_cut_off_and_its_engine_freed() 
     read_until_closed(&mut client).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_stream_its_client_stops_reading_is_given_up_and_its_engine_freed() {
+    let ended = Arc::new(AtomicUsize::new(0));
+    let engine = endless_stream_engine(ended.clone()).await;
+    let router = router_with(&engine, |c| c.limits.write_timeout_ms = 500).await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true});
+    let response = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.version(), reqwest::Version::HTTP_2);
+    // The client keeps the stream open and reads none of it: its flow-control window fills,
+    // while the connection's socket stays free (no write waits on it).
+    eventually(
+        "the router gives the unread stream up and frees its engine",
+        || {
+            let text = http_get(router.admin_addr, "/metrics");
+            let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
+            let given_up = sample(&text, "kvroute_client_timeouts_total{kind=\"unread\"}");
+            let ended = ended.load(Ordering::SeqCst);
+            (
+                ended == 1 && inflight == Some(0.0) && given_up == Some(1.0),
+                (ended, inflight, given_up),
+            )
+        },
+    )
+    .await;
+    drop(response);
+}
+
 /// The router's buffered request bytes now, on the API listener (`kvroute_buffered_bytes`) or
 /// the admin listener (`kvroute_admin_buffered_bytes`).
 fn buffered(router: &RunningRouter, gauge: &str) -> Option<f64> {

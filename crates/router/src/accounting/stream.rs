@@ -6,7 +6,8 @@
 //! `limits.stream_idle_timeout_s` between chunks after it), or the engine's connection fails
 //! mid-body. Each is counted (`kvroute_streams_cut_total{reason}`), the engine connection is
 //! closed (the engine cancels), and an SSE client gets an OpenAI-shaped error event as the
-//! stream's last event rather than a silently truncated stream.
+//! stream's last event rather than a silently truncated stream. A client that stops taking the
+//! stream is given up by its watchdog ([`super::unread`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +21,7 @@ use kvroute_vllm::openai::ApiError;
 use tokio::time::Sleep;
 use tracing::warn;
 
+use super::unread::{Held, SharedHeld};
 use super::{Accounting, Outcome};
 use crate::shutdown::Phase;
 use crate::upstream::Lease;
@@ -74,8 +76,10 @@ pub fn sse_error_event(error: &ApiError) -> Bytes {
 /// away) or cut, the connection is closed and the engine cancels the request.
 pub struct AccountedBody<B> {
     inner: B,
-    accounting: Option<Accounting>,
-    lease: Option<Lease>,
+    /// The accounting and the engine connection, shared with the watchdog.
+    held: SharedHeld,
+    /// Gives the request up when its client stops taking the body.
+    watchdog: Option<tokio::task::JoinHandle<()>>,
     /// Resolves when the router closes; `None` once it did.
     closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     /// When the engine, silent since its last chunk, counts as stalled.
@@ -99,11 +103,17 @@ impl<B> AccountedBody<B> {
         let limits = &router.config().limits;
         let first_byte = Duration::from_secs_f64(limits.response_timeout_s);
         let empty = inner.is_end_stream();
+        let held = SharedHeld::new(parking_lot::Mutex::new(Held {
+            accounting: Some(accounting),
+            lease: Some(lease),
+            ..Held::default()
+        }));
+        let unread = Duration::from_millis(limits.write_timeout_ms);
         let mut body = Self {
             inner,
             closing: Some(Box::pin(router.shutdown().reached(Phase::Closing))),
-            accounting: Some(accounting),
-            lease: Some(lease),
+            watchdog: (!empty).then(|| super::unread::watch(held.clone(), unread)),
+            held,
             stall: Box::pin(tokio::time::sleep(first_byte)),
             idle_timeout: Duration::from_secs_f64(limits.stream_idle_timeout_s),
             sse,
@@ -129,8 +139,12 @@ impl<B> AccountedBody<B> {
     {
         self.inner.cut(why);
         self.done = true;
-        self.lease.take();
-        let Some(mut acc) = self.accounting.take() else {
+        let (acc, lease) = {
+            let mut held = self.held.lock();
+            (held.accounting.take(), held.lease.take())
+        };
+        drop(lease);
+        let Some(mut acc) = acc else {
             return Poll::Ready(None);
         };
         acc.outcome = Some(why.outcome());
@@ -173,12 +187,31 @@ impl<B> AccountedBody<B> {
     /// The body ended: account for it and hand the engine connection back for reuse.
     fn end(&mut self) {
         self.done = true;
-        if let Some(mut acc) = self.accounting.take() {
+        let (acc, lease) = {
+            let mut held = self.held.lock();
+            (held.accounting.take(), held.lease.take())
+        };
+        if let Some(mut acc) = acc {
             acc.ended = true;
         }
-        if let Some(lease) = self.lease.take() {
+        if let Some(lease) = lease {
             lease.release();
         }
+    }
+}
+
+impl<B> Drop for AccountedBody<B> {
+    /// Dropped before its end (the client went away): accounted for now, the engine connection
+    /// closed, the watchdog stopped.
+    fn drop(&mut self) {
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.abort();
+        }
+        let mut held = self.held.lock();
+        let (acc, lease) = (held.accounting.take(), held.lease.take());
+        drop(held);
+        drop(lease);
+        drop(acc);
     }
 }
 
@@ -197,6 +230,16 @@ where
         if self.done {
             return Poll::Ready(None);
         }
+        {
+            let mut held = self.held.lock();
+            if held.given_up {
+                drop(held);
+                self.done = true;
+                return Poll::Ready(None);
+            }
+            // Asked for more: the last chunk was taken.
+            held.handed_out_at = None;
+        }
         if let Some(closing) = self.closing.as_mut()
             && closing.as_mut().poll(cx).is_ready()
         {
@@ -205,8 +248,12 @@ where
         }
         match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(acc)) = (frame.data_ref(), self.accounting.as_mut()) {
-                    acc.observe(data);
+                {
+                    let mut held = self.held.lock();
+                    if let (Some(data), Some(acc)) = (frame.data_ref(), held.accounting.as_mut()) {
+                        acc.observe(data);
+                    }
+                    held.handed_out_at = Some(tokio::time::Instant::now());
                 }
                 let next = tokio::time::Instant::now() + self.idle_timeout;
                 self.stall.as_mut().reset(next);

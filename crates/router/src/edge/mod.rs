@@ -6,11 +6,11 @@
 //! without a byte, and one whose client takes none of the bytes sent to it for
 //! `limits.write_timeout_ms` closes whatever it is doing (a stream its client stopped reading
 //! would otherwise hold its engine and its load forever: a response's own timeouts run only
-//! while the server reads it; over HTTP/2 a stalled stream among moving ones is not seen, its
-//! socket keeps taking bytes). Per request: a declared `Content-Length` above `limits.max_body_bytes` is
-//! answered 413 before any body byte is read, the body must arrive within
-//! `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to the
-//! listener's byte budget until the handler answers (503 when the budget is spent): a declared
+//! while the server reads it; an HTTP/2 stream stalled among moving ones is given up alone, by
+//! its body's watchdog). Per request: a declared `Content-Length` above
+//! `limits.max_body_bytes` is answered 413 before any body byte is read, the body must arrive
+//! within `limits.body_timeout_ms` (408), and each of its bytes is charged, as it arrives, to
+//! the listener's byte budget until the handler answers (503 when the budget is spent): a declared
 //! length costs nothing until its bytes come. An HTTP/1 answer given before the request's body
 //! was read to its end (413, or any early refusal) says `Connection: close` and closes the
 //! connection: the rest of the body is never read, so the connection cannot carry another

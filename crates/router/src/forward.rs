@@ -44,6 +44,10 @@ pub(crate) struct ForwardArgs<'a> {
     /// Set on a P/D decode leg: its transfer is tracked, and it is retried only while the
     /// producer's hold lasts.
     pub(crate) decode: Option<DecodeLeg>,
+    /// The client's connection carries other requests beside this one (HTTP/2): the
+    /// connection's write clock cannot see this response stall, so it gets its own watchdog
+    /// ([`AccountedBody::new`]).
+    pub(crate) multiplexed: bool,
 }
 
 /// The request to send to the engine at `base` (`http://host:port`) with `body`: origin-form
@@ -187,7 +191,13 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let body = TransferBody::new(body, transfer);
         return out
-            .body(Body::new(AccountedBody::new(body, accounting, lease, sse)))
+            .body(Body::new(AccountedBody::new(
+                body,
+                accounting,
+                lease,
+                sse,
+                a.multiplexed,
+            )))
             .unwrap_or_else(|_| {
                 error_response(
                     router,

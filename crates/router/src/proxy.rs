@@ -63,6 +63,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         body,
         client: client_addr(&parts.extensions),
         decode: None,
+        multiplexed: parts.version == http::Version::HTTP_2,
     };
     if let Some(plan) = pd_plan {
         // Two legs when core says they pay.
@@ -116,6 +117,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         method: parts.method,
         path,
         client: client_addr(&parts.extensions),
+        multiplexed: parts.version == http::Version::HTTP_2,
         headers: parts.headers,
         body,
         decode: None,

@@ -94,8 +94,11 @@ pub struct AccountedBody<B> {
 impl<B> AccountedBody<B> {
     /// Wraps `inner`; `sse`: it is a server-sent event stream (ended with an error event when
     /// cut). The engine must send its first body byte within `limits.response_timeout_s` and
-    /// each later one within `limits.stream_idle_timeout_s` of the one before.
-    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool) -> Self
+    /// each later one within `limits.stream_idle_timeout_s` of the one before. `multiplexed`:
+    /// its client's connection carries other requests (HTTP/2), so a watchdog gives the
+    /// request up when its client stops taking the body ([`super::unread`]); over HTTP/1.1 the
+    /// connection's own write clock does, at no cost per request.
+    pub fn new(inner: B, accounting: Accounting, lease: Lease, sse: bool, multiplexed: bool) -> Self
     where
         B: Body,
     {
@@ -112,7 +115,7 @@ impl<B> AccountedBody<B> {
         let mut body = Self {
             inner,
             closing: Some(Box::pin(router.shutdown().reached(Phase::Closing))),
-            watchdog: (!empty).then(|| super::unread::watch(held.clone(), unread)),
+            watchdog: (multiplexed && !empty).then(|| super::unread::watch(held.clone(), unread)),
             held,
             stall: Box::pin(tokio::time::sleep(first_byte)),
             idle_timeout: Duration::from_secs_f64(limits.stream_idle_timeout_s),

@@ -118,6 +118,17 @@ fn counted(served: &Served, metric: &str, label: &str) -> f64 {
     sum_labelled(&router_metrics(served), metric, label)
 }
 
+/// A router in front of one producer (`prefill`) and one consumer (`decode`), with `pd`.
+fn pair_router(producer: &Engine, consumer: &Engine, pd: &str) -> Served {
+    router(
+        &[
+            producer.endpoint("prefill", "prefill"),
+            consumer.endpoint("decode", "decode"),
+        ],
+        pd,
+    )
+}
+
 /// `kvroute serve` in front of `endpoints` with `pd` as its `pd:` section, scraping often.
 fn router(endpoints: &[String], pd: &str) -> Served {
     Serve::new(
@@ -135,13 +146,7 @@ fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);
     let aggregated = Engine::start(&["--engines", "1"], "10");
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
-        "{mode: always, link: ib-400}",
-    );
+    let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/python/pd_route_client.py"
@@ -213,13 +218,7 @@ fn both_legs_share_the_request_id_that_releases_before_0_13_find_the_blocks_by()
     // Before 0.13 the consumer finds the producer's hold by the X-Request-Id both legs carry.
     let producer = Engine::producer(&["--vllm-version", "0.12.0"]);
     let consumer = Engine::consumer("ib-400", &["--vllm-version", "0.12.0"]);
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
-        "{mode: always, link: ib-400}",
-    );
+    let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
     for (salt, stream) in [(1, false), (2, true)] {
         let (status, body) = post(
             served.listen,
@@ -241,11 +240,9 @@ fn both_legs_share_the_request_id_that_releases_before_0_13_find_the_blocks_by()
 fn a_dead_producer_or_a_late_prefill_falls_back_to_aggregated_on_the_decode_pick() {
     let mut producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
+    let served = pair_router(
+        &producer,
+        &consumer,
         "{mode: always, link: ib-400, prefill_deadline_s: 0.3}",
     );
     // A prefill that takes longer than the deadline: served aggregated, in time.
@@ -386,13 +383,7 @@ fn failing_pulls_are_retried_once_elsewhere_then_the_pairs_are_quarantined() {
 fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
-        "{mode: orchestrate, link: tcp}",
-    );
+    let served = pair_router(&producer, &consumer, "{mode: orchestrate, link: tcp}");
     // A side channel outside the fleet, named by the client.
     let trap = ClientParamsTrap::new();
     let mut request = completion(64, 9, 4, false);
@@ -427,13 +418,7 @@ fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);
     consumer.faults(json!({"kv_transfer_failure_fraction": 1.0}));
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
-        "{mode: always, link: ib-400}",
-    );
+    let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
     let (status, body) = post(
         served.listen,
         "/v1/completions",
@@ -460,13 +445,7 @@ fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
 fn a_client_error_of_the_decode_leg_is_no_strike_on_the_pair() {
     let producer = Engine::producer(&[]);
     let consumer = Engine::consumer("ib-400", &[]);
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
-        "{mode: always, link: ib-400}",
-    );
+    let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
     // The prefill leg asks for one token and passes; the decode leg's `max_tokens` is past the
     // model's length, which the decode engine refuses with a 400 error body.
     for salt in 0..4 {
@@ -507,11 +486,9 @@ fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
     let link = "custom:2.5";
     let producer = Engine::producer(&[]);
     let consumer = Engine::start(&["--decode-engines", "1", "--kv-link", link], "1");
-    let served = router(
-        &[
-            producer.endpoint("prefill", "prefill"),
-            consumer.endpoint("decode", "decode"),
-        ],
+    let served = pair_router(
+        &producer,
+        &consumer,
         &format!("{{mode: always, link: '{link}'}}"),
     );
     // A healthy link first: streamed requests teach the pair and strike nothing.

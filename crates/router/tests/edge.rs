@@ -346,6 +346,27 @@ async fn endless_stream_engine(ended: Arc<AtomicUsize>) -> String {
     common::fake_engine(routes).await
 }
 
+/// Waits until the one endless stream's engine request ended, its endpoint's load is released,
+/// and the router counted one client timeout of `kind` (`write`: the connection closed;
+/// `unread`: the stream given up).
+async fn engine_freed(router: &RunningRouter, ended: &AtomicUsize, kind: &str) {
+    let series = format!("kvroute_client_timeouts_total{{kind=\"{kind}\"}}");
+    eventually(
+        "the router gives the stalled client up and frees its engine",
+        || {
+            let text = http_get(router.admin_addr, "/metrics");
+            let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
+            let counted = sample(&text, &series);
+            let ended = ended.load(Ordering::SeqCst);
+            (
+                ended == 1 && inflight == Some(0.0) && counted == Some(1.0),
+                (ended, inflight, counted),
+            )
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_a_stream_is_cut_off_and_its_engine_freed() {
     let ended = Arc::new(AtomicUsize::new(0));
@@ -366,20 +387,7 @@ async fn a_client_that_stops_reading_a_stream_is_cut_off_and_its_engine_freed() 
     let head = read_response(&mut client, "\r\n\r\n").await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // The engine's stream ends, the request's load is released, and the cut is counted.
-    eventually(
-        "the router cuts the stalled client and frees its engine",
-        || {
-            let text = http_get(router.admin_addr, "/metrics");
-            let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
-            let cut = sample(&text, "kvroute_client_timeouts_total{kind=\"write\"}");
-            let ended = ended.load(Ordering::SeqCst);
-            (
-                ended == 1 && inflight == Some(0.0) && cut == Some(1.0),
-                (ended, inflight, cut),
-            )
-        },
-    )
-    .await;
+    engine_freed(&router, &ended, "write").await;
     // The connection was closed: what the client had not read, then the end.
     read_until_closed(&mut client).await;
 }
@@ -404,20 +412,7 @@ async fn an_http2_stream_its_client_stops_reading_is_given_up_and_its_engine_fre
     assert_eq!(response.version(), reqwest::Version::HTTP_2);
     // The client keeps the stream open and reads none of it: its flow-control window fills,
     // while the connection's socket stays free (no write waits on it).
-    eventually(
-        "the router gives the unread stream up and frees its engine",
-        || {
-            let text = http_get(router.admin_addr, "/metrics");
-            let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
-            let given_up = sample(&text, "kvroute_client_timeouts_total{kind=\"unread\"}");
-            let ended = ended.load(Ordering::SeqCst);
-            (
-                ended == 1 && inflight == Some(0.0) && given_up == Some(1.0),
-                (ended, inflight, given_up),
-            )
-        },
-    )
-    .await;
+    engine_freed(&router, &ended, "unread").await;
     drop(response);
 }
 

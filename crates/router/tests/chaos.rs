@@ -310,6 +310,16 @@ async fn the_fleet_survives_restarts_lost_events_a_slow_engine_and_a_router_rest
         noticed.elapsed() < Duration::from_secs(2),
         "index re-synced within 2 s"
     );
+    // The restarted engine holds nothing, and the clients' conversations stay on the engines
+    // that hold them, so it may get no request before the router restarts: one sent straight
+    // to it gives it blocks that the next router must learn from its replay buffer.
+    let direct = http
+        .post(format!("{}/v1/completions", fleet.endpoints[0].url))
+        .json(&json!({"model": MODEL, "prompt": "direct to the restarted engine ".repeat(40), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert!(direct.status().is_success(), "{}", direct.status());
 
     // The router restarts on the same configuration: drained, dropped, started again.
     tokio::time::sleep_until(at(0.4).into()).await;

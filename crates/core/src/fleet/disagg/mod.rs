@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Fleet, Plan};
+use super::{EndpointState, Fleet, Plan};
 use crate::index::EndpointId;
 use crate::schedule::disagg::{
     self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
@@ -90,12 +90,16 @@ struct Transfer {
     /// Its place in the order transfers started, set when tracked (an id may be used again
     /// once its transfer ended).
     serial: u64,
+    /// One of its endpoints left the fleet while it was in flight: its slot may belong to
+    /// another endpoint by the time it is reported, so its report teaches nothing, and its
+    /// bytes no longer queue on anyone's NIC. Kept until its expiry, to recognise that report.
+    departed: bool,
 }
 
 impl Transfer {
     /// Whether its bytes are still on the NICs at `now`.
     fn queued(&self, now: f64) -> bool {
-        self.predicted_end.is_none_or(|end| now < end) && !self.expired(now)
+        !self.departed && self.predicted_end.is_none_or(|end| now < end) && !self.expired(now)
     }
 
     /// Whether it is past its expiry at `now`.
@@ -105,7 +109,7 @@ impl Transfer {
 
     /// Whether its end was lost: past its expiry, and not one whose end the link predicts.
     fn lost(&self, now: f64) -> bool {
-        self.predicted_end.is_none() && self.expired(now)
+        !self.departed && self.predicted_end.is_none() && self.expired(now)
     }
 }
 
@@ -187,7 +191,7 @@ impl DisaggState {
         let mut expired = 0;
         self.transfers.retain(|_, t| {
             expired += u64::from(t.lost(now));
-            t.queued(now)
+            t.queued(now) || (t.departed && !t.expired(now))
         });
         self.dropped.expired += expired;
         self.forget_ended_starts();
@@ -236,6 +240,16 @@ impl DisaggState {
     pub(super) fn forget(&mut self, endpoint: EndpointId) {
         self.links.forget(endpoint);
         self.inflow.remove(&endpoint);
+        for t in self.transfers.values_mut() {
+            if t.prefill == endpoint || t.decode == endpoint {
+                t.departed = true;
+            }
+        }
+    }
+
+    /// Ends `transfer`: its record, if still tracked.
+    fn end(&mut self, transfer: u64) -> Option<Transfer> {
+        self.transfers.remove(&transfer)
     }
 }
 
@@ -457,6 +471,7 @@ impl Fleet {
             expires_at: now + (TRANSFER_EXPIRY_FACTOR * predicted_s).max(TRANSFER_EXPIRY_FLOOR_S),
             predicted_end: None,
             serial: 0,
+            departed: false,
         };
         state.track(transfer, sent, now);
         bytes
@@ -502,13 +517,34 @@ impl Fleet {
         let Some(state) = self.disagg.as_mut() else {
             return 0.0;
         };
-        state.transfers.remove(&transfer).map_or(0.0, |t| t.ahead)
+        state.end(transfer).map_or(0.0, |t| t.ahead)
+    }
+
+    /// Ends transfer `transfer`, reported over `pair`: the bytes that were queued ahead of it,
+    /// or `None` when the report must teach nothing (an endpoint of the pair left the fleet
+    /// while it was in flight, so its slot may name another endpoint now).
+    fn end_reported(
+        &mut self,
+        transfer: u64,
+        (prefill, decode): (EndpointId, EndpointId),
+    ) -> Option<f64> {
+        let present = |id: EndpointId| self.endpoint(id).is_some_and(EndpointState::present);
+        let pair_present = present(prefill) && present(decode);
+        let ended = self.disagg.as_mut()?.end(transfer);
+        match ended {
+            Some(t) if t.departed => None,
+            _ if !pair_present => None,
+            Some(t) => Some(t.ahead),
+            None => Some(0.0),
+        }
     }
 
     /// Transfer `transfer` of `bytes` over `(prefill, decode)` took `seconds` (the engines'
     /// transfer metrics, or the router's leg timings) and ended at `now`: the pair learns from
     /// this transfer's share of the time (the bytes queued ahead of it on a shared NIC are
-    /// contention, priced as backlog, not a slow link), and its bytes leave the NICs.
+    /// contention, priced as backlog, not a slow link), and its bytes leave the NICs. A
+    /// transfer one of whose endpoints left the fleet while it was in flight teaches nothing
+    /// (its slot may name another endpoint by now).
     pub fn observe_transfer(
         &mut self,
         transfer: u64,
@@ -517,7 +553,9 @@ impl Fleet {
         seconds: f64,
         now: f64,
     ) {
-        let ahead = self.transfer_ended(transfer);
+        let Some(ahead) = self.end_reported(transfer, (prefill, decode)) else {
+            return;
+        };
         let Some(state) = self.disagg.as_mut() else {
             return;
         };
@@ -528,14 +566,17 @@ impl Fleet {
     }
 
     /// Transfer `transfer` over `(prefill, decode)` failed at `now`: a strike on the pair
-    /// (repeated ones quarantine it), and its bytes leave the NICs.
+    /// (repeated ones quarantine it), and its bytes leave the NICs; none when one of its
+    /// endpoints left the fleet while it was in flight.
     pub fn observe_failure(
         &mut self,
         transfer: u64,
         (prefill, decode): (EndpointId, EndpointId),
         now: f64,
     ) {
-        self.transfer_ended(transfer);
+        if self.end_reported(transfer, (prefill, decode)).is_none() {
+            return;
+        }
         if let Some(state) = self.disagg.as_mut() {
             state.links.observe_failure(prefill, decode, now);
         }

@@ -144,6 +144,51 @@ fn observed_transfers_teach_the_pair_and_failures_quarantine_it() {
 }
 
 #[test]
+fn a_transfer_whose_endpoint_left_teaches_nothing_to_the_endpoint_that_takes_its_slot() {
+    let mut f = fleet(&[Role::Prefill, Role::Decode]);
+    f.enable_disagg(config("tcp"));
+    let link = (EndpointId(0), EndpointId(1));
+    let prior = f.links().unwrap().bandwidth(link.0, link.1, 0.0);
+    // Transfers from the prefill endpoint are in flight when its pod goes away.
+    let bytes = f.transfer_started(1, link, 4096, 0, BS, 0.0);
+    for id in 10..13 {
+        f.transfer_started(id, link, 4096, 0, BS, 0.0);
+    }
+    f.remove_endpoint(link.0, 0.5);
+    // Reported before the slot is reused: nothing to teach, the pair is gone.
+    f.observe_failure(10, link, 0.6);
+    // A new pod takes the slot; the old transfers' reports arrive after.
+    let spec = EndpointSpec {
+        name: "new".into(),
+        models: vec!["m".into()],
+        role: Role::Prefill,
+        has_events: true,
+        block_size: BS,
+        offload: Default::default(),
+    };
+    assert_eq!(
+        f.add_endpoint(spec, 1.0).unwrap(),
+        link.0,
+        "the slot is reused"
+    );
+    f.observe_transfer(1, link, bytes, 100.0 * bytes / prior, 1.5);
+    f.observe_failure(11, link, 2.0);
+    f.observe_failure(12, link, 3.0);
+    let links = f.links().unwrap();
+    assert_eq!(links.bandwidth(link.0, link.1, 3.0), prior);
+    assert_eq!(
+        links.health(link.0, link.1, 3.0),
+        LinkHealth::Healthy { samples: 0 }
+    );
+    // Each report ended its transfer.
+    assert_eq!(f.transfers_tracked(), 0);
+    // The new pod's own transfers teach its pair.
+    let bytes = f.transfer_started(2, link, 4096, 0, BS, 4.0);
+    f.observe_transfer(2, link, bytes, 2.0 * bytes / prior, 5.0);
+    assert!(f.links().unwrap().bandwidth(link.0, link.1, 5.0) < prior);
+}
+
+#[test]
 fn the_inflow_is_the_recent_work_per_second_and_fades() {
     let mut state = DisaggState::new(config("tcp"));
     let (a, b) = (EndpointId(0), EndpointId(1));

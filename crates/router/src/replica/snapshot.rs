@@ -62,51 +62,42 @@ pub struct EndpointSnapshot {
     pub blocks: Vec<HeldEntry>,
 }
 
-/// Builds the snapshot of every endpoint with events, or only of the one whose URL is `only`,
-/// each under its ingest lock (so that its index and sequence agree: no batch is applied
-/// meanwhile). `None` when this replica keeps no journal.
-pub fn build(router: &Router, only: Option<&str>) -> Option<Snapshot> {
-    if !router.replica().keeps_journal() {
+/// One endpoint's snapshot, built under its ingest lock (so that its index and sequence agree:
+/// no batch is applied meanwhile); `None` when it has no events, has left the fleet, or this
+/// replica keeps no journal.
+fn endpoint_snapshot(router: &Router, e: &crate::endpoint::Endpoint) -> Option<EndpointSnapshot> {
+    e.config.events.as_ref()?;
+    let _ingest = e.ingest.lock();
+    let now = router.now();
+    let fleet = router.fleet();
+    if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
         return None;
     }
-    let mut snapshot = Snapshot::default();
-    for e in router.endpoints() {
-        if e.config.events.is_none() || only.is_some_and(|url| url != e.config.url) {
-            continue;
-        }
-        let _ingest = e.ingest.lock();
-        let now = router.now();
-        let fleet = router.fleet();
-        if !fleet.endpoint(e.id).is_some_and(|s| s.present()) {
-            continue;
-        }
-        let Some(index) = fleet.index_of(e.id).cloned() else {
-            continue;
-        };
-        let trusted = fleet.trust(e.id, now).is_ok();
-        let Some(layout) = fleet.key_layout(e.id) else {
-            continue;
-        };
-        let seq = router.replica().journal()?.seq(e.id);
-        let (blocks, tier_uncertain) = index.read_endpoint(e.id, |ix| {
-            (ix.endpoint_blocks(e.id).collect(), ix.tier_uncertain(e.id))
-        });
-        drop(fleet);
-        snapshot.endpoints.push(EndpointSnapshot {
-            url: e.config.url.clone(),
-            layout,
-            seq,
-            trusted,
-            tier_uncertain,
-            blocks,
-        });
-    }
-    Some(snapshot)
+    let index = fleet.index_of(e.id).cloned()?;
+    let trusted = fleet.trust(e.id, now).is_ok();
+    let layout = fleet.key_layout(e.id)?;
+    let seq = router.replica().journal()?.seq(e.id);
+    let (blocks, tier_uncertain) = index.read_endpoint(e.id, |ix| {
+        (ix.endpoint_blocks(e.id).collect(), ix.tier_uncertain(e.id))
+    });
+    drop(fleet);
+    Some(EndpointSnapshot {
+        url: e.config.url.clone(),
+        layout,
+        seq,
+        trusted,
+        tier_uncertain,
+        blocks,
+    })
 }
 
 /// `GET /kvroute/v1/snapshot[?endpoint=URL]`: this replica's index for a starting peer, every
 /// endpoint or the one named (none when it has no such endpoint with events); 404 when it keeps
 /// none, 503 while it is warming up itself, 409 to itself.
+///
+/// The answer is a [`Snapshot`] written one endpoint at a time as the peer reads it: each
+/// endpoint's blocks are collected and serialised only when the previous one has been sent,
+/// so that a whole fleet's index (the answer without the query) never sits in memory at once.
 pub async fn snapshot(
     State(router): State<Arc<Router>>,
     Query(query): Query<SnapshotQuery>,
@@ -121,16 +112,36 @@ pub async fn snapshot(
             &ApiError::unavailable("this replica is warming up itself"),
         );
     }
-    let Some(snapshot) = build(&router, query.endpoint.as_deref()) else {
+    if !router.replica().keeps_journal() {
         return error_response(
             &router,
             &ApiError::not_found("this replica keeps no snapshot: replicas.peers is empty"),
         );
-    };
-    match serde_json::to_vec(&snapshot) {
-        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
-        Err(e) => error_response(&router, &ApiError::new(500, e.to_string())),
     }
+    let only = query.endpoint;
+    let endpoints: Vec<_> = router
+        .endpoints()
+        .iter()
+        .filter(|e| only.as_ref().is_none_or(|url| *url == e.config.url))
+        .cloned()
+        .collect();
+    let parts = endpoints
+        .into_iter()
+        .filter_map(move |e| endpoint_snapshot(&router, &e))
+        .enumerate()
+        .map(|(i, entry)| {
+            let mut part = if i == 0 { b"".to_vec() } else { b",".to_vec() };
+            serde_json::to_writer(&mut part, &entry)?;
+            Ok::<_, serde_json::Error>(Bytes::from(part))
+        });
+    let body = std::iter::once(Ok(Bytes::from_static(b"{\"endpoints\":[")))
+        .chain(parts)
+        .chain(std::iter::once(Ok(Bytes::from_static(b"]}"))));
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(futures::stream::iter(body)),
+    )
+        .into_response()
 }
 
 /// Why a peer's snapshot was not had.

@@ -63,6 +63,12 @@ pub struct BlockStored {
     pub extra_keys: Option<Vec<BlockExtraKeys>>,
     /// KV-cache group index (0.20+); 0 for plain models.
     pub group_idx: Option<i64>,
+    /// The attention kind of the group's layers (0.22+): `full_attention`, `mla_attention`,
+    /// `sliding_window`, `mamba`, ... A hybrid model numbers its groups in the order their
+    /// kinds first appear among its layers, so group 0 may be a sliding-window or Mamba group;
+    /// this says which group holds whole prefixes.
+    #[serde(default)]
+    pub kv_cache_spec_kind: Option<String>,
 }
 
 /// Blocks evicted from one tier of an engine's cache.

@@ -152,14 +152,14 @@ fn refresh_gauges(router: &Router) {
                     .get_or_create(l, TierLabel { tier: name })
                     .set(value as i64);
             }
-            m.events
-                .get_or_create(
-                    l,
-                    KindLabel {
-                        kind: "orphan_blocks",
-                    },
-                )
-                .set(stats.orphan_blocks as i64);
+            for (kind, value) in [
+                ("orphan_blocks", stats.orphan_blocks),
+                ("ignored_group_blocks", stats.ignored_group_blocks),
+            ] {
+                m.events
+                    .get_or_create(l, KindLabel { kind })
+                    .set(value as i64);
+            }
         }
         if let Some(sub) = e.subscriber.lock().as_ref() {
             for (_, feed) in sub.stats() {

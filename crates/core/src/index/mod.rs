@@ -25,12 +25,14 @@
 //!   events, and an endpoint that lost them is the one that grew; within it, the entries not
 //!   re-stored lately are the ones its engine most likely evicted. At `capacity` itself the
 //!   hand stops giving second chances, so the bound is never exceeded.
-//! - **Group 0 only.** Hybrid models publish per-KV-group events (`group_idx`); the prefix index
-//!   tracks group 0, the one every model has, and counts the others as ignored.
+//! - **One KV-cache group.** Hybrid models publish per-KV-group events (`group_idx`); the prefix
+//!   index tracks their full-attention group (group 0 until the events say which,
+//!   [`groups`]) and counts the others as ignored.
 
 mod bound;
 mod chunked;
 mod fleet_tier;
+mod groups;
 mod holders;
 mod lookup;
 mod offload;
@@ -48,6 +50,7 @@ use crate::CoreError;
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use crate::keys::{ExtraKey, ROOT_KEY, RouterKey, router_key};
 use fleet_tier::{FleetTier, SharedFleetTier};
+use groups::GroupVerdict;
 use holders::{Holders, WideHolders};
 use offload::{EndpointOffload, Place, Tables, chunk_chain, remove_block, resolve, store_block};
 use runs::RunChain;
@@ -112,7 +115,8 @@ pub struct EndpointIndexStats {
     pub block_size_mismatches: u64,
     /// Blocks refused because the event was inconsistent (token count, extra-keys length).
     pub malformed_blocks: u64,
-    /// Blocks of KV groups other than 0 (hybrid models), not indexed.
+    /// Blocks of KV groups other than the one tracked (hybrid models' sliding-window, Mamba or
+    /// second full-attention groups), not indexed.
     pub ignored_group_blocks: u64,
     /// Times the endpoint's cache was cleared (`AllBlocksCleared`, restart, removal).
     pub clears: u64,
@@ -173,6 +177,8 @@ struct EndpointState {
     stats: EndpointIndexStats,
     /// Offloaded tiers' bookkeeping, once the endpoint has any.
     offload: Option<Box<EndpointOffload>>,
+    /// Which of its KV-cache groups is tracked.
+    group: groups::PrefixGroup,
 }
 
 /// The KV block index. Single-threaded; wrap it in a [`SharedIndex`] to share it.
@@ -323,6 +329,7 @@ impl KvIndex {
                 hand: Position::default(),
                 stats: EndpointIndexStats::default(),
                 offload: None,
+                group: groups::PrefixGroup::default(),
             }
         })
     }
@@ -436,10 +443,21 @@ impl KvIndex {
         let bs = self.config.block_size;
         self.add_endpoint(endpoint);
         let state = self.endpoints.get_mut(&endpoint).expect("just registered");
-        if event.group_idx.is_some_and(|g| g != 0) {
-            state.stats.ignored_group_blocks += n;
-            return;
+        match state
+            .group
+            .stored(event.group_idx, event.kv_cache_spec_kind.as_deref())
+        {
+            GroupVerdict::Index => {}
+            GroupVerdict::Ignore => {
+                state.stats.ignored_group_blocks += n;
+                return;
+            }
+            GroupVerdict::ClearThenIndex => {
+                self.clear_endpoint(endpoint);
+                return self.apply_stored(endpoint, event);
+            }
         }
+        let state = self.endpoints.get_mut(&endpoint).expect("just registered");
         let place = EndpointOffload::place(state.offload.as_deref(), event.medium.as_deref());
         let gpu = place == Place::Local(Tier::Gpu);
         if !gpu && state.offload.is_none() {
@@ -588,7 +606,7 @@ impl KvIndex {
     fn apply_removed(&mut self, endpoint: EndpointId, event: &BlockRemoved) {
         self.add_endpoint(endpoint);
         let state = self.endpoints.get_mut(&endpoint).expect("just registered");
-        if event.group_idx.is_some_and(|g| g != 0) {
+        if !state.group.removed(event.group_idx) {
             state.stats.ignored_group_blocks += event.block_hashes.len() as u64;
             return;
         }

@@ -173,6 +173,60 @@ fn refused_events_are_counted_and_change_nothing() {
     assert_eq!(ix.block_count(), 0);
 }
 
+/// `event` (a BlockStored or BlockRemoved) as group `group`'s, of `kind` when stored.
+fn in_group(event: KvEvent, group: i64, kind: &str) -> KvEvent {
+    match event {
+        KvEvent::BlockStored(e) => KvEvent::BlockStored(BlockStored {
+            group_idx: Some(group),
+            kv_cache_spec_kind: Some(kind.into()),
+            ..e
+        }),
+        KvEvent::BlockRemoved(e) => KvEvent::BlockRemoved(BlockRemoved {
+            group_idx: Some(group),
+            ..e
+        }),
+        other => other,
+    }
+}
+
+/// A hybrid model whose first layer slides (gpt-oss, Gemma 3): its group 0 is the
+/// sliding-window group, which frees a running prompt's early blocks (evicted soon after), and
+/// its group 1 the full-attention one. The index follows group 1, so the whole prefix is found
+/// however group 0's events begin.
+#[test]
+fn a_hybrid_models_prefix_is_found_in_its_full_attention_group() {
+    let doc = tokens(6, 3);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    for sliding_first in [true, false] {
+        let mut ix = index();
+        let sliding = in_group(stored(1, &doc, 0, 6, "GPU"), 0, "sliding_window");
+        let full = in_group(stored(1, &doc, 0, 6, "GPU"), 1, "full_attention");
+        let events = if sliding_first {
+            [sliding, full]
+        } else {
+            [full, sliding]
+        };
+        ix.apply(E0, &events);
+        // The sliding-window group evicts the blocks that left its window.
+        ix.apply(E0, &[in_group(removed(1, &doc, &[0, 1, 2], "GPU"), 0, "")]);
+        assert_eq!(
+            ix.lookup(&keys).blocks(E0),
+            6,
+            "sliding first: {sliding_first}"
+        );
+        let s = ix.endpoint_stats(E0).unwrap();
+        assert_eq!(s.ignored_group_blocks, 3 + u64::from(!sliding_first) * 6);
+        assert_eq!(
+            s.clears,
+            u64::from(sliding_first),
+            "group 0's blocks dropped once"
+        );
+        // The full-attention group's own evictions apply.
+        ix.apply(E0, &[in_group(removed(1, &doc, &[4, 5], "GPU"), 1, "")]);
+        assert_eq!(ix.lookup(&keys).blocks(E0), 4);
+    }
+}
+
 #[test]
 fn lora_name_without_extra_keys_matches_lora_requests() {
     let mut ix = index();

@@ -578,8 +578,8 @@ impl<'a> Reader<'a> {
     /// Reads field `i` of `BlockStored` (declaration order, as in [`STORED_FIELDS`]); nil means
     /// absent.
     fn stored_field(&mut self, e: &mut StoredFields, i: usize, depth: u16) -> Res<()> {
-        if i > 8 {
-            // Fields kvroute does not model (kv_cache_spec_kind, locality, ...).
+        if i > 9 {
+            // Fields kvroute does not model (kv_cache_spec_sliding_window, locality, ...).
             return self.skip(depth);
         }
         if self.nil(depth)? {
@@ -594,7 +594,8 @@ impl<'a> Reader<'a> {
             5 => e.medium = Some(self.string(depth, "medium")?),
             6 => e.lora_name = Some(self.string(depth, "lora_name")?),
             7 => e.extra_keys = Some(self.extra_keys(depth)?),
-            _ => e.group_idx = Some(self.i64(depth, "group_idx")?),
+            8 => e.group_idx = Some(self.i64(depth, "group_idx")?),
+            _ => e.kv_cache_spec_kind = Some(self.string(depth, "kv_cache_spec_kind")?),
         }
         Ok(())
     }
@@ -831,6 +832,7 @@ struct StoredFields {
     lora_name: Option<String>,
     extra_keys: Option<Vec<BlockExtraKeys>>,
     group_idx: Option<i64>,
+    kv_cache_spec_kind: Option<String>,
 }
 
 impl StoredFields {
@@ -848,6 +850,7 @@ impl StoredFields {
             lora_name: self.lora_name,
             extra_keys: self.extra_keys,
             group_idx: self.group_idx,
+            kv_cache_spec_kind: self.kv_cache_spec_kind,
         })
     }
 }

@@ -176,7 +176,7 @@ fn stored_values(e: &BlockStored, hashes: HashEncoding) -> Vec<Value> {
         opt(&e.lora_name, |n| Value::from(n.as_str())),
         opt(&e.extra_keys, |k| extra_keys_value(k)),
         opt(&e.group_idx, |g| Value::from(*g)),
-        Value::Nil,
+        opt(&e.kv_cache_spec_kind, |k| Value::from(k.as_str())),
         Value::Nil,
         Value::Nil,
         Value::Nil,

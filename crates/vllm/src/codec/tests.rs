@@ -301,8 +301,9 @@ fn arb_event(full: bool) -> impl Strategy<Value = KvEvent> {
             0..4,
         )),
         proptest::option::of(0i64..4),
+        proptest::option::of("[a-z_]{1,16}"),
     )
-        .prop_map(move |(h, p, t, bs, lid, m, ln, ek, g)| {
+        .prop_map(move |(h, p, t, bs, lid, m, ln, ek, g, kind)| {
             KvEvent::BlockStored(BlockStored {
                 block_hashes: h,
                 parent_block_hash: p,
@@ -313,6 +314,7 @@ fn arb_event(full: bool) -> impl Strategy<Value = KvEvent> {
                 lora_name: if full { ln } else { None },
                 extra_keys: if full { ek } else { None },
                 group_idx: if full { g } else { None },
+                kv_cache_spec_kind: if full { kind } else { None },
             })
         });
     let removed = (
@@ -550,6 +552,7 @@ mod reference {
                 lora_name: opt_string("lora_name")?,
                 extra_keys: fields.get("extra_keys").map(extra_keys).transpose()?,
                 group_idx: opt_int("group_idx")?,
+                kv_cache_spec_kind: opt_string("kv_cache_spec_kind")?,
             }),
             "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: hashes(fields.get("block_hashes"))?,

@@ -558,11 +558,21 @@ impl KvIndex {
         // Keys first, then the tables' slots fetched for the whole batch at once, so that a
         // large index waits for memory about once per batch rather than twice per block.
         let first_parent = parent;
+        // vLLM's OffloadingConnector publishes its self-describing payloads without extra keys
+        // (deferred), so a block that had some (a cache salt, multimodal hashes) cannot be keyed
+        // again from its tokens: a block the endpoint already holds keeps the key its own GPU
+        // event gave it, found by engine hash (a key computed without them would replace the
+        // right one).
+        let keeps_known_key = !gpu && per_hash == 1 && event.extra_keys.is_none();
         let keys: Vec<RouterKey> = event
             .token_ids
             .chunks_exact(bs)
             .enumerate()
             .map(|(i, tokens)| {
+                if keeps_known_key && let Some(held) = state.blocks.get(event.block_hashes[i].0) {
+                    parent = held.router_key();
+                    return parent;
+                }
                 // Before 0.17 events carry no extra keys, but LoRA blocks were hashed with the
                 // adapter name: put it back so LoRA requests find them.
                 let block_extra = match per_block {

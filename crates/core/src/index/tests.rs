@@ -247,6 +247,37 @@ fn lora_name_without_extra_keys_matches_lora_requests() {
     );
 }
 
+/// vLLM's OffloadingConnector describes the blocks it stores on CPU without their extra keys: a
+/// salted prompt's blocks keep the key their GPU event gave them (found by engine hash), so the
+/// salted request still finds its prefix, now on both tiers, and an unsalted one does not.
+#[test]
+fn a_self_describing_offload_without_extra_keys_keeps_a_salted_blocks_key() {
+    let mut ix = index();
+    let doc = tokens(3, 5);
+    let salted = crate::keys::request_extra_keys(3, None, Some("tenant-a"));
+    let KvEvent::BlockStored(mut gpu) = stored(1, &doc, 0, 3, "GPU") else {
+        unreachable!()
+    };
+    gpu.extra_keys = Some(salted.clone());
+    ix.apply(E0, &[KvEvent::BlockStored(gpu)]);
+    let salted_keys = router_keys(&doc, BS, Some(&salted)).unwrap();
+    assert_eq!(ix.lookup(&salted_keys).blocks(E0), 3);
+    ix.apply(E0, &[stored(1, &doc, 0, 3, "CPU")]);
+    assert_eq!(ix.lookup(&salted_keys).blocks(E0), 3);
+    let s = ix.endpoint_stats(E0).unwrap();
+    assert_eq!((s.blocks_gpu, s.blocks_cpu), (3, 3));
+    let plain = router_keys(&doc, BS, None).unwrap();
+    assert_eq!(
+        ix.lookup(&plain).blocks(E0),
+        0,
+        "no unsalted prefix made up"
+    );
+    // Evicted from the GPU, the blocks are still found, on CPU.
+    ix.apply(E0, &[removed(1, &doc, &[0, 1, 2], "GPU")]);
+    let m = *ix.lookup(&salted_keys).get(E0).unwrap();
+    assert_eq!((m.blocks, m.cpu_blocks), (3, 3));
+}
+
 #[test]
 fn many_endpoints_beyond_one_word_of_slots() {
     let mut ix = index();

@@ -314,6 +314,57 @@ fn bench_refuses_bad_arguments_clearly() {
     refused(&output, &["--trace"]);
     let output = kvroute(&["bench", "compare", "/nonexistent.json"], "");
     refused(&output, &["nonexistent.json"]);
+    // Numbers that cannot be durations are refused when parsed, not a panic later.
+    for (args, name) in [
+        (&["bench", "--timeout-s", "NaN"][..], "--timeout-s"),
+        (&["bench", "--timeout-s", "1e30"][..], "--timeout-s"),
+        (
+            &["simulate", "--request-latency", "100000000000000000000s"][..],
+            "--request-latency",
+        ),
+        (&["simulate", "--think-s=-5"][..], "--think-s"),
+        (&["simulate", "--think-s", "inf"][..], "--think-s"),
+        (&["tune", "--policy", "round-robin"][..], "round-robin"),
+    ] {
+        let output = kvroute(args, "");
+        refused(&output, &[name]);
+        assert_ne!(output.status.code(), Some(101), "a panic: {args:?}");
+    }
+}
+
+/// A trace whose next request comes decades later: the simulator skips the idle scrapes between
+/// (one per 100 ms of simulated time would take hours) and serves both requests.
+#[test]
+fn simulate_skips_ahead_over_a_long_idle_gap() {
+    let dir = ScratchDir::new("simulate-gap");
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1000000000000, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let simulated = kvroute(
+        &[
+            "simulate",
+            "--workload",
+            "trace",
+            "--trace",
+            &path(&trace),
+            "--policy",
+            "precise",
+            "--out",
+            &path(&out),
+        ],
+        "",
+    );
+    succeeded(&simulated);
+    let runs: Vec<serde_json::Value> = read_json(&out.join("simulate.json"));
+    let records = runs[0]["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2);
+    assert!(records[1]["start_s"].as_f64().unwrap() >= 1e9);
+    assert!(records.iter().all(|r| r["error"].is_null()), "{records:?}");
 }
 
 #[test]

@@ -711,11 +711,28 @@ impl RouterConfig {
 /// overflow (and from 2⁶⁴ seconds on, panic), and no timeout means that much.
 pub(crate) const MAX_SECONDS: f64 = 1e9;
 
+/// The most index shards accepted: one writer each, so more than a large machine's cores gain
+/// nothing, and each is allocated up front.
+const MAX_INDEX_SHARDS: usize = 1024;
+
 /// The smallest `kv_events.max_message_bytes` accepted: below it, ordinary batches would be refused.
 const MIN_KV_EVENT_MESSAGE_BYTES: usize = 64 << 10;
 
 /// The largest `kv_events.max_message_bytes` accepted (each subscriber may queue four).
 const MAX_KV_EVENT_MESSAGE_BYTES: usize = 1 << 30;
+
+/// Whether `addr` is `tcp://host:port` with a host and a port of 1–65535 (an address to
+/// connect to: no wildcard host).
+fn is_tcp_host_port(addr: &str) -> bool {
+    addr.strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .is_some_and(|(host, port)| {
+            !host.is_empty()
+                && host != "*"
+                && !host.contains(char::is_whitespace)
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
+        })
+}
 
 fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
@@ -751,19 +768,39 @@ impl EndpointConfig {
             .url
             .parse()
             .map_err(|err| invalid(&field("url"), format!("{:?} is not a URL: {err}", e.url)))?;
-        if url.scheme_str() != Some("http") || url.host().is_none() {
+        if url.scheme_str() != Some("http") || url.host().is_none_or(str::is_empty) {
             return Err(invalid(
                 &field("url"),
                 format!("{:?} must be http://host:port", e.url),
             ));
         }
+        let authority = url.authority().map_or("", |a| a.as_str());
+        if authority.contains('@') {
+            // They would go to the engine in no header and into every error that names it.
+            return Err(invalid(
+                &field("url"),
+                "must not carry credentials (user:password@): put the engine behind no password, or front it with a proxy that adds them",
+            ));
+        }
+        if authority
+            .rsplit_once(':')
+            .is_some_and(|(_, port)| port.parse::<u16>().map_or(true, |p| p == 0))
+        {
+            return Err(invalid(
+                &field("url"),
+                format!("{:?}: the port must be within 1–65535", e.url),
+            ));
+        }
+        if e.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            return Err(invalid(&field("name"), "must not be empty"));
+        }
         for (f, addr) in [("events", &e.events), ("replay", &e.replay)] {
             if let Some(addr) = addr
-                && !addr.starts_with("tcp://")
+                && !is_tcp_host_port(addr)
             {
                 return Err(invalid(
                     &field(f),
-                    format!("{addr:?} must be tcp://host:port"),
+                    format!("{addr:?} must be tcp://host:port (a port within 1–65535)"),
                 ));
             }
         }
@@ -837,9 +874,16 @@ impl RouterConfig {
             }
         }
         let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        if let Some(i) = (1..names.len()).find(|&i| names[..i].contains(&names[i])) {
+            return Err(invalid(
+                &format!("models[{i}].name"),
+                format!("{:?} is configured twice", names[i]),
+            ));
+        }
         for (i, e) in self.endpoints.iter().enumerate() {
             e.validate(&format!("endpoints[{i}]"), &names)?;
         }
+        self.validate_endpoints_distinct()?;
         let s = &self.scheduler;
         if !(s.prefill_tokens_per_s.is_finite() && s.prefill_tokens_per_s > 0.0) {
             return Err(invalid(
@@ -908,6 +952,44 @@ impl RouterConfig {
             return Err(invalid(
                 "scheduler.picker.temperature_s",
                 "must be positive",
+            ));
+        }
+        if let Some(v) = s.filters.max_waiting
+            && !(v.is_finite() && v >= 0.0)
+        {
+            return Err(invalid(
+                "scheduler.filters.max_waiting",
+                "must be finite and not negative",
+            ));
+        }
+        if let Some(v) = s.filters.max_kv_usage
+            && !(0.0..=1.0).contains(&v)
+        {
+            return Err(invalid(
+                "scheduler.filters.max_kv_usage",
+                "must be within 0–1",
+            ));
+        }
+        if let Some(sat) = &s.saturation {
+            if !(sat.queue.is_finite() && sat.queue > 0.0) {
+                return Err(invalid(
+                    "scheduler.saturation.queue",
+                    "must be positive (at 0 an idle engine counts as saturated and every request is held)",
+                ));
+            }
+            if !(sat.kv_usage > 0.0 && sat.kv_usage <= 1.0) {
+                return Err(invalid(
+                    "scheduler.saturation.kv_usage",
+                    "must be within 0–1 and above 0",
+                ));
+            }
+        }
+        if !(1..=MAX_INDEX_SHARDS).contains(&self.cache.index_shards) {
+            return Err(invalid(
+                "cache.index_shards",
+                format!(
+                    "must be within 1–{MAX_INDEX_SHARDS} (each is allocated up front; more shards than cores gain nothing)"
+                ),
             ));
         }
         if !(self.flow.max_wait_s.is_finite() && self.flow.max_wait_s > 0.0) {
@@ -985,6 +1067,34 @@ impl RouterConfig {
 
 impl RouterConfig {
     /// Checks the HTTP edge: limits and the admin listener.
+    /// Two endpoints that are one engine (the same URL, or the same KV-event address) would
+    /// split its load and its cache picture in two; two of one name would share its metrics.
+    fn validate_endpoints_distinct(&self) -> Result<(), RouterError> {
+        let endpoints = &self.endpoints;
+        for (i, e) in endpoints.iter().enumerate() {
+            let earlier = &endpoints[..i];
+            let same_url = earlier
+                .iter()
+                .any(|o| o.url.trim_end_matches('/') == e.url.trim_end_matches('/'));
+            let same_events = e
+                .events
+                .as_ref()
+                .is_some_and(|ev| earlier.iter().any(|o| o.events.as_ref() == Some(ev)));
+            let same_name = e
+                .name
+                .as_ref()
+                .is_some_and(|n| earlier.iter().any(|o| o.name.as_ref() == Some(n)));
+            let why = match (same_url, same_events, same_name) {
+                (true, ..) => format!("{:?} is another endpoint's URL", e.url),
+                (_, true, _) => format!("{:?} is another endpoint's events address", e.events),
+                (.., true) => format!("{:?} is another endpoint's name", e.name),
+                _ => continue,
+            };
+            return Err(invalid(&format!("endpoints[{i}]"), why));
+        }
+        Ok(())
+    }
+
     fn validate_edge(&self) -> Result<(), RouterError> {
         let l = &self.limits;
         for (field, value) in [
@@ -1158,6 +1268,62 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1', models: [x]}]",
                 "endpoints[0].models",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://user:pw@a:1'}]",
+                "must not carry credentials",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:99999'}]",
+                "endpoints[0].url",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', events: 'tcp://'}]",
+                "endpoints[0].events",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', events: 'tcp://a:1', replay: 'tcp://*:2'}]",
+                "endpoints[0].replay",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', name: ' '}]",
+                "endpoints[0].name",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}, {url: 'http://a:1/'}]",
+                "endpoints[1]: \"http://a:1/\" is another endpoint's URL",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', events: 'tcp://a:5'}, {url: 'http://b:1', events: 'tcp://a:5'}]",
+                "another endpoint's events address",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1', name: x}, {url: 'http://b:1', name: x}]",
+                "another endpoint's name",
+            ),
+            (
+                "models: [{name: m}, {name: m}]\nendpoints: [{url: 'http://a:1'}]",
+                "models[1].name",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {saturation: {queue: 0}}",
+                "scheduler.saturation.queue",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {saturation: {kv_usage: .nan}}",
+                "scheduler.saturation.kv_usage",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {filters: {max_waiting: -1}}",
+                "scheduler.filters.max_waiting",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {filters: {max_kv_usage: -0.5}}",
+                "scheduler.filters.max_kv_usage",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\ncache: {index_shards: 100000000}",
+                "cache.index_shards",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1', urll: 3}]",

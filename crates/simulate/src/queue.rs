@@ -82,6 +82,11 @@ impl Queue {
         });
     }
 
+    /// When the next event is due, if any.
+    pub fn next_at(&self) -> Option<f64> {
+        self.heap.peek().map(|s| s.at)
+    }
+
     /// The next event, advancing time to it.
     pub fn pop(&mut self) -> Option<Event> {
         let next = self.heap.pop()?;

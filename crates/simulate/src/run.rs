@@ -122,7 +122,8 @@ pub fn run(
                     policy.load_sample(e, o.waiting, o.running, o.kv_usage, now);
                 }
                 if run.sessions_left > 0 {
-                    run.queue.push(now + fleet.scrape_interval_s, Event::Scrape);
+                    run.queue
+                        .push(run.next_scrape(now, fleet.scrape_interval_s), Event::Scrape);
                 }
                 run.retry_held(now, policy);
             }
@@ -148,7 +149,30 @@ pub fn run(
     })
 }
 
+/// Scrape intervals in a row with nothing happening after which scrapes skip ahead: by then
+/// every sample of an idle fleet is the same and whatever follows them has settled, so skipping
+/// them changes no decision, while a far-off next arrival (a long think time, a sparse trace)
+/// no longer costs a scrape per interval of simulated time.
+const IDLE_SCRAPES_SKIPPED_AFTER: f64 = 10_000.0;
+
 impl Run<'_> {
+    /// When the scrape after one at `now` is due: one interval later, or, when nothing at all
+    /// happens for more than [`IDLE_SCRAPES_SKIPPED_AFTER`] intervals (no event is due and no
+    /// request is held), the last scrape on the same grid before the next event.
+    fn next_scrape(&self, now: f64, interval_s: f64) -> f64 {
+        let next = now + interval_s;
+        match self.queue.next_at() {
+            Some(at)
+                if self.held.is_empty()
+                    && interval_s > 0.0
+                    && at - now > IDLE_SCRAPES_SKIPPED_AFTER * interval_s =>
+            {
+                now + ((at - now) / interval_s).floor().max(1.0) * interval_s
+            }
+            _ => next,
+        }
+    }
+
     /// Schedules session `s`'s next turn after its think time from `at`, or ends the session.
     fn schedule_turn(&mut self, s: usize, at: f64) {
         match self.client.think_before_next(s) {

@@ -51,7 +51,7 @@ struct RunArgs {
     #[command(flatten)]
     workload: WorkloadArgs,
     /// Per-request timeout, seconds.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = 300.0, value_parser = super::numbers::positive_seconds)]
     timeout_s: f64,
     /// Also print the ceiling: the hit rate of one cache of this many blocks (the fleet's
     /// total) serving the same requests in order.

@@ -143,8 +143,12 @@ impl EngineArgs {
             },
         };
         if let Some(path) = &self.offload_config {
-            let yaml = read_bounded(path, MAX_OFFLOAD_CONFIG_BYTES)
-                .with_context(|| format!("reading --offload-config {}", path.display()))?;
+            let yaml = super::files::read_bounded(
+                path,
+                MAX_OFFLOAD_CONFIG_BYTES,
+                "an offload configuration",
+            )
+            .with_context(|| format!("reading --offload-config {}", path.display()))?;
             apply_offload_config(&yaml, &mut config)
                 .with_context(|| format!("--offload-config {}", path.display()))?;
         }
@@ -154,17 +158,3 @@ impl EngineArgs {
 
 /// An offload configuration is a few tiers: anything larger is not one.
 const MAX_OFFLOAD_CONFIG_BYTES: u64 = 1 << 20;
-
-/// Reads a text file of at most `limit` bytes; a larger one is an error, not read whole.
-fn read_bounded(path: &std::path::Path, limit: u64) -> anyhow::Result<String> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(path)?
-        .take(limit + 1)
-        .read_to_string(&mut text)?;
-    anyhow::ensure!(
-        text.len() as u64 <= limit,
-        "larger than {limit} bytes: not an offload configuration"
-    );
-    Ok(text)
-}

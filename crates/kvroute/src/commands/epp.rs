@@ -25,7 +25,7 @@ pub struct EppArgs {
     #[arg(long, default_value_t = 3)]
     fallbacks: usize,
     /// Report ready after this many seconds even if a KV-event subscriber never connected.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = super::numbers::seconds)]
     ready_after_s: f64,
 }
 
@@ -35,7 +35,7 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
     let options = EppOptions {
         listen: args.grpc_listen,
         fallbacks: args.fallbacks,
-        ready_after: Duration::from_secs_f64(args.ready_after_s.max(0.0)),
+        ready_after: Duration::from_secs_f64(args.ready_after_s),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

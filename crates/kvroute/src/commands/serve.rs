@@ -25,11 +25,14 @@ pub struct ServeArgs {
     listen: Option<SocketAddr>,
 }
 
+/// The largest configuration read: a thousand endpoints take a few hundred KiB.
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 /// Reads and validates a router configuration file (an unusable one exits with its own status:
 /// see `crate::exit_code`).
 pub fn load_config(path: &std::path::Path) -> anyhow::Result<RouterConfig> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = super::files::read_bounded(path, MAX_CONFIG_BYTES, "a router configuration")
+        .with_context(|| format!("reading {}", path.display()))?;
     RouterConfig::from_yaml(&text).with_context(|| format!("{}", path.display()))
 }
 

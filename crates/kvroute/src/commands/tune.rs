@@ -144,6 +144,12 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         },
         seed: args.workload.seed(),
     };
+    if !matches!(args.policy, ProfileName::Precise | ProfileName::Approximate) {
+        anyhow::bail!(
+            "--policy {}: only precise and approximate have parameters to tune",
+            args.policy.as_str()
+        );
+    }
     let start = Profile::named(args.policy);
     for c in &cases {
         eprintln!(

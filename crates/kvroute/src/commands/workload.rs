@@ -65,7 +65,7 @@ pub struct WorkloadArgs {
     #[arg(long, default_value_t = 32)]
     output_tokens: u32,
     /// Seconds between an answer and the next turn (multi-turn).
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = 1.5, value_parser = super::numbers::seconds)]
     think_s: f64,
     /// The trace file (Mooncake JSONL) for --workload trace.
     #[arg(long)]

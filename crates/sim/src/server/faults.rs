@@ -52,6 +52,47 @@ impl Default for Faults {
     }
 }
 
+/// The slowest and fastest a fault may make an engine's steps: beyond these a step's wall time
+/// is no longer a duration (or the engine would outrun its own clock).
+pub const SLOW_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 0.01..=10_000.0;
+
+impl Faults {
+    /// Checks the settings; an error names the first one out of range.
+    pub fn validate(&self) -> Result<(), String> {
+        let fraction = |name: &str, v: f64| {
+            (0.0..=1.0)
+                .contains(&v)
+                .then_some(())
+                .ok_or_else(|| format!("{name} must be within 0–1, not {v}"))
+        };
+        fraction("drop_event_fraction", self.drop_event_fraction)?;
+        fraction("error_fraction", self.error_fraction)?;
+        fraction(
+            "kv_transfer_failure_fraction",
+            self.kv_transfer_failure_fraction,
+        )?;
+        for (name, v) in [
+            ("slow_factor", self.slow_factor),
+            ("link_slowdown", self.link_slowdown),
+        ] {
+            if !SLOW_FACTOR_RANGE.contains(&v) {
+                return Err(format!(
+                    "{name} must be within {}–{}, not {v}",
+                    SLOW_FACTOR_RANGE.start(),
+                    SLOW_FACTOR_RANGE.end()
+                ));
+            }
+        }
+        if !(400..=599).contains(&self.error_status) {
+            return Err(format!(
+                "error_status must be an HTTP error (400–599), not {}",
+                self.error_status
+            ));
+        }
+        Ok(())
+    }
+}
+
 mod millis {
     use std::time::Duration;
 
@@ -63,5 +104,52 @@ mod millis {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_out_of_range_are_refused() {
+        assert_eq!(Faults::default().validate(), Ok(()));
+        let bad = [
+            Faults {
+                slow_factor: f64::INFINITY,
+                ..Faults::default()
+            },
+            Faults {
+                slow_factor: f64::NAN,
+                ..Faults::default()
+            },
+            Faults {
+                slow_factor: 0.0,
+                ..Faults::default()
+            },
+            Faults {
+                link_slowdown: 1e300,
+                ..Faults::default()
+            },
+            Faults {
+                drop_event_fraction: 7.0,
+                ..Faults::default()
+            },
+            Faults {
+                error_fraction: -3.0,
+                ..Faults::default()
+            },
+            Faults {
+                kv_transfer_failure_fraction: f64::NAN,
+                ..Faults::default()
+            },
+            Faults {
+                error_status: 200,
+                ..Faults::default()
+            },
+        ];
+        for faults in bad {
+            assert!(faults.validate().is_err(), "{faults:?}");
+        }
     }
 }

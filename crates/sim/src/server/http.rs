@@ -690,7 +690,10 @@ async fn set_faults(State(state): State<AppState>, body: Bytes) -> Response {
             cur.insert(k, v);
         }
     }
-    match serde_json::from_value::<Faults>(current) {
+    match serde_json::from_value::<Faults>(current)
+        .map_err(|e| e.to_string())
+        .and_then(|new| new.validate().map(|()| new))
+    {
         Ok(new) => {
             *faults = new.clone();
             axum::Json(new).into_response()

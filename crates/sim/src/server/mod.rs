@@ -158,11 +158,16 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
     if config.engines == 0 {
         return Err(SimError::Config("engines must be at least 1".into()));
     }
-    if !(config.time_scale > 0.0 && config.time_scale.is_finite()) {
-        return Err(SimError::Config(
-            "time_scale must be a positive number".into(),
-        ));
+    if !(1e-3..=1e3).contains(&config.time_scale) {
+        return Err(SimError::Config(format!(
+            "time_scale must be within 0.001–1000, not {}",
+            config.time_scale
+        )));
     }
+    config
+        .faults
+        .validate()
+        .map_err(|e| SimError::Config(format!("faults: {e}")))?;
     Engine::new(config.engine.clone())?; // validates the engine settings once
     let mut layout = EventLayout::for_vllm_version(&config.vllm_version)
         .map_err(|e| SimError::Config(e.to_string()))?;

@@ -29,7 +29,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = "6s", value_parser = parse_duration)]
     duration: Duration,
     /// Batches per second per engine.
-    #[arg(long, default_value_t = 50.0)]
+    #[arg(long, default_value_t = 50.0, value_parser = crate::commands::numbers::rate)]
     rate: f64,
 }
 

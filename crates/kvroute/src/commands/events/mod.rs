@@ -67,5 +67,5 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
         "m" => value * 60.0,
         _ => return Err(format!("unknown unit {unit:?} in {text:?}: use ms, s or m")),
     };
-    Ok(Duration::from_secs_f64(seconds))
+    crate::commands::numbers::duration_of(seconds).map_err(|e| format!("{text:?}: {e}"))
 }

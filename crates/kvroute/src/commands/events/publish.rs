@@ -26,7 +26,7 @@ pub struct PublishArgs {
     #[arg(long, default_value = "")]
     topic: String,
     /// Batches per second.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = 20.0, value_parser = crate::commands::numbers::rate)]
     rate: f64,
     /// Stop after this many batches (default: run until interrupted).
     #[arg(long)]

@@ -332,35 +332,36 @@ fn bench_refuses_bad_arguments_clearly() {
     }
 }
 
+/// Runs `kvroute simulate` on a trace of `rows` (Mooncake JSONL) with `args` in `dir`; the
+/// output directory and its runs.
+fn simulate_trace(
+    dir: &ScratchDir,
+    rows: &str,
+    args: &[&str],
+) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(&trace, rows).unwrap();
+    let out = dir.join("out");
+    let (trace, out_text) = (path(&trace), path(&out));
+    let mut all = vec!["simulate", "--workload", "trace", "--trace", &trace];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--out", &out_text]);
+    succeeded(&kvroute(&all, ""));
+    let runs = read_json(&out.join("simulate.json"));
+    (out, runs)
+}
+
 /// A trace whose next request comes decades later: the simulator skips the idle scrapes between
 /// (one per 100 ms of simulated time would take hours) and serves both requests.
 #[test]
 fn simulate_skips_ahead_over_a_long_idle_gap() {
     let dir = ScratchDir::new("simulate-gap");
-    let trace = dir.join("trace.jsonl");
-    std::fs::write(
-        &trace,
+    let (_, runs) = simulate_trace(
+        &dir,
         "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
          {\"timestamp\": 1000000000000, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n",
-    )
-    .unwrap();
-    let out = dir.join("out");
-    let simulated = kvroute(
-        &[
-            "simulate",
-            "--workload",
-            "trace",
-            "--trace",
-            &path(&trace),
-            "--policy",
-            "precise",
-            "--out",
-            &path(&out),
-        ],
-        "",
+        &["--policy", "precise"],
     );
-    succeeded(&simulated);
-    let runs: Vec<serde_json::Value> = read_json(&out.join("simulate.json"));
     let records = runs[0]["records"].as_array().unwrap();
     assert_eq!(records.len(), 2);
     assert!(records[1]["start_s"].as_f64().unwrap() >= 1e9);
@@ -370,35 +371,20 @@ fn simulate_skips_ahead_over_a_long_idle_gap() {
 #[test]
 fn simulate_replays_a_trace_into_results_bench_compare_reads() {
     let dir = ScratchDir::new("simulate-test");
-    let trace = dir.join("trace.jsonl");
-    std::fs::write(
-        &trace,
+    let (out, runs) = simulate_trace(
+        &dir,
         "{\"timestamp\": 0, \"input_length\": 900, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
          {\"timestamp\": 50, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
          {\"timestamp\": 90, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [3, 4]}\n",
-    )
-    .unwrap();
-    let out = dir.join("out");
-    let simulated = kvroute(
         &[
-            "simulate",
             "--engines",
             "2",
-            "--workload",
-            "trace",
-            "--trace",
-            &path(&trace),
             "--policy",
             "round-robin",
             "--policy",
             "precise",
-            "--out",
-            &path(&out),
         ],
-        "",
     );
-    succeeded(&simulated);
-    let runs: Vec<serde_json::Value> = read_json(&out.join("simulate.json"));
     let names: Vec<&str> = runs.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["round-robin", "precise"]);
     // Under precise, the second request finds the first one's blocks.

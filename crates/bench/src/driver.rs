@@ -178,7 +178,7 @@ async fn send(
     let response = match client.post(url).json(body).send().await {
         Ok(r) => r,
         Err(e) => {
-            record.error = Some(format!("request failed: {e}"));
+            record.error = Some(format!("request failed: {}", with_causes(&e)));
             record.e2e_s = sent.elapsed().as_secs_f64();
             return (record, String::new());
         }
@@ -256,4 +256,17 @@ async fn send(
     }
     record.e2e_s = sent.elapsed().as_secs_f64();
     (record, answer)
+}
+
+/// `error` and the errors under it, outermost first (an HTTP client's own message omits why a
+/// connection failed: "refused" is its source's).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }

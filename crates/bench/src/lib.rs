@@ -3,6 +3,7 @@
 
 pub mod ceiling;
 pub mod driver;
+pub mod lines;
 pub mod report;
 pub mod result;
 pub mod stats;

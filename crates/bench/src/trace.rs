@@ -49,6 +49,15 @@ pub const FIRST_TOKEN_ID: u32 = 256;
 /// allocated.
 pub const MAX_INPUT_TOKENS: u64 = 1 << 24;
 
+/// The most prompt tokens a whole trace may ask for (1 GiB of token ids): the whole Mooncake
+/// conversation trace asks for about half of it; a file over it is refused at the row that
+/// crosses it rather than allocated.
+pub const MAX_TRACE_TOKENS: u64 = 1 << 28;
+
+/// The longest trace line read: a row at [`MAX_INPUT_TOKENS`] lists 32,768 block hashes, a few
+/// hundred KiB.
+const MAX_LINE_BYTES: usize = 16 << 20;
+
 /// One request of a trace, ready to send.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TraceRequest {
@@ -142,12 +151,22 @@ pub fn load_trace(
     reader: impl BufRead,
     options: &TraceOptions,
 ) -> Result<Vec<TraceRequest>, TraceError> {
+    load_trace_within(reader, options, MAX_TRACE_TOKENS)
+}
+
+/// [`load_trace`], refusing a trace whose prompts pass `max_tokens` in all.
+fn load_trace_within(
+    reader: impl BufRead,
+    options: &TraceOptions,
+    max_tokens: u64,
+) -> Result<Vec<TraceRequest>, TraceError> {
     validate(options)?;
     let limit = options.limit.unwrap_or(usize::MAX);
     let mut requests = Vec::new();
     let mut last_ms = 0.0f64;
 
-    for (index, line) in reader.lines().enumerate() {
+    let mut total_tokens = 0u64;
+    for (index, line) in crate::lines::bounded_lines(reader, MAX_LINE_BYTES).enumerate() {
         if requests.len() >= limit {
             break;
         }
@@ -183,6 +202,12 @@ pub fn load_trace(
         last_ms = last_ms.max(row.timestamp);
         if row.input_length == 0 {
             continue;
+        }
+        total_tokens += row.input_length;
+        if total_tokens > max_tokens {
+            return Err(invalid(format!(
+                "the trace's prompts pass {max_tokens} tokens in all here: replay a part of it (a limit)"
+            )));
         }
         let prompt = synthesize_prompt(
             &row.hash_ids,

@@ -314,6 +314,24 @@ fn bench_refuses_bad_arguments_clearly() {
     refused(&output, &["--trace"]);
     let output = kvroute(&["bench", "compare", "/nonexistent.json"], "");
     refused(&output, &["nonexistent.json"]);
+    // A server that is not there: the run says why its requests failed.
+    let dir = ScratchDir::new("bench-nowhere");
+    let out = path(&dir.join("out"));
+    let output = kvroute(
+        &[
+            "bench",
+            "--url",
+            "http://127.0.0.1:1/v1",
+            "--users",
+            "1",
+            "--turns",
+            "1",
+            "--out",
+            &out,
+        ],
+        "",
+    );
+    refused(&output, &["1 of 1 requests failed", "Connection refused"]);
     // Numbers that cannot be durations are refused when parsed, not a panic later.
     for (args, name) in [
         (&["bench", "--timeout-s", "NaN"][..], "--timeout-s"),

@@ -330,3 +330,32 @@ fn shared_mooncake_trace_keeps_its_prefix_sharing() {
 fn common_prefix_ids(a: &[u64], b: &[u64]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+#[test]
+fn a_trace_asking_for_more_tokens_than_the_bound_is_refused_at_the_row_that_passes_it() {
+    // SMALL asks for 1,300 + 1,100 + 600 tokens: the third row passes 2,500.
+    let refused = load_trace_within(Cursor::new(SMALL.as_bytes()), &opts(), 2_500);
+    match refused {
+        Err(TraceError::Invalid { line: 4, problem }) => {
+            assert!(problem.contains("2500 tokens"), "{problem}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        load_trace_within(Cursor::new(SMALL.as_bytes()), &opts(), 3_000)
+            .unwrap()
+            .len(),
+        3
+    );
+}
+
+#[test]
+fn a_line_without_end_is_refused_at_the_bound() {
+    let endless = BufReader::new(std::io::Read::take(std::io::repeat(b' '), 64 << 20));
+    match load_trace(endless, &opts()) {
+        Err(TraceError::Io { line: 1, source }) => {
+            assert!(source.to_string().contains("longer than"), "{source}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -136,9 +136,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    Ok(if result.summary.errors == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    if result.summary.errors > 0 {
+        // Why they failed, not only how many: the first error of each kind (connection refused,
+        // a status and its body), once.
+        let mut seen: Vec<&str> = Vec::new();
+        for error in result.records.iter().filter_map(|r| r.error.as_deref()) {
+            if seen.len() < 3 && !seen.contains(&error) {
+                seen.push(error);
+            }
+        }
+        eprintln!(
+            "kvroute bench: {} of {} requests failed; first errors: {}",
+            result.summary.errors,
+            result.records.len(),
+            seen.join(" | ")
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -109,8 +109,10 @@ impl EngineArgs {
             Some(n) => n,
             None => {
                 anyhow::ensure!(
-                    self.kv_cache_gib > 0.0 && self.kv_bytes_per_token > 0,
-                    "--kv-cache-gib and --kv-bytes-per-token must be positive"
+                    self.kv_cache_gib > 0.0
+                        && self.kv_cache_gib <= MAX_KV_CACHE_GIB
+                        && self.kv_bytes_per_token > 0,
+                    "--kv-cache-gib must be within 0–{MAX_KV_CACHE_GIB} and --kv-bytes-per-token positive"
                 );
                 (self.kv_cache_gib * (1u64 << 30) as f64
                     / (self.kv_bytes_per_token * self.block_size) as f64) as usize
@@ -155,6 +157,10 @@ impl EngineArgs {
         Ok(config)
     }
 }
+
+/// The largest KV cache a simulated engine may have, GiB (a node of eight 192 GiB GPUs is under
+/// 2 TiB).
+const MAX_KV_CACHE_GIB: f64 = 1_048_576.0;
 
 /// An offload configuration is a few tiers: anything larger is not one.
 const MAX_OFFLOAD_CONFIG_BYTES: u64 = 1 << 20;

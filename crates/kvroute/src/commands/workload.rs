@@ -30,7 +30,7 @@ pub struct WorkloadArgs {
     #[arg(long, value_enum, default_value = "multi-turn")]
     workload: WorkloadKind,
     /// Closed loop with this many sessions at once (default: open loop at --rate).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub concurrency: Option<usize>,
     /// Sessions (conversations, questions) started per second (open loop).
     #[arg(long, default_value_t = 2.0)]

@@ -1,6 +1,6 @@
 //! `kvroute events decode`: hex payloads in, JSON events out.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::ExitCode;
 
 use kvroute_vllm::codec::decode_batch;
@@ -10,7 +10,10 @@ pub fn run() -> anyhow::Result<ExitCode> {
     let stdin = std::io::stdin();
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let mut failures = 0usize;
-    for (n, line) in stdin.lock().lines().enumerate() {
+    // A payload the router accepts by default (`kv_events.max_message_bytes`), in hex; an
+    // ordinary one is well under a megabyte.
+    let max_line = 2 * kvroute_vllm::zmtp::DEFAULT_MAX_MESSAGE_BYTES;
+    for (n, line) in kvroute_bench::lines::bounded_lines(stdin.lock(), max_line).enumerate() {
         let line = line?;
         let text = line.trim();
         if text.is_empty() || text.starts_with('#') {

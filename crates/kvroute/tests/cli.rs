@@ -343,6 +343,14 @@ fn bench_refuses_bad_arguments_clearly() {
         (&["simulate", "--think-s=-5"][..], "--think-s"),
         (&["simulate", "--think-s", "inf"][..], "--think-s"),
         (&["tune", "--policy", "round-robin"][..], "round-robin"),
+        (
+            &["simulate", "--matrix", "small", "--policy", "precise"][..],
+            "--policy",
+        ),
+        (
+            &["sim", "--model", "m", "--lora-modules", "m"][..],
+            "served twice",
+        ),
     ] {
         let output = kvroute(args, "");
         refused(&output, &[name]);

@@ -28,7 +28,7 @@ pub struct SimulateArgs {
     /// Run the scheduler matrix instead of one workload: `small` (what CI runs) or `full`
     /// (docs/benchmarks.md); the fleet flags set engines, their model and timing, the cache
     /// size and rate come from each cell. Writes `matrix.json` and `matrix.html`.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, conflicts_with_all = ["policies", "trace"])]
     matrix: Option<MatrixSize>,
     /// The matrix's workload seeds (each cell's figures are medians over them), in place of
     /// its own (1, 2, 3 for `full`): held-out seeds check that a change did not fit the usual

@@ -168,6 +168,20 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
         .faults
         .validate()
         .map_err(|e| SimError::Config(format!("faults: {e}")))?;
+    let mut served = vec![config.model.as_str()];
+    for name in config.lora_modules.iter().map(String::as_str) {
+        if served.contains(&name) {
+            return Err(SimError::Config(format!(
+                "the model name {name:?} is served twice (base model and LoRA adapters must differ)"
+            )));
+        }
+        served.push(name);
+    }
+    if served.iter().any(|name| name.trim().is_empty()) {
+        return Err(SimError::Config(
+            "a served model or LoRA adapter name is empty".into(),
+        ));
+    }
     Engine::new(config.engine.clone())?; // validates the engine settings once
     let mut layout = EventLayout::for_vllm_version(&config.vllm_version)
         .map_err(|e| SimError::Config(e.to_string()))?;

@@ -191,7 +191,10 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     // The response path reached the picker's accounting: every routed generation request
     // finished, with the engines' cached tokens equal to the prediction. The observer filter
     // does not hold the response for the picker, so the picker may count the last request a
-    // moment after the client saw its end: wait for the count.
+    // moment after the client saw its end: wait for the count. One turn may be predicted a block
+    // short: the client sends the next turn milliseconds after an answer, and the engine's event
+    // for the block that answer completed can come after it (the router never guesses a block
+    // it has not seen; measured once in about ten CI runs on a loaded machine).
     let admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], admin));
     let mut metrics = String::new();
     let count = |metrics: &str, name: &str, outcome: &str| {
@@ -199,14 +202,24 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
     };
     eventually_blocking("every response accounted", || {
         metrics = http_get(admin_addr, "/metrics");
-        let exact = count(&metrics, "kvroute_prediction_outcomes_total", "exact");
+        let predicted = ["exact", "under", "over"]
+            .map(|o| count(&metrics, "kvroute_prediction_outcomes_total", o))
+            .iter()
+            .sum::<f64>();
         let completed = count(&metrics, "kvroute_requests_total", "completed");
-        (exact >= 4.0 && completed >= 5.0, (exact, completed))
+        (predicted >= 4.0 && completed >= 5.0, (predicted, completed))
     });
     let outcomes = |outcome: &str| count(&metrics, "kvroute_prediction_outcomes_total", outcome);
-    // Four of the five report usage (the streamed completion asks for none).
-    assert_eq!(outcomes("exact"), 4.0, "{metrics}");
-    assert_eq!(outcomes("over") + outcomes("under"), 0.0, "{metrics}");
+    // Four of the five report usage (the streamed completion asks for none): never more cached
+    // than the engine found, and at most one block (16 tokens, the default block size) less.
+    assert_eq!(outcomes("over"), 0.0, "{metrics}");
+    assert!(outcomes("exact") >= 3.0, "{metrics}");
+    let missed = sum_labelled(&metrics, "kvroute_reported_cached_tokens", "")
+        - sum_labelled(&metrics, "kvroute_predicted_cached_tokens", "");
+    assert!(
+        (0.0..=16.0).contains(&missed),
+        "{missed} tokens missed: {metrics}"
+    );
     assert!(sample(&metrics, "kvroute_flow_queue_requests").is_some());
     // Every response the gateway passed on to its end counts as completed, none as closed by
     // the client.

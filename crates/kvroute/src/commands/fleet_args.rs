@@ -10,7 +10,7 @@ use kvroute_simulate::FleetConfig;
 use kvroute_simulate::config::PdFleet;
 
 use super::engine_args::EngineArgs;
-use super::events::parse_duration;
+use super::numbers::parse_duration;
 use super::pd_args::PdFleetArgs;
 
 /// A simulated fleet; every default is the simulator's own ([`FleetConfig::default`]).

@@ -1,4 +1,4 @@
-//! Command-line numbers that become durations or intervals, checked when parsed: a value that
+//! Command-line numbers that become durations or intervals (`500ms`, `10s`, `2m`, seconds, rates), checked when parsed: a value that
 //! is not a number, is negative, or is too large for a duration is a clear error, not a panic
 //! deep in the command (`Duration::from_secs_f64` panics past 2⁶⁴ seconds, on NaN and below 0).
 
@@ -38,6 +38,25 @@ pub(crate) fn rate(text: &str) -> Result<f64, String> {
         return Err(format!("{text:?} must be within 1e-6–1e6 per second"));
     }
     Ok(value)
+}
+
+/// Parses durations such as `500ms`, `10s`, `2m`.
+pub(crate) fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 500ms, 10s or 2m"))?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "s" | "" => value,
+        "m" => value * 60.0,
+        _ => return Err(format!("unknown unit {unit:?} in {text:?}: use ms, s or m")),
+    };
+    duration_of(seconds).map_err(|e| format!("{text:?}: {e}"))
 }
 
 /// `seconds` as a duration; one of at most [`MAX_SECONDS`].

@@ -13,7 +13,7 @@ use kvroute_sim::server::{SimConfig, start};
 use kvroute_vllm::nixl::KvLoadFailurePolicy;
 
 use super::engine_args::EngineArgs;
-use super::events::parse_duration;
+use super::numbers::parse_duration;
 use super::pd_args::PdFleetArgs;
 
 /// Arguments of `kvroute sim`.

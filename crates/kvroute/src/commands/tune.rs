@@ -17,8 +17,8 @@ use kvroute_simulate::tune::{
     Case, Objective, PARAMS, Split, TuneConfig, TuneOutcome, tune_cases, yaml_snippet,
 };
 
-use super::events::parse_duration;
 use super::fleet_args::FleetArgs;
+use super::numbers::parse_duration;
 use super::workload::{WorkloadArgs, trace_workload};
 
 #[derive(Clone, Copy, ValueEnum)]

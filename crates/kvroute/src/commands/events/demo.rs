@@ -17,7 +17,7 @@ use kvroute_vllm::subscriber::{
     EndpointSource, EventSink, SubscriberHandle, Timing, spawn_connected,
 };
 
-use super::parse_duration;
+use crate::commands::numbers::parse_duration;
 
 /// Arguments of `kvroute events demo`.
 #[derive(Args)]

@@ -6,7 +6,6 @@ mod publish;
 mod watch;
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Subcommand;
 
@@ -49,23 +48,4 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .worker_threads(2)
         .enable_all()
         .build()?)
-}
-
-/// Parses durations such as `500ms`, `10s`, `2m`.
-pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 500ms, 10s or 2m"))?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "s" | "" => value,
-        "m" => value * 60.0,
-        _ => return Err(format!("unknown unit {unit:?} in {text:?}: use ms, s or m")),
-    };
-    crate::commands::numbers::duration_of(seconds).map_err(|e| format!("{text:?}: {e}"))
 }

@@ -14,7 +14,7 @@ use kvroute_vllm::subscriber::{
 };
 use serde_json::json;
 
-use super::parse_duration;
+use crate::commands::numbers::parse_duration;
 
 /// Arguments of `kvroute events watch`.
 #[derive(Args)]

@@ -2,7 +2,6 @@
 //! reads a grouped bar table (JSON, [`kvroute_bench::report::BarTable`]: groups, series and
 //! their values, e.g. a sweep's TTFT p90 by link and policy) and writes the chart as SVG.
 
-use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -28,16 +27,8 @@ const MAX_TABLE_BYTES: u64 = 16 << 20;
 
 /// Runs `kvroute report`.
 pub fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
-    let mut text = String::new();
-    std::fs::File::open(&args.bars)
-        .and_then(|file| file.take(MAX_TABLE_BYTES + 1).read_to_string(&mut text))
+    let text = super::files::read_bounded(&args.bars, MAX_TABLE_BYTES, "a bar table")
         .with_context(|| format!("cannot read {}", args.bars.display()))?;
-    anyhow::ensure!(
-        text.len() as u64 <= MAX_TABLE_BYTES,
-        "{} is larger than {} MiB: not a bar table",
-        args.bars.display(),
-        MAX_TABLE_BYTES >> 20
-    );
     let table: BarTable = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a grouped bar table", args.bars.display()))?;
     let svg =

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::SimError;
+
 /// Faults in force on one engine.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -58,7 +60,13 @@ pub const SLOW_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 0.01..=10_000.0;
 
 impl Faults {
     /// Checks the settings; an error names the first one out of range.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SimError> {
+        self.out_of_range()
+            .map_err(|why| SimError::Config(format!("faults: {why}")))
+    }
+
+    /// The first setting out of range, said.
+    fn out_of_range(&self) -> Result<(), String> {
         let fraction = |name: &str, v: f64| {
             (0.0..=1.0)
                 .contains(&v)
@@ -113,7 +121,7 @@ mod tests {
 
     #[test]
     fn faults_out_of_range_are_refused() {
-        assert_eq!(Faults::default().validate(), Ok(()));
+        assert!(Faults::default().validate().is_ok());
         let bad = [
             Faults {
                 slow_factor: f64::INFINITY,

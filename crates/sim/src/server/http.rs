@@ -692,7 +692,7 @@ async fn set_faults(State(state): State<AppState>, body: Bytes) -> Response {
     }
     match serde_json::from_value::<Faults>(current)
         .map_err(|e| e.to_string())
-        .and_then(|new| new.validate().map(|()| new))
+        .and_then(|new| new.validate().map(|()| new).map_err(|e| e.to_string()))
     {
         Ok(new) => {
             *faults = new.clone();

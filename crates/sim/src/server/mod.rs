@@ -164,10 +164,7 @@ pub async fn start(config: SimConfig) -> Result<SimFleet, SimError> {
             config.time_scale
         )));
     }
-    config
-        .faults
-        .validate()
-        .map_err(|e| SimError::Config(format!("faults: {e}")))?;
+    config.faults.validate()?;
     let mut served = vec![config.model.as_str()];
     for name in config.lora_modules.iter().map(String::as_str) {
         if served.contains(&name) {

@@ -107,6 +107,16 @@ fn last_event(text: &str) -> Value {
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {text:?}"))
 }
 
+/// The sum of `metric`'s series carrying `label` on `router`'s `/metrics`, and the page (for
+/// the assertion's message).
+fn counted(router: &RunningRouter, metric: &str, label: &str) -> (f64, String) {
+    let metrics = http_get(router.admin_addr, "/metrics");
+    (
+        kvroute_testkit::sum_labelled(&metrics, metric, label),
+        metrics,
+    )
+}
+
 fn cut(router: &RunningRouter, reason: &str) -> Option<f64> {
     let series = format!("kvroute_streams_cut_total{{reason=\"{reason}\"}}");
     sample(&http_get(router.admin_addr, "/metrics"), &series)
@@ -138,9 +148,8 @@ async fn a_stream_the_engine_breaks_ends_with_an_error_event() {
     let error = last_event(&text);
     assert_eq!(error["error"]["code"], 502, "{text}");
     assert_eq!(cut(&router, "engine_error"), Some(1.0));
-    let metrics = http_get(router.admin_addr, "/metrics");
-    let failed = kvroute_testkit::sum_labelled(
-        &metrics,
+    let (failed, metrics) = counted(
+        &router,
         "kvroute_requests_total",
         "outcome=\"engine_error\"",
     );
@@ -253,9 +262,8 @@ async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint(
         router.router.available(kvroute_core::index::EndpointId(0)),
         "the prefill endpoint was ejected for answers its requests made large"
     );
-    let metrics = http_get(router.admin_addr, "/metrics");
-    let fallbacks = kvroute_testkit::sum_labelled(
-        &metrics,
+    let (fallbacks, metrics) = counted(
+        &router,
         "kvroute_pd_fallbacks_total",
         "reason=\"prefill_no_params\"",
     );
@@ -296,7 +304,6 @@ async fn a_decode_leg_stalled_before_its_first_byte_strikes_its_pair() {
         // Cut with an error event once the first byte is overdue.
         assert_eq!(last_event(&text)["error"]["code"], 504, "{text}");
     }
-    let metrics = http_get(router.admin_addr, "/metrics");
-    let strikes = kvroute_testkit::sum_labelled(&metrics, "kvroute_pd_transfer_failures_total", "");
+    let (strikes, metrics) = counted(&router, "kvroute_pd_transfer_failures_total", "");
     assert_eq!(strikes, 3.0, "{metrics}");
 }

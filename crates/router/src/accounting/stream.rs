@@ -142,10 +142,7 @@ impl<B> AccountedBody<B> {
     {
         self.inner.cut(why);
         self.done = true;
-        let (acc, lease) = {
-            let mut held = self.held.lock();
-            (held.accounting.take(), held.lease.take())
-        };
+        let (acc, lease) = self.held.lock().take();
         drop(lease);
         let Some(mut acc) = acc else {
             return Poll::Ready(None);
@@ -190,10 +187,7 @@ impl<B> AccountedBody<B> {
     /// The body ended: account for it and hand the engine connection back for reuse.
     fn end(&mut self) {
         self.done = true;
-        let (acc, lease) = {
-            let mut held = self.held.lock();
-            (held.accounting.take(), held.lease.take())
-        };
+        let (acc, lease) = self.held.lock().take();
         if let Some(mut acc) = acc {
             acc.ended = true;
         }
@@ -210,9 +204,7 @@ impl<B> Drop for AccountedBody<B> {
         if let Some(watchdog) = self.watchdog.take() {
             watchdog.abort();
         }
-        let mut held = self.held.lock();
-        let (acc, lease) = (held.accounting.take(), held.lease.take());
-        drop(held);
+        let (acc, lease) = self.held.lock().take();
         drop(lease);
         drop(acc);
     }
@@ -233,7 +225,8 @@ where
         if self.done {
             return Poll::Ready(None);
         }
-        {
+        // Only a watchdog reads or sets these (HTTP/2); over HTTP/1.1 no lock is taken here.
+        if self.watchdog.is_some() {
             let mut held = self.held.lock();
             if held.given_up {
                 drop(held);
@@ -251,14 +244,17 @@ where
         }
         match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                let now = tokio::time::Instant::now();
                 {
                     let mut held = self.held.lock();
                     if let (Some(data), Some(acc)) = (frame.data_ref(), held.accounting.as_mut()) {
                         acc.observe(data);
                     }
-                    held.handed_out_at = Some(tokio::time::Instant::now());
+                    if self.watchdog.is_some() {
+                        held.handed_out_at = Some(now);
+                    }
                 }
-                let next = tokio::time::Instant::now() + self.idle_timeout;
+                let next = now + self.idle_timeout;
                 self.stall.as_mut().reset(next);
                 // A body of known length ends with its last byte: the server will not poll
                 // again for the `None` that would release the connection, so release it now.

@@ -5,8 +5,9 @@
 //! when the server has not asked for the next chunk for `limits.write_timeout_ms` since the last
 //! was handed over, the request is given up as if its client had gone: its engine connection is
 //! closed (the engine cancels), its accounting ended (`client_closed`), and the give-up counted
-//! in `kvroute_client_timeouts_total{kind="unread"}`. Over HTTP/1.1 the connection's clock
-//! closes the connection about the same moment (`kind="write"`).
+//! in `kvroute_client_timeouts_total{kind="unread"}`. The watchdog looks once per timeout while
+//! nothing waits to be taken, so a stall is caught between one and two timeouts after its last
+//! chunk. Over HTTP/1.1 the connection's clock closes the connection after one (`kind="write"`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +31,13 @@ pub(super) struct Held {
     pub(super) handed_out_at: Option<Instant>,
     /// The watchdog gave the request up.
     pub(super) given_up: bool,
+}
+
+impl Held {
+    /// Takes the accounting and the engine connection (both `None` once taken).
+    pub(super) fn take(&mut self) -> (Option<Accounting>, Option<Lease>) {
+        (self.accounting.take(), self.lease.take())
+    }
 }
 
 /// [`Held`], shared.
@@ -58,7 +66,7 @@ pub(super) fn watch(held: SharedHeld, timeout: Duration) -> JoinHandle<()> {
         let (accounting, lease) = {
             let mut h = held.lock();
             h.given_up = true;
-            (h.accounting.take(), h.lease.take())
+            h.take()
         };
         // Closing the engine connection cancels the request there.
         drop(lease);

@@ -159,12 +159,32 @@ impl Drop for InFlight {
 pub struct TrackedIo<T> {
     io: T,
     activity: Arc<Activity>,
+    /// Its last write waited (the activity was told): only a change is reported, so a socket
+    /// that takes its writes takes no lock for them.
+    write_blocked: bool,
 }
 
 impl<T> TrackedIo<T> {
     /// Wraps `io`.
     pub fn new(io: T, activity: Arc<Activity>) -> Self {
-        Self { io, activity }
+        Self {
+            io,
+            activity,
+            write_blocked: false,
+        }
+    }
+
+    /// Reports a write's `result` to the activity when it changes whether writes wait.
+    fn note_write(&mut self, result: &Poll<io::Result<usize>>) {
+        let blocked = match result {
+            Poll::Pending => true,
+            Poll::Ready(Ok(n)) if *n > 0 => false,
+            Poll::Ready(_) => return,
+        };
+        if blocked != self.write_blocked {
+            self.write_blocked = blocked;
+            self.activity.on_write(result);
+        }
     }
 }
 
@@ -190,7 +210,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.io).poll_write(cx, buf);
-        self.activity.on_write(&result);
+        self.note_write(&result);
         result
     }
 
@@ -200,7 +220,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.activity.on_write(&result);
+        self.note_write(&result);
         result
     }
 

@@ -330,14 +330,11 @@ mod tests {
 
     /// A connection to `authority` whose engine has closed it, and the pool knows it.
     async fn closed_connection(pool: &Upstream, authority: &str) -> Connection {
-        let conn = pool.connection(authority).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while !conn.task.is_finished() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-        .await
-        .expect("the connection task ends once the engine closed it");
+        let mut conn = pool.connection(authority).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), &mut conn.task)
+            .await
+            .expect("the connection task ends once the engine closed it")
+            .expect("the connection task ends without panicking");
         conn
     }
 

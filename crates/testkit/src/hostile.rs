@@ -1,4 +1,6 @@
-//! A hostile KV-event publisher: a TCP listener that speaks a valid ZMTP 3.1 handshake as a PUB
+//! Hostile KV-event publishers. [`SilentPublisher`] completes the handshake and then sends
+//! nothing, holding the connection open. The other, a TCP listener that speaks a valid ZMTP 3.1
+//! handshake as a PUB
 //! (or a replay ROUTER) and then, one attack per connection in turn, sends what must not take a subscriber down:
 //! a frame header declaring 2^62 bytes, one declaring 8 GiB (followed by a MiB of its body),
 //! and a multipart message whose frames each fit the limit but together exceed it. The wire

@@ -288,6 +288,18 @@ mod tests {
         )
     }
 
+    /// Peers' figures arrive over the network: two that together pass `u64::MAX` tokens leave
+    /// the count at its largest, never wrapped to a small one (which would make a swamped
+    /// endpoint look idle) nor panicking.
+    #[test]
+    fn peer_prefill_tokens_saturate() {
+        let mut f = fleet(1);
+        let e = EndpointId(0);
+        f.peer_prefill_started(1, e, u64::MAX, false, 0.0);
+        f.peer_prefill_started(2, e, u64::MAX, false, 0.0);
+        assert_eq!(in_flight(&f, e, 0.0), (2, 2, u64::MAX));
+    }
+
     fn chosen(fleet: &mut Fleet, salt: u32, now: f64) -> Option<EndpointId> {
         let tokens: Vec<u32> = (0..2000u32).map(|t| t.wrapping_mul(31) ^ salt).collect();
         let keys = Arc::new(router_keys(&tokens, BS, None).unwrap());

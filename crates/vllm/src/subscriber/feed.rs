@@ -161,7 +161,10 @@ impl Feed {
                     warn!(endpoint = %self.name, from, to, "KV events lost and not replayable: this endpoint's cache picture may be stale");
                     let mut stats = self.stats.lock();
                     stats.unfilled_gaps += 1;
-                    stats.lost_batches += to - from + 1;
+                    // A hostile sequence may name a gap of nearly 2^64 batches, again and again.
+                    stats.lost_batches = stats
+                        .lost_batches
+                        .saturating_add(to.saturating_sub(from).saturating_add(1));
                     self.sink.unfilled_gap(self.endpoint, from, to);
                 }
             }
@@ -209,7 +212,7 @@ impl Feed {
                 {
                     let mut stats = self.stats.lock();
                     stats.decode_errors += 1;
-                    stats.lost_batches += 1;
+                    stats.lost_batches = stats.lost_batches.saturating_add(1);
                 }
                 self.sink.unfilled_gap(self.endpoint, msg.seq, msg.seq);
                 if let Verdict::Log { suppressed } = self.bad_input_log.check(Instant::now()) {

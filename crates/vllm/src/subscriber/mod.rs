@@ -121,9 +121,7 @@ impl SubscriberConfig {
     /// Payload bytes of live messages a stream may hold while a replay is in flight: what its
     /// queue holds, [`QUEUED_LARGEST_MESSAGES`] of the largest.
     fn held_bytes(&self) -> usize {
-        self.limits
-            .max_message_bytes
-            .saturating_mul(QUEUED_LARGEST_MESSAGES)
+        queued_bytes(self.limits)
     }
 
     fn connection_options(&self) -> Options {
@@ -377,7 +375,15 @@ const QUEUE: usize = 4096;
 
 /// Bytes of live messages queued at once, in messages of the largest size allowed: a fast
 /// publisher waits on the event loop instead of growing the queue.
-const QUEUED_LARGEST_MESSAGES: usize = 4;
+pub(super) const QUEUED_LARGEST_MESSAGES: usize = 4;
+
+/// The live queue's budget in bytes under `limits`: [`QUEUED_LARGEST_MESSAGES`] of the largest
+/// message.
+fn queued_bytes(limits: Limits) -> usize {
+    limits
+        .max_message_bytes
+        .saturating_mul(QUEUED_LARGEST_MESSAGES)
+}
 
 /// A message's bytes in the queue's budget, given back when the event loop drops it.
 struct QueuedBytes {
@@ -394,9 +400,7 @@ struct LiveQueue {
 
 impl LiveQueue {
     fn new(tx: mpsc::Sender<Input>, limits: Limits) -> Self {
-        let budget = limits
-            .max_message_bytes
-            .saturating_mul(QUEUED_LARGEST_MESSAGES);
+        let budget = queued_bytes(limits);
         Self {
             tx,
             bytes: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
@@ -535,7 +539,7 @@ mod tests {
         assert_eq!(queue.send(message()).now_or_never(), Some(true));
     }
 
-    /// A sink that records the gaps it is told of.
+    /// A sink that records the gaps it is told of and the batches it applied.
     #[derive(Default)]
     struct GapRecorder {
         gaps: parking_lot::Mutex<Vec<(u64, u64)>>,

@@ -15,7 +15,8 @@ const MAX_PENDING: usize = 10_000;
 /// Payload bytes held while a replay is in flight, unless set otherwise
 /// ([`Sequencer::holding_at_most`]): four messages of the default size limit, what the
 /// subscriber's queue holds.
-const DEFAULT_MAX_HELD_BYTES: usize = 4 * crate::zmtp::DEFAULT_MAX_MESSAGE_BYTES;
+const DEFAULT_MAX_HELD_BYTES: usize =
+    super::QUEUED_LARGEST_MESSAGES * crate::zmtp::DEFAULT_MAX_MESSAGE_BYTES;
 
 /// What the transport must do next, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]

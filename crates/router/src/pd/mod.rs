@@ -149,8 +149,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         Route::Aggregated { ranking } => {
             a.leg = Leg {
                 ranking,
-                predicted_cached: plan.predicted_cached,
-                reason: plan.decision.reason.as_str(),
+                ..Leg::planned(plan)
             };
             return forward(a).await;
         }
@@ -171,7 +170,6 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     };
     let body = decode_leg_body(client, &answer.params, answer.cached_tokens);
     a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
-    let predicted_cached = decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens);
     // Once more elsewhere while the producer still holds the blocks.
     let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
@@ -181,7 +179,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     };
     a.leg = Leg {
         ranking,
-        predicted_cached,
+        predicted_cached: decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens),
         reason: "pd_decode",
     };
     a.decode = Some(DecodeLeg {
@@ -221,11 +219,13 @@ pub(crate) fn header_mode(
     }
     let block_size = prepared.model.block_size;
     match decide(router, &plan, prepared.prompt_tokens, block_size) {
-        Route::Aggregated { ranking } => {
-            let mut leg = Leg::planned(plan);
-            leg.ranking = ranking;
-            (leg, None)
-        }
+        Route::Aggregated { ranking } => (
+            Leg {
+                ranking,
+                ..Leg::planned(plan)
+            },
+            None,
+        ),
         Route::Disaggregated { option, decoders } => {
             prefill_sent(router, &plan, option.prefill);
             let now = router.now();

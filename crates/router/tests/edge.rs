@@ -413,7 +413,18 @@ async fn an_http2_stream_its_client_stops_reading_is_given_up_and_its_engine_fre
     // The client keeps the stream open and reads none of it: its flow-control window fills,
     // while the connection's socket stays free (no write waits on it).
     engine_freed(&router, &ended, "unread").await;
-    drop(response);
+    // A client that reads on gets what was sent, then an error event as the last: never a
+    // stream that seems to have ended as it should.
+    let mut response = response;
+    let mut tail = Vec::new();
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        tail = chunk.to_vec();
+    }
+    let last = String::from_utf8_lossy(&tail);
+    assert!(
+        kvroute_vllm::openai::is_stream_error_event(&tail) && last.contains("given up"),
+        "the stream's last chunk: {last}"
+    );
 }
 
 /// The router's buffered request bytes now, on the API listener (`kvroute_buffered_bytes`) or

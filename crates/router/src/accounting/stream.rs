@@ -184,6 +184,22 @@ impl<B> AccountedBody<B> {
         }
     }
 
+    /// The last frame of a stream its watchdog gave up (the client had taken nothing for
+    /// `limits.write_timeout_ms`): a client that reads on learns why, and never sees a response
+    /// that looks complete. An SSE client gets an error event; any other, an error that resets
+    /// the stream.
+    fn given_up_end(&self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let error = ApiError::client_timeout(
+            "the client took nothing of this response for longer than limits.write_timeout_ms; \
+             the response was given up",
+        );
+        if self.sse {
+            Poll::Ready(Some(Ok(Frame::data(sse_error_event(&error)))))
+        } else {
+            Poll::Ready(Some(Err(error.to_json().into())))
+        }
+    }
+
     /// The body ended: account for it and hand the engine connection back for reuse.
     fn end(&mut self) {
         self.done = true;
@@ -231,7 +247,7 @@ where
             if held.given_up {
                 drop(held);
                 self.done = true;
-                return Poll::Ready(None);
+                return self.given_up_end();
             }
             // Asked for more: the last chunk was taken.
             held.handed_out_at = None;

@@ -5,7 +5,9 @@
 //! when the server has not asked for the next chunk for `limits.write_timeout_ms` since the last
 //! was handed over, the request is given up as if its client had gone: its engine connection is
 //! closed (the engine cancels), its accounting ended (`client_closed`), and the give-up counted
-//! in `kvroute_client_timeouts_total{kind="unread"}`. The watchdog looks once per timeout while
+//! in `kvroute_client_timeouts_total{kind="unread"}`. A client that reads on gets the bytes
+//! already sent, then an error event (SSE) or a reset stream: never an end that looks complete.
+//! The watchdog looks once per timeout while
 //! nothing waits to be taken, so a stall is caught between one and two timeouts after its last
 //! chunk. Over HTTP/1.1 the connection's clock closes the connection after one (`kind="write"`).
 

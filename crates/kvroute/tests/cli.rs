@@ -351,11 +351,21 @@ fn bench_refuses_bad_arguments_clearly() {
             &["sim", "--model", "m", "--lora-modules", "m"][..],
             "served twice",
         ),
+        // A fleet too large to hold in memory is refused, not run out of memory.
+        (
+            &["simulate", "--engines", "100001"][..],
+            "engines must be within",
+        ),
     ] {
         let output = kvroute(args, "");
         refused(&output, &[name]);
         assert_ne!(output.status.code(), Some(101), "a panic: {args:?}");
     }
+    // The engine model's refusal is said once, not once per layer of the error.
+    let output = kvroute(&["simulate", "--block-size", "100000000"], "");
+    refused(&output, &["GPU blocks at least 2"]);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(err.matches("GPU blocks at least 2").count(), 1, "{err}");
 }
 
 /// Runs `kvroute simulate` on a trace of `rows` (Mooncake JSONL) with `args` in `dir`; the

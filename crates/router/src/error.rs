@@ -59,13 +59,13 @@ impl RouterError {
 #[derive(Debug, Error)]
 pub enum ProbeError {
     /// The request could not be built (an invalid endpoint address).
-    #[error("{0}")]
+    #[error(transparent)]
     Invalid(#[from] http::Error),
     /// No response headers in time.
     #[error("timed out")]
     Timeout,
     /// The request failed (connection refused, reset, ...).
-    #[error("{0}")]
+    #[error(transparent)]
     Request(#[from] hyper_util::client::legacy::Error),
     /// The body did not arrive in time.
     #[error("timed out reading the body")]

@@ -47,6 +47,10 @@ pub struct PdFleet {
     pub kv_bytes_per_token: u64,
 }
 
+/// The largest fleet a simulation takes: every engine's state is held in memory, and 100,000
+/// engines already take about 0.4 GB and half a minute for the default workload.
+pub const MAX_ENGINES: usize = 100_000;
+
 impl FleetConfig {
     /// A P/D fleet of Llama-3.1-8B engines (128 KiB of KV per token, 16,384-token context),
     /// one per entry of `roles`, each with `num_gpu_blocks` GPU blocks, every pair joined by
@@ -106,8 +110,11 @@ impl FleetConfig {
 
     /// Checks the settings.
     pub fn validate(&self) -> Result<(), SimulateError> {
-        if self.engines == 0 {
-            return Err(SimulateError::Config("engines must be at least 1".into()));
+        if !(1..=MAX_ENGINES).contains(&self.engines) {
+            return Err(SimulateError::Config(format!(
+                "engines must be within 1–{MAX_ENGINES}, not {}",
+                self.engines
+            )));
         }
         if let Some(bad) = self
             .engine_slowdown

@@ -7,13 +7,13 @@ pub enum SimulateError {
     #[error("invalid simulation settings: {0}")]
     Config(String),
     /// The engine model refused its settings.
-    #[error("engine model: {0}")]
+    #[error(transparent)]
     Engine(#[from] kvroute_sim::SimError),
     /// A policy name that is not known.
     #[error("{0}")]
     Policy(String),
     /// The core refused something (the KV index settings).
-    #[error("core: {0}")]
+    #[error(transparent)]
     Core(#[from] kvroute_core::CoreError),
     /// An engine had work but its step did nothing: the run could never finish.
     #[error("engine {engine} is stalled at t = {at_s:.3} s: it has requests but cannot run them")]

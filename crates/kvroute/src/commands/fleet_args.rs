@@ -16,8 +16,8 @@ use super::pd_args::PdFleetArgs;
 /// A simulated fleet; every default is the simulator's own ([`FleetConfig::default`]).
 #[derive(Args)]
 pub struct FleetArgs {
-    /// Engines in the fleet (default 4); beside --prefill-engines/--decode-engines, kv_both
-    /// engines after them (default 0).
+    /// Engines in the fleet (default 4, at most 100,000); beside
+    /// --prefill-engines/--decode-engines, kv_both engines after them (default 0).
     #[arg(long)]
     engines: Option<usize>,
     #[command(flatten)]

@@ -50,18 +50,63 @@ async fn publisher(layout: EventLayout, framing: ReplayFraming, buffer_steps: us
     .unwrap()
 }
 
+/// `publisher`'s feed as endpoint `E`'s source, its replay included.
+fn source(publisher: &Publisher) -> EndpointSource {
+    EndpointSource {
+        endpoint: E,
+        name: "engine-a".into(),
+        publisher: publisher.address().to_owned(),
+        replay: publisher.replay_address().map(str::to_owned),
+        topic: "kv@127.0.0.1:8000@demo".into(),
+    }
+}
+
 fn subscribe(publisher: &Publisher, index: &Arc<SharedIndex>) -> SubscriberHandle {
     spawn_connected(
-        EndpointSource {
-            endpoint: E,
-            name: "engine-a".into(),
-            publisher: publisher.address().to_owned(),
-            replay: publisher.replay_address().map(str::to_owned),
-            topic: "kv@127.0.0.1:8000@demo".into(),
-        },
+        source(publisher),
         index.clone() as Arc<dyn EventSink>,
         timing(),
     )
+}
+
+/// Waits until the subscriber has connected to its publisher.
+async fn until_connected(handle: &SubscriberHandle) {
+    eventually("first connection", || {
+        (stats(handle).connected, stats(handle))
+    })
+    .await;
+}
+
+/// Waits until the subscriber has taken in every batch up to `last_seq`.
+async fn until_heard(handle: &SubscriberHandle, last_seq: u64) {
+    eventually(&format!("batches up to {last_seq}"), || {
+        (stats(handle).last_seq == Some(last_seq), stats(handle))
+    })
+    .await;
+}
+
+/// Publishes one step at a time until a batch reaches the subscriber, and returns how many
+/// steps that took. ZMQ's slow joiner: batches published before the subscription reaches the
+/// publisher are lost to the live stream (a gap at the start, filled from replay), so gaps
+/// counted after this are the live stream's.
+async fn publish_until_joined(
+    p: &mut Publisher,
+    engine: &mut DemoEngine,
+    handle: &SubscriberHandle,
+) -> usize {
+    let mut published = 0;
+    let deadline = Instant::now() + patience();
+    while stats(handle).last_seq.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "no batch arrived: {:?}",
+            stats(handle)
+        );
+        p.publish(&engine.step(published as f64)).await.unwrap();
+        published += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    published
 }
 
 fn stats(handle: &SubscriberHandle) -> FeedStats {
@@ -109,37 +154,15 @@ async fn index_follows_a_live_engine_with_eviction() {
     let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 10_000).await;
     let index = new_index();
     let handle = subscribe(&p, &index);
-    eventually("first connection", || {
-        (stats(&handle).connected, stats(&handle))
-    })
-    .await;
+    until_connected(&handle).await;
     let mut engine = demo_engine(1);
-    // ZMQ's slow joiner: batches published before the subscription reaches the publisher are
-    // lost to the live stream (a gap at the start, filled from replay). Publish one step at a
-    // time until the first batch arrives, so that the gaps counted below are the live stream's.
-    let mut published = 0;
-    let deadline = Instant::now() + patience();
-    while stats(&handle).last_seq.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "no batch arrived: {:?}",
-            stats(&handle)
-        );
-        let batch = engine.step(published as f64);
-        p.publish(&batch).await.unwrap();
-        published += 1;
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let published = publish_until_joined(&mut p, &mut engine, &handle).await;
     let joined = stats(&handle);
     for i in published..150 {
         let batch = engine.step(i as f64);
         p.publish(&batch).await.unwrap();
     }
-    let last = published.max(150) as u64 - 1;
-    eventually("150 batches", || {
-        (stats(&handle).last_seq == Some(last), stats(&handle))
-    })
-    .await;
+    until_heard(&handle, published.max(150) as u64 - 1).await;
     eventually("index equals engine cache", || {
         index_matches_engine(&index, &engine)
     })
@@ -168,10 +191,7 @@ async fn a_late_subscriber_learns_history_from_replay() {
     publish_steps(&mut p, &mut engine, 60).await;
     let index = new_index();
     let handle = subscribe(&p, &index);
-    eventually("replayed history", || {
-        (stats(&handle).last_seq == Some(59), stats(&handle))
-    })
-    .await;
+    until_heard(&handle, 59).await;
     eventually("index equals engine cache", || {
         index_matches_engine(&index, &engine)
     })
@@ -186,15 +206,9 @@ async fn a_forced_gap_is_filled_from_replay_in_the_legacy_framing() {
     let index = new_index();
     let handle = subscribe(&p, &index);
     let mut engine = demo_engine(3);
-    eventually("first connection", || {
-        (stats(&handle).connected, stats(&handle))
-    })
-    .await;
+    until_connected(&handle).await;
     publish_steps(&mut p, &mut engine, 10).await;
-    eventually("10 batches", || {
-        (stats(&handle).last_seq == Some(9), stats(&handle))
-    })
-    .await;
+    until_heard(&handle, 9).await;
     // Batches published before the subscription reached the publisher (ZMQ's slow joiner) are
     // a gap too, filled from replay like any other: count only the forced gap below.
     let gaps_before = stats(&handle).gaps;
@@ -203,10 +217,7 @@ async fn a_forced_gap_is_filled_from_replay_in_the_legacy_framing() {
         p.publish_lost(&batch);
     }
     publish_steps(&mut p, &mut engine, 5).await;
-    eventually("gap filled", || {
-        (stats(&handle).last_seq == Some(19), stats(&handle))
-    })
-    .await;
+    until_heard(&handle, 19).await;
     eventually("index equals engine cache", || {
         index_matches_engine(&index, &engine)
     })
@@ -225,25 +236,8 @@ async fn a_gap_older_than_the_replay_buffer_is_reported() {
     let index = new_index();
     let handle = subscribe(&p, &index);
     let mut engine = demo_engine(4);
-    eventually("first connection", || {
-        (stats(&handle).connected, stats(&handle))
-    })
-    .await;
-    // ZMQ's slow joiner: what is published before the subscription reaches the publisher is
-    // lost to the live stream (and only told by the next batch). Publish one step at a time
-    // until one arrives; the gap counted below is then the live stream's.
-    let deadline = Instant::now() + patience();
-    let mut step = 0.0;
-    while stats(&handle).last_seq.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "no batch arrived: {:?}",
-            stats(&handle)
-        );
-        p.publish(&engine.step(step)).await.unwrap();
-        step += 1.0;
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_connected(&handle).await;
+    let step = publish_until_joined(&mut p, &mut engine, &handle).await as f64;
     // Everything published so far is in (a start gap filled from replay).
     let published = p.next_seq();
     eventually("caught up", || {
@@ -277,11 +271,8 @@ async fn a_hostile_replay_socket_costs_the_replay_not_the_live_feed() {
     let index = new_index();
     let handle = spawn_connected(
         EndpointSource {
-            endpoint: E,
-            name: "engine-a".into(),
-            publisher: p.address().to_owned(),
             replay: Some(hostile.address().to_owned()),
-            topic: "kv@127.0.0.1:8000@demo".into(),
+            ..source(&p)
         },
         index.clone() as Arc<dyn EventSink>,
         SubscriberConfig {
@@ -359,15 +350,9 @@ async fn an_engine_restart_purges_and_relearns() {
     let index = new_index();
     let handle = subscribe(&p, &index);
     let mut engine = demo_engine(5);
-    eventually("first connection", || {
-        (stats(&handle).connected, stats(&handle))
-    })
-    .await;
+    until_connected(&handle).await;
     publish_steps(&mut p, &mut engine, 30).await;
-    eventually("30 batches", || {
-        (stats(&handle).last_seq == Some(29), stats(&handle))
-    })
-    .await;
+    until_heard(&handle, 29).await;
     p.restart();
     let mut fresh = demo_engine(6);
     publish_steps(&mut p, &mut fresh, 5).await;
@@ -412,10 +397,7 @@ async fn a_dead_endpoint_does_not_stall_a_live_one() {
     let mut p = publisher(EventLayout::LATEST, ReplayFraming::WithTopic, 100).await;
     let handle = subscribe(&p, &index);
     let mut engine = demo_engine(7);
-    eventually("first connection", || {
-        (stats(&handle).connected, stats(&handle))
-    })
-    .await;
+    until_connected(&handle).await;
     publish_steps(&mut p, &mut engine, 20).await;
     eventually("index equals engine cache", || {
         index_matches_engine(&index, &engine)

@@ -253,10 +253,7 @@ async fn send_steadily(addr: std::net::SocketAddr, traffic: Arc<Traffic>) {
             .await
             .unwrap();
         let who = match response.status().as_u16() {
-            200 => response.headers()["x-kvroute-endpoint"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
+            200 => common::served_by(&response),
             status => format!("status {status}"),
         };
         traffic.served.lock().push((i, who));

@@ -212,20 +212,9 @@ async fn explain_shows_the_breakdown_without_forwarding() {
         .send()
         .await
         .unwrap();
-    let home = first.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let home = common::served_by(&first);
     settle(&router, &[&a, &b]).await;
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained: Value = common::explain(&client, &router, &body).await;
     assert_eq!(explained["chosen"], home.as_str());
     assert_eq!(explained["reason"], "cache");
     let endpoints = explained["endpoints"].as_array().unwrap();
@@ -511,7 +500,7 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         let content = format!("{hot} question {i}");
         tasks.push(tokio::spawn(async move {
             let resp = client.post(url).json(&json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 200})).send().await.unwrap();
-            resp.headers()["x-kvroute-endpoint"].to_str().unwrap().to_owned()
+            common::served_by(&resp)
         }));
     }
     let mut counts = std::collections::HashMap::new();
@@ -644,15 +633,7 @@ async fn a_silent_event_stream_is_not_trusted_and_says_so() {
         .unwrap();
     // Silent past `silent_after_s`: the explanation says so once that much time has passed.
     let explained = eventually_async("the silent stream is distrusted", || async {
-        let explained: Value = client
-            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let explained: Value = common::explain(&client, &router, &body).await;
         (
             explained["endpoints"][0]["index_distrust"] == "silent",
             explained,
@@ -697,15 +678,8 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
     // Once the engine's evictions arrived and the prediction's grace passed, the evicted
     // history counts for nothing at its old home.
     let explained = eventually_async("the evicted history counts for nothing", || async {
-        let explained: Value = client
-            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-            .json(&json!({"model": MODEL, "messages": next}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let explained: Value =
+            common::explain(&client, &router, &json!({"model": MODEL, "messages": next})).await;
         let at_home = explained["endpoints"]
             .as_array()
             .unwrap()
@@ -741,15 +715,12 @@ async fn remote_tokenization_with_the_engines_tokenize_predicts_exactly() {
         json!({"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}),
     );
     history.push(json!({"role": "user", "content": "more please"}));
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&json!({"model": MODEL, "messages": history}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained: Value = common::explain(
+        &client,
+        &router,
+        &json!({"model": MODEL, "messages": history}),
+    )
+    .await;
     let second = chat(&client, &router, &history, 2).await;
     assert_eq!(second.endpoint, first.endpoint, "turn 2 goes home");
     let home = explained["endpoints"]
@@ -916,15 +887,8 @@ async fn an_engine_answering_5xx_is_retried_elsewhere_then_ejected() {
         "{metrics}"
     );
     // The explanation says why e0 is skipped.
-    let explained: Value = client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&json!({"model": MODEL, "prompt": "x"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained: Value =
+        common::explain(&client, &router, &json!({"model": MODEL, "prompt": "x"})).await;
     let e0 = &explained["endpoints"][0];
     assert_eq!(e0["rejected"], "ejected", "{explained}");
     assert!(e0["ejected_for_s"].as_f64().unwrap() > 50.0, "{explained}");
@@ -973,10 +937,7 @@ async fn the_circuit_breaker_sends_past_a_full_endpoint() {
         .send()
         .await
         .unwrap();
-    let home = held.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let home = common::served_by(&held);
     let second = client
         .post(format!("http://{}/v1/completions", router.addr))
         .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}))

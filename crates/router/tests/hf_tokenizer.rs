@@ -58,25 +58,19 @@ async fn real_tokenizer_end_to_end() {
     let mut home = None;
     for turn in 0..4 {
         history.push(json!({"role": "user", "content": format!("Question number {turn}: how does prefix caching work in vLLM?")}));
-        let explain: Value = client
-            .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-            .json(&json!({"model": "sim-llama-3.1-8b", "messages": history}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let explain: Value = common::explain(
+            &client,
+            &router,
+            &json!({"model": "sim-llama-3.1-8b", "messages": history}),
+        )
+        .await;
         let resp = client
             .post(format!("http://{}/v1/chat/completions", router.addr))
             .json(&json!({"model": "sim-llama-3.1-8b", "messages": history, "max_tokens": 16}))
             .send()
             .await
             .unwrap();
-        let endpoint = resp.headers()["x-kvroute-endpoint"]
-            .to_str()
-            .unwrap()
-            .to_owned();
+        let endpoint = common::served_by(&resp);
         let body: Value = resp.json().await.unwrap();
         let chosen = explain["chosen"].as_str().unwrap();
         let predicted = explain["endpoints"]

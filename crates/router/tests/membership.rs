@@ -31,10 +31,7 @@ async fn served_by(client: &reqwest::Client, addr: std::net::SocketAddr, i: usiz
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    response.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned()
+    common::served_by(&response)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -105,15 +105,12 @@ async fn a_prompt_past_the_routed_blocks_is_routed_by_its_head() {
         .url("e0", "http://127.0.0.1:9")
         .build();
     let router = start_router(config).await.unwrap();
-    let explained: Value = reqwest::Client::new()
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&json!({"model": MODEL, "prompt": "word ".repeat(2_000)}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained: Value = common::explain(
+        &reqwest::Client::new(),
+        &router,
+        &json!({"model": MODEL, "prompt": "word ".repeat(2_000)}),
+    )
+    .await;
     assert_eq!(explained["blocks"], 8, "{explained}");
     assert!(
         explained["prompt_tokens"].as_u64().unwrap() > 1_000,

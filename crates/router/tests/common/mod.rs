@@ -133,6 +133,14 @@ pub async fn explain(
         .unwrap()
 }
 
+/// Which endpoint served `response`: its `x-kvroute-endpoint` header.
+pub fn served_by(response: &reqwest::Response) -> String {
+    response.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
 /// `router`'s own `/metrics` text.
 pub async fn router_metrics(
     client: &reqwest::Client,

@@ -95,15 +95,7 @@ pub async fn admin_json(client: &reqwest::Client, router: &RunningRouter, path: 
 
 /// The explain API's answer for `prompt`.
 pub async fn explain(client: &reqwest::Client, router: &RunningRouter, prompt: &str) -> Value {
-    client
-        .post(format!("http://{}/kvroute/v1/explain", router.admin_addr))
-        .json(&json!({"model": MODEL, "prompt": prompt}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    crate::common::explain(client, router, &json!({"model": MODEL, "prompt": prompt})).await
 }
 
 /// Sends `prompt` through `router`; the endpoint that served it.
@@ -115,10 +107,7 @@ pub async fn complete(client: &reqwest::Client, router: &RunningRouter, prompt: 
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    response.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned()
+    crate::common::served_by(&response)
 }
 
 /// A peer's admin listener that answers every `GET /kvroute/v1/snapshot`, whatever its query,

@@ -136,7 +136,7 @@ fn handshake(socket: &mut TcpStream, socket_type: &str) -> std::io::Result<()> {
 }
 
 /// A KV-event publisher that completes the handshake as a PUB and then publishes nothing,
-/// counting the subscribers that hung up: what tells whether a stopped subscriber really let
+/// counting the subscribers that hung up (or did not finish the handshake within 5 s): what tells whether a stopped subscriber really let
 /// its connection go. Each connection's thread ends when it hangs up; the listening thread
 /// runs until the process ends.
 pub struct SilentPublisher {
@@ -156,7 +156,13 @@ impl SilentPublisher {
                 let Ok(mut socket) = socket else { return };
                 let counter = counter.clone();
                 std::thread::spawn(move || {
-                    if handshake(&mut socket, "PUB").is_ok() {
+                    // A handshake is due within 5 s; a subscriber that does not finish it has
+                    // hung up as far as this publisher is concerned.
+                    let greeted = socket
+                        .set_read_timeout(Some(Duration::from_secs(5)))
+                        .and_then(|()| handshake(&mut socket, "PUB"))
+                        .and_then(|()| socket.set_read_timeout(None));
+                    if greeted.is_ok() {
                         // The subscriber's bytes (its subscription, heartbeats) until it hangs up.
                         let mut sink = [0u8; 4096];
                         while matches!(socket.read(&mut sink), Ok(n) if n > 0) {}

@@ -82,10 +82,29 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("kvroute: error: {e:#}");
+            eprintln!("kvroute: error: {}", described(&e));
             exit_code(&e)
         }
     }
+}
+
+/// The error and its causes, joined by `: ` as anyhow's `{:#}` joins them, leaving out a cause
+/// whose text the one before it already says (an error that prints its source and also returns
+/// it), so that no message is read twice.
+fn described(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    let mut previous = String::new();
+    for cause in e.chain() {
+        let this = cause.to_string();
+        if !previous.contains(&this) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&this);
+        }
+        previous = this;
+    }
+    text
 }
 
 /// The one mapping from an error that stopped a command to the process's exit status: the
@@ -97,4 +116,40 @@ fn exit_code(e: &anyhow::Error) -> ExitCode {
         .find_map(|cause| cause.downcast_ref::<kvroute_router::RouterError>())
         .map_or(1, kvroute_router::RouterError::exit_code);
     ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error that prints its source and also returns it.
+    #[derive(Debug)]
+    struct Embeds(std::io::Error);
+
+    impl std::fmt::Display for Embeds {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "reading the stream: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Embeds {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_already_said_is_not_said_again() {
+        let io = std::io::Error::other("connection refused");
+        let e = anyhow::Error::new(Embeds(io)).context("subscribing to engine-a");
+        assert_eq!(
+            described(&e),
+            "subscribing to engine-a: reading the stream: connection refused"
+        );
+        // Causes that do not repeat each other are all said, in order.
+        let plain = anyhow::anyhow!("refused")
+            .context("connecting")
+            .context("starting");
+        assert_eq!(described(&plain), "starting: connecting: refused");
+    }
 }

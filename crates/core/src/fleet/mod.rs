@@ -1204,6 +1204,9 @@ impl Fleet {
             if restore.tier_uncertain {
                 ix.mark_tier_uncertain(id);
             }
+            if let Some(group) = restore.tracked_group {
+                ix.set_tracked_group(id, group);
+            }
             restored
         });
         self.cache_dropped();

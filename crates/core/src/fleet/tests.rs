@@ -1719,6 +1719,7 @@ fn a_peers_snapshot_is_restored_in_one_step_only_when_its_keys_are_laid_out_alik
         blocks: blocks.clone(),
         trusted,
         tier_uncertain: false,
+        tracked_group: None,
     };
     let matched = |fleet: &mut Fleet| {
         let plan = fleet.plan_every(&Req::new(&tokens).features(), 1, 1.0);

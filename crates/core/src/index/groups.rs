@@ -9,13 +9,16 @@
 //! whole prefixes is a full-attention one, which BlockStored events name from 0.22
 //! (`kv_cache_spec_kind`). So the index tracks the lowest-numbered group whose events said
 //! full attention; until one has (releases before 0.22, plain models, a model without any),
-//! group 0 stands in. BlockRemoved events carry no kind: they follow the group chosen.
+//! group 0 stands in. BlockRemoved events carry no kind: they follow the group chosen. An event
+//! that names no group (connectors that do not say: LMCache, offload events before 0.24) is
+//! taken as the tracked group's, as before groups were told apart.
 //!
 //! Should a full-attention group other than 0 be learned after blocks of a group of another
 //! kind were indexed (group 0 standing in), those blocks came from the wrong group: the
 //! endpoint's entries are dropped and rebuilt from the chosen group's events (counted as a
-//! clear). Entries restored from a peer's snapshot were tracked by that peer's choice and are
-//! kept.
+//! clear). The choice is the engine's model's, so it is learned again whenever the endpoint's
+//! cache is forgotten (a restart, a pod that left and whose id another takes), and it travels
+//! with a peer's snapshot, so that a restored endpoint is not dropped by its first events.
 
 /// Attention kinds whose group holds every block of a prefix for as long as it is cached.
 const WHOLE_PREFIX_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
@@ -43,15 +46,28 @@ pub(super) enum GroupVerdict {
 }
 
 impl PrefixGroup {
+    /// The choice made by a peer's events (see [`Self::learned`]).
+    pub(super) fn learned_from(full: i64) -> Self {
+        Self {
+            full: Some(full),
+            indexed_other_kind: false,
+        }
+    }
+
+    /// The full-attention group learned from the events, if any.
+    pub(super) fn learned(&self) -> Option<i64> {
+        self.full
+    }
+
     /// The group tracked now.
     fn tracked(&self) -> i64 {
         self.full.unwrap_or(0)
     }
 
-    /// A BlockStored event of `group` (`None`: a plain model's, group 0) whose layers are of
-    /// `kind` (`None`: not said, before 0.22).
+    /// A BlockStored event of `group` (`None`: not said; the tracked group's) whose layers are
+    /// of `kind` (`None`: not said, before 0.22).
     pub(super) fn stored(&mut self, group: Option<i64>, kind: Option<&str>) -> GroupVerdict {
-        let group = group.unwrap_or(0);
+        let group = group.unwrap_or(self.tracked());
         let whole = kind.map(|k| WHOLE_PREFIX_KINDS.contains(&k));
         match (whole, self.full) {
             (Some(true), None) => {
@@ -72,9 +88,10 @@ impl PrefixGroup {
         }
     }
 
-    /// A BlockRemoved event of `group` (which says no kind): whether it names the tracked group.
+    /// A BlockRemoved event of `group` (which says no kind; `None`: not said): whether it names
+    /// the tracked group.
     pub(super) fn removed(&self, group: Option<i64>) -> bool {
-        group.unwrap_or(0) == self.tracked()
+        group.is_none_or(|g| g == self.tracked())
     }
 }
 
@@ -109,6 +126,21 @@ mod tests {
         assert_eq!(g.stored(Some(1), Some("full_attention")), Index);
         // A second full-attention group changes nothing.
         assert_eq!(g.stored(Some(2), Some("full_attention")), Ignore);
+    }
+
+    #[test]
+    fn events_that_name_no_group_follow_the_tracked_one() {
+        let mut g = PrefixGroup::default();
+        assert_eq!(g.stored(Some(1), Some("full_attention")), Index);
+        // An offload connector's events that say no group (LMCache, releases before 0.24).
+        assert_eq!(g.stored(None, None), Index);
+        assert!(g.removed(None));
+        assert!(!g.removed(Some(0)));
+        // A choice carried from a peer is the one followed.
+        let mut restored = PrefixGroup::learned_from(1);
+        assert_eq!(restored.learned(), Some(1));
+        assert_eq!(restored.stored(Some(0), Some("sliding_window")), Ignore);
+        assert_eq!(restored.stored(Some(1), Some("full_attention")), Index);
     }
 
     #[test]

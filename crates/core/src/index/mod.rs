@@ -396,11 +396,13 @@ impl KvIndex {
     }
 
     /// Drops every block an endpoint holds (its cache was reset, or it restarted), keeping its
-    /// counters.
+    /// counters; which of its KV-cache groups is tracked is learned again from its events (a
+    /// restarted engine, or a new pod under a freed id, may serve another model).
     pub fn clear_endpoint(&mut self, endpoint: EndpointId) {
         let Some(state) = self.endpoints.get_mut(&endpoint) else {
             return;
         };
+        state.group = groups::PrefixGroup::default();
         let slot = state.slot;
         self.entries -= state.blocks.len();
         for held in state.blocks.iter() {
@@ -453,7 +455,12 @@ impl KvIndex {
                 return;
             }
             GroupVerdict::ClearThenIndex => {
+                let learned = state.group;
                 self.clear_endpoint(endpoint);
+                self.endpoints
+                    .get_mut(&endpoint)
+                    .expect("just registered")
+                    .group = learned;
                 return self.apply_stored(endpoint, event);
             }
         }

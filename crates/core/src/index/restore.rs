@@ -103,6 +103,9 @@ pub struct EndpointRestore<I> {
     pub trusted: bool,
     /// Whether the peer's picture of the endpoint's offloaded tiers was uncertain.
     pub tier_uncertain: bool,
+    /// The full-attention KV-cache group the peer learned the endpoint tracks (a hybrid
+    /// model's; `None`: not learned, or a peer that does not say).
+    pub tracked_group: Option<i64>,
 }
 
 /// One block an endpoint holds, as [`KvIndex::endpoint_blocks`] reads it and
@@ -310,6 +313,22 @@ impl KvIndex {
         }
         self.bound(restored);
         restored
+    }
+
+    /// The full-attention KV-cache group learned from `endpoint`'s events, if any: which of a
+    /// hybrid model's groups its blocks came from, carried with them in a snapshot.
+    pub fn tracked_group(&self, endpoint: EndpointId) -> Option<i64> {
+        self.endpoints
+            .get(&endpoint)
+            .and_then(|s| s.group.learned())
+    }
+
+    /// Makes `group` the tracked KV-cache group of `endpoint`, as a peer's snapshot says: its
+    /// restored blocks came from that group, and the endpoint's events are read by it.
+    pub fn set_tracked_group(&mut self, endpoint: EndpointId, group: i64) {
+        self.add_endpoint(endpoint);
+        let state = self.endpoints.get_mut(&endpoint).expect("just registered");
+        state.group = super::groups::PrefixGroup::learned_from(group);
     }
 
     /// Marks `endpoint`'s offloaded tiers as uncertain, as recent orphans do (see

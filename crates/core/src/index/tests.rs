@@ -227,6 +227,44 @@ fn a_hybrid_models_prefix_is_found_in_its_full_attention_group() {
     }
 }
 
+/// Which group is tracked is the engine's model's: a cleared endpoint (a restart, or a new pod
+/// under a freed id) learns it again, and a snapshot carries it, so that a restored hybrid
+/// endpoint keeps its blocks when its next batch starts with the sliding-window group's.
+#[test]
+fn the_tracked_group_is_learned_again_after_a_clear_and_travels_with_a_snapshot() {
+    let doc = tokens(6, 3);
+    let keys = router_keys(&doc, BS, None).unwrap();
+    let hybrid = |seed, doc: &[u32]| {
+        [
+            in_group(stored(seed, doc, 0, 6, "GPU"), 0, "sliding_window"),
+            in_group(stored(seed, doc, 0, 6, "GPU"), 1, "full_attention"),
+        ]
+    };
+    let mut source = index();
+    source.apply(E0, &hybrid(1, &doc));
+    assert_eq!(source.tracked_group(E0), Some(1));
+
+    // Restored with the peer's choice: the next batch's sliding-window blocks drop nothing.
+    let mut restored = index();
+    restored.restore(E0, source.endpoint_blocks(E0).collect::<Vec<_>>());
+    restored.set_tracked_group(E0, source.tracked_group(E0).unwrap());
+    let next = tokens(6, 4);
+    restored.apply(E0, &hybrid(1, &next));
+    assert_eq!(restored.lookup(&keys).blocks(E0), 6, "restored blocks kept");
+    let next_keys = router_keys(&next, BS, None).unwrap();
+    assert_eq!(restored.lookup(&next_keys).blocks(E0), 6);
+
+    // The engine restarts as a plain model: its group 0 is tracked again.
+    source.apply(E0, &[KvEvent::AllBlocksCleared]);
+    assert_eq!(source.tracked_group(E0), None);
+    source.apply(
+        E0,
+        &[in_group(stored(1, &doc, 0, 6, "GPU"), 0, "full_attention")],
+    );
+    assert_eq!(source.lookup(&keys).blocks(E0), 6);
+    assert_eq!(source.tracked_group(E0), Some(0));
+}
+
 #[test]
 fn lora_name_without_extra_keys_matches_lora_requests() {
     let mut ix = index();

@@ -58,6 +58,10 @@ pub struct EndpointSnapshot {
     /// (recent orphans).
     #[serde(default)]
     pub tier_uncertain: bool,
+    /// The full-attention KV-cache group the serving replica tracks for this endpoint (a hybrid
+    /// model's), once learned; absent from peers of earlier versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracked_group: Option<i64>,
     /// Every block the serving replica's index holds for this endpoint.
     pub blocks: Vec<HeldEntry>,
 }
@@ -77,8 +81,12 @@ fn endpoint_snapshot(router: &Router, e: &crate::endpoint::Endpoint) -> Option<E
     let trusted = fleet.trust(e.id, now).is_ok();
     let layout = fleet.key_layout(e.id)?;
     let seq = router.replica().journal()?.seq(e.id);
-    let (blocks, tier_uncertain) = index.read_endpoint(e.id, |ix| {
-        (ix.endpoint_blocks(e.id).collect(), ix.tier_uncertain(e.id))
+    let (blocks, tier_uncertain, tracked_group) = index.read_endpoint(e.id, |ix| {
+        (
+            ix.endpoint_blocks(e.id).collect(),
+            ix.tier_uncertain(e.id),
+            ix.tracked_group(e.id),
+        )
     });
     drop(fleet);
     Some(EndpointSnapshot {
@@ -87,6 +95,7 @@ fn endpoint_snapshot(router: &Router, e: &crate::endpoint::Endpoint) -> Option<E
         seq,
         trusted,
         tier_uncertain,
+        tracked_group,
         blocks,
     })
 }
@@ -264,6 +273,7 @@ fn restore(
         blocks: entry.blocks.iter().copied(),
         trusted: entry.trusted,
         tier_uncertain: entry.tier_uncertain,
+        tracked_group: entry.tracked_group,
     };
     let _ingest = e.ingest.lock();
     let now = router.now();

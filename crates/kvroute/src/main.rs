@@ -89,14 +89,14 @@ fn main() -> ExitCode {
 }
 
 /// The error and its causes, joined by `: ` as anyhow's `{:#}` joins them, leaving out a cause
-/// whose text the one before it already says (an error that prints its source and also returns
-/// it), so that no message is read twice.
+/// whose text ends the one before it (an error that prints its source and also returns it), so
+/// that no message is read twice.
 fn described(e: &anyhow::Error) -> String {
     let mut text = String::new();
     let mut previous = String::new();
     for cause in e.chain() {
         let this = cause.to_string();
-        if !previous.contains(&this) {
+        if !(previous == this || previous.ends_with(&format!(": {this}"))) {
             if !text.is_empty() {
                 text.push_str(": ");
             }
@@ -151,5 +151,8 @@ mod tests {
             .context("connecting")
             .context("starting");
         assert_eq!(described(&plain), "starting: connecting: refused");
+        // A short cause whose words the context happens to hold is its own: said.
+        let short = anyhow::anyhow!("timed out").context("the probe timed out waiting");
+        assert_eq!(described(&short), "the probe timed out waiting: timed out");
     }
 }

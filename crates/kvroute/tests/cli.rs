@@ -356,6 +356,20 @@ fn bench_refuses_bad_arguments_clearly() {
             &["simulate", "--engines", "100001"][..],
             "engines must be within",
         ),
+        (
+            &[
+                "simulate",
+                "--prefill-engines",
+                "18446744073709551615",
+                "--decode-engines",
+                "1",
+            ][..],
+            "engines must be within",
+        ),
+        (
+            &["sim", "--step-overhead-s", "1e300"][..],
+            "latency must be within",
+        ),
     ] {
         let output = kvroute(args, "");
         refused(&output, &[name]);

@@ -782,7 +782,9 @@ impl EndpointConfig {
                 "must not carry credentials (user:password@): put the engine behind no password, or front it with a proxy that adds them",
             ));
         }
-        if authority
+        // The port follows the host, and an IPv6 host (`[::1]`) has colons of its own.
+        let after_host = authority.rsplit_once(']').map_or(authority, |(_, rest)| rest);
+        if after_host
             .rsplit_once(':')
             .is_some_and(|(_, port)| port.parse::<u16>().map_or(true, |p| p == 0))
         {
@@ -1067,27 +1069,43 @@ impl RouterConfig {
 
 impl RouterConfig {
     /// Checks the HTTP edge: limits and the admin listener.
-    /// Two endpoints that are one engine (the same URL, or the same KV-event address) would
-    /// split its load and its cache picture in two; two of one name would share its metrics.
+    /// Two endpoints that are one engine (the same host and port: the router sends to the
+    /// URL's authority alone; or the same KV-event address) would split its load and its cache
+    /// picture in two; two of one name, given or defaulted to the authority, would share its
+    /// metrics and its `x-kvroute-endpoint` answers.
     fn validate_endpoints_distinct(&self) -> Result<(), RouterError> {
         let endpoints = &self.endpoints;
+        // Endpoints are validated first: their URLs parse.
+        let authorities: Vec<String> = endpoints
+            .iter()
+            .map(|e| {
+                e.url
+                    .parse::<http::Uri>()
+                    .ok()
+                    .and_then(|u| u.authority().map(|a| a.as_str().to_ascii_lowercase()))
+                    .unwrap_or_else(|| e.url.clone())
+            })
+            .collect();
+        let names: Vec<&str> = endpoints
+            .iter()
+            .zip(&authorities)
+            .map(|(e, authority)| e.name.as_deref().unwrap_or(authority))
+            .collect();
         for (i, e) in endpoints.iter().enumerate() {
             let earlier = &endpoints[..i];
-            let same_url = earlier
-                .iter()
-                .any(|o| o.url.trim_end_matches('/') == e.url.trim_end_matches('/'));
+            let same_url = authorities[..i].contains(&authorities[i]);
             let same_events = e
                 .events
                 .as_ref()
                 .is_some_and(|ev| earlier.iter().any(|o| o.events.as_ref() == Some(ev)));
-            let same_name = e
-                .name
-                .as_ref()
-                .is_some_and(|n| earlier.iter().any(|o| o.name.as_ref() == Some(n)));
+            let same_name = names[..i].contains(&names[i]);
             let why = match (same_url, same_events, same_name) {
-                (true, ..) => format!("{:?} is another endpoint's URL", e.url),
+                (true, ..) => format!(
+                    "{:?} is another endpoint's host and port ({})",
+                    e.url, authorities[i]
+                ),
                 (_, true, _) => format!("{:?} is another endpoint's events address", e.events),
-                (.., true) => format!("{:?} is another endpoint's name", e.name),
+                (.., true) => format!("{:?} is another endpoint's name", names[i]),
                 _ => continue,
             };
             return Err(invalid(&format!("endpoints[{i}]"), why));
@@ -1222,6 +1240,14 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_hosts_are_urls_with_or_without_a_port() {
+        let yaml =
+            "models: [{name: m}]\nendpoints: [{url: 'http://[::1]'}, {url: 'http://[::1]:8001'}]";
+        let c = RouterConfig::from_yaml(yaml).unwrap();
+        assert_eq!(c.endpoints.len(), 2);
+    }
+
+    #[test]
     fn bad_configs_name_the_field() {
         let cases = [
             ("models: []\nendpoints: [{url: 'http://a:1'}]", "models"),
@@ -1291,7 +1317,15 @@ mod tests {
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}, {url: 'http://a:1/'}]",
-                "endpoints[1]: \"http://a:1/\" is another endpoint's URL",
+                "endpoints[1]: \"http://a:1/\" is another endpoint's host and port (a:1)",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://A:1'}, {url: 'http://a:1/v1'}]",
+                "is another endpoint's host and port",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}, {url: 'http://b:1', name: 'a:1'}]",
+                "endpoints[1]: \"a:1\" is another endpoint's name",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1', events: 'tcp://a:5'}, {url: 'http://b:1', events: 'tcp://a:5'}]",

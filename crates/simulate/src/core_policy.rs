@@ -91,6 +91,8 @@ impl CorePolicy {
         mut config: CoreFleetConfig,
         fleet: &FleetConfig,
     ) -> Result<Self, SimulateError> {
+        // Before anything is sized by the fleet (an endpoint per engine).
+        fleet.validate()?;
         config.load_sample_max_age_s =
             CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s, 0.0);
         profile.tiers.load_mode = match fleet.engine.tier_loads {

@@ -69,13 +69,15 @@ impl fmt::Display for Millis {
 impl FleetArgs {
     /// The fleet the flags describe; `seed` seeds the policies' random choices.
     pub fn fleet(&self, seed: u64) -> anyhow::Result<FleetConfig> {
-        let (engines, roles) = self.pd.roles(self.engines, FleetConfig::default().engines);
+        let (engines, roles) = self
+            .pd
+            .roles(self.engines, FleetConfig::default().engines)?;
         let pd = roles.map(|roles| PdFleet {
             roles,
             link: self.pd.link(),
             kv_bytes_per_token: self.engine.kv_bytes_per_token() as u64,
         });
-        Ok(FleetConfig {
+        let fleet = FleetConfig {
             engines,
             engine: self.engine.engine_config()?,
             request_latency_s: self.request_latency.seconds(),
@@ -85,7 +87,10 @@ impl FleetArgs {
             seed,
             pd,
             engine_slowdown: Vec::new(),
-        })
+        };
+        // Refused here, before any policy sizes itself by the fleet.
+        fleet.validate()?;
+        Ok(fleet)
     }
 }
 

@@ -3,6 +3,7 @@
 
 use clap::Args;
 use kvroute_sim::link::LinkSpec;
+use kvroute_simulate::config::MAX_ENGINES;
 use kvroute_vllm::nixl::KvRole;
 
 /// P/D roles and the KV link.
@@ -29,14 +30,19 @@ impl PdFleetArgs {
     /// The fleet's engine count, and, when these flags make it disaggregated, every engine's
     /// role in fleet order: the producers, the consumers, then the `engines` engines of
     /// --kv-role (kv_both by default; `default_engines` of them when not given, none beside
-    /// producers or consumers).
+    /// producers or consumers). Refuses a fleet over [`MAX_ENGINES`] before building it.
     pub fn roles(
         &self,
         engines: Option<usize>,
         default_engines: usize,
-    ) -> (usize, Option<Vec<KvRole>>) {
-        let split = self.prefill_engines + self.decode_engines;
+    ) -> anyhow::Result<(usize, Option<Vec<KvRole>>)> {
+        let split = self.prefill_engines.saturating_add(self.decode_engines);
         let others = engines.unwrap_or(if split > 0 { 0 } else { default_engines });
+        let total = split.saturating_add(others);
+        anyhow::ensure!(
+            total <= MAX_ENGINES,
+            "engines must be within 1–{MAX_ENGINES}, not {total} (--engines, --prefill-engines and --decode-engines together)"
+        );
         let roles = (split > 0 || self.kv_role.is_some()).then(|| {
             std::iter::repeat_n(KvRole::Producer, self.prefill_engines)
                 .chain(std::iter::repeat_n(KvRole::Consumer, self.decode_engines))
@@ -46,7 +52,7 @@ impl PdFleetArgs {
                 ))
                 .collect()
         });
-        (split + others, roles)
+        Ok((total, roles))
     }
 
     /// The KV link between engines.

@@ -95,7 +95,7 @@ fn parse_policy(text: &str) -> Result<KvLoadFailurePolicy, String> {
 impl SimArgs {
     /// The fleet's size and P/D settings.
     fn fleet(&self) -> anyhow::Result<(usize, Option<PdConfig>)> {
-        let (engines, roles) = self.pd.roles(self.engines, 1);
+        let (engines, roles) = self.pd.roles(self.engines, 1)?;
         anyhow::ensure!(engines > 0, "the fleet has no engines");
         let Some(roles) = roles else {
             return Ok((engines, None));

@@ -106,7 +106,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
     let pooled = kvroute_sim::engine::EngineConfig {
-        num_gpu_blocks: fleet.engine.num_gpu_blocks * fleet.engines,
+        num_gpu_blocks: fleet.engine.num_gpu_blocks.saturating_mul(fleet.engines),
         ..fleet.engine.clone()
     };
     let ceiling = kvroute_bench::ceiling::pooled_ceiling(&workload, &pooled);

@@ -46,7 +46,7 @@ pub struct TuneArgs {
     fleet: FleetArgs,
     #[command(flatten)]
     workload: WorkloadArgs,
-    /// The policy whose parameters are searched (`precise` or `approximate`).
+    /// The policy whose parameters are searched (`precise`, `approximate` or `least-load`).
     #[arg(long, default_value = "precise")]
     policy: ProfileName,
     /// What to minimise.
@@ -144,9 +144,14 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         },
         seed: args.workload.seed(),
     };
-    if !matches!(args.policy, ProfileName::Precise | ProfileName::Approximate) {
+    // The cost model's policies; least-load weighs queueing against decode interference
+    // with it too. Round-robin, random and prefix-hash have nothing to tune.
+    if !matches!(
+        args.policy,
+        ProfileName::Precise | ProfileName::Approximate | ProfileName::LeastLoad
+    ) {
         anyhow::bail!(
-            "--policy {}: only precise and approximate have parameters to tune",
+            "--policy {}: only precise, approximate and least-load have parameters to tune",
             args.policy.as_str()
         );
     }

@@ -49,26 +49,27 @@ pub(super) type SharedHeld = Arc<Mutex<Held>>;
 /// `timeout` for the server to ask for the next.
 pub(super) fn watch(held: SharedHeld, timeout: Duration) -> JoinHandle<()> {
     tokio::spawn(async move {
-        loop {
+        // Decided and given up under one lock: a body asked for more meanwhile is not given up.
+        let (accounting, lease) = loop {
             let due = {
-                let h = held.lock();
+                let mut h = held.lock();
                 if h.accounting.is_none() && h.lease.is_none() {
                     return; // ended
                 }
-                h.handed_out_at.map(|at| at + timeout)
+                match h.handed_out_at.map(|at| at + timeout) {
+                    Some(due) if due <= Instant::now() => {
+                        h.given_up = true;
+                        break h.take();
+                    }
+                    due => due,
+                }
             };
             match due {
-                Some(due) if due <= Instant::now() => break,
                 Some(due) => tokio::time::sleep_until(due).await,
                 // The server asks for more, or the engine has not answered yet: look again a
                 // timeout later.
                 None => tokio::time::sleep(timeout).await,
             }
-        }
-        let (accounting, lease) = {
-            let mut h = held.lock();
-            h.given_up = true;
-            h.take()
         };
         // Closing the engine connection cancels the request there.
         drop(lease);

@@ -169,6 +169,11 @@ pub struct Engine {
     loads: AsyncLoads,
 }
 
+/// The longest any one latency of the model may be, seconds (a step overhead, a token's
+/// prefill, a block's load): an hour is no engine's, and the live simulator turns a step's
+/// seconds into a timer that a longer one would overflow.
+pub const MAX_LATENCY_S: f64 = 3600.0;
+
 impl Engine {
     /// An engine with an empty cache (and, if configured, a shared filesystem of its own).
     pub fn new(config: EngineConfig) -> Result<Self, SimError> {
@@ -205,10 +210,10 @@ impl Engine {
             l.ssd_load_latency_s,
         ]
         .iter()
-        .any(|s| !(s.is_finite() && *s >= 0.0))
+        .any(|s| !(0.0..=MAX_LATENCY_S).contains(s))
         {
             return Err(SimError::Config(format!(
-                "every latency must be a finite number of seconds, 0 or more: {l:?}"
+                "every latency must be within 0–{MAX_LATENCY_S} s: {l:?}"
             )));
         }
         if let Some(fs) = &config.shared_fs

@@ -390,3 +390,15 @@ fn a_negative_or_non_finite_latency_is_a_configuration_error() {
         );
     }
 }
+
+#[test]
+fn latencies_past_an_hour_or_below_zero_are_refused() {
+    for bad in [-1.0, 1e300, f64::NAN, f64::INFINITY] {
+        let mut config = engine(8).config;
+        config.latency.step_overhead_s = bad;
+        assert!(Engine::new(config).is_err(), "{bad}");
+    }
+    let mut config = engine(8).config;
+    config.latency.prefill_per_token_s = MAX_LATENCY_S;
+    assert!(Engine::new(config).is_ok());
+}

@@ -783,7 +783,9 @@ impl EndpointConfig {
             ));
         }
         // The port follows the host, and an IPv6 host (`[::1]`) has colons of its own.
-        let after_host = authority.rsplit_once(']').map_or(authority, |(_, rest)| rest);
+        let after_host = authority
+            .rsplit_once(']')
+            .map_or(authority, |(_, rest)| rest);
         if after_host
             .rsplit_once(':')
             .is_some_and(|(_, port)| port.parse::<u16>().map_or(true, |p| p == 0))

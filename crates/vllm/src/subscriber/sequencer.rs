@@ -12,7 +12,7 @@ use crate::codec::RawMessage;
 /// Live messages held while a replay is in flight; past this the replay is abandoned.
 const MAX_PENDING: usize = 10_000;
 
-/// Payload bytes held while a replay is in flight, unless set otherwise
+/// Bytes (topic and payload) held while a replay is in flight, unless set otherwise
 /// ([`Sequencer::holding_at_most`]): four messages of the default size limit, what the
 /// subscriber's queue holds.
 const DEFAULT_MAX_HELD_BYTES: usize =
@@ -61,9 +61,14 @@ pub struct Sequencer {
     next: Option<u64>,
     /// Highest sequence seen on the live stream (restart detection).
     last_live: Option<u64>,
+    /// The lowest sequence the live stream may carry on this connection: every batch below it
+    /// was accounted for before the connection was made (applied, replayed, or in a snapshot),
+    /// so one of the same process is never below it, and a live batch below it is a new
+    /// process's (restart detection before any live batch was seen).
+    floor: Option<u64>,
     replay: Option<Replay>,
     pending: BTreeMap<u64, RawMessage>,
-    /// Payload bytes of `pending`.
+    /// Bytes of `pending`, topics and payloads.
     held_bytes: usize,
     /// Past this many held bytes, the replay is abandoned.
     max_held_bytes: usize,
@@ -76,6 +81,7 @@ impl Sequencer {
             can_replay,
             next: None,
             last_live: None,
+            floor: None,
             replay: None,
             pending: BTreeMap::new(),
             held_bytes: 0,
@@ -83,7 +89,7 @@ impl Sequencer {
         }
     }
 
-    /// Holds at most `bytes` of live messages' payloads while a replay is in flight (one
+    /// Holds at most `bytes` of live messages (topics and payloads) while a replay is in flight (one
     /// message more is held whatever its size); past them the replay is abandoned, as a replay
     /// that never answers would leave them growing.
     pub fn holding_at_most(mut self, bytes: usize) -> Self {
@@ -93,9 +99,9 @@ impl Sequencer {
 
     /// Keeps `msg` until the replay is over.
     fn keep(&mut self, msg: RawMessage) {
-        let size = msg.payload.len();
+        let size = held_size(&msg);
         if let Some(old) = self.pending.insert(msg.seq, msg) {
-            self.held_bytes -= old.payload.len();
+            self.held_bytes -= held_size(&old);
         }
         self.held_bytes += size;
     }
@@ -104,7 +110,7 @@ impl Sequencer {
     fn take_first(&mut self) -> Option<(u64, RawMessage)> {
         let first = self.pending.pop_first();
         if let Some((_, msg)) = &first {
-            self.held_bytes -= msg.payload.len();
+            self.held_bytes -= held_size(msg);
         }
         first
     }
@@ -129,6 +135,7 @@ impl Sequencer {
     /// The subscription (re)connected: catch up on what was published meanwhile (everything
     /// still buffered, on a first connection).
     pub fn on_connect(&mut self) -> Vec<Action> {
+        self.floor = self.next;
         if !self.can_replay || self.replay.is_some() {
             return Vec::new();
         }
@@ -152,8 +159,11 @@ impl Sequencer {
     /// A message from the live PUB stream.
     pub fn on_live(&mut self, msg: RawMessage) -> Vec<Action> {
         // The live stream of one publisher process only ever moves forward, whatever replay
-        // does meanwhile: a live sequence at or below the last live one means a new process.
-        let restarted = self.last_live.is_some_and(|last| msg.seq <= last);
+        // does meanwhile: a live sequence at or below the last live one means a new process,
+        // and so does one below what was accounted for before this connection (an engine known
+        // so far only through replay or a snapshot).
+        let restarted = self.last_live.is_some_and(|last| msg.seq <= last)
+            || self.floor.is_some_and(|floor| msg.seq < floor);
         self.last_live = Some(msg.seq);
         if restarted {
             return self.restart(msg);
@@ -168,6 +178,7 @@ impl Sequencer {
     /// process published before we noticed.
     fn restart(&mut self, msg: RawMessage) -> Vec<Action> {
         self.next = None;
+        self.floor = None;
         self.replay = None;
         self.pending.clear();
         self.held_bytes = 0;
@@ -282,11 +293,13 @@ impl Sequencer {
         self.drain(attempt)
     }
 
-    /// The replay failed or timed out: whatever it should have filled is lost.
+    /// The replay failed or timed out: whatever it should have filled is lost, reported as
+    /// such from the sequence it asked for (on a first connection or after a restart, from 0).
     pub fn on_replay_failed(&mut self) -> Vec<Action> {
-        if self.replay.take().is_none() {
+        let Some(replay) = self.replay.take() else {
             return Vec::new();
-        }
+        };
+        self.next.get_or_insert(replay.requested);
         self.drain(MAX_ATTEMPTS)
     }
 
@@ -315,6 +328,12 @@ impl Sequencer {
         }
         actions
     }
+}
+
+/// What a held message counts against the bound: every frame it came in (a topic frame can be
+/// as large as a payload).
+fn held_size(msg: &RawMessage) -> usize {
+    msg.topic.len() + msg.payload.len()
 }
 
 #[cfg(test)]

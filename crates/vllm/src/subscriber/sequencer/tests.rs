@@ -49,12 +49,19 @@ fn resuming_after_a_snapshot_replays_only_what_followed_it() {
     out.extend(s.on_replay_end());
     assert_eq!(applied(&out), vec![6, 7, 8]);
     assert_eq!(applied(&s.on_live(msg(9))), vec![9]);
-    // Without replay: a batch the snapshot already reflects is never applied again.
+    // Without replay: the connection is made after the snapshot, so its live stream carries
+    // batches that followed it; one the snapshot reflects is a new process's.
     let mut late = Sequencer::new(false);
     late.resume_after(5);
     assert!(late.on_connect().is_empty());
-    assert!(applied(&late.on_live(msg(5))).is_empty());
     assert_eq!(applied(&late.on_live(msg(6))), vec![6]);
+    let mut restarted = Sequencer::new(false);
+    restarted.resume_after(5);
+    restarted.on_connect();
+    assert_eq!(
+        restarted.on_live(msg(5)),
+        vec![Action::Purge, Action::Apply(msg(5))]
+    );
 }
 
 #[test]
@@ -226,6 +233,85 @@ fn live_messages_held_past_the_byte_bound_abandon_the_replay() {
         out.contains(&Action::UnfilledGap { from: 5, to: 9 }),
         "{out:?}"
     );
+}
+
+#[test]
+fn held_topics_count_against_the_byte_bound() {
+    // A topic frame costs memory as a payload does: two 60-byte topics pass 100 bytes.
+    let mut s = Sequencer::new(true).holding_at_most(100);
+    s.resume_after(4);
+    s.on_connect();
+    let with_topic = |seq| RawMessage {
+        topic: Bytes::from(vec![b't'; 60]),
+        ..msg(seq)
+    };
+    assert!(
+        s.on_live(with_topic(10)).is_empty(),
+        "held during the replay"
+    );
+    let out = s.on_live(with_topic(11));
+    assert!(
+        !s.replaying(),
+        "abandoned once the held bytes pass the bound"
+    );
+    assert_eq!(applied(&out), vec![10, 11]);
+}
+
+/// An engine known only through a snapshot or a replay, which restarted before any live batch
+/// came: its new process's first live batch is below what was accounted for, a restart.
+#[test]
+fn a_restart_is_seen_before_any_live_batch_came() {
+    // Resumed after a peer's snapshot at 5000; the engine restarted since and is at 31.
+    let mut s = Sequencer::new(true);
+    s.resume_after(5000);
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(5001)]);
+    assert!(
+        s.on_replay_end().is_empty(),
+        "the new process holds nothing that high"
+    );
+    assert_eq!(
+        s.on_live(msg(31)),
+        vec![Action::Purge, Action::RequestReplay(0)]
+    );
+    let mut out = Vec::new();
+    for seq in 0..31 {
+        out.extend(s.on_replayed(msg(seq)));
+    }
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), (0..=31).collect::<Vec<_>>());
+    // History learned by replay only (an idle engine), then a restart: the old process's
+    // connection ends, and the new one's first live batch is below what was accounted for.
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    for seq in 0..100 {
+        s.on_replayed(msg(seq));
+    }
+    s.on_replay_end();
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(100)]);
+    assert_eq!(
+        s.on_live(msg(0)),
+        vec![Action::Purge, Action::Apply(msg(0))]
+    );
+    assert!(
+        s.on_replay_end().is_empty(),
+        "the abandoned replay's end changes nothing"
+    );
+    // A reconnection to the same process: its live stream goes on from where it was.
+    s.on_connect();
+    s.on_replay_end();
+    assert_eq!(applied(&s.on_live(msg(1))), vec![1]);
+}
+
+/// A replay from 0 (a first connection, or after a restart) that fails: the batches before the
+/// first live one are reported lost, not passed over in silence.
+#[test]
+fn a_failed_replay_from_the_start_reports_what_it_should_have_filled() {
+    let mut s = Sequencer::new(true);
+    assert_eq!(s.on_connect(), vec![Action::RequestReplay(0)]);
+    assert!(s.on_live(msg(7)).is_empty(), "held during the replay");
+    let out = s.on_replay_failed();
+    assert_eq!(out[0], Action::UnfilledGap { from: 0, to: 6 });
+    assert_eq!(applied(&out), vec![7]);
 }
 
 #[test]

@@ -261,9 +261,14 @@ impl EndpointState {
     /// Keeps `sample`, scraped at `now`, as the load of requests that are not the router's
     /// own: its waiting and running counts less the router's requests there at that moment
     /// (see [`EndpointState::counts_with`]).
+    /// A count or fraction that is not a finite number of 0 or more (an engine's `+Inf` or
+    /// `NaN`) is taken as not reported: one would make every cost at the endpoint NaN.
     pub(super) fn observe_sample(&mut self, sample: LoadSample, now: f64) {
-        let others = |count: Option<f64>, own: u32| count.map(|c| (c - f64::from(own)).max(0.0));
+        let usable = |value: Option<f64>| value.filter(|v| v.is_finite() && *v >= 0.0);
+        let others =
+            |count: Option<f64>, own: u32| usable(count).map(|c| (c - f64::from(own)).max(0.0));
         let sample = LoadSample {
+            kv_usage: usable(sample.kv_usage),
             // Its own requests not past their first token are waiting or prefilling (counted
             // running): taking them all as waiting errs toward more load, never less.
             waiting: others(sample.waiting, self.inflight_prefills),

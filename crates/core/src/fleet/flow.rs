@@ -125,7 +125,8 @@ impl FlowQueue {
         }
         self.arrivals += 1;
         let ticket = HoldTicket {
-            neg_priority: -priority,
+            // A client's priority header can say i64::MIN, which has no negation.
+            neg_priority: priority.saturating_neg(),
             arrival: self.arrivals,
         };
         self.held.insert(
@@ -204,6 +205,15 @@ mod tests {
         q.leave(a);
         assert!(q.is_empty());
         assert_eq!(q.bytes(), 0);
+        // The extremes a header can say keep their order.
+        let lowest = q.hold(i64::MIN, 10, 3.0).unwrap();
+        let highest = q.hold(i64::MAX, 10, 4.0).unwrap();
+        let plain = q.hold(0, 10, 5.0).unwrap();
+        assert!(q.is_next(highest));
+        q.leave(highest);
+        assert!(q.is_next(plain));
+        q.leave(plain);
+        assert!(q.is_next(lowest));
     }
 
     #[test]

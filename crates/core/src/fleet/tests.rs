@@ -129,6 +129,32 @@ fn planning_alone_records_nothing() {
     assert_eq!(fleet.endpoint(EndpointId(1)).unwrap().inflight(), 0);
 }
 
+/// An engine's gauges that are no finite count (`+Inf`, `NaN`) are taken as unreported: the
+/// endpoint's costs stay numbers, and it does not win (or lose) a ranking by a NaN.
+#[test]
+fn load_gauges_that_are_not_finite_are_not_taken() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let a = prompt(1600, 1);
+    fleet.apply_events(EndpointId(0), &[stored(&a, BS)], 0.0);
+    let broken = LoadSample {
+        waiting: Some(f64::INFINITY),
+        running: Some(f64::NAN),
+        kv_usage: Some(f64::INFINITY),
+        num_gpu_blocks: Some(100),
+    };
+    fleet.observe_load(EndpointId(0), broken, 0.0);
+    let plan = fleet.plan_every(&Req::new(&a).features(), 1, 0.0);
+    for e in 0..2 {
+        let cost = &plan.decision.assessment(EndpointId(e)).unwrap().cost;
+        assert!(cost.total_s.is_finite(), "endpoint {e}: {cost:?}");
+    }
+    assert_eq!(
+        plan.decision.chosen(),
+        Some(EndpointId(0)),
+        "it holds the prompt"
+    );
+}
+
 #[test]
 fn queued_prefill_counts_the_cached_prefix_the_queue_ahead_evicts() {
     // A full 100-block cache holding prefix A, and a 100-block uncached prefill in flight

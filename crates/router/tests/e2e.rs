@@ -3,6 +3,8 @@
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_core::schedule::{ProfileName, Saturation};
@@ -691,6 +693,51 @@ async fn an_evicted_history_no_longer_holds_its_conversation() {
     })
     .await;
     assert_ne!(explained["reason"], "cache", "{explained}");
+}
+
+/// Remote tokenization asks an engine that serves the request's model: one of another model,
+/// healthy and first in the list, is never asked (its `/tokenize` does not know the model).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_tokenization_asks_an_engine_of_the_requests_model() {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = asked.clone();
+    let tokenize = move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async {
+            (
+                axum::http::StatusCode::NOT_FOUND,
+                "The model does not exist.",
+            )
+        }
+    };
+    let routes = axum::Router::new().route("/tokenize", axum::routing::post(tokenize));
+    let other = common::fake_engine(routes).await;
+    let b = engine(1024).await;
+    let config = ConfigBuilder::new(MODEL)
+        .tokenizer(TokenizerConfig::Kind(TokenizerKind::Remote))
+        .model("another-model")
+        .url("other", &other)
+        .unnamed_engine(&b)
+        .with(|c| c.endpoints[0].models = vec!["another-model".into()])
+        .build();
+    let router = start_router(config).await.unwrap();
+    let client = reqwest::Client::new();
+    let body = json!({"model": MODEL, "prompt": words(200, 5), "max_tokens": 2});
+    let explained = common::explain(&client, &router, &body).await;
+    let answer: Value = common::post_api(&client, &router, "/v1/completions", &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        explained["prompt_tokens"], answer["usage"]["prompt_tokens"],
+        "tokenized by the model's engine: {explained}"
+    );
+    assert_eq!(
+        asked.load(Ordering::SeqCst),
+        0,
+        "the other model's engine was asked"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

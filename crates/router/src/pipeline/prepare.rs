@@ -17,6 +17,7 @@ use tokio::time::Instant;
 
 use super::{Refused, RequestContext};
 use crate::config::ModelConfig;
+use crate::endpoint::Endpoint;
 use crate::service::Router;
 use crate::tokenize::{Remote, tokenize};
 
@@ -73,6 +74,25 @@ impl Prepared {
     }
 }
 
+/// The engine to ask for a `model` request's tokens (its `/tokenize`, for `tokenizer: remote`):
+/// one that serves the model and is available (healthy, not ejected), drawn at random among
+/// them so that no one engine answers every call, and an engine of another model never does.
+fn tokenizing_endpoint(router: &Router, model: &str) -> Option<Arc<Endpoint>> {
+    let mut serving: Vec<Arc<Endpoint>> = router
+        .endpoints()
+        .into_iter()
+        .filter(|e| {
+            let models = &e.config.models;
+            (models.is_empty() || models.iter().any(|m| m == model)) && router.available(e.id)
+        })
+        .collect();
+    if serving.is_empty() {
+        return None;
+    }
+    let drawn = (rand::random::<u64>() % serving.len() as u64) as usize;
+    Some(serving.swap_remove(drawn))
+}
+
 /// Tokenizes and keys a parsed request (`body_len` bytes; `session` from its headers), or
 /// `None` when no configured model serves it.
 pub async fn prepare_request(
@@ -83,11 +103,7 @@ pub async fn prepare_request(
 ) -> Option<Prepared> {
     let (model, lora) = router.model(&request.model)?;
     let started = Instant::now();
-    let healthy = router
-        .endpoints()
-        .into_iter()
-        .find(|e| router.healthy(e.id));
-    let remote = healthy.as_ref().map(|e| Remote {
+    let remote = tokenizing_endpoint(router, &model.name).map(|e| Remote {
         client: router.client(),
         base: format!("http://{}", e.authority),
         timeout: Duration::from_secs(2),

@@ -31,6 +31,12 @@ impl ConfigBuilder {
         self
     }
 
+    /// Adds a model served with the default tokenizer.
+    pub fn model(mut self, name: &str) -> Self {
+        self.config.models.push(model_named(name));
+        self
+    }
+
     /// Adds one endpoint per fleet (its first engine), named `e0`, `e1`, ... by position among
     /// all endpoints, with the engine's KV events and replay.
     pub fn engines(self, fleets: &[&SimFleet]) -> Self {

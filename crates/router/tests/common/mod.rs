@@ -133,6 +133,21 @@ pub async fn explain(
         .unwrap()
 }
 
+/// `POST path` of `body` on `router`'s API listener.
+pub async fn post_api(
+    client: &reqwest::Client,
+    router: &kvroute_router::server::RunningRouter,
+    path: &str,
+    body: &Value,
+) -> reqwest::Response {
+    client
+        .post(format!("http://{}{path}", router.addr))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 /// Which endpoint served `response`: its `x-kvroute-endpoint` header.
 pub fn served_by(response: &reqwest::Response) -> String {
     response.headers()["x-kvroute-endpoint"]

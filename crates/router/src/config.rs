@@ -702,6 +702,11 @@ impl RouterConfig {
             flow: self.flow.clone(),
             outlier: self.outlier.clone(),
             retry: self.retry.clone(),
+            // A request planned on an endpoint is dispatched once connected, a P/D decode leg
+            // once its prefill answered: a slot is reused only after both could have run.
+            slot_reuse_after_s: self.limits.connect_timeout_ms as f64 / 1000.0
+                + self.pd.prefill_deadline_s
+                + 1.0,
             ..FleetConfig::default()
         }
     }

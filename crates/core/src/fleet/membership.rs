@@ -1,24 +1,25 @@
 //! Endpoints joining and leaving a running fleet (pods discovered at run time). Ids stay
 //! positions: a removed endpoint's slot is taken out of every plan and reused by a later
-//! endpoint once nothing dispatched there is still in flight.
+//! endpoint once nothing dispatched there is still in flight and nothing planned there can
+//! still be dispatched (`slot_reuse_after_s` after it left).
 
 use super::{EndpointSpec, EndpointState, Fleet, ensure_index};
 use crate::CoreError;
 use crate::index::EndpointId;
 
 impl Fleet {
-    /// Adds an endpoint at `now` and returns its id: the slot of a removed endpoint with
-    /// nothing in flight, else a new one. It starts healthy, untrusted until its KV events
+    /// Adds an endpoint at `now` and returns its id: the slot of an endpoint removed at least
+    /// `slot_reuse_after_s` ago with nothing in flight, else a new one. It starts healthy, untrusted until its KV events
     /// arrive (when it has them), with nothing cached.
     pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
         let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
         self.targets.set_indexes(&self.indexes);
         let offload = spec.offload.clone();
         self.model_priors.serve(&spec.models);
-        let free = self
-            .endpoints
-            .iter()
-            .position(|e| !e.present && e.inflight == 0);
+        let settled = self.config.slot_reuse_after_s;
+        let free = self.endpoints.iter().position(|e| {
+            !e.present && e.inflight == 0 && e.forgotten_at.is_some_and(|at| now - at >= settled)
+        });
         let id = match free {
             Some(slot) => {
                 let id = EndpointId(slot as u32);

@@ -108,6 +108,11 @@ pub struct FleetConfig {
     pub outlier: OutlierPolicy,
     /// Retries on another endpoint and their budget.
     pub retry: RetryPolicy,
+    /// Seconds a removed endpoint's slot (its id) stays unused before a new endpoint takes it:
+    /// longer than a request planned there may take to be dispatched (the router's connect
+    /// timeout, and a P/D decode leg's wait for its prefill), so that such a request is never
+    /// charged to the newcomer.
+    pub slot_reuse_after_s: f64,
 }
 
 impl Default for FleetConfig {
@@ -128,6 +133,7 @@ impl Default for FleetConfig {
             flow: FlowConfig::default(),
             outlier: OutlierPolicy::default(),
             retry: RetryPolicy::default(),
+            slot_reuse_after_s: 35.0,
         }
     }
 }

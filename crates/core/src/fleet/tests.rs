@@ -1053,14 +1053,20 @@ fn added_endpoints_take_free_slots_and_start_with_nothing_cached() {
     fleet.remove_endpoint(EndpointId(0), 2.0);
     let e3 = fleet.add_endpoint(spec("e3", BS), 2.0).unwrap();
     assert_eq!(e3, EndpointId(3));
-    // Once it finished, the slot is free again, and the newcomer holds nothing.
+    // Finished, but a request planned there may still be on its way to dispatch: not yet.
     fleet.finished(in_flight, None, 3.0);
-    let e4 = fleet.add_endpoint(spec("e4", BS), 3.0).unwrap();
+    let settled = 2.0 + FleetConfig::default().slot_reuse_after_s;
+    let early = fleet
+        .add_endpoint(spec("early", BS), settled - 0.5)
+        .unwrap();
+    assert_eq!(early, EndpointId(4));
+    // Once that time has passed, the slot is free again, and the newcomer holds nothing.
+    let e4 = fleet.add_endpoint(spec("e4", BS), settled).unwrap();
     assert_eq!(e4, EndpointId(0));
     let e = fleet.endpoint(e4).unwrap();
     assert!(e.present() && e.healthy() && e.inflight() == 0);
     assert_eq!(e.spec.name, "e4");
-    let plan = fleet.plan(&req.features(), 1, 4.0);
+    let plan = fleet.plan(&req.features(), 1, settled + 1.0);
     assert_eq!(plan.predicted_cached[0], 0, "nothing of e0's cache is e4's");
     assert!(plan.decision.ranking.contains(&e4));
 }
@@ -1308,9 +1314,10 @@ fn an_endpoint_joining_later_mounts_what_its_spec_says_even_in_a_reused_slot() {
     assert_eq!(m.shared_blocks, 64);
     // It leaves, and a pod without the mount takes its slot: no shared credit there.
     assert!(fleet.remove_endpoint(joined, 2.0));
-    let again = fleet.add_endpoint(spec("unmounted", BS), 3.0).unwrap();
+    let t = 2.0 + FleetConfig::default().slot_reuse_after_s;
+    let again = fleet.add_endpoint(spec("unmounted", BS), t).unwrap();
     assert_eq!(again, joined, "the slot is reused");
-    let plan = fleet.plan_every(&Req::new(&doc).features(), 1, 3.0);
+    let plan = fleet.plan_every(&Req::new(&doc).features(), 1, t);
     assert!(plan.facts[again.0 as usize].index_match.is_none());
 }
 

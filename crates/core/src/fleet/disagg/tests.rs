@@ -157,7 +157,8 @@ fn a_transfer_whose_endpoint_left_teaches_nothing_to_the_endpoint_that_takes_its
     f.remove_endpoint(link.0, 0.5);
     // Reported before the slot is reused: nothing to teach, the pair is gone.
     f.observe_failure(10, link, 0.6);
-    // A new pod takes the slot; the old transfers' reports arrive after.
+    // A new pod takes the slot once it may; the old transfers' reports arrive after.
+    let t = 0.5 + FleetConfig::default().slot_reuse_after_s;
     let spec = EndpointSpec {
         name: "new".into(),
         models: vec!["m".into()],
@@ -167,25 +168,25 @@ fn a_transfer_whose_endpoint_left_teaches_nothing_to_the_endpoint_that_takes_its
         offload: Default::default(),
     };
     assert_eq!(
-        f.add_endpoint(spec, 1.0).unwrap(),
+        f.add_endpoint(spec, t).unwrap(),
         link.0,
         "the slot is reused"
     );
-    f.observe_transfer(1, link, bytes, 100.0 * bytes / prior, 1.5);
-    f.observe_failure(11, link, 2.0);
-    f.observe_failure(12, link, 3.0);
+    f.observe_transfer(1, link, bytes, 100.0 * bytes / prior, t + 0.5);
+    f.observe_failure(11, link, t + 1.0);
+    f.observe_failure(12, link, t + 2.0);
     let links = f.links().unwrap();
-    assert_eq!(links.bandwidth(link.0, link.1, 3.0), prior);
+    assert_eq!(links.bandwidth(link.0, link.1, t + 2.0), prior);
     assert_eq!(
-        links.health(link.0, link.1, 3.0),
+        links.health(link.0, link.1, t + 2.0),
         LinkHealth::Healthy { samples: 0 }
     );
     // Each report ended its transfer.
     assert_eq!(f.transfers_tracked(), 0);
     // The new pod's own transfers teach its pair.
-    let bytes = f.transfer_started(2, link, 4096, 0, BS, 4.0);
-    f.observe_transfer(2, link, bytes, 2.0 * bytes / prior, 5.0);
-    assert!(f.links().unwrap().bandwidth(link.0, link.1, 5.0) < prior);
+    let bytes = f.transfer_started(2, link, 4096, 0, BS, t + 3.0);
+    f.observe_transfer(2, link, bytes, 2.0 * bytes / prior, t + 4.0);
+    assert!(f.links().unwrap().bandwidth(link.0, link.1, t + 4.0) < prior);
 }
 
 #[test]

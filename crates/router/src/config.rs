@@ -675,6 +675,18 @@ impl Default for CacheConfig {
 }
 
 impl RouterConfig {
+    /// How long a removed endpoint's id waits before a newcomer takes it: a request planned on
+    /// an endpoint is dispatched once connected (`limits.connect_timeout_ms`), a P/D decode leg
+    /// once its prefill answered (`pd.prefill_deadline_s`, when P/D is on), and half a second
+    /// covers the work between the plan and the connection.
+    pub fn slot_reuse_after_s(&self) -> f64 {
+        let pd = match self.pd.mode {
+            crate::config::pd::PdMode::Off => 0.0,
+            _ => self.pd.prefill_deadline_s,
+        };
+        self.limits.connect_timeout_ms as f64 / 1000.0 + pd + 0.5
+    }
+
     /// The core fleet's bounds and thresholds, from the sections that set them.
     pub fn fleet_config(&self) -> FleetConfig {
         let c = &self.cache;
@@ -702,11 +714,7 @@ impl RouterConfig {
             flow: self.flow.clone(),
             outlier: self.outlier.clone(),
             retry: self.retry.clone(),
-            // A request planned on an endpoint is dispatched once connected, a P/D decode leg
-            // once its prefill answered: a slot is reused only after both could have run.
-            slot_reuse_after_s: self.limits.connect_timeout_ms as f64 / 1000.0
-                + self.pd.prefill_deadline_s
-                + 1.0,
+            slot_reuse_after_s: self.slot_reuse_after_s(),
             ..FleetConfig::default()
         }
     }

@@ -252,10 +252,15 @@ mod tests {
 
     #[test]
     fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
-        let router = router();
+        let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:1', events: 'tcp://127.0.0.1:1'}\nlimits: {connect_timeout_ms: 1}\n";
+        let router = Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap());
         let id = EndpointId(0);
         let departed = sink(&router, &router.endpoint(id));
         assert!(router.deregister(id).is_some());
+        // Its id is free once nothing planned there can still be dispatched.
+        std::thread::sleep(std::time::Duration::from_secs_f64(
+            router.config().slot_reuse_after_s(),
+        ));
         let newcomer = router.register(endpoint(2)).unwrap();
         assert_eq!(newcomer.id, id, "the newcomer takes the free slot");
         departed.apply(id, 1, &stored());

@@ -13,6 +13,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::Full;
 use kvroute_core::fleet::{AttemptFailure, UpstreamOutcome};
+use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
 use tracing::warn;
 
@@ -76,23 +77,47 @@ pub(crate) fn upstream_request(
         .expect("a request built from a valid request is valid")
 }
 
+/// Whether the attempt on `id` that failed with `failure` is followed by one on the next
+/// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as such only
+/// when it surely pulled nothing (no connection was made) and the producer still holds the
+/// blocks; otherwise the next attempt serves the request aggregated: the client's own body,
+/// its prompt computed there.
+fn retry_after(
+    a: &mut ForwardArgs<'_>,
+    id: EndpointId,
+    failure: AttemptFailure,
+    attempt: usize,
+) -> bool {
+    if !pipeline::retry(a.router, &a.leg, id, failure, attempt) {
+        return false;
+    }
+    let pulls_again =
+        failure == AttemptFailure::Connect && a.decode.as_ref().is_some_and(DecodeLeg::may_retry);
+    if !pulls_again && let Some(decode) = a.decode.take() {
+        a.router.metrics().pd.fallback("decode_failed");
+        warn!(request_id = %a.context.request_id, "the decode leg failed after it may have pulled; serving the request aggregated on the next decode endpoint");
+        a.body = decode.aggregated_body;
+    }
+    true
+}
+
 /// Sends `a` down its leg's ranking and streams the answer back.
-pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
+pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
     let router = a.router;
     let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
     let attempts = a.leg.attempts(router);
+    let ranking = a.leg.ranking.clone();
     // Down the plan's ranking: the next endpoint is tried when no connection could be made or
     // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
     // recorded against an endpoint before a connection to it exists.
-    for (attempt, &id) in a.leg.ranking.iter().take(attempts).enumerate() {
+    for (attempt, &id) in ranking.iter().take(attempts).enumerate() {
         let endpoint = router.endpoint(id).clone();
         let authority = endpoint.authority.to_string();
         let conn = match router.upstream().connection(&authority).await {
             Ok(conn) => conn,
             Err(e) => {
                 router.upstream_result(id, UpstreamOutcome::Failure);
-                let lease = a.decode.as_ref().is_none_or(DecodeLeg::may_retry);
-                if lease && pipeline::retry(router, &a.leg, id, AttemptFailure::Connect, attempt) {
+                if retry_after(&mut a, id, AttemptFailure::Connect, attempt) {
                     warn!(endpoint = %endpoint.name, error = %e, "cannot connect; retrying on the next best endpoint");
                     continue;
                 }
@@ -105,14 +130,11 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
         let dispatch = pipeline::connect(router, &a.leg.predicted_cached, a.prepared, id);
         let mut accounting = pipeline::respond(router, &a.context, &a.leg, attempt, dispatch);
         let mut transfer = a.decode.as_ref().map(|leg| leg.start(router, id));
-        if transfer.is_some() {
+        // A decode leg's predictions count the blocks it pulls, and still do once it fell
+        // back to aggregated: no lesson about the index from its cached tokens.
+        if transfer.is_some() || a.leg.reason == pipeline::PD_DECODE {
             accounting.skip_cached_check();
         }
-        // A decode leg goes elsewhere only while the producer still holds its blocks.
-        let retry = |failure| {
-            a.decode.as_ref().is_none_or(DecodeLeg::may_retry)
-                && pipeline::retry(router, &a.leg, id, failure, attempt)
-        };
         let request = upstream_request(
             &format!("http://{}", endpoint.authority),
             &a,
@@ -126,7 +148,7 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
                 if let Some(t) = transfer.as_mut() {
                     t.failed();
                 }
-                if retry(AttemptFailure::Timeout) {
+                if retry_after(&mut a, id, AttemptFailure::Timeout, attempt) {
                     continue;
                 }
                 let message = format!(
@@ -150,7 +172,7 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
                         _ => t.failed(),
                     }
                 }
-                if retry(failure) {
+                if retry_after(&mut a, id, failure, attempt) {
                     continue;
                 }
                 let message = format!("the engine {} failed: {e}", endpoint.name);
@@ -165,7 +187,7 @@ pub(crate) async fn forward(a: ForwardArgs<'_>) -> Response {
             if let Some(t) = transfer.as_mut() {
                 t.failed();
             }
-            if retry(AttemptFailure::ServerError) {
+            if retry_after(&mut a, id, AttemptFailure::ServerError, attempt) {
                 warn!(endpoint = %endpoint.name, status = %parts.status, "the engine failed before answering; retrying on the next best endpoint");
                 continue; // the response, its accounting and its connection are dropped
             }

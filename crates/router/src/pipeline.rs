@@ -46,6 +46,9 @@ pub(crate) struct RequestContext {
     pub(crate) priority: i64,
 }
 
+/// The `reason` of a P/D decode leg.
+pub(crate) const PD_DECODE: &str = "pd_decode";
+
 /// One leg of a request: where it may go (in order), what core predicted there, and why.
 /// A request has one leg that both prefills and decodes, or, disaggregated, a prefill leg then
 /// a decode leg, each selected, connected and accounted on its own (its `reason` says which:

@@ -54,6 +54,11 @@ pub(crate) struct DecodeLeg {
     pub(crate) stream: bool,
     /// When the producer's hold ends (Unix seconds), if it said.
     pub(crate) lease_until: Option<f64>,
+    /// The client's own request, without KV-transfer parameters: what the next decode endpoint
+    /// is sent when this one failed after taking the leg. It may have pulled the blocks, and
+    /// the producer then released them (or reused them for another request), so a second pull
+    /// could read another request's KV; computing the prompt again is always right.
+    pub(crate) aggregated_body: Bytes,
 }
 
 impl DecodeLeg {

@@ -18,9 +18,11 @@
 //!
 //! Failures never hang a client: a prefill leg that fails or misses its deadline falls back to
 //! one aggregated attempt on the decode pick; a decode leg that fails after its prefill is
-//! retried once on the next decode-capable endpoint while the producer's lease holds, else the
-//! client gets the engine's error; no prefill endpoint available means aggregated. Each
-//! fallback is counted by reason ([`crate::pd_metrics`]).
+//! retried once on the next decode-capable endpoint: as a decode leg only when no connection
+//! was made and the producer's lease holds, else aggregated (a consumer that took the leg may
+//! have pulled, and the producer released the blocks); past the retry budget the client gets
+//! the engine's error. No prefill endpoint available means aggregated. Each fallback is counted
+//! by reason ([`crate::pd_metrics`]).
 
 mod explain;
 mod prefill;
@@ -169,7 +171,10 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         }
     };
     let body = decode_leg_body(client, &answer.params, answer.cached_tokens);
-    a.body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    let aggregated_body = std::mem::replace(
+        &mut a.body,
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
+    );
     // Once more elsewhere while the producer still holds the blocks.
     let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
@@ -180,7 +185,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     a.leg = Leg {
         ranking,
         predicted_cached: decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens),
-        reason: "pd_decode",
+        reason: crate::pipeline::PD_DECODE,
     };
     a.decode = Some(DecodeLeg {
         prefill: option.prefill,
@@ -199,6 +204,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
             + option.leg_overhead_s,
         stream: client.get("stream").and_then(Value::as_bool) == Some(true),
         lease_until,
+        aggregated_body,
     });
     forward(a).await
 }
@@ -235,7 +241,7 @@ pub(crate) fn header_mode(
             let leg = Leg {
                 predicted_cached: decoders_predicted(&plan, &decoders, prepared.prompt_tokens),
                 ranking: decoders,
-                reason: "pd_decode",
+                reason: crate::pipeline::PD_DECODE,
             };
             (leg, Some(option.prefill))
         }

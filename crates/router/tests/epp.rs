@@ -506,6 +506,37 @@ async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() 
     assert!(route(&mut next, None).await.is_ok());
 }
 
+/// One ext_proc stream carries one request: a second set of request headers on a stream whose
+/// request was routed is refused, and the first request stays the only one in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_routes_one_request_only() {
+    let a = engine().await;
+    let epp = picker(&[&a]).await;
+    let id = EndpointId(0);
+    let mut stream = Stream::open(&epp).await;
+    let models = || {
+        Request::RequestHeaders(headers(
+            &[(":path", "/v1/models"), (":method", "GET")],
+            true,
+        ))
+    };
+    let first = stream.send(models(), None).await;
+    assert!(
+        matches!(first, Response::RequestHeaders(_)),
+        "the first is routed: {first:?}"
+    );
+    assert_eq!(epp.router.load(id).inflight, 1);
+    for _ in 0..3 {
+        let again = stream.send(models(), None).await;
+        assert_eq!(immediate_status(&again), 400);
+    }
+    assert_eq!(
+        epp.router.load(id).inflight,
+        1,
+        "the refused ones were never accounted"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
     let a = engine().await;

@@ -208,7 +208,22 @@ impl Exchange {
             self.request_body_mode = Some(BodySendMode::try_from(mode).map_err(|_| mode));
         }
         let metadata = message.metadata_context;
-        Some(match message.request? {
+        let request = message.request?;
+        if self.offered.is_some()
+            && matches!(
+                request,
+                Request::RequestHeaders(_) | Request::RequestBody(_)
+            )
+        {
+            // One stream carries one request, already routed and accounted: another would be
+            // accounted again, and the first left in flight for good.
+            let error = ApiError::bad_request(
+                "this ext_proc stream's request was already routed: one stream carries one request",
+                None,
+            );
+            return Some(self.refuse(&error.into()));
+        }
+        Some(match request {
             Request::RequestHeaders(h) => {
                 self.subset = protocol::subset_hint(metadata.as_ref());
                 self.request_headers(&h)

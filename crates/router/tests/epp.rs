@@ -506,6 +506,41 @@ async fn a_stream_that_sends_nothing_gives_its_place_back_by_the_body_timeout() 
     assert!(route(&mut next, None).await.is_ok());
 }
 
+/// A request held by flow control leaves the queue when its ext_proc stream ends (its client
+/// went away): it is never dispatched later in a place a live request needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_whose_stream_ends_leaves_the_queue() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], |c| c.outlier.max_inflight = 1).await;
+    // The endpoint's one slot is taken by a routed request whose response has not ended.
+    let mut first = Stream::open(&epp).await;
+    routed_headers(&mut first).await;
+    // The next is held, its body sent and no answer yet.
+    let mut held = Stream::open(&epp).await;
+    held.send(completion_headers(), None).await;
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "held", "max_tokens": 2}}"#);
+    held.tx
+        .send(ProcessingRequest {
+            request: Some(body(&request)),
+            ..ProcessingRequest::default()
+        })
+        .await
+        .unwrap();
+    let queued = || common::fleet_view::held_requests(&epp.router);
+    eventually("the second request held", || (queued() == 1, queued())).await;
+    // Its client goes away: the data plane ends the stream.
+    drop(held);
+    eventually("the held request left the queue", || {
+        (queued() == 0, queued())
+    })
+    .await;
+    assert_eq!(
+        epp.router.load(EndpointId(0)).inflight,
+        1,
+        "only the first is in flight"
+    );
+}
+
 /// One ext_proc stream carries one request: a second set of request headers on a stream whose
 /// request was routed is refused, and the first request stays the only one in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

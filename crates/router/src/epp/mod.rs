@@ -218,7 +218,14 @@ async fn run_exchange(
             }
             None => return,
         };
-        if let Some(answer) = exchange.handle(message).await
+        // A request held by flow control waits inside `handle`: when the data plane ends the
+        // stream meanwhile (its client went away), the request leaves the queue with it, as
+        // `serve` drops a request whose client closed.
+        let answer = tokio::select! {
+            answer = exchange.handle(message) => answer,
+            () = tx.closed() => return,
+        };
+        if let Some(answer) = answer
             && tx.send(Ok(answer)).await.is_err()
         {
             return;

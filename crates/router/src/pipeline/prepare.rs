@@ -75,22 +75,20 @@ impl Prepared {
 }
 
 /// The engine to ask for a `model` request's tokens (its `/tokenize`, for `tokenizer: remote`):
-/// one that serves the model and is available (healthy, not ejected), drawn at random among
-/// them so that no one engine answers every call, and an engine of another model never does.
+/// one that serves the model and is available (healthy, not ejected), the first of the fleet's
+/// passthrough rotation (from a random endpoint on) that does, so that no one engine answers
+/// every call, and an engine of another model never does.
 fn tokenizing_endpoint(router: &Router, model: &str) -> Option<Arc<Endpoint>> {
-    let mut serving: Vec<Arc<Endpoint>> = router
-        .endpoints()
-        .into_iter()
-        .filter(|e| {
-            let models = &e.config.models;
-            (models.is_empty() || models.iter().any(|m| m == model)) && router.available(e.id)
-        })
-        .collect();
-    if serving.is_empty() {
-        return None;
-    }
-    let drawn = (rand::random::<u64>() % serving.len() as u64) as usize;
-    Some(serving.swap_remove(drawn))
+    let now = router.now();
+    let id = {
+        let mut fleet = router.fleet();
+        // The passthrough's rotation: every available endpoint, from a random one on.
+        let rotation = fleet.passthrough_rotation(now);
+        rotation
+            .into_iter()
+            .find(|&id| fleet.endpoint(id).is_some_and(|e| e.spec.serves(model)))?
+    };
+    Some(router.endpoint(id))
 }
 
 /// Tokenizes and keys a parsed request (`body_len` bytes; `session` from its headers), or

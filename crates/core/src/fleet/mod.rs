@@ -133,6 +133,8 @@ impl Default for FleetConfig {
             flow: FlowConfig::default(),
             outlier: OutlierPolicy::default(),
             retry: RetryPolicy::default(),
+            // The router's defaults: a 2 s connect timeout and P/D's 30 s prefill deadline,
+            // with a margin (the router derives its own, see `RouterConfig`).
             slot_reuse_after_s: 35.0,
         }
     }

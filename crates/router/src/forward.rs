@@ -95,7 +95,7 @@ fn retry_after(
         failure == AttemptFailure::Connect && a.decode.as_ref().is_some_and(DecodeLeg::may_retry);
     if !pulls_again && let Some(decode) = a.decode.take() {
         a.router.metrics().pd.fallback("decode_failed");
-        warn!(request_id = %a.context.request_id, "the decode leg failed after it may have pulled; serving the request aggregated on the next decode endpoint");
+        warn!(request_id = %a.context.request_id, ?failure, "the decode leg cannot go on as one (its consumer may have pulled, or the producer's hold is over); serving the request aggregated on the next decode endpoint");
         a.body = decode.aggregated_body;
     }
     true
@@ -106,11 +106,14 @@ pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
     let router = a.router;
     let timeout = Duration::from_secs_f64(router.config().limits.response_timeout_s);
     let attempts = a.leg.attempts(router);
-    let ranking = a.leg.ranking.clone();
     // Down the plan's ranking: the next endpoint is tried when no connection could be made or
     // the engine answered 5xx before any body byte, while the retry budget allows. Nothing is
-    // recorded against an endpoint before a connection to it exists.
-    for (attempt, &id) in ranking.iter().take(attempts).enumerate() {
+    // recorded against an endpoint before a connection to it exists. (By index: a failed
+    // decode leg changes `a` between attempts.)
+    for attempt in 0..attempts {
+        let Some(&id) = a.leg.ranking.get(attempt) else {
+            break;
+        };
         let endpoint = router.endpoint(id).clone();
         let authority = endpoint.authority.to_string();
         let conn = match router.upstream().connection(&authority).await {

@@ -400,8 +400,8 @@ impl Engine {
 
     /// Runs one scheduler step starting at `now_s` (the time tier loads queue at): requests
     /// whose blocks have loaded join the batch, running sequences continue (decode or the next
-    /// prefill chunk), preempting the newest when blocks run out, then waiting requests are
-    /// admitted FCFS while the token budget and batch size allow. A step with nothing to run
+    /// prefill chunk), preempting the newest when blocks run out, then, in a step that preempted
+    /// none, waiting requests are admitted FCFS while the token budget and batch size allow. A step with nothing to run
     /// while loads are under way waits for the first of them.
     pub fn step_at(&mut self, now_s: f64) -> StepOutput {
         let bs = self.config.block_size;
@@ -410,6 +410,7 @@ impl Engine {
         // Tokens each scheduled sequence computes this step, by index in `running`.
         let mut scheduled: Vec<usize> = Vec::with_capacity(self.running.len());
 
+        let preemptions_before = self.metrics.num_preemptions;
         let mut i = 0;
         while i < self.running.len() {
             let want = self.running[i].tokens_to_compute().min(budget);
@@ -430,9 +431,12 @@ impl Engine {
             }
         }
 
+        // A step that had to preempt a running request admits nothing new, as vLLM's scheduler
+        // skips its waiting queue then: the blocks it freed are for the requests still running.
+        let admits = self.metrics.num_preemptions == preemptions_before;
         // Requests whose blocks have arrived come first, from the front of the waiting queue
         // as in vLLM.
-        while self.running.len() < self.config.max_num_seqs && budget > 0 {
+        while admits && self.running.len() < self.config.max_num_seqs && budget > 0 {
             let Some(mut seq) = self.loads.take_ready(now_s) else {
                 break;
             };
@@ -461,7 +465,7 @@ impl Engine {
 
         // Requests that would load blocks another request is loading wait, keeping their place.
         let mut delayed = Vec::new();
-        while self.running.len() < self.config.max_num_seqs && budget > 0 {
+        while admits && self.running.len() < self.config.max_num_seqs && budget > 0 {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };

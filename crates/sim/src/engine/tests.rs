@@ -183,6 +183,48 @@ fn preemption_under_block_pressure_still_completes_every_request() {
     }
 }
 
+/// As vLLM's scheduler: a step that preempts a running request admits no waiting one, not even
+/// a request whose tier load has ended, so the blocks it freed go to the requests still running.
+#[test]
+fn a_step_that_preempts_admits_nothing_new() {
+    let mut config = EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: 14,
+        num_cpu_blocks: 64,
+        max_num_batched_tokens: 64,
+        ..EngineConfig::default()
+    };
+    config.latency.cpu_load_per_block_s = 0.002;
+    let mut e = Engine::new(config).unwrap();
+    let running = |e: &Engine| -> Vec<RequestId> { e.running.iter().map(|s| s.id()).collect() };
+    let (mut preempting_steps, mut now, mut id) = (0, 0.0, 0);
+    for round in 0..40u32 {
+        // Four prompts drawn from eight, so that earlier ones come back from the CPU tier.
+        for k in 0..4 {
+            let base = 1_000 * ((round * 3 + k * 5) % 8);
+            e.add_request(request(id, (base..base + 14).collect(), 12))
+                .unwrap();
+            id += 1;
+        }
+        while e.has_work() {
+            let (before, preemptions) = (running(&e), e.metrics().num_preemptions);
+            let step = e.step_at(now);
+            now += step.duration_s;
+            let preempted = (e.metrics().num_preemptions - preemptions) as usize;
+            if preempted > 0 {
+                preempting_steps += 1;
+                let after = running(&e);
+                assert!(
+                    after.iter().all(|id| before.contains(id))
+                        && after.len() + preempted <= before.len(),
+                    "a preempting step admitted a request: {before:?} -> {after:?}"
+                );
+            }
+        }
+    }
+    assert!(preempting_steps > 0, "the load preempts");
+}
+
 #[test]
 fn cpu_tier_hits_count_as_cached_and_cost_a_transfer() {
     let mut e = Engine::new(EngineConfig {

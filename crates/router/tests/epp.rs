@@ -572,6 +572,74 @@ async fn a_stream_routes_one_request_only() {
     );
 }
 
+/// A request with trailers: Envoy sends its buffered body without `end_of_stream`, the trailers
+/// after the picker's answer. In the buffered modes that body is routed as it comes; with no
+/// mode said, trailers that end a body still awaited are refused at once, not at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_body_followed_by_trailers_is_routed() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], |c| c.limits.body_timeout_ms = 60_000).await;
+    let prompt = "Trailers follow this body. ".repeat(10);
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+    let before_trailers = || {
+        Request::RequestBody(HttpBody {
+            body: request.as_bytes().to_vec(),
+            end_of_stream: false,
+            ..HttpBody::default()
+        })
+    };
+    let trailers = || Request::RequestTrailers(Default::default());
+    for mode in [BodySendMode::Buffered, BodySendMode::BufferedPartial] {
+        let mut stream = Stream::open(&epp).await;
+        stream
+            .send_message(ProcessingRequest {
+                request: Some(completion_headers()),
+                protocol_config: Some(ProtocolConfiguration {
+                    request_body_mode: mode as i32,
+                    ..ProtocolConfiguration::default()
+                }),
+                ..ProcessingRequest::default()
+            })
+            .await;
+        let Response::RequestBody(answer) = stream.send(before_trailers(), None).await else {
+            panic!("{mode:?}: the body was not routed");
+        };
+        let routed = by_name(
+            answer
+                .response
+                .unwrap()
+                .header_mutation
+                .unwrap()
+                .set_headers,
+        );
+        assert_eq!(
+            routed.get(DESTINATION).map(String::as_str),
+            Some(a.endpoints[0].url.trim_start_matches("http://")),
+            "{mode:?}"
+        );
+        assert!(
+            matches!(
+                stream.send(trailers(), None).await,
+                Response::RequestTrailers(_)
+            ),
+            "{mode:?}: the trailers pass"
+        );
+    }
+    let mut stream = Stream::open(&epp).await;
+    stream.send(completion_headers(), None).await;
+    assert!(matches!(
+        stream.send(before_trailers(), None).await,
+        Response::RequestBody(_)
+    ));
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        stream.send(trailers(), None),
+    )
+    .await
+    .expect("trailers ending an awaited body are answered at once");
+    assert_eq!(immediate_status(&refused), 400);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_answers_oversized_undecodable_and_unlisted_requests() {
     let a = engine().await;

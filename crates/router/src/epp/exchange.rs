@@ -234,7 +234,7 @@ impl Exchange {
                 self.response_body(&b);
                 protocol::continue_response_body()
             }
-            Request::RequestTrailers(_) => trailers(true),
+            Request::RequestTrailers(_) => self.request_trailers(),
             Request::ResponseTrailers(_) => {
                 self.finish();
                 trailers(false)
@@ -274,7 +274,7 @@ impl Exchange {
         }
         self.body.extend_from_slice(&b.body);
         self.body_messages += 1;
-        if !b.end_of_stream {
+        if !b.end_of_stream && !self.body_sent_once() {
             return protocol::continue_request_body();
         }
         self.body_due = None;
@@ -354,6 +354,31 @@ impl Exchange {
             Some(Ok(BodySendMode::BufferedPartial)) | None => self.body_messages == 1,
             Some(Ok(_) | Err(_)) => false,
         }
+    }
+
+    /// Whether the data plane sends the request body in one message, the one whose answer
+    /// releases the request headers: `BUFFERED` and `BUFFERED_PARTIAL` do. Such a message may
+    /// not say `end_of_stream` (Envoy sends a buffered body that way when trailers follow, and a
+    /// partial one cut at its buffer limit), yet no other comes before the routing answer.
+    fn body_sent_once(&self) -> bool {
+        matches!(
+            self.request_body_mode,
+            Some(Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial))
+        )
+    }
+
+    /// Answers request trailers. Trailers that end a body still awaited mean its headers can
+    /// no longer be routed (a trailers answer cannot name an endpoint): refused clearly, now,
+    /// rather than cut at the body's deadline.
+    fn request_trailers(&mut self) -> ProcessingResponse {
+        if self.body_due.is_none() {
+            return trailers(true);
+        }
+        let error = ApiError::bad_request(
+            "the request body ended with trailers before the picker could route it (configure request_body_mode: BUFFERED)",
+            None,
+        );
+        self.refuse(&error.into())
     }
 
     /// Routes a request that needs no cache to any healthy endpoint the subset allows.

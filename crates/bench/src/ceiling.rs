@@ -112,7 +112,10 @@ fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32], usize
                 tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true))
             }
         };
-        let reply: Vec<u32> = tokenizer.encode(&" reply".repeat(turn.max_tokens as usize / 2));
+        // Exactly `max_tokens` tokens, as the fleet's engines answer (a word is two tokens).
+        let mut reply: Vec<u32> =
+            tokenizer.encode(&" reply".repeat((turn.max_tokens as usize).div_ceil(2)));
+        reply.truncate(turn.max_tokens as usize);
         f(&prompt, &reply, turn.max_tokens as usize);
         histories[si].push(ChatMessage {
             role: "assistant".into(),
@@ -126,8 +129,8 @@ mod tests {
     use super::*;
     use crate::workload::{MultiTurn, multi_turn};
 
-    fn workload() -> Workload {
-        multi_turn(&MultiTurn {
+    fn params() -> MultiTurn {
+        MultiTurn {
             users: 4,
             turns: 3,
             system_tokens: 200,
@@ -136,7 +139,11 @@ mod tests {
             think_s: 1.0,
             rate_per_s: 4.0,
             seed: 5,
-        })
+        }
+    }
+
+    fn workload() -> Workload {
+        multi_turn(&params())
     }
 
     #[test]
@@ -160,6 +167,25 @@ mod tests {
             "shared system prompt and histories are reused: {big}"
         );
         assert!(tiny < big, "{tiny} vs {big}");
+    }
+
+    /// A one-token answer is an answer: single-token requests (prefill benchmarks) are served
+    /// and reuse their shared prefixes, as on the fleet.
+    #[test]
+    fn single_token_answers_are_served_and_reuse_prefixes() {
+        let w = multi_turn(&MultiTurn {
+            output_tokens: 1,
+            ..params()
+        });
+        let ceiling = pooled_ceiling(
+            &w,
+            &EngineConfig {
+                num_gpu_blocks: 4096,
+                ..EngineConfig::default()
+            },
+        );
+        assert_eq!(ceiling.refused, 0);
+        assert!(ceiling.hit_rate > 0.5, "{ceiling:?}");
     }
 
     /// Requests of `workload` an engine of `blocks` blocks refuses as too long.

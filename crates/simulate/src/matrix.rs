@@ -384,11 +384,10 @@ pub fn run_matrix(
                 let mut per_policy: Vec<Vec<RunResult>> = vec![Vec::new(); spec.policies.len()];
                 for &seed in &spec.seeds {
                     let workload = shape.workload(spec, rate, seed);
-                    let pooled = EngineConfig {
-                        num_gpu_blocks: blocks * fleet.engines,
-                        ..fleet.engine.clone()
-                    };
-                    ceilings.push(pooled_hit_rate(&workload, &pooled));
+                    ceilings.push(pooled_hit_rate(
+                        &workload,
+                        &fleet.engine.pooled(fleet.engines),
+                    ));
                     let seeded = FleetConfig {
                         seed,
                         ..fleet.clone()

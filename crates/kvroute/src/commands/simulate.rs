@@ -105,10 +105,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         kvroute_simulate::simulate(&fleet, &workload, args.workload.concurrency, &args.policies)?;
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
-    let pooled = kvroute_sim::engine::EngineConfig {
-        num_gpu_blocks: fleet.engine.num_gpu_blocks.saturating_mul(fleet.engines),
-        ..fleet.engine.clone()
-    };
+    let pooled = fleet.engine.pooled(fleet.engines);
     let ceiling = kvroute_bench::ceiling::pooled_ceiling(&workload, &pooled);
     println!(
         "Pooled-cache ceiling (one cache as large as the fleet's): {:.1}% hit rate.",

@@ -63,6 +63,20 @@ pub struct EngineConfig {
     pub latency: LatencyModel,
 }
 
+impl EngineConfig {
+    /// One engine holding, in each of its own tiers (GPU, CPU, SSD), what `engines` engines of
+    /// this configuration hold together: the engine of the pooled-cache ceiling. The shared
+    /// filesystem is the fleet's already, so it stays as it is.
+    pub fn pooled(&self, engines: usize) -> EngineConfig {
+        EngineConfig {
+            num_gpu_blocks: self.num_gpu_blocks.saturating_mul(engines),
+            num_cpu_blocks: self.num_cpu_blocks.saturating_mul(engines),
+            num_ssd_blocks: self.num_ssd_blocks.saturating_mul(engines),
+            ..self.clone()
+        }
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {

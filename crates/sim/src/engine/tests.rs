@@ -444,3 +444,23 @@ fn latencies_past_an_hour_or_below_zero_are_refused() {
     config.latency.prefill_per_token_s = MAX_LATENCY_S;
     assert!(Engine::new(config).is_ok());
 }
+
+#[test]
+fn a_pooled_engine_holds_every_engines_tiers() {
+    let one = EngineConfig {
+        num_gpu_blocks: 10,
+        num_cpu_blocks: 20,
+        num_ssd_blocks: 30,
+        ..EngineConfig::default()
+    };
+    let pooled = one.pooled(4);
+    assert_eq!(
+        (
+            pooled.num_gpu_blocks,
+            pooled.num_cpu_blocks,
+            pooled.num_ssd_blocks
+        ),
+        (40, 80, 120)
+    );
+    assert_eq!(pooled.block_size, one.block_size);
+}

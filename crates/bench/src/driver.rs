@@ -148,9 +148,16 @@ async fn run_session(
             counters.errors.load(Ordering::Relaxed)
         ));
         let failed = record.error.is_some();
+        let failed_at = record.start_s + record.e2e_s;
         records.push(record);
         if failed {
-            break; // a conversation whose turn failed cannot go on faithfully
+            // A conversation whose turn failed cannot go on faithfully; its later turns count
+            // as failed too.
+            let unsent = turn + 1..session.turns.len();
+            bar.inc(unsent.len() as u64);
+            records
+                .extend(unsent.map(|t| RequestRecord::not_sent(session.id, t as u32, failed_at)));
+            break;
         }
         if api == Api::Chat {
             messages.push(json!({"role": "assistant", "content": answer}));
@@ -233,9 +240,12 @@ async fn send(
                 record.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(chunks);
                 record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
             }
+            // Empty text is no token: vLLM's chat stream opens with the role and empty content,
+            // just before the first token's chunk (as vLLM's own benchmark, it is skipped).
             let text = value["choices"][0]["delta"]["content"]
                 .as_str()
-                .or_else(|| value["choices"][0]["text"].as_str());
+                .or_else(|| value["choices"][0]["text"].as_str())
+                .filter(|t| !t.is_empty());
             if let Some(text) = text {
                 let now = Instant::now();
                 match last_token {

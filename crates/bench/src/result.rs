@@ -30,6 +30,24 @@ pub struct RequestRecord {
     pub error: Option<String>,
 }
 
+impl RequestRecord {
+    /// Why a turn has a record but was never sent.
+    pub const NOT_SENT: &'static str = "not sent: an earlier turn of its conversation failed";
+
+    /// The record of turn `turn` of `session`, never sent because an earlier turn of its
+    /// conversation failed at `at_s`: counted as an error, so that a policy that fails turns
+    /// is not measured over fewer, easier requests than one that serves them all.
+    pub fn not_sent(session: u64, turn: u32, at_s: f64) -> RequestRecord {
+        RequestRecord {
+            session,
+            turn,
+            start_s: at_s,
+            error: Some(Self::NOT_SENT.to_owned()),
+            ..RequestRecord::default()
+        }
+    }
+}
+
 /// Latency percentiles of one measure, seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Percentiles {

@@ -63,6 +63,11 @@ impl<'a> Client<'a> {
             .map(|t| t.think_s.max(0.0))
     }
 
+    /// The turns of session `session` not sent yet.
+    pub fn turns_left(&self, session: usize) -> std::ops::Range<usize> {
+        self.sessions[session].next_turn..self.workload.sessions[session].turns.len()
+    }
+
     /// Builds session `session`'s next turn (its user message joins the history).
     pub fn next_turn(&mut self, session: usize) -> Prepared {
         let state = &mut self.sessions[session];

@@ -70,6 +70,8 @@ struct Run<'a> {
     recheck_scheduled: bool,
     /// The links of a P/D fleet.
     link: Option<Link>,
+    /// Records of turns never sent, because an earlier turn of their conversation failed.
+    not_sent: Vec<RequestRecord>,
 }
 
 /// Runs `workload` through `policy` on a fresh fleet. `concurrency`: closed loop with at most
@@ -95,6 +97,7 @@ pub fn run(
         held: VecDeque::new(),
         recheck_scheduled: false,
         link: fleet.pd.as_ref().map(Link::new),
+        not_sent: Vec::new(),
     };
     let first = concurrency
         .map_or(workload.sessions.len(), |n| n.max(1))
@@ -141,6 +144,7 @@ pub fn run(
         .map(SimEngine::prefix_cache_counters)
         .fold((0, 0), |(q, h), (dq, dh)| (q + dq, h + dh));
     let mut records: Vec<RequestRecord> = run.requests.into_iter().map(|r| r.record).collect();
+    records.append(&mut run.not_sent);
     records.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
     Ok(RunOutcome {
         records,
@@ -291,6 +295,13 @@ impl Run<'_> {
         request.payload = None;
         request.record.error = Some(error);
         request.record.e2e_s = end - request.record.start_s;
+        // Its conversation ends here; its later turns count as failed too.
+        let session = request.session;
+        self.not_sent.extend(
+            self.client
+                .turns_left(session)
+                .map(|t| RequestRecord::not_sent(session as u64, t as u32, end)),
+        );
         self.session_done(end);
     }
 

@@ -106,6 +106,48 @@ fn refused_requests_are_errors_and_unknown_policies_are_refused() {
     assert!(simulate(&small, &workload, None, &policies(&["nope"])).is_err());
 }
 
+/// A conversation whose turn fails ends there, and its later turns are recorded as failed: a
+/// policy is measured over every request of the workload, never over fewer, easier ones.
+#[test]
+fn turns_after_a_failed_turn_are_recorded_as_failed() {
+    let workload = chat(3);
+    // Histories outgrow the engines' context by the third turn (300 + 3 × (120 + 24) tokens
+    // and the chat template's).
+    let mut small = fleet(2, 400);
+    small.engine.max_model_len = 600;
+    let run = &simulate(&small, &workload, None, &policies(&["precise"])).unwrap()[0];
+    assert_eq!(run.records.len(), workload.requests());
+    let failed_turn = |session: u64| {
+        run.records
+            .iter()
+            .filter(|r| {
+                r.session == session && r.error.as_deref().is_some_and(|e| e.contains("400"))
+            })
+            .map(|r| r.turn)
+            .min()
+    };
+    let mut conversations_cut = 0;
+    for r in &run.records {
+        let Some(first_failure) = failed_turn(r.session) else {
+            assert!(r.error.is_none(), "{r:?}");
+            continue;
+        };
+        if r.turn > first_failure {
+            assert_eq!(
+                r.error.as_deref(),
+                Some(kvroute_bench::result::RequestRecord::NOT_SENT),
+                "{r:?}"
+            );
+            conversations_cut += usize::from(r.turn == first_failure + 1);
+        }
+    }
+    assert!(conversations_cut > 0, "some conversation was cut short");
+    assert_eq!(
+        run.summary.errors as usize,
+        run.records.iter().filter(|r| r.error.is_some()).count()
+    );
+}
+
 #[test]
 fn a_closed_loop_runs_at_most_that_many_sessions_at_once() {
     let workload = chat(5);

@@ -309,6 +309,30 @@ async fn openai_surface_and_errors() {
     let chat: Value = chat.json().await.unwrap();
     assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
     assert_eq!(chat["usage"]["completion_tokens"], 3);
+    // Streamed, as vLLM's chat stream: the role with empty content, then one chunk per token.
+    let text = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": "sim-llama-3.1-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let deltas: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"].clone())
+        .collect();
+    assert_eq!(deltas.len(), 4, "{text}");
+    assert_eq!(deltas[0], json!({"role": "assistant", "content": ""}));
+    assert!(
+        deltas[1..]
+            .iter()
+            .all(|d| d.get("role").is_none() && !d["content"].as_str().unwrap().is_empty()),
+        "{text}"
+    );
 
     let tok: Value = client
         .post(format!("{url}/tokenize"))

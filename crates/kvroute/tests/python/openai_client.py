@@ -33,8 +33,9 @@ stream = client.chat.completions.create(
 )
 pieces, usage = [], None
 for chunk in stream:
-    if chunk.choices:
-        pieces.append(chunk.choices[0].delta.content or "")
+    # The first chunk names the role with empty content, as vLLM's do: only text counts.
+    if chunk.choices and chunk.choices[0].delta.content:
+        pieces.append(chunk.choices[0].delta.content)
     if chunk.usage is not None:
         usage = chunk.usage
 out["chat_stream"] = {

@@ -402,23 +402,27 @@ impl Reply {
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": usage})
     }
 
-    fn chunk(&self, text: &str, first: bool, finish: bool) -> Value {
+    fn chunk(&self, text: &str, finish: bool) -> Value {
         let finish_reason = if finish { json!("length") } else { Value::Null };
         match self.api {
             Api::Completions => {
                 json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}]})
             }
-            Api::Chat => {
-                let delta = if first {
-                    json!({"role": "assistant", "content": text})
-                } else {
-                    json!({"content": text})
-                };
-                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}]})
-            }
+            Api::Chat => self.chat_chunk(json!({"content": text}), finish_reason),
         }
+    }
+
+    /// The chunk vLLM's chat stream opens with, when its first token is ready: the role, with
+    /// empty content (the token comes in the next chunk). Completions have none.
+    fn role_chunk(&self) -> Option<Value> {
+        (self.api == Api::Chat)
+            .then(|| self.chat_chunk(json!({"role": "assistant", "content": ""}), Value::Null))
+    }
+
+    fn chat_chunk(&self, delta: Value, finish_reason: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}]})
     }
 
     fn usage_chunk(&self, usage: Value) -> Value {
@@ -499,8 +503,10 @@ fn stream_response(
             Delivery::Held(h) => held = Some(h),
             Delivery::Token(t) => {
                 let finished = t.finished.is_some();
-                let mut chunk =
-                    reply.chunk(&reply.tokenizer.decode(&[t.token]), count == 0, finished);
+                if count == 0 {
+                    out.extend(reply.role_chunk().as_ref().map(sse));
+                }
+                let mut chunk = reply.chunk(&reply.tokenizer.decode(&[t.token]), finished);
                 if finished
                     && reply.streams_params()
                     && let Some(params) = held

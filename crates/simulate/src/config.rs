@@ -94,16 +94,7 @@ impl FleetConfig {
     pub fn engine_config(&self, i: usize) -> EngineConfig {
         let mut engine = self.engine.clone();
         if let Some(&factor) = self.engine_slowdown.get(i) {
-            let l = &mut engine.latency;
-            for seconds in [
-                &mut l.step_overhead_s,
-                &mut l.prefill_per_token_s,
-                &mut l.decode_per_seq_s,
-                &mut l.decode_per_context_token_s,
-                &mut l.cpu_load_per_block_s,
-            ] {
-                *seconds *= factor;
-            }
+            engine.latency = engine.latency.scaled(factor);
         }
         engine
     }

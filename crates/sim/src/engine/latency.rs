@@ -137,3 +137,29 @@ impl LatencyModel {
 
 /// KV-cache bytes per token of Llama-3.1-8B in bf16 (see the module doc).
 pub const LLAMA_8B_KV_BYTES_PER_TOKEN: usize = 2 * 32 * 8 * 128 * 2;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slowed_down_engine_takes_longer_at_every_step_and_every_load() {
+        let base = LatencyModel::default();
+        let slow = base.scaled(2.0);
+        let work = StepWork {
+            prefill_tokens: 300,
+            decode_seqs: 4,
+            context_tokens: 2_000,
+            cpu_blocks_loaded: 8,
+            ssd_blocks_loaded: 8,
+            ..StepWork::default()
+        };
+        let (fast_s, slow_s) = (base.step_seconds(&work), slow.step_seconds(&work));
+        assert!((slow_s - 2.0 * fast_s).abs() < 1e-12, "{fast_s} {slow_s}");
+        let (fast_load, slow_load) = (base.load_seconds(8, 8), slow.load_seconds(8, 8));
+        assert!(
+            (slow_load - 2.0 * fast_load).abs() < 1e-12,
+            "{fast_load} {slow_load}"
+        );
+    }
+}

@@ -2,6 +2,7 @@
 
 use super::tests::{request, run};
 use super::*;
+use kvroute_core::event::EngineHash;
 
 /// Seconds to load one block from the CPU tier: large, so that a load spans many steps.
 const LOAD_PER_BLOCK_S: f64 = 0.02;
@@ -100,6 +101,45 @@ fn a_request_loading_from_cpu_waits_beside_the_batch_and_stalls_no_decode() {
     assert_eq!(
         token.cached_tokens, 20,
         "5 blocks loaded, the last recomputed"
+    );
+}
+
+/// Blocks being loaded stay in their tier until the load ends, whatever the GPU evicts into it
+/// meanwhile (vLLM's offloading manager holds a reference on each block it loads): a hit is
+/// never counted on a block the tier has already dropped.
+#[test]
+fn blocks_being_loaded_are_not_evicted_from_their_tier() {
+    let (mut e, a) = a_prompt_on_cpu_of(EngineConfig {
+        num_cpu_blocks: 12,
+        ..config()
+    });
+    e.add_request(request(21, a.clone(), 1)).unwrap();
+    // Fresh prompts push GPU blocks into the full CPU tier while request 21 loads.
+    for i in 0..3 {
+        let start = 50_000 + 1_000 * i;
+        e.add_request(request(30 + u64::from(i), (start..start + 24).collect(), 1))
+            .unwrap();
+    }
+    let mut now = 10.0;
+    let mut removed = Vec::new();
+    while e.loads.len() > 0 || now == 10.0 {
+        let step = e.step_at(now);
+        now += step.duration_s;
+        removed.extend(step.events.into_iter().filter_map(|event| match event {
+            KvEvent::BlockRemoved(r) if r.medium.as_deref() == Some("CPU") => Some(r.block_hashes),
+            _ => None,
+        }));
+    }
+    assert!(!removed.is_empty(), "the CPU tier overflowed meanwhile");
+    let loaded: Vec<EngineHash> = e
+        .probe(&a, None, None)
+        .lookup_blocks()
+        .iter()
+        .map(|d| EngineHash(d.event_u64()))
+        .collect();
+    assert!(
+        removed.iter().flatten().all(|h| !loaded.contains(h)),
+        "a block was dropped from the CPU tier while it loaded"
     );
 }
 

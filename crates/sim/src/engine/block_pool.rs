@@ -295,6 +295,16 @@ impl BlockPool {
         self.offload.touch(digest);
     }
 
+    /// A load of offloaded `digest` to the GPU starts: the tier keeps it until it ends.
+    pub fn pin_offloaded(&mut self, digest: VllmDigest) {
+        self.offload.pin(digest);
+    }
+
+    /// A load of offloaded `digest` ended or was given up.
+    pub fn unpin_offloaded(&mut self, digest: &VllmDigest) {
+        self.offload.unpin(digest);
+    }
+
     /// Registers newly full blocks in the prefix cache: `blocks.digests[i]` is the content of
     /// `ids[i]`. Content already cached in another block gains a holder but is not announced
     /// again.

@@ -35,6 +35,15 @@ impl LruBlocks {
         Some(digest)
     }
 
+    /// Removes `digest`; true when it was held.
+    pub(crate) fn remove(&mut self, digest: &VllmDigest) -> bool {
+        let Some(stamp) = self.by_digest.remove(digest) else {
+            return false;
+        };
+        self.lru.remove(&stamp);
+        true
+    }
+
     /// Whether it holds `digest`.
     pub(crate) fn contains(&self, digest: &VllmDigest) -> bool {
         self.by_digest.contains_key(digest)

@@ -315,6 +315,9 @@ impl Engine {
         };
         match seq {
             Some(mut seq) => {
+                for digest in seq.loading_digests() {
+                    self.pool.unpin_offloaded(digest);
+                }
                 self.pool.free(&seq.take_blocks());
                 true
             }
@@ -415,8 +418,8 @@ impl Engine {
     /// Runs one scheduler step starting at `now_s` (the time tier loads queue at): requests
     /// whose blocks have loaded join the batch, running sequences continue (decode or the next
     /// prefill chunk), preempting the newest when blocks run out, then, in a step that preempted
-    /// none, waiting requests are admitted FCFS while the token budget and batch size allow. A step with nothing to run
-    /// while loads are under way waits for the first of them.
+    /// none, waiting requests are admitted FCFS while the token budget and batch size allow. A
+    /// step with nothing to run while loads are under way waits for the first of them.
     pub fn step_at(&mut self, now_s: f64) -> StepOutput {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
@@ -437,6 +440,7 @@ impl Engine {
             match self.allocate_or_preempt(needed, i) {
                 Allocation::Granted(blocks) => {
                     self.running[i].add_blocks(blocks);
+                    self.running[i].cache_scheduled(want, &mut self.pool);
                     budget -= want;
                     scheduled.push(want);
                     i += 1;
@@ -472,6 +476,7 @@ impl Engine {
                 continue;
             };
             seq.add_blocks(blocks);
+            seq.cache_scheduled(want, &mut self.pool);
             budget -= want;
             scheduled.push(want);
             self.running.push(seq);
@@ -506,11 +511,18 @@ impl Engine {
                 (seq.len() - computed).min(budget)
             };
             let needed = (computed + want).div_ceil(bs) - hit.gpu.len();
-            // Take the hit blocks first, so allocating the rest cannot evict them.
+            // Take the hit blocks first, so allocating the rest cannot evict them, nor the GPU
+            // blocks it evicts push them out of their offload tier: they stay until loaded.
             for &id in &hit.gpu {
                 self.pool.touch(id);
             }
+            for &(digest, _) in &hit.offloaded {
+                self.pool.pin_offloaded(digest);
+            }
             let Some(blocks) = self.pool.allocate(needed) else {
+                for (digest, _) in &hit.offloaded {
+                    self.pool.unpin_offloaded(digest);
+                }
                 self.pool.free(&hit.gpu);
                 self.waiting.push_front(seq);
                 break;
@@ -547,6 +559,7 @@ impl Engine {
             work.ssd_blocks_loaded += ssd;
             work.shared_fs_load_s += shared_fs_load_s;
             seq.admit(hit, blocks, &mut self.pool);
+            seq.cache_scheduled(want, &mut self.pool);
             budget -= want;
             scheduled.push(want);
             self.running.push(seq);
@@ -566,7 +579,7 @@ impl Engine {
                 work.decode_seqs += 1;
                 work.context_tokens += seq.computed();
             }
-            if let Some(out) = seq.advance(n, &mut self.pool) {
+            if let Some(out) = seq.advance(n) {
                 tokens.push(out);
             }
         }

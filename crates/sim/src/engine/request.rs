@@ -304,17 +304,18 @@ impl Sequence {
             },
         );
         for (digest, _) in hit.offloaded {
+            pool.unpin_offloaded(&digest);
             pool.touch_offloaded(digest);
         }
         self.registered = gpu + loaded;
     }
 
-    /// Computes `n` more tokens' KV: newly full blocks enter the prefix cache, and a sequence
-    /// whose tokens are all computed produces its next output token.
-    pub(crate) fn advance(&mut self, n: usize, pool: &mut BlockPool) -> Option<TokenOutput> {
+    /// Its next `n` tokens are scheduled: the blocks they fill enter the prefix cache now, as
+    /// vLLM's `allocate_slots` caches them when it allocates the step's slots, so a request
+    /// scheduled later in the same step already finds them.
+    pub(crate) fn cache_scheduled(&mut self, n: usize, pool: &mut BlockPool) {
         let bs = self.block_size;
-        self.computed += n;
-        let full = self.computed / bs;
+        let full = (self.computed + n).min(self.tokens.len()) / bs;
         if full > self.registered {
             self.ensure_digests(full);
             let parent = self.registered.checked_sub(1).map(|p| self.digests[p]);
@@ -331,6 +332,12 @@ impl Sequence {
             );
             self.registered = full;
         }
+    }
+
+    /// Computes `n` more tokens' KV (scheduled, and cached, by [`Sequence::cache_scheduled`]):
+    /// a sequence whose tokens are all computed produces its next output token.
+    pub(crate) fn advance(&mut self, n: usize) -> Option<TokenOutput> {
+        self.computed += n;
         if self.computed < self.tokens.len() || self.finished() {
             return None;
         }

@@ -155,6 +155,30 @@ fn too_long_or_empty_requests_are_refused() {
     ));
 }
 
+/// As vLLM caches a request's blocks when it schedules them: requests sharing a prompt that
+/// arrive together hit each other's blocks in the very step that computes them.
+#[test]
+fn requests_scheduled_in_one_step_hit_each_others_blocks() {
+    let mut e = engine(64);
+    let prompt: Vec<u32> = (0..40).collect();
+    e.add_request(request(1, prompt.clone(), 2)).unwrap();
+    e.add_request(request(2, prompt, 2)).unwrap();
+    let first = e.step();
+    // One step prefills both: the second computes only the last block of its prompt.
+    assert_eq!(first.work.prefill_tokens, 40 + 4);
+    let (rest, _, _) = run(&mut e);
+    let cached = |id| {
+        first
+            .tokens
+            .iter()
+            .chain(&rest)
+            .find(|t| t.id == id)
+            .map(|t| t.cached_tokens)
+    };
+    assert_eq!((cached(1), cached(2)), (Some(0), Some(36)));
+    assert_eq!(e.metrics().prefix_cache_hits, 36);
+}
+
 #[test]
 fn preemption_under_block_pressure_still_completes_every_request() {
     let mut e = engine(10);

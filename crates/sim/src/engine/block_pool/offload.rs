@@ -10,6 +10,8 @@
 //! Each store and removal is published with its tier's medium string (`CPU`, `STORAGE`) and
 //! no token ids or parent, as the OffloadingConnector does.
 
+use std::collections::HashMap;
+
 use kvroute_core::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
 use kvroute_core::keys::VllmDigest;
 
@@ -51,6 +53,9 @@ struct LruTier {
 #[derive(Debug, Default)]
 pub struct OffloadTiers {
     tiers: [LruTier; 2],
+    /// Blocks being loaded back to the GPU, with how many loads read each: never evicted
+    /// meanwhile, as vLLM's offloading manager holds a reference on a block it loads.
+    pinned: HashMap<VllmDigest, usize>,
 }
 
 fn stored(digest: &VllmDigest, tier: OffloadTier) -> KvEvent {
@@ -125,14 +130,21 @@ impl OffloadTiers {
         self.spill(top, events);
     }
 
-    /// Moves `tier`'s least recently used blocks down while it is over capacity.
+    /// Moves `tier`'s least recently used blocks down while it is over capacity, passing over
+    /// blocks being loaded: a tier whose every block is being loaded stays over capacity until
+    /// the loads end.
     fn spill(&mut self, tier: OffloadTier, events: &mut Vec<KvEvent>) {
         while self.len(tier) > self.capacity(tier) {
-            let old = self
-                .tier_mut(tier)
+            let pinned = &self.pinned;
+            let Some(old) = self.tiers[tier as usize]
                 .blocks
-                .pop_oldest()
-                .expect("over capacity, so non-empty");
+                .oldest_first()
+                .find(|d| !pinned.contains_key(d))
+                .copied()
+            else {
+                return;
+            };
+            self.tier_mut(tier).blocks.remove(&old);
             let below = OffloadTier::LOCAL
                 .into_iter()
                 .find(|t| *t > tier && self.capacity(*t) > 0);
@@ -143,6 +155,21 @@ impl OffloadTiers {
                 self.spill(below, events);
             } else {
                 events.push(removed(&old, tier));
+            }
+        }
+    }
+
+    /// A load of `digest` back to the GPU starts: it is not evicted until [`Self::unpin`].
+    pub fn pin(&mut self, digest: VllmDigest) {
+        *self.pinned.entry(digest).or_default() += 1;
+    }
+
+    /// A load of `digest` ended (or was given up); no effect on a block no load pinned.
+    pub fn unpin(&mut self, digest: &VllmDigest) {
+        if let Some(loads) = self.pinned.get_mut(digest) {
+            *loads -= 1;
+            if *loads == 0 {
+                self.pinned.remove(digest);
             }
         }
     }

@@ -189,6 +189,11 @@ impl BlockPool {
         self.capacity
     }
 
+    /// Whether block `id` is free (no request holds it; cached content may still be hit).
+    pub fn is_free(&self, id: BlockId) -> bool {
+        self.blocks[id as usize].free_stamp.is_some()
+    }
+
     /// Blocks that can be allocated now (free, cached or not).
     pub fn free_blocks(&self) -> usize {
         self.free.len() + self.unused()

@@ -511,6 +511,13 @@ impl Engine {
                 (seq.len() - computed).min(budget)
             };
             let needed = (computed + want).div_ceil(bs) - hit.gpu.len();
+            // Room first, as vLLM's `allocate_slots`: its free hit blocks are no room, and a
+            // request that must wait leaves the free queue's order as it was.
+            let free_hits = hit.gpu.iter().filter(|&&id| self.pool.is_free(id)).count();
+            if self.pool.free_blocks() < needed + free_hits {
+                self.waiting.push_front(seq);
+                break;
+            }
             // Take the hit blocks first, so allocating the rest cannot evict them, nor the GPU
             // blocks it evicts push them out of their offload tier: they stay until loaded.
             for &id in &hit.gpu {
@@ -527,10 +534,14 @@ impl Engine {
                 self.waiting.push_front(seq);
                 break;
             };
-            self.metrics.prefix_cache_queries += seq.len() as u64;
-            self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
-            self.metrics.external_prefix_cache_hits +=
-                ((hit.offloaded.len() + hit.external.len()) * bs) as u64;
+            if !seq.admitted_before() {
+                // A preempted request's lookup again is counted apart by vLLM
+                // (`preempted_queries`), not in the prefix-cache counters it exports.
+                self.metrics.prefix_cache_queries += seq.len() as u64;
+                self.metrics.prefix_cache_hits += (hit.gpu.len() * bs) as u64;
+                self.metrics.external_prefix_cache_hits +=
+                    ((hit.offloaded.len() + hit.external.len()) * bs) as u64;
+            }
             self.metrics.cpu_hit_tokens += (cpu * bs) as u64;
             self.metrics.ssd_hit_tokens += (ssd * bs) as u64;
             let block_bytes = (bs * self.config.kv_bytes_per_token) as u64;

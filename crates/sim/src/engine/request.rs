@@ -177,6 +177,11 @@ impl Sequence {
         std::mem::take(&mut self.blocks)
     }
 
+    /// Whether it was admitted before (it runs again after a preemption).
+    pub(crate) fn admitted_before(&self) -> bool {
+        self.cached_tokens.is_some()
+    }
+
     /// Forgets computed KV: the sequence will be prefilled again (tokens kept).
     pub(crate) fn preempt(&mut self) {
         self.computed = 0;
@@ -303,7 +308,9 @@ impl Sequence {
                 lora_name: self.request.lora_name.as_deref(),
             },
         );
-        for (digest, _) in hit.offloaded {
+        // Last block first, so that the prefix's head is the tier's most recently used, as
+        // vLLM's LRU offloading manager touches a request's blocks.
+        for (digest, _) in hit.offloaded.into_iter().rev() {
             pool.unpin_offloaded(&digest);
             pool.touch_offloaded(digest);
         }

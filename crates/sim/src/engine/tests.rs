@@ -179,6 +179,43 @@ fn requests_scheduled_in_one_step_hit_each_others_blocks() {
     assert_eq!(e.metrics().prefix_cache_hits, 36);
 }
 
+/// A request waiting at the head of the queue for room leaves the free blocks' order as it was
+/// (vLLM checks for room before it takes any hit block): its cached prefix ages, and is
+/// evicted, as it would be if the request were not waiting.
+#[test]
+fn a_request_waiting_for_room_does_not_keep_its_prefix_fresh() {
+    let x: Vec<u32> = (0..20).collect();
+    let prefix_after_decodes = |with_waiting: bool| {
+        let mut e = engine(20);
+        e.add_request(request(1, x.clone(), 1)).unwrap();
+        run(&mut e);
+        e.add_request(request(2, (1_000..1_020).collect(), 1))
+            .unwrap();
+        run(&mut e);
+        e.add_request(request(3, (2_000..2_024).collect(), 40))
+            .unwrap();
+        e.step();
+        if with_waiting {
+            let mut y = x.clone();
+            y.extend(3_000..3_040);
+            e.add_request(request(4, y, 1)).unwrap();
+        }
+        for _ in 0..30 {
+            e.step();
+        }
+        if with_waiting {
+            assert_eq!(e.metrics().num_requests_waiting, 1, "it still waits");
+        }
+        e.prefix_tiers(&x, None, None).gpu
+    };
+    let (alone, beside_waiting) = (prefix_after_decodes(false), prefix_after_decodes(true));
+    assert!(
+        alone < 4,
+        "the decodes evict part of the prefix: {alone} blocks left"
+    );
+    assert_eq!(beside_waiting, alone);
+}
+
 #[test]
 fn preemption_under_block_pressure_still_completes_every_request() {
     let mut e = engine(10);
@@ -193,6 +230,8 @@ fn preemption_under_block_pressure_still_completes_every_request() {
     let (tokens, _, _) = run(&mut e);
     assert_eq!(tokens.len(), 60);
     assert!(e.metrics().num_preemptions > 0);
+    // Each prompt is looked up once in vLLM's counters: a resumed request's lookup is not.
+    assert_eq!(e.metrics().prefix_cache_queries, 6 * 12);
     for i in 0..6 {
         let mine: Vec<usize> = tokens
             .iter()

@@ -24,7 +24,7 @@ enum Command {
     Events(commands::events::EventsCommand),
     /// Measure a workload against any OpenAI-compatible endpoint; `bench compare` renders runs.
     Bench(Box<commands::bench::BenchArgs>),
-    /// The whole story on a laptop: simulated engines, four routing policies, one report.
+    /// The whole story on a laptop: simulated engines, five routing policies, one report.
     Demo(commands::demo::DemoArgs),
     /// Pick endpoints for a Gateway API Inference Extension gateway (Envoy ext_proc).
     #[cfg(feature = "epp")]

@@ -7,9 +7,9 @@
 //! stream; the GPU's own events pass unchanged:
 //! - [`OffloadEvents::Vllm`]: vLLM's OffloadingConnector, default payload. A placeholder per
 //!   offloaded chunk (here one block): its hash, no tokens, no parent, `block_size` 0 (the
-//!   offloaded block size before 0.20). A block evicted from the GPU again while a tier still
-//!   holds it is announced again (a repeat), and each store gets its own removal: consumers
-//!   must reference-count, as vLLM documents.
+//!   offloaded block size before 0.20). Each store gets its own removal (a block stored twice
+//!   is removed twice: consumers must reference-count, as vLLM documents); the engine model
+//!   writes a block through once, so it stores none twice.
 //! - [`OffloadEvents::VllmSelfDescribing`]: the same connector with
 //!   `self_describing_kv_events`: each offloaded block with its real parent hash, its tokens,
 //!   the GPU block size and its LoRA and extra keys; repeats and removals as above.
@@ -126,9 +126,6 @@ impl ConnectorEvents {
     pub fn shape(&mut self, events: Vec<KvEvent>) -> Vec<KvEvent> {
         let lmcache = self.shape == OffloadEvents::Lmcache;
         let mut out = Vec::with_capacity(events.len());
-        // Blocks the engine stored below the GPU in this batch: their GPU eviction right after
-        // is that store, not a repeat.
-        let mut just_stored: Vec<EngineHash> = Vec::new();
         for event in events {
             match event {
                 KvEvent::BlockStored(stored) if is_gpu(stored.medium.as_deref()) => {
@@ -137,21 +134,9 @@ impl ConnectorEvents {
                     out.extend(chunks);
                 }
                 KvEvent::BlockRemoved(removed) if is_gpu(removed.medium.as_deref()) => {
-                    if !lmcache {
-                        for hash in &removed.block_hashes {
-                            if let Some(at) = just_stored.iter().position(|h| h == hash) {
-                                just_stored.swap_remove(at);
-                            } else {
-                                out.extend(self.repeats(*hash));
-                            }
-                        }
-                    }
                     out.push(KvEvent::BlockRemoved(removed));
                 }
-                KvEvent::BlockStored(stored) if !lmcache => {
-                    just_stored.extend(&stored.block_hashes);
-                    out.extend(self.offloaded(stored));
-                }
+                KvEvent::BlockStored(stored) if !lmcache => out.extend(self.offloaded(stored)),
                 KvEvent::BlockRemoved(removed) if !lmcache => out.extend(self.dropped(removed)),
                 // LMCache publishes no tier moves.
                 KvEvent::BlockStored(_) | KvEvent::BlockRemoved(_) => {}
@@ -229,26 +214,6 @@ impl ConnectorEvents {
             }
         }
         lmcache
-    }
-
-    /// A block evicted from the GPU while the engine's own tiers still hold it: its connector
-    /// stores it again, announced as a repeat.
-    fn repeats(&mut self, hash: EngineHash) -> Vec<KvEvent> {
-        let media: Vec<String> = self
-            .announced
-            .get(&hash)
-            .map(|held| held.iter().map(|(m, _)| m.clone()).collect())
-            .unwrap_or_default();
-        media
-            .into_iter()
-            .flat_map(|medium| {
-                self.offloaded(BlockStored {
-                    block_hashes: vec![hash],
-                    medium: Some(medium),
-                    ..BlockStored::default()
-                })
-            })
-            .collect()
     }
 
     /// A block stored on a tier below the GPU, in the connector's shape.

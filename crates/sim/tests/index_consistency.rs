@@ -275,10 +275,9 @@ fn index_predicts_each_tier_with_cpu_ssd_and_a_shared_filesystem() {
             found.gpu > 0 && found.cpu > 0 && found.ssd > 0 && found.shared_fs > 0,
             "{connector:?}: every tier must serve some predicted block: {found:?}"
         );
-        assert!(
-            repeats > 0,
-            "{connector:?}: repeated stores must be exercised"
-        );
+        // Written through once when computed, a block is never stored on a tier again while
+        // it is there (an eviction from the GPU stores nothing).
+        assert_eq!(repeats, 0, "{connector:?}");
     }
 }
 

@@ -109,8 +109,9 @@ fn a_request_loading_from_cpu_waits_beside_the_batch_and_stalls_no_decode() {
 /// never counted on a block the tier has already dropped.
 #[test]
 fn blocks_being_loaded_are_not_evicted_from_their_tier() {
+    // The tier holds a's blocks and the six prompts after them, and overflows by the next three.
     let (mut e, a) = a_prompt_on_cpu_of(EngineConfig {
-        num_cpu_blocks: 12,
+        num_cpu_blocks: 44,
         ..config()
     });
     e.add_request(request(21, a.clone(), 1)).unwrap();
@@ -235,8 +236,12 @@ fn loaded_blocks_are_announced_and_found_on_the_gpu_only_once_they_arrive() {
 
 #[test]
 fn two_loads_queue_on_the_host_link() {
-    let (mut e, a) = a_prompt_on_cpu();
-    // A second prompt of the same length also evicted to CPU, by four more.
+    // Room on the CPU tier for both prompts and every prompt that pushed them off the GPU.
+    let (mut e, a) = a_prompt_on_cpu_of(EngineConfig {
+        num_cpu_blocks: 96,
+        ..config()
+    });
+    // A second prompt of the same length, also pushed off the GPU (its copy stays on the CPU).
     let b: Vec<u32> = (50_000..50_024).collect();
     e.add_request(request(30, b.clone(), 1)).unwrap();
     run(&mut e);

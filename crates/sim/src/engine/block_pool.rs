@@ -6,9 +6,11 @@
 //! first, evicting its cached content (one `BlockRemoved` per block, as vLLM emits). A request
 //! frees its blocks tail first, so the tail of a sequence is evicted before its shared head.
 //!
-//! With offload tiers, a block evicted from the GPU moves to the CPU tier (or to the SSD tier
-//! when there is no CPU tier) instead of disappearing, as an offloading connector would; see
-//! [`offload`] for the policy below the GPU. A pool that mounts the fleet's shared filesystem
+//! With offload tiers, each block is written through to the CPU tier (or to the SSD tier when
+//! there is no CPU tier) when it enters the prefix cache, as vLLM's OffloadingConnector stores
+//! every newly full block of a scheduled request (and LMCache stores on write): a block evicted
+//! from the GPU later survives there if the tier still holds it. See [`offload`] for the
+//! policy below the GPU. A pool that mounts the fleet's shared filesystem
 //! writes each block there when it is computed (as llm-d's filesystem offload stores every
 //! block, so other engines can load it at once) and again on eviction if the filesystem has
 //! dropped it meanwhile, and finds blocks other engines wrote.
@@ -281,9 +283,6 @@ impl BlockPool {
                 holders.retain(|&h| h != id);
                 if holders.is_empty() {
                     self.cached.remove(&digest);
-                    // The copy exists before the GPU block is reused: its store is announced
-                    // first, as an offloading connector's store precedes the eviction.
-                    self.offload.offload(digest, &mut self.events);
                     if let Some(shared) = &self.shared {
                         lock(shared).store(digest, &mut self.events);
                     }
@@ -298,6 +297,18 @@ impl BlockPool {
     /// Records an offload-tier hit (loaded back to the GPU): refreshes its recency.
     pub fn touch_offloaded(&mut self, digest: VllmDigest) {
         self.offload.touch(digest);
+    }
+
+    /// A request's blocks were looked up: those the offload tiers hold are refreshed there, its
+    /// last block first so that the head of its prefix is the most recent, as vLLM's
+    /// OffloadingConnector touches every block of a request it looks up.
+    pub fn touch_offloaded_request(&mut self, digests: &[VllmDigest]) {
+        if self.offload.is_empty() {
+            return;
+        }
+        for digest in digests.iter().rev() {
+            self.offload.touch(*digest);
+        }
     }
 
     /// A load of offloaded `digest` to the GPU starts: the tier keeps it until it ends.
@@ -338,19 +349,30 @@ impl BlockPool {
             self.events
                 .push(blocks.stored_event(start, ids.len(), self.block_size));
         }
-        // Written through to the shared filesystem after the GPU stores, so that an index
-        // resolving the FS events already knows each block's key.
-        if let Some(shared) = &self.shared {
-            let mut shared = lock(shared);
-            for (&id, digest) in ids.iter().zip(blocks.digests) {
-                if self
-                    .cached
+        // Written through to the local tiers and the shared filesystem after the GPU stores,
+        // in prefix order, so that an index resolving the tiers' events already knows each
+        // block's key and parent. A block a tier holds already is refreshed there, not stored
+        // again.
+        let stored: Vec<VllmDigest> = ids
+            .iter()
+            .zip(blocks.digests)
+            .filter(|(id, digest)| {
+                self.cached
                     .get(digest)
-                    .is_some_and(|h| h.first() == Some(&id))
-                {
-                    shared.store(*digest, &mut self.events);
-                }
+                    .is_some_and(|h| h.first() == Some(id))
+            })
+            .map(|(_, digest)| *digest)
+            .collect();
+        for digest in &stored {
+            self.offload.offload(*digest, &mut self.events);
+            if let Some(shared) = &self.shared {
+                lock(shared).store(*digest, &mut self.events);
             }
+        }
+        // Then refreshed last block first, so that the prefix's head is the tiers' most recent,
+        // as vLLM's offloading manager touches a request's blocks after storing them.
+        for digest in stored.iter().rev() {
+            self.offload.touch(*digest);
         }
     }
 

@@ -488,6 +488,7 @@ impl Engine {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            self.pool.touch_offloaded_request(seq.full_blocks());
             let hit = seq.prefix_hit(&self.pool);
             if self.config.tier_loads == TierLoads::Async
                 && self.loads.any_loading(hit.offloaded.iter().map(|(d, _)| d))

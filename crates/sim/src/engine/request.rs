@@ -231,6 +231,13 @@ impl Sequence {
         self.digests[..n].to_vec()
     }
 
+    /// Digests of all its full blocks (the last prompt token's included).
+    pub(crate) fn full_blocks(&mut self) -> &[VllmDigest] {
+        let n = self.tokens.len() / self.block_size;
+        self.ensure_digests(n);
+        &self.digests[..n]
+    }
+
     pub(crate) fn prefix_hit(&mut self, pool: &BlockPool) -> PrefixHit {
         let digests = self.lookup_blocks();
         let gpu: Vec<BlockId> = digests.iter().map_while(|d| pool.lookup(d)).collect();

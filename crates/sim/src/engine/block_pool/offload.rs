@@ -1,8 +1,9 @@
 //! The offload tiers below the GPU: host memory (CPU) and local SSD, each an LRU of block
 //! contents with its own capacity.
 //!
-//! The policy is an offloading connector's: a block evicted from the GPU is stored in the
-//! fastest offload tier that exists; a tier that overflows demotes its least recently used
+//! The policy is vLLM's OffloadingConnector's: a block is stored in the fastest offload tier
+//! that exists when the GPU computes it (write-through); a tier that overflows demotes its
+//! least recently used
 //! block to the next tier down (CPU -> SSD), and the last tier drops it. A block lives in at
 //! most one offload tier. A hit refreshes the block's recency in the tier that holds it (the
 //! copy stays there while the GPU holds it again, as vLLM's connectors keep theirs).
@@ -93,6 +94,11 @@ impl OffloadTiers {
         self.tiers.get(tier as usize).map_or(0, |t| t.blocks.len())
     }
 
+    /// Whether no tier holds a block.
+    pub fn is_empty(&self) -> bool {
+        self.tiers.iter().all(|t| t.blocks.len() == 0)
+    }
+
     /// The tier holding `digest`, if any.
     pub fn find(&self, digest: &VllmDigest) -> Option<OffloadTier> {
         OffloadTier::LOCAL
@@ -111,7 +117,7 @@ impl OffloadTiers {
         &mut self.tiers[tier as usize]
     }
 
-    /// Stores a block evicted from the GPU in the fastest tier that exists, demoting that tier's
+    /// Stores a block the GPU computed in the fastest tier that exists, demoting that tier's
     /// overflow downwards; the events describe every move, stores before removals.
     pub fn offload(&mut self, digest: VllmDigest, events: &mut Vec<KvEvent>) {
         let Some(top) = OffloadTier::LOCAL
@@ -121,7 +127,7 @@ impl OffloadTiers {
             return;
         };
         if let Some(held) = self.find(&digest) {
-            // Already offloaded (stored on an earlier eviction): refreshed, not stored again.
+            // Already offloaded (stored when computed before): refreshed, not stored again.
             self.tier_mut(held).blocks.touch(digest);
             return;
         }

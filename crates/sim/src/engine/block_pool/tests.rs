@@ -72,30 +72,44 @@ fn a_hit_block_leaves_the_free_queue() {
     assert!(pool.allocate(2).is_none(), "the hit block is in use");
 }
 
+/// Write-through, as vLLM's OffloadingConnector: computed blocks are stored on the CPU tier at
+/// once, the head of the prefix left most recent (a full tier drops the tail first), and a
+/// later GPU eviction stores nothing more.
 #[test]
-fn eviction_offloads_to_the_cpu_tier_which_evicts_its_oldest() {
-    let mut pool = BlockPool::new(4, 2, 1);
+fn computed_blocks_are_written_through_to_the_cpu_tier() {
+    let mut pool = BlockPool::new(4, 3, 2);
+    let cpu_events = |events: &[KvEvent]| {
+        let stores = events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::BlockStored(s) if s.medium.as_deref() == Some("CPU")))
+            .count();
+        let removes = events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::BlockRemoved(r) if r.medium.as_deref() == Some("CPU")))
+            .count();
+        (stores, removes)
+    };
     let (d, t) = digests(2, 3);
     let a = pool.allocate(2).unwrap();
     pool.cache_full_blocks(&a, full(&d, &t, &vec![None; d.len()]));
-    pool.free(&a);
-    pool.take_events();
-    pool.allocate(2).unwrap();
-    let events = pool.take_events();
-    let cpu_stores = events
-        .iter()
-        .filter(|e| matches!(e, KvEvent::BlockStored(s) if s.medium.as_deref() == Some("CPU")))
-        .count();
-    let cpu_removes = events
-        .iter()
-        .filter(|e| matches!(e, KvEvent::BlockRemoved(r) if r.medium.as_deref() == Some("CPU")))
-        .count();
-    assert_eq!((cpu_stores, cpu_removes), (2, 1));
-    assert_eq!(pool.cpu_blocks(), 1);
+    assert_eq!(cpu_events(&pool.take_events()), (2, 0));
+    let (e, u) = digests(1, 4);
+    let b = pool.allocate(1).unwrap();
+    pool.cache_full_blocks(&b, full(&e, &u, &[None]));
+    assert_eq!(cpu_events(&pool.take_events()), (1, 1));
     assert!(
-        pool.in_cpu(&d[0]),
-        "head freed last, evicted last, offloaded last"
+        pool.in_cpu(&d[0]) && !pool.in_cpu(&d[1]),
+        "the tail went first"
     );
+    pool.free(&a);
+    pool.free(&b);
+    pool.allocate(3).unwrap();
+    assert_eq!(
+        cpu_events(&pool.take_events()),
+        (0, 0),
+        "evicting stores nothing"
+    );
+    assert!(pool.in_cpu(&d[0]) && pool.in_cpu(&e[0]));
 }
 
 #[test]

@@ -41,12 +41,9 @@ impl FleetSink {
     /// Whether this sink's endpoint is still the present one under its id (call under the
     /// fleet's lock, which registration holds while it fills the registry).
     fn current(&self, router: &Router, fleet: &Fleet, id: EndpointId) -> bool {
-        let present = fleet.endpoint(id).is_some_and(|e| e.present());
-        present
-            && self
-                .endpoint
-                .upgrade()
-                .is_some_and(|e| Arc::ptr_eq(&e, &router.endpoint(id)))
+        self.endpoint
+            .upgrade()
+            .is_some_and(|e| e.id == id && router.is_current(fleet, &e))
     }
 }
 
@@ -130,6 +127,25 @@ pub(crate) fn spawn_subscriber(router: &Arc<Router>, e: &Arc<Endpoint>, resume_a
         router.config().kv_events.subscriber_config(),
         resume_after,
     ));
+}
+
+/// Starts `e`'s KV-event subscriber as [`spawn_subscriber`] does, only while `e` is the present
+/// endpoint in its slot: one removed meanwhile (its tasks already stopped) would keep a
+/// subscriber nothing stops. Presence is checked under `e`'s ingest lock, which removal takes
+/// before it marks `e` gone, and held until the subscriber is in place for removal to stop.
+pub(crate) fn spawn_subscriber_while_present(
+    router: &Arc<Router>,
+    e: &Arc<Endpoint>,
+    resume_after: Option<u64>,
+) {
+    // Nothing to start: spare the locks (the warm-up asks every endpoint every few ms).
+    if e.config.events.is_none() || e.subscriber.lock().is_some() {
+        return;
+    }
+    let _ingest = e.ingest.lock();
+    if router.is_current(&router.fleet(), e) {
+        spawn_subscriber(router, e, resume_after);
+    }
 }
 
 /// Starts an endpoint's KV-event subscriber afresh, after the fleet forgot what the endpoint

@@ -164,6 +164,17 @@ impl Router {
         Ok(endpoint)
     }
 
+    /// Whether `endpoint` is the present endpoint in its slot: neither removed nor replaced by
+    /// a newcomer that took its id. `fleet` is the fleet's lock, held: registration and
+    /// removal change the fleet and the registry under it, so the answer holds while it is.
+    pub(crate) fn is_current(&self, fleet: &Fleet, endpoint: &Endpoint) -> bool {
+        fleet.endpoint(endpoint.id).is_some_and(|s| s.present())
+            && self
+                .registry
+                .find(endpoint.id)
+                .is_some_and(|e| std::ptr::eq(Arc::as_ptr(&e), endpoint))
+    }
+
     /// Deregisters an endpoint while running: the fleet forgets it and never plans it again.
     /// Returns it when it was present (its tasks are membership's to stop).
     pub(crate) fn deregister(&self, id: EndpointId) -> Option<Arc<Endpoint>> {

@@ -13,7 +13,9 @@ mod replicas_common;
 
 use std::time::{Duration, Instant};
 
+use kvroute_core::index::EndpointId;
 use kvroute_router::server::RunningRouter;
+use kvroute_router::testing::Membership;
 use kvroute_sim::server::SimFleet;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::free_ports;
@@ -266,6 +268,36 @@ async fn a_peers_dispatch_that_does_not_fit_this_replica_is_refused() {
     assert!(
         metrics.contains("kvroute_rejected_total{status=\"400\"} 4"),
         "{metrics}"
+    );
+}
+
+/// A pod removed and re-added under the same URL takes a new slot while its old one waits to be
+/// reused: a peer's dispatch to that URL counts in the load of the pod present now, not in the
+/// departed one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_dispatch_counts_on_a_re_added_pod_not_its_departed_slot() {
+    let (fleet, r) = lone_replica().await;
+    let departed = EndpointId(0);
+    let pod = r.router.endpoint(departed).config.clone();
+    assert!(r.router.remove_endpoint(departed));
+    let back = r.router.add_endpoint(pod).unwrap();
+    assert_ne!(back, departed, "the old slot is not reusable yet");
+
+    let mut body = dispatch_body(&fleet, replicas_common::MODEL, 16);
+    body["request"] = 7.into();
+    body["uncached_tokens"] = 40.into();
+    let status = reqwest::Client::new()
+        .post(format!("http://{}/kvroute/v1/peer/dispatch", r.admin_addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, 204);
+    assert_eq!(
+        r.router.load(back).inflight_prefill_tokens,
+        40,
+        "the peer's prefill counts on the pod present now"
     );
 }
 

@@ -12,12 +12,14 @@ mod replicas_common;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
+use kvroute_core::index::EndpointId;
 use kvroute_router::server::RunningRouter;
+use kvroute_router::testing::Membership;
 use kvroute_sim::server::faults::Faults;
 use kvroute_testkit::{free_ports, patience};
 use replicas_common::{
-    admin_json, answering_peer, complete, config, explain, fleet, replica, replicas, snapshot_peer,
-    status, until_ready,
+    admin_json, answering_peer, complete, config, explain, fleet, held_snapshot_peer, replica,
+    replicas, snapshot_peer, status, until_ready,
 };
 use serde_json::{Value, json};
 
@@ -240,6 +242,52 @@ async fn a_refusing_peer_is_asked_once_and_the_next_one_answers_for_every_endpoi
     let asked = asked.lock().unwrap().clone();
     assert_eq!(asked.len(), 1, "{asked:?}");
     same_index_from(&client, (&a, &b), &served, &peer).await;
+}
+
+/// A pod removed and re-added while the starting replica waits for a peer's snapshot of it (the
+/// same URL in a new slot, its old slot held until it may be reused): the snapshot restores the
+/// pod present now, whose events resume after it, and the departed one gets no subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_restores_a_pod_re_added_during_warm_up_not_its_departed_slot() {
+    // One engine keeping 4 batches for replay: rebuilt from the engine alone, its index would
+    // lack most of the traffic's blocks.
+    let fleet = fleet(1, 4, Faults::default()).await;
+    let client = reqwest::Client::new();
+    let (a, _) = replica_with_traffic(&client, &fleet).await;
+    let whole = admin_json(&client, &a, "/kvroute/v1/snapshot").await;
+    let (peer, asked, release) = held_snapshot_peer(whole).await;
+    let b = replica(config(
+        &fleet,
+        0,
+        replicas(std::slice::from_ref(&peer), 10.0, true),
+    ))
+    .await;
+    kvroute_testkit::eventually("B asked the peer for its snapshot", || {
+        let asked = asked.lock().unwrap().clone();
+        (!asked.is_empty(), asked)
+    })
+    .await;
+
+    let departed = EndpointId(0);
+    let pod = b.router.endpoint(departed).config.clone();
+    assert!(b.router.remove_endpoint(departed));
+    let back = b.router.add_endpoint(pod).unwrap();
+    assert_ne!(back, departed, "the old slot is not reusable yet");
+    release.send(true).unwrap();
+
+    until_ready(&client, &b).await;
+    let blocks = |r: &RunningRouter, id| r.router.index_stats(id).map_or(0, |s| s.blocks_gpu);
+    assert_eq!(
+        blocks(&b, back),
+        blocks(&a, departed),
+        "the pod present now holds the snapshot's blocks"
+    );
+    let warm = admin_json(&client, &b, "/kvroute/v1/replica").await;
+    assert_eq!(warm["peer"], peer.as_str(), "{warm}");
+    assert!(
+        b.router.endpoint(departed).subscriber_stats().is_none(),
+        "the departed pod got a subscriber nothing stops"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -104,7 +104,7 @@ pub async fn receive_batch(State(router): State<Arc<Router>>, request: Request) 
     let now = router.now();
     for entry in ready {
         match entry {
-            Ready::Dispatch(record) => record.apply(&mut fleet, now),
+            Ready::Dispatch(record) => record.apply(&router, &mut fleet, now),
             Ready::PrefillDone(request) => {
                 fleet.peer_prefill_done(request, now);
             }

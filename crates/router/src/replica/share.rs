@@ -18,7 +18,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_core::fleet::{Dispatch, RequestFeatures};
-use kvroute_core::index::EndpointId;
 use kvroute_core::keys::RouterKey;
 use kvroute_core::schedule::Role;
 use kvroute_vllm::openai::ApiError;
@@ -26,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::edge::read_body_within;
+use crate::endpoint::Endpoint;
 use crate::replica_state::{Courier, REPLICA_HEADER, SINGLES_FOR};
 use crate::reply::error_response;
 use crate::service::Router;
@@ -244,40 +244,51 @@ pub async fn receive(State(router): State<Arc<Router>>, request: Request) -> Res
         Ok(record) => {
             let mut fleet = router.fleet();
             let now = router.now();
-            record.apply(&mut fleet, now);
+            record.apply(&router, &mut fleet, now);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(why) => error_response(&router, &ApiError::bad_request(why, None)),
     }
 }
 
-/// A peer's dispatch, checked and resolved to this replica's endpoint before the fleet's lock
+/// A peer's dispatch, checked and its endpoint's candidates looked up before the fleet's lock
 /// is taken to record it.
 pub(crate) struct PeerRecord {
-    /// The endpoint here; none when this replica does not have it (then it is ignored).
-    endpoint: Option<EndpointId>,
+    /// The endpoints here with the message's URL: the present one, and removed ones that still
+    /// hold a slot (a pod removed and re-added keeps its URL in a new slot). Which one is
+    /// present is only known under the fleet's lock; none present, it is ignored.
+    candidates: Vec<Arc<Endpoint>>,
     message: PeerDispatch,
 }
 
 impl PeerRecord {
     /// `message` checked against this replica ([`check`]: refused, and warned, when it does not
-    /// fit) and its endpoint looked up.
+    /// fit) and the endpoints with its URL looked up.
     pub(crate) fn resolve(router: &Router, message: PeerDispatch) -> Result<Self, String> {
         if let Err(why) = check(router, &message) {
             warn!(peer_endpoint = %message.endpoint, model = %message.model, %why, "refusing a peer's dispatch: the replicas are configured differently");
             return Err(why);
         }
-        let endpoint = router
+        let candidates = router
             .endpoints()
-            .iter()
-            .find(|e| e.config.url == message.endpoint)
-            .map(|e| e.id);
-        Ok(Self { endpoint, message })
+            .into_iter()
+            .filter(|e| e.config.url == message.endpoint)
+            .collect();
+        Ok(Self {
+            candidates,
+            message,
+        })
     }
 
-    /// Records it in `fleet` (the fleet's lock held, `now` read under it).
-    pub(crate) fn apply(self, fleet: &mut kvroute_core::fleet::Fleet, now: f64) {
-        let Some(endpoint) = self.endpoint else {
+    /// Records it in `fleet` (the fleet's lock held, `now` read under it) against the present
+    /// endpoint with its URL, if any: a removed one's slot would take it and core drop it.
+    pub(crate) fn apply(self, router: &Router, fleet: &mut kvroute_core::fleet::Fleet, now: f64) {
+        let Some(endpoint) = self
+            .candidates
+            .iter()
+            .find(|e| router.is_current(fleet, e))
+            .map(|e| e.id)
+        else {
             return;
         };
         let message = self.message;

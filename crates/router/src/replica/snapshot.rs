@@ -16,10 +16,11 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::index::{EndpointId, EndpointRestore, HeldEntry, KeyLayout};
+use kvroute_core::index::{EndpointRestore, HeldEntry, KeyLayout};
 use kvroute_vllm::openai::ApiError;
 use serde::{Deserialize, Serialize};
 
+use crate::endpoint::Endpoint;
 use crate::reply::error_response;
 use crate::service::Router;
 
@@ -69,7 +70,7 @@ pub struct EndpointSnapshot {
 /// One endpoint's snapshot, built under its ingest lock (so that its index and sequence agree:
 /// no batch is applied meanwhile); `None` when it has no events, has left the fleet, or this
 /// replica keeps no journal.
-fn endpoint_snapshot(router: &Router, e: &crate::endpoint::Endpoint) -> Option<EndpointSnapshot> {
+fn endpoint_snapshot(router: &Router, e: &Endpoint) -> Option<EndpointSnapshot> {
     e.config.events.as_ref()?;
     let _ingest = e.ingest.lock();
     let now = router.now();
@@ -234,40 +235,40 @@ pub(crate) async fn fetch(
 }
 
 /// Applies a snapshot to the fleet (and the journal): each endpoint named by URL gets the
-/// blocks, restored by core in one step ([`Fleet::restore_endpoint`]). An endpoint whose keys
-/// the peer made with another layout (block size) is refused, logged and counted
-/// (`kvroute_replica_snapshot_refused_total`), and rebuilt from its engine's replay buffer like
-/// an endpoint the peer did not send. Returns each endpoint of this replica the entries
-/// named, with the sequence its subscriber resumes after when it was restored at one.
+/// blocks, restored by core in one step ([`Fleet::restore_endpoint`]), on the present endpoint
+/// with that URL (a removed one may still hold a slot under the same URL: a pod removed and
+/// re-added). An endpoint whose keys the peer made with another layout (block size) is refused,
+/// logged and counted (`kvroute_replica_snapshot_refused_total`), and rebuilt from its engine's
+/// replay buffer like an endpoint the peer did not send. Returns each present endpoint of this
+/// replica the entries named, with the sequence its subscriber resumes after when it was
+/// restored at one.
 ///
 /// [`Fleet::restore_endpoint`]: kvroute_core::fleet::Fleet::restore_endpoint
 pub(crate) fn apply<'a>(
     router: &Router,
     peer: &str,
     entries: impl IntoIterator<Item = &'a EndpointSnapshot>,
-) -> Vec<(EndpointId, Option<u64>)> {
+) -> Vec<(Arc<Endpoint>, Option<u64>)> {
     let mut named = Vec::new();
     let endpoints = router.endpoints();
     for entry in entries {
-        let Some(e) = endpoints
+        let restored = endpoints
             .iter()
-            .find(|e| e.config.url == entry.url && e.config.events.is_some())
-        else {
-            continue;
-        };
-        named.push((e.id, restore(router, peer, e, entry)));
+            .filter(|e| e.config.url == entry.url && e.config.events.is_some())
+            .find_map(|e| Some((e.clone(), restore(router, peer, e, entry)?)));
+        named.extend(restored);
     }
     named
 }
 
-/// Restores `entry` onto `e`; the sequence its subscriber resumes after, when it was restored
-/// at one.
+/// Restores `entry` onto `e`: `None` when `e` is not the present endpoint in its slot (nothing
+/// restored), else the sequence its subscriber resumes after, when it was restored at one.
 fn restore(
     router: &Router,
     peer: &str,
-    e: &crate::endpoint::Endpoint,
+    e: &Endpoint,
     entry: &EndpointSnapshot,
-) -> Option<u64> {
+) -> Option<Option<u64>> {
     let restore = EndpointRestore {
         layout: entry.layout,
         blocks: entry.blocks.iter().copied(),
@@ -275,12 +276,16 @@ fn restore(
         tier_uncertain: entry.tier_uncertain,
         tracked_group: entry.tracked_group,
     };
+    // Under its ingest lock, which removal takes too: it stays present until restored.
     let _ingest = e.ingest.lock();
     let now = router.now();
     let mut fleet = router.fleet();
+    if !router.is_current(&fleet, e) {
+        return None;
+    }
     match fleet.restore_endpoint(e.id, restore, now) {
         Ok(Some(_)) => {}
-        Ok(None) => return None,
+        Ok(None) => return Some(None),
         Err(why) => {
             drop(fleet);
             let field = match why {
@@ -293,11 +298,11 @@ fn restore(
                 .get_or_create(&crate::metrics::KindLabel { kind: field })
                 .inc();
             tracing::warn!(%peer, endpoint = %e.name, error = %why, "refused a peer's snapshot of this endpoint: its keys were made otherwise (replicas configured differently); rebuilding it from the engine's replay buffer");
-            return None;
+            return Some(None);
         }
     }
     if let (Some(mut journal), Some(seq)) = (router.replica().journal(), entry.seq) {
         journal.apply(e.id, seq);
     }
-    entry.seq
+    Some(entry.seq)
 }

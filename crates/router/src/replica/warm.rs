@@ -44,10 +44,7 @@ pub(crate) fn spawn(router: &Arc<Router>) -> Vec<JoinHandle<()>> {
 /// its engine's replay buffer (those restored from a peer's snapshot were subscribed then).
 fn subscribe_all(router: &Arc<Router>) {
     for e in router.endpoints() {
-        let present = router.fleet().endpoint(e.id).is_some_and(|s| s.present());
-        if present {
-            crate::events::spawn_subscriber(router, &e, None);
-        }
+        crate::events::spawn_subscriber_while_present(router, &e, None);
     }
 }
 
@@ -152,9 +149,10 @@ async fn copy_from_peers(
                 .filter(|e| wanted(&e.url))
                 .collect();
             blocks += entries.iter().map(|e| e.blocks.len()).sum::<usize>();
-            for (id, seq) in snapshot::apply(router, peer, entries) {
+            for (restored, seq) in snapshot::apply(router, peer, entries) {
                 endpoints += 1;
-                crate::events::spawn_subscriber(router, &router.endpoint(id), seq);
+                // Removed since it was restored: no subscriber for it.
+                crate::events::spawn_subscriber_while_present(router, &restored, seq);
             }
             if whole {
                 break 'endpoints;

@@ -123,6 +123,33 @@ pub async fn answering_peer(
     status: StatusCode,
     snapshot: Value,
 ) -> (String, Arc<Mutex<Vec<String>>>) {
+    let (_, open) = tokio::sync::watch::channel(true);
+    peer_answering_when(open, status, snapshot).await
+}
+
+/// A peer's admin listener like [`snapshot_peer`]'s that holds every answer until the sender
+/// returned sends `true` (or is dropped): a snapshot still on its way while the test changes
+/// the starting replica. Its URL, the query of each snapshot it was asked for (recorded at
+/// once), and the release.
+pub async fn held_snapshot_peer(
+    snapshot: Value,
+) -> (
+    String,
+    Arc<Mutex<Vec<String>>>,
+    tokio::sync::watch::Sender<bool>,
+) {
+    let (release, open) = tokio::sync::watch::channel(false);
+    let (url, asked) = peer_answering_when(open, StatusCode::OK, snapshot).await;
+    (url, asked, release)
+}
+
+/// A peer's admin listener answering every `GET /kvroute/v1/snapshot` with `status` and
+/// `snapshot` once `open` is true: its URL, and the query of each snapshot it was asked for.
+async fn peer_answering_when(
+    open: tokio::sync::watch::Receiver<bool>,
+    status: StatusCode,
+    snapshot: Value,
+) -> (String, Arc<Mutex<Vec<String>>>) {
     let snapshot = Arc::new(snapshot);
     let asked = Arc::new(Mutex::new(Vec::new()));
     let queries = asked.clone();
@@ -131,8 +158,13 @@ pub async fn answering_peer(
         axum::routing::get(
             move |axum::extract::RawQuery(query): axum::extract::RawQuery| {
                 let snapshot = snapshot.clone();
+                let mut open = open.clone();
                 queries.lock().unwrap().push(query.unwrap_or_default());
-                async move { (status, axum::Json((*snapshot).clone())) }
+                async move {
+                    // Released, or its sender dropped: answer either way.
+                    let _ = open.wait_for(|open| *open).await;
+                    (status, axum::Json((*snapshot).clone()))
+                }
             },
         ),
     );

@@ -141,11 +141,12 @@ impl Accounting {
             .fleet()
             .first_token(dispatch, self.status == 200, now);
         crate::replica::share::prefill_done(&self.router, dispatch);
-        self.router
-            .metrics()
-            .first_byte_seconds
-            .of(&self.endpoint.name)
-            .observe(self.started.elapsed().as_secs_f64());
+        let name = &self.endpoint.name;
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.router.with_endpoint_series(&[name], || {
+            let m = self.router.metrics();
+            m.first_byte_seconds.of(name).observe(elapsed);
+        });
         self.router.capacity_changed();
     }
 
@@ -190,33 +191,36 @@ impl Drop for Accounting {
         crate::replica::share::ended(&self.router, &dispatch);
         self.router.fleet().finished(dispatch, reported, now);
         self.router.capacity_changed();
-        let m = self.router.metrics();
         let name = &self.endpoint.name;
         let elapsed = self.started.elapsed().as_secs_f64();
-        m.request_seconds.of(name).observe(elapsed);
-        let class = format!("{}xx", self.status / 100);
-        m.requests
-            .get_or_create(
-                name,
-                RequestLabels {
-                    reason: self.reason,
-                    status: class,
-                    outcome: outcome.as_str(),
-                },
-            )
-            .inc();
-        if let Some(reported) = reported {
-            m.predicted_cached_tokens.of(name).inc_by(predicted as u64);
-            m.reported_cached_tokens.of(name).inc_by(reported as u64);
-            let outcome = match predicted.cmp(&reported) {
-                std::cmp::Ordering::Equal => "exact",
-                std::cmp::Ordering::Greater => "over",
-                std::cmp::Ordering::Less => "under",
-            };
-            m.prediction_outcomes
-                .get_or_create(name, OutcomeLabel { outcome })
+        // The endpoint may have left while the request was in flight: its series stay gone.
+        self.router.with_endpoint_series(&[name], || {
+            let m = self.router.metrics();
+            m.request_seconds.of(name).observe(elapsed);
+            let class = format!("{}xx", self.status / 100);
+            m.requests
+                .get_or_create(
+                    name,
+                    RequestLabels {
+                        reason: self.reason,
+                        status: class,
+                        outcome: outcome.as_str(),
+                    },
+                )
                 .inc();
-        }
+            if let Some(reported) = reported {
+                m.predicted_cached_tokens.of(name).inc_by(predicted as u64);
+                m.reported_cached_tokens.of(name).inc_by(reported as u64);
+                let outcome = match predicted.cmp(&reported) {
+                    std::cmp::Ordering::Equal => "exact",
+                    std::cmp::Ordering::Greater => "over",
+                    std::cmp::Ordering::Less => "under",
+                };
+                m.prediction_outcomes
+                    .get_or_create(name, OutcomeLabel { outcome })
+                    .inc();
+            }
+        });
         info!(
             request_id = %self.request_id,
             endpoint = %name,

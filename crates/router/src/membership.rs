@@ -44,7 +44,7 @@ impl Membership for Arc<Router> {
         };
         endpoint.stop();
         self.upstream().forget(endpoint.authority.as_str());
-        self.metrics().forget_endpoint(&endpoint.name);
+        self.endpoint_series_left(&endpoint.name);
         info!(endpoint = %endpoint.name, id = id.0, "endpoint left");
         true
     }

@@ -25,7 +25,7 @@ use crate::RouterError;
 use crate::config::{EndpointConfig, ModelConfig, RouterConfig};
 use crate::endpoint::Endpoint;
 use crate::fleet_handle::FleetHandle;
-use crate::metrics::RouterMetrics;
+use crate::metrics::{PresentNames, RouterMetrics};
 use crate::offload::Offload;
 use crate::registry::Registry;
 use crate::shutdown::Shutdown;
@@ -44,6 +44,8 @@ pub struct Router {
     client: Client<HttpConnector, Full<Bytes>>,
     upstream: Arc<Upstream>,
     metrics: RouterMetrics,
+    /// The names of the present endpoints, which gate per-endpoint series.
+    present_names: PresentNames,
     shutdown: Shutdown,
     replica: crate::replica_state::ReplicaState,
     offload: Offload,
@@ -102,6 +104,10 @@ impl Router {
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
         let metrics = RouterMetrics::new(&config.metrics);
+        let present_names = PresentNames::new(
+            config.metrics.per_endpoint,
+            endpoints.iter().map(|e| e.name.as_str()),
+        );
         let tokenizers = config
             .models
             .iter()
@@ -123,6 +129,7 @@ impl Router {
                 metrics.offload_requests.clone(),
             ),
             metrics,
+            present_names,
             shutdown: Shutdown::default(),
             replica: crate::replica_state::ReplicaState::new(&config.replicas),
             config,
@@ -160,6 +167,7 @@ impl Router {
             .map_err(|e| RouterError::Config(e.to_string()))?;
         let endpoint = Arc::new(Endpoint::new(id, config));
         self.registry.put(endpoint.clone());
+        self.present_names.joined(&endpoint.name);
         drop(fleet);
         Ok(endpoint)
     }
@@ -250,6 +258,20 @@ impl Router {
     /// The router's metrics.
     pub fn metrics(&self) -> &RouterMetrics {
         &self.metrics
+    }
+
+    /// Writes series keyed by the endpoint names `names` with `write`, unless one of them is
+    /// borne by no present endpoint: a departed endpoint's series, removed when it left, must
+    /// not come back when a request still in flight there ends (`write` must not call this).
+    pub(crate) fn with_endpoint_series(&self, names: &[&str], write: impl FnOnce()) {
+        self.present_names.while_present(names, write);
+    }
+
+    /// An endpoint bearing `name` left the fleet: the name's series are removed when no present
+    /// endpoint bears it any more.
+    pub(crate) fn endpoint_series_left(&self, name: &str) {
+        self.present_names
+            .left(name, || self.metrics.forget_endpoint(name));
     }
 
     /// The HTTP client for health checks, scrapes and other small requests.
@@ -344,7 +366,9 @@ impl Router {
         if let Some(ejection) = ejection {
             let name = &self.endpoint(id).name;
             warn!(endpoint = %name, seconds = ejection.seconds, count = ejection.count, "ejecting an endpoint whose requests keep failing");
-            self.metrics.outlier_ejections.of(name).inc();
+            self.with_endpoint_series(&[name], || {
+                self.metrics.outlier_ejections.of(name).inc();
+            });
         }
     }
 
@@ -368,7 +392,10 @@ impl Router {
         let reason = crate::metrics::ReasonLabel {
             reason: failure.as_str(),
         };
-        counter.get_or_create(&self.endpoint(id).name, reason).inc();
+        let name = &self.endpoint(id).name;
+        self.with_endpoint_series(&[name], || {
+            counter.get_or_create(name, reason).inc();
+        });
         verdict == RetryVerdict::Retry
     }
 

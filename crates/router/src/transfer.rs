@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::accounting::{Cut, CutAware};
-use crate::metrics::pd::pair;
+use crate::metrics::pd::{PairLabels, pair};
 use crate::service::Router;
 
 /// Transfer ids, unique in this router.
@@ -82,6 +82,10 @@ impl DecodeLeg {
         };
         router.metrics().pd.transfers_dropped(dropped);
         TransferWatch {
+            names: (
+                router.endpoint(self.prefill).name.clone(),
+                router.endpoint(decode).name.clone(),
+            ),
             router: router.clone(),
             id,
             link,
@@ -104,6 +108,9 @@ pub(crate) struct TransferWatch {
     router: Arc<Router>,
     id: u64,
     link: (EndpointId, EndpointId),
+    /// The link's (prefill, decode) endpoint names, as the pair's series are labelled (read at
+    /// the start: a departed endpoint's slot may be another's by the end).
+    names: (String, String),
     bytes: f64,
     sent: Instant,
     predicted_wait_s: f64,
@@ -112,13 +119,6 @@ pub(crate) struct TransferWatch {
 }
 
 impl TransferWatch {
-    fn names(&self) -> (String, String) {
-        (
-            self.router.endpoint(self.link.0).name.clone(),
-            self.router.endpoint(self.link.1).name.clone(),
-        )
-    }
-
     /// The decode leg's first body byte arrived: `data` is it. An error event there is a
     /// failed transfer hidden in a 200 (vLLM's `fail` policy on a stream).
     pub(crate) fn first_byte(&mut self, data: &[u8]) {
@@ -150,17 +150,17 @@ impl TransferWatch {
                 links.map_or(0.0, |l| l.bandwidth(self.link.0, self.link.1, now)),
             )
         };
-        let (p, d) = self.names();
-        let labels = pair(&p, &d);
-        metrics
-            .transfer_bytes
-            .get_or_create(&labels)
-            .inc_by(self.bytes as u64);
-        metrics
-            .transfer_seconds
-            .get_or_create(&labels)
-            .observe(seconds);
-        self.publish(&labels, health, bandwidth);
+        self.with_pair_series(|labels| {
+            metrics
+                .transfer_bytes
+                .get_or_create(labels)
+                .inc_by(self.bytes as u64);
+            metrics
+                .transfer_seconds
+                .get_or_create(labels)
+                .observe(seconds);
+            self.publish(labels, health, bandwidth);
+        });
     }
 
     /// The transfer failed (the decode leg failed after its prefill): a strike on the pair.
@@ -179,14 +179,23 @@ impl TransferWatch {
                 links.map_or(0.0, |l| l.bandwidth(self.link.0, self.link.1, now)),
             )
         };
-        let (p, d) = self.names();
-        let labels = pair(&p, &d);
-        let metrics = &self.router.metrics().pd;
-        metrics.transfer_failures.get_or_create(&labels).inc();
         if matches!(health, Some(LinkHealth::Quarantined { .. })) {
+            let (p, d) = &self.names;
             warn!(prefill = %p, decode = %d, "quarantining a prefill-decode pair whose transfers keep failing or crawling");
         }
-        self.publish(&labels, health, bandwidth);
+        self.with_pair_series(|labels| {
+            let metrics = &self.router.metrics().pd;
+            metrics.transfer_failures.get_or_create(labels).inc();
+            self.publish(labels, health, bandwidth);
+        });
+    }
+
+    /// Writes the pair's series with `write`, unless either endpoint left the fleet meanwhile:
+    /// the pair's series left with it and must not come back.
+    fn with_pair_series(&self, write: impl FnOnce(&PairLabels)) {
+        let (p, d) = &self.names;
+        self.router
+            .with_endpoint_series(&[p, d], || write(&pair(p, d)));
     }
 
     /// The transfer is over, its time unknown.
@@ -197,12 +206,7 @@ impl TransferWatch {
         }
     }
 
-    fn publish(
-        &self,
-        labels: &crate::metrics::pd::PairLabels,
-        health: Option<LinkHealth>,
-        bandwidth: f64,
-    ) {
+    fn publish(&self, labels: &PairLabels, health: Option<LinkHealth>, bandwidth: f64) {
         let shown = match health {
             Some(LinkHealth::Quarantined { .. }) => 0.0,
             _ => bandwidth,

@@ -3,14 +3,24 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::body::Body;
+use axum::response::Response;
+use axum::routing::post;
+use bytes::Bytes;
 use common::config_builder::{ConfigBuilder, endpoint};
-use common::engine;
-use kvroute_router::config::EndpointConfig;
+use common::{engine, fake_engine};
+use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::Role;
+use kvroute_router::config::{EndpointConfig, PdMode};
 use kvroute_router::server::start;
 use kvroute_router::testing::Membership;
 use kvroute_sim::server::SimFleet;
 use kvroute_testkit::eventually;
 use serde_json::json;
+use tokio::sync::watch;
 
 const MODEL: &str = "sim-llama-3.1-8b";
 
@@ -86,4 +96,104 @@ async fn endpoints_join_and_leave_a_running_router() {
     let back = router.add_endpoint(endpoint_config(&b, "b")).unwrap();
     assert_ne!(back, id);
     assert!(metrics().contains("endpoint=\"b\""), "b has series again");
+}
+
+/// A prefill engine whose answers hand the decode leg its KV-transfer parameters. Returns its
+/// URL.
+async fn prefill_engine() -> String {
+    let answer = r#"{"choices": [{"text": "a"}], "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p", "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}}"#;
+    let routes = axum::Router::new().route(
+        "/v1/completions",
+        post(move || async move {
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from(answer))
+                .unwrap()
+        }),
+    );
+    fake_engine(routes).await
+}
+
+/// An engine whose completions stream their headers at once and their tokens only once `release`
+/// says so: a request in flight there for as long as a test needs. Returns its URL, and whether
+/// a request reached it.
+async fn held_stream_engine(release: watch::Receiver<bool>) -> (String, Arc<AtomicBool>) {
+    let reached = Arc::new(AtomicBool::new(false));
+    let seen = reached.clone();
+    let routes = axum::Router::new().route(
+        "/v1/completions",
+        post(move || {
+            seen.store(true, Ordering::SeqCst);
+            let mut release = release.clone();
+            async move {
+                let tokens = futures::stream::once(async move {
+                    let _ = release.wait_for(|go| *go).await;
+                    Ok::<_, std::io::Error>(Bytes::from_static(
+                        b"data: {\"choices\": [{\"text\": \"b\"}]}\n\ndata: [DONE]\n\n",
+                    ))
+                });
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(tokens))
+                    .unwrap()
+            }
+        }),
+    );
+    (fake_engine(routes).await, reached)
+}
+
+/// A decode endpoint removed while a request's decode leg is in flight there: the request
+/// finishes, and neither its series nor its pair's (prefill, decode) series come back in the
+/// exposition when it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_endpoints_series_stay_gone_when_its_last_request_ends() {
+    let (release, held) = watch::channel(false);
+    let (decode, reached) = held_stream_engine(held).await;
+    let config = ConfigBuilder::new(MODEL)
+        .url("p", &prefill_engine().await)
+        .url("d", &decode)
+        .with(|c| {
+            c.endpoints[0].role = Role::Prefill;
+            c.endpoints[1].role = Role::Decode;
+            c.pd.mode = PdMode::Always;
+        })
+        .build();
+    let running = start(config).await.unwrap();
+    let in_flight = tokio::spawn({
+        let addr = running.addr;
+        async move {
+            let response = reqwest::Client::new()
+                .post(format!("http://{addr}/v1/completions"))
+                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": true}))
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    });
+    eventually("the decode leg reached d", || {
+        (reached.load(Ordering::SeqCst), ())
+    })
+    .await;
+
+    assert!(running.router.remove_endpoint(EndpointId(1)));
+    let departed = |text: &str| text.contains("endpoint=\"d\"") || text.contains("decode=\"d\"");
+    let metrics = || kvroute_testkit::http_get(running.admin_addr, "/metrics");
+    let text = metrics();
+    assert!(!departed(&text), "d's series left with it: {text}");
+
+    release.send(true).unwrap();
+    let (status, body) = in_flight.await.unwrap();
+    assert_eq!(
+        status, 200,
+        "a request in flight at a departed endpoint finishes"
+    );
+    assert!(body.contains("[DONE]"), "{body}");
+    // The response ended once the router let go of it: its accounting is done.
+    let text = metrics();
+    assert!(
+        text.contains("kvroute_requests_total{endpoint=\"p\""),
+        "the prefill leg, on a present endpoint, is counted: {text}"
+    );
+    assert!(!departed(&text), "d's series came back: {text}");
 }

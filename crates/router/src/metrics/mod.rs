@@ -14,6 +14,7 @@ mod by_endpoint;
 mod group;
 mod labels;
 pub mod pd;
+mod present;
 pub mod tiers;
 
 use std::sync::atomic::AtomicU64;
@@ -33,6 +34,7 @@ pub use labels::{
     KindLabel, ListenerLabel, NoLabels, OutcomeLabel, ReasonLabel, RequestLabels, StatusLabel,
     TierLabel,
 };
+pub(crate) use present::PresentNames;
 
 /// The router's own `/metrics` (the `metrics` section of the configuration).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -246,7 +248,9 @@ impl Default for RouterMetrics {
 
 impl RouterMetrics {
     /// Removes every series of `endpoint` (it left the fleet), so that a departed pod's series
-    /// do not linger in the exposition. A request still in flight there may count again.
+    /// do not linger in the exposition. What may write them after (a request still in flight
+    /// there) goes through [`PresentNames`], which calls this when the name's last endpoint
+    /// leaves.
     pub fn forget_endpoint(&self, endpoint: &str) {
         Hooks::forget_endpoint(self, endpoint);
     }

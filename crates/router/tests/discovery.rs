@@ -211,6 +211,46 @@ async fn an_edited_pool_moves_its_pods_endpoints() {
     expect(&running, &["http://10.0.0.1:9000"]).await;
 }
 
+/// A running pod whose shared-KV mount label is set, changed, then removed: each time it rejoins
+/// with the mount its label names now (the fleet takes an endpoint's mount only as it joins).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_shared_kv_mount_follows_its_label() {
+    let fake = pool_of_pod_a();
+    let (watch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let api = fake_api(fake.clone()).await;
+    let config = ConfigBuilder::new("m")
+        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
+        .build();
+    let running = start(config).await.unwrap();
+    expect(&running, &["http://10.0.0.1:8000"]).await;
+    let router = running.router.clone();
+    let mounts = || -> Vec<Option<String>> {
+        present_endpoints(&router)
+            .iter()
+            .map(|e| e.offload_spec().shared.map(|m| m.name))
+            .collect()
+    };
+    assert_eq!(mounts(), [None]);
+
+    let mounted = |mount: Option<&str>, rv| {
+        let mut labels = json!({"app": "vllm", "llm-d.ai/role": "decode"});
+        if let Some(mount) = mount {
+            labels[kvroute_router::config::SHARED_MOUNT_LABEL] = json!(mount);
+        }
+        event("MODIFIED", labelled("a", "10.0.0.1", true, rv, labels))
+    };
+    for (rv, mount) in [(11, Some("nfs-a")), (12, Some("nfs-b")), (13, None)] {
+        watch.send(mounted(mount, rv)).unwrap();
+        let want = vec![mount.map(str::to_owned)];
+        eventually("a's mount follows its label", || {
+            let now = mounts();
+            (now == want, now)
+        })
+        .await;
+    }
+}
+
 /// `pod`, with other labels.
 fn labelled(name: &str, ip: &str, ready: bool, rv: u32, labels: Value) -> Value {
     let mut p = pod(name, ip, ready, rv);

@@ -242,10 +242,15 @@ impl Members {
     }
 }
 
-/// Whether two endpoint lists name the same addresses and roles.
+/// Whether two endpoint lists name the same addresses, roles, events and offloaded tiers
+/// (the shared-KV mount a pod's label names): what the fleet takes only when an endpoint joins,
+/// so that a change re-adds it.
 fn same(a: &[EndpointConfig], b: &[EndpointConfig]) -> bool {
     a.len() == b.len()
-        && a.iter()
-            .zip(b)
-            .all(|(x, y)| x.url == y.url && x.role == y.role && x.events == y.events)
+        && a.iter().zip(b).all(|(x, y)| {
+            x.url == y.url
+                && x.role == y.role
+                && x.events == y.events
+                && x.offload_spec() == y.offload_spec()
+        })
 }

@@ -81,7 +81,8 @@ pub(crate) fn upstream_request(
 /// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as such only
 /// when it surely pulled nothing (no connection was made) and the producer still holds the
 /// blocks; otherwise the next attempt serves the request aggregated: the client's own body,
-/// its prompt computed there.
+/// its prompt computed there and counted in that endpoint's load as the plan predicted it
+/// ([`DecodeLeg::into_aggregated`]).
 fn retry_after(
     a: &mut ForwardArgs<'_>,
     id: EndpointId,
@@ -96,7 +97,8 @@ fn retry_after(
     if !pulls_again && let Some(decode) = a.decode.take() {
         a.router.metrics().pd.fallback("decode_failed");
         warn!(request_id = %a.context.request_id, ?failure, "the decode leg cannot go on as one (its consumer may have pulled, or the producer's hold is over); serving the request aggregated on the next decode endpoint");
-        a.body = decode.aggregated_body;
+        let next = a.leg.ranking.get(attempt + 1).copied();
+        (a.body, a.leg.predicted_cached) = decode.into_aggregated(a.router, next);
     }
     true
 }
@@ -133,8 +135,9 @@ pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
         let dispatch = pipeline::connect(router, &a.leg.predicted_cached, a.prepared, id);
         let mut accounting = pipeline::respond(router, &a.context, &a.leg, attempt, dispatch);
         let mut transfer = a.decode.as_ref().map(|leg| leg.start(router, id));
-        // A decode leg's predictions count the blocks it pulls, and still do once it fell
-        // back to aggregated: no lesson about the index from its cached tokens.
+        // A decode leg's reported cached tokens count the blocks it pulls: no lesson about the
+        // index from them. Nor from its aggregated fallback's, whose engine may hold what a
+        // pull or the prefill leg just left there, before the index shows it.
         if transfer.is_some() || a.leg.reason == pipeline::PD_DECODE {
             accounting.skip_cached_check();
         }

@@ -22,6 +22,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use kvroute_core::fleet::Plan;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::LinkHealth;
 use kvroute_vllm::openai::is_stream_error_event;
@@ -59,6 +60,9 @@ pub(crate) struct DecodeLeg {
     /// the producer then released them (or reused them for another request), so a second pull
     /// could read another request's KV; computing the prompt again is always right.
     pub(crate) aggregated_body: Bytes,
+    /// The request's plan: what serving it aggregated predicts and brings to the endpoint that
+    /// computes it ([`DecodeLeg::into_aggregated`]).
+    pub(crate) plan: Plan,
 }
 
 impl DecodeLeg {
@@ -100,6 +104,25 @@ impl DecodeLeg {
     /// Whether another decode endpoint may still pull the blocks.
     pub(crate) fn may_retry(&self) -> bool {
         lease_holds(self.lease_until)
+    }
+
+    /// The decode leg failed and does not go on as one: the request is served aggregated on
+    /// `next` (the ranking's next endpoint, if any). Returns the body to send, the client's own,
+    /// and the cached tokens predicted per endpoint: the plan's own, not the decode leg's
+    /// (which credits each decoder with the whole prompt it would pull), so that the prompt
+    /// `next` computes counts in its queued prefill; that prefill's work is recorded as
+    /// reaching `next`, as after a failed prefill leg.
+    pub(crate) fn into_aggregated(
+        self,
+        router: &Router,
+        next: Option<EndpointId>,
+    ) -> (Bytes, Vec<usize>) {
+        if let Some(next) = next {
+            let now = router.now();
+            router.fleet().prefill_sent(&self.plan, next, now);
+        }
+        let predicted_cached = self.plan.predicted_cached;
+        (self.aggregated_body, predicted_cached)
     }
 }
 

@@ -98,22 +98,6 @@ async fn endpoints_join_and_leave_a_running_router() {
     assert!(metrics().contains("endpoint=\"b\""), "b has series again");
 }
 
-/// A prefill engine whose answers hand the decode leg its KV-transfer parameters. Returns its
-/// URL.
-async fn prefill_engine() -> String {
-    let answer = r#"{"choices": [{"text": "a"}], "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p", "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}}"#;
-    let routes = axum::Router::new().route(
-        "/v1/completions",
-        post(move || async move {
-            Response::builder()
-                .header("content-type", "application/json")
-                .body(Body::from(answer))
-                .unwrap()
-        }),
-    );
-    fake_engine(routes).await
-}
-
 /// An engine whose completions stream their headers at once and their tokens only once `release`
 /// says so: a request in flight there for as long as a test needs. Returns its URL, and whether
 /// a request reached it.
@@ -150,7 +134,7 @@ async fn a_departed_endpoints_series_stay_gone_when_its_last_request_ends() {
     let (release, held) = watch::channel(false);
     let (decode, reached) = held_stream_engine(held).await;
     let config = ConfigBuilder::new(MODEL)
-        .url("p", &prefill_engine().await)
+        .url("p", &common::prefill_engine().await)
         .url("d", &decode)
         .with(|c| {
             c.endpoints[0].role = Role::Prefill;

@@ -2,13 +2,15 @@
 //! stalls or breaks mid-body ends with an OpenAI-shaped SSE error event, counted, one engine
 //! stalling its `/v1/models` body does not hang the router's listing, an empty answer is
 //! accounted as completed, a prefill answer too large to read is the request's problem, not
-//! the prefill endpoint's, and a decode leg that stalls before its first byte strikes its pair.
+//! the prefill endpoint's, a decode leg that stalls before its first byte strikes its pair, and
+//! one that fails is served aggregated on the next decoder, its prompt counted there.
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -287,10 +289,7 @@ async fn headers_then_silence_engine() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_leg_stalled_before_its_first_byte_strikes_its_pair() {
-    let prefill = answering_engine(
-        br#"{"choices": [{"text": "a"}], "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p", "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}}"#,
-    )
-    .await;
+    let prefill = common::prefill_engine().await;
     let decode = headers_then_silence_engine().await;
     let router = router(&[&prefill, &decode], |c| {
         c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
@@ -306,4 +305,110 @@ async fn a_decode_leg_stalled_before_its_first_byte_strikes_its_pair() {
     }
     let (strikes, metrics) = counted(&router, "kvroute_pd_transfer_failures_total", "");
     assert_eq!(strikes, 3.0, "{metrics}");
+}
+
+/// Decode engines sharing one script: the first decode request any of them receives fails
+/// (503, before any body byte); the next is held, its engine and body noted, until `release`.
+#[derive(Default)]
+struct FailOnceThenHold {
+    failed: std::sync::atomic::AtomicBool,
+    held: std::sync::Mutex<Option<(usize, Value)>>,
+}
+
+impl FailOnceThenHold {
+    /// Engine `at` (its endpoint id in the router) following the script. Returns its URL.
+    async fn engine(
+        self: &Arc<Self>,
+        at: usize,
+        release: tokio::sync::watch::Receiver<bool>,
+    ) -> String {
+        let script = self.clone();
+        let completion = move |body: axum::Json<Value>| {
+            let script = script.clone();
+            let mut release = release.clone();
+            async move {
+                if !script
+                    .failed
+                    .swap(true, std::sync::atomic::Ordering::SeqCst)
+                {
+                    return Response::builder()
+                        .status(503)
+                        .body(Body::from("overloaded"))
+                        .unwrap();
+                }
+                *script.held.lock().unwrap() = Some((at, body.0));
+                let tokens = futures::stream::once(async move {
+                    let _ = release.wait_for(|go| *go).await;
+                    Ok::<_, std::io::Error>(Bytes::from_static(
+                        b"data: {\"choices\": [{\"text\": \"b\"}]}\n\ndata: [DONE]\n\n",
+                    ))
+                });
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(tokens))
+                    .unwrap()
+            }
+        };
+        common::fake_engine(axum::Router::new().route("/v1/completions", post(completion))).await
+    }
+}
+
+/// A decode leg that fails after its prefill is served aggregated on the next decode endpoint,
+/// which computes the whole prompt: until its first token, that endpoint's queued prefill counts
+/// the prompt (what flow control and later requests' costs read), not the nothing left to
+/// compute after a pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decode_leg_served_aggregated_counts_its_prompt_on_the_next_decoder() {
+    let prefill = common::prefill_engine().await;
+    let script = Arc::new(FailOnceThenHold::default());
+    let (release, held) = tokio::sync::watch::channel(false);
+    let decoders = [
+        script.engine(1, held.clone()).await,
+        script.engine(2, held).await,
+    ];
+    let router = router(&[&prefill, &decoders[0], &decoders[1]], |c| {
+        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
+        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
+        c.endpoints[2].role = kvroute_core::schedule::Role::Decode;
+        c.pd.mode = kvroute_router::config::PdMode::Always;
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let request = json!({"model": MODEL, "prompt": "a long document nobody sent before. ".repeat(40), "max_tokens": 2, "stream": true});
+    let prompt_tokens = common::explain(&client, &router, &request).await["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    let in_flight = tokio::spawn({
+        let addr = router.addr;
+        async move {
+            let response = client
+                .post(format!("http://{addr}/v1/completions"))
+                .json(&request)
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    });
+    kvroute_testkit::eventually("the request reached the next decoder", || {
+        let held = script.held.lock().unwrap().clone();
+        (held.is_some(), held)
+    })
+    .await;
+    let (serving, body) = script.held.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        body.get("kv_transfer_params"),
+        None,
+        "served aggregated: {body}"
+    );
+    let load = router
+        .router
+        .load(kvroute_core::index::EndpointId(serving as u32));
+    assert_eq!(
+        load.inflight_prefill_tokens, prompt_tokens,
+        "the whole prompt is computed there"
+    );
+    release.send(true).unwrap();
+    let (status, text) = in_flight.await.unwrap();
+    assert_eq!(status, 200, "{text}");
 }

@@ -205,6 +205,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         stream: client.get("stream").and_then(Value::as_bool) == Some(true),
         lease_until,
         aggregated_body,
+        plan,
     });
     forward(a).await
 }

@@ -35,6 +35,25 @@ pub async fn fake_engine(routes: axum::Router) -> String {
     format!("http://{addr}")
 }
 
+/// What a P/D producer answers a prefill leg: a completion whose `kv_transfer_params` name its
+/// blocks for the decode leg to pull.
+pub const PREFILL_ANSWER: &str = r#"{"choices": [{"text": "a"}], "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p", "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}}"#;
+
+/// A hand-written P/D producer on loopback: its completions answer [`PREFILL_ANSWER`]. Returns
+/// its URL.
+pub async fn prefill_engine() -> String {
+    let routes = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async {
+            axum::response::Response::builder()
+                .header("content-type", "application/json")
+                .body(axum::body::Body::from(PREFILL_ANSWER))
+                .unwrap()
+        }),
+    );
+    fake_engine(routes).await
+}
+
 /// A router started from `config`, once its KV-event subscribers are connected.
 pub async fn router_from_config(
     config: kvroute_router::config::RouterConfig,

@@ -79,9 +79,11 @@ pub(crate) fn upstream_request(
 
 /// Whether the attempt on `id` that failed with `failure` is followed by one on the next
 /// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as such only
-/// when it surely pulled nothing (no connection was made) and the producer still holds the
-/// blocks; otherwise the next attempt serves the request aggregated: the client's own body,
-/// its prompt computed there and counted in that endpoint's load as the plan predicted it
+/// when it surely pulled nothing (no connection was made), the producer still holds the blocks
+/// and the next endpoint is not the producer itself (in a kv_both fleet it may be: NIXL refuses
+/// a handshake with its own engine); otherwise the next attempt serves the request aggregated:
+/// the client's own body, its prompt computed there (next to nothing on the producer, which
+/// holds it) and counted in that endpoint's load as the plan predicted it
 /// ([`DecodeLeg::into_aggregated`]).
 fn retry_after(
     a: &mut ForwardArgs<'_>,
@@ -92,12 +94,14 @@ fn retry_after(
     if !pipeline::retry(a.router, &a.leg, id, failure, attempt) {
         return false;
     }
-    let pulls_again =
-        failure == AttemptFailure::Connect && a.decode.as_ref().is_some_and(DecodeLeg::may_retry);
+    let next = a.leg.ranking.get(attempt + 1).copied();
+    let on_producer = a.decode.as_ref().is_some_and(|d| next == Some(d.prefill));
+    let pulls_again = failure == AttemptFailure::Connect
+        && !on_producer
+        && a.decode.as_ref().is_some_and(DecodeLeg::may_retry);
     if !pulls_again && let Some(decode) = a.decode.take() {
         a.router.metrics().pd.fallback("decode_failed");
-        warn!(request_id = %a.context.request_id, ?failure, "the decode leg cannot go on as one (its consumer may have pulled, or the producer's hold is over); serving the request aggregated on the next decode endpoint");
-        let next = a.leg.ranking.get(attempt + 1).copied();
+        warn!(request_id = %a.context.request_id, ?failure, on_producer, "the decode leg cannot go on as one (its consumer may have pulled, the producer's hold is over, or the next decode endpoint is the producer itself); serving the request aggregated on the next decode endpoint");
         (a.body, a.leg.predicted_cached) = decode.into_aggregated(a.router, next);
     }
     true

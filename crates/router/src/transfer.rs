@@ -111,18 +111,27 @@ impl DecodeLeg {
     /// and the cached tokens predicted per endpoint: the plan's own, not the decode leg's
     /// (which credits each decoder with the whole prompt it would pull), so that the prompt
     /// `next` computes counts in its queued prefill; that prefill's work is recorded as
-    /// reaching `next`, as after a failed prefill leg.
+    /// reaching `next`, as after a failed prefill leg. On the producer itself (a kv_both
+    /// fleet's next decoder may be it), the prefill leg left the prompt cached: predicted whole
+    /// there, with nearly nothing to compute.
     pub(crate) fn into_aggregated(
-        self,
+        mut self,
         router: &Router,
         next: Option<EndpointId>,
     ) -> (Bytes, Vec<usize>) {
-        if let Some(next) = next {
-            let now = router.now();
-            router.fleet().prefill_sent(&self.plan, next, now);
+        match next {
+            Some(next) if next == self.prefill => {
+                if let Some(slot) = self.plan.predicted_cached.get_mut(next.0 as usize) {
+                    *slot = self.prompt_tokens;
+                }
+            }
+            Some(next) => {
+                let now = router.now();
+                router.fleet().prefill_sent(&self.plan, next, now);
+            }
+            None => {}
         }
-        let predicted_cached = self.plan.predicted_cached;
-        (self.aggregated_body, predicted_cached)
+        (self.aggregated_body, self.plan.predicted_cached)
     }
 }
 

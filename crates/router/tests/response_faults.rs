@@ -3,7 +3,8 @@
 //! stalling its `/v1/models` body does not hang the router's listing, an empty answer is
 //! accounted as completed, a prefill answer too large to read is the request's problem, not
 //! the prefill endpoint's, a decode leg that stalls before its first byte strikes its pair, and
-//! one that fails is served aggregated on the next decoder, its prompt counted there.
+//! one that fails is served aggregated on the next decoder, its prompt counted there (on the
+//! producer itself, never as a pull from itself).
 
 // Measures real processes and sockets: wall-clock time, not the router's (tokio) clock.
 #![allow(clippy::disallowed_methods)]
@@ -411,4 +412,65 @@ async fn a_failed_decode_leg_served_aggregated_counts_its_prompt_on_the_next_dec
     release.send(true).unwrap();
     let (status, text) = in_flight.await.unwrap();
     assert_eq!(status, 200, "{text}");
+}
+
+/// An engine serving whole requests and prefill legs alike (a kv_both fleet's): a prefill leg
+/// is answered [`common::PREFILL_ANSWER`], anything else a completion. Returns its URL and the
+/// bodies of the completions it received.
+async fn producing_engine() -> (String, Arc<std::sync::Mutex<Vec<Value>>>) {
+    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = received.clone();
+    let completion = move |body: axum::Json<Value>| {
+        let prefill = body.0["kv_transfer_params"]["do_remote_decode"] == true;
+        seen.lock().unwrap().push(body.0);
+        let answer = if prefill {
+            common::PREFILL_ANSWER
+        } else {
+            r#"{"choices": [{"text": "b"}]}"#
+        };
+        async move {
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from(answer))
+                .unwrap()
+        }
+    };
+    let routes = axum::Router::new().route("/v1/completions", post(completion));
+    (common::fake_engine(routes).await, received)
+}
+
+/// In a kv_both fleet the prefill endpoint is also a decoder: a decode leg whose decoder cannot
+/// be reached goes on to the next decoder, the producer itself, which cannot pull from its own
+/// engine (NIXL refuses the handshake). It is served aggregated there, where the prefill leg
+/// left the prompt cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_leg_retried_on_its_own_producer_is_served_aggregated_there() {
+    let (producer, received) = producing_engine().await;
+    let unreachable = format!("http://127.0.0.1:{}", kvroute_testkit::free_ports(1));
+    let router = router(&[&producer, &unreachable], |c| {
+        c.pd.mode = kvroute_router::config::PdMode::Always;
+        // Round robin from the second endpoint: the unreachable one is the first request's
+        // decode pick, and the producer (the only other endpoint) its prefill endpoint.
+        c.scheduler.policy = kvroute_core::schedule::ProfileName::RoundRobin;
+    })
+    .await;
+    let (status, body) = complete(&reqwest::Client::new(), &router).await;
+    assert_eq!(status, 200, "{body:?}");
+    let (retried, metrics) = counted(&router, "kvroute_retries_total", "endpoint=\"e1\"");
+    assert_eq!(
+        retried, 1.0,
+        "the decode leg went to the unreachable decoder first: {metrics}"
+    );
+    let received = received.lock().unwrap().clone();
+    let params: Vec<&Value> = received.iter().map(|b| &b["kv_transfer_params"]).collect();
+    assert_eq!(params.len(), 2, "{received:#?}");
+    assert_eq!(
+        params[0]["do_remote_decode"], true,
+        "the prefill leg: {received:#?}"
+    );
+    assert_eq!(
+        params[1],
+        &Value::Null,
+        "the retry on the producer is served aggregated, not a pull from itself: {received:#?}"
+    );
 }

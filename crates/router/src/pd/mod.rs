@@ -19,7 +19,8 @@
 //! Failures never hang a client: a prefill leg that fails or misses its deadline falls back to
 //! one aggregated attempt on the decode pick; a decode leg that fails after its prefill is
 //! retried once on the next decode-capable endpoint: as a decode leg only when no connection
-//! was made and the producer's lease holds, else aggregated (a consumer that took the leg may
+//! was made, the producer's lease holds and that endpoint is not the producer itself (NIXL
+//! refuses a pull from its own engine), else aggregated (a consumer that took the leg may
 //! have pulled, and the producer released the blocks); past the retry budget the client gets
 //! the engine's error. No prefill endpoint available means aggregated. Each fallback is counted
 //! by reason ([`crate::pd_metrics`]).

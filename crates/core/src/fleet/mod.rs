@@ -746,6 +746,10 @@ impl Fleet {
                 depth,
             );
         }
+        if self.disagg.is_some() {
+            decision.saturated =
+                disagg::decoders_saturated(&self.profile, &info, &candidates, decision.saturated);
+        }
         self.candidates = candidates;
         Plan {
             decision,

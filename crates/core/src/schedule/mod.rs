@@ -296,7 +296,9 @@ pub struct Decision {
     pub assessments: Vec<Assessment>,
     /// Why the first was chosen.
     pub reason: Reason,
-    /// Every competing candidate is saturated (flow control may hold the request).
+    /// Every competing candidate is saturated (flow control may hold the request). Under P/D
+    /// a fleet's plan reads only its decode-capable competitors, where the request decodes
+    /// (`Fleet::plan`).
     pub saturated: bool,
     /// The rent kept for the request's shared prefix, and the copy it bought, if any
     /// ([`amortize`]); `None` where the fleet keeps no rent for it.

@@ -24,7 +24,9 @@ use crate::index::EndpointId;
 use crate::schedule::disagg::{
     self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
 };
-use crate::schedule::{Candidate, Decision, Profile, RequestInfo, Role, assess};
+use crate::schedule::{
+    Candidate, Decision, Profile, RequestInfo, Role, assess, rejection, saturated_load,
+};
 
 /// How the fleet prices and learns P/D.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -308,6 +310,28 @@ pub(super) fn rank_roles(
         decision.assessments.push(assess(profile, request, c));
     }
     decision.assessments.sort_by_key(|a| a.endpoint);
+}
+
+/// Whether flow control may hold a request under P/D, its plan's verdict over every competitor
+/// being `planned`: every competing decode-capable candidate is saturated. Split or whole, the
+/// request decodes on a decode-capable endpoint whenever one competes, so idle dedicated
+/// producers are no room for it; only when none competes is it served whole where the plan
+/// ranks, and the verdict over every competitor stands.
+pub(super) fn decoders_saturated(
+    profile: &Profile,
+    request: &RequestInfo,
+    candidates: &[Candidate],
+    planned: bool,
+) -> bool {
+    if planned {
+        // Every competitor is saturated, the decode-capable ones too (or none competes).
+        return true;
+    }
+    let mut decoders = candidates
+        .iter()
+        .filter(|c| decodes(c.role) && rejection(profile, request, c).is_none())
+        .peekable();
+    decoders.peek().is_some() && decoders.all(|c| saturated_load(profile, &c.load))
 }
 
 /// Whether an endpoint of `role` can run a decode leg (or a whole request).

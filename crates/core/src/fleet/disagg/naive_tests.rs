@@ -14,7 +14,9 @@ use crate::keys::router_keys;
 use crate::schedule::disagg::{
     AggregatedOption, DisaggChoice, LinkHealth, PdOption, stall_at_decode_rate,
 };
-use crate::schedule::{Profile, ProfileName, RankBuffers, cost, rejection, schedule_near_best};
+use crate::schedule::{
+    Assessment, Profile, ProfileName, RankBuffers, cost, rejection, schedule_near_best,
+};
 
 const BS: usize = 16;
 
@@ -251,6 +253,17 @@ fn plans_and_choices_match_the_naive_path_on_random_fleets() {
                 &mut RankBuffers::default(),
             );
             naive_rank_roles(&fleet.profile, &info, &fleet.candidates, &mut naive, depth);
+            // Saturation as P/D reads it: over the decode-capable competitors, when any.
+            let decoders: Vec<Assessment> = fleet
+                .candidates
+                .iter()
+                .filter(|c| decodes(c.role))
+                .map(|c| assess(&fleet.profile, &info, c))
+                .filter(|a| a.rejected.is_none())
+                .collect();
+            if !decoders.is_empty() {
+                naive.saturated = decoders.iter().all(|a| a.saturated);
+            }
             assert_eq!(plan.decision, naive, "seed {seed} step {step}");
             let Some(decode) = fleet.decode_pick(&plan) else {
                 continue;

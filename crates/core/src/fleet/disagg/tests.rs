@@ -407,3 +407,43 @@ fn at_the_cap_the_oldest_goes_even_when_an_id_is_used_again() {
         "the newest id 1 is still tracked"
     );
 }
+
+/// Under P/D a request decodes on a decode-capable endpoint, split or whole: with every one of
+/// those saturated, flow control may hold it however idle the dedicated producers are. Without
+/// P/D the producers serve whole requests and keep it flowing; in a fleet where nothing can
+/// decode, the producers' own load decides.
+#[test]
+fn saturated_decoders_hold_a_request_whatever_the_producers_room() {
+    let full = |f: &mut Fleet, ids: &[u32]| {
+        let queue = f.profile().saturation.queue;
+        for id in ids {
+            let sample = crate::fleet::LoadSample {
+                waiting: Some(queue),
+                running: Some(0.0),
+                kv_usage: Some(0.5),
+                num_gpu_blocks: Some(1000),
+            };
+            f.observe_load(EndpointId(*id), sample, 0.0);
+        }
+    };
+    let mut f = fleet(&[Role::Prefill, Role::Decode, Role::Decode]);
+    full(&mut f, &[1, 2]);
+    assert!(
+        !plan(&mut f, 4096).decision.saturated,
+        "without P/D the idle producer serves it whole"
+    );
+    f.enable_disagg(config("ib-400"));
+    let p = plan(&mut f, 4096);
+    assert!(p.decision.saturated, "every decoder is saturated");
+    assert!(matches!(
+        f.admit(&p, 0, 100, 0.0),
+        crate::fleet::Admission::Held(_)
+    ));
+
+    let mut producers = fleet(&[Role::Prefill, Role::Prefill]);
+    producers.enable_disagg(config("ib-400"));
+    full(&mut producers, &[0]);
+    assert!(!plan(&mut producers, 4096).decision.saturated);
+    full(&mut producers, &[1]);
+    assert!(plan(&mut producers, 4096).decision.saturated);
+}

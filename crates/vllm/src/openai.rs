@@ -259,13 +259,14 @@ fn parse_message(m: &Value) -> Result<ChatMessage, String> {
     let content = match m.get("content") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
-        // Text parts are scored; image, audio and video parts pass through unscored.
+        // Text parts are scored, one per line as vLLM joins them for a template that takes
+        // text; image, audio and video parts pass through unscored.
         Some(Value::Array(parts)) => parts
             .iter()
             .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
             .filter_map(|p| p.get("text").and_then(Value::as_str))
             .collect::<Vec<_>>()
-            .concat(),
+            .join("\n"),
         // Not a shape vLLM reads as text: nothing to score here.
         Some(_) => String::new(),
     };
@@ -320,7 +321,7 @@ mod tests {
             r.input,
             Input::Chat(vec![ChatMessage {
                 role: "user".into(),
-                content: "ab".into()
+                content: "a\nb".into()
             }])
         );
         assert_eq!(r.max_tokens, Some(3));

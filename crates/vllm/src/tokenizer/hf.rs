@@ -61,6 +61,18 @@ fn raise_exception(message: String) -> Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
 }
 
+/// transformers' `strftime_now`: the local time in Python's `strftime` format. Llama 3.x
+/// templates write today's date into the system header, so the router must render the date the
+/// engine renders (both in the same time zone).
+fn strftime_now(format: &str) -> Result<String, JinjaError> {
+    jiff::fmt::strtime::format(format, &jiff::Zoned::now()).map_err(|e| {
+        JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now({format:?}): {e}"),
+        )
+    })
+}
+
 impl HfTokenizer {
     /// Loads `tokenizer.json`; the chat template comes from `chat_template` (a `.jinja` file),
     /// else from `chat_template.jinja` beside the tokenizer, else from `tokenizer_config.json`
@@ -86,11 +98,21 @@ impl HfTokenizer {
         let template = match source {
             None => None,
             Some(source) => {
+                // As transformers compiles a chat template (which vLLM renders through):
+                // block tags swallow their newline and leading blanks, and `raise_exception`
+                // and `strftime_now` are there.
                 let mut env = Environment::new();
+                let syntax = minijinja::syntax::SyntaxConfig::builder()
+                    .trim_blocks(true)
+                    .lstrip_blocks(true)
+                    .build()
+                    .map_err(|e| VllmError::Tokenizer(format!("chat template syntax: {e}")))?;
+                env.set_syntax(syntax);
                 env.set_unknown_method_callback(
                     minijinja_contrib::pycompat::unknown_method_callback,
                 );
                 env.add_function("raise_exception", raise_exception);
+                env.add_function("strftime_now", strftime_now);
                 env.add_template_owned("chat", source).map_err(|e| {
                     VllmError::Tokenizer(format!("chat template does not parse: {e}"))
                 })?;

@@ -155,3 +155,28 @@ fn the_jinja_file_wins_over_the_config_and_an_explicit_template_over_both() {
     assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "explicit");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// As transformers renders a template (vLLM's renderer): a block tag swallows the newline after
+/// it and the blanks before it, and `strftime_now` gives the local date (Llama 3.x templates
+/// write it into the system header).
+#[test]
+fn templates_render_with_transformers_whitespace_and_strftime_now() {
+    let dir = tempdir("transformers-env");
+    let template = dir.join("zephyr.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}\n  {% if m.role == 'user' %}\n<|user|>\n{{ m.content }}</s>\n  {% endif %}\n{% endfor %}\nToday: {{ strftime_now('%Y') }}",
+    )
+    .unwrap();
+    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template)).unwrap();
+    let messages = vec![ChatMessage {
+        role: "user".into(),
+        content: "hello".into(),
+    }];
+    let year = jiff::Zoned::now().year();
+    assert_eq!(
+        tok.apply_chat_template(&messages, true).unwrap(),
+        format!("<|user|>\nhello</s>\nToday: {year}")
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

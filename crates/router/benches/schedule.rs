@@ -233,7 +233,7 @@ fn chat(target: usize, salt: u64) -> Vec<ChatMessage> {
 /// A parsed request for the router.
 fn request(input: Input) -> GenerationRequest {
     GenerationRequest {
-        model: "sim-llama-3.1-8b".into(),
+        model: Some("sim-llama-3.1-8b".into()),
         input,
         max_tokens: Some(1),
         stream: false,

@@ -265,7 +265,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         Ok(b) => b,
         Err(e) => return error_response(&router, &e),
     };
-    let parsed = match parse_explain(&router, &body) {
+    let parsed = match parse_explain(&body) {
         Ok(p) => p,
         Err(e) => return error_response(&router, &e),
     };
@@ -277,7 +277,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
     let Some(prepared) = prepare_request(&router, &parsed, body.len(), session).await else {
         return error_response(
             &router,
-            &ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)),
+            &crate::pipeline::unserved_model(&router, parsed.model.as_deref()),
         );
     };
     let plan = router.plan_every(&prepared.features());
@@ -315,7 +315,7 @@ pub async fn explain(State(router): State<Arc<Router>>, request: Request) -> Res
         })
         .collect();
     axum::Json(json!({
-        "model": parsed.model,
+        "model": prepared.model_name,
         "prompt_tokens": prepared.prompt_tokens,
         "block_size": prepared.model.block_size,
         "blocks": prepared.keys.len(),
@@ -386,7 +386,7 @@ fn tiers_explained(
 }
 
 /// A normal completions or chat body, or `{"model"?, "token_ids": [...]}`.
-fn parse_explain(router: &Router, body: &[u8]) -> Result<GenerationRequest, ApiError> {
+fn parse_explain(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}"), None))?;
     if let Some(ids) = value.get("token_ids") {
@@ -403,7 +403,7 @@ fn parse_explain(router: &Router, body: &[u8]) -> Result<GenerationRequest, ApiE
         let model = value
             .get("model")
             .and_then(Value::as_str)
-            .map_or_else(|| router.config().models[0].name.clone(), str::to_owned);
+            .map(str::to_owned);
         return Ok(GenerationRequest {
             model,
             input: Input::Tokens(tokens),

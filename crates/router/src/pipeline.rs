@@ -31,6 +31,7 @@ use tokio::time::Instant;
 use crate::accounting::Accounting;
 use crate::service::Router;
 
+pub(crate) use prepare::unserved_model;
 pub use prepare::{Api, Prepared, parse, prepare_request};
 
 /// What a request carries through the phases, from admission on.

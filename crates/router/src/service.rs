@@ -321,7 +321,20 @@ impl Router {
         self.fleet.capacity_notified()
     }
 
-    /// The model (and adapter) a request names, if served.
+    /// The model a request names (`None`: it names none, which a router serving one model
+    /// resolves to that model, as vLLM serves a request without `model`), with the LoRA adapter
+    /// it names, if any.
+    pub fn requested_model(&self, name: Option<&str>) -> Option<(ModelConfig, Option<String>)> {
+        match name {
+            Some(name) => self.model(name),
+            None => match self.config.models.as_slice() {
+                [only] => Some((only.clone(), None)),
+                _ => None,
+            },
+        }
+    }
+
+    /// The model (and adapter) named `name`, if served.
     pub fn model(&self, name: &str) -> Option<(ModelConfig, Option<String>)> {
         self.config.models.iter().find_map(|m| {
             if m.name == name {

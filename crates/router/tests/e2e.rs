@@ -201,6 +201,53 @@ async fn errors_are_openai_shaped() {
     }
 }
 
+/// vLLM serves a request that names no model with its own: a router serving one model routes
+/// it as that model's (its prefix cache found again on the next turn); one serving several
+/// cannot tell which, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_naming_no_model_is_served_by_the_only_model() {
+    let a = engine(512).await;
+    let router = router_for(&[&a]).await;
+    let client = reqwest::Client::new();
+    let url = format!("http://{}/v1/completions", router.addr);
+    let prompt = words(300, 41);
+    for turn in 0..2 {
+        let resp = client
+            .post(&url)
+            .json(&json!({"prompt": prompt, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "turn {turn}");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["model"], MODEL);
+        let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(cached > 0, turn == 1, "turn {turn}: {body}");
+    }
+    let two_models = router_tuned(&[&a], |c| {
+        c.models.push(c.models[0].clone());
+        c.models[1].name = "another-model".into();
+    })
+    .await;
+    let resp = client
+        .post(format!("http://{}/v1/completions", two_models.addr))
+        .json(&json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("model is required"),
+        "{body}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_the_breakdown_without_forwarding() {
     let (a, b) = (engine(1024).await, engine(1024).await);

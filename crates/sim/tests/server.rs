@@ -365,8 +365,12 @@ async fn openai_surface_and_errors() {
         .unwrap();
     assert_eq!(models["data"][0]["id"], "sim-llama-3.1-8b");
 
+    // As vLLM: a request naming no model is served by the engine's own.
+    let (status, body) = complete(&client, &url, json!({"prompt": "x", "max_tokens": 1})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "sim-llama-3.1-8b");
     for (body, status) in [
-        (json!({"prompt": "x"}), 400),
+        (json!({"model": "", "prompt": "x"}), 400),
         (json!({"model": "other", "prompt": "x"}), 404),
         (
             json!({"model": "sim-llama-3.1-8b", "prompt": (0..9000).collect::<Vec<u32>>()}),

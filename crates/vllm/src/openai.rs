@@ -20,8 +20,9 @@ use crate::tokenizer::ChatMessage;
 /// What a generation request asks for, parsed once.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenerationRequest {
-    /// The model (or LoRA adapter) name.
-    pub model: String,
+    /// The model (or LoRA adapter) name; `None` when the request names none, which vLLM serves
+    /// with its own model.
+    pub model: Option<String>,
     /// The prompt.
     pub input: Input,
     /// Most tokens to generate (`max_tokens`, or chat's `max_completion_tokens`).
@@ -95,15 +96,16 @@ fn parse_common(value: &Value) -> Result<GenerationRequest, ApiError> {
             None,
         ));
     }
+    // vLLM's `model` is optional: a request without one is served by the engine's model.
     let model = match field(value, "model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) if !m.is_empty() => Some(m.clone()),
         Some(_) => {
             return Err(ApiError::bad_request(
                 "model must be a non-empty string",
                 Some("model"),
             ));
         }
-        None => return Err(ApiError::bad_request("model is required", Some("model"))),
     };
     let max_tokens =
         match field(value, "max_completion_tokens").or_else(|| field(value, "max_tokens")) {
@@ -356,6 +358,14 @@ mod tests {
         );
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"\udc00"}]}"#);
         assert!(r.is_ok(), "{r:?}");
+        // `model` is optional in vLLM: the engine serves its own model.
+        assert_eq!(parse_completion(br#"{"prompt":"x"}"#).unwrap().model, None);
+        assert_eq!(
+            parse_chat(br#"{"model":null,"messages":[{"role":"user","content":"x"}]}"#)
+                .unwrap()
+                .model,
+            None
+        );
     }
 
     #[test]
@@ -363,7 +373,7 @@ mod tests {
         let cases: [(&[u8], &str); 9] = [
             (b"{", "not valid JSON"),
             (b"[]", "JSON object"),
-            (br#"{"prompt":"x"}"#, "model is required"),
+            (br#"{"model":"","prompt":"x"}"#, "model must be"),
             (br#"{"model":"m"}"#, "prompt is required"),
             (br#"{"model":"m","prompt":[1,-2]}"#, "token ids"),
             (

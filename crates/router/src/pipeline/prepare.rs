@@ -99,7 +99,9 @@ pub async fn prepare_request(
     body_len: usize,
     session: Option<String>,
 ) -> Option<Prepared> {
-    let (model, lora) = router.model(&request.model)?;
+    let (model, lora) = router.requested_model(request.model.as_deref())?;
+    // The name the request is served under: its own, or the one model it implies.
+    let model_name = request.model.clone().unwrap_or_else(|| model.name.clone());
     let started = Instant::now();
     let remote = tokenizing_endpoint(router, &model.name).map(|e| Remote {
         client: router.client(),
@@ -110,7 +112,7 @@ pub async fn prepare_request(
     let tokens = tokenize(
         router.token_cache(),
         &kind,
-        &request.model,
+        &model_name,
         &request.input,
         remote,
     )
@@ -139,7 +141,7 @@ pub async fn prepare_request(
     };
     Some(Prepared {
         model,
-        model_name: request.model.clone(),
+        model_name,
         session,
         keys: Arc::new(keys),
         prompt_tokens,
@@ -200,9 +202,7 @@ async fn prepare_here(
         (parse(api, body)?, None)
     };
     let Some(mut prepared) = prepare_request(router, &parsed, body.len(), session).await else {
-        return Err(
-            ApiError::not_found(format!("The model `{}` does not exist.", parsed.model)).into(),
-        );
+        return Err(unserved_model(router, parsed.model.as_deref()).into());
     };
     prepared.body_json = body_json;
     let plan = router.plan(&prepared.features());
@@ -220,4 +220,19 @@ fn offload_shed(router: &Router) -> Refused {
         .inc();
     ApiError::unavailable("the router is preparing as many large requests as it may; retry shortly")
         .into()
+}
+
+/// Why no configured model serves a request naming `model` (`None`: it names none, and the
+/// router serves several, so which one is unknown).
+pub(crate) fn unserved_model(router: &Router, model: Option<&str>) -> ApiError {
+    match model {
+        Some(name) => ApiError::not_found(format!("The model `{name}` does not exist.")),
+        None => ApiError::bad_request(
+            format!(
+                "model is required: this router serves {} models",
+                router.config().models.len()
+            ),
+            Some("model"),
+        ),
+    }
 }

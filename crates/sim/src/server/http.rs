@@ -163,20 +163,22 @@ fn prepare(
     if faults.error_fraction > 0.0 && rand::random_bool(faults.error_fraction.clamp(0.0, 1.0)) {
         return Err(ApiError::new(faults.error_status, "an injected fault"));
     }
-    let request = match api {
+    let mut request = match api {
         Api::Completions => parse_completion(body)?,
         Api::Chat => parse_chat(body)?,
     };
-    let lora = if request.model == state.model {
+    // A request naming no model is served by the engine's own, as vLLM serves it.
+    let named = request.model.clone().unwrap_or_else(|| state.model.clone());
+    let lora = if named == state.model {
         None
-    } else if state.lora_modules.contains(&request.model) {
-        Some(request.model.clone())
+    } else if state.lora_modules.contains(&named) {
+        Some(named.clone())
     } else {
         return Err(ApiError::not_found(format!(
-            "The model `{}` does not exist.",
-            request.model
+            "The model `{named}` does not exist."
         )));
     };
+    request.model = Some(named);
     let prompt = state.tokenizer.prompt(&request.input)?;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
@@ -233,7 +235,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
             Api::Completions => format!("cmpl-{request_id}"),
             Api::Chat => format!("chatcmpl-{request_id}"),
         },
-        model: request.model.clone(),
+        model: request.model.clone().unwrap_or_default(),
         created: now_secs(),
         producer: None,
         cached_override: None,

@@ -155,6 +155,7 @@ fn refresh_gauges(router: &Router) {
             for (kind, value) in [
                 ("orphan_blocks", stats.orphan_blocks),
                 ("ignored_group_blocks", stats.ignored_group_blocks),
+                ("unnamed_lora_blocks", stats.unnamed_lora_blocks),
             ] {
                 m.events
                     .get_or_create(l, KindLabel { kind })

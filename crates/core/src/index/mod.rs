@@ -118,6 +118,11 @@ pub struct EndpointIndexStats {
     /// Blocks of KV groups other than the one tracked (hybrid models' sliding-window, Mamba or
     /// second full-attention groups), not indexed.
     pub ignored_group_blocks: u64,
+    /// Blocks of a LoRA adapter named only by its int id (`lora_id` without `lora_name`, vLLM
+    /// before 0.14): their key cannot be computed without the adapter's name, and keyed as the
+    /// base model's they would match base-model prompts that the engine does not find. Not
+    /// indexed.
+    pub unnamed_lora_blocks: u64,
     /// Times the endpoint's cache was cleared (`AllBlocksCleared`, restart, removal).
     pub clears: u64,
     /// Entries dropped by the capacity bound.
@@ -526,6 +531,10 @@ impl KvIndex {
         };
         if event.token_ids.len() as u64 != n * event_bs as u64 {
             state.stats.malformed_blocks += n;
+            return;
+        }
+        if event.lora_name.is_none() && event.lora_id.is_some() {
+            state.stats.unnamed_lora_blocks += n;
             return;
         }
         let lora = event

@@ -173,6 +173,42 @@ fn refused_events_are_counted_and_change_nothing() {
     assert_eq!(ix.block_count(), 0);
 }
 
+/// Before vLLM 0.14 a LoRA adapter's blocks carry its int id only: keyed as the base model's,
+/// they would match base-model prompts that the engine, whose hashes include the adapter, does
+/// not find. They are counted and left out; a block that names its adapter is indexed.
+#[test]
+fn lora_blocks_named_by_id_only_are_not_taken_for_the_base_models() {
+    let mut ix = index();
+    let doc = tokens(2, 0);
+    let KvEvent::BlockStored(base) = stored(1, &doc, 0, 2, "GPU") else {
+        unreachable!()
+    };
+    ix.apply(
+        E0,
+        &[KvEvent::BlockStored(BlockStored {
+            lora_id: Some(3),
+            ..base.clone()
+        })],
+    );
+    let base_keys = router_keys(&doc, BS, None).unwrap();
+    assert_eq!(ix.lookup(&base_keys).blocks(E0), 0);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().unnamed_lora_blocks, 2);
+    ix.apply(
+        E0,
+        &[KvEvent::BlockStored(BlockStored {
+            lora_id: Some(3),
+            lora_name: Some("sql".into()),
+            ..base
+        })],
+    );
+    assert_eq!(
+        ix.lookup(&base_keys).blocks(E0),
+        0,
+        "the adapter's, not the base's"
+    );
+    assert_eq!(ix.block_count(), 2);
+}
+
 /// `event` (a BlockStored or BlockRemoved) as group `group`'s, of `kind` when stored.
 fn in_group(event: KvEvent, group: i64, kind: &str) -> KvEvent {
     match event {

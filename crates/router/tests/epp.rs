@@ -541,6 +541,43 @@ async fn a_held_request_whose_stream_ends_leaves_the_queue() {
     );
 }
 
+/// The Endpoint Picker Protocol answers a shed request 429, whatever the cause (here its wait
+/// ran out, which `serve` answers 503): the body's code and the rejection counted say the status
+/// the client gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shed_request_is_answered_and_counted_as_429() {
+    let a = engine().await;
+    let epp = picker_with(&[&a], |c| {
+        c.outlier.max_inflight = 1;
+        c.flow.max_wait_s = 0.2;
+    })
+    .await;
+    // The endpoint's one slot is taken by a request whose response has not ended.
+    let mut first = Stream::open(&epp).await;
+    routed_headers(&mut first).await;
+    let request = format!(r#"{{"model": "{MODEL}", "prompt": "wait", "max_tokens": 2}}"#);
+    let mut shed = Stream::open(&epp).await;
+    shed.send(completion_headers(), None).await;
+    let Response::ImmediateResponse(answer) = shed.send(body(&request), None).await else {
+        panic!("the second is not shed");
+    };
+    assert_eq!(answer.status.unwrap().code, 429);
+    let sent: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(sent["error"]["code"], 429, "{sent}");
+    let text = epp.router.metrics().render();
+    assert_eq!(
+        kvroute_testkit::sample(&text, "kvroute_rejected_total{status=\"429\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        kvroute_testkit::sample(&text, "kvroute_rejected_total{status=\"503\"}"),
+        None,
+        "{text}"
+    );
+    drop(first);
+}
+
 /// One ext_proc stream carries one request: a second set of request headers on a stream whose
 /// request was routed is refused, and the first request stays the only one in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -459,14 +459,20 @@ impl Exchange {
         self.body = Vec::new();
         self.replaced_body = None;
         self.hold = None;
-        let e = &refused.error;
-        crate::reply::count(&self.router, e);
-        // The Endpoint Picker Protocol answers every shed request 429, whatever the cause.
-        let (status, dropped) = match refused.shed {
-            Some(why) => (429, Some(drop_reason(why))),
-            None => (e.status, None),
+        // The Endpoint Picker Protocol answers every shed request 429, whatever the cause: the
+        // status counted, and the code in the body, are the one the client gets.
+        let (sent, dropped) = match refused.shed {
+            Some(why) => (
+                ApiError {
+                    status: 429,
+                    ..refused.error.clone()
+                },
+                Some(drop_reason(why)),
+            ),
+            None => (refused.error.clone(), None),
         };
-        protocol::immediate(status, e.to_json(), dropped)
+        crate::reply::count(&self.router, &sent);
+        protocol::immediate(sent.status, sent.to_json(), dropped)
     }
 
     /// One message of an observer stream: its request headers name the routed request to

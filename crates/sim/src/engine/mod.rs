@@ -451,7 +451,9 @@ impl Engine {
 
         // A step that had to preempt a running request admits nothing new, as vLLM's scheduler
         // skips its waiting queue then: the blocks it freed are for the requests still running.
-        let admits = self.metrics.num_preemptions == preemptions_before;
+        // With none left running, vLLM's next pass (which computes nothing until then) admits
+        // at once: so does this one.
+        let admits = self.metrics.num_preemptions == preemptions_before || self.running.is_empty();
         // Requests whose blocks have arrived come first, from the front of the waiting queue
         // as in vLLM.
         while admits && self.running.len() < self.config.max_num_seqs && budget > 0 {

@@ -6,10 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use axum::body::Body;
-use axum::response::Response;
 use axum::routing::post;
-use bytes::Bytes;
 use common::config_builder::{ConfigBuilder, endpoint};
 use common::{engine, fake_engine};
 use kvroute_core::index::EndpointId;
@@ -108,19 +105,8 @@ async fn held_stream_engine(release: watch::Receiver<bool>) -> (String, Arc<Atom
         "/v1/completions",
         post(move || {
             seen.store(true, Ordering::SeqCst);
-            let mut release = release.clone();
-            async move {
-                let tokens = futures::stream::once(async move {
-                    let _ = release.wait_for(|go| *go).await;
-                    Ok::<_, std::io::Error>(Bytes::from_static(
-                        b"data: {\"choices\": [{\"text\": \"b\"}]}\n\ndata: [DONE]\n\n",
-                    ))
-                });
-                Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(Body::from_stream(tokens))
-                    .unwrap()
-            }
+            let release = release.clone();
+            async move { common::held_sse_answer(release) }
         }),
     );
     (fake_engine(routes).await, reached)

@@ -326,7 +326,7 @@ impl FailOnceThenHold {
         let script = self.clone();
         let completion = move |body: axum::Json<Value>| {
             let script = script.clone();
-            let mut release = release.clone();
+            let release = release.clone();
             async move {
                 if !script
                     .failed
@@ -338,16 +338,7 @@ impl FailOnceThenHold {
                         .unwrap();
                 }
                 *script.held.lock().unwrap() = Some((at, body.0));
-                let tokens = futures::stream::once(async move {
-                    let _ = release.wait_for(|go| *go).await;
-                    Ok::<_, std::io::Error>(Bytes::from_static(
-                        b"data: {\"choices\": [{\"text\": \"b\"}]}\n\ndata: [DONE]\n\n",
-                    ))
-                });
-                Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(Body::from_stream(tokens))
-                    .unwrap()
+                common::held_sse_answer(release)
             }
         };
         common::fake_engine(axum::Router::new().route("/v1/completions", post(completion))).await

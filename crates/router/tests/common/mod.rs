@@ -54,6 +54,23 @@ pub async fn prefill_engine() -> String {
     fake_engine(routes).await
 }
 
+/// A streamed completion of one token that ends only once `release` says `true`: a response
+/// held open for as long as a test needs a request in flight.
+pub fn held_sse_answer(
+    mut release: tokio::sync::watch::Receiver<bool>,
+) -> axum::response::Response {
+    let tokens = futures::stream::once(async move {
+        let _ = release.wait_for(|go| *go).await;
+        Ok::<_, std::io::Error>(bytes::Bytes::from_static(
+            b"data: {\"choices\": [{\"text\": \"b\"}]}\n\ndata: [DONE]\n\n",
+        ))
+    });
+    axum::response::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(axum::body::Body::from_stream(tokens))
+        .unwrap()
+}
+
 /// A router started from `config`, once its KV-event subscribers are connected.
 pub async fn router_from_config(
     config: kvroute_router::config::RouterConfig,

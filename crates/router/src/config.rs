@@ -169,32 +169,42 @@ pub struct PeerDiscovery {
     pub self_pod: Option<String>,
 }
 
+/// An API server's URL, checked at start rather than retried forever at run time.
+fn check_api_server(field: &str, url: Option<&str>) -> Result<(), RouterError> {
+    if let Some(url) = url {
+        let parsed: Result<axum::http::Uri, _> = url.parse();
+        if !parsed.is_ok_and(|u| u.scheme().is_some() && u.host().is_some()) {
+            return Err(invalid(field, format!("{url:?} is not an http(s) URL")));
+        }
+    }
+    Ok(())
+}
+
+/// A label selector's labels: sent as `key=value` pairs joined by commas, so a key or value
+/// holding one of those would select other pods, or fail the watch forever.
+fn check_selector(
+    field: &str,
+    selector: &std::collections::BTreeMap<String, String>,
+) -> Result<(), RouterError> {
+    let malformed = |text: &str| text.contains([',', '=', ' ', '!']);
+    if let Some((key, value)) = selector
+        .iter()
+        .find(|(k, v)| k.is_empty() || malformed(k) || malformed(v))
+    {
+        return Err(invalid(
+            field,
+            format!("{key:?}: {value:?} is not a label (no empty key; no ',', '=', '!' or spaces)"),
+        ));
+    }
+    Ok(())
+}
+
 impl PeerDiscovery {
     /// What would otherwise fail only at run time, retried forever: the API server's URL, the
     /// selector's labels (`key=value` pairs joined by commas on the wire) and the port.
     fn validate(&self) -> Result<(), RouterError> {
-        if let Some(url) = &self.api_server {
-            let parsed: Result<axum::http::Uri, _> = url.parse();
-            if !parsed.is_ok_and(|u| u.scheme().is_some() && u.host().is_some()) {
-                return Err(invalid(
-                    "replicas.kubernetes.api_server",
-                    format!("{url:?} is not an http(s) URL"),
-                ));
-            }
-        }
-        let malformed = |text: &str| text.contains([',', '=', ' ', '!']);
-        if let Some((key, value)) = self
-            .selector
-            .iter()
-            .find(|(k, v)| k.is_empty() || malformed(k) || malformed(v))
-        {
-            return Err(invalid(
-                "replicas.kubernetes.selector",
-                format!(
-                    "{key:?}: {value:?} is not a label (no empty key; no ',', '=', '!' or spaces)"
-                ),
-            ));
-        }
+        check_api_server("replicas.kubernetes.api_server", self.api_server.as_deref())?;
+        check_selector("replicas.kubernetes.selector", &self.selector)?;
         if self.admin_port == 0 {
             return Err(invalid(
                 "replicas.kubernetes.admin_port",
@@ -865,13 +875,22 @@ impl RouterConfig {
                 ));
             }
         }
-        if let Some(d) = &self.discovery
-            && !(d.pool_recheck_s >= 0.1 && d.pool_recheck_s < MAX_SECONDS)
-        {
-            return Err(invalid(
-                "discovery.pool_recheck_s",
-                "must be at least 0.1 seconds (each recheck reads the pool from the API server)",
-            ));
+        if let Some(d) = &self.discovery {
+            if !(d.pool_recheck_s >= 0.1 && d.pool_recheck_s < MAX_SECONDS) {
+                return Err(invalid(
+                    "discovery.pool_recheck_s",
+                    "must be at least 0.1 seconds (each recheck reads the pool from the API server)",
+                ));
+            }
+            check_api_server("discovery.api_server", d.api_server.as_deref())?;
+            check_selector("discovery.selector", &d.selector)?;
+            if d.inference_pool.is_some() && (!d.selector.is_empty() || !d.target_ports.is_empty())
+            {
+                return Err(invalid(
+                    "discovery.inference_pool",
+                    "names its own selector and target ports: give either a pool, or selector and target_ports",
+                ));
+            }
         }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(invalid(
@@ -896,6 +915,24 @@ impl RouterConfig {
                 &format!("models[{i}].name"),
                 format!("{:?} is configured twice", names[i]),
             ));
+        }
+        // A request names a model or an adapter: each name must mean one thing, or the first
+        // model listing it would take another model's requests (its tokenizer, its keys).
+        let mut served: Vec<&str> = names.clone();
+        for (i, m) in self.models.iter().enumerate() {
+            for (j, adapter) in m.lora_adapters.iter().enumerate() {
+                let field = format!("models[{i}].lora_adapters[{j}]");
+                if adapter.is_empty() {
+                    return Err(invalid(&field, "must not be empty"));
+                }
+                if served.contains(&adapter.as_str()) {
+                    return Err(invalid(
+                        &field,
+                        format!("{adapter:?} already names a model or another adapter"),
+                    ));
+                }
+                served.push(adapter);
+            }
         }
         for (i, e) in self.endpoints.iter().enumerate() {
             e.validate(&format!("endpoints[{i}]"), &names)?;
@@ -1143,6 +1180,9 @@ impl RouterConfig {
             ("limits.offload_threads", l.offload_threads as u64),
             ("limits.max_buffered_bytes", l.max_buffered_bytes as u64),
             ("scrape.timeout_ms", self.scrape.timeout_ms),
+            // A zero deadline fails every connection and every probe at once.
+            ("limits.connect_timeout_ms", l.connect_timeout_ms),
+            ("health.timeout_ms", self.health.timeout_ms),
             (
                 "admin.max_buffered_bytes",
                 self.admin.max_buffered_bytes as u64,
@@ -1293,6 +1333,30 @@ mod tests {
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nshutdown: {drain_timeout_s: -1}",
                 "shutdown.drain_timeout_s",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nlimits: {connect_timeout_ms: 0}",
+                "limits.connect_timeout_ms",
+            ),
+            (
+                "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nhealth: {timeout_ms: 0}",
+                "health.timeout_ms",
+            ),
+            (
+                "models: [{name: base, lora_adapters: [other]}, {name: other}]\nendpoints: [{url: 'http://a:1'}]",
+                "models[0].lora_adapters[0]",
+            ),
+            (
+                "models: [{name: a, lora_adapters: [sql]}, {name: b, lora_adapters: [sql]}]\nendpoints: [{url: 'http://a:1'}]",
+                "models[1].lora_adapters[0]",
+            ),
+            (
+                "models: [{name: m}]\ndiscovery: {selector: {'app,x': r}, target_ports: [8000]}",
+                "discovery.selector",
+            ),
+            (
+                "models: [{name: m}]\ndiscovery: {inference_pool: p, selector: {app: x}}",
+                "discovery.inference_pool",
             ),
             (
                 "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nkv_events: {max_message_bytes: 1000}",

@@ -351,6 +351,26 @@ fn bench_refuses_bad_arguments_clearly() {
             &["sim", "--model", "m", "--lora-modules", "m"][..],
             "served twice",
         ),
+        // Each of these ran something other than asked, hung for years, or panicked.
+        (
+            &["simulate", "--trace", "/nonexistent.jsonl"][..],
+            "--workload trace",
+        ),
+        (&["demo", "--rate", "0"][..], "--rate"),
+        (
+            &["demo", "--offload", "--policies", "tier-aware,pd-cost"][..],
+            "pd-cost",
+        ),
+        (
+            &[
+                "events",
+                "watch",
+                "tcp://127.0.0.1:9",
+                "--stats-every",
+                "0s",
+            ][..],
+            "--stats-every",
+        ),
         // A fleet too large to hold in memory is refused, not run out of memory.
         (
             &["simulate", "--engines", "100001"][..],

@@ -46,6 +46,27 @@ impl Objective {
         }
     }
 
+    /// How the objective moved from `before` to `after`, as [`Objective::describe`] reads:
+    /// the relative change of a latency (per cent), and of goodput its change in points (the
+    /// objective's value is the share of requests that missed the SLO).
+    pub fn change_percent(&self, before: f64, after: f64) -> f64 {
+        match self {
+            Objective::Goodput { .. } => (before - after) * 100.0,
+            Objective::TtftP90 | Objective::TtftP99 if before > 0.0 => {
+                (after - before) / before * 100.0
+            }
+            Objective::TtftP90 | Objective::TtftP99 => 0.0,
+        }
+    }
+
+    /// The unit of [`Objective::change_percent`]: `%`, or ` points` for goodput.
+    pub fn change_unit(&self) -> &'static str {
+        match self {
+            Objective::Goodput { .. } => " points",
+            Objective::TtftP90 | Objective::TtftP99 => "%",
+        }
+    }
+
     /// How the value reads in reports.
     pub fn describe(&self, value: f64) -> String {
         match self {

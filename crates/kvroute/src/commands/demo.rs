@@ -233,6 +233,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         args.engines >= 2,
         "--engines must be at least 2 to compare routing"
     );
+    anyhow::ensure!(
+        args.rate > 0.0 && args.rate.is_finite(),
+        "--rate must be positive"
+    );
     let policies: Vec<String> = args.policies.clone().unwrap_or_else(|| {
         let default = match (args.pd, args.offload) {
             (true, _) => PD_POLICIES,
@@ -250,6 +254,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .find(|p| !args.offload && offload_scheduler(p).is_some())
     {
         anyhow::bail!("policy {policy} compares offload tiers: it needs --offload");
+    }
+    if let Some(policy) = policies
+        .iter()
+        .find(|p| args.offload && pd_mode(p).is_some())
+    {
+        anyhow::bail!(
+            "policy {policy} runs a P/D fleet without offload tiers: it cannot be compared under --offload"
+        );
     }
     LinkSpec::parse(&args.kv_link).context("--kv-link")?;
     let params = MultiTurn {

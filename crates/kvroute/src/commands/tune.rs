@@ -233,12 +233,13 @@ fn report(
             objective.value(&case.tuned),
         );
         println!(
-            "Held out, {} ({} requests): defaults {}, tuned {} ({:+.1}%); load imbalance {:.2} -> {:.2}.",
+            "Held out, {} ({} requests): defaults {}, tuned {} ({:+.1}{}); load imbalance {:.2} -> {:.2}.",
             case.name,
             case.tuned.summary.requests,
             objective.describe(b),
             objective.describe(t),
-            if b > 0.0 { (t - b) / b * 100.0 } else { 0.0 },
+            objective.change_percent(b, t),
+            objective.change_unit(),
             case.baseline.summary.load_imbalance,
             case.tuned.summary.load_imbalance
         );

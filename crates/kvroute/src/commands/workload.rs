@@ -10,7 +10,7 @@ use kvroute_bench::workload::{
     shared_prefix, tenants,
 };
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
 enum WorkloadKind {
     /// N users, T turns each, a shared system prompt; every turn resends the history.
     MultiTurn,
@@ -94,6 +94,11 @@ impl WorkloadArgs {
         anyhow::ensure!(
             self.rate > 0.0 && self.rate.is_finite(),
             "--rate must be positive"
+        );
+        // A trace given beside another workload would be dropped without a word.
+        anyhow::ensure!(
+            self.trace.is_none() || self.workload == WorkloadKind::Trace,
+            "--trace FILE is replayed only with --workload trace"
         );
         Ok(match self.workload {
             WorkloadKind::MultiTurn => multi_turn(&MultiTurn {

@@ -76,6 +76,10 @@ impl EventSink for PrintingSink {
 
 /// Watches until interrupted or `--duration` elapses.
 pub async fn run(args: WatchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !args.stats_every.is_zero(),
+        "--stats-every must be longer than 0"
+    );
     let publisher = address_for_rank(&args.publisher, args.dp_rank)?;
     let replay = args
         .replay

@@ -239,6 +239,10 @@ pub struct Dispatch {
     /// estimate, so it teaches no load rate (and is counted, see
     /// [`TierRates::uncertain_requests`](crate::tiers::TierRates::uncertain_requests)).
     pub tier_uncertain: bool,
+    /// Its endpoint's index was trusted at dispatch, so `predicted_cached` was the index's
+    /// prediction: only such a request's outcome judges the index (a distrusted index is not
+    /// read, and what is predicted without it says nothing of it).
+    index_trusted: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,
     /// Its shared-tier load, queued on the mount's backlog until its first token.
@@ -865,6 +869,10 @@ impl Fleet {
             e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_add(uncached);
             e.trust.dispatched(expects_event, now);
         }
+        let index_trusted = self
+            .endpoints
+            .get(slot)
+            .is_some_and(|e| e.trust.verdict(&self.config.trust, now).is_ok());
         let pin = self.next_pin;
         self.next_pin += 1;
         self.load_changed(endpoint);
@@ -877,6 +885,7 @@ impl Fleet {
             placement,
             tier_tokens,
             tier_uncertain,
+            index_trusted,
             tier_seconds: None,
             shared_load,
             keys: request.keys.clone(),
@@ -1058,8 +1067,15 @@ impl Fleet {
                 }
             }
             if let Some(reported) = reported_cached {
-                e.trust
-                    .prediction(dispatch.predicted_cached, reported, dispatch.prompt_tokens);
+                if dispatch.index_trusted {
+                    e.trust.prediction(
+                        dispatch.predicted_cached,
+                        reported,
+                        dispatch.prompt_tokens,
+                        &self.config.trust,
+                        now,
+                    );
+                }
                 e.tier_rates.note_outcome(
                     dispatch.tier_tokens,
                     dispatch.predicted_cached,

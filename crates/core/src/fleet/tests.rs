@@ -719,6 +719,48 @@ fn lost_events_and_prediction_errors_distrust_for_a_while() {
     );
 }
 
+/// A distrusted index is not read, so the outcomes of requests sent meanwhile do not judge it:
+/// after a while unjudged it is read again on probation, and judged afresh, by what it predicts.
+#[test]
+fn an_index_distrusted_for_its_predictions_is_tried_again() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let gap = fleet.config().trust.distrust_after_gap_s;
+    let judge = |fleet: &mut Fleet, reported: usize, now: f64, seed: u32| {
+        for i in 0..6 {
+            let (_, d) = send(fleet, &Req::new(&prompt(1000, seed + i)), now);
+            fleet.finished(d, Some(reported), now); // predicted 0
+        }
+        // The engine's events came: it is not silent.
+        fleet.apply_events(EndpointId(0), &[], now);
+    };
+    judge(&mut fleet, 900, 1.0, 0);
+    assert_eq!(
+        fleet.trust(EndpointId(0), 1.0),
+        Err(Distrust::PredictionError)
+    );
+    // Sent while distrusted (predicted without the index): no judgement of it.
+    judge(&mut fleet, 900, 2.0, 10);
+    assert_eq!(
+        fleet.trust(EndpointId(0), 1.0 + gap - 0.5),
+        Err(Distrust::PredictionError)
+    );
+    let probation = 1.0 + gap + 0.5;
+    assert_eq!(
+        fleet.trust(EndpointId(0), probation),
+        Ok(()),
+        "unjudged since 1.0: read again, on probation"
+    );
+    // Judged afresh: its predictions are right now, and it stays trusted.
+    judge(&mut fleet, 0, probation, 20);
+    assert_eq!(fleet.trust(EndpointId(0), probation + 1.0), Ok(()));
+    // Wrong again: distrusted again.
+    judge(&mut fleet, 900, probation + 2.0, 30);
+    assert_eq!(
+        fleet.trust(EndpointId(0), probation + 2.0),
+        Err(Distrust::PredictionError)
+    );
+}
+
 #[test]
 fn each_model_matches_with_its_own_block_size() {
     let specs = vec![spec("small", 16), {

@@ -58,6 +58,8 @@ pub struct Trust {
     /// Exponentially weighted mean of |predicted − reported| / prompt tokens.
     error_ewma: f64,
     samples: u32,
+    /// When the last prediction was judged.
+    last_judged: Option<f64>,
 }
 
 impl Trust {
@@ -83,9 +85,7 @@ impl Trust {
             .is_some_and(|t| now - t > policy.silent_after_s)
         {
             Err(Distrust::Silent)
-        } else if self.samples >= policy.min_samples
-            && self.error_ewma > policy.max_prediction_error
-        {
+        } else if self.prediction_failed(policy, now) {
             Err(Distrust::PredictionError)
         } else {
             Ok(())
@@ -116,8 +116,34 @@ impl Trust {
         *self = Self::new(self.has_events);
     }
 
-    /// The engine reported `reported` cached tokens where the router predicted `predicted`.
-    pub fn prediction(&mut self, predicted: usize, reported: usize, prompt: usize) {
+    /// Whether the index's predictions erred too much, lately. A distrusted index is not read, so
+    /// it is judged no more: after `distrust_after_gap_s` without a judgement it is read again,
+    /// on probation, and judged afresh.
+    fn prediction_failed(&self, policy: &TrustPolicy, now: f64) -> bool {
+        self.samples >= policy.min_samples
+            && self.error_ewma > policy.max_prediction_error
+            && self
+                .last_judged
+                .is_some_and(|t| now - t < policy.distrust_after_gap_s)
+    }
+
+    /// The engine reported `reported` cached tokens where the router, reading the index,
+    /// predicted `predicted`; at `now`. An index back on probation starts a new record.
+    pub fn prediction(
+        &mut self,
+        predicted: usize,
+        reported: usize,
+        prompt: usize,
+        policy: &TrustPolicy,
+        now: f64,
+    ) {
+        let on_probation = self.samples >= policy.min_samples
+            && self.error_ewma > policy.max_prediction_error
+            && !self.prediction_failed(policy, now);
+        if on_probation {
+            self.samples = 0;
+        }
+        self.last_judged = Some(now);
         let error = predicted.abs_diff(reported) as f64 / prompt.max(1) as f64;
         self.error_ewma = if self.samples == 0 {
             error

@@ -41,6 +41,11 @@ impl Expiry {
 #[derive(Debug)]
 struct State {
     active: usize,
+    /// The connection carries HTTP/2: its reads between requests are frames (window updates,
+    /// pings, settings), not the head of a next request.
+    multiplexed: bool,
+    /// It was idle too long and was told it closes: it has `header_timeout` to let go.
+    closing: bool,
     head_started: Option<Instant>,
     last_io: Instant,
     /// Since when a write has waited for the socket to take bytes (`None` once one was taken).
@@ -64,6 +69,8 @@ impl Activity {
         Self {
             state: Mutex::new(State {
                 active: 0,
+                multiplexed: false,
+                closing: false,
                 head_started: None,
                 last_io: Instant::now(),
                 write_blocked_since: None,
@@ -83,7 +90,7 @@ impl Activity {
     fn on_read(&self) {
         let mut s = self.state.lock();
         s.last_io = Instant::now();
-        if s.active == 0 && s.head_started.is_none() {
+        if s.active == 0 && !s.multiplexed && s.head_started.is_none() {
             s.head_started = Some(s.last_io);
             self.changed.notify_one();
         }
@@ -104,10 +111,20 @@ impl Activity {
         }
     }
 
+    /// The idle connection was told it closes: the client has `header_timeout` from now to
+    /// let go.
+    pub fn closing(&self) {
+        let mut s = self.state.lock();
+        s.closing = true;
+        s.last_io = Instant::now();
+    }
+
     /// A request's head was read: it is in progress until [`Activity::request_finished`].
-    fn request_started(&self) {
+    /// `multiplexed`: it came over HTTP/2.
+    fn request_started(&self, multiplexed: bool) {
         let mut s = self.state.lock();
         s.active += 1;
+        s.multiplexed |= multiplexed;
         s.head_started = None;
     }
 
@@ -131,6 +148,8 @@ impl Activity {
             None
         } else if let Some(started) = s.head_started {
             Some((started + self.header_timeout, Expiry::Header))
+        } else if s.closing {
+            Some((s.last_io + self.header_timeout, Expiry::Idle))
         } else {
             Some((s.last_io + self.idle_timeout, Expiry::Idle))
         }
@@ -142,9 +161,9 @@ impl Activity {
 pub struct InFlight(Arc<Activity>);
 
 impl InFlight {
-    /// Marks a request started.
-    pub fn start(activity: Arc<Activity>) -> Self {
-        activity.request_started();
+    /// Marks a request started (`multiplexed`: over HTTP/2).
+    pub fn start(activity: Arc<Activity>, multiplexed: bool) -> Self {
+        activity.request_started(multiplexed);
         Self(activity)
     }
 }
@@ -252,11 +271,38 @@ mod tests {
         a.on_read();
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Header));
         let a = Arc::new(a);
-        let request = InFlight::start(a.clone());
+        let request = InFlight::start(a.clone(), false);
         assert_eq!(a.deadline(), None);
         a.on_read();
         drop(request);
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
+    }
+
+    /// Between HTTP/2 requests a client sends frames (window updates, pings): they are no
+    /// request head, so the idle clock runs, and an idle connection is told it closes before it
+    /// is dropped.
+    #[test]
+    fn frames_between_http2_requests_run_the_idle_clock_and_closing_gives_a_grace() {
+        let a = Arc::new(Activity::new(
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        ));
+        drop(InFlight::start(a.clone(), true));
+        a.on_read();
+        let (at, why) = a.deadline().unwrap();
+        assert_eq!(why, Expiry::Idle);
+        assert!(
+            at >= Instant::now() + Duration::from_secs(59),
+            "the idle timeout, not the header's"
+        );
+        a.closing();
+        let (at, why) = a.deadline().unwrap();
+        assert_eq!(why, Expiry::Idle);
+        assert!(
+            at <= Instant::now() + Duration::from_secs(1),
+            "the close's grace"
+        );
     }
 
     #[test]
@@ -266,7 +312,7 @@ mod tests {
             Duration::from_secs(60),
             Duration::from_secs(30),
         ));
-        let request = InFlight::start(a.clone());
+        let request = InFlight::start(a.clone(), false);
         a.on_write(&Poll::Ready(Ok(100)));
         assert_eq!(a.deadline(), None);
         a.on_write(&Poll::Pending);

@@ -48,7 +48,7 @@ use crate::service::Router;
 use crate::shutdown::Phase;
 use body::{EdgeBody, Finishing, ReadToEnd};
 pub(crate) use body::{read_body, read_body_within};
-use conn::{Activity, InFlight, TrackedIo};
+use conn::{Activity, Expiry, InFlight, TrackedIo};
 
 /// Largest request head (request line and headers) read from a client; larger ones get 431.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
@@ -192,6 +192,7 @@ async fn serve_connection(
     let draining = edge.router.shutdown().reached(Phase::Draining);
     tokio::pin!(draining);
     let mut drained = !drains;
+    let mut closing = false;
     loop {
         let deadline = activity.deadline();
         let expired = async {
@@ -212,12 +213,23 @@ async fn serve_connection(
                 if let Some((at, why)) = activity.deadline()
                     && at <= tokio::time::Instant::now()
                 {
-                    edge.router
-                        .metrics()
-                        .client_timeouts
-                        .get_or_create(&crate::metrics::KindLabel { kind: why.label() })
-                        .inc();
-                    debug!(listener = edge.name, reason = why.label(), "closing a client connection");
+                    if !closing {
+                        edge.router
+                            .metrics()
+                            .client_timeouts
+                            .get_or_create(&crate::metrics::KindLabel { kind: why.label() })
+                            .inc();
+                        debug!(listener = edge.name, reason = why.label(), "closing a client connection");
+                    }
+                    if why == Expiry::Idle && !closing {
+                        // Nothing in progress: said to the client first (HTTP/2's GOAWAY), so
+                        // that it sends no request the close would lose; dropped if it never
+                        // lets go.
+                        closing = true;
+                        connection.as_mut().graceful_shutdown();
+                        activity.closing();
+                        continue;
+                    }
                     return;
                 }
             }
@@ -249,7 +261,7 @@ impl Edge {
     /// One request: admitted (or refused) at the edge, then routed. It counts as in progress
     /// on its connection until its response body is dropped, or this future is.
     async fn handle(&self, request: http::Request<Incoming>, activity: Arc<Activity>) -> Response {
-        let in_flight = InFlight::start(activity);
+        let in_flight = InFlight::start(activity, request.version() == http::Version::HTTP_2);
         let response = match self.admit(request).await {
             Ok(response) | Err(response) => response,
         };

@@ -392,6 +392,42 @@ async fn a_client_that_stops_reading_a_stream_is_cut_off_and_its_engine_freed() 
     read_until_closed(&mut client).await;
 }
 
+/// An HTTP/2 connection carries many requests, each of which may hold an engine connection:
+/// past `limits.max_connections` requests in progress at once, the next is answered 503 at
+/// once rather than opening engine connections past what the descriptor limit was sized for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_past_the_connection_limit_are_refused() {
+    let ended = Arc::new(AtomicUsize::new(0));
+    let engine = endless_stream_engine(ended.clone()).await;
+    let router = router_with(&engine, |c| c.limits.max_connections = 2).await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let url = format!("http://{}/v1/completions", router.addr);
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true});
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let response = client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.version(), reqwest::Version::HTTP_2);
+        open.push(response);
+    }
+    let third = client.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(third.status(), 503);
+    // One ends: its place is free again.
+    drop(open.pop());
+    eventually("a place is free again", || {
+        let text = http_get(router.admin_addr, "/metrics");
+        let inflight = sample(&text, "kvroute_endpoint_inflight{endpoint=\"e0\"}");
+        (inflight == Some(1.0), inflight)
+    })
+    .await;
+    let again = client.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(again.status(), 200);
+    drop((open, again));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_stream_its_client_stops_reading_is_given_up_and_its_engine_freed() {
     let ended = Arc::new(AtomicUsize::new(0));

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 /// Why a connection is due to be closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,19 +158,32 @@ impl Activity {
 
 /// A request in progress on its connection, from its head until this is dropped (with its
 /// response body once sent, or with the handler if the client left first).
-pub struct InFlight(Arc<Activity>);
+pub struct InFlight {
+    activity: Arc<Activity>,
+    /// Its place among the listener's requests in progress, given back with it.
+    _permit: Option<OwnedSemaphorePermit>,
+}
 
 impl InFlight {
     /// Marks a request started (`multiplexed`: over HTTP/2).
     pub fn start(activity: Arc<Activity>, multiplexed: bool) -> Self {
         activity.request_started(multiplexed);
-        Self(activity)
+        Self {
+            activity,
+            _permit: None,
+        }
+    }
+
+    /// The request holds `permit` until it ends.
+    pub fn holding(mut self, permit: OwnedSemaphorePermit) -> Self {
+        self._permit = Some(permit);
+        self
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.request_finished();
+        self.activity.request_finished();
     }
 }
 

@@ -59,6 +59,10 @@ struct Edge {
     routes: Routes,
     name: &'static str,
     budget: ByteBudget,
+    /// Requests in progress, at most as many as connections: each may hold an engine
+    /// connection, which the connection limit counts one per client connection. An HTTP/2
+    /// connection carries many requests, so its streams take these too.
+    requests: Arc<Semaphore>,
 }
 
 /// Serves `routes` on `listener` until the task is dropped or, when `drains`, until the router
@@ -85,6 +89,7 @@ pub async fn serve(
         routes,
         name,
         budget,
+        requests: Arc::new(Semaphore::new(max_connections)),
     });
     let labels = listener_labels(name);
     let draining = router.shutdown().reached(Phase::Draining);
@@ -262,8 +267,21 @@ impl Edge {
     /// on its connection until its response body is dropped, or this future is.
     async fn handle(&self, request: http::Request<Incoming>, activity: Arc<Activity>) -> Response {
         let in_flight = InFlight::start(activity, request.version() == http::Version::HTTP_2);
-        let response = match self.admit(request).await {
-            Ok(response) | Err(response) => response,
+        let response = match self.requests.clone().try_acquire_owned() {
+            Ok(permit) => {
+                let in_flight = in_flight.holding(permit);
+                let response = match self.admit(request).await {
+                    Ok(response) | Err(response) => response,
+                };
+                return response.map(|body| Body::new(Finishing::new(body, in_flight)));
+            }
+            // Only HTTP/2 gets here: its streams, many per connection, are past the limit.
+            Err(_) => error_response(
+                &self.router,
+                &ApiError::unavailable(
+                    "the router serves as many requests at once as limits.max_connections allows; retry shortly",
+                ),
+            ),
         };
         response.map(|body| Body::new(Finishing::new(body, in_flight)))
     }

@@ -144,6 +144,20 @@ async fn expect(router: &RunningRouter, want: &[&str]) {
 }
 
 /// A pool targeting port 8000 whose first list holds one ready pod, `a` at 10.0.0.1.
+/// A router discovering the pool `fake` serves (with one watch to come, whose sender is
+/// returned), once it found pod a.
+async fn router_on_pool(fake: &Arc<Fake>) -> (RunningRouter, mpsc::UnboundedSender<Value>) {
+    let (watch, rx) = mpsc::unbounded_channel();
+    fake.watches.lock().push_back(rx);
+    let api = fake_api(fake.clone()).await;
+    let config = ConfigBuilder::new("m")
+        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
+        .build();
+    let running = start(config).await.unwrap();
+    expect(&running, &["http://10.0.0.1:8000"]).await;
+    (running, watch)
+}
+
 fn pool_of_pod_a() -> Arc<Fake> {
     let fake = Arc::new(Fake {
         port: 8000.into(),
@@ -162,16 +176,7 @@ async fn ready_pods_join_and_leave_through_list_watch_bookmarks_and_410_relists(
     fake.lists
         .lock()
         .push_back(list(vec![pod("c", "10.0.0.3", true, 20)], 21));
-    let (watch, rx) = mpsc::unbounded_channel();
-    fake.watches.lock().push_back(rx);
-    let api = fake_api(fake.clone()).await;
-
-    let config = ConfigBuilder::new("m")
-        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
-        .build();
-    let running = start(config).await.unwrap();
-
-    expect(&running, &["http://10.0.0.1:8000"]).await;
+    let (running, watch) = router_on_pool(&fake).await;
     let a = running.router.endpoints()[0].clone();
     assert_eq!(a.config.events.as_deref(), Some("tcp://10.0.0.1:5557"));
     assert_eq!(a.config.role, kvroute_core::schedule::Role::Decode);
@@ -216,14 +221,7 @@ async fn an_edited_pool_moves_its_pods_endpoints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pods_shared_kv_mount_follows_its_label() {
     let fake = pool_of_pod_a();
-    let (watch, rx) = mpsc::unbounded_channel();
-    fake.watches.lock().push_back(rx);
-    let api = fake_api(fake.clone()).await;
-    let config = ConfigBuilder::new("m")
-        .discovery(&format!("http://{api}"), "llm", "pool", 5557)
-        .build();
-    let running = start(config).await.unwrap();
-    expect(&running, &["http://10.0.0.1:8000"]).await;
+    let (running, watch) = router_on_pool(&fake).await;
     let router = running.router.clone();
     let mounts = || -> Vec<Option<String>> {
         present_endpoints(&router)

@@ -103,12 +103,16 @@ pub async fn prepare_request(
     // The name the request is served under: its own, or the one model it implies.
     let model_name = request.model.clone().unwrap_or_else(|| model.name.clone());
     let started = Instant::now();
-    let remote = tokenizing_endpoint(router, &model.name).map(|e| Remote {
-        client: router.client(),
-        base: format!("http://{}", e.authority),
-        timeout: Duration::from_secs(2),
-    });
     let kind = router.tokenizer(&model.name);
+    // An engine to tokenize with is drawn only for a remote tokenizer (it takes the fleet lock).
+    let remote = matches!(kind, crate::tokenize::ModelTokenizer::Remote)
+        .then(|| tokenizing_endpoint(router, &model.name))
+        .flatten()
+        .map(|e| Remote {
+            client: router.client(),
+            base: format!("http://{}", e.authority),
+            timeout: Duration::from_secs(2),
+        });
     let tokens = tokenize(
         router.token_cache(),
         &kind,

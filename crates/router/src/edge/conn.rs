@@ -89,8 +89,13 @@ impl Activity {
 
     fn on_read(&self) {
         let mut s = self.state.lock();
+        if s.active == 0 && s.multiplexed {
+            // Frames between HTTP/2 requests (pings, window updates) neither start a request
+            // nor keep an idle connection open: its idle clock runs from its last request.
+            return;
+        }
         s.last_io = Instant::now();
-        if s.active == 0 && !s.multiplexed && s.head_started.is_none() {
+        if s.active == 0 && s.head_started.is_none() {
             s.head_started = Some(s.last_io);
             self.changed.notify_one();
         }
@@ -302,9 +307,11 @@ mod tests {
             Duration::from_secs(30),
         ));
         drop(InFlight::start(a.clone(), true));
+        let idle_from = a.deadline().unwrap().0;
         a.on_read();
         let (at, why) = a.deadline().unwrap();
         assert_eq!(why, Expiry::Idle);
+        assert_eq!(at, idle_from, "a frame does not keep it open");
         assert!(
             at >= Instant::now() + Duration::from_secs(59),
             "the idle timeout, not the header's"

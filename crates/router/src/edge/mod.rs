@@ -267,19 +267,18 @@ impl Edge {
     /// on its connection until its response body is dropped, or this future is.
     async fn handle(&self, request: http::Request<Incoming>, activity: Arc<Activity>) -> Response {
         let in_flight = InFlight::start(activity, request.version() == http::Version::HTTP_2);
-        let response = match self.requests.clone().try_acquire_owned() {
-            Ok(permit) => {
-                let in_flight = in_flight.holding(permit);
-                let response = match self.admit(request).await {
-                    Ok(response) | Err(response) => response,
-                };
-                return response.map(|body| Body::new(Finishing::new(body, in_flight)));
-            }
+        let (in_flight, response) = match self.requests.clone().try_acquire_owned() {
+            Ok(permit) => match self.admit(request).await {
+                Ok(response) | Err(response) => (in_flight.holding(permit), response),
+            },
             // Only HTTP/2 gets here: its streams, many per connection, are past the limit.
-            Err(_) => error_response(
-                &self.router,
-                &ApiError::unavailable(
-                    "the router serves as many requests at once as limits.max_connections allows; retry shortly",
+            Err(_) => (
+                in_flight,
+                error_response(
+                    &self.router,
+                    &ApiError::unavailable(
+                        "the router serves as many requests at once as limits.max_connections allows; retry shortly",
+                    ),
                 ),
             ),
         };

@@ -74,8 +74,8 @@ pub fn longest_request_tokens(workload: &Workload) -> usize {
 /// Calls `f` with each of the workload's requests in arrival order (each turn at its session's
 /// start plus the think times before it), as an engine receives it: its prompt (a chat
 /// rendered with the built-in template, its history included; a completions prompt as it is
-/// sent), the reply a real run produces (which then joins its conversation's history; a token
-/// short of `max_tokens` when that is odd) and its `max_tokens`.
+/// sent), a reply of exactly `max_tokens` tokens, as a real run produces (which then joins its
+/// conversation's history), and its `max_tokens`.
 fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32], usize)) {
     let tokenizer = BuiltinTokenizer;
     let mut order: Vec<(f64, usize, usize)> = Vec::new();

@@ -658,7 +658,8 @@ pub struct CacheConfig {
     /// Seconds without any event, while requests keep going there, after which an endpoint's
     /// index is not trusted.
     pub silent_after_s: f64,
-    /// Seconds an endpoint's index stays untrusted after events were lost for good.
+    /// Seconds an endpoint's index stays untrusted after events were lost for good; and after
+    /// its last judgement when its predictions erred, before it is read again on probation.
     pub distrust_after_gap_s: f64,
     /// Mean absolute prediction error (share of the prompt) above which an endpoint's index is
     /// not trusted.

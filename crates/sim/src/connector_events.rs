@@ -12,7 +12,7 @@
 //!   writes a block through once, so it stores none twice.
 //! - [`OffloadEvents::VllmSelfDescribing`]: the same connector with
 //!   `self_describing_kv_events`: each offloaded block with its real parent hash, its tokens,
-//!   the GPU block size and its LoRA and extra keys; repeats and removals as above.
+//!   the GPU block size and its LoRA and extra keys; removals as above.
 //! - [`OffloadEvents::Lmcache`]: LMCache's connector. It stores on write, so every block the
 //!   GPU stores is announced at once with LMCache's own chunk hash (a chain over the tokens, not
 //!   vLLM's hash), its tokens and its parent chunk's hash, on medium `cpu`; nothing is ever
@@ -96,7 +96,7 @@ pub struct ConnectorEvents {
     order: VecDeque<(EngineHash, u64)>,
     generation: u64,
     /// Stores announced per block on each of the engine's own tiers (CPU, storage), not yet
-    /// removed: (medium, count). A shared tier's blocks are not the engine's to repeat.
+    /// removed: (medium, count). A shared tier's blocks are the fleet's, not counted here.
     announced: HashMap<EngineHash, Vec<(String, u32)>>,
 }
 

@@ -49,7 +49,7 @@ impl Objective {
     /// How the objective moved from `before` to `after`, as [`Objective::describe`] reads:
     /// the relative change of a latency (per cent), and of goodput its change in points (the
     /// objective's value is the share of requests that missed the SLO).
-    pub fn change_percent(&self, before: f64, after: f64) -> f64 {
+    pub fn change(&self, before: f64, after: f64) -> f64 {
         match self {
             Objective::Goodput { .. } => (before - after) * 100.0,
             Objective::TtftP90 | Objective::TtftP99 if before > 0.0 => {
@@ -59,7 +59,7 @@ impl Objective {
         }
     }
 
-    /// The unit of [`Objective::change_percent`]: `%`, or ` points` for goodput.
+    /// The unit of [`Objective::change`]: `%`, or ` points` for goodput.
     pub fn change_unit(&self) -> &'static str {
         match self {
             Objective::Goodput { .. } => " points",

@@ -9,8 +9,8 @@ use crate::index::EndpointId;
 
 impl Fleet {
     /// Adds an endpoint at `now` and returns its id: the slot of an endpoint removed at least
-    /// `slot_reuse_after_s` ago with nothing in flight, else a new one. It starts healthy, untrusted until its KV events
-    /// arrive (when it has them), with nothing cached.
+    /// `slot_reuse_after_s` ago with nothing in flight, else a new one. It starts healthy,
+    /// untrusted until its KV events arrive (when it has them), with nothing cached.
     pub fn add_endpoint(&mut self, spec: EndpointSpec, now: f64) -> Result<EndpointId, CoreError> {
         let index = ensure_index(&mut self.indexes, spec.block_size, &self.config)?.clone();
         self.targets.set_indexes(&self.indexes);

@@ -133,8 +133,9 @@ impl Default for FleetConfig {
             flow: FlowConfig::default(),
             outlier: OutlierPolicy::default(),
             retry: RetryPolicy::default(),
-            // The router's defaults: a 2 s connect timeout and P/D's 30 s prefill deadline,
-            // with a margin (the router derives its own, see `RouterConfig`).
+            // A copy of what the router derives from its defaults with P/D on (a 2 s connect
+            // timeout, P/D's 30 s prefill deadline, a margin): the router derives its own from
+            // its configuration (`RouterConfig::slot_reuse_after_s`); this serves the simulator.
             slot_reuse_after_s: 35.0,
         }
     }
@@ -241,7 +242,9 @@ pub struct Dispatch {
     pub tier_uncertain: bool,
     /// Its endpoint's index was trusted at dispatch, so `predicted_cached` was the index's
     /// prediction: only such a request's outcome judges the index (a distrusted index is not
-    /// read, and what is predicted without it says nothing of it).
+    /// read, and what is predicted without it says nothing of it). Read at dispatch, not at
+    /// planning: a held request is planned again when released, so the two differ only if the
+    /// verdict changed in the moment between.
     index_trusted: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,

@@ -27,7 +27,8 @@ pub struct TrustPolicy {
     /// Seconds without events, after a request that should have produced one, before an
     /// endpoint's index is distrusted.
     pub silent_after_s: f64,
-    /// Seconds an index stays distrusted after events were lost for good.
+    /// Seconds an index stays distrusted after events were lost for good; and after its last
+    /// judgement when its predictions erred, before it is read again on probation.
     pub distrust_after_gap_s: f64,
     /// Mean |predicted − reported| cached tokens, as a share of the prompt, above which an
     /// index is distrusted.
@@ -120,11 +121,15 @@ impl Trust {
     /// it is judged no more: after `distrust_after_gap_s` without a judgement it is read again,
     /// on probation, and judged afresh.
     fn prediction_failed(&self, policy: &TrustPolicy, now: f64) -> bool {
-        self.samples >= policy.min_samples
-            && self.error_ewma > policy.max_prediction_error
+        self.erred(policy)
             && self
                 .last_judged
                 .is_some_and(|t| now - t < policy.distrust_after_gap_s)
+    }
+
+    /// Whether its record says its predictions err too much (enough of them, and too far off).
+    fn erred(&self, policy: &TrustPolicy) -> bool {
+        self.samples >= policy.min_samples && self.error_ewma > policy.max_prediction_error
     }
 
     /// The engine reported `reported` cached tokens where the router, reading the index,
@@ -137,9 +142,7 @@ impl Trust {
         policy: &TrustPolicy,
         now: f64,
     ) {
-        let on_probation = self.samples >= policy.min_samples
-            && self.error_ewma > policy.max_prediction_error
-            && !self.prediction_failed(policy, now);
+        let on_probation = self.erred(policy) && !self.prediction_failed(policy, now);
         if on_probation {
             self.samples = 0;
         }

@@ -238,7 +238,7 @@ fn report(
             case.tuned.summary.requests,
             objective.describe(b),
             objective.describe(t),
-            objective.change_percent(b, t),
+            objective.change(b, t),
             objective.change_unit(),
             case.baseline.summary.load_imbalance,
             case.tuned.summary.load_imbalance

@@ -176,7 +176,9 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         &mut a.body,
         Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
     );
-    // Once more elsewhere while the producer still holds the blocks.
+    // A second decode-capable endpoint to retry on, if the producer still holds the blocks as
+    // its answer comes (`forward::retry_after` then decides between a pull and the aggregated
+    // body); a hold already over leaves the decode pick alone, with no retry.
     let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
         decoders.iter().copied().take(2).collect()

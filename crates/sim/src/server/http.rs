@@ -163,7 +163,7 @@ fn prepare(
     if faults.error_fraction > 0.0 && rand::random_bool(faults.error_fraction.clamp(0.0, 1.0)) {
         return Err(ApiError::new(faults.error_status, "an injected fault"));
     }
-    let mut request = match api {
+    let request = match api {
         Api::Completions => parse_completion(body)?,
         Api::Chat => parse_chat(body)?,
     };
@@ -178,7 +178,6 @@ fn prepare(
             "The model `{named}` does not exist."
         )));
     };
-    request.model = Some(named);
     let prompt = state.tokenizer.prompt(&request.input)?;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
@@ -220,7 +219,7 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
         id,
         prompt,
         output,
-        lora_name: lora,
+        lora_name: lora.clone(),
         cache_salt: request.cache_salt.clone(),
     };
     let request_id = headers
@@ -235,7 +234,8 @@ async fn generate(state: AppState, headers: HeaderMap, body: Bytes, api: Api) ->
             Api::Completions => format!("cmpl-{request_id}"),
             Api::Chat => format!("chatcmpl-{request_id}"),
         },
-        model: request.model.clone().unwrap_or_default(),
+        // Served as the adapter it names, else as the engine's own model.
+        model: lora.unwrap_or_else(|| state.model.clone()),
         created: now_secs(),
         producer: None,
         cached_override: None,

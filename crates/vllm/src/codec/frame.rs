@@ -15,6 +15,13 @@ pub struct RawMessage {
     pub payload: Bytes,
 }
 
+impl RawMessage {
+    /// Bytes its topic and payload hold (what keeping it costs; the sequence frame aside).
+    pub fn frame_bytes(&self) -> usize {
+        self.topic.len() + self.payload.len()
+    }
+}
+
 /// Reads an 8-byte big-endian sequence frame.
 pub fn parse_seq(frame: &[u8]) -> Result<u64, VllmError> {
     let bytes: [u8; 8] = frame.try_into().map_err(|_| {

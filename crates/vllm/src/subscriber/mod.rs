@@ -284,7 +284,7 @@ impl Stream {
             ));
             while let Some(item) = items_rx.recv().await {
                 let size = match &item {
-                    ReplayItem::Batch(msg) => msg.payload.len() + msg.topic.len() + 8,
+                    ReplayItem::Batch(msg) => msg.frame_bytes() + 8,
                     _ => 0,
                 };
                 let Some(queued) = queue.reserve(size).await else {

@@ -89,9 +89,9 @@ impl Sequencer {
         }
     }
 
-    /// Holds at most `bytes` of live messages (topics and payloads) while a replay is in flight (one
-    /// message more is held whatever its size); past them the replay is abandoned, as a replay
-    /// that never answers would leave them growing.
+    /// Holds at most `bytes` of live messages (topics and payloads) while a replay is in flight
+    /// (one message more is held whatever its size); past them the replay is abandoned, as a
+    /// replay that never answers would leave them growing.
     pub fn holding_at_most(mut self, bytes: usize) -> Self {
         self.max_held_bytes = bytes;
         self
@@ -99,9 +99,9 @@ impl Sequencer {
 
     /// Keeps `msg` until the replay is over.
     fn keep(&mut self, msg: RawMessage) {
-        let size = held_size(&msg);
+        let size = msg.frame_bytes();
         if let Some(old) = self.pending.insert(msg.seq, msg) {
-            self.held_bytes -= held_size(&old);
+            self.held_bytes -= old.frame_bytes();
         }
         self.held_bytes += size;
     }
@@ -110,7 +110,7 @@ impl Sequencer {
     fn take_first(&mut self) -> Option<(u64, RawMessage)> {
         let first = self.pending.pop_first();
         if let Some((_, msg)) = &first {
-            self.held_bytes -= held_size(msg);
+            self.held_bytes -= msg.frame_bytes();
         }
         first
     }
@@ -328,12 +328,6 @@ impl Sequencer {
         }
         actions
     }
-}
-
-/// What a held message counts against the bound: every frame it came in (a topic frame can be
-/// as large as a payload).
-fn held_size(msg: &RawMessage) -> usize {
-    msg.topic.len() + msg.payload.len()
 }
 
 #[cfg(test)]

@@ -322,6 +322,19 @@ impl Drop for Ended {
     }
 }
 
+/// A client speaking HTTP/2 with prior knowledge (h2c), as a gateway does.
+fn h2c_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap()
+}
+
+/// A streamed completion that, on [`endless_stream_engine`], never ends by itself.
+fn endless_request() -> Value {
+    json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true})
+}
+
 /// An engine whose completions stream an 8 KiB event every millisecond, without end, counting in
 /// `ended` the streams it stopped sending because their reader went away. Returns its URL.
 async fn endless_stream_engine(ended: Arc<AtomicUsize>) -> String {
@@ -400,12 +413,9 @@ async fn http2_streams_past_the_connection_limit_are_refused() {
     let ended = Arc::new(AtomicUsize::new(0));
     let engine = endless_stream_engine(ended.clone()).await;
     let router = router_with(&engine, |c| c.limits.max_connections = 2).await;
-    let client = reqwest::Client::builder()
-        .http2_prior_knowledge()
-        .build()
-        .unwrap();
+    let client = h2c_client();
     let url = format!("http://{}/v1/completions", router.addr);
-    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true});
+    let body = endless_request();
     let mut open = Vec::new();
     for _ in 0..2 {
         let response = client.post(&url).json(&body).send().await.unwrap();
@@ -433,11 +443,8 @@ async fn an_http2_stream_its_client_stops_reading_is_given_up_and_its_engine_fre
     let ended = Arc::new(AtomicUsize::new(0));
     let engine = endless_stream_engine(ended.clone()).await;
     let router = router_with(&engine, |c| c.limits.write_timeout_ms = 500).await;
-    let client = reqwest::Client::builder()
-        .http2_prior_knowledge()
-        .build()
-        .unwrap();
-    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000_000, "stream": true});
+    let client = h2c_client();
+    let body = endless_request();
     let response = client
         .post(format!("http://{}/v1/completions", router.addr))
         .json(&body)

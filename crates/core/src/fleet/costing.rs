@@ -198,6 +198,15 @@ impl Fleet {
                         now,
                     })
                 }),
+                not_fitting_per_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {
+                    let blocks = inputs
+                        .prompt_tokens
+                        .div_ceil(bs.max(1))
+                        .max(inputs.keys.len() + 1);
+                    e.recent
+                        .not_fitting_per_s(inputs.keys, blocks, capacity_blocks, now)
+                }),
+                decode_s: e.pinned.decode_s().or(inputs.decode_s).unwrap_or(0.0),
                 ..e.load(now, self.config.load_sample_max_age_s)
             },
             cache,

@@ -1066,7 +1066,7 @@ impl Fleet {
                 // in the engine's present life (sent after what was known of it was forgotten).
                 let this_life = e.forgotten_at.is_none_or(|at| dispatch.dispatched_at >= at);
                 if ended.decode_s.is_some() && this_life {
-                    e.recent.ended(ended.keys);
+                    e.recent.ended(ended.keys, now);
                 }
             }
             if let Some(reported) = reported_cached {

@@ -213,6 +213,11 @@ impl PinnedBlocks {
         stale.len()
     }
 
+    /// Seconds from first token to end, averaged over the requests that ended here.
+    pub(super) fn decode_s(&self) -> Option<f64> {
+        self.decode_s
+    }
+
     /// Blocks pinned now.
     pub(super) fn blocks(&self) -> usize {
         self.distinct_keys + self.extra_blocks

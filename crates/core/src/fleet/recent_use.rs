@@ -32,24 +32,65 @@ const KEYS_KEPT: usize = 32_768;
 #[derive(Clone, Debug, Default)]
 pub(super) struct RecentUse {
     ended: VecDeque<Arc<Vec<RouterKey>>>,
+    /// When each of `ended` ended, in the same order.
+    ended_at: VecDeque<f64>,
     /// Keys over `ended`, counted with repeats.
     keys: usize,
 }
 
 impl RecentUse {
-    /// A request that used `keys` ended (its blocks are now the newest unpinned ones).
-    pub(super) fn ended(&mut self, keys: Arc<Vec<RouterKey>>) {
+    /// A request that used `keys` ended at `now` (its blocks are now the newest unpinned ones).
+    pub(super) fn ended(&mut self, keys: Arc<Vec<RouterKey>>, now: f64) {
         if keys.is_empty() {
             return;
         }
         self.keys += keys.len();
         self.ended.push_back(keys);
+        self.ended_at.push_back(now);
         while self.ended.len() > 1 && (self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT) {
             let Some(old) = self.ended.pop_front() else {
                 break;
             };
+            self.ended_at.pop_front();
             self.keys -= old.len();
         }
+    }
+
+    /// Requests per second like the recent ones here that would not fit in a cache of
+    /// `capacity` blocks beside a request of `blocks` blocks whose full blocks have `keys`:
+    /// the kept requests' rate (one fewer than were kept, over the time since the oldest
+    /// ended) times the share of them that would not fit (each needs its blocks and one more
+    /// for its last tokens and output, less the prefix it shares with the request). 0 while
+    /// fewer than two are kept, and at once when even the longest kept fits beside it.
+    pub(super) fn not_fitting_per_s(
+        &self,
+        keys: &[RouterKey],
+        blocks: usize,
+        capacity: usize,
+        now: f64,
+    ) -> f64 {
+        let (Some(&oldest), n) = (self.ended_at.front(), self.ended.len()) else {
+            return 0.0;
+        };
+        let span = now - oldest;
+        if n < 2 || span <= 0.0 {
+            return 0.0;
+        }
+        let longest = self
+            .ended
+            .iter()
+            .map(|chain| chain.len())
+            .max()
+            .unwrap_or(0);
+        if blocks + longest < capacity {
+            return 0.0;
+        }
+        let not_fitting = self
+            .ended
+            .iter()
+            .filter(|chain| blocks + chain.len() + 1 - common_prefix(chain, keys) > capacity)
+            .count();
+        (n - 1) as f64 / span * not_fitting as f64 / n as f64
     }
 
     /// Ended requests kept.
@@ -61,6 +102,7 @@ impl RecentUse {
     /// Forgets every ended request (the engine restarted: its cache is empty).
     pub(super) fn clear(&mut self) {
         self.ended.clear();
+        self.ended_at.clear();
         self.keys = 0;
     }
 

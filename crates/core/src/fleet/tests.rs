@@ -902,6 +902,48 @@ fn a_request_that_does_not_fit_beside_running_ones_waits_for_their_end() {
     assert!(plan.decision.assessment(busy).unwrap().cost.queue_s < 0.05);
 }
 
+#[test]
+fn a_request_goes_where_the_traffic_fits_beside_it_not_where_it_holds_others_back() {
+    // 150-block caches; two tenants' 100-block contexts, which do not fit in one together.
+    // Endpoint 0 serves tenant A's questions, endpoint 1 tenant B's, ten a second each;
+    // endpoint 0 holds B's context in CPU memory too.
+    let mut fleet = FleetBuilder::new(2).build();
+    let (serves_a, serves_b) = (EndpointId(0), EndpointId(1));
+    scrape_idle(&mut fleet, 150);
+    let (context_a, context_b) = (prompt(1_600, 1), prompt(1_600, 2));
+    let question = |context: &[u32], q: u32| {
+        let mut tokens = context.to_vec();
+        tokens.extend(prompt(40, 100 + q));
+        Req::new(&tokens)
+    };
+    for (endpoint, context) in [(serves_a, &context_a), (serves_b, &context_b)] {
+        fleet.apply_events(endpoint, &[stored(context, BS)], 0.0);
+    }
+    fleet.apply_events(serves_a, &offloaded_only(&context_b, "CPU"), 0.0);
+    for q in 0..10 {
+        let at = f64::from(q) * 0.1;
+        for (endpoint, context) in [(serves_a, &context_a), (serves_b, &context_b)] {
+            let mut d = send_to(&mut fleet, &question(context, q), endpoint, at);
+            fleet.first_token(&mut d, true, at + 0.02);
+            fleet.finished(d, Some(1_600), at + 0.07);
+        }
+    }
+    // Twelve of B's questions decode on endpoint 1: on its own costs endpoint 0, idle, is the
+    // cheaper for the next (a load from CPU memory stalls no decode there); but A's
+    // questions, coming there at ten a second, would wait for it.
+    for q in 10..22 {
+        let mut decoding = send_to(&mut fleet, &question(&context_b, q), serves_b, 1.0);
+        fleet.first_token(&mut decoding, true, 1.02);
+    }
+    let plan = fleet.plan(&question(&context_b, 99).features(), 7, 1.03);
+    let cost = |e: EndpointId| plan.decision.assessment(e).unwrap().cost.clone();
+    let (a, b) = (cost(serves_a), cost(serves_b));
+    assert!(a.room_blocking_s > 0.0, "{a:?}");
+    assert_eq!(b.room_blocking_s, 0.0, "B's questions fit beside it: {b:?}");
+    assert!(a.total_s - a.room_blocking_s < b.total_s, "{a:?} {b:?}");
+    assert_eq!(plan.decision.chosen(), Some(serves_b));
+}
+
 /// A sample dates from when its scrape was sent. Answers that each take the whole timeout, the
 /// next sent at the following interval, must leave no gap in which the load reads unknown; with
 /// fast scrapes four missed intervals and a second of slack still bound it.

@@ -23,6 +23,18 @@
 //!   seconds it occupies the engine's steps (its prefill, and its tier loads only where the
 //!   connector loads in the step: [`crate::tiers::TierLoadMode`]) × (running decodes + queued
 //!   requests) × a factor;
+//! - **room blocking** (the wait it imposes on others): vLLM admits a request only once its
+//!   blocks fit beside those its running requests reference, so where prompts are long against
+//!   the cache, the requests that come while this one runs and do not fit beside it wait for
+//!   its end. Charged as the rate at which such requests come there (the endpoint's recent
+//!   requests' rate, times the share of them that would not fit beside this one: those that
+//!   share its prefix need room only for the rest) × its residency (its prefill, its tier loads
+//!   and the endpoint's learned decode time) squared / 2: those arriving over that time wait,
+//!   on average, half of it. Zero wherever two requests fit in the cache together; where they
+//!   do not, it sends a request to the endpoint whose traffic shares its prefix, rather than
+//!   to one it would hold back (traced: a tenant's question sent to the engine of another
+//!   tenant, whose context it held in CPU memory, made that tenant's next questions wait for
+//!   it, docs/benchmarks.md);
 //! - **eviction**: a vLLM cache is full in steady state, so the blocks this request stores
 //!   there push out cached blocks (least recently used first) that other requests may have
 //!   come back for. Charged as the blocks it stores beyond the endpoint's free blocks × their
@@ -36,7 +48,7 @@
 //!   blocks keep being reused charges their full re-prefill.
 //!
 //! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
-//! load × (queue wait + decode interference) − session credit`. At zero load and with room in
+//! load × (queue wait + decode interference + room blocking) − session credit`. At zero load and with room in
 //! the caches only the prefill terms remain, so the longest cached prefix is always the
 //! cheapest; under load the queue wait grows until copying a hot prefix to another endpoint
 //! pays for its prefill plus what the copy evicts there.
@@ -66,6 +78,9 @@ pub struct Cost {
     pub stalling_s: f64,
     /// The stall imposed on running decodes.
     pub decode_interference_s: f64,
+    /// The wait imposed on requests that will come while it runs and will not fit in the
+    /// cache beside it.
+    pub room_blocking_s: f64,
     /// Cached blocks the placement evicts: the blocks it stores beyond the free ones, whether
     /// or not they would be reused (0 where the free blocks are unknown).
     pub evicted_blocks: f64,
@@ -105,7 +120,7 @@ impl Cost {
 
     /// The weighted seconds due to other work on the endpoint.
     pub fn load_part(&self, profile: &Profile) -> f64 {
-        profile.weights.load * (self.queue_s + self.decode_interference_s)
+        profile.weights.load * (self.queue_s + self.decode_interference_s + self.room_blocking_s)
     }
 }
 
@@ -212,6 +227,11 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     };
     let decode_interference_s =
         stalling_s * (load.decoding() + load.queue()) * profile.weights.decode_interference;
+    // Requests that come while it holds its blocks (from admission to its end) and do not fit
+    // beside them wait until it ends: as many as arrive at that rate over that time, each
+    // waiting half of it on average.
+    let resident_s = prefill_s + tier_load_s + load.decode_s;
+    let room_blocking_s = load.not_fitting_per_s * resident_s * resident_s / 2.0;
     // A block reloaded from CPU memory is priced as every block found there is: its load, not
     // the room it takes again on the GPU.
     let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed);
@@ -229,6 +249,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         tiers,
         stalling_s,
         decode_interference_s,
+        room_blocking_s,
         evicted_blocks,
         eviction_s,
         session_credit_s,
@@ -260,11 +281,12 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 ///   (`stalling_s` is `prefill_s`, plus `tier_load_s` ≥ 0 for in-step loads; both other factors
 ///   are non-negative: `decoding` and `queue` are each the larger of a count and a scraped
 ///   value);
+/// - `room_blocking_s` ≥ 0 (a rate of at least 0 times a square over 2);
 /// - `eviction_s` ≥ 0 (a non-negative count of blocks × block size / rate × a reuse clamped to
 ///   0–1), and `session_credit_s` = 0.
 ///
 /// So `total_s` = `w_prefix × (prefill_s + tier_load_s) + w_eviction × eviction_s + w_load ×
-/// (queue_s + decode_interference_s)` ≥ `U / R × (w_prefix + w_load × w_di × busy)` when every
+/// (queue_s + decode_interference_s + room_blocking_s)` ≥ `U / R × (w_prefix + w_load × w_di × busy)` when every
 /// weight is ≥ 0. The bound is taken a relative 1e-9 lower, far more than the rounding of either
 /// side (a few ulps of each term).
 pub fn cost_floor(

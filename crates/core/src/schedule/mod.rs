@@ -73,6 +73,13 @@ pub struct EndpointLoad {
     /// router's in-flight requests there have ended for its blocks to fit beside the ones they
     /// pin (0 when they fit, or nothing says how long a request runs there).
     pub room_wait_s: f64,
+    /// Requests per second that come here and would not fit in its cache beside this one: the
+    /// rate of its recent requests times the share of them that would not (0 where its
+    /// capacity is unknown, or they all would).
+    pub not_fitting_per_s: f64,
+    /// Seconds a request runs here from its first token to its end (its own learned figure,
+    /// else the fleet's; 0 while neither is known).
+    pub decode_s: f64,
 }
 
 impl EndpointLoad {

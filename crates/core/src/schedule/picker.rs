@@ -269,7 +269,8 @@ fn balance(
 pub(super) fn why_cheaper(w: &Cost, r: &Cost) -> Reason {
     let cache_gain =
         (r.prefill_s + r.tier_load_s + r.eviction_s) - (w.prefill_s + w.tier_load_s + w.eviction_s);
-    let load_gain = (r.queue_s + r.decode_interference_s) - (w.queue_s + w.decode_interference_s);
+    let load_gain = (r.queue_s + r.decode_interference_s + r.room_blocking_s)
+        - (w.queue_s + w.decode_interference_s + w.room_blocking_s);
     let session_gain = w.session_credit_s - r.session_credit_s;
     if session_gain > cache_gain.max(load_gain) && session_gain > 0.0 {
         Reason::Session

@@ -25,17 +25,19 @@ pub enum CacheSource {
 /// The cost model's weights: the seed's "prefix weight against load weight", in seconds.
 ///
 /// A candidate's cost is `prefix × (uncached prefill + lower-tier loading) + eviction ×
-/// (re-prefill of what the placement evicts) + load × (queue wait + decode interference)`,
-/// every term in seconds. With every weight 1 the cost is the time the engine will spend
-/// before this request's first token, plus the time it makes others lose (the decodes it
-/// stalls, the cached blocks it pushes out that others would have reused); raising `prefix`
+/// (re-prefill of what the placement evicts) + load × (queue wait + decode interference + room
+/// blocking)`, every term in seconds. With every weight 1 the cost is the time the engine will
+/// spend before this request's first token, plus the time it makes others lose (the decodes it
+/// stalls, the requests that will wait for room beside it, the cached blocks it pushes out that
+/// others would have reused); raising `prefix`
 /// favours cache over load, raising `load` the reverse.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CostWeights {
     /// Weight of the seconds spent computing (or loading) what is not cached on the GPU.
     pub prefix: f64,
-    /// Weight of the seconds spent waiting behind other work, and stalling others.
+    /// Weight of the seconds spent waiting behind other work, and making others wait (stalled
+    /// decodes, requests waiting for room in the cache).
     pub load: f64,
     /// Seconds of stall charged per request that waits for this one's prefill (each running
     /// decode, and as many requests as are queued there), per second of that prefill.

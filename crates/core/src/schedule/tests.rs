@@ -561,6 +561,34 @@ fn decode_interference_steers_cold_prefills_away_from_busy_decoders() {
 }
 
 #[test]
+fn a_request_that_would_hold_back_others_goes_where_they_fit_beside_it() {
+    // Both hold the prompt's 100 blocks, one on its GPU and one in CPU memory, idle: on cache
+    // alone the GPU holder wins. Requests that would not fit beside this one come to it at 20
+    // per second, and none to the other: while this one runs there (its prefill, then 50 ms
+    // of decode) they wait for it.
+    let mut cands = fleet(2);
+    cands[0].cache.index = gpu_match(0, 100);
+    cands[1].cache.index = cpu_match(1, 100);
+    for c in &mut cands {
+        c.load.decode_s = 0.05;
+    }
+    cands[0].load.not_fitting_per_s = 20.0;
+    let d = schedule(&Profile::default(), &request(1_700), &cands, 0, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(1)), "{d:#?}");
+    assert_eq!(d.reason, Reason::Load);
+    let holder = &d.assessment(EndpointId(0)).unwrap().cost;
+    let resident_s = holder.prefill_s + holder.tier_load_s + 0.05;
+    assert!((holder.room_blocking_s - 20.0 * resident_s * resident_s / 2.0).abs() < 1e-12);
+    assert_eq!(
+        d.assessment(EndpointId(1)).unwrap().cost.room_blocking_s,
+        0.0
+    );
+    // Where nothing comes that would not fit, the GPU holder wins again.
+    cands[0].load.not_fitting_per_s = 0.0;
+    assert_eq!(chosen(&Profile::default(), &request(1_700), &cands, 0), 0);
+}
+
+#[test]
 fn saturation_is_reported_only_when_every_competitor_is_saturated() {
     let mut cands = fleet(2);
     cands[0].load.waiting = Some(10.0);

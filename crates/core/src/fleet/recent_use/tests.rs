@@ -50,7 +50,7 @@ fn endpoint(inflight: &[Vec<RouterKey>], ended: &[Vec<RouterKey>]) -> (PinnedBlo
     }
     let mut recent = RecentUse::default();
     for keys in ended {
-        recent.ended(Arc::new(keys.clone()));
+        recent.ended(Arc::new(keys.clone()), 0.0);
     }
     (pinned, recent)
 }
@@ -240,7 +240,7 @@ fn a_context_every_question_reuses_counts_once() {
     };
     let mut recent = RecentUse::default();
     for q in 0..30 {
-        recent.ended(question(q));
+        recent.ended(question(q), 0.0);
     }
     let prompt = question(30);
     let parts = recent
@@ -262,7 +262,7 @@ fn a_context_every_question_reuses_counts_once() {
 fn the_window_keeps_the_newest_requests() {
     let mut recent = RecentUse::default();
     for r in 0..(ENDED_KEPT as u64 + 10) {
-        recent.ended(Arc::new(vec![RouterKey(r + 1)]));
+        recent.ended(Arc::new(vec![RouterKey(r + 1)]), 0.0);
     }
     assert_eq!(recent.ended.len(), ENDED_KEPT);
     assert_eq!(recent.ended.front().map(|k| k[0]), Some(RouterKey(11)));
@@ -271,7 +271,7 @@ fn the_window_keeps_the_newest_requests() {
             .map(|k| RouterKey(10_000 + k))
             .collect::<Vec<_>>(),
     );
-    recent.ended(long);
+    recent.ended(long, 0.0);
     assert_eq!(
         recent.ended.len(),
         1,
@@ -280,11 +280,62 @@ fn the_window_keeps_the_newest_requests() {
     assert_eq!(recent.keys, KEYS_KEPT);
     // One longer than the budget is kept alone: the newest request is always known.
     let longer = Arc::new((0..KEYS_KEPT as u64 + 5).map(RouterKey).collect::<Vec<_>>());
-    recent.ended(longer);
+    recent.ended(longer, 0.0);
     assert_eq!(recent.ended.len(), 1);
     assert_eq!(recent.keys, KEYS_KEPT + 5);
     recent.clear();
     assert!(recent.ended.is_empty());
+    assert!(recent.ended_at.is_empty());
+}
+
+/// Two tenants' 40-block contexts, each question 2 blocks more; `a_questions` of tenant A then
+/// `b_questions` of tenant B ended here, one every 0.1 s from t = 0.
+fn two_tenants(
+    a_questions: u64,
+    b_questions: u64,
+) -> (RecentUse, impl Fn(u64, u64) -> Vec<RouterKey>) {
+    let question = |tenant: u64, q: u64| {
+        let mut keys: Vec<RouterKey> = (0..40).map(|i| RouterKey(tenant * 1_000 + i + 1)).collect();
+        keys.extend([
+            RouterKey(100_000 + tenant * 1_000 + 2 * q),
+            RouterKey(100_001 + tenant * 1_000 + 2 * q),
+        ]);
+        keys
+    };
+    let mut recent = RecentUse::default();
+    let tenants = std::iter::repeat_n(1, a_questions as usize)
+        .chain(std::iter::repeat_n(2, b_questions as usize));
+    for (at, tenant) in tenants.enumerate() {
+        recent.ended(Arc::new(question(tenant, at as u64)), at as f64 * 0.1);
+    }
+    (recent, question)
+}
+
+#[test]
+fn requests_that_would_not_fit_beside_one_are_counted_at_their_rate() {
+    // 10 questions of tenant A, then 10 of B, one every 0.1 s: at t = 2.0, 19 over 2 s.
+    let (recent, question) = two_tenants(10, 10);
+    let a = question(1, 99);
+    // A cache of 80 blocks: a 43-block request of A fits beside A's (they share 40 blocks) and
+    // not beside B's (43 + 42 + 1 > 80).
+    let per_s = recent.not_fitting_per_s(&a, 43, 80, 2.0);
+    assert!((per_s - 19.0 / 2.0 * 10.0 / 20.0).abs() < 1e-9, "{per_s}");
+    // Of B's kind: A's questions are the ones that would not fit.
+    let b = question(2, 99);
+    assert!((recent.not_fitting_per_s(&b, 43, 80, 2.0) - per_s).abs() < 1e-9);
+    // A cache that holds both: nothing waits.
+    assert_eq!(recent.not_fitting_per_s(&a, 43, 90, 2.0), 0.0);
+    // The rate falls as time passes with nothing new ending here.
+    assert!(recent.not_fitting_per_s(&a, 43, 80, 20.0) < per_s / 5.0);
+}
+
+#[test]
+fn a_request_of_the_only_kind_here_blocks_nothing() {
+    let (recent, question) = two_tenants(20, 0);
+    assert_eq!(recent.not_fitting_per_s(&question(1, 99), 43, 80, 2.0), 0.0);
+    // Too little seen to say how often requests come: nothing is charged.
+    let (one, question) = two_tenants(0, 1);
+    assert_eq!(one.not_fitting_per_s(&question(1, 99), 43, 80, 2.0), 0.0);
 }
 
 #[test]

@@ -784,6 +784,12 @@ impl EndpointConfig {
         }
     }
 
+    /// The name the router knows it by in logs, metrics and `x-kvroute-endpoint`: its `name`,
+    /// or else `authority`, its URL's `host:port` exactly as written (case and all).
+    pub fn name_or_authority<'a>(&'a self, authority: &'a http::uri::Authority) -> &'a str {
+        self.name.as_deref().unwrap_or(authority.as_str())
+    }
+
     /// Checks one endpoint (`field` names it in errors) against the configured model `names`.
     pub fn validate(&self, field: &str, names: &[&str]) -> Result<(), RouterError> {
         let e = self;
@@ -1121,32 +1127,33 @@ impl RouterConfig {
 }
 
 impl RouterConfig {
-    /// Checks the HTTP edge: limits and the admin listener.
     /// Two endpoints that are one engine (the same host and port: the router sends to the
     /// URL's authority alone; or the same KV-event address) would split its load and its cache
     /// picture in two; two of one name, given or defaulted to the authority, would share its
     /// metrics and its `x-kvroute-endpoint` answers.
     fn validate_endpoints_distinct(&self) -> Result<(), RouterError> {
         let endpoints = &self.endpoints;
-        // Endpoints are validated first: their URLs parse.
-        let authorities: Vec<String> = endpoints
+        // Endpoints are validated first: their URLs parse and have a host.
+        let authorities: Vec<http::uri::Authority> = endpoints
             .iter()
             .map(|e| {
-                e.url
-                    .parse::<http::Uri>()
-                    .ok()
-                    .and_then(|u| u.authority().map(|a| a.as_str().to_ascii_lowercase()))
-                    .unwrap_or_else(|| e.url.clone())
+                let url: http::Uri = e.url.parse().expect("validated");
+                url.authority().expect("validated").clone()
             })
+            .collect();
+        // Host names are case-insensitive: `A:1` and `a:1` are one engine.
+        let engines: Vec<String> = authorities
+            .iter()
+            .map(|a| a.as_str().to_ascii_lowercase())
             .collect();
         let names: Vec<&str> = endpoints
             .iter()
             .zip(&authorities)
-            .map(|(e, authority)| e.name.as_deref().unwrap_or(authority))
+            .map(|(e, authority)| e.name_or_authority(authority))
             .collect();
         for (i, e) in endpoints.iter().enumerate() {
             let earlier = &endpoints[..i];
-            let same_url = authorities[..i].contains(&authorities[i]);
+            let same_url = engines[..i].contains(&engines[i]);
             let same_events = e
                 .events
                 .as_ref()
@@ -1155,7 +1162,7 @@ impl RouterConfig {
             let why = match (same_url, same_events, same_name) {
                 (true, ..) => format!(
                     "{:?} is another endpoint's host and port ({})",
-                    e.url, authorities[i]
+                    e.url, engines[i]
                 ),
                 (_, true, _) => format!("{:?} is another endpoint's events address", e.events),
                 (.., true) => format!("{:?} is another endpoint's name", names[i]),
@@ -1166,6 +1173,7 @@ impl RouterConfig {
         Ok(())
     }
 
+    /// Checks the HTTP edge: limits and the admin listener.
     fn validate_edge(&self) -> Result<(), RouterError> {
         let l = &self.limits;
         for (field, value) in [
@@ -1488,5 +1496,38 @@ mod tests {
             let e = RouterConfig::from_yaml(yaml).unwrap_err().to_string();
             assert!(e.contains(want), "{yaml}\n=> {e}");
         }
+    }
+
+    #[test]
+    fn names_are_checked_as_the_router_gives_them() {
+        // An unnamed endpoint is known by its URL's host and port as written, case and all.
+        let unnamed = "{url: 'http://Host-A:8000'}";
+        let config =
+            |other: &str| format!("models: [{{name: m}}]\nendpoints: [{unnamed}, {other}]");
+        let running = RouterConfig::from_yaml(&config("{url: 'http://b:1'}")).unwrap();
+        let given = crate::endpoint::Endpoint::new(
+            kvroute_core::index::EndpointId(0),
+            running.endpoints[0].clone(),
+        );
+        assert_eq!(given.name, "Host-A:8000");
+        // Another endpoint named so would share its metrics and its answers.
+        let clash = config("{url: 'http://b:1', name: 'Host-A:8000'}");
+        let err = RouterConfig::from_yaml(&clash).unwrap_err().to_string();
+        assert!(
+            err.contains("endpoints[1]: \"Host-A:8000\" is another endpoint's name"),
+            "{err}"
+        );
+        // Names are compared as written: one that differs in case is another name.
+        let distinct = config("{url: 'http://b:1', name: 'host-a:8000'}");
+        RouterConfig::from_yaml(&distinct).unwrap();
+        // Host names are not: the same host in other case is the same engine.
+        let same_engine = config("{url: 'http://host-a:8000'}");
+        let err = RouterConfig::from_yaml(&same_engine)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is another endpoint's host and port (host-a:8000)"),
+            "{err}"
+        );
     }
 }

@@ -43,7 +43,7 @@ impl Endpoint {
     pub fn new(id: EndpointId, config: EndpointConfig) -> Self {
         let uri: http::Uri = config.url.parse().expect("validated");
         let authority = uri.authority().expect("validated").clone();
-        let name = config.name.clone().unwrap_or_else(|| authority.to_string());
+        let name = config.name_or_authority(&authority).to_owned();
         Self {
             id,
             name,

@@ -266,17 +266,18 @@ mod tests {
         assert_eq!(held, 0, "a block of the batch outlived the forget");
     }
 
-    #[test]
-    fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
+    // Paused: the fleet's clock is tokio's, so the wait for the free slot takes no real time.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_batch_of_a_departed_endpoint_never_reaches_the_one_that_took_its_id() {
         let yaml = "models: [{name: m}]\nendpoints:\n  - {url: 'http://127.0.0.1:1', events: 'tcp://127.0.0.1:1'}\nlimits: {connect_timeout_ms: 1}\n";
         let router = Arc::new(Router::new(RouterConfig::from_yaml(yaml).unwrap()).unwrap());
         let id = EndpointId(0);
         let departed = sink(&router, &router.endpoint(id));
         assert!(router.deregister(id).is_some());
-        // Its id is free once nothing planned there can still be dispatched.
-        std::thread::sleep(std::time::Duration::from_secs_f64(
-            router.config().slot_reuse_after_s(),
-        ));
+        // Its id is free once nothing planned there can still be dispatched: that span of time
+        // is the condition itself, so the paused clock is moved on by it.
+        let settle = std::time::Duration::from_secs_f64(router.config().slot_reuse_after_s());
+        tokio::time::advance(settle).await;
         let newcomer = router.register(endpoint(2)).unwrap();
         assert_eq!(newcomer.id, id, "the newcomer takes the free slot");
         departed.apply(id, 1, &stored());

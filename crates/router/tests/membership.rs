@@ -7,11 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::routing::post;
-use common::config_builder::{ConfigBuilder, endpoint};
+use common::config_builder::{ConfigBuilder, endpoint, pd_always};
 use common::{engine, fake_engine};
 use kvroute_core::index::EndpointId;
-use kvroute_core::schedule::Role;
-use kvroute_router::config::{EndpointConfig, PdMode};
+use kvroute_router::config::EndpointConfig;
 use kvroute_router::server::start;
 use kvroute_router::testing::Membership;
 use kvroute_sim::server::SimFleet;
@@ -122,25 +121,14 @@ async fn a_departed_endpoints_series_stay_gone_when_its_last_request_ends() {
     let config = ConfigBuilder::new(MODEL)
         .url("p", &common::prefill_engine().await)
         .url("d", &decode)
-        .with(|c| {
-            c.endpoints[0].role = Role::Prefill;
-            c.endpoints[1].role = Role::Decode;
-            c.pd.mode = PdMode::Always;
-        })
+        .with(pd_always)
         .build();
     let running = start(config).await.unwrap();
-    let in_flight = tokio::spawn({
-        let addr = running.addr;
-        async move {
-            let response = reqwest::Client::new()
-                .post(format!("http://{addr}/v1/completions"))
-                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": true}))
-                .send()
-                .await
-                .unwrap();
-            (response.status().as_u16(), response.text().await.unwrap())
-        }
-    });
+    let in_flight = common::spawn_completion(
+        reqwest::Client::new(),
+        running.addr,
+        json!({"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": true}),
+    );
     eventually("the decode leg reached d", || {
         (reached.load(Ordering::SeqCst), ())
     })

@@ -18,7 +18,7 @@ use axum::body::Body;
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use common::config_builder::ConfigBuilder;
+use common::config_builder::{ConfigBuilder, pd_always};
 use futures::StreamExt;
 use kvroute_router::config::RouterConfig;
 use kvroute_router::server::{RunningRouter, start as start_router};
@@ -249,12 +249,7 @@ async fn a_prefill_answer_too_large_to_read_does_not_eject_the_prefill_endpoint(
         .as_bytes();
     let prefill = answering_engine(huge).await;
     let decode = answering_engine(br#"{"choices": [{"text": "a"}]}"#).await;
-    let router = router(&[&prefill, &decode], |c| {
-        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
-        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
-        c.pd.mode = kvroute_router::config::PdMode::Always;
-    })
-    .await;
+    let router = router(&[&prefill, &decode], pd_always).await;
     let client = reqwest::Client::new();
     // More than the outlier detector's consecutive failures (5).
     for _ in 0..7 {
@@ -293,9 +288,7 @@ async fn a_decode_leg_stalled_before_its_first_byte_strikes_its_pair() {
     let prefill = common::prefill_engine().await;
     let decode = headers_then_silence_engine().await;
     let router = router(&[&prefill, &decode], |c| {
-        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
-        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
-        c.pd.mode = kvroute_router::config::PdMode::Always;
+        pd_always(c);
         c.limits.response_timeout_s = 0.3;
     })
     .await;
@@ -358,30 +351,13 @@ async fn a_failed_decode_leg_served_aggregated_counts_its_prompt_on_the_next_dec
         script.engine(1, held.clone()).await,
         script.engine(2, held).await,
     ];
-    let router = router(&[&prefill, &decoders[0], &decoders[1]], |c| {
-        c.endpoints[0].role = kvroute_core::schedule::Role::Prefill;
-        c.endpoints[1].role = kvroute_core::schedule::Role::Decode;
-        c.endpoints[2].role = kvroute_core::schedule::Role::Decode;
-        c.pd.mode = kvroute_router::config::PdMode::Always;
-    })
-    .await;
+    let router = router(&[&prefill, &decoders[0], &decoders[1]], pd_always).await;
     let client = reqwest::Client::new();
     let request = json!({"model": MODEL, "prompt": "a long document nobody sent before. ".repeat(40), "max_tokens": 2, "stream": true});
     let prompt_tokens = common::explain(&client, &router, &request).await["prompt_tokens"]
         .as_u64()
         .unwrap();
-    let in_flight = tokio::spawn({
-        let addr = router.addr;
-        async move {
-            let response = client
-                .post(format!("http://{addr}/v1/completions"))
-                .json(&request)
-                .send()
-                .await
-                .unwrap();
-            (response.status().as_u16(), response.text().await.unwrap())
-        }
-    });
+    let in_flight = common::spawn_completion(client, router.addr, request);
     kvroute_testkit::eventually("the request reached the next decoder", || {
         let held = script.held.lock().unwrap().clone();
         (held.is_some(), held)

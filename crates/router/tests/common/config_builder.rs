@@ -2,8 +2,10 @@
 //! simulated fleets, and closures for the knobs a test turns, instead of YAML assembled with
 //! `format!`.
 
+use kvroute_core::schedule::Role;
 use kvroute_router::config::{
-    EndpointConfig, KubeDiscovery, ModelConfig, ReplicasConfig, RouterConfig, TokenizerConfig,
+    EndpointConfig, KubeDiscovery, ModelConfig, PdMode, ReplicasConfig, RouterConfig,
+    TokenizerConfig,
 };
 use kvroute_sim::server::{EngineEndpoint, SimFleet};
 
@@ -147,6 +149,16 @@ impl ConfigBuilder {
             .expect("the test configuration is valid");
         self.config
     }
+}
+
+/// Makes `config`'s endpoints a P/D fleet that disaggregates every request (`pd.mode:
+/// always`): the first endpoint is the prefill one, every other a decoder. For
+/// [`ConfigBuilder::with`], or a test's own change of the configuration.
+pub fn pd_always(config: &mut RouterConfig) {
+    for (i, endpoint) in config.endpoints.iter_mut().enumerate() {
+        endpoint.role = if i == 0 { Role::Prefill } else { Role::Decode };
+    }
+    config.pd.mode = PdMode::Always;
 }
 
 /// A model named `name` with every other field at its default.

@@ -169,6 +169,24 @@ pub async fn explain(
         .unwrap()
 }
 
+/// Sends `body` to the completions API of the router at `addr`, in a task of its own (a request
+/// a test keeps in flight while it acts): the answer's status and whole body once it ends.
+pub fn spawn_completion(
+    client: reqwest::Client,
+    addr: std::net::SocketAddr,
+    body: Value,
+) -> tokio::task::JoinHandle<(u16, String)> {
+    tokio::spawn(async move {
+        let response = client
+            .post(format!("http://{addr}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    })
+}
+
 /// `POST path` of `body` on `router`'s API listener.
 pub async fn post_api(
     client: &reqwest::Client,

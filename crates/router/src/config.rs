@@ -762,6 +762,18 @@ fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
     RouterError::Config(format!("{field}: {why}"))
 }
 
+/// How two endpoints collide, the gravest first: what configuration validation refuses at
+/// start and a joining endpoint is refused for while the router runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum EndpointClash {
+    /// One engine (the same host and port): its load and cache picture would split in two.
+    SameEngine,
+    /// One KV-event address: one engine's events would feed two endpoints.
+    SameEvents,
+    /// One name: the two would share metrics and `x-kvroute-endpoint` answers.
+    SameName,
+}
+
 impl EndpointConfig {
     /// What the KV index must know of its offloaded tiers: the configured mount, else the one
     /// its pod label names.
@@ -788,6 +800,49 @@ impl EndpointConfig {
     /// or else `authority`, its URL's `host:port` exactly as written (case and all).
     pub fn name_or_authority<'a>(&'a self, authority: &'a http::uri::Authority) -> &'a str {
         self.name.as_deref().unwrap_or(authority.as_str())
+    }
+
+    /// How this endpoint, whose URL has `authority`, collides with `other` (URL authority
+    /// `other_authority`), the gravest way: the same engine (the same host and port, host case
+    /// ignored: the router sends to the URL's authority alone), the same KV-event address, or
+    /// the same name as the router gives them ([`Self::name_or_authority`]). `None` when the
+    /// two can serve side by side.
+    pub fn clash_with(
+        &self,
+        authority: &http::uri::Authority,
+        other: &EndpointConfig,
+        other_authority: &http::uri::Authority,
+    ) -> Option<EndpointClash> {
+        if authority
+            .as_str()
+            .eq_ignore_ascii_case(other_authority.as_str())
+        {
+            Some(EndpointClash::SameEngine)
+        } else if self.events.is_some() && self.events == other.events {
+            Some(EndpointClash::SameEvents)
+        } else if self.name_or_authority(authority) == other.name_or_authority(other_authority) {
+            Some(EndpointClash::SameName)
+        } else {
+            None
+        }
+    }
+
+    /// Why this endpoint (URL authority `authority`) cannot join beside one it has `clash` with.
+    pub fn clash_reason(&self, authority: &http::uri::Authority, clash: EndpointClash) -> String {
+        match clash {
+            EndpointClash::SameEngine => format!(
+                "{:?} is another endpoint's host and port ({})",
+                self.url,
+                authority.as_str().to_ascii_lowercase()
+            ),
+            EndpointClash::SameEvents => {
+                format!("{:?} is another endpoint's events address", self.events)
+            }
+            EndpointClash::SameName => format!(
+                "{:?} is another endpoint's name",
+                self.name_or_authority(authority)
+            ),
+        }
     }
 
     /// Checks one endpoint (`field` names it in errors) against the configured model `names`.
@@ -1141,34 +1196,14 @@ impl RouterConfig {
                 url.authority().expect("validated").clone()
             })
             .collect();
-        // Host names are case-insensitive: `A:1` and `a:1` are one engine.
-        let engines: Vec<String> = authorities
-            .iter()
-            .map(|a| a.as_str().to_ascii_lowercase())
-            .collect();
-        let names: Vec<&str> = endpoints
-            .iter()
-            .zip(&authorities)
-            .map(|(e, authority)| e.name_or_authority(authority))
-            .collect();
         for (i, e) in endpoints.iter().enumerate() {
-            let earlier = &endpoints[..i];
-            let same_url = engines[..i].contains(&engines[i]);
-            let same_events = e
-                .events
-                .as_ref()
-                .is_some_and(|ev| earlier.iter().any(|o| o.events.as_ref() == Some(ev)));
-            let same_name = names[..i].contains(&names[i]);
-            let why = match (same_url, same_events, same_name) {
-                (true, ..) => format!(
-                    "{:?} is another endpoint's host and port ({})",
-                    e.url, engines[i]
-                ),
-                (_, true, _) => format!("{:?} is another endpoint's events address", e.events),
-                (.., true) => format!("{:?} is another endpoint's name", names[i]),
-                _ => continue,
-            };
-            return Err(invalid(&format!("endpoints[{i}]"), why));
+            let gravest = (0..i)
+                .filter_map(|j| e.clash_with(&authorities[i], &endpoints[j], &authorities[j]))
+                .min();
+            if let Some(clash) = gravest {
+                let why = e.clash_reason(&authorities[i], clash);
+                return Err(invalid(&format!("endpoints[{i}]"), why));
+            }
         }
         Ok(())
     }

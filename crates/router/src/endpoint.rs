@@ -56,6 +56,15 @@ impl Endpoint {
         }
     }
 
+    /// Why it cannot join beside `other`: the same engine, KV-event address or name
+    /// ([`EndpointConfig::clash_with`]); `None` when it can.
+    pub fn clash_with(&self, other: &Endpoint) -> Option<String> {
+        let clash = self
+            .config
+            .clash_with(&self.authority, &other.config, &other.authority)?;
+        Some(self.config.clash_reason(&self.authority, clash))
+    }
+
     /// Stops its subscriber and background tasks (removed, or the router is shutting down).
     pub fn stop(&self) {
         self.subscriber.lock().take();

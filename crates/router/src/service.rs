@@ -162,6 +162,20 @@ impl Router {
         // router knows the id the fleet may already plan with.
         let mut fleet = self.fleet.lock();
         let provisional = Endpoint::new(EndpointId(0), config.clone());
+        // As configuration validation refuses them at start: a present endpoint that is the
+        // same engine (host and port, or KV-event address) or has the same name.
+        if let Some(why) = self
+            .registry
+            .all()
+            .iter()
+            .filter(|e| self.is_current(&fleet, e))
+            .find_map(|e| provisional.clash_with(e))
+        {
+            return Err(RouterError::Config(format!(
+                "endpoint {:?}: {why}",
+                provisional.name
+            )));
+        }
         let id = fleet
             .add_endpoint(spec_of(&self.config, &provisional), now)
             .map_err(|e| RouterError::Config(e.to_string()))?;

@@ -70,6 +70,18 @@ async fn endpoints_join_and_leave_a_running_router() {
         metrics().contains("endpoint=\"b\""),
         "b has series while present"
     );
+    // While b is present, its engine cannot join again under another name, nor another
+    // engine under its name (they would split b's load, or share its series).
+    let err = router
+        .add_endpoint(endpoint_config(&b, "b2"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("another endpoint's host and port"), "{err}");
+    let mut named_a = endpoint_config(&b, "a");
+    named_a.url = "http://127.0.0.1:1".into();
+    named_a.events = None;
+    let err = router.add_endpoint(named_a).unwrap_err().to_string();
+    assert!(err.contains("\"a\" is another endpoint's name"), "{err}");
 
     // b leaves: nothing goes there any more, its tasks stop, and a bad config is refused.
     assert!(router.remove_endpoint(id));

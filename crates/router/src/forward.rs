@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::Full;
-use kvroute_core::fleet::{AttemptFailure, UpstreamOutcome};
+use kvroute_core::fleet::{AttemptFailure, DecodeRetry, FailedDecodeLeg, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
 use tracing::warn;
@@ -78,13 +78,12 @@ pub(crate) fn upstream_request(
 }
 
 /// Whether the attempt on `id` that failed with `failure` is followed by one on the next
-/// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as such only
-/// when it surely pulled nothing (no connection was made), the producer still holds the blocks
-/// and the next endpoint is not the producer itself (in a kv_both fleet it may be: NIXL refuses
-/// a handshake with its own engine); otherwise the next attempt serves the request aggregated:
-/// the client's own body, its prompt computed there (next to nothing on the producer, which
-/// holds it) and counted in that endpoint's load as the plan predicted it
-/// ([`DecodeLeg::into_aggregated`]).
+/// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as one or the
+/// request is served aggregated on the next endpoint, as core decides
+/// ([`Fleet::decode_leg_failed`]): aggregated, it is sent the client's own body, with the
+/// cached tokens core predicts there.
+///
+/// [`Fleet::decode_leg_failed`]: kvroute_core::fleet::Fleet::decode_leg_failed
 fn retry_after(
     a: &mut ForwardArgs<'_>,
     id: EndpointId,
@@ -94,15 +93,30 @@ fn retry_after(
     if !pipeline::retry(a.router, &a.leg, id, failure, attempt) {
         return false;
     }
-    let next = a.leg.ranking.get(attempt + 1).copied();
-    let on_producer = a.decode.as_ref().is_some_and(|d| next == Some(d.prefill));
-    let pulls_again = failure == AttemptFailure::Connect
-        && !on_producer
-        && a.decode.as_ref().is_some_and(DecodeLeg::may_retry);
-    if !pulls_again && let Some(decode) = a.decode.take() {
-        a.router.metrics().pd.fallback("decode_failed");
-        warn!(request_id = %a.context.request_id, ?failure, on_producer, "the decode leg cannot go on as one (its consumer may have pulled, the producer's hold is over, or the next decode endpoint is the producer itself); serving the request aggregated on the next decode endpoint");
-        (a.body, a.leg.predicted_cached) = decode.into_aggregated(a.router, next);
+    let Some(decode) = a.decode.take() else {
+        return true;
+    };
+    let failed = FailedDecodeLeg {
+        plan: &decode.plan,
+        producer: decode.prefill,
+        prompt_tokens: decode.prompt_tokens,
+        next: a.leg.ranking.get(attempt + 1).copied(),
+        failure,
+        lease_holds: decode.may_retry(),
+    };
+    let now = a.router.now();
+    let verdict = a.router.fleet().decode_leg_failed(failed, now);
+    match verdict {
+        DecodeRetry::PullAgain => a.decode = Some(decode),
+        DecodeRetry::Aggregated {
+            predicted_cached,
+            next_is_producer,
+        } => {
+            a.router.metrics().pd.fallback("decode_failed");
+            warn!(request_id = %a.context.request_id, ?failure, on_producer = next_is_producer, "the decode leg cannot go on as one (its consumer may have pulled, the producer's hold is over, or the next decode endpoint is the producer itself); serving the request aggregated on the next decode endpoint");
+            a.body = decode.aggregated_body;
+            a.leg.predicted_cached = predicted_cached;
+        }
     }
     true
 }

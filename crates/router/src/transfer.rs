@@ -61,7 +61,7 @@ pub(crate) struct DecodeLeg {
     /// could read another request's KV; computing the prompt again is always right.
     pub(crate) aggregated_body: Bytes,
     /// The request's plan: what serving it aggregated predicts and brings to the endpoint that
-    /// computes it ([`DecodeLeg::into_aggregated`]).
+    /// computes it ([`Fleet::decode_leg_failed`](kvroute_core::fleet::Fleet::decode_leg_failed)).
     pub(crate) plan: Plan,
 }
 
@@ -101,37 +101,10 @@ impl DecodeLeg {
         }
     }
 
-    /// Whether another decode endpoint may still pull the blocks.
+    /// Whether the producer's hold on the blocks still lasts, so that another decode endpoint
+    /// may still pull them.
     pub(crate) fn may_retry(&self) -> bool {
         lease_holds(self.lease_until)
-    }
-
-    /// The decode leg failed and does not go on as one: the request is served aggregated on
-    /// `next` (the ranking's next endpoint, if any). Returns the body to send, the client's own,
-    /// and the cached tokens predicted per endpoint: the plan's own, not the decode leg's
-    /// (which credits each decoder with the whole prompt it would pull), so that the prompt
-    /// `next` computes counts in its queued prefill; that prefill's work is recorded as
-    /// reaching `next`, as after a failed prefill leg. On the producer itself (a kv_both
-    /// fleet's next decoder may be it), the prefill leg left the prompt cached: predicted whole
-    /// there, with nearly nothing to compute.
-    pub(crate) fn into_aggregated(
-        mut self,
-        router: &Router,
-        next: Option<EndpointId>,
-    ) -> (Bytes, Vec<usize>) {
-        match next {
-            Some(next) if next == self.prefill => {
-                if let Some(slot) = self.plan.predicted_cached.get_mut(next.0 as usize) {
-                    *slot = self.prompt_tokens;
-                }
-            }
-            Some(next) => {
-                let now = router.now();
-                router.fleet().prefill_sent(&self.plan, next, now);
-            }
-            None => {}
-        }
-        (self.aggregated_body, self.plan.predicted_cached)
     }
 }
 

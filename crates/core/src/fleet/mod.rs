@@ -53,7 +53,7 @@ use crate::schedule::{
 use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 use copy_rent::CopyRents;
-pub use disagg::{DisaggConfig, TransfersDropped};
+pub use disagg::{DecodeRetry, DisaggConfig, FailedDecodeLeg, TransfersDropped};
 use endpoint::RatePool;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample, PREFILL_RATE_SAMPLE_WEIGHT,

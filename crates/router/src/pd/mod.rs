@@ -177,8 +177,8 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
         Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
     );
     // A second decode-capable endpoint to retry on, if the producer still holds the blocks as
-    // its answer comes (`forward::retry_after` then decides between a pull and the aggregated
-    // body); a hold already over leaves the decode pick alone, with no retry.
+    // its answer comes (core's `Fleet::decode_leg_failed` then decides between a pull and the
+    // aggregated body); a hold already over leaves the decode pick alone, with no retry.
     let lease_until = lease_expiry_unix_s(&answer.params);
     let ranking = if lease_holds(lease_until) {
         decoders.iter().copied().take(2).collect()

@@ -8,7 +8,9 @@
 //! where the prefill was sent ([`Fleet::prefill_sent`]: the endpoint that computes it, whatever
 //! was chosen) and the transfer's life: [`Fleet::transfer_started`] once both legs are sent,
 //! [`Fleet::observe_transfer`] with its measured seconds, or [`Fleet::observe_failure`], and
-//! [`Fleet::transfer_ended`] when its bytes have left the NICs.
+//! [`Fleet::transfer_ended`] when its bytes have left the NICs. A decode leg that fails is
+//! followed by a pull on the next decoder or the request served aggregated
+//! ([`Fleet::decode_leg_failed`]).
 //!
 //! The transfers in flight are bounded: one whose end is never reported expires (after
 //! [`TRANSFER_EXPIRY_FACTOR`] × the link's predicted time for it, at least
@@ -27,6 +29,10 @@ use crate::schedule::disagg::{
 use crate::schedule::{
     Candidate, Decision, Profile, RequestInfo, Role, assess, rejection, saturated_load,
 };
+
+mod decode_retry;
+
+pub use decode_retry::{DecodeRetry, FailedDecodeLeg};
 
 /// How the fleet prices and learns P/D.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -607,6 +613,8 @@ impl Fleet {
     }
 }
 
+#[cfg(test)]
+mod decode_retry_tests;
 #[cfg(test)]
 mod naive_tests;
 #[cfg(test)]

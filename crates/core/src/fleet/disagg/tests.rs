@@ -11,7 +11,8 @@ use crate::schedule::{Profile, ProfileName};
 
 const BS: usize = 16;
 
-fn fleet(roles: &[Role]) -> Fleet {
+/// A fleet of one endpoint per role, `e0`, `e1`, …, all serving model `m`.
+pub(super) fn fleet(roles: &[Role]) -> Fleet {
     let specs = roles
         .iter()
         .enumerate()
@@ -32,7 +33,8 @@ fn fleet(roles: &[Role]) -> Fleet {
     .unwrap()
 }
 
-fn config(link: &str) -> DisaggConfig {
+/// P/D pricing over the `link` preset.
+pub(super) fn config(link: &str) -> DisaggConfig {
     DisaggConfig {
         link: LinkPrior::parse(link).unwrap(),
         learning: LinkLearning::default(),
@@ -41,7 +43,8 @@ fn config(link: &str) -> DisaggConfig {
     }
 }
 
-fn plan(fleet: &mut Fleet, tokens: usize) -> Plan {
+/// The plan of a fresh prompt of `tokens` tokens at time 0.
+pub(super) fn plan(fleet: &mut Fleet, tokens: usize) -> Plan {
     plan_at(fleet, tokens, 0.0)
 }
 

@@ -303,7 +303,9 @@ pub struct Decision {
     pub assessments: Vec<Assessment>,
     /// Why the first was chosen.
     pub reason: Reason,
-    /// Every competing candidate is saturated (flow control may hold the request). Under P/D
+    /// Every competing candidate is saturated, or none competes but some were left out only
+    /// for their load (an open circuit breaker, a filter's queue or KV-cache limit): flow
+    /// control may hold the request. Under P/D
     /// a fleet's plan reads only its decode-capable competitors, where the request decodes
     /// (`Fleet::plan`).
     pub saturated: bool,
@@ -402,12 +404,16 @@ pub fn schedule(
     let competing: Vec<usize> = (0..assessments.len())
         .filter(|&i| assessments[i].rejected.is_none())
         .collect();
-    // Every competing candidate saturated, or none left but for open circuit breakers: flow
-    // control may hold the request until one frees up.
+    // Every competing candidate saturated, or none left but for those too busy for now (open
+    // circuit breakers, a waiting queue or KV cache over its filter's limit): flow control may
+    // hold the request until one frees up.
     let saturated = if competing.is_empty() {
-        assessments
-            .iter()
-            .any(|a| a.rejected == Some(Rejection::CircuitOpen))
+        assessments.iter().any(|a| {
+            matches!(
+                a.rejected,
+                Some(Rejection::CircuitOpen | Rejection::QueueFull | Rejection::KvCacheFull)
+            )
+        })
     } else {
         competing.iter().all(|&i| assessments[i].saturated)
     };

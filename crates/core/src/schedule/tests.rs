@@ -383,6 +383,12 @@ fn filters_remove_unhealthy_wrong_model_and_full_endpoints() {
     let none = schedule(&profile, &request(100), &cands[..4], 1, 0);
     assert_eq!(none.chosen(), None);
     assert_eq!(none.reason, Reason::NoCandidate);
+    // Those left out for their load may take it later: flow control may hold the request.
+    assert!(none.saturated);
+    // Those that cannot serve it whatever their load leave nothing to wait for.
+    let never = schedule(&profile, &request(100), &cands[..2], 1, 0);
+    assert_eq!(never.chosen(), None);
+    assert!(!never.saturated);
 }
 
 #[test]

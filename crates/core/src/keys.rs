@@ -54,24 +54,58 @@ pub enum ExtraKey {
 /// The extra keys of one block: `None` when the block has none (vLLM hashes `None`).
 pub type BlockExtraKeys = Option<Vec<ExtraKey>>;
 
-/// Extra keys for every block of a request, as vLLM derives them for a plain text prompt:
-/// the LoRA name on every block, then the cache salt on the first block only.
+/// Extra keys for every block of a request, as vLLM 0.12–0.30 derives them for a plain text
+/// prompt (and every version publishes them in its events): the LoRA name on every block, then
+/// the cache salt on the first block only.
 pub fn request_extra_keys(
     num_blocks: usize,
     lora_name: Option<&str>,
     cache_salt: Option<&str>,
 ) -> Vec<BlockExtraKeys> {
+    per_block_extra_keys(
+        num_blocks,
+        lora_name.map(|name| ExtraKey::Str(name.to_owned())),
+        cache_salt.map(|salt| ExtraKey::Str(salt.to_owned())),
+    )
+}
+
+/// Extra keys for every block of a request as vLLM 0.31+ hashes them: tagged tuples, `("lora",
+/// name, path)` on every block, then `("cache_salt", salt)` on the first block only. Its events
+/// still publish the untagged form ([`request_extra_keys`], the name without the path).
+pub fn request_extra_keys_tagged(
+    num_blocks: usize,
+    lora: Option<(&str, &str)>,
+    cache_salt: Option<&str>,
+) -> Vec<BlockExtraKeys> {
+    let tagged = |parts: &[&str]| {
+        ExtraKey::List(
+            parts
+                .iter()
+                .map(|p| ExtraKey::Str((*p).to_owned()))
+                .collect(),
+        )
+    };
+    per_block_extra_keys(
+        num_blocks,
+        lora.map(|(name, path)| tagged(&["lora", name, path])),
+        cache_salt.map(|salt| tagged(&["cache_salt", salt])),
+    )
+}
+
+/// `lora` on every one of `num_blocks` blocks, then `salt` on the first block only (vLLM's
+/// order: LoRA, then the salt); `None` for a block with neither.
+fn per_block_extra_keys(
+    num_blocks: usize,
+    lora: Option<ExtraKey>,
+    salt: Option<ExtraKey>,
+) -> Vec<BlockExtraKeys> {
     (0..num_blocks)
         .map(|i| {
-            let mut keys = Vec::new();
-            if let Some(lora) = lora_name {
-                keys.push(ExtraKey::Str(lora.to_owned()));
-            }
-            if i == 0
-                && let Some(salt) = cache_salt
-            {
-                keys.push(ExtraKey::Str(salt.to_owned()));
-            }
+            let keys: Vec<ExtraKey> = lora
+                .iter()
+                .chain(salt.iter().filter(|_| i == 0))
+                .cloned()
+                .collect();
             (!keys.is_empty()).then_some(keys)
         })
         .collect()

@@ -103,6 +103,46 @@ fn hash_prints_vllm_hashes_for_the_fixture_cases() {
     }
 }
 
+/// vLLM 0.31+ hashes a LoRA request's blocks with `("lora", name, path)` and its salt with
+/// `("cache_salt", salt)`. The digests below are vLLM 0.32.0's own: `hash_block_tokens` with
+/// `sha256_cbor` after `init_none_hash` (seed `vllm-none-hash`), the tokens `(i * 7919 + 13) %
+/// 32000` for i in 0..40, extra keys `(lora, salt)` on the first block and `(lora,)` on the
+/// second.
+#[test]
+fn hash_prints_vllm_031_tagged_hashes_for_lora_and_salt() {
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 7919 + 13) % 32000).collect();
+    let tokens = serde_json::to_string(&tokens).unwrap();
+    let tagged = [
+        "hash",
+        "--tagged",
+        "--lora",
+        "my-lora",
+        "--lora-path",
+        "/adapters/my-lora",
+        "--cache-salt",
+        "salt-1",
+    ];
+    let out = kvroute(&tagged, &tokens);
+    succeeded(&out);
+    let got: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let digests: Vec<&str> = got["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["vllm_digest"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        digests,
+        [
+            "5d0198caddd65b3a4d3fdcd84e8fe6df146df0b309e88d9562c1911e1e4ea08f",
+            "80f8ed8f076e5a12f88b257477f0eb57207329e29f95040c736fc1c9e9913ac8",
+        ]
+    );
+    // Without the path there is no 0.31+ hash to give.
+    let out = kvroute(&tagged[..4], &tokens);
+    refused(&out, &["--lora-path"]);
+}
+
 #[test]
 fn hash_rejects_bad_input_with_a_clear_message() {
     let out = kvroute(&["hash"], "[1, 2, -3]");

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use kvroute_core::keys::{BlockExtraKeys, VllmHasher, request_extra_keys, router_keys};
+use kvroute_core::keys::{
+    BlockExtraKeys, VllmHasher, request_extra_keys, request_extra_keys_tagged, router_keys,
+};
 use serde::Serialize;
 
 /// Arguments of `kvroute hash`.
@@ -23,6 +25,14 @@ pub struct HashArgs {
     /// cache_salt (an extra key on the first block).
     #[arg(long, conflicts_with = "extra")]
     cache_salt: Option<String>,
+    /// Hash `--lora` and `--cache-salt` as vLLM 0.31+ does: tagged tuples, `("lora", name,
+    /// path)` (give `--lora-path`) and `("cache_salt", salt)`. Without it, as 0.12–0.30 does:
+    /// the bare name and salt (the form every version's events publish).
+    #[arg(long, conflicts_with = "extra")]
+    tagged: bool,
+    /// The LoRA adapter's path, as the engine loaded it (with `--tagged --lora`).
+    #[arg(long, requires = "tagged")]
+    lora_path: Option<String>,
     /// Explicit per-block extra keys as JSON, e.g. '[["my-lora","salt"],["my-lora"]]'.
     #[arg(long)]
     extra: Option<String>,
@@ -69,6 +79,21 @@ pub fn run(args: HashArgs) -> anyhow::Result<ExitCode> {
             }
             extra.truncate(blocks);
             Some(extra)
+        }
+        None if args.tagged => {
+            let lora = match (&args.lora, &args.lora_path) {
+                (Some(name), Some(path)) => Some((name.as_str(), path.as_str())),
+                (Some(_), None) => bail!(
+                    "--tagged --lora needs --lora-path: vLLM 0.31+ hashes the adapter's path too"
+                ),
+                (None, Some(_)) => bail!("--lora-path needs --lora"),
+                (None, None) => None,
+            };
+            Some(request_extra_keys_tagged(
+                blocks,
+                lora,
+                args.cache_salt.as_deref(),
+            ))
         }
         None if args.lora.is_some() || args.cache_salt.is_some() => Some(request_extra_keys(
             blocks,

@@ -6,7 +6,7 @@
 //! records, the oldest dropped first, so it never grows without bound. Time is passed in.
 //!
 //! It answers exactly as a table of (block, endpoint) → expiry would (the naive model its tests
-//! hold it to), but keeps each recorded chain as a few runs of blocks (see [`tree`]) and one
+//! hold it to), but keeps each recorded chain as a few runs of blocks (see `tree`) and one
 //! record per request, not one per block: recording, shortening, dropping and looking up a
 //! prompt cost a few table operations per run it goes through (a system prompt, each earlier
 //! turn), not several per block.

@@ -305,7 +305,7 @@ const LOWEST_PICKED_PORT: u16 = 10_000;
 const REMEMBERED_PORTS: usize = 4096;
 
 /// What [`free_ports`] keeps between picks: its random state (`0` until the first pick) and
-/// the ports it handed out, oldest first (at most [`REMEMBERED_PORTS`]).
+/// the ports it handed out, oldest first (at most `REMEMBERED_PORTS`).
 static PICKS: std::sync::Mutex<(u64, std::collections::VecDeque<u16>)> =
     std::sync::Mutex::new((0, std::collections::VecDeque::new()));
 
@@ -336,8 +336,8 @@ fn pickable_ports(n: u16) -> (std::ops::Range<u16>, bool) {
 }
 
 /// A run of `n` consecutive free loopback ports (best effort: bound and released), outside the
-/// kernel's ephemeral range where the host leaves room (see [`pickable_ports`]), none of which
-/// is among the last [`REMEMBERED_PORTS`] this process handed out: two servers a test starts
+/// kernel's ephemeral range where the host leaves room (see `pickable_ports`), none of which
+/// is among the last `REMEMBERED_PORTS` this process handed out: two servers a test starts
 /// one after the other never get the same port. Each pick starts at a random place, so test
 /// binaries running at once rarely try the same ports, and never in step.
 pub fn free_ports(n: u16) -> u16 {

@@ -68,7 +68,7 @@ pub struct PeerLoadStats {
     pub ended: u64,
     /// Released unconfirmed after `predicted_ttl_s`.
     pub expired: u64,
-    /// Released unconfirmed because [`MAX_OPEN`] were open, or its id was started again.
+    /// Released unconfirmed because `MAX_OPEN` were open, or its id was started again.
     pub displaced: u64,
     /// Confirmations (of a first token or an end) naming no open request (it expired first, or
     /// never arrived).

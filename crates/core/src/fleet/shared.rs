@@ -182,7 +182,7 @@ impl SharedPrefixes {
     }
 
     /// Blocks of `keys` shared with other prompts: up to and including the deepest block
-    /// after which [`MIN_CONTINUATIONS`] different continuations were seen (0 when none).
+    /// after which `MIN_CONTINUATIONS` different continuations were seen (0 when none).
     pub fn shared_blocks(&self, keys: &[RouterKey]) -> usize {
         let (mut shared, mut depth) = (0, 0);
         while let Some((id, through)) = self.runs.find(&keys[depth..]) {

@@ -27,7 +27,7 @@
 //!   hand stops giving second chances, so the bound is never exceeded.
 //! - **One KV-cache group.** Hybrid models publish per-KV-group events (`group_idx`); the prefix
 //!   index tracks their full-attention group (group 0 until the events say which,
-//!   [`groups`]) and counts the others as ignored.
+//!   `groups`) and counts the others as ignored.
 
 mod bound;
 mod chunked;

@@ -21,7 +21,7 @@ pub struct PdFleetArgs {
     #[arg(long, default_value_t = 0)]
     decode_engines: usize,
     /// P/D: the KV link between engines: tcp (UCX over TCP, 0.55 GB/s), roce-100 (12.1 GB/s),
-    /// ib-400 (49.5 GB/s), or custom:<GB/s>[:<latency ms>].
+    /// ib-400 (49.5 GB/s), or `custom:<GB/s>[:<latency ms>]`.
     #[arg(long, default_value = "tcp", value_parser = parse_link)]
     kv_link: LinkSpec,
 }

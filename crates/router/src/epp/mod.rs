@@ -9,7 +9,7 @@
 //! response headers; the picker answers the response headers with the endpoint's name. It
 //! follows the response body either on the same stream (`response_body_mode: STREAMED`, each
 //! chunk waited for) or, the default (`examples/envoy-epp.yaml`), on a second ext_proc filter's
-//! stream in `observability_mode`, which Envoy does not wait for ([`handoff`]).
+//! stream in `observability_mode`, which Envoy does not wait for (`handoff`).
 
 mod exchange;
 mod handoff;
@@ -67,7 +67,7 @@ impl Default for EppOptions {
     }
 }
 
-/// The ext_proc service: one [`Exchange`] per stream, at most `limits.max_picker_streams`
+/// The ext_proc service: one `Exchange` per stream, at most `limits.max_picker_streams`
 /// routing streams and `limits.max_observer_streams` observer streams at once, their buffered
 /// request bodies charged to the router's buffered-bytes budget.
 pub struct Picker {

@@ -352,7 +352,7 @@ pub fn prefills(role: Role) -> bool {
 
 impl Fleet {
     /// Turns P/D pricing on with `config` (learned links start over). Plans then rank the
-    /// best few of each role ([`rank_roles`]), not only the best few overall.
+    /// best few of each role (`rank_roles`), not only the best few overall.
     pub fn enable_disagg(&mut self, config: DisaggConfig) {
         self.disagg = Some(DisaggState::new(config));
     }

@@ -41,6 +41,8 @@ fi
 # No module imports one above it: no import cycle between the top-level modules of any crate.
 python3 scripts/module-cycles.py .
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The API docs build clean: no broken or private intra-doc link.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 cargo test --workspace --locked
 # The Helm chart: rendered by a real Helm, every manifest validated (Kubernetes schemas, the
 # vendored CRDs), the Envoy and router configurations it carries checked by Envoy and kvroute.

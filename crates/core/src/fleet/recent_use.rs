@@ -36,6 +36,8 @@ pub(super) struct RecentUse {
     ended_at: VecDeque<f64>,
     /// Keys over `ended`, counted with repeats.
     keys: usize,
+    /// The longest chain of `ended` (0 when none).
+    longest: usize,
 }
 
 impl RecentUse {
@@ -45,14 +47,25 @@ impl RecentUse {
             return;
         }
         self.keys += keys.len();
+        self.longest = self.longest.max(keys.len());
         self.ended.push_back(keys);
         self.ended_at.push_back(now);
+        let mut dropped_longest = false;
         while self.ended.len() > 1 && (self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT) {
             let Some(old) = self.ended.pop_front() else {
                 break;
             };
             self.ended_at.pop_front();
             self.keys -= old.len();
+            dropped_longest |= old.len() == self.longest;
+        }
+        if dropped_longest {
+            self.longest = self
+                .ended
+                .iter()
+                .map(|chain| chain.len())
+                .max()
+                .unwrap_or(0);
         }
     }
 
@@ -76,13 +89,7 @@ impl RecentUse {
         if n < 2 || span <= 0.0 {
             return 0.0;
         }
-        let longest = self
-            .ended
-            .iter()
-            .map(|chain| chain.len())
-            .max()
-            .unwrap_or(0);
-        if blocks + longest < capacity {
+        if blocks + self.longest < capacity {
             return 0.0;
         }
         let not_fitting = self
@@ -104,6 +111,7 @@ impl RecentUse {
         self.ended.clear();
         self.ended_at.clear();
         self.keys = 0;
+        self.longest = 0;
     }
 
     /// The first `held` blocks of a prompt with `keys` (cached there on the GPU) split by last

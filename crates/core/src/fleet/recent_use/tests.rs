@@ -266,6 +266,7 @@ fn the_window_keeps_the_newest_requests() {
     }
     assert_eq!(recent.ended.len(), ENDED_KEPT);
     assert_eq!(recent.ended.front().map(|k| k[0]), Some(RouterKey(11)));
+    assert_eq!(recent.longest, 1);
     let long = Arc::new(
         (0..KEYS_KEPT as u64)
             .map(|k| RouterKey(10_000 + k))
@@ -283,9 +284,15 @@ fn the_window_keeps_the_newest_requests() {
     recent.ended(longer, 0.0);
     assert_eq!(recent.ended.len(), 1);
     assert_eq!(recent.keys, KEYS_KEPT + 5);
+    assert_eq!(recent.longest, KEYS_KEPT + 5);
+    // The longest chain leaves the window: the next longest is what is kept.
+    recent.ended(Arc::new(vec![RouterKey(1), RouterKey(2)]), 0.0);
+    assert_eq!(recent.ended.len(), 1);
+    assert_eq!(recent.longest, 2);
     recent.clear();
     assert!(recent.ended.is_empty());
     assert!(recent.ended_at.is_empty());
+    assert_eq!(recent.longest, 0);
 }
 
 /// Two tenants' 40-block contexts, each question 2 blocks more; `a_questions` of tenant A then

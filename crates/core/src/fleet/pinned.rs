@@ -81,6 +81,9 @@ pub(super) struct PinnedBlocks {
     /// ends: made when first asked after a change, so that costing every endpoint of a large
     /// fleet does not walk each one's in-flight blocks (see [`PinnedBlocks::room_wait_s`]).
     releases: OnceLock<Releases>,
+    /// Counts every change of `chains`: what a cache of figures derived from them is keyed by
+    /// ([`super::recent_use::RecentUse`]'s newer-block counts).
+    generation: u64,
 }
 
 /// An endpoint's in-flight requests in the order they are expected to end, and what each end
@@ -132,6 +135,7 @@ impl PinnedBlocks {
         prefill_end: f64,
     ) {
         self.releases = OnceLock::new();
+        self.generation += 1;
         self.distinct_keys += keys.len() - longest_shared(&self.chains, &keys);
         match find_chain(&self.chains, &keys) {
             Ok(at) => self.chains[at].1 += 1,
@@ -181,6 +185,7 @@ impl PinnedBlocks {
 
     fn release(&mut self, r: &PinnedRequest) {
         self.releases = OnceLock::new();
+        self.generation += 1;
         let chain: &[RouterKey] = &r.keys;
         if let Ok(at) = find_chain(&self.chains, chain) {
             self.chains[at].1 -= 1;
@@ -216,6 +221,12 @@ impl PinnedBlocks {
     /// Seconds from first token to end, averaged over the requests that ended here.
     pub(super) fn decode_s(&self) -> Option<f64> {
         self.decode_s
+    }
+
+    /// Changes of the in-flight chains so far (a figure derived from them is current while
+    /// this is unchanged).
+    pub(super) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Blocks pinned now.

@@ -375,3 +375,44 @@ fn hits_are_counted_at_their_depth_in_the_eviction_order() {
     let depths = recent.hit_depths(&pinned, &context, 16, 160);
     assert!(depths.iter().all(|&d| (d - 1.0).abs() < 1e-9), "{depths:?}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The walk kept between plans is the walk made afresh, whatever changed since: requests
+    /// sent there, one in flight ending, more ended.
+    #[test]
+    fn the_kept_walk_follows_every_change_of_the_requests(
+        inflight in prop::collection::vec(a_chain(), 0..4),
+        sent in prop::collection::vec(a_chain(), 0..3),
+        ended in prop::collection::vec(a_chain(), 0..16),
+        ended_later in prop::collection::vec(a_chain(), 0..4),
+        prompt in a_chain(),
+        capacity in 1usize..120,
+    ) {
+        let (mut pinned, mut recent) = endpoint(&inflight, &ended);
+        let held = prompt.len();
+        let parts = |pinned: &PinnedBlocks, recent: &RecentUse| {
+            (
+                recent.parts(pinned, &prompt, held, capacity, true),
+                recent.hit_depths(pinned, &prompt, held, capacity),
+            )
+        };
+        parts(&pinned, &recent);
+        for (i, keys) in sent.iter().enumerate() {
+            pinned.pin(100 + i as u64, Arc::new(keys.clone()), keys.len() * BLOCK + 3, BLOCK, 0.0);
+            parts(&pinned, &recent);
+        }
+        if !inflight.is_empty() {
+            pinned.unpin(0, 1.0);
+        }
+        for keys in &ended_later {
+            parts(&pinned, &recent);
+            recent.ended(Arc::new(keys.clone()), 1.0);
+        }
+        let still: Vec<Vec<RouterKey>> = inflight.iter().skip(1).chain(&sent).cloned().collect();
+        let all_ended: Vec<Vec<RouterKey>> = ended.iter().chain(&ended_later).cloned().collect();
+        let (fresh_pinned, fresh_recent) = endpoint(&still, &all_ended);
+        prop_assert_eq!(parts(&pinned, &recent), parts(&fresh_pinned, &fresh_recent));
+    }
+}

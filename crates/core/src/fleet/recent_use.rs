@@ -51,7 +51,16 @@ pub(super) struct RecentUse {
 /// newest first, the distinct blocks it adds to those newer than it (its keys past the longest
 /// prefix it shares with an in-flight or newer ended chain). Cleared whenever `ended` changes.
 #[derive(Debug, Default)]
-struct AddedCache(Mutex<Option<(u64, Arc<Vec<u32>>)>>);
+struct AddedCache(Mutex<Option<(u64, Arc<Added>)>>);
+
+/// [`AddedCache`]'s figures.
+#[derive(Debug)]
+struct Added {
+    /// Per ended request, newest first.
+    per_request: Vec<u32>,
+    /// Their sum: the distinct blocks of every ended request beyond the in-flight ones.
+    total: usize,
+}
 
 impl Clone for AddedCache {
     /// A copy computes its figures again when first asked.
@@ -149,8 +158,8 @@ impl RecentUse {
     /// the blocks running requests pin beyond their prompts).
     ///
     /// `None` when nothing can be lost: the queue ahead fits in the free blocks
-    /// (`!overflows`), and the prompt's held blocks, every key in flight or kept and the
-    /// pinned extra blocks fit in `capacity` together (a block of unknown age then survives
+    /// (`!overflows`), and the prompt's held blocks, every distinct key in flight or kept and
+    /// the pinned extra blocks fit in `capacity` together (a block of unknown age then survives
     /// too, the queue ahead evicting nothing).
     pub(super) fn parts(
         &self,
@@ -163,6 +172,11 @@ impl RecentUse {
         let keys = &keys[..held.min(keys.len())];
         let newer = pinned.distinct_keys() + pinned.extra_blocks();
         if !overflows && keys.len() + newer + self.keys <= capacity {
+            return None;
+        }
+        // The same bound with the distinct blocks, where requests share what they use (one
+        // context under many questions), read from the kept walk.
+        if !overflows && keys.len() + newer + self.added(pinned).total <= capacity {
             return None;
         }
         Some(self.split(pinned, keys, newer).0)
@@ -222,7 +236,7 @@ impl RecentUse {
         let mut covered = pinned.pinned_prefix(keys);
         let mut parts = RecencyParts::new(as_u32(covered));
         let added = self.added(pinned);
-        for (chain, &adds) in self.ended.iter().rev().zip(added.iter()) {
+        for (chain, &adds) in self.ended.iter().rev().zip(&added.per_request) {
             if covered >= keys.len() {
                 break;
             }
@@ -248,7 +262,7 @@ impl RecentUse {
     /// else walked once. The ended chains passed so far are kept in order: with the in-flight
     /// ones (already in order, not copied), what counts the distinct keys. A chain adds the
     /// keys past the longest prefix it shares with either.
-    fn added(&self, pinned: &PinnedBlocks) -> Arc<Vec<u32>> {
+    fn added(&self, pinned: &PinnedBlocks) -> Arc<Added> {
         let mut cache = self.added.0.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((generation, added)) = cache.as_ref()
             && *generation == pinned.generation()
@@ -256,7 +270,7 @@ impl RecentUse {
             return added.clone();
         }
         let mut passed: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::with_capacity(self.ended.len());
-        let added: Vec<u32> = self
+        let per_request: Vec<u32> = self
             .ended
             .iter()
             .rev()
@@ -269,7 +283,8 @@ impl RecentUse {
                 as_u32(chain.len() - seen)
             })
             .collect();
-        let added = Arc::new(added);
+        let total = per_request.iter().map(|&n| n as usize).sum();
+        let added = Arc::new(Added { per_request, total });
         *cache = Some((pinned.generation(), added.clone()));
         added
     }

@@ -48,10 +48,10 @@
 //!   blocks keep being reused charges their full re-prefill.
 //!
 //! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
-//! load × (queue wait + decode interference + room blocking) − session credit`. At zero load and with room in
-//! the caches only the prefill terms remain, so the longest cached prefix is always the
-//! cheapest; under load the queue wait grows until copying a hot prefix to another endpoint
-//! pays for its prefill plus what the copy evicts there.
+//! load × (queue wait + decode interference + room blocking) − session credit`. At zero load
+//! and with room in the caches only the prefill terms remain, so the longest cached prefix is
+//! always the cheapest; under load the queue wait grows until copying a hot prefix to another
+//! endpoint pays for its prefill plus what the copy evicts there.
 
 use serde::Serialize;
 
@@ -286,9 +286,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 ///   0–1), and `session_credit_s` = 0.
 ///
 /// So `total_s` = `w_prefix × (prefill_s + tier_load_s) + w_eviction × eviction_s + w_load ×
-/// (queue_s + decode_interference_s + room_blocking_s)` ≥ `U / R × (w_prefix + w_load × w_di × busy)` when every
-/// weight is ≥ 0. The bound is taken a relative 1e-9 lower, far more than the rounding of either
-/// side (a few ulps of each term).
+/// (queue_s + decode_interference_s + room_blocking_s)` ≥ `U / R × (w_prefix + w_load × w_di ×
+/// busy)` when every weight is ≥ 0. The bound is taken a relative 1e-9 lower, far more than the
+/// rounding of either side (a few ulps of each term).
 pub fn cost_floor(
     profile: &Profile,
     request: &RequestInfo,

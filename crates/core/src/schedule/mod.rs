@@ -305,9 +305,8 @@ pub struct Decision {
     pub reason: Reason,
     /// Every competing candidate is saturated, or none competes but some were left out only
     /// for their load (an open circuit breaker, a filter's queue or KV-cache limit): flow
-    /// control may hold the request. Under P/D
-    /// a fleet's plan reads only its decode-capable competitors, where the request decodes
-    /// (`Fleet::plan`).
+    /// control may hold the request. Under P/D a fleet's plan reads only its decode-capable
+    /// competitors, where the request decodes (`Fleet::plan`).
     pub saturated: bool,
     /// The rent kept for the request's shared prefix, and the copy it bought, if any
     /// ([`amortize`]); `None` where the fleet keeps no rent for it.

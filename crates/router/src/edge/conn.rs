@@ -278,13 +278,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TrackedIo<T> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_started_head_runs_the_header_clock_and_a_request_stops_every_clock() {
-        let a = Activity::new(
+    /// A connection's clocks with a 1 s header timeout, 60 s idle timeout and 30 s write
+    /// timeout.
+    fn activity() -> Activity {
+        Activity::new(
             Duration::from_secs(1),
             Duration::from_secs(60),
             Duration::from_secs(30),
-        );
+        )
+    }
+
+    #[test]
+    fn a_started_head_runs_the_header_clock_and_a_request_stops_every_clock() {
+        let a = activity();
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Idle));
         a.on_read();
         assert_eq!(a.deadline().map(|d| d.1), Some(Expiry::Header));
@@ -301,11 +307,7 @@ mod tests {
     /// is dropped.
     #[test]
     fn frames_between_http2_requests_run_the_idle_clock_and_closing_gives_a_grace() {
-        let a = Arc::new(Activity::new(
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-            Duration::from_secs(30),
-        ));
+        let a = Arc::new(activity());
         drop(InFlight::start(a.clone(), true));
         let idle_from = a.deadline().unwrap().0;
         a.on_read();
@@ -327,11 +329,7 @@ mod tests {
 
     #[test]
     fn a_full_socket_runs_the_write_clock_even_while_a_request_is_in_progress() {
-        let a = Arc::new(Activity::new(
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-            Duration::from_secs(30),
-        ));
+        let a = Arc::new(activity());
         let request = InFlight::start(a.clone(), false);
         a.on_write(&Poll::Ready(Ok(100)));
         assert_eq!(a.deadline(), None);

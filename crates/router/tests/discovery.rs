@@ -216,6 +216,43 @@ async fn an_edited_pool_moves_its_pods_endpoints() {
     expect(&running, &["http://10.0.0.1:9000"]).await;
 }
 
+/// A pod given the address of one whose deletion is not yet seen (Kubernetes reuses pod IPs)
+/// clashes with it and is refused; it joins once the old pod leaves, with no change of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_refused_for_a_clash_joins_once_the_clashing_pod_leaves() {
+    let fake = pool_of_pod_a();
+    let (running, watch) = router_on_pool(&fake).await;
+    let router = running.router.clone();
+    let names = move || -> BTreeSet<String> {
+        present_endpoints(&router)
+            .into_iter()
+            .filter_map(|e| e.name)
+            .collect()
+    };
+    let want =
+        |pods: &[&str]| -> BTreeSet<String> { pods.iter().map(|p| (*p).to_owned()).collect() };
+    // b comes with a's address and is refused; c, after it, joins (so b was seen by then).
+    watch
+        .send(event("ADDED", pod("b", "10.0.0.1", true, 11)))
+        .unwrap();
+    watch
+        .send(event("ADDED", pod("c", "10.0.0.3", true, 12)))
+        .unwrap();
+    eventually("c joins beside a, b refused", || {
+        let now = names();
+        (now == want(&["a", "c"]), now)
+    })
+    .await;
+    watch
+        .send(event("DELETED", pod("a", "10.0.0.1", true, 13)))
+        .unwrap();
+    eventually("b joins once a left", || {
+        let now = names();
+        (now == want(&["b", "c"]), now)
+    })
+    .await;
+}
+
 /// A running pod whose shared-KV mount label is set, changed, then removed: each time it rejoins
 /// with the mount its label names now (the fleet takes an endpoint's mount only as it joins).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -171,6 +171,10 @@ async fn pool_changed(
 #[derive(Default)]
 struct Members {
     pods: HashMap<String, Vec<(EndpointConfig, EndpointId)>>,
+    /// The endpoints of each pod the router refused (one clashing with a present endpoint: a
+    /// pod given the address of one deleted before its deletion was seen). Tried again
+    /// whenever an endpoint leaves, and when the pod changes.
+    refused: HashMap<String, Vec<EndpointConfig>>,
     /// Pods seen during a (re)list, until it is done.
     relisting: Option<HashSet<String>>,
 }
@@ -219,25 +223,42 @@ impl Members {
             .get(&name)
             .map(|list| list.iter().map(|(c, _)| c.clone()).collect())
             .unwrap_or_default();
-        if same(&current, &wanted) {
+        let refused = self.refused.get(&name).map_or(&[][..], Vec::as_slice);
+        if same(&current, &wanted) && refused.is_empty() {
             return;
         }
         self.leave(router, &name);
-        let mut joined = Vec::new();
-        for config in wanted {
+        self.join(router, &name, wanted);
+    }
+
+    /// Adds the pod's endpoints `configs` beside those it has, keeping those refused.
+    fn join(&mut self, router: &dyn Membership, pod: &str, configs: Vec<EndpointConfig>) {
+        for config in configs {
             match router.add_endpoint(config.clone()) {
-                Ok(id) => joined.push((config, id)),
-                Err(e) => warn!(pod = %name, error = %e, "cannot add the pod's endpoint"),
+                Ok(id) => self
+                    .pods
+                    .entry(pod.to_owned())
+                    .or_default()
+                    .push((config, id)),
+                Err(e) => {
+                    warn!(pod = %pod, error = %e, "cannot add the pod's endpoint; trying again when an endpoint leaves or the pod changes");
+                    self.refused.entry(pod.to_owned()).or_default().push(config);
+                }
             }
-        }
-        if !joined.is_empty() {
-            self.pods.insert(name, joined);
         }
     }
 
     fn leave(&mut self, router: &dyn Membership, pod: &str) {
-        for (_, id) in self.pods.remove(pod).unwrap_or_default() {
-            router.remove_endpoint(id);
+        self.refused.remove(pod);
+        let gone = self.pods.remove(pod).unwrap_or_default();
+        for (_, id) in &gone {
+            router.remove_endpoint(*id);
+        }
+        // What clashed with a leaving endpoint may join now.
+        if !gone.is_empty() {
+            for (pod, configs) in std::mem::take(&mut self.refused) {
+                self.join(router, &pod, configs);
+            }
         }
     }
 }

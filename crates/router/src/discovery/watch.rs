@@ -224,7 +224,13 @@ impl Members {
             .map(|list| list.iter().map(|(c, _)| c.clone()).collect())
             .unwrap_or_default();
         let refused = self.refused.get(&name).map_or(&[][..], Vec::as_slice);
-        if same(&current, &wanted) && refused.is_empty() {
+        let known: Vec<EndpointConfig> = current.iter().chain(refused).cloned().collect();
+        if same(&known, &wanted) {
+            // Unchanged: the endpoints it has stay (their cache picture with them), and those
+            // refused are tried again.
+            if let Some(configs) = self.refused.remove(&name) {
+                self.join(router, &name, configs);
+            }
             return;
         }
         self.leave(router, &name);
@@ -263,15 +269,108 @@ impl Members {
     }
 }
 
-/// Whether two endpoint lists name the same addresses, roles, events and offloaded tiers
-/// (the shared-KV mount a pod's label names): what the fleet takes only when an endpoint joins,
-/// so that a change re-adds it.
+/// Whether two endpoint lists, in any order, name the same addresses, roles, events and
+/// offloaded tiers (the shared-KV mount a pod's label names): what the fleet takes only when an
+/// endpoint joins, so that a change re-adds it. A pod's list is one endpoint per port: a few.
 fn same(a: &[EndpointConfig], b: &[EndpointConfig]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.url == y.url
-                && x.role == y.role
-                && x.events == y.events
-                && x.offload_spec() == y.offload_spec()
-        })
+    let same_endpoint = |x: &EndpointConfig, y: &EndpointConfig| {
+        x.url == y.url
+            && x.role == y.role
+            && x.events == y.events
+            && x.offload_spec() == y.offload_spec()
+    };
+    a.len() == b.len() && a.iter().all(|x| b.iter().any(|y| same_endpoint(x, y)))
+}
+
+#[cfg(test)]
+mod tests {
+    use parking_lot::Mutex;
+    use serde_json::json;
+
+    use super::*;
+
+    /// A router that refuses the endpoints whose URL it is told to, and records the rest.
+    #[derive(Default)]
+    struct Router {
+        refuse: Mutex<HashSet<String>>,
+        present: Mutex<HashMap<u32, String>>,
+        next: Mutex<u32>,
+        removed: Mutex<Vec<u32>>,
+    }
+
+    impl Membership for Router {
+        fn add_endpoint(&self, config: EndpointConfig) -> Result<EndpointId, RouterError> {
+            if self.refuse.lock().contains(&config.url) {
+                return Err(RouterError::Config(format!("{} clashes", config.url)));
+            }
+            let mut next = self.next.lock();
+            *next += 1;
+            self.present.lock().insert(*next, config.url);
+            Ok(EndpointId(*next))
+        }
+
+        fn remove_endpoint(&self, id: EndpointId) -> bool {
+            self.removed.lock().push(id.0);
+            self.present.lock().remove(&id.0).is_some()
+        }
+
+        fn ignored(&self, _: &'static str, _: &str) {}
+    }
+
+    impl Router {
+        fn urls(&self) -> HashSet<String> {
+            self.present.lock().values().cloned().collect()
+        }
+    }
+
+    fn pod(name: &str, ip: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": "vllm"}},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap()
+    }
+
+    fn discovery() -> KubeDiscovery {
+        serde_json::from_value(json!({"events_port": 5557})).unwrap()
+    }
+
+    fn urls(list: &[&str]) -> HashSet<String> {
+        list.iter().map(|u| (*u).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_refused_endpoint_is_tried_again_and_its_pods_others_are_kept() {
+        let router = Router::default();
+        let (d, ports) = (discovery(), [8000, 8001]);
+        let mut members = Members::default();
+        router.refuse.lock().insert("http://10.0.0.1:8001".into());
+        members.update(&router, &pod("a", "10.0.0.1"), &ports, &d);
+        members.update(&router, &pod("x", "10.0.0.9"), &ports, &d);
+        assert_eq!(
+            router.urls(),
+            urls(&[
+                "http://10.0.0.1:8000",
+                "http://10.0.0.9:8000",
+                "http://10.0.0.9:8001"
+            ])
+        );
+        // The pod seen again unchanged: its joined endpoint stays (no churn, its cache picture
+        // with it); the refused one is tried again, and refused again.
+        members.update(&router, &pod("a", "10.0.0.1"), &ports, &d);
+        assert!(router.removed.lock().is_empty());
+        assert_eq!(router.urls().len(), 3);
+        // What it clashed with is gone: the next endpoint to leave lets it in.
+        router.refuse.lock().clear();
+        members.leave(&router, "x");
+        assert_eq!(
+            router.urls(),
+            urls(&["http://10.0.0.1:8000", "http://10.0.0.1:8001"])
+        );
+        // A pod that leaves takes its refused endpoints with it.
+        router.refuse.lock().insert("http://10.0.0.7:8000".into());
+        members.update(&router, &pod("b", "10.0.0.7"), &ports, &d);
+        members.leave(&router, "b");
+        assert!(members.refused.is_empty());
+    }
 }

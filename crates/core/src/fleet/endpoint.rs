@@ -22,6 +22,23 @@ pub const PREFILL_RATE_SAMPLE_WEIGHT: f64 = 0.1;
 /// Fewest uncached tokens whose time to first token says something about the prefill rate.
 const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 
+/// A prefill-rate sample an endpoint took at a request's first token, kept with the request
+/// until its end, when the engine says how much of the prompt it found cached: a prefix the
+/// router did not know was cached makes a first token come many times faster than the
+/// prefill it predicted (and one it predicted and the engine had lost, slower).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PrefillSample {
+    /// The endpoint's samples taken before it.
+    index: u64,
+    /// Its weight in the mean when taken (1 for the first, which set it).
+    weight: f64,
+    /// The tokens it assumed computed, and the seconds they took.
+    tokens: u64,
+    seconds: f64,
+    /// The mean before it (0 before the first).
+    before: f64,
+}
+
 /// A pooled prefill rate, tokens/s, built one endpoint at a time (so that one pass over the
 /// fleet can pool several sets of endpoints): the endpoints' observed rates, each weighted by
 /// its freshness (their plain mean when none is fresh; `None` when none is observed).
@@ -148,6 +165,8 @@ pub struct EndpointState {
     /// Prefills it computed beside others since its last rate sample: samples it could not
     /// read, so its own rate has aged by as many EWMA steps.
     pub(super) prefills_unsampled: u32,
+    /// Rate samples taken so far.
+    prefill_samples: u64,
     /// Its tiers' load rates, learned from requests that loaded from them.
     pub(super) tier_rates: TierRates,
     /// Recent placements.
@@ -184,6 +203,7 @@ impl EndpointState {
             inflight_prefill_tokens: 0,
             prefill_rate: 0.0,
             prefills_unsampled: 0,
+            prefill_samples: 0,
             tier_rates: TierRates::default(),
             placements: Decaying::default(),
             trust,
@@ -336,23 +356,64 @@ impl EndpointState {
 
     /// Observes a prefill: `tokens` uncached tokens took `seconds` to the first token;
     /// `alone`: it was the only prefill in flight there (a rate sample). A prefill computed
-    /// beside others says nothing of the rate and ages the estimate by one sample.
-    pub(super) fn note_prefill(&mut self, tokens: u64, seconds: f64, alone: bool) {
+    /// beside others says nothing of the rate and ages the estimate by one sample. Returns the
+    /// sample taken, for [`EndpointState::correct_prefill`] once the request ends.
+    pub(super) fn note_prefill(
+        &mut self,
+        tokens: u64,
+        seconds: f64,
+        alone: bool,
+    ) -> Option<PrefillSample> {
         if tokens < MIN_RATE_SAMPLE_TOKENS || seconds <= 0.0 {
-            return; // too small to say anything about the prefill rate
+            return None; // too small to say anything about the prefill rate
         }
         if !alone {
             self.prefills_unsampled = self.prefills_unsampled.saturating_add(1);
+            return None;
+        }
+        let before = self.prefill_rate;
+        let weight = if before == 0.0 {
+            1.0
+        } else {
+            PREFILL_RATE_SAMPLE_WEIGHT
+        };
+        self.prefill_rate = (1.0 - weight) * before + weight * (tokens as f64 / seconds);
+        self.prefills_unsampled = 0;
+        let index = self.prefill_samples;
+        self.prefill_samples += 1;
+        Some(PrefillSample {
+            index,
+            weight,
+            tokens,
+            seconds,
+            before,
+        })
+    }
+
+    /// The request whose first token took `sample` computed `computed` tokens, by the engine's
+    /// count: the sample is replaced by what it should have read (or, too few tokens to read
+    /// anything, by the mean it found), in the mean as it is now. The mean is linear in its
+    /// samples, so replacing one taken `k` samples ago moves it by its weight × (1 − w)^k ×
+    /// the difference, whatever came since.
+    pub(super) fn correct_prefill(&mut self, sample: PrefillSample, computed: u64) {
+        if computed == sample.tokens || self.prefill_rate <= 0.0 {
             return;
         }
-        let rate = tokens as f64 / seconds;
-        self.prefill_rate = if self.prefill_rate == 0.0 {
-            rate
+        let read = sample.tokens as f64 / sample.seconds;
+        let should_have_read = if computed >= MIN_RATE_SAMPLE_TOKENS {
+            computed as f64 / sample.seconds
+        } else if sample.before > 0.0 {
+            sample.before
         } else {
-            (1.0 - PREFILL_RATE_SAMPLE_WEIGHT) * self.prefill_rate
-                + PREFILL_RATE_SAMPLE_WEIGHT * rate
+            // The first sample read nothing: there is no mean to fall back on.
+            return;
         };
-        self.prefills_unsampled = 0;
+        let since = self.prefill_samples.saturating_sub(sample.index + 1);
+        let kept = (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(since.min(1_000) as i32);
+        let corrected = self.prefill_rate + sample.weight * kept * (should_have_read - read);
+        if corrected > 0.0 && corrected.is_finite() {
+            self.prefill_rate = corrected;
+        }
     }
 
     /// Applies one health-check result.

@@ -54,10 +54,10 @@ use crate::tiers::{LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 use copy_rent::CopyRents;
 pub use disagg::{DecodeRetry, DisaggConfig, FailedDecodeLeg, TransfersDropped};
-use endpoint::RatePool;
 pub use endpoint::{
     EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample, PREFILL_RATE_SAMPLE_WEIGHT,
 };
+use endpoint::{PrefillSample, RatePool};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
 pub use lookup::{IndexLookup, LookupTarget, LookupTargets};
 pub use outlier::{Ejection, OutlierPolicy, RetryPolicy, UpstreamOutcome};
@@ -248,6 +248,9 @@ pub struct Dispatch {
     index_trusted: bool,
     /// Seconds its tier loads took, measured at its first token.
     tier_seconds: Option<f64>,
+    /// The prefill-rate sample its first token gave, corrected at its end by what the engine
+    /// says it found cached.
+    prefill_sample: Option<PrefillSample>,
     /// Its shared-tier load, queued on the mount's backlog until its first token.
     shared_load: Option<SharedLoad>,
     keys: Arc<Vec<RouterKey>>,
@@ -890,6 +893,7 @@ impl Fleet {
             tier_uncertain,
             index_trusted,
             tier_seconds: None,
+            prefill_sample: None,
             shared_load,
             keys: request.keys.clone(),
             pin,
@@ -1038,7 +1042,7 @@ impl Fleet {
         if ok {
             // Every prefill teaches the prefill rate as before tier lessons (taking a tiered
             // one's loads out, or counting it as unread, measured worse under load).
-            e.note_prefill(tokens, seconds, sample);
+            dispatch.prefill_sample = e.note_prefill(tokens, seconds, sample);
             if sample && dispatch.quiet && !tiered {
                 e.tier_rates.baseline.observe(tokens as f64, seconds);
             }
@@ -1068,6 +1072,13 @@ impl Fleet {
                 if ended.decode_s.is_some() && this_life {
                     e.recent.ended(ended.keys, now);
                 }
+            }
+            if let (Some(sample), Some(reported)) = (dispatch.prefill_sample, reported_cached) {
+                // What it computed by the engine's count: the prompt less what it found cached.
+                e.correct_prefill(
+                    sample,
+                    dispatch.prompt_tokens.saturating_sub(reported) as u64,
+                );
             }
             if let Some(reported) = reported_cached {
                 if dispatch.index_trusted {

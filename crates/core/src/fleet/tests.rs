@@ -330,7 +330,69 @@ fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
     assert!(fresh > 39_000.0, "{fresh}");
 }
 
+#[test]
+fn a_first_token_fast_from_a_prefix_the_router_did_not_know_is_corrected_at_its_end() {
+    // e0 learned 10k tokens/s; then a 1,000-token prompt it predicted uncached answers in
+    // 10 ms: the engine had 960 tokens cached (another router's traffic), which it says at
+    // the end. Read as 100k tokens/s at the first token, the sample becomes what it was.
+    let mut fleet = FleetBuilder::new(1).build();
+    let mut first = send_to(&mut fleet, &Req::new(&prompt(1000, 1)), EndpointId(0), 0.0);
+    fleet.first_token(&mut first, true, 0.1);
+    fleet.finished(first, Some(0), 0.2);
+    let rate = |fleet: &Fleet| {
+        fleet
+            .endpoint(EndpointId(0))
+            .unwrap()
+            .observed_prefill_rate()
+    };
+    assert_eq!(rate(&fleet), Some(10_000.0));
+    let mut lucky = send_to(&mut fleet, &Req::new(&prompt(1000, 2)), EndpointId(0), 1.0);
+    fleet.first_token(&mut lucky, true, 1.01);
+    let inflated = rate(&fleet).unwrap();
+    assert!(inflated > 18_000.0, "{inflated}");
+    // One more sample before it ends: the correction reaches through it.
+    let mut next = send_to(&mut fleet, &Req::new(&prompt(1000, 3)), EndpointId(0), 2.0);
+    fleet.first_token(&mut next, true, 2.1);
+    fleet.finished(lucky, Some(960), 2.2);
+    let corrected = rate(&fleet).unwrap();
+    assert!((corrected - 10_000.0).abs() < 1e-6, "{corrected}");
+    // A request whose engine found what the router predicted changes nothing at its end.
+    fleet.finished(next, Some(0), 2.3);
+    assert!((rate(&fleet).unwrap() - 10_000.0).abs() < 1e-6);
+}
+
 proptest::proptest! {
+    /// Correcting a sample at a request's end gives the mean that reading it right at its
+    /// first token would have given, whatever samples came between.
+    #[test]
+    fn a_corrected_prefill_sample_is_the_sample_read_right(
+        first in 1_000.0f64..100_000.0,
+        later in proptest::collection::vec(1_000.0f64..100_000.0, 0..12),
+        assumed in 256u64..20_000,
+        computed in 0u64..20_000,
+        seconds in 0.01f64..2.0,
+    ) {
+        let mut wrong = EndpointState::new(EndpointId(0), spec("e", BS));
+        let mut right = EndpointState::new(EndpointId(0), spec("e", BS));
+        for e in [&mut wrong, &mut right] {
+            e.note_prefill(10_000, 10_000.0 / first, true);
+        }
+        let sample = wrong.note_prefill(assumed, seconds, true).unwrap();
+        // Read right: the tokens it computed, or nothing read when too few.
+        let before = right.observed_prefill_rate().unwrap();
+        if right.note_prefill(computed, seconds, true).is_none() {
+            right.note_prefill(10_000, 10_000.0 / before, true);
+        }
+        for rate in &later {
+            for e in [&mut wrong, &mut right] {
+                e.note_prefill(10_000, 10_000.0 / rate, true);
+            }
+        }
+        wrong.correct_prefill(sample, computed);
+        let (w, r) = (wrong.observed_prefill_rate().unwrap(), right.observed_prefill_rate().unwrap());
+        proptest::prop_assert!((w - r).abs() <= 1e-9 * r.max(1.0), "{} against {}", w, r);
+    }
+
     #[test]
     fn a_costed_prefill_rate_moves_from_its_own_toward_the_pool_by_the_samples_missed(
         own in 1_000.0f64..100_000.0,

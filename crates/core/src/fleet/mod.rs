@@ -50,7 +50,7 @@ use crate::schedule::{
     CacheSource, Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers,
     RankBuffers, RequestInfo, Role, amortize, schedule, schedule_near_best,
 };
-use crate::tiers::{LoadTier, TierTokens};
+use crate::tiers::{FitSample, LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
 use copy_rent::CopyRents;
 pub use disagg::{DecodeRetry, DisaggConfig, FailedDecodeLeg, TransfersDropped};
@@ -251,6 +251,8 @@ pub struct Dispatch {
     /// The prefill-rate sample its first token gave, corrected at its end by what the engine
     /// says it found cached.
     prefill_sample: Option<PrefillSample>,
+    /// Likewise, the sample it gave its endpoint's first-token line.
+    fit_sample: Option<FitSample>,
     /// Its shared-tier load, queued on the mount's backlog until its first token.
     shared_load: Option<SharedLoad>,
     keys: Arc<Vec<RouterKey>>,
@@ -894,6 +896,7 @@ impl Fleet {
             index_trusted,
             tier_seconds: None,
             prefill_sample: None,
+            fit_sample: None,
             shared_load,
             keys: request.keys.clone(),
             pin,
@@ -1044,7 +1047,7 @@ impl Fleet {
             // one's loads out, or counting it as unread, measured worse under load).
             dispatch.prefill_sample = e.note_prefill(tokens, seconds, sample);
             if sample && dispatch.quiet && !tiered {
-                e.tier_rates.baseline.observe(tokens as f64, seconds);
+                dispatch.fit_sample = e.tier_rates.baseline.observe(tokens as f64, seconds);
             }
         }
         // Its own prefill rate is part of its key in the load order.
@@ -1073,12 +1076,15 @@ impl Fleet {
                     e.recent.ended(ended.keys, now);
                 }
             }
-            if let (Some(sample), Some(reported)) = (dispatch.prefill_sample, reported_cached) {
+            if let Some(reported) = reported_cached {
                 // What it computed by the engine's count: the prompt less what it found cached.
-                e.correct_prefill(
-                    sample,
-                    dispatch.prompt_tokens.saturating_sub(reported) as u64,
-                );
+                let computed = dispatch.prompt_tokens.saturating_sub(reported) as u64;
+                if let Some(sample) = dispatch.prefill_sample {
+                    e.correct_prefill(sample, computed);
+                }
+                if let Some(sample) = dispatch.fit_sample {
+                    e.tier_rates.baseline.correct(sample, computed as f64);
+                }
             }
             if let Some(reported) = reported_cached {
                 if dispatch.index_trusted {

@@ -1085,8 +1085,6 @@ impl Fleet {
                 if let Some(sample) = dispatch.fit_sample {
                     e.tier_rates.baseline.correct(sample, computed as f64);
                 }
-            }
-            if let Some(reported) = reported_cached {
                 if dispatch.index_trusted {
                     e.trust.prediction(
                         dispatch.predicted_cached,

@@ -196,11 +196,13 @@ impl Members {
                 self.update(router, &pod, ports, d);
             }
             Event::InitDone => {
-                // A relist replaces what was known: pods that vanished meanwhile leave.
+                // A relist replaces what was known: pods that vanished meanwhile leave, those
+                // with only refused endpoints too (or one would join for a pod long gone).
                 if let Some(seen) = self.relisting.take() {
-                    let gone: Vec<String> = self
-                        .pods
-                        .keys()
+                    let known: HashSet<&String> =
+                        self.pods.keys().chain(self.refused.keys()).collect();
+                    let gone: Vec<String> = known
+                        .into_iter()
                         .filter(|p| !seen.contains(*p))
                         .cloned()
                         .collect();
@@ -372,5 +374,27 @@ mod tests {
         members.update(&router, &pod("b", "10.0.0.7"), &ports, &d);
         members.leave(&router, "b");
         assert!(members.refused.is_empty());
+    }
+
+    #[test]
+    fn a_relist_forgets_a_refused_pod_that_vanished_meanwhile() {
+        let router = Router::default();
+        let (d, ports) = (discovery(), [8000]);
+        let mut members = Members::default();
+        members.update(&router, &pod("a", "10.0.0.1"), &ports, &d);
+        router.refuse.lock().insert("http://10.0.0.2:8000".into());
+        members.update(&router, &pod("b", "10.0.0.2"), &ports, &d);
+        // The watch broke; the relist finds only a: b was deleted meanwhile.
+        for event in [
+            Event::Init,
+            Event::InitApply(pod("a", "10.0.0.1")),
+            Event::InitDone,
+        ] {
+            members.apply(&router, event, &ports, &d);
+        }
+        // Its address freed and an endpoint leaving: nothing of b may join.
+        router.refuse.lock().clear();
+        members.leave(&router, "a");
+        assert!(router.urls().is_empty(), "{:?}", router.urls());
     }
 }

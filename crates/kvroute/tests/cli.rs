@@ -138,6 +138,26 @@ fn hash_prints_vllm_031_tagged_hashes_for_lora_and_salt() {
             "80f8ed8f076e5a12f88b257477f0eb57207329e29f95040c736fc1c9e9913ac8",
         ]
     );
+    // The router keys the request as it always does, with the name and salt bare (0.31+
+    // events publish that form): `--tagged` changes the digests, not the router keys.
+    let router_keys = |args: &[&str]| -> Vec<String> {
+        let out = kvroute(args, &tokens);
+        succeeded(&out);
+        let got: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        got["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["router_key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let bare = ["hash", "--lora", "my-lora", "--cache-salt", "salt-1"];
+    assert_eq!(router_keys(&tagged), router_keys(&bare));
+    assert_ne!(
+        router_keys(&bare),
+        router_keys(&["hash"]),
+        "the extra keys count"
+    );
     // Without the path there is no 0.31+ hash to give.
     let out = kvroute(&tagged[..4], &tokens);
     refused(&out, &["--lora-path"]);

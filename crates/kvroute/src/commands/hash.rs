@@ -67,44 +67,42 @@ pub fn run(args: HashArgs) -> anyhow::Result<ExitCode> {
     let tokens: Vec<u32> = serde_json::from_str(&input)
         .context("stdin must be a JSON array of token ids (non-negative integers below 2^32)")?;
     let blocks = tokens.len() / args.block_size;
-    let extra: Option<Vec<BlockExtraKeys>> = match &args.extra {
-        Some(json) => {
-            let mut extra: Vec<BlockExtraKeys> = serde_json::from_str(json)
-                .context("--extra must be a JSON list with one entry (list or null) per block")?;
-            if extra.len() < blocks {
-                bail!(
-                    "--extra has {} entries but the tokens make {blocks} full blocks",
-                    extra.len()
-                );
+    // The router keys a request with its extra keys bare, whatever the release hashes (0.31+
+    // events still publish the bare form): `--tagged` changes the digests only.
+    let bare = (args.lora.is_some() || args.cache_salt.is_some())
+        .then(|| request_extra_keys(blocks, args.lora.as_deref(), args.cache_salt.as_deref()));
+    let (router_extra, digest_extra): (Option<Vec<BlockExtraKeys>>, Option<Vec<BlockExtraKeys>>) =
+        match &args.extra {
+            Some(json) => {
+                let mut extra: Vec<BlockExtraKeys> = serde_json::from_str(json).context(
+                    "--extra must be a JSON list with one entry (list or null) per block",
+                )?;
+                if extra.len() < blocks {
+                    bail!(
+                        "--extra has {} entries but the tokens make {blocks} full blocks",
+                        extra.len()
+                    );
+                }
+                extra.truncate(blocks);
+                (Some(extra.clone()), Some(extra))
             }
-            extra.truncate(blocks);
-            Some(extra)
-        }
-        None if args.tagged => {
-            let lora = match (&args.lora, &args.lora_path) {
-                (Some(name), Some(path)) => Some((name.as_str(), path.as_str())),
-                (Some(_), None) => bail!(
-                    "--tagged --lora needs --lora-path: vLLM 0.31+ hashes the adapter's path too"
-                ),
-                (None, Some(_)) => bail!("--lora-path needs --lora"),
-                (None, None) => None,
-            };
-            Some(request_extra_keys_tagged(
-                blocks,
-                lora,
-                args.cache_salt.as_deref(),
-            ))
-        }
-        None if args.lora.is_some() || args.cache_salt.is_some() => Some(request_extra_keys(
-            blocks,
-            args.lora.as_deref(),
-            args.cache_salt.as_deref(),
-        )),
-        None => None,
-    };
+            None if args.tagged => {
+                let lora = match (&args.lora, &args.lora_path) {
+                    (Some(name), Some(path)) => Some((name.as_str(), path.as_str())),
+                    (Some(_), None) => bail!(
+                        "--tagged --lora needs --lora-path: vLLM 0.31+ hashes the adapter's path too"
+                    ),
+                    (None, Some(_)) => bail!("--lora-path needs --lora"),
+                    (None, None) => None,
+                };
+                let tagged = request_extra_keys_tagged(blocks, lora, args.cache_salt.as_deref());
+                (bare, Some(tagged))
+            }
+            None => (bare.clone(), bare),
+        };
     let hasher = VllmHasher::new(&args.seed);
-    let keys = router_keys(&tokens, args.block_size, extra.as_deref())?;
-    let digests = hasher.block_digests(&tokens, args.block_size, extra.as_deref())?;
+    let keys = router_keys(&tokens, args.block_size, router_extra.as_deref())?;
+    let digests = hasher.block_digests(&tokens, args.block_size, digest_extra.as_deref())?;
     let out = HashOut {
         seed: args.seed,
         block_size: args.block_size,

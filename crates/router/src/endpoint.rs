@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
-use crate::config::EndpointConfig;
+use crate::config::{EndpointClash, EndpointConfig};
 
 /// One endpoint, as the router talks to it.
 pub struct Endpoint {
@@ -56,13 +56,11 @@ impl Endpoint {
         }
     }
 
-    /// Why it cannot join beside `other`: the same engine, KV-event address or name
-    /// ([`EndpointConfig::clash_with`]); `None` when it can.
-    pub fn clash_with(&self, other: &Endpoint) -> Option<String> {
-        let clash = self
-            .config
-            .clash_with(&self.authority, &other.config, &other.authority)?;
-        Some(self.config.clash_reason(&self.authority, clash))
+    /// How it collides with `other`: the same engine, KV-event address or name
+    /// ([`EndpointConfig::clash_with`]); `None` when the two can serve side by side.
+    pub fn clash_with(&self, other: &Endpoint) -> Option<EndpointClash> {
+        self.config
+            .clash_with(&self.authority, &other.config, &other.authority)
     }
 
     /// Stops its subscriber and background tasks (removed, or the router is shutting down).

@@ -163,16 +163,25 @@ impl Router {
         let mut fleet = self.fleet.lock();
         let provisional = Endpoint::new(EndpointId(0), config.clone());
         // As configuration validation refuses them at start: a present endpoint that is the
-        // same engine (host and port, or KV-event address) or has the same name.
-        if let Some(why) = self
+        // same engine (host and port, or KV-event address) or has the same name, the gravest
+        // clash named, with the endpoint it clashes with.
+        if let Some((clash, other)) = self
             .registry
             .all()
             .iter()
             .filter(|e| self.is_current(&fleet, e))
-            .find_map(|e| provisional.clash_with(e))
+            .filter_map(|e| {
+                provisional
+                    .clash_with(e)
+                    .map(|clash| (clash, e.name.clone()))
+            })
+            .min_by_key(|(clash, _)| *clash)
         {
+            let why = provisional
+                .config
+                .clash_reason(&provisional.authority, clash);
             return Err(RouterError::Config(format!(
-                "endpoint {:?}: {why}",
+                "endpoint {:?}: {why} (endpoint {other:?})",
                 provisional.name
             )));
         }

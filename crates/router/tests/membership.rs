@@ -82,6 +82,15 @@ async fn endpoints_join_and_leave_a_running_router() {
     named_a.events = None;
     let err = router.add_endpoint(named_a).unwrap_err().to_string();
     assert!(err.contains("\"a\" is another endpoint's name"), "{err}");
+    // Named as a and at b's host and port: the gravest clash is told, with whom.
+    let err = router
+        .add_endpoint(endpoint_config(&b, "a"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("another endpoint's host and port") && err.contains("(endpoint \"b\")"),
+        "{err}"
+    );
 
     // b leaves: nothing goes there any more, its tasks stop, and a bad config is refused.
     assert!(router.remove_endpoint(id));

@@ -275,9 +275,10 @@ mod tests {
         let departed = sink(&router, &router.endpoint(id));
         assert!(router.deregister(id).is_some());
         // Its id is free once nothing planned there can still be dispatched: that span of time
-        // is the condition itself, so the paused clock is moved on by it.
+        // is the condition itself, so the paused clock is moved on by it (and a millisecond:
+        // the check is on float seconds, which an exact boundary could miss by an ulp).
         let settle = std::time::Duration::from_secs_f64(router.config().slot_reuse_after_s());
-        tokio::time::advance(settle).await;
+        tokio::time::advance(settle + std::time::Duration::from_millis(1)).await;
         let newcomer = router.register(endpoint(2)).unwrap();
         assert_eq!(newcomer.id, id, "the newcomer takes the free slot");
         departed.apply(id, 1, &stored());

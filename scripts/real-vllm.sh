@@ -57,11 +57,14 @@ install_venv() {
 }
 
 build_model() {
-  [ -e "$model/.kvroute-built" ] && return 0
+  # Built again whenever the script that builds it changes (its template, its seed).
+  local script="$repo/scripts/real_vllm_model.py" version
+  version="$(sha256sum "$script" | cut -d' ' -f1)"
+  [ "$(cat "$model/.kvroute-built" 2>/dev/null)" = "$version" ] && return 0
   log "building the tiny model in $model"
   rm -rf "$model"
-  "$venv/bin/python" "$repo/scripts/real_vllm_model.py" "$model"
-  : >"$model/.kvroute-built"
+  "$venv/bin/python" "$script" "$model"
+  echo "$version" >"$model/.kvroute-built"
 }
 
 engine_env() {

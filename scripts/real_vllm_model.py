@@ -15,11 +15,27 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 SEED = 20261201
 VOCAB_SIZE = 2048
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
-# A ChatML-like template; vLLM renders it with Jinja2, kvroute with minijinja.
+# A ChatML-like template; vLLM renders it with Jinja2, kvroute with minijinja. Without tools, tool
+# calls, reasoning or template arguments it renders each message as `<|role|>\ncontent</s>\n`.
+# With them it renders the way tool-calling templates do: the tools as indented JSON schemas
+# before the messages, each assistant tool call as JSON with its arguments, the reasoning before
+# the answer, and an empty think block when the request turns thinking off (`enable_thinking`).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson(indent=2) }}\n{% endfor %}"
+    "{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
 )
 WORDS = (
     "the a an of to in and or for with on at by from as is are was be this that it cache "

@@ -93,10 +93,7 @@ fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32], usize
         .map(|s| {
             s.system
                 .iter()
-                .map(|sys| ChatMessage {
-                    role: "system".into(),
-                    content: sys.clone(),
-                })
+                .map(|sys| ChatMessage::new("system", sys.clone()))
                 .collect()
         })
         .collect();
@@ -105,10 +102,7 @@ fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32], usize
         let prompt = match workload.api {
             Api::Completions => turn.content.completion_tokens(),
             Api::Chat => {
-                histories[si].push(ChatMessage {
-                    role: "user".into(),
-                    content: turn.content.chat_text(),
-                });
+                histories[si].push(ChatMessage::new("user", turn.content.chat_text()));
                 tokenizer.encode(&tokenizer.apply_chat_template(&histories[si], true))
             }
         };
@@ -117,10 +111,7 @@ fn for_each_request(workload: &Workload, mut f: impl FnMut(&[u32], &[u32], usize
             tokenizer.encode(&" reply".repeat((turn.max_tokens as usize).div_ceil(2)));
         reply.truncate(turn.max_tokens as usize);
         f(&prompt, &reply, turn.max_tokens as usize);
-        histories[si].push(ChatMessage {
-            role: "assistant".into(),
-            content: tokenizer.decode(&reply),
-        });
+        histories[si].push(ChatMessage::new("assistant", tokenizer.decode(&reply)));
     }
 }
 

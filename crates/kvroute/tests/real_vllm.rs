@@ -15,6 +15,8 @@ mod envoy_support;
 mod fidelity;
 #[path = "real_vllm/router.rs"]
 mod router;
+#[path = "real_vllm/tool_calls.rs"]
+mod tool_calls;
 
 use engines::{BLOCK_SIZE, Engine, MODEL, install, shared_fleet};
 use router::{Router, endpoints_yaml, post, predicted_for, prediction};

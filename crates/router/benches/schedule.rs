@@ -39,7 +39,7 @@ use kvroute_router::config::RouterConfig;
 use kvroute_router::testing::{Router, prepare_request};
 use kvroute_testkit::random::tokens;
 use kvroute_vllm::openai::{GenerationRequest, Input, parse_chat, parse_completion};
-use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
+use kvroute_vllm::tokenizer::{BuiltinTokenizer, Chat, ChatMessage};
 
 /// Tokens per block.
 const BLOCK_SIZE: usize = 16;
@@ -196,10 +196,7 @@ fn chat(target: usize, salt: u64) -> Vec<ChatMessage> {
             .collect::<String>()
     };
     let tok = BuiltinTokenizer;
-    let mut messages = vec![ChatMessage {
-        role: "system".into(),
-        content: String::new(),
-    }];
+    let mut messages = vec![ChatMessage::new("system", String::new())];
     let mut turn = 0;
     loop {
         let total = tok.encode(&tok.apply_chat_template(&messages, true)).len();
@@ -209,10 +206,10 @@ fn chat(target: usize, salt: u64) -> Vec<ChatMessage> {
         let limit = if turn == 0 { 1_000 } else { 600 };
         if tok.encode(&messages[messages.len() - 1].content).len() >= limit {
             turn += 1;
-            messages.push(ChatMessage {
-                role: if turn % 2 == 1 { "user" } else { "assistant" }.into(),
-                content: String::new(),
-            });
+            messages.push(ChatMessage::new(
+                if turn % 2 == 1 { "user" } else { "assistant" },
+                String::new(),
+            ));
             continue;
         }
         // Grow in chunks of ten words.
@@ -503,7 +500,7 @@ fn main() {
             })
         },
     ));
-    let chat_request = request(Input::Chat(messages.clone()));
+    let chat_request = request(Input::Chat(Chat::new(messages.clone())));
     rows.push(sample(
         "Router::prepare, 8k chat, token cache hit",
         20,
@@ -533,7 +530,7 @@ fn main() {
                 last.content.push_str(&format!(" {salt}"));
             }
             salt += 1;
-            let r = request(Input::Chat(m));
+            let r = request(Input::Chat(Chat::new(m)));
             timed(|| futures::executor::block_on(prepare_request(&router, &r, 0, None)))
         },
     ));

@@ -286,6 +286,11 @@ pub enum TokenizerConfig {
         /// A `.jinja` chat template file.
         #[serde(default)]
         chat_template: Option<std::path::PathBuf>,
+        /// The engines' `--default-chat-template-kwargs`: template arguments every chat gets
+        /// unless the request sets them (`{enable_thinking: false}` for a Qwen3 fleet serving
+        /// without thinking).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     },
 }
 

@@ -41,9 +41,14 @@ impl ModelTokenizer {
             TokenizerConfig::Kind(TokenizerKind::Builtin) => Self::Builtin,
             TokenizerConfig::Kind(TokenizerKind::Remote) => Self::Remote,
             TokenizerConfig::Kind(TokenizerKind::None) => Self::None,
-            TokenizerConfig::Hf { hf, chat_template } => {
+            TokenizerConfig::Hf {
+                hf,
+                chat_template,
+                chat_template_kwargs,
+            } => {
                 let tokenizer = HfTokenizer::load(hf, chat_template.as_deref())
-                    .map_err(|e| RouterError::Config(format!("models: {e}")))?;
+                    .map_err(|e| RouterError::Config(format!("models: {e}")))?
+                    .with_default_kwargs(chat_template_kwargs.clone().unwrap_or_default());
                 // Chat requests could not be tokenized: refuse at start rather than route
                 // every chat without cache information.
                 if !tokenizer.has_chat_template() {
@@ -130,11 +135,26 @@ fn input_hash(model: &str, input: &Input) -> u64 {
     match input {
         Input::Text(t) => (0u8, t).hash(&mut h),
         Input::Tokens(t) => (1u8, t).hash(&mut h),
-        Input::Chat(m) => {
+        Input::Chat(chat) => {
             2u8.hash(&mut h);
-            for msg in m {
+            for msg in &chat.messages {
                 (&msg.role, &msg.content).hash(&mut h);
+                // Rarely there: written out only when they are.
+                let extras = (
+                    &msg.name,
+                    &msg.tool_calls,
+                    &msg.tool_call_id,
+                    &msg.reasoning,
+                );
+                if extras != (&None, &None, &None, &None) {
+                    serde_json::to_string(&extras)
+                        .unwrap_or_default()
+                        .hash(&mut h);
+                }
             }
+            serde_json::to_string(&(&chat.tools, &chat.kwargs))
+                .unwrap_or_default()
+                .hash(&mut h);
         }
     }
     h.finish()
@@ -173,7 +193,7 @@ pub async fn tokenize(
         ModelTokenizer::Hf(hf) => {
             let encoded = match input {
                 Input::Text(t) => hf.encode(t, true),
-                Input::Chat(m) => hf.encode_chat(m),
+                Input::Chat(chat) => hf.encode_chat(chat),
                 Input::Tokens(t) => Ok(t.clone()),
             };
             match encoded {
@@ -188,7 +208,7 @@ pub async fn tokenize(
             let tok = BuiltinTokenizer;
             match input {
                 Input::Text(t) => tok.encode(t),
-                Input::Chat(m) => tok.encode(&tok.apply_chat_template(m, true)),
+                Input::Chat(chat) => tok.encode(&tok.render_chat(chat)),
                 Input::Tokens(t) => t.clone(),
             }
         }
@@ -257,7 +277,16 @@ async fn remote_tokenize(
 ) -> Result<Vec<u32>, TokenizeError> {
     let body = match input {
         Input::Text(t) => json!({"model": model, "prompt": t}),
-        Input::Chat(m) => json!({"model": model, "messages": m, "add_generation_prompt": true}),
+        // vLLM's chat `/tokenize` takes the template's arguments as a chat request does; the
+        // request's own ones (documents, reasoning effort) go in as template arguments.
+        Input::Chat(chat) => json!({
+            "model": model,
+            "messages": chat.messages,
+            "tools": chat.tools,
+            "add_generation_prompt": chat.add_generation_prompt(),
+            "continue_final_message": chat.continue_final_message(),
+            "chat_template_kwargs": chat.kwargs,
+        }),
         Input::Tokens(t) => return Ok(t.clone()),
     };
     let url = format!("{}/tokenize", remote.base);
@@ -321,5 +350,47 @@ mod tests {
             assert!(cache.weight() <= 1 << 20, "{} bytes held", cache.weight());
         }
         assert!(cache.weight() > 0);
+    }
+
+    /// The cache is keyed by everything the template renders: a chat whose tools, tool calls or
+    /// template arguments differ is tokenized again, not given another chat's tokens.
+    #[tokio::test]
+    async fn chats_that_render_differently_are_cached_apart() {
+        let cache = TokenCache::with_budget(16, 1 << 20);
+        let chat =
+            |body: serde_json::Value| Input::Chat(kvroute_vllm::openai::chat_input(&body).unwrap());
+        let question = json!([{"role": "user", "content": "weather?"}]);
+        let call = json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}}]},
+        ]);
+        let other_call = json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Rome\"}"}}]},
+        ]);
+        let tool = json!([{"type": "function", "function": {"name": "f"}}]);
+        let inputs = [
+            chat(json!({"messages": question})),
+            chat(json!({"messages": question, "tools": tool})),
+            chat(json!({"messages": question, "add_generation_prompt": false})),
+            chat(json!({"messages": call})),
+            chat(json!({"messages": other_call})),
+        ];
+        let mut seen = Vec::new();
+        for input in &inputs {
+            let tokens = tokenize(&cache, &ModelTokenizer::Builtin, "m", input, None)
+                .await
+                .unwrap();
+            assert!(
+                !seen.contains(&tokens),
+                "{input:?} got another chat's tokens"
+            );
+            seen.push(tokens);
+        }
+        // The same chat again is the same prompt.
+        let again = tokenize(&cache, &ModelTokenizer::Builtin, "m", &inputs[1], None)
+            .await
+            .unwrap();
+        assert_eq!(again, seen[1]);
     }
 }

@@ -46,6 +46,7 @@ async fn real_tokenizer_end_to_end() {
     let mut config = ConfigBuilder::new("sim-llama-3.1-8b").tokenizer(TokenizerConfig::Hf {
         hf: tokenizer.clone(),
         chat_template: Some(template.clone()),
+        chat_template_kwargs: None,
     });
     for f in &fleets {
         config = config.unnamed_engine(f);
@@ -114,6 +115,7 @@ async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_messa
         .tokenizer(TokenizerConfig::Hf {
             hf: tokenizer.clone(),
             chat_template: None,
+            chat_template_kwargs: None,
         })
         .endpoint(endpoint(None, "http://127.0.0.1:9"))
         .build();

@@ -103,8 +103,5 @@ impl<'a> Client<'a> {
 }
 
 fn message(role: &str, content: String) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content,
-    }
+    ChatMessage::new(role, content)
 }

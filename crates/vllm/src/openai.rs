@@ -15,7 +15,7 @@ pub use error::{ApiError, Fault};
 
 use serde_json::Value;
 
-use crate::tokenizer::ChatMessage;
+use crate::tokenizer::{Chat, ChatMessage, template_kwargs, template_tool};
 
 /// What a generation request asks for, parsed once.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,8 +42,8 @@ pub enum Input {
     Text(String),
     /// `/v1/completions` with token ids.
     Tokens(Vec<u32>),
-    /// `/v1/chat/completions` messages.
-    Chat(Vec<ChatMessage>),
+    /// `/v1/chat/completions`: the messages, tools and template arguments.
+    Chat(Chat),
 }
 
 fn field<'a>(body: &'a Value, name: &str) -> Option<&'a Value> {
@@ -205,6 +205,13 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
 /// ([`parse_request_json`]), as [`parse_chat`] does.
 pub fn chat_from_json(value: &Value) -> Result<GenerationRequest, ApiError> {
     let mut request = parse_common(value)?;
+    request.input = Input::Chat(chat_input(value)?);
+    Ok(request)
+}
+
+/// The prompt of a chat request body (`/v1/chat/completions`, or a chat `/tokenize`): its
+/// messages, tools and template arguments, read as vLLM reads them ([`crate::tokenizer::Chat`]).
+pub fn chat_input(value: &Value) -> Result<Chat, ApiError> {
     let Some(Value::Array(items)) = field(value, "messages") else {
         return Err(ApiError::bad_request(
             "messages must be a list",
@@ -225,8 +232,17 @@ pub fn chat_from_json(value: &Value) -> Result<GenerationRequest, ApiError> {
                 .map_err(|e| ApiError::bad_request(format!("messages[{i}]: {e}"), Some("messages")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    request.input = Input::Chat(messages);
-    Ok(request)
+    // A tool vLLM would refuse (not a named function) makes the engine answer 400; the
+    // request is still forwarded, and its prompt is scored without the tools.
+    let tools = match field(value, "tools") {
+        Some(Value::Array(tools)) => tools.iter().map(template_tool).collect::<Option<Vec<_>>>(),
+        _ => None,
+    };
+    Ok(Chat {
+        messages,
+        tools,
+        kwargs: template_kwargs(value),
+    })
 }
 
 /// The `cached_tokens` an answer's usage reports (`usage.prompt_tokens_details.cached_tokens`),
@@ -258,21 +274,71 @@ fn parse_message(m: &Value) -> Result<ChatMessage, String> {
         .and_then(Value::as_str)
         .ok_or("role must be a string")?
         .to_owned();
+    let system = role == "system";
     let content = match m.get("content") {
         None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) if system => without_billing_header(s).unwrap_or_default(),
         Some(Value::String(s)) => s.clone(),
         // Text parts are scored, one per line as vLLM joins them for a template that takes
         // text; image, audio and video parts pass through unscored.
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
+        Some(Value::Array(parts)) => {
+            let texts: Vec<String> = parts
+                .iter()
+                .filter_map(text_part)
+                .filter_map(|t| {
+                    if system {
+                        without_billing_header(t)
+                    } else {
+                        Some(t.to_owned())
+                    }
+                })
+                .collect();
+            texts.join("\n")
+        }
         // Not a shape vLLM reads as text: nothing to score here.
         Some(_) => String::new(),
     };
-    Ok(ChatMessage { role, content })
+    let text = |name: &str| m.get(name).and_then(Value::as_str).map(str::to_owned);
+    Ok(ChatMessage {
+        name: text("name"),
+        tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned(),
+        tool_call_id: text("tool_call_id"),
+        reasoning: text("reasoning").or_else(|| text("reasoning_content")),
+        ..ChatMessage::new(role, content)
+    })
+}
+
+/// The text of a content part vLLM reads as text (`text`, `input_text`, `output_text`,
+/// `refusal`, `thinking`, or a bare string); `None` for media and anything else.
+fn text_part(part: &Value) -> Option<&str> {
+    if let Some(text) = part.as_str() {
+        return Some(text);
+    }
+    let key = match part.get("type")?.as_str()? {
+        "text" | "input_text" | "output_text" => "text",
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => return None,
+    };
+    part.get(key)?.as_str()
+}
+
+/// The first line of a system prompt Claude Code sends through gateways that translate its
+/// requests; vLLM 0.32 drops it (its value changes on every request, so the prompt would miss
+/// the cache from there on).
+const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// A system message's text part without Claude Code's billing header line, as vLLM reads it:
+/// `None` when nothing is left.
+fn without_billing_header(text: &str) -> Option<String> {
+    match text.strip_prefix(CLAUDE_CODE_BILLING_HEADER) {
+        Some(rest) => rest
+            .split_once('\n')
+            .map(|(_, after)| after)
+            .filter(|after| !after.is_empty())
+            .map(str::to_owned),
+        None => Some(text.to_owned()),
+    }
 }
 
 #[cfg(test)]
@@ -321,12 +387,49 @@ mod tests {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":3}"#).unwrap();
         assert_eq!(
             r.input,
-            Input::Chat(vec![ChatMessage {
-                role: "user".into(),
-                content: "a\nb".into()
-            }])
+            Input::Chat(Chat::new(vec![ChatMessage::new("user", "a\nb")]))
         );
         assert_eq!(r.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn tool_calling_chats_keep_what_the_template_renders() {
+        let r = parse_chat(br#"{"model":"m","messages":[
+            {"role":"system","content":"x-anthropic-billing-header: cch=1;\nYou code."},
+            {"role":"user","content":[{"type":"input_text","text":"a"},{"type":"refusal","refusal":"b"},"c",{"type":"image_url","image_url":{"url":"u"}}]},
+            {"role":"assistant","content":null,"reasoning_content":"think","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
+            {"role":"tool","tool_call_id":"c1","name":"f","content":"42"}],
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],
+            "tool_choice":"auto","chat_template_kwargs":{"enable_thinking":false}}"#).unwrap();
+        let Input::Chat(chat) = r.input else {
+            panic!("{:?}", r.input)
+        };
+        let m = &chat.messages;
+        assert_eq!(m[0].content, "You code.");
+        assert_eq!(m[1].content, "a\nb\nc");
+        assert_eq!(
+            (m[2].content.as_str(), m[2].reasoning.as_deref()),
+            ("", Some("think"))
+        );
+        assert_eq!(m[2].tool_calls.as_ref().map(Vec::len), Some(1));
+        assert_eq!(
+            (m[3].tool_call_id.as_deref(), m[3].name.as_deref()),
+            (Some("c1"), Some("f"))
+        );
+        assert_eq!(
+            chat.tools.as_ref().unwrap()[0]["function"]["description"],
+            Value::Null
+        );
+        assert_eq!(chat.kwargs["enable_thinking"], false);
+        assert!(chat.add_generation_prompt());
+        // A system prompt that is only the header is empty; a tool vLLM refuses leaves the
+        // chat without tools (the engine answers the 400).
+        let r = parse_chat(br#"{"messages":[{"role":"system","content":"x-anthropic-billing-header: cch=1;"},{"role":"user","content":"q"}],"tools":[{"type":"function"}]}"#).unwrap();
+        let Input::Chat(chat) = r.input else {
+            panic!("{:?}", r.input)
+        };
+        assert_eq!(chat.messages[0].content, "");
+        assert_eq!(chat.tools, None);
     }
 
     #[test]
@@ -351,10 +454,7 @@ mod tests {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"text","text":"what is this"}]}]}"#).unwrap();
         assert_eq!(
             r.input,
-            Input::Chat(vec![ChatMessage {
-                role: "user".into(),
-                content: "what is this".into()
-            }])
+            Input::Chat(Chat::new(vec![ChatMessage::new("user", "what is this")]))
         );
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"\udc00"}]}"#);
         assert!(r.is_ok(), "{r:?}");

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use kvroute_vllm::openai::{ApiError, GenerationRequest, Input, parse_chat, parse_completion};
-use kvroute_vllm::tokenizer::{BuiltinTokenizer, ChatMessage};
+use kvroute_vllm::tokenizer::BuiltinTokenizer;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -47,11 +47,11 @@ impl SimTokenizer {
         Ok(match (self, input) {
             (_, Input::Tokens(t)) => t.clone(),
             (SimTokenizer::Builtin, Input::Text(t)) => BuiltinTokenizer.encode(t),
-            (SimTokenizer::Builtin, Input::Chat(m)) => {
-                BuiltinTokenizer.encode(&BuiltinTokenizer.apply_chat_template(m, true))
+            (SimTokenizer::Builtin, Input::Chat(chat)) => {
+                BuiltinTokenizer.encode(&BuiltinTokenizer.render_chat(chat))
             }
             (SimTokenizer::Hf(hf), Input::Text(t)) => hf.encode(t, true).map_err(bad)?,
-            (SimTokenizer::Hf(hf), Input::Chat(m)) => hf.encode_chat(m).map_err(bad)?,
+            (SimTokenizer::Hf(hf), Input::Chat(chat)) => hf.encode_chat(chat).map_err(bad)?,
         })
     }
 
@@ -579,15 +579,10 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
     };
     let input = if let Some(prompt) = value.get("prompt").and_then(Value::as_str) {
         Input::Text(prompt.to_owned())
-    } else if let Some(messages) = value.get("messages") {
-        match serde_json::from_value::<Vec<ChatMessage>>(messages.clone()) {
-            Ok(m) => Input::Chat(m),
-            Err(e) => {
-                return error_response(&ApiError::bad_request(
-                    format!("messages: {e}"),
-                    Some("messages"),
-                ));
-            }
+    } else if value.get("messages").is_some() {
+        match kvroute_vllm::openai::chat_input(&value) {
+            Ok(chat) => Input::Chat(chat),
+            Err(e) => return error_response(&e),
         }
     } else {
         return error_response(&ApiError::bad_request(

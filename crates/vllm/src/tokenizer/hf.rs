@@ -2,25 +2,67 @@
 //! vLLM applies them (`add_generation_prompt`, special tokens added by the template for chat,
 //! by the tokenizer for completions). No network: files only.
 //!
+//! The template is rendered with what vLLM passes it (see [`super::chat`]): the messages, the
+//! tools, the request's template arguments and the tokenizer's special tokens, with
+//! transformers' `tojson` (Python's `json.dumps`, [`super::pyjson`]) and its handling of
+//! `continue_final_message` and of a `developer` message the template does not know.
+//!
 //! The template is found where `transformers` saves it: a `chat_template.jinja` beside
 //! `tokenizer.json` (transformers 5, and 4.x since 4.47), else the `chat_template` entry of
 //! `tokenizer_config.json` (older models).
 
 use std::path::{Path, PathBuf};
 
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::ChatMessage;
+use super::pyjson::{self, Layout};
+use super::{Chat, ChatMessage};
 use crate::VllmError;
 
 /// A loaded HuggingFace tokenizer with its chat template.
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    template: Option<Environment<'static>>,
-    bos_token: String,
-    eos_token: String,
+    template: Option<Template>,
+    /// transformers' `special_tokens_map`: every named special token the config sets, each a
+    /// variable of the template.
+    special_tokens: Map<String, Value>,
+    /// The engine's `--default-chat-template-kwargs`: under each request's own.
+    default_kwargs: Map<String, Value>,
 }
+
+/// A compiled chat template.
+struct Template {
+    env: Environment<'static>,
+    /// Whether it names the `developer` role (vLLM turns developer messages into system ones
+    /// for a template that does not).
+    knows_developer: bool,
+}
+
+/// transformers' named special tokens, in its order.
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Template arguments that transformers' `apply_chat_template` takes for itself rather than
+/// passing to the template.
+const NOT_TEMPLATE_VARIABLES: [&str; 5] = [
+    "chat_template",
+    "tokenize",
+    "continue_final_message",
+    "return_dict",
+    "messages",
+];
+
+/// The text transformers appends to a message it continues, to find where it ends.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 fn load_error(path: &Path, why: impl std::fmt::Display) -> VllmError {
     VllmError::Tokenizer(format!("{}: {why}", path.display()))
@@ -59,6 +101,88 @@ const TEMPLATE_FILE: &str = "chat_template.jinja";
 
 fn raise_exception(message: String) -> Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
+}
+
+/// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, positionally or by name (not Jinja's, which escapes HTML
+/// characters and writes no spaces).
+fn tojson(
+    value: &JinjaValue,
+    ensure_ascii: Option<JinjaValue>,
+    indent: Option<JinjaValue>,
+    separators: Option<JinjaValue>,
+    kwargs: Kwargs,
+) -> Result<String, JinjaError> {
+    let invalid = |what: String| JinjaError::new(ErrorKind::InvalidOperation, what);
+    let arg =
+        |positional: Option<JinjaValue>, name: &str| -> Result<Option<JinjaValue>, JinjaError> {
+            Ok(match positional {
+                Some(v) => Some(v),
+                None => kwargs.get::<Option<JinjaValue>>(name)?,
+            })
+        };
+    let ensure_ascii = arg(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
+    let indent = match arg(indent, "indent")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match v.as_str() {
+            Some(text) => Some(text.to_owned()),
+            None => {
+                let n = i64::try_from(v.clone())
+                    .map_err(|_| invalid(format!("tojson: indent must be a number, not {v}")))?;
+                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
+            }
+        },
+    };
+    let separators = match arg(separators, "separators")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => {
+            let pair: Vec<String> = v
+                .try_iter()
+                .map_err(|_| invalid("tojson: separators must be two strings".into()))?
+                .map(|s| s.as_str().map(str::to_owned))
+                .collect::<Option<_>>()
+                .ok_or_else(|| invalid("tojson: separators must be two strings".into()))?;
+            match <[String; 2]>::try_from(pair) {
+                Ok([item, key]) => Some((item, key)),
+                Err(_) => return Err(invalid("tojson: separators must be two strings".into())),
+            }
+        }
+    };
+    let sort_keys = kwargs
+        .get::<Option<JinjaValue>>("sort_keys")?
+        .is_some_and(|v| v.is_true());
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value)
+        .map_err(|e| invalid(format!("tojson: cannot write {value} as JSON: {e}")))?;
+    Ok(pyjson::dumps(
+        &json,
+        &Layout {
+            ensure_ascii,
+            indent,
+            separators,
+            sort_keys,
+        },
+    ))
+}
+
+/// Prints `{{ value }}` as Jinja2 prints a Python value where the two differ in a chat
+/// template: booleans as `True`/`False`, none as `None` (a template printing a flag or an unset
+/// argument); everything else as minijinja prints it.
+fn python_formatter(
+    out: &mut minijinja::Output,
+    state: &mut minijinja::State,
+    value: &JinjaValue,
+) -> Result<(), JinjaError> {
+    let python = match value.kind() {
+        minijinja::value::ValueKind::Bool if value.is_true() => "True",
+        minijinja::value::ValueKind::Bool => "False",
+        minijinja::value::ValueKind::None => "None",
+        _ => return minijinja::escape_formatter(out, state, value),
+    };
+    out.write_str(python)
+        .map_err(|e| JinjaError::new(ErrorKind::WriteFailure, e.to_string()))
 }
 
 /// transformers' `strftime_now`: the local time in Python's `strftime` format. Llama 3.x
@@ -113,18 +237,38 @@ impl HfTokenizer {
                 );
                 env.add_function("raise_exception", raise_exception);
                 env.add_function("strftime_now", strftime_now);
+                env.add_filter("tojson", tojson);
+                env.set_formatter(python_formatter);
+                let knows_developer =
+                    source.contains("\"developer\"") || source.contains("'developer'");
                 env.add_template_owned("chat", source).map_err(|e| {
                     VllmError::Tokenizer(format!("chat template does not parse: {e}"))
                 })?;
-                Some(env)
+                Some(Template {
+                    env,
+                    knows_developer,
+                })
             }
         };
+        let special_tokens = SPECIAL_TOKENS
+            .iter()
+            .map(|name| (name.to_string(), token_text(&config, name)))
+            .filter(|(_, text)| !text.is_empty())
+            .map(|(name, text)| (name, Value::String(text)))
+            .collect();
         Ok(Self {
             tokenizer,
             template,
-            bos_token: token_text(&config, "bos_token"),
-            eos_token: token_text(&config, "eos_token"),
+            special_tokens,
+            default_kwargs: Map::new(),
         })
+    }
+
+    /// The tokenizer rendering as an engine started with `--default-chat-template-kwargs`
+    /// `defaults` does: each chat's own template arguments override them.
+    pub fn with_default_kwargs(mut self, defaults: Map<String, Value>) -> Self {
+        self.default_kwargs = defaults;
+        self
     }
 
     /// Whether a chat template was found: without one, only completions can be tokenized.
@@ -147,33 +291,116 @@ impl HfTokenizer {
             .map_err(|e| VllmError::Tokenizer(e.to_string()))
     }
 
-    /// Renders the chat template.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, VllmError> {
-        let env = self.template.as_ref().ok_or_else(|| {
+    /// Renders the chat template for `chat`, as vLLM renders it through transformers.
+    pub fn apply_chat_template(&self, chat: &Chat) -> Result<String, VllmError> {
+        let template = self.template.as_ref().ok_or_else(|| {
             VllmError::Tokenizer("this tokenizer has no chat template: configure one".into())
         })?;
-        let template = env
+        let compiled = template
+            .env
             .get_template("chat")
             .map_err(|e| VllmError::Tokenizer(e.to_string()))?;
-        template
-            .render(minijinja::context! {
-                messages => JinjaValue::from(minijinja::value::Serde(messages)),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token.clone(),
-                eos_token => self.eos_token.clone(),
-            })
-            .map_err(|e| VllmError::Tokenizer(format!("chat template failed: {e}")))
+        let mut messages: Vec<Value> = chat
+            .messages
+            .iter()
+            .map(ChatMessage::template_value)
+            .collect();
+        if !template.knows_developer && chat.messages.iter().any(|m| m.role == "developer") {
+            messages = developer_as_system(messages);
+        }
+        let continued = chat.continue_final_message();
+        if continued {
+            let last = messages.last_mut().and_then(|m| m.get_mut("content"));
+            match last {
+                Some(Value::String(text)) => text.push_str(CONTINUE_TAG),
+                _ => {
+                    return Err(VllmError::Tokenizer(
+                        "continue_final_message is set but the final message has no content to continue".into(),
+                    ));
+                }
+            }
+        }
+        // As transformers calls it: the special tokens, the request's arguments (over the
+        // engine's defaults) over them, then the messages, tools, documents and generation
+        // prompt.
+        let mut context = self.special_tokens.clone();
+        for (k, v) in self.default_kwargs.iter().chain(&chat.kwargs) {
+            if !NOT_TEMPLATE_VARIABLES.contains(&k.as_str()) {
+                context.insert(k.clone(), v.clone());
+            }
+        }
+        context.insert("messages".into(), Value::Array(messages));
+        context.insert(
+            "tools".into(),
+            chat.tools.clone().map_or(Value::Null, Value::Array),
+        );
+        let documents = chat.kwargs.get("documents").cloned().unwrap_or(Value::Null);
+        context.insert("documents".into(), documents);
+        context.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(chat.add_generation_prompt()),
+        );
+        let rendered = compiled
+            .render(JinjaValue::from(minijinja::value::Serde(&context)))
+            .map_err(|e| VllmError::Tokenizer(format!("chat template failed: {e}")))?;
+        if !continued {
+            return Ok(rendered);
+        }
+        // Cut where the continued message ends: at the tag, or before the blanks the template
+        // trimmed after it.
+        let tag = CONTINUE_TAG.trim_end();
+        let at = rendered.rfind(tag).ok_or_else(|| {
+            VllmError::Tokenizer(
+                "continue_final_message is set but the template drops the final message".into(),
+            )
+        })?;
+        Ok(if rendered[at..].starts_with(CONTINUE_TAG) {
+            rendered[..at].to_owned()
+        } else {
+            rendered[..at].trim_end().to_owned()
+        })
     }
 
     /// Prompt tokens of a chat, as vLLM's chat endpoint computes them (the template adds the
     /// special tokens, the tokenizer does not).
-    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, VllmError> {
-        self.encode(&self.apply_chat_template(messages, true)?, false)
+    pub fn encode_chat(&self, chat: &Chat) -> Result<Vec<u32>, VllmError> {
+        self.encode(&self.apply_chat_template(chat)?, false)
     }
+}
+
+/// vLLM's treatment of developer messages for a template that does not know the role: each
+/// becomes a system message (without its tools), and where a system message is then not the
+/// first, all of them merge into one first message, their non-empty texts joined by a blank
+/// line.
+fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
+    let mut system = Vec::new();
+    let mut rest = Vec::new();
+    let mut merge = false;
+    for (i, mut m) in messages.into_iter().enumerate() {
+        if m["role"] == "developer" {
+            m["role"] = Value::String("system".into());
+            if let Some(map) = m.as_object_mut() {
+                map.remove("tools");
+            }
+        }
+        if m["role"] == "system" {
+            merge |= i > 0 || !system.is_empty();
+            system.push(m);
+        } else {
+            rest.push(m);
+        }
+    }
+    if !merge {
+        // At most one system message, and first: the conversation as it was.
+        return system.into_iter().chain(rest).collect();
+    }
+    let texts: Vec<&str> = system
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let merged = serde_json::json!({"role": "system", "content": texts.join("\n\n")});
+    std::iter::once(merged).chain(rest).collect()
 }
 
 #[cfg(test)]

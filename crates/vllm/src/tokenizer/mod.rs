@@ -7,24 +7,17 @@
 //! token, close enough to real tokenizers for cache and latency behaviour. Text that shares a
 //! prefix (ending at a run boundary) shares its tokens, as chat histories need.
 
-use serde::{Deserialize, Serialize};
-
+mod chat;
 #[cfg(feature = "hf-tokenizer")]
 mod hf;
+pub mod pyjson;
+
+pub use chat::{Chat, ChatMessage, template_kwargs, template_tool};
 #[cfg(feature = "hf-tokenizer")]
 pub use hf::HfTokenizer;
 
 /// First id used for text pieces; lower ids are reserved for special tokens.
 const PIECE_BASE: u32 = 256;
-
-/// A chat message as the OpenAI API sends it (text content only).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `tool`, ...
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
 
 /// The built-in tokenizer.
 #[derive(Clone, Copy, Debug, Default)]
@@ -67,22 +60,56 @@ impl BuiltinTokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// The prompt text of a chat, in the ChatML layout many models use; with
+    /// The prompt text of `messages`, in the ChatML layout many models use; with
     /// `add_generation_prompt` it ends where the assistant's reply starts.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> String {
+        let mut chat = Chat::new(messages.to_vec());
+        chat.kwargs
+            .insert("add_generation_prompt".into(), add_generation_prompt.into());
+        self.render_chat(&chat)
+    }
+
+    /// The prompt text of `chat` in the same layout: its tools first, one JSON schema per line
+    /// in a `tools` turn; an assistant's tool calls after its text, each as
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the last
+    /// message left open when the chat continues it. Other template arguments change nothing.
+    pub fn render_chat(&self, chat: &Chat) -> String {
         let mut text = String::new();
-        for m in messages {
+        let layout = pyjson::Layout::default();
+        if let Some(tools) = chat.tools.as_ref().filter(|t| !t.is_empty()) {
+            text.push_str("<|im_start|>tools\n");
+            for tool in tools {
+                text.push_str(&pyjson::dumps(tool, &layout));
+                text.push('\n');
+            }
+            text.push_str("<|im_end|>\n");
+        }
+        let open_last = chat.continue_final_message();
+        for (i, m) in chat.messages.iter().enumerate() {
+            let view = m.template_value();
             text.push_str("<|im_start|>");
             text.push_str(&m.role);
             text.push('\n');
             text.push_str(&m.content);
-            text.push_str("<|im_end|>\n");
+            for call in view["tool_calls"].as_array().into_iter().flatten() {
+                let function = &call["function"];
+                let shown = serde_json::json!({
+                    "name": function["name"],
+                    "arguments": function["arguments"],
+                });
+                text.push_str("<tool_call>");
+                text.push_str(&pyjson::dumps(&shown, &layout));
+                text.push_str("</tool_call>");
+            }
+            if !(open_last && i + 1 == chat.messages.len()) {
+                text.push_str("<|im_end|>\n");
+            }
         }
-        if add_generation_prompt {
+        if chat.add_generation_prompt() && !open_last {
             text.push_str("<|im_start|>assistant\n");
         }
         text
@@ -126,26 +153,58 @@ mod tests {
     fn chat_history_is_a_token_prefix_of_the_next_turn() {
         let tok = BuiltinTokenizer;
         let mut messages = vec![
-            ChatMessage {
-                role: "system".into(),
-                content: "You are terse.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: "Hi there".into(),
-            },
+            ChatMessage::new("system", "You are terse."),
+            ChatMessage::new("user", "Hi there"),
         ];
         let turn1 = tok.encode(&tok.apply_chat_template(&messages, true));
-        messages.push(ChatMessage {
-            role: "assistant".into(),
-            content: "Hello.".into(),
-        });
-        messages.push(ChatMessage {
-            role: "user".into(),
-            content: "More?".into(),
-        });
+        messages.push(ChatMessage::new("assistant", "Hello."));
+        messages.push(ChatMessage::new("user", "More?"));
         let turn2 = tok.encode(&tok.apply_chat_template(&messages, true));
         assert_eq!(&turn2[..turn1.len()], &turn1[..]);
+    }
+
+    /// An agent's tool-calling turns: the tools and each call rendered, and each turn's prompt a
+    /// token prefix of the next one's up to where the generation prompt was.
+    #[test]
+    fn tool_calls_render_and_agent_turns_share_their_history() {
+        let tok = BuiltinTokenizer;
+        let tools = vec![
+            serde_json::json!({"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}}}),
+        ];
+        let call = serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Zürich\", \"days\": 2}"}});
+        let mut chat = Chat {
+            tools: Some(tools),
+            ..Chat::new(vec![ChatMessage::new("user", "weather?")])
+        };
+        let first = tok.render_chat(&chat);
+        assert_eq!(
+            first,
+            "<|im_start|>tools\n{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": null, \"parameters\": {\"type\": \"object\"}}}\n<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        chat.messages.push(ChatMessage {
+            tool_calls: Some(vec![call]),
+            ..ChatMessage::new("assistant", "")
+        });
+        chat.messages.push(ChatMessage {
+            tool_call_id: Some("c1".into()),
+            ..ChatMessage::new("tool", "sunny")
+        });
+        let second = tok.render_chat(&chat);
+        assert!(second.starts_with(&first), "{second}");
+        assert!(
+            second.contains("<|im_start|>assistant\n<tool_call>{\"name\": \"f\", \"arguments\": {\"city\": \"Zürich\", \"days\": 2}}</tool_call><|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n"),
+            "{second}"
+        );
+        let (a, b) = (tok.encode(&first), tok.encode(&second));
+        assert_eq!(&b[..a.len()], &a[..]);
+        // Continued: the last message stays open, no generation prompt.
+        chat.messages.push(ChatMessage::new("assistant", "It is"));
+        chat.kwargs
+            .insert("continue_final_message".into(), true.into());
+        assert!(
+            tok.render_chat(&chat)
+                .ends_with("<|im_start|>assistant\nIt is")
+        );
     }
 
     proptest! {

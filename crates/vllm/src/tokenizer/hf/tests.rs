@@ -62,22 +62,18 @@ fn chatml_template_renders_like_vllm_and_tokenizes_with_the_template_specials() 
     let dir = tempdir("chatml");
     let tok = HfTokenizer::load(&fixture(&dir, true), None).unwrap();
     let messages = vec![
-        ChatMessage {
-            role: "system".into(),
-            content: "  be brief ".into(),
-        },
-        ChatMessage {
-            role: "user".into(),
-            content: "hello world".into(),
-        },
+        ChatMessage::new("system", "  be brief "),
+        ChatMessage::new("user", "hello world"),
     ];
-    let text = tok.apply_chat_template(&messages, true).unwrap();
+    let text = tok
+        .apply_chat_template(&Chat::new(messages.clone()))
+        .unwrap();
     assert_eq!(
         text,
         "<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
     );
     // Chat: the template's <s> only (add_special_tokens=false), so no second BOS.
-    let ids = tok.encode_chat(&messages).unwrap();
+    let ids = tok.encode_chat(&Chat::new(messages.clone())).unwrap();
     assert_eq!(ids, vec![0, 2, 4, 9, 10, 3, 2, 5, 7, 8, 3, 2, 6]);
     // Completions: the tokenizer adds BOS itself.
     assert_eq!(tok.encode("hello world", true).unwrap(), vec![0, 7, 8]);
@@ -94,7 +90,10 @@ fn missing_files_and_templates_are_clear_errors() {
     assert!(e.contains("nope.json"), "{e}");
     let tok = HfTokenizer::load(&fixture(&dir, false), None).unwrap();
     assert!(!tok.has_chat_template());
-    let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+    let e = tok
+        .apply_chat_template(&Chat::new(vec![]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no chat template"), "{e}");
     let bad = dir.join("bad.jinja");
     std::fs::write(&bad, "{% for %}").unwrap();
@@ -110,7 +109,10 @@ fn missing_files_and_templates_are_clear_errors() {
     )
     .unwrap();
     let tok = HfTokenizer::load(&fixture(&dir, false), Some(&raising)).unwrap();
-    let e = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+    let e = tok
+        .apply_chat_template(&Chat::new(vec![]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("only user and assistant roles"), "{e}");
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -128,12 +130,9 @@ fn the_template_beside_the_tokenizer_is_found_as_transformers_5_saves_it() {
     .unwrap();
     let tok = HfTokenizer::load(&path, None).unwrap();
     assert!(tok.has_chat_template());
-    let messages = vec![ChatMessage {
-        role: "user".into(),
-        content: "hello".into(),
-    }];
+    let messages = vec![ChatMessage::new("user", "hello")];
     assert_eq!(
-        tok.encode_chat(&messages).unwrap(),
+        tok.encode_chat(&Chat::new(messages.clone())).unwrap(),
         vec![0, 2, 5, 7, 3, 2, 6]
     );
     let _ = std::fs::remove_dir_all(dir);
@@ -146,13 +145,16 @@ fn the_jinja_file_wins_over_the_config_and_an_explicit_template_over_both() {
     std::fs::write(dir.join("chat_template.jinja"), "from the jinja file").unwrap();
     let tok = HfTokenizer::load(&path, None).unwrap();
     assert_eq!(
-        tok.apply_chat_template(&[], true).unwrap(),
+        tok.apply_chat_template(&Chat::new(vec![])).unwrap(),
         "from the jinja file"
     );
     let explicit = dir.join("explicit.jinja");
     std::fs::write(&explicit, "explicit").unwrap();
     let tok = HfTokenizer::load(&path, Some(&explicit)).unwrap();
-    assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "explicit");
+    assert_eq!(
+        tok.apply_chat_template(&Chat::new(vec![])).unwrap(),
+        "explicit"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -169,14 +171,52 @@ fn templates_render_with_transformers_whitespace_and_strftime_now() {
     )
     .unwrap();
     let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template)).unwrap();
-    let messages = vec![ChatMessage {
-        role: "user".into(),
-        content: "hello".into(),
-    }];
+    let messages = vec![ChatMessage::new("user", "hello")];
     let year = jiff::Zoned::now().year();
     assert_eq!(
-        tok.apply_chat_template(&messages, true).unwrap(),
+        tok.apply_chat_template(&Chat::new(messages.clone()))
+            .unwrap(),
         format!("<|user|>\nhello</s>\nToday: {year}")
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The template's arguments as vLLM gives them: the engine's defaults under the request's own,
+/// the special tokens under both; printed flags and unset values as Jinja2 prints Python's.
+#[test]
+fn template_arguments_layer_as_vllm_merges_them_and_print_as_python() {
+    let dir = tempdir("kwargs");
+    let template = dir.join("kwargs.jinja");
+    std::fs::write(
+        &template,
+        "{{ bos_token }}|{{ enable_thinking }}|{{ style }}|{{ unset_in_request }}|{{ tools }}|{{ documents }}",
+    )
+    .unwrap();
+    let mut defaults = Map::new();
+    defaults.insert("enable_thinking".into(), Value::Bool(false));
+    defaults.insert("style".into(), Value::from("terse"));
+    defaults.insert("bos_token".into(), Value::from("<B>"));
+    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template))
+        .unwrap()
+        .with_default_kwargs(defaults);
+    let chat = |body: Value| Chat {
+        kwargs: super::super::template_kwargs(&body),
+        ..Chat::new(vec![ChatMessage::new("user", "hello")])
+    };
+    // Jinja2 prints Python's False and None; the engine's defaults apply, even over a special
+    // token (transformers lets template arguments override them).
+    assert_eq!(
+        tok.apply_chat_template(&chat(serde_json::json!({})))
+            .unwrap(),
+        "<B>|False|terse||None|None"
+    );
+    // The request's own arguments win; a null or "auto" one leaves the default.
+    assert_eq!(
+        tok.apply_chat_template(&chat(serde_json::json!({
+            "chat_template_kwargs": {"enable_thinking": true, "style": "auto", "unset_in_request": null}
+        })))
+        .unwrap(),
+        "<B>|True|terse||None|None"
     );
     let _ = std::fs::remove_dir_all(dir);
 }

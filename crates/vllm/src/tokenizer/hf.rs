@@ -13,11 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
-use minijinja::value::Kwargs;
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
 use serde_json::{Map, Value};
 
-use super::pyjson::{self, Layout};
 use super::{Chat, ChatMessage};
 use crate::VllmError;
 
@@ -103,88 +101,6 @@ fn raise_exception(message: String) -> Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
 }
 
-/// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None,
-/// separators=None, sort_keys=False)`, positionally or by name (not Jinja's, which escapes HTML
-/// characters and writes no spaces).
-fn tojson(
-    value: &JinjaValue,
-    ensure_ascii: Option<JinjaValue>,
-    indent: Option<JinjaValue>,
-    separators: Option<JinjaValue>,
-    kwargs: Kwargs,
-) -> Result<String, JinjaError> {
-    let invalid = |what: String| JinjaError::new(ErrorKind::InvalidOperation, what);
-    let arg =
-        |positional: Option<JinjaValue>, name: &str| -> Result<Option<JinjaValue>, JinjaError> {
-            Ok(match positional {
-                Some(v) => Some(v),
-                None => kwargs.get::<Option<JinjaValue>>(name)?,
-            })
-        };
-    let ensure_ascii = arg(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
-    let indent = match arg(indent, "indent")? {
-        None => None,
-        Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) => match v.as_str() {
-            Some(text) => Some(text.to_owned()),
-            None => {
-                let n = i64::try_from(v.clone())
-                    .map_err(|_| invalid(format!("tojson: indent must be a number, not {v}")))?;
-                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
-            }
-        },
-    };
-    let separators = match arg(separators, "separators")? {
-        None => None,
-        Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) => {
-            let pair: Vec<String> = v
-                .try_iter()
-                .map_err(|_| invalid("tojson: separators must be two strings".into()))?
-                .map(|s| s.as_str().map(str::to_owned))
-                .collect::<Option<_>>()
-                .ok_or_else(|| invalid("tojson: separators must be two strings".into()))?;
-            match <[String; 2]>::try_from(pair) {
-                Ok([item, key]) => Some((item, key)),
-                Err(_) => return Err(invalid("tojson: separators must be two strings".into())),
-            }
-        }
-    };
-    let sort_keys = kwargs
-        .get::<Option<JinjaValue>>("sort_keys")?
-        .is_some_and(|v| v.is_true());
-    kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value)
-        .map_err(|e| invalid(format!("tojson: cannot write {value} as JSON: {e}")))?;
-    Ok(pyjson::dumps(
-        &json,
-        &Layout {
-            ensure_ascii,
-            indent,
-            separators,
-            sort_keys,
-        },
-    ))
-}
-
-/// Prints `{{ value }}` as Jinja2 prints a Python value where the two differ in a chat
-/// template: booleans as `True`/`False`, none as `None` (a template printing a flag or an unset
-/// argument); everything else as minijinja prints it.
-fn python_formatter(
-    out: &mut minijinja::Output,
-    state: &mut minijinja::State,
-    value: &JinjaValue,
-) -> Result<(), JinjaError> {
-    let python = match value.kind() {
-        minijinja::value::ValueKind::Bool if value.is_true() => "True",
-        minijinja::value::ValueKind::Bool => "False",
-        minijinja::value::ValueKind::None => "None",
-        _ => return minijinja::escape_formatter(out, state, value),
-    };
-    out.write_str(python)
-        .map_err(|e| JinjaError::new(ErrorKind::WriteFailure, e.to_string()))
-}
-
 /// transformers' `strftime_now`: the local time in Python's `strftime` format. Llama 3.x
 /// templates write today's date into the system header, so the router must render the date the
 /// engine renders (both in the same time zone).
@@ -237,8 +153,7 @@ impl HfTokenizer {
                 );
                 env.add_function("raise_exception", raise_exception);
                 env.add_function("strftime_now", strftime_now);
-                env.add_filter("tojson", tojson);
-                env.set_formatter(python_formatter);
+                python::install(&mut env);
                 let knows_developer =
                     source.contains("\"developer\"") || source.contains("'developer'");
                 env.add_template_owned("chat", source).map_err(|e| {
@@ -403,5 +318,6 @@ fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
     std::iter::once(merged).chain(rest).collect()
 }
 
+mod python;
 #[cfg(test)]
 mod tests;

@@ -220,3 +220,32 @@ fn template_arguments_layer_as_vllm_merges_them_and_print_as_python() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Values printed, `| string`, `| format` and `is iterable` as Jinja2 gives them for Python
+/// values (the expected text is what transformers' compiled template renders for the same
+/// arguments): Qwen3-Coder's template prints each tool argument with `| string`, Llama 4's with
+/// `"%s" | format`, Hermes's tests `tools is iterable` with no tools.
+#[test]
+fn values_print_as_python_prints_them() {
+    let dir = tempdir("python-values");
+    let template = dir.join("values.jinja");
+    std::fs::write(
+        &template,
+        "{{ args.flag }}|{{ args.none }}|{{ args.f }}|{{ args.list }}|{{ args.map }}|{% for k, v in args|items %}{{ k }}={{ v | string }};{% endfor %}|{{ \"%s and %r\" | format(args.flag, \"it's\") }}|{{ tools is iterable }}|{{ args.list is iterable }}|{{ args.missing is iterable }}",
+    )
+    .unwrap();
+    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template))
+        .unwrap()
+        .with_default_kwargs(
+            serde_json::json!({"args": {"flag": true, "none": null, "f": 1e-05, "list": ["a", "b's", 2, 0.5], "map": {"k": "v", "n": [null, false]}}})
+                .as_object()
+                .unwrap()
+                .clone(),
+        );
+    assert_eq!(
+        tok.apply_chat_template(&Chat::new(vec![ChatMessage::new("user", "x")]))
+            .unwrap(),
+        r#"True|None|1e-05|['a', "b's", 2, 0.5]|{'k': 'v', 'n': [None, False]}|flag=True;none=None;f=1e-05;list=['a', "b's", 2, 0.5];map={'k': 'v', 'n': [None, False]};|True and "it's"|False|True|True"#
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

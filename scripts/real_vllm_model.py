@@ -20,23 +20,32 @@ SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 # With them it renders the way tool-calling templates do: the tools as indented JSON schemas
 # before the messages, each assistant tool call as JSON with its arguments, the reasoning before
 # the answer, and an empty think block when the request turns thinking off (`enable_thinking`).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson(indent=2) }}\n{% endfor %}"
-    "{{ eos_token }}\n{% endif %}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n"
-    "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
-    "{{ message['content'] }}"
-    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
-    "<tool_call>{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
-    "</tool_call>{% endfor %}{% endif %}"
-    "{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
-    "{% endif %}"
-)
+# It loops over a message's content when that is a list, so vLLM gives it every message's content
+# as parts (its "openai" content format). The model has a second, `tool_use` template, which
+# transformers picks for requests with tools; it differs only in the tools block's header.
+def chat_template(tools_header):
+    return (
+        "{{ bos_token }}"
+        "{% if tools %}<|" + tools_header + "|>\n"
+        "{% for tool in tools %}{{ tool | tojson(indent=2) }}\n{% endfor %}"
+        "{{ eos_token }}\n{% endif %}"
+        "{% for message in messages %}"
+        "<|{{ message['role'] }}|>\n"
+        "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+        "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+        "<tool_call>{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+        "</tool_call>{% endfor %}{% endif %}"
+        "{{ eos_token }}\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+        "{% endif %}"
+    )
+
+
+CHAT_TEMPLATES = {"default": chat_template("tools"), "tool_use": chat_template("tool_use")}
 WORDS = (
     "the a an of to in and or for with on at by from as is are was be this that it cache "
     "prefix block token tokens router engine request requests route routing model prompt "
@@ -84,7 +93,7 @@ def build_tokenizer(out_dir, rng):
         pad_token="<pad>",
         model_max_length=2048,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHAT_TEMPLATES
     fast.save_pretrained(out_dir)
     return fast
 

@@ -214,15 +214,17 @@ fn chat(target: usize, salt: u64) -> Vec<ChatMessage> {
         }
         // Grow in chunks of ten words.
         let last = messages.last_mut().expect("non-empty");
+        let mut text = last.content.clone();
         for _ in 0..10 {
-            if !last.content.is_empty() {
-                last.content.push(' ');
+            if !text.is_empty() {
+                text.push(' ');
             }
-            last.content.push_str(&word());
+            text.push_str(&word());
         }
+        last.set_text(text);
     }
     if let Some(last) = messages.last_mut() {
-        last.content.push_str(&format!(" #{salt}"));
+        last.set_text(format!("{} #{salt}", last.content));
     }
     messages
 }
@@ -500,7 +502,7 @@ fn main() {
             })
         },
     ));
-    let chat_request = request(Input::Chat(Chat::new(messages.clone())));
+    let chat_request = request(Input::Chat(Box::new(Chat::new(messages.clone()))));
     rows.push(sample(
         "Router::prepare, 8k chat, token cache hit",
         20,
@@ -527,17 +529,19 @@ fn main() {
         || {
             let mut m = base.clone();
             if let Some(last) = m.last_mut() {
-                last.content.push_str(&format!(" {salt}"));
+                last.set_text(format!("{} {salt}", last.content));
             }
             salt += 1;
-            let r = request(Input::Chat(Chat::new(m)));
+            let r = request(Input::Chat(Box::new(Chat::new(m))));
             timed(|| futures::executor::block_on(prepare_request(&router, &r, 0, None)))
         },
     ));
 
     // Parsing the JSON body, which the router does before any of the above.
     let chat_body = serde_json::to_vec(&serde_json::json!({
-        "model": model, "messages": base, "max_tokens": 1,
+        "model": model,
+        "messages": base.iter().map(ChatMessage::to_api).collect::<Vec<_>>(),
+        "max_tokens": 1,
     }))
     .expect("json");
     rows.push(sample(

@@ -291,7 +291,41 @@ pub enum TokenizerConfig {
         /// without thinking).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+        /// The engines' `--chat-template-content-format`: `auto` (detected from the template,
+        /// as vLLM does), `string` or `openai`.
+        #[serde(default, skip_serializing_if = "ContentFormatConfig::is_auto")]
+        chat_template_content_format: ContentFormatConfig,
     },
+}
+
+/// How a chat template takes a message's content: vLLM's `--chat-template-content-format`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentFormatConfig {
+    /// Detected from the template, as vLLM detects it.
+    #[default]
+    Auto,
+    /// One text.
+    String,
+    /// A list of parts.
+    Openai,
+}
+
+impl ContentFormatConfig {
+    /// Whether it is left to detection.
+    pub fn is_auto(&self) -> bool {
+        *self == ContentFormatConfig::Auto
+    }
+
+    /// The format it forces, if any.
+    pub fn forced(self) -> Option<kvroute_vllm::tokenizer::ContentFormat> {
+        use kvroute_vllm::tokenizer::ContentFormat;
+        match self {
+            ContentFormatConfig::Auto => None,
+            ContentFormatConfig::String => Some(ContentFormat::String),
+            ContentFormatConfig::Openai => Some(ContentFormat::OpenAi),
+        }
+    }
 }
 
 impl Default for TokenizerConfig {

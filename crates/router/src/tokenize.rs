@@ -45,10 +45,12 @@ impl ModelTokenizer {
                 hf,
                 chat_template,
                 chat_template_kwargs,
+                chat_template_content_format,
             } => {
                 let tokenizer = HfTokenizer::load(hf, chat_template.as_deref())
                     .map_err(|e| RouterError::Config(format!("models: {e}")))?
-                    .with_default_kwargs(chat_template_kwargs.clone().unwrap_or_default());
+                    .with_default_kwargs(chat_template_kwargs.clone().unwrap_or_default())
+                    .with_content_format(chat_template_content_format.forced());
                 // Chat requests could not be tokenized: refuse at start rather than route
                 // every chat without cache information.
                 if !tokenizer.has_chat_template() {
@@ -139,15 +141,28 @@ fn input_hash(model: &str, input: &Input) -> u64 {
             2u8.hash(&mut h);
             for msg in &chat.messages {
                 (&msg.role, &msg.content).hash(&mut h);
-                // Rarely there: written out only when they are.
+                // Rarely there: written out only when they are, after a marker saying so.
                 let extras = (
                     &msg.name,
                     &msg.tool_calls,
                     &msg.tool_call_id,
                     &msg.reasoning,
                 );
-                if extras != (&None, &None, &None, &None) {
+                let has_extras = extras != (&None, &None, &None, &None);
+                has_extras.hash(&mut h);
+                if has_extras {
                     serde_json::to_string(&extras)
+                        .unwrap_or_default()
+                        .hash(&mut h);
+                }
+                // The parts say more than the text only where the content was not one plain
+                // text (media, empty parts, fields of the parts).
+                let plain = msg.parts.len() == 1
+                    && msg.parts[0].as_object().is_some_and(|p| p.len() == 2)
+                    && msg.parts[0]["text"].as_str() == Some(msg.content.as_str());
+                plain.hash(&mut h);
+                if !plain {
+                    serde_json::to_string(&msg.parts)
                         .unwrap_or_default()
                         .hash(&mut h);
                 }
@@ -279,14 +294,18 @@ async fn remote_tokenize(
         Input::Text(t) => json!({"model": model, "prompt": t}),
         // vLLM's chat `/tokenize` takes the template's arguments as a chat request does; the
         // request's own ones (documents, reasoning effort) go in as template arguments.
-        Input::Chat(chat) => json!({
-            "model": model,
-            "messages": chat.messages,
-            "tools": chat.tools,
-            "add_generation_prompt": chat.add_generation_prompt(),
-            "continue_final_message": chat.continue_final_message(),
-            "chat_template_kwargs": chat.kwargs,
-        }),
+        // The client's own messages and tools: the engine reads them as it reads the request.
+        Input::Chat(chat) => {
+            let (messages, tools) = chat.api_messages_and_tools();
+            json!({
+                "model": model,
+                "messages": messages,
+                "tools": tools,
+                "add_generation_prompt": chat.add_generation_prompt(),
+                "continue_final_message": chat.continue_final_message(),
+                "chat_template_kwargs": chat.kwargs,
+            })
+        }
         Input::Tokens(t) => return Ok(t.clone()),
     };
     let url = format!("{}/tokenize", remote.base);
@@ -357,8 +376,9 @@ mod tests {
     #[tokio::test]
     async fn chats_that_render_differently_are_cached_apart() {
         let cache = TokenCache::with_budget(16, 1 << 20);
-        let chat =
-            |body: serde_json::Value| Input::Chat(kvroute_vllm::openai::chat_input(&body).unwrap());
+        let chat = |body: serde_json::Value| {
+            Input::Chat(Box::new(kvroute_vllm::openai::chat_input(&body).unwrap()))
+        };
         let question = json!([{"role": "user", "content": "weather?"}]);
         let call = json!([
             {"role": "user", "content": "weather?"},

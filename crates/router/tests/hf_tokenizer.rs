@@ -47,6 +47,7 @@ async fn real_tokenizer_end_to_end() {
         hf: tokenizer.clone(),
         chat_template: Some(template.clone()),
         chat_template_kwargs: None,
+        chat_template_content_format: Default::default(),
     });
     for f in &fleets {
         config = config.unnamed_engine(f);
@@ -116,6 +117,7 @@ async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_messa
             hf: tokenizer.clone(),
             chat_template: None,
             chat_template_kwargs: None,
+            chat_template_content_format: Default::default(),
         })
         .endpoint(endpoint(None, "http://127.0.0.1:9"))
         .build();

@@ -15,7 +15,7 @@ pub use error::{ApiError, Fault};
 
 use serde_json::Value;
 
-use crate::tokenizer::{Chat, ChatMessage, template_kwargs, template_tool};
+use crate::tokenizer::{ApiChat, Chat, ChatMessage, template_kwargs, template_tool};
 
 /// What a generation request asks for, parsed once.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,7 +43,7 @@ pub enum Input {
     /// `/v1/completions` with token ids.
     Tokens(Vec<u32>),
     /// `/v1/chat/completions`: the messages, tools and template arguments.
-    Chat(Chat),
+    Chat(Box<Chat>),
 }
 
 fn field<'a>(body: &'a Value, name: &str) -> Option<&'a Value> {
@@ -205,7 +205,7 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
 /// ([`parse_request_json`]), as [`parse_chat`] does.
 pub fn chat_from_json(value: &Value) -> Result<GenerationRequest, ApiError> {
     let mut request = parse_common(value)?;
-    request.input = Input::Chat(chat_input(value)?);
+    request.input = Input::Chat(Box::new(chat_input(value)?));
     Ok(request)
 }
 
@@ -228,7 +228,7 @@ pub fn chat_input(value: &Value) -> Result<Chat, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            parse_message(m)
+            ChatMessage::from_api(m)
                 .map_err(|e| ApiError::bad_request(format!("messages[{i}]: {e}"), Some("messages")))
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -242,6 +242,10 @@ pub fn chat_input(value: &Value) -> Result<Chat, ApiError> {
         messages,
         tools,
         kwargs: template_kwargs(value),
+        api: Some(ApiChat {
+            messages: Value::Array(items.clone()),
+            tools: field(value, "tools").cloned(),
+        }),
     })
 }
 
@@ -266,79 +270,6 @@ pub fn is_stream_error_event(chunk: &[u8]) -> bool {
                 .find(|b| !b.is_ascii_whitespace())
                 .is_some_and(|b| *b == b':')
     })
-}
-
-fn parse_message(m: &Value) -> Result<ChatMessage, String> {
-    let role = m
-        .get("role")
-        .and_then(Value::as_str)
-        .ok_or("role must be a string")?
-        .to_owned();
-    let system = role == "system";
-    let content = match m.get("content") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) if system => without_billing_header(s).unwrap_or_default(),
-        Some(Value::String(s)) => s.clone(),
-        // Text parts are scored, one per line as vLLM joins them for a template that takes
-        // text; image, audio and video parts pass through unscored.
-        Some(Value::Array(parts)) => {
-            let texts: Vec<String> = parts
-                .iter()
-                .filter_map(text_part)
-                .filter_map(|t| {
-                    if system {
-                        without_billing_header(t)
-                    } else {
-                        Some(t.to_owned())
-                    }
-                })
-                .collect();
-            texts.join("\n")
-        }
-        // Not a shape vLLM reads as text: nothing to score here.
-        Some(_) => String::new(),
-    };
-    let text = |name: &str| m.get(name).and_then(Value::as_str).map(str::to_owned);
-    Ok(ChatMessage {
-        name: text("name"),
-        tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned(),
-        tool_call_id: text("tool_call_id"),
-        reasoning: text("reasoning").or_else(|| text("reasoning_content")),
-        ..ChatMessage::new(role, content)
-    })
-}
-
-/// The text of a content part vLLM reads as text (`text`, `input_text`, `output_text`,
-/// `refusal`, `thinking`, or a bare string); `None` for media and anything else.
-fn text_part(part: &Value) -> Option<&str> {
-    if let Some(text) = part.as_str() {
-        return Some(text);
-    }
-    let key = match part.get("type")?.as_str()? {
-        "text" | "input_text" | "output_text" => "text",
-        "refusal" => "refusal",
-        "thinking" => "thinking",
-        _ => return None,
-    };
-    part.get(key)?.as_str()
-}
-
-/// The first line of a system prompt Claude Code sends through gateways that translate its
-/// requests; vLLM 0.32 drops it (its value changes on every request, so the prompt would miss
-/// the cache from there on).
-const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
-
-/// A system message's text part without Claude Code's billing header line, as vLLM reads it:
-/// `None` when nothing is left.
-fn without_billing_header(text: &str) -> Option<String> {
-    match text.strip_prefix(CLAUDE_CODE_BILLING_HEADER) {
-        Some(rest) => rest
-            .split_once('\n')
-            .map(|(_, after)| after)
-            .filter(|after| !after.is_empty())
-            .map(str::to_owned),
-        None => Some(text.to_owned()),
-    }
 }
 
 #[cfg(test)]
@@ -385,10 +316,10 @@ mod tests {
     #[test]
     fn chat_messages_with_string_or_parts() {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":3}"#).unwrap();
-        assert_eq!(
-            r.input,
-            Input::Chat(Chat::new(vec![ChatMessage::new("user", "a\nb")]))
-        );
+        let Input::Chat(chat) = &r.input else {
+            panic!("{:?}", r.input)
+        };
+        assert_eq!(chat.messages[0].content, "a\nb");
         assert_eq!(r.max_tokens, Some(3));
     }
 
@@ -452,10 +383,10 @@ mod tests {
             Input::Text("x\u{fffd}y".into())
         );
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"text","text":"what is this"}]}]}"#).unwrap();
-        assert_eq!(
-            r.input,
-            Input::Chat(Chat::new(vec![ChatMessage::new("user", "what is this")]))
-        );
+        let Input::Chat(chat) = &r.input else {
+            panic!("{:?}", r.input)
+        };
+        assert_eq!(chat.messages[0].content, "what is this");
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"\udc00"}]}"#);
         assert!(r.is_ok(), "{r:?}");
         // `model` is optional in vLLM: the engine serves its own model.

@@ -1,7 +1,8 @@
 //! Tool-calling chats against the real engine: the router's own rendering of the chat template
 //! (tools, tool calls, tool results, reasoning, template arguments, a continued message, a
-//! developer message) gives the tokens the engine's `/tokenize` gives, and an agent's turns
-//! through the router are predicted exactly and stay on their engine.
+//! developer message, content as parts, the model's `tool_use` template) gives the tokens the
+//! engine's `/tokenize` gives, and an agent's turns through the router are predicted exactly
+//! and stay on their engine.
 
 use kvroute_vllm::openai::chat_input;
 use kvroute_vllm::tokenizer::HfTokenizer;
@@ -81,6 +82,14 @@ fn chats(label: &str) -> Vec<(&'static str, Value)> {
             "thinking off by template argument",
             json!({"messages": agent, "tools": tools(label), "chat_template_kwargs": {"enable_thinking": false}}),
         ),
+        (
+            "template arguments null or auto are unset",
+            json!({"messages": agent, "chat_template_kwargs": {"enable_thinking": null, "reasoning_effort": "auto"}}),
+        ),
+        (
+            "an empty tools list picks the tool_use template",
+            json!({"messages": agent, "tools": []}),
+        ),
         ("reasoning in the history", json!({"messages": reasoning})),
         (
             "the last message continued",
@@ -95,7 +104,7 @@ fn chats(label: &str) -> Vec<(&'static str, Value)> {
             ]}),
         ),
         (
-            "Claude Code's billing header dropped, text parts joined",
+            "Claude Code's billing header dropped, content parts looped over",
             json!({"messages": [
                 {"role": "system", "content": "x-anthropic-billing-header: cch=4f2a;\nYou are a coding agent."},
                 {"role": "user", "content": [

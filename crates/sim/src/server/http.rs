@@ -581,7 +581,7 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
         Input::Text(prompt.to_owned())
     } else if value.get("messages").is_some() {
         match kvroute_vllm::openai::chat_input(&value) {
-            Ok(chat) => Input::Chat(chat),
+            Ok(chat) => Input::Chat(Box::new(chat)),
             Err(e) => return error_response(&e),
         }
     } else {

@@ -6,11 +6,17 @@
 //! whose assistant messages are tool calls and whose answers come back as `tool` messages. A
 //! router that renders such a chat without them keys a prompt the engine never sees, and every
 //! turn of an agent loses its cache picture. What vLLM does to each part before rendering:
-//! - a message keeps `role` and its text `content` (text parts joined by new lines, null as
-//!   empty); an assistant message keeps `tool_calls` (each call's `function.arguments` read from
-//!   its JSON string into a map: empty, invalid or not a map gives `{}`; an empty list is
-//!   dropped) and `reasoning` (also given as `reasoning_content`); a tool message keeps
-//!   `tool_call_id`; a developer message gets `tools` (null); any message keeps a string `name`;
+//! - a message keeps `role` and its content: for a template that takes text, the text parts
+//!   (`text`, `input_text`, `output_text`, `refusal`, `thinking`, bare strings) joined by new
+//!   lines, empty ones and media dropped, null as empty; for a template that loops over parts
+//!   ([`ContentFormat::OpenAi`]), the parts as `{"type": "text", "text"}` or `{"type": "image"}`
+//!   (audio, video) with the fields vLLM does not know (a tool result of text parts only is
+//!   still one text); Claude Code's billing-header line is dropped from system text parts;
+//! - an assistant message keeps `tool_calls` (each rebuilt in the API's field order, `id`,
+//!   `function` {`arguments`, `name`}, `type`, its `arguments` read from their JSON string into a
+//!   map: empty, invalid or not a map gives `{}`; an empty list is dropped) and `reasoning`
+//!   (also given as `reasoning_content`); a tool message keeps `tool_call_id`; a developer
+//!   message gets `tools` (null); any message keeps a string `name`;
 //! - a tool becomes `{"type": "function", "function": {"name", "description", "parameters",
 //!   "strict"?, "defer_loading"?}, "defer_loading"?}`: description and parameters are null when
 //!   absent, the two flags only when set, other keys dropped;
@@ -19,57 +25,224 @@
 //!   `reasoning_effort` (with `enable_thinking` derived from the last when the kwargs do not set
 //!   it); an argument whose value is null or `"auto"` is dropped.
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// A chat message as the OpenAI API sends it, with the fields vLLM passes to a chat template.
-/// Serialized, it is the API's shape again (tool-call arguments as the JSON strings they came
-/// as), for an engine's `/tokenize`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How a template takes a message's content, as vLLM detects it from the template
+/// (`--chat-template-content-format`): one text, or the list of parts it loops over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ContentFormat {
+    /// The text parts joined by new lines (empty ones dropped), media left out.
+    #[default]
+    String,
+    /// vLLM's "openai" format: `[{"type": "text", "text": ...}, {"type": "image"}, ...]`, each
+    /// part with the fields vLLM does not know kept (a gateway's `cache_control`).
+    OpenAi,
+}
+
+/// A chat message as vLLM reads it from an OpenAI request, with the fields it passes to a chat
+/// template.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`, `developer`, ...
     pub role: String,
-    /// The message text.
-    #[serde(default, deserialize_with = "null_as_empty")]
+    /// The content for a template that takes text ([`ContentFormat::String`]). Change it with
+    /// [`ChatMessage::set_text`], which keeps `parts` in step.
     pub content: String,
+    /// The content for a template that loops over parts ([`ContentFormat::OpenAi`]).
+    pub parts: Vec<Value>,
     /// The participant's name, where given.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// An assistant message's tool calls, as sent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<Value>>,
     /// The call a tool message answers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
     /// An assistant message's reasoning, for templates that interleave it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<String>,
 }
 
-fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+/// The first line of a system prompt Claude Code sends through gateways that translate its
+/// requests; vLLM 0.32 drops it from system text parts (its value changes on every request, so
+/// the prompt would miss the cache from there on).
+const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// Content-part fields vLLM 0.32 knows (`_KNOWN_CONTENT_PART_FIELDS`); any other field of a part
+/// reaches a template that loops over parts.
+const KNOWN_PART_FIELDS: [&str; 18] = [
+    "audio_embeds",
+    "audio_url",
+    "closed",
+    "data",
+    "file",
+    "image_embeds",
+    "image_pil",
+    "image_url",
+    "input_audio",
+    "name",
+    "prompt_cache_breakpoint",
+    "refusal",
+    "text",
+    "thinking",
+    "type",
+    "uuid",
+    "video_embeds",
+    "video_url",
+];
+
+/// A content part as vLLM parses it: its text, or the modality of a media part; `None` for
+/// what vLLM skips (a text part without text) or refuses.
+enum Part<'a> {
+    Text(&'a str),
+    Media(&'static str),
+}
+
+fn part_of(part: &Value) -> Option<Part<'_>> {
+    if let Some(text) = part.as_str() {
+        return Some(Part::Text(text));
+    }
+    let kind = part.get("type")?.as_str()?;
+    let text_field = match kind {
+        "text" | "input_text" | "output_text" => "text",
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        "image_url" | "input_image" | "image_embeds" | "image_pil" => {
+            return Some(Part::Media("image"));
+        }
+        "audio_url" | "input_audio" | "audio_embeds" => return Some(Part::Media("audio")),
+        "video_url" | "video_embeds" => return Some(Part::Media("video")),
+        _ => return None,
+    };
+    part.get(text_field)?.as_str().map(Part::Text)
+}
+
+/// A system text part without Claude Code's billing header line, as vLLM reads it: `None` when
+/// nothing is left.
+fn without_billing_header(text: &str) -> Option<&str> {
+    match text.strip_prefix(CLAUDE_CODE_BILLING_HEADER) {
+        Some(rest) => rest
+            .split_once('\n')
+            .map(|(_, after)| after)
+            .filter(|after| !after.is_empty()),
+        None => Some(text),
+    }
+}
+
+/// The fields of `part` vLLM does not know, which it keeps on the part it passes.
+fn extra_fields(part: &Value, into: &mut Map<String, Value>) {
+    if let Some(map) = part.as_object() {
+        for (k, v) in map {
+            if !KNOWN_PART_FIELDS.contains(&k.as_str()) {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
 }
 
 impl ChatMessage {
     /// A message of `role` with text `content` and nothing else.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        let content = content.into();
         Self {
             role: role.into(),
-            content: content.into(),
+            parts: vec![text_part(&content)],
+            content,
             ..Self::default()
         }
     }
 
-    /// The message as vLLM hands it to the template: `role`, `content`, then the fields its
-    /// role keeps, tool-call arguments as maps.
-    pub fn template_value(&self) -> Value {
+    /// Replaces the message's content with the text `content` (both views).
+    pub fn set_text(&mut self, content: impl Into<String>) {
+        let content = content.into();
+        self.parts = vec![text_part(&content)];
+        self.content = content;
+    }
+
+    /// A message of an OpenAI chat request, read as vLLM 0.32 reads it (see the module doc).
+    pub fn from_api(m: &Value) -> Result<Self, String> {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or("role must be a string")?
+            .to_owned();
+        let system = role == "system";
+        let single;
+        let raw_parts: &[Value] = match m.get("content") {
+            None | Some(Value::Null) => &[],
+            Some(Value::Array(parts)) => parts,
+            Some(text @ Value::String(_)) => {
+                single = [text.clone()];
+                &single
+            }
+            // Not a shape vLLM reads as text: nothing to score here.
+            Some(_) => &[],
+        };
+        let mut texts: Vec<&str> = Vec::new();
+        let mut parts = Vec::new();
+        for raw in raw_parts {
+            let part = match part_of(raw) {
+                // Claude Code's billing header, from a system message's text parts.
+                Some(Part::Text(text)) if system && (raw.is_string() || raw["type"] == "text") => {
+                    match without_billing_header(text) {
+                        Some(kept) => Part::Text(kept),
+                        None => continue,
+                    }
+                }
+                Some(part) => part,
+                None => continue,
+            };
+            let mut wrapped = Map::new();
+            match part {
+                Part::Text(text) => {
+                    // A template taking text drops an empty part; one looping over parts keeps it.
+                    if !text.is_empty() {
+                        texts.push(text);
+                    }
+                    wrapped.insert("type".into(), Value::from("text"));
+                    wrapped.insert("text".into(), Value::from(text));
+                }
+                Part::Media(modality) => {
+                    wrapped.insert("type".into(), Value::from(modality));
+                }
+            }
+            extra_fields(raw, &mut wrapped);
+            parts.push(Value::Object(wrapped));
+        }
+        let text = |name: &str| m.get(name).and_then(Value::as_str).map(str::to_owned);
+        Ok(ChatMessage {
+            content: texts.join("\n"),
+            parts,
+            name: text("name"),
+            tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned(),
+            tool_call_id: text("tool_call_id"),
+            reasoning: text("reasoning").or_else(|| text("reasoning_content")),
+            role,
+        })
+    }
+
+    /// The message as vLLM hands it to a template taking `format`: `role`, `content`, then the
+    /// fields its role keeps, tool calls in vLLM's shape.
+    pub fn template_value(&self, format: ContentFormat) -> Value {
         let mut m = Map::new();
         m.insert("role".into(), Value::String(self.role.clone()));
-        m.insert("content".into(), Value::String(self.content.clone()));
+        let content = match format {
+            ContentFormat::String => Value::String(self.content.clone()),
+            // A tool result of text parts only is one text even here.
+            ContentFormat::OpenAi
+                if self.role == "tool" && self.parts.iter().all(|p| p["type"] == "text") =>
+            {
+                let texts: Vec<&str> = self
+                    .parts
+                    .iter()
+                    .filter_map(|p| p["text"].as_str())
+                    .collect();
+                Value::String(texts.join("\n"))
+            }
+            ContentFormat::OpenAi => Value::Array(self.parts.clone()),
+        };
+        m.insert("content".into(), content);
         match self.role.as_str() {
             "assistant" => {
                 if let Some(calls) = self.tool_calls.as_ref().filter(|c| !c.is_empty()) {
-                    let calls = calls.iter().map(call_with_parsed_arguments).collect();
+                    let calls = calls.iter().map(template_tool_call).collect();
                     m.insert("tool_calls".into(), Value::Array(calls));
                 }
                 if let Some(reasoning) = &self.reasoning {
@@ -94,13 +267,63 @@ impl ChatMessage {
         }
         Value::Object(m)
     }
+
+    /// The message in the API's shape again (text content, tool calls as sent), for an
+    /// engine's `/tokenize` when the client's own message is not at hand.
+    pub fn to_api(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("role".into(), Value::String(self.role.clone()));
+        m.insert("content".into(), Value::String(self.content.clone()));
+        let optional = [
+            ("name", self.name.clone().map(Value::String)),
+            ("tool_calls", self.tool_calls.clone().map(Value::Array)),
+            ("tool_call_id", self.tool_call_id.clone().map(Value::String)),
+            ("reasoning", self.reasoning.clone().map(Value::String)),
+        ];
+        for (key, value) in optional {
+            if let Some(value) = value {
+                m.insert(key.into(), value);
+            }
+        }
+        Value::Object(m)
+    }
 }
 
-/// A tool call with its `function.arguments` read into a map, as vLLM's
-/// `_postprocess_messages` does.
-fn call_with_parsed_arguments(call: &Value) -> Value {
-    let mut call = call.clone();
-    if let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) {
+/// A text content part.
+fn text_part(text: &str) -> Value {
+    let mut part = Map::new();
+    part.insert("type".into(), Value::from("text"));
+    part.insert("text".into(), Value::from(text));
+    Value::Object(part)
+}
+
+/// Declared fields first, in `declared` order, then the others in the client's order: how
+/// pydantic rebuilds a typed dict vLLM validates.
+fn in_declared_order(map: &Map<String, Value>, declared: &[&str]) -> Map<String, Value> {
+    let mut out = Map::new();
+    for key in declared {
+        if let Some(v) = map.get(*key) {
+            out.insert((*key).to_owned(), v.clone());
+        }
+    }
+    for (k, v) in map {
+        if !declared.contains(&k.as_str()) {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+/// A tool call as vLLM hands it to the template: validated as the API's typed dict (`id`,
+/// `function` {`arguments`, `name`}, `type`, then other fields), its `function.arguments` read
+/// into a map as `_postprocess_messages` does (empty, invalid or not a map: `{}`).
+fn template_tool_call(call: &Value) -> Value {
+    let Some(map) = call.as_object() else {
+        return call.clone();
+    };
+    let mut call = in_declared_order(map, &["id", "function", "type"]);
+    if let Some(Value::Object(function)) = call.get("function") {
+        let mut function = in_declared_order(function, &["arguments", "name"]);
         let parsed = match function.get("arguments") {
             Some(Value::Object(map)) => Value::Object(map.clone()),
             Some(Value::String(text)) if !text.is_empty() => {
@@ -112,8 +335,9 @@ fn call_with_parsed_arguments(call: &Value) -> Value {
             _ => Value::Object(Map::new()),
         };
         function.insert("arguments".into(), parsed);
+        call.insert("function".into(), Value::Object(function));
     }
-    call
+    Value::Object(call)
 }
 
 /// A chat request's prompt: what its template renders.
@@ -127,6 +351,18 @@ pub struct Chat {
     /// The template's other arguments ([`template_kwargs`]), `add_generation_prompt` and
     /// `continue_final_message` among them.
     pub kwargs: Map<String, Value>,
+    /// The client's `messages` and `tools` as sent, for an engine's `/tokenize` (which reads
+    /// them as the engine does); empty for a chat built here.
+    pub api: Option<ApiChat>,
+}
+
+/// A chat request's `messages` and `tools` as the client sent them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiChat {
+    /// `messages`.
+    pub messages: Value,
+    /// `tools`, if any.
+    pub tools: Option<Value>,
 }
 
 impl Chat {
@@ -140,6 +376,19 @@ impl Chat {
             messages,
             tools: None,
             kwargs,
+            api: None,
+        }
+    }
+
+    /// The `messages` and `tools` of an engine's `/tokenize` for this chat: the client's own,
+    /// or, for a chat built here, its messages in the API's shape.
+    pub fn api_messages_and_tools(&self) -> (Value, Option<Value>) {
+        match &self.api {
+            Some(api) => (api.messages.clone(), api.tools.clone()),
+            None => (
+                Value::Array(self.messages.iter().map(ChatMessage::to_api).collect()),
+                self.tools.clone().map(Value::Array),
+            ),
         }
     }
 
@@ -248,32 +497,84 @@ mod tests {
     use super::*;
 
     #[test]
-    fn assistant_tool_calls_reach_the_template_with_their_arguments_read() {
-        let m: ChatMessage = serde_json::from_value(json!({
+    fn assistant_tool_calls_reach_the_template_in_vllms_shape() {
+        let m = ChatMessage::from_api(&json!({
             "role": "assistant", "content": null,
             "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2]}"}},
+                {"type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2]}", "x": 0}, "id": "c1", "index": 3},
                 {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
                 {"id": "c3", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
                 {"id": "c4", "type": "function", "function": {"name": "i", "arguments": ""}},
             ],
         }))
         .unwrap();
-        let v = m.template_value();
+        let v = m.template_value(ContentFormat::String);
         assert_eq!(v["content"], "");
-        let args: Vec<String> = v["tool_calls"]
-            .as_array()
-            .unwrap()
+        let calls = v["tool_calls"].as_array().unwrap();
+        // Rebuilt in the API's field order, other fields after; the arguments' own key order
+        // kept, as Python's json.loads keeps it.
+        assert_eq!(
+            serde_json::to_string(&calls[0]).unwrap(),
+            r#"{"id":"c1","function":{"arguments":{"b":1,"a":[2]},"name":"f","x":0},"type":"function","index":3}"#
+        );
+        let args: Vec<String> = calls[1..]
             .iter()
             .map(|c| c["function"]["arguments"].to_string())
             .collect();
-        // Key order kept, as Python's json.loads keeps it.
-        assert_eq!(args, [r#"{"b":1,"a":[2]}"#, "{}", "{}", "{}"]);
-        // Serialized again, the message is what the client sent.
-        let back = serde_json::to_value(&m).unwrap();
+        assert_eq!(args, ["{}", "{}", "{}"]);
+        // Sent to an engine's /tokenize, the message is what the client sent.
         assert_eq!(
-            back["tool_calls"][0]["function"]["arguments"],
+            m.to_api()["tool_calls"][0]["function"]["arguments"],
             "{\"b\": 1, \"a\": [2]}"
+        );
+    }
+
+    #[test]
+    fn content_parts_read_as_vllm_reads_them_for_each_template_format() {
+        let m = ChatMessage::from_api(&json!({"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "text", "text": ""},
+            "b",
+            {"type": "image_url", "image_url": {"url": "u"}, "uuid": "x"},
+            {"type": "input_text", "text": "c", "cache_control": {"type": "ephemeral"}},
+            {"type": "file", "file": {}},
+        ]}))
+        .unwrap();
+        // A template taking text: empty parts and media dropped.
+        assert_eq!(
+            m.template_value(ContentFormat::String)["content"],
+            "a\nb\nc"
+        );
+        // One looping over parts: every text part, media by modality, unknown fields kept.
+        assert_eq!(
+            m.template_value(ContentFormat::OpenAi)["content"],
+            json!([
+                {"type": "text", "text": "a"},
+                {"type": "text", "text": ""},
+                {"type": "text", "text": "b"},
+                {"type": "image"},
+                {"type": "text", "text": "c", "cache_control": {"type": "ephemeral"}},
+            ])
+        );
+        // A tool result of text parts is one text in both.
+        let tool = ChatMessage::from_api(&json!({"role": "tool", "tool_call_id": "c", "content": [
+            {"type": "text", "text": "x"}, {"type": "text", "text": "y"},
+        ]}))
+        .unwrap();
+        assert_eq!(
+            tool.template_value(ContentFormat::OpenAi)["content"],
+            "x\ny"
+        );
+        // Claude Code's billing header leaves system text parts, and only those.
+        let system = ChatMessage::from_api(&json!({"role": "system", "content": [
+            {"type": "text", "text": "x-anthropic-billing-header: cch=1;\nYou code."},
+            {"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+            {"type": "input_text", "text": "x-anthropic-billing-header: kept"},
+        ]}))
+        .unwrap();
+        assert_eq!(
+            system.content,
+            "You code.\nx-anthropic-billing-header: kept"
         );
     }
 
@@ -286,7 +587,7 @@ mod tests {
             ..ChatMessage::new("tool", "42")
         };
         assert_eq!(
-            m.template_value(),
+            m.template_value(ContentFormat::String),
             json!({"role": "tool", "content": "42", "tool_call_id": "c1", "name": "n"})
         );
         let m = ChatMessage {
@@ -296,7 +597,7 @@ mod tests {
             ..ChatMessage::new("assistant", "x")
         };
         assert_eq!(
-            m.template_value(),
+            m.template_value(ContentFormat::String),
             json!({"role": "assistant", "content": "x", "reasoning": "hm", "reasoning_content": "hm"})
         );
     }

@@ -16,13 +16,13 @@ use std::path::{Path, PathBuf};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
 use serde_json::{Map, Value};
 
-use super::{Chat, ChatMessage};
+use super::{Chat, ContentFormat};
 use crate::VllmError;
 
 /// A loaded HuggingFace tokenizer with its chat template.
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    template: Option<Template>,
+    template: Option<Templates>,
     /// transformers' `special_tokens_map`: every named special token the config sets, each a
     /// variable of the template.
     special_tokens: Map<String, Value>,
@@ -30,12 +30,43 @@ pub struct HfTokenizer {
     default_kwargs: Map<String, Value>,
 }
 
-/// A compiled chat template.
-struct Template {
+/// A tokenizer's compiled chat templates: its default one and, where the model has one, the
+/// one transformers picks for a request with tools (`tool_use`).
+struct Templates {
     env: Environment<'static>,
+    default: Template,
+    tool_use: Option<Template>,
+}
+
+/// One compiled template and what vLLM reads from its text.
+struct Template {
+    /// Its name in `env`.
+    name: &'static str,
     /// Whether it names the `developer` role (vLLM turns developer messages into system ones
     /// for a template that does not).
     knows_developer: bool,
+    /// How it takes a message's content, as vLLM detects it.
+    content_format: ContentFormat,
+}
+
+impl Template {
+    /// Compiles `source` into `env` as `name`.
+    fn add(
+        env: &mut Environment<'static>,
+        name: &'static str,
+        source: String,
+    ) -> Result<Self, VllmError> {
+        let knows_developer = source.contains("\"developer\"") || source.contains("'developer'");
+        let content_format = content_format::detect(&source);
+        env.add_template_owned(name, source).map_err(|e| {
+            VllmError::Tokenizer(format!("chat template {name} does not parse: {e}"))
+        })?;
+        Ok(Self {
+            name,
+            knows_developer,
+            content_format,
+        })
+    }
 }
 
 /// transformers' named special tokens, in its order.
@@ -79,20 +110,24 @@ fn token_text(config: &Value, key: &str) -> String {
     }
 }
 
-/// The default template of `tokenizer_config.json`: a string, or the entry named "default" of
-/// a list of `{name, template}`.
-fn config_template(config: &Value) -> Option<String> {
+/// The template named `name` of `tokenizer_config.json`: for `default`, a plain string too;
+/// in a list of `{name, template}`, the entry of that name (for `default`, else the first).
+fn config_template(config: &Value, name: &str) -> Option<String> {
     match &config["chat_template"] {
-        Value::String(s) => Some(s.clone()),
+        Value::String(s) if name == "default" => Some(s.clone()),
         Value::Array(list) => list
             .iter()
-            .find(|t| t["name"] == "default")
-            .or_else(|| list.first())
+            .find(|t| t["name"] == name)
+            .or_else(|| list.first().filter(|_| name == "default"))
             .and_then(|t| t["template"].as_str())
             .map(str::to_owned),
         _ => None,
     }
 }
+
+/// The folder beside `tokenizer.json` where transformers 5 saves a model's named templates
+/// (`tool_use.jinja`, ...).
+const NAMED_TEMPLATES_DIR: &str = "additional_chat_templates";
 
 /// The file `transformers` saves a tokenizer's chat template to, beside `tokenizer.json`.
 const TEMPLATE_FILE: &str = "chat_template.jinja";
@@ -127,13 +162,27 @@ impl HfTokenizer {
             Err(_) => Value::Null,
         };
         let beside: PathBuf = tokenizer_json.with_file_name(TEMPLATE_FILE);
-        let source = match chat_template {
-            Some(path) => Some(std::fs::read_to_string(path).map_err(|e| load_error(path, e))?),
-            None => match std::fs::read_to_string(&beside) {
-                Ok(text) => Some(text),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => config_template(&config),
-                Err(e) => return Err(load_error(&beside, e)),
-            },
+        let read_if_there = |path: &Path| match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(load_error(path, e)),
+        };
+        // An explicit template is used for every request, as vLLM's `--chat-template`; the
+        // model's own may have a second one for requests with tools.
+        let (source, tool_use) = match chat_template {
+            Some(path) => (
+                Some(std::fs::read_to_string(path).map_err(|e| load_error(path, e))?),
+                None,
+            ),
+            None => {
+                let named = tokenizer_json
+                    .with_file_name(NAMED_TEMPLATES_DIR)
+                    .join("tool_use.jinja");
+                (
+                    read_if_there(&beside)?.or_else(|| config_template(&config, "default")),
+                    read_if_there(&named)?.or_else(|| config_template(&config, "tool_use")),
+                )
+            }
         };
         let template = match source {
             None => None,
@@ -154,14 +203,15 @@ impl HfTokenizer {
                 env.add_function("raise_exception", raise_exception);
                 env.add_function("strftime_now", strftime_now);
                 python::install(&mut env);
-                let knows_developer =
-                    source.contains("\"developer\"") || source.contains("'developer'");
-                env.add_template_owned("chat", source).map_err(|e| {
-                    VllmError::Tokenizer(format!("chat template does not parse: {e}"))
-                })?;
-                Some(Template {
+                let default = Template::add(&mut env, "chat", source)?;
+                let tool_use = match tool_use {
+                    Some(source) => Some(Template::add(&mut env, "tool_use", source)?),
+                    None => None,
+                };
+                Some(Templates {
                     env,
-                    knows_developer,
+                    default,
+                    tool_use,
                 })
             }
         };
@@ -177,6 +227,24 @@ impl HfTokenizer {
             special_tokens,
             default_kwargs: Map::new(),
         })
+    }
+
+    /// The tokenizer giving its template the content format `format` (vLLM's
+    /// `--chat-template-content-format`) instead of the detected one; `None` keeps the
+    /// detected one.
+    pub fn with_content_format(mut self, format: Option<ContentFormat>) -> Self {
+        if let (Some(format), Some(templates)) = (format, self.template.as_mut()) {
+            templates.default.content_format = format;
+            if let Some(tool_use) = templates.tool_use.as_mut() {
+                tool_use.content_format = format;
+            }
+        }
+        self
+    }
+
+    /// The content format the default template is given.
+    pub fn content_format(&self) -> Option<ContentFormat> {
+        self.template.as_ref().map(|t| t.default.content_format)
     }
 
     /// The tokenizer rendering as an engine started with `--default-chat-template-kwargs`
@@ -208,27 +276,47 @@ impl HfTokenizer {
 
     /// Renders the chat template for `chat`, as vLLM renders it through transformers.
     pub fn apply_chat_template(&self, chat: &Chat) -> Result<String, VllmError> {
-        let template = self.template.as_ref().ok_or_else(|| {
+        let templates = self.template.as_ref().ok_or_else(|| {
             VllmError::Tokenizer("this tokenizer has no chat template: configure one".into())
         })?;
-        let compiled = template
+        // transformers renders a request with tools (even an empty list) with the model's
+        // `tool_use` template where it has one.
+        let template = match (&chat.tools, &templates.tool_use) {
+            (Some(_), Some(tool_use)) => tool_use,
+            _ => &templates.default,
+        };
+        let compiled = templates
             .env
-            .get_template("chat")
+            .get_template(template.name)
             .map_err(|e| VllmError::Tokenizer(e.to_string()))?;
         let mut messages: Vec<Value> = chat
             .messages
             .iter()
-            .map(ChatMessage::template_value)
+            .map(|m| m.template_value(template.content_format))
             .collect();
         if !template.knows_developer && chat.messages.iter().any(|m| m.role == "developer") {
             messages = developer_as_system(messages);
         }
         let continued = chat.continue_final_message();
         if continued {
+            // The tag goes after the text (the last text part, for a template that loops over
+            // parts).
             let last = messages.last_mut().and_then(|m| m.get_mut("content"));
-            match last {
-                Some(Value::String(text)) => text.push_str(CONTINUE_TAG),
-                _ => {
+            let text = match last {
+                Some(Value::Array(parts)) => parts
+                    .iter_mut()
+                    .rev()
+                    .find_map(|p| p.get_mut("text"))
+                    .and_then(|t| match t {
+                        Value::String(text) => Some(text),
+                        _ => None,
+                    }),
+                Some(Value::String(text)) => Some(text),
+                _ => None,
+            };
+            match text {
+                Some(text) => text.push_str(CONTINUE_TAG),
+                None => {
                     return Err(VllmError::Tokenizer(
                         "continue_final_message is set but the final message has no content to continue".into(),
                     ));
@@ -283,6 +371,19 @@ impl HfTokenizer {
     }
 }
 
+/// A message content's text: itself, or its text parts joined by new lines.
+fn text_of(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.as_str().or_else(|| p["text"].as_str()))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
 /// vLLM's treatment of developer messages for a template that does not know the role: each
 /// becomes a system message (without its tools), and where a system message is then not the
 /// first, all of them merge into one first message, their non-empty texts joined by a blank
@@ -309,15 +410,16 @@ fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
         // At most one system message, and first: the conversation as it was.
         return system.into_iter().chain(rest).collect();
     }
-    let texts: Vec<&str> = system
+    let texts: Vec<String> = system
         .iter()
-        .filter_map(|m| m["content"].as_str())
+        .map(|m| text_of(&m["content"]))
         .filter(|t| !t.is_empty())
         .collect();
     let merged = serde_json::json!({"role": "system", "content": texts.join("\n\n")});
     std::iter::once(merged).chain(rest).collect()
 }
 
+mod content_format;
 mod python;
 #[cfg(test)]
 mod tests;

@@ -12,7 +12,7 @@ mod chat;
 mod hf;
 pub mod pyjson;
 
-pub use chat::{Chat, ChatMessage, template_kwargs, template_tool};
+pub use chat::{ApiChat, Chat, ChatMessage, ContentFormat, template_kwargs, template_tool};
 #[cfg(feature = "hf-tokenizer")]
 pub use hf::HfTokenizer;
 
@@ -90,7 +90,7 @@ impl BuiltinTokenizer {
         }
         let open_last = chat.continue_final_message();
         for (i, m) in chat.messages.iter().enumerate() {
-            let view = m.template_value();
+            let view = m.template_value(ContentFormat::String);
             text.push_str("<|im_start|>");
             text.push_str(&m.role);
             text.push('\n');

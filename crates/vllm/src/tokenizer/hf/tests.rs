@@ -1,4 +1,5 @@
 use super::*;
+use crate::tokenizer::ChatMessage;
 
 /// A tiny word-level tokenizer and a ChatML template, written as HuggingFace would.
 fn fixture(dir: &Path, with_template: bool) -> PathBuf {
@@ -247,5 +248,89 @@ fn values_print_as_python_prints_them() {
             .unwrap(),
         r#"True|None|1e-05|['a', "b's", 2, 0.5]|{'k': 'v', 'n': [None, False]}|flag=True;none=None;f=1e-05;list=['a', "b's", 2, 0.5];map={'k': 'v', 'n': [None, False]};|True and "it's"|False|True|True"#
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The fixture tokenizer in `dir` with the template `source` given explicitly.
+fn with_template(dir: &Path, source: &str) -> HfTokenizer {
+    let template = dir.join("explicit-template.jinja");
+    std::fs::write(&template, source).unwrap();
+    HfTokenizer::load(&fixture(dir, false), Some(&template)).unwrap()
+}
+
+/// A model with a `tool_use` template (in `tokenizer_config.json`'s list, or saved by
+/// transformers 5 under `additional_chat_templates/`) has requests with tools, even an empty
+/// list, rendered with it, as transformers picks it; an explicit template is used for all.
+#[test]
+fn requests_with_tools_use_the_models_tool_use_template() {
+    let with_tools = |tools: Option<Vec<Value>>| Chat {
+        tools,
+        ..Chat::new(vec![ChatMessage::new("user", "hello")])
+    };
+    let dir = tempdir("tool-use-config");
+    let path = fixture(&dir, false);
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": [
+            {"name": "default", "template": "default"},
+            {"name": "tool_use", "template": "tools: {{ tools | length }}"},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let renders = |tok: &HfTokenizer, without: &str, with: &str| {
+        assert_eq!(tok.apply_chat_template(&with_tools(None)).unwrap(), without);
+        assert_eq!(
+            tok.apply_chat_template(&with_tools(Some(vec![]))).unwrap(),
+            with
+        );
+    };
+    renders(
+        &HfTokenizer::load(&path, None).unwrap(),
+        "default",
+        "tools: 0",
+    );
+    renders(&with_template(&dir, "explicit"), "explicit", "explicit");
+    let _ = std::fs::remove_dir_all(dir);
+
+    let dir = tempdir("tool-use-saved");
+    let path = fixture(&dir, false);
+    std::fs::write(dir.join("chat_template.jinja"), "default").unwrap();
+    std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();
+    std::fs::write(
+        dir.join("additional_chat_templates/tool_use.jinja"),
+        "tool use",
+    )
+    .unwrap();
+    renders(
+        &HfTokenizer::load(&path, None).unwrap(),
+        "default",
+        "tool use",
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A template that loops over a message's content gets it as parts, as vLLM detects and
+/// passes it; the configured format wins over the detected one.
+#[test]
+fn a_template_looping_over_content_gets_parts() {
+    let dir = tempdir("content-parts");
+    let tok = with_template(
+        &dir,
+        "{% for m in messages %}{% if m.content is string %}[{{ m.content }}]{% else %}{% for p in m.content %}<{{ p.type }}:{{ p.text }}>{% endfor %}{% endif %}{% endfor %}",
+    );
+    let chat = Chat::new(vec![
+        ChatMessage::from_api(&serde_json::json!({"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}, {"type": "text", "text": "b"},
+        ]}))
+        .unwrap(),
+    ]);
+    assert_eq!(tok.content_format(), Some(ContentFormat::OpenAi));
+    assert_eq!(
+        tok.apply_chat_template(&chat).unwrap(),
+        "<text:a><image:><text:b>"
+    );
+    let tok = tok.with_content_format(Some(ContentFormat::String));
+    assert_eq!(tok.apply_chat_template(&chat).unwrap(), "[a\nb]");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -155,14 +155,11 @@ fn input_hash(model: &str, input: &Input) -> u64 {
                         .unwrap_or_default()
                         .hash(&mut h);
                 }
-                // The parts say more than the text only where the content was not one plain
-                // text (media, empty parts, fields of the parts).
-                let plain = msg.parts.len() == 1
-                    && msg.parts[0].as_object().is_some_and(|p| p.len() == 2)
-                    && msg.parts[0]["text"].as_str() == Some(msg.content.as_str());
-                plain.hash(&mut h);
-                if !plain {
-                    serde_json::to_string(&msg.parts)
+                // Parts, where the content came as a list (they say more than the text: media,
+                // empty parts, fields of the parts).
+                msg.parts.is_some().hash(&mut h);
+                if let Some(parts) = &msg.parts {
+                    serde_json::to_string(parts)
                         .unwrap_or_default()
                         .hash(&mut h);
                 }

@@ -48,8 +48,10 @@ pub struct ChatMessage {
     /// The content for a template that takes text ([`ContentFormat::String`]). Change it with
     /// [`ChatMessage::set_text`], which keeps `parts` in step.
     pub content: String,
-    /// The content for a template that loops over parts ([`ContentFormat::OpenAi`]).
-    pub parts: Vec<Value>,
+    /// The content for a template that loops over parts ([`ContentFormat::OpenAi`]), where it
+    /// came as a list; `None` when it is one text part, `content` (a plain string: most
+    /// messages, kept once).
+    pub parts: Option<Vec<Value>>,
     /// The participant's name, where given.
     pub name: Option<String>,
     /// An assistant message's tool calls, as sent.
@@ -143,7 +145,7 @@ impl ChatMessage {
         let content = content.into();
         Self {
             role: role.into(),
-            parts: vec![text_part(&content)],
+            parts: None,
             content,
             ..Self::default()
         }
@@ -152,7 +154,7 @@ impl ChatMessage {
     /// Replaces the message's content with the text `content` (both views).
     pub fn set_text(&mut self, content: impl Into<String>) {
         let content = content.into();
-        self.parts = vec![text_part(&content)];
+        self.parts = None;
         self.content = content;
     }
 
@@ -164,13 +166,23 @@ impl ChatMessage {
             .ok_or("role must be a string")?
             .to_owned();
         let system = role == "system";
-        let single;
         let raw_parts: &[Value] = match m.get("content") {
             None | Some(Value::Null) => &[],
             Some(Value::Array(parts)) => parts,
-            Some(text @ Value::String(_)) => {
-                single = [text.clone()];
-                &single
+            // One text: `content` alone says it, unless the billing header took all of it (a
+            // template looping over parts then gets none).
+            Some(Value::String(text)) => {
+                let kept = if system {
+                    without_billing_header(text)
+                } else {
+                    Some(text.as_str())
+                };
+                return Ok(Self::with_fields(
+                    m,
+                    role,
+                    kept.unwrap_or_default().to_owned(),
+                    kept.is_none().then(Vec::new),
+                ));
             }
             // Not a shape vLLM reads as text: nothing to score here.
             Some(_) => &[],
@@ -206,16 +218,21 @@ impl ChatMessage {
             extra_fields(raw, &mut wrapped);
             parts.push(Value::Object(wrapped));
         }
+        Ok(Self::with_fields(m, role, texts.join("\n"), Some(parts)))
+    }
+
+    /// The message of `role` with its content read, and the other fields of the API message `m`.
+    fn with_fields(m: &Value, role: String, content: String, parts: Option<Vec<Value>>) -> Self {
         let text = |name: &str| m.get(name).and_then(Value::as_str).map(str::to_owned);
-        Ok(ChatMessage {
-            content: texts.join("\n"),
+        ChatMessage {
+            content,
             parts,
             name: text("name"),
             tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned(),
             tool_call_id: text("tool_call_id"),
             reasoning: text("reasoning").or_else(|| text("reasoning_content")),
             role,
-        })
+        }
     }
 
     /// The message as vLLM hands it to a template taking `format`: `role`, `content`, then the
@@ -225,18 +242,16 @@ impl ChatMessage {
         m.insert("role".into(), Value::String(self.role.clone()));
         let content = match format {
             ContentFormat::String => Value::String(self.content.clone()),
-            // A tool result of text parts only is one text even here.
-            ContentFormat::OpenAi
-                if self.role == "tool" && self.parts.iter().all(|p| p["type"] == "text") =>
-            {
-                let texts: Vec<&str> = self
-                    .parts
-                    .iter()
-                    .filter_map(|p| p["text"].as_str())
-                    .collect();
-                Value::String(texts.join("\n"))
-            }
-            ContentFormat::OpenAi => Value::Array(self.parts.clone()),
+            ContentFormat::OpenAi => match &self.parts {
+                None => Value::Array(vec![text_part(&self.content)]),
+                // A tool result of text parts only is one text even here.
+                Some(parts) if self.role == "tool" && parts.iter().all(|p| p["type"] == "text") => {
+                    let texts: Vec<&str> =
+                        parts.iter().filter_map(|p| p["text"].as_str()).collect();
+                    Value::String(texts.join("\n"))
+                }
+                Some(parts) => Value::Array(parts.clone()),
+            },
         };
         m.insert("content".into(), content);
         match self.role.as_str() {
@@ -575,6 +590,21 @@ mod tests {
         assert_eq!(
             system.content,
             "You code.\nx-anthropic-billing-header: kept"
+        );
+        // A plain string is one text part; one the header took whole is none.
+        let plain = ChatMessage::from_api(&json!({"role": "user", "content": ""})).unwrap();
+        assert_eq!(
+            plain.template_value(ContentFormat::OpenAi)["content"],
+            json!([{"type": "text", "text": ""}])
+        );
+        let header = ChatMessage::from_api(
+            &json!({"role": "system", "content": "x-anthropic-billing-header: cch=1;"}),
+        )
+        .unwrap();
+        assert_eq!(header.template_value(ContentFormat::String)["content"], "");
+        assert_eq!(
+            header.template_value(ContentFormat::OpenAi)["content"],
+            json!([])
         );
     }
 

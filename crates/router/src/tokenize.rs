@@ -291,7 +291,7 @@ async fn remote_tokenize(
         Input::Text(t) => json!({"model": model, "prompt": t}),
         // vLLM's chat `/tokenize` takes the template's arguments as a chat request does; the
         // request's own ones (documents, reasoning effort) go in as template arguments.
-        // The client's own messages and tools: the engine reads them as it reads the request.
+        // The client's messages and tools, as far as the engine reads them.
         Input::Chat(chat) => {
             let (messages, tools) = chat.api_messages_and_tools();
             json!({

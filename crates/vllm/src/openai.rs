@@ -15,7 +15,7 @@ pub use error::{ApiError, Fault};
 
 use serde_json::Value;
 
-use crate::tokenizer::{ApiChat, Chat, ChatMessage, template_kwargs, template_tool};
+use crate::tokenizer::{Chat, ChatMessage, template_kwargs, template_tool};
 
 /// What a generation request asks for, parsed once.
 #[derive(Clone, Debug, PartialEq)]
@@ -242,10 +242,6 @@ pub fn chat_input(value: &Value) -> Result<Chat, ApiError> {
         messages,
         tools,
         kwargs: template_kwargs(value),
-        api: Some(ApiChat {
-            messages: Value::Array(items.clone()),
-            tools: field(value, "tools").cloned(),
-        }),
     })
 }
 

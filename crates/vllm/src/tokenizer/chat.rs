@@ -52,6 +52,9 @@ pub struct ChatMessage {
     /// came as a list; `None` when it is one text part, `content` (a plain string: most
     /// messages, kept once).
     pub parts: Option<Vec<Value>>,
+    /// The content as the client sent it, where it came as a list (for an engine's
+    /// `/tokenize`: its media parts are read there, not here).
+    pub raw_content: Option<Value>,
     /// The participant's name, where given.
     pub name: Option<String>,
     /// An assistant message's tool calls, as sent.
@@ -155,6 +158,7 @@ impl ChatMessage {
     pub fn set_text(&mut self, content: impl Into<String>) {
         let content = content.into();
         self.parts = None;
+        self.raw_content = None;
         self.content = content;
     }
 
@@ -226,6 +230,7 @@ impl ChatMessage {
         let text = |name: &str| m.get(name).and_then(Value::as_str).map(str::to_owned);
         ChatMessage {
             content,
+            raw_content: m.get("content").filter(|c| c.is_array()).cloned(),
             parts,
             name: text("name"),
             tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned(),
@@ -283,12 +288,16 @@ impl ChatMessage {
         Value::Object(m)
     }
 
-    /// The message in the API's shape again (text content, tool calls as sent), for an
-    /// engine's `/tokenize` when the client's own message is not at hand.
+    /// The message in the API's shape again, for an engine's `/tokenize`: the content as sent
+    /// where it was a list, else its text; tool calls as sent.
     pub fn to_api(&self) -> Value {
         let mut m = Map::new();
         m.insert("role".into(), Value::String(self.role.clone()));
-        m.insert("content".into(), Value::String(self.content.clone()));
+        let content = match &self.raw_content {
+            Some(raw) => raw.clone(),
+            None => Value::String(self.content.clone()),
+        };
+        m.insert("content".into(), content);
         let optional = [
             ("name", self.name.clone().map(Value::String)),
             ("tool_calls", self.tool_calls.clone().map(Value::Array)),
@@ -366,18 +375,6 @@ pub struct Chat {
     /// The template's other arguments ([`template_kwargs`]), `add_generation_prompt` and
     /// `continue_final_message` among them.
     pub kwargs: Map<String, Value>,
-    /// The client's `messages` and `tools` as sent, for an engine's `/tokenize` (which reads
-    /// them as the engine does); empty for a chat built here.
-    pub api: Option<ApiChat>,
-}
-
-/// A chat request's `messages` and `tools` as the client sent them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ApiChat {
-    /// `messages`.
-    pub messages: Value,
-    /// `tools`, if any.
-    pub tools: Option<Value>,
 }
 
 impl Chat {
@@ -391,20 +388,16 @@ impl Chat {
             messages,
             tools: None,
             kwargs,
-            api: None,
         }
     }
 
-    /// The `messages` and `tools` of an engine's `/tokenize` for this chat: the client's own,
-    /// or, for a chat built here, its messages in the API's shape.
+    /// The `messages` and `tools` of an engine's `/tokenize` for this chat: what the client
+    /// sent, as far as the engine reads it ([`ChatMessage::to_api`]).
     pub fn api_messages_and_tools(&self) -> (Value, Option<Value>) {
-        match &self.api {
-            Some(api) => (api.messages.clone(), api.tools.clone()),
-            None => (
-                Value::Array(self.messages.iter().map(ChatMessage::to_api).collect()),
-                self.tools.clone().map(Value::Array),
-            ),
-        }
+        (
+            Value::Array(self.messages.iter().map(ChatMessage::to_api).collect()),
+            self.tools.clone().map(Value::Array),
+        )
     }
 
     /// Whether the template ends the prompt where the assistant's answer starts.

@@ -12,7 +12,7 @@ mod chat;
 mod hf;
 pub mod pyjson;
 
-pub use chat::{ApiChat, Chat, ChatMessage, ContentFormat, template_kwargs, template_tool};
+pub use chat::{Chat, ChatMessage, ContentFormat, template_kwargs, template_tool};
 #[cfg(feature = "hf-tokenizer")]
 pub use hf::HfTokenizer;
 
@@ -67,10 +67,7 @@ impl BuiltinTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> String {
-        let mut chat = Chat::new(messages.to_vec());
-        chat.kwargs
-            .insert("add_generation_prompt".into(), add_generation_prompt.into());
-        self.render_chat(&chat)
+        self.render(messages, None, add_generation_prompt, false)
     }
 
     /// The prompt text of `chat` in the same layout: its tools first, one JSON schema per line
@@ -78,9 +75,24 @@ impl BuiltinTokenizer {
     /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the last
     /// message left open when the chat continues it. Other template arguments change nothing.
     pub fn render_chat(&self, chat: &Chat) -> String {
+        self.render(
+            &chat.messages,
+            chat.tools.as_deref(),
+            chat.add_generation_prompt(),
+            chat.continue_final_message(),
+        )
+    }
+
+    fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+        open_last: bool,
+    ) -> String {
         let mut text = String::new();
         let layout = pyjson::Layout::default();
-        if let Some(tools) = chat.tools.as_ref().filter(|t| !t.is_empty()) {
+        if let Some(tools) = tools.filter(|t| !t.is_empty()) {
             text.push_str("<|im_start|>tools\n");
             for tool in tools {
                 text.push_str(&pyjson::dumps(tool, &layout));
@@ -88,28 +100,29 @@ impl BuiltinTokenizer {
             }
             text.push_str("<|im_end|>\n");
         }
-        let open_last = chat.continue_final_message();
-        for (i, m) in chat.messages.iter().enumerate() {
-            let view = m.template_value(ContentFormat::String);
+        for (i, m) in messages.iter().enumerate() {
             text.push_str("<|im_start|>");
             text.push_str(&m.role);
             text.push('\n');
             text.push_str(&m.content);
-            for call in view["tool_calls"].as_array().into_iter().flatten() {
-                let function = &call["function"];
-                let shown = serde_json::json!({
-                    "name": function["name"],
-                    "arguments": function["arguments"],
-                });
-                text.push_str("<tool_call>");
-                text.push_str(&pyjson::dumps(&shown, &layout));
-                text.push_str("</tool_call>");
+            if m.role == "assistant" && m.tool_calls.is_some() {
+                let view = m.template_value(ContentFormat::String);
+                for call in view["tool_calls"].as_array().into_iter().flatten() {
+                    let function = &call["function"];
+                    let shown = serde_json::json!({
+                        "name": function["name"],
+                        "arguments": function["arguments"],
+                    });
+                    text.push_str("<tool_call>");
+                    text.push_str(&pyjson::dumps(&shown, &layout));
+                    text.push_str("</tool_call>");
+                }
             }
-            if !(open_last && i + 1 == chat.messages.len()) {
+            if !(open_last && i + 1 == messages.len()) {
                 text.push_str("<|im_end|>\n");
             }
         }
-        if chat.add_generation_prompt() && !open_last {
+        if add_generation_prompt && !open_last {
             text.push_str("<|im_start|>assistant\n");
         }
         text

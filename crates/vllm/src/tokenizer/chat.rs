@@ -625,6 +625,69 @@ mod tests {
         );
     }
 
+    /// The words a request's JSON is made of: its keys and roles.
+    const WORDS: [&str; 15] = [
+        "role",
+        "content",
+        "tool_calls",
+        "function",
+        "arguments",
+        "name",
+        "type",
+        "text",
+        "tool_call_id",
+        "reasoning",
+        "image_url",
+        "assistant",
+        "tool",
+        "system",
+        "developer",
+    ];
+
+    /// Any JSON value, of a request's words.
+    fn any_json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let word = || proptest::sample::select(&WORDS[..]);
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "[a-z_ ]{0,8}".prop_map(Value::from),
+            word().prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec((word(), inner), 0..6).prop_map(|kv| {
+                    Value::Object(kv.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+                }),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// Any JSON value as a message, a tool or template arguments: read and rendered
+        /// without a panic (what vLLM refuses is routed without those parts, never a crash).
+        #[test]
+        fn any_request_shape_reads_and_renders_without_panicking(
+            message in any_json(),
+            tool in any_json(),
+            kwargs in any_json(),
+        ) {
+            let _ = template_tool(&tool);
+            let body = json!({"chat_template_kwargs": kwargs, "reasoning_effort": tool.clone()});
+            let kwargs = template_kwargs(&body);
+            if let Ok(m) = ChatMessage::from_api(&message) {
+                let _ = m.template_value(ContentFormat::String);
+                let _ = m.template_value(ContentFormat::OpenAi);
+                let _ = m.to_api();
+                let chat = Chat { kwargs, tools: Some(vec![tool]), ..Chat::new(vec![m]) };
+                let _ = super::super::BuiltinTokenizer.render_chat(&chat);
+            }
+        }
+    }
+
     #[test]
     fn tools_take_vllms_shape() {
         let t = template_tool(&json!({"type": "function", "function": {"name": "f", "extra": 1}}))

@@ -267,6 +267,19 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Python's repr is the shortest text that reads back: so is ours, in its notation.
+        #[test]
+        fn a_float_reads_back_from_its_repr(bits in proptest::prelude::any::<u64>()) {
+            let f = f64::from_bits(bits);
+            proptest::prop_assume!(f.is_finite());
+            let text = float_repr(f);
+            proptest::prop_assert_eq!(text.parse::<f64>().unwrap().to_bits(), f.to_bits(), "{}", text);
+            let fixed = text.contains('.') && !text.contains('e');
+            proptest::prop_assert!(fixed || text.contains("e+") || text.contains("e-"), "{}", text);
+        }
+    }
+
     #[test]
     fn floats_read_as_python_repr() {
         let cases = [

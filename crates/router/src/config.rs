@@ -804,13 +804,13 @@ fn invalid(field: &str, why: impl std::fmt::Display) -> RouterError {
 /// How two endpoints collide, the gravest first: what configuration validation refuses at
 /// start and a joining endpoint is refused for while the router runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum EndpointClash {
+pub(crate) enum EndpointClash {
     /// One engine (the same host and port): its load and cache picture would split in two.
-    SameEngine,
+    Engine,
     /// One KV-event address: one engine's events would feed two endpoints.
-    SameEvents,
+    Events,
     /// One name: the two would share metrics and `x-kvroute-endpoint` answers.
-    SameName,
+    Name,
 }
 
 impl EndpointConfig {
@@ -846,7 +846,7 @@ impl EndpointConfig {
     /// ignored: the router sends to the URL's authority alone), the same KV-event address, or
     /// the same name as the router gives them ([`Self::name_or_authority`]). `None` when the
     /// two can serve side by side.
-    pub fn clash_with(
+    pub(crate) fn clash_with(
         &self,
         authority: &http::uri::Authority,
         other: &EndpointConfig,
@@ -856,28 +856,32 @@ impl EndpointConfig {
             .as_str()
             .eq_ignore_ascii_case(other_authority.as_str())
         {
-            Some(EndpointClash::SameEngine)
+            Some(EndpointClash::Engine)
         } else if self.events.is_some() && self.events == other.events {
-            Some(EndpointClash::SameEvents)
+            Some(EndpointClash::Events)
         } else if self.name_or_authority(authority) == other.name_or_authority(other_authority) {
-            Some(EndpointClash::SameName)
+            Some(EndpointClash::Name)
         } else {
             None
         }
     }
 
     /// Why this endpoint (URL authority `authority`) cannot join beside one it has `clash` with.
-    pub fn clash_reason(&self, authority: &http::uri::Authority, clash: EndpointClash) -> String {
+    pub(crate) fn clash_reason(
+        &self,
+        authority: &http::uri::Authority,
+        clash: EndpointClash,
+    ) -> String {
         match clash {
-            EndpointClash::SameEngine => format!(
+            EndpointClash::Engine => format!(
                 "{:?} is another endpoint's host and port ({})",
                 self.url,
                 authority.as_str().to_ascii_lowercase()
             ),
-            EndpointClash::SameEvents => {
+            EndpointClash::Events => {
                 format!("{:?} is another endpoint's events address", self.events)
             }
-            EndpointClash::SameName => format!(
+            EndpointClash::Name => format!(
                 "{:?} is another endpoint's name",
                 self.name_or_authority(authority)
             ),

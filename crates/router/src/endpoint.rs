@@ -58,7 +58,7 @@ impl Endpoint {
 
     /// How it collides with `other`: the same engine, KV-event address or name
     /// ([`EndpointConfig::clash_with`]); `None` when the two can serve side by side.
-    pub fn clash_with(&self, other: &Endpoint) -> Option<EndpointClash> {
+    pub(crate) fn clash_with(&self, other: &Endpoint) -> Option<EndpointClash> {
         self.config
             .clash_with(&self.authority, &other.config, &other.authority)
     }

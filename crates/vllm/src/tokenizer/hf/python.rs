@@ -169,44 +169,140 @@ fn quoted(s: &str) -> String {
     out
 }
 
-/// Python's `format % args` as Jinja2's `format` filter applies it: `%s` (`str()`), `%r`
-/// (`repr()`), `%d` (an integer) and `%%`.
+/// Python's `format % args` as Jinja2's `format` filter applies it: conversions `s`, `r`, `d`,
+/// `i`, `f`, `F`, `e`, `E`, `x`, `X`, `o` and `%%`, with the flags `-`, `+`, ` `, `0`, a width
+/// and a precision (`%5.2f`, `%-8s`, `%03d`). Other conversions are an error (the request is then
+/// routed without cache information, as for any template error).
 fn format(template: &str, args: Rest<JinjaValue>) -> Result<String, JinjaError> {
+    let invalid = |what: String| JinjaError::new(ErrorKind::InvalidOperation, what);
     let mut out = String::with_capacity(template.len());
     let mut args = args.iter();
-    let mut chars = template.chars();
+    let mut chars = template.chars().peekable();
     while let Some(c) = chars.next() {
         if c != '%' {
             out.push(c);
             continue;
         }
-        let spec = chars.next();
-        if spec == Some('%') {
+        let mut flags = String::new();
+        while let Some(&f) = chars.peek().filter(|f| "-+ 0#".contains(**f)) {
+            flags.push(f);
+            chars.next();
+        }
+        let number = |chars: &mut std::iter::Peekable<std::str::Chars>| {
+            let mut n = String::new();
+            while let Some(&d) = chars.peek().filter(|d| d.is_ascii_digit()) {
+                n.push(d);
+                chars.next();
+            }
+            n.parse::<usize>().ok()
+        };
+        let width = number(&mut chars);
+        let precision = if chars.peek() == Some(&'.') {
+            chars.next();
+            Some(number(&mut chars).unwrap_or(0))
+        } else {
+            None
+        };
+        let conversion = chars.next();
+        if conversion == Some('%') {
             out.push('%');
             continue;
         }
-        let arg = args.next().ok_or_else(|| {
-            JinjaError::new(ErrorKind::InvalidOperation, "format: not enough arguments")
-        })?;
-        match spec {
-            Some('s') => out.push_str(&python_str(arg)),
-            Some('r') => out.push_str(&python_repr(arg)),
-            Some('d') => out.push_str(
-                &arg.as_i64()
-                    .map_or_else(|| python_str(arg), |n| n.to_string()),
-            ),
-            _ => {
-                return Err(JinjaError::new(
-                    ErrorKind::InvalidOperation,
-                    format!(
-                        "format: unsupported conversion %{}",
-                        spec.map(String::from).unwrap_or_default()
-                    ),
-                ));
+        let arg = args
+            .next()
+            .ok_or_else(|| invalid("format: not enough arguments".into()))?;
+        let number_of = |arg: &JinjaValue| -> Result<f64, JinjaError> {
+            match arg.kind() {
+                ValueKind::Bool => Ok(if arg.is_true() { 1.0 } else { 0.0 }),
+                ValueKind::Number => f64::try_from(arg.clone()),
+                _ => Err(invalid(format!("format: a number is required, not {arg}"))),
             }
+        };
+        let integer_of = |arg: &JinjaValue| -> Result<i128, JinjaError> {
+            match arg.as_i64() {
+                Some(n) => Ok(i128::from(n)),
+                None => Ok(number_of(arg)?.trunc() as i128),
+            }
+        };
+        let signed = |body: String, negative: bool| {
+            let sign = if negative {
+                "-"
+            } else if flags.contains('+') {
+                "+"
+            } else if flags.contains(' ') {
+                " "
+            } else {
+                ""
+            };
+            (sign, body)
+        };
+        let (sign, body) = match conversion {
+            Some('s') => ("", truncated(python_str(arg), precision)),
+            Some('r') => ("", truncated(python_repr(arg), precision)),
+            Some('d' | 'i' | 'u') => {
+                let n = integer_of(arg)?;
+                signed(n.unsigned_abs().to_string(), n < 0)
+            }
+            Some(radix @ ('x' | 'X' | 'o')) => {
+                let n = integer_of(arg)?;
+                let digits = match radix {
+                    'x' => format!("{:x}", n.unsigned_abs()),
+                    'X' => format!("{:X}", n.unsigned_abs()),
+                    _ => format!("{:o}", n.unsigned_abs()),
+                };
+                signed(digits, n < 0)
+            }
+            Some(kind @ ('f' | 'F' | 'e' | 'E')) => {
+                let x = number_of(arg)?;
+                let digits = precision.unwrap_or(6);
+                let body = match kind {
+                    'f' | 'F' => format!("{:.digits$}", x.abs()),
+                    _ => python_exponent(&format!("{:.digits$e}", x.abs()), kind == 'E'),
+                };
+                signed(body, x.is_sign_negative() && x != 0.0)
+            }
+            _ => {
+                return Err(invalid(format!(
+                    "format: unsupported conversion %{}",
+                    conversion.map(String::from).unwrap_or_default()
+                )));
+            }
+        };
+        let len = sign.chars().count() + body.chars().count();
+        let pad = width.unwrap_or(0).saturating_sub(len);
+        let numeric = !matches!(conversion, Some('s' | 'r'));
+        if flags.contains('-') {
+            out.push_str(sign);
+            out.push_str(&body);
+            out.extend(std::iter::repeat_n(' ', pad));
+        } else if flags.contains('0') && numeric {
+            out.push_str(sign);
+            out.extend(std::iter::repeat_n('0', pad));
+            out.push_str(&body);
+        } else {
+            out.extend(std::iter::repeat_n(' ', pad));
+            out.push_str(sign);
+            out.push_str(&body);
         }
     }
     Ok(out)
+}
+
+/// `text` cut to `precision` characters, as `%.Ns` does.
+fn truncated(text: String, precision: Option<usize>) -> String {
+    match precision {
+        Some(n) => text.chars().take(n).collect(),
+        None => text,
+    }
+}
+
+/// Rust's `1.5e0` as Python's `%e` writes it: `1.5e+00` (a sign and at least two digits).
+fn python_exponent(rust: &str, upper: bool) -> String {
+    let (mantissa, exponent) = rust.split_once('e').unwrap_or((rust, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    let sign = if exponent < 0 { '-' } else { '+' };
+    let e = if upper { 'E' } else { 'e' };
+    format!("{mantissa}{e}{sign}{:02}", exponent.abs())
 }
 
 /// Jinja2's `is iterable` on Python values: strings, lists, maps and undefined (which iterates

@@ -334,3 +334,23 @@ fn a_template_looping_over_content_gets_parts() {
     assert_eq!(tok.apply_chat_template(&chat).unwrap(), "[a\nb]");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `format` as Python's `%` (expected texts printed by CPython for the same arguments).
+#[test]
+fn format_reads_as_pythons_percent_operator() {
+    let dir = tempdir("format");
+    let tok = with_template(
+        &dir,
+        "{{ '%s|%5s|%-5s|%.2s' | format('ab', 'ab', 'ab', 'abc') }}\n{{ '%d|%i|%05d|%+d|% d|%d' | format(42, -7, 42, 3, 3, 2.9) }}\n{{ '%.2f|%8.3f|%-8.1f|%08.2f|%f|%F' | format(3.14159, -2.5, 1.25, -1.5, 1, true) }}\n{{ '%e|%.2E|%x|%X|%o|%%|%r' | format(12345.678, 0.00012, 255, -255, 8, \"it's\") }}",
+    );
+    assert_eq!(
+        tok.apply_chat_template(&Chat::new(vec![])).unwrap(),
+        "ab|   ab|ab   |ab\n42|-7|00042|+3| 3|2\n3.14|  -2.500|1.2     |-0001.50|1.000000|1.000000\n1.234568e+04|1.20E-04|ff|-FF|10|%|\"it's\""
+    );
+    let e = with_template(&dir, "{{ '%g' | format(1) }}")
+        .apply_chat_template(&Chat::new(vec![]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unsupported conversion %g"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}

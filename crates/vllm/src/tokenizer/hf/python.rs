@@ -15,6 +15,9 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JinjaValue
 
 use super::super::pyjson::{self, Layout};
 
+/// The largest `tojson` indent rendered.
+const MAX_INDENT: usize = 64;
+
 /// Registers Python's filters, test and printing on `env`.
 pub(super) fn install(env: &mut Environment<'static>) {
     env.add_filter("tojson", tojson);
@@ -57,7 +60,13 @@ fn tojson(
             None => {
                 let n = i64::try_from(v.clone())
                     .map_err(|_| invalid(format!("tojson: indent must be a number, not {v}")))?;
-                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
+                // The template sets it: bounded, so that no template can make the router
+                // allocate without limit (templates indent by 2 or 4).
+                let n = usize::try_from(n).unwrap_or(0);
+                if n > MAX_INDENT {
+                    return Err(invalid(format!("tojson: indent {n} is above {MAX_INDENT}")));
+                }
+                Some(" ".repeat(n))
             }
         },
     };

@@ -354,3 +354,21 @@ fn format_reads_as_pythons_percent_operator() {
     assert!(e.contains("unsupported conversion %g"), "{e}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A template cannot make the router allocate without bound: an indent past 64 is an error.
+#[test]
+fn a_huge_tojson_indent_is_refused() {
+    let dir = tempdir("indent");
+    let e = with_template(&dir, "{{ [1] | tojson(indent=100000000) }}")
+        .apply_chat_template(&Chat::new(vec![]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("indent 100000000 is above 64"), "{e}");
+    assert_eq!(
+        with_template(&dir, "{{ [1] | tojson(indent=2) }}")
+            .apply_chat_template(&Chat::new(vec![]))
+            .unwrap(),
+        "[\n  1\n]"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

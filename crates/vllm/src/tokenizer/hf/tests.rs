@@ -58,6 +58,13 @@ fn tempdir(name: &str) -> PathBuf {
     dir
 }
 
+/// The fixture tokenizer in `dir` with the template `source` given explicitly.
+fn with_template(dir: &Path, source: &str) -> HfTokenizer {
+    let template = dir.join("explicit-template.jinja");
+    std::fs::write(&template, source).unwrap();
+    HfTokenizer::load(&fixture(dir, false), Some(&template)).unwrap()
+}
+
 #[test]
 fn chatml_template_renders_like_vllm_and_tokenizes_with_the_template_specials() {
     let dir = tempdir("chatml");
@@ -149,6 +156,7 @@ fn the_jinja_file_wins_over_the_config_and_an_explicit_template_over_both() {
         tok.apply_chat_template(&Chat::new(vec![])).unwrap(),
         "from the jinja file"
     );
+    // Given beside a config that has a template too (`with_template` would rewrite it).
     let explicit = dir.join("explicit.jinja");
     std::fs::write(&explicit, "explicit").unwrap();
     let tok = HfTokenizer::load(&path, Some(&explicit)).unwrap();
@@ -165,13 +173,10 @@ fn the_jinja_file_wins_over_the_config_and_an_explicit_template_over_both() {
 #[test]
 fn templates_render_with_transformers_whitespace_and_strftime_now() {
     let dir = tempdir("transformers-env");
-    let template = dir.join("zephyr.jinja");
-    std::fs::write(
-        &template,
+    let tok = with_template(
+        &dir,
         "{% for m in messages %}\n  {% if m.role == 'user' %}\n<|user|>\n{{ m.content }}</s>\n  {% endif %}\n{% endfor %}\nToday: {{ strftime_now('%Y') }}",
-    )
-    .unwrap();
-    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template)).unwrap();
+    );
     let messages = vec![ChatMessage::new("user", "hello")];
     let year = jiff::Zoned::now().year();
     assert_eq!(
@@ -187,19 +192,15 @@ fn templates_render_with_transformers_whitespace_and_strftime_now() {
 #[test]
 fn template_arguments_layer_as_vllm_merges_them_and_print_as_python() {
     let dir = tempdir("kwargs");
-    let template = dir.join("kwargs.jinja");
-    std::fs::write(
-        &template,
-        "{{ bos_token }}|{{ enable_thinking }}|{{ style }}|{{ unset_in_request }}|{{ tools }}|{{ documents }}",
-    )
-    .unwrap();
     let mut defaults = Map::new();
     defaults.insert("enable_thinking".into(), Value::Bool(false));
     defaults.insert("style".into(), Value::from("terse"));
     defaults.insert("bos_token".into(), Value::from("<B>"));
-    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template))
-        .unwrap()
-        .with_default_kwargs(defaults);
+    let tok = with_template(
+        &dir,
+        "{{ bos_token }}|{{ enable_thinking }}|{{ style }}|{{ unset_in_request }}|{{ tools }}|{{ documents }}",
+    )
+    .with_default_kwargs(defaults);
     let chat = |body: Value| Chat {
         kwargs: super::super::template_kwargs(&body),
         ..Chat::new(vec![ChatMessage::new("user", "hello")])
@@ -229,14 +230,10 @@ fn template_arguments_layer_as_vllm_merges_them_and_print_as_python() {
 #[test]
 fn values_print_as_python_prints_them() {
     let dir = tempdir("python-values");
-    let template = dir.join("values.jinja");
-    std::fs::write(
-        &template,
+    let tok = with_template(
+        &dir,
         "{{ args.flag }}|{{ args.none }}|{{ args.f }}|{{ args.list }}|{{ args.map }}|{% for k, v in args|items %}{{ k }}={{ v | string }};{% endfor %}|{{ \"%s and %r\" | format(args.flag, \"it's\") }}|{{ tools is iterable }}|{{ args.list is iterable }}|{{ args.missing is iterable }}",
     )
-    .unwrap();
-    let tok = HfTokenizer::load(&fixture(&dir, false), Some(&template))
-        .unwrap()
         .with_default_kwargs(
             serde_json::json!({"args": {"flag": true, "none": null, "f": 1e-05, "list": ["a", "b's", 2, 0.5], "map": {"k": "v", "n": [null, false]}}})
                 .as_object()
@@ -249,13 +246,6 @@ fn values_print_as_python_prints_them() {
         r#"True|None|1e-05|['a', "b's", 2, 0.5]|{'k': 'v', 'n': [None, False]}|flag=True;none=None;f=1e-05;list=['a', "b's", 2, 0.5];map={'k': 'v', 'n': [None, False]};|True and "it's"|False|True|True"#
     );
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// The fixture tokenizer in `dir` with the template `source` given explicitly.
-fn with_template(dir: &Path, source: &str) -> HfTokenizer {
-    let template = dir.join("explicit-template.jinja");
-    std::fs::write(&template, source).unwrap();
-    HfTokenizer::load(&fixture(dir, false), Some(&template)).unwrap()
 }
 
 /// A model with a `tool_use` template (in `tokenizer_config.json`'s list, or saved by
@@ -290,7 +280,11 @@ fn requests_with_tools_use_the_models_tool_use_template() {
         "default",
         "tools: 0",
     );
-    renders(&with_template(&dir, "explicit"), "explicit", "explicit");
+    // Given beside that config (`with_template` would rewrite it without the list).
+    let explicit = dir.join("explicit.jinja");
+    std::fs::write(&explicit, "explicit").unwrap();
+    let tok = HfTokenizer::load(&path, Some(&explicit)).unwrap();
+    renders(&tok, "explicit", "explicit");
     let _ = std::fs::remove_dir_all(dir);
 
     let dir = tempdir("tool-use-saved");

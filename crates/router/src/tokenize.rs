@@ -289,9 +289,9 @@ async fn remote_tokenize(
 ) -> Result<Vec<u32>, TokenizeError> {
     let body = match input {
         Input::Text(t) => json!({"model": model, "prompt": t}),
-        // vLLM's chat `/tokenize` takes the template's arguments as a chat request does; the
-        // request's own ones (documents, reasoning effort) go in as template arguments.
-        // The client's messages and tools, as far as the engine reads them.
+        // The messages and tools as read (a list content as sent), and the template's arguments
+        // with the request's own fields among them (documents, reasoning effort), which vLLM's
+        // chat `/tokenize` takes only as template arguments.
         Input::Chat(chat) => {
             let (messages, tools) = chat.api_messages_and_tools();
             json!({

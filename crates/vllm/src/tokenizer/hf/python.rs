@@ -18,6 +18,9 @@ use super::super::pyjson::{self, Layout};
 /// The largest `tojson` indent rendered.
 const MAX_INDENT: usize = 64;
 
+/// The largest width or precision `format` writes.
+const MAX_FORMAT_WIDTH: usize = 1_024;
+
 /// Registers Python's filters, test and printing on `env`.
 pub(super) fn install(env: &mut Environment<'static>) {
     env.add_filter("tojson", tojson);
@@ -212,6 +215,16 @@ fn format(template: &str, args: Rest<JinjaValue>) -> Result<String, JinjaError> 
         } else {
             None
         };
+        // Set by the template: bounded as `tojson`'s indent is.
+        if let Some(n) = width
+            .into_iter()
+            .chain(precision)
+            .find(|n| *n > MAX_FORMAT_WIDTH)
+        {
+            return Err(invalid(format!(
+                "format: width or precision {n} is above {MAX_FORMAT_WIDTH}"
+            )));
+        }
         let conversion = chars.next();
         if conversion == Some('%') {
             out.push('%');

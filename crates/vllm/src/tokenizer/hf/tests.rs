@@ -346,6 +346,14 @@ fn format_reads_as_pythons_percent_operator() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("unsupported conversion %g"), "{e}");
+    let e = with_template(&dir, "{{ '%999999999d' | format(1) }}")
+        .apply_chat_template(&Chat::new(vec![]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("width or precision 999999999 is above 1024"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -295,6 +295,10 @@ pub enum TokenizerConfig {
         /// as vLLM does), `string` or `openai`.
         #[serde(default, skip_serializing_if = "ContentFormatConfig::is_auto")]
         chat_template_content_format: ContentFormatConfig,
+        /// The engines' `--exclude-tools-when-tool-choice-none`: a chat whose `tool_choice` is
+        /// `"none"` is rendered without its tools.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        exclude_tools_when_tool_choice_none: bool,
     },
 }
 
@@ -1333,6 +1337,27 @@ mod tests {
         assert_eq!(c.scheduler.profile(), Profile::default());
         assert_eq!(c.health.unhealthy_after, 2);
         assert!(c.admin.listen.ip().is_loopback() && c.admin.token.is_none());
+    }
+
+    /// A HuggingFace tokenizer's engine flags read as written, and as vLLM's defaults when
+    /// left out.
+    #[test]
+    fn an_hf_tokenizer_takes_the_engines_template_flags() {
+        let yaml = "models:\n  - name: m\n    tokenizer: {hf: t.json, chat_template_content_format: openai, exclude_tools_when_tool_choice_none: true}\n  - name: n\n    tokenizer: {hf: t.json}\nendpoints: [{url: 'http://127.0.0.1:8001'}]\n";
+        let c = RouterConfig::from_yaml(yaml).unwrap();
+        let flags = |i: usize| match &c.models[i].tokenizer {
+            TokenizerConfig::Hf {
+                chat_template_content_format,
+                exclude_tools_when_tool_choice_none,
+                ..
+            } => (
+                *chat_template_content_format,
+                *exclude_tools_when_tool_choice_none,
+            ),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(flags(0), (ContentFormatConfig::Openai, true));
+        assert_eq!(flags(1), (ContentFormatConfig::Auto, false));
     }
 
     #[test]

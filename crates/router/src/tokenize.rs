@@ -46,11 +46,13 @@ impl ModelTokenizer {
                 chat_template,
                 chat_template_kwargs,
                 chat_template_content_format,
+                exclude_tools_when_tool_choice_none,
             } => {
                 let tokenizer = HfTokenizer::load(hf, chat_template.as_deref())
                     .map_err(|e| RouterError::Config(format!("models: {e}")))?
                     .with_default_kwargs(chat_template_kwargs.clone().unwrap_or_default())
-                    .with_content_format(chat_template_content_format.forced());
+                    .with_content_format(chat_template_content_format.forced())
+                    .excluding_tools_when_tool_choice_none(*exclude_tools_when_tool_choice_none);
                 // Chat requests could not be tokenized: refuse at start rather than route
                 // every chat without cache information.
                 if !tokenizer.has_chat_template() {
@@ -167,6 +169,7 @@ fn input_hash(model: &str, input: &Input) -> u64 {
             serde_json::to_string(&(&chat.tools, &chat.kwargs))
                 .unwrap_or_default()
                 .hash(&mut h);
+            chat.tool_choice_none.hash(&mut h);
         }
     }
     h.finish()
@@ -409,5 +412,30 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again, seen[1]);
+    }
+
+    /// A chat whose `tool_choice` is `none` renders without its tools on engines that exclude
+    /// them (`exclude_tools_when_tool_choice_none`): it is keyed apart from the same chat with
+    /// another choice, so neither is given the other's tokens.
+    #[test]
+    fn tool_choice_none_is_part_of_a_chats_key() {
+        let chat = |choice: &str| {
+            Input::Chat(Box::new(
+                kvroute_vllm::openai::chat_input(&json!({
+                    "messages": [{"role": "user", "content": "weather?"}],
+                    "tools": [{"type": "function", "function": {"name": "f"}}],
+                    "tool_choice": choice,
+                }))
+                .unwrap(),
+            ))
+        };
+        assert_ne!(
+            input_hash("m", &chat("none")),
+            input_hash("m", &chat("auto"))
+        );
+        assert_eq!(
+            input_hash("m", &chat("none")),
+            input_hash("m", &chat("none"))
+        );
     }
 }

@@ -48,6 +48,7 @@ async fn real_tokenizer_end_to_end() {
         chat_template: Some(template.clone()),
         chat_template_kwargs: None,
         chat_template_content_format: Default::default(),
+        exclude_tools_when_tool_choice_none: false,
     });
     for f in &fleets {
         config = config.unnamed_engine(f);
@@ -118,6 +119,7 @@ async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_messa
             chat_template: None,
             chat_template_kwargs: None,
             chat_template_content_format: Default::default(),
+            exclude_tools_when_tool_choice_none: false,
         })
         .endpoint(endpoint(None, "http://127.0.0.1:9"))
         .build();

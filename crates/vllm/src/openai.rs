@@ -241,6 +241,7 @@ pub fn chat_input(value: &Value) -> Result<Chat, ApiError> {
     Ok(Chat {
         messages,
         tools,
+        tool_choice_none: field(value, "tool_choice").and_then(Value::as_str) == Some("none"),
         kwargs: template_kwargs(value),
     })
 }
@@ -432,5 +433,28 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
         assert_eq!(json["error"]["code"], 400);
         assert_eq!(json["error"]["param"], "messages");
+    }
+
+    /// A chat's `tool_choice` is read as vLLM compares it: only the string `"none"` is none
+    /// (what an engine that excludes tools then renders without them).
+    #[test]
+    fn only_the_string_none_is_tool_choice_none() {
+        let chat = |choice: Option<Value>| {
+            let mut body = serde_json::json!({"messages": [{"role": "user", "content": "q"}]});
+            if let Some(choice) = choice {
+                body["tool_choice"] = choice;
+            }
+            chat_input(&body).unwrap().tool_choice_none
+        };
+        assert!(chat(Some(serde_json::json!("none"))));
+        for other in [
+            Some(serde_json::json!("auto")),
+            Some(serde_json::json!("required")),
+            Some(serde_json::json!({"type": "function", "function": {"name": "none"}})),
+            Some(Value::Null),
+            None,
+        ] {
+            assert!(!chat(other.clone()), "{other:?}");
+        }
     }
 }

@@ -372,6 +372,10 @@ pub struct Chat {
     /// The tools, as the template sees them ([`template_tool`]); `None` when the request names
     /// none.
     pub tools: Option<Vec<Value>>,
+    /// The request's `tool_choice` is `"none"`: an engine started with
+    /// `--exclude-tools-when-tool-choice-none` renders such a chat without its tools
+    /// ([`super::HfTokenizer::excluding_tools_when_tool_choice_none`]).
+    pub tool_choice_none: bool,
     /// The template's other arguments ([`template_kwargs`]), `add_generation_prompt` and
     /// `continue_final_message` among them.
     pub kwargs: Map<String, Value>,
@@ -387,6 +391,7 @@ impl Chat {
         Self {
             messages,
             tools: None,
+            tool_choice_none: false,
             kwargs,
         }
     }

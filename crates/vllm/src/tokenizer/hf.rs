@@ -28,6 +28,9 @@ pub struct HfTokenizer {
     special_tokens: Map<String, Value>,
     /// The engine's `--default-chat-template-kwargs`: under each request's own.
     default_kwargs: Map<String, Value>,
+    /// The engine's `--exclude-tools-when-tool-choice-none`: a chat whose `tool_choice` is
+    /// `"none"` is rendered without its tools.
+    exclude_tools_when_tool_choice_none: bool,
 }
 
 /// A tokenizer's compiled chat templates: its default one and, where the model has one, the
@@ -226,6 +229,7 @@ impl HfTokenizer {
             template,
             special_tokens,
             default_kwargs: Map::new(),
+            exclude_tools_when_tool_choice_none: false,
         })
     }
 
@@ -240,6 +244,21 @@ impl HfTokenizer {
             }
         }
         self
+    }
+
+    /// The tokenizer rendering a chat whose `tool_choice` is `"none"` without its tools, as an
+    /// engine started with `--exclude-tools-when-tool-choice-none` does (vLLM 0.32's
+    /// `OnlineRenderer.render_chat`; its `/tokenize` renders the tools whatever the flag).
+    pub fn excluding_tools_when_tool_choice_none(mut self, exclude: bool) -> Self {
+        self.exclude_tools_when_tool_choice_none = exclude;
+        self
+    }
+
+    /// The tools `chat` is rendered with.
+    fn tools_of<'a>(&self, chat: &'a Chat) -> Option<&'a Vec<Value>> {
+        chat.tools
+            .as_ref()
+            .filter(|_| !(self.exclude_tools_when_tool_choice_none && chat.tool_choice_none))
     }
 
     /// The content format the default template is given.
@@ -281,7 +300,8 @@ impl HfTokenizer {
         })?;
         // transformers renders a request with tools (even an empty list) with the model's
         // `tool_use` template where it has one.
-        let template = match (&chat.tools, &templates.tool_use) {
+        let tools = self.tools_of(chat);
+        let template = match (tools, &templates.tool_use) {
             (Some(_), Some(tool_use)) => tool_use,
             _ => &templates.default,
         };
@@ -335,7 +355,7 @@ impl HfTokenizer {
         context.insert("messages".into(), Value::Array(messages));
         context.insert(
             "tools".into(),
-            chat.tools.clone().map_or(Value::Null, Value::Array),
+            tools.cloned().map_or(Value::Null, Value::Array),
         );
         let documents = chat.kwargs.get("documents").cloned().unwrap_or(Value::Null);
         context.insert("documents".into(), documents);

@@ -248,6 +248,26 @@ fn values_print_as_python_prints_them() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A tokenizer in `dir` whose `tokenizer_config.json` lists a `default` and a `tool_use`
+/// template, as a model with a tool-use template ships them; its `tokenizer.json`'s path.
+fn with_tool_use_template(
+    dir: &std::path::Path,
+    default: &str,
+    tool_use: &str,
+) -> std::path::PathBuf {
+    let path = fixture(dir, false);
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": [
+            {"name": "default", "template": default},
+            {"name": "tool_use", "template": tool_use},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    path
+}
+
 /// A model with a `tool_use` template (in `tokenizer_config.json`'s list, or saved by
 /// transformers 5 under `additional_chat_templates/`) has requests with tools, even an empty
 /// list, rendered with it, as transformers picks it; an explicit template is used for all.
@@ -258,16 +278,7 @@ fn requests_with_tools_use_the_models_tool_use_template() {
         ..Chat::new(vec![ChatMessage::new("user", "hello")])
     };
     let dir = tempdir("tool-use-config");
-    let path = fixture(&dir, false);
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": [
-            {"name": "default", "template": "default"},
-            {"name": "tool_use", "template": "tools: {{ tools | length }}"},
-        ]})
-        .to_string(),
-    )
-    .unwrap();
+    let path = with_tool_use_template(&dir, "default", "tools: {{ tools | length }}");
     let renders = |tok: &HfTokenizer, without: &str, with: &str| {
         assert_eq!(tok.apply_chat_template(&with_tools(None)).unwrap(), without);
         assert_eq!(
@@ -301,6 +312,34 @@ fn requests_with_tools_use_the_models_tool_use_template() {
         "default",
         "tool use",
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An engine started with `--exclude-tools-when-tool-choice-none` renders a chat whose
+/// `tool_choice` is `"none"` without its tools (so with the default template, not `tool_use`);
+/// any other choice, or an engine without the flag, renders them.
+#[test]
+fn tool_choice_none_drops_the_tools_only_where_the_engine_excludes_them() {
+    let dir = tempdir("tool-choice-none");
+    let path = with_tool_use_template(&dir, "default: {{ tools }}", "tools: {{ tools | length }}");
+    let chat = |tool_choice_none: bool| Chat {
+        tools: Some(vec![
+            serde_json::json!({"type": "function", "function": {"name": "f"}}),
+        ]),
+        tool_choice_none,
+        ..Chat::new(vec![ChatMessage::new("user", "hello")])
+    };
+    let (none, other) = (chat(true), chat(false));
+    let engine = HfTokenizer::load(&path, None).unwrap();
+    for c in [&none, &other] {
+        assert_eq!(engine.apply_chat_template(c).unwrap(), "tools: 1");
+    }
+    let excluding = engine.excluding_tools_when_tool_choice_none(true);
+    assert_eq!(
+        excluding.apply_chat_template(&none).unwrap(),
+        "default: None"
+    );
+    assert_eq!(excluding.apply_chat_template(&other).unwrap(), "tools: 1");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -8,7 +8,7 @@ use kvroute_vllm::openai::chat_input;
 use kvroute_vllm::tokenizer::HfTokenizer;
 use serde_json::{Value, json};
 
-use super::engines::{BLOCK_SIZE, MODEL, install, shared_fleet};
+use super::engines::{BLOCK_SIZE, Engine, MODEL, exclusive, install, shared_fleet};
 use super::router::{Router, post, predicted_for};
 use super::{full_blocks, settled_prediction};
 
@@ -147,14 +147,22 @@ fn hf_tokenizer_renders_tool_calling_chats_as_the_engine_does() {
     }
 }
 
-/// An agent's turns through the router with `tokenizer`: each prediction is what the engine
-/// then reports cached, and each turn goes where the previous one is cached, finding at least
-/// its prompt's full blocks but the last.
+/// An agent's turns through a router with `tokenizer` over the shared engines
+/// ([`agent_turns_are_predicted_and_reuse_the_last`]).
 fn agent_turns_stay_home_and_are_predicted(tokenizer: &str, label: &str) {
     let Some(fleet) = shared_fleet() else {
         return;
     };
-    let router = Router::start(&[&fleet[0], &fleet[1]], tokenizer, "");
+    agent_turns_are_predicted_and_reuse_the_last(
+        &Router::start(&[&fleet[0], &fleet[1]], tokenizer, ""),
+        label,
+    );
+}
+
+/// Sends an agent's turns (`tool_choice: none`) through `router`: each prediction is what the
+/// engine then reports cached, and each turn goes where the previous one is cached, finding at
+/// least its prompt's full blocks but the last.
+fn agent_turns_are_predicted_and_reuse_the_last(router: &Router, label: &str) {
     let mut home = None;
     let mut previous_blocks = 0;
     for turns in 0..3 {
@@ -168,8 +176,8 @@ fn agent_turns_stay_home_and_are_predicted(tokenizer: &str, label: &str) {
             "tool_choice": "none",
             "chat_template_kwargs": {"enable_thinking": false},
         });
-        let (_, _, explain) = settled_prediction(&router, &body);
-        let (endpoint, answer) = send_through(&router, &body);
+        let (_, _, explain) = settled_prediction(router, &body);
+        let (endpoint, answer) = send_through(router, &body);
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap();
@@ -227,4 +235,26 @@ fn an_agents_turns_are_predicted_and_stay_home_with_the_hf_tokenizer() {
 #[test]
 fn an_agents_turns_are_predicted_and_stay_home_with_the_remote_tokenizer() {
     agent_turns_stay_home_and_are_predicted("remote", "agent-remote");
+}
+
+/// Engines started with `--exclude-tools-when-tool-choice-none` render a `tool_choice: none`
+/// chat without its tools (their `/tokenize` renders them whatever the flag): a router told so
+/// (`exclude_tools_when_tool_choice_none`) keys an agent's turns as such an engine caches them.
+#[test]
+fn an_agents_turns_are_predicted_on_engines_that_drop_tools_for_tool_choice_none() {
+    let Some(_turn) = exclusive() else {
+        return;
+    };
+    let model = &install().unwrap().model;
+    let mut engine = Engine::spawn(&["--exclude-tools-when-tool-choice-none"]);
+    let took = engine.wait_healthy();
+    eprintln!("engine excluding tools for tool_choice none healthy after {took:?}");
+    let tokenizer = format!(
+        "{{hf: '{}', exclude_tools_when_tool_choice_none: true}}",
+        model.join("tokenizer.json").display()
+    );
+    agent_turns_are_predicted_and_reuse_the_last(
+        &Router::start(&[&engine], &tokenizer, ""),
+        "agent-no-tools",
+    );
 }

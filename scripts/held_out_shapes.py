@@ -122,9 +122,11 @@ def settings_shapes():
     ]
 
 
-def run(binary, out_dir, shape):
+def run(binary, out_dir, shape, seeds=SEEDS):
+    """Runs `shape` (name, `kvroute simulate` arguments) under every policy for each seed not
+    already in `out_dir`; exits on a failed or stuck run."""
     name, args = shape
-    for seed in SEEDS:
+    for seed in seeds:
         run_dir = os.path.join(out_dir, f"{name}-s{seed}")
         if os.path.exists(os.path.join(run_dir, "simulate.json")):
             continue
@@ -134,9 +136,9 @@ def run(binary, out_dir, shape):
             done = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                   timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            sys.exit(f"{name} seed {seed}: no result within {RUN_TIMEOUT_S} s")
+            sys.exit(f"{name} seed {seed}: no result within {RUN_TIMEOUT_S} s ({args})")
         if done.returncode != 0:
-            sys.exit(f"{name} seed {seed} failed: {done.stderr[-500:]}")
+            sys.exit(f"{name} seed {seed} failed: {done.stderr[-500:]} ({args})")
     return name
 
 

@@ -1,6 +1,7 @@
 //! Following a proxied response to its end and telling the fleet: prefill done at the first
 //! body byte, the request finished at the end or when the client goes away, with the engine's
-//! reported `cached_tokens` to compare with the prediction. The response body itself is passed
+//! reported `cached_tokens` to compare with the prediction and `completion_tokens` to learn
+//! how much of the cache a request holds by its end. The response body itself is passed
 //! on by [`AccountedBody`] ([`stream`]).
 
 mod stream;
@@ -163,24 +164,35 @@ impl Accounting {
 
     /// The last `"cached_tokens": N` in the response, if any.
     fn reported_cached(&self) -> Option<usize> {
-        let text = String::from_utf8_lossy(&self.tail);
-        let at = text.rfind("\"cached_tokens\"")?;
-        let rest = text[at + "\"cached_tokens\"".len()..]
-            .trim_start()
-            .strip_prefix(':')?
-            .trim_start();
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
+        usage_count(&self.tail, "cached_tokens")
     }
+}
+
+/// The last `"field": N` in a response's tail: the usage object's counts, which vLLM writes last
+/// (in the body, or in a stream's final chunk when `stream_options.include_usage` asks for it).
+fn usage_count(tail: &[u8], field: &str) -> Option<usize> {
+    let text = String::from_utf8_lossy(tail);
+    let key = format!("\"{field}\"");
+    let at = text.rfind(&key)?;
+    let rest = text[at + key.len()..]
+        .trim_start()
+        .strip_prefix(':')?
+        .trim_start();
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 impl Drop for Accounting {
     fn drop(&mut self) {
-        let Some(dispatch) = self.dispatch.take() else {
+        let Some(mut dispatch) = self.dispatch.take() else {
             return;
         };
         // Released on completion and on client disconnect alike.
         let reported = self.reported_cached().filter(|_| self.check_cached);
+        if let Some(generated) = usage_count(&self.tail, "completion_tokens") {
+            // How much of the cache its requests hold by their end (`Fleet::finished`).
+            dispatch.output_reported(generated);
+        }
         let outcome = self.outcome();
         let predicted = dispatch.predicted_cached;
         let prompt_tokens = dispatch.prompt_tokens;
@@ -233,6 +245,31 @@ impl Drop for Accounting {
             outcome = outcome.as_str(),
             completed = outcome == Outcome::Completed,
             "routed"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usage_count;
+
+    #[test]
+    fn the_usage_counts_are_read_from_a_body_or_a_streams_last_chunk() {
+        let body = br#"{"id":"chatcmpl-1","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":230,"total_tokens":246,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":224}}}"#;
+        assert_eq!(usage_count(body, "completion_tokens"), Some(16));
+        assert_eq!(usage_count(body, "cached_tokens"), Some(224));
+        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}],\"usage\":null}\n\n\
+            data: {\"choices\":[],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\": 7,\"total_tokens\":37}}\n\n\
+            data: [DONE]\n\n";
+        assert_eq!(usage_count(stream, "completion_tokens"), Some(7));
+        assert_eq!(usage_count(stream, "cached_tokens"), None);
+        // A stream without usage says nothing.
+        assert_eq!(
+            usage_count(
+                b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
+                "completion_tokens"
+            ),
+            None
         );
     }
 }

@@ -20,7 +20,7 @@ use std::time::Instant;
 use kvroute_core::keys::{RouterKey, router_keys, router_keys_from};
 use kvroute_simulate::config::FleetConfig;
 use kvroute_simulate::core_policy::CorePolicy;
-use kvroute_simulate::{Routing, RoutingPolicy, SimRequest};
+use kvroute_simulate::{Routing, RoutingPolicy, SimRequest, Usage};
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 512;
@@ -81,7 +81,11 @@ fn measure(engines: usize, warm: u64, rounds: usize, per_round: u64) -> (f64, f6
                     policy.first_token(r, at);
                     pending.push_back((r, at + 0.15, false));
                 } else {
-                    policy.finished(r, Some(0), at);
+                    let usage = Usage {
+                        cached_tokens: 0,
+                        completion_tokens: 32,
+                    };
+                    policy.finished(r, Some(usage), at);
                 }
             }
             let t_route = Instant::now();

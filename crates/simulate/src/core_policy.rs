@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use crate::SimulateError;
 use crate::config::FleetConfig;
 use crate::pd_policy::{PdMode, PdRouting};
-use crate::policy::{Routing, RoutingPolicy, SimRequest};
+use crate::policy::{Routing, RoutingPolicy, SimRequest, Usage};
 
 /// The model every simulated endpoint serves.
 const MODEL: &str = "sim-llama-3.1-8b";
@@ -324,6 +324,8 @@ impl RoutingPolicy for CorePolicy {
             .and_then(|t| t.prefill_dispatch.take())
         {
             self.fleet.first_token(&mut leg, true, now);
+            // A prefill leg generates its one token.
+            leg.output_reported(1);
             self.fleet.finished(leg, Some(cached_tokens), now);
         }
     }
@@ -341,7 +343,7 @@ impl RoutingPolicy for CorePolicy {
             .observe_transfer(request_id, link, bytes as f64, seconds, now);
     }
 
-    fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64) {
+    fn finished(&mut self, request_id: u64, usage: Option<Usage>, now: f64) {
         self.fleet.transfer_ended(request_id);
         let Some(t) = self.requests.remove(&request_id) else {
             return;
@@ -350,12 +352,13 @@ impl RoutingPolicy for CorePolicy {
             self.fleet.finished(leg, None, now);
         }
         // A decode leg reports pulled tokens as cached: not what its own cache predicted.
-        let reported = if t.prefill.is_some() {
-            None
-        } else {
-            cached_tokens
-        };
-        if let Some(dispatch) = t.dispatch {
+        let reported = usage
+            .filter(|_| t.prefill.is_none())
+            .map(|u| u.cached_tokens);
+        if let Some(mut dispatch) = t.dispatch {
+            if let Some(usage) = usage {
+                dispatch.output_reported(usage.completion_tokens);
+            }
             self.fleet.finished(dispatch, reported, now);
         }
     }

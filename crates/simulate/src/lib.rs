@@ -31,7 +31,7 @@ use kvroute_bench::workload::Workload;
 
 pub use config::FleetConfig;
 pub use error::SimulateError;
-pub use policy::{Routing, RoutingPolicy, SimRequest};
+pub use policy::{Routing, RoutingPolicy, SimRequest, Usage};
 
 /// Simulates `workload` once per named policy (`round-robin`, `random`, `least-load`,
 /// `approximate`, `precise`), each on a fresh fleet, and returns one result per policy in the

@@ -22,6 +22,15 @@ pub struct SimRequest<'a> {
     pub session: u64,
 }
 
+/// What an engine reported of a request that ended, as vLLM's `usage` says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens it found cached (`prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
+    /// Tokens it generated (`completion_tokens`).
+    pub completion_tokens: usize,
+}
+
 /// A policy's answer for a request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Routing {
@@ -55,8 +64,8 @@ pub trait RoutingPolicy {
     fn load_sample(&mut self, endpoint: usize, waiting: f64, running: f64, kv_usage: f64, now: f64);
     /// The request's first token passed the router.
     fn first_token(&mut self, request_id: u64, now: f64);
-    /// The request ended: `cached_tokens` is what the engine reported (`None` when it failed).
-    fn finished(&mut self, request_id: u64, cached_tokens: Option<usize>, now: f64);
+    /// The request ended: `usage` is what the engine reported (`None` when it failed).
+    fn finished(&mut self, request_id: u64, usage: Option<Usage>, now: f64);
     /// The prefill leg of a disaggregated request ended on its prefill endpoint, which found
     /// `cached_tokens` of the prompt in its cache.
     fn prefill_done(&mut self, request_id: u64, cached_tokens: usize, now: f64) {

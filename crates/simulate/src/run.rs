@@ -13,7 +13,7 @@ use crate::client::Client;
 use crate::config::FleetConfig;
 use crate::engines::SimEngine;
 use crate::pd::{Link, Pull};
-use crate::policy::{Routing, RoutingPolicy, SimRequest};
+use crate::policy::{Routing, RoutingPolicy, SimRequest, Usage};
 use crate::queue::{Event, Queue};
 use kvroute_sim::engine::KvTransfer;
 
@@ -541,7 +541,11 @@ impl Run<'_> {
                 record.completion_tokens = token.index as u64 + 1;
                 record.cached_tokens = Some(token.cached_tokens as u64);
                 record.e2e_s = seen - record.start_s;
-                policy.finished(r as u64, Some(token.cached_tokens), now);
+                let usage = Usage {
+                    cached_tokens: token.cached_tokens,
+                    completion_tokens: token.index + 1,
+                };
+                policy.finished(r as u64, Some(usage), now);
                 capacity_changed = true;
                 let session = request.session;
                 let answer = std::mem::take(&mut request.answer);

@@ -266,12 +266,21 @@ pub struct Dispatch {
     /// Nothing else at all was in flight there (no decode shared its steps): its time to first
     /// token is clean enough to tell a tier's load time from the rest.
     quiet: bool,
+    /// Tokens the engine said it generated ([`Dispatch::output_reported`]).
+    output_tokens: Option<usize>,
 }
 
 impl Dispatch {
     /// Whether its first token arrived.
     pub fn prefill_done(&self) -> bool {
         self.prefill_done
+    }
+
+    /// The engine reported generating `tokens` for it (its usage's `completion_tokens`): tell
+    /// before [`Fleet::finished`], which learns from it how much of the cache a request there
+    /// holds by its end.
+    pub fn output_reported(&mut self, tokens: usize) {
+        self.output_tokens = Some(tokens);
     }
 }
 
@@ -904,6 +913,7 @@ impl Fleet {
             prefill_done: false,
             rate_sample,
             quiet,
+            output_tokens: None,
         }
     }
 
@@ -1065,7 +1075,7 @@ impl Fleet {
         self.end_prefill(&mut dispatch);
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
             e.inflight = e.inflight.saturating_sub(1);
-            if let Some(ended) = e.pinned.unpin(dispatch.pin, now) {
+            if let Some(ended) = e.pinned.unpin(dispatch.pin, now, dispatch.output_tokens) {
                 if let Some(decode_s) = ended.decode_s {
                     self.model_priors.note_decode(dispatch.model, decode_s);
                 }

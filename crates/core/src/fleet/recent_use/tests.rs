@@ -404,7 +404,7 @@ proptest! {
             parts(&pinned, &recent);
         }
         if !inflight.is_empty() {
-            pinned.unpin(0, 1.0);
+            pinned.unpin(0, 1.0, None);
         }
         for keys in &ended_later {
             parts(&pinned, &recent);

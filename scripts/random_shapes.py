@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Random shapes of traffic through `kvroute simulate`: shapes nobody chose.
+
+The held-out shapes (scripts/held_out_shapes.py) are still shapes someone picked. This draws
+SHAPES shapes at random from wide ranges (fleet size, workload, prompt and output lengths, turns,
+think time, tenant skew, length spread, block size, cache size against the working set, offered
+load against the fleet's capacity, open or closed loop, sometimes a CPU tier), runs each under
+round-robin, least-load, prefix-hash and precise for several seeds, and prints, per shape,
+precise's mean TTFT and TTFT p50/p90/p99 over the best other policy's (geometric mean over the
+seeds; the mean TTFT is the steadiest figure, a p99 over a few hundred requests the least), and
+in how many seeds precise was no worse than every other policy on that figure. A ratio above 1.05
+is marked LOSS. The draw is fixed by --draw, so a sweep can be re-run on another binary.
+
+usage: scripts/random_shapes.py BINARY OUT_DIR [--shapes 40] [--draw 1] [--seeds 1,2,3]
+       (about 4 minutes for 40 shapes on 2 cores)
+
+A run whose result is already in OUT_DIR is not run again, so give each binary its own OUT_DIR.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from held_out_shapes import POLICIES as POLICY_LIST, run  # noqa: E402
+
+POLICIES = tuple(POLICY_LIST.split(","))
+# The simulator's default engine: prefill seconds per uncached token, and a decode step.
+PREFILL_S_PER_TOKEN = 32e-6
+DECODE_STEP_S = 0.0048
+LOSS = 1.05
+
+
+def log_uniform(rng, low, high):
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+def draw_shape(rng, index):
+    """One shape: its name, its `kvroute simulate` arguments, and what was drawn."""
+    engines = rng.choice((2, 3, 4, 4, 6, 8, 12))
+    workload = rng.choice(("multi-turn", "shared-prefix", "tenants", "tenants"))
+    block_size = rng.choice((16, 16, 16, 32))
+    shared = int(log_uniform(rng, 100, 5000))
+    user = int(log_uniform(rng, 20, 1500))
+    output = int(log_uniform(rng, 8, 400))
+    think = round(rng.uniform(0.0, 2.0), 2)
+    args = [f"--engines {engines}", f"--workload {workload}", f"--block-size {block_size}",
+            f"--shared-tokens {shared}", f"--user-tokens {user}", f"--output-tokens {output}",
+            f"--think-s {think}"]
+    if workload == "multi-turn":
+        turns = rng.randint(2, 10)
+        users = max(engines * rng.randint(3, 20), 4)
+        requests = users * turns
+        longest = shared + turns * (user + output)
+        mean_prompt = shared + (turns + 1) / 2 * (user + output)
+        working_set = shared + users * longest
+    elif workload == "shared-prefix":
+        turns = rng.randint(10, 60)
+        users = max(1, int(engines * rng.uniform(0.5, 4)))
+        requests = users * turns
+        longest = shared + user
+        mean_prompt = longest
+        working_set = users * shared
+    else:
+        users = max(1, int(engines * rng.uniform(0.5, 8)))
+        turns = rng.randint(1, 6)
+        conversations = max(users, rng.randint(60, 400) // turns)
+        requests = conversations * turns
+        cv = round(rng.choice((0.0, 0.3, 0.8, 1.5)), 1)
+        skew = rng.choice(("uniform", "uniform", "zipf:0.9", "zipf:1.3", "zipf:2.0"))
+        args += [f"--conversations {conversations}", f"--length-cv {cv}", f"--tenant-skew {skew}"]
+        longest = int((shared + turns * (user + output)) * (1 + 2 * cv))
+        mean_prompt = shared + (turns + 1) / 2 * (user + output)
+        working_set = users * shared
+    args += [f"--users {users}", f"--turns {turns}"]
+    # The cache against the working set, from a tenth of the pooled need to four times it; an
+    # engine always holds its longest prompt twice over, and serves prompts as long as its
+    # cache holds (no longer: vLLM would not start).
+    cache_factor = log_uniform(rng, 0.1, 4.0)
+    per_engine = working_set * cache_factor / engines / block_size
+    blocks = int(max(per_engine, 2 * longest / block_size + 16))
+    # vLLM refuses to start unless its cache holds one request of the longest length it serves.
+    max_model_len = min(32768, blocks * block_size)
+    args += [f"--num-gpu-blocks {blocks}", f"--max-model-len {max_model_len}"]
+    if rng.random() < 0.15:
+        args += [f"--num-cpu-blocks {blocks * rng.choice((2, 5, 10))}"]
+    # Offered load against the fleet's capacity with no cache at all: every prompt token
+    # prefilled, decode steps shared by about eight sequences, and no more sequences at once
+    # than the cache holds (where it holds one or two, requests wait for room, not compute).
+    # 1.0 saturates a cacheless fleet, so the top of the range is where a cache decides whether
+    # the fleet keeps up.
+    fits = max(1, blocks * block_size // (mean_prompt + output))
+    per_request_s = max(mean_prompt * PREFILL_S_PER_TOKEN + output * DECODE_STEP_S / 8,
+                        output * DECODE_STEP_S / min(fits, 8))
+    load = log_uniform(rng, 0.2, 1.3)
+    if rng.random() < 0.2:
+        args += [f"--concurrency {rng.choice((8, 16, 32, 64, 128))}"]
+        load_text = "closed"
+    else:
+        rate = round(load * engines / per_request_s, 2)
+        args += [f"--rate {rate}"]
+        load_text = f"x{load:.2f}"
+    name = (f"r{index:02d}-{workload}-e{engines}-c{cache_factor:.2f}-{load_text}-n{requests}")
+    return name, " ".join(args)
+
+
+FIGURES = ("mean", "p50", "p90", "p99")
+
+
+def geo_mean(values):
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def table(out_dir, seeds, shapes):
+    losses = {f: 0 for f in FIGURES}
+    any_loss = 0
+    print("| shape | mean | p50 | p90 | p99 | seeds no worse (mean/p50/p90/p99) | hit: precise "
+          "(best other) | failed: precise (fewest other) |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
+    for name, args in shapes:
+        per_seed = []
+        for seed in seeds:
+            with open(os.path.join(out_dir, f"{name}-s{seed}", "simulate.json")) as f:
+                per_seed.append({r["name"]: r["summary"] for r in json.load(f)})
+        ratios, wins = [], []
+        for figure in FIGURES:
+            value = lambda s, p: s[p]["ttft"][figure]
+            best_other = min(geo_mean([value(s, p) for s in per_seed])
+                             for p in POLICIES if p != "precise")
+            ratios.append(geo_mean([value(s, "precise") for s in per_seed]) / best_other)
+            wins.append(sum(all(value(s, "precise") <= value(s, p) * 1.0001
+                                for p in POLICIES if p != "precise") for s in per_seed))
+        hit = geo_mean([s["precise"]["hit_rate"] + 1e-6 for s in per_seed])
+        best_hit = max(geo_mean([s[p]["hit_rate"] + 1e-6 for s in per_seed])
+                       for p in POLICIES if p != "precise")
+        failed = sum(s["precise"]["errors"] for s in per_seed)
+        fewest = min(sum(s[p]["errors"] for s in per_seed) for p in POLICIES if p != "precise")
+        lost = [f for f, r in zip(FIGURES, ratios) if r > LOSS]
+        for f in lost:
+            losses[f] += 1
+        any_loss += bool(lost)
+        print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " | "
+              + "/".join(str(w) for w in wins) + f" of {len(seeds)} | {hit:.3f} ({best_hit:.3f}) | "
+              f"{failed} ({fewest}) |" + (" LOSS " + ",".join(lost) if lost else ""))
+    print(f"\nprecise within {LOSS}x of the best other on every TTFT figure in "
+          f"{len(shapes) - any_loss} of {len(shapes)} shapes; losses by figure: "
+          + ", ".join(f"{f} {n}" for f, n in losses.items()))
+
+
+def main():
+    parser = argparse.ArgumentParser(usage=__doc__)
+    parser.add_argument("binary")
+    parser.add_argument("out_dir")
+    parser.add_argument("--shapes", type=int, default=40)
+    parser.add_argument("--draw", type=int, default=1)
+    parser.add_argument("--seeds", default="1,2,3")
+    options = parser.parse_args()
+    seeds = [int(s) for s in options.seeds.split(",")]
+    rng = random.Random(options.draw)
+    shapes = [draw_shape(rng, i) for i in range(options.shapes)]
+    os.makedirs(options.out_dir, exist_ok=True)
+    with open(os.path.join(options.out_dir, "shapes.txt"), "w") as f:
+        f.writelines(f"{name}: {args}\n" for name, args in shapes)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda s: run(options.binary, options.out_dir, s, seeds), shapes))
+    table(options.out_dir, seeds, shapes)
+
+
+if __name__ == "__main__":
+    main()

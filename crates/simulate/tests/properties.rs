@@ -94,10 +94,10 @@ fn precise_routing_beats_round_robin_on_multi_turn_hit_rate() {
     assert!(precise.ttft.p50 < rr.ttft.p50);
 }
 
-/// Caches that hold one request with its output, or two prompts without theirs, on a fleet a
-/// third busy: a request sent beside a running one of another prefix fits by its prompt, but
+/// Caches that hold one request with its output, or two prompts without theirs, on a fleet two
+/// fifths busy: a request sent beside a running one of another prefix fits by its prompt, but
 /// one of the two is preempted when their outputs grow. Counted by prompts alone, precise sent
-/// requests to busy holders and lost to round-robin on mean TTFT by 17–25% (p99 11×); counted
+/// requests to busy holders and lost to round-robin on mean TTFT by 18–27% (p99 11×); counted
 /// with the output the engines report, it sends them where they fit.
 #[test]
 fn precise_counts_the_output_a_request_will_hold_where_a_cache_holds_few() {

@@ -26,7 +26,7 @@
 //! requests were last seen to generate (its average of the engines' reported
 //! `completion_tokens`), both as pinned and as asked for: on a cache that holds two prompts
 //! but not their outputs, two requests of different prefixes do not fit at once (traced: 12
-//! engines holding one request each, a quarter busy, where counting prompts alone stacked a
+//! engines holding one request each, two fifths of them busy, where counting prompts alone stacked a
 //! second request on a busy engine and TTFT p99 was 0.44 s against round-robin's 0.04 s).
 //!
 //! Keys chain their parents, so what two requests share is a common prefix of their key

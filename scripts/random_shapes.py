@@ -12,7 +12,7 @@ in how many seeds precise was no worse than every other policy on that figure. A
 is marked LOSS. The draw is fixed by --draw, so a sweep can be re-run on another binary.
 
 usage: scripts/random_shapes.py BINARY OUT_DIR [--shapes 40] [--draw 1] [--seeds 1,2,3]
-       (about 4 minutes for 40 shapes on 2 cores)
+       (about 2 minutes for 40 shapes on 2 cores)
 
 A run whose result is already in OUT_DIR is not run again, so give each binary its own OUT_DIR.
 """

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use kvroute_core::fleet::Dispatch;
+use kvroute_vllm::openai::usage_count_in_tail;
 use tracing::info;
 
 use crate::endpoint::Endpoint;
@@ -164,22 +165,8 @@ impl Accounting {
 
     /// The last `"cached_tokens": N` in the response, if any.
     fn reported_cached(&self) -> Option<usize> {
-        usage_count(&self.tail, "cached_tokens")
+        usage_count_in_tail(&self.tail, "cached_tokens")
     }
-}
-
-/// The last `"field": N` in a response's tail: the usage object's counts, which vLLM writes last
-/// (in the body, or in a stream's final chunk when `stream_options.include_usage` asks for it).
-fn usage_count(tail: &[u8], field: &str) -> Option<usize> {
-    let text = String::from_utf8_lossy(tail);
-    let key = format!("\"{field}\"");
-    let at = text.rfind(&key)?;
-    let rest = text[at + key.len()..]
-        .trim_start()
-        .strip_prefix(':')?
-        .trim_start();
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
 }
 
 impl Drop for Accounting {
@@ -189,7 +176,7 @@ impl Drop for Accounting {
         };
         // Released on completion and on client disconnect alike.
         let reported = self.reported_cached().filter(|_| self.check_cached);
-        if let Some(generated) = usage_count(&self.tail, "completion_tokens") {
+        if let Some(generated) = usage_count_in_tail(&self.tail, "completion_tokens") {
             // How much of the cache its requests hold by their end (`Fleet::finished`).
             dispatch.output_reported(generated);
         }
@@ -245,31 +232,6 @@ impl Drop for Accounting {
             outcome = outcome.as_str(),
             completed = outcome == Outcome::Completed,
             "routed"
-        );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::usage_count;
-
-    #[test]
-    fn the_usage_counts_are_read_from_a_body_or_a_streams_last_chunk() {
-        let body = br#"{"id":"chatcmpl-1","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":230,"total_tokens":246,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":224}}}"#;
-        assert_eq!(usage_count(body, "completion_tokens"), Some(16));
-        assert_eq!(usage_count(body, "cached_tokens"), Some(224));
-        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}],\"usage\":null}\n\n\
-            data: {\"choices\":[],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\": 7,\"total_tokens\":37}}\n\n\
-            data: [DONE]\n\n";
-        assert_eq!(usage_count(stream, "completion_tokens"), Some(7));
-        assert_eq!(usage_count(stream, "cached_tokens"), None);
-        // A stream without usage says nothing.
-        assert_eq!(
-            usage_count(
-                b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
-                "completion_tokens"
-            ),
-            None
         );
     }
 }

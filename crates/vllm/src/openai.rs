@@ -254,6 +254,22 @@ pub fn usage_cached_tokens(answer: &Value) -> Option<u64> {
         .and_then(Value::as_u64)
 }
 
+/// The last `"field": N` in the tail of an answer's bytes, unparsed: the usage object's counts
+/// (`cached_tokens`, `completion_tokens`), which vLLM writes last (in the body, or in a stream's
+/// final chunk when `stream_options.include_usage` asks for it). A key inside generated text
+/// never matches: its quotes are escaped there.
+pub fn usage_count_in_tail(tail: &[u8], field: &str) -> Option<usize> {
+    let text = String::from_utf8_lossy(tail);
+    let key = format!("\"{field}\"");
+    let at = text.rfind(&key)?;
+    let rest = text[at + key.len()..]
+        .trim_start()
+        .strip_prefix(':')?
+        .trim_start();
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
 /// Whether a streamed answer's chunk is an error event (vLLM sends `data: {"error": {...}}`
 /// when a request fails mid-stream, e.g. a failed KV pull under `kv_load_failure_policy:
 /// fail`): an `"error"` key followed by a colon, never the word in generated text (a JSON
@@ -286,6 +302,26 @@ mod tests {
             b"data: {\"choices\":[{\"text\":\" an error\"}]}"
         ));
         assert!(!is_stream_error_event(b"\"error\""));
+    }
+
+    #[test]
+    fn the_usage_counts_are_read_from_a_body_or_a_streams_last_chunk() {
+        let body = br#"{"id":"chatcmpl-1","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":230,"total_tokens":246,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":224}}}"#;
+        assert_eq!(usage_count_in_tail(body, "completion_tokens"), Some(16));
+        assert_eq!(usage_count_in_tail(body, "cached_tokens"), Some(224));
+        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}],\"usage\":null}\n\n\
+            data: {\"choices\":[],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\": 7,\"total_tokens\":37}}\n\n\
+            data: [DONE]\n\n";
+        assert_eq!(usage_count_in_tail(stream, "completion_tokens"), Some(7));
+        assert_eq!(usage_count_in_tail(stream, "cached_tokens"), None);
+        // A stream without usage says nothing.
+        assert_eq!(
+            usage_count_in_tail(
+                b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
+                "completion_tokens"
+            ),
+            None
+        );
     }
 
     #[test]

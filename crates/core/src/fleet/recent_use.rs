@@ -9,19 +9,19 @@
 //!
 //! Keys chain their parents, so the distinct blocks of a set of chains kept in lexicographic
 //! order is the sum of their lengths less what each shares with its neighbours in that order:
-//! a prompt's prefix is split into parts by the newest request that used each, walking the
-//! ended requests from the newest and inserting each into that order as it is passed, with no
-//! set of keys. How many distinct blocks each ended request adds to that count does not depend
-//! on the prompt: it is walked once per change of the endpoint's requests (one ending there, or
-//! one sent or ended in flight) and kept, so that costing every endpoint for every request reads
-//! it, rather than walking every endpoint's chains again (measured: 404 µs a decision on 64
-//! endpoints walking them, docs/benchmarks.md).
+//! a prompt's prefix is split into parts by the newest request that used each, with no set of
+//! keys. How many distinct blocks each ended request adds to that count does not depend on the
+//! prompt: the longest prefix it shares with a newer ended request is raised as each one ends
+//! (one comparison per kept request), the in-flight chains are compared once per request sent
+//! or ended in flight, and the result is kept, so that costing every endpoint for every request
+//! reads it, rather than walking every endpoint's chains again (measured: 404 µs a decision on
+//! 64 endpoints walking them, docs/benchmarks.md).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_reuse::{DEPTH_BUCKETS, depth_bucket};
-use super::pinned::{PinnedBlocks, common_prefix, find_chain, longest_shared};
+use super::pinned::{PinnedBlocks, common_prefix, longest_shared};
 use crate::keys::RouterKey;
 use crate::schedule::{RecencyPart, RecencyParts};
 
@@ -38,6 +38,9 @@ pub(super) struct RecentUse {
     ended: VecDeque<Arc<Vec<RouterKey>>>,
     /// When each of `ended` ended, in the same order.
     ended_at: VecDeque<f64>,
+    /// The longest prefix each of `ended` shares with a newer one, in the same order: raised as
+    /// each newer one ends, so the ended chains are never walked again.
+    shared_with_newer: VecDeque<u32>,
     /// Keys over `ended`, counted with repeats.
     keys: usize,
     /// The longest chain of `ended` (0 when none).
@@ -47,9 +50,9 @@ pub(super) struct RecentUse {
     added: AddedCache,
 }
 
-/// [`RecentUse::added`]'s figures for one generation of the in-flight chains: per ended request,
-/// newest first, the distinct blocks it adds to those newer than it (its keys past the longest
-/// prefix it shares with an in-flight or newer ended chain). Cleared whenever `ended` changes.
+/// [`RecentUse::added`]'s figures for one generation of the in-flight chains, kept between
+/// plans: per ended request, newest first, the distinct blocks it adds to those newer than it.
+/// Cleared whenever `ended` changes.
 #[derive(Debug, Default)]
 struct AddedCache(Mutex<Option<(u64, Arc<Added>)>>);
 
@@ -82,16 +85,21 @@ impl RecentUse {
             return;
         }
         self.added.clear();
+        for (chain, shared) in self.ended.iter().zip(&mut self.shared_with_newer) {
+            *shared = (*shared).max(as_u32(common_prefix(chain, &keys)));
+        }
         self.keys += keys.len();
         self.longest = self.longest.max(keys.len());
         self.ended.push_back(keys);
         self.ended_at.push_back(now);
+        self.shared_with_newer.push_back(0);
         let mut dropped_longest = false;
         while self.ended.len() > 1 && (self.ended.len() > ENDED_KEPT || self.keys > KEYS_KEPT) {
             let Some(old) = self.ended.pop_front() else {
                 break;
             };
             self.ended_at.pop_front();
+            self.shared_with_newer.pop_front();
             self.keys -= old.len();
             dropped_longest |= old.len() == self.longest;
         }
@@ -146,6 +154,7 @@ impl RecentUse {
     pub(super) fn clear(&mut self) {
         self.ended.clear();
         self.ended_at.clear();
+        self.shared_with_newer.clear();
         self.keys = 0;
         self.longest = 0;
         self.added.clear();
@@ -258,10 +267,8 @@ impl RecentUse {
     }
 
     /// Per ended request, newest first, the distinct blocks it adds to those newer than it,
-    /// with the in-flight chains `pinned` holds: read from the cache while neither changed,
-    /// else walked once. The ended chains passed so far are kept in order: with the in-flight
-    /// ones (already in order, not copied), what counts the distinct keys. A chain adds the
-    /// keys past the longest prefix it shares with either.
+    /// with the in-flight chains `pinned` holds: its keys past the longest prefix it shares
+    /// with an in-flight chain or a newer ended one. Read from the cache while neither changed.
     fn added(&self, pinned: &PinnedBlocks) -> Arc<Added> {
         let mut cache = self.added.0.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((generation, added)) = cache.as_ref()
@@ -269,17 +276,13 @@ impl RecentUse {
         {
             return added.clone();
         }
-        let mut passed: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::with_capacity(self.ended.len());
         let per_request: Vec<u32> = self
             .ended
             .iter()
             .rev()
-            .map(|chain| {
-                let seen =
-                    longest_shared(&passed, chain).max(longest_shared(pinned.chains(), chain));
-                if let Err(at) = find_chain(&passed, chain) {
-                    passed.insert(at, (chain.clone(), 1));
-                }
+            .zip(self.shared_with_newer.iter().rev())
+            .map(|(chain, &shared)| {
+                let seen = (shared as usize).max(longest_shared(pinned.chains(), chain));
                 as_u32(chain.len() - seen)
             })
             .collect();

@@ -116,6 +116,17 @@ fn the_openai_python_client_works_through_the_router() {
     );
     assert_eq!(out["completion"]["completion_tokens"], 5);
     assert_eq!(out["completion_stream"]["chunks"], 5);
+    assert_eq!(out["completion_stream"]["usage_chunks"], 0);
+    // The router read the engine's usage of every routed answer, the stream that did not ask
+    // for it too: five predictions checked (the unknown model's request was never routed).
+    eventually_blocking("every answer's usage read", || {
+        let checked = kvroute_testkit::sum_labelled(
+            &http_get(admin, "/metrics"),
+            "kvroute_prediction_outcomes_total{",
+            "",
+        );
+        (checked == 5.0, checked)
+    });
     assert!(
         out["models"]
             .as_array()

@@ -288,6 +288,29 @@ fn the_engines_own_metrics_feed_the_load_model() {
     panic!("four generations each ended before a scrape saw it running: {unseen:?}");
 }
 
+/// A stream whose client asks for no usage (the OpenAI clients' default): the router asks the
+/// real engine for it, checks its prediction against it, and passes the stream on without it.
+#[test]
+fn a_stream_without_usage_still_checks_the_prediction_and_shows_the_client_none() {
+    let Some(fleet) = shared_fleet() else {
+        return;
+    };
+    let router = Router::start(&[&fleet[0], &fleet[1]], "remote", "");
+    let mut body = chat_body("stream-usage", "Does the router see this stream's usage?");
+    body["stream"] = json!(true);
+    let answer = router.chat(&body);
+    assert!(answer.body.ends_with("data: [DONE]\n\n"), "{}", answer.body);
+    assert!(!answer.body.contains("\"usage\""), "{}", answer.body);
+    kvroute_testkit::eventually_blocking("the stream's usage read", || {
+        let checked = kvroute_testkit::sum_labelled(
+            &router.metrics(),
+            "kvroute_prediction_outcomes_total{",
+            "",
+        );
+        (checked == 1.0, checked)
+    });
+}
+
 /// A real engine killed and restarted: nothing is lost beyond what was in flight, the index
 /// forgets the dead engine, and learns the new process's cache from its new event stream. This
 /// test found that a new process which had published more batches than the old one by the time

@@ -237,6 +237,7 @@ fn request(input: Input) -> GenerationRequest {
         max_tokens: Some(1),
         stream: false,
         include_usage: false,
+        stream_options_given: false,
         cache_salt: None,
     }
 }

@@ -5,9 +5,11 @@
 //! on by [`AccountedBody`] ([`stream`]).
 
 mod stream;
+mod strip_usage;
 mod unread;
 
 pub use stream::{AccountedBody, Cut, CutAware};
+pub use strip_usage::StripUsage;
 
 use std::sync::Arc;
 use tokio::time::Instant;

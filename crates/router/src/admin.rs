@@ -411,6 +411,7 @@ fn parse_explain(body: &[u8]) -> Result<GenerationRequest, ApiError> {
             max_tokens: None,
             stream: false,
             include_usage: false,
+            stream_options_given: false,
             cache_salt: value
                 .get("cache_salt")
                 .and_then(Value::as_str)

@@ -17,7 +17,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_vllm::openai::ApiError;
 use tracing::warn;
 
-use crate::accounting::{AccountedBody, Outcome};
+use crate::accounting::{AccountedBody, Outcome, StripUsage};
 use crate::forwarding;
 use crate::pipeline::Prepared;
 use crate::pipeline::{self, Leg, RequestContext};
@@ -49,6 +49,9 @@ pub(crate) struct ForwardArgs<'a> {
     /// connection's write clock cannot see this response stall, so it gets its own watchdog
     /// ([`AccountedBody::new`]).
     pub(crate) multiplexed: bool,
+    /// The router asked for the stream's usage on its own account (`forwarding.stream_usage`):
+    /// the usage event is taken out of the stream before the client sees it ([`StripUsage`]).
+    pub(crate) strip_usage: bool,
 }
 
 /// The request to send to the engine at `base` (`http://host:port`) with `body`: origin-form
@@ -236,20 +239,18 @@ pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let body = TransferBody::new(body, transfer);
-        return out
-            .body(Body::new(AccountedBody::new(
-                body,
-                accounting,
-                lease,
-                sse,
-                a.multiplexed,
-            )))
-            .unwrap_or_else(|_| {
-                error_response(
-                    router,
-                    &ApiError::engine_failed("the engine sent an invalid response"),
-                )
-            });
+        let body = AccountedBody::new(body, accounting, lease, sse, a.multiplexed);
+        let body = if sse && a.strip_usage {
+            Body::new(StripUsage::new(body))
+        } else {
+            Body::new(body)
+        };
+        return out.body(body).unwrap_or_else(|_| {
+            error_response(
+                router,
+                &ApiError::engine_failed("the engine sent an invalid response"),
+            )
+        });
     }
     error_response(
         router,

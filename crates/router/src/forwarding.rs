@@ -14,13 +14,28 @@ use serde::{Deserialize, Serialize};
 pub struct ClientAddr(pub SocketAddr);
 
 /// The forwarding section of the configuration.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ForwardingConfig {
     /// Addresses or networks (`10.0.0.0/8`, `::1`) of the proxies in front of the router
     /// whose `X-Forwarded-For` and `Forwarded` headers are kept (the client's address is
     /// appended to them). From any other client they are replaced by its address alone.
     pub trusted_proxies: Vec<Network>,
+    /// Ask the engine for usage on a streamed request that names no `stream_options`
+    /// (`"stream_options":{"include_usage":true}` added to its body) and take the usage event
+    /// out of the stream again before the client sees it: the router then learns from every
+    /// stream (prediction error, prefill rates, output lengths), not only from those whose
+    /// client asked for usage.
+    pub stream_usage: bool,
+}
+
+impl Default for ForwardingConfig {
+    fn default() -> Self {
+        Self {
+            trusted_proxies: Vec::new(),
+            stream_usage: true,
+        }
+    }
 }
 
 impl ForwardingConfig {
@@ -213,6 +228,7 @@ mod tests {
         h.insert("forwarded", "for=203.0.113.9".parse().unwrap());
         let trusting = ForwardingConfig {
             trusted_proxies: vec![net("10.0.0.0/8")],
+            ..ForwardingConfig::default()
         };
         let value = |headers: &[(HeaderName, HeaderValue)], name: &str| {
             headers

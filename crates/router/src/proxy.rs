@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
+use bytes::Bytes;
 use kvroute_core::index::EndpointId;
-use kvroute_vllm::openai::ApiError;
+use kvroute_vllm::openai::{ApiError, request_stream_usage};
 use tokio::time::Instant;
 
 use crate::edge::read_body;
@@ -52,6 +53,14 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
     } else {
         (Leg::planned(plan), None)
     };
+    // A stream that names no `stream_options` is asked for its usage, which the client is not
+    // shown (P/D legs keep the client's body as their own).
+    let asked =
+        (pd_plan.is_none() && prepared.may_ask_usage && router.config().forwarding.stream_usage)
+            .then(|| request_stream_usage(&body))
+            .flatten();
+    let strip_usage = asked.is_some();
+    let body = asked.map_or(body, Bytes::from);
     let args = ForwardArgs {
         router: &router,
         context,
@@ -64,6 +73,7 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         client: client_addr(&parts.extensions),
         decode: None,
         multiplexed: parts.version == http::Version::HTTP_2,
+        strip_usage,
     };
     if let Some(plan) = pd_plan {
         // Two legs when core says they pay.
@@ -121,6 +131,7 @@ pub async fn passthrough(State(router): State<Arc<Router>>, request: Request) ->
         headers: parts.headers,
         body,
         decode: None,
+        strip_usage: false,
     })
     .await
 }

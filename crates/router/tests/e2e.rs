@@ -660,6 +660,74 @@ async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
     );
 }
 
+/// The router's `kvroute_prediction_outcomes_total`, summed: the requests whose engine
+/// reported `cached_tokens` to it.
+async fn predictions_checked(client: &reqwest::Client, router: &RunningRouter) -> u64 {
+    common::router_metrics(client, router)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("kvroute_prediction_outcomes_total"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
+/// A streamed completion of `prompt` (with `stream_options` when `usage`), read to its end.
+async fn streamed(
+    client: &reqwest::Client,
+    router: &RunningRouter,
+    prompt: String,
+    usage: bool,
+) -> String {
+    let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": true});
+    if usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    let resp = client
+        .post(format!("http://{}/v1/completions", router.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stream_reports_its_usage_to_the_router_and_only_an_asking_client_sees_it() {
+    let a = engine(512).await;
+    let client = reqwest::Client::new();
+    let router = router_for(&[&a]).await;
+    // A client that does not ask for usage gets none (the router asked on its own account)...
+    let text = streamed(&client, &router, words(40, 1), false).await;
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert!(!text.contains("\"usage\""), "{text}");
+    assert_eq!(
+        text.matches("\"text\"").count(),
+        4,
+        "every token passed on: {text}"
+    );
+    // ... one that asks gets it ...
+    let text = streamed(&client, &router, words(40, 2), true).await;
+    assert!(text.contains("\"usage\""), "{text}");
+    // ... and the router checked its prediction against both streams' usage.
+    eventually_async("both streams' usage read", || async {
+        let checked = predictions_checked(&client, &router).await;
+        (checked == 2, checked)
+    })
+    .await;
+    // Turned off, the request goes as the client sent it: the stream reports nothing.
+    let off = router_tuned(&[&a], |c| c.forwarding.stream_usage = false).await;
+    let text = streamed(&client, &off, words(40, 3), false).await;
+    assert!(!text.contains("\"usage\""), "{text}");
+    let text = streamed(&client, &off, words(40, 4), true).await;
+    assert!(text.contains("\"usage\""), "{text}");
+    eventually_async("the asking stream's usage read", || async {
+        let checked = predictions_checked(&client, &off).await;
+        (checked == 1, checked)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_event_stream_is_not_trusted_and_says_so() {
     let a = engine(512).await;

@@ -3,15 +3,17 @@
 //!
 //! Every request vLLM accepts parses: a batch of prompts (strings or token lists) is scored by
 //! its first prompt; chat content parts other than text (images, audio, video) are skipped, so
-//! the request is routed by its text (the body is forwarded unchanged); a string holding a lone
+//! the request is routed by its text (the body is forwarded as the client sent it); a string holding a lone
 //! UTF-16 surrogate escape (`"\ud800"`, which Python's `json` accepts) is read with U+FFFD in
 //! its place. What cannot be scored at all becomes an empty token list: the request is routed
 //! by load alone, never refused for its shape.
 
 mod error;
+mod stream_usage;
 mod surrogates;
 
 pub use error::{ApiError, Fault};
+pub use stream_usage::{is_usage_only_event, request_stream_usage, sse_event_end};
 
 use serde_json::Value;
 
@@ -31,6 +33,9 @@ pub struct GenerationRequest {
     pub stream: bool,
     /// Send a final usage chunk when streaming (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// The body names `stream_options` (even as `null`): a router may add it
+    /// ([`request_stream_usage`]) only when it does not.
+    pub stream_options_given: bool,
     /// vLLM's `cache_salt`: isolates this request's prefix cache.
     pub cache_salt: Option<String>,
 }
@@ -127,6 +132,7 @@ fn parse_common(value: &Value) -> Result<GenerationRequest, ApiError> {
         None => false,
         Some(opts) => optional_bool(opts, "include_usage")?,
     };
+    let stream_options_given = value.get("stream_options").is_some();
     let cache_salt = match field(value, "cache_salt") {
         None => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
@@ -143,6 +149,7 @@ fn parse_common(value: &Value) -> Result<GenerationRequest, ApiError> {
         max_tokens,
         stream,
         include_usage,
+        stream_options_given,
         cache_salt,
     };
     Ok(request)
@@ -329,6 +336,18 @@ mod tests {
         let answer = serde_json::json!({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}});
         assert_eq!(usage_cached_tokens(&answer), Some(32));
         assert_eq!(usage_cached_tokens(&serde_json::json!({"usage": {}})), None);
+    }
+
+    #[test]
+    fn stream_options_are_given_even_as_null() {
+        let given = |body: &[u8]| parse_completion(body).unwrap().stream_options_given;
+        assert!(!given(br#"{"prompt":"hi","stream":true}"#));
+        assert!(given(
+            br#"{"prompt":"hi","stream":true,"stream_options":null}"#
+        ));
+        assert!(given(
+            br#"{"prompt":"hi","stream":true,"stream_options":{"include_usage":false}}"#
+        ));
     }
 
     #[test]

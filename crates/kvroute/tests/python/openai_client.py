@@ -59,7 +59,9 @@ completion = client.completions.create(model=model, prompt="Once upon a time " *
 out["completion"] = {"text": completion.choices[0].text, "completion_tokens": completion.usage.completion_tokens}
 
 stream = client.completions.create(model=model, prompt="Once upon a time " * 30, max_tokens=5, stream=True)
-out["completion_stream"] = {"chunks": sum(1 for _ in stream)}
+chunks = list(stream)
+# No stream_options: whatever the router asked the engine for, the client sees no usage.
+out["completion_stream"] = {"chunks": len(chunks), "usage_chunks": sum(1 for c in chunks if c.usage is not None)}
 
 models = client.models.list()
 out["models"] = [m.id for m in models.data]

@@ -73,6 +73,19 @@ impl Router {
         kvroute_testkit::http_get(([127, 0, 0, 1], self.admin).into(), "/metrics")
     }
 
+    /// A chat `body` sent through the router to its end (a stream whole, dechunked), answered
+    /// 200.
+    pub fn chat(&self, body: &Value) -> kvroute_testkit::HttpAnswer {
+        let answer = kvroute_testkit::http_post_within(
+            ([127, 0, 0, 1], self.port).into(),
+            "/v1/chat/completions",
+            &body.to_string(),
+            Duration::from_secs(60),
+        );
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer
+    }
+
     /// `/kvroute/v1/explain` for `body`.
     pub fn explain(&self, body: &Value) -> Value {
         let (status, answer) = post(self.admin, "/kvroute/v1/explain", body);

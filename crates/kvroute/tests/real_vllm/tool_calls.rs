@@ -204,13 +204,7 @@ fn agent_turns_are_predicted_and_reuse_the_last(router: &Router, label: &str) {
 /// Sends a chat `body` through the router: the endpoint it went to (`x-kvroute-endpoint`) and
 /// the engine's answer.
 fn send_through(router: &Router, body: &Value) -> (String, Value) {
-    let answer = kvroute_testkit::http_post_within(
-        ([127, 0, 0, 1], router.port).into(),
-        "/v1/chat/completions",
-        &body.to_string(),
-        std::time::Duration::from_secs(60),
-    );
-    assert_eq!(answer.status, 200, "{}", answer.body);
+    let answer = router.chat(body);
     let endpoint = answer
         .head
         .lines()

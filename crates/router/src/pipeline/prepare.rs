@@ -45,6 +45,9 @@ pub struct Prepared {
     /// The body as JSON, read once, when the request may be rewritten into P/D legs
     /// (`pd.mode` on) and it reads exactly (see [`kvroute_vllm::openai::RequestJson`]).
     pub(crate) body_json: Option<Value>,
+    /// A stream whose body names no `stream_options`: the router may ask for its usage
+    /// (`forwarding.stream_usage`).
+    pub(crate) may_ask_usage: bool,
 }
 
 impl Prepared {
@@ -58,6 +61,7 @@ impl Prepared {
             prompt_tokens: 0,
             session: None,
             body_json: None,
+            may_ask_usage: false,
         }
     }
 
@@ -150,6 +154,7 @@ pub async fn prepare_request(
         keys: Arc::new(keys),
         prompt_tokens,
         body_json: None,
+        may_ask_usage: request.stream && !request.stream_options_given,
     })
 }
 

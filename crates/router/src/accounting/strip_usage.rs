@@ -192,6 +192,18 @@ mod tests {
         assert_eq!(first.len(), long.len());
     }
 
+    /// A body that says it ended with its last frame is passed on the same way, so that the
+    /// last frame carries the end (over HTTP/2, no empty frame after it).
+    #[tokio::test]
+    async fn the_end_comes_with_the_last_frame() {
+        let stream = format!("{TEXT}{USAGE}{DONE}");
+        let mut body = StripUsage::new(http_body_util::Full::new(Bytes::from(stream)));
+        assert!(!body.is_end_stream());
+        let frame = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(frame, format!("{TEXT}{DONE}"));
+        assert!(body.is_end_stream());
+    }
+
     proptest! {
         /// However the engine's bytes are cut into chunks, the client gets them all but the
         /// usage event, in order.

@@ -660,15 +660,19 @@ async fn engine_connections_are_reused_for_streamed_and_unstreamed_answers() {
     );
 }
 
-/// The router's `kvroute_prediction_outcomes_total`, summed: the requests whose engine
-/// reported `cached_tokens` to it.
-async fn predictions_checked(client: &reqwest::Client, router: &RunningRouter) -> u64 {
-    common::router_metrics(client, router)
-        .await
-        .lines()
-        .filter(|l| l.starts_with("kvroute_prediction_outcomes_total"))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
-        .sum()
+/// Waits until the router's `kvroute_prediction_outcomes_total`, summed, is `expected`: the
+/// requests whose engine reported `cached_tokens` to it.
+async fn predictions_checked(client: &reqwest::Client, router: &RunningRouter, expected: u64) {
+    eventually_async("the answers' usage read", || async {
+        let checked: u64 = common::router_metrics(client, router)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("kvroute_prediction_outcomes_total"))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum();
+        (checked == expected, checked)
+    })
+    .await;
 }
 
 /// A streamed completion of `prompt` (with `stream_options` when `usage`), read to its end.
@@ -710,22 +714,14 @@ async fn every_stream_reports_its_usage_to_the_router_and_only_an_asking_client_
     let text = streamed(&client, &router, words(40, 2), true).await;
     assert!(text.contains("\"usage\""), "{text}");
     // ... and the router checked its prediction against both streams' usage.
-    eventually_async("both streams' usage read", || async {
-        let checked = predictions_checked(&client, &router).await;
-        (checked == 2, checked)
-    })
-    .await;
+    predictions_checked(&client, &router, 2).await;
     // Turned off, the request goes as the client sent it: the stream reports nothing.
     let off = router_tuned(&[&a], |c| c.forwarding.stream_usage = false).await;
     let text = streamed(&client, &off, words(40, 3), false).await;
     assert!(!text.contains("\"usage\""), "{text}");
     let text = streamed(&client, &off, words(40, 4), true).await;
     assert!(text.contains("\"usage\""), "{text}");
-    eventually_async("the asking stream's usage read", || async {
-        let checked = predictions_checked(&client, &off).await;
-        (checked == 1, checked)
-    })
-    .await;
+    predictions_checked(&client, &off, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -530,7 +530,7 @@ fn a_cpu_tier_with_tier_aware_routing_serves_llm_ds_overload_at_a_tenth_of_hbm_o
 /// HBM-only fleet's measured capacity. Prints each routing's mean TTFT with the CPU tier (tier-
 /// aware, kvroute's tier-blind, GPU-only scoring as llm-d's tier-blind, and two cache-blind
 /// balancers), the ratios, and the capacities with and without the tier (llm-d: 22.1 → 36.0
-/// req/s, 1.63×), per workload seed (run it with `--release`: about a minute).
+/// req/s, 1.63×), per workload seed (run it with `--release`: about 20 seconds).
 #[test]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 fn llm_d_multi_tier_ratios_at_llm_ds_overload() {

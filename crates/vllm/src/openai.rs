@@ -13,7 +13,9 @@ mod stream_usage;
 mod surrogates;
 
 pub use error::{ApiError, Fault};
-pub use stream_usage::{is_usage_only_event, request_stream_usage, sse_event_end};
+pub use stream_usage::{
+    is_usage_only_event, passes_unexamined, request_stream_usage, sse_event_end,
+};
 
 use serde_json::Value;
 

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use kvroute_vllm::openai::{is_usage_only_event, sse_event_end};
+use kvroute_vllm::openai::{is_usage_only_event, passes_unexamined, sse_event_end};
 
 /// Most bytes of an incomplete event held back; past it they are passed on as they are (a
 /// usage event is a few hundred bytes).
@@ -49,7 +49,7 @@ where
     /// when nothing is to be passed on yet. A chunk of whole events without usage in it, with
     /// nothing held, is passed on as it is.
     fn pass(&mut self, data: Bytes) -> Option<Bytes> {
-        if self.held.is_empty() && data.ends_with(b"\n\n") && !mentions_usage(&data) {
+        if self.held.is_empty() && passes_unexamined(&data) {
             return Some(data);
         }
         self.held.extend_from_slice(&data);
@@ -73,12 +73,6 @@ where
     fn flush(&mut self) -> Option<Bytes> {
         (!self.held.is_empty()).then(|| self.held.split().freeze())
     }
-}
-
-/// Whether a chunk has a `"usage"` key in it (the cheap test before any event is parsed).
-fn mentions_usage(data: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"usage\"";
-    data.windows(KEY.len()).any(|w| w == KEY)
 }
 
 impl<B> Body for StripUsage<B>

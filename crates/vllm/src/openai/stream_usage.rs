@@ -55,8 +55,7 @@ pub fn sse_event_end(buf: &[u8]) -> Option<usize> {
 /// `usage` is an object. A chunk with generated text never is (its `choices` has the text),
 /// whatever the text says.
 pub fn is_usage_only_event(event: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"usage\"";
-    if !event.windows(KEY.len()).any(|w| w == KEY) {
+    if !has_usage_key(event) {
         return false; // every chunk but the last: no parse
     }
     let text = String::from_utf8_lossy(event);
@@ -74,6 +73,18 @@ pub fn is_usage_only_event(event: &[u8]) -> bool {
         .and_then(Value::as_array)
         .is_some_and(Vec::is_empty)
         && chunk.get("usage").is_some_and(Value::is_object)
+}
+
+/// Whether a chunk of a stream is whole events (it ends at a blank line) none of which can be
+/// the usage event: it can be passed on as it is, with nothing taken out or held back.
+pub fn passes_unexamined(chunk: &[u8]) -> bool {
+    chunk.ends_with(b"\n\n") && !has_usage_key(chunk)
+}
+
+/// Whether `bytes` hold a `"usage"` key (or the word quoted: the cheap test before any parse).
+fn has_usage_key(bytes: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"usage\"";
+    bytes.windows(KEY.len()).any(|w| w == KEY)
 }
 
 #[cfg(test)]
@@ -107,6 +118,17 @@ mod tests {
         for body in ["[1, 2]", "", "   ", "{\"a\": 1", "\"{}\""] {
             assert_eq!(request_stream_usage(body.as_bytes()), None, "{body:?}");
         }
+    }
+
+    #[test]
+    fn only_whole_events_without_usage_pass_unexamined() {
+        assert!(passes_unexamined(
+            b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"
+        ));
+        assert!(!passes_unexamined(b"data: {\"choices\":[]}\n\ndata: [DO"));
+        assert!(!passes_unexamined(
+            b"data: {\"choices\":[],\"usage\":{}}\n\n"
+        ));
     }
 
     #[test]

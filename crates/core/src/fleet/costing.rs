@@ -8,8 +8,8 @@ use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
 use crate::schedule::{
-    CacheSource, CacheView, Candidate, EndpointLoad, IndexState, RequestInfo, saturated_load,
-    schedule_pruned,
+    CacheSource, CacheView, Candidate, EndpointLoad, IndexState, PruneScope, RequestInfo, Role,
+    saturated_load, schedule_pruned,
 };
 use crate::tiers::TierTokens;
 
@@ -284,13 +284,22 @@ impl Fleet {
         }
         let mut buffers = std::mem::take(&mut self.prune_buffers);
         let mut viewed = 0;
+        let endpoints = &self.endpoints;
+        let role_of = |id: EndpointId| endpoints[id.0 as usize].spec.role;
+        let scope = PruneScope {
+            holders: &holding,
+            order: &self.load_order,
+            serving: (inputs.model, inputs.block_size),
+            prior_rate: inputs.prior_rate,
+            roles: self
+                .disagg
+                .is_some()
+                .then_some(&role_of as &dyn Fn(EndpointId) -> Role),
+        };
         let decision = schedule_pruned(
             &self.profile,
             info,
-            &holding,
-            &self.load_order,
-            (inputs.model, inputs.block_size),
-            inputs.prior_rate,
+            &scope,
             |id| {
                 viewed += 1;
                 let e = &self.endpoints[id.0 as usize];

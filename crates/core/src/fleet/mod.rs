@@ -48,7 +48,7 @@ use crate::index::{
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheSource, Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers,
-    RankBuffers, RequestInfo, Role, amortize, schedule, schedule_near_best,
+    RankBuffers, RequestInfo, Role, amortize, decoders_saturated, schedule, schedule_near_best,
 };
 use crate::tiers::{FitSample, LoadTier, TierTokens};
 pub use admit::{Admission, HeldTurn};
@@ -660,7 +660,6 @@ impl Fleet {
         };
         // Only the cheapest-cost picker can be pruned (the others read every candidate).
         let pruned = self.prune
-            && self.disagg.is_none()
             && self.profile.picker == crate::schedule::Picker::Cheapest
             && depth.is_some_and(|depth| self.endpoints.len() > depth);
         let index = self.index_for_block_size(bs).cloned();
@@ -758,18 +757,17 @@ impl Fleet {
             None => schedule(&self.profile, &info, &candidates, random, self.round_robin),
         };
         if let (Some(depth), Some(_)) = (depth, &self.disagg) {
-            disagg::rank_roles(
+            self.rank_buffers.rank_role_heads(
                 &self.profile,
                 &info,
                 &candidates,
-                self.rank_buffers.competing_costs(),
                 &mut decision,
                 depth,
             );
         }
         if self.disagg.is_some() {
             decision.saturated =
-                disagg::decoders_saturated(&self.profile, &info, &candidates, decision.saturated);
+                decoders_saturated(&self.profile, &info, &candidates, decision.saturated);
         }
         self.candidates = candidates;
         Plan {

@@ -38,6 +38,30 @@ fn mixed_spec(i: usize) -> EndpointSpec {
     }
 }
 
+/// Endpoint `i` of a mixed fleet (`mixed_spec`) whose roles, with `pd`, are prefill, decode
+/// or both in turn (the roles of four endpoints in five keep their order; the fifth's follow).
+fn fleet_spec(pd: bool, i: usize) -> EndpointSpec {
+    let role = match (pd, i % 5) {
+        (false, _) => Role::Both,
+        (true, 4) => [Role::Decode, Role::Prefill, Role::Both][(i / 5) % 3],
+        (true, r) => [Role::Prefill, Role::Decode, Role::Both, Role::Prefill][r],
+    };
+    EndpointSpec {
+        role,
+        ..mixed_spec(i)
+    }
+}
+
+/// P/D pricing over RoCE, for a model of Llama-3.1-8B's KV size.
+fn pd_config() -> DisaggConfig {
+    DisaggConfig {
+        link: crate::schedule::disagg::LinkPrior::parse("roce-100").unwrap(),
+        learning: Default::default(),
+        kv_bytes_per_token: 131_072.0,
+        leg_overhead_s: 0.005,
+    }
+}
+
 /// Prompt `p` of a few families: prompts of one family share a prefix of `shared` blocks.
 fn tokens(p: u8, shared: u8, len: u8) -> Vec<u32> {
     let family = u32::from(p % 3);
@@ -177,10 +201,15 @@ proptest! {
         endpoints in 9usize..48,
         profile in arb_profile(),
         steps in proptest::collection::vec(arb_step(), 1..160),
+        pd in any::<bool>(),
         seed: u64,
     ) {
-        let specs = (0..endpoints).map(mixed_spec).collect();
+        let fleet_spec = |i| fleet_spec(pd, i);
+        let specs = (0..endpoints).map(fleet_spec).collect();
         let mut fleet = Fleet::new(FleetConfig::default(), profile, specs).unwrap();
+        if pd {
+            fleet.enable_disagg(pd_config());
+        }
         let mut now = 0.0;
         let mut inflight: std::collections::VecDeque<Dispatch> = Default::default();
         let mut random = seed;
@@ -274,7 +303,7 @@ proptest! {
                 }
                 Step::Join => {
                     let at = fleet.endpoints().len();
-                    fleet.add_endpoint(mixed_spec(at), now).unwrap();
+                    fleet.add_endpoint(fleet_spec(at), now).unwrap();
                 }
                 Step::Peer(e, blocks) => {
                     let id = pick(&fleet, e);
@@ -660,6 +689,50 @@ fn a_saturated_fleet_is_pruned() {
     assert!(!plan.decision.saturated);
     assert_ne!(plan.decision.chosen(), Some(EndpointId(199)));
     assert_eq!(fleet.last_plan_viewed(), viewed[0] + 1);
+}
+
+/// A fleet of prefill and decode roles is pruned too: its plan ranks the best of each role and
+/// views far fewer than every endpoint. Its decoders all saturated (full caches, requests
+/// queued) hold the request, however idle its producers; one decoder with room, however busy
+/// (so costlier than the head of the decoders, and not costed), says they are not.
+#[test]
+fn a_pd_fleet_is_pruned_and_held_only_when_its_decoders_are_saturated() {
+    let prompt = tokens(1, 0, 30);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = request_for(&keys, &prompt);
+    let roles = [Role::Prefill, Role::Decode, Role::Both];
+    let specs = (0..200)
+        .map(|i| EndpointSpec {
+            role: roles[i % 3],
+            ..spec(i, MODEL)
+        })
+        .collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    fleet.enable_disagg(pd_config());
+    for e in 0..200u32 {
+        let sample = match roles[e as usize % 3] {
+            Role::Prefill => decoding(0.0),
+            _ => queued(0.97, 2.0 + f64::from(e % 10)),
+        };
+        fleet.observe_load(EndpointId(e), sample, 0.0);
+    }
+    let plan = plan_both(&mut fleet, &features, 3, 0.5);
+    assert!(plan.decision.saturated, "every decoder is saturated");
+    let depth = crate::fleet::RANKING_DEPTH;
+    for fits in [Role::decodes as fn(Role) -> bool, Role::prefills] {
+        let ranked = plan.decision.ranking.iter();
+        let of_role = ranked.filter(|e| fits(roles[e.0 as usize % 3])).count();
+        assert!(of_role >= depth, "{:?}", plan.decision.ranking);
+    }
+    let viewed = fleet.last_plan_viewed();
+    assert!(viewed < 100, "{viewed} endpoints viewed of 200");
+    // Endpoint 199 (decode-only) decodes more than any but its cache has room.
+    assert_eq!(roles[199 % 3], Role::Decode);
+    fleet.observe_load(EndpointId(199), queued(0.5, 200.0), 0.5);
+    let plan = plan_both(&mut fleet, &features, 3, 0.6);
+    assert!(!plan.decision.saturated, "a decoder has room");
+    assert!(!plan.decision.ranking.contains(&EndpointId(199)));
+    assert_eq!(fleet.last_plan_viewed(), viewed + 1);
 }
 
 /// Endpoints ejected while they hold the prompt (an ejection keeps the engine's cache) are not

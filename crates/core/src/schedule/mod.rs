@@ -20,6 +20,7 @@ mod profile;
 mod pruned;
 pub mod recency;
 mod ring;
+mod role_heads;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,12 +29,15 @@ pub use amortize::CopyRent;
 pub use cost::Cost;
 pub use near_best::{RankBuffers, schedule_near_best};
 pub use picker::Picker;
+#[cfg(test)]
+pub(crate) use picker::tie_key;
 pub use profile::{
     BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
     TierCosts,
 };
-pub use pruned::{LoadOrder, PruneBuffers, saturated_load, schedule_pruned};
+pub use pruned::{LoadOrder, PruneBuffers, PruneScope, saturated_load, schedule_pruned};
 pub use recency::{RecencyPart, RecencyParts};
+pub use role_heads::decoders_saturated;
 
 /// What an endpoint is for (prefill/decode disaggregation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +50,18 @@ pub enum Role {
     Prefill,
     /// Decode only.
     Decode,
+}
+
+impl Role {
+    /// Whether an endpoint of this role can run a decode leg (or a whole request).
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+
+    /// Whether an endpoint of this role can run a prefill leg.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
 }
 
 /// Load signals of one endpoint. Scraped values are `None` until scraped (or when stale).

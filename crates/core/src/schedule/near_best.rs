@@ -14,6 +14,7 @@
 use std::cmp::Ordering;
 
 use super::picker::{Held, NearEqual, tie_key, why_cheaper};
+use super::role_heads::rank_role_heads;
 use super::{
     Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
     rejection, saturated, schedule,
@@ -71,12 +72,27 @@ pub struct RankBuffers {
 }
 
 impl RankBuffers {
-    /// The last [`schedule_near_best`] call's competing candidates (position among its
-    /// candidates, weighted cost), in no particular order: each cost computed once, for whoever
-    /// ranks more of them (P/D ranks the head of each role). Empty when that call ranked every
-    /// competitor.
-    pub fn competing_costs(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
-        self.standings.iter().map(|s| (s.at, s.total))
+    /// Completes `decision`, which the last [`schedule_near_best`] call made of `candidates`
+    /// for `request`, with the best `depth` competitors of each role, for a fleet of prefill and
+    /// decode roles ([`super::role_heads`]): from the costs that call computed, none computed
+    /// again. Nothing is added when that call ranked every competitor.
+    pub fn rank_role_heads(
+        &self,
+        profile: &Profile,
+        request: &RequestInfo,
+        candidates: &[Candidate],
+        decision: &mut Decision,
+        depth: usize,
+    ) {
+        let depth = depth.max(2);
+        rank_role_heads(
+            profile,
+            request,
+            candidates,
+            &self.standings,
+            decision,
+            depth,
+        );
     }
 }
 

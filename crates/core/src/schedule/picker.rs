@@ -56,7 +56,7 @@ impl Picker {
 }
 
 /// A deterministic per-candidate shuffle key from the random input.
-pub(super) fn tie_key(random: u64, endpoint: u32) -> u64 {
+pub(crate) fn tie_key(random: u64, endpoint: u32) -> u64 {
     let mut x = random ^ (u64::from(endpoint).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);

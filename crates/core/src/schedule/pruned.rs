@@ -26,12 +26,21 @@
 //! Whether every competitor is saturated is a fact about all of them: when none costed is
 //! unsaturated, the order's endpoints that may be unsaturated ([`LoadOrder::set_saturated`],
 //! kept as their load changes) are viewed until one is; a saturated fleet has none.
+//!
+//! On a fleet of prefill and decode roles (P/D) the plan also ranks the head of each role
+//! ([`super::role_heads`]): an endpoint is costed while its bound can reach the head of a role
+//! it can serve, and a stream ends past the highest of the stops. Until `depth` of a role are
+//! costed, every endpoint of that role met is. Under P/D the request is held when every
+//! competing decoder is saturated: past those costed, the order's decoders that may be
+//! unsaturated are viewed until one is.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::near_best::{Ranked, Standing, by_cost};
+use super::role_heads::{ROLES, rank_role_heads};
 use super::{
-    Candidate, Decision, EndpointLoad, Picker, Profile, RequestInfo, cost, rejection, saturated,
+    Candidate, Decision, EndpointLoad, Picker, Profile, RequestInfo, Role, cost, rejection,
+    saturated,
 };
 use crate::index::EndpointId;
 
@@ -558,6 +567,8 @@ pub struct PruneBuffers {
     candidates: Vec<Candidate>,
     standings: Vec<Standing>,
     best: Vec<f64>,
+    /// Under P/D, the best costs of each role ([`ROLES`]).
+    role_best: [Vec<f64>; 2],
     by_floor: Vec<(f64, EndpointId)>,
 }
 
@@ -571,6 +582,17 @@ struct Walk<'b> {
     standings: &'b mut Vec<Standing>,
     /// The best costs so far, cheapest first, at most `depth` of them.
     best: &'b mut Vec<f64>,
+    /// Under P/D, the same of each role's competitors ([`ROLES`]); `None` otherwise.
+    role_best: Option<&'b mut [Vec<f64>; 2]>,
+}
+
+/// Keeps `cost` among `best` (cheapest first) if it is one of the `depth` cheapest.
+fn keep_best(best: &mut Vec<f64>, cost: f64, depth: usize) {
+    let at = best.partition_point(|b| b.total_cmp(&cost).is_le());
+    if at < depth {
+        best.insert(at, cost);
+        best.truncate(depth);
+    }
 }
 
 impl Walk<'_> {
@@ -592,17 +614,21 @@ impl Walk<'_> {
         if self.cheapest.is_none_or(|b| by_cost(&s, &b).is_lt()) {
             self.cheapest = Some(s);
         }
-        let at = self.best.partition_point(|b| b.total_cmp(&s.total).is_le());
-        if at < self.depth {
-            self.best.insert(at, s.total);
-            self.best.truncate(self.depth);
+        keep_best(self.best, s.total, self.depth);
+        if let Some(role_best) = self.role_best.as_deref_mut() {
+            for (fits, best) in ROLES.iter().zip(role_best.iter_mut()) {
+                if fits(c.role) {
+                    keep_best(best, s.total, self.depth);
+                }
+            }
         }
         self.standings.push(s);
         self.candidates.push(c);
     }
 
     /// The highest cost a decision can still read from an endpoint that holds part of the
-    /// prompt (`holds`) or none of it (`None`: any).
+    /// prompt (`holds`) or none of it, over the fleet's head and the balance limit (`None`:
+    /// any).
     fn stop(&self, profile: &Profile, holds: bool) -> Option<f64> {
         let cheapest = self.cheapest?;
         if self.standings.len() <= self.depth {
@@ -616,27 +642,52 @@ impl Walk<'_> {
             head
         })
     }
+
+    /// [`Walk::stop`] for an endpoint whose role `fits` each of [`ROLES`] as `fits` says:
+    /// under P/D, also the cost of the `depth`-th best of each role it fits (`None`: any, while
+    /// fewer of that role were costed). `fits` all `true`: the highest stop of any endpoint.
+    fn stop_for(&self, profile: &Profile, holds: bool, fits: [bool; 2]) -> Option<f64> {
+        let fleet = self.stop(profile, holds)?;
+        let Some(role_best) = self.role_best.as_deref() else {
+            return Some(fleet);
+        };
+        let mut stop = fleet;
+        for (best, _) in role_best.iter().zip(fits).filter(|(_, fits)| *fits) {
+            stop = stop.max(*best.get(self.depth - 1)?);
+        }
+        Some(stop)
+    }
+}
+
+/// Where a pruned plan looks for its candidates, and how it bounds them.
+pub struct PruneScope<'a> {
+    /// Every endpoint holding any part of the prompt by any source, sorted by endpoint, with
+    /// the most tokens it can hold by any and at least its costed prefill rate.
+    pub holders: &'a [(EndpointId, usize, f64)],
+    /// The fleet's load order.
+    pub order: &'a LoadOrder,
+    /// The request's model and block size: only the endpoints of that order are walked (the
+    /// others are rejected by every plan).
+    pub serving: (&'a str, usize),
+    /// The prior prefill rate of this decision's costed rates.
+    pub prior_rate: f64,
+    /// On a fleet of prefill and decode roles (P/D), each endpoint's role: the head of each
+    /// role is ranked too ([`super::role_heads`]), and the plan is saturated when every
+    /// competing decoder is ([`super::decoders_saturated`]). `None`: whole requests only.
+    pub roles: Option<&'a dyn Fn(EndpointId) -> Role>,
 }
 
 /// Ranks the best `depth` (at least 2) endpoints for `request` as [`super::schedule_near_best`]
-/// does over every endpoint, costing only those that can matter (see the module's doc): the
-/// session's endpoint, `holders` (sorted by endpoint: every endpoint holding any part of the
-/// prompt by any source, with the most tokens it can hold by any and at least its costed
-/// prefill rate) and the rest of `order`, each while its bound can reach the head or the
-/// balance limit. `serving`: the request's model and block size (only the endpoints of that
-/// order are walked: the others are rejected by every plan). `prior_rate`: the prior prefill
-/// rate of this decision's costed rates.
-/// `candidate` builds an endpoint's view. `None` when
-/// the profile's picker reads every candidate, or when no more than `depth` endpoints compete
-/// (rank them all then).
-#[allow(clippy::too_many_arguments)]
+/// does over every endpoint (and, under P/D, the best `depth` of each role as
+/// [`super::RankBuffers::rank_role_heads`] does), costing only those that can matter (see the
+/// module's doc): the session's endpoint, the holders and the rest of the order, each while its
+/// bound can reach the head, its role's head or the balance limit. `candidate` builds an
+/// endpoint's view. `None` when the profile's picker reads every candidate, or when no more
+/// than `depth` endpoints compete (rank them all then).
 pub fn schedule_pruned(
     profile: &Profile,
     request: &RequestInfo,
-    holders: &[(EndpointId, usize, f64)],
-    order: &LoadOrder,
-    serving: (&str, usize),
-    prior_rate: f64,
+    scope: &PruneScope<'_>,
     mut candidate: impl FnMut(EndpointId) -> Candidate,
     random: u64,
     depth: usize,
@@ -646,15 +697,24 @@ pub fn schedule_pruned(
     if profile.picker != Picker::Cheapest {
         return None;
     }
+    let PruneScope {
+        holders,
+        order,
+        serving,
+        prior_rate,
+        roles,
+    } = *scope;
     let PruneBuffers {
         candidates,
         standings,
         best,
+        role_best,
         by_floor,
     } = buffers;
     candidates.clear();
     standings.clear();
     best.clear();
+    role_best.iter_mut().for_each(Vec::clear);
     let session = request.session_endpoint;
     // The holders by their bound, but those out of the request's order (another model or
     // block size, unhealthy, ejected, gone): every plan rejects them.
@@ -681,6 +741,7 @@ pub fn schedule_pruned(
         candidates,
         standings,
         best,
+        role_best: roles.is_some().then_some(role_best),
     };
     if let Some(id) = session {
         walk.consider(profile, request, candidate(id));
@@ -698,8 +759,9 @@ pub fn schedule_pruned(
         })
         .map(|(key, id)| (key * per_key, id))
         .peekable();
-    // A stream ends at its first bound past the stop: every later one of it is bounded higher,
-    // and the stop only falls. The other stream goes on.
+    // A stream ends at its first bound past the highest stop: every later one of it is bounded
+    // higher, and the stops only fall. The other stream goes on. Under P/D an endpoint below
+    // that but past its own role's stop is passed over.
     let (mut held_done, mut rest_done) = (false, false);
     loop {
         let next_held = held.peek().copied().filter(|_| !held_done);
@@ -711,10 +773,11 @@ pub fn schedule_pruned(
             (Some(h), Some(r)) => h.0 <= r.0,
         };
         let (bound, id) = if take_held { next_held } else { next_rest }.expect("one is next");
-        if walk
-            .stop(profile, take_held)
-            .is_some_and(|stop| bound > stop)
-        {
+        let past = |fits| {
+            walk.stop_for(profile, take_held, fits)
+                .is_some_and(|stop| bound > stop)
+        };
+        if past([true; 2]) {
             if take_held {
                 held_done = true;
             } else {
@@ -727,7 +790,10 @@ pub fn schedule_pruned(
         } else {
             rest.next();
         }
-        walk.consider(profile, request, candidate(id));
+        let fits = roles.map_or([true; 2], |role_of| ROLES.map(|fits| fits(role_of(id))));
+        if !past(fits) {
+            walk.consider(profile, request, candidate(id));
+        }
     }
     if walk.standings.len() <= depth {
         return None;
@@ -743,7 +809,69 @@ pub fn schedule_pruned(
         depth,
         by_endpoint: true,
     };
-    Some(ranked.decide(profile, request, walk.candidates, walk.standings))
+    let mut decision = ranked.decide(profile, request, walk.candidates, walk.standings);
+    if let Some(role_of) = roles {
+        rank_role_heads(
+            profile,
+            request,
+            walk.candidates,
+            walk.standings,
+            &mut decision,
+            depth,
+        );
+        decision.saturated = decision.saturated || {
+            let decoders = Decoders {
+                profile,
+                request,
+                order,
+                serving,
+                role_of,
+            };
+            decoders.all_saturated(walk.candidates, &mut candidate)
+        };
+    }
+    Some(decision)
+}
+
+/// A pruned P/D plan's decoders: whether every competing one is saturated, found from those
+/// the walk costed and, past them, the order's.
+struct Decoders<'a> {
+    profile: &'a Profile,
+    request: &'a RequestInfo,
+    order: &'a LoadOrder,
+    serving: (&'a str, usize),
+    role_of: &'a dyn Fn(EndpointId) -> Role,
+}
+
+impl Decoders<'_> {
+    /// Whether some decoder competes and every competing one is saturated, as
+    /// [`super::decoders_saturated`] finds over every candidate: `costed` are the walk's
+    /// competitors; past them, the order's decoders that may be unsaturated are viewed until
+    /// one is. Whether one competes at all is known from `costed` alone: until `depth`
+    /// decoders are costed, the walk costs every decoder it meets (see [`Walk::stop_for`]), so
+    /// none costed means none competes.
+    fn all_saturated(
+        &self,
+        costed: &[Candidate],
+        candidate: &mut impl FnMut(EndpointId) -> Candidate,
+    ) -> bool {
+        let (profile, request) = (self.profile, self.request);
+        let mut costed_decoders = costed.iter().filter(|c| c.role.decodes()).peekable();
+        let any_competes = costed_decoders.peek().is_some();
+        if costed_decoders.any(|c| !saturated(profile, &c.load)) {
+            return false;
+        }
+        let (model, block_size) = self.serving;
+        let unsaturated = self
+            .order
+            .unsaturated_serving(model, block_size)
+            .filter(|id| (self.role_of)(*id).decodes())
+            .any(|id| {
+                let c = candidate(id);
+                rejection(profile, request, &c).is_none() && !saturated(profile, &c.load)
+            });
+        any_competes && !unsaturated
+    }
 }
 
 #[cfg(test)]

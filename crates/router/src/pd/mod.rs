@@ -33,7 +33,6 @@ use std::borrow::Cow;
 use axum::response::Response;
 use bytes::Bytes;
 use kvroute_core::fleet::Plan;
-use kvroute_core::fleet::disagg::decodes;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
 use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
@@ -81,7 +80,7 @@ fn choose(router: &Router, plan: &Plan, prompt_tokens: usize, block_size: usize)
             .ranking
             .iter()
             .copied()
-            .filter(|e| fleet.endpoint(*e).is_some_and(|s| decodes(s.spec.role)))
+            .filter(|e| fleet.endpoint(*e).is_some_and(|s| s.spec.role.decodes()))
             .collect();
         let explain = decoders
             .first()

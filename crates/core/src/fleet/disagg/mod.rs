@@ -23,11 +23,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{EndpointState, Fleet, Plan};
 use crate::index::EndpointId;
+use crate::schedule::Role;
 use crate::schedule::disagg::{
     self, DisaggExplain, LinkBook, LinkLearning, LinkPrior, PdRequest, SideCost,
-};
-use crate::schedule::{
-    Candidate, Decision, Profile, RequestInfo, Role, assess, rejection, saturated_load,
 };
 
 mod decode_retry;
@@ -261,98 +259,10 @@ impl DisaggState {
     }
 }
 
-/// Completes a near-best plan's `decision` (the best `depth` candidates overall, ranked and
-/// broken down, [`crate::schedule::schedule_near_best`]) for pairing: the best `depth`
-/// competing decode-capable candidates and the best `depth` prefill-capable ones, by cost, are
-/// ranked and broken down too, appended in cost order (each is costlier than every candidate
-/// already ranked, so the ranking stays cheapest first). On a large fleet the overall head may
-/// hold a single role (idle dedicated producers are the cheapest whole-request candidates);
-/// P/D reads the head of each role, as the aggregated path reads the head of the fleet, never
-/// every candidate's breakdown.
-///
-/// `costs` are the plan's own (position, cost) of every competing candidate
-/// ([`crate::schedule::RankBuffers::competing_costs`]): no cost is computed again to rank the
-/// roles, only the breakdowns of the few candidates added. Empty when the plan ranked every
-/// competitor (then there is nothing to add).
-pub(super) fn rank_roles(
-    profile: &Profile,
-    request: &RequestInfo,
-    candidates: &[Candidate],
-    costs: impl Iterator<Item = (usize, f64)>,
-    decision: &mut Decision,
-    depth: usize,
-) {
-    // By position, so that each role's candidates are taken in the order they were planned.
-    let mut cost_at: Vec<Option<f64>> = vec![None; candidates.len()];
-    for (at, total) in costs {
-        if let Some(slot) = cost_at.get_mut(at) {
-            *slot = Some(total);
-        }
-    }
-    let mut added: Vec<(f64, usize)> = Vec::new();
-    for role_fits in [decodes as fn(Role) -> bool, prefills] {
-        let mut best: Vec<(f64, usize)> = candidates
-            .iter()
-            .zip(&cost_at)
-            .enumerate()
-            .filter(|(_, (c, _))| role_fits(c.role))
-            .filter_map(|(at, (_, total))| total.map(|total| (total, at)))
-            .collect();
-        if best.len() > depth {
-            best.select_nth_unstable_by(depth - 1, |a, b| a.0.total_cmp(&b.0));
-            best.truncate(depth);
-        }
-        for (total, at) in best {
-            let ranked = decision.ranking.contains(&candidates[at].endpoint);
-            if !ranked && !added.iter().any(|(_, a)| *a == at) {
-                added.push((total, at));
-            }
-        }
-    }
-    added.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    for (_, at) in added {
-        let c = &candidates[at];
-        decision.ranking.push(c.endpoint);
-        decision.assessments.push(assess(profile, request, c));
-    }
-    decision.assessments.sort_by_key(|a| a.endpoint);
-}
-
-/// Whether flow control may hold a request under P/D, its plan's verdict over every competitor
-/// being `planned`: every competing decode-capable candidate is saturated. Split or whole, the
-/// request decodes on a decode-capable endpoint whenever one competes, so idle dedicated
-/// producers are no room for it; only when none competes is it served whole where the plan
-/// ranks, and the verdict over every competitor stands.
-pub(super) fn decoders_saturated(
-    profile: &Profile,
-    request: &RequestInfo,
-    candidates: &[Candidate],
-    planned: bool,
-) -> bool {
-    if planned {
-        // Every competitor is saturated, the decode-capable ones too (or none competes).
-        return true;
-    }
-    let mut decoders = candidates
-        .iter()
-        .filter(|c| decodes(c.role) && rejection(profile, request, c).is_none())
-        .peekable();
-    decoders.peek().is_some() && decoders.all(|c| saturated_load(profile, &c.load))
-}
-
-/// Whether an endpoint of `role` can run a decode leg (or a whole request).
-pub fn decodes(role: Role) -> bool {
-    matches!(role, Role::Decode | Role::Both)
-}
-
-/// Whether an endpoint of `role` can run a prefill leg.
-pub fn prefills(role: Role) -> bool {
-    matches!(role, Role::Prefill | Role::Both)
-}
-
 impl Fleet {
     /// Turns P/D pricing on with `config` (learned links start over). Plans then rank the
-    /// best few of each role (`rank_roles`), not only the best few overall.
+    /// best few of each role ([`crate::schedule::RankBuffers::rank_role_heads`]), not only the
+    /// best few overall.
     pub fn enable_disagg(&mut self, config: DisaggConfig) {
         self.disagg = Some(DisaggState::new(config));
     }
@@ -377,7 +287,7 @@ impl Fleet {
             .ranking
             .iter()
             .copied()
-            .find(|e| decodes(self.role_of(*e)))
+            .find(|e| self.role_of(*e).decodes())
     }
 
     /// The endpoints of `plan` that could prefill for `decode`, best-ranked first.
@@ -386,7 +296,7 @@ impl Fleet {
             .ranking
             .iter()
             .copied()
-            .filter(|e| *e != decode && prefills(self.role_of(*e)))
+            .filter(|e| *e != decode && self.role_of(*e).prefills())
             .collect()
     }
 

@@ -15,31 +15,37 @@ use crate::schedule::disagg::{
     AggregatedOption, DisaggChoice, LinkHealth, PdOption, stall_at_decode_rate,
 };
 use crate::schedule::{
-    Assessment, Profile, ProfileName, RankBuffers, cost, rejection, schedule_near_best,
+    Assessment, Candidate, Decision, Profile, ProfileName, RankBuffers, RequestInfo, assess, cost,
+    rejection, schedule_near_best, tie_key,
 };
 
 const BS: usize = 16;
 
-/// The ranking of each role's head as it was: every competing candidate costed per role.
+/// The ranking of each role's head, the naive way: every competing candidate costed again per
+/// role, in cost order, exact ties broken by the request's random key (as the fleet ranks).
 fn naive_rank_roles(
     profile: &Profile,
     request: &RequestInfo,
     candidates: &[Candidate],
     decision: &mut Decision,
     depth: usize,
+    random: u64,
 ) {
+    let order = |(total, at): (f64, usize)| (total, tie_key(random, candidates[at].endpoint.0));
+    let by_cost = |a: &(f64, usize), b: &(f64, usize)| {
+        let (a, b) = (order(*a), order(*b));
+        a.0.total_cmp(&b.0).then(a.1.cmp(&b.1))
+    };
     let mut added: Vec<(f64, usize)> = Vec::new();
-    for role_fits in [decodes as fn(Role) -> bool, prefills] {
+    for role_fits in [Role::decodes as fn(Role) -> bool, Role::prefills] {
         let mut best: Vec<(f64, usize)> = candidates
             .iter()
             .enumerate()
             .filter(|(_, c)| role_fits(c.role) && rejection(profile, request, c).is_none())
             .map(|(at, c)| (cost::assess(profile, request, c).0.total_s, at))
             .collect();
-        if best.len() > depth {
-            best.select_nth_unstable_by(depth - 1, |a, b| a.0.total_cmp(&b.0));
-            best.truncate(depth);
-        }
+        best.sort_by(by_cost);
+        best.truncate(depth);
         for (total, at) in best {
             let ranked = decision.ranking.contains(&candidates[at].endpoint);
             if !ranked && !added.iter().any(|(_, a)| *a == at) {
@@ -47,7 +53,7 @@ fn naive_rank_roles(
             }
         }
     }
-    added.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    added.sort_by(by_cost);
     for (_, at) in added {
         let c = &candidates[at];
         decision.ranking.push(c.endpoint);
@@ -183,6 +189,8 @@ fn random_fleet(rng: &mut StdRng) -> Fleet {
         specs,
     )
     .unwrap();
+    // The naive path reads every candidate of the plan: cost them all.
+    fleet.prune_costing(false);
     let link = ["tcp", "roce-100", "ib-400"][rng.random_range(0..3)];
     fleet.enable_disagg(DisaggConfig {
         link: LinkPrior::parse(link).unwrap(),
@@ -252,12 +260,19 @@ fn plans_and_choices_match_the_naive_path_on_random_fleets() {
                 depth,
                 &mut RankBuffers::default(),
             );
-            naive_rank_roles(&fleet.profile, &info, &fleet.candidates, &mut naive, depth);
+            naive_rank_roles(
+                &fleet.profile,
+                &info,
+                &fleet.candidates,
+                &mut naive,
+                depth,
+                random,
+            );
             // Saturation as P/D reads it: over the decode-capable competitors, when any.
             let decoders: Vec<Assessment> = fleet
                 .candidates
                 .iter()
-                .filter(|c| decodes(c.role))
+                .filter(|c| c.role.decodes())
                 .map(|c| assess(&fleet.profile, &info, c))
                 .filter(|a| a.rejected.is_none())
                 .collect();

@@ -295,8 +295,8 @@ fn a_large_fleet_ranks_the_head_of_each_role_not_every_candidate() {
             .filter(|e| fits(roles[e.0 as usize]))
             .count()
     };
-    assert!(ranked(decodes) >= depth, "{:?}", p.decision.ranking);
-    assert!(ranked(prefills) >= depth, "{:?}", p.decision.ranking);
+    assert!(ranked(Role::decodes) >= depth, "{:?}", p.decision.ranking);
+    assert!(ranked(Role::prefills) >= depth, "{:?}", p.decision.ranking);
     // Every ranked endpoint is broken down, and pairing finds its options among them.
     for e in &p.decision.ranking {
         assert!(p.decision.assessment(*e).is_some());

@@ -74,8 +74,8 @@ pub struct RankBuffers {
 impl RankBuffers {
     /// Completes `decision`, which the last [`schedule_near_best`] call made of `candidates`
     /// for `request`, with the best `depth` competitors of each role, for a fleet of prefill and
-    /// decode roles ([`super::role_heads`]): from the costs that call computed, none computed
-    /// again. Nothing is added when that call ranked every competitor.
+    /// decode roles (see `schedule/role_heads.rs`): from the costs that call computed, none
+    /// computed again. Nothing is added when that call ranked every competitor.
     pub fn rank_role_heads(
         &self,
         profile: &Profile,

@@ -672,8 +672,9 @@ pub struct PruneScope<'a> {
     /// The prior prefill rate of this decision's costed rates.
     pub prior_rate: f64,
     /// On a fleet of prefill and decode roles (P/D), each endpoint's role: the head of each
-    /// role is ranked too ([`super::role_heads`]), and the plan is saturated when every
-    /// competing decoder is ([`super::decoders_saturated`]). `None`: whole requests only.
+    /// role is ranked too ([`super::RankBuffers::rank_role_heads`]), and the plan is saturated
+    /// when every competing decoder is ([`super::decoders_saturated`]). `None`: whole requests
+    /// only.
     pub roles: Option<&'a dyn Fn(EndpointId) -> Role>,
 }
 

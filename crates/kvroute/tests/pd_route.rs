@@ -450,6 +450,57 @@ fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
     );
 }
 
+/// A stream whose client names no `stream_options` is asked for its usage on the decode leg, and
+/// the usage event is taken out again: the router counts what the decode engine generated, and
+/// the client gets the stream it asked for. A client that asks gets its usage.
+#[test]
+fn a_disaggregated_stream_reports_its_usage_to_the_router_and_only_an_asking_client_sees_it() {
+    let producer = Engine::producer(&[]);
+    let consumer = Engine::consumer("ib-400", &[]);
+    let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
+    let generated = || {
+        counted(
+            &served,
+            "kvroute_generated_tokens_total",
+            "endpoint=\"decode\"",
+        )
+    };
+    let (status, body) = post(
+        served.listen,
+        "/v1/completions",
+        &completion(256, 3, 5, true),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+    assert!(!body.contains("\"usage\""), "{body}");
+    assert_eq!(
+        body.matches("\"text\"").count(),
+        5,
+        "every token passed on: {body}"
+    );
+    eventually_blocking("the decode leg's usage read", || {
+        let counted = generated();
+        (counted == 5.0, counted)
+    });
+    let mut asking = completion(256, 4, 5, true);
+    asking["stream_options"] = json!({"include_usage": true});
+    let (status, body) = post(served.listen, "/v1/completions", &asking);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"usage\""), "{body}");
+    eventually_blocking("the asking client's usage read", || {
+        let counted = generated();
+        (counted == 10.0, counted)
+    });
+    assert_eq!(
+        counted(
+            &served,
+            "kvroute_pd_decisions_total",
+            "decision=\"disaggregated\""
+        ),
+        2.0
+    );
+}
+
 #[test]
 fn a_client_error_of_the_decode_leg_is_no_strike_on_the_pair() {
     let producer = Engine::producer(&[]);

@@ -178,7 +178,8 @@ impl Drop for Accounting {
         };
         // Released on completion and on client disconnect alike.
         let reported = self.reported_cached().filter(|_| self.check_cached);
-        if let Some(generated) = usage_count_in_tail(&self.tail, "completion_tokens") {
+        let generated = usage_count_in_tail(&self.tail, "completion_tokens");
+        if let Some(generated) = generated {
             // How much of the cache its requests hold by their end (`Fleet::finished`).
             dispatch.output_reported(generated);
         }
@@ -209,6 +210,9 @@ impl Drop for Accounting {
                     },
                 )
                 .inc();
+            if let Some(generated) = generated {
+                m.generated_tokens.of(name).inc_by(generated as u64);
+            }
             if let Some(reported) = reported {
                 m.predicted_cached_tokens.of(name).inc_by(predicted as u64);
                 m.reported_cached_tokens.of(name).inc_by(reported as u64);

@@ -54,11 +54,10 @@ async fn generate(router: Arc<Router>, request: Request, api: Api) -> Response {
         (Leg::planned(plan), None)
     };
     // A stream that names no `stream_options` is asked for its usage, which the client is not
-    // shown (P/D legs keep the client's body as their own).
-    let asked =
-        (pd_plan.is_none() && prepared.may_ask_usage && router.config().forwarding.stream_usage)
-            .then(|| request_stream_usage(&body))
-            .flatten();
+    // shown (under P/D, on the decode leg and on any aggregated attempt: `crate::pd`).
+    let asked = (prepared.may_ask_usage && router.config().forwarding.stream_usage)
+        .then(|| request_stream_usage(&body))
+        .flatten();
     let strip_usage = asked.is_some();
     let body = asked.map_or(body, Bytes::from);
     let args = ForwardArgs {

@@ -713,8 +713,14 @@ async fn every_stream_reports_its_usage_to_the_router_and_only_an_asking_client_
     // ... one that asks gets it ...
     let text = streamed(&client, &router, words(40, 2), true).await;
     assert!(text.contains("\"usage\""), "{text}");
-    // ... and the router checked its prediction against both streams' usage.
+    // ... and the router checked its prediction against both streams' usage, and counted
+    // what each generated.
     predictions_checked(&client, &router, 2).await;
+    let metrics = common::router_metrics(&client, &router).await;
+    assert!(
+        metrics.contains("kvroute_generated_tokens_total{endpoint=\"e0\"} 8"),
+        "{metrics}"
+    );
     // Turned off, the request goes as the client sent it: the stream reports nothing.
     let off = router_tuned(&[&a], |c| c.forwarding.stream_usage = false).await;
     let text = streamed(&client, &off, words(40, 3), false).await;

@@ -14,7 +14,7 @@ mod surrogates;
 
 pub use error::{ApiError, Fault};
 pub use stream_usage::{
-    is_usage_only_event, passes_unexamined, request_stream_usage, sse_event_end,
+    ask_stream_usage, is_usage_only_event, passes_unexamined, request_stream_usage, sse_event_end,
 };
 
 use serde_json::Value;

@@ -97,6 +97,9 @@ metric_group! {
         /// Cached prompt tokens engines reported, by endpoint.
         reported_cached_tokens: EndpointFamily<Counter> = EndpointFamily::new(config.per_endpoint),
             "reported_cached_tokens", "Cached prompt tokens reported by engines";
+        /// Output tokens engines reported (`usage.completion_tokens`), by endpoint.
+        generated_tokens: EndpointFamily<Counter> = EndpointFamily::new(config.per_endpoint),
+            "generated_tokens", "Output tokens reported by engines";
         /// Predictions by outcome (exact, over, under), by endpoint.
         prediction_outcomes: EndpointFamily<Counter, OutcomeLabel> =
             EndpointFamily::new(config.per_endpoint),

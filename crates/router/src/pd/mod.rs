@@ -37,6 +37,7 @@ use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
 use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
 use kvroute_vllm::openai::ApiError;
+use kvroute_vllm::openai::{ask_stream_usage, request_stream_usage};
 use serde_json::Value;
 
 pub use explain::explain;
@@ -170,7 +171,11 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
             return forward(a).await;
         }
     };
-    let body = decode_leg_body(client, &answer.params, answer.cached_tokens);
+    let mut body = decode_leg_body(client, &answer.params, answer.cached_tokens);
+    if a.strip_usage {
+        // Asked for on the router's account, as on the aggregated body (`proxy::generate`).
+        ask_stream_usage(&mut body);
+    }
     let aggregated_body = std::mem::replace(
         &mut a.body,
         Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
@@ -313,6 +318,12 @@ fn remove_client_params<'b>(a: &mut ForwardArgs<'b>) -> Result<Cow<'b, Value>, A
         ClientBody::Stripped(body) => {
             let encoded = serde_json::to_vec(&body)
                 .map_err(|e| ApiError::new(500, format!("re-encoding the request body: {e}")))?;
+            // The router's own ask for the stream's usage, if it made one, goes on too.
+            let encoded = if a.strip_usage {
+                request_stream_usage(&encoded).unwrap_or(encoded)
+            } else {
+                encoded
+            };
             client_params_removed(a.router, &a.context.request_id);
             // The aggregated leg sends the body as it is.
             a.body = Bytes::from(encoded);

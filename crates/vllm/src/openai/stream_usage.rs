@@ -35,6 +35,18 @@ pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// [`request_stream_usage`] for a body the router builds itself from the client's (a P/D
+/// decode leg): `stream_options.include_usage` set in `body`, a JSON object whose client named
+/// no `stream_options`. Anything but an object is left as it is.
+pub fn ask_stream_usage(body: &mut Value) {
+    if let Some(map) = body.as_object_mut() {
+        map.insert(
+            "stream_options".into(),
+            serde_json::json!({"include_usage": true}),
+        );
+    }
+}
+
 /// Where the first complete server-sent event in `buf` ends: the index just past the blank
 /// line that ends it (`\n\n`, `\r\n\r\n` or `\n\r\n`), or `None` while the event is incomplete.
 pub fn sse_event_end(buf: &[u8]) -> Option<usize> {

@@ -418,6 +418,30 @@ fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
         counted(&served, "kvroute_pd_client_params_removed_total", ""),
         2.0
     );
+    // A stream whose body the router re-encoded without the key keeps the router's ask for its
+    // usage: counted by the router, not shown to the client, which did not ask.
+    let generated = || {
+        sum_labelled(
+            &router_metrics(&served),
+            "kvroute_generated_tokens_total",
+            "",
+        )
+    };
+    let before = generated();
+    let mut streamed = completion(64, 10, 4, true);
+    streamed["kv_transfer_params"] = trap.params();
+    let (status, body) = post(served.listen, "/v1/completions", &streamed);
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains("\"usage\""), "{body}");
+    assert_eq!(body.matches("\"text\"").count(), 4, "{body}");
+    eventually_blocking("the stream's usage read", || {
+        let counted = generated() - before;
+        (counted == 4.0, counted)
+    });
+    assert_eq!(
+        counted(&served, "kvroute_pd_client_params_removed_total", ""),
+        3.0
+    );
     assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 0.0);
     trap.assert_untouched();
 }

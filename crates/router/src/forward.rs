@@ -83,8 +83,9 @@ pub(crate) fn upstream_request(
 /// Whether the attempt on `id` that failed with `failure` is followed by one on the next
 /// endpoint of the ranking (as the retry budget allows). A P/D decode leg goes on as one or the
 /// request is served aggregated on the next endpoint, as core decides
-/// ([`Fleet::decode_leg_failed`]): aggregated, it is sent the client's own body, with the
-/// cached tokens core predicts there.
+/// ([`Fleet::decode_leg_failed`]): aggregated, it is sent the client's body as the router
+/// forwards it (a client's `kv_transfer_params` taken out, the stream's usage asked for), with
+/// the cached tokens core predicts there.
 ///
 /// [`Fleet::decode_leg_failed`]: kvroute_core::fleet::Fleet::decode_leg_failed
 fn retry_after(

@@ -848,9 +848,10 @@ impl Decoders<'_> {
     /// Whether some decoder competes and every competing one is saturated, as
     /// [`super::decoders_saturated`] finds over every candidate: `costed` are the walk's
     /// competitors; past them, the order's decoders that may be unsaturated are viewed until
-    /// one is. Whether one competes at all is known from `costed` alone: until `depth`
-    /// decoders are costed, the walk costs every decoder it meets (see [`Walk::stop_for`]), so
-    /// none costed means none competes.
+    /// one is. Whether one competes at all is known from `costed` alone: while fewer than
+    /// `depth` decoders are costed, no stream ends ([`Walk::stop_for`]), so every endpoint of
+    /// the request's order is met and every decoder met is costed (those outside the order,
+    /// and those `rejection` turns away, compete in no plan): none costed means none competes.
     fn all_saturated(
         &self,
         costed: &[Candidate],

@@ -100,6 +100,11 @@ fn post_with_headers(port: u16, path: &str, body: &Value) -> (u16, String, Strin
     (answer.status, answer.head, answer.body)
 }
 
+/// `POST /v1/completions` with `body` through the router `served`: the status and the body.
+fn completions(served: &Served, body: &Value) -> (u16, String) {
+    post(served.listen, "/v1/completions", body)
+}
+
 /// A completion of `tokens` prompt token ids (distinct per `salt`), `max_tokens` long.
 fn completion(tokens: u32, salt: u32, max_tokens: u32, stream: bool) -> Value {
     let prompt: Vec<u32> = (0..tokens)
@@ -111,6 +116,15 @@ fn completion(tokens: u32, salt: u32, max_tokens: u32, stream: bool) -> Value {
 /// The router's own metrics.
 fn router_metrics(served: &Served) -> String {
     http_get(addr(served.admin), "/metrics")
+}
+
+/// Requests the router `served` disaggregated.
+fn disaggregated(served: &Served) -> f64 {
+    counted(
+        served,
+        "kvroute_pd_decisions_total",
+        "decision=\"disaggregated\"",
+    )
 }
 
 /// The sum of a router metric's series that carry `label`.
@@ -181,14 +195,7 @@ fn an_orchestrated_request_answers_like_an_aggregated_run_streamed_or_not() {
     assert_eq!(turns[0]["agg"]["cached_tokens"], 0);
     assert!(turns[2]["agg"]["cached_tokens"].as_u64().unwrap() > 0);
     // Every turn was disaggregated: three prefill legs, three pulls, nothing held after.
-    assert_eq!(
-        counted(
-            &served,
-            "kvroute_pd_decisions_total",
-            "decision=\"disaggregated\""
-        ),
-        3.0
-    );
+    assert_eq!(disaggregated(&served), 3.0);
     assert_eq!(counted(&served, "kvroute_pd_fallbacks_total", ""), 0.0);
     assert_eq!(consumer.metric("vllm:nixl_xfer_time_seconds_count"), 3.0);
     eventually_blocking("the producer released every hold", || {
@@ -220,11 +227,7 @@ fn both_legs_share_the_request_id_that_releases_before_0_13_find_the_blocks_by()
     let consumer = Engine::consumer("ib-400", &["--vllm-version", "0.12.0"]);
     let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
     for (salt, stream) in [(1, false), (2, true)] {
-        let (status, body) = post(
-            served.listen,
-            "/v1/completions",
-            &completion(512, salt, 4, stream),
-        );
+        let (status, body) = completions(&served, &completion(512, salt, 4, stream));
         assert_eq!(status, 200, "{body}");
         assert!(!body.contains("\"error\":"), "{body}");
     }
@@ -340,11 +343,7 @@ fn failed_pulls_are_served_aggregated_elsewhere_then_the_pairs_are_quarantined()
     };
     let mut requests = 0;
     while quarantined() == 0.0 && requests < 10 {
-        let (status, body) = post(
-            served.listen,
-            "/v1/completions",
-            &completion(256, requests, 4, false),
-        );
+        let (status, body) = completions(&served, &completion(256, requests, 4, false));
         assert_eq!(status, 200, "request {requests}: {body}");
         requests += 1;
     }
@@ -397,7 +396,7 @@ fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
     let trap = ClientParamsTrap::new();
     let mut request = completion(64, 9, 4, false);
     request["kv_transfer_params"] = trap.params();
-    let (status, body) = post(served.listen, "/v1/completions", &request);
+    let (status, body) = completions(&served, &request);
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         counted(&served, "kvroute_pd_client_params_removed_total", ""),
@@ -430,7 +429,7 @@ fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
     let before = generated();
     let mut streamed = completion(64, 10, 4, true);
     streamed["kv_transfer_params"] = trap.params();
-    let (status, body) = post(served.listen, "/v1/completions", &streamed);
+    let (status, body) = completions(&served, &streamed);
     assert_eq!(status, 200, "{body}");
     assert!(!body.contains("\"usage\""), "{body}");
     assert_eq!(body.matches("\"text\"").count(), 4, "{body}");
@@ -452,11 +451,7 @@ fn a_failed_pull_hidden_in_a_streamed_200_is_a_strike_on_the_pair() {
     let consumer = Engine::consumer("ib-400", &[]);
     consumer.faults(json!({"kv_transfer_failure_fraction": 1.0}));
     let served = pair_router(&producer, &consumer, "{mode: always, link: ib-400}");
-    let (status, body) = post(
-        served.listen,
-        "/v1/completions",
-        &completion(256, 7, 4, true),
-    );
+    let (status, body) = completions(&served, &completion(256, 7, 4, true));
     // vLLM's `fail` policy on a stream: a 200 whose first event is the error.
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"error\""), "{body}");
@@ -489,11 +484,7 @@ fn a_disaggregated_stream_reports_its_usage_to_the_router_and_only_an_asking_cli
             "endpoint=\"decode\"",
         )
     };
-    let (status, body) = post(
-        served.listen,
-        "/v1/completions",
-        &completion(256, 3, 5, true),
-    );
+    let (status, body) = completions(&served, &completion(256, 3, 5, true));
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("data: [DONE]"), "{body}");
     assert!(!body.contains("\"usage\""), "{body}");
@@ -508,21 +499,14 @@ fn a_disaggregated_stream_reports_its_usage_to_the_router_and_only_an_asking_cli
     });
     let mut asking = completion(256, 4, 5, true);
     asking["stream_options"] = json!({"include_usage": true});
-    let (status, body) = post(served.listen, "/v1/completions", &asking);
+    let (status, body) = completions(&served, &asking);
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"usage\""), "{body}");
     eventually_blocking("the asking client's usage read", || {
         let counted = generated();
         (counted == 10.0, counted)
     });
-    assert_eq!(
-        counted(
-            &served,
-            "kvroute_pd_decisions_total",
-            "decision=\"disaggregated\""
-        ),
-        2.0
-    );
+    assert_eq!(disaggregated(&served), 2.0);
 }
 
 #[test]
@@ -533,11 +517,7 @@ fn a_client_error_of_the_decode_leg_is_no_strike_on_the_pair() {
     // The prefill leg asks for one token and passes; the decode leg's `max_tokens` is past the
     // model's length, which the decode engine refuses with a 400 error body.
     for salt in 0..4 {
-        let (status, body) = post(
-            served.listen,
-            "/v1/completions",
-            &completion(256, salt, 40_000, true),
-        );
+        let (status, body) = completions(&served, &completion(256, salt, 40_000, true));
         assert_eq!(status, 400, "{body}");
     }
     assert_eq!(
@@ -547,11 +527,7 @@ fn a_client_error_of_the_decode_leg_is_no_strike_on_the_pair() {
         router_metrics(&served)
     );
     // The pair still serves disaggregated requests.
-    let (status, body) = post(
-        served.listen,
-        "/v1/completions",
-        &completion(256, 9, 4, true),
-    );
+    let (status, body) = completions(&served, &completion(256, 9, 4, true));
     assert_eq!(status, 200, "{body}");
     assert!(!body.contains("\"error\""), "{body}");
 }
@@ -577,21 +553,10 @@ fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
     );
     // A healthy link first: streamed requests teach the pair and strike nothing.
     for salt in 0..2 {
-        let (status, body) = post(
-            served.listen,
-            "/v1/completions",
-            &completion(2048, salt, 2, true),
-        );
+        let (status, body) = completions(&served, &completion(2048, salt, 2, true));
         assert_eq!(status, 200, "{body}");
     }
-    assert_eq!(
-        counted(
-            &served,
-            "kvroute_pd_decisions_total",
-            "decision=\"disaggregated\""
-        ),
-        2.0
-    );
+    assert_eq!(disaggregated(&served), 2.0);
     assert_eq!(
         counted(&served, "kvroute_pd_transfer_failures_total", ""),
         0.0
@@ -600,11 +565,7 @@ fn a_degraded_link_is_quarantined_from_the_decode_legs_timings() {
     // aggregated because the pair is quarantined (bounded: three strikes and one more are due).
     consumer.faults(json!({"link_slowdown": 10.0}));
     let quarantined = (10..20).any(|salt| {
-        let (status, body) = post(
-            served.listen,
-            "/v1/completions",
-            &completion(2048, salt, 2, true),
-        );
+        let (status, body) = completions(&served, &completion(2048, salt, 2, true));
         assert_eq!(status, 200, "{body}");
         counted(
             &served,
@@ -648,11 +609,7 @@ fn a_consumer_that_never_pulls_gets_a_clear_error_and_the_lease_frees_the_blocks
     .start();
     consumer.kill();
     let started = std::time::Instant::now();
-    let (status, body) = post(
-        served.listen,
-        "/v1/completions",
-        &completion(512, 3, 4, false),
-    );
+    let (status, body) = completions(&served, &completion(512, 3, 4, false));
     assert!(status >= 500, "{status}: {body}");
     let error: Value = serde_json::from_str(&body).unwrap();
     assert!(

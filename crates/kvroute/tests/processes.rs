@@ -81,12 +81,11 @@ fn the_openai_python_client_works_through_the_router() {
     let served = Serve::new(&sim_endpoints(&sims, 2), "").start();
     let (_router, listen, dir) = (served.process, served.listen, served.dir);
     let admin = std::net::SocketAddr::from(([127, 0, 0, 1], served.admin));
+    // The sum of the router's `metric` series that carry `label`.
+    let counted =
+        |metric, label| kvroute_testkit::sum_labelled(&http_get(admin, "/metrics"), metric, label);
     eventually_blocking("both KV-event subscribers connected", || {
-        let connected = kvroute_testkit::sum_labelled(
-            &http_get(admin, "/metrics"),
-            "kvroute_kv_events{",
-            "kind=\"connected\"",
-        );
+        let connected = counted("kvroute_kv_events{", "kind=\"connected\"");
         (connected == 2.0, connected)
     });
 
@@ -120,11 +119,7 @@ fn the_openai_python_client_works_through_the_router() {
     // The router read the engine's usage of every routed answer, the stream that did not ask
     // for it too: five predictions checked (the unknown model's request was never routed).
     eventually_blocking("every answer's usage read", || {
-        let checked = kvroute_testkit::sum_labelled(
-            &http_get(admin, "/metrics"),
-            "kvroute_prediction_outcomes_total{",
-            "",
-        );
+        let checked = counted("kvroute_prediction_outcomes_total{", "");
         (checked == 5.0, checked)
     });
     assert!(

@@ -686,12 +686,7 @@ async fn streamed(
     if usage {
         body["stream_options"] = json!({"include_usage": true});
     }
-    let resp = client
-        .post(format!("http://{}/v1/completions", router.addr))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = common::post_api(client, router, "/v1/completions", &body).await;
     assert_eq!(resp.status(), 200);
     resp.text().await.unwrap()
 }

@@ -3,10 +3,10 @@
 //!
 //! Every request vLLM accepts parses: a batch of prompts (strings or token lists) is scored by
 //! its first prompt; chat content parts other than text (images, audio, video) are skipped, so
-//! the request is routed by its text (the body is forwarded as the client sent it); a string holding a lone
-//! UTF-16 surrogate escape (`"\ud800"`, which Python's `json` accepts) is read with U+FFFD in
-//! its place. What cannot be scored at all becomes an empty token list: the request is routed
-//! by load alone, never refused for its shape.
+//! the request is routed by its text (the body is forwarded as the client sent it); a string
+//! holding a lone UTF-16 surrogate escape (`"\ud800"`, which Python's `json` accepts) is read
+//! with U+FFFD in its place. What cannot be scored at all becomes an empty token list: the
+//! request is routed by load alone, never refused for its shape.
 
 mod error;
 mod stream_usage;

@@ -67,7 +67,7 @@ pub fn sse_event_end(buf: &[u8]) -> Option<usize> {
 /// `usage` is an object. A chunk with generated text never is (its `choices` has the text),
 /// whatever the text says.
 pub fn is_usage_only_event(event: &[u8]) -> bool {
-    if !has_usage_key(event) {
+    if !has_usage_object(event) {
         return false; // every chunk but the last: no parse
     }
     let text = String::from_utf8_lossy(event);
@@ -90,13 +90,24 @@ pub fn is_usage_only_event(event: &[u8]) -> bool {
 /// Whether a chunk of a stream is whole events (it ends at a blank line) none of which can be
 /// the usage event: it can be passed on as it is, with nothing taken out or held back.
 pub fn passes_unexamined(chunk: &[u8]) -> bool {
-    chunk.ends_with(b"\n\n") && !has_usage_key(chunk)
+    chunk.ends_with(b"\n\n") && !has_usage_object(chunk)
 }
 
-/// Whether `bytes` hold a `"usage"` key (or the word quoted: the cheap test before any parse).
-fn has_usage_key(bytes: &[u8]) -> bool {
+/// Whether `bytes` hold a `"usage"` key whose value opens an object: the cheap test before any
+/// parse. A chunk with `"usage": null` (as OpenAI-compatible servers other than vLLM put on
+/// every chunk) has none; a quote inside a JSON string is escaped, so text cannot match.
+fn has_usage_object(bytes: &[u8]) -> bool {
     const KEY: &[u8] = b"\"usage\"";
-    bytes.windows(KEY.len()).any(|w| w == KEY)
+    let is_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    let mut rest = bytes;
+    while let Some(at) = rest.windows(KEY.len()).position(|w| w == KEY) {
+        rest = &rest[at + KEY.len()..];
+        let mut value = rest.iter().skip_while(|b| is_space(b));
+        if value.next() == Some(&b':') && value.find(|b| !is_space(b)) == Some(&b'{') {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -140,6 +151,16 @@ mod tests {
         assert!(!passes_unexamined(b"data: {\"choices\":[]}\n\ndata: [DO"));
         assert!(!passes_unexamined(
             b"data: {\"choices\":[],\"usage\":{}}\n\n"
+        ));
+        assert!(!passes_unexamined(
+            b"data: {\"choices\":[],\"usage\" :\n {\"prompt_tokens\":1}}\n\n"
+        ));
+        // Every chunk of a server that writes `"usage": null` on each passes as it is.
+        assert!(passes_unexamined(
+            b"data: {\"choices\":[{\"text\":\"x\"}],\"usage\": null}\n\n"
+        ));
+        assert!(!passes_unexamined(
+            b"data: {\"choices\":[{\"text\":\"x\"}],\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{}}\n\n"
         ));
     }
 

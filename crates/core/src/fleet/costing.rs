@@ -9,7 +9,7 @@ use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheSource, CacheView, Candidate, EndpointLoad, IndexState, PruneScope, RequestInfo, Role,
-    saturated_load, schedule_pruned,
+    cost, saturated_load, schedule_pruned,
 };
 use crate::tiers::TierTokens;
 
@@ -267,20 +267,30 @@ impl Fleet {
             }
             same
         });
+        // Every endpoint but these holds nothing of the prompt by any source: it is expected to
+        // report nothing. Of these, those whose blocks the profile's cache source counts
+        // (`holding`) are walked as holders; the others hold nothing the cost counts (a routing
+        // history the endpoint's trusted events overrule, say): their bound is the load order's.
         let mut holding = std::mem::take(&mut self.holding);
         holding.clear();
-        holding.extend(holders.iter().map(|&(id, blocks)| {
-            let rate = self.endpoints[id.0 as usize].prefill_rate_toward(inputs.prior_rate);
-            (id, (blocks as usize).saturating_mul(bs), rate)
-        }));
-        // Every endpoint but the holders holds nothing of the prompt: it is expected to report
-        // nothing.
         let mut predicted_cached = vec![0; self.endpoints.len()];
         let mut predicted_tiers = vec![TierTokens::default(); self.endpoints.len()];
         for &(id, _) in &holders {
-            let expected = self.expected(inputs, &self.endpoints[id.0 as usize]);
+            let e = &self.endpoints[id.0 as usize];
+            let expected = self.expected(inputs, e);
             predicted_cached[id.0 as usize] = expected.predicted_tokens;
             predicted_tiers[id.0 as usize] = expected.predicted_tiers;
+            let counted = cost::countable_blocks(
+                self.profile.cache,
+                expected.index_state,
+                expected.index_match.map_or(0, |m| m.blocks),
+                expected.history,
+                expected.predicted,
+            );
+            if counted > 0 {
+                let rate = e.prefill_rate_toward(inputs.prior_rate);
+                holding.push((id, (counted as usize).saturating_mul(bs), rate));
+            }
         }
         let mut buffers = std::mem::take(&mut self.prune_buffers);
         let mut viewed = 0;

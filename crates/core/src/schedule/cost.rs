@@ -139,29 +139,55 @@ pub struct Cached {
     pub shared: usize,
 }
 
+/// The leading blocks of a prompt the profile's cache `source` counts for an endpoint whose
+/// index (in `state`) matches `index` blocks on any tier, whose routing history holds `history`
+/// and to which `predicted` were just sent: what [`cached`] counts before capping at the prompt,
+/// and so the most a lower bound of the endpoint's cost may assume it holds.
+pub fn countable_blocks(
+    source: CacheSource,
+    state: IndexState,
+    index: u32,
+    history: u32,
+    predicted: u32,
+) -> u32 {
+    match source {
+        CacheSource::None => 0,
+        CacheSource::Approximate => history.max(predicted),
+        CacheSource::Precise => match state {
+            // Blocks just sent there are (about to be) on its GPU.
+            IndexState::Trusted => index.max(predicted),
+            IndexState::NoEvents => history.max(predicted),
+            // A stale picture is not used; only what the router itself just sent there.
+            IndexState::Distrusted => predicted,
+        },
+    }
+}
+
 /// What the candidate holds of the request, by tier, capped at the prompt.
 pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached {
     let view = &c.cache;
-    let gpu_only = |blocks: u32| (blocks, 0, 0, 0);
-    let history = view.history.max(view.predicted);
-    let (gpu, cpu, storage, shared) = match profile.cache {
-        CacheSource::None => (0, 0, 0, 0),
-        CacheSource::Approximate => gpu_only(history),
-        CacheSource::Precise => match view.index_state {
-            IndexState::Trusted => match view.index {
-                Some(m) if m.blocks >= view.predicted => (
-                    m.gpu_blocks,
-                    m.cpu_blocks,
-                    m.storage_blocks,
-                    m.shared_blocks,
-                ),
-                // Blocks just sent there are (about to be) on its GPU.
-                _ => gpu_only(view.predicted),
-            },
-            IndexState::NoEvents => gpu_only(history),
-            // A stale picture is not used; only what the router itself just sent there.
-            IndexState::Distrusted => gpu_only(view.predicted),
-        },
+    let blocks = countable_blocks(
+        profile.cache,
+        view.index_state,
+        view.index.map_or(0, |m| m.blocks),
+        view.history,
+        view.predicted,
+    );
+    // The index's tiers where it is what is counted; the GPU for what the router knows.
+    let (gpu, cpu, storage, shared) = match view.index {
+        Some(m)
+            if profile.cache == CacheSource::Precise
+                && view.index_state == IndexState::Trusted
+                && m.blocks >= view.predicted =>
+        {
+            (
+                m.gpu_blocks,
+                m.cpu_blocks,
+                m.storage_blocks,
+                m.shared_blocks,
+            )
+        }
+        _ => (blocks, 0, 0, 0),
     };
     let bs = request.block_size;
     let prompt = request.prompt_tokens;

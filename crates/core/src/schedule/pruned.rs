@@ -4,8 +4,9 @@
 //! An endpoint's cost is at least [`cost::cost_floor`] of what it can hold of the prompt at
 //! most, its requests decoding and queued ("busy") and its prefill rate: a bound that grows with
 //! `busy` and shrinks with what it holds and its rate. An endpoint that holds none of the
-//! prompt's blocks (no index match on any tier, no routing history, no prediction) differs from
-//! every other such endpoint only through its load and rate: [`LoadOrder`] keeps the endpoints
+//! prompt's blocks as the cost counts them ([`cost::countable_blocks`]: no trusted index match
+//! on any tier, no prediction, no routing history where that is read) differs from every other
+//! such endpoint only through its load and rate: [`LoadOrder`] keeps the endpoints
 //! ordered by a lower bound of their cost per prompt token then, updated when their load or rate
 //! changes. [`schedule_pruned`] costs the session's endpoint, then two streams, each in
 //! increasing order of its bound: the endpoints that hold part of the prompt (a short list,
@@ -661,8 +662,10 @@ impl Walk<'_> {
 
 /// Where a pruned plan looks for its candidates, and how it bounds them.
 pub struct PruneScope<'a> {
-    /// Every endpoint holding any part of the prompt by any source, sorted by endpoint, with
-    /// the most tokens it can hold by any and at least its costed prefill rate.
+    /// Every endpoint holding part of the prompt as the profile's cache source counts it
+    /// ([`cost::countable_blocks`]), sorted by endpoint, with at least the tokens that source
+    /// can count and at least its costed prefill rate. Every other endpoint is bounded as
+    /// holding nothing.
     pub holders: &'a [(EndpointId, usize, f64)],
     /// The fleet's load order.
     pub order: &'a LoadOrder,

@@ -14,6 +14,7 @@
 pub mod amortize;
 pub mod cost;
 pub mod disagg;
+mod load_order;
 mod near_best;
 mod picker;
 mod profile;
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::index::{EndpointId, PrefixMatch};
 pub use amortize::CopyRent;
 pub use cost::Cost;
+pub use load_order::{LoadOrder, saturated_load};
 pub use near_best::{RankBuffers, schedule_near_best};
 pub use picker::Picker;
 #[cfg(test)]
@@ -35,7 +37,7 @@ pub use profile::{
     BalanceTolerance, CacheSource, CostWeights, Filters, Profile, ProfileName, Saturation,
     TierCosts,
 };
-pub use pruned::{LoadOrder, PruneBuffers, PruneScope, saturated_load, schedule_pruned};
+pub use pruned::{PruneBuffers, PruneScope, schedule_pruned};
 pub use recency::{RecencyPart, RecencyParts};
 pub use role_heads::decoders_saturated;
 

@@ -75,13 +75,12 @@ pub struct LoadOrder {
     plannable_of: Vec<bool>,
     /// Whether each endpoint is saturated as any plan will see it.
     saturated_of: Vec<bool>,
-    /// When each ejected endpoint's ejection ends (order bits, endpoint).
-    ejections: BTreeSet<(u64, u32)>,
-    ejection_of: Vec<Option<u64>>,
+    /// When each ejected endpoint's ejection ends.
+    ejections: Deadlines,
     key_of: Vec<Option<u64>>,
     busy_of: Vec<f64>,
-    expiries: BTreeSet<(u64, u32)>,
-    expiry_of: Vec<Option<u64>>,
+    /// When the load sample each endpoint's key counts stops being fresh.
+    expiries: Deadlines,
     /// The prior rate keys are set with now.
     prior: f64,
     /// The prior rates the keys in the order were set with (order bits, keys), and each
@@ -108,12 +107,10 @@ impl LoadOrder {
             served_of: Vec::new(),
             plannable_of: Vec::new(),
             saturated_of: Vec::new(),
-            ejections: BTreeSet::new(),
-            ejection_of: Vec::new(),
+            ejections: Deadlines::default(),
             key_of: Vec::new(),
             busy_of: Vec::new(),
-            expiries: BTreeSet::new(),
-            expiry_of: Vec::new(),
+            expiries: Deadlines::default(),
             prior,
             priors: BTreeMap::new(),
             prior_of: Vec::new(),
@@ -370,66 +367,32 @@ impl LoadOrder {
     /// `endpoint` is ejected until `at` (`None`: not ejected); [`LoadOrder::expire`] hands it
     /// back once `at` is reached. A NaN `at` ejects nothing (nothing is ejected until then).
     pub fn ejected_until(&mut self, endpoint: EndpointId, at: Option<f64>) {
-        let key = at.filter(|at| !at.is_nan()).map(order_bits);
-        let old = std::mem::replace(Self::slot(&mut self.ejection_of, endpoint), key);
-        if let Some(old) = old {
-            self.ejections.remove(&(old, endpoint.0));
-        }
-        if let Some(key) = key {
-            self.ejections.insert((key, endpoint.0));
-        }
+        self.ejections.set(endpoint, at);
     }
 
     /// Whether `endpoint` is ejected (until [`LoadOrder::expire`] hands it back).
     pub fn ejected(&self, endpoint: EndpointId) -> bool {
-        self.ejection_of
-            .get(endpoint.0 as usize)
-            .is_some_and(Option::is_some)
+        self.ejections.has(endpoint)
     }
 
     /// The load sample `endpoint`'s key counts stops being fresh at `at` (`None`: its key
     /// counts no sample). A NaN `at` (a NaN scrape time or age limit) is never fresh for the
     /// cost model: its key counts no sample either.
     pub fn sample_expires(&mut self, endpoint: EndpointId, at: Option<f64>) {
-        let key = at.filter(|at| !at.is_nan()).map(order_bits);
-        let old = std::mem::replace(Self::slot(&mut self.expiry_of, endpoint), key);
-        if let Some(old) = old {
-            self.expiries.remove(&(old, endpoint.0));
-        }
-        if let Some(key) = key {
-            self.expiries.insert((key, endpoint.0));
-        }
+        self.expiries.set(endpoint, at);
     }
 
     /// Whether `endpoint`'s key may count its load sample.
     pub fn counts_sample(&self, endpoint: EndpointId) -> bool {
-        self.expiry_of
-            .get(endpoint.0 as usize)
-            .is_some_and(Option::is_some)
+        self.expiries.has(endpoint)
     }
 
     /// Stops counting every sample that is stale at `now` (or within a slack of it), and adds
     /// their endpoints to `expired`: set their keys again.
     pub fn expire(&mut self, now: f64, expired: &mut Vec<EndpointId>) {
-        let horizon = order_bits(now + EXPIRY_SLACK_S);
-        while let Some(&(key, id)) = self.expiries.first() {
-            if key > horizon {
-                break;
-            }
-            self.expiries.pop_first();
-            self.expiry_of[id as usize] = None;
-            expired.push(EndpointId(id));
-        }
+        self.expiries.take_due(now + EXPIRY_SLACK_S, expired);
         // An ejection ends exactly at its time (`now < until` is ejected).
-        let now_bits = order_bits(now);
-        while let Some(&(key, id)) = self.ejections.first() {
-            if key > now_bits {
-                break;
-            }
-            self.ejections.pop_first();
-            self.ejection_of[id as usize] = None;
-            expired.push(EndpointId(id));
-        }
+        self.ejections.take_due(now, expired);
     }
 
     /// `endpoint`'s busy count bound, if it is in the order.
@@ -514,6 +477,48 @@ impl LoadOrder {
 /// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it).
 pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
     saturated(profile, load)
+}
+
+/// A time per endpoint (at most one), the earliest found first.
+#[derive(Debug, Default)]
+struct Deadlines {
+    /// (order bits of the time, endpoint).
+    by_time: BTreeSet<(u64, u32)>,
+    of: Vec<Option<u64>>,
+}
+
+impl Deadlines {
+    /// `endpoint`'s time is `at` from now on (`None`, or a NaN: it has none).
+    fn set(&mut self, endpoint: EndpointId, at: Option<f64>) {
+        let key = at.filter(|at| !at.is_nan()).map(order_bits);
+        let old = std::mem::replace(LoadOrder::slot(&mut self.of, endpoint), key);
+        if let Some(old) = old {
+            self.by_time.remove(&(old, endpoint.0));
+        }
+        if let Some(key) = key {
+            self.by_time.insert((key, endpoint.0));
+        }
+    }
+
+    /// Whether `endpoint` has a time.
+    fn has(&self, endpoint: EndpointId) -> bool {
+        self.of
+            .get(endpoint.0 as usize)
+            .is_some_and(Option::is_some)
+    }
+
+    /// Removes every time no later than `horizon`, adding its endpoint to `due`.
+    fn take_due(&mut self, horizon: f64, due: &mut Vec<EndpointId>) {
+        let horizon = order_bits(horizon);
+        while let Some(&(key, id)) = self.by_time.first() {
+            if key > horizon {
+                break;
+            }
+            self.by_time.pop_first();
+            self.of[id as usize] = None;
+            due.push(EndpointId(id));
+        }
+    }
 }
 
 /// The order of the endpoints serving one (model, block size) that a plan may use.

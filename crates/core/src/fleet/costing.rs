@@ -223,9 +223,10 @@ impl Fleet {
         }
     }
 
-    /// Plans with [`schedule_pruned`]: only the endpoints that hold part of the prompt (by the
-    /// index, the history or the prediction, or the session's) and the least busy of the rest
-    /// are viewed and costed (`held`: what an endpoint's index holds). `None` when it
+    /// Plans with [`schedule_pruned`]: only the session's endpoint, those that hold part of the
+    /// prompt as the profile's cache source counts it ([`cost::countable_blocks`]) and the
+    /// least busy of the rest are viewed and costed (`held`: what an endpoint's index holds).
+    /// `None` when it
     /// cannot (no more than `depth` competitors, or a picker that reads every candidate): plan
     /// every endpoint then.
     pub(super) fn plan_pruned(
@@ -249,24 +250,22 @@ impl Fleet {
                 self.load_changed(EndpointId(at as u32));
             }
         }
-        // Every endpoint holding part of the prompt, with the most it can hold by any source.
+        // Every endpoint holding part of the prompt by any source.
         let bs = inputs.block_size;
         let mut holders = std::mem::take(&mut self.holders);
         holders.clear();
         let matches = inputs.index_matches.matches.iter();
-        holders.extend(matches.map(|m: &PrefixMatch| (m.endpoint, m.blocks)));
-        holders.extend(inputs.history.iter().copied());
-        holders.extend(inputs.predicted.iter().copied());
-        holders.retain(|&(id, blocks)| blocks > 0 && (id.0 as usize) < self.endpoints.len());
+        let by_source = matches
+            .map(|m: &PrefixMatch| (m.endpoint, m.blocks))
+            .chain(inputs.history.iter().copied())
+            .chain(inputs.predicted.iter().copied());
+        holders.extend(
+            by_source
+                .filter(|&(id, blocks)| blocks > 0 && (id.0 as usize) < self.endpoints.len())
+                .map(|(id, _)| id),
+        );
         holders.sort_unstable();
-        // Sorted by endpoint, then blocks: the last of each endpoint's entries is its most.
-        holders.dedup_by(|later, earlier| {
-            let same = later.0 == earlier.0;
-            if same {
-                earlier.1 = later.1;
-            }
-            same
-        });
+        holders.dedup();
         // Every endpoint but these holds nothing of the prompt by any source: it is expected to
         // report nothing. Of these, those whose blocks the profile's cache source counts
         // (`holding`) are walked as holders; the others hold nothing the cost counts (a routing
@@ -275,7 +274,7 @@ impl Fleet {
         holding.clear();
         let mut predicted_cached = vec![0; self.endpoints.len()];
         let mut predicted_tiers = vec![TierTokens::default(); self.endpoints.len()];
-        for &(id, _) in &holders {
+        for &id in &holders {
             let e = &self.endpoints[id.0 as usize];
             let expected = self.expected(inputs, e);
             predicted_cached[id.0 as usize] = expected.predicted_tokens;

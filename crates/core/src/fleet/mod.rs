@@ -330,10 +330,12 @@ pub struct Fleet {
     /// Whether [`Fleet::plan`] costs only the endpoints that can matter (see
     /// [`Fleet::prune_costing`]).
     prune: bool,
-    /// Buffers of pruned plans: the scheduler's, the endpoints holding part of the prompt, and
-    /// those whose load sample expired.
+    /// Buffers of pruned plans: the scheduler's; the endpoints holding part of the prompt by
+    /// any source (`holders`), and of those the ones whose blocks the cost counts, with the
+    /// tokens counted and their prefill rate (`holding`, the walk's holders); and the endpoints
+    /// whose load sample expired.
     prune_buffers: PruneBuffers,
-    holders: Vec<(EndpointId, u32)>,
+    holders: Vec<EndpointId>,
     holding: Vec<(EndpointId, usize, f64)>,
     expired_samples: Vec<EndpointId>,
     /// The indexes and the count of dropped cache pictures, shared with callers that walk the
@@ -509,7 +511,7 @@ impl Fleet {
     }
 
     /// Plans a request at `now`: every endpoint that can come near the best costed (those
-    /// holding part of the prompt and the least busy of the rest, see
+    /// holding part of the prompt the cost counts and the least busy of the rest, see
     /// [`Fleet::prune_costing`]; every endpoint where that cannot be told), the best ranked.
     /// The decision's ranking holds the winner and the next best, [`RANKING_DEPTH`] (or the
     /// retry policy's attempts, if more) in all, and breakdowns for those: the same winner and

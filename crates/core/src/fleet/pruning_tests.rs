@@ -356,6 +356,48 @@ fn a_plan_costs_the_holders_and_the_least_busy_only() {
     assert_eq!(fleet.last_plan_viewed(), 200);
 }
 
+/// Endpoints the router once sent the prompt's prefix to, whose events say they hold none of
+/// it (trusted events overrule the routing history), are no holders: bounded as holding
+/// nothing, the busy ones among them are not costed (the first scale round's P/D decision
+/// viewed a hundred such endpoints per request at 1,000 endpoints).
+#[test]
+fn a_routing_history_that_trusted_events_overrule_makes_no_holder() {
+    let config = FleetConfig {
+        predicted_ttl_s: 1.0,
+        ..FleetConfig::default()
+    };
+    let mut fleet = fleet_of(200, config);
+    let prompt = tokens(1, 30, 40);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = request_for(&keys, &prompt);
+    // Endpoints 20-139 each served a request sharing the prompt's first 30 blocks.
+    for e in 20..140u32 {
+        let other = tokens(4, 30, 35);
+        let other_keys = Arc::new(router_keys(&other, BS, None).unwrap());
+        let request = request_for(&other_keys, &other);
+        let plan = fleet.plan(&request, 0, 0.0);
+        let mut d = fleet.dispatched(&plan.predicted_cached, &request, EndpointId(e), 0.0);
+        fleet.first_token(&mut d, true, 0.01);
+        fleet.finished(d, Some(0), 0.02);
+    }
+    // Later, 20 endpoints are idle, those that served the prefix decode one request each
+    // (bounded as holding 30 of the 41 blocks, they would be costed before the idle ones), the
+    // rest decode four, and endpoint 7 holds the whole prompt.
+    for e in 0..200u32 {
+        let running = match e {
+            _ if e % 10 == 0 => 0.0,
+            20..140 => 1.0,
+            _ => 4.0,
+        };
+        fleet.observe_load(EndpointId(e), decoding(running), 2.0);
+    }
+    fleet.apply_events(EndpointId(7), &[stored(&prompt)], 2.0);
+    let plan = plan_both(&mut fleet, &features, 1, 2.1);
+    assert_eq!(plan.decision.chosen(), Some(EndpointId(7)));
+    let viewed = fleet.last_plan_viewed();
+    assert!(viewed < 40, "{viewed} endpoints viewed of 200");
+}
+
 /// A hot prefix held by a dozen endpoints, each busy with a few decodes: each holder is bounded
 /// by what it holds, so the holders are costed before the busier endpoints that hold nothing,
 /// and every holder within the balance tolerance is costed, beyond the head of the ranking too:

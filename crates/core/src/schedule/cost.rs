@@ -285,13 +285,14 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     (cost, held)
 }
 
-/// A lower bound of [`assess`]'s `total_s` for every candidate that holds at most
-/// `held_at_most` tokens of the request by any source ([`cached`]'s `all`: the larger of its
-/// index match on every tier, routing history and prediction bounds it under any cache source
-/// and index state), is not the session's endpoint, prefills at most `rate_at_most` tokens/s
-/// and has at least `busy` requests decoding and queued ([`super::EndpointLoad::decoding`] +
-/// [`super::EndpointLoad::queue`]); `None` when a weight is negative or not finite, or the rate
-/// is not a number (no bound is known then).
+/// A lower bound of [`assess`]'s `total_s` for every candidate that is not the session's
+/// endpoint, prefills at most `rate_at_most` tokens/s, has at least `busy` requests decoding and
+/// queued ([`super::EndpointLoad::decoding`] + [`super::EndpointLoad::queue`]) and holds at most
+/// `held_at_most` tokens of the request as [`cached`]'s `all` counts them. [`countable_blocks`]
+/// × the block size bounds that count (it is `cached`'s before the cap at the prompt), and so
+/// does the larger of its index match on every tier, routing history and prediction, under any
+/// cache source and index state. `None` when a weight is negative or not finite, or the rate is
+/// not a number (no bound is known then).
 ///
 /// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
 /// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `rate_at_most.max(1)` =

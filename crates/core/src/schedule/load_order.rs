@@ -1,12 +1,12 @@
 //! The fleet's endpoints kept in order of a lower bound of their cost while they hold nothing
 //! of a prompt, updated as their load and prefill rate change: the stream a pruned plan
-//! ([`super::schedule_pruned`]) walks for the endpoints that hold none of the prompt, least busy
-//! first, with one order per (model, block size) served and the members a plan may see
-//! unsaturated.
+//! ([`super::schedule_pruned`]) walks for the endpoints that hold none of the prompt the cost
+//! counts ([`super::cost::countable_blocks`]), least busy first, with one order per (model,
+//! block size) served and the members a plan may see unsaturated.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::{EndpointLoad, Profile, cost, saturated};
+use super::{Profile, cost};
 use crate::index::EndpointId;
 
 /// Seconds before a load sample's expiry at which its endpoint's bound stops counting it: far
@@ -472,11 +472,6 @@ impl LoadOrder {
             .flat_map(|g| g.unsaturated.iter())
             .map(|&id| EndpointId(id))
     }
-}
-
-/// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it).
-pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
-    saturated(profile, load)
 }
 
 /// A time per endpoint (at most one), the earliest found first.

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::index::{EndpointId, PrefixMatch};
 pub use amortize::CopyRent;
 pub use cost::Cost;
-pub use load_order::{LoadOrder, saturated_load};
+pub use load_order::LoadOrder;
 pub use near_best::{RankBuffers, schedule_near_best};
 pub use picker::Picker;
 #[cfg(test)]
@@ -378,6 +378,12 @@ pub(crate) fn rejection(
         return Some(Rejection::CircuitOpen);
     }
     None
+}
+
+/// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it:
+/// flow control holds a request while every competitor is).
+pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
+    saturated(profile, load)
 }
 
 fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {

@@ -177,6 +177,11 @@ pub fn schedule_pruned(
     buffers: &mut PruneBuffers,
 ) -> Option<Decision> {
     let depth = depth.max(2);
+    // The rest stream leaves the holders out by a binary search.
+    debug_assert!(
+        scope.holders.is_sorted_by_key(|h| h.0),
+        "holders sorted by endpoint"
+    );
     if profile.picker != Picker::Cheapest {
         return None;
     }
@@ -341,19 +346,22 @@ impl Decoders<'_> {
     ) -> bool {
         let (profile, request) = (self.profile, self.request);
         let mut costed_decoders = costed.iter().filter(|c| c.role.decodes()).peekable();
-        let any_competes = costed_decoders.peek().is_some();
+        if costed_decoders.peek().is_none() {
+            return false;
+        }
         if costed_decoders.any(|c| !saturated(profile, &c.load)) {
             return false;
         }
+        // The costed decoders are saturated: view only the others.
         let (model, block_size) = self.serving;
-        let unsaturated = self
+        let costed_ids = |id: EndpointId| costed.iter().any(|c| c.endpoint == id);
+        !self
             .order
             .unsaturated_serving(model, block_size)
-            .filter(|id| (self.role_of)(*id).decodes())
+            .filter(|&id| (self.role_of)(id).decodes() && !costed_ids(id))
             .any(|id| {
                 let c = candidate(id);
                 rejection(profile, request, &c).is_none() && !saturated(profile, &c.load)
-            });
-        any_competes && !unsaturated
+            })
     }
 }

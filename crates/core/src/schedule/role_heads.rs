@@ -6,8 +6,8 @@
 //! with the best producers. So a P/D plan ranks and breaks down the best `depth` competitors of
 //! each role too, appended to the fleet's head in cost order (each costs at least as much as
 //! every candidate ranked after the first, which balancing may have moved to the front). Both
-//! the near-best plan
-//! ([`super::schedule_near_best`]) and the pruned one ([`super::schedule_pruned`]) finish with
+//! the near-best plan ([`super::schedule_near_best`]) and the pruned one
+//! ([`super::schedule_pruned`]) finish with
 //! [`rank_role_heads`] over the costs they computed: no cost is computed again, only the
 //! breakdowns of the few candidates added. Ties are broken as the fleet's ranking breaks them
 //! ([`by_cost`]: the request's random key), so that both plans rank the same endpoints and equal

@@ -1203,3 +1203,54 @@ fn a_holder_reloading_the_prefix_from_cpu_memory_pays_that_reload_as_rent() {
         "{outcome:?}, expected {expected}"
     );
 }
+
+proptest! {
+    /// What a pruned plan bounds a holder with, `countable_blocks`, is never less than what the
+    /// cost counts it holding (`cached`'s `all`), whatever the cache source, the index's state
+    /// and tiers, the routing history and the prediction: a holder's bound stays a bound.
+    #[test]
+    fn the_countable_blocks_bound_what_the_cost_counts(
+        source in 0usize..3,
+        state in 0usize..3,
+        index in proptest::option::of((1u32..60, 0u32..60, 0u32..60, 0u32..60)),
+        history in 0u32..60,
+        predicted in 0u32..60,
+        prompt in 1usize..1_200,
+    ) {
+        let source = [CacheSource::Precise, CacheSource::Approximate, CacheSource::None][source];
+        let state = [IndexState::Trusted, IndexState::NoEvents, IndexState::Distrusted][state];
+        let mut c = candidate(0);
+        // A match's tiers split its blocks (each tier's share at most what is left).
+        c.cache.index = index.map(|(blocks, gpu, cpu, storage)| {
+            let gpu = gpu.min(blocks);
+            let cpu = cpu.min(blocks - gpu);
+            let storage = storage.min(blocks - gpu - cpu);
+            PrefixMatch {
+                endpoint: EndpointId(0),
+                blocks,
+                gpu_blocks: gpu,
+                cpu_blocks: cpu,
+                storage_blocks: storage,
+                shared_blocks: blocks - gpu - cpu - storage,
+            }
+        });
+        c.cache.index_state = state;
+        c.cache.history = history;
+        c.cache.predicted = predicted;
+        let profile = Profile { cache: source, ..Profile::default() };
+        let req = request(prompt);
+        let counted = cost::cached(&profile, &req, &c).all;
+        let blocks = cost::countable_blocks(
+            source,
+            state,
+            c.cache.index.map_or(0, |m| m.blocks),
+            history,
+            predicted,
+        );
+        prop_assert!(counted <= blocks as usize * req.block_size, "{counted} > {blocks} blocks");
+        // Below the prompt, the count is exactly the bound: it is not loose either.
+        if (blocks as usize) * req.block_size <= prompt {
+            prop_assert_eq!(counted, blocks as usize * req.block_size);
+        }
+    }
+}

@@ -507,6 +507,13 @@ fn a_disaggregated_stream_reports_its_usage_to_the_router_and_only_an_asking_cli
         (counted == 10.0, counted)
     });
     assert_eq!(disaggregated(&served), 2.0);
+    // The prefill legs' one token each is no output: the decode legs generated every token.
+    let prefill_legs = counted(
+        &served,
+        "kvroute_generated_tokens_total",
+        "endpoint=\"prefill\"",
+    );
+    assert_eq!(prefill_legs, 0.0, "{}", router_metrics(&served));
 }
 
 #[test]

@@ -71,6 +71,9 @@ pub struct Accounting {
     /// Compare the engine's reported `cached_tokens` with the prediction (not on a P/D decode
     /// leg, whose report counts the blocks it pulled, or the prefill's hits).
     check_cached: bool,
+    /// Count the engine's reported `completion_tokens` as output (not on a P/D prefill leg,
+    /// whose one token the client never receives: the decode leg generates it again).
+    counts_output: bool,
     tail: Vec<u8>,
 }
 
@@ -101,6 +104,7 @@ impl Accounting {
             outcome: None,
             ended: false,
             check_cached: true,
+            counts_output: true,
             tail: Vec::new(),
         }
     }
@@ -114,6 +118,13 @@ impl Accounting {
     /// The response was read to its end by the router itself (a P/D prefill leg).
     pub fn completed(&mut self) {
         self.ended = true;
+    }
+
+    /// The engine's one token is not output the client receives (a P/D prefill leg): not
+    /// counted in `kvroute_generated_tokens_total` (the endpoint still learns from it how long
+    /// its requests hold their blocks).
+    pub fn skip_output_count(&mut self) {
+        self.counts_output = false;
     }
 
     /// The engine's reported `cached_tokens` says nothing of this endpoint's cache (a P/D
@@ -210,7 +221,7 @@ impl Drop for Accounting {
                     },
                 )
                 .inc();
-            if let Some(generated) = generated {
+            if let Some(generated) = generated.filter(|_| self.counts_output) {
                 m.generated_tokens.of(name).inc_by(generated as u64);
             }
             if let Some(reported) = reported {

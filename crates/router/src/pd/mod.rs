@@ -36,8 +36,7 @@ use kvroute_core::fleet::Plan;
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
 use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
-use kvroute_vllm::openai::ApiError;
-use kvroute_vllm::openai::{ask_stream_usage, request_stream_usage};
+use kvroute_vllm::openai::{ApiError, ask_stream_usage, request_stream_usage};
 use serde_json::Value;
 
 pub use explain::explain;

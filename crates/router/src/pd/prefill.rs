@@ -102,6 +102,7 @@ pub(super) async fn run(
         super::prefill_sent(router, plan, prefill);
         let accounting =
             accounting.insert(pipeline::respond(router, &a.context, &leg, 0, dispatch));
+        accounting.skip_output_count();
         let request = upstream_request(&format!("http://{authority}"), a, body);
         let (response, lease) = match router.upstream().send(conn, &authority, request).await {
             Ok(answer) => answer,

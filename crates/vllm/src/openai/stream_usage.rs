@@ -40,10 +40,8 @@ pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
 /// no `stream_options`. Anything but an object is left as it is.
 pub fn ask_stream_usage(body: &mut Value) {
     if let Some(map) = body.as_object_mut() {
-        map.insert(
-            "stream_options".into(),
-            serde_json::json!({"include_usage": true}),
-        );
+        map.entry("stream_options")
+            .or_insert_with(|| serde_json::json!({"include_usage": true}));
     }
 }
 

@@ -777,6 +777,35 @@ fn a_pd_fleet_is_pruned_and_held_only_when_its_decoders_are_saturated() {
     assert_eq!(fleet.last_plan_viewed(), viewed + 1);
 }
 
+/// A P/D fleet with fewer producers than a role's head holds (4 of 200 endpoints): the walk
+/// cannot end a stream before it has met them all, but it passes over the decoders past their
+/// own role's stop without viewing them, so the plan views a few dozen endpoints, not all.
+#[test]
+fn a_role_with_fewer_members_than_its_head_does_not_make_a_plan_view_everything() {
+    let prompt = tokens(1, 0, 30);
+    let keys = Arc::new(router_keys(&prompt, BS, None).unwrap());
+    let features = request_for(&keys, &prompt);
+    let role = |i: usize| if i < 4 { Role::Prefill } else { Role::Decode };
+    let specs = (0..200)
+        .map(|i| EndpointSpec {
+            role: role(i),
+            ..spec(i, MODEL)
+        })
+        .collect();
+    let mut fleet = Fleet::new(FleetConfig::default(), Profile::default(), specs).unwrap();
+    fleet.enable_disagg(pd_config());
+    for e in 0..200u32 {
+        let running = if e < 4 { 0.0 } else { f64::from(1 + e % 7) };
+        fleet.observe_load(EndpointId(e), decoding(running), 0.0);
+    }
+    let plan = plan_both(&mut fleet, &features, 3, 0.5);
+    for producer in 0..4 {
+        assert!(plan.decision.ranking.contains(&EndpointId(producer)));
+    }
+    let viewed = fleet.last_plan_viewed();
+    assert!(viewed < 80, "{viewed} endpoints viewed of 200");
+}
+
 /// Endpoints ejected while they hold the prompt (an ejection keeps the engine's cache) are not
 /// viewed either: a plan views as many as if they held nothing.
 #[test]

@@ -9,8 +9,8 @@
 //! This crate knows HTTP and configuration; wire formats live in `kvroute-vllm` and every
 //! routing decision in `kvroute-core`.
 //!
-//! Public: the configuration ([`config`]), [`server`] (start a router), [`epp`] (start the
-//! picker) and the error type. Every other module is the crate's own.
+//! Public: the configuration ([`config`]), [`server`] (start a router), `epp` (start the
+//! picker; feature `epp`) and the error type. Every other module is the crate's own.
 
 // Some crate-private code serves only the picker or Kubernetes discovery (the pipeline's
 // `route` for ext_proc, membership's runtime add/remove); without both features it is

@@ -419,13 +419,7 @@ fn a_client_cannot_name_a_producer_for_the_engines_to_pull_from() {
     );
     // A stream whose body the router re-encoded without the key keeps the router's ask for its
     // usage: counted by the router, not shown to the client, which did not ask.
-    let generated = || {
-        sum_labelled(
-            &router_metrics(&served),
-            "kvroute_generated_tokens_total",
-            "",
-        )
-    };
+    let generated = || counted(&served, "kvroute_generated_tokens_total", "");
     let before = generated();
     let mut streamed = completion(64, 10, 4, true);
     streamed["kv_transfer_params"] = trap.params();

@@ -226,9 +226,8 @@ impl Fleet {
     /// Plans with [`schedule_pruned`]: only the session's endpoint, those that hold part of the
     /// prompt as the profile's cache source counts it ([`cost::countable_blocks`]) and the
     /// least busy of the rest are viewed and costed (`held`: what an endpoint's index holds).
-    /// `None` when it
-    /// cannot (no more than `depth` competitors, or a picker that reads every candidate): plan
-    /// every endpoint then.
+    /// `None` when it cannot (no more than `depth` competitors, or a picker that reads every
+    /// candidate): plan every endpoint then.
     pub(super) fn plan_pruned(
         &mut self,
         inputs: &PlanInputs<'_>,

@@ -139,6 +139,38 @@ pub struct Cached {
     pub shared: usize,
 }
 
+/// Which picture of an endpoint's cache the cost counts, by [`counted_picture`].
+enum Counted {
+    /// Its index match, tier by tier.
+    Index,
+    /// So many blocks the router knows of (its history or its requests just sent), on the GPU.
+    Router(u32),
+}
+
+/// The one rule for what the profile's cache `source` counts of an endpoint whose index (in
+/// `state`) matches `index` blocks on any tier, whose routing history holds `history` and to
+/// which `predicted` were just sent ([`countable_blocks`] and [`cached`] both read it).
+fn counted_picture(
+    source: CacheSource,
+    state: IndexState,
+    index: u32,
+    history: u32,
+    predicted: u32,
+) -> Counted {
+    match source {
+        CacheSource::None => Counted::Router(0),
+        CacheSource::Approximate => Counted::Router(history.max(predicted)),
+        CacheSource::Precise => match state {
+            IndexState::Trusted if index >= predicted => Counted::Index,
+            // Blocks just sent there are (about to be) on its GPU.
+            IndexState::Trusted => Counted::Router(predicted),
+            IndexState::NoEvents => Counted::Router(history.max(predicted)),
+            // A stale picture is not used; only what the router itself just sent there.
+            IndexState::Distrusted => Counted::Router(predicted),
+        },
+    }
+}
+
 /// The leading blocks of a prompt the profile's cache `source` counts for an endpoint whose
 /// index (in `state`) matches `index` blocks on any tier, whose routing history holds `history`
 /// and to which `predicted` were just sent: what [`cached`] counts before capping at the prompt,
@@ -150,44 +182,31 @@ pub fn countable_blocks(
     history: u32,
     predicted: u32,
 ) -> u32 {
-    match source {
-        CacheSource::None => 0,
-        CacheSource::Approximate => history.max(predicted),
-        CacheSource::Precise => match state {
-            // Blocks just sent there are (about to be) on its GPU.
-            IndexState::Trusted => index.max(predicted),
-            IndexState::NoEvents => history.max(predicted),
-            // A stale picture is not used; only what the router itself just sent there.
-            IndexState::Distrusted => predicted,
-        },
+    match counted_picture(source, state, index, history, predicted) {
+        Counted::Index => index,
+        Counted::Router(blocks) => blocks,
     }
 }
 
 /// What the candidate holds of the request, by tier, capped at the prompt.
 pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached {
     let view = &c.cache;
-    let blocks = countable_blocks(
+    let counted = counted_picture(
         profile.cache,
         view.index_state,
         view.index.map_or(0, |m| m.blocks),
         view.history,
         view.predicted,
     );
-    // The index's tiers where it is what is counted; the GPU for what the router knows.
-    let (gpu, cpu, storage, shared) = match view.index {
-        Some(m)
-            if profile.cache == CacheSource::Precise
-                && view.index_state == IndexState::Trusted
-                && m.blocks >= view.predicted =>
-        {
-            (
-                m.gpu_blocks,
-                m.cpu_blocks,
-                m.storage_blocks,
-                m.shared_blocks,
-            )
-        }
-        _ => (blocks, 0, 0, 0),
+    let (gpu, cpu, storage, shared) = match (counted, view.index) {
+        (Counted::Index, Some(m)) => (
+            m.gpu_blocks,
+            m.cpu_blocks,
+            m.storage_blocks,
+            m.shared_blocks,
+        ),
+        (Counted::Index, None) => (0, 0, 0, 0),
+        (Counted::Router(blocks), _) => (blocks, 0, 0, 0),
     };
     let bs = request.block_size;
     let prompt = request.prompt_tokens;

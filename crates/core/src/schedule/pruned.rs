@@ -352,13 +352,15 @@ impl Decoders<'_> {
         if costed_decoders.any(|c| !saturated(profile, &c.load)) {
             return false;
         }
-        // The costed decoders are saturated: view only the others.
+        // The costed decoders are saturated: view only the others (a search among the costed,
+        // not a scan of them per decoder: an unpruned walk may have costed the whole fleet).
         let (model, block_size) = self.serving;
-        let costed_ids = |id: EndpointId| costed.iter().any(|c| c.endpoint == id);
+        let mut costed_ids: Vec<EndpointId> = costed.iter().map(|c| c.endpoint).collect();
+        costed_ids.sort_unstable();
         !self
             .order
             .unsaturated_serving(model, block_size)
-            .filter(|&id| (self.role_of)(id).decodes() && !costed_ids(id))
+            .filter(|&id| (self.role_of)(id).decodes() && costed_ids.binary_search(&id).is_err())
             .any(|id| {
                 let c = candidate(id);
                 rejection(profile, request, &c).is_none() && !saturated(profile, &c.load)

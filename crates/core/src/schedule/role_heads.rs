@@ -7,11 +7,10 @@
 //! each role too, appended to the fleet's head in cost order (each costs at least as much as
 //! every candidate ranked after the first, which balancing may have moved to the front). Both
 //! the near-best plan ([`super::schedule_near_best`]) and the pruned one
-//! ([`super::schedule_pruned`]) finish with
-//! [`rank_role_heads`] over the costs they computed: no cost is computed again, only the
-//! breakdowns of the few candidates added. Ties are broken as the fleet's ranking breaks them
-//! ([`by_cost`]: the request's random key), so that both plans rank the same endpoints and equal
-//! idle producers share the work.
+//! ([`super::schedule_pruned`]) finish with [`rank_role_heads`] over the costs they computed: no
+//! cost is computed again, only the breakdowns of the few candidates added. Ties are broken as
+//! the fleet's ranking breaks them ([`by_cost`]: the request's random key), so that both plans
+//! rank the same endpoints and equal idle producers share the work.
 
 use super::near_best::{Standing, by_cost};
 use super::{Candidate, Decision, Profile, RequestInfo, Role, assess, rejection, saturated};

@@ -345,6 +345,7 @@ fn main() {
         session_endpoint: None,
         role: Role::Both,
         prefix_key: None,
+        gpu_copies: Default::default(),
     };
     let mut rng = 0x1234_5678_9abc_def0u64;
     let mut rr = 0u64;

@@ -46,6 +46,7 @@ use crate::index::{
     PrefixMatches, ROUTER_KEY_SCHEME, SharedIndex,
 };
 use crate::keys::RouterKey;
+use crate::schedule::cost::GpuCopies;
 use crate::schedule::{
     CacheSource, Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers,
     RankBuffers, RequestInfo, Role, amortize, decoders_saturated, schedule, schedule_near_best,
@@ -645,21 +646,6 @@ impl Fleet {
         let prior_rate = model_pool.rate().unwrap_or(default_rate);
         let order_prior = fleet_pool.rate().unwrap_or(default_rate);
         let session_endpoint = request.session.and_then(|s| self.sessions.get(s));
-        let info = RequestInfo {
-            prompt_tokens: request.prompt_tokens,
-            block_size: bs,
-            session_endpoint,
-            role: request.role,
-            prefix_key: self
-                .profile
-                .picker
-                .hashed_prefix_tokens()
-                .and_then(|tokens| {
-                    // Router keys chain their parents: the last key of the prefix hashes all of it.
-                    let blocks = tokens.div_ceil(bs).clamp(1, keys.len().max(1));
-                    keys.get(blocks - 1).map(|k| k.0)
-                }),
-        };
         // Only the cheapest-cost picker can be pruned (the others read every candidate).
         let pruned = self.prune
             && self.profile.picker == crate::schedule::Picker::Cheapest
@@ -696,6 +682,22 @@ impl Fleet {
                 &walked
             }
             (None, None) => &no_matches,
+        };
+        let info = RequestInfo {
+            prompt_tokens: request.prompt_tokens,
+            block_size: bs,
+            session_endpoint,
+            role: request.role,
+            gpu_copies: GpuCopies::of(index_matches, bs),
+            prefix_key: self
+                .profile
+                .picker
+                .hashed_prefix_tokens()
+                .and_then(|tokens| {
+                    // Router keys chain their parents: the last key of the prefix hashes all of it.
+                    let blocks = tokens.div_ceil(bs).clamp(1, keys.len().max(1));
+                    keys.get(blocks - 1).map(|k| k.0)
+                }),
         };
         let held = |id| {
             index

@@ -11,8 +11,8 @@
 //!   cache; where the fleet does not know when a block was last used, it is taken as equally
 //!   likely as any to go, by the blocks the queue ahead stores beyond the free ones). At zero
 //!   load everything held survives. On an endpoint that offloads to CPU memory an
-//!   evicted block is loaded back from there (tier loading, and no eviction charge, as for a
-//!   block found there) instead;
+//!   evicted block is loaded back from there instead (tier loading, and, as for a block found
+//!   there, an eviction charge only where it makes a second GPU copy: see eviction);
 //! - **tier loading**: blocks it holds on CPU, its storage or a shared filesystem it mounts,
 //!   at each tier's load rate, learned per endpoint; a tier slower than recomputing gets no
 //!   credit (see [`crate::tiers`]);
@@ -45,7 +45,13 @@
 //!   cached again), and taken as the fleet's while the endpoint has stored less than a cache's
 //!   worth recently (nothing it stored had to be evicted yet). An endpoint whose cache turns
 //!   over without reuse (a working set far above the cache) charges almost nothing; one whose
-//!   blocks keep being reused charges their full re-prefill.
+//!   blocks keep being reused charges their full re-prefill. A block it loads from a lower tier
+//!   is stored on the GPU too, but where no endpoint holds it on its GPU, whichever serves the
+//!   request must store it on one, so it is priced as a block found cached; where another
+//!   endpoint holds it on its GPU ([`GpuCopies`]), loading it here makes a second GPU copy, and
+//!   it counts as stored (priced as free, a document held on one engine's GPU and in another's
+//!   CPU memory was served by both in turn, each reloading it and what it pushed out: the tier
+//!   counter-case in docs/benchmarks.md).
 //!
 //! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
 //! load × (queue wait + decode interference + room blocking) − session credit`. At zero load
@@ -56,6 +62,7 @@
 use serde::Serialize;
 
 use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
+use crate::index::{EndpointId, PrefixMatches};
 use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 
 /// One candidate's cost, term by term, in seconds.
@@ -277,9 +284,15 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     // waiting half of it on average.
     let resident_s = prefill_s + tier_load_s + load.decode_s;
     let room_blocking_s = load.not_fitting_per_s * resident_s * resident_s / 2.0;
-    // A block reloaded from CPU memory is priced as every block found there is: its load, not
-    // the room it takes again on the GPU.
-    let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed);
+    // A block loaded from a lower tier takes GPU room again, as a computed one does. Where no
+    // other endpoint holds it on its GPU, whichever serves the request must store it on a GPU,
+    // so it is priced as a block found cached (its load); where another does, loading it here
+    // makes a second GPU copy, and what that pushes out is charged.
+    let loaded = (held.all - held.gpu) as f64 + reloaded;
+    let kept_gpu = held.gpu as f64 - lost;
+    let duplicated =
+        loaded.min((request.gpu_copies.elsewhere(c.endpoint) as f64 - kept_gpu).max(0.0));
+    let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed - duplicated);
     let eviction_s = eviction_s(request, c, evicted_blocks, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
@@ -368,9 +381,50 @@ pub fn floor_per_token_second(profile: &Profile, busy: f64) -> Option<f64> {
     Some(w.prefix + w.load * w.decode_interference * busy.max(0.0))
 }
 
+/// The two longest prefixes of a prompt that endpoints hold on their GPUs, by the index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct GpuCopies {
+    /// The endpoint holding the longest, and its tokens.
+    longest: Option<(EndpointId, usize)>,
+    /// The next longest, held by another endpoint, in tokens.
+    second: usize,
+}
+
+impl GpuCopies {
+    /// The GPU copies in a prompt's index matches, blocks of `block_size` tokens.
+    pub fn of(matches: &PrefixMatches, block_size: usize) -> Self {
+        let mut copies = Self::default();
+        for m in &matches.matches {
+            copies.add(m.endpoint, m.gpu_blocks as usize * block_size);
+        }
+        copies
+    }
+
+    /// Counts `endpoint` holding the prompt's first `tokens` tokens on its GPU.
+    pub fn add(&mut self, endpoint: EndpointId, tokens: usize) {
+        match self.longest {
+            Some((_, longest)) if tokens <= longest => self.second = self.second.max(tokens),
+            Some((_, longest)) => {
+                self.second = longest;
+                self.longest = Some((endpoint, tokens));
+            }
+            None => self.longest = Some((endpoint, tokens)),
+        }
+    }
+
+    /// The longest prefix an endpoint other than `endpoint` holds on its GPU, in tokens.
+    pub fn elsewhere(&self, endpoint: EndpointId) -> usize {
+        match self.longest {
+            Some((holder, _)) if holder == endpoint => self.second,
+            Some((_, tokens)) => tokens,
+            None => 0,
+        }
+    }
+}
+
 /// Cached blocks placing the request on `c` evicts: the blocks it stores beyond `c`'s free
 /// blocks (0 where the free blocks are unknown, or where it all fits). `held`: the prompt tokens
-/// it is expected to find cached.
+/// it is expected to find cached and not store on the GPU again.
 pub fn evicted_blocks(request: &RequestInfo, c: &Candidate, held: f64) -> f64 {
     let Some(free) = c.cache.free_blocks else {
         return 0.0;

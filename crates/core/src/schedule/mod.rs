@@ -208,6 +208,9 @@ pub struct RequestInfo {
     /// A hash of the prompt's leading tokens, for the `prefix-hash` picker (`None`: not
     /// tokenized, or a picker that reads none).
     pub prefix_key: Option<u64>,
+    /// The longest parts of the prompt endpoints hold on their GPUs: what a candidate that
+    /// loads the prompt from a lower tier would copy into its GPU a second time.
+    pub gpu_copies: cost::GpuCopies,
 }
 
 /// Why a candidate was filtered out.

@@ -33,6 +33,7 @@ fn request(prompt_tokens: usize) -> RequestInfo {
         session_endpoint: None,
         role: Role::Both,
         prefix_key: None,
+        gpu_copies: Default::default(),
     }
 }
 
@@ -266,6 +267,50 @@ fn eviction_is_charged_only_beyond_the_free_blocks() {
     assert_eq!(d.chosen(), Some(EndpointId(1)));
 }
 
+/// A block loaded from CPU memory that another endpoint holds on its GPU makes a second GPU
+/// copy: in a full cache it pushes out a block others come back for. Priced as free, an engine
+/// reloading a document looked as cheap as the one holding it on its GPU, and a document kept
+/// warm on two engines made both reload everything they held in turn (the tier counter-case,
+/// docs/benchmarks.md). Where no GPU holds it, the request stores it on some GPU wherever it
+/// goes, and the load is priced as a block found cached.
+#[test]
+fn a_reload_that_copies_a_gpu_held_prefix_again_pays_for_what_it_evicts() {
+    let mut cands = fleet(3);
+    for c in &mut cands {
+        c.cache.block_reuse = 0.5;
+        c.cache.free_blocks = Some(0.0);
+    }
+    cands[0].cache.index = cpu_match(0, 50);
+    let mut req = request(1_000);
+    let costs = |req: &RequestInfo, cands: &[Candidate]| {
+        let d = schedule(&Profile::default(), req, cands, 1, 0);
+        let cost = |e: u32| d.assessment(EndpointId(e)).unwrap().cost.clone();
+        (cost(0), cost(1), d.chosen())
+    };
+    // No GPU holds it: the CPU holder stores the request's own 12 blocks, not the 50 it loads.
+    let (on_cpu, on_none, chosen) = costs(&req, &cands);
+    assert_eq!(on_cpu.evicted_blocks, 12.0, "{on_cpu:?}");
+    assert_eq!(on_none.evicted_blocks, 62.0, "{on_none:?}");
+    assert_eq!(chosen, Some(EndpointId(0)));
+    // Endpoint 2 holds it on its GPU: loading it into another GPU evicts as computing it does.
+    cands[2].cache.index = gpu_match(2, 50);
+    req.gpu_copies.add(EndpointId(2), 50 * 16);
+    let (on_cpu, on_none, chosen) = costs(&req, &cands);
+    assert_eq!(on_cpu.evicted_blocks, 62.0, "{on_cpu:?}");
+    assert_eq!(on_cpu.eviction_s, on_none.eviction_s);
+    assert!(
+        on_cpu.total_s < on_none.total_s,
+        "loading still beats computing"
+    );
+    assert_eq!(chosen, Some(EndpointId(2)));
+    // The GPU holder's own copy is not a second one.
+    let d = schedule(&Profile::default(), &req, &cands, 1, 0);
+    assert_eq!(
+        d.assessment(EndpointId(2)).unwrap().cost.evicted_blocks,
+        12.0
+    );
+}
+
 /// Candidate `c` (endpoint 0) holds 50 blocks of the prompt on its GPU, in a full 400-block
 /// cache whose queue ahead stores 200 blocks beyond the free ones.
 fn holds_50_blocks_under_a_full_queue(c: &mut Candidate) {
@@ -337,8 +382,9 @@ fn a_prefix_the_queue_ahead_evicts_before_admission_counts_as_uncached() {
         reload.seconds > 0.0 && reload.seconds < reload.recompute_s,
         "{a:?}"
     );
-    // Reloaded blocks are charged as blocks found on the CPU tier are: no eviction for the GPU
-    // room they take again; recomputed ones are stored again, and evict as much.
+    // Reloaded blocks no other endpoint holds on its GPU are charged as blocks found on the
+    // CPU tier are: whoever serves the request stores them on a GPU; recomputed ones are
+    // stored again, and evict as much.
     cands[0].cache.block_reuse = 1.0;
     let reloading = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     cands[0].cache.offloads_to_cpu = false;

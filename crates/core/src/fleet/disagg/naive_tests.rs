@@ -250,6 +250,7 @@ fn plans_and_choices_match_the_naive_path_on_random_fleets() {
                 session_endpoint: None,
                 role: Role::Both,
                 prefix_key: None,
+                gpu_copies: Default::default(),
             };
             let mut naive = schedule_near_best(
                 &fleet.profile,

@@ -525,6 +525,22 @@ fn a_cpu_tier_with_tier_aware_routing_serves_llm_ds_overload_at_a_tenth_of_hbm_o
     );
 }
 
+/// llm-d's counter-case, a working set that fits HBM (8 documents of about 4,000 tokens, 0.66×
+/// HBM), where a CPU tier must not make tier-aware routing slower than the GPU alone. A
+/// document copied to a second engine at start-up stayed warm on both while a reload from CPU
+/// memory was priced as free: the second engine reloaded it, and the document it evicted, in
+/// turn for the whole run (seed 21: 1.05× the GPU-only fleet's mean TTFT; docs/benchmarks.md).
+#[test]
+fn a_cpu_tier_does_not_keep_a_second_copy_of_a_document_warm_by_reloading_it() {
+    let aware = Profile::named(ProfileName::Precise);
+    let mean_ttft = |with_cpu: bool| llm_d_mean_ttft(8, 2_667, &aware, with_cpu, 21).0;
+    let (gpu_only, tiered) = (mean_ttft(false), mean_ttft(true));
+    assert!(
+        tiered <= gpu_only,
+        "tier-aware with the CPU tier {tiered:.4} s, GPU-only {gpu_only:.4} s"
+    );
+}
+
 /// llm-d's multi-tier result in llm-d's own regime: the true 1.32× working set (16 documents
 /// of about 4,000 tokens), offered at [`LLM_D_OFFERED_OVER_HBM_ONLY_CAPACITY`] times the
 /// HBM-only fleet's measured capacity. Prints each routing's mean TTFT with the CPU tier (tier-

@@ -464,6 +464,18 @@ pub struct TierLoad {
     pub seconds: f64,
 }
 
+impl TierLoad {
+    /// Tokens loaded from the tiers below the GPU and charged their load time; a tier credited
+    /// as the GPU (as a tier-blind profile credits every tier) loads none.
+    pub fn charged_tokens(&self) -> usize {
+        self.tiers
+            .iter()
+            .filter(|t| t.seconds > 0.0)
+            .map(|t| t.tokens)
+            .sum()
+    }
+}
+
 /// What loading `tokens` from each tier costs on an endpoint that prefills at `prefill_rate`
 /// tokens/s, with learned `rates` over the configured `costs`. A shared-tier load waits for
 /// the tokens queued ahead of it on the filesystem (`rates.queued_shared_tokens`) at the

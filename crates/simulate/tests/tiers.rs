@@ -529,7 +529,8 @@ fn a_cpu_tier_with_tier_aware_routing_serves_llm_ds_overload_at_a_tenth_of_hbm_o
 /// HBM), where a CPU tier must not make tier-aware routing slower than the GPU alone. A
 /// document copied to a second engine at start-up stayed warm on both while a reload from CPU
 /// memory was priced as free: the second engine reloaded it, and the document it evicted, in
-/// turn for the whole run (seed 21: 1.05× the GPU-only fleet's mean TTFT; docs/benchmarks.md).
+/// turn for the whole run (seed 21: 1.07× the GPU-only fleet's mean TTFT, 0.99× since;
+/// docs/benchmarks.md).
 #[test]
 fn a_cpu_tier_does_not_keep_a_second_copy_of_a_document_warm_by_reloading_it() {
     let aware = Profile::named(ProfileName::Precise);

@@ -77,6 +77,40 @@ pub(super) struct EndpointView {
 }
 
 impl Fleet {
+    /// The longest prefixes of the prompt held on the GPUs of endpoints that could serve it
+    /// (healthy, not ejected, serving `model` in blocks of `block_size` tokens in `role`) and
+    /// whose index is trusted, by `matches`: what a candidate that loads the prompt from a lower
+    /// tier would copy into its GPU a second time. Empty where the profile reads no index.
+    pub(super) fn gpu_copies(
+        &self,
+        matches: &PrefixMatches,
+        model: &str,
+        block_size: usize,
+        role: Role,
+        now: f64,
+    ) -> cost::GpuCopies {
+        let mut copies = cost::GpuCopies::default();
+        if self.profile.cache != CacheSource::Precise {
+            return copies;
+        }
+        for m in &matches.matches {
+            let Some(e) = self.endpoint(m.endpoint) else {
+                continue;
+            };
+            let eligible = e.present
+                && e.healthy
+                && !e.outlier.ejected(now)
+                && e.spec.block_size == block_size
+                && e.spec.serves(model)
+                && (role == Role::Both || e.spec.role == Role::Both || e.spec.role == role)
+                && e.trust.verdict(&self.config.trust, now).is_ok();
+            if eligible {
+                copies.add(m.endpoint, m.gpu_blocks as usize * block_size);
+            }
+        }
+        copies
+    }
+
     /// What `e` is known to hold of the request, and what it is expected to report cached.
     fn expected(&self, inputs: &PlanInputs<'_>, e: &EndpointState) -> Expected {
         let bs = inputs.block_size;

@@ -46,7 +46,6 @@ use crate::index::{
     PrefixMatches, ROUTER_KEY_SCHEME, SharedIndex,
 };
 use crate::keys::RouterKey;
-use crate::schedule::cost::GpuCopies;
 use crate::schedule::{
     CacheSource, Candidate, Decision, EndpointLoad, IndexState, LoadOrder, Profile, PruneBuffers,
     RankBuffers, RequestInfo, Role, amortize, decoders_saturated, schedule, schedule_near_best,
@@ -688,7 +687,7 @@ impl Fleet {
             block_size: bs,
             session_endpoint,
             role: request.role,
-            gpu_copies: GpuCopies::of(index_matches, bs),
+            gpu_copies: self.gpu_copies(index_matches, request.model, bs, request.role, now),
             prefix_key: self
                 .profile
                 .picker

@@ -1003,9 +1003,52 @@ fn a_request_goes_where_the_traffic_fits_beside_it_not_where_it_holds_others_bac
     assert!(a.room_blocking_s > 0.0, "{a:?}");
     assert_eq!(b.room_blocking_s, 0.0, "B's questions fit beside it: {b:?}");
     // Endpoint 1 holds B's context on its GPU: a second GPU copy pays for what it evicts (its
-    // 100 blocks and the question's, beyond the 50 free).
+    // 100 blocks and the question's, beyond the 50 free). Either charge alone sends the
+    // question to endpoint 1 (every weight is 1); without both, endpoint 0 would take it.
     assert!(a.evicted_blocks > 50.0 && a.eviction_s > 0.0, "{a:?}");
+    assert!(a.total_s - a.eviction_s > b.total_s, "{a:?} {b:?}");
+    assert!(a.total_s - a.room_blocking_s > b.total_s, "{a:?} {b:?}");
+    assert!(
+        a.total_s - a.room_blocking_s - a.eviction_s < b.total_s,
+        "{a:?} {b:?}"
+    );
     assert_eq!(plan.decision.chosen(), Some(serves_b));
+}
+
+/// A load from CPU memory is a second GPU copy only where the GPU copy is on an endpoint that
+/// could serve the request: one serving another model (the router keys name no model) leaves
+/// the load priced as a block found cached.
+#[test]
+fn only_an_endpoint_that_could_serve_the_request_makes_a_reload_a_second_copy() {
+    for serves in [true, false] {
+        let mut builder = FleetBuilder::new(2);
+        if !serves {
+            builder.specs[1].models = vec!["another".into()];
+        }
+        let mut fleet = builder.build();
+        scrape_idle(&mut fleet, 150);
+        // Endpoint 0: 140 of its 150 blocks hold another prompt; the context (100 blocks) only
+        // in CPU memory. Endpoint 1: the context on its GPU.
+        let (context, filler) = (prompt(1_600, 1), prompt(2_240, 2));
+        fleet.apply_events(EndpointId(0), &[stored(&filler, BS)], 0.0);
+        fleet.apply_events(EndpointId(0), &offloaded_only(&context, "CPU"), 0.0);
+        fleet.apply_events(EndpointId(1), &[stored(&context, BS)], 0.0);
+        let mut tokens = context.clone();
+        tokens.extend(prompt(40, 9));
+        let plan = fleet.plan(&Req::new(&tokens).features(), 7, 0.1);
+        let a = plan
+            .decision
+            .assessment(EndpointId(0))
+            .unwrap()
+            .cost
+            .clone();
+        assert!(a.tier_load_s > 0.0, "{a:?}");
+        if serves {
+            assert!(a.evicted_blocks > 90.0, "the load evicts: {a:?}");
+        } else {
+            assert!(a.evicted_blocks < 10.0, "only the question's blocks: {a:?}");
+        }
+    }
 }
 
 /// A sample dates from when its scrape was sent. Answers that each take the whole timeout, the

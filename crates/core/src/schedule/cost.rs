@@ -48,10 +48,11 @@
 //!   blocks keep being reused charges their full re-prefill. A block it loads from a lower tier
 //!   is stored on the GPU too, but where no endpoint holds it on its GPU, whichever serves the
 //!   request must store it on one, so it is priced as a block found cached; where another
-//!   endpoint holds it on its GPU ([`GpuCopies`]), loading it here makes a second GPU copy, and
-//!   it counts as stored (priced as free, a document held on one engine's GPU and in another's
-//!   CPU memory was served by both in turn, each reloading it and what it pushed out: the tier
-//!   counter-case in docs/benchmarks.md).
+//!   endpoint that could serve the request holds it on its GPU ([`GpuCopies`], from the
+//!   index), loading it here makes a second GPU copy, and it counts as stored. Before, priced
+//!   as free: a document held on one engine's GPU and in another's CPU memory was served by
+//!   both in turn, each reloading it and what it pushed out (the tier counter-case in
+//!   docs/benchmarks.md).
 //!
 //! `total = prefix × (prefill + tier loading) + eviction × (re-prefill of evicted blocks) +
 //! load × (queue wait + decode interference + room blocking) − session credit`. At zero load
@@ -62,7 +63,7 @@
 use serde::Serialize;
 
 use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
-use crate::index::{EndpointId, PrefixMatches};
+use crate::index::EndpointId;
 use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 
 /// One candidate's cost, term by term, in seconds.
@@ -110,12 +111,7 @@ impl Cost {
     /// memory); a tier credited as the GPU, as a tier-blind profile credits every tier, loads
     /// none.
     pub fn charged_tier_tokens(&self) -> usize {
-        self.tiers
-            .tiers
-            .iter()
-            .filter(|t| t.seconds > 0.0)
-            .map(|t| t.tokens)
-            .sum()
+        self.tiers.charged_tokens()
     }
 
     /// The weighted seconds due to what the endpoint does not hold, and what storing it there
@@ -287,11 +283,12 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     // A block loaded from a lower tier takes GPU room again, as a computed one does. Where no
     // other endpoint holds it on its GPU, whichever serves the request must store it on a GPU,
     // so it is priced as a block found cached (its load); where another does, loading it here
-    // makes a second GPU copy, and what that pushes out is charged.
-    let loaded = (held.all - held.gpu) as f64 + reloaded;
-    let kept_gpu = held.gpu as f64 - lost;
-    let duplicated =
-        loaded.min((request.gpu_copies.elsewhere(c.endpoint) as f64 - kept_gpu).max(0.0));
+    // makes a second GPU copy, and what that pushes out is charged. The loads follow what the
+    // endpoint keeps on its GPU (its reloads of what the queue ahead evicts included); a tier
+    // credited as the GPU loads nothing.
+    let first_loaded = held.gpu as f64 - reloaded;
+    let duplicated = (tiers.charged_tokens() as f64)
+        .min((request.gpu_copies.elsewhere(c.endpoint) as f64 - first_loaded).max(0.0));
     let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed - duplicated);
     let eviction_s = eviction_s(request, c, evicted_blocks, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
@@ -381,7 +378,9 @@ pub fn floor_per_token_second(profile: &Profile, busy: f64) -> Option<f64> {
     Some(w.prefix + w.load * w.decode_interference * busy.max(0.0))
 }
 
-/// The two longest prefixes of a prompt that endpoints hold on their GPUs, by the index.
+/// The two longest prefixes of a prompt that endpoints hold on their GPUs, by the index (a
+/// match's GPU blocks taken as its leading ones, as [`cached`] takes them), counted over the
+/// endpoints that could serve the request (`Fleet::plan` builds it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct GpuCopies {
     /// The endpoint holding the longest, and its tokens.
@@ -391,18 +390,13 @@ pub struct GpuCopies {
 }
 
 impl GpuCopies {
-    /// The GPU copies in a prompt's index matches, blocks of `block_size` tokens.
-    pub fn of(matches: &PrefixMatches, block_size: usize) -> Self {
-        let mut copies = Self::default();
-        for m in &matches.matches {
-            copies.add(m.endpoint, m.gpu_blocks as usize * block_size);
-        }
-        copies
-    }
-
-    /// Counts `endpoint` holding the prompt's first `tokens` tokens on its GPU.
+    /// Counts `endpoint` holding the prompt's first `tokens` tokens on its GPU (the longest
+    /// count of an endpoint added twice).
     pub fn add(&mut self, endpoint: EndpointId, tokens: usize) {
         match self.longest {
+            Some((holder, longest)) if holder == endpoint => {
+                self.longest = Some((holder, longest.max(tokens)));
+            }
             Some((_, longest)) if tokens <= longest => self.second = self.second.max(tokens),
             Some((_, longest)) => {
                 self.second = longest;

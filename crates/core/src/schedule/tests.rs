@@ -311,6 +311,61 @@ fn a_reload_that_copies_a_gpu_held_prefix_again_pays_for_what_it_evicts() {
     );
 }
 
+/// Only a load is a second copy: on an endpoint that recomputes what the queue ahead evicts (no
+/// CPU tier), a GPU copy elsewhere no longer than its own GPU match changes nothing it is
+/// charged, whatever it loads from a shared tier.
+#[test]
+fn what_the_queue_ahead_evicts_and_is_recomputed_is_not_a_second_copy() {
+    let mut cands = fleet(2);
+    holds_50_blocks_under_a_full_queue(&mut cands[0]);
+    cands[0].cache.index = Some(PrefixMatch {
+        blocks: 60,
+        shared_blocks: 10,
+        ..gpu_match(0, 50).unwrap()
+    });
+    cands[0].cache.block_reuse = 1.0;
+    busy(&mut cands[0], 2, 200 * 16);
+    let mut req = request(1_000);
+    let evicted = |req: &RequestInfo| {
+        let d = schedule(&Profile::default(), req, &cands, 1, 0);
+        d.assessment(EndpointId(0)).unwrap().cost.clone()
+    };
+    let alone = evicted(&req);
+    assert!(alone.evicted_ahead_tokens > 0.0, "{alone:?}");
+    req.gpu_copies.add(EndpointId(1), 50 * 16);
+    let beside = evicted(&req);
+    assert_eq!(beside.evicted_blocks, alone.evicted_blocks, "{beside:?}");
+    // A longer GPU copy elsewhere makes its shared-tier load a second copy.
+    req.gpu_copies.add(EndpointId(1), 60 * 16);
+    assert!(evicted(&req).evicted_blocks > alone.evicted_blocks);
+}
+
+#[test]
+fn gpu_copies_name_the_longest_held_elsewhere() {
+    let mut copies = cost::GpuCopies::default();
+    assert_eq!(copies.elsewhere(EndpointId(0)), 0);
+    copies.add(EndpointId(0), 100);
+    assert_eq!(
+        copies.elsewhere(EndpointId(0)),
+        0,
+        "its own copy is not elsewhere"
+    );
+    assert_eq!(copies.elsewhere(EndpointId(1)), 100);
+    // The same endpoint again: its longest count, still no other.
+    copies.add(EndpointId(0), 150);
+    assert_eq!(copies.elsewhere(EndpointId(0)), 0);
+    assert_eq!(copies.elsewhere(EndpointId(1)), 150);
+    copies.add(EndpointId(1), 150);
+    assert_eq!(
+        copies.elsewhere(EndpointId(0)),
+        150,
+        "a tie held by another"
+    );
+    copies.add(EndpointId(2), 200);
+    assert_eq!(copies.elsewhere(EndpointId(2)), 150);
+    assert_eq!(copies.elsewhere(EndpointId(0)), 200);
+}
+
 /// Candidate `c` (endpoint 0) holds 50 blocks of the prompt on its GPU, in a full 400-block
 /// cache whose queue ahead stores 200 blocks beyond the free ones.
 fn holds_50_blocks_under_a_full_queue(c: &mut Candidate) {

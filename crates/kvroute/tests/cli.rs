@@ -481,6 +481,11 @@ fn simulate_trace(
     (out, runs)
 }
 
+/// Three Mooncake rows: the second shares the first's two blocks, the third shares nothing.
+const THREE_REQUESTS: &str = "{\"timestamp\": 0, \"input_length\": 900, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+     {\"timestamp\": 50, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+     {\"timestamp\": 90, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [3, 4]}\n";
+
 /// A trace whose next request comes decades later: the simulator skips the idle scrapes between
 /// (one per 100 ms of simulated time would take hours) and serves both requests.
 #[test]
@@ -503,9 +508,7 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
     let dir = ScratchDir::new("simulate-test");
     let (out, runs) = simulate_trace(
         &dir,
-        "{\"timestamp\": 0, \"input_length\": 900, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
-         {\"timestamp\": 50, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
-         {\"timestamp\": 90, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [3, 4]}\n",
+        THREE_REQUESTS,
         &[
             "--engines",
             "2",
@@ -530,6 +533,56 @@ fn simulate_replays_a_trace_into_results_bench_compare_reads() {
         "",
     ));
     assert!(out.join("compare.html").exists());
+}
+
+/// `--log-decisions`: one line per request, naming where it went, as the results do, with
+/// the ranking and every candidate's cost, as `explain` shows them.
+#[test]
+fn simulate_writes_every_decision_with_its_costs_when_asked() {
+    let dir = ScratchDir::new("simulate-decisions");
+    let (out, runs) = simulate_trace(
+        &dir,
+        THREE_REQUESTS,
+        &["--engines", "2", "--policy", "precise", "--log-decisions"],
+    );
+    let text = std::fs::read_to_string(out.join("decisions-precise.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let records = runs[0]["records"].as_array().unwrap();
+    assert_eq!(lines.len(), records.len(), "{text}");
+    for line in &lines {
+        let record = records
+            .iter()
+            .find(|r| r["session"] == line["session"])
+            .unwrap();
+        assert_eq!(line["endpoint"], record["endpoint"], "{line}");
+        let decision = &line["decision"];
+        let first = decision["ranking"][0].as_u64().unwrap();
+        assert_eq!(line["endpoint"], format!("engine-{first}"));
+        let assessments = decision["assessments"].as_array().unwrap();
+        assert_eq!(assessments.len(), 2, "both engines compete: {line}");
+        assert!(assessments.iter().all(|a| a["cost"]["total_s"].is_f64()));
+    }
+    // The second request's choice holds the first one's blocks, and the log says so.
+    let second = &lines[1]["decision"];
+    let chosen = second["ranking"][0].clone();
+    let held = second["assessments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["endpoint"] == chosen)
+        .unwrap();
+    assert!(held["cached_tokens"].as_u64().unwrap() >= 512, "{second}");
+    // Without the flag, no log.
+    let plain = ScratchDir::new("simulate-no-decisions");
+    let (out, _) = simulate_trace(
+        &plain,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1]}\n",
+        &["--policy", "precise"],
+    );
+    assert!(!out.join("decisions-precise.jsonl").exists());
 }
 
 #[test]

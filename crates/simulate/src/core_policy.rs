@@ -21,6 +21,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::SimulateError;
 use crate::config::FleetConfig;
+use crate::decisions::{Decided, DecisionLog};
 use crate::pd_policy::{PdMode, PdRouting};
 use crate::policy::{Routing, RoutingPolicy, SimRequest, Usage};
 
@@ -52,6 +53,8 @@ pub struct CorePolicy {
     last_housekeeping: f64,
     /// Prefill/decode disaggregation on a P/D fleet (`pd-always`, `pd-cost`).
     pd: Option<PdRouting>,
+    /// Where each decision is written, when the run traces them.
+    decisions: Option<DecisionLog>,
 }
 
 impl CorePolicy {
@@ -140,7 +143,18 @@ impl CorePolicy {
             rng: StdRng::seed_from_u64(fleet.seed),
             last_housekeeping: 0.0,
             pd: None,
+            decisions: None,
         })
+    }
+
+    /// Writes every decision from now on to `log` ([`crate::decisions`]).
+    pub fn log_decisions(&mut self, log: DecisionLog) {
+        self.decisions = Some(log);
+    }
+
+    /// Closes the decision log, if any: the first error met while writing it.
+    pub fn finish_decisions(&mut self) -> Result<(), SimulateError> {
+        self.decisions.take().map_or(Ok(()), DecisionLog::finish)
     }
 
     fn features<'a>(
@@ -185,10 +199,22 @@ impl CorePolicy {
                 .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
             None => Routing::Endpoint(chosen.0 as usize),
         };
-        let prefill = match routing {
-            Routing::Disaggregated { prefill, .. } => Some(prefill),
-            _ => None,
+        let (engine, prefill) = match routing {
+            Routing::Disaggregated { prefill, decode } => (decode, Some(prefill)),
+            Routing::Endpoint(engine) => (engine, None),
+            _ => (chosen.0 as usize, None),
         };
+        if let Some(log) = &mut self.decisions {
+            log.record(&Decided {
+                at_s: now,
+                request: request.id,
+                session: request.session,
+                prompt_tokens: request.prompt_tokens,
+                engine,
+                prefill_engine: prefill,
+                decision: &plan.decision,
+            });
+        }
         self.remember(request, plan.predicted_cached, None, prefill);
         routing
     }

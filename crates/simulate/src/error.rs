@@ -15,6 +15,14 @@ pub enum SimulateError {
     /// The core refused something (the KV index settings).
     #[error(transparent)]
     Core(#[from] kvroute_core::CoreError),
+    /// A file the run writes (its decision log) could not be written.
+    #[error("writing {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// An engine had work but its step did nothing: the run could never finish.
     #[error("engine {engine} is stalled at t = {at_s:.3} s: it has requests but cannot run them")]
     Stalled {

@@ -9,13 +9,15 @@
 //! - [`config`]: the fleet and the timing around the engines;
 //! - [`policy`]: the routing seam; [`core_policy`]: the policies on kvroute-core's fleet state;
 //! - [`run`](mod@run): one run in virtual time; [`simulate`] and [`simulate_with`]: runs as
-//!   `kvroute bench` results;
+//!   `kvroute bench` results ([`simulate_logged`] with every decision, as `explain` shows
+//!   one: [`decisions`]);
 //! - [`tune`](mod@tune): searching a profile's parameters, with a held-out part;
 //! - [`matrix`]: every policy on a grid of workload shapes, cache sizes and loads.
 
 mod client;
 pub mod config;
 pub mod core_policy;
+pub mod decisions;
 mod engines;
 mod error;
 pub mod matrix;
@@ -25,6 +27,8 @@ pub mod policy;
 mod queue;
 pub mod run;
 pub mod tune;
+
+use std::path::Path;
 
 use kvroute_bench::result::RunResult;
 use kvroute_bench::workload::Workload;
@@ -42,11 +46,29 @@ pub fn simulate(
     concurrency: Option<usize>,
     policies: &[String],
 ) -> Result<Vec<RunResult>, SimulateError> {
+    simulate_logged(fleet, workload, concurrency, policies, None)
+}
+
+/// [`simulate`], writing each policy's decisions to `decisions-<policy>.jsonl` in
+/// `decisions_dir` ([`decisions::DecisionLog`]) when given.
+pub fn simulate_logged(
+    fleet: &FleetConfig,
+    workload: &Workload,
+    concurrency: Option<usize>,
+    policies: &[String],
+    decisions_dir: Option<&Path>,
+) -> Result<Vec<RunResult>, SimulateError> {
     policies
         .iter()
         .map(|name| {
             let mut policy = core_policy::CorePolicy::named(name, fleet)?;
-            simulate_with(name, fleet, workload, concurrency, &mut policy)
+            if let Some(dir) = decisions_dir {
+                let path = dir.join(format!("decisions-{name}.jsonl"));
+                policy.log_decisions(decisions::DecisionLog::create(&path)?);
+            }
+            let result = simulate_with(name, fleet, workload, concurrency, &mut policy)?;
+            policy.finish_decisions()?;
+            Ok(result)
         })
         .collect()
 }

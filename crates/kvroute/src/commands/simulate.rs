@@ -38,6 +38,11 @@ pub struct SimulateArgs {
     /// Where to write `simulate.json` and `simulate.html`.
     #[arg(long, default_value = "kvroute-simulate")]
     out: PathBuf,
+    /// Also write every routing decision, one JSON line each (the request, where it went, and
+    /// each candidate's cost term by term, as `/kvroute/v1/explain` shows one), to
+    /// `decisions-<policy>.jsonl` beside the results.
+    #[arg(long, conflicts_with = "matrix")]
+    log_decisions: bool,
 }
 
 /// Which scheduler matrix to run.
@@ -100,9 +105,16 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         fleet.engine.num_gpu_blocks,
         args.policies.join(", ")
     );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     let started = Instant::now();
-    let runs =
-        kvroute_simulate::simulate(&fleet, &workload, args.workload.concurrency, &args.policies)?;
+    let runs = kvroute_simulate::simulate_logged(
+        &fleet,
+        &workload,
+        args.workload.concurrency,
+        &args.policies,
+        args.log_decisions.then_some(args.out.as_path()),
+    )?;
     let wall = started.elapsed().as_secs_f64();
     println!("{}", kvroute_bench::report::table(&runs));
     let pooled = fleet.engine.pooled(fleet.engines);
@@ -123,8 +135,6 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             .map(|r| r.summary.duration_s)
             .fold(0.0, f64::max)
     );
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
     let (json, html) = kvroute_bench::report::write_files(&runs, &args.out, "simulate")
         .context("writing the report")?;
     println!("Results: {}  Report: {}", json.display(), html.display());

@@ -1,0 +1,112 @@
+//! Every routing decision of a simulated run, one JSON line each (`kvroute simulate
+//! --log-decisions`): for a whole run, what `/kvroute/v1/explain` shows for one live request.
+//! Each line names the request and its session, the endpoint it went to (and the prefill
+//! endpoint of a disaggregated request), and the scheduler's decision: the ranking, the reason,
+//! and every candidate's cost term by term.
+//!
+//! Writing never stops the run: the first error is kept, nothing more is written, and
+//! [`DecisionLog::finish`] returns it, so a full disk cannot leave a truncated log that reads as
+//! complete.
+
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use kvroute_core::schedule::Decision;
+use serde::Serialize;
+
+use crate::SimulateError;
+use crate::config::FleetConfig;
+
+/// One routing decision, as a line of the log.
+#[derive(Serialize)]
+struct Line<'a> {
+    /// Virtual time of the decision, seconds from the start of the run.
+    at_s: f64,
+    /// The request, unique in the run.
+    request: u64,
+    /// Its conversation (or trace row).
+    session: u64,
+    /// Its prompt length in tokens.
+    prompt_tokens: usize,
+    /// The endpoint it was sent to (the decode endpoint of a disaggregated request).
+    endpoint: String,
+    /// The endpoint that computed its prefill, when it was disaggregated.
+    prefill_endpoint: Option<String>,
+    /// The scheduler's decision (candidate ids are endpoint numbers: `engine-N`).
+    decision: &'a Decision,
+}
+
+/// A run's decisions, written as they are made.
+pub struct DecisionLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+    error: Option<io::Error>,
+}
+
+/// One decision to record: the request, where it went, and why.
+pub struct Decided<'a> {
+    /// Virtual time, seconds.
+    pub at_s: f64,
+    /// The request's id in the run.
+    pub request: u64,
+    /// Its session.
+    pub session: u64,
+    /// Its prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// The engine it went to (the decode engine when disaggregated).
+    pub engine: usize,
+    /// The engine that computed its prefill, when disaggregated.
+    pub prefill_engine: Option<usize>,
+    /// The scheduler's decision.
+    pub decision: &'a Decision,
+}
+
+impl DecisionLog {
+    /// A log written to `path` (created, or truncated).
+    pub fn create(path: &Path) -> Result<Self, SimulateError> {
+        let file = File::create(path).map_err(|e| SimulateError::Io {
+            path: path.to_owned(),
+            source: e,
+        })?;
+        Ok(Self {
+            path: path.to_owned(),
+            out: BufWriter::new(file),
+            error: None,
+        })
+    }
+
+    /// Writes one decision (nothing once a write has failed).
+    pub fn record(&mut self, decided: &Decided<'_>) {
+        if self.error.is_some() {
+            return;
+        }
+        let line = Line {
+            at_s: decided.at_s,
+            request: decided.request,
+            session: decided.session,
+            prompt_tokens: decided.prompt_tokens,
+            endpoint: FleetConfig::endpoint_name(decided.engine),
+            prefill_endpoint: decided.prefill_engine.map(FleetConfig::endpoint_name),
+            decision: decided.decision,
+        };
+        let written = serde_json::to_writer(&mut self.out, &line)
+            .map_err(io::Error::from)
+            .and_then(|()| self.out.write_all(b"\n"));
+        if let Err(e) = written {
+            self.error = Some(e);
+        }
+    }
+
+    /// Flushes the log; the first error met while writing it, if any.
+    pub fn finish(mut self) -> Result<(), SimulateError> {
+        let flushed = match self.error.take() {
+            Some(e) => Err(e),
+            None => self.out.flush(),
+        };
+        flushed.map_err(|e| SimulateError::Io {
+            path: self.path,
+            source: e,
+        })
+    }
+}

@@ -110,3 +110,64 @@ impl DecisionLog {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::schedule::{Decision, Reason};
+
+    use super::*;
+
+    fn decision() -> Decision {
+        Decision {
+            ranking: Vec::new(),
+            assessments: Vec::new(),
+            reason: Reason::Cache,
+            saturated: false,
+            copy: None,
+        }
+    }
+
+    fn decided(decision: &Decision) -> Decided<'_> {
+        Decided {
+            at_s: 1.5,
+            request: 7,
+            session: 3,
+            prompt_tokens: 100,
+            engine: 2,
+            prefill_engine: None,
+            decision,
+        }
+    }
+
+    #[test]
+    fn each_decision_is_one_line_naming_its_engine() {
+        let dir = std::env::temp_dir().join(format!("kvroute-decisions-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("decisions.jsonl");
+        let mut log = DecisionLog::create(&path).unwrap();
+        let d = decision();
+        log.record(&decided(&d));
+        log.record(&decided(&d));
+        log.finish().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert_eq!(lines[0]["endpoint"], "engine-2");
+        assert_eq!(lines[0]["request"], 7);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A full disk is reported when the log is closed, not left as a log that reads complete.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_log_that_could_not_be_written_is_an_error() {
+        let mut log = DecisionLog::create(Path::new("/dev/full")).unwrap();
+        let d = decision();
+        log.record(&decided(&d));
+        let err = log.finish().unwrap_err();
+        assert!(err.to_string().contains("/dev/full"), "{err}");
+    }
+}

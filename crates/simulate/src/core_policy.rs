@@ -210,8 +210,8 @@ impl CorePolicy {
                 request: request.id,
                 session: request.session,
                 prompt_tokens: request.prompt_tokens,
-                engine,
-                prefill_engine: prefill,
+                endpoint: FleetConfig::endpoint_name(engine),
+                prefill_endpoint: prefill.map(FleetConfig::endpoint_name),
                 decision: &plan.decision,
             });
         }

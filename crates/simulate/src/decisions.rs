@@ -16,26 +16,6 @@ use kvroute_core::schedule::Decision;
 use serde::Serialize;
 
 use crate::SimulateError;
-use crate::config::FleetConfig;
-
-/// One routing decision, as a line of the log.
-#[derive(Serialize)]
-struct Line<'a> {
-    /// Virtual time of the decision, seconds from the start of the run.
-    at_s: f64,
-    /// The request, unique in the run.
-    request: u64,
-    /// Its conversation (or trace row).
-    session: u64,
-    /// Its prompt length in tokens.
-    prompt_tokens: usize,
-    /// The endpoint it was sent to (the decode endpoint of a disaggregated request).
-    endpoint: String,
-    /// The endpoint that computed its prefill, when it was disaggregated.
-    prefill_endpoint: Option<String>,
-    /// The scheduler's decision (candidate ids are endpoint numbers: `engine-N`).
-    decision: &'a Decision,
-}
 
 /// A run's decisions, written as they are made.
 pub struct DecisionLog {
@@ -44,21 +24,23 @@ pub struct DecisionLog {
     error: Option<io::Error>,
 }
 
-/// One decision to record: the request, where it went, and why.
+/// One routing decision: a line of the log.
+#[derive(Serialize)]
 pub struct Decided<'a> {
-    /// Virtual time, seconds.
+    /// Virtual time of the decision, seconds from the start of the run.
     pub at_s: f64,
-    /// The request's id in the run.
+    /// The request, unique in the run.
     pub request: u64,
-    /// Its session.
+    /// Its conversation (or trace row).
     pub session: u64,
     /// Its prompt length in tokens.
     pub prompt_tokens: usize,
-    /// The engine it went to (the decode engine when disaggregated).
-    pub engine: usize,
-    /// The engine that computed its prefill, when disaggregated.
-    pub prefill_engine: Option<usize>,
-    /// The scheduler's decision.
+    /// The endpoint it was sent to (the decode endpoint of a disaggregated request), named as
+    /// the results name it ([`crate::config::FleetConfig::endpoint_name`]).
+    pub endpoint: String,
+    /// The endpoint that computed its prefill, when it was disaggregated.
+    pub prefill_endpoint: Option<String>,
+    /// The scheduler's decision (its candidate ids are the endpoints' numbers: `engine-N`).
     pub decision: &'a Decision,
 }
 
@@ -81,16 +63,7 @@ impl DecisionLog {
         if self.error.is_some() {
             return;
         }
-        let line = Line {
-            at_s: decided.at_s,
-            request: decided.request,
-            session: decided.session,
-            prompt_tokens: decided.prompt_tokens,
-            endpoint: FleetConfig::endpoint_name(decided.engine),
-            prefill_endpoint: decided.prefill_engine.map(FleetConfig::endpoint_name),
-            decision: decided.decision,
-        };
-        let written = serde_json::to_writer(&mut self.out, &line)
+        let written = serde_json::to_writer(&mut self.out, decided)
             .map_err(io::Error::from)
             .and_then(|()| self.out.write_all(b"\n"));
         if let Err(e) = written {
@@ -133,14 +106,14 @@ mod tests {
             request: 7,
             session: 3,
             prompt_tokens: 100,
-            engine: 2,
-            prefill_engine: None,
+            endpoint: "engine-2".into(),
+            prefill_endpoint: None,
             decision,
         }
     }
 
     #[test]
-    fn each_decision_is_one_line_naming_its_engine() {
+    fn each_decision_is_one_line() {
         let dir = std::env::temp_dir().join(format!("kvroute-decisions-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("decisions.jsonl");

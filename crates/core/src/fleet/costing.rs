@@ -9,7 +9,7 @@ use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
 use crate::schedule::{
     CacheSource, CacheView, Candidate, EndpointLoad, IndexState, PruneScope, RequestInfo, Role,
-    cost, saturated_load, schedule_pruned,
+    cost, saturated, schedule_pruned,
 };
 use crate::tiers::TierTokens;
 
@@ -102,7 +102,7 @@ impl Fleet {
                 && !e.outlier.ejected(now)
                 && e.spec.block_size == block_size
                 && e.spec.serves(model)
-                && (role == Role::Both || e.spec.role == Role::Both || e.spec.role == role)
+                && e.spec.role.serves(role)
                 && e.trust.verdict(&self.config.trust, now).is_ok();
             if eligible {
                 copies.add(m.endpoint, m.gpu_blocks as usize * block_size);
@@ -367,11 +367,11 @@ impl Fleet {
     /// sample while its key counts it (fresh for every plan until the order expires it), both
     /// with and without it otherwise (a plan just before the expiry may still read it).
     fn saturated_as_planned(&self, e: &EndpointState, counts_sample: bool) -> bool {
-        let with_sample = saturated_load(
+        let with_sample = saturated(
             &self.profile,
             &e.counts_with(e.sample.as_ref().map(|(s, _)| s)),
         );
-        with_sample && (counts_sample || saturated_load(&self.profile, &e.counts_with(None)))
+        with_sample && (counts_sample || saturated(&self.profile, &e.counts_with(None)))
     }
 
     /// Sets `id`'s place in the load order from its load and prefill rate now, and whether a

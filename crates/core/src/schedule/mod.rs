@@ -64,6 +64,11 @@ impl Role {
     pub fn prefills(self) -> bool {
         matches!(self, Role::Prefill | Role::Both)
     }
+
+    /// Whether an endpoint of this role can serve a request that wants `wanted`.
+    pub fn serves(self, wanted: Role) -> bool {
+        wanted == Role::Both || self == Role::Both || self == wanted
+    }
 }
 
 /// Load signals of one endpoint. Scraped values are `None` until scraped (or when stale).
@@ -360,7 +365,7 @@ pub(crate) fn rejection(
     if !c.serves_model {
         return Some(Rejection::WrongModel);
     }
-    if request.role != Role::Both && c.role != Role::Both && c.role != request.role {
+    if !c.role.serves(request.role) {
         return Some(Rejection::WrongRole);
     }
     if profile
@@ -383,13 +388,9 @@ pub(crate) fn rejection(
     None
 }
 
-/// Whether an endpoint with `load` is saturated under `profile` (as the scheduler reads it:
-/// flow control holds a request while every competitor is).
-pub fn saturated_load(profile: &Profile, load: &EndpointLoad) -> bool {
-    saturated(profile, load)
-}
-
-fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {
+/// Whether an endpoint with `load` is saturated under `profile` (flow control holds a request
+/// while every competitor is).
+pub(crate) fn saturated(profile: &Profile, load: &EndpointLoad) -> bool {
     let s = &profile.saturation;
     load.queue() >= s.queue
         || (load.kv_usage.unwrap_or(0.0) >= s.kv_usage && load.waiting.unwrap_or(0.0) > 0.0)

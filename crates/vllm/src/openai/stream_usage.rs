@@ -37,7 +37,7 @@ pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
 
 /// [`request_stream_usage`] for a body the router builds itself from the client's (a P/D
 /// decode leg): `stream_options.include_usage` set in `body`, a JSON object whose client named
-/// no `stream_options`. Anything but an object is left as it is.
+/// no `stream_options` (one already there is left as it is, as is anything but an object).
 pub fn ask_stream_usage(body: &mut Value) {
     if let Some(map) = body.as_object_mut() {
         map.entry("stream_options")

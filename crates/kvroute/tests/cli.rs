@@ -575,6 +575,44 @@ fn simulate_writes_every_decision_with_its_costs_when_asked() {
         .find(|a| a["endpoint"] == chosen)
         .unwrap();
     assert!(held["cached_tokens"].as_u64().unwrap() >= 512, "{second}");
+    // A P/D policy that prices its choice logs that arithmetic too, and the choice it logs is
+    // where the request went.
+    let pd = ScratchDir::new("simulate-pd-decisions");
+    let (out, _) = simulate_trace(
+        &pd,
+        THREE_REQUESTS,
+        &[
+            "--engines",
+            "2",
+            "--kv-role",
+            "both",
+            "--kv-link",
+            "ib-400",
+            "--policy",
+            "pd-cost",
+            "--log-decisions",
+        ],
+    );
+    let text = std::fs::read_to_string(out.join("decisions-pd-cost.jsonl")).unwrap();
+    for line in text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+    {
+        let choice = &line["pd_choice"];
+        assert!(choice["aggregated"]["total_s"].is_f64(), "{line}");
+        assert_eq!(
+            choice["aggregated"]["endpoint"], line["decision"]["ranking"][0],
+            "{line}"
+        );
+        match line["prefill_endpoint"].as_str() {
+            None => assert_eq!(choice["choice"]["mode"], "aggregated", "{line}"),
+            Some(prefill) => assert_eq!(
+                format!("engine-{}", choice["choice"]["prefill"]),
+                prefill,
+                "{line}"
+            ),
+        }
+    }
     // Without the flag, no log.
     let plain = ScratchDir::new("simulate-no-decisions");
     let (out, _) = simulate_trace(

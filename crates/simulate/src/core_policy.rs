@@ -193,12 +193,11 @@ impl CorePolicy {
         let Some(chosen) = plan.decision.chosen() else {
             return no_endpoint();
         };
-        let routing = match &self.pd {
-            Some(pd) => pd
-                .choose(&mut self.fleet, &plan, request.prompt_tokens, now)
-                .unwrap_or(Routing::Endpoint(chosen.0 as usize)),
-            None => Routing::Endpoint(chosen.0 as usize),
-        };
+        let (routing, pd_choice) = self
+            .pd
+            .as_ref()
+            .and_then(|pd| pd.choose(&mut self.fleet, &plan, request.prompt_tokens, now))
+            .unwrap_or((Routing::Endpoint(chosen.0 as usize), None));
         let (engine, prefill) = match routing {
             Routing::Disaggregated { prefill, decode } => (decode, Some(prefill)),
             Routing::Endpoint(engine) => (engine, None),
@@ -213,6 +212,7 @@ impl CorePolicy {
                 endpoint: FleetConfig::endpoint_name(engine),
                 prefill_endpoint: prefill.map(FleetConfig::endpoint_name),
                 decision: &plan.decision,
+                pd_choice: pd_choice.as_ref(),
             });
         }
         self.remember(request, plan.predicted_cached, None, prefill);

@@ -13,6 +13,7 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use kvroute_core::schedule::Decision;
+use kvroute_core::schedule::disagg::DisaggExplain;
 use serde::Serialize;
 
 use crate::SimulateError;
@@ -42,6 +43,8 @@ pub struct Decided<'a> {
     pub prefill_endpoint: Option<String>,
     /// The scheduler's decision (its candidate ids are the endpoints' numbers: `engine-N`).
     pub decision: &'a Decision,
+    /// The P/D choice and every option's arithmetic, where the policy priced one (`pd-cost`).
+    pub pd_choice: Option<&'a DisaggExplain>,
 }
 
 impl DecisionLog {
@@ -109,6 +112,7 @@ mod tests {
             endpoint: "engine-2".into(),
             prefill_endpoint: None,
             decision,
+            pd_choice: None,
         }
     }
 

@@ -8,7 +8,7 @@
 use kvroute_core::fleet::{DisaggConfig, Fleet, Plan};
 use kvroute_core::index::EndpointId;
 use kvroute_core::schedule::Role;
-use kvroute_core::schedule::disagg::{DisaggChoice, LinkLearning, LinkPrior};
+use kvroute_core::schedule::disagg::{DisaggChoice, DisaggExplain, LinkLearning, LinkPrior};
 use kvroute_vllm::nixl::KvRole;
 
 use crate::config::FleetConfig;
@@ -66,33 +66,37 @@ impl PdRouting {
         })
     }
 
-    /// Where a request goes, given the profile's plan over every endpoint.
+    /// Where a request goes, given the profile's plan over every endpoint, with the P/D
+    /// choice's arithmetic where it was priced (`pd-cost`).
     pub fn choose(
         &self,
         core: &mut Fleet,
         plan: &Plan,
         prompt_tokens: usize,
         now: f64,
-    ) -> Option<Routing> {
+    ) -> Option<(Routing, Option<DisaggExplain>)> {
         let decode = core.decode_pick(plan)?;
         let aggregated = Routing::Endpoint(decode.0 as usize);
         let disaggregated = |prefill: EndpointId| Routing::Disaggregated {
             prefill: prefill.0 as usize,
             decode: decode.0 as usize,
         };
-        let routing = match self.mode {
-            PdMode::Always => core
-                .prefill_candidates(plan, decode)
-                .into_iter()
-                .find(|e| plan.decision.assessment(*e).is_some())
-                .map_or(aggregated, disaggregated),
+        let (routing, explain) = match self.mode {
+            PdMode::Always => (
+                core.prefill_candidates(plan, decode)
+                    .into_iter()
+                    .find(|e| plan.decision.assessment(*e).is_some())
+                    .map_or(aggregated, disaggregated),
+                None,
+            ),
             PdMode::Cost => {
                 let explain =
                     core.plan_disagg(plan, decode, prompt_tokens, self.block_size, now)?;
-                match explain.choice {
+                let routing = match explain.choice {
                     DisaggChoice::Aggregated => aggregated,
                     DisaggChoice::Disaggregated { prefill } => disaggregated(prefill),
-                }
+                };
+                (routing, Some(explain))
             }
         };
         // The prefill's work reaches the endpoint that computes it, whatever decided it.
@@ -101,6 +105,6 @@ impl PdRouting {
             _ => decode,
         };
         core.prefill_sent(plan, computes, now);
-        Some(routing)
+        Some((routing, explain))
     }
 }

@@ -107,6 +107,30 @@ pub struct Summary {
     /// run read them (`kvroute demo --offload`); absent from older result files.
     #[serde(default)]
     pub tier_tokens: Option<TierTokens>,
+    /// How far each request's time to first token was from the router's prediction for it,
+    /// when the run knows the predictions (`kvroute simulate` under a policy that plans with
+    /// the cost model); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_prediction_error: Option<PredictionError>,
+}
+
+/// Measured less predicted time to first token over a run's predicted requests, seconds
+/// (negative: served sooner than predicted). Percentiles are nearest-rank over the exact
+/// values.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PredictionError {
+    /// Requests with a prediction.
+    pub count: u64,
+    /// Mean error (the bias).
+    pub mean_s: f64,
+    /// Mean absolute error.
+    pub mean_abs_s: f64,
+    /// 10th percentile (the predictions furthest above what happened).
+    pub p10_s: f64,
+    /// Median.
+    pub p50_s: f64,
+    /// 90th percentile (the waits furthest beyond their prediction).
+    pub p90_s: f64,
 }
 
 /// Prompt tokens the engines served from each KV-cache tier during one run: the difference of

@@ -12,7 +12,8 @@
 //! - `hit_rate` is the sum of `cached_tokens` over the sum of `prompt_tokens`, over the records
 //!   that reported `cached_tokens` (0 when none did, or their prompts sum to 0).
 //! - `engine_hit_rate` and `tier_tokens` are left `None`: whoever can read the engines'
-//!   counters fills them in.
+//!   counters fills them in; `ttft_prediction_error` too, by whoever knows the router's
+//!   predictions ([`prediction_error`]).
 //! - `endpoints` has one entry per endpoint, sorted by name, counting every record it received
 //!   (failed ones included). Records without an endpoint are grouped under
 //!   [`UNKNOWN_ENDPOINT`] (`"-"`).
@@ -27,7 +28,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use hdrhistogram::Histogram;
 
-use crate::result::{EndpointShare, Percentiles, RequestRecord, Summary};
+use crate::result::{EndpointShare, Percentiles, PredictionError, RequestRecord, Summary};
 
 /// The endpoint name under which records that carry no endpoint are grouped.
 pub const UNKNOWN_ENDPOINT: &str = "-";
@@ -115,6 +116,7 @@ pub fn summarize(records: &[RequestRecord], duration_s: f64) -> Summary {
         endpoints,
         load_imbalance,
         tier_tokens: None,
+        ttft_prediction_error: None,
     }
 }
 
@@ -166,6 +168,27 @@ fn load_imbalance(endpoints: &[EndpointShare]) -> f64 {
     let max = counts.iter().copied().max().unwrap_or(0) as f64;
     let mean = counts.iter().sum::<u64>() as f64 / counts.len() as f64;
     if mean > 0.0 { max / mean } else { 1.0 }
+}
+
+/// The summary of `errors` (measured less predicted seconds; values that are not finite
+/// numbers are left out), `None` when none is left.
+#[must_use]
+pub fn prediction_error(errors: &[f64]) -> Option<PredictionError> {
+    let mut sorted: Vec<f64> = errors.iter().copied().filter(|e| e.is_finite()).collect();
+    if sorted.is_empty() {
+        return None;
+    }
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let at = |q: f64| sorted[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+    Some(PredictionError {
+        count: n as u64,
+        mean_s: sorted.iter().sum::<f64>() / n as f64,
+        mean_abs_s: sorted.iter().map(|e| e.abs()).sum::<f64>() / n as f64,
+        p10_s: at(0.10),
+        p50_s: at(0.50),
+        p90_s: at(0.90),
+    })
 }
 
 /// One latency measure: an HDR histogram in microseconds plus an exact sum for the mean.

@@ -148,6 +148,7 @@ fn synthetic(
         load_imbalance: busiest / (ok.len() as f64 / 4.0),
         endpoints,
         tier_tokens: None,
+        ttft_prediction_error: None,
     };
     RunResult {
         name: name.to_string(),

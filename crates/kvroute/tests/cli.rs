@@ -623,6 +623,34 @@ fn simulate_writes_every_decision_with_its_costs_when_asked() {
     assert!(!out.join("decisions-precise.jsonl").exists());
 }
 
+/// Each policy's results say how far its requests' first tokens were from what it predicted
+/// for them: on an idle fleet, every one within a few milliseconds (the prediction is the cost
+/// model's, in seconds; a unit or sign slip would be off by orders of magnitude).
+#[test]
+fn simulate_reports_how_far_first_tokens_were_from_their_predictions() {
+    let dir = ScratchDir::new("simulate-prediction-error");
+    let args = [
+        "--engines",
+        "2",
+        "--policy",
+        "precise",
+        "--policy",
+        "round-robin",
+    ];
+    let (_, runs) = simulate_trace(&dir, THREE_REQUESTS, &args);
+    assert_eq!(runs.len(), 2);
+    for run in &runs {
+        let error = &run["summary"]["ttft_prediction_error"];
+        assert_eq!(error["count"], 3, "every request was predicted: {run}");
+        let (p10, p90) = (
+            error["p10_s"].as_f64().unwrap(),
+            error["p90_s"].as_f64().unwrap(),
+        );
+        assert!(-0.03 < p10 && p10 <= p90 && p90 < 0.03, "{error}");
+        assert!(error["mean_abs_s"].as_f64().unwrap() < 0.02, "{error}");
+    }
+}
+
 #[test]
 fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
     let dir = ScratchDir::new("matrix-test");

@@ -122,6 +122,12 @@ fn the_openai_python_client_works_through_the_router() {
         let checked = counted("kvroute_prediction_outcomes_total{", "");
         (checked == 5.0, checked)
     });
+    // And each one's time to first token beside the plan's prediction: on an idle fleet of
+    // simulated engines the two agree to well within a second (seconds, not milliseconds).
+    let timed = counted("kvroute_ttft_prediction_error_seconds_count{", "");
+    assert_eq!(timed, 5.0);
+    let error_s = counted("kvroute_ttft_prediction_error_seconds_sum{", "");
+    assert!(error_s.abs() < 5.0 * 0.5, "summed error {error_s} s");
     assert!(
         out["models"]
             .as_array()

@@ -152,7 +152,8 @@ impl Accounting {
             return;
         }
         let now = self.router.now();
-        self.router
+        let check = self
+            .router
             .fleet()
             .first_token(dispatch, self.status == 200, now);
         crate::replica::share::prefill_done(&self.router, dispatch);
@@ -161,6 +162,11 @@ impl Accounting {
         self.router.with_endpoint_series(&[name], || {
             let m = self.router.metrics();
             m.first_byte_seconds.of(name).observe(elapsed);
+            if let Some(check) = check {
+                m.ttft_prediction_error_seconds
+                    .of(name)
+                    .observe(check.error_s());
+            }
         });
         self.router.capacity_changed();
     }

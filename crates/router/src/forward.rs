@@ -154,7 +154,7 @@ pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
                 );
             }
         };
-        let dispatch = pipeline::connect(router, &a.leg.predicted_cached, a.prepared, id);
+        let dispatch = pipeline::connect(router, &a.leg, a.prepared, id);
         let mut accounting = pipeline::respond(router, &a.context, &a.leg, attempt, dispatch);
         let mut transfer = a.decode.as_ref().map(|leg| leg.start(router, id));
         // A decode leg's reported cached tokens count the blocks it pulls: no lesson about the

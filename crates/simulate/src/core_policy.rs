@@ -35,11 +35,23 @@ struct Tracked {
     keys: Arc<Vec<RouterKey>>,
     prompt_tokens: usize,
     predicted_cached: Vec<usize>,
+    /// The plan's predicted time to first token at each endpoint it assessed.
+    predicted_ttft_s: Vec<(EndpointId, f64)>,
     ticket: Option<HoldTicket>,
     dispatch: Option<Dispatch>,
     /// A disaggregated request's prefill endpoint, and its leg there.
     prefill: Option<usize>,
     prefill_dispatch: Option<Dispatch>,
+}
+
+impl Tracked {
+    /// The time to first token its plan predicted at `endpoint`, if it assessed it.
+    fn predicted_ttft_at(&self, endpoint: EndpointId) -> Option<f64> {
+        self.predicted_ttft_s
+            .iter()
+            .find(|(e, _)| *e == endpoint)
+            .map(|&(_, s)| s)
+    }
 }
 
 /// A scheduling profile on kvroute-core's fleet state.
@@ -55,6 +67,8 @@ pub struct CorePolicy {
     pd: Option<PdRouting>,
     /// Where each decision is written, when the run traces them.
     decisions: Option<DecisionLog>,
+    /// Each predicted request's time to first token less its prediction.
+    ttft_errors: Vec<f64>,
 }
 
 impl CorePolicy {
@@ -144,6 +158,7 @@ impl CorePolicy {
             last_housekeeping: 0.0,
             pd: None,
             decisions: None,
+            ttft_errors: Vec::new(),
         })
     }
 
@@ -215,7 +230,19 @@ impl CorePolicy {
                 pd_choice: pd_choice.as_ref(),
             });
         }
-        self.remember(request, plan.predicted_cached, None, prefill);
+        let predicted_ttft_s = plan
+            .decision
+            .assessments
+            .iter()
+            .map(|a| (a.endpoint, a.predicted_ttft_s))
+            .collect();
+        self.remember(
+            request,
+            plan.predicted_cached,
+            predicted_ttft_s,
+            None,
+            prefill,
+        );
         routing
     }
 
@@ -224,6 +251,7 @@ impl CorePolicy {
         &mut self,
         request: &SimRequest<'_>,
         predicted_cached: Vec<usize>,
+        predicted_ttft_s: Vec<(EndpointId, f64)>,
         ticket: Option<HoldTicket>,
         prefill: Option<usize>,
     ) {
@@ -231,6 +259,7 @@ impl CorePolicy {
             keys: request.keys.clone(),
             prompt_tokens: request.prompt_tokens,
             predicted_cached,
+            predicted_ttft_s,
             ticket,
             dispatch: None,
             prefill,
@@ -269,12 +298,16 @@ impl RoutingPolicy for CorePolicy {
         match self.fleet.admit(&plan, 0, bytes, now) {
             Admission::Route => self.go(request, plan, now),
             Admission::Held(ticket) => {
-                self.remember(request, Vec::new(), Some(ticket), None);
+                self.remember(request, Vec::new(), Vec::new(), Some(ticket), None);
                 Routing::Wait
             }
             Admission::Shed(why) => shed(why),
             Admission::NoEndpoint => no_endpoint(),
         }
+    }
+
+    fn ttft_prediction_errors(&self) -> &[f64] {
+        &self.ttft_errors
     }
 
     fn dispatched(&mut self, request_id: u64, endpoint: usize, now: f64) {
@@ -287,12 +320,14 @@ impl RoutingPolicy for CorePolicy {
         if let Some(prefill) = t.prefill {
             // The prefill leg loads its endpoint; the decode endpoint computes (almost)
             // nothing: it pulls the rest.
-            t.prefill_dispatch = Some(self.fleet.dispatched(
+            let mut leg = self.fleet.dispatched(
                 &t.predicted_cached,
                 &features,
                 EndpointId(prefill as u32),
                 now,
-            ));
+            );
+            leg.predicted_ttft_s = t.predicted_ttft_at(EndpointId(prefill as u32));
+            t.prefill_dispatch = Some(leg);
             if let Some(cached) = predicted.get_mut(endpoint) {
                 let link = (EndpointId(prefill as u32), id);
                 self.fleet.transfer_started(
@@ -306,7 +341,12 @@ impl RoutingPolicy for CorePolicy {
                 *cached = t.prompt_tokens;
             }
         }
-        t.dispatch = Some(self.fleet.dispatched(&predicted, &features, id, now));
+        let mut dispatch = self.fleet.dispatched(&predicted, &features, id, now);
+        // A decode leg's wait is the P/D option's, not the plan's to predict.
+        if t.prefill.is_none() {
+            dispatch.predicted_ttft_s = t.predicted_ttft_at(id);
+        }
+        t.dispatch = Some(dispatch);
         self.requests.insert(request_id, t);
     }
 
@@ -339,7 +379,8 @@ impl RoutingPolicy for CorePolicy {
             .get_mut(&request_id)
             .and_then(|t| t.dispatch.as_mut())
         {
-            self.fleet.first_token(dispatch, true, now);
+            let check = self.fleet.first_token(dispatch, true, now);
+            self.ttft_errors.extend(check.map(|c| c.error_s()));
         }
     }
 
@@ -349,7 +390,8 @@ impl RoutingPolicy for CorePolicy {
             .get_mut(&request_id)
             .and_then(|t| t.prefill_dispatch.take())
         {
-            self.fleet.first_token(&mut leg, true, now);
+            let check = self.fleet.first_token(&mut leg, true, now);
+            self.ttft_errors.extend(check.map(|c| c.error_s()));
             // A prefill leg generates its one token.
             leg.output_reported(1);
             self.fleet.finished(leg, Some(cached_tokens), now);

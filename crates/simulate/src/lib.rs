@@ -86,6 +86,8 @@ pub fn simulate_with(
     let mut summary = kvroute_bench::stats::summarize(&outcome.records, outcome.duration_s);
     kvroute_bench::stats::count_idle_endpoints(&mut summary, fleet.serving_endpoints());
     summary.engine_hit_rate = outcome.engine_hit_rate;
+    summary.ttft_prediction_error =
+        kvroute_bench::stats::prediction_error(policy.ttft_prediction_errors());
     Ok(RunResult {
         name: name.to_owned(),
         config: serde_json::json!({

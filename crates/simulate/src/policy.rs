@@ -83,4 +83,9 @@ pub trait RoutingPolicy {
     ) {
         let _ = (request_id, link, bytes, seconds, now);
     }
+    /// Each request's time to first token less what the policy predicted for it, seconds, for
+    /// the requests it predicted (none by default).
+    fn ttft_prediction_errors(&self) -> &[f64] {
+        &[]
+    }
 }

@@ -65,6 +65,7 @@ fn run(name: &str, ttft_base: f64, hit: f64, n: usize) -> RunResult {
                 .collect(),
             load_imbalance: 1.25,
             tier_tokens: None,
+            ttft_prediction_error: None,
         },
         records,
     }

@@ -225,3 +225,20 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn prediction_errors_are_summarized_with_their_sign() {
+    // Ten requests: eight a millisecond late, one 50 ms early, one 200 ms late; a broken value
+    // left out.
+    let mut errors = vec![0.001; 8];
+    errors.extend([-0.05, 0.2, f64::NAN]);
+    let summary = prediction_error(&errors).unwrap();
+    assert_eq!(summary.count, 10);
+    assert!(close(summary.mean_s, (0.008 - 0.05 + 0.2) / 10.0));
+    assert!(close(summary.mean_abs_s, (0.008 + 0.05 + 0.2) / 10.0));
+    assert!(close(summary.p10_s, -0.05), "{summary:?}");
+    assert!(close(summary.p50_s, 0.001));
+    assert!(close(summary.p90_s, 0.001), "the 9th of 10: {summary:?}");
+    assert_eq!(prediction_error(&[]), None);
+    assert_eq!(prediction_error(&[f64::INFINITY]), None);
+}

@@ -268,6 +268,31 @@ pub struct Dispatch {
     quiet: bool,
     /// Tokens the engine said it generated ([`Dispatch::output_reported`]).
     output_tokens: Option<usize>,
+    /// The time to first token its plan predicted at this endpoint, seconds (queue wait,
+    /// prefill, tier loading: [`Assessment::predicted_ttft_s`](crate::schedule::Assessment)),
+    /// where the caller planned it; [`Fleet::first_token`] sets the measured time beside it.
+    pub predicted_ttft_s: Option<f64>,
+}
+
+/// A request's time to first token beside what its plan predicted: how far the cost model's
+/// picture of the endpoint is from what the endpoint did (the router exports the difference,
+/// `kvroute simulate` summarizes it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TtftCheck {
+    /// Predicted at dispatch, seconds.
+    pub predicted_s: f64,
+    /// Measured from dispatch to the first token, seconds.
+    pub measured_s: f64,
+}
+
+impl TtftCheck {
+    /// Measured less predicted, seconds: positive when the request waited longer than the
+    /// cost model expected. It includes what the prediction leaves out by design (the
+    /// network, the engine step that samples the token), so a steady small positive offset is
+    /// expected; a growing one says the model's picture of the endpoint is off.
+    pub fn error_s(&self) -> f64 {
+        self.measured_s - self.predicted_s
+    }
 }
 
 impl Dispatch {
@@ -915,6 +940,7 @@ impl Fleet {
             rate_sample,
             quiet,
             output_tokens: None,
+            predicted_ttft_s: None,
         }
     }
 
@@ -1020,7 +1046,26 @@ impl Fleet {
 
     /// The request's first token arrived at `now` (`ok`: a successful response): its prefill
     /// is done, so from now on the engine's events, not the prediction, say what it holds.
-    pub fn first_token(&mut self, dispatch: &mut Dispatch, ok: bool, now: f64) {
+    /// Returns its time to first token beside its plan's prediction, for a successful request
+    /// dispatched with one, the first time it is told.
+    pub fn first_token(
+        &mut self,
+        dispatch: &mut Dispatch,
+        ok: bool,
+        now: f64,
+    ) -> Option<TtftCheck> {
+        let check = dispatch
+            .predicted_ttft_s
+            .filter(|_| ok && !dispatch.prefill_done)
+            .map(|predicted_s| TtftCheck {
+                predicted_s,
+                measured_s: now - dispatch.dispatched_at,
+            });
+        self.note_first_token(dispatch, ok, now);
+        check
+    }
+
+    fn note_first_token(&mut self, dispatch: &mut Dispatch, ok: bool, now: f64) {
         let (tokens, seconds, sample) = (
             dispatch.uncached_tokens,
             now - dispatch.dispatched_at,

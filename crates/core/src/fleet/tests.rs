@@ -217,6 +217,41 @@ fn in_flight_accounting_returns_to_zero() {
     );
 }
 
+/// The first token of a request dispatched with its plan's prediction is reported beside it,
+/// once, and only for a successful response.
+#[test]
+fn the_first_token_is_checked_against_the_plans_prediction_once() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let req = Req::new(&prompt(1000, 1));
+    let (plan, mut d) = send(&mut fleet, &req, 1.0);
+    let predicted = plan
+        .decision
+        .assessment(d.endpoint)
+        .unwrap()
+        .predicted_ttft_s;
+    assert!(predicted > 0.0, "a 1,000-token prefill takes time");
+    d.predicted_ttft_s = Some(predicted);
+    let check = fleet.first_token(&mut d, true, 1.25).unwrap();
+    assert_eq!(check.predicted_s, predicted);
+    assert!((check.measured_s - 0.25).abs() < 1e-12, "{check:?}");
+    assert!((check.error_s() - (0.25 - predicted)).abs() < 1e-12);
+    assert_eq!(fleet.first_token(&mut d, true, 1.5), None, "told once");
+
+    let (_, mut failed) = send(&mut fleet, &Req::new(&prompt(1000, 2)), 2.0);
+    failed.predicted_ttft_s = Some(predicted);
+    assert_eq!(
+        fleet.first_token(&mut failed, false, 2.1),
+        None,
+        "an error is no measure"
+    );
+    let (_, mut unplanned) = send(&mut fleet, &Req::new(&prompt(1000, 3)), 3.0);
+    assert_eq!(
+        fleet.first_token(&mut unplanned, true, 3.1),
+        None,
+        "nothing predicted"
+    );
+}
+
 #[test]
 fn the_prefill_rate_is_learned_from_uncontended_prefills_only() {
     let mut fleet = FleetBuilder::new(1).build();

@@ -425,7 +425,7 @@ impl Exchange {
             .collect();
         // The data plane connects on its own: the dispatch is recorded when the EPP names the
         // endpoint, the closest it can see to "a connection was made".
-        let dispatch = pipeline::connect(&self.router, &leg.predicted_cached, prepared, first);
+        let dispatch = pipeline::connect(&self.router, leg, prepared, first);
         let context = pipeline::admit(&self.router, &self.headers, self.started);
         let mut accounting = pipeline::respond(&self.router, &context, leg, 0, dispatch);
         if self.prefiller.is_some() {

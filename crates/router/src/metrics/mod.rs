@@ -59,6 +59,14 @@ fn fast_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1e-6, 2.0, 20))
 }
 
+/// Measured less predicted time to first token, seconds: symmetric around zero, from 10 ms
+/// (a step or a round trip) to 3 s (a queue the model did not see).
+fn prediction_error_histogram() -> Histogram {
+    Histogram::new([
+        -1.0, -0.3, -0.1, -0.03, -0.01, 0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0,
+    ])
+}
+
 /// A histogram family by endpoint with the latency buckets.
 type LatencyByEndpoint = EndpointFamily<Histogram, NoLabels, fn() -> Histogram>;
 
@@ -85,6 +93,11 @@ metric_group! {
         /// Time to the engine's first body byte, by endpoint.
         first_byte_seconds: LatencyByEndpoint = latency_by_endpoint(config),
             "first_byte_seconds", "Time to the engine's first response byte";
+        /// Time to first token less the plan's prediction, by endpoint: how far the cost
+        /// model's picture of each endpoint is from what it did.
+        ttft_prediction_error_seconds: EndpointFamily<Histogram, NoLabels, fn() -> Histogram> =
+            EndpointFamily::with_constructor(prediction_error_histogram, config.per_endpoint),
+            "ttft_prediction_error_seconds", "Time to first token measured from dispatch, less the plan's prediction";
         /// Time spent choosing an endpoint.
         scheduling_seconds: Histogram = fast_histogram(),
             "scheduling_seconds", "Time spent choosing an endpoint";
@@ -347,6 +360,9 @@ mod tests {
             .get_or_create("engine-0", TierLabel { tier: "gpu".into() })
             .set(7);
         m.first_byte_seconds.of("engine-0").observe(0.01);
+        m.ttft_prediction_error_seconds
+            .of("engine-0")
+            .observe(-0.02);
         let text = m.render();
         for line in [
             "# HELP kvroute_requests Requests routed.\n",
@@ -354,6 +370,8 @@ mod tests {
             "kvroute_prediction_outcomes_total{endpoint=\"engine-0\",outcome=\"exact\"} 1\n",
             "kvroute_index_blocks{endpoint=\"engine-0\",tier=\"gpu\"} 7\n",
             "kvroute_first_byte_seconds_count{endpoint=\"engine-0\"} 1\n",
+            "kvroute_ttft_prediction_error_seconds_bucket{le=\"-0.03\",endpoint=\"engine-0\"} 0\n",
+            "kvroute_ttft_prediction_error_seconds_bucket{le=\"-0.01\",endpoint=\"engine-0\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -191,6 +191,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     a.leg = Leg {
         ranking,
         predicted_cached: decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens),
+        predicted_ttft_s: Vec::new(),
         reason: crate::pipeline::PD_DECODE,
     };
     a.decode = Some(DecodeLeg {
@@ -247,6 +248,7 @@ pub(crate) fn header_mode(
                 .peer_dispatched(&prepared.features(), option.prefill, false, now);
             let leg = Leg {
                 predicted_cached: decoders_predicted(&plan, &decoders, prepared.prompt_tokens),
+                predicted_ttft_s: Vec::new(),
                 ranking: decoders,
                 reason: crate::pipeline::PD_DECODE,
             };
@@ -343,6 +345,8 @@ fn fallback_leg(plan: &Plan, decode: EndpointId) -> Leg {
     Leg {
         ranking: vec![decode],
         predicted_cached: plan.predicted_cached.clone(),
+        // Planned before the prefill leg that failed: no prediction of this attempt's wait.
+        predicted_ttft_s: Vec::new(),
         reason: "pd_fallback",
     }
 }

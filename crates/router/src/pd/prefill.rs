@@ -84,6 +84,7 @@ pub(super) async fn run(
     let leg = Leg {
         ranking: vec![prefill],
         predicted_cached: plan.predicted_cached.clone(),
+        predicted_ttft_s: crate::pipeline::predicted_ttft(plan),
         reason: "pd_prefill",
     };
     let body = Bytes::from(serde_json::to_vec(&prefill_leg_body(client)).unwrap_or_default());
@@ -98,7 +99,7 @@ pub(super) async fn run(
             .connection(&authority)
             .await
             .map_err(|e| PrefillFailure::Connect(e.to_string()))?;
-        let dispatch = pipeline::connect(router, &leg.predicted_cached, a.prepared, prefill);
+        let dispatch = pipeline::connect(router, &leg, a.prepared, prefill);
         super::prefill_sent(router, plan, prefill);
         let accounting =
             accounting.insert(pipeline::respond(router, &a.context, &leg, 0, dispatch));

@@ -7,7 +7,8 @@ prefix-hash and precise, and prints, per shape, precise's TTFT p50/p90/p99 over 
 others (median of the seeds), its hit rate, ITL p99 over round-robin's, load imbalance, and the
 requests that failed (too long for an engine, or shed by flow control; the percentiles are of
 the requests served) in the seed where most failed, precise's against the fewest of another
-policy's.
+policy's, and how far precise's first tokens came from its predictions (`kvroute simulate`'s
+`ttft_prediction_error`: mean and mean absolute error, beside its mean TTFT).
 A shape where a ratio exceeds 1.05 is marked LOSS.
 
 usage: [HELD_OUT_SEEDS="4 5 6"] scripts/held_out_shapes.py KVROUTE_BINARY OUT_DIR
@@ -142,17 +143,51 @@ def run(binary, out_dir, shape, seeds=SEEDS):
     return name
 
 
+def prediction_errors(summaries):
+    """Precise's time to first token less what it predicted, over one shape's seeds (its
+    summaries, one per seed): (mean error, mean absolute error, mean TTFT) in seconds, or None
+    when a result file carries no prediction error (one from before it was reported)."""
+    errors = [s.get("ttft_prediction_error") for s in summaries]
+    if not summaries or not all(errors):
+        return None
+    mean = lambda values: sum(values) / len(values)
+    return (mean([e["mean_s"] for e in errors]), mean([e["mean_abs_s"] for e in errors]),
+            mean([s["ttft"]["mean"] for s in summaries]))
+
+
+def prediction_cell(errors):
+    """A table cell for `prediction_errors`' answer: mean / mean absolute error (mean TTFT), ms."""
+    if errors is None:
+        return "-"
+    bias, mae, ttft = errors
+    return f"{bias * 1e3:.1f} / {mae * 1e3:.1f} ({ttft * 1e3:.1f})"
+
+
+def prediction_line(relative_errors):
+    """The closing line on precise's mean absolute errors over its mean TTFT, across shapes."""
+    if not relative_errors:
+        return ""
+    ordered = sorted(relative_errors)
+    return (f"precise's mean absolute TTFT prediction error over its mean TTFT, across the "
+            f"shapes: median {ordered[len(ordered) // 2]:.2f}, worst {ordered[-1]:.2f}")
+
+
 def table(out_dir, names):
     losses = 0
+    relative = []
     print("| shape | p50 | p90 | p99 | precise hit (best other) | ITL p99 / RR | imbalance "
-          "| failed: precise (fewest other) |")
-    print("|---|---:|---:|---:|---|---:|---:|---|")
+          "| failed: precise (fewest other) | precise TTFT less predicted: mean / mean absolute, "
+          "ms (its mean TTFT) |")
+    print("|---|---:|---:|---:|---|---:|---:|---|---|")
     for name in names:
         by_policy = {}
+        precise_summaries = []
         for seed in SEEDS:
             with open(os.path.join(out_dir, f"{name}-s{seed}", "simulate.json")) as f:
                 for run_result in json.load(f):
                     s = run_result["summary"]
+                    if run_result["name"] == "precise":
+                        precise_summaries.append(s)
                     by_policy.setdefault(run_result["name"], []).append(
                         (s["ttft"]["p50"], s["ttft"]["p90"], s["ttft"]["p99"], s["hit_rate"],
                          s["itl"]["p99"], s["load_imbalance"], s["errors"]))
@@ -167,11 +202,16 @@ def table(out_dir, names):
         # Failed requests: the seed where most failed, so that one seed's failures show.
         failed = {p: max(r[6] for r in rows) for p, rows in by_policy.items()}
         fewest_failed = min(n for p, n in failed.items() if p != "precise")
+        errors = prediction_errors(precise_summaries)
+        if errors and errors[2] > 0:
+            relative.append(errors[1] / errors[2])
         print(f"| {name} | {ratios[0]:.2f} | {ratios[1]:.2f} | {ratios[2]:.2f} | "
               f"{precise[3]:.3f} ({best_hit:.3f}) | {itl:.2f} | {precise[5]:.2f} | "
-              f"{failed['precise']:.0f} ({fewest_failed:.0f}) |{' LOSS' if loss else ''}")
+              f"{failed['precise']:.0f} ({fewest_failed:.0f}) | {prediction_cell(errors)} |"
+              f"{' LOSS' if loss else ''}")
     print(f"\nprecise within 1.05x of the best other on every TTFT percentile in "
           f"{len(names) - losses} of {len(names)} shapes")
+    print(prediction_line(relative))
 
 
 def main():

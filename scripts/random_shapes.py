@@ -8,8 +8,9 @@ load against the fleet's capacity, open or closed loop, sometimes a CPU tier), r
 round-robin, least-load, prefix-hash and precise for several seeds, and prints, per shape,
 precise's mean TTFT and TTFT p50/p90/p99 over the best other policy's (geometric mean over the
 seeds; the mean TTFT is the steadiest figure, a p99 over a few hundred requests the least), and
-in how many seeds precise was no worse than every other policy on that figure. A ratio above 1.05
-is marked LOSS. The draw is fixed by --draw, so a sweep can be re-run on another binary.
+in how many seeds precise was no worse than every other policy on that figure, and how far its
+first tokens came from its predictions (mean and mean absolute error). A ratio above 1.05 is
+marked LOSS. The draw is fixed by --draw, so a sweep can be re-run on another binary.
 
 usage: scripts/random_shapes.py BINARY OUT_DIR [--shapes 40] [--draw 1] [--seeds 1,2,3]
        (about 2 minutes for 40 shapes on 2 cores)
@@ -26,7 +27,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from held_out_shapes import POLICIES as POLICY_LIST, run  # noqa: E402
+from held_out_shapes import (  # noqa: E402
+    POLICIES as POLICY_LIST, prediction_cell, prediction_errors, prediction_line, run)
 
 POLICIES = tuple(POLICY_LIST.split(","))
 # The simulator's default engine: prefill seconds per uncached token, and a decode step.
@@ -118,9 +120,11 @@ def geo_mean(values):
 def table(out_dir, seeds, shapes):
     losses = {f: 0 for f in FIGURES}
     any_loss = 0
+    calibration = []
     print("| shape | mean | p50 | p90 | p99 | seeds no worse (mean/p50/p90/p99) | hit: precise "
-          "(best other) | failed: precise (fewest other) |")
-    print("|---|---:|---:|---:|---:|---|---|---|")
+          "(best other) | failed: precise (fewest other) | precise TTFT less predicted: mean / "
+          "mean absolute, ms (of its mean TTFT) |")
+    print("|---|---:|---:|---:|---:|---|---|---|---|")
     for name, args in shapes:
         per_seed = []
         for seed in seeds:
@@ -139,16 +143,20 @@ def table(out_dir, seeds, shapes):
                        for p in POLICIES if p != "precise")
         failed = sum(s["precise"]["errors"] for s in per_seed)
         fewest = min(sum(s[p]["errors"] for s in per_seed) for p in POLICIES if p != "precise")
+        errors = prediction_errors([s["precise"] for s in per_seed])
+        if errors and errors[2] > 0:
+            calibration.append(errors[1] / errors[2])
         lost = [f for f, r in zip(FIGURES, ratios) if r > LOSS]
         for f in lost:
             losses[f] += 1
         any_loss += bool(lost)
         print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " | "
               + "/".join(str(w) for w in wins) + f" of {len(seeds)} | {hit:.3f} ({best_hit:.3f}) | "
-              f"{failed} ({fewest}) |" + (" LOSS " + ",".join(lost) if lost else ""))
+              f"{failed} ({fewest}) | {prediction_cell(errors)} |" + (" LOSS " + ",".join(lost) if lost else ""))
     print(f"\nprecise within {LOSS}x of the best other on every TTFT figure in "
           f"{len(shapes) - any_loss} of {len(shapes)} shapes; losses by figure: "
           + ", ".join(f"{f} {n}" for f, n in losses.items()))
+    print(prediction_line(calibration))
 
 
 def main():

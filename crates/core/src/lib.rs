@@ -16,6 +16,7 @@ pub mod fleet;
 pub mod history;
 pub mod index;
 pub mod keys;
+pub mod load_counters;
 pub mod random;
 mod run_slab;
 pub mod schedule;

@@ -20,6 +20,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::load_counters::{LoadDelta, TierLoadCounters, window_rate};
+
 /// How fast blocks on slower tiers load, compared with recomputing them (see
 /// [`crate::tiers`]): the starting point of each endpoint's learned rates, and optional weights
 /// that override the load-time model.
@@ -168,6 +170,10 @@ pub struct TierRates {
     pub queued_shared_tokens: f64,
     /// The engine's per-tier counters at the last scrape (`None`: not reported).
     engine_counters: [Option<f64>; 3],
+    /// Its per-tier load-time counters at the last scrape (`None`: not reported).
+    engine_load_seconds: [Option<f64>; 3],
+    /// When it was last scraped.
+    scraped_at: Option<f64>,
     /// `predicted_tokens` at the last scrape.
     predicted_at_scrape: [u64; 3],
 }
@@ -309,19 +315,26 @@ impl TierRates {
             if tokens < MIN_SAMPLE_TOKENS {
                 continue;
             }
-            // Averaged as seconds per token, not as a rate: one sample whose share of the time
-            // is nearly 0 would otherwise lift the rate by orders of magnitude (and take dozens
-            // of samples to come back), pricing the tier like the GPU meanwhile.
             let share = seconds * predicted[t as usize] / total;
-            let sample = share / tokens as f64;
-            let slot = &mut self.learned[t as usize];
-            let seconds_per_token = match *slot {
-                None => sample,
-                Some(old) => (1.0 - LEARNING_RATE) / old + LEARNING_RATE * sample,
-            };
-            *slot = Some(1.0 / seconds_per_token);
-            self.samples[t as usize] = self.samples[t as usize].saturating_add(1);
+            self.learn_seconds_per_token(t, share / tokens as f64);
         }
+    }
+
+    /// Blends one measure of `tier`'s load time per token into its learned rate. Averaged as
+    /// seconds per token, not as a rate: one sample whose share of the time is nearly 0 would
+    /// otherwise lift the rate by orders of magnitude (and take dozens of samples to come
+    /// back), pricing the tier like the GPU meanwhile.
+    pub(crate) fn learn_seconds_per_token(&mut self, tier: LoadTier, sample: f64) {
+        if !sample.is_finite() || sample <= 0.0 {
+            return;
+        }
+        let slot = &mut self.learned[tier as usize];
+        let seconds_per_token = match *slot {
+            None => sample,
+            Some(old) => (1.0 - LEARNING_RATE) / old + LEARNING_RATE * sample,
+        };
+        *slot = Some(1.0 / seconds_per_token);
+        self.samples[tier as usize] = self.samples[tier as usize].saturating_add(1);
     }
 }
 
@@ -391,11 +404,51 @@ impl TierRates {
         })
     }
 
-    /// One scrape of the engine's per-tier counters of tokens loaded (cumulative; `None`: the
-    /// engine does not report that tier). Adds what each tier loaded since the last scrape to
-    /// `engine_loaded_tokens` and, where enough tier tokens were predicted meanwhile, learns
-    /// the fraction the engine found. A counter that went backwards (a restart) starts over.
-    pub fn observe_engine_loads(&mut self, counters: [Option<f64>; 3]) {
+    /// One scrape, at `now`, of the engine's per-tier counters of tokens loaded and of the
+    /// seconds its loads took (cumulative; `None`: the engine does not report that tier). Adds
+    /// what each tier loaded since the last scrape to `engine_loaded_tokens` and, where enough
+    /// tier tokens were predicted meanwhile, learns the fraction the engine found. Where the
+    /// engine reports its load time too, learns the rate of its own tiers (CPU memory, storage)
+    /// from the two ([`crate::load_counters`]) and returns what the shared tier loaded, which is
+    /// the whole filesystem's to learn from (`None`: nothing to tell). A counter that went
+    /// backwards (a restart) starts over.
+    pub fn observe_engine_loads(
+        &mut self,
+        counters: TierLoadCounters,
+        now: f64,
+    ) -> Option<LoadDelta> {
+        let window_s = self.scraped_at.map(|at| now - at);
+        let mut shared = None;
+        for t in LoadTier::ALL {
+            let i = t as usize;
+            let delta = |now: Option<f64>, before: Option<f64>| match (now, before) {
+                (Some(now), Some(before)) if now.is_finite() && now >= before => Some(now - before),
+                _ => None,
+            };
+            let (Some(tokens), Some(seconds)) = (
+                delta(counters.tokens[i], self.engine_counters[i]),
+                delta(counters.seconds[i], self.engine_load_seconds[i]),
+            ) else {
+                continue;
+            };
+            let loaded = LoadDelta { tokens, seconds };
+            match (t, window_s) {
+                (LoadTier::Shared, _) => shared = Some(loaded),
+                (_, Some(window_s)) => {
+                    if let Some(rate) = window_rate(loaded, window_s) {
+                        self.learn_seconds_per_token(t, 1.0 / rate);
+                    }
+                }
+                (_, None) => {}
+            }
+        }
+        self.engine_load_seconds = counters.seconds.map(|c| c.filter(|v| v.is_finite()));
+        self.scraped_at = Some(now);
+        self.count_engine_loads(counters.tokens);
+        shared
+    }
+
+    fn count_engine_loads(&mut self, counters: [Option<f64>; 3]) {
         for (t, (&counter, &last)) in counters.iter().zip(&self.engine_counters).enumerate() {
             let (Some(now), Some(before)) = (counter, last) else {
                 continue;
@@ -667,11 +720,15 @@ mod tests {
         let costs = TierCosts::default();
         let truth = 60_000.0;
         let mut rates = TierRates::default();
-        rates.observe_engine_loads([Some(0.0), Some(0.0), None]);
+        let tokens = |tokens| TierLoadCounters {
+            tokens,
+            seconds: [None; 3],
+        };
+        rates.observe_engine_loads(tokens([Some(0.0), Some(0.0), None]), 0.0);
         // Between two scrapes: 2,000 predicted on CPU and 2,000 on storage; the engine's
         // counters say all the CPU tokens loaded and none of the storage ones.
         rates.note_outcome([2000, 2000, 0], 4000, 2000);
-        rates.observe_engine_loads([Some(2000.0), Some(0.0), None]);
+        rates.observe_engine_loads(tokens([Some(2000.0), Some(0.0), None]), 1.0);
         assert_eq!(rates.engine_found_fraction[0], Some(1.0));
         assert_eq!(rates.engine_found_fraction[1], Some(0.0));
         // So a request that found half of its tier tokens found its CPU part: the storage

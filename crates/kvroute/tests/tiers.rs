@@ -277,10 +277,6 @@ fn prefix_only_in_cpu_memory(shape: &str) {
             (predicted, found),
         )
     });
-    // The rate the cost model uses is exported (configured here: e0 never ran an untiered
-    // request alone through this router, so it has no line to learn a tier rate against).
-    let rate = sum_labelled(&text, "kvroute_tier_load_tokens_per_second", "tier=\"cpu\"");
-    assert!(rate > 0.0, "{text}");
     // The engine's own per-tier counter says the same, once scraped.
     eventually_blocking("the engine's CPU loads scraped", || {
         let loaded = sum_labelled(
@@ -290,6 +286,21 @@ fn prefix_only_in_cpu_memory(shape: &str) {
         );
         (loaded >= PREFIX_TOKENS as f64, loaded)
     });
+    // And how long its loads took (vLLM's `vllm:kv_offload_total_time_total`): the CPU rate
+    // the cost model uses at e0 is then the engine's own, 16-token blocks at 80 µs each, with
+    // no request having run alone there (e1 keeps the configured rate).
+    let e0_cpu = "endpoint=\"e0\",tier=\"cpu\"";
+    eventually_blocking("e0's CPU rate learned from its load counters", || {
+        let rate = sum_labelled(
+            &router.metrics(),
+            "kvroute_tier_load_tokens_per_second",
+            e0_cpu,
+        );
+        ((rate - 200_000.0).abs() < 1.0, rate)
+    });
+    let e1_cpu = "endpoint=\"e1\",tier=\"cpu\"";
+    let configured = sum_labelled(&text, "kvroute_tier_load_tokens_per_second", e1_cpu);
+    assert_eq!(configured, 150_000.0, "{text}");
 }
 
 #[test]

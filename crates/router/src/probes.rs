@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_core::fleet::{HealthChange, LoadSample, RestartSignals, RestartWatch};
+use kvroute_core::load_counters::TierLoadCounters;
 use kvroute_vllm::metrics::parse_engine_metrics;
 use tracing::{info, warn};
 
@@ -176,8 +177,13 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         let mut fleet = router.fleet();
         fleet.observe_load(endpoint.id, load, sent);
         if sample.tier_loaded_tokens.iter().any(Option::is_some) {
-            // What it loaded from each tier, against what was predicted there.
-            fleet.observe_engine_tier_loads(endpoint.id, sample.tier_loaded_tokens);
+            // What it loaded from each tier, against what was predicted there, and how long
+            // its loads took (the tiers' rates under any load).
+            let counters = TierLoadCounters {
+                tokens: sample.tier_loaded_tokens,
+                seconds: sample.tier_load_seconds,
+            };
+            fleet.observe_engine_tier_loads(endpoint.id, counters, sent);
         }
         drop(fleet);
         router.capacity_changed();

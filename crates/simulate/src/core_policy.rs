@@ -13,6 +13,7 @@ use kvroute_core::fleet::{
 };
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedMount};
 use kvroute_core::keys::RouterKey;
+use kvroute_core::load_counters::TierLoadCounters;
 use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
 use kvroute_core::tiers::TierLoadMode;
 use kvroute_sim::engine::TierLoads;
@@ -371,6 +372,11 @@ impl RoutingPolicy for CorePolicy {
         };
         self.fleet
             .observe_load(EndpointId(endpoint as u32), sample, now);
+    }
+
+    fn tier_loads(&mut self, endpoint: usize, counters: TierLoadCounters, now: f64) {
+        self.fleet
+            .observe_engine_tier_loads(EndpointId(endpoint as u32), counters, now);
     }
 
     fn first_token(&mut self, request_id: u64, now: f64) {

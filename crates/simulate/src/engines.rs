@@ -4,6 +4,7 @@
 //! Requests that arrive during a step wait in an inbox until the next one starts, as they wait
 //! in the server's command channel: a scrape meanwhile does not count them as waiting.
 
+use kvroute_core::load_counters::TierLoadCounters;
 use kvroute_sim::engine::shared_fs::{SharedFs, SharedFsHandle};
 use kvroute_sim::engine::{Engine, EngineConfig, EngineRequest, KvTransfer, StepOutput};
 use kvroute_sim::server::text::{completion_seed, synthetic_completion};
@@ -189,6 +190,17 @@ impl SimEngine {
     /// The gauges a scrape reads.
     pub fn observed(&self) -> Observed {
         self.observed
+    }
+
+    /// Its per-tier load counters (CPU, SSD, shared filesystem): tokens loaded and seconds the
+    /// loads took, as its `/metrics` reports them.
+    pub fn tier_load_counters(&self) -> TierLoadCounters {
+        let m = self.engine.metrics();
+        let tokens = [m.cpu_hit_tokens, m.ssd_hit_tokens, m.shared_fs_hit_tokens];
+        TierLoadCounters {
+            tokens: tokens.map(|t| Some(t as f64)),
+            seconds: m.tier_load_seconds.map(Some),
+        }
     }
 
     /// Prompt tokens looked up and found in the prefix cache so far.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::keys::RouterKey;
+use kvroute_core::load_counters::TierLoadCounters;
 
 /// A request as the router sees it when it must choose an endpoint.
 #[derive(Clone, Debug)]
@@ -62,6 +63,11 @@ pub trait RoutingPolicy {
     fn kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: f64);
     /// A scrape of `endpoint`'s load: requests waiting and running, KV-cache usage (0–1).
     fn load_sample(&mut self, endpoint: usize, waiting: f64, running: f64, kv_usage: f64, now: f64);
+    /// A scrape of `endpoint`'s per-tier load counters (tokens loaded, seconds the loads took),
+    /// as the router reads them from its `/metrics` (nothing by default).
+    fn tier_loads(&mut self, endpoint: usize, counters: TierLoadCounters, now: f64) {
+        let _ = (endpoint, counters, now);
+    }
     /// The request's first token passed the router.
     fn first_token(&mut self, request_id: u64, now: f64);
     /// The request ended: `usage` is what the engine reported (`None` when it failed).

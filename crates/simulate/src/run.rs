@@ -123,6 +123,7 @@ pub fn run(
                 for (e, engine) in run.engines.iter().enumerate() {
                     let o = engine.observed();
                     policy.load_sample(e, o.waiting, o.running, o.kv_usage, now);
+                    policy.tier_loads(e, engine.tier_load_counters(), now);
                 }
                 if run.sessions_left > 0 {
                     run.queue

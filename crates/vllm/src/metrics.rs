@@ -33,6 +33,26 @@ pub struct EngineLoadSample {
     /// it names no shared tier) or the simulator's `kvroute_sim_tier_hit_tokens_total`
     /// (`tier` `cpu`, `ssd`, `shared_fs`). `None` where the engine reports no such tier.
     pub tier_loaded_tokens: [Option<f64>; 3],
+    /// Seconds the loads from each tier took, summed over the loads (counters): vLLM's
+    /// offloading connector's `vllm:kv_offload_total_time_total` for each `transfer_type`
+    /// into the GPU (`CPU_to_GPU`; `DISK_to_GPU` or `STORAGE_to_GPU` for the engine's own
+    /// storage; `SHARED_STORAGE_to_GPU`, `FS_to_GPU` or `SHARED_FS_to_GPU` for a shared
+    /// filesystem, as llm-d's filesystem backend names it; case-insensitive). `None` where the
+    /// engine reports no such load.
+    pub tier_load_seconds: [Option<f64>; 3],
+}
+
+/// The tier (CPU 0, own storage 1, shared 2) whose loads into the GPU a `transfer_type` label
+/// of vLLM's offloading metrics names (`<MEDIUM>_to_GPU`), if any.
+fn load_tier_of(transfer_type: &str) -> Option<usize> {
+    let lower = transfer_type.to_ascii_lowercase();
+    let medium = lower.strip_suffix("_to_gpu")?;
+    match medium {
+        "cpu" => Some(0),
+        "disk" | "storage" | "local_storage" | "ssd" => Some(1),
+        "shared_storage" | "fs" | "shared_fs" => Some(2),
+        _ => None,
+    }
 }
 
 /// The tier (CPU 0, own storage 1, shared 2) a per-tier series' label names, if any.
@@ -135,6 +155,13 @@ pub fn parse_engine_metrics(text: &str) -> EngineLoadSample {
                     add(&mut s.tier_loaded_tokens[tier], value);
                 }
             }
+            // prometheus_client names a counter `x` as `x_total`; documentation says `x`.
+            "vllm:kv_offload_total_time_total" | "vllm:kv_offload_total_time" => {
+                let transfer = labels.iter().find(|(k, _)| *k == "transfer_type");
+                if let Some(tier) = transfer.and_then(|(_, v)| load_tier_of(v)) {
+                    add(&mut s.tier_load_seconds[tier], value);
+                }
+            }
             "vllm:cache_config_info" => {
                 for (k, v) in labels {
                     match k {
@@ -155,6 +182,24 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn reads_the_offloading_connectors_load_times_by_tier() {
+        let text = r#"vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 1.5
+vllm:kv_offload_total_time_total{engine="1",model_name="m",transfer_type="CPU_to_GPU"} 0.5
+vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 9.0
+vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="SHARED_STORAGE_to_GPU"} 3.25
+vllm:kv_offload_total_time{engine="0",model_name="m",transfer_type="disk_to_gpu"} 0.75
+vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="OBJ_to_GPU"} 7.0
+vllm:kv_offload_total_time_total{engine="0",model_name="m"} 11.0
+vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 4096
+"#;
+        let s = parse_engine_metrics(text);
+        // Loads into the GPU only (stores are not loads), summed over the engines; a medium
+        // kvroute has no tier for, and a series without a direction, are left out.
+        assert_eq!(s.tier_load_seconds, [Some(2.0), Some(0.75), Some(3.25)]);
+        assert_eq!(parse_engine_metrics("").tier_load_seconds, [None; 3]);
+    }
 
     #[test]
     fn reads_vllm_gauges_across_engines() {

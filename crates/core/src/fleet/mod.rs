@@ -338,6 +338,9 @@ pub struct Fleet {
     disagg: Option<disagg::DisaggState>,
     /// Shared-tier loads dispatched and not done, per mount.
     shared_backlog: SharedBacklog,
+    /// Each shared filesystem's loads over the current window, from the engines' load
+    /// counters: where the filesystem's rate is learned under load.
+    mount_windows: crate::load_counters::MountWindows,
     /// Whether [`Fleet::plan`] ranks every candidate (see [`Fleet::rank_every_candidate`]).
     rank_every: bool,
     /// Per-request buffers, kept between plans: the candidates, and the ranking's.
@@ -412,6 +415,7 @@ impl Fleet {
             random: crate::random::SeededRandom::default(),
             disagg: None,
             shared_backlog: SharedBacklog::default(),
+            mount_windows: Default::default(),
             rank_every: false,
             candidates: Vec::new(),
             rank_buffers: RankBuffers::default(),

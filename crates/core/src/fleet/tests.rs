@@ -4,6 +4,7 @@
 use super::*;
 use crate::event::{BlockStored, EngineHash};
 use crate::keys::router_keys;
+use crate::load_counters::TierLoadCounters;
 use crate::schedule::{ProfileName, Reason};
 
 const BS: usize = 16;
@@ -1747,7 +1748,7 @@ fn tier_tokens_never_exceed_what_the_engine_can_report() {
 fn the_engines_tier_counters_are_counted_and_split_partial_finds() {
     let mut fleet = FleetBuilder::new(1).build();
     let id = EndpointId(0);
-    fleet.observe_engine_tier_loads(id, [Some(100.0), None, Some(0.0)]);
+    fleet.observe_engine_tier_loads(id, tokens_only([Some(100.0), None, Some(0.0)]), 0.0);
     let cpu = prompt(1024, 16);
     fleet.apply_events(id, &offloaded_only(&cpu, "CPU"), 0.0);
     let mut tokens = cpu.clone();
@@ -1758,15 +1759,99 @@ fn the_engines_tier_counters_are_counted_and_split_partial_finds() {
     assert_eq!(d.tier_tokens, [1024, 0, 0]);
     fleet.finished(d, Some(1024), 1.0);
     // The engine's counters: it loaded all 1,024 from the CPU.
-    fleet.observe_engine_tier_loads(id, [Some(1124.0), None, Some(0.0)]);
+    fleet.observe_engine_tier_loads(id, tokens_only([Some(1124.0), None, Some(0.0)]), 1.0);
     let rates = *fleet.endpoint(id).unwrap().tier_rates();
     assert_eq!(rates.engine_loaded_tokens, [1024, 0, 0]);
     assert_eq!(rates.engine_found_fraction[0], Some(1.0));
     assert_eq!(rates.engine_found_fraction[1], None, "not reported");
     // A counter that goes backwards (a restart) adds nothing.
-    fleet.observe_engine_tier_loads(id, [Some(10.0), None, Some(0.0)]);
+    fleet.observe_engine_tier_loads(id, tokens_only([Some(10.0), None, Some(0.0)]), 2.0);
     let rates = fleet.endpoint(id).unwrap().tier_rates();
     assert_eq!(rates.engine_loaded_tokens, [1024, 0, 0]);
+}
+
+/// An engine's per-tier counters of tokens loaded, without load times.
+fn tokens_only(tokens: [Option<f64>; 3]) -> TierLoadCounters {
+    TierLoadCounters {
+        tokens,
+        seconds: [None; 3],
+    }
+}
+
+/// Tokens and load seconds loaded from the CPU tier and the shared one so far.
+fn loaded(cpu: (f64, f64), shared: (f64, f64)) -> TierLoadCounters {
+    TierLoadCounters {
+        tokens: [Some(cpu.0), None, Some(shared.0)],
+        seconds: [Some(cpu.1), None, Some(shared.1)],
+    }
+}
+
+/// Under load no request runs alone, so none teaches a tier's rate by its time to first
+/// token; the engine's own counters do: 20,000 CPU tokens in loads of 0.1 s in all, within a
+/// second, is 200,000 tokens per second, whatever else ran beside them.
+#[test]
+fn an_engines_load_counters_teach_its_cpu_tiers_rate_whatever_runs_beside() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let id = EndpointId(0);
+    let _busy: Vec<_> = (0..8)
+        .map(|i| send(&mut fleet, &Req::new(&prompt(512, 100 + i)), 0.0).1)
+        .collect();
+    let cpu = crate::tiers::LoadTier::Cpu;
+    let configured = fleet.profile.tiers.tokens_per_s(cpu);
+    fleet.observe_engine_tier_loads(id, loaded((0.0, 0.0), (0.0, 0.0)), 0.0);
+    let rates = *fleet.endpoint(id).unwrap().tier_rates();
+    assert_eq!(
+        rates.rate(cpu, &fleet.profile.tiers),
+        configured,
+        "one scrape: no window"
+    );
+    fleet.observe_engine_tier_loads(id, loaded((20_000.0, 0.1), (0.0, 0.0)), 1.0);
+    let rates = *fleet.endpoint(id).unwrap().tier_rates();
+    let learned = rates.learned[cpu as usize].unwrap();
+    assert!((learned - 200_000.0).abs() < 1e-6, "{learned}");
+    assert_eq!(rates.engine_loaded_tokens[cpu as usize], 20_000);
+    // Loads that overlap for the whole next second: the link read 30,000 tokens in it.
+    fleet.observe_engine_tier_loads(id, loaded((50_000.0, 2.1), (0.0, 0.0)), 2.0);
+    let learned = fleet.endpoint(id).unwrap().tier_rates().learned[cpu as usize].unwrap();
+    let expected = 1.0 / (0.8 / 200_000.0 + 0.2 / 30_000.0);
+    assert!(
+        (learned - expected).abs() < 1e-6,
+        "{learned} against {expected}"
+    );
+}
+
+/// A shared filesystem is one device for every endpoint that mounts it: its rate is what all
+/// of them loaded over a window, and it becomes every mounting endpoint's, not the share one
+/// endpoint's loads saw (the shared backlog already charges the queue ahead).
+#[test]
+fn a_shared_filesystems_rate_is_learned_from_all_its_endpoints_loads_together() {
+    let mut builder = FleetBuilder::new(3);
+    builder.specs[0].offload = lustre();
+    builder.specs[1].offload = lustre();
+    let mut fleet = builder.build();
+    let shared = crate::tiers::LoadTier::Shared;
+    for id in [EndpointId(0), EndpointId(1)] {
+        fleet.observe_engine_tier_loads(id, loaded((0.0, 0.0), (0.0, 0.0)), 0.0);
+    }
+    // Each endpoint reads 30,000 tokens a second in loads that overlap (1.5 s of load time
+    // per second): together the filesystem read 60,000 tokens a second.
+    for second in 1..=6 {
+        let t = f64::from(second);
+        for id in [EndpointId(0), EndpointId(1)] {
+            let counters = loaded((0.0, 0.0), (30_000.0 * t, 1.5 * t));
+            fleet.observe_engine_tier_loads(id, counters, t);
+        }
+    }
+    for id in [EndpointId(0), EndpointId(1)] {
+        let learned = fleet.endpoint(id).unwrap().tier_rates().learned[shared as usize];
+        let learned = learned.expect("learned from the window");
+        assert!((learned - 60_000.0).abs() < 1e-6, "{id:?}: {learned}");
+    }
+    let unmounted = fleet.endpoint(EndpointId(2)).unwrap().tier_rates();
+    assert_eq!(
+        unmounted.learned[shared as usize], None,
+        "it mounts nothing"
+    );
 }
 
 #[test]

@@ -7,7 +7,8 @@ use std::cell::OnceCell;
 use super::{EndpointState, Fleet, IndexState};
 use crate::fleet::{EndpointId, RequestFeatures};
 use crate::index::PrefixMatch;
-use crate::tiers::{TierTokens, reportable_tiers};
+use crate::load_counters::TierLoadCounters;
+use crate::tiers::{LoadTier, TierTokens, reportable_tiers};
 
 /// Of `predicted` cached tokens (already cut to what the engine can report), those on each
 /// tier below the GPU: from the index's match when the index is trusted and says at least as
@@ -93,13 +94,35 @@ impl Fleet {
         &self.shared_backlog
     }
 
-    /// One scrape of `id`'s per-tier counters of tokens loaded (CPU, own storage, shared;
-    /// cumulative, `None` where the engine does not report the tier): what the engine says it
-    /// loaded, against what was predicted (see
+    /// One scrape, at `now`, of `id`'s per-tier counters of tokens loaded and of the seconds
+    /// its loads took (CPU, own storage, shared; cumulative, `None` where the engine does not
+    /// report the tier): what the engine says it loaded, against what was predicted, and the
+    /// tiers' load rates as the engine measured them (see
     /// [`TierRates::observe_engine_loads`](crate::tiers::TierRates::observe_engine_loads)).
-    pub fn observe_engine_tier_loads(&mut self, id: EndpointId, counters: [Option<f64>; 3]) {
-        if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
-            e.tier_rates.observe_engine_loads(counters);
+    /// What it loaded from a shared filesystem joins that filesystem's window; once the window
+    /// shows a rate, it is every mounting endpoint's ([`crate::load_counters`]).
+    pub fn observe_engine_tier_loads(
+        &mut self,
+        id: EndpointId,
+        counters: TierLoadCounters,
+        now: f64,
+    ) {
+        let Some(e) = self.endpoints.get_mut(id.0 as usize) else {
+            return;
+        };
+        let shared = e.tier_rates.observe_engine_loads(counters, now);
+        let (Some(loaded), Some(mount)) = (shared, e.shared_mount()) else {
+            return;
+        };
+        let mount = mount.to_owned();
+        let Some(rate) = self.mount_windows.add(&mount, loaded, now) else {
+            return;
+        };
+        for e in &mut self.endpoints {
+            if e.shared_mount() == Some(mount.as_str()) {
+                e.tier_rates
+                    .learn_seconds_per_token(LoadTier::Shared, 1.0 / rate);
+            }
         }
     }
 }

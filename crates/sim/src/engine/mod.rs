@@ -124,6 +124,10 @@ pub struct EngineMetrics {
     pub ssd_bytes_loaded: u64,
     /// KV bytes loaded from the shared filesystem.
     pub shared_fs_bytes_loaded: u64,
+    /// Seconds the loads from each tier took (CPU, SSD, shared filesystem), each load timed
+    /// from its start to its end as vLLM's offloading connector times them (a shared load's
+    /// wait behind the filesystem's queue included).
+    pub tier_load_seconds: [f64; 3],
     /// Requests preempted for lack of blocks.
     pub num_preemptions: u64,
     /// Prompt tokens received.
@@ -550,6 +554,9 @@ impl Engine {
             let block_bytes = (bs * self.config.kv_bytes_per_token) as u64;
             self.metrics.cpu_bytes_loaded += cpu as u64 * block_bytes;
             self.metrics.ssd_bytes_loaded += ssd as u64 * block_bytes;
+            let latency = &self.config.latency;
+            self.metrics.tier_load_seconds[0] += latency.load_seconds(cpu, 0);
+            self.metrics.tier_load_seconds[1] += latency.load_seconds(0, ssd);
             let shared: Vec<_> = hit
                 .offloaded
                 .iter()
@@ -560,6 +567,7 @@ impl Engine {
             if let Some(fs) = self.pool.shared().filter(|_| !shared.is_empty()) {
                 let bytes = shared.len() as u64 * block_bytes;
                 shared_fs_load_s = block_pool::lock(fs).load(&shared, bytes, now_s);
+                self.metrics.tier_load_seconds[2] += shared_fs_load_s;
                 self.metrics.shared_fs_hit_tokens += (shared.len() * bs) as u64;
                 self.metrics.shared_fs_bytes_loaded += bytes;
             }

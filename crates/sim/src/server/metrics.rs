@@ -192,6 +192,37 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
             );
         }
     }
+    // vLLM's offloading connector's transfer counters, loads into the GPU by tier (as
+    // `transfer_type` names them: the shared filesystem as llm-d's filesystem backend does).
+    let transfers = [
+        ("CPU_to_GPU", m.cpu_bytes_loaded, m.tier_load_seconds[0]),
+        ("DISK_to_GPU", m.ssd_bytes_loaded, m.tier_load_seconds[1]),
+        (
+            "SHARED_STORAGE_to_GPU",
+            m.shared_fs_bytes_loaded,
+            m.tier_load_seconds[2],
+        ),
+    ];
+    let _ = writeln!(
+        out,
+        "# HELP vllm:kv_offload_total_bytes Number of bytes offloaded by KV connector\n# TYPE vllm:kv_offload_total_bytes counter"
+    );
+    for (transfer, bytes, _) in transfers {
+        let _ = writeln!(
+            out,
+            "vllm:kv_offload_total_bytes_total{{{labels},transfer_type=\"{transfer}\"}} {bytes}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP vllm:kv_offload_total_time Total time measured by all KV offloading operations\n# TYPE vllm:kv_offload_total_time counter"
+    );
+    for (transfer, _, seconds) in transfers {
+        let _ = writeln!(
+            out,
+            "vllm:kv_offload_total_time_total{{{labels},transfer_type=\"{transfer}\"}} {seconds}"
+        );
+    }
     let _ = writeln!(
         out,
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
@@ -244,12 +275,19 @@ mod tests {
         observed.metrics.ssd_blocks = 7;
         observed.metrics.shared_fs_hit_tokens = 32;
         observed.metrics.cpu_bytes_loaded = 4096;
+        observed.metrics.tier_load_seconds[2] = 0.25;
         let text = render(&observed, &EngineConfig::default(), "m", 0);
         let labels = "engine=\"0\",model_name=\"m\"";
         for line in [
             format!("kvroute_sim_tier_blocks{{{labels},tier=\"ssd\"}} 7\n"),
             format!("kvroute_sim_tier_hit_tokens_total{{{labels},tier=\"shared_fs\"}} 32\n"),
             format!("kvroute_sim_tier_loaded_bytes_total{{{labels},tier=\"cpu\"}} 4096\n"),
+            format!(
+                "vllm:kv_offload_total_bytes_total{{{labels},transfer_type=\"CPU_to_GPU\"}} 4096\n"
+            ),
+            format!(
+                "vllm:kv_offload_total_time_total{{{labels},transfer_type=\"SHARED_STORAGE_to_GPU\"}} 0.25\n"
+            ),
         ] {
             assert!(text.contains(&line), "{line} in {text}");
         }

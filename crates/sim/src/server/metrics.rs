@@ -195,33 +195,38 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
     // vLLM's offloading connector's transfer counters, loads into the GPU by tier (as
     // `transfer_type` names them: the shared filesystem as llm-d's filesystem backend does).
     let transfers = [
-        ("CPU_to_GPU", m.cpu_bytes_loaded, m.tier_load_seconds[0]),
-        ("DISK_to_GPU", m.ssd_bytes_loaded, m.tier_load_seconds[1]),
+        (
+            "CPU_to_GPU",
+            [m.cpu_bytes_loaded as f64, m.tier_load_seconds[0]],
+        ),
+        (
+            "DISK_to_GPU",
+            [m.ssd_bytes_loaded as f64, m.tier_load_seconds[1]],
+        ),
         (
             "SHARED_STORAGE_to_GPU",
-            m.shared_fs_bytes_loaded,
-            m.tier_load_seconds[2],
+            [m.shared_fs_bytes_loaded as f64, m.tier_load_seconds[2]],
         ),
     ];
-    let _ = writeln!(
-        out,
-        "# HELP vllm:kv_offload_total_bytes Number of bytes offloaded by KV connector\n# TYPE vllm:kv_offload_total_bytes counter"
-    );
-    for (transfer, bytes, _) in transfers {
-        let _ = writeln!(
-            out,
-            "vllm:kv_offload_total_bytes_total{{{labels},transfer_type=\"{transfer}\"}} {bytes}"
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP vllm:kv_offload_total_time Total time measured by all KV offloading operations\n# TYPE vllm:kv_offload_total_time counter"
-    );
-    for (transfer, _, seconds) in transfers {
-        let _ = writeln!(
-            out,
-            "vllm:kv_offload_total_time_total{{{labels},transfer_type=\"{transfer}\"}} {seconds}"
-        );
+    let counters = [
+        (
+            "kv_offload_total_bytes",
+            "Number of bytes offloaded by KV connector",
+        ),
+        (
+            "kv_offload_total_time",
+            "Total time measured by all KV offloading operations",
+        ),
+    ];
+    for (i, (name, help)) in counters.into_iter().enumerate() {
+        let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} counter");
+        for (transfer, values) in transfers {
+            let _ = writeln!(
+                out,
+                "vllm:{name}_total{{{labels},transfer_type=\"{transfer}\"}} {}",
+                values[i]
+            );
+        }
     }
     let _ = writeln!(
         out,

@@ -107,9 +107,10 @@ pub struct Summary {
     /// run read them (`kvroute demo --offload`); absent from older result files.
     #[serde(default)]
     pub tier_tokens: Option<TierTokens>,
-    /// How far each request's time to first token was from the router's prediction for it,
-    /// when the run knows the predictions (`kvroute simulate` under a policy that plans with
-    /// the cost model); absent otherwise.
+    /// How far each planned leg's time to first token was from the router's prediction for
+    /// it (a request's, or a disaggregated request's prefill leg's; a decode leg's wait is
+    /// not the plan's), when the run knows the predictions (`kvroute simulate` under a policy
+    /// that plans with the cost model); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_prediction_error: Option<PredictionError>,
 }

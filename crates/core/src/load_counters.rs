@@ -10,8 +10,9 @@
 //! (`CPU_to_GPU`; llm-d's filesystem backend `SHARED_STORAGE_to_GPU`), and the tokens loaded
 //! per tier come from `vllm:prompt_tokens_cached_by_source_total` (the simulator exports both).
 //!
-//! **The estimate.** Between two scrapes a tier loaded `tokens` in loads that took `seconds`
-//! in all, each timed from its start to its end, within `window` seconds of wall time. The
+//! **The estimate.** Over a window of scrapes ([`LoadWindow`], at least [`WINDOW_S`]) a tier
+//! loaded `tokens` in loads that took `seconds` in all, each timed from its start to its end,
+//! within `window` seconds of wall time. The
 //! device (a PCIe link, a filesystem) was busy for at most `min(window, seconds)`: exactly
 //! `seconds` when no two loads overlapped, exactly `window` when it never idled. So its rate
 //! is at least `tokens / min(window, seconds)`, and equal to it at both ends; in between (loads
@@ -20,7 +21,7 @@
 //! **A shared filesystem** is one device for every endpoint that mounts it, and the cost model
 //! charges a shared load the tokens queued ahead on it at its rate (the fleet's shared
 //! backlog), so its rate is the aggregate one: each endpoint's loads are added into one window
-//! per mount, and the rate that window shows is every mounting endpoint's. One endpoint's own
+//! per mount ([`MountWindows`]), and the rate that window shows is every mounting endpoint's. One endpoint's own
 //! loads alone would show its share of the filesystem, which the backlog already charges.
 
 /// One scrape of an engine's per-tier load counters (CPU, own storage, shared; cumulative,
@@ -45,9 +46,10 @@ pub struct LoadDelta {
 /// Tokens a window must have loaded for its rate to count (fewer say little).
 pub const MIN_WINDOW_TOKENS: f64 = 64.0;
 
-/// Wall seconds a shared filesystem's window spans before its rate is read: several scrapes of
-/// each mounting endpoint, so that loads straddling a scrape weigh little.
-pub const MOUNT_WINDOW_S: f64 = 5.0;
+/// Wall seconds a window spans before its rate is read: many scrapes, so that an engine whose
+/// token counter and load timer tick at different moments (vLLM counts a hit when it schedules
+/// the load and times it when it ends) is read over many loads, not one split in two.
+pub const WINDOW_S: f64 = 5.0;
 
 /// The load rate, tokens per second, that `delta` loaded within `window_s` seconds of wall
 /// time shows (see the [module docs](self)); `None` when it loaded too little to say.
@@ -60,51 +62,61 @@ pub fn window_rate(delta: LoadDelta, window_s: f64) -> Option<f64> {
     usable.then(|| delta.tokens / busy_s)
 }
 
-/// Each shared filesystem's loads over its current window, from every endpoint that mounts it.
-#[derive(Clone, Debug, Default)]
-pub struct MountWindows {
-    windows: Vec<(String, MountWindow)>,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct MountWindow {
-    start: f64,
+/// One device's loads over the current window: what scrapes said was loaded, and since when.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadWindow {
+    /// The earliest start of the scrape intervals added (`None`: nothing added yet).
+    start: Option<f64>,
     loaded: LoadDelta,
 }
 
+impl LoadWindow {
+    /// Adds what a scrape at `now` says was loaded since `since` (that endpoint's previous
+    /// scrape). The window starts at the earliest `since` it was given, so a scrape interval
+    /// that began before the window (a late first scrape, failed scrapes between two) widens
+    /// it rather than crowding its loads into a shorter span: the rate can only be
+    /// under-stated. Once the window spans [`WINDOW_S`] and loaded enough to say, returns the
+    /// rate and starts the next window at `now`; until then it keeps adding.
+    pub fn add(&mut self, delta: LoadDelta, since: f64, now: f64) -> Option<f64> {
+        if !(delta.tokens.is_finite() && delta.seconds.is_finite() && since.is_finite()) {
+            return None;
+        }
+        let start = self.start.map_or(since, |s| s.min(since));
+        self.start = Some(start);
+        self.loaded.tokens += delta.tokens;
+        self.loaded.seconds += delta.seconds;
+        let span = now - start;
+        // A clock that is not a number never completes a window.
+        if span.is_nan() || span < WINDOW_S {
+            return None;
+        }
+        let rate = window_rate(self.loaded, span)?;
+        *self = LoadWindow {
+            start: Some(now),
+            loaded: LoadDelta::default(),
+        };
+        Some(rate)
+    }
+}
+
+/// Each shared filesystem's loads over its current window, from every endpoint that mounts it.
+#[derive(Clone, Debug, Default)]
+pub struct MountWindows {
+    windows: Vec<(String, LoadWindow)>,
+}
+
 impl MountWindows {
-    /// Adds what an endpoint read at `now` says it loaded from `mount` since its last scrape.
-    /// Once the window spans [`MOUNT_WINDOW_S`], returns the rate it shows (if it loaded
-    /// enough) and starts the next window.
-    pub fn add(&mut self, mount: &str, delta: LoadDelta, now: f64) -> Option<f64> {
+    /// Adds what an endpoint's scrape at `now` says it loaded from `mount` since `since` (its
+    /// previous scrape): [`LoadWindow::add`] on that mount's window.
+    pub fn add(&mut self, mount: &str, delta: LoadDelta, since: f64, now: f64) -> Option<f64> {
         let index = match self.windows.iter().position(|(m, _)| m == mount) {
             Some(i) => i,
             None => {
-                self.windows.push((
-                    mount.to_owned(),
-                    MountWindow {
-                        start: now,
-                        loaded: LoadDelta::default(),
-                    },
-                ));
-                // The first scrape's loads straddle a window that began before it: not counted.
-                return None;
+                self.windows.push((mount.to_owned(), LoadWindow::default()));
+                self.windows.len() - 1
             }
         };
-        let window = &mut self.windows[index].1;
-        window.loaded.tokens += delta.tokens;
-        window.loaded.seconds += delta.seconds;
-        let span = now - window.start;
-        // A clock that is not a number never completes a window.
-        if span.is_nan() || span < MOUNT_WINDOW_S {
-            return None;
-        }
-        let rate = window_rate(window.loaded, span);
-        *window = MountWindow {
-            start: now,
-            loaded: LoadDelta::default(),
-        };
-        rate
+        self.windows[index].1.add(delta, since, now)
     }
 }
 
@@ -139,25 +151,47 @@ mod tests {
     #[test]
     fn a_mounts_window_adds_every_endpoints_loads_before_it_reads_a_rate() {
         let mut mounts = MountWindows::default();
-        assert_eq!(
-            mounts.add("fs", delta(5_000.0, 0.1), 0.0),
-            None,
-            "first sight"
-        );
-        // Two endpoints, each loading 20,000 tokens a second for 5 s with loads that
-        // overlap (2 s of load time per endpoint-second): the filesystem read 40,000 tokens
-        // per second of the window.
+        // Two endpoints, each loading 20,000 tokens a second for 5 s with loads that overlap
+        // (2 s of load time per endpoint-second), each scraped every 1.25 s: the filesystem
+        // read 40,000 tokens per second of the window.
         for step in 1..=4 {
-            let now = step as f64 * 1.25;
-            assert_eq!(mounts.add("fs", delta(25_000.0, 2.5), now - 0.1), None);
-            let rate = mounts.add("fs", delta(25_000.0, 2.5), now);
+            let now = f64::from(step) * 1.25;
+            let since = now - 1.25;
+            assert_eq!(
+                mounts.add("fs", delta(25_000.0, 2.5), since, now - 0.1),
+                None
+            );
+            let rate = mounts.add("fs", delta(25_000.0, 2.5), since, now);
             assert_eq!(rate.is_some(), step == 4, "read once the window spans 5 s");
             if let Some(rate) = rate {
                 assert!((rate - 40_000.0).abs() < 1e-9, "{rate}");
             }
         }
-        // Another mount has its own window; and the next window starts empty.
-        assert_eq!(mounts.add("other", delta(1e6, 1.0), 5.0), None);
-        assert_eq!(mounts.add("fs", delta(100.0, 0.01), 10.0), Some(10_000.0));
+        // Another mount has its own window; the next window starts at the read.
+        assert_eq!(mounts.add("other", delta(1e6, 1.0), 4.0, 5.0), None);
+        assert_eq!(
+            mounts.add("fs", delta(100.0, 0.01), 5.0, 10.0),
+            Some(10_000.0)
+        );
+    }
+
+    #[test]
+    fn a_scrape_interval_that_began_before_the_window_widens_it() {
+        let mut window = LoadWindow::default();
+        // A minute without a scrape (they failed), then one: its loads are spread over the
+        // minute, not crowded into the window's 5 s. The device read at most 600,000 tokens in
+        // 60 s of which its loads took 50: at least 12,000 a second.
+        assert_eq!(
+            window.add(delta(600_000.0, 50.0), 0.0, 60.0),
+            Some(12_000.0)
+        );
+        // Too little to say keeps the window open, adding, until it can.
+        assert_eq!(window.add(delta(10.0, 0.001), 60.0, 70.0), None);
+        assert_eq!(window.add(delta(90.0, 0.001), 70.0, 71.0), Some(50_000.0));
+        assert_eq!(
+            window.add(delta(f64::NAN, 1.0), 71.0, 80.0),
+            None,
+            "not a number"
+        );
     }
 }

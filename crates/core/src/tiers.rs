@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::load_counters::{LoadDelta, TierLoadCounters, window_rate};
+use crate::load_counters::{LoadDelta, LoadWindow, TierLoadCounters};
 
 /// How fast blocks on slower tiers load, compared with recomputing them (see
 /// [`crate::tiers`]): the starting point of each endpoint's learned rates, and optional weights
@@ -174,6 +174,9 @@ pub struct TierRates {
     engine_load_seconds: [Option<f64>; 3],
     /// When it was last scraped.
     scraped_at: Option<f64>,
+    /// Its own tiers' loads (CPU memory, storage) over the current window of scrapes.
+    #[serde(skip)]
+    load_windows: [LoadWindow; 2],
     /// `predicted_tokens` at the last scrape.
     predicted_at_scrape: [u64; 3],
 }
@@ -409,15 +412,15 @@ impl TierRates {
     /// what each tier loaded since the last scrape to `engine_loaded_tokens` and, where enough
     /// tier tokens were predicted meanwhile, learns the fraction the engine found. Where the
     /// engine reports its load time too, learns the rate of its own tiers (CPU memory, storage)
-    /// from the two ([`crate::load_counters`]) and returns what the shared tier loaded, which is
-    /// the whole filesystem's to learn from (`None`: nothing to tell). A counter that went
-    /// backwards (a restart) starts over.
+    /// from the two over windows of scrapes ([`crate::load_counters`]) and returns what the
+    /// shared tier loaded and since when (the previous scrape), which is the whole filesystem's
+    /// to learn from (`None`: nothing to tell). A counter that went backwards (a restart)
+    /// starts over.
     pub fn observe_engine_loads(
         &mut self,
         counters: TierLoadCounters,
         now: f64,
-    ) -> Option<LoadDelta> {
-        let window_s = self.scraped_at.map(|at| now - at);
+    ) -> Option<(LoadDelta, f64)> {
         let mut shared = None;
         for t in LoadTier::ALL {
             let i = t as usize;
@@ -431,15 +434,16 @@ impl TierRates {
             ) else {
                 continue;
             };
-            let loaded = LoadDelta { tokens, seconds };
-            match (t, window_s) {
-                (LoadTier::Shared, _) => shared = Some(loaded),
-                (_, Some(window_s)) => {
-                    if let Some(rate) = window_rate(loaded, window_s) {
-                        self.learn_seconds_per_token(t, 1.0 / rate);
+            let (Some(since), loaded) = (self.scraped_at, LoadDelta { tokens, seconds }) else {
+                continue;
+            };
+            match t {
+                LoadTier::Shared => shared = Some((loaded, since)),
+                own => {
+                    if let Some(rate) = self.load_windows[i].add(loaded, since, now) {
+                        self.learn_seconds_per_token(own, 1.0 / rate);
                     }
                 }
-                (_, None) => {}
             }
         }
         self.engine_load_seconds = counters.seconds.map(|c| c.filter(|v| v.is_finite()));

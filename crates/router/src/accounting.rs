@@ -74,6 +74,10 @@ pub struct Accounting {
     /// Count the engine's reported `completion_tokens` as output (not on a P/D prefill leg,
     /// whose one token the client never receives: the decode leg generates it again).
     counts_output: bool,
+    /// The first body byte is the first token (a stream, or a one-token P/D prefill leg):
+    /// only then is its time checked against the plan's prediction. A whole answer's first
+    /// byte comes after its last token.
+    first_byte_is_first_token: bool,
     tail: Vec<u8>,
 }
 
@@ -105,6 +109,7 @@ impl Accounting {
             ended: false,
             check_cached: true,
             counts_output: true,
+            first_byte_is_first_token: false,
             tail: Vec::new(),
         }
     }
@@ -125,6 +130,12 @@ impl Accounting {
     /// its requests hold their blocks).
     pub fn skip_output_count(&mut self) {
         self.counts_output = false;
+    }
+
+    /// The response's first body byte is its first token (a stream, or a one-token leg): its
+    /// time is checked against the plan's prediction (`kvroute_ttft_prediction_error_seconds`).
+    pub fn first_byte_is_first_token(&mut self) {
+        self.first_byte_is_first_token = true;
     }
 
     /// The engine's reported `cached_tokens` says nothing of this endpoint's cache (a P/D
@@ -162,7 +173,7 @@ impl Accounting {
         self.router.with_endpoint_series(&[name], || {
             let m = self.router.metrics();
             m.first_byte_seconds.of(name).observe(elapsed);
-            if let Some(check) = check {
+            if let Some(check) = check.filter(|_| self.first_byte_is_first_token) {
                 m.ttft_prediction_error_seconds
                     .of(name)
                     .observe(check.error_s());

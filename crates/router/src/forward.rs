@@ -239,6 +239,9 @@ pub(crate) async fn forward(mut a: ForwardArgs<'_>) -> Response {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+        if sse {
+            accounting.first_byte_is_first_token();
+        }
         let body = TransferBody::new(body, transfer);
         let body = AccountedBody::new(body, accounting, lease, sse, a.multiplexed);
         let body = if sse && a.strip_usage {

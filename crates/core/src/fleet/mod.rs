@@ -1060,11 +1060,12 @@ impl Fleet {
     ) -> Option<TtftCheck> {
         let check = dispatch
             .predicted_ttft_s
-            .filter(|_| ok && !dispatch.prefill_done)
+            .filter(|p| ok && !dispatch.prefill_done && p.is_finite())
             .map(|predicted_s| TtftCheck {
                 predicted_s,
                 measured_s: now - dispatch.dispatched_at,
-            });
+            })
+            .filter(|c| c.measured_s.is_finite());
         self.note_first_token(dispatch, ok, now);
         check
     }

@@ -111,11 +111,11 @@ impl Fleet {
             return;
         };
         let shared = e.tier_rates.observe_engine_loads(counters, now);
-        let (Some(loaded), Some(mount)) = (shared, e.shared_mount()) else {
+        let (Some((loaded, since)), Some(mount)) = (shared, e.shared_mount()) else {
             return;
         };
         let mount = mount.to_owned();
-        let Some(rate) = self.mount_windows.add(&mount, loaded, now) else {
+        let Some(rate) = self.mount_windows.add(&mount, loaded, since, now) else {
             return;
         };
         for e in &mut self.endpoints {

@@ -67,7 +67,10 @@ pub struct SimArgs {
     offload_events: OffloadEvents,
     #[command(flatten)]
     engine: EngineArgs,
-    /// Simulated seconds per wall second (10: ten times faster than real time).
+    /// Simulated seconds per wall second (10: ten times faster than real time). The engines'
+    /// metrics report simulated seconds (latency histograms, KV transfer and tier load times),
+    /// so a router learns rates from them in simulated time: keep 1 to measure what a router
+    /// learns.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
     /// A HuggingFace tokenizer.json instead of the built-in tokenizer.

@@ -519,10 +519,17 @@ impl Exchange {
         let status = protocol::pseudo(h, ":status")
             .and_then(|s| s.parse::<u16>().ok())
             .unwrap_or(0);
+        let stream = protocol::header_map(h)
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
         if let Some(followed) = &self.followed
             && let Some(accounting) = followed.lock().as_mut()
         {
             accounting.status = status;
+            if stream {
+                accounting.first_byte_is_first_token();
+            }
         }
         if h.end_of_stream {
             self.finish();

@@ -104,6 +104,8 @@ pub(super) async fn run(
         let accounting =
             accounting.insert(pipeline::respond(router, &a.context, &leg, 0, dispatch));
         accounting.skip_output_count();
+        // Its answer is its one token.
+        accounting.first_byte_is_first_token();
         let request = upstream_request(&format!("http://{authority}"), a, body);
         let (response, lease) = match router.upstream().send(conn, &authority, request).await {
             Ok(answer) => answer,

@@ -124,9 +124,9 @@ pub struct EngineMetrics {
     pub ssd_bytes_loaded: u64,
     /// KV bytes loaded from the shared filesystem.
     pub shared_fs_bytes_loaded: u64,
-    /// Seconds the loads from each tier took (CPU, SSD, shared filesystem), each load timed
-    /// from its start to its end as vLLM's offloading connector times them (a shared load's
-    /// wait behind the filesystem's queue included).
+    /// Seconds the loads from each tier took (CPU, SSD, shared filesystem), counted when the
+    /// load is scheduled, as its tokens are: a CPU or SSD load its transfer time, a shared load
+    /// from its request to its end (its wait in the filesystem's queue included).
     pub tier_load_seconds: [f64; 3],
     /// Requests preempted for lack of blocks.
     pub num_preemptions: u64,

@@ -220,6 +220,10 @@ fn the_openai_client_works_through_envoy_and_the_endpoint_picker() {
         (0.0..=16.0).contains(&missed),
         "{missed} tokens missed: {metrics}"
     );
+    // The two streams' first tokens were checked against their plans' predictions (a whole
+    // answer's first byte is no first token).
+    let timed = sum_labelled(&metrics, "kvroute_ttft_prediction_error_seconds_count", "");
+    assert_eq!(timed, 2.0, "{metrics}");
     assert!(sample(&metrics, "kvroute_flow_queue_requests").is_some());
     // Every response the gateway passed on to its end counts as completed, none as closed by
     // the client.

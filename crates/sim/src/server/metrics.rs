@@ -193,7 +193,10 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
         }
     }
     // vLLM's offloading connector's transfer counters, loads into the GPU by tier (as
-    // `transfer_type` names them: the shared filesystem as llm-d's filesystem backend does).
+    // `transfer_type` names them: the shared filesystem as llm-d's filesystem backend does),
+    // exported, as vLLM exports them, only by an engine with a connector (a tier below the GPU).
+    let offloads =
+        config.num_cpu_blocks > 0 || config.num_ssd_blocks > 0 || config.shared_fs.is_some();
     let transfers = [
         (
             "CPU_to_GPU",
@@ -218,7 +221,7 @@ pub fn render(observed: &Observed, config: &EngineConfig, model: &str, engine: u
             "Total time measured by all KV offloading operations",
         ),
     ];
-    for (i, (name, help)) in counters.into_iter().enumerate() {
+    for (i, (name, help)) in counters.into_iter().enumerate().filter(|_| offloads) {
         let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} counter");
         for (transfer, values) in transfers {
             let _ = writeln!(
@@ -281,7 +284,11 @@ mod tests {
         observed.metrics.shared_fs_hit_tokens = 32;
         observed.metrics.cpu_bytes_loaded = 4096;
         observed.metrics.tier_load_seconds[2] = 0.25;
-        let text = render(&observed, &EngineConfig::default(), "m", 0);
+        let tiered = EngineConfig {
+            num_cpu_blocks: 64,
+            ..EngineConfig::default()
+        };
+        let text = render(&observed, &tiered, "m", 0);
         let labels = "engine=\"0\",model_name=\"m\"";
         for line in [
             format!("kvroute_sim_tier_blocks{{{labels},tier=\"ssd\"}} 7\n"),
@@ -296,5 +303,9 @@ mod tests {
         ] {
             assert!(text.contains(&line), "{line} in {text}");
         }
+        // An engine with no tier below the GPU has no offloading connector, and vLLM then
+        // exports none of its metrics.
+        let plain = render(&observed, &EngineConfig::default(), "m", 0);
+        assert!(!plain.contains("vllm:kv_offload"), "{plain}");
     }
 }

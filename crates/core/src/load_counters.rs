@@ -24,6 +24,10 @@
 //! per mount ([`MountWindows`]), and the rate that window shows is every mounting endpoint's. One endpoint's own
 //! loads alone would show its share of the filesystem, which the backlog already charges.
 
+/// Samples with fewer tier tokens than this say little about a tier's rate: a request's, or a
+/// window of an engine's load counters.
+pub const MIN_SAMPLE_TOKENS: usize = 64;
+
 /// One scrape of an engine's per-tier load counters (CPU, own storage, shared; cumulative,
 /// `None` where the engine does not report the tier).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -43,9 +47,6 @@ pub struct LoadDelta {
     pub seconds: f64,
 }
 
-/// Tokens a window must have loaded for its rate to count (fewer say little).
-pub const MIN_WINDOW_TOKENS: f64 = 64.0;
-
 /// Wall seconds a window spans before its rate is read: many scrapes, so that an engine whose
 /// token counter and load timer tick at different moments (vLLM counts a hit when it schedules
 /// the load and times it when it ends) is read over many loads, not one split in two.
@@ -56,7 +57,7 @@ pub const WINDOW_S: f64 = 5.0;
 pub fn window_rate(delta: LoadDelta, window_s: f64) -> Option<f64> {
     let busy_s = delta.seconds.min(window_s);
     let usable = delta.tokens.is_finite()
-        && delta.tokens >= MIN_WINDOW_TOKENS
+        && delta.tokens >= MIN_SAMPLE_TOKENS as f64
         && busy_s.is_finite()
         && busy_s > 0.0;
     usable.then(|| delta.tokens / busy_s)

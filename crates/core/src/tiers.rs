@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::load_counters::{LoadDelta, LoadWindow, TierLoadCounters};
+use crate::load_counters::{LoadDelta, LoadWindow, MIN_SAMPLE_TOKENS, TierLoadCounters};
 
 /// How fast blocks on slower tiers load, compared with recomputing them (see
 /// [`crate::tiers`]): the starting point of each endpoint's learned rates, and optional weights
@@ -279,8 +279,6 @@ impl FirstTokenFit {
 
 /// Weight of a new sample in a learned rate (an exponential moving average).
 const LEARNING_RATE: f64 = 0.2;
-/// Samples with fewer tier tokens than this say little about a tier's rate.
-const MIN_SAMPLE_TOKENS: usize = 64;
 
 impl TierRates {
     /// These rates, with `tokens` queued on the shared tier's bandwidth (a plan's view).
@@ -424,13 +422,9 @@ impl TierRates {
         let mut shared = None;
         for t in LoadTier::ALL {
             let i = t as usize;
-            let delta = |now: Option<f64>, before: Option<f64>| match (now, before) {
-                (Some(now), Some(before)) if now.is_finite() && now >= before => Some(now - before),
-                _ => None,
-            };
             let (Some(tokens), Some(seconds)) = (
-                delta(counters.tokens[i], self.engine_counters[i]),
-                delta(counters.seconds[i], self.engine_load_seconds[i]),
+                counter_delta(counters.tokens[i], self.engine_counters[i]),
+                counter_delta(counters.seconds[i], self.engine_load_seconds[i]),
             ) else {
                 continue;
             };
@@ -454,13 +448,10 @@ impl TierRates {
 
     fn count_engine_loads(&mut self, counters: [Option<f64>; 3]) {
         for (t, (&counter, &last)) in counters.iter().zip(&self.engine_counters).enumerate() {
-            let (Some(now), Some(before)) = (counter, last) else {
+            let Some(loaded) = counter_delta(counter, last) else {
                 continue;
             };
-            if !now.is_finite() || now < before {
-                continue;
-            }
-            let loaded = (now - before).round() as u64;
+            let loaded = loaded.round() as u64;
             self.engine_loaded_tokens[t] = self.engine_loaded_tokens[t].saturating_add(loaded);
             let predicted = self.predicted_tokens[t].saturating_sub(self.predicted_at_scrape[t]);
             if predicted >= MIN_SAMPLE_TOKENS as u64 {
@@ -474,6 +465,15 @@ impl TierRates {
         }
         self.engine_counters = counters.map(|c| c.filter(|v| v.is_finite()));
         self.predicted_at_scrape = self.predicted_tokens;
+    }
+}
+
+/// What a cumulative counter rose by between two scrapes: `None` where either scrape lacks it,
+/// or it is not a number, or it went backwards (the engine restarted: counting starts over).
+fn counter_delta(now: Option<f64>, before: Option<f64>) -> Option<f64> {
+    match (now, before) {
+        (Some(now), Some(before)) if now.is_finite() && now >= before => Some(now - before),
+        _ => None,
     }
 }
 

@@ -25,6 +25,7 @@ use axum::http::HeaderMap;
 use bytes::Bytes;
 use kvroute_core::fleet::{AttemptFailure, Dispatch, Plan, Shed};
 use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::PredictedTtfts;
 use kvroute_vllm::openai::ApiError;
 use tokio::time::Instant;
 
@@ -63,7 +64,7 @@ pub(crate) struct Leg {
     /// Core's predicted time to first token at each endpoint it assessed, where the leg's
     /// time to first token is the plan's to predict (empty for a request sent unplanned and
     /// for a P/D decode leg, whose wait is the P/D option's).
-    pub(crate) predicted_ttft_s: Vec<(EndpointId, f64)>,
+    pub(crate) predicted_ttft_s: PredictedTtfts,
     /// Why the first endpoint was chosen (retries say `retry`).
     pub(crate) reason: &'static str,
 }
@@ -73,7 +74,7 @@ impl Leg {
     pub(crate) fn planned(plan: Plan) -> Self {
         Self {
             reason: plan.decision.reason.as_str(),
-            predicted_ttft_s: predicted_ttft(&plan),
+            predicted_ttft_s: PredictedTtfts::of(&plan.decision),
             ranking: plan.decision.ranking,
             predicted_cached: plan.predicted_cached,
         }
@@ -84,17 +85,9 @@ impl Leg {
         Self {
             ranking,
             predicted_cached: Vec::new(),
-            predicted_ttft_s: Vec::new(),
+            predicted_ttft_s: PredictedTtfts::default(),
             reason: "passthrough",
         }
-    }
-
-    /// The time to first token the plan predicted at `endpoint`, if it assessed it.
-    fn predicted_ttft_at(&self, endpoint: EndpointId) -> Option<f64> {
-        self.predicted_ttft_s
-            .iter()
-            .find(|(e, _)| *e == endpoint)
-            .map(|&(_, s)| s)
     }
 
     /// How many of its endpoints may be tried.
@@ -174,22 +167,13 @@ pub(crate) async fn route_in(
     Ok(Routed { prepared, plan })
 }
 
-/// Each assessed endpoint's predicted time to first token in `plan`.
-pub(crate) fn predicted_ttft(plan: &Plan) -> Vec<(EndpointId, f64)> {
-    plan.decision
-        .assessments
-        .iter()
-        .map(|a| (a.endpoint, a.predicted_ttft_s))
-        .collect()
-}
-
 /// **connect**: records that `prepared` was connected to `id` (the picker: named it to the
 /// gateway), with its leg's predictions there (cached tokens, time to first token; a retry
 /// keeps the plan's): the fleet's dispatch, shared with peer replicas.
 pub(crate) fn connect(router: &Router, leg: &Leg, prepared: &Prepared, id: EndpointId) -> Dispatch {
     let features = prepared.features();
     let mut dispatch = router.dispatched(&leg.predicted_cached, &features, id);
-    dispatch.predicted_ttft_s = leg.predicted_ttft_at(id);
+    dispatch.predicted_ttft_s = leg.predicted_ttft_s.at(id);
     crate::replica::share::dispatched(router, &features, &dispatch);
     dispatch
 }

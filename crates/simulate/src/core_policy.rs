@@ -14,7 +14,7 @@ use kvroute_core::fleet::{
 use kvroute_core::index::{EndpointId, OffloadSpec, SharedMount};
 use kvroute_core::keys::RouterKey;
 use kvroute_core::load_counters::TierLoadCounters;
-use kvroute_core::schedule::{CacheSource, Profile, ProfileName, Role};
+use kvroute_core::schedule::{CacheSource, PredictedTtfts, Profile, ProfileName, Role};
 use kvroute_core::tiers::TierLoadMode;
 use kvroute_sim::engine::TierLoads;
 use rand::rngs::StdRng;
@@ -37,22 +37,12 @@ struct Tracked {
     prompt_tokens: usize,
     predicted_cached: Vec<usize>,
     /// The plan's predicted time to first token at each endpoint it assessed.
-    predicted_ttft_s: Vec<(EndpointId, f64)>,
+    predicted_ttft_s: PredictedTtfts,
     ticket: Option<HoldTicket>,
     dispatch: Option<Dispatch>,
     /// A disaggregated request's prefill endpoint, and its leg there.
     prefill: Option<usize>,
     prefill_dispatch: Option<Dispatch>,
-}
-
-impl Tracked {
-    /// The time to first token its plan predicted at `endpoint`, if it assessed it.
-    fn predicted_ttft_at(&self, endpoint: EndpointId) -> Option<f64> {
-        self.predicted_ttft_s
-            .iter()
-            .find(|(e, _)| *e == endpoint)
-            .map(|&(_, s)| s)
-    }
 }
 
 /// A scheduling profile on kvroute-core's fleet state.
@@ -231,12 +221,7 @@ impl CorePolicy {
                 pd_choice: pd_choice.as_ref(),
             });
         }
-        let predicted_ttft_s = plan
-            .decision
-            .assessments
-            .iter()
-            .map(|a| (a.endpoint, a.predicted_ttft_s))
-            .collect();
+        let predicted_ttft_s = PredictedTtfts::of(&plan.decision);
         self.remember(
             request,
             plan.predicted_cached,
@@ -252,7 +237,7 @@ impl CorePolicy {
         &mut self,
         request: &SimRequest<'_>,
         predicted_cached: Vec<usize>,
-        predicted_ttft_s: Vec<(EndpointId, f64)>,
+        predicted_ttft_s: PredictedTtfts,
         ticket: Option<HoldTicket>,
         prefill: Option<usize>,
     ) {
@@ -299,7 +284,13 @@ impl RoutingPolicy for CorePolicy {
         match self.fleet.admit(&plan, 0, bytes, now) {
             Admission::Route => self.go(request, plan, now),
             Admission::Held(ticket) => {
-                self.remember(request, Vec::new(), Vec::new(), Some(ticket), None);
+                self.remember(
+                    request,
+                    Vec::new(),
+                    PredictedTtfts::default(),
+                    Some(ticket),
+                    None,
+                );
                 Routing::Wait
             }
             Admission::Shed(why) => shed(why),
@@ -327,7 +318,7 @@ impl RoutingPolicy for CorePolicy {
                 EndpointId(prefill as u32),
                 now,
             );
-            leg.predicted_ttft_s = t.predicted_ttft_at(EndpointId(prefill as u32));
+            leg.predicted_ttft_s = t.predicted_ttft_s.at(EndpointId(prefill as u32));
             t.prefill_dispatch = Some(leg);
             if let Some(cached) = predicted.get_mut(endpoint) {
                 let link = (EndpointId(prefill as u32), id);
@@ -345,7 +336,7 @@ impl RoutingPolicy for CorePolicy {
         let mut dispatch = self.fleet.dispatched(&predicted, &features, id, now);
         // A decode leg's wait is the P/D option's, not the plan's to predict.
         if t.prefill.is_none() {
-            dispatch.predicted_ttft_s = t.predicted_ttft_at(id);
+            dispatch.predicted_ttft_s = t.predicted_ttft_s.at(id);
         }
         t.dispatch = Some(dispatch);
         self.requests.insert(request_id, t);

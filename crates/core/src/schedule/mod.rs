@@ -351,6 +351,30 @@ impl Decision {
     }
 }
 
+/// Each assessed endpoint's predicted time to first token, kept with a request from its plan
+/// to its dispatch, where it becomes the fleet dispatch's `predicted_ttft_s` on whichever
+/// endpoint the request goes to (the first, or a retry's).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PredictedTtfts(Vec<(EndpointId, f64)>);
+
+impl PredictedTtfts {
+    /// The predictions of `decision`.
+    pub fn of(decision: &Decision) -> Self {
+        Self(
+            decision
+                .assessments
+                .iter()
+                .map(|a| (a.endpoint, a.predicted_ttft_s))
+                .collect(),
+        )
+    }
+
+    /// The prediction at `endpoint`, if the plan assessed it.
+    pub fn at(&self, endpoint: EndpointId) -> Option<f64> {
+        self.0.iter().find(|(e, _)| *e == endpoint).map(|&(_, s)| s)
+    }
+}
+
 pub(crate) fn rejection(
     profile: &Profile,
     request: &RequestInfo,

@@ -34,6 +34,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use kvroute_core::fleet::Plan;
 use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::PredictedTtfts;
 use kvroute_core::schedule::disagg::{DisaggChoice, PdOption};
 use kvroute_vllm::nixl::{decode_leg_body, lease_expiry_unix_s};
 use kvroute_vllm::openai::{ApiError, ask_stream_usage, request_stream_usage};
@@ -191,7 +192,7 @@ pub(crate) async fn generate(mut a: ForwardArgs<'_>, plan: Plan) -> Response {
     a.leg = Leg {
         ranking,
         predicted_cached: decoders_predicted(&plan, &decoders, a.prepared.prompt_tokens),
-        predicted_ttft_s: Vec::new(),
+        predicted_ttft_s: PredictedTtfts::default(),
         reason: crate::pipeline::PD_DECODE,
     };
     a.decode = Some(DecodeLeg {
@@ -248,7 +249,7 @@ pub(crate) fn header_mode(
                 .peer_dispatched(&prepared.features(), option.prefill, false, now);
             let leg = Leg {
                 predicted_cached: decoders_predicted(&plan, &decoders, prepared.prompt_tokens),
-                predicted_ttft_s: Vec::new(),
+                predicted_ttft_s: PredictedTtfts::default(),
                 ranking: decoders,
                 reason: crate::pipeline::PD_DECODE,
             };
@@ -346,7 +347,7 @@ fn fallback_leg(plan: &Plan, decode: EndpointId) -> Leg {
         ranking: vec![decode],
         predicted_cached: plan.predicted_cached.clone(),
         // Planned before the prefill leg that failed: no prediction of this attempt's wait.
-        predicted_ttft_s: Vec::new(),
+        predicted_ttft_s: PredictedTtfts::default(),
         reason: "pd_fallback",
     }
 }

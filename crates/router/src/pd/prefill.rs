@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute_core::fleet::{Plan, UpstreamOutcome};
 use kvroute_core::index::EndpointId;
+use kvroute_core::schedule::PredictedTtfts;
 use kvroute_vllm::nixl::{prefill_answer_params, prefill_leg_body};
 use kvroute_vllm::openai::usage_cached_tokens;
 use serde_json::{Map, Value};
@@ -84,7 +85,7 @@ pub(super) async fn run(
     let leg = Leg {
         ranking: vec![prefill],
         predicted_cached: plan.predicted_cached.clone(),
-        predicted_ttft_s: crate::pipeline::predicted_ttft(plan),
+        predicted_ttft_s: PredictedTtfts::of(&plan.decision),
         reason: "pd_prefill",
     };
     let body = Bytes::from(serde_json::to_vec(&prefill_leg_body(client)).unwrap_or_default());

@@ -109,6 +109,9 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
         // slow answer is that much older against the load sample's maximum age, which is
         // derived so that an answer within `scrape.timeout_ms` is still young enough to use.
         let sent = router.now();
+        // What the router had in flight there as it asked: a request of its own that ends
+        // while the answer is on its way is not read as another client's.
+        let since = router.fleet().load_mark(endpoint.id, sent);
         let scraped = match get_text(
             &router,
             format!("http://{}/metrics", endpoint.authority),
@@ -175,7 +178,7 @@ async fn scrape_loop(router: Arc<Router>, endpoint: Arc<Endpoint>) {
             num_gpu_blocks: sample.num_gpu_blocks,
         };
         let mut fleet = router.fleet();
-        fleet.observe_load(endpoint.id, load, sent);
+        fleet.observe_scraped_load(endpoint.id, load, since);
         if sample.tier_loaded_tokens.iter().any(Option::is_some) {
             // What it loaded from each tier, against what was predicted there, and how long
             // its loads took (the tiers' rates under any load).

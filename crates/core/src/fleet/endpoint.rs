@@ -19,8 +19,27 @@ use crate::tiers::TierRates;
 /// the same step.
 pub const PREFILL_RATE_SAMPLE_WEIGHT: f64 = 0.1;
 
+/// Samples of its own rate that the pooled rate counts as, for an endpoint's prefill rate: its
+/// first sample weighs as much as the pool, its ninth nine tenths.
+const PREFILL_RATE_PRIOR_SAMPLES: f64 = 1.0;
+
 /// Fewest uncached tokens whose time to first token says something about the prefill rate.
 const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
+
+/// Where the router's own accounting of an endpoint stood when a scrape of its load was sent:
+/// how many of the requests it counts there had left each stage by then. Given back with the
+/// scrape's sample, the difference says which requests the engine may still have counted that
+/// the router no longer does (see [`super::Fleet::observe_scraped_load`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadMark {
+    /// When it was taken, seconds.
+    pub(super) at: f64,
+    /// Requests that had left their prefill (a first token, or an end without one).
+    pub(super) prefills_left: u64,
+    /// Requests that had ended, and of those, the ones past their first token.
+    pub(super) ended: u64,
+    pub(super) decodes_ended: u64,
+}
 
 /// A prefill-rate sample an endpoint took at a request's first token, kept with the request
 /// until its end, when the engine says how much of the prompt it found cached: a prefix the
@@ -56,7 +75,7 @@ impl RatePool {
         let Some(rate) = e.observed_prefill_rate() else {
             return;
         };
-        let w = e.prefill_rate_freshness();
+        let w = e.prefill_rate_weight();
         self.weighted += w * rate;
         self.weights += w;
         self.sum += rate;
@@ -160,6 +179,12 @@ pub struct EndpointState {
     pub(super) inflight: u32,
     pub(super) inflight_prefills: u32,
     pub(super) inflight_prefill_tokens: u64,
+    /// Of the requests it counted in flight, those that have left their prefill so far, those
+    /// that have ended, and of those the ones past their first token (cumulative: what a
+    /// [`LoadMark`] reads).
+    pub(super) prefills_left: u64,
+    pub(super) ended: u64,
+    pub(super) decodes_ended: u64,
     /// Observed prefill rate, tokens/s (EWMA of uncontended prefills; 0 until observed).
     pub(super) prefill_rate: f64,
     /// Prefills it computed beside others since its last rate sample: samples it could not
@@ -201,6 +226,9 @@ impl EndpointState {
             inflight: 0,
             inflight_prefills: 0,
             inflight_prefill_tokens: 0,
+            prefills_left: 0,
+            ended: 0,
+            decodes_ended: 0,
             prefill_rate: 0.0,
             prefills_unsampled: 0,
             prefill_samples: 0,
@@ -252,24 +280,32 @@ impl EndpointState {
         (self.prefill_rate > 0.0).then_some(self.prefill_rate)
     }
 
-    /// How far its own rate still counts, 0–1: the EWMA's weight for the samples it has
-    /// missed, `(1 − PREFILL_RATE_SAMPLE_WEIGHT)^missed` (0 until observed).
-    pub fn prefill_rate_freshness(&self) -> f64 {
+    /// How far its own rate counts against the pool's, 0–1: its credibility,
+    /// `n / (n + PREFILL_RATE_PRIOR_SAMPLES)` for the `n` samples it has taken, aged by the EWMA's
+    /// weight for the samples it has missed since, `(1 − PREFILL_RATE_SAMPLE_WEIGHT)^missed` (0
+    /// until observed).
+    pub fn prefill_rate_weight(&self) -> f64 {
         if self.prefill_rate > 0.0 {
-            (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(self.prefills_unsampled.min(1_000) as i32)
+            let samples = self.prefill_samples as f64;
+            let credibility = samples / (samples + PREFILL_RATE_PRIOR_SAMPLES);
+            credibility
+                * (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(self.prefills_unsampled.min(1_000) as i32)
         } else {
             0.0
         }
     }
 
     /// Its prefill rate for costing, tokens/s: its own observed rate shrunk toward `pooled`
-    /// (the pooled rate of the endpoints serving the request's model) by the samples it has
-    /// missed. Each prefill it computed beside others is a sample it could not read; the EWMA
-    /// takes the pooled rate in its place. With fresh
-    /// samples its own rate stands (a mixed fleet tells its engines apart); under deep queues,
-    /// where no endpoint's own rate can be read, a rate frozen by chance fades into the pool.
+    /// (the pooled rate of the endpoints serving the request's model) by
+    /// [`EndpointState::prefill_rate_weight`]. A first sample is not yet its rate: one prefill
+    /// that met a cold engine or a burst of other work would otherwise price every later one
+    /// there, and a turn whose history is cached there would be sent away to compute it all
+    /// elsewhere. Each prefill it computed beside others is a sample it could not read; the
+    /// EWMA takes the pooled rate in its place. With fresh samples its own rate stands (a
+    /// mixed fleet tells its engines apart); under deep queues, where no endpoint's own rate
+    /// can be read, a rate frozen by chance fades into the pool.
     pub fn prefill_rate_toward(&self, pooled: f64) -> f64 {
-        let own = self.prefill_rate_freshness();
+        let own = self.prefill_rate_weight();
         own * self.prefill_rate + (1.0 - own) * pooled
     }
 
@@ -278,27 +314,75 @@ impl EndpointState {
         self.placements.at(now, PLACEMENT_TAU_S)
     }
 
-    /// Keeps `sample`, scraped at `now`, as the load of requests that are not the router's
-    /// own: its waiting and running counts less the router's requests there at that moment
-    /// (see [`EndpointState::counts_with`]).
-    /// A count or fraction that is not a finite number of 0 or more (an engine's `+Inf` or
-    /// `NaN`) is taken as not reported: one would make every cost at the endpoint NaN.
-    pub(super) fn observe_sample(&mut self, sample: LoadSample, now: f64) {
+    /// One of the requests it counts in flight left its prefill: its first token came, or it
+    /// ended without one. `uncached_tokens`: what it was to compute.
+    pub(super) fn prefill_left(&mut self, uncached_tokens: u64) {
+        self.inflight_prefills = self.inflight_prefills.saturating_sub(1);
+        self.inflight_prefill_tokens = self.inflight_prefill_tokens.saturating_sub(uncached_tokens);
+        self.prefills_left += 1;
+    }
+
+    /// One of the requests it counts in flight ended, `decoding` (past its first token) or not
+    /// (its prefill left already, by [`EndpointState::prefill_left`]).
+    pub(super) fn request_ended(&mut self, decoding: bool) {
+        self.inflight = self.inflight.saturating_sub(1);
+        self.ended += 1;
+        if decoding {
+            self.decodes_ended += 1;
+        }
+    }
+
+    /// Where its accounting stands at `now`, for a scrape sent then.
+    pub(super) fn load_mark(&self, now: f64) -> LoadMark {
+        LoadMark {
+            at: now,
+            prefills_left: self.prefills_left,
+            ended: self.ended,
+            decodes_ended: self.decodes_ended,
+        }
+    }
+
+    /// Keeps `sample`, scraped from a request sent at `since`, as the load of requests that
+    /// are not the router's own (see [`EndpointState::counts_with`]).
+    ///
+    /// The engine rendered its counts at some moment between the question and the answer, so
+    /// the router's requests it may hold are those in flight now and those that ended
+    /// meanwhile: all are taken as counted, so that a request just ended is never read as
+    /// another client's (which would send the next turn of its conversation away from its
+    /// cache until the next scrape). The error left is the other way, and as small: a request
+    /// sent during the scrape that the engine had not yet seen is taken as counted too.
+    /// Other clients' requests are the engine's total less those; of them, the waiting ones
+    /// are its waiting count less the router's requests that were before their first token
+    /// during the scrape (a request being prefilled is counted running by vLLM, so the split
+    /// is uncertain, never the total). A count or fraction that is not a finite number of 0 or
+    /// more (an engine's `+Inf` or `NaN`) is taken as not reported: one would make every cost
+    /// at the endpoint NaN.
+    pub(super) fn observe_sample(&mut self, sample: LoadSample, since: LoadMark) {
         let usable = |value: Option<f64>| value.filter(|v| v.is_finite() && *v >= 0.0);
-        let others =
-            |count: Option<f64>, own: u32| usable(count).map(|c| (c - f64::from(own)).max(0.0));
+        let less = |count: f64, own: u64| (count - own as f64).max(0.0);
+        let ended = self.ended.saturating_sub(since.ended);
+        let before_first_token = u64::from(self.inflight_prefills)
+            + self.prefills_left.saturating_sub(since.prefills_left);
+        let decoding = u64::from(self.inflight.saturating_sub(self.inflight_prefills))
+            + self.decodes_ended.saturating_sub(since.decodes_ended);
+        let (waiting, running) = match (usable(sample.waiting), usable(sample.running)) {
+            (Some(waiting), Some(running)) => {
+                let others = less(waiting + running, u64::from(self.inflight) + ended);
+                let waiting = less(waiting, before_first_token).min(others);
+                (Some(waiting), Some(others - waiting))
+            }
+            (waiting, running) => (
+                waiting.map(|w| less(w, before_first_token)),
+                running.map(|r| less(r, decoding)),
+            ),
+        };
         let sample = LoadSample {
             kv_usage: usable(sample.kv_usage),
-            // Its own requests not past their first token are waiting or prefilling (counted
-            // running): taking them all as waiting errs toward more load, never less.
-            waiting: others(sample.waiting, self.inflight_prefills),
-            running: others(
-                sample.running,
-                self.inflight.saturating_sub(self.inflight_prefills),
-            ),
+            waiting,
+            running,
             ..sample
         };
-        self.sample = Some((sample, now));
+        self.sample = Some((sample, since.at));
     }
 
     /// The waiting and running counts of its load with `others` (another source's requests,

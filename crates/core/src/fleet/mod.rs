@@ -55,7 +55,8 @@ pub use admit::{Admission, HeldTurn};
 use copy_rent::CopyRents;
 pub use disagg::{DecodeRetry, DisaggConfig, FailedDecodeLeg, TransfersDropped};
 pub use endpoint::{
-    EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadSample, PREFILL_RATE_SAMPLE_WEIGHT,
+    EndpointSpec, EndpointState, HealthChange, HealthPolicy, LoadMark, LoadSample,
+    PREFILL_RATE_SAMPLE_WEIGHT,
 };
 use endpoint::{PrefillSample, RatePool};
 pub use flow::{FlowConfig, FlowQueue, HoldTicket, Shed};
@@ -1040,10 +1041,7 @@ impl Fleet {
             self.shared_backlog.finished(load);
         }
         let e = self.endpoints.get_mut(dispatch.endpoint.0 as usize)?;
-        e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
-        e.inflight_prefill_tokens = e
-            .inflight_prefill_tokens
-            .saturating_sub(dispatch.uncached_tokens);
+        e.prefill_left(dispatch.uncached_tokens);
         // Its callers set the endpoint's place in the load order once they are done with it.
         Some(e)
     }
@@ -1123,9 +1121,10 @@ impl Fleet {
     /// The request ended at `now` (completed, failed, or abandoned by its client);
     /// `reported_cached`: the engine's `cached_tokens`, if it said.
     pub fn finished(&mut self, mut dispatch: Dispatch, reported_cached: Option<usize>, now: f64) {
+        let decoding = dispatch.prefill_done;
         self.end_prefill(&mut dispatch);
         if let Some(e) = self.endpoints.get_mut(dispatch.endpoint.0 as usize) {
-            e.inflight = e.inflight.saturating_sub(1);
+            e.request_ended(decoding);
             if let Some(ended) = e.pinned.unpin(dispatch.pin, now, dispatch.output_tokens) {
                 if let Some(decode_s) = ended.decode_s {
                     self.model_priors.note_decode(dispatch.model, decode_s);
@@ -1218,12 +1217,29 @@ impl Fleet {
         self.retry_budget.try_retry(&self.config.retry, now)
     }
 
-    /// A load sample scraped from `id` at `now`.
+    /// A load sample scraped from `id` at an instant, `now` (a simulator's scrape; a scrape
+    /// over the network is [`Fleet::observe_scraped_load`]).
     pub fn observe_load(&mut self, id: EndpointId, sample: LoadSample, now: f64) {
+        let since = self.load_mark(id, now);
+        self.observe_scraped_load(id, sample, since);
+    }
+
+    /// Where the router's own accounting of `id` stands at `now`: take it when a scrape of its
+    /// load is sent, and give it back with the sample ([`Fleet::observe_scraped_load`]).
+    pub fn load_mark(&self, id: EndpointId, now: f64) -> LoadMark {
+        self.endpoints
+            .get(id.0 as usize)
+            .map_or(LoadMark::default(), |e| e.load_mark(now))
+    }
+
+    /// A load sample of `id` from a scrape sent when `since` was taken: its counts, less the
+    /// router's requests there then and since, are the load of other clients; it ages from
+    /// when it was sent.
+    pub fn observe_scraped_load(&mut self, id: EndpointId, sample: LoadSample, since: LoadMark) {
         if let Some(e) = self.endpoints.get_mut(id.0 as usize) {
             e.capacity_blocks = sample.num_gpu_blocks.or(e.capacity_blocks);
-            e.observe_sample(sample, now);
-            let fresh_until = now + self.config.load_sample_max_age_s;
+            e.observe_sample(sample, since);
+            let fresh_until = since.at + self.config.load_sample_max_age_s;
             self.load_order.sample_expires(id, Some(fresh_until));
             self.load_changed(id);
         }

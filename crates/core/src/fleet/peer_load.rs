@@ -166,8 +166,7 @@ impl Fleet {
                 let (endpoint, tokens) = (p.endpoint, p.uncached_tokens);
                 self.peer_load.push_deadline(until, request);
                 if let Some(e) = self.endpoints.get_mut(endpoint.0 as usize) {
-                    e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
-                    e.inflight_prefill_tokens = e.inflight_prefill_tokens.saturating_sub(tokens);
+                    e.prefill_left(tokens);
                 }
                 self.load_changed(endpoint);
                 true
@@ -240,12 +239,10 @@ impl Fleet {
             return false;
         };
         if let Some(e) = self.endpoints.get_mut(p.endpoint.0 as usize) {
-            e.inflight = e.inflight.saturating_sub(1);
             if !p.decoding {
-                e.inflight_prefills = e.inflight_prefills.saturating_sub(1);
-                e.inflight_prefill_tokens =
-                    e.inflight_prefill_tokens.saturating_sub(p.uncached_tokens);
+                e.prefill_left(p.uncached_tokens);
             }
+            e.request_ended(p.decoding);
         }
         self.load_changed(p.endpoint);
         self.peer_load.stats.open = self.peer_load.open.len() as u64;

@@ -323,8 +323,9 @@ fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
     fleet.first_token(&mut lucky, true, 0.025); // 40k tokens/s, alone
     let mut plain = send_to(&mut fleet, &Req::new(&prompt(1000, 2)), EndpointId(1), 0.0);
     fleet.first_token(&mut plain, true, 0.1); // 10k tokens/s, alone
-    // Fresh samples: a mixed fleet keeps its engines apart.
-    assert_eq!(costed_rates(&mut fleet, 0.2), vec![40_000.0, 10_000.0]);
+    // Fresh samples: a mixed fleet keeps its engines apart, each as far from the pool (25k) as
+    // its one sample is credible (half).
+    assert_eq!(costed_rates(&mut fleet, 0.2), vec![32_500.0, 17_500.0]);
     // A long prefill keeps e0 busy: everything sent there meanwhile runs beside it.
     let mut blocker = send_to(&mut fleet, &Req::new(&prompt(1000, 3)), EndpointId(0), 1.0);
     let mut now = 1.0;
@@ -353,8 +354,8 @@ fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
     let rates = costed_rates(&mut fleet, now);
     // 80 unread samples: e0's own estimate keeps 0.9^80 of its weight.
     assert!((rates[0] - 10_000.0).abs() < 100.0, "{rates:?}");
-    assert_eq!(rates[1], 10_000.0);
-    // One uncontended prefill on e0 brings its own rate back.
+    assert!((rates[1] - 10_000.0).abs() < 100.0, "{rates:?}");
+    // One uncontended prefill on e0 brings its own rate back (two samples: two thirds of it).
     let mut alone = send_to(
         &mut fleet,
         &Req::new(&prompt(1000, 500)),
@@ -363,7 +364,7 @@ fn a_busy_endpoints_frozen_prefill_rate_fades_into_the_fleets() {
     );
     fleet.first_token(&mut alone, true, now + 0.025);
     let fresh = costed_rates(&mut fleet, now + 0.1)[0];
-    assert!(fresh > 39_000.0, "{fresh}");
+    assert!(fresh > 35_000.0, "{fresh}");
 }
 
 #[test]
@@ -433,19 +434,24 @@ proptest::proptest! {
     fn a_costed_prefill_rate_moves_from_its_own_toward_the_pool_by_the_samples_missed(
         own in 1_000.0f64..100_000.0,
         pooled in 1_000.0f64..100_000.0,
+        samples in 1u32..20,
         missed in 0u32..200,
     ) {
         let mut e = EndpointState::new(EndpointId(0), spec("e", BS));
-        e.note_prefill(10_000, 10_000.0 / own, true);
+        for _ in 0..samples {
+            e.note_prefill(10_000, 10_000.0 / own, true);
+        }
         for _ in 0..missed {
             e.note_prefill(10_000, 1.0, false);
         }
         let costed = e.prefill_rate_toward(pooled);
-        let kept = (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(missed as i32);
+        // As far from the pool as its samples are credible, and its missed ones leave it.
+        let credible = f64::from(samples) / (f64::from(samples) + 1.0);
+        let kept = credible * (1.0 - PREFILL_RATE_SAMPLE_WEIGHT).powi(missed as i32);
         proptest::prop_assert!((costed - pooled).abs() <= kept * (own - pooled).abs() + 1e-6);
         proptest::prop_assert!(costed >= own.min(pooled) - 1e-6 && costed <= own.max(pooled) + 1e-6);
         if missed == 0 {
-            proptest::prop_assert!((costed - own).abs() < 1e-6);
+            proptest::prop_assert!((costed - pooled).abs() >= kept * (own - pooled).abs() - 1e-6);
         }
     }
 }
@@ -595,6 +601,30 @@ fn follow_up_turns_stay_with_their_history_at_zero_load() {
         let n = homes.iter().filter(|h| **h == Some(EndpointId(e))).count();
         assert_eq!(n, 2, "{homes:?}");
     }
+}
+
+/// Real vLLM on a busy CPU, once in CI: a conversation's first turn met a slow moment on an
+/// engine that had measured nothing else, its one sample priced every prefill there at a
+/// tenth of the other engine's rate, and the next turn was sent away from its 22 cached
+/// blocks to compute all 25 elsewhere. One sample is not yet an engine's rate.
+#[test]
+fn a_turn_stays_with_its_history_where_one_slow_prefill_was_measured() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let (fast, slow) = (EndpointId(0), EndpointId(1));
+    for salt in 0..4 {
+        let mut d = send_to(&mut fleet, &Req::new(&prompt(1000, salt)), fast, 0.0);
+        fleet.first_token(&mut d, true, 0.1); // 10k tokens/s, alone
+        fleet.finished(d, Some(0), 0.2);
+    }
+    let mut history = prompt(368, 77);
+    let mut first = send_to(&mut fleet, &Req::new(&history), slow, 1.0);
+    fleet.first_token(&mut first, true, 1.5); // 736 tokens/s, alone: a slow moment
+    fleet.apply_events(slow, &[stored(&history, BS)], 1.5);
+    fleet.finished(first, Some(0), 1.6);
+    history.extend(prompt(32, 78));
+    let (plan, next) = send(&mut fleet, &Req::new(&history), 1.7);
+    assert_eq!(next.endpoint, slow, "{:?}", plan.decision);
+    assert_eq!(plan.decision.reason, Reason::Cache);
 }
 
 /// A fleet of `endpoints` whose `holder` holds an 800-token prompt (salt `salt`), and that
@@ -942,6 +972,44 @@ fn a_load_sample_ages_only_in_what_the_router_cannot_see() {
     // One it sends now counts at once.
     send(&mut fleet, &Req::new(&prompt(320, 4)), 0.4);
     assert_eq!(counts(&fleet, 0.4), (2.0, 2.0));
+}
+
+/// A scrape's answer says how the engine stood at some moment after it was asked: requests of
+/// the router's that left a stage while it was on its way may be in its counts. They are not
+/// read as another client's load (a conversation's turn that just ended would otherwise push
+/// its next turn off its cache until the next scrape), while another client's still are.
+#[test]
+fn a_request_that_ends_while_a_scrape_is_on_its_way_is_not_read_as_another_clients() {
+    let mut fleet = FleetBuilder::new(1).build();
+    let e = EndpointId(0);
+    let (_, mut turn) = send(&mut fleet, &Req::new(&prompt(320, 1)), 0.0);
+    let (_, mut waiting) = send(&mut fleet, &Req::new(&prompt(320, 2)), 0.0);
+    fleet.first_token(&mut turn, true, 0.05);
+    // Asked at 0.1; one request ends and the other gets its first token before the answer,
+    // which counts both as they were, beside another client's waiting and running ones.
+    let since = fleet.load_mark(e, 0.1);
+    fleet.finished(turn, Some(0), 0.12);
+    fleet.first_token(&mut waiting, true, 0.13);
+    let sample = LoadSample {
+        waiting: Some(2.0),
+        running: Some(2.0),
+        kv_usage: Some(0.5),
+        num_gpu_blocks: Some(1000),
+    };
+    fleet.observe_scraped_load(e, sample, since);
+    let load = fleet.load(e, 0.14).unwrap();
+    assert_eq!(
+        (load.queue(), load.decoding()),
+        (1.0, 2.0),
+        "the other client's waiting and running requests, and the router's one decoding"
+    );
+    // Read as of its answer, the ended request would have been a phantom decoding one.
+    fleet.observe_load(e, sample, 0.14);
+    assert_eq!(fleet.load(e, 0.14).unwrap().decoding(), 2.0);
+    // Its age runs from when it was asked.
+    let max_age = fleet.config().load_sample_max_age_s;
+    fleet.observe_scraped_load(e, sample, since);
+    assert_eq!(fleet.load(e, 0.1 + max_age + 0.01).unwrap().waiting, None);
 }
 
 /// An endpoint a scrape found saturated by the router's own queue opens as soon as that queue

@@ -30,15 +30,29 @@ const MIN_RATE_SAMPLE_TOKENS: u64 = 256;
 /// how many of the requests it counts there had left each stage by then. Given back with the
 /// scrape's sample, the difference says which requests the engine may still have counted that
 /// the router no longer does (see [`super::Fleet::observe_scraped_load`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LoadMark {
     /// When it was taken, seconds.
     pub(super) at: f64,
     /// Requests that had left their prefill (a first token, or an end without one).
-    pub(super) prefills_left: u64,
-    /// Requests that had ended, and of those, the ones past their first token.
+    pub(super) prefills_ended: u64,
+    /// Requests that had ended.
     pub(super) ended: u64,
+    /// Of those, the ones past their first token.
     pub(super) decodes_ended: u64,
+}
+
+impl LoadMark {
+    /// The mark of an endpoint the fleet does not know, taken at `now` (a sample given back
+    /// with it is not kept).
+    pub(super) fn unknown(now: f64) -> Self {
+        Self {
+            at: now,
+            prefills_ended: 0,
+            ended: 0,
+            decodes_ended: 0,
+        }
+    }
 }
 
 /// A prefill-rate sample an endpoint took at a request's first token, kept with the request
@@ -60,7 +74,8 @@ pub(super) struct PrefillSample {
 
 /// A pooled prefill rate, tokens/s, built one endpoint at a time (so that one pass over the
 /// fleet can pool several sets of endpoints): the endpoints' observed rates, each weighted by
-/// its freshness (their plain mean when none is fresh; `None` when none is observed).
+/// [`EndpointState::prefill_rate_weight`] (their plain mean when none weighs anything; `None`
+/// when none is observed).
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct RatePool {
     weighted: f64,
@@ -179,11 +194,12 @@ pub struct EndpointState {
     pub(super) inflight: u32,
     pub(super) inflight_prefills: u32,
     pub(super) inflight_prefill_tokens: u64,
-    /// Of the requests it counted in flight, those that have left their prefill so far, those
-    /// that have ended, and of those the ones past their first token (cumulative: what a
-    /// [`LoadMark`] reads).
-    pub(super) prefills_left: u64,
+    /// Of the requests it counted in flight, those that have left their prefill so far
+    /// (cumulative, as the next two: what a [`LoadMark`] reads).
+    pub(super) prefills_ended: u64,
+    /// Those that have ended.
     pub(super) ended: u64,
+    /// Those that have ended past their first token.
     pub(super) decodes_ended: u64,
     /// Observed prefill rate, tokens/s (EWMA of uncontended prefills; 0 until observed).
     pub(super) prefill_rate: f64,
@@ -226,7 +242,7 @@ impl EndpointState {
             inflight: 0,
             inflight_prefills: 0,
             inflight_prefill_tokens: 0,
-            prefills_left: 0,
+            prefills_ended: 0,
             ended: 0,
             decodes_ended: 0,
             prefill_rate: 0.0,
@@ -316,14 +332,14 @@ impl EndpointState {
 
     /// One of the requests it counts in flight left its prefill: its first token came, or it
     /// ended without one. `uncached_tokens`: what it was to compute.
-    pub(super) fn prefill_left(&mut self, uncached_tokens: u64) {
+    pub(super) fn prefill_ended(&mut self, uncached_tokens: u64) {
         self.inflight_prefills = self.inflight_prefills.saturating_sub(1);
         self.inflight_prefill_tokens = self.inflight_prefill_tokens.saturating_sub(uncached_tokens);
-        self.prefills_left += 1;
+        self.prefills_ended += 1;
     }
 
     /// One of the requests it counts in flight ended, `decoding` (past its first token) or not
-    /// (its prefill left already, by [`EndpointState::prefill_left`]).
+    /// (its prefill left already, by [`EndpointState::prefill_ended`]).
     pub(super) fn request_ended(&mut self, decoding: bool) {
         self.inflight = self.inflight.saturating_sub(1);
         self.ended += 1;
@@ -336,7 +352,7 @@ impl EndpointState {
     pub(super) fn load_mark(&self, now: f64) -> LoadMark {
         LoadMark {
             at: now,
-            prefills_left: self.prefills_left,
+            prefills_ended: self.prefills_ended,
             ended: self.ended,
             decodes_ended: self.decodes_ended,
         }
@@ -349,25 +365,32 @@ impl EndpointState {
     /// the router's requests it may hold are those in flight now and those that ended
     /// meanwhile: all are taken as counted, so that a request just ended is never read as
     /// another client's (which would send the next turn of its conversation away from its
-    /// cache until the next scrape). The error left is the other way, and as small: a request
-    /// sent during the scrape that the engine had not yet seen is taken as counted too.
+    /// cache until the next scrape). The error left is the other way: a request of the
+    /// router's the engine did not count when it rendered (sent during the scrape, or earlier
+    /// and not yet admitted; ended during the scrape before the engine counted) hides one of
+    /// another client's, until the next scrape; it grows with the router's request rate
+    /// times the scrape's latency, while the router's own requests are always counted fresh.
     /// Other clients' requests are the engine's total less those; of them, the waiting ones
     /// are its waiting count less the router's requests that were before their first token
     /// during the scrape (a request being prefilled is counted running by vLLM, so the split
-    /// is uncertain, never the total). A count or fraction that is not a finite number of 0 or
-    /// more (an engine's `+Inf` or `NaN`) is taken as not reported: one would make every cost
-    /// at the endpoint NaN.
+    /// is uncertain, never the total). An engine that reports only one of the two counts has
+    /// it less the router's requests in that state: its running count, then, keeps the
+    /// router's requests being prefilled as other clients' (more load, never less).
+    /// A count or fraction that is not a finite number of 0 or more (an engine's `+Inf` or
+    /// `NaN`) is taken as not reported: one would make every cost at the endpoint NaN.
     pub(super) fn observe_sample(&mut self, sample: LoadSample, since: LoadMark) {
         let usable = |value: Option<f64>| value.filter(|v| v.is_finite() && *v >= 0.0);
         let less = |count: f64, own: u64| (count - own as f64).max(0.0);
         let ended = self.ended.saturating_sub(since.ended);
         let before_first_token = u64::from(self.inflight_prefills)
-            + self.prefills_left.saturating_sub(since.prefills_left);
+            + self.prefills_ended.saturating_sub(since.prefills_ended);
         let decoding = u64::from(self.inflight.saturating_sub(self.inflight_prefills))
             + self.decodes_ended.saturating_sub(since.decodes_ended);
         let (waiting, running) = match (usable(sample.waiting), usable(sample.running)) {
             (Some(waiting), Some(running)) => {
-                let others = less(waiting + running, u64::from(self.inflight) + ended);
+                // Two finite counts may still sum past the largest f64.
+                let total = (waiting + running).min(f64::MAX);
+                let others = less(total, u64::from(self.inflight) + ended);
                 let waiting = less(waiting, before_first_token).min(others);
                 (Some(waiting), Some(others - waiting))
             }

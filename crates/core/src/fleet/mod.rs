@@ -1041,7 +1041,7 @@ impl Fleet {
             self.shared_backlog.finished(load);
         }
         let e = self.endpoints.get_mut(dispatch.endpoint.0 as usize)?;
-        e.prefill_left(dispatch.uncached_tokens);
+        e.prefill_ended(dispatch.uncached_tokens);
         // Its callers set the endpoint's place in the load order once they are done with it.
         Some(e)
     }
@@ -1229,7 +1229,7 @@ impl Fleet {
     pub fn load_mark(&self, id: EndpointId, now: f64) -> LoadMark {
         self.endpoints
             .get(id.0 as usize)
-            .map_or(LoadMark::default(), |e| e.load_mark(now))
+            .map_or(LoadMark::unknown(now), |e| e.load_mark(now))
     }
 
     /// A load sample of `id` from a scrape sent when `since` was taken: its counts, less the

@@ -166,7 +166,7 @@ impl Fleet {
                 let (endpoint, tokens) = (p.endpoint, p.uncached_tokens);
                 self.peer_load.push_deadline(until, request);
                 if let Some(e) = self.endpoints.get_mut(endpoint.0 as usize) {
-                    e.prefill_left(tokens);
+                    e.prefill_ended(tokens);
                 }
                 self.load_changed(endpoint);
                 true
@@ -240,7 +240,7 @@ impl Fleet {
         };
         if let Some(e) = self.endpoints.get_mut(p.endpoint.0 as usize) {
             if !p.decoding {
-                e.prefill_left(p.uncached_tokens);
+                e.prefill_ended(p.uncached_tokens);
             }
             e.request_ended(p.decoding);
         }

@@ -611,18 +611,23 @@ fn follow_up_turns_stay_with_their_history_at_zero_load() {
 fn a_turn_stays_with_its_history_where_one_slow_prefill_was_measured() {
     let mut fleet = FleetBuilder::new(2).build();
     let (fast, slow) = (EndpointId(0), EndpointId(1));
+    // The fast engine's samples were taken long ago (their placements have decayed: balancing
+    // would favour it among near-equal costs), the slow one's just now.
+    let mut now = 0.0;
     for salt in 0..4 {
-        let mut d = send_to(&mut fleet, &Req::new(&prompt(1000, salt)), fast, 0.0);
-        fleet.first_token(&mut d, true, 0.1); // 10k tokens/s, alone
-        fleet.finished(d, Some(0), 0.2);
+        let mut d = send_to(&mut fleet, &Req::new(&prompt(1000, salt)), fast, now);
+        fleet.first_token(&mut d, true, now + 0.1); // 10k tokens/s, alone
+        fleet.finished(d, Some(0), now + 0.2);
+        now += 0.3;
     }
+    now = 10.0 * super::endpoint::PLACEMENT_TAU_S;
     let mut history = prompt(368, 77);
-    let mut first = send_to(&mut fleet, &Req::new(&history), slow, 1.0);
-    fleet.first_token(&mut first, true, 1.5); // 736 tokens/s, alone: a slow moment
-    fleet.apply_events(slow, &[stored(&history, BS)], 1.5);
-    fleet.finished(first, Some(0), 1.6);
+    let mut first = send_to(&mut fleet, &Req::new(&history), slow, now);
+    fleet.first_token(&mut first, true, now + 0.5); // 736 tokens/s, alone: a slow moment
+    fleet.apply_events(slow, &[stored(&history, BS)], now + 0.5);
+    fleet.finished(first, Some(0), now + 0.6);
     history.extend(prompt(32, 78));
-    let (plan, next) = send(&mut fleet, &Req::new(&history), 1.7);
+    let (plan, next) = send(&mut fleet, &Req::new(&history), now + 0.7);
     assert_eq!(next.endpoint, slow, "{:?}", plan.decision);
     assert_eq!(plan.decision.reason, Reason::Cache);
 }
@@ -1003,9 +1008,11 @@ fn a_request_that_ends_while_a_scrape_is_on_its_way_is_not_read_as_another_clien
         (1.0, 2.0),
         "the other client's waiting and running requests, and the router's one decoding"
     );
-    // Read as of its answer, the ended request would have been a phantom decoding one.
+    // Read as of its answer, the ended request would have been another client's: a phantom
+    // waiting one (others' total 3, of which the engine's 2 waiting).
     fleet.observe_load(e, sample, 0.14);
-    assert_eq!(fleet.load(e, 0.14).unwrap().decoding(), 2.0);
+    let load = fleet.load(e, 0.14).unwrap();
+    assert_eq!((load.queue(), load.decoding()), (2.0, 2.0));
     // Its age runs from when it was asked.
     let max_age = fleet.config().load_sample_max_age_s;
     fleet.observe_scraped_load(e, sample, since);

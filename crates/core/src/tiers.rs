@@ -422,15 +422,15 @@ impl TierRates {
         let mut shared = None;
         for t in LoadTier::ALL {
             let i = t as usize;
-            let (Some(tokens), Some(seconds)) = (
+            let (Some(tokens), Some(seconds), Some(since)) = (
                 counter_delta(counters.tokens[i], self.engine_counters[i]),
                 counter_delta(counters.seconds[i], self.engine_load_seconds[i]),
+                // The previous scrape's time: none at the first.
+                self.scraped_at,
             ) else {
                 continue;
             };
-            let (Some(since), loaded) = (self.scraped_at, LoadDelta { tokens, seconds }) else {
-                continue;
-            };
+            let loaded = LoadDelta { tokens, seconds };
             match t {
                 LoadTier::Shared => shared = Some((loaded, since)),
                 own => {

@@ -59,14 +59,20 @@ fn stored(tokens: &[u32], block_size: usize) -> KvEvent {
     })
 }
 
+/// A scrape's vLLM gauges: `waiting` and `running` requests, `kv_usage` (0–1), and the cache's
+/// capacity in blocks.
+fn gauges(waiting: f64, running: f64, kv_usage: f64, num_gpu_blocks: usize) -> LoadSample {
+    LoadSample {
+        waiting: Some(waiting),
+        running: Some(running),
+        kv_usage: Some(kv_usage),
+        num_gpu_blocks: Some(num_gpu_blocks),
+    }
+}
+
 /// Every endpoint of `fleet` scraped at time 0 idle, with a cache of `num_gpu_blocks` blocks.
 fn scrape_idle(fleet: &mut Fleet, num_gpu_blocks: usize) {
-    let sample = LoadSample {
-        waiting: Some(0.0),
-        running: Some(0.0),
-        kv_usage: Some(0.0),
-        num_gpu_blocks: Some(num_gpu_blocks),
-    };
+    let sample = gauges(0.0, 0.0, 0.0, num_gpu_blocks);
     for at in 0..fleet.endpoints().len() {
         fleet.observe_load(EndpointId(at as u32), sample, 0.0);
     }
@@ -162,12 +168,7 @@ fn queued_prefill_counts_the_cached_prefix_the_queue_ahead_evicts() {
     // ahead: by the time the engine admits a request on A, A is evicted (an engine looks the
     // prefix up at admission), so the request's whole prompt is queued work.
     let mut fleet = FleetBuilder::new(1).build();
-    let sample = LoadSample {
-        waiting: Some(0.0),
-        running: Some(0.0),
-        kv_usage: Some(1.0),
-        num_gpu_blocks: Some(100),
-    };
+    let sample = gauges(0.0, 0.0, 1.0, 100);
     fleet.observe_load(EndpointId(0), sample, 0.0);
     let a = prompt(1600, 1);
     fleet.apply_events(EndpointId(0), &[stored(&a, BS)], 0.0);
@@ -922,12 +923,7 @@ fn each_model_matches_with_its_own_block_size() {
 #[test]
 fn stale_load_samples_are_ignored() {
     let mut fleet = FleetBuilder::new(1).build();
-    let sample = LoadSample {
-        waiting: Some(3.0),
-        running: Some(5.0),
-        kv_usage: Some(0.5),
-        num_gpu_blocks: Some(1000),
-    };
+    let sample = gauges(3.0, 5.0, 0.5, 1000);
     fleet.observe_load(EndpointId(0), sample, 10.0);
     assert_eq!(fleet.load(EndpointId(0), 11.0).unwrap().waiting, Some(3.0));
     let max_age = fleet.config().load_sample_max_age_s;
@@ -953,12 +949,7 @@ fn a_load_sample_ages_only_in_what_the_router_cannot_see() {
     let (_, mut third) = send(&mut fleet, &Req::new(&prompt(320, 3)), 0.0);
     fleet.first_token(&mut third, true, 0.05);
     // Its two requests wait beside another client's one; its third decodes beside two others.
-    let sample = LoadSample {
-        waiting: Some(3.0),
-        running: Some(3.0),
-        kv_usage: Some(0.5),
-        num_gpu_blocks: Some(1000),
-    };
+    let sample = gauges(3.0, 3.0, 0.5, 1000);
     fleet.observe_load(e, sample, 0.1);
     let counts = |fleet: &Fleet, now| {
         let load = fleet.load(e, now).unwrap();
@@ -995,12 +986,7 @@ fn a_request_that_ends_while_a_scrape_is_on_its_way_is_not_read_as_another_clien
     let since = fleet.load_mark(e, 0.1);
     fleet.finished(turn, Some(0), 0.12);
     fleet.first_token(&mut waiting, true, 0.13);
-    let sample = LoadSample {
-        waiting: Some(2.0),
-        running: Some(2.0),
-        kv_usage: Some(0.5),
-        num_gpu_blocks: Some(1000),
-    };
+    let sample = gauges(2.0, 2.0, 0.5, 1000);
     fleet.observe_scraped_load(e, sample, since);
     let load = fleet.load(e, 0.14).unwrap();
     assert_eq!(
@@ -2068,12 +2054,7 @@ fn a_sharded_index_plans_as_one_index_does() {
         let mut fleet = builder.build();
         let tokens = prompt(1600, 9);
         for e in 0..5usize {
-            let sample = LoadSample {
-                waiting: Some(0.0),
-                running: Some(e as f64),
-                kv_usage: Some(0.5),
-                num_gpu_blocks: Some(120),
-            };
+            let sample = gauges(0.0, e as f64, 0.5, 120);
             fleet.observe_load(EndpointId(e as u32), sample, 0.0);
             let held = &tokens[..(e + 1) * 320];
             fleet.apply_events(EndpointId(e as u32), &[stored(held, BS)], 0.0);

@@ -277,6 +277,11 @@ impl FirstTokenFit {
     }
 }
 
+/// Samples of its own that a tier's configured rate counts as, against its learned one: its
+/// first sample weighs as much as the configured rate, its ninth nine tenths (as the prefill
+/// rate weighs its first samples against the fleet's, `fleet::endpoint`).
+const TIER_RATE_PRIOR_SAMPLES: f64 = 1.0;
+
 /// Weight of a new sample in a learned rate (an exponential moving average).
 const LEARNING_RATE: f64 = 0.2;
 
@@ -289,11 +294,20 @@ impl TierRates {
         }
     }
 
-    /// The rate used for `tier`: learned, else configured.
+    /// The rate used for `tier`: the learned one weighed against the configured one by its
+    /// credibility, `n / (n + TIER_RATE_PRIOR_SAMPLES)` for its `n` samples, as seconds per
+    /// token (the configured rate alone until one is learned). One load is not yet a tier's
+    /// rate: a first read from a cold page cache or a drive's first access can be many times
+    /// slower than the rest, and taken outright it prices the tier slower than recomputing,
+    /// so it gets no credit and fewer requests go where it would teach the rate again.
     pub fn rate(&self, tier: LoadTier, configured: &TierCosts) -> f64 {
-        self.learned[tier as usize]
-            .unwrap_or_else(|| configured.tokens_per_s(tier))
-            .max(1.0)
+        let prior = configured.tokens_per_s(tier).max(1.0);
+        let Some(learned) = self.learned[tier as usize] else {
+            return prior;
+        };
+        let samples = f64::from(self.samples[tier as usize]);
+        let credibility = samples / (samples + TIER_RATE_PRIOR_SAMPLES);
+        (1.0 / (credibility / learned.max(1.0) + (1.0 - credibility) / prior)).max(1.0)
     }
 
     /// Learns from one request: `tier_tokens` were loaded from the tiers below the GPU in
@@ -762,6 +776,30 @@ mod tests {
         rates.observe([4096, 0, 0], 1e-6, &costs);
         let got = rates.rate(LoadTier::Cpu, &costs);
         assert!(got < 1.5 * truth, "learned {got:.0}, true {truth:.0}");
+    }
+
+    #[test]
+    fn one_slow_first_load_does_not_take_a_tiers_credit() {
+        // CPU memory really loads at 150k tokens/s (the configured rate), the GPU recomputes
+        // at 20k; the first load met a cold moment and took ten times as long.
+        let costs = TierCosts::default();
+        let mut rates = TierRates::default();
+        let truth = costs.tokens_per_s(LoadTier::Cpu);
+        let prefill = 20_000.0;
+        rates.observe([4096, 0, 0], 10.0 * 4096.0 / truth, &costs);
+        let learned = rates.learned[0].unwrap();
+        assert!(
+            (learned - truth / 10.0).abs() < 1e-6,
+            "the sample itself is kept: {learned}"
+        );
+        let costed = rates.rate(LoadTier::Cpu, &costs);
+        assert!(costed > prefill, "still credited: {costed:.0}");
+        // Later loads at the true rate take over.
+        for _ in 0..40 {
+            rates.observe([4096, 0, 0], 4096.0 / truth, &costs);
+        }
+        let costed = rates.rate(LoadTier::Cpu, &costs);
+        assert!((costed - truth).abs() / truth < 0.01, "{costed:.0}");
     }
 
     #[test]

@@ -69,8 +69,16 @@ use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 /// One candidate's cost, term by term, in seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Cost {
-    /// Waiting behind queued work.
+    /// Waiting behind queued work: the larger of `queued_prefill_s` and `room_wait_s`, plus
+    /// `queued_requests_s`.
     pub queue_s: f64,
+    /// Of `queue_s`: the prefill queued ahead, at the endpoint's prefill rate.
+    pub queued_prefill_s: f64,
+    /// Of `queue_s`: the wait for room in its cache, until enough of the running requests are
+    /// expected to end for its blocks to fit.
+    pub room_wait_s: f64,
+    /// Of `queue_s`: the requests queued ahead, each at the profile's `queue_wait_s`.
+    pub queued_requests_s: f64,
     /// Computing the uncached part of the prompt, and what it holds that the queue ahead is
     /// expected to evict before the request is admitted.
     pub prefill_s: f64,
@@ -263,8 +271,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
     // The prefills queued ahead, or the requests that must end before this one's blocks fit,
     // whichever is longer (the latter includes the former's prefills).
-    let queue_s =
-        (queued_tokens / rate).max(load.room_wait_s) + load.queue() * profile.queue_wait_s;
+    let queued_prefill_s = queued_tokens / rate;
+    let queued_requests_s = load.queue() * profile.queue_wait_s;
+    let queue_s = queued_prefill_s.max(load.room_wait_s) + queued_requests_s;
     // Who waits for this prefill: every running decode (its next token comes after the step
     // that computes it), and the requests that will queue behind it, as many, in steady state,
     // as are queued there now.
@@ -298,6 +307,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     };
     let mut cost = Cost {
         queue_s,
+        queued_prefill_s,
+        room_wait_s: load.room_wait_s,
+        queued_requests_s,
         prefill_s,
         evicted_ahead_tokens: lost,
         tier_load_s,

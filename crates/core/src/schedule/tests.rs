@@ -616,6 +616,35 @@ fn a_hot_prefix_spills_once_the_queue_wait_exceeds_the_prefill_saved() {
 }
 
 #[test]
+fn explain_splits_the_queue_into_its_parts() {
+    // 2 queued requests with 1,000 prefill tokens ahead (50 ms at 20k tokens/s), and a wait for
+    // room of 80 ms: the longer of the two, plus 20 ms per queued request.
+    let mut cands = fleet(1);
+    busy(&mut cands[0], 2, 1_000);
+    let profile = Profile::default();
+    let rate = cands[0].prefill_tokens_per_s;
+    let cost = |cands: &[Candidate]| {
+        let d = schedule(&profile, &request(1_000), cands, 0, 0);
+        d.assessments[0].cost.clone()
+    };
+    let waits_for_room = |room_wait_s| {
+        let mut cands = cands.clone();
+        cands[0].load.room_wait_s = room_wait_s;
+        cost(&cands)
+    };
+    for (room, longer) in [(0.08, 0.08), (0.01, 1_000.0 / rate)] {
+        let c = waits_for_room(room);
+        assert!((c.queued_prefill_s - 1_000.0 / rate).abs() < 1e-12, "{c:?}");
+        assert_eq!(c.room_wait_s, room);
+        assert!((c.queued_requests_s - 2.0 * profile.queue_wait_s).abs() < 1e-12);
+        assert!(
+            (c.queue_s - (longer + c.queued_requests_s)).abs() < 1e-12,
+            "{c:?}"
+        );
+    }
+}
+
+#[test]
 fn the_stall_counts_running_decodes_and_the_queue_that_forms_behind() {
     let mut cands = fleet(1);
     busy(&mut cands[0], 3, 6_000);

@@ -139,7 +139,8 @@ pub type TierTokens = [usize; 3];
 /// until measured) and how often predicted tier hits were found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct TierRates {
-    /// Per tier (indexed by [`LoadTier`]).
+    /// Per tier (indexed by [`LoadTier`]): the learned rate alone, as its samples say;
+    /// [`TierRates::rate`] weighs it against the configured one for costing.
     pub learned: [Option<f64>; 3],
     /// Samples behind each rate.
     pub samples: [u32; 3],

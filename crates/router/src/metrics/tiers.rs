@@ -68,10 +68,11 @@ pub struct TierMetrics {
     found_tokens: Counts,
     /// Tokens the engines' own per-tier counters say they loaded, by endpoint and tier.
     engine_loaded_tokens: Counts,
-    /// The load rate the cost model uses (learned, else configured), tokens/s, by endpoint and
-    /// tier.
+    /// The load rate the cost model uses (learned, weighed against the configured one by its
+    /// samples; configured until learned), tokens/s, by endpoint and tier.
     load_tokens_per_s: Rates,
-    /// Requests the load rates were learned from, by endpoint and tier.
+    /// Samples the load rates were learned from (requests, and windows of the engines' load
+    /// counters), by endpoint and tier.
     load_rate_samples: Counts,
     /// Offloaded-tier blocks the index could not place (orphans), by endpoint.
     orphan_blocks: Counts,
@@ -239,7 +240,7 @@ impl MetricGroup for TierMetrics {
             ),
             (
                 "tier_load_rate_samples",
-                "Requests each tier's load rate was learned from",
+                "Samples each tier's load rate was learned from (requests, and windows of the engines' load counters)",
                 &self.load_rate_samples,
             ),
             (
@@ -268,7 +269,7 @@ impl MetricGroup for TierMetrics {
         }
         registry.register(
             "tier_load_tokens_per_second",
-            "Load rate of each tier the cost model uses (learned, else configured)",
+            "Load rate of each tier the cost model uses (learned, weighed against the configured one by its samples; configured until learned)",
             self.load_tokens_per_s.clone(),
         );
         registry.register(

@@ -660,6 +660,15 @@ fn simulate_runs_the_small_matrix_and_a_tenants_workload_with_prefix_hash() {
     let report: serde_json::Value = read_json(&out.join("matrix.json"));
     let cells = report["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 2);
+    // The verdicts are counted over both cells (both fit the pooled cache), printed and kept.
+    let verdicts = &report["verdicts"];
+    assert_eq!(verdicts["ttft_cells"], 2, "{verdicts}");
+    assert_eq!(verdicts["hit_cells"], 2, "{verdicts}");
+    let line = format!(
+        "TTFT p50, p90 and p99 within 1.05x the best other policy's in {} of 2 cells",
+        verdicts["ttft_met"]
+    );
+    assert!(stdout(&matrix).contains(&line), "{}", stdout(&matrix));
     let policies: Vec<&str> = cells[0]["policies"]
         .as_array()
         .unwrap()

@@ -181,9 +181,10 @@ impl CellResult {
         self.policies.iter().find(|p| p.policy == policy)
     }
 
-    /// Whether the working set fits the pooled cache.
+    /// Whether the working set fits the pooled cache, as asked or as run (the hit-rate target's
+    /// cells: a cache asked at the working set can come out a block short per engine).
     pub fn fits(&self) -> bool {
-        self.cell.effective_cache_ratio >= 1.0
+        self.cell.cache_ratio >= 1.0 || self.cell.effective_cache_ratio >= 1.0
     }
 
     /// Precise's ITL p99 over `policy`'s (`None` without either).

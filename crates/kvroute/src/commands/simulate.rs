@@ -70,6 +70,8 @@ fn run_matrix(args: &SimulateArgs, size: MatrixSize) -> anyhow::Result<ExitCode>
     })?;
     eprintln!();
     println!("{}", report::table(&results));
+    let verdicts = report::verdicts(&results);
+    println!("{}", report::verdict_line(&verdicts));
     println!(
         "{} cells in {:.1} s of wall time.",
         results.len(),
@@ -82,7 +84,9 @@ fn run_matrix(args: &SimulateArgs, size: MatrixSize) -> anyhow::Result<ExitCode>
     let html = args.out.join("matrix.html");
     std::fs::write(
         &json,
-        serde_json::to_vec_pretty(&serde_json::json!({"spec": spec, "cells": results}))?,
+        serde_json::to_vec_pretty(
+            &serde_json::json!({"spec": spec, "cells": results, "verdicts": verdicts}),
+        )?,
     )
     .with_context(|| format!("writing {}", json.display()))?;
     std::fs::write(&html, report::html(&results, &command.join(" ")))

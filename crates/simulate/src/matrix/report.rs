@@ -1,11 +1,82 @@
 //! The matrix's results as a text table and as an HTML page with a heat map of precise against
 //! the best other policy (TTFT p90 ratio; green where precise is faster), its hit rate against
 //! the pooled-cache ceiling, and its ITL p99 against round-robin's (whether the decodes pay for
-//! the TTFT).
+//! the TTFT), and the verdicts on issue 16's targets summed over the cells.
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+
 use super::CellResult;
+
+/// Precise's TTFT target: each of its TTFT p50, p90 and p99 at most this many times the best
+/// other policy's.
+pub const TTFT_TARGET_RATIO: f64 = 1.05;
+
+/// Precise's hit-rate target where the working set fits the pooled cache: at least this share
+/// of the pooled-cache ceiling's hit rate.
+pub const HIT_TARGET_SHARE: f64 = 0.9;
+
+/// How precise fares against the scheduler's targets over a matrix's cells.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Verdicts {
+    /// Cells where precise's TTFT p50, p90 and p99 are each at most [`TTFT_TARGET_RATIO`] times
+    /// the best other policy's.
+    pub ttft_met: usize,
+    /// Cells where precise and another policy ran (those the TTFT target is checked on).
+    pub ttft_cells: usize,
+    /// Cells whose working set fits where precise's hit rate reaches [`HIT_TARGET_SHARE`] of the
+    /// pooled-cache ceiling's.
+    pub hit_met: usize,
+    /// Cells whose working set fits the pooled cache ([`CellResult::fits`]) where precise ran.
+    pub hit_cells: usize,
+    /// Geometric mean over the TTFT cells of precise's worst ratio (of p50, p90 and p99) to the
+    /// best other policy's (`None` without such a cell): below 1, precise is faster.
+    pub worst_ratio_geomean: Option<f64>,
+}
+
+/// The verdicts over `results`.
+pub fn verdicts(results: &[CellResult]) -> Verdicts {
+    let worst: Vec<f64> = results
+        .iter()
+        .filter_map(CellResult::precise_over_best_other)
+        .map(|ratios| ratios.into_iter().fold(0.0, f64::max))
+        .collect();
+    let fitting: Vec<bool> = results
+        .iter()
+        .filter(|r| r.fits())
+        .filter_map(|r| {
+            r.figures("precise")
+                .map(|p| p.hit_rate >= HIT_TARGET_SHARE * r.ceiling)
+        })
+        .collect();
+    let positive = worst.iter().all(|&w| w > 0.0 && w.is_finite());
+    Verdicts {
+        ttft_met: worst.iter().filter(|&&w| w <= TTFT_TARGET_RATIO).count(),
+        ttft_cells: worst.len(),
+        hit_met: fitting.iter().filter(|&&met| met).count(),
+        hit_cells: fitting.len(),
+        worst_ratio_geomean: (!worst.is_empty() && positive)
+            .then(|| (worst.iter().map(|w| w.ln()).sum::<f64>() / worst.len() as f64).exp()),
+    }
+}
+
+/// The verdicts as one line for the matrix's printout.
+pub fn verdict_line(v: &Verdicts) -> String {
+    let geomean = v
+        .worst_ratio_geomean
+        .map_or("-".to_owned(), |g| format!("{g:.3}"));
+    format!(
+        "precise: TTFT p50, p90 and p99 within {TTFT_TARGET_RATIO}x the best other policy's in \
+         {} of {} cells (geometric mean of its worst ratio {geomean}); hit rate at least {:.0}% of \
+         the pooled-cache ceiling's in {} of {} cells whose working set fits",
+        v.ttft_met,
+        v.ttft_cells,
+        HIT_TARGET_SHARE * 100.0,
+        v.hit_met,
+        v.hit_cells
+    )
+}
 
 /// One line per cell: its coordinates, the ceiling, and each policy's hit rate and TTFT p90,
 /// then precise's TTFT ratios to the best other policy, each policy's ITL p99, precise's ITL
@@ -285,6 +356,45 @@ mod tests {
     fn the_heat_map_compares_precises_itl_p99_with_round_robins() {
         let page = html(&[cell()], "kvroute simulate --matrix small");
         assert!(page.contains("ITL p99 2.74× RR (17.8 vs 6.5 ms)"), "{page}");
+    }
+
+    #[test]
+    fn the_verdicts_count_the_cells_that_meet_each_target() {
+        // The builder's cell, precise's TTFT a third of prefix-hash's at every percentile, with
+        // its hit rate (0.5) at a 0.5 ceiling: both met.
+        let mut met = cell();
+        met.ceiling = 0.5;
+        // Precise's p99 1.1× prefix-hash's; hit rate 0.5 of a 0.9 ceiling.
+        let mut slow = cell();
+        slow.policies[3].ttft_p99 = 1.1 * slow.policies[2].ttft_p99;
+        // A cache smaller than the working set: no hit verdict.
+        let mut small = met.clone();
+        small.cell.cache_ratio = 0.5;
+        small.cell.effective_cache_ratio = 0.8;
+        let v = verdicts(&[met.clone(), slow, small]);
+        assert_eq!((v.ttft_met, v.ttft_cells), (2, 3), "{v:?}");
+        assert_eq!((v.hit_met, v.hit_cells), (1, 2), "{v:?}");
+        // Worst ratios: 1/3 (p90, p99 and p50 alike), 1.1, 1/3.
+        let expected = (1.1f64 / 9.0).powf(1.0 / 3.0);
+        assert!(
+            (v.worst_ratio_geomean.unwrap() - expected).abs() < 1e-9,
+            "{v:?}"
+        );
+        let line = verdict_line(&v);
+        assert!(line.contains("in 2 of 3 cells"), "{line}");
+        assert!(
+            line.contains("in 1 of 2 cells whose working set fits"),
+            "{line}"
+        );
+        // Without another policy there is nothing to compare.
+        let mut alone = met;
+        alone.policies.retain(|p| p.policy == "precise");
+        let v = verdicts(&[alone]);
+        assert_eq!(
+            (v.ttft_met, v.ttft_cells, v.worst_ratio_geomean),
+            (0, 0, None)
+        );
+        assert_eq!((v.hit_met, v.hit_cells), (1, 1));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! written against) makes the copies evict each other and fails that.
 
 use kvroute_simulate::FleetConfig;
+use kvroute_simulate::matrix::report::{HIT_TARGET_SHARE, TTFT_TARGET_RATIO};
 use kvroute_simulate::matrix::{Kind, MatrixSpec, report, run_matrix};
 
 #[test]
@@ -33,8 +34,8 @@ fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
             "the small matrix's cells fit the pooled cache\n{table}"
         );
         assert!(
-            precise.hit_rate >= 0.9 * r.ceiling,
-            "hit rate {:.3} below 90% of the ceiling {:.3}\n{table}",
+            precise.hit_rate >= HIT_TARGET_SHARE * r.ceiling,
+            "hit rate {:.3} below {HIT_TARGET_SHARE} of the ceiling {:.3}\n{table}",
             precise.hit_rate,
             r.ceiling
         );
@@ -50,7 +51,7 @@ fn precise_holds_the_ceiling_and_the_best_ttft_on_the_small_matrix() {
         let ratios = r.precise_over_best_other().expect("other policies ran");
         for (name, ratio) in ["p50", "p90", "p99"].iter().zip(ratios) {
             assert!(
-                ratio <= 1.05,
+                ratio <= TTFT_TARGET_RATIO,
                 "TTFT {name} {ratio:.2}× the best other policy's\n{table}"
             );
         }

@@ -12,8 +12,8 @@ use kvroute_bench::workload::{MultiTurn, Workload, multi_turn};
 use kvroute_core::fleet::FleetConfig as CoreFleetConfig;
 use kvroute_core::schedule::{Profile, ProfileName};
 use kvroute_core::tiers::TierCosts;
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::engine::shared_fs::SharedFsConfig;
+use kvroute_sim::engine::{EngineConfig, TierLoads};
 use kvroute_simulate::core_policy::CorePolicy;
 use kvroute_simulate::{FleetConfig, simulate_with};
 
@@ -386,12 +386,26 @@ fn llm_d_mean_ttft(
 }
 
 /// One run of llm-d's shape (see [`llm_d_mean_ttft`]) with the questions arriving at
-/// `rate_per_s`: the run and the working set's share of the fleet's GPU blocks.
+/// `rate_per_s`: the run and the working set's share of the fleet's GPU blocks. The CPU tier
+/// loads beside the batch, as vLLM's OffloadingConnector does.
 fn llm_d_run(
     groups: usize,
     context_words: usize,
     profile: &Profile,
     with_cpu: bool,
+    seed: u64,
+    rate_per_s: f64,
+) -> (RunResult, f64) {
+    let cpu_loads = with_cpu.then_some(TierLoads::Async);
+    llm_d_run_loading(groups, context_words, profile, cpu_loads, seed, rate_per_s)
+}
+
+/// [`llm_d_run`] with the CPU tier loading as `cpu_loads` says (`None`: no CPU tier).
+fn llm_d_run_loading(
+    groups: usize,
+    context_words: usize,
+    profile: &Profile,
+    cpu_loads: Option<TierLoads>,
     seed: u64,
     rate_per_s: f64,
 ) -> (RunResult, f64) {
@@ -405,7 +419,15 @@ fn llm_d_run(
         rate_per_s,
         seed,
     });
-    let fleet = fleet(758, if with_cpu { cpu(4_000) } else { NONE });
+    let mut fleet = fleet(
+        758,
+        if cpu_loads.is_some() {
+            cpu(4_000)
+        } else {
+            NONE
+        },
+    );
+    fleet.engine.tier_loads = cpu_loads.unwrap_or_default();
     let result = simulate("llm-d", profile.clone(), &fleet, &workload);
     let records = &result.records;
     // A document is a prompt less its question (about 150 tokens with the template's).
@@ -415,6 +437,51 @@ fn llm_d_run(
     let hbm_blocks = (ENGINES * fleet.engine.num_gpu_blocks) as f64;
     let share = groups as f64 * document_blocks / hbm_blocks;
     (result, share)
+}
+
+/// llm-d's counter-case (a working set that fits HBM), seed by seed, with what the CPU tier
+/// changes taken apart: the GPU-only fleet's mean TTFT under tier-aware routing, then with the
+/// CPU tier loading beside the batch (vLLM's OffloadingConnector) under tier-aware routing and
+/// under routing that credits GPU hits only, and with the tier loading in the step that admits
+/// the request (LMCache's default) under tier-aware routing. Where the two routings agree and
+/// the in-step tier is no slower, a loss is the engine's, not the routing's: a request whose
+/// prefix was partly evicted to CPU memory is parked while it loads, and the requests behind it
+/// are admitted meanwhile and take the room it needed (docs/benchmarks.md). Run it with
+/// `--release`: about 20 seconds.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn llm_d_counter_case_by_tier_load_mode() {
+    let aware = Profile::named(ProfileName::Precise);
+    println!(
+        "| cell | seed | GPU-only | + CPU beside the batch: tier-aware / GPU-only scoring | + CPU in the step: tier-aware | ratios to GPU-only (same order) |"
+    );
+    println!("|---|---:|---:|---|---:|---|");
+    for (groups, words) in [(4, 4_000), (8, 2_667)] {
+        for seed in 21..=26 {
+            let mean = |profile: &Profile, loads: Option<TierLoads>| {
+                let (run, share) = llm_d_run_loading(groups, words, profile, loads, seed, 40.0);
+                (run.summary.ttft.mean, share)
+            };
+            let (gpu_only, share) = mean(&aware, None);
+            let tiered = [
+                mean(&aware, Some(TierLoads::Async)).0,
+                mean(&gpu_only_scoring(), Some(TierLoads::Async)).0,
+                mean(&aware, Some(TierLoads::InStep)).0,
+            ];
+            println!(
+                "| {groups} × {words} words ({share:.2}× HBM) | {seed} | {:.1} ms | {:.1} / {:.1} ms | {:.1} ms | {} |",
+                gpu_only * 1e3,
+                tiered[0] * 1e3,
+                tiered[1] * 1e3,
+                tiered[2] * 1e3,
+                tiered
+                    .iter()
+                    .map(|t| format!("{:.3}", t / gpu_only))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            );
+        }
+    }
 }
 
 /// llm-d's result as ratios: with the working set at 1.32× HBM, tier-aware routing with a CPU

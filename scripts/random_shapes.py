@@ -140,10 +140,9 @@ def figure_of(values, figure):
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def still_lost(out_dir, name, seeds, figure, rng):
-    """Share of BOOTSTRAP_ROUNDS resamples of shape `name`'s runs (each run's first tokens drawn
-    again with replacement) in which precise's `figure` (geometric mean over the seeds) is more
-    than LOSS times the best other policy's."""
+def served_ttfts(out_dir, name, seeds):
+    """Each policy's runs of shape `name`, one list of its served requests' first tokens (in
+    seconds) per seed; `None` when a policy has a run without one."""
     ttfts = {p: [] for p in POLICIES}
     for seed in seeds:
         with open(os.path.join(out_dir, f"{name}-s{seed}", "simulate.json")) as f:
@@ -152,6 +151,15 @@ def still_lost(out_dir, name, seeds, figure, rng):
                           if r.get("ttft_s") is not None]
                 ttfts[run_result["name"]].append(served)
     if any(not runs or not all(runs) for runs in ttfts.values()):
+        return None
+    return ttfts
+
+
+def still_lost(ttfts, figure, rng):
+    """Share of BOOTSTRAP_ROUNDS resamples of a shape's runs (`ttfts`, from [served_ttfts]: each
+    run's first tokens drawn again with replacement) in which precise's `figure` (geometric
+    mean over the seeds) is more than LOSS times the best other policy's; NaN without runs."""
+    if ttfts is None:
         return float("nan")
     lost = 0
     for _ in range(BOOTSTRAP_ROUNDS):
@@ -198,7 +206,8 @@ def table(out_dir, seeds, shapes):
         any_loss += bool(lost)
         # The same draw of resamples for a shape whichever binary ran it.
         rng = random.Random(name)
-        kept = {f: still_lost(out_dir, name, seeds, f, rng) for f in lost}
+        ttfts = served_ttfts(out_dir, name, seeds) if lost else None
+        kept = {f: still_lost(ttfts, f, rng) for f in lost}
         beyond_noise += any(share >= NOISE_CONFIDENCE for share in kept.values())
         print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " | "
               + "/".join(str(w) for w in wins) + f" of {len(seeds)} | {hit:.3f} ({best_hit:.3f}) | "

@@ -419,14 +419,7 @@ fn llm_d_run_loading(
         rate_per_s,
         seed,
     });
-    let mut fleet = fleet(
-        758,
-        if cpu_loads.is_some() {
-            cpu(4_000)
-        } else {
-            NONE
-        },
-    );
+    let mut fleet = fleet(758, cpu_loads.map_or(NONE, |_| cpu(4_000)));
     fleet.engine.tier_loads = cpu_loads.unwrap_or_default();
     let result = simulate("llm-d", profile.clone(), &fleet, &workload);
     let records = &result.records;
@@ -447,7 +440,7 @@ fn llm_d_run_loading(
 /// the in-step tier is no slower, a loss is the engine's, not the routing's: a request whose
 /// prefix was partly evicted to CPU memory is parked while it loads, and the requests behind it
 /// are admitted meanwhile and take the room it needed (docs/benchmarks.md). Run it with
-/// `--release`: about 20 seconds.
+/// `--release`: about 10 seconds.
 #[test]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 fn llm_d_counter_case_by_tier_load_mode() {

@@ -222,6 +222,7 @@ mod tenants_converge {
     use std::collections::{HashMap, HashSet};
 
     use kvroute_bench::workload::{TenantSkew, Tenants, tenants};
+    use kvroute_core::random::SeededRandom;
     use kvroute_vllm::tokenizer::BuiltinTokenizer;
     use proptest::prelude::*;
 
@@ -323,7 +324,11 @@ mod tenants_converge {
     /// The inputs the property failed on while balancing could place a new context where its
     /// blocks overflowed the cache, and while an endpoint with no reuse measured yet priced what
     /// it evicts at nothing: the one a CI run drew, and the six of a grid of 999 (see
-    /// docs/benchmarks.md). Each must still meet the property's premise (`expect`).
+    /// docs/benchmarks.md). Then while balancing put a new context where it filled a cache that
+    /// two contexts already half filled, because its placements were fewer by a hundredth (the
+    /// same placements at other ages): the one a later CI run drew, and six more of 24,294 that a
+    /// sweep like [`the_property_holds_across_its_domain`] drew. Each must still meet the property's
+    /// premise (`expect`).
     #[test]
     fn the_inputs_that_failed_settle() {
         let failed = [
@@ -334,6 +339,13 @@ mod tenants_converge {
             (3, 3, 300, 5),
             (3, 3, 350, 7),
             (3, 3, 650, 7),
+            (3, 3, 358, 972),
+            (3, 2, 332, 697),
+            (3, 3, 316, 967),
+            (3, 3, 307, 232),
+            (3, 3, 336, 186),
+            (2, 3, 367, 937),
+            (3, 3, 300, 160),
         ];
         for (engines, extra, context, seed) in failed {
             let unsettled = unsettled(engines, extra, context, seed).expect("the contexts fit");
@@ -342,5 +354,38 @@ mod tenants_converge {
                 "{engines} engines, {extra} extra tenants, context {context}, seed {seed}: {unsettled:?}"
             );
         }
+    }
+
+    /// The property over 26,000 inputs of its domain (drawn by a fixed hash, so every run draws
+    /// the same), of which about 24,300 meet its premise: it fails on at most one in 10,000
+    /// (a CI run tries six). A measurement, as run for docs/benchmarks.md: about a minute in a
+    /// release build (`cargo test --release -p kvroute-simulate --test properties --
+    /// --ignored`).
+    #[test]
+    #[ignore]
+    fn the_property_holds_across_its_domain() {
+        let (mut premise, mut failed) = (0usize, Vec::new());
+        for k in 0..26_000u64 {
+            let mut draw = SeededRandom::new(k);
+            let engines = 2 + draw.below(3);
+            let extra = 1 + draw.below(3);
+            let context = 300 + draw.below(400);
+            let seed = draw.below(1000) as u64;
+            if let Some(unsettled) = unsettled(engines, extra, context, seed) {
+                premise += 1;
+                if !unsettled.is_empty() {
+                    failed.push(((engines, extra, context, seed), unsettled));
+                }
+            }
+        }
+        println!(
+            "{premise} inputs meet the premise; {} fail: {failed:?}",
+            failed.len()
+        );
+        assert!(
+            failed.len() * 10_000 <= premise,
+            "{} of {premise} fail: {failed:?}",
+            failed.len()
+        );
     }
 }

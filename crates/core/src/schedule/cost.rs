@@ -100,6 +100,10 @@ pub struct Cost {
     /// Cached blocks the placement evicts: the blocks it stores beyond the free ones, whether
     /// or not they would be reused (0 where the free blocks are unknown).
     pub evicted_blocks: f64,
+    /// GPU blocks still free once the placement has stored its blocks (0 where it evicts;
+    /// `None` where the free blocks are unknown): how long a new working set placed there
+    /// lasts before it evicts anything (what balancing compares first, see [`super::Picker`]).
+    pub free_blocks_left: Option<f64>,
     /// The expected re-prefill of the cached blocks the placement evicts.
     pub eviction_s: f64,
     /// Taken off for session affinity.
@@ -298,7 +302,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let first_loaded = held.gpu as f64 - reloaded;
     let duplicated = (tiers.charged_tokens() as f64)
         .min((request.gpu_copies.elsewhere(c.endpoint) as f64 - first_loaded).max(0.0));
-    let evicted_blocks = evicted_blocks(request, c, held.all as f64 - recomputed - duplicated);
+    let kept = held.all as f64 - recomputed - duplicated;
+    let evicted_blocks = evicted_blocks(request, c, kept);
+    let free_blocks_left = free_blocks_left(request, c, kept);
     let eviction_s = eviction_s(request, c, evicted_blocks, rate);
     let session_credit_s = if request.session_endpoint == Some(c.endpoint) {
         profile.session_affinity_s
@@ -318,6 +324,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         decode_interference_s,
         room_blocking_s,
         evicted_blocks,
+        free_blocks_left,
         eviction_s,
         session_credit_s,
         total_s: 0.0,
@@ -435,9 +442,20 @@ pub fn evicted_blocks(request: &RequestInfo, c: &Candidate, held: f64) -> f64 {
     let Some(free) = c.cache.free_blocks else {
         return 0.0;
     };
+    (stored_blocks(request, held) - free.max(0.0)).max(0.0)
+}
+
+/// `c`'s GPU blocks still free once the request has stored its blocks there (0 where it
+/// evicts; `None` where the free blocks are unknown). `held` as for [`evicted_blocks`].
+pub fn free_blocks_left(request: &RequestInfo, c: &Candidate, held: f64) -> Option<f64> {
+    let free = c.cache.free_blocks?;
+    Some((free - stored_blocks(request, held)).max(0.0))
+}
+
+/// The full blocks of the prompt stored on the GPU, `held` prompt tokens being found there.
+fn stored_blocks(request: &RequestInfo, held: f64) -> f64 {
     let bs = request.block_size.max(1);
-    let stored = ((request.prompt_tokens / bs) as f64 - (held / bs as f64).floor()).max(0.0);
-    (stored - free.max(0.0)).max(0.0)
+    ((request.prompt_tokens / bs) as f64 - (held / bs as f64).floor()).max(0.0)
 }
 
 /// Expected seconds of re-prefill that placing the request on `c` makes others pay: each of

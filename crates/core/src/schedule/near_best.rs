@@ -2,18 +2,18 @@
 //! that [`schedule`] gives, with the work per candidate cut to its cost.
 //!
 //! Every competing candidate's cost is still computed (arithmetic on its state, no
-//! allocation): the winner is the cheapest or, among the near-equal costs, the fewest recent
-//! placements, and an idle fleet has hundreds of near-equal endpoints, so no candidate can be
-//! skipped without changing some decision. What is no longer done per candidate: the
-//! breakdown (an [`Assessment`], each term and tier), and sorting the whole fleet. A plan's
-//! ranking is a retry list and only its head is read, so only the best `depth` candidates are
-//! ranked and broken down. Pickers other than the cheapest read every candidate (sampling,
-//! rotation, the hash ring): for them, and when `depth` covers every competitor, this is
-//! [`schedule`] itself.
+//! allocation): the winner is the cheapest or, among the near-equal costs, balancing's choice
+//! (the most room left, then the fewest recent placements), and an idle fleet has hundreds of
+//! near-equal endpoints, so no candidate can be skipped without changing some decision. What
+//! is no longer done per candidate: the breakdown (an [`Assessment`], each term and tier), and
+//! sorting the whole fleet. A plan's ranking is a retry list and only its head is read, so
+//! only the best `depth` candidates are ranked and broken down. Pickers other than the
+//! cheapest read every candidate (sampling, rotation, the hash ring): for them, and when
+//! `depth` covers every competitor, this is [`schedule`] itself.
 
 use std::cmp::Ordering;
 
-use super::picker::{Held, NearEqual, tie_key, why_cheaper};
+use super::picker::{Held, NearEqual, choose_balanced, tie_key, why_cheaper};
 use super::role_heads::rank_role_heads;
 use super::{
     Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
@@ -33,6 +33,8 @@ pub(super) struct Standing {
     pub(super) tie: u64,
     /// Its recent placements (not negative).
     pub(super) placements: f64,
+    /// GPU blocks the placement leaves free ([`Cost::free_blocks_left`]).
+    pub(super) room: Option<f64>,
     /// What balancing must not give up of it.
     pub(super) held: Held,
 }
@@ -54,6 +56,7 @@ impl Standing {
             computed: cost.cache_part(profile),
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
+            room: cost.free_blocks_left,
             held: Held::new(cached, cost),
         }
     }
@@ -162,33 +165,23 @@ impl Ranked {
             .iter()
             .min_by(|a, b| by_cost(a, b))
             .expect("more competitors than the depth");
-        // Balancing, as `picker::balance`: among the near-equal candidates, the fewest
-        // placements win, the cheaper (then the random key) first.
+        // Balancing, as `picker::balance`.
         let near_equal =
             NearEqual::around(profile, cheapest.total, cheapest.computed, cheapest.held);
-        let near = |s: &Standing| near_equal.admits(s.total, s.held);
-        let mut near_count = 0usize;
-        let mut fewest = cheapest;
-        for s in standings.iter().filter(|s| near(s)) {
-            near_count += 1;
-            if s.placements
-                .total_cmp(&fewest.placements)
-                .then_with(|| by_cost(s, &fewest))
-                .is_lt()
-            {
-                fewest = *s;
-            }
-        }
-        let (all_equal, all_tied) =
-            standings
-                .iter()
-                .filter(|s| near(s))
-                .fold((true, true), |(equal, tied), s| {
-                    (
-                        equal && (s.placements - fewest.placements).abs() < 1e-9,
-                        tied && (s.total - cheapest.total).abs() < 1e-12,
-                    )
-                });
+        let near = standings
+            .iter()
+            .filter(|s| near_equal.admits(s.total, s.held));
+        let near_count = near.clone().count();
+        let (chosen, all_equal) = choose_balanced(
+            near.clone().copied(),
+            |s| s.placements,
+            |s| s.room,
+            |a, b| by_cost(&a, &b).is_lt(),
+        )
+        .expect("the cheapest is near-equal to itself");
+        let all_tied = near
+            .clone()
+            .all(|s| (s.total - cheapest.total).abs() < 1e-12);
         // The head of the cost order.
         standings.select_nth_unstable_by(depth - 1, by_cost);
         let head = &mut standings[..depth];
@@ -196,13 +189,13 @@ impl Ranked {
         let mut ranked: Vec<usize> = head.iter().map(|s| s.at).collect();
         let cost_of = |at: usize| cost::assess(profile, request, &candidates[at]).0;
         let reason = if near_count > 1 && (!all_equal || all_tied) {
-            // The fewest placements move to the front.
-            if let Some(position) = ranked.iter().position(|&at| at == fewest.at) {
+            // Balancing's choice moves to the front.
+            if let Some(position) = ranked.iter().position(|&at| at == chosen.at) {
                 ranked.remove(position);
             } else {
                 ranked.pop();
             }
-            ranked.insert(0, fewest.at);
+            ranked.insert(0, chosen.at);
             if all_equal {
                 Reason::Tie
             } else {

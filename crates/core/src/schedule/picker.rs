@@ -10,8 +10,8 @@ use super::{Assessment, CacheSource, Cost, Profile, Reason};
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Picker {
     /// The cheapest; among near-equal costs that give up no cached block (held for the request,
-    /// held in GPU memory rather than loaded from a lower tier, or evicted by it), the fewest
-    /// recent placements; exact ties at random.
+    /// held in GPU memory rather than loaded from a lower tier, or evicted by it), the one left
+    /// the most free blocks, then the fewest recent placements; exact ties at random.
     #[default]
     Cheapest,
     /// Sample the winner with probability ∝ exp(−(cost − cheapest) / temperature_s): spreads
@@ -206,8 +206,45 @@ impl NearEqual {
     }
 }
 
+/// Free blocks left closer than this are the same room.
+const SAME_ROOM_BLOCKS: f64 = 1.0;
+
+/// Balancing's choice among the near-equal candidates `near`: of those the placement leaves the
+/// most free blocks (`room`, within [`SAME_ROOM_BLOCKS`]; every candidate when one's is
+/// unknown), the fewest recent `placements`, the `cheaper` first. With whether every candidate
+/// was equal in room and placements (the cost order decides then). `None` when `near` is empty.
+pub(super) fn choose_balanced<T: Copy>(
+    near: impl Iterator<Item = T> + Clone,
+    placements: impl Fn(T) -> f64,
+    room: impl Fn(T) -> Option<f64>,
+    cheaper: impl Fn(T, T) -> bool,
+) -> Option<(T, bool)> {
+    let most_room = near
+        .clone()
+        .map(&room)
+        .try_fold(f64::NEG_INFINITY, |most, r| r.map(|r| most.max(r)));
+    let roomiest =
+        |t: T| most_room.is_none_or(|most| room(t).is_some_and(|r| r > most - SAME_ROOM_BLOCKS));
+    let chosen = near.clone().filter(|&t| roomiest(t)).reduce(|best, t| {
+        match placements(t).total_cmp(&placements(best)) {
+            std::cmp::Ordering::Less => t,
+            std::cmp::Ordering::Equal if cheaper(t, best) => t,
+            _ => best,
+        }
+    })?;
+    let all_equal = near
+        .clone()
+        .all(|t| roomiest(t) && (placements(t) - placements(chosen)).abs() < 1e-9);
+    Some((chosen, all_equal))
+}
+
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
-/// candidates ([`NearEqual`]): fewest recent placements first.
+/// candidates ([`NearEqual`]): the one the placement leaves the most free blocks
+/// ([`Cost::free_blocks_left`], within [`SAME_ROOM_BLOCKS`]), where every one's is known; of
+/// those, the fewest recent placements. A new working set placed where it fills the cache
+/// evicts the blocks of the others there at their next requests, though the placement itself
+/// evicts nothing; where every cache is full, as in steady state, each is left no room and
+/// placements alone decide.
 fn balance(
     profile: &Profile,
     assessments: &[Assessment],
@@ -226,20 +263,15 @@ fn balance(
         .filter(|&i| near_equal.admits(assessments[i].cost.total_s, Held::of(&assessments[i])))
         .collect();
     if near.len() > 1 {
-        // `near` is in cost order, so among equal placements the cheaper (then random) wins.
-        let fewest = near
-            .iter()
-            .copied()
-            .min_by(|&a, &b| {
-                assessments[a]
-                    .recent_placements
-                    .total_cmp(&assessments[b].recent_placements)
-            })
-            .expect("near is not empty");
-        let placements = |i: usize| assessments[i].recent_placements;
-        let all_equal = near
-            .iter()
-            .all(|&i| (placements(i) - placements(fewest)).abs() < 1e-9);
+        // `near` is in cost order: among equal room and placements the cheaper (then random)
+        // wins.
+        let ((_, chosen), all_equal) = choose_balanced(
+            near.iter().copied().enumerate(),
+            |(_, i)| assessments[i].recent_placements,
+            |(_, i)| assessments[i].cost.free_blocks_left,
+            |(a, _), (b, _)| a < b,
+        )
+        .expect("near is not empty");
         let reason = if !all_equal {
             Reason::Balance
         } else if near
@@ -248,14 +280,15 @@ fn balance(
         {
             Reason::Tie
         } else {
-            // Placements were equal: the cheapest of the near-equal ones won on its cost.
+            // Placements and room were equal: the cheapest of the near-equal ones won on its
+            // cost.
             let reason = why_cheaper(&assessments[order[0]].cost, &assessments[order[1]].cost);
             return (order, reason);
         };
         let at = order
             .iter()
-            .position(|&i| i == fewest)
-            .expect("fewest comes from order");
+            .position(|&i| i == chosen)
+            .expect("chosen comes from order");
         let chosen = order.remove(at);
         order.insert(0, chosen);
         return (order, reason);

@@ -134,10 +134,51 @@ fn balancing_never_evicts_a_block_the_cheapest_keeps() {
     );
     assert_eq!(d.chosen(), Some(EndpointId(0)));
     assert_eq!(d.reason, Reason::Cache);
-    // With room for it, the endpoint with fewer placements wins as before.
+    // With room for it, as much as the other has, the endpoint with fewer placements wins as
+    // before.
+    cands[0].cache.free_blocks = Some(40.0);
     cands[1].cache.free_blocks = Some(40.0);
     let d = schedule(&Profile::default(), &req, &cands, 3, 0);
     assert_eq!(d.chosen(), Some(EndpointId(1)));
+    assert_eq!(d.reason, Reason::Balance);
+}
+
+/// The convergence property's failure of a CI run (3 engines, 6 tenants; see docs/benchmarks.md):
+/// a new tenant's context went to the engine that two contexts already filled to 65%, because
+/// its placements (1.99) were fewer than another's (2.00, the same two at other ages); its cache
+/// then held three contexts, and the oldest was evicted between its questions. Near-equal costs
+/// that evict nothing go where the placement leaves the most room.
+#[test]
+fn a_new_working_set_goes_where_it_leaves_the_most_room() {
+    let mut cands = fleet(3);
+    let placed = [2.00, 1.99, 1.99];
+    let free = [64.0, 41.0, 65.0];
+    for (c, (placed, free)) in cands.iter_mut().zip(placed.into_iter().zip(free)) {
+        c.load.recent_placements = placed;
+        c.cache.free_blocks = Some(free);
+        c.cache.capacity_blocks = Some(118.0);
+    }
+    let req = request(38 * 16);
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    assert!(d.assessments.iter().all(|a| a.cost.evicted_blocks == 0.0));
+    assert_eq!(d.chosen(), Some(EndpointId(2)));
+    assert_eq!(d.reason, Reason::Balance);
+    let left = |e: u32| d.assessment(EndpointId(e)).unwrap().cost.free_blocks_left;
+    assert_eq!(
+        (left(0), left(1), left(2)),
+        (Some(26.0), Some(3.0), Some(27.0))
+    );
+    // Room within a block of the most is the same room: the fewest placements win among those.
+    cands[0].cache.free_blocks = Some(65.0);
+    cands[0].load.recent_placements = 1.0;
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
+    // Where every cache is full, as in steady state, placements decide.
+    for c in &mut cands {
+        c.cache.free_blocks = Some(0.0);
+    }
+    let d = schedule(&Profile::default(), &req, &cands, 3, 0);
+    assert_eq!(d.chosen(), Some(EndpointId(0)));
     assert_eq!(d.reason, Reason::Balance);
 }
 
@@ -868,8 +909,16 @@ proptest! {
         };
         let copy_s = prefill(608.0) + evicted(62.0, free[1]) - evicted(24.0, free[0]);
         prop_assume!((wait_saved - copy_s).abs() > 1e-6);
-        let copied = chosen(&profile, &req, &cands, 9) == 1;
-        prop_assert_eq!(copied, wait_saved > copy_s, "wait saved {} s, copy {} s", wait_saved, copy_s);
+        let d = schedule(&profile, &req, &cands, 9, 0);
+        let copied = d.chosen() == Some(EndpointId(1));
+        if copied || wait_saved < copy_s {
+            prop_assert_eq!(copied, wait_saved > copy_s, "wait saved {} s, copy {} s", wait_saved, copy_s);
+        } else {
+            // A copy that pays by less than the balance tolerance is declined only where staying
+            // leaves more room: the copy stores 62 blocks, the holder 24.
+            prop_assert_eq!(d.reason, Reason::Balance, "wait saved {} s, copy {} s", wait_saved, copy_s);
+            prop_assert!((free[0] - 24.0).max(0.0) >= (free[1] - 62.0).max(0.0) + 1.0, "{:?}", free);
+        }
     }
 
     /// At zero load a request always goes to an endpoint holding the longest cached prefix,

@@ -326,9 +326,13 @@ mod tenants_converge {
     /// it evicts at nothing: the one a CI run drew, and the six of a grid of 999 (see
     /// docs/benchmarks.md). Then while balancing put a new context where it filled a cache that
     /// two contexts already half filled, because its placements were fewer by a hundredth (the
-    /// same placements at other ages): the one a later CI run drew, and six more of 24,294 that a
-    /// sweep like [`the_property_holds_across_its_domain`] drew. Each must still meet the property's
-    /// premise (`expect`).
+    /// same placements at other ages): the one a later CI run drew, and four more of 24,294 that a
+    /// sweep like [`the_property_holds_across_its_domain`] drew. Three others of that sweep are
+    /// left out, (2, 3, 321, 923), (2, 3, 367, 937) and (3, 3, 300, 160): an engine stores more
+    /// blocks of one hot tenant's questions between another tenant's two questions than the 48
+    /// the premise allows (13 to 15 questions of about 4 blocks), unless the tenants that turn
+    /// hot happen to sit apart.
+    /// Each must still meet the property's premise (`expect`).
     #[test]
     fn the_inputs_that_failed_settle() {
         let failed = [
@@ -344,8 +348,6 @@ mod tenants_converge {
             (3, 3, 316, 967),
             (3, 3, 307, 232),
             (3, 3, 336, 186),
-            (2, 3, 367, 937),
-            (3, 3, 300, 160),
         ];
         for (engines, extra, context, seed) in failed {
             let unsettled = unsettled(engines, extra, context, seed).expect("the contexts fit");
@@ -356,8 +358,8 @@ mod tenants_converge {
         }
     }
 
-    /// The property over 26,000 inputs of its domain (drawn by a fixed hash, so every run draws
-    /// the same), of which about 24,300 meet its premise: it fails on at most one in 10,000
+    /// The property over 26,000 inputs of its domain (drawn by a seeded generator, so every run
+    /// draws the same), of which about 24,300 meet its premise: it fails on at most one in 10,000
     /// (a CI run tries six). A measurement, as run for docs/benchmarks.md: about a minute in a
     /// release build (`cargo test --release -p kvroute-simulate --test properties --
     /// --ignored`).

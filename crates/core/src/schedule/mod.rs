@@ -470,7 +470,7 @@ pub fn schedule(
     };
     let (ranking, reason) = profile.picker.rank(
         profile,
-        request.prefix_key,
+        request,
         &assessments,
         &competing,
         random,

@@ -166,13 +166,19 @@ impl Ranked {
             .min_by(|a, b| by_cost(a, b))
             .expect("more competitors than the depth");
         // Balancing, as `picker::balance`.
-        let near_equal =
-            NearEqual::around(profile, cheapest.total, cheapest.computed, cheapest.held);
+        let near_equal = NearEqual::around(
+            profile,
+            request,
+            cheapest.total,
+            cheapest.computed,
+            cheapest.held,
+        );
         let near = standings
             .iter()
             .filter(|s| near_equal.admits(s.total, s.held));
         let near_count = near.clone().count();
         let (chosen, all_equal) = choose_balanced(
+            &near_equal,
             near.clone().copied(),
             |s| s.placements,
             |s| s.room,

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ring;
-use super::{Assessment, CacheSource, Cost, Profile, Reason};
+use super::{Assessment, CacheSource, Cost, Profile, Reason, RequestInfo};
 
 /// How the winner is chosen.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -74,7 +74,7 @@ impl Picker {
     pub(super) fn rank(
         &self,
         profile: &Profile,
-        prefix_key: Option<u64>,
+        request: &RequestInfo,
         assessments: &[Assessment],
         competing: &[usize],
         random: u64,
@@ -94,10 +94,10 @@ impl Picker {
             _ => {}
         }
         match self {
-            Picker::Cheapest => balance(profile, assessments, order),
+            Picker::Cheapest => balance(profile, request, assessments, order),
             Picker::PrefixHash { epsilon, .. } => {
                 // Without a key (an untokenized prompt) the random input stands in for it.
-                let key = prefix_key.unwrap_or(random);
+                let key = request.prefix_key.unwrap_or(random);
                 (
                     ring::rank(assessments, competing, key, *epsilon),
                     Reason::PrefixHash,
@@ -153,7 +153,8 @@ impl Picker {
 pub(super) struct NearEqual {
     limit: f64,
     held: Held,
-    guards_evictions: bool,
+    weighs_cache_room: bool,
+    same_room_blocks: f64,
 }
 
 /// What balancing must not give up, of one candidate: the prompt tokens it holds, those of them
@@ -186,13 +187,22 @@ impl Held {
 }
 
 impl NearEqual {
-    /// The test around the cheapest candidate under `profile`: its weighted cost `total`, of
-    /// which `computed` is what it would compute ([`Cost::cache_part`]), and what it `held`.
-    pub(super) fn around(profile: &Profile, total: f64, computed: f64, held: Held) -> Self {
+    /// The test around the cheapest candidate for `request` under `profile`: its weighted cost
+    /// `total`, of which `computed` is what it would compute ([`Cost::cache_part`]), and what it
+    /// `held`.
+    pub(super) fn around(
+        profile: &Profile,
+        request: &RequestInfo,
+        total: f64,
+        computed: f64,
+        held: Held,
+    ) -> Self {
+        let prompt_blocks = (request.prompt_tokens / request.block_size.max(1)) as f64;
         Self {
             limit: profile.balance.limit(total, computed),
             held,
-            guards_evictions: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
+            same_room_blocks: (prompt_blocks / 4.0).max(1.0),
+            weighs_cache_room: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
         }
     }
 
@@ -202,29 +212,39 @@ impl NearEqual {
         total <= self.limit
             && held.cached >= self.held.cached
             && held.tier_tokens <= self.held.tier_tokens
-            && (!self.guards_evictions || held.evicted <= self.held.evicted + 1e-9)
+            && (!self.weighs_cache_room || held.evicted <= self.held.evicted + 1e-9)
+    }
+
+    /// The room a candidate's placement leaves (`free_blocks_left`), where the profile reads a
+    /// cache and weighs evictions, as balancing compares it ([`choose_balanced`]); `None`
+    /// otherwise: the cache-blind baselines balance on placements alone, as they always did.
+    fn room(&self, free_blocks_left: Option<f64>) -> Option<f64> {
+        free_blocks_left.filter(|_| self.weighs_cache_room)
     }
 }
 
-/// Free blocks left closer than this are the same room.
-const SAME_ROOM_BLOCKS: f64 = 1.0;
-
-/// Balancing's choice among the near-equal candidates `near`: of those the placement leaves the
-/// most free blocks (`room`, within [`SAME_ROOM_BLOCKS`]; every candidate when one's is
-/// unknown), the fewest recent `placements`, the `cheaper` first. With whether every candidate
-/// was equal in room and placements (the cost order decides then). `None` when `near` is empty.
+/// Balancing's choice among the near-equal candidates `near` ([`NearEqual`]): of those the
+/// placement leaves the most free blocks (`free_blocks_left`; every candidate when one's is
+/// unknown or the profile is cache-blind, [`NearEqual::room`]), the fewest recent `placements`,
+/// the `cheaper` first. Room closer than a quarter of the request's blocks is the same room: a
+/// few blocks of others' questions and replies, stored since, do not decide where a working set
+/// goes; a difference of a sizeable part of it does. With whether every candidate was equal in room and placements (the cost order
+/// decides then). `None` when `near` is empty.
 pub(super) fn choose_balanced<T: Copy>(
+    near_equal: &NearEqual,
     near: impl Iterator<Item = T> + Clone,
     placements: impl Fn(T) -> f64,
-    room: impl Fn(T) -> Option<f64>,
+    free_blocks_left: impl Fn(T) -> Option<f64>,
     cheaper: impl Fn(T, T) -> bool,
 ) -> Option<(T, bool)> {
+    let room = |t: T| near_equal.room(free_blocks_left(t));
     let most_room = near
         .clone()
-        .map(&room)
+        .map(room)
         .try_fold(f64::NEG_INFINITY, |most, r| r.map(|r| most.max(r)));
-    let roomiest =
-        |t: T| most_room.is_none_or(|most| room(t).is_some_and(|r| r > most - SAME_ROOM_BLOCKS));
+    let roomiest = |t: T| {
+        most_room.is_none_or(|most| room(t).is_some_and(|r| r > most - near_equal.same_room_blocks))
+    };
     let chosen = near.clone().filter(|&t| roomiest(t)).reduce(|best, t| {
         match placements(t).total_cmp(&placements(best)) {
             std::cmp::Ordering::Less => t,
@@ -240,19 +260,21 @@ pub(super) fn choose_balanced<T: Copy>(
 
 /// The cheapest-first `order`, with the winner moved forward from among the near-equal
 /// candidates ([`NearEqual`]): the one the placement leaves the most free blocks
-/// ([`Cost::free_blocks_left`], within [`SAME_ROOM_BLOCKS`]), where every one's is known; of
-/// those, the fewest recent placements. A new working set placed where it fills the cache
-/// evicts the blocks of the others there at their next requests, though the placement itself
-/// evicts nothing; where every cache is full, as in steady state, each is left no room and
-/// placements alone decide.
+/// ([`Cost::free_blocks_left`], [`choose_balanced`]), where every one's is known and the
+/// profile reads a cache ([`NearEqual::room`]); of those, the fewest recent placements. A new
+/// working set placed where it fills the cache evicts the blocks of the others there at their
+/// next requests, though the placement itself evicts nothing; where every cache is full, as in
+/// steady state, each is left no room and placements alone decide.
 fn balance(
     profile: &Profile,
+    request: &RequestInfo,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
     let near_equal = NearEqual::around(
         profile,
+        request,
         cheapest.cost.total_s,
         cheapest.cost.cache_part(profile),
         Held::of(cheapest),
@@ -266,6 +288,7 @@ fn balance(
         // `near` is in cost order: among equal room and placements the cheaper (then random)
         // wins.
         let ((_, chosen), all_equal) = choose_balanced(
+            &near_equal,
             near.iter().copied().enumerate(),
             |(_, i)| assessments[i].recent_placements,
             |(_, i)| assessments[i].cost.free_blocks_left,

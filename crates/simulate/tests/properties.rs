@@ -331,8 +331,7 @@ mod tenants_converge {
     /// left out, (2, 3, 321, 923), (2, 3, 367, 937) and (3, 3, 300, 160): an engine stores more
     /// blocks of one hot tenant's questions between another tenant's two questions than the 48
     /// the premise allows (13 to 15 questions of about 4 blocks), unless the tenants that turn
-    /// hot happen to sit apart.
-    /// Each must still meet the property's premise (`expect`).
+    /// hot happen to sit apart. Each must still meet the property's premise (`expect`).
     #[test]
     fn the_inputs_that_failed_settle() {
         let failed = [

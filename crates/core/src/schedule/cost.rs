@@ -102,7 +102,8 @@ pub struct Cost {
     pub evicted_blocks: f64,
     /// GPU blocks still free once the placement has stored its blocks (0 where it evicts;
     /// `None` where the free blocks are unknown): how long a new working set placed there
-    /// lasts before it evicts anything (what balancing compares first, see [`super::Picker`]).
+    /// lasts before it evicts anything (what balancing compares first where the profile reads a
+    /// cache, see [`super::Picker`]).
     pub free_blocks_left: Option<f64>,
     /// The expected re-prefill of the cached blocks the placement evicts.
     pub eviction_s: f64,

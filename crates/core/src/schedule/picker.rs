@@ -201,7 +201,7 @@ impl NearEqual {
         Self {
             limit: profile.balance.limit(total, computed),
             held,
-            same_room_blocks: (prompt_blocks / 4.0).max(1.0),
+            same_room_blocks: (prompt_blocks * SAME_ROOM_SHARE).max(1.0),
             weighs_cache_room: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
         }
     }
@@ -223,13 +223,20 @@ impl NearEqual {
     }
 }
 
+/// Share of the request's blocks within which two candidates' room left counts as the same
+/// room (at least one block): a few blocks of others' questions and replies, stored since, do
+/// not decide where a working set goes; a difference of a sizeable part of it does. One block
+/// let a two-block difference decide an early placement on the small matrix and half let a
+/// 15-block one pass on the convergence property; a quarter holds on both and on the sweeps in
+/// docs/benchmarks-log.md (fifteenth session).
+const SAME_ROOM_SHARE: f64 = 0.25;
+
 /// Balancing's choice among the near-equal candidates `near` ([`NearEqual`]): of those the
-/// placement leaves the most free blocks (`free_blocks_left`; every candidate when one's is
-/// unknown or the profile is cache-blind, [`NearEqual::room`]), the fewest recent `placements`,
-/// the `cheaper` first. Room closer than a quarter of the request's blocks is the same room: a
-/// few blocks of others' questions and replies, stored since, do not decide where a working set
-/// goes; a difference of a sizeable part of it does. With whether every candidate was equal in room and placements (the cost order
-/// decides then). `None` when `near` is empty.
+/// placement leaves the most free blocks (`free_blocks_left`, within [`SAME_ROOM_SHARE`] of the
+/// request's blocks; every candidate when one's is unknown or the profile is cache-blind,
+/// [`NearEqual::room`]), the fewest recent `placements`, the `cheaper` first. With whether every
+/// candidate was equal in room and placements (the cost order decides then). `None` when `near`
+/// is empty.
 pub(super) fn choose_balanced<T: Copy>(
     near_equal: &NearEqual,
     near: impl Iterator<Item = T> + Clone,

@@ -205,4 +205,40 @@ mod tests {
             assert!(start.elapsed() >= offset + period * k);
         }
     }
+
+    #[test]
+    fn names_are_checked_as_the_router_gives_them() {
+        // An unnamed endpoint is known by its URL's host and port as written, case and all.
+        let unnamed = "{url: 'http://Host-A:8000'}";
+        let config =
+            |other: &str| format!("models: [{{name: m}}]\nendpoints: [{unnamed}, {other}]");
+        let running =
+            crate::config::RouterConfig::from_yaml(&config("{url: 'http://b:1'}")).unwrap();
+        let given = Endpoint::new(
+            kvroute_core::index::EndpointId(0),
+            running.endpoints[0].clone(),
+        );
+        assert_eq!(given.name, "Host-A:8000");
+        // Another endpoint named so would share its metrics and its answers.
+        let clash = config("{url: 'http://b:1', name: 'Host-A:8000'}");
+        let err = crate::config::RouterConfig::from_yaml(&clash)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("endpoints[1]: \"Host-A:8000\" is another endpoint's name"),
+            "{err}"
+        );
+        // Names are compared as written: one that differs in case is another name.
+        let distinct = config("{url: 'http://b:1', name: 'host-a:8000'}");
+        crate::config::RouterConfig::from_yaml(&distinct).unwrap();
+        // Host names are not: the same host in other case is the same engine.
+        let same_engine = config("{url: 'http://host-a:8000'}");
+        let err = crate::config::RouterConfig::from_yaml(&same_engine)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is another endpoint's host and port (host-a:8000)"),
+            "{err}"
+        );
+    }
 }

@@ -200,6 +200,7 @@ impl Fleet {
             history,
             predicted,
             free_blocks,
+            unseen_blocks: e.pinned.extra_blocks() as f64,
             capacity_blocks: e.capacity_blocks.map(|capacity| capacity as f64),
             block_reuse: e.reuse.per_evicted_block_toward(
                 inputs.prior_reuse,

@@ -13,7 +13,7 @@
 
 use std::cmp::Ordering;
 
-use super::picker::{Held, NearEqual, choose_balanced, tie_key, why_cheaper};
+use super::picker::{Held, NearEqual, RoomLeft, choose_balanced, tie_key, why_cheaper};
 use super::role_heads::rank_role_heads;
 use super::{
     Assessment, Candidate, Cost, Decision, Picker, Profile, Reason, RequestInfo, assess, cost,
@@ -33,8 +33,8 @@ pub(super) struct Standing {
     pub(super) tie: u64,
     /// Its recent placements (not negative).
     pub(super) placements: f64,
-    /// GPU blocks the placement leaves free ([`Cost::free_blocks_left`]).
-    pub(super) room: Option<f64>,
+    /// The room the placement leaves ([`Cost::free_blocks_left`]).
+    pub(super) room: RoomLeft,
     /// What balancing must not give up of it.
     pub(super) held: Held,
 }
@@ -56,7 +56,7 @@ impl Standing {
             computed: cost.cache_part(profile),
             tie: tie_key(random, c.endpoint.0),
             placements: c.load.recent_placements.max(0.0),
-            room: cost.free_blocks_left,
+            room: RoomLeft::of(cost),
             held: Held::new(cached, cost),
         }
     }
@@ -166,13 +166,8 @@ impl Ranked {
             .min_by(|a, b| by_cost(a, b))
             .expect("more competitors than the depth");
         // Balancing, as `picker::balance`.
-        let near_equal = NearEqual::around(
-            profile,
-            request,
-            cheapest.total,
-            cheapest.computed,
-            cheapest.held,
-        );
+        let near_equal =
+            NearEqual::around(profile, cheapest.total, cheapest.computed, cheapest.held);
         let near = standings
             .iter()
             .filter(|s| near_equal.admits(s.total, s.held));

@@ -94,7 +94,7 @@ impl Picker {
             _ => {}
         }
         match self {
-            Picker::Cheapest => balance(profile, request, assessments, order),
+            Picker::Cheapest => balance(profile, assessments, order),
             Picker::PrefixHash { epsilon, .. } => {
                 // Without a key (an untokenized prompt) the random input stands in for it.
                 let key = request.prefix_key.unwrap_or(random);
@@ -154,7 +154,6 @@ pub(super) struct NearEqual {
     limit: f64,
     held: Held,
     weighs_cache_room: bool,
-    same_room_blocks: f64,
 }
 
 /// What balancing must not give up, of one candidate: the prompt tokens it holds, those of them
@@ -187,21 +186,13 @@ impl Held {
 }
 
 impl NearEqual {
-    /// The test around the cheapest candidate for `request` under `profile`: its weighted cost
+    /// The test around the cheapest candidate under `profile`: its weighted cost
     /// `total`, of which `computed` is what it would compute ([`Cost::cache_part`]), and what it
     /// `held`.
-    pub(super) fn around(
-        profile: &Profile,
-        request: &RequestInfo,
-        total: f64,
-        computed: f64,
-        held: Held,
-    ) -> Self {
-        let prompt_blocks = (request.prompt_tokens / request.block_size.max(1)) as f64;
+    pub(super) fn around(profile: &Profile, total: f64, computed: f64, held: Held) -> Self {
         Self {
             limit: profile.balance.limit(total, computed),
             held,
-            same_room_blocks: (prompt_blocks * SAME_ROOM_SHARE).max(1.0),
             weighs_cache_room: profile.cache != CacheSource::None && profile.weights.eviction > 0.0,
         }
     }
@@ -215,42 +206,64 @@ impl NearEqual {
             && (!self.weighs_cache_room || held.evicted <= self.held.evicted + 1e-9)
     }
 
-    /// The room a candidate's placement leaves (`free_blocks_left`), where the profile reads a
-    /// cache and weighs evictions, as balancing compares it ([`choose_balanced`]); `None`
-    /// otherwise: the cache-blind baselines balance on placements alone, as they always did.
-    fn room(&self, free_blocks_left: Option<f64>) -> Option<f64> {
-        free_blocks_left.filter(|_| self.weighs_cache_room)
+    /// The room a candidate's placement leaves and the blocks it may be overstated by, where
+    /// the profile reads a cache and weighs evictions and the room is known, as balancing
+    /// compares them ([`choose_balanced`]); `None` otherwise: the cache-blind baselines balance
+    /// on placements alone, as they always did.
+    fn room(&self, left: RoomLeft) -> Option<(f64, f64)> {
+        let blocks = left.blocks.filter(|_| self.weighs_cache_room)?;
+        Some((blocks, left.unseen))
     }
 }
 
-/// Share of the request's blocks within which two candidates' room left counts as the same
-/// room (at least one block): a few blocks of others' questions and replies, stored since, do
-/// not decide where a working set goes; a difference of a sizeable part of it does. One block
-/// let a two-block difference decide an early placement on the small matrix and half let a
-/// 15-block one pass on the convergence property; a quarter holds on both and on the sweeps in
-/// docs/benchmarks-log.md (fifteenth session).
-const SAME_ROOM_SHARE: f64 = 0.25;
+/// The room a candidate's placement leaves, as balancing compares it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RoomLeft {
+    /// GPU blocks the placement leaves free ([`Cost::free_blocks_left`]; `None`: unknown).
+    pub(super) blocks: Option<f64>,
+    /// Blocks by which `blocks` may overstate the room: those the endpoint's in-flight requests
+    /// hold or will hold unseen by its free-block count ([`Cost::unseen_blocks`]).
+    pub(super) unseen: f64,
+}
+
+impl RoomLeft {
+    /// The room a placement at `cost` leaves.
+    pub(super) fn of(cost: &Cost) -> Self {
+        Self {
+            blocks: cost.free_blocks_left,
+            unseen: cost.unseen_blocks,
+        }
+    }
+}
 
 /// Balancing's choice among the near-equal candidates `near` ([`NearEqual`]): of those the
-/// placement leaves the most free blocks (`free_blocks_left`, within [`SAME_ROOM_SHARE`] of the
-/// request's blocks; every candidate when one's is unknown or the profile is cache-blind,
-/// [`NearEqual::room`]), the fewest recent `placements`, the `cheaper` first. With whether every
-/// candidate was equal in room and placements (the cost order decides then). `None` when `near`
-/// is empty.
+/// placement leaves the most free blocks (`room_left`; every candidate when one's is unknown or
+/// the profile is cache-blind, [`NearEqual::room`]), the fewest recent `placements`, the
+/// `cheaper` first. With whether every candidate was equal in room and placements (the cost
+/// order decides then). `None` when `near` is empty.
+///
+/// Room is compared only as far as it is known: rooms closer than the blocks the candidates'
+/// in-flight requests hold or will hold unseen by the free-block count ([`RoomLeft::unseen`],
+/// the most of any, at least one block) are the same room. A count that does not see a
+/// request's last partial block and its output cannot tell two rooms apart by less (a
+/// two-block difference, of blocks still being written, decided an early placement on the
+/// small matrix and lost a light cell's p90 there).
 pub(super) fn choose_balanced<T: Copy>(
     near_equal: &NearEqual,
     near: impl Iterator<Item = T> + Clone,
     placements: impl Fn(T) -> f64,
-    free_blocks_left: impl Fn(T) -> Option<f64>,
+    room_left: impl Fn(T) -> RoomLeft,
     cheaper: impl Fn(T, T) -> bool,
 ) -> Option<(T, bool)> {
-    let room = |t: T| near_equal.room(free_blocks_left(t));
-    let most_room = near
+    let room = |t: T| near_equal.room(room_left(t));
+    let known = near
         .clone()
         .map(room)
-        .try_fold(f64::NEG_INFINITY, |most, r| r.map(|r| most.max(r)));
+        .try_fold((f64::NEG_INFINITY, 1.0_f64), |(most, band), r| {
+            r.map(|(blocks, unseen)| (most.max(blocks), band.max(unseen)))
+        });
     let roomiest = |t: T| {
-        most_room.is_none_or(|most| room(t).is_some_and(|r| r > most - near_equal.same_room_blocks))
+        known.is_none_or(|(most, band)| room(t).is_some_and(|(blocks, _)| blocks > most - band))
     };
     let chosen = near.clone().filter(|&t| roomiest(t)).reduce(|best, t| {
         match placements(t).total_cmp(&placements(best)) {
@@ -274,14 +287,12 @@ pub(super) fn choose_balanced<T: Copy>(
 /// steady state, each is left no room and placements alone decide.
 fn balance(
     profile: &Profile,
-    request: &RequestInfo,
     assessments: &[Assessment],
     mut order: Vec<usize>,
 ) -> (Vec<usize>, Reason) {
     let cheapest = &assessments[order[0]];
     let near_equal = NearEqual::around(
         profile,
-        request,
         cheapest.cost.total_s,
         cheapest.cost.cache_part(profile),
         Held::of(cheapest),
@@ -298,7 +309,7 @@ fn balance(
             &near_equal,
             near.iter().copied().enumerate(),
             |(_, i)| assessments[i].recent_placements,
-            |(_, i)| assessments[i].cost.free_blocks_left,
+            |(_, i)| RoomLeft::of(&assessments[i].cost),
             |(a, _), (b, _)| a < b,
         )
         .expect("near is not empty");

@@ -6,7 +6,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::event::{BlockStored, EngineHash};
+use crate::event::{BlockStored, EngineHash, KvEvent};
 use crate::keys::router_keys;
 use crate::schedule::{CacheSource, Picker};
 

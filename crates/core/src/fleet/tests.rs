@@ -2,7 +2,8 @@
 //! router would feed them, and its plans are checked.
 
 use super::*;
-use crate::event::{BlockStored, EngineHash};
+use crate::event::{BlockStored, EngineHash, KvEvent};
+use crate::index::{EndpointRestore, HeldEntry, KeyLayout};
 use crate::keys::router_keys;
 use crate::load_counters::TierLoadCounters;
 use crate::schedule::{ProfileName, Reason};

@@ -149,6 +149,7 @@ impl ProbeSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::RouterConfig;
 
     /// Offsets of `n` endpoints, as fractions of the period, counted into `bins` equal bins.
     fn binned(n: u32, probe: Probe, bins: usize) -> Vec<usize> {
@@ -212,8 +213,8 @@ mod tests {
         let unnamed = "{url: 'http://Host-A:8000'}";
         let config =
             |other: &str| format!("models: [{{name: m}}]\nendpoints: [{unnamed}, {other}]");
-        let running =
-            crate::config::RouterConfig::from_yaml(&config("{url: 'http://b:1'}")).unwrap();
+        let refusal = |yaml: &str| RouterConfig::from_yaml(yaml).unwrap_err().to_string();
+        let running = RouterConfig::from_yaml(&config("{url: 'http://b:1'}")).unwrap();
         let given = Endpoint::new(
             kvroute_core::index::EndpointId(0),
             running.endpoints[0].clone(),
@@ -221,21 +222,17 @@ mod tests {
         assert_eq!(given.name, "Host-A:8000");
         // Another endpoint named so would share its metrics and its answers.
         let clash = config("{url: 'http://b:1', name: 'Host-A:8000'}");
-        let err = crate::config::RouterConfig::from_yaml(&clash)
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&clash);
         assert!(
             err.contains("endpoints[1]: \"Host-A:8000\" is another endpoint's name"),
             "{err}"
         );
         // Names are compared as written: one that differs in case is another name.
         let distinct = config("{url: 'http://b:1', name: 'host-a:8000'}");
-        crate::config::RouterConfig::from_yaml(&distinct).unwrap();
+        RouterConfig::from_yaml(&distinct).unwrap();
         // Host names are not: the same host in other case is the same engine.
         let same_engine = config("{url: 'http://host-a:8000'}");
-        let err = crate::config::RouterConfig::from_yaml(&same_engine)
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&same_engine);
         assert!(
             err.contains("is another endpoint's host and port (host-a:8000)"),
             "{err}"

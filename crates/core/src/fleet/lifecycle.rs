@@ -3,8 +3,6 @@
 
 use std::cell::OnceCell;
 
-#[cfg(doc)]
-use super::RetryPolicy;
 use super::{
     Dispatch, Ejection, EndpointState, Fleet, RequestFeatures, TtftCheck, UpstreamOutcome,
 };
@@ -418,7 +416,7 @@ impl Fleet {
     }
 
     /// Takes one retry from the fleet's budget at `now`, or says it is spent (see
-    /// [`RetryPolicy`]).
+    /// [`RetryPolicy`](super::RetryPolicy)).
     pub fn try_retry(&mut self, now: f64) -> bool {
         self.retry_budget.try_retry(&self.config.retry, now)
     }

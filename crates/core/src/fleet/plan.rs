@@ -1,7 +1,5 @@
 //! Planning: ranking the endpoints for a request and charging the copy rent of the plan.
 
-#[cfg(doc)]
-use super::LookupTarget;
 use super::endpoint::RatePool;
 use super::{EndpointFacts, Fleet, IndexLookup, Plan, RANKING_DEPTH, RequestFeatures, costing};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatches};
@@ -23,7 +21,7 @@ impl Fleet {
 
     /// [`Fleet::plan`] with the request's index matches read beforehand, outside whatever
     /// lock guards the fleet ([`Fleet::lookup_targets`] or [`Fleet::lookup_target`], then
-    /// [`LookupTarget::run`]); a lookup read
+    /// [`LookupTarget::run`](super::LookupTarget::run)); a lookup read
     /// before an endpoint's cache picture was dropped is not used (the index is walked again).
     pub fn plan_with(
         &mut self,

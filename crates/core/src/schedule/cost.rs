@@ -105,8 +105,9 @@ pub struct Cost {
     /// lasts before it evicts anything (what balancing compares first where the profile reads a
     /// cache, see [`super::Picker`]).
     pub free_blocks_left: Option<f64>,
-    /// Blocks `free_blocks_left` may overstate the room by: those the endpoint's in-flight
-    /// requests hold or will hold beyond its free-block count ([`super::CacheView::unseen_blocks`]).
+    /// Blocks `free_blocks_left` may overstate the room by: those the router's in-flight
+    /// requests there hold or will hold beyond its free-block count
+    /// ([`super::CacheView::unseen_blocks`]).
     pub unseen_blocks: f64,
     /// The expected re-prefill of the cached blocks the placement evicts.
     pub eviction_s: f64,

@@ -151,10 +151,10 @@ pub struct CacheView {
     /// index holds and what its in-flight prefills are about to store); `None` when its
     /// capacity is unknown, and then no eviction is charged.
     pub free_blocks: Option<f64>,
-    /// Blocks its in-flight requests hold or will hold that `free_blocks` does not count: each
-    /// one's last, partial prompt block and the output its requests generate on average (an
-    /// engine reports a block only once it is full). How far the room a placement leaves may
-    /// be from what `free_blocks` says.
+    /// Blocks the router's in-flight requests there hold or will hold that `free_blocks` does
+    /// not count: each one's last, partial prompt block and the output its requests generate on
+    /// average (an engine reports a block only once it is full). How far the room a placement
+    /// leaves may be from what `free_blocks` says.
     pub unseen_blocks: f64,
     /// Its GPU cache's capacity in blocks (`None` when unknown): with `free_blocks`, how much
     /// of what it caches the queue ahead of this request evicts before the request is admitted.
@@ -475,7 +475,7 @@ pub fn schedule(
     };
     let (ranking, reason) = profile.picker.rank(
         profile,
-        request,
+        request.prefix_key,
         &assessments,
         &competing,
         random,

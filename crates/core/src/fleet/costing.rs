@@ -3,7 +3,7 @@
 //! those holding part of the prompt, and the least busy of the rest in the fleet's
 //! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
-use super::pinned::RoomAsked;
+use super::endpoint::RoomWait;
 use super::recent_use::Admission;
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
@@ -185,16 +185,14 @@ impl Fleet {
             .max(history)
             .max(predicted);
         let reads_cache = self.profile.cache != CacheSource::None;
-        let room_wait_s = e.capacity_blocks.map_or(0.0, |capacity_blocks| {
-            e.pinned.room_wait_s(&RoomAsked {
-                keys: inputs.keys,
-                prompt_tokens: inputs.prompt_tokens,
-                block_size: bs,
-                capacity_blocks,
-                fallback_decode_s: inputs.decode_s,
-                now,
-            })
-        });
+        let room_wait_s = e.room_wait_s(
+            inputs.keys,
+            inputs.prompt_tokens,
+            bs,
+            inputs.decode_s,
+            now,
+            RoomWait::Expected,
+        );
         let load = e.load(now, self.config.load_sample_max_age_s);
         let prefill_tokens_per_s = e.prefill_rate_toward(inputs.prior_rate);
         let recency = match e.capacity_blocks {

@@ -7,10 +7,11 @@ use serde::{Deserialize, Serialize};
 use super::block_reuse::BlockReuse;
 use super::decay::Decaying;
 use super::outlier::Outlier;
-use super::pinned::PinnedBlocks;
+use super::pinned::{PinnedBlocks, RoomAsked};
 use super::recent_use::RecentUse;
 use super::trust::Trust;
 use crate::index::{EndpointId, OffloadSpec};
+use crate::keys::RouterKey;
 use crate::schedule::{EndpointLoad, Role};
 use crate::tiers::TierRates;
 
@@ -229,7 +230,46 @@ pub struct EndpointState {
     pub(super) present: bool,
 }
 
+/// Whose ends a wait for room counts ([`EndpointState::room_wait_s`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RoomWait {
+    /// Every in-flight request's expected end: what a plan costs.
+    Expected,
+    /// Only the ends of the requests admitted already: the lower bound a dispatched request's
+    /// expected prefill end is counted from ([`PinnedBlocks::admitted_room_wait_s`]).
+    Admitted,
+}
+
 impl EndpointState {
+    /// Seconds a request with `keys` and `prompt_tokens` would wait here at `now` for room in
+    /// the cache, counting the ends `counted` says (0 where the capacity is unknown);
+    /// `fallback_decode_s`: the decode time to expect where this endpoint has none yet.
+    pub(super) fn room_wait_s(
+        &self,
+        keys: &[RouterKey],
+        prompt_tokens: usize,
+        block_size: usize,
+        fallback_decode_s: Option<f64>,
+        now: f64,
+        counted: RoomWait,
+    ) -> f64 {
+        let Some(capacity_blocks) = self.capacity_blocks else {
+            return 0.0;
+        };
+        let asked = RoomAsked {
+            keys,
+            prompt_tokens,
+            block_size,
+            capacity_blocks,
+            fallback_decode_s,
+            now,
+        };
+        match counted {
+            RoomWait::Expected => self.pinned.room_wait_s(&asked),
+            RoomWait::Admitted => self.pinned.admitted_room_wait_s(&asked),
+        }
+    }
+
     pub(super) fn new(id: EndpointId, spec: EndpointSpec) -> Self {
         let trust = Trust::new(spec.has_events);
         Self {

@@ -3,6 +3,7 @@
 
 use std::cell::OnceCell;
 
+use super::endpoint::RoomWait;
 use super::{
     Dispatch, Ejection, EndpointState, Fleet, RequestFeatures, TtftCheck, UpstreamOutcome,
 };
@@ -97,13 +98,26 @@ impl Fleet {
             if tier_uncertain {
                 e.tier_rates.uncertain_requests = e.tier_rates.uncertain_requests.saturating_add(1);
             }
-            // The earliest its prefill can end: the prefill queued ahead of it, then its own.
+            // The earliest its prefill can end: once the prefill queued ahead of it is done,
+            // or the admitted requests' ends make room for its blocks, whichever is later,
+            // then its own. Without the room wait, requests queued behind a full cache were
+            // each expected to end a decode time after their own prefills, as if all ran at
+            // once, and the waits behind them read short (traced: a closed loop of 8 requests
+            // per engine whose caches hold two, predicted 1.9 s, measured 3.8 s).
             let rate = match e.prefill_rate {
                 r if r > 0.0 => r,
                 _ => self.config.default_prefill_tokens_per_s.max(1.0),
             };
-            let prefill_end =
-                now + e.inflight_prefill_tokens.saturating_add(uncached) as f64 / rate;
+            let room_wait_s = e.room_wait_s(
+                request.keys,
+                request.prompt_tokens,
+                bs,
+                self.model_priors.decode_s(model),
+                now,
+                RoomWait::Admitted,
+            );
+            let queued_s = e.inflight_prefill_tokens as f64 / rate;
+            let prefill_end = now + queued_s.max(room_wait_s) + uncached as f64 / rate;
             e.pinned.pin(
                 self.next_pin,
                 request.keys.clone(),

@@ -106,7 +106,8 @@ pub(super) struct PinnedBlocks {
 struct Releases {
     /// One step per request, in order.
     steps: Vec<Release>,
-    /// Each step's request's keys.
+    /// Each step's request's keys, then those of the requests without a step (which hold
+    /// theirs past every step).
     keys: Vec<Arc<Vec<RouterKey>>>,
 }
 
@@ -380,6 +381,19 @@ impl PinnedBlocks {
     /// once per plan: costing every endpoint of a large fleet must not walk each one's
     /// in-flight blocks), halves over them, and allocates nothing.
     pub(super) fn room_wait_s(&self, asked: &RoomAsked<'_>) -> f64 {
+        self.room_wait(asked, false)
+    }
+
+    /// [`Self::room_wait_s`] counting only the ends of the requests admitted already (those
+    /// that had their first token): a lower bound on when a request queued now is admitted,
+    /// the earliest end of its prefill is counted from. The ends of requests still queued are
+    /// themselves estimates counted from such waits, and a chain of them runs away (each link
+    /// adds the model's error: traced at 17–45 s too long, docs/benchmarks-log.md).
+    pub(super) fn admitted_room_wait_s(&self, asked: &RoomAsked<'_>) -> f64 {
+        self.room_wait(asked, true)
+    }
+
+    fn room_wait(&self, asked: &RoomAsked<'_>, admitted_only: bool) -> f64 {
         let pinned = self.blocks();
         if pinned == 0 || asked.capacity_blocks == 0 {
             return 0.0;
@@ -402,7 +416,13 @@ impl PinnedBlocks {
         if needed <= room {
             return 0.0;
         }
-        let releases = self.releases.get_or_init(|| self.releases());
+        let admitted;
+        let releases = if admitted_only {
+            admitted = self.releases_of(true);
+            &admitted
+        } else {
+            self.releases.get_or_init(|| self.releases_of(false))
+        };
         let steps = &releases.steps;
         let made_room = |at: usize| steps.get(at).or(steps.last());
         let wait = |r: &Release| (r.heard_at + decode_s - asked.now).max(0.0);
@@ -433,11 +453,21 @@ impl PinnedBlocks {
     /// The in-flight requests in the order they are expected to end, with the blocks freed by
     /// each end (a block is freed once every request holding it has ended): a request's end
     /// frees its keys past the longest prefix it shares with a request ending after it, found
-    /// by walking the order backwards with the later chains in order.
-    fn releases(&self) -> Releases {
-        let mut order: Vec<&PinnedRequest> = self.requests.values().collect();
+    /// by walking the order backwards with the later chains in order. `admitted_only`: steps
+    /// for the admitted requests alone, the others taken to hold their blocks past every one
+    /// of them (their keys follow the steps' in [`Releases::keys`]).
+    fn releases_of(&self, admitted_only: bool) -> Releases {
+        let (mut order, queued): (Vec<&PinnedRequest>, Vec<&PinnedRequest>) = self
+            .requests
+            .values()
+            .partition(|r| !admitted_only || r.first_token_at.is_some());
         order.sort_by(|a, b| a.heard_at().total_cmp(&b.heard_at()));
         let mut later: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::with_capacity(order.len());
+        for r in &queued {
+            if let Err(at) = find_chain(&later, &r.keys) {
+                later.insert(at, (r.keys.clone(), 1));
+            }
+        }
         let mut own_freed = vec![0i64; order.len()];
         for (i, r) in order.iter().enumerate().rev() {
             let chain: &[RouterKey] = &r.keys;
@@ -456,6 +486,7 @@ impl PinnedBlocks {
             });
             releases.keys.push(r.keys.clone());
         }
+        releases.keys.extend(queued.iter().map(|r| r.keys.clone()));
         releases
     }
 }
@@ -609,6 +640,25 @@ mod tests {
         // context blocks it shares free nothing for it.
         let wait = pinned.room_wait_s(&asked(&same_tenant, 117, 1.2));
         assert!((wait - 0.2).abs() < 1e-9, "request 2 ends at 1.4: {wait}");
+    }
+
+    #[test]
+    fn the_admitted_wait_counts_only_the_ends_of_requests_that_had_their_first_token() {
+        let mut pinned = decoding_for_0_4_s();
+        // Two running requests of 100 blocks each (+1) end at 1.4 and 1.6; a third is queued
+        // (its prefill could end at 1.3 at the earliest, so it would end at 1.7).
+        running(&mut pinned, 2, keys(2, 100), 1.0);
+        running(&mut pinned, 3, keys(3, 100), 1.2);
+        pinned.pin(5, keys(5, 100), 100 * 16 + 8, 16, 1.3);
+        let new = keys(4, 100);
+        // A cache of 310 holds the three and needs one end for a fourth: the first, at 1.4.
+        assert!((pinned.room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
+        assert!((pinned.admitted_room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
+        // A cache of 110 needs three ends: every request's, the queued one's last, at 1.7; the
+        // admitted requests' ends alone are not enough, so the admitted wait is the last of
+        // them, at 1.6.
+        assert!((pinned.room_wait_s(&asked(&new, 110, 1.3)) - 0.4).abs() < 1e-9);
+        assert!((pinned.admitted_room_wait_s(&asked(&new, 110, 1.3)) - 0.3).abs() < 1e-9);
     }
 
     #[test]
@@ -791,7 +841,7 @@ mod tests {
                 proptest::prop_assert_eq!(pinned.blocks(), naive.blocks());
                 let probe = real_chain(tenant, shared + 2, question + 1, own);
                 proptest::prop_assert_eq!(pinned.pinned_prefix(&probe), naive.pinned_prefix(&probe));
-                let freed: Vec<i64> = pinned.releases().steps.iter().map(|r| r.freed).collect();
+                let freed: Vec<i64> = pinned.releases_of(false).steps.iter().map(|r| r.freed).collect();
                 proptest::prop_assert_eq!(freed, naive.freed());
             }
         }

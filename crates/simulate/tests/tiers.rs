@@ -565,8 +565,8 @@ fn llm_d_capacity(profile: &Profile, with_cpu: bool, seed: u64) -> f64 {
 /// offers, in requests per second: [`LLM_D_OFFERED_OVER_HBM_ONLY_CAPACITY`] times the 46.4
 /// req/s the HBM-only fleet served on workload seed 21 with precise routing when the test was
 /// written (`d9e373c`). Fixed, not measured on each run: better routing of the HBM-only fleet
-/// raises its capacity (53.0 req/s once a prefix pinned only by requests ending before the new
-/// one is admitted was priced as evictable, 2026-12-07) and with it a measured load, past what
+/// raises its capacity (51.7–53.0 req/s once a prefix pinned only by requests ending before the
+/// new one is admitted was priced as evictable, 2026-12-07) and with it a measured load, past what
 /// the tiered fleet serves, so the test failed because the baseline improved, while the tiered
 /// fleet's TTFT at any given load was unchanged (docs/benchmarks.md). The ratios at the
 /// measured load are [`llm_d_multi_tier_ratios_at_llm_ds_overload`]'s, reported, not asserted.

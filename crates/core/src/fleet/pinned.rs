@@ -135,6 +135,18 @@ pub(super) struct PinnedAt {
     pub newer_than_freed: usize,
 }
 
+impl PinnedAt {
+    /// A pinned prefix of `prefix` keys that every pin holds until the admission (no request
+    /// pinning it ends first, or nothing says when one does).
+    pub(super) fn every_pin_holds(prefix: usize) -> Self {
+        Self {
+            held: prefix,
+            pinned: prefix,
+            newer_than_freed: 0,
+        }
+    }
+}
+
 /// What a new request needs of an endpoint's cache.
 pub(super) struct RoomAsked<'a> {
     /// Its full blocks' keys.
@@ -321,11 +333,7 @@ impl PinnedBlocks {
         fallback_decode_s: Option<f64>,
     ) -> PinnedAt {
         let pinned = self.pinned_prefix(keys);
-        let every_pin_holds = PinnedAt {
-            held: pinned,
-            pinned,
-            newer_than_freed: 0,
-        };
+        let every_pin_holds = PinnedAt::every_pin_holds(pinned);
         let Some(decode_s) = self.decode_s.or(fallback_decode_s) else {
             return every_pin_holds;
         };

@@ -228,19 +228,11 @@ impl RecentUse {
             return by_depth;
         }
         let cap = capacity as f64;
-        let every_pin_holds = {
-            let prefix = pinned.pinned_prefix(keys);
-            PinnedAt {
-                held: prefix,
-                pinned: prefix,
-                newer_than_freed: 0,
-            }
-        };
         let (parts, newer, covered) = self.split(
             pinned,
             keys,
             pinned.distinct_keys() + pinned.extra_blocks(),
-            every_pin_holds,
+            PinnedAt::every_pin_holds(pinned.pinned_prefix(keys)),
         );
         by_depth[0] += f64::from(parts.pinned);
         for part in parts.parts() {

@@ -300,6 +300,18 @@ impl Fleet {
             }
             _ => 0.0,
         };
+        // Its tier loads at the rates the cost charges them: they are charged apart from its
+        // prefill, so its prefill-rate sample leaves them out.
+        let loads_s: f64 = match self.endpoint(dispatch.endpoint) {
+            Some(e) => LoadTier::ALL
+                .iter()
+                .map(|&t| {
+                    dispatch.tier_tokens[t as usize] as f64
+                        / e.tier_rates.rate(t, &self.profile.tiers)
+                })
+                .sum::<f64>(),
+            None => 0.0,
+        } + waited_s;
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };
@@ -320,8 +332,14 @@ impl Fleet {
             dispatch.tier_seconds = Some(seconds - fixed - tokens as f64 * per_token - waited_s);
         }
         if ok {
-            // Every prefill teaches the prefill rate as before tier lessons (taking a tiered
-            // one's loads out, or counting it as unread, measured worse under load).
+            // Every prefill teaches the prefill rate, a tiered one net of its loads; one whose
+            // loads took all its time says nothing of the rate.
+            let net_s = seconds - loads_s;
+            let (seconds, sample) = if net_s > 0.0 {
+                (net_s, sample)
+            } else {
+                (seconds, false)
+            };
             dispatch.prefill_sample = e.note_prefill(tokens, seconds, sample);
             if sample && dispatch.quiet && !tiered {
                 dispatch.fit_sample = e.tier_rates.baseline.observe(tokens as f64, seconds);

@@ -248,6 +248,14 @@ fn tier_load_rates_are_learned_from_requests_that_loaded() {
     );
     assert_eq!(e.tier_rates().predicted_tokens, [40 * 4096, 0, 0]);
     assert_eq!(e.tier_rates().found_tokens, [40 * 4096, 0, 0]);
+    // The loads are charged apart from the prefill, so the prefill rate leaves them out: read
+    // with them, it would fall to 512 tokens in 0.12 s, about 4,300 tokens/s, and a prompt
+    // computed anew would be priced at more than twice its time.
+    let prefill = e.observed_prefill_rate().unwrap();
+    assert!(
+        (prefill - prefill_rate).abs() / prefill_rate < 0.1,
+        "prefill rate {prefill:.0} tokens/s, true {prefill_rate:.0}"
+    );
 }
 
 #[test]

@@ -293,25 +293,24 @@ impl Fleet {
             dispatch.rate_sample && ok,
         );
         let tiered = dispatch.tier_tokens.iter().any(|&t| t > 0);
-        // The shared-tier tokens queued ahead of its load were waited for, not loaded.
-        let waited_s = match (dispatch.shared_load, self.endpoint(dispatch.endpoint)) {
-            (Some(load), Some(e)) => {
-                load.ahead_tokens() / e.tier_rates.rate(LoadTier::Shared, &self.profile.tiers)
+        // The shared-tier tokens queued ahead of its load were waited for, not loaded; its
+        // tier loads, at the rates the cost charges them apart from its prefill, are left out
+        // of its prefill-rate sample, and so is that wait.
+        let (waited_s, loads_s) = match self.endpoint(dispatch.endpoint) {
+            Some(e) => {
+                let tiers = &self.profile.tiers;
+                let waited_s = dispatch.shared_load.map_or(0.0, |load| {
+                    load.ahead_tokens() / e.tier_rates.rate(LoadTier::Shared, tiers)
+                });
+                let loads_s: f64 = e
+                    .tier_rates
+                    .load_seconds(dispatch.tier_tokens, tiers)
+                    .iter()
+                    .sum();
+                (waited_s, loads_s + waited_s)
             }
-            _ => 0.0,
+            None => (0.0, 0.0),
         };
-        // Its tier loads at the rates the cost charges them: they are charged apart from its
-        // prefill, so its prefill-rate sample leaves them out.
-        let loads_s: f64 = match self.endpoint(dispatch.endpoint) {
-            Some(e) => LoadTier::ALL
-                .iter()
-                .map(|&t| {
-                    dispatch.tier_tokens[t as usize] as f64
-                        / e.tier_rates.rate(t, &self.profile.tiers)
-                })
-                .sum::<f64>(),
-            None => 0.0,
-        } + waited_s;
         let Some(e) = self.end_prefill(dispatch) else {
             return;
         };

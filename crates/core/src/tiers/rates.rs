@@ -88,6 +88,12 @@ impl TierRates {
         (1.0 / (credibility / learned.max(1.0) + (1.0 - credibility) / prior)).max(1.0)
     }
 
+    /// Seconds loading `tier_tokens` takes at the current rates, tier by tier (what the cost
+    /// charges for them, before any credit decision).
+    pub fn load_seconds(&self, tier_tokens: TierTokens, configured: &TierCosts) -> [f64; 3] {
+        LoadTier::ALL.map(|t| tier_tokens[t as usize] as f64 / self.rate(t, configured))
+    }
+
     /// Learns from one request: `tier_tokens` were loaded from the tiers below the GPU in
     /// `seconds` (time to first token less its recompute at the prefill rate). The seconds are
     /// split among the tiers in proportion to what the current rates predict.
@@ -95,10 +101,7 @@ impl TierRates {
         if !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
-        let predicted: Vec<f64> = LoadTier::ALL
-            .iter()
-            .map(|&t| tier_tokens[t as usize] as f64 / self.rate(t, configured))
-            .collect();
+        let predicted = self.load_seconds(tier_tokens, configured);
         let total: f64 = predicted.iter().sum();
         if total <= 0.0 {
             return;

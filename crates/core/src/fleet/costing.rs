@@ -177,6 +177,12 @@ impl Fleet {
         let free_blocks = e.capacity_blocks.map(|capacity| {
             capacity as f64 - held.gpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
+        // The same for its CPU tier, once its events showed the tier's capacity: what the
+        // in-flight prefills compute is offloaded there too.
+        let cpu_capacity_blocks = (held.cpu_capacity > 0).then_some(held.cpu_capacity as f64);
+        let cpu_free_blocks = cpu_capacity_blocks.map(|capacity| {
+            capacity - held.cpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
+        });
         // The prompt's prefix it holds, by last use: read only where the policy reads a cache
         // picture, part of the prompt is held and something can be lost (a search over its
         // recent requests' keys).
@@ -229,7 +235,10 @@ impl Fleet {
                 now,
             ),
             recency,
+            cpu_free_blocks,
+            cpu_capacity_blocks,
             offloads_to_cpu: held.cpu > 0,
+            offloads_to_storage: held.storage > 0,
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),
         };
         let cache_fill = e

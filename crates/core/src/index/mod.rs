@@ -95,6 +95,10 @@ pub struct EndpointIndexStats {
     pub blocks_cpu: u64,
     /// Blocks held on the storage tier now.
     pub blocks_storage: u64,
+    /// The most blocks the CPU tier held when the engine removed one from it (0: it never
+    /// did): a tier full of blocks evicts its least recently used to store new ones, so this is
+    /// its capacity as the events show it, where the engine's metrics do not say.
+    pub cpu_blocks_when_full: u64,
     /// Blocks whose store was applied (re-stores included).
     pub blocks_stored: u64,
     /// Blocks whose removal was applied.
@@ -722,18 +726,30 @@ impl KvIndex {
         self.evicted_from.drain(..)
     }
 
+    /// One of `endpoint`'s counters (0 when the endpoint is unknown).
+    fn counter(&self, endpoint: EndpointId, read: impl Fn(&EndpointIndexStats) -> u64) -> u64 {
+        self.endpoints.get(&endpoint).map_or(0, |s| read(&s.stats))
+    }
+
     /// Blocks `endpoint` holds on the GPU now (0 when unknown).
     pub fn gpu_blocks(&self, endpoint: EndpointId) -> u64 {
-        self.endpoints
-            .get(&endpoint)
-            .map_or(0, |s| s.stats.blocks_gpu)
+        self.counter(endpoint, |s| s.blocks_gpu)
     }
 
     /// Blocks `endpoint` holds in CPU memory now (0 when unknown).
     pub fn cpu_blocks(&self, endpoint: EndpointId) -> u64 {
-        self.endpoints
-            .get(&endpoint)
-            .map_or(0, |s| s.stats.blocks_cpu)
+        self.counter(endpoint, |s| s.blocks_cpu)
+    }
+
+    /// Blocks `endpoint` holds on its own storage tier now (0 when unknown).
+    pub fn storage_blocks(&self, endpoint: EndpointId) -> u64 {
+        self.counter(endpoint, |s| s.blocks_storage)
+    }
+
+    /// `endpoint`'s CPU tier capacity in blocks as its events show it (0: unknown, the tier
+    /// never removed a block): [`EndpointIndexStats::cpu_blocks_when_full`].
+    pub fn cpu_capacity_blocks(&self, endpoint: EndpointId) -> u64 {
+        self.counter(endpoint, |s| s.cpu_blocks_when_full)
     }
 
     /// Every known endpoint.

@@ -363,6 +363,10 @@ pub(super) fn remove_block(
     if !was {
         return false;
     }
+    if tier == Tier::Cpu {
+        let stats = &mut state.stats;
+        stats.cpu_blocks_when_full = stats.cpu_blocks_when_full.max(stats.blocks_cpu);
+    }
     bump(&mut state.stats, tier, false);
     state.stats.blocks_removed += 1;
     if !still_held {

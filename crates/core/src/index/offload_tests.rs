@@ -149,6 +149,26 @@ fn repeated_offload_stores_are_reference_counted() {
 }
 
 #[test]
+fn a_cpu_tier_shows_its_capacity_when_it_first_evicts() {
+    let mut ix = index();
+    let d = doc(5);
+    let h = hashes(&d);
+    ix.apply(E0, &[gpu_store(&d), placeholder(h.clone(), "CPU", 0)]);
+    // Five blocks held and none removed: the tier may hold more, its capacity is unknown.
+    assert_eq!(ix.cpu_capacity_blocks(E0), 0);
+    ix.apply(E0, &[removal(h[4..].to_vec(), "CPU")]);
+    assert_eq!(ix.cpu_capacity_blocks(E0), 5);
+    // GPU removals say nothing of the CPU tier, and a later eviction from a tier holding fewer
+    // (some of its blocks were removed) does not lower what the first one showed.
+    ix.apply(
+        E0,
+        &[removal(h.clone(), "GPU"), removal(h[3..4].to_vec(), "CPU")],
+    );
+    assert_eq!(ix.cpu_capacity_blocks(E0), 5);
+    assert_eq!(ix.endpoint_stats(E0).unwrap().blocks_cpu, 3);
+}
+
+#[test]
 fn a_placeholder_naming_an_unknown_hash_is_an_orphan() {
     let mut ix = index();
     ix.apply(E0, &[placeholder(vec![EngineHash(42)], "STORAGE", 0)]);

@@ -48,15 +48,15 @@ pub struct SharedIndex {
     shards: Box<[Shard]>,
     /// The shared tier every shard refers to.
     fleet: SharedFleetTier,
-    /// Each endpoint's GPU and CPU blocks (by id) as of the last write to its shard, readable
+    /// Each endpoint's GPU, CPU and storage blocks and CPU capacity (by id) as of the last write to its shard, readable
     /// without the shard's lock: a plan that walked the index beforehand reads its candidates'
     /// fill here, so it never waits for a writer while holding the fleet's lock. (The lock is
     /// taken for writing only to grow the list for a new endpoint.)
-    published: RwLock<Vec<[AtomicU64; 2]>>,
+    published: RwLock<Vec<[AtomicU64; 4]>>,
 }
 
 /// What an endpoint's index holds, in blocks, as its shard last published it (read without the
-/// shard's lock, as two separate loads: the two counts may come from consecutive publications,
+/// shard's lock, as separate loads: the counts may come from consecutive publications,
 /// a batch apart).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HeldBlocks {
@@ -64,13 +64,21 @@ pub struct HeldBlocks {
     pub gpu: u64,
     /// In CPU memory: more than none means the endpoint offloads there.
     pub cpu: u64,
+    /// The CPU tier's capacity as its events show it (0: unknown; see
+    /// [`KvIndex::cpu_capacity_blocks`]).
+    pub cpu_capacity: u64,
+    /// On its own storage: more than none means the endpoint offloads there too, and a block
+    /// its CPU tier drops is kept there.
+    pub storage: u64,
 }
 
 impl HeldBlocks {
-    fn read(counts: &[AtomicU64; 2]) -> Self {
+    fn read(counts: &[AtomicU64; 4]) -> Self {
         Self {
             gpu: counts[0].load(Ordering::Relaxed),
             cpu: counts[1].load(Ordering::Relaxed),
+            cpu_capacity: counts[2].load(Ordering::Relaxed),
+            storage: counts[3].load(Ordering::Relaxed),
         }
     }
 }
@@ -195,10 +203,16 @@ impl SharedIndex {
     /// Publishes what `endpoint` holds in `shard`, its shard (under the shard's write lock, so
     /// that publications of one endpoint happen in the order of its writes).
     fn publish(&self, endpoint: EndpointId, shard: &KvIndex) {
-        let (gpu, cpu) = (shard.gpu_blocks(endpoint), shard.cpu_blocks(endpoint));
-        let store = |counts: &[AtomicU64; 2]| {
-            counts[0].store(gpu, Ordering::Relaxed);
-            counts[1].store(cpu, Ordering::Relaxed);
+        let counted = [
+            shard.gpu_blocks(endpoint),
+            shard.cpu_blocks(endpoint),
+            shard.cpu_capacity_blocks(endpoint),
+            shard.storage_blocks(endpoint),
+        ];
+        let store = |counts: &[AtomicU64; 4]| {
+            for (slot, value) in counts.iter().zip(counted) {
+                slot.store(value, Ordering::Relaxed);
+            }
         };
         let at = endpoint.0 as usize;
         if let Some(counts) = self.published.read().get(at) {

@@ -85,6 +85,10 @@ pub struct Cost {
     /// Of the prompt tokens it holds, those the queue ahead is expected to evict before the
     /// request is admitted (counted in `prefill_s`).
     pub evicted_ahead_tokens: f64,
+    /// Of the prompt tokens it would load from CPU memory, those the queue ahead's own offloads
+    /// are expected to push out of that tier before the request is admitted (loaded from its
+    /// storage where it offloads there too, else recomputed and counted in `prefill_s`).
+    pub cpu_lost_ahead_tokens: f64,
     /// Loading the parts held on CPU, storage or a shared tier.
     pub tier_load_s: f64,
     /// `tier_load_s` tier by tier: tokens, rate, seconds, and whether each is credited.
@@ -273,12 +277,27 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     } else {
         (lost, 0.0)
     };
+    // CPU memory is a cache too: the queue ahead offloads what it computes there, and beyond
+    // the tier's free blocks that pushes out blocks this request would load from it (found
+    // there, or stored there when the queue ahead evicted them from the GPU): loaded from the
+    // endpoint's storage where it keeps one below (a dropped block is demoted there), else
+    // recomputed.
+    let cpu_lost = (held.cpu as f64 + reloaded) * (1.0 - cpu_survival(c));
+    let (recomputed, demoted) = if c.cache.offloads_to_storage {
+        (recomputed, cpu_lost)
+    } else {
+        (recomputed + cpu_lost, 0.0)
+    };
     let uncached = request.prompt_tokens.saturating_sub(held.all) as f64 + recomputed;
     let prefill_s = uncached / rate;
     let tiers = tier_load(
         &profile.tiers,
         &c.tier_rates,
-        [held.cpu + reloaded as usize, held.storage, held.shared],
+        [
+            (held.cpu as f64 + reloaded - cpu_lost).round() as usize,
+            held.storage + demoted.round() as usize,
+            held.shared,
+        ],
         rate,
     );
     let tier_load_s = tiers.seconds;
@@ -327,6 +346,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         queued_requests_s,
         prefill_s,
         evicted_ahead_tokens: lost,
+        cpu_lost_ahead_tokens: cpu_lost,
         tier_load_s,
         tiers,
         stalling_s,
@@ -355,7 +375,8 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
 /// Proof, term by term, for such a candidate with prompt `P` tokens, `U` = `P −
 /// min(held_at_most, P)` and `rate` = `prefill_tokens_per_s.max(1)` ≤ `rate_at_most.max(1)` =
 /// `R`:
-/// - `uncached` = `P − held.all + recomputed` ≥ `U` (`recomputed` ≥ 0: evicted GPU tokens), so
+/// - `uncached` = `P − held.all + recomputed` ≥ `U` (`recomputed` ≥ 0: evicted GPU tokens and
+///   CPU-tier tokens pushed out with no storage below, each a non-negative share), so
 ///   `prefill_s` ≥ `U / rate` ≥ `U / R`;
 /// - `tier_load_s` ≥ 0 (each tier charges tokens over a rate of at least 1, or a 0–1 share of
 ///   their recompute);
@@ -503,6 +524,16 @@ pub fn lost_ahead_tokens(request: &RequestInfo, c: &Candidate, held_gpu: usize) 
 /// the capacity is unknown.
 pub fn survival(c: &Candidate) -> f64 {
     match (c.cache.free_blocks, c.cache.capacity_blocks) {
+        (Some(free), Some(capacity)) => survival_of(free, capacity),
+        _ => 1.0,
+    }
+}
+
+/// Share of the blocks `c` holds in CPU memory expected to survive until a request queued
+/// there now is admitted, 0–1: as [`survival`] for its CPU tier, whose capacity the router
+/// knows once the tier has evicted (its events say so). 1 while that capacity is unknown.
+pub fn cpu_survival(c: &Candidate) -> f64 {
+    match (c.cache.cpu_free_blocks, c.cache.cpu_capacity_blocks) {
         (Some(free), Some(capacity)) => survival_of(free, capacity),
         _ => 1.0,
     }

@@ -169,6 +169,17 @@ pub struct CacheView {
     /// cache picture is used, or the capacity is unknown; every cached block is then taken as
     /// equally likely to go (which loses nothing when the queue ahead fits).
     pub recency: Option<RecencyParts>,
+    /// CPU-tier blocks it can still fill without pushing one out: the tier's capacity less what
+    /// its index holds there and what its in-flight prefills will offload there; `None` while
+    /// the capacity is unknown (the tier never evicted), and then what it holds there is taken
+    /// to stay.
+    pub cpu_free_blocks: Option<f64>,
+    /// Its CPU tier's capacity in blocks as its events show it (`None`: unknown).
+    pub cpu_capacity_blocks: Option<f64>,
+    /// Its index holds blocks on its own storage: a block its CPU tier drops is kept there (an
+    /// offloading connector demotes it, or wrote it through), so getting it back costs a
+    /// storage load, not a prefill.
+    pub offloads_to_storage: bool,
     /// Its index holds blocks it offloaded to CPU memory: a GPU block evicted there is stored
     /// on (or already in) that tier, so getting it back costs a CPU load, not a prefill.
     pub offloads_to_cpu: bool,

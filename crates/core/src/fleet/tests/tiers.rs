@@ -23,6 +23,50 @@ fn a_prefix_only_on_cpu_is_credited_when_loading_beats_recomputing() {
     assert!(!on_cpu.tier_uncertain);
 }
 
+/// CPU memory is a cache too: once its events showed the tier's capacity (it removed a block
+/// while full), what the queue ahead offloads beyond the tier's free blocks is expected to push
+/// out part of a prefix held there, and that part is charged as recomputed.
+#[test]
+fn a_full_cpu_tier_loses_to_the_queue_ahead_what_it_offloads_beyond_its_room() {
+    let mut fleet = FleetBuilder::new(2).build();
+    let doc = prompt(2048, 9);
+    let old = prompt(BS, 3);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&old, "CPU"), 0.0);
+    fleet.apply_events(EndpointId(0), &offloaded_only(&doc, "CPU"), 0.0);
+    // A prefill of 64 new blocks queued ahead on endpoint 0.
+    send_to(&mut fleet, &Req::new(&prompt(1024, 5)), EndpointId(0), 0.1);
+    let mut question = doc.clone();
+    question.extend(prompt(256, 10));
+    let lost = |fleet: &mut Fleet| {
+        let plan = fleet.plan(&Req::new(&question).features(), 1, 0.2);
+        let a = plan.decision.assessment(EndpointId(0)).unwrap();
+        (
+            a.cost.cpu_lost_ahead_tokens,
+            a.cost.tiers.tiers[crate::tiers::LoadTier::Cpu as usize].tokens,
+        )
+    };
+    // Its CPU tier has not evicted yet: the whole document loads.
+    assert_eq!(lost(&mut fleet), (0.0, 2048));
+    // It drops the oldest block while holding 129: its capacity. The queue ahead offloads 64
+    // blocks into 1 free one, so each held block goes with probability 63 / 129.
+    let KvEvent::BlockStored(old_blocks) = stored(&old, BS) else {
+        unreachable!()
+    };
+    let dropped = KvEvent::BlockRemoved(crate::event::BlockRemoved {
+        block_hashes: old_blocks.block_hashes,
+        medium: Some("CPU".into()),
+        group_idx: None,
+    });
+    fleet.apply_events(EndpointId(0), &[dropped], 0.15);
+    let (cpu_lost, cpu_tokens) = lost(&mut fleet);
+    let expected: f64 = 2048.0 * 63.0 / 129.0;
+    assert!(
+        (cpu_lost - expected).abs() < 1e-6,
+        "{cpu_lost} vs {expected}"
+    );
+    assert_eq!(cpu_tokens, (2048.0 - expected).round() as usize);
+}
+
 #[test]
 fn a_tier_slower_than_recompute_gets_no_credit_and_explain_says_so() {
     let mut fleet = FleetBuilder::new(2).build();

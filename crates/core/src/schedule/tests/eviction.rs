@@ -147,6 +147,45 @@ fn what_the_queue_ahead_evicts_and_is_recomputed_is_not_a_second_copy() {
 }
 
 #[test]
+fn what_the_queue_ahead_offloads_pushes_out_of_a_full_cpu_tier_is_recomputed_or_demoted() {
+    // Endpoint 0 holds 50 of a 1,000-token request's 62 blocks in CPU memory; prefills queued
+    // ahead compute 200 blocks, which the engine offloads there too.
+    let mut cands = fleet(2);
+    cands[0].cache.index = cpu_match(0, 50);
+    cands[0].cache.offloads_to_cpu = true;
+    busy(&mut cands[0], 2, 200 * 16);
+    let held = |cands: &[Candidate]| {
+        let d = schedule(&Profile::default(), &request(1_000), cands, 1, 0);
+        let a = d.assessment(EndpointId(0)).unwrap().clone();
+        (a.cost.cpu_lost_ahead_tokens, a.cost.prefill_s, a.cost.tiers)
+    };
+    // Its CPU tier has never evicted: its capacity is unknown and all 800 tokens load.
+    let (lost, prefill_s, tiers) = held(&cands);
+    assert_eq!(lost, 0.0);
+    assert!((prefill_s - prefill(200.0)).abs() < 1e-12);
+    assert_eq!(tiers.tiers[LoadTier::Cpu as usize].tokens, 800);
+    // A full 400-block tier that the queue ahead overfills by 200 blocks loses half of what it
+    // holds, as a GPU cache does (each cached block equally likely to go): recomputed.
+    cands[0].cache.cpu_capacity_blocks = Some(400.0);
+    cands[0].cache.cpu_free_blocks = Some(-200.0);
+    let (lost, prefill_s, tiers) = held(&cands);
+    assert_eq!(lost, 400.0);
+    assert!((prefill_s - prefill(200.0 + 400.0)).abs() < 1e-12);
+    assert_eq!(tiers.tiers[LoadTier::Cpu as usize].tokens, 400);
+    // Where it offloads to its own storage too, what the CPU tier drops is demoted there: the
+    // lost half loads from storage instead of being recomputed.
+    cands[0].cache.offloads_to_storage = true;
+    let (lost, prefill_s, tiers) = held(&cands);
+    assert_eq!(lost, 400.0);
+    assert!((prefill_s - prefill(200.0)).abs() < 1e-12);
+    assert_eq!(tiers.tiers[LoadTier::Cpu as usize].tokens, 400);
+    assert_eq!(tiers.tiers[LoadTier::Storage as usize].tokens, 400);
+    // Room there for what the queue ahead offloads: nothing is lost.
+    cands[0].cache.cpu_free_blocks = Some(0.0);
+    assert_eq!(held(&cands).0, 0.0);
+}
+
+#[test]
 fn gpu_copies_name_the_longest_held_elsewhere() {
     let mut copies = cost::GpuCopies::default();
     assert_eq!(copies.elsewhere(EndpointId(0)), 0);

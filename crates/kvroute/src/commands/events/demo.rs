@@ -134,9 +134,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             engine.publisher.publish(&batch).await?;
         }
     }
-    // Let the subscribers drain and finish any replay.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The subscribers drain and finish any replay: wait until the index holds as many blocks as
+    // every engine, or DRAIN_TIMEOUT passes (the report then shows where they differ).
+    let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+    while !engines.iter().all(|e| index_agrees(&index, e)) {
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     report(&index, &engines)
+}
+
+/// How long the demo waits for its subscribers to catch up with the engines before reporting.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether the index holds as many GPU blocks for `engine` as the engine itself does.
+fn index_agrees(index: &SharedIndex, engine: &Engine) -> bool {
+    let held = index.endpoint_stats(engine.id).map_or(0, |s| s.blocks_gpu);
+    held as usize == engine.model.cached_blocks()
 }
 
 fn engines_len_last(engines: u32) -> usize {
@@ -161,7 +177,7 @@ fn report(index: &SharedIndex, engines: &[Engine]) -> anyhow::Result<ExitCode> {
     for e in engines {
         let (_, feed) = e.subscriber.stats().into_iter().next().unwrap_or_default();
         let held = index.endpoint_stats(e.id).map_or(0, |s| s.blocks_gpu);
-        consistent &= held as usize == e.model.cached_blocks();
+        consistent &= index_agrees(index, e);
         println!(
             "{:<10} {:<8} {:>8} {:>7} {:>6} {:>8} {:>9} {:>10} {:>8}",
             e.name,

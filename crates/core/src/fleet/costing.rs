@@ -201,26 +201,39 @@ impl Fleet {
         );
         let load = e.load(now, self.config.load_sample_max_age_s);
         let prefill_tokens_per_s = e.prefill_rate_toward(inputs.prior_rate);
-        let recency = match e.capacity_blocks {
-            Some(capacity) if known > 0 && reads_cache => {
-                // Admitted once the prefills queued ahead are done or room is made, whichever
-                // is later (as the cost counts its queue).
-                let queued_s =
-                    cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s);
+        // Admitted once the prefills queued ahead are done or room is made, whichever is later
+        // (as the cost counts its queue).
+        let admission = Admission {
+            at: now
+                + cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s)
+                    .max(room_wait_s),
+            fallback_decode_s: inputs.decode_s,
+        };
+        // The prefix split by last use against a cache of `capacity` blocks that the queue
+        // ahead `overflows`: read only where the policy reads a cache picture and part of the
+        // prompt is held (a search over its recent requests' keys).
+        let recency_in = |capacity: usize, overflows: bool| {
+            (known > 0 && reads_cache).then(|| {
                 e.recent.parts(
                     &e.pinned,
                     inputs.keys,
                     known as usize,
                     capacity,
-                    free_blocks.is_some_and(|free| free < 0.0),
-                    &Admission {
-                        at: now + queued_s.max(room_wait_s),
-                        fallback_decode_s: inputs.decode_s,
-                    },
+                    overflows,
+                    &admission,
                 )
-            }
-            _ => None,
+            })?
         };
+        let recency = e
+            .capacity_blocks
+            .and_then(|capacity| recency_in(capacity, free_blocks.is_some_and(|free| free < 0.0)));
+        // The same for its CPU tier, whose LRU drops blocks by last use as the GPU's does.
+        let cpu_recency = cpu_capacity_blocks.and_then(|capacity| {
+            recency_in(
+                capacity as usize,
+                cpu_free_blocks.is_some_and(|free| free < 0.0),
+            )
+        });
         let cache = CacheView {
             index: index_match,
             index_state,
@@ -237,6 +250,7 @@ impl Fleet {
             recency,
             cpu_free_blocks,
             cpu_capacity_blocks,
+            cpu_recency,
             offloads_to_cpu: held.cpu > 0,
             offloads_to_storage: held.storage > 0,
             tier_uncertain: inputs.index_matches.tier_uncertain(e.id),

@@ -278,11 +278,12 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         (lost, 0.0)
     };
     // CPU memory is a cache too: the queue ahead offloads what it computes there, and beyond
-    // the tier's free blocks that pushes out blocks this request would load from it (found
-    // there, or stored there when the queue ahead evicted them from the GPU): loaded from the
+    // the tier's free blocks that pushes out, least recently used first, blocks this request
+    // would load from it (found there, or stored there when the queue ahead evicted them from
+    // the GPU): loaded from the
     // endpoint's storage where it keeps one below (a dropped block is demoted there), else
     // recomputed.
-    let cpu_lost = (held.cpu as f64 + reloaded) * (1.0 - cpu_survival(c));
+    let cpu_lost = cpu_lost_ahead_tokens(request, c, held.all, held.cpu as f64 + reloaded);
     let (recomputed, demoted) = if c.cache.offloads_to_storage {
         (recomputed, cpu_lost)
     } else {
@@ -527,6 +528,31 @@ pub fn survival(c: &Candidate) -> f64 {
         (Some(free), Some(capacity)) => survival_of(free, capacity),
         _ => 1.0,
     }
+}
+
+/// Of `at_risk` prompt tokens `c` would load from CPU memory, those the queue ahead's offloads
+/// are expected to push out of that tier before the request is admitted; `cached` prompt
+/// tokens are held there on any tier. The CPU tier drops its least recently used blocks as the
+/// GPU cache does: the share lost is what a cache of the tier's capacity loses of the cached
+/// prefix by last use where the fleet knows it ([`super::RecencyParts`], as for the GPU in
+/// [`lost_ahead_tokens`]), else each block equally likely to go ([`cpu_survival`]).
+pub fn cpu_lost_ahead_tokens(
+    request: &RequestInfo,
+    c: &Candidate,
+    cached: usize,
+    at_risk: f64,
+) -> f64 {
+    let survival = cpu_survival(c);
+    let share = match (c.cache.cpu_recency, c.cache.cpu_capacity_blocks) {
+        (Some(recency), Some(capacity)) => {
+            let blocks = u32::try_from(cached.div_ceil(request.block_size.max(1)))
+                .unwrap_or(u32::MAX)
+                .max(1);
+            recency.lost(blocks, capacity, survival) / f64::from(blocks)
+        }
+        _ => 1.0 - survival,
+    };
+    at_risk.max(0.0) * share.clamp(0.0, 1.0)
 }
 
 /// Share of the blocks `c` holds in CPU memory expected to survive until a request queued

@@ -176,6 +176,10 @@ pub struct CacheView {
     pub cpu_free_blocks: Option<f64>,
     /// Its CPU tier's capacity in blocks as its events show it (`None`: unknown).
     pub cpu_capacity_blocks: Option<f64>,
+    /// As `recency`, against its CPU tier's capacity (`None`: not read, or nothing can be lost
+    /// there: what the queue ahead offloads fits in its free CPU blocks and every recently used
+    /// block in the tier).
+    pub cpu_recency: Option<RecencyParts>,
     /// Its index holds blocks on its own storage: a block its CPU tier drops is kept there (an
     /// offloading connector demotes it, or wrote it through), so getting it back costs a
     /// storage load, not a prefill.

@@ -172,6 +172,25 @@ fn what_the_queue_ahead_offloads_pushes_out_of_a_full_cpu_tier_is_recomputed_or_
     assert_eq!(lost, 400.0);
     assert!((prefill_s - prefill(200.0 + 400.0)).abs() < 1e-12);
     assert_eq!(tiers.tiers[LoadTier::Cpu as usize].tokens, 400);
+    // Where the fleet knows when the prefix was last used, the tier drops by that, least
+    // recently used first: its first 40 blocks (100 distinct blocks newer) fit beside what is
+    // newer, its last 10 (395 newer) lose 5; 5 of 50 blocks is a tenth of the 800 tokens.
+    let mut parts = RecencyParts::new(0);
+    parts.push(RecencyPart {
+        from: 0,
+        to: 40,
+        newer: 100,
+    });
+    parts.push(RecencyPart {
+        from: 40,
+        to: 50,
+        newer: 395,
+    });
+    cands[0].cache.cpu_recency = Some(parts);
+    let (lost, prefill_s, _) = held(&cands);
+    assert!((lost - 80.0).abs() < 1e-9, "{lost}");
+    assert!((prefill_s - prefill(200.0 + 80.0)).abs() < 1e-12);
+    cands[0].cache.cpu_recency = None;
     // Where it offloads to its own storage too, what the CPU tier drops is demoted there: the
     // lost half loads from storage instead of being recomputed.
     cands[0].cache.offloads_to_storage = true;

@@ -179,7 +179,10 @@ impl Fleet {
         });
         // The same for its CPU tier, once its events showed the tier's capacity: what the
         // in-flight prefills compute is offloaded there too.
-        let cpu_capacity_blocks = (held.cpu_capacity > 0).then_some(held.cpu_capacity as f64);
+        // (never below what it holds there: a removal applied before its store's events were
+        // is read while the tier holds fewer than it can)
+        let cpu_capacity_blocks =
+            (held.cpu_capacity > 0).then(|| held.cpu_capacity.max(held.cpu) as f64);
         let cpu_free_blocks = cpu_capacity_blocks.map(|capacity| {
             capacity - held.cpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
@@ -209,31 +212,30 @@ impl Fleet {
                     .max(room_wait_s),
             fallback_decode_s: inputs.decode_s,
         };
-        // The prefix split by last use against a cache of `capacity` blocks that the queue
-        // ahead `overflows`: read only where the policy reads a cache picture and part of the
-        // prompt is held (a search over its recent requests' keys).
-        let recency_in = |capacity: usize, overflows: bool| {
-            (known > 0 && reads_cache).then(|| {
-                e.recent.parts(
-                    &e.pinned,
-                    inputs.keys,
-                    known as usize,
-                    capacity,
-                    overflows,
-                    &admission,
-                )
-            })?
-        };
-        let recency = e
-            .capacity_blocks
-            .and_then(|capacity| recency_in(capacity, free_blocks.is_some_and(|free| free < 0.0)));
-        // The same for its CPU tier, whose LRU drops blocks by last use as the GPU's does.
-        let cpu_recency = cpu_capacity_blocks.and_then(|capacity| {
-            recency_in(
-                capacity as usize,
-                cpu_free_blocks.is_some_and(|free| free < 0.0),
+        // The prefix split by last use, for the GPU cache and the CPU tier (whose LRU drops
+        // blocks by last use as the GPU's does), each against its capacity and whether the
+        // queue ahead overflows it: read only where the policy reads a cache picture and part
+        // of the prompt is held (a search over its recent requests' keys, walked once).
+        let [recency, cpu_recency] = if known > 0 && reads_cache {
+            e.recent.parts_for(
+                &e.pinned,
+                inputs.keys,
+                known as usize,
+                [
+                    e.capacity_blocks
+                        .map(|capacity| (capacity, free_blocks.is_some_and(|free| free < 0.0))),
+                    cpu_capacity_blocks.map(|capacity| {
+                        (
+                            capacity as usize,
+                            cpu_free_blocks.is_some_and(|free| free < 0.0),
+                        )
+                    }),
+                ],
+                &admission,
             )
-        });
+        } else {
+            [None, None]
+        };
         let cache = CacheView {
             index: index_match,
             index_state,

@@ -171,21 +171,43 @@ impl RecentUse {
         self.added.clear();
     }
 
-    /// The first `held` blocks of a prompt with `keys` (cached there on the GPU) split by last
-    /// use: the prefix `pinned` pins, then a part per ended request that used more of it than
-    /// every newer one, newest first, each with the distinct blocks newer than it (the
-    /// in-flight requests' keys, the queue ahead's included; the newer ended requests'; and
-    /// the blocks running requests pin beyond their prompts).
+    /// The first `held` blocks of a prompt with `keys` (cached there) split by last use, for
+    /// each cache `(capacity, overflows)` of `caches` that can lose something (see
+    /// [`Self::can_lose`]); `None` for the others. The split itself does not depend on the cache,
+    /// so it is walked once: the prefix `pinned` pins, then a part per ended request that used
+    /// more of it than every newer one, newest first, each with the distinct blocks newer than
+    /// it (the in-flight requests' keys, the queue ahead's included; the newer ended requests';
+    /// and the blocks running requests pin beyond their prompts).
     ///
     /// The prefix the in-flight requests pin is never lost only as far as a request still
     /// running when this one is admitted (`admission`) pins it; what only requests ending
     /// first pin is a part of its own, the newest, freed with their other blocks (which go
     /// first).
-    ///
-    /// `None` when nothing can be lost: the queue ahead fits in the free blocks
-    /// (`!overflows`), and the prompt's held blocks, every distinct key in flight or kept and
-    /// the pinned extra blocks fit in `capacity` together (a block of unknown age then survives
-    /// too, the queue ahead evicting nothing).
+    pub(super) fn parts_for<const N: usize>(
+        &self,
+        pinned: &PinnedBlocks,
+        keys: &[RouterKey],
+        held: usize,
+        caches: [Option<(usize, bool)>; N],
+        admission: &Admission,
+    ) -> [Option<RecencyParts>; N] {
+        let keys = &keys[..held.min(keys.len())];
+        let lose = caches.map(|cache| {
+            cache.is_some_and(|(capacity, overflows)| {
+                self.can_lose(pinned, keys.len(), capacity, overflows)
+            })
+        });
+        if !lose.contains(&true) {
+            return [None; N];
+        }
+        let newer = pinned.distinct_keys() + pinned.extra_blocks();
+        let at = pinned.pinned_at(keys, admission.at, admission.fallback_decode_s);
+        let split = self.split(pinned, keys, newer, at).0;
+        lose.map(|lose| lose.then_some(split))
+    }
+
+    /// [`Self::parts_for`] one cache of `capacity` blocks.
+    #[cfg(test)]
     pub(super) fn parts(
         &self,
         pinned: &PinnedBlocks,
@@ -195,18 +217,29 @@ impl RecentUse {
         overflows: bool,
         admission: &Admission,
     ) -> Option<RecencyParts> {
-        let keys = &keys[..held.min(keys.len())];
+        let [parts] = self.parts_for(pinned, keys, held, [Some((capacity, overflows))], admission);
+        parts
+    }
+
+    /// Whether a cache of `capacity` blocks can lose any of `held` blocks of a prompt before it
+    /// is admitted: not when the queue ahead fits in its free blocks (`!overflows`) and the
+    /// prompt's held blocks, every distinct key in flight or kept and the pinned extra blocks
+    /// fit in it together (a block of unknown age then survives too, the queue ahead evicting
+    /// nothing).
+    fn can_lose(
+        &self,
+        pinned: &PinnedBlocks,
+        held: usize,
+        capacity: usize,
+        overflows: bool,
+    ) -> bool {
         let newer = pinned.distinct_keys() + pinned.extra_blocks();
-        if !overflows && keys.len() + newer + self.keys <= capacity {
-            return None;
+        if overflows || held + newer + self.keys > capacity {
+            // The same bound with the distinct blocks, where requests share what they use (one
+            // context under many questions), read from the kept walk.
+            return overflows || held + newer + self.added(pinned).total > capacity;
         }
-        // The same bound with the distinct blocks, where requests share what they use (one
-        // context under many questions), read from the kept walk.
-        if !overflows && keys.len() + newer + self.added(pinned).total <= capacity {
-            return None;
-        }
-        let at = pinned.pinned_at(keys, admission.at, admission.fallback_decode_s);
-        Some(self.split(pinned, keys, newer, at).0)
+        false
     }
 
     /// Blocks of the first `held` of a prompt with `keys` found cached there, by depth bucket

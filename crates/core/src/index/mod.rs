@@ -429,6 +429,9 @@ impl KvIndex {
         stats.blocks_gpu = 0;
         stats.blocks_cpu = 0;
         stats.blocks_storage = 0;
+        // A restarted engine, or another in its slot, may have another CPU tier: learned again
+        // at its first eviction.
+        stats.cpu_blocks_when_full = 0;
         stats.clears += 1;
     }
 

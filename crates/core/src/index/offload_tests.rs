@@ -166,6 +166,9 @@ fn a_cpu_tier_shows_its_capacity_when_it_first_evicts() {
     );
     assert_eq!(ix.cpu_capacity_blocks(E0), 5);
     assert_eq!(ix.endpoint_stats(E0).unwrap().blocks_cpu, 3);
+    // A cleared engine (restarted, or another in its slot) shows its tier again.
+    ix.apply(E0, &[KvEvent::AllBlocksCleared]);
+    assert_eq!(ix.cpu_capacity_blocks(E0), 0);
 }
 
 #[test]

@@ -48,10 +48,10 @@ pub struct SharedIndex {
     shards: Box<[Shard]>,
     /// The shared tier every shard refers to.
     fleet: SharedFleetTier,
-    /// Each endpoint's GPU, CPU and storage blocks and CPU capacity (by id) as of the last write to its shard, readable
-    /// without the shard's lock: a plan that walked the index beforehand reads its candidates'
-    /// fill here, so it never waits for a writer while holding the fleet's lock. (The lock is
-    /// taken for writing only to grow the list for a new endpoint.)
+    /// Each endpoint's GPU, CPU and storage blocks and CPU capacity (by id) as of the last write to
+    /// its shard, readable without the shard's lock: a plan that walked the index beforehand reads
+    /// its candidates' fill here, so it never waits for a writer while holding the fleet's lock.
+    /// (The lock is taken for writing only to grow the list for a new endpoint.)
     published: RwLock<Vec<[AtomicU64; 4]>>,
 }
 
@@ -67,8 +67,8 @@ pub struct HeldBlocks {
     /// The CPU tier's capacity as its events show it (0: unknown; see
     /// [`KvIndex::cpu_capacity_blocks`]).
     pub cpu_capacity: u64,
-    /// On its own storage: more than none means the endpoint offloads there too, and a block
-    /// its CPU tier drops is kept there.
+    /// On its own storage: more than none means the endpoint offloads there too (where its
+    /// connector demotes what the CPU tier drops, or wrote it through, the block is kept there).
     pub storage: u64,
 }
 

@@ -280,10 +280,9 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     // CPU memory is a cache too: the queue ahead offloads what it computes there, and beyond
     // the tier's free blocks that pushes out, least recently used first, blocks this request
     // would load from it (found there, or stored there when the queue ahead evicted them from
-    // the GPU): loaded from the
-    // endpoint's storage where it keeps one below (a dropped block is demoted there), else
-    // recomputed.
-    let cpu_lost = cpu_lost_ahead_tokens(request, c, held.all, held.cpu as f64 + reloaded);
+    // the GPU). Those load from the endpoint's storage where its index holds storage blocks
+    // (a connector with a tier below demotes what CPU memory drops), else are recomputed.
+    let cpu_lost = cpu_lost_ahead_tokens(request, c, held.gpu, held.cpu, reloaded);
     let (recomputed, demoted) = if c.cache.offloads_to_storage {
         (recomputed, cpu_lost)
     } else {
@@ -295,8 +294,8 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         &profile.tiers,
         &c.tier_rates,
         [
-            (held.cpu as f64 + reloaded - cpu_lost).round() as usize,
-            held.storage + demoted.round() as usize,
+            (held.cpu as f64 + reloaded - cpu_lost) as usize,
+            held.storage + demoted as usize,
             held.shared,
         ],
         rate,
@@ -530,29 +529,38 @@ pub fn survival(c: &Candidate) -> f64 {
     }
 }
 
-/// Of `at_risk` prompt tokens `c` would load from CPU memory, those the queue ahead's offloads
-/// are expected to push out of that tier before the request is admitted; `cached` prompt
-/// tokens are held there on any tier. The CPU tier drops its least recently used blocks as the
-/// GPU cache does: the share lost is what a cache of the tier's capacity loses of the cached
-/// prefix by last use where the fleet knows it ([`super::RecencyParts`], as for the GPU in
-/// [`lost_ahead_tokens`]), else each block equally likely to go ([`cpu_survival`]).
+/// Of the prompt tokens `c` would load from CPU memory, those the queue ahead's offloads are
+/// expected to push out of that tier before the request is admitted: of the `cpu` tokens found
+/// there (the prompt's blocks after its `gpu` ones) and of the `reloaded` ones (GPU-held, which
+/// the queue ahead evicts from the GPU to CPU memory). The CPU tier drops its least recently
+/// used blocks as the GPU cache does: where the fleet knows the prefix's parts by last use
+/// ([`super::RecencyParts`]), the tier loses what a cache of its capacity loses at those
+/// positions (a reloaded block being among the GPU part's oldest, the part the tier loses
+/// first); else each block is equally likely to go ([`cpu_survival`]).
 pub fn cpu_lost_ahead_tokens(
     request: &RequestInfo,
     c: &Candidate,
-    cached: usize,
-    at_risk: f64,
+    gpu: usize,
+    cpu: usize,
+    reloaded: f64,
 ) -> f64 {
+    let at_risk = cpu as f64 + reloaded.max(0.0);
+    if at_risk <= 0.0 {
+        return 0.0;
+    }
     let survival = cpu_survival(c);
-    let share = match (c.cache.cpu_recency, c.cache.cpu_capacity_blocks) {
+    match (c.cache.cpu_recency, c.cache.cpu_capacity_blocks) {
         (Some(recency), Some(capacity)) => {
-            let blocks = u32::try_from(cached.div_ceil(request.block_size.max(1)))
-                .unwrap_or(u32::MAX)
-                .max(1);
-            recency.lost(blocks, capacity, survival) / f64::from(blocks)
+            let bs = request.block_size.max(1);
+            let blocks = |tokens: usize| u32::try_from(tokens.div_ceil(bs)).unwrap_or(u32::MAX);
+            let lost_tokens =
+                |tokens: usize| recency.lost(blocks(tokens), capacity, survival) * bs as f64;
+            let lost_in_gpu_part = lost_tokens(gpu);
+            let found = (lost_tokens(gpu + cpu) - lost_in_gpu_part).clamp(0.0, cpu as f64);
+            found + lost_in_gpu_part.min(reloaded.max(0.0))
         }
-        _ => 1.0 - survival,
-    };
-    at_risk.max(0.0) * share.clamp(0.0, 1.0)
+        _ => at_risk * (1.0 - survival),
+    }
 }
 
 /// Share of the blocks `c` holds in CPU memory expected to survive until a request queued

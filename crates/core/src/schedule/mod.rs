@@ -176,13 +176,13 @@ pub struct CacheView {
     pub cpu_free_blocks: Option<f64>,
     /// Its CPU tier's capacity in blocks as its events show it (`None`: unknown).
     pub cpu_capacity_blocks: Option<f64>,
-    /// As `recency`, against its CPU tier's capacity (`None`: not read, or nothing can be lost
-    /// there: what the queue ahead offloads fits in its free CPU blocks and every recently used
-    /// block in the tier).
+    /// As `recency`, against its CPU tier's capacity. `None` where it was not read, or where
+    /// nothing can be lost there: the queue ahead's offloads fit in the tier's free blocks, and
+    /// the prompt's blocks with every recently used one fit in the tier.
     pub cpu_recency: Option<RecencyParts>,
-    /// Its index holds blocks on its own storage: a block its CPU tier drops is kept there (an
-    /// offloading connector demotes it, or wrote it through), so getting it back costs a
-    /// storage load, not a prefill.
+    /// Its index holds blocks on its own storage: taken as a connector that demotes what its
+    /// CPU tier drops there (or wrote it through, as vLLM's multi-tier offloading and LMCache
+    /// do), so getting such a block back costs a storage load, not a prefill.
     pub offloads_to_storage: bool,
     /// Its index holds blocks it offloaded to CPU memory: a GPU block evicted there is stored
     /// on (or already in) that tier, so getting it back costs a CPU load, not a prefill.

@@ -64,7 +64,7 @@ fn a_full_cpu_tier_loses_to_the_queue_ahead_what_it_offloads_beyond_its_room() {
         (cpu_lost - expected).abs() < 1e-6,
         "{cpu_lost} vs {expected}"
     );
-    assert_eq!(cpu_tokens, (2048.0 - expected).round() as usize);
+    assert_eq!(cpu_tokens, (2048.0 - expected) as usize);
 }
 
 #[test]

@@ -12,6 +12,15 @@ fn prefill(tokens: f64) -> f64 {
     tokens / RATE
 }
 
+/// A prefix split by last use: `(from, to, newer)` per part, newest first, none pinned.
+fn recency_parts(spans: &[(u32, u32, u32)]) -> RecencyParts {
+    let mut parts = RecencyParts::new(0);
+    for &(from, to, newer) in spans {
+        parts.push(RecencyPart { from, to, newer });
+    }
+    parts
+}
+
 /// A fleet where endpoint 0 holds a 608-token shared prefix of a 1,000-token request and every
 /// cache is full of blocks reused `reuse` times each; endpoint 0 has `queued` prefill tokens
 /// waiting in one request.
@@ -175,21 +184,23 @@ fn what_the_queue_ahead_offloads_pushes_out_of_a_full_cpu_tier_is_recomputed_or_
     // Where the fleet knows when the prefix was last used, the tier drops by that, least
     // recently used first: its first 40 blocks (100 distinct blocks newer) fit beside what is
     // newer, its last 10 (395 newer) lose 5; 5 of 50 blocks is a tenth of the 800 tokens.
-    let mut parts = RecencyParts::new(0);
-    parts.push(RecencyPart {
-        from: 0,
-        to: 40,
-        newer: 100,
-    });
-    parts.push(RecencyPart {
-        from: 40,
-        to: 50,
-        newer: 395,
-    });
+    let parts = recency_parts(&[(0, 40, 100), (40, 50, 395)]);
     cands[0].cache.cpu_recency = Some(parts);
     let (lost, prefill_s, _) = held(&cands);
     assert!((lost - 80.0).abs() < 1e-9, "{lost}");
     assert!((prefill_s - prefill(200.0 + 80.0)).abs() < 1e-12);
+    // The tier loses at the positions it drops: where the first 20 of the 50 blocks are on the
+    // GPU, the CPU-held 30 are the older part's, of which 395 + 30 − 400 = 25 go (400 tokens,
+    // not that share of the whole prefix).
+    cands[0].cache.index = Some(PrefixMatch {
+        gpu_blocks: 20,
+        cpu_blocks: 30,
+        ..cpu_match(0, 50).unwrap()
+    });
+    let parts = recency_parts(&[(0, 20, 100), (20, 50, 395)]);
+    cands[0].cache.cpu_recency = Some(parts);
+    assert_eq!(held(&cands).0, 400.0);
+    cands[0].cache.index = cpu_match(0, 50);
     cands[0].cache.cpu_recency = None;
     // Where it offloads to its own storage too, what the CPU tier drops is demoted there: the
     // lost half loads from storage instead of being recomputed.
@@ -244,17 +255,7 @@ fn what_the_queue_ahead_evicts_follows_the_prefix_parts_last_use_where_it_is_kno
     // used by the newest request (100 distinct blocks newer), the next 30 long ago (390 newer).
     let mut cands = fleet(1);
     holds_50_blocks_under_a_full_queue(&mut cands[0]);
-    let mut parts = RecencyParts::new(0);
-    parts.push(RecencyPart {
-        from: 0,
-        to: 20,
-        newer: 100,
-    });
-    parts.push(RecencyPart {
-        from: 20,
-        to: 50,
-        newer: 390,
-    });
+    let parts = recency_parts(&[(0, 20, 100), (20, 50, 390)]);
     cands[0].cache.recency = Some(parts);
     let d = schedule(&Profile::default(), &request(1_000), &cands, 1, 0);
     let a = d.assessment(EndpointId(0)).unwrap();

@@ -134,10 +134,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             engine.publisher.publish(&batch).await?;
         }
     }
-    // The subscribers drain and finish any replay: wait until the index holds as many blocks as
-    // every engine, or DRAIN_TIMEOUT passes (the report then shows where they differ).
+    // The subscribers drain and finish any replay: wait until the index agrees with every
+    // engine on its block count and on the conversations the report checks, or DRAIN_TIMEOUT
+    // passes (the report then shows where they differ).
     let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
-    while !engines.iter().all(|e| index_agrees(&index, e)) {
+    while !(engines.iter().all(|e| index_agrees(&index, e))
+        && conversation_checks(&index, &engines)?
+            .iter()
+            .all(|c| c.right))
+    {
         if tokio::time::Instant::now() >= deadline {
             break;
         }
@@ -193,8 +198,37 @@ fn report(index: &SharedIndex, engines: &[Engine]) -> anyhow::Result<ExitCode> {
     }
     println!();
     println!("Longest cached prefix per conversation (blocks of 16 tokens), as the index sees it:");
-    let mut checked = 0usize;
-    let mut right = 0usize;
+    let checks = conversation_checks(index, engines)?;
+    for c in &checks {
+        println!("  {}", c.line);
+    }
+    let checked = checks.len();
+    let right = checks.iter().filter(|c| c.right).count();
+    println!();
+    if consistent && right == checked {
+        println!("OK: the index matches every engine's cache ({checked} conversations checked).");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!(
+            "MISMATCH: the index disagrees with the engines ({right}/{checked} conversations right)."
+        );
+        Ok(ExitCode::from(2))
+    }
+}
+
+/// One conversation the report checks: its line, and whether the index finds on its engine the
+/// prefix the engine really holds.
+struct ConversationCheck {
+    line: String,
+    right: bool,
+}
+
+/// The first three conversations of every engine, looked up in the index.
+fn conversation_checks(
+    index: &SharedIndex,
+    engines: &[Engine],
+) -> anyhow::Result<Vec<ConversationCheck>> {
+    let mut checks = Vec::new();
     for owner in engines {
         for (c, tokens) in owner.model.conversations().iter().enumerate().take(3) {
             let keys = router_keys(tokens, 16, None)?;
@@ -210,30 +244,20 @@ fn report(index: &SharedIndex, engines: &[Engine]) -> anyhow::Result<ExitCode> {
                 .iter()
                 .map(|e| format!("{}={}", e.name, matches.blocks(e.id)))
                 .collect();
-            println!(
-                "  {}/conv-{c:<2} {:>4} blocks: {}  -> route to {}",
-                owner.name,
-                keys.len(),
-                cells.join(" "),
-                best.map_or("any (no cache)".to_string(), |m| format!(
-                    "engine-{}",
-                    m.endpoint.0
-                ))
-            );
-            checked += 1;
-            if matches.blocks(owner.id) == truth {
-                right += 1;
-            }
+            checks.push(ConversationCheck {
+                line: format!(
+                    "{}/conv-{c:<2} {:>4} blocks: {}  -> route to {}",
+                    owner.name,
+                    keys.len(),
+                    cells.join(" "),
+                    best.map_or("any (no cache)".to_string(), |m| format!(
+                        "engine-{}",
+                        m.endpoint.0
+                    ))
+                ),
+                right: matches.blocks(owner.id) == truth,
+            });
         }
     }
-    println!();
-    if consistent && right == checked {
-        println!("OK: the index matches every engine's cache ({checked} conversations checked).");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!(
-            "MISMATCH: the index disagrees with the engines ({right}/{checked} conversations right)."
-        );
-        Ok(ExitCode::from(2))
-    }
+    Ok(checks)
 }

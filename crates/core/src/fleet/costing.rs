@@ -177,10 +177,8 @@ impl Fleet {
         let free_blocks = e.capacity_blocks.map(|capacity| {
             capacity as f64 - held.gpu as f64 - (e.inflight_prefill_tokens / bs as u64) as f64
         });
-        // The same for its CPU tier, once its events showed the tier's capacity: what the
-        // in-flight prefills compute is offloaded there too.
-        // (never below what it holds there: a removal applied before its store's events were
-        // is read while the tier holds fewer than it can)
+        // The same for its CPU tier once its events showed the tier's capacity (never taken
+        // below what it holds there): what the in-flight prefills compute is offloaded there too.
         let cpu_capacity_blocks =
             (held.cpu_capacity > 0).then(|| held.cpu_capacity.max(held.cpu) as f64);
         let cpu_free_blocks = cpu_capacity_blocks.map(|capacity| {
@@ -204,19 +202,19 @@ impl Fleet {
         );
         let load = e.load(now, self.config.load_sample_max_age_s);
         let prefill_tokens_per_s = e.prefill_rate_toward(inputs.prior_rate);
-        // Admitted once the prefills queued ahead are done or room is made, whichever is later
-        // (as the cost counts its queue).
-        let admission = Admission {
-            at: now
-                + cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s)
-                    .max(room_wait_s),
-            fallback_decode_s: inputs.decode_s,
-        };
         // The prefix split by last use, for the GPU cache and the CPU tier (whose LRU drops
         // blocks by last use as the GPU's does), each against its capacity and whether the
         // queue ahead overflows it: read only where the policy reads a cache picture and part
         // of the prompt is held (a search over its recent requests' keys, walked once).
         let [recency, cpu_recency] = if known > 0 && reads_cache {
+            // Admitted once the prefills queued ahead are done or room is made, whichever is
+            // later (as the cost counts its queue).
+            let admission = Admission {
+                at: now
+                    + cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s)
+                        .max(room_wait_s),
+                fallback_decode_s: inputs.decode_s,
+            };
             e.recent.parts_for(
                 &e.pinned,
                 inputs.keys,

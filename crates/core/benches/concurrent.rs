@@ -392,16 +392,10 @@ fn run_phase(phase: &Phase, bench: &Bench, feed: &Feed) {
     );
 }
 
-/// CPU seconds this thread has run, from `/proc/thread-self/stat` (10 ms resolution): on a
-/// shared machine the wall clock also counts the time other processes had the core.
+/// CPU seconds this thread has run (10 ms resolution): on a shared machine the wall clock also
+/// counts the time other processes had the core.
 fn thread_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("read thread stat");
-    // Fields after the command name (which is in parentheses): utime and stime are 14 and 15.
-    let after = &stat[stat.rfind(')').expect("comm") + 2..];
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 =
-        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
-    ticks / 100.0
+    kvroute_testkit::proc_cpu_seconds("/proc/thread-self/stat")
 }
 
 /// What the writers of a phase apply.

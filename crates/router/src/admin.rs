@@ -169,6 +169,8 @@ fn refresh_gauges(router: &Router) {
                     ("batches", feed.batches),
                     ("gaps", feed.gaps),
                     ("replays", feed.replays),
+                    ("replayed_batches", feed.replayed_batches),
+                    ("tail_checks", feed.tail_checks),
                     ("unfilled_gaps", feed.unfilled_gaps),
                     ("restarts", feed.restarts),
                     ("decode_errors", feed.decode_errors),

@@ -22,6 +22,21 @@ pub fn patience() -> Duration {
     Duration::from_millis(ms)
 }
 
+/// CPU seconds (user and system) from a `/proc/.../stat` file: `/proc/self/stat` for this
+/// process, `/proc/thread-self/stat` for this thread. Its resolution is the kernel's tick
+/// (10 ms). On a shared machine the wall clock also counts the time other processes had the
+/// core; this does not.
+pub fn proc_cpu_seconds(stat_path: &str) -> f64 {
+    let stat = std::fs::read_to_string(stat_path)
+        .unwrap_or_else(|e| panic!("{stat_path}: the CPU figure needs it ({e})"));
+    // Fields after the command name (in parentheses): utime and stime are 14 and 15.
+    let after = &stat[stat.rfind(')').expect("the command name") + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 =
+        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
+    ticks / 100.0
+}
+
 /// A memory figure of process `pid` (this process when `None`) from `/proc/PID/status`, such
 /// as `VmRSS` or `VmHWM`, in bytes. Panics when it cannot be read: a memory check must not pass
 /// unmeasured.

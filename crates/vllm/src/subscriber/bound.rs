@@ -17,7 +17,7 @@ use super::feed::Feed;
 use super::log_limit::{LogLimiter, Verdict};
 use super::{
     AbortOnDrop, EventSink, FeedStats, Input, LiveQueue, LoopContext, QUEUE, StatsMap, Stream,
-    SubscriberConfig, SubscriberHandle, checked_message, read_publisher,
+    SubscriberConfig, SubscriberHandle, checked_message, quiet_ticks, read_publisher,
 };
 use crate::VllmError;
 use crate::zmtp::{Connection, SocketType, ZmtpError, connection};
@@ -157,7 +157,20 @@ struct Demux {
 
 impl Demux {
     async fn run(mut self, mut rx: mpsc::Receiver<Input>, _acceptor: AbortOnDrop) {
-        while let Some(input) = rx.recv().await {
+        let mut quiet = quiet_ticks(self.ctx.config.timing.tail_check_after);
+        loop {
+            let input = tokio::select! {
+                input = rx.recv() => input,
+                now = quiet.tick() => {
+                    for (topic, stream) in &mut self.streams {
+                        stream.check_quiet(topic, now.into_std(), &self.ctx);
+                    }
+                    continue;
+                }
+            };
+            let Some(input) = input else {
+                return;
+            };
             match input {
                 Input::Live(frames, _queued) => self.on_live(frames),
                 Input::Replay {
@@ -198,7 +211,7 @@ impl Demux {
             self.stats
                 .lock()
                 .insert(source.name.clone(), feed.stats.clone());
-            let mut stream = Stream::new(feed, source.replay);
+            let mut stream = Stream::new(feed, source.replay, &self.ctx.config.timing);
             stream.set_connected(true);
             info!(endpoint = %source.name, topic = %name, "new KV-event publisher");
             stream.on_connect(&topic, &self.ctx);

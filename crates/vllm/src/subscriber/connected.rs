@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use super::feed::Feed;
 use super::{
     EndpointSource, EventSink, Input, LoopContext, QUEUE, Stream, SubscriberConfig,
-    SubscriberHandle, checked_message, spawn_reader,
+    SubscriberHandle, checked_message, quiet_ticks, spawn_reader,
 };
 use crate::zmtp::{Connection, SocketType, ZmtpError};
 
@@ -50,7 +50,7 @@ pub fn spawn_connected_after(
         source.name.clone(),
         feed.stats.clone(),
     )])));
-    let stream = Stream::new(feed, source.replay.clone());
+    let stream = Stream::new(feed, source.replay.clone(), &config.timing);
     let task = tokio::spawn(run_connected(source, stream, config));
     SubscriberHandle {
         task,
@@ -99,8 +99,16 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
         stream.on_connect(&key, &ctx);
 
         let mut delivered = false;
+        let mut quiet = quiet_ticks(timing.tail_check_after);
         let error = loop {
-            let Some(input) = rx.recv().await else {
+            let input = tokio::select! {
+                input = rx.recv() => input,
+                now = quiet.tick() => {
+                    stream.check_quiet(&key, now.into_std(), &ctx);
+                    continue;
+                }
+            };
+            let Some(input) = input else {
                 return;
             };
             match input {

@@ -64,6 +64,11 @@ pub struct FeedStats {
     pub replays: u64,
     /// Batches received from replay and applied.
     pub replayed_batches: u64,
+    /// Replays asked for because the stream went quiet ([`Timing::tail_check_after`]), in case
+    /// its last batches were dropped with nothing after them to show it.
+    ///
+    /// [`Timing::tail_check_after`]: super::Timing::tail_check_after
+    pub tail_checks: u64,
     /// Gaps that replay could not fill.
     pub unfilled_gaps: u64,
     /// Batches lost: in unfilled gaps, or undecodable.

@@ -21,12 +21,13 @@ mod bound;
 mod connected;
 mod feed;
 pub mod log_limit;
+mod quiet;
 mod replay;
 pub mod sequencer;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvroute_core::event::EventBatch;
@@ -42,6 +43,7 @@ pub use bound::{BoundSubscriber, TopicResolver, TopicSource, endpoint_from_topic
 pub use connected::{spawn_connected, spawn_connected_after};
 use feed::Feed;
 pub use feed::FeedStats;
+use quiet::TailChecks;
 pub use replay::{ReplayError, ReplayItem, fetch_replay, parse_replay_reply};
 
 use crate::VllmError;
@@ -84,6 +86,11 @@ pub struct Timing {
     pub max_backoff: Duration,
     /// How long a replay may stay silent before it is abandoned.
     pub replay_timeout: Duration,
+    /// Silence on a stream after which its replay socket is asked for anything published
+    /// after the last batch applied (a PUB socket drops what overflows its high-water mark, and
+    /// with nothing published after it the loss would not show); asked again at doubling
+    /// intervals, at most a minute apart, while the stream stays quiet.
+    pub tail_check_after: Duration,
 }
 
 impl Default for Timing {
@@ -95,6 +102,7 @@ impl Default for Timing {
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(2),
+            tail_check_after: Duration::from_secs(1),
         }
     }
 }
@@ -237,16 +245,34 @@ struct Stream {
     replay_address: Option<String>,
     generation: u64,
     replay_task: Option<JoinHandle<()>>,
+    /// When to ask the replay socket for a lost tail while the stream is quiet.
+    tail_checks: TailChecks,
 }
 
 impl Stream {
-    fn new(feed: Feed, replay_address: Option<String>) -> Self {
+    fn new(feed: Feed, replay_address: Option<String>, timing: &Timing) -> Self {
         Self {
             feed,
             replay_address,
             generation: 0,
             replay_task: None,
+            tail_checks: TailChecks::new(timing.tail_check_after, Instant::now()),
         }
+    }
+
+    /// Asks the replay socket for the stream's tail when a check is due (the stream has been
+    /// quiet a while) and the sequencer has none in flight.
+    fn check_quiet(&mut self, key: &Bytes, now: Instant, ctx: &LoopContext) {
+        if !self.tail_checks.due(now) {
+            return;
+        }
+        let actions = self.feed.sequencer.on_quiet();
+        if actions.is_empty() {
+            return;
+        }
+        self.tail_checks.checked(now);
+        self.feed.stats.lock().tail_checks += 1;
+        self.run(key, actions, false, ctx);
     }
 
     /// Carries out actions, starting the replay they ask for.
@@ -305,6 +331,7 @@ impl Stream {
     }
 
     fn on_live(&mut self, key: &Bytes, msg: crate::codec::RawMessage, ctx: &LoopContext) {
+        self.tail_checks.heard(Instant::now());
         let actions = self.feed.sequencer.on_live(msg);
         self.run(key, actions, false, ctx);
     }
@@ -354,6 +381,15 @@ impl Drop for Stream {
             task.abort();
         }
     }
+}
+
+/// The ticks at which an event loop looks for quiet streams: every `tail_check_after`,
+/// kept between 10 ms and an hour (a zero or huge setting must not spin or overflow).
+fn quiet_ticks(tail_check_after: Duration) -> tokio::time::Interval {
+    let period = tail_check_after.clamp(Duration::from_millis(10), Duration::from_secs(3600));
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
 }
 
 struct LoopContext {

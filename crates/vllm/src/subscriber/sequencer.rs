@@ -2,8 +2,13 @@
 //!
 //! vLLM numbers its batches 0, 1, 2, ... per process. The sequencer decides, for each message
 //! that arrives live or from a replay, whether to apply it, skip it as a duplicate, ask for a
-//! replay (a gap, or a fresh connection), report a gap that replay could not fill, or purge the
-//! endpoint because the engine restarted (the sequence went backwards).
+//! replay (a gap, a fresh connection, or a stream gone quiet), report a gap that replay could
+//! not fill, or purge the endpoint because the engine restarted (the sequence went backwards).
+//!
+//! A gap on the live stream shows only when a later batch arrives. A PUB socket drops what
+//! overflows its high-water mark, so the last batches of a burst can be lost with nothing after
+//! them to tell; a stream that goes quiet therefore asks the replay socket for anything after
+//! the last batch it applied ([`Sequencer::on_quiet`]; when, is the transport's choice).
 
 use std::collections::BTreeMap;
 
@@ -47,6 +52,9 @@ pub enum Action {
 struct Replay {
     requested: u64,
     seen_any: bool,
+    /// Asked for because the stream went quiet, not for a known gap: a live batch that
+    /// follows the last one applied shows nothing was lost, and ends it.
+    tail: bool,
     /// Replays in a row for the same hole (a reply can predate live messages held meanwhile).
     attempt: u8,
 }
@@ -151,9 +159,28 @@ impl Sequencer {
         self.replay = Some(Replay {
             requested: from,
             seen_any: false,
+            tail: false,
             attempt,
         });
         vec![Action::RequestReplay(from)]
+    }
+
+    /// The stream has been quiet for a while: ask the replay socket for anything published
+    /// after the last batch applied, which a PUB socket may have dropped with nothing after it
+    /// to show the gap. Asks nothing without a replay socket, while a replay is in flight, or
+    /// before the connection's own replay has placed the stream.
+    pub fn on_quiet(&mut self) -> Vec<Action> {
+        let Some(next) = self.next else {
+            return Vec::new();
+        };
+        if !self.can_replay || self.replay.is_some() {
+            return Vec::new();
+        }
+        let actions = self.start_replay(next);
+        if let Some(replay) = &mut self.replay {
+            replay.tail = true;
+        }
+        actions
     }
 
     /// A message from the live PUB stream.
@@ -168,10 +195,17 @@ impl Sequencer {
         if restarted {
             return self.restart(msg);
         }
-        if self.replay.is_some() {
-            return self.hold(msg);
+        match &self.replay {
+            Some(replay) if replay.tail && replay.seen_any => self.hold(msg),
+            // The batch after the last one applied: the quiet stream lost nothing, and its
+            // live batches need not wait for the check's answer (a late one changes nothing).
+            Some(replay) if replay.tail && self.next == Some(msg.seq) => {
+                self.replay = None;
+                self.accept(msg)
+            }
+            Some(_) => self.hold(msg),
+            None => self.accept(msg),
         }
-        self.accept(msg)
     }
 
     /// The engine restarted and counts from 0 again: purge, then catch up on what the new

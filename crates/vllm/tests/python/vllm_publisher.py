@@ -42,6 +42,8 @@ import msgspec
 import zmq
 
 BLOCK_SIZE = 16
+# vLLM's default ``buffer_steps``: batches kept for replay.
+BUFFER_STEPS = 10_000
 NONE_HASH_SEED = "vllm-none-hash"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HASH_VECTORS = Path(__file__).resolve().parents[3] / "core/tests/data/vllm-block-hashes.jsonl"
@@ -240,6 +242,28 @@ def declare_vllm_0_33() -> dict[str, type]:
     }
 
 
+def gpu_stored(
+    structs: dict[str, type],
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    **extra: Any,
+) -> Any:
+    """A full-attention GPU ``BlockStored``, as vLLM publishes one for blocks it just cached."""
+    return structs["BlockStored"](
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        **extra,
+    )
+
+
 def check_struct_shapes(layout: str, structs: dict[str, type]) -> None:
     """Fails fast if msgspec would not produce the shape the layout promises."""
     sample = structs["BlockRemoved"](block_hashes=[1], medium="GPU")
@@ -369,20 +393,16 @@ class Engine:
             blocks[i].digest = digests[i]
             self.cached[digests[i]] = blocks[i]
         self.stored += end - start
-        fields = dict(
-            block_hashes=[event_hash(d) for d in digests[start:end]],
-            parent_block_hash=event_hash(digests[start - 1]) if start > 0 else None,
-            token_ids=tokens[start * BLOCK_SIZE : end * BLOCK_SIZE],
-            block_size=BLOCK_SIZE,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-            group_idx=0,
-            kv_cache_spec_kind="full_attention",
+        extra = {"session_id": session} if self.layout == "map" else {}
+        self.events.append(
+            gpu_stored(
+                self.structs,
+                [event_hash(d) for d in digests[start:end]],
+                event_hash(digests[start - 1]) if start > 0 else None,
+                tokens[start * BLOCK_SIZE : end * BLOCK_SIZE],
+                **extra,
+            )
         )
-        if self.layout == "map":
-            fields["session_id"] = session
-        self.events.append(self.structs["BlockStored"](**fields))
         self._offload(digests[start:end])
 
     def prefill(self, prompt: list[int], session: str) -> "Request":
@@ -469,8 +489,14 @@ class Publisher:
         self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        if layout == "map":
+            # vLLM 0.33 lets a whole buffer's replay through; earlier releases keep ZMQ's
+            # default of 1,000 messages, and drop the rest of a larger one.
+            self.router.setsockopt(zmq.SNDHWM, 2 * (BUFFER_STEPS + 1))
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(
+            maxlen=BUFFER_STEPS
+        )
         self.lock = threading.Lock()
         self.seq = 0
         self.sent = 0
@@ -482,7 +508,10 @@ class Publisher:
 
     def publish(self, ts: float, events: list[Any], lose: bool = False) -> int:
         batch = self.structs["KVEventBatch"](ts=ts, events=events, data_parallel_rank=0)
-        payload = self.encoder.encode(batch)
+        return self.publish_payload(self.encoder.encode(batch), lose)
+
+    def publish_payload(self, payload: bytes, lose: bool = False) -> int:
+        """Buffers an encoded batch for replay and sends it (unless ``lose``); its sequence."""
         seq = self.seq
         self.seq += 1
         with self.lock:

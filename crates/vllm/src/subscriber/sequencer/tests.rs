@@ -101,6 +101,88 @@ fn without_replay_a_gap_is_reported_and_the_stream_goes_on() {
 }
 
 #[test]
+fn a_quiet_stream_asks_for_what_followed_its_last_batch() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    s.on_live(msg(1));
+    // Batches 2 and 3 were dropped by the PUB socket and nothing came after them.
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(2)]);
+    assert!(
+        s.on_quiet().is_empty(),
+        "one question while it is in flight"
+    );
+    let mut out = s.on_replayed(msg(2));
+    out.extend(s.on_replayed(msg(3)));
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![2, 3]);
+    assert!(!out.iter().any(|a| matches!(a, Action::UnfilledGap { .. })));
+    // Still quiet: asked again from after what the check brought (a batch may have been
+    // published, and dropped, since).
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(4)]);
+    assert!(s.on_replay_end().is_empty());
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(4)]);
+}
+
+#[test]
+fn the_next_live_batch_ends_a_tail_check_without_waiting_for_it() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(1)]);
+    // The engine publishes again, and its batch is the next one: nothing was lost.
+    assert_eq!(applied(&s.on_live(msg(1))), vec![1]);
+    assert!(!s.replaying());
+    // The check's late answer changes nothing.
+    assert!(s.on_replayed(msg(1)).is_empty());
+    assert!(s.on_replay_end().is_empty());
+    assert_eq!(applied(&s.on_live(msg(2))), vec![2]);
+    // A live batch beyond the next one is a gap: it waits for the replay in flight.
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(3)]);
+    assert!(s.on_live(msg(5)).is_empty(), "held");
+    let mut out = s.on_replayed(msg(3));
+    out.extend(s.on_replayed(msg(4)));
+    out.extend(s.on_replayed(msg(5)));
+    out.extend(s.on_replay_end());
+    assert_eq!(applied(&out), vec![3, 4, 5]);
+}
+
+#[test]
+fn a_quiet_tail_the_engine_no_longer_buffers_is_reported_lost() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    s.on_replay_end();
+    s.on_live(msg(0));
+    assert_eq!(s.on_quiet(), vec![Action::RequestReplay(1)]);
+    let out = s.on_replayed(msg(30));
+    assert_eq!(out[0], Action::UnfilledGap { from: 1, to: 29 });
+    assert_eq!(applied(&out), vec![30]);
+}
+
+#[test]
+fn a_quiet_stream_asks_nothing_without_replay_or_before_its_first_batch() {
+    let mut none = Sequencer::new(false);
+    none.on_live(msg(0));
+    assert!(none.on_quiet().is_empty(), "no replay socket to ask");
+    let mut fresh = Sequencer::new(true);
+    assert_eq!(fresh.on_connect(), vec![Action::RequestReplay(0)]);
+    assert!(
+        fresh.on_quiet().is_empty(),
+        "the connection's replay is in flight"
+    );
+    fresh.on_replay_end();
+    assert_eq!(
+        fresh.on_quiet(),
+        vec![Action::RequestReplay(0)],
+        "an engine that published nothing yet may have published since"
+    );
+    let mut never = Sequencer::new(true);
+    assert!(never.on_quiet().is_empty(), "not connected yet");
+}
+
+#[test]
 fn a_backwards_sequence_is_a_restart() {
     let mut s = Sequencer::new(false);
     s.on_live(msg(7));
@@ -158,54 +240,92 @@ fn a_failed_replay_reports_the_gap_once_and_resumes() {
     assert!(s.on_replayed(msg(1)).is_empty());
 }
 
+/// A replay socket that buffers everything, and the generation filter `Stream` puts in front
+/// of the sequencer: answers of a replay it has since replaced are dropped.
+#[derive(Default)]
+struct ReplayModel {
+    /// Answers in flight, each with its replay's generation: a batch, or the end (`None`).
+    answers: std::collections::VecDeque<(u64, Option<u64>)>,
+    generation: u64,
+}
+
+impl ReplayModel {
+    /// Queues the answers of every replay `actions` ask for, `published` batches out so far.
+    fn requested(&mut self, actions: &[Action], published: u64) {
+        for action in actions {
+            if let Action::RequestReplay(from) = action {
+                self.generation += 1;
+                let g = self.generation;
+                self.answers
+                    .extend((*from..published).map(|seq| (g, Some(seq))));
+                self.answers.push_back((g, None));
+            }
+        }
+    }
+
+    /// Delivers the next answer of the current replay, if any is left.
+    fn answer(&mut self, s: &mut Sequencer) -> Option<Vec<Action>> {
+        loop {
+            let (g, item) = self.answers.pop_front()?;
+            if g == self.generation {
+                return Some(match item {
+                    Some(seq) => s.on_replayed(msg(seq)),
+                    None => s.on_replay_end(),
+                });
+            }
+        }
+    }
+}
+
 proptest! {
     /// With a replay socket that buffers everything, every batch is applied exactly once and in
-    /// order, however many live messages are lost and however replies interleave.
+    /// order, however many live messages are lost (the last ones too: the stream then goes
+    /// quiet), whenever the stream is checked for a lost tail, and however replies interleave.
     #[test]
     fn lossy_live_stream_plus_replay_applies_everything_once_in_order(
         n in 1u64..120,
         drops in proptest::collection::vec(any::<bool>(), 120),
+        quiet in proptest::collection::vec(proptest::bool::weighted(0.2), 120),
         interleave in proptest::collection::vec(0usize..4, 120),
     ) {
         let mut s = Sequencer::new(true);
         let mut out = Vec::new();
-        let mut queue: std::collections::VecDeque<Option<u64>> = Default::default(); // None = end
-        let push_replay = |actions: &[Action], published: u64, queue: &mut std::collections::VecDeque<Option<u64>>| {
-            for a in actions {
-                if let Action::RequestReplay(from) = a {
-                    for seq in *from..published {
-                        queue.push_back(Some(seq));
-                    }
-                    queue.push_back(None);
-                }
-            }
-        };
+        let mut replay = ReplayModel::default();
         let a = s.on_connect();
-        push_replay(&a, 0, &mut queue);
+        replay.requested(&a, 0);
         out.extend(a);
         for seq in 0..n {
-            if !drops[seq as usize] || seq == n - 1 {
+            let published = seq + 1;
+            if !drops[seq as usize] {
                 let a = s.on_live(msg(seq));
-                push_replay(&a, seq + 1, &mut queue);
+                replay.requested(&a, published);
+                out.extend(a);
+            }
+            if quiet[seq as usize] {
+                let a = s.on_quiet();
+                replay.requested(&a, published);
                 out.extend(a);
             }
             for _ in 0..interleave[seq as usize] {
-                let a = match queue.pop_front() {
-                    Some(Some(r)) => s.on_replayed(msg(r)),
-                    Some(None) => s.on_replay_end(),
-                    None => break,
+                let Some(a) = replay.answer(&mut s) else {
+                    break;
                 };
-                push_replay(&a, seq + 1, &mut queue);
+                replay.requested(&a, published);
                 out.extend(a);
             }
         }
-        while let Some(item) = queue.pop_front() {
-            let a = match item {
-                Some(r) => s.on_replayed(msg(r)),
-                None => s.on_replay_end(),
-            };
-            push_replay(&a, n, &mut queue);
-            out.extend(a);
+        // The publisher stopped: replies drain, the stream goes quiet and is checked, and the
+        // check's replies drain.
+        for check in [false, true] {
+            if check {
+                let a = s.on_quiet();
+                replay.requested(&a, n);
+                out.extend(a);
+            }
+            while let Some(a) = replay.answer(&mut s) {
+                replay.requested(&a, n);
+                out.extend(a);
+            }
         }
         prop_assert_eq!(applied(&out), (0..n).collect::<Vec<_>>());
         let lost = out.iter().any(|a| matches!(a, Action::UnfilledGap { .. } | Action::Purge));

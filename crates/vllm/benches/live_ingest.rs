@@ -23,8 +23,9 @@
 //! (`scripts/test.sh` makes that Python). Settings: `KVROUTE_BENCH_PUBLISHERS` (default
 //! `1,2,8`), `KVROUTE_BENCH_RATES` (batches per second per publisher, `0` for as fast as
 //! Python sends; default `0`), `KVROUTE_BENCH_SECONDS` (default 3), `KVROUTE_BENCH_SHARDS`
-//! (index shards, default 1), `KVROUTE_BENCH_WINDOW` (32-block chains each engine's cache
-//! holds, default 1,024: 32,768 blocks, an 8B model's cache on one H100).
+//! (index shards, default 1), `KVROUTE_BENCH_WINDOW` (chains each engine's cache holds, default
+//! 1,024) and `KVROUTE_BENCH_CHAIN_BLOCKS` (blocks per chain, default 32: 32,768 blocks a cache,
+//! an 8B model's on one H100; a batch carries twice as many block events).
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -45,8 +46,6 @@ const SCRIPT: &str = concat!(
     "/benches/python/flood_publisher.py"
 );
 const BLOCK_SIZE: usize = 16;
-/// Blocks per chain the publisher stores (its `CHAIN_BLOCKS`).
-const CHAIN_BLOCKS: usize = 32;
 /// How long the subscribers may take to connect, and to drain once the publishers stop.
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -78,10 +77,17 @@ fn main() {
     let seconds = setting_at_least("KVROUTE_BENCH_SECONDS", 3.0, 0.1);
     let shards = setting("KVROUTE_BENCH_SHARDS", 1usize);
     let window = setting("KVROUTE_BENCH_WINDOW", 1_024usize);
+    let chain_blocks = setting("KVROUTE_BENCH_CHAIN_BLOCKS", 32usize);
+    let shape = Shape {
+        shards,
+        window,
+        chain_blocks,
+    };
 
     println!(
-        "index: {shards} shard(s); each engine's cache {} blocks",
-        window * CHAIN_BLOCKS
+        "index: {shards} shard(s); each engine's cache {} blocks; {} block events a batch",
+        shape.cache_blocks(),
+        2 * chain_blocks
     );
     println!();
     println!(
@@ -100,8 +106,8 @@ fn main() {
         for &count in &publishers {
             let in_process = *in_process
                 .entry(count)
-                .or_insert_with(|| in_process_rate(&python, shards, window, count));
-            let run = runtime.block_on(live_run(&python, count, rate, seconds, shards, window));
+                .or_insert_with(|| in_process_rate(&python, &shape, count));
+            let run = runtime.block_on(live_run(&python, count, rate, seconds, &shape));
             let rate_text = if rate > 0.0 {
                 format!("{rate:.0}")
             } else {
@@ -127,7 +133,7 @@ fn main() {
 
 /// The payloads publisher `seed` sends first, in order (`4 * window` of them: its cache
 /// filled, then turned over three times).
-fn dumped_payloads(python: &str, seed: usize, window: usize) -> Vec<Vec<u8>> {
+fn dumped_payloads(python: &str, seed: usize, shape: &Shape) -> Vec<Vec<u8>> {
     let dump = std::env::temp_dir().join(format!(
         "kvroute-live-ingest-{}-{seed}.bin",
         std::process::id()
@@ -135,10 +141,10 @@ fn dumped_payloads(python: &str, seed: usize, window: usize) -> Vec<Vec<u8>> {
     let status = std::process::Command::new(python)
         .arg(SCRIPT)
         .args(["--seed", &seed.to_string()])
-        .args(["--window", &window.to_string()])
+        .args(shape.publisher_args())
         .arg("--dump")
         .arg(&dump)
-        .args(["--dump-batches", &(4 * window).to_string()])
+        .args(["--dump-batches", &(4 * shape.window).to_string()])
         .status()
         .unwrap_or_else(|e| panic!("cannot run {python} {SCRIPT}: {e}"));
     assert!(
@@ -160,16 +166,16 @@ fn dumped_payloads(python: &str, seed: usize, window: usize) -> Vec<Vec<u8>> {
 /// Block events per second that one thread decodes and applies from `engines` publishers' own
 /// payloads, their batches taken in turn (a fresh index per pass, passes repeated for about
 /// two seconds): the live run's work without the network, ZMTP and the sequencer.
-fn in_process_rate(python: &str, shards: usize, window: usize, engines: usize) -> f64 {
+fn in_process_rate(python: &str, shape: &Shape, engines: usize) -> f64 {
     let streams: Vec<Vec<Vec<u8>>> = (1..=engines)
-        .map(|seed| dumped_payloads(python, seed, window))
+        .map(|seed| dumped_payloads(python, seed, shape))
         .collect();
     let mut events = 0u64;
     let mut spent = Duration::ZERO;
     while spent < Duration::from_secs(2) {
-        let index = new_index(shards);
+        let index = new_index(shape.shards);
         let started = Instant::now();
-        for step in 0..4 * window {
+        for step in 0..4 * shape.window {
             for (seed, stream) in (1..).zip(&streams) {
                 let decoded = decode_batch(&stream[step]).expect("the publisher's payloads decode");
                 events += block_events(&decoded.batch.events);
@@ -184,12 +190,39 @@ fn in_process_rate(python: &str, shards: usize, window: usize, engines: usize) -
                 .expect("the endpoint is indexed");
             assert_eq!(
                 (held.blocks_gpu, held.orphan_blocks),
-                ((window * CHAIN_BLOCKS) as u64, 0),
+                (shape.cache_blocks() as u64, 0),
                 "the index holds every chain of the engine's cache"
             );
         }
     }
     events as f64 / spent.as_secs_f64()
+}
+
+/// What each engine publishes and the index it feeds.
+struct Shape {
+    /// Index shards.
+    shards: usize,
+    /// Chains an engine's cache holds.
+    window: usize,
+    /// Blocks per chain.
+    chain_blocks: usize,
+}
+
+impl Shape {
+    /// Blocks an engine's cache holds once full.
+    fn cache_blocks(&self) -> usize {
+        self.window * self.chain_blocks
+    }
+
+    /// The publisher script's arguments for this shape.
+    fn publisher_args(&self) -> [String; 4] {
+        [
+            "--window".into(),
+            self.window.to_string(),
+            "--chain-blocks".into(),
+            self.chain_blocks.to_string(),
+        ]
+    }
 }
 
 fn block_events(events: &[kvroute_core::event::KvEvent]) -> u64 {
@@ -245,13 +278,13 @@ struct Publisher {
 }
 
 impl Publisher {
-    fn spawn(python: &str, seed: usize, rate: f64, seconds: f64, window: usize) -> Self {
+    fn spawn(python: &str, seed: usize, rate: f64, seconds: f64, shape: &Shape) -> Self {
         let mut child = Command::new(python)
             .arg(SCRIPT)
             .args(["--seed", &seed.to_string()])
             .args(["--rate", &rate.to_string()])
             .args(["--seconds", &seconds.to_string()])
-            .args(["--window", &window.to_string()])
+            .args(shape.publisher_args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -290,19 +323,12 @@ fn field(value: &Value, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in {value}"))
 }
 
-async fn live_run(
-    python: &str,
-    count: usize,
-    rate: f64,
-    seconds: f64,
-    shards: usize,
-    window: usize,
-) -> LiveRun {
-    let index = Arc::new(new_index(shards));
+async fn live_run(python: &str, count: usize, rate: f64, seconds: f64, shape: &Shape) -> LiveRun {
+    let index = Arc::new(new_index(shape.shards));
     let mut publishers = Vec::new();
     let mut subscribers: Vec<SubscriberHandle> = Vec::new();
     for seed in 1..=count {
-        let mut publisher = Publisher::spawn(python, seed, rate, seconds, window);
+        let mut publisher = Publisher::spawn(python, seed, rate, seconds, shape);
         let addresses = publisher.next_json().await;
         subscribers.push(spawn_connected(
             EndpointSource {

@@ -5,9 +5,9 @@ It publishes through the look-alike structs and the transport of the integration
 publisher (``crates/vllm/tests/python/vllm_publisher.py``: vLLM 0.33's map layout, a pyzmq PUB
 socket with vLLM's high-water mark of 100,000 messages, a ROUTER replay socket keeping vLLM's
 10,000 batches). Each batch is one scheduler step of a busy engine: a ``BlockStored`` of one
-32-block chain (a 512-token prefill, its token ids included) and, once the cache is full, a
-``BlockRemoved`` of the chain stored ``--window`` batches before, so the engine's cache stays
-the same size. Block hashes are random 64-bit integers (hashing is not what is measured).
+chain of ``--chain-blocks`` blocks (32: a 512-token prefill, its token ids included) and, once
+the cache is full, a ``BlockRemoved`` of the chain stored ``--window`` batches before, so the
+engine's cache stays the same size. Block hashes are random 64-bit integers (hashing is not what is measured).
 
 Every payload is encoded before the clock starts, so Python's cost per message is the send.
 
@@ -40,7 +40,6 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests/python"))
 from vllm_publisher import BLOCK_SIZE, Publisher, declare_vllm_0_33, gpu_stored  # noqa: E402
 
-CHAIN_BLOCKS = 32
 # Llama 3's vocabulary: about half the ids need a 32-bit msgpack int, as in real prompts.
 VOCABULARY = 128_256
 TOKEN_POOL = 64
@@ -56,21 +55,22 @@ class Schedule:
     stores a chain and removes the one stored ``window`` batches before; chains repeat every
     ``2 * window`` batches (a removed chain is stored again later)."""
 
-    def __init__(self, seed: int, window: int) -> None:
+    def __init__(self, seed: int, window: int, chain_blocks: int) -> None:
         rng = random.Random(seed)
         structs = declare_vllm_0_33()
         encoder = msgspec.msgpack.Encoder()
         self.window = window
+        self.chain_blocks = chain_blocks
         self.cycle = 2 * window
         chains = [
-            [rng.getrandbits(64) for _ in range(CHAIN_BLOCKS)] for _ in range(self.cycle)
+            [rng.getrandbits(64) for _ in range(chain_blocks)] for _ in range(self.cycle)
         ]
 
         # Token ids cost the decoder as much whatever they are: a few prompts' worth, reused,
         # keep the start-up short. Their first tokens name the chain and the publisher, so no
         # two chains are one prefix (a router key follows the tokens, not the engine's hash).
         prompts = [
-            [rng.randrange(VOCABULARY) for _ in range(CHAIN_BLOCKS * BLOCK_SIZE)]
+            [rng.randrange(VOCABULARY) for _ in range(chain_blocks * BLOCK_SIZE)]
             for _ in range(TOKEN_POOL)
         ]
 
@@ -102,7 +102,7 @@ class Schedule:
         return self.filling[n] if n < self.window else self.steady[n % self.cycle]
 
     def block_events(self, sent: int) -> int:
-        return CHAIN_BLOCKS * (sent + max(0, sent - self.window))
+        return self.chain_blocks * (sent + max(0, sent - self.window))
 
 
 def publish(publisher: Publisher, schedule: Schedule, seconds: float, rate: float) -> int:
@@ -125,13 +125,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--window", type=int, default=1_024, help="chains the cache holds")
+    parser.add_argument("--chain-blocks", type=int, default=32, help="blocks per stored chain")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rate", type=float, default=0.0, help="batches/s (0: flat out)")
     parser.add_argument("--dump", type=Path)
     parser.add_argument("--dump-batches", type=int, default=4_096)
     args = parser.parse_args()
 
-    schedule = Schedule(args.seed, args.window)
+    schedule = Schedule(args.seed, args.window, args.chain_blocks)
     if args.dump is not None:
         with args.dump.open("wb") as f:
             for n in range(args.dump_batches):
@@ -146,7 +147,7 @@ def main() -> int:
         {
             "pub": f"tcp://127.0.0.1:{publisher.pub_port}",
             "replay": f"tcp://127.0.0.1:{publisher.replay_port}",
-            "block_events_per_batch": 2 * CHAIN_BLOCKS,
+            "block_events_per_batch": 2 * args.chain_blocks,
         }
     )
     for line in sys.stdin:

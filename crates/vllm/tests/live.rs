@@ -295,16 +295,22 @@ async fn a_lost_tail_is_fetched_once_the_stream_goes_quiet() {
     .await;
     let s = stats(&handle);
     assert_eq!(s.last_seq, Some(p.next_seq() - 1), "{s:?}");
+    assert_tail_fetched(&before, &s, 4);
+}
+
+/// Between `before` and `after`, `lost` batches came back by a tail check: replayed, not
+/// reported as a gap or a loss.
+fn assert_tail_fetched(before: &FeedStats, after: &FeedStats, lost: u64) {
     assert_eq!(
         (
-            s.replayed_batches - before.replayed_batches,
-            s.gaps - before.gaps,
-            s.lost_batches - before.lost_batches,
+            after.replayed_batches - before.replayed_batches,
+            after.gaps - before.gaps,
+            after.lost_batches - before.lost_batches,
         ),
-        (4, 0, 0),
-        "fetched by a tail check, not reported as a gap or a loss: {s:?}"
+        (lost, 0, 0),
+        "fetched by a tail check, not reported as a gap or a loss: {after:?}"
     );
-    assert!(s.tail_checks > before.tail_checks, "{s:?}");
+    assert!(after.tail_checks > before.tail_checks, "{after:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,6 +578,71 @@ async fn bound_subscriber_demultiplexes_engines_by_topic() {
     );
     assert!(index.endpoint_stats(EndpointId(1)).is_some());
     assert!(index.endpoint_stats(EndpointId(2)).is_some());
+}
+
+/// A bound subscriber, which engines connect to, checks its quiet streams for a lost tail too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_subscriber_fetches_a_quiet_engines_lost_tail() {
+    const TOPIC: &str = "kv@10.0.0.1:8000@demo";
+    let index = new_index();
+    // The engine's replay address, known once it has bound its socket.
+    let replay: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let resolver = {
+        let replay = replay.clone();
+        Box::new(move |topic: &str| {
+            (topic == TOPIC).then(|| TopicSource {
+                endpoint: E,
+                name: "engine-a".into(),
+                replay: replay.lock().unwrap().clone(),
+            })
+        })
+    };
+    let bound = spawn_bound(
+        "tcp://127.0.0.1:0",
+        resolver,
+        index.clone() as Arc<dyn EventSink>,
+        Timing {
+            tail_check_after: Duration::from_millis(100),
+            ..timing()
+        },
+    )
+    .await
+    .unwrap();
+    let mut p = Publisher::bind(PublisherConfig {
+        address: bound.address.clone(),
+        connect: true,
+        replay_address: Some("tcp://127.0.0.1:0".into()),
+        topic: TOPIC.into(),
+        ..PublisherConfig::default()
+    })
+    .await
+    .unwrap();
+    *replay.lock().unwrap() = p.replay_address().map(str::to_owned);
+    let mut engine = demo_engine(12);
+    let stream = || bound.handle.stats().into_iter().next().map(|(_, s)| s);
+    // Until the connection is up, published batches are lost to the live stream (the first
+    // one heard replays them).
+    let deadline = Instant::now() + patience();
+    while stream().is_none() {
+        assert!(Instant::now() < deadline, "no batch arrived");
+        p.publish(&engine.step(0.0)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let published = p.next_seq();
+    eventually("every batch published so far", || {
+        let s = stream().unwrap_or_default();
+        (s.last_seq == Some(published - 1), s)
+    })
+    .await;
+    let before = stream().unwrap_or_default();
+    for i in 0..4 {
+        p.publish_lost(&engine.step(200.0 + f64::from(i)));
+    }
+    eventually("the index holds the lost tail", || {
+        index_matches_engine(&index, &engine)
+    })
+    .await;
+    assert_tail_fetched(&before, &stream().unwrap_or_default(), 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -643,6 +643,13 @@ async fn a_bound_subscriber_fetches_a_quiet_engines_lost_tail() {
     })
     .await;
     assert_tail_fetched(&before, &stream().unwrap_or_default(), 4);
+    // The engine goes away: its stream says so (and is not checked while gone).
+    drop(p);
+    eventually("the departed engine shown disconnected", || {
+        let s = stream().unwrap_or_default();
+        (!s.connected && s.disconnects == 1, s)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

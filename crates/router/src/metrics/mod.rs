@@ -184,7 +184,8 @@ metric_group! {
             "index_blocks", "Blocks held in the KV index";
         /// KV-event stream counters mirrored from the subscribers (counts since start), by
         /// endpoint and kind (batches, gaps, replays, replayed_batches, tail_checks,
-        /// unfilled_gaps, restarts, decode_errors, orphans), and whether the subscriber is connected now (kind `connected`, 1 or 0).
+        /// unfilled_gaps, restarts, decode_errors, orphans), and whether the subscriber is
+        /// connected now (kind `connected`, 1 or 0).
         events: EndpointGauges<KindLabel> = summed(config),
             "kv_events", "KV-event stream counters since start";
         /// Seconds since an endpoint's last KV event (absent before the first).

@@ -161,9 +161,9 @@ impl Demux {
         loop {
             let input = tokio::select! {
                 input = rx.recv() => input,
-                now = quiet.tick() => {
+                _ = quiet.tick() => {
                     for (topic, stream) in &mut self.streams {
-                        stream.check_quiet(topic, now.into_std(), &self.ctx);
+                        stream.check_quiet(topic, std::time::Instant::now(), &self.ctx);
                     }
                     continue;
                 }
@@ -218,6 +218,8 @@ impl Demux {
             self.streams.insert(topic.clone(), stream);
         }
         let stream = self.streams.get_mut(&topic).expect("inserted above");
+        // Back after its connection ended.
+        stream.set_connected(true);
         if let Some(msg) = checked_message(&mut stream.feed, "", &frames) {
             stream.on_live(&topic, msg, &self.ctx);
         }
@@ -227,6 +229,8 @@ impl Demux {
     /// messages named one, else among the unattributed.
     fn on_ended(&mut self, last_topic: Option<Bytes>, error: &ZmtpError) {
         if let Some(stream) = last_topic.and_then(|t| self.streams.get_mut(&t)) {
+            // Not checked for a lost tail while gone: it may never come back.
+            stream.set_connected(false);
             if !stream.feed.connection_failed(error) {
                 debug!(endpoint = %stream.feed.name, %error, "KV-event publisher left");
             }

@@ -103,8 +103,8 @@ async fn run_connected(source: EndpointSource, mut stream: Stream, config: Subsc
         let error = loop {
             let input = tokio::select! {
                 input = rx.recv() => input,
-                now = quiet.tick() => {
-                    stream.check_quiet(&key, now.into_std(), &ctx);
+                _ = quiet.tick() => {
+                    stream.check_quiet(&key, Instant::now(), &ctx);
                     continue;
                 }
             };

@@ -60,7 +60,7 @@ pub struct FeedStats {
     pub oversized_messages: u64,
     /// Gaps seen in the live sequence.
     pub gaps: u64,
-    /// Replay requests sent.
+    /// Replay requests sent (tail checks included).
     pub replays: u64,
     /// Batches received from replay and applied.
     pub replayed_batches: u64,

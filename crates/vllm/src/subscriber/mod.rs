@@ -89,7 +89,8 @@ pub struct Timing {
     /// Silence on a stream after which its replay socket is asked for anything published
     /// after the last batch applied (a PUB socket drops what overflows its high-water mark, and
     /// with nothing published after it the loss would not show); asked again at doubling
-    /// intervals, at most a minute apart, while the stream stays quiet.
+    /// intervals, at most a minute apart, while the stream stays quiet and connected. At
+    /// least 10 ms.
     pub tail_check_after: Duration,
 }
 
@@ -263,7 +264,8 @@ impl Stream {
     /// Asks the replay socket for the stream's tail when a check is due (the stream has been
     /// quiet a while) and the sequencer has none in flight.
     fn check_quiet(&mut self, key: &Bytes, now: Instant, ctx: &LoopContext) {
-        if !self.tail_checks.due(now) {
+        // A departed engine (bound topology) is asked again when it speaks again.
+        if !self.tail_checks.due(now) || !self.feed.stats.lock().connected {
             return;
         }
         let actions = self.feed.sequencer.on_quiet();
@@ -279,11 +281,19 @@ impl Stream {
     fn run(&mut self, key: &Bytes, actions: Vec<Action>, replayed: bool, ctx: &LoopContext) {
         let replay = self.feed.execute(actions, replayed);
         {
+            // A tail check is routine, not a sign of being behind (replica warm-up waits for
+            // every stream caught up at once).
             let mut stats = self.feed.stats.lock();
-            stats.caught_up =
-                stats.connected && replay.is_none() && !self.feed.sequencer.replaying();
+            stats.caught_up = stats.connected && !self.feed.sequencer.catching_up();
         }
         let Some(from) = replay else {
+            // No replay in flight (one ended, or a tail check the live stream made moot): its
+            // fetch, if still running, has nothing left to deliver.
+            if !self.feed.sequencer.replaying()
+                && let Some(task) = self.replay_task.take()
+            {
+                task.abort();
+            }
             return;
         };
         let Some(address) = self.replay_address.clone() else {
@@ -337,12 +347,15 @@ impl Stream {
     }
 
     fn on_connect(&mut self, key: &Bytes, ctx: &LoopContext) {
+        self.tail_checks.heard(Instant::now());
         let actions = self.feed.sequencer.on_connect();
         self.run(key, actions, false, ctx);
     }
 
     fn on_replay(&mut self, key: &Bytes, generation: u64, item: ReplayItem, ctx: &LoopContext) {
-        if generation != self.generation {
+        // An answer to a replay replaced by a newer one, or given up (a tail check the live
+        // stream made moot): nothing to apply, log or count.
+        if generation != self.generation || !self.feed.sequencer.replaying() {
             return;
         }
         let actions = match item {
@@ -384,9 +397,10 @@ impl Drop for Stream {
 }
 
 /// The ticks at which an event loop looks for quiet streams: every `tail_check_after`,
-/// kept between 10 ms and an hour (a zero or huge setting must not spin or overflow).
+/// kept between [`quiet::MIN_SPACING`] and an hour (a zero or huge setting must not spin or
+/// overflow).
 fn quiet_ticks(tail_check_after: Duration) -> tokio::time::Interval {
-    let period = tail_check_after.clamp(Duration::from_millis(10), Duration::from_secs(3600));
+    let period = tail_check_after.clamp(quiet::MIN_SPACING, Duration::from_secs(3600));
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks

@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 /// The longest wait between two checks of a stream that stays quiet.
 pub(crate) const MAX_SPACING: Duration = Duration::from_secs(60);
 
+/// The shortest: a zero setting must not ask again at every tick.
+pub(crate) const MIN_SPACING: Duration = Duration::from_millis(10);
+
 /// One stream's tail-check schedule.
 #[derive(Debug)]
 pub(crate) struct TailChecks {
@@ -21,8 +24,9 @@ pub(crate) struct TailChecks {
 }
 
 impl TailChecks {
-    /// A schedule whose first check is `after` from `now`.
+    /// A schedule whose first check is `after` (at least [`MIN_SPACING`]) from `now`.
     pub(crate) fn new(after: Duration, now: Instant) -> Self {
+        let after = after.max(MIN_SPACING);
         Self {
             after,
             spacing: after,
@@ -80,6 +84,17 @@ mod tests {
         checks.heard(at);
         assert!(!checks.due(at + S / 2));
         assert!(checks.due(at + S));
+    }
+
+    #[test]
+    fn a_zero_setting_still_spaces_its_checks_out() {
+        let t0 = Instant::now();
+        let mut checks = TailChecks::new(Duration::ZERO, t0);
+        checks.checked(t0);
+        assert!(!checks.due(t0 + MIN_SPACING), "twice the shortest spacing");
+        assert!(checks.due(t0 + 2 * MIN_SPACING));
+        checks.checked(t0);
+        assert!(!checks.due(t0 + 2 * MIN_SPACING), "and doubling");
     }
 
     #[test]

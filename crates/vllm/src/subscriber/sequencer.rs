@@ -133,6 +133,12 @@ impl Sequencer {
         self.replay.is_some()
     }
 
+    /// Whether a replay other than a tail check is in flight: the stream is known to be behind
+    /// (a gap, a fresh connection, a restart), not merely checked.
+    pub fn catching_up(&self) -> bool {
+        self.replay.as_ref().is_some_and(|r| !r.tail)
+    }
+
     /// Starts from a known position: every batch up to `seq` is already accounted for (a
     /// snapshot of the index taken at `seq`, from another router replica). The first
     /// connection then replays from `seq + 1` rather than from 0.
@@ -318,8 +324,9 @@ impl Sequencer {
         };
         // Everything before the requested sequence is accounted for, even if nothing came back.
         let next = *self.next.get_or_insert(replay.requested);
-        // A replay that filled its hole starts the count afresh for the next one.
-        let attempt = if next > replay.requested {
+        // A replay that filled its hole starts the count afresh for the next one, and a tail
+        // check was no attempt at a hole found while it was in flight.
+        let attempt = if next > replay.requested || replay.tail {
             0
         } else {
             replay.attempt

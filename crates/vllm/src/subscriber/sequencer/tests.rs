@@ -150,6 +150,33 @@ fn the_next_live_batch_ends_a_tail_check_without_waiting_for_it() {
 }
 
 #[test]
+fn a_tail_check_is_routine_and_spends_no_attempt_at_a_gap() {
+    let mut s = Sequencer::new(true);
+    s.on_connect();
+    assert!(s.catching_up(), "a fresh connection's replay is");
+    s.on_replay_end();
+    s.on_live(msg(0));
+    s.on_quiet();
+    assert!(
+        s.replaying() && !s.catching_up(),
+        "a tail check is not being behind"
+    );
+    // A gap shows while the check is in flight; its answer (taken before 1 and 2 were
+    // published) fills nothing. The gap then gets as many asks as any other.
+    assert!(s.on_live(msg(3)).is_empty(), "held");
+    let mut asked = 0;
+    let mut out = s.on_replay_end();
+    while let [Action::RequestReplay(1)] = out.as_slice() {
+        asked += 1;
+        assert!(s.catching_up());
+        out = s.on_replay_end();
+    }
+    assert_eq!(asked, MAX_ATTEMPTS, "{out:?}");
+    assert_eq!(out[0], Action::UnfilledGap { from: 1, to: 2 });
+    assert_eq!(applied(&out), vec![3]);
+}
+
+#[test]
 fn a_quiet_tail_the_engine_no_longer_buffers_is_reported_lost() {
     let mut s = Sequencer::new(true);
     s.on_connect();

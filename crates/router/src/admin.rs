@@ -142,6 +142,9 @@ fn refresh_gauges(router: &Router) {
             .set(i64::from(fleet.trust(e.id, now).is_ok()));
         m.endpoint_inflight.of(l).set(i64::from(state.inflight()));
         if let Some(stats) = fleet.index_of(e.id).and_then(|i| i.endpoint_stats(e.id)) {
+            m.index_cpu_capacity_blocks
+                .of(l)
+                .set(stats.cpu_blocks_when_full as i64);
             for (tier, value) in [
                 (Tier::Gpu, stats.blocks_gpu),
                 (Tier::Cpu, stats.blocks_cpu),

@@ -28,16 +28,23 @@ async fn engine(gpu_blocks: usize) -> SimFleet {
 }
 
 async fn engine_with(gpu_blocks: usize, max_num_seqs: usize) -> SimFleet {
+    engine_of(EngineConfig {
+        num_gpu_blocks: gpu_blocks,
+        max_model_len: 16_384,
+        max_num_seqs,
+        ..EngineConfig::default()
+    })
+    .await
+}
+
+/// A simulated engine of `engine`, publishing its KV events with replay, ten times faster
+/// than real time.
+async fn engine_of(engine: EngineConfig) -> SimFleet {
     start_sim(SimConfig {
         port: 0,
         events_port: 0,
         replay_port: Some(0),
-        engine: EngineConfig {
-            num_gpu_blocks: gpu_blocks,
-            max_model_len: 16_384,
-            max_num_seqs,
-            ..EngineConfig::default()
-        },
+        engine,
         time_scale: 10.0,
         ..SimConfig::default()
     })
@@ -573,6 +580,58 @@ async fn a_flooded_hot_prefix_spills_to_other_endpoints() {
         health()
     );
     assert!(home < 48, "not everything on the warm endpoint: {counts:?}");
+}
+
+/// The router learns an engine's CPU tier capacity from its events (it prices what a queue
+/// pushes out of that tier with it), and `/metrics` shows it: unknown (0) until the tier first
+/// evicts a block, then the tier's size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engines_cpu_tier_capacity_is_learned_from_its_events_and_shown() {
+    const CPU_BLOCKS: usize = 40;
+    let a = engine_of(EngineConfig {
+        num_gpu_blocks: 512,
+        num_cpu_blocks: CPU_BLOCKS,
+        max_model_len: 16_384,
+        ..EngineConfig::default()
+    })
+    .await;
+    let router = router_for(&[&a]).await;
+    let client = reqwest::Client::new();
+    let capacity = || {
+        kvroute_testkit::sample(
+            &kvroute_testkit::http_get(router.admin_addr, "/metrics"),
+            "kvroute_index_cpu_capacity_blocks{endpoint=\"e0\"}",
+        )
+    };
+    let cpu_held = || {
+        router
+            .router
+            .index_stats(kvroute_core::index::EndpointId(0))
+            .map_or(0, |s| s.blocks_cpu)
+    };
+    // Prompts written through to the CPU tier until it has had to evict.
+    let mut prompts = 0;
+    while cpu_held() < CPU_BLOCKS as u64 || prompts < 6 {
+        assert!(prompts < 40, "the CPU tier never filled: {}", cpu_held());
+        let answer = chat(
+            &client,
+            &router,
+            &[json!({"role": "user", "content": words(60, 500 + prompts)})],
+            2,
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+        settle(&router, &[&a]).await;
+        if prompts == 0 {
+            assert_eq!(capacity(), Some(0.0), "unknown before the first eviction");
+        }
+        prompts += 1;
+    }
+    eventually("the CPU tier's size in /metrics", || {
+        let shown = capacity();
+        (shown == Some(CPU_BLOCKS as f64), (shown, cpu_held()))
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -182,6 +182,12 @@ metric_group! {
         /// Blocks the index holds, by endpoint and tier.
         index_blocks: EndpointGauges<TierLabel> = summed(config),
             "index_blocks", "Blocks held in the KV index";
+        /// An endpoint's CPU tier capacity in blocks as its events showed it: the most blocks
+        /// the tier held when the engine evicted one (0 until it first does). The cost of
+        /// placing a request reads it to price what the queue ahead pushes out of that tier.
+        index_cpu_capacity_blocks: EndpointGauges = summed(config),
+            "index_cpu_capacity_blocks",
+            "CPU tier capacity in blocks, learned from the engine's first CPU eviction (0 before)";
         /// KV-event stream counters mirrored from the subscribers (counts since start), by
         /// endpoint and kind (batches, gaps, replays, replayed_batches, tail_checks,
         /// unfilled_gaps, restarts, decode_errors, orphans), and whether the subscriber is

@@ -118,7 +118,10 @@ impl OffloadTiers {
     }
 
     /// Stores a block the GPU computed in the fastest tier that exists, demoting that tier's
-    /// overflow downwards; the events describe every move, stores before removals.
+    /// overflow downwards. The events describe every move. As vLLM's offloading manager
+    /// publishes them, the room is made first: the evictions come before the new block's store
+    /// (a tier's events never show it holding more than its capacity). A demoted block's store
+    /// below comes before its removal above, so that it is never absent.
     pub fn offload(&mut self, digest: VllmDigest, events: &mut Vec<KvEvent>) {
         let Some(top) = OffloadTier::LOCAL
             .into_iter()
@@ -132,8 +135,16 @@ impl OffloadTiers {
             return;
         }
         self.tier_mut(top).blocks.touch(digest);
-        events.push(stored(&digest, top));
-        self.spill(top, events);
+        let mut room = Vec::new();
+        self.spill(top, &mut room);
+        if self.find(&digest) == Some(top) {
+            events.append(&mut room);
+            events.push(stored(&digest, top));
+        } else {
+            // Every other block is being loaded: the new one made room for nothing but itself.
+            events.push(stored(&digest, top));
+            events.append(&mut room);
+        }
     }
 
     /// Moves `tier`'s least recently used blocks down while it is over capacity, passing over

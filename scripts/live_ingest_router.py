@@ -156,6 +156,7 @@ def main():
         router.wait(timeout=10)
         for p in publishers:
             p.kill()
+        os.unlink(f.name)
 
 
 if __name__ == "__main__":

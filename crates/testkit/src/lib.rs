@@ -8,6 +8,7 @@
 pub mod hostile;
 pub mod process;
 pub mod random;
+pub mod script;
 pub mod settings;
 
 use std::path::PathBuf;

@@ -27,19 +27,18 @@
 //! 1,024) and `KVROUTE_BENCH_CHAIN_BLOCKS` (blocks per chain, default 32: 32,768 blocks a cache,
 //! an 8B model's on one H100; a batch carries twice as many block events).
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::index::{EndpointId, IndexConfig, SharedIndex};
+use kvroute_testkit::script::JsonLinesChild;
 use kvroute_testkit::settings::{setting, setting_at_least, setting_list};
 use kvroute_vllm::codec::decode_batch;
 use kvroute_vllm::subscriber::{
     EndpointSource, FeedStats, SubscriberHandle, Timing, spawn_connected,
 };
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::process::Command;
 
 const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -271,49 +270,26 @@ struct LiveRun {
 }
 
 /// One publisher script, talking JSON lines.
-struct Publisher {
-    _child: Child,
-    stdin: ChildStdin,
-    stdout: Lines<BufReader<ChildStdout>>,
-}
+struct Publisher(JsonLinesChild);
 
 impl Publisher {
     fn spawn(python: &str, seed: usize, rate: f64, seconds: f64, shape: &Shape) -> Self {
-        let mut child = Command::new(python)
+        let mut command = Command::new(python);
+        command
             .arg(SCRIPT)
             .args(["--seed", &seed.to_string()])
             .args(["--rate", &rate.to_string()])
             .args(["--seconds", &seconds.to_string()])
-            .args(shape.publisher_args())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {python} {SCRIPT}: {e}"));
-        let stdin = child.stdin.take().expect("piped stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        Self {
-            _child: child,
-            stdin,
-            stdout,
-        }
+            .args(shape.publisher_args());
+        Self(JsonLinesChild::spawn(command, "the publisher script"))
     }
 
     async fn next_json(&mut self) -> Value {
-        let line = tokio::time::timeout(PATIENCE, self.stdout.next_line())
-            .await
-            .expect("the publisher script went silent")
-            .expect("read the publisher script's stdout")
-            .expect("the publisher script exited early (its stderr is above)");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+        self.0.next_json(PATIENCE).await
     }
 
     async fn send(&mut self, line: &str) {
-        self.stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .expect("write to the publisher script");
+        self.0.send(line).await;
     }
 }
 

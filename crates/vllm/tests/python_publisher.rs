@@ -9,30 +9,25 @@
 //! `scripts/test.sh` sets up). Without it the tests are skipped with a notice, except under CI,
 //! where that is an error.
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::index::{EndpointId, IndexConfig, KvIndex, SharedIndex};
 use kvroute_core::keys::router_keys;
+use kvroute_testkit::script::JsonLinesChild;
 use kvroute_testkit::{eventually, patience};
 use kvroute_vllm::subscriber::{
     EndpointSource, EventSink, FeedStats, SubscriberHandle, Timing, spawn_connected,
 };
 use kvroute_vllm::zmtp::connection::Heartbeat;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::process::Command;
 
 const E: EndpointId = EndpointId(3);
 const NAME: &str = "python-engine";
 
 /// The publisher script as a child process, talking JSON lines on stdout.
-struct Script {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    stdout: Lines<BufReader<ChildStdout>>,
-}
+struct Script(JsonLinesChild);
 
 impl Script {
     fn spawn(python: &str, layout: &str, topic: &str, extra_args: &[&str]) -> Self {
@@ -40,55 +35,27 @@ impl Script {
             env!("CARGO_MANIFEST_DIR"),
             "/tests/python/vllm_publisher.py"
         );
-        let mut child = Command::new(python)
+        let mut command = Command::new(python);
+        command
             .arg(script)
             .args(["--layout", layout, "--topic", topic])
-            .args(extra_args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {python} {script}: {e}"));
-        let stdin = child.stdin.take();
-        let stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        Self {
-            child,
-            stdin,
-            stdout,
-        }
+            .args(extra_args);
+        Self(JsonLinesChild::spawn(command, "the publisher script"))
     }
 
     /// The next JSON line; panics if the script exits or stays silent.
     async fn next_json(&mut self) -> Value {
-        let line = tokio::time::timeout(patience(), self.stdout.next_line())
-            .await
-            .expect("the publisher script went silent")
-            .expect("cannot read the publisher script's stdout");
-        let Some(line) = line else {
-            let status = self.child.wait().await;
-            panic!("the publisher script exited early ({status:?}); see its stderr above");
-        };
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+        self.0.next_json(patience()).await
     }
 
     async fn send(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin still open");
-        stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .unwrap();
-        stdin.flush().await.unwrap();
+        self.0.send(line).await;
     }
 
     /// Asks the script to stop and checks that it ended cleanly.
     async fn quit(mut self) {
         self.send("quit").await;
-        drop(self.stdin.take());
-        let status = tokio::time::timeout(patience(), self.child.wait())
-            .await
-            .expect("the publisher script did not exit after quit")
-            .unwrap();
+        let status = self.0.finish(patience()).await;
         assert!(status.success(), "the publisher script failed: {status}");
     }
 }

@@ -14,7 +14,9 @@
 //! lists the (shards, writers) pairs to run, default `1x1,2x2`. A last phase paces the writers
 //! at `KVROUTE_BENCH_PACED` block events per second (default 500,000: ingest that does not
 //! saturate the writers). `KVROUTE_BENCH_PHASES` runs only the phases whose names contain one
-//! of its comma-separated parts.
+//! of its comma-separated parts. The index line and each phase show how much of the process's
+//! memory the kernel backs with transparent huge pages (`huge MiB`): 0 unless the run asked for
+//! them (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, see docs/operations.md) and got them.
 //!
 //! The other phases put the index behind kvroute-core's `Fleet`, as the router runs it, the
 //! precise profile planning 512-block requests. "before" is the router until 2026-12-02: a
@@ -46,7 +48,9 @@ use kvroute_core::schedule::{Profile, ProfileName, Role};
 use kvroute_testkit::settings::{setting, setting_at_least, setting_list};
 use parking_lot::Mutex;
 
-use fixtures::{BLOCK_SIZE, Chain, chain_lengths, fill, private_seeds, removal, rss_bytes};
+use fixtures::{
+    BLOCK_SIZE, Chain, anon_huge_bytes, chain_lengths, fill, private_seeds, removal, rss_bytes,
+};
 
 /// Blocks per churned conversation.
 const CHURN_BLOCKS: usize = 64;
@@ -122,7 +126,7 @@ fn main() {
         .collect();
     let churn = Arc::new(churn);
     println!(
-        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9}",
+        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "phase",
         "shards",
         "writers",
@@ -131,7 +135,8 @@ fn main() {
         "lookups",
         "p50 us",
         "p99 us",
-        "max us"
+        "max us",
+        "huge MiB"
     );
     let configurations = configurations();
     let wanted = wanted_phases(paced);
@@ -315,7 +320,7 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> Bench {
     let index = fleet.index_of(EndpointId(0)).cloned().expect("an index");
     let (entry_count, block_count) = index.read(|r| (r.entry_count(), r.block_count()));
     println!(
-        "index: {} shard(s), {} endpoints, {} entries, {} blocks (per shard, summed), built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry)",
+        "index: {} shard(s), {} endpoints, {} entries, {} blocks (per shard, summed), built in {:.1} s, RSS +{:.0} MiB ({:.1} B/entry), {} MiB on huge pages",
         shards,
         endpoints,
         entry_count,
@@ -323,6 +328,7 @@ fn build(entries: usize, endpoints: usize, shards: usize) -> Bench {
         start.elapsed().as_secs_f64(),
         rss_bytes().saturating_sub(rss_before) as f64 / (1 << 20) as f64,
         rss_bytes().saturating_sub(rss_before) as f64 / entry_count as f64,
+        anon_huge_bytes() >> 20,
     );
     Bench {
         fleet: Arc::new(Mutex::new(fleet)),
@@ -379,7 +385,7 @@ fn run_phase(phase: &Phase, bench: &Bench, feed: &Feed) {
         }
     };
     println!(
-        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1}",
+        "{:<28} {:>6} {:>7} {:>12} {:>14} {:>9} {:>9.1} {:>9.1} {:>9.1} {:>9}",
         phase.name,
         shards,
         writers,
@@ -389,6 +395,7 @@ fn run_phase(phase: &Phase, bench: &Bench, feed: &Feed) {
         at(50),
         at(99),
         times.last().map_or(0.0, |d| d.as_secs_f64() * 1e6),
+        anon_huge_bytes() >> 20,
     );
 }
 

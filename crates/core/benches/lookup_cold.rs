@@ -56,8 +56,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use fixtures::{
-    inside_chat_index, leaving_chat_index, restored_chat_index, sharded_chat_index,
-    sharded_prefix_index, unordered_chat_index,
+    anon_huge_bytes, inside_chat_index, leaving_chat_index, restored_chat_index,
+    sharded_chat_index, sharded_prefix_index, unordered_chat_index,
 };
 use kvroute_core::index::SharedIndex;
 use kvroute_core::keys::RouterKey;
@@ -328,4 +328,9 @@ fn main() {
             }
         }
     }
+    // Whether a run that asked for huge pages (docs/operations.md) got them.
+    println!(
+        "memory on transparent huge pages at the end: {} MiB",
+        anon_huge_bytes() >> 20
+    );
 }

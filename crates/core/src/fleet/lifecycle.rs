@@ -117,13 +117,15 @@ impl Fleet {
                 RoomWait::Admitted,
             );
             let queued_s = e.inflight_prefill_tokens as f64 / rate;
-            let prefill_end = now + queued_s.max(room_wait_s) + uncached as f64 / rate;
+            let prefill_s = uncached as f64 / rate;
+            let prefill_end = now + queued_s.max(room_wait_s) + prefill_s;
             e.pinned.pin(
                 self.next_pin,
                 request.keys.clone(),
                 request.prompt_tokens,
                 bs,
                 prefill_end,
+                prefill_s,
             );
             e.inflight += 1;
             e.inflight_prefills += 1;

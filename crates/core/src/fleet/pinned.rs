@@ -16,7 +16,10 @@
 //! token to end, learned from the requests that ended there). A request needs room for its
 //! blocks no in-flight request pins; the wait is until enough in-flight requests are expected
 //! to have ended for their blocks to make that room, in order of their expected ends, each
-//! releasing the blocks no request still running references.
+//! releasing the blocks no request still running references. The requests queued there (sent,
+//! no first token yet) are taken to be admitted as vLLM admits its waiting requests, first
+//! come first served, each once its blocks fit beside those of the requests running then:
+//! where the cache holds few at once, their ends follow one another.
 //!
 //! A request holds more than its prompt by its end: its output goes in blocks it allocates as
 //! it decodes, and where the cache is tight that growth is what fails. vLLM admits a request
@@ -38,7 +41,8 @@
 //! and the pinned block count is kept as chains come and go: a new chain adds the blocks past
 //! its longest shared prefix, a leaving one frees those no remaining chain shares.
 
-use std::cmp::Ordering;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 use std::sync::{Arc, OnceLock};
 
 use hashbrown::HashMap;
@@ -63,6 +67,8 @@ struct PinnedRequest {
     /// The earliest its prefill can end: when it was sent, plus the prefill queued ahead of it
     /// and its own at the endpoint's rate then.
     prefill_end: f64,
+    /// Its own prefill's seconds at the endpoint's rate then (the last part of `prefill_end`).
+    prefill_s: f64,
     /// When its first token came.
     first_token_at: Option<f64>,
 }
@@ -78,14 +84,10 @@ pub(super) struct Unpinned {
 /// One endpoint's in-flight requests, as pinned blocks.
 #[derive(Clone, Debug, Default)]
 pub(super) struct PinnedBlocks {
-    /// The in-flight requests' key chains in order ([`chain_order`]), each with the number of
-    /// requests that have exactly that chain.
-    chains: Vec<(Arc<Vec<RouterKey>>, u32)>,
-    /// Distinct keys the chains hold.
-    distinct_keys: usize,
+    /// The in-flight requests' key chains, and the blocks they pin beyond the keys (each
+    /// request's partial block and expected output).
+    set: ChainSet,
     requests: HashMap<u64, PinnedRequest>,
-    /// Blocks pinned beyond the keys (each request's partial block).
-    extra_blocks: usize,
     /// Seconds from first token to end, averaged over the requests that ended here.
     decode_s: Option<f64>,
     /// Tokens generated per request, averaged over the requests that ended here with the
@@ -104,6 +106,9 @@ pub(super) struct PinnedBlocks {
 /// frees.
 #[derive(Clone, Debug, Default)]
 struct Releases {
+    /// The cache size and decode time the queued requests' admissions were simulated with
+    /// (`None`: not simulated, each taken at the earliest end of its prefill).
+    admissions_for: Option<(usize, f64)>,
     /// One step per request, in order.
     steps: Vec<Release>,
     /// Each step's request's keys, then those of the requests without a step (which hold
@@ -164,8 +169,9 @@ pub(super) struct RoomAsked<'a> {
 }
 
 impl PinnedBlocks {
-    /// Request `id` was sent here at `now` with its full blocks' `keys`; its prefill can end at
-    /// `prefill_end` at the earliest.
+    /// Request `id` was sent here with its full blocks' `keys`; its prefill can end at
+    /// `prefill_end` at the earliest, the last `prefill_s` of it its own. Ids are given in the
+    /// order requests are sent (the order the engine queues them in).
     pub(super) fn pin(
         &mut self,
         id: u64,
@@ -173,25 +179,22 @@ impl PinnedBlocks {
         prompt_tokens: usize,
         block_size: usize,
         prefill_end: f64,
+        prefill_s: f64,
     ) {
         self.releases = OnceLock::new();
         self.generation += 1;
-        self.distinct_keys += keys.len() - longest_shared(&self.chains, &keys);
-        match find_chain(&self.chains, &keys) {
-            Ok(at) => self.chains[at].1 += 1,
-            Err(at) => self.chains.insert(at, (keys.clone(), 1)),
-        }
         let extra_blocks = self
             .footprint_blocks(prompt_tokens, block_size)
             .saturating_sub(keys.len())
             .max(1);
-        self.extra_blocks += extra_blocks;
+        self.set.add(&keys, extra_blocks);
         if let Some(old) = self.requests.insert(
             id,
             PinnedRequest {
                 keys,
                 extra_blocks,
                 prefill_end,
+                prefill_s: prefill_s.max(0.0),
                 first_token_at: None,
             },
         ) {
@@ -235,18 +238,7 @@ impl PinnedBlocks {
     fn release(&mut self, r: &PinnedRequest) {
         self.releases = OnceLock::new();
         self.generation += 1;
-        let chain: &[RouterKey] = &r.keys;
-        if let Ok(at) = find_chain(&self.chains, chain) {
-            self.chains[at].1 -= 1;
-            if self.chains[at].1 == 0 {
-                self.chains.remove(at);
-            }
-            // Its keys no remaining chain shares are freed (none, when another has the same
-            // chain). Never below zero, should two keys ever collide.
-            let freed = chain.len() - longest_shared(&self.chains, chain);
-            self.distinct_keys = self.distinct_keys.saturating_sub(freed);
-        }
-        self.extra_blocks -= r.extra_blocks;
+        self.set.remove(&r.keys, r.extra_blocks);
     }
 
     /// Drops the requests last heard of (first token, else the earliest end of their prefill)
@@ -292,28 +284,28 @@ impl PinnedBlocks {
 
     /// Blocks pinned now.
     pub(super) fn blocks(&self) -> usize {
-        self.distinct_keys + self.extra_blocks
+        self.set.blocks()
     }
 
     /// The in-flight requests' key chains in [`chain_order`], each with its request count.
     pub(super) fn chains(&self) -> &[(Arc<Vec<RouterKey>>, u32)] {
-        &self.chains
+        &self.set.chains
     }
 
     /// Distinct keys the in-flight requests hold.
     pub(super) fn distinct_keys(&self) -> usize {
-        self.distinct_keys
+        self.set.distinct_keys
     }
 
     /// Blocks the in-flight requests pin beyond their prompts' full blocks.
     pub(super) fn extra_blocks(&self) -> usize {
-        self.extra_blocks
+        self.set.extra_blocks
     }
 
     /// Leading keys of `keys` that some in-flight request pins (keys chain their parents, so a
     /// pinned key's whole prefix is pinned).
     pub(super) fn pinned_prefix(&self, keys: &[RouterKey]) -> usize {
-        longest_shared(&self.chains, keys)
+        longest_shared(&self.set.chains, keys)
     }
 
     /// How much of the leading keys of `keys` that in-flight requests pin is still pinned when
@@ -424,12 +416,23 @@ impl PinnedBlocks {
         if needed <= room {
             return 0.0;
         }
-        let admitted;
+        let uncached;
         let releases = if admitted_only {
-            admitted = self.releases_of(true);
-            &admitted
+            uncached = self.releases_of(true, None);
+            &uncached
         } else {
-            self.releases.get_or_init(|| self.releases_of(false))
+            let wanted = Some((asked.capacity_blocks, decode_s));
+            let cached = self
+                .releases
+                .get_or_init(|| self.releases_of(false, wanted));
+            if cached.admissions_for == wanted {
+                cached
+            } else {
+                // Asked with another cache size or decode time than the cached releases were
+                // made for (a fleet prior that moved): made again, not cached.
+                uncached = self.releases_of(false, wanted);
+                &uncached
+            }
         };
         let steps = &releases.steps;
         let made_room = |at: usize| steps.get(at).or(steps.last());
@@ -463,13 +466,32 @@ impl PinnedBlocks {
     /// frees its keys past the longest prefix it shares with a request ending after it, found
     /// by walking the order backwards with the later chains in order. `admitted_only`: steps
     /// for the admitted requests alone, the others taken to hold their blocks past every one
-    /// of them (their keys follow the steps' in [`Releases::keys`]).
-    fn releases_of(&self, admitted_only: bool) -> Releases {
-        let (mut order, queued): (Vec<&PinnedRequest>, Vec<&PinnedRequest>) = self
+    /// of them (their keys follow the steps' in [`Releases::keys`]). `admissions`: the cache
+    /// size and decode time to simulate the queued requests' admissions with
+    /// ([`Self::queued_prefill_ends`]); without them a queued request is heard of at the
+    /// earliest end of its prefill.
+    fn releases_of(&self, admitted_only: bool, admissions: Option<(usize, f64)>) -> Releases {
+        type Listed<'a> = Vec<(u64, &'a PinnedRequest)>;
+        let (order, queued): (Listed<'_>, Listed<'_>) = self
             .requests
-            .values()
-            .partition(|r| !admitted_only || r.first_token_at.is_some());
-        order.sort_by(|a, b| a.heard_at().total_cmp(&b.heard_at()));
+            .iter()
+            .map(|(id, r)| (*id, r))
+            .partition(|(_, r)| !admitted_only || r.first_token_at.is_some());
+        let simulated = match admissions {
+            Some((capacity, decode_s)) if !admitted_only => {
+                self.queued_prefill_ends(capacity, decode_s)
+            }
+            _ => HashMap::new(),
+        };
+        let heard_at = |id: u64, r: &PinnedRequest| {
+            simulated.get(&id).copied().unwrap_or_else(|| r.heard_at())
+        };
+        let mut order: Vec<(f64, &PinnedRequest)> = order
+            .into_iter()
+            .map(|(id, r)| (heard_at(id, r), r))
+            .collect();
+        order.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let queued: Vec<&PinnedRequest> = queued.into_iter().map(|(_, r)| r).collect();
         let mut later: Vec<(Arc<Vec<RouterKey>>, u32)> = Vec::with_capacity(order.len());
         for r in &queued {
             if let Err(at) = find_chain(&later, &r.keys) {
@@ -477,7 +499,7 @@ impl PinnedBlocks {
             }
         }
         let mut own_freed = vec![0i64; order.len()];
-        for (i, r) in order.iter().enumerate().rev() {
+        for (i, (_, r)) in order.iter().enumerate().rev() {
             let chain: &[RouterKey] = &r.keys;
             own_freed[i] = (r.extra_blocks + chain.len() - longest_shared(&later, chain)) as i64;
             if let Err(at) = find_chain(&later, chain) {
@@ -485,17 +507,136 @@ impl PinnedBlocks {
             }
         }
         let mut freed = 0i64;
-        let mut releases = Releases::default();
-        for (r, own) in order.into_iter().zip(own_freed) {
+        let mut releases = Releases {
+            admissions_for: admissions.filter(|_| !admitted_only),
+            ..Releases::default()
+        };
+        for ((heard_at, r), own) in order.into_iter().zip(own_freed) {
             freed += own;
-            releases.steps.push(Release {
-                heard_at: r.heard_at(),
-                freed,
-            });
+            releases.steps.push(Release { heard_at, freed });
             releases.keys.push(r.keys.clone());
         }
         releases.keys.extend(queued.iter().map(|r| r.keys.clone()));
         releases
+    }
+
+    /// When each queued request (sent, no first token yet) is expected to finish its prefill,
+    /// by id: vLLM admits its waiting requests first come first served, each once its blocks
+    /// fit beside those of the requests running then, so a queued request is admitted no
+    /// earlier than the one queued before it, and no earlier than the requests ahead of it
+    /// have ended for its blocks to fit in `capacity`. The running requests end `decode_s`
+    /// after their first token, each queued one `decode_s` after its simulated prefill. Without
+    /// this a queue of requests that each fill the cache was taken to end all at once, a
+    /// decode after the running request's end, and the wait behind it read several
+    /// residencies short (traced: 0.76 s predicted, 6.26 s waited behind three such requests,
+    /// docs/benchmarks-log.md).
+    ///
+    /// A request is never admitted before the earliest end of its prefill less its own
+    /// prefill (the prefill queued ahead of it, or the wait for the admitted requests' ends,
+    /// as counted when it was sent). One pass over the ends in order, each end looked at once:
+    /// a request admitted later than another finds every request the other's admission saw
+    /// end already ended.
+    fn queued_prefill_ends(&self, capacity: usize, decode_s: f64) -> HashMap<u64, f64> {
+        let mut queued: Vec<(u64, &PinnedRequest)> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.first_token_at.is_none())
+            .map(|(id, r)| (*id, r))
+            .collect();
+        if queued.is_empty() {
+            return HashMap::new();
+        }
+        queued.sort_by_key(|(id, _)| *id);
+        let mut present = ChainSet::default();
+        // The requests present, by expected end (a min-heap on the end's bits: ends are not
+        // negative, so their bits order as the numbers do).
+        let mut ends = BinaryHeap::new();
+        for (id, r) in &self.requests {
+            if let Some(first) = r.first_token_at {
+                present.add(&r.keys, r.extra_blocks);
+                ends.push(Reverse(((first + decode_s).max(0.0).to_bits(), *id)));
+            }
+        }
+        let mut simulated = HashMap::with_capacity(queued.len());
+        let mut admitted_at = f64::NEG_INFINITY;
+        for (id, r) in queued {
+            let mut at = admitted_at.max(r.prefill_end - r.prefill_s);
+            let end_first = |ends: &mut BinaryHeap<Reverse<(u64, u64)>>,
+                             present: &mut ChainSet,
+                             at: &mut f64| {
+                if let Some(Reverse((end, ended))) = ends.pop() {
+                    *at = at.max(f64::from_bits(end));
+                    if let Some(ended) = self.requests.get(&ended) {
+                        present.remove(&ended.keys, ended.extra_blocks);
+                    }
+                }
+            };
+            while ends
+                .peek()
+                .is_some_and(|Reverse((end, _))| f64::from_bits(*end) <= at)
+            {
+                end_first(&mut ends, &mut present, &mut at);
+            }
+            while present.blocks_with(&r.keys, r.extra_blocks) > capacity && !ends.is_empty() {
+                end_first(&mut ends, &mut present, &mut at);
+            }
+            admitted_at = at;
+            let prefill_end = at + r.prefill_s;
+            present.add(&r.keys, r.extra_blocks);
+            ends.push(Reverse(((prefill_end + decode_s).max(0.0).to_bits(), id)));
+            simulated.insert(id, prefill_end);
+        }
+        simulated
+    }
+}
+
+/// Key chains, each with its count, and the distinct blocks they and their extra blocks hold:
+/// what [`PinnedBlocks`] keeps of its requests, and what its simulation of their admissions
+/// keeps of the requests present at each step.
+#[derive(Clone, Debug, Default)]
+struct ChainSet {
+    /// The chains in [`chain_order`], each with the number of requests that have exactly it.
+    chains: Vec<(Arc<Vec<RouterKey>>, u32)>,
+    /// Distinct keys the chains hold.
+    distinct_keys: usize,
+    /// Blocks held beyond the keys.
+    extra_blocks: usize,
+}
+
+impl ChainSet {
+    /// Adds a request's chain and its extra blocks.
+    fn add(&mut self, keys: &Arc<Vec<RouterKey>>, extra_blocks: usize) {
+        self.distinct_keys += keys.len() - longest_shared(&self.chains, keys);
+        match find_chain(&self.chains, keys) {
+            Ok(at) => self.chains[at].1 += 1,
+            Err(at) => self.chains.insert(at, (keys.clone(), 1)),
+        }
+        self.extra_blocks += extra_blocks;
+    }
+
+    /// Takes a request's chain and extra blocks out again.
+    fn remove(&mut self, keys: &[RouterKey], extra_blocks: usize) {
+        if let Ok(at) = find_chain(&self.chains, keys) {
+            self.chains[at].1 -= 1;
+            if self.chains[at].1 == 0 {
+                self.chains.remove(at);
+            }
+            // Its keys no remaining chain shares are freed (none, when another has the same
+            // chain). Never below zero, should two keys ever collide.
+            let freed = keys.len() - longest_shared(&self.chains, keys);
+            self.distinct_keys = self.distinct_keys.saturating_sub(freed);
+        }
+        self.extra_blocks = self.extra_blocks.saturating_sub(extra_blocks);
+    }
+
+    /// Blocks held.
+    fn blocks(&self) -> usize {
+        self.distinct_keys + self.extra_blocks
+    }
+
+    /// Blocks held once a request with `keys` and `extra_blocks` is added.
+    fn blocks_with(&self, keys: &[RouterKey], extra_blocks: usize) -> usize {
+        self.blocks() + keys.len() - longest_shared(&self.chains, keys) + extra_blocks
     }
 }
 
@@ -595,7 +736,7 @@ mod tests {
     /// time it has learned. Request ids from 2 are free.
     fn decoding_for_0_4_s() -> PinnedBlocks {
         let mut pinned = PinnedBlocks::default();
-        pinned.pin(1, keys(99, 10), 168, 16, 0.0);
+        pinned.pin(1, keys(99, 10), 168, 16, 0.0, 0.0);
         pinned.first_token(1, 0.1);
         pinned.unpin(1, 0.5, None);
         pinned
@@ -604,14 +745,14 @@ mod tests {
     /// Pins request `id` with `keys` at `at` and gives it its first token then.
     fn running(pinned: &mut PinnedBlocks, id: u64, keys: Arc<Vec<RouterKey>>, at: f64) {
         let tokens = keys.len() * 16 + 8;
-        pinned.pin(id, keys, tokens, 16, at);
+        pinned.pin(id, keys, tokens, 16, at, 0.0);
         pinned.first_token(id, at);
     }
 
     #[test]
     fn a_request_that_fits_beside_the_pinned_blocks_waits_for_nothing() {
         let mut pinned = decoding_for_0_4_s();
-        pinned.pin(2, keys(2, 100), 100 * 16 + 8, 16, 0.6);
+        pinned.pin(2, keys(2, 100), 100 * 16 + 8, 16, 0.6, 0.0);
         let new = keys(3, 100);
         assert_eq!(pinned.room_wait_s(&asked(&new, 300, 0.6)), 0.0);
     }
@@ -657,16 +798,48 @@ mod tests {
         // (its prefill could end at 1.3 at the earliest, so it would end at 1.7).
         running(&mut pinned, 2, keys(2, 100), 1.0);
         running(&mut pinned, 3, keys(3, 100), 1.2);
-        pinned.pin(5, keys(5, 100), 100 * 16 + 8, 16, 1.3);
+        pinned.pin(5, keys(5, 100), 100 * 16 + 8, 16, 1.3, 0.0);
         let new = keys(4, 100);
         // A cache of 310 holds the three and needs one end for a fourth: the first, at 1.4.
         assert!((pinned.room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
         assert!((pinned.admitted_room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
-        // A cache of 110 needs three ends: every request's, the queued one's last, at 1.7; the
-        // admitted requests' ends alone are not enough, so the admitted wait is the last of
-        // them, at 1.6.
-        assert!((pinned.room_wait_s(&asked(&new, 110, 1.3)) - 0.4).abs() < 1e-9);
+        // A cache of 110 holds one request: the queued one is admitted once both running ones
+        // have ended, at 1.6, and ends at 2.0; the new one waits for that. The admitted
+        // requests' ends alone are not enough, so the admitted wait is the last of them, at 1.6.
+        assert!((pinned.room_wait_s(&asked(&new, 110, 1.3)) - 0.7).abs() < 1e-9);
         assert!((pinned.admitted_room_wait_s(&asked(&new, 110, 1.3)) - 0.3).abs() < 1e-9);
+    }
+
+    #[test]
+    fn queued_requests_are_admitted_first_come_first_served_each_once_it_fits() {
+        // A cache of 150 holds one request of 100 blocks (+1) at a time. One runs until 1.4
+        // (decodes take 0.4 s); three are queued behind it, each with 0.05 s of prefill.
+        let mut pinned = decoding_for_0_4_s();
+        running(&mut pinned, 2, keys(2, 100), 1.0);
+        for id in 3..6 {
+            pinned.pin(id, keys(id, 100), 100 * 16 + 8, 16, 1.05, 0.05);
+        }
+        let new = keys(9, 100);
+        // Each queued request waits for the one before it: admitted at 1.4, 1.85 and 2.3, each
+        // ending 0.45 s later; the new request waits for the last, until 2.75.
+        let wait = pinned.room_wait_s(&asked(&new, 150, 1.1));
+        assert!((wait - 1.65).abs() < 1e-9, "{wait}");
+        // Where the cache holds all four at once, nothing waits: the new one fits beside them
+        // only once the first has ended, at 1.4.
+        let wait = pinned.room_wait_s(&asked(&new, 404, 1.1));
+        assert!((wait - 0.3).abs() < 1e-9, "{wait}");
+        // Requests that share a context are admitted together where their own blocks fit.
+        let mut pinned = decoding_for_0_4_s();
+        running(&mut pinned, 2, chain(1, 100, 2, 5), 1.0);
+        for id in 3..6 {
+            pinned.pin(id, chain(1, 100, id, 5), 105 * 16 + 8, 16, 1.05, 0.05);
+        }
+        // 100 context blocks and 4 × 6 of their own: 124 of 130. The queued ones are admitted
+        // as early as they can be, at 1.0, and end at 1.45, so a request of another tenant
+        // (106 blocks) waits for the context to go, at 1.45.
+        let other = chain(2, 100, 9, 5);
+        let wait = pinned.room_wait_s(&asked(&other, 130, 1.1));
+        assert!((wait - 0.35).abs() < 1e-9, "{wait}");
     }
 
     #[test]
@@ -689,7 +862,7 @@ mod tests {
     fn a_request_is_counted_with_the_output_requests_there_generate() {
         // Requests there end having generated 160 tokens: 10 more blocks each.
         let mut pinned = decoding_for_0_4_s();
-        pinned.pin(2, keys(9, 10), 168, 16, 0.6);
+        pinned.pin(2, keys(9, 10), 168, 16, 0.6, 0.0);
         pinned.first_token(2, 0.6);
         pinned.unpin(2, 1.0, Some(160));
         assert_eq!(pinned.output_tokens, Some(160.0));
@@ -709,7 +882,7 @@ mod tests {
     fn output_is_learned_only_from_requests_that_ran_with_a_count() {
         let mut pinned = PinnedBlocks::default();
         // No first token: it never decoded, whatever it says.
-        pinned.pin(1, keys(1, 10), 168, 16, 0.0);
+        pinned.pin(1, keys(1, 10), 168, 16, 0.0, 0.0);
         pinned.unpin(1, 0.5, Some(500));
         // No count (a stream without usage): nothing learned either.
         running(&mut pinned, 2, keys(2, 10), 0.5);
@@ -731,8 +904,8 @@ mod tests {
     #[test]
     fn ended_and_expired_requests_pin_nothing() {
         let mut pinned = PinnedBlocks::default();
-        pinned.pin(1, chain(1, 50, 1, 5), 888, 16, 0.5);
-        pinned.pin(2, chain(1, 50, 2, 5), 888, 16, 0.6);
+        pinned.pin(1, chain(1, 50, 1, 5), 888, 16, 0.5, 0.0);
+        pinned.pin(2, chain(1, 50, 2, 5), 888, 16, 0.6, 0.0);
         pinned.first_token(2, 0.7);
         assert_eq!(pinned.blocks(), 62);
         pinned.unpin(1, 1.0, None);
@@ -740,8 +913,8 @@ mod tests {
         assert_eq!(pinned.decode_s, None, "request 1 had no first token");
         assert_eq!(pinned.expire(0.8), 1);
         assert_eq!(pinned.blocks(), 0);
-        assert!(pinned.chains.is_empty());
-        assert_eq!(pinned.distinct_keys, 0);
+        assert!(pinned.set.chains.is_empty());
+        assert_eq!(pinned.set.distinct_keys, 0);
     }
 
     /// The pinned blocks, counted key by key: what each key's holders say.
@@ -834,7 +1007,7 @@ mod tests {
                     0 | 1 => {
                         let keys = real_chain(tenant, shared, question, own);
                         let tokens = keys.len() * 16 + 8;
-                        pinned.pin(next_id, keys.clone(), tokens, 16, at);
+                        pinned.pin(next_id, keys.clone(), tokens, 16, at, 0.0);
                         naive.requests.push((next_id, keys, 1, at));
                         next_id += 1;
                     }
@@ -849,7 +1022,7 @@ mod tests {
                 proptest::prop_assert_eq!(pinned.blocks(), naive.blocks());
                 let probe = real_chain(tenant, shared + 2, question + 1, own);
                 proptest::prop_assert_eq!(pinned.pinned_prefix(&probe), naive.pinned_prefix(&probe));
-                let freed: Vec<i64> = pinned.releases_of(false).steps.iter().map(|r| r.freed).collect();
+                let freed: Vec<i64> = pinned.releases_of(false, None).steps.iter().map(|r| r.freed).collect();
                 proptest::prop_assert_eq!(freed, naive.freed());
             }
         }

@@ -53,6 +53,7 @@ fn endpoint(inflight: &[Vec<RouterKey>], ended: &[Vec<RouterKey>]) -> (PinnedBlo
             keys.len() * BLOCK + 3,
             BLOCK,
             0.0,
+            0.0,
         );
     }
     let mut recent = RecentUse::default();
@@ -407,7 +408,7 @@ proptest! {
         };
         parts(&pinned, &recent);
         for (i, keys) in sent.iter().enumerate() {
-            pinned.pin(100 + i as u64, Arc::new(keys.clone()), keys.len() * BLOCK + 3, BLOCK, 0.0);
+            pinned.pin(100 + i as u64, Arc::new(keys.clone()), keys.len() * BLOCK + 3, BLOCK, 0.0, 0.0);
             parts(&pinned, &recent);
         }
         if !inflight.is_empty() {
@@ -437,15 +438,15 @@ fn a_prefix_pinned_only_by_a_request_ending_first_is_lost_to_the_queue_ahead() {
     };
     let mut pinned = PinnedBlocks::default();
     // A request that ran here for 0.15 s after its first token: the decode time learned.
-    pinned.pin(9, tenant(3, 4, 0), 300, BLOCK, 0.0);
+    pinned.pin(9, tenant(3, 4, 0), 300, BLOCK, 0.0, 0.0);
     pinned.first_token(9, 0.05);
     pinned.unpin(9, 0.2, Some(32));
     // Tenant A's request: first token at 0.95, so expected to end at 1.1.
-    pinned.pin(1, tenant(1, 186, 1), 194 * BLOCK, BLOCK, 0.9);
+    pinned.pin(1, tenant(1, 186, 1), 194 * BLOCK, BLOCK, 0.9, 0.0);
     pinned.first_token(1, 0.95);
     // Tenant B's two requests, queued (their prefills can end at 1.2 and 1.5 at the earliest).
-    pinned.pin(2, tenant(2, 220, 2), 228 * BLOCK, BLOCK, 1.2);
-    pinned.pin(3, tenant(2, 220, 3), 228 * BLOCK, BLOCK, 1.5);
+    pinned.pin(2, tenant(2, 220, 2), 228 * BLOCK, BLOCK, 1.2, 0.0);
+    pinned.pin(3, tenant(2, 220, 3), 228 * BLOCK, BLOCK, 1.5, 0.0);
     let recent = RecentUse::default();
     let prompt = tenant(1, 186, 4);
     let walk = |at: f64| {
@@ -556,7 +557,7 @@ proptest! {
                 Arc::new(keys.clone()),
                 keys.len() * BLOCK + 3,
                 BLOCK,
-                f64::from(*t) * 0.1,
+                f64::from(*t) * 0.1, 0.0,
             );
         }
         let mut recent = RecentUse::default();

@@ -548,33 +548,28 @@ impl PinnedBlocks {
         }
         queued.sort_by_key(|(id, _)| *id);
         let mut present = ChainSet::default();
-        // The requests present, by expected end (a min-heap on the end's bits: ends are not
-        // negative, so their bits order as the numbers do).
-        let mut ends = BinaryHeap::new();
+        let mut ends = Ends::default();
         for (id, r) in &self.requests {
             if let Some(first) = r.first_token_at {
                 present.add(&r.keys, r.extra_blocks);
-                ends.push(Reverse(((first + decode_s).max(0.0).to_bits(), *id)));
+                ends.push(first + decode_s, *id);
             }
         }
+        // The earliest end still to come ends at `at` or later: `at` moves to it, and the
+        // request's blocks leave `present`.
+        let end_first = |ends: &mut Ends, present: &mut ChainSet, at: &mut f64| {
+            if let Some((end, id)) = ends.pop() {
+                *at = at.max(end);
+                if let Some(ended) = self.requests.get(&id) {
+                    present.remove(&ended.keys, ended.extra_blocks);
+                }
+            }
+        };
         let mut simulated = HashMap::with_capacity(queued.len());
         let mut admitted_at = f64::NEG_INFINITY;
         for (id, r) in queued {
             let mut at = admitted_at.max(r.prefill_end - r.prefill_s);
-            let end_first = |ends: &mut BinaryHeap<Reverse<(u64, u64)>>,
-                             present: &mut ChainSet,
-                             at: &mut f64| {
-                if let Some(Reverse((end, ended))) = ends.pop() {
-                    *at = at.max(f64::from_bits(end));
-                    if let Some(ended) = self.requests.get(&ended) {
-                        present.remove(&ended.keys, ended.extra_blocks);
-                    }
-                }
-            };
-            while ends
-                .peek()
-                .is_some_and(|Reverse((end, _))| f64::from_bits(*end) <= at)
-            {
+            while ends.first().is_some_and(|end| end <= at) {
                 end_first(&mut ends, &mut present, &mut at);
             }
             while present.blocks_with(&r.keys, r.extra_blocks) > capacity && !ends.is_empty() {
@@ -583,10 +578,38 @@ impl PinnedBlocks {
             admitted_at = at;
             let prefill_end = at + r.prefill_s;
             present.add(&r.keys, r.extra_blocks);
-            ends.push(Reverse(((prefill_end + decode_s).max(0.0).to_bits(), id)));
+            ends.push(prefill_end + decode_s, id);
             simulated.insert(id, prefill_end);
         }
         simulated
+    }
+}
+
+/// Requests by expected end, earliest first, for [`PinnedBlocks::queued_prefill_ends`]. An end
+/// is kept as the bits of a non-negative number (they order as the numbers do); a negative,
+/// NaN or negative-zero end counts as 0, the earliest (times on the fleet's clock are not
+/// negative).
+#[derive(Default)]
+struct Ends(BinaryHeap<Reverse<(u64, u64)>>);
+
+impl Ends {
+    fn push(&mut self, end: f64, id: u64) {
+        // `max` drops a NaN; `+ 0.0` turns a negative zero positive.
+        self.0.push(Reverse(((end.max(0.0) + 0.0).to_bits(), id)));
+    }
+
+    fn pop(&mut self) -> Option<(f64, u64)> {
+        self.0
+            .pop()
+            .map(|Reverse((end, id))| (f64::from_bits(end), id))
+    }
+
+    fn first(&self) -> Option<f64> {
+        self.0.peek().map(|Reverse((end, _))| f64::from_bits(*end))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 

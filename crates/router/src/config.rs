@@ -128,6 +128,7 @@ impl RouterConfig {
             history_capacity: c.history_capacity,
             predicted_ttl_s: c.predicted_ttl_s,
             default_prefill_tokens_per_s: self.scheduler.prefill_tokens_per_s,
+            prefill_chunk_tokens: self.scheduler.prefill_chunk_tokens,
             load_sample_max_age_s: FleetConfig::load_sample_max_age_for(
                 self.scrape.interval_ms as f64 / 1000.0,
                 self.scrape.timeout_ms as f64 / 1000.0,

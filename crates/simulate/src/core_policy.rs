@@ -103,6 +103,8 @@ impl CorePolicy {
         fleet.validate()?;
         config.load_sample_max_age_s =
             CoreFleetConfig::load_sample_max_age_for(fleet.scrape_interval_s, 0.0);
+        // As an operator sets it from the engines' `--max-num-batched-tokens`.
+        config.prefill_chunk_tokens = fleet.engine.max_num_batched_tokens;
         profile.tiers.load_mode = match fleet.engine.tier_loads {
             TierLoads::Async => TierLoadMode::Async,
             TierLoads::InStep => TierLoadMode::InStep,

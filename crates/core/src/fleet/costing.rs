@@ -3,7 +3,7 @@
 //! those holding part of the prompt, and the least busy of the rest in the fleet's
 //! [`crate::schedule::LoadOrder`] (see [`crate::schedule::schedule_pruned`]).
 
-use super::endpoint::RoomWait;
+use super::pinned::RoomWaitTime;
 use super::recent_use::Admission;
 use super::{Distrust, EndpointState, Fleet, Plan, tier_learning};
 use crate::index::{EndpointId, HeldBlocks, PrefixMatch, PrefixMatches};
@@ -192,14 +192,16 @@ impl Fleet {
             .max(history)
             .max(predicted);
         let reads_cache = self.profile.cache != CacheSource::None;
-        let room_wait_s = e.room_wait_s(
-            inputs.keys,
-            inputs.prompt_tokens,
-            bs,
-            inputs.decode_s,
-            now,
-            RoomWait::Expected,
-        );
+        let room_wait = e
+            .room_asked(
+                inputs.keys,
+                inputs.prompt_tokens,
+                bs,
+                inputs.decode_s,
+                self.config.prefill_chunk_tokens,
+                now,
+            )
+            .map_or_else(RoomWaitTime::default, |asked| e.pinned.room_wait_s(&asked));
         let load = e.load(now, self.config.load_sample_max_age_s);
         let prefill_tokens_per_s = e.prefill_rate_toward(inputs.prior_rate);
         // The prefix split by last use, for the GPU cache and the CPU tier (whose LRU drops
@@ -212,7 +214,7 @@ impl Fleet {
             let admission = Admission {
                 at: now
                     + cost::queued_prefill_s(&load, inputs.prompt_tokens, prefill_tokens_per_s)
-                        .max(room_wait_s),
+                        .max(room_wait.wait_s),
                 fallback_decode_s: inputs.decode_s,
             };
             e.recent.parts_for(
@@ -267,7 +269,8 @@ impl Fleet {
             serves_model: same_block_size && e.spec.serves(inputs.model),
             role: e.spec.role,
             load: EndpointLoad {
-                room_wait_s,
+                room_wait_s: room_wait.wait_s,
+                room_prefilled_share: room_wait.prefilled_share,
                 not_fitting_per_s: e.capacity_blocks.map_or(0.0, |capacity_blocks| {
                     let blocks = inputs
                         .prompt_tokens

@@ -230,44 +230,30 @@ pub struct EndpointState {
     pub(super) present: bool,
 }
 
-/// Whose ends a wait for room counts ([`EndpointState::room_wait_s`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum RoomWait {
-    /// Every in-flight request's expected end: what a plan costs.
-    Expected,
-    /// Only the ends of the requests admitted already: the lower bound a dispatched request's
-    /// expected prefill end is counted from ([`PinnedBlocks::admitted_room_wait_s`]).
-    Admitted,
-}
-
 impl EndpointState {
-    /// Seconds a request with `keys` and `prompt_tokens` would wait here at `now` for room in
-    /// the cache, counting the ends `counted` says (0 where the capacity is unknown);
-    /// `fallback_decode_s`: the decode time to expect where this endpoint has none yet.
-    pub(super) fn room_wait_s(
+    /// What a request with `keys` and `prompt_tokens` asks at `now` of this endpoint's cache,
+    /// for [`PinnedBlocks::room_wait_s`] or [`PinnedBlocks::admitted_room_wait_s`]; `None`
+    /// where the capacity is unknown (it waits for nothing then). `fallback_decode_s`: the
+    /// decode time to expect where this endpoint has none yet; `chunk_tokens`: the most prompt
+    /// tokens it prefills in one step.
+    pub(super) fn room_asked<'a>(
         &self,
-        keys: &[RouterKey],
+        keys: &'a [RouterKey],
         prompt_tokens: usize,
         block_size: usize,
         fallback_decode_s: Option<f64>,
+        chunk_tokens: usize,
         now: f64,
-        counted: RoomWait,
-    ) -> f64 {
-        let Some(capacity_blocks) = self.capacity_blocks else {
-            return 0.0;
-        };
-        let asked = RoomAsked {
+    ) -> Option<RoomAsked<'a>> {
+        Some(RoomAsked {
             keys,
             prompt_tokens,
             block_size,
-            capacity_blocks,
+            capacity_blocks: self.capacity_blocks?,
             fallback_decode_s,
+            chunk_tokens,
             now,
-        };
-        match counted {
-            RoomWait::Expected => self.pinned.room_wait_s(&asked),
-            RoomWait::Admitted => self.pinned.admitted_room_wait_s(&asked),
-        }
+        })
     }
 
     pub(super) fn new(id: EndpointId, spec: EndpointSpec) -> Self {

@@ -3,7 +3,7 @@
 
 use std::cell::OnceCell;
 
-use super::endpoint::RoomWait;
+use super::pinned::RoomWaitTime;
 use super::{
     Dispatch, Ejection, EndpointState, Fleet, RequestFeatures, TtftCheck, UpstreamOutcome,
 };
@@ -108,17 +108,23 @@ impl Fleet {
                 r if r > 0.0 => r,
                 _ => self.config.default_prefill_tokens_per_s.max(1.0),
             };
-            let room_wait_s = e.room_wait_s(
-                request.keys,
-                request.prompt_tokens,
-                bs,
-                self.model_priors.decode_s(model),
-                now,
-                RoomWait::Admitted,
-            );
+            let room_wait = e
+                .room_asked(
+                    request.keys,
+                    request.prompt_tokens,
+                    bs,
+                    self.model_priors.decode_s(model),
+                    self.config.prefill_chunk_tokens,
+                    now,
+                )
+                .map_or_else(RoomWaitTime::default, |asked| {
+                    e.pinned.admitted_room_wait_s(&asked)
+                });
             let queued_s = e.inflight_prefill_tokens as f64 / rate;
             let prefill_s = uncached as f64 / rate;
-            let prefill_end = now + queued_s.max(room_wait_s) + prefill_s;
+            let prefill_end = now
+                + (queued_s + prefill_s)
+                    .max(room_wait.wait_s + prefill_s * (1.0 - room_wait.prefilled_share));
             e.pinned.pin(
                 self.next_pin,
                 request.keys.clone(),

@@ -95,6 +95,11 @@ pub struct FleetConfig {
     pub sessions_capacity: usize,
     /// Prefill speed assumed for an endpoint until observed, tokens per second.
     pub default_prefill_tokens_per_s: f64,
+    /// Most prompt tokens an engine prefills in one step (vLLM's `max_num_batched_tokens`). A
+    /// request waiting for room in a full cache is admitted a chunk at a time, each chunk once
+    /// its blocks fit, so the whole chunks that fit before the room is made are prefilled while
+    /// it waits.
+    pub prefill_chunk_tokens: usize,
     /// Seconds after which a load sample is too old to use.
     pub load_sample_max_age_s: f64,
     /// When an index is distrusted.
@@ -126,6 +131,8 @@ impl Default for FleetConfig {
             prediction_grace_s: 0.25,
             sessions_capacity: 100_000,
             default_prefill_tokens_per_s: 20_000.0,
+            // vLLM's default for an online server.
+            prefill_chunk_tokens: 8192,
             load_sample_max_age_s: 5.0,
             trust: TrustPolicy::default(),
             health: HealthPolicy::default(),

@@ -21,6 +21,14 @@
 //! come first served, each once its blocks fit beside those of the requests running then:
 //! where the cache holds few at once, their ends follow one another.
 //!
+//! vLLM admits a prompt chunk by chunk (`max_num_batched_tokens` at a time), each chunk once its
+//! blocks fit, and the head of its queue keeps every later request behind it until all its
+//! chunks are in: a request waiting for room prefills the whole chunks that fit in the blocks
+//! free before the last end it waits for during the wait, and only the rest after it (a prompt
+//! no longer than a chunk waits whole). Counting its whole prefill after the wait read large
+//! prompts behind a full cache a prefill late (traced on the Mooncake trace: 1.32 s predicted
+//! against 0.95 s measured on average, and the error grew with the prompt).
+//!
 //! A request holds more than its prompt by its end: its output goes in blocks it allocates as
 //! it decodes, and where the cache is tight that growth is what fails. vLLM admits a request
 //! once its prompt fits, then preempts the newest running request (to recompute it later) when
@@ -106,14 +114,25 @@ pub(super) struct PinnedBlocks {
 /// frees.
 #[derive(Clone, Debug, Default)]
 struct Releases {
-    /// The cache size and decode time the queued requests' admissions were simulated with
+    /// What the queued requests' admissions were simulated with
     /// (`None`: not simulated, each taken at the earliest end of its prefill).
-    admissions_for: Option<(usize, f64)>,
+    admissions_for: Option<Admissions>,
     /// One step per request, in order.
     steps: Vec<Release>,
     /// Each step's request's keys, then those of the requests without a step (which hold
     /// theirs past every step).
     keys: Vec<Arc<Vec<RouterKey>>>,
+}
+
+/// What the queued requests' admissions are simulated with ([`PinnedBlocks::queued_prefill_ends`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Admissions {
+    /// The endpoint's cache, in blocks.
+    capacity: usize,
+    /// Seconds from a request's first token to its end.
+    decode_s: f64,
+    /// Blocks an engine step prefills at most (at least 1).
+    chunk_blocks: usize,
 }
 
 /// One step of an endpoint's expected releases.
@@ -164,8 +183,40 @@ pub(super) struct RoomAsked<'a> {
     pub capacity_blocks: usize,
     /// The decode time to expect where the endpoint has none of its own yet.
     pub fallback_decode_s: Option<f64>,
+    /// Most prompt tokens the engine prefills in one step (vLLM's `max_num_batched_tokens`).
+    pub chunk_tokens: usize,
     /// The plan's time.
     pub now: f64,
+}
+
+impl RoomAsked<'_> {
+    /// Blocks an engine step prefills at most (at least 1).
+    fn chunk_blocks(&self) -> usize {
+        (self.chunk_tokens / self.block_size.max(1)).max(1)
+    }
+}
+
+/// How long a new request waits for room in an endpoint's cache ([`PinnedBlocks::room_wait_s`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct RoomWaitTime {
+    /// Seconds until the last end it waits for.
+    pub wait_s: f64,
+    /// The share of the blocks it needs that fit, in whole prefill chunks, in those free before
+    /// that last end: vLLM admits a prompt chunk by chunk as room is made (each chunk once its
+    /// blocks fit), so that share of its prefill runs during the wait and only the rest after.
+    pub prefilled_share: f64,
+}
+
+/// The share of a request's `needed` blocks prefilled in whole chunks of `chunk_blocks` into
+/// `free` blocks, in [0, 1]: vLLM admits a waiting request a chunk at a time, each chunk once
+/// its blocks fit, so a prompt no longer than a chunk waits whole.
+fn prefilled_share(free: i64, needed: i64, chunk_blocks: usize) -> f64 {
+    if needed <= 0 {
+        return 1.0;
+    }
+    let chunk = chunk_blocks.max(1) as i64;
+    let in_chunks = free.clamp(0, needed) / chunk * chunk;
+    in_chunks as f64 / needed as f64
 }
 
 impl PinnedBlocks {
@@ -380,7 +431,7 @@ impl PinnedBlocks {
     /// It reads the endpoint's releases, made once per change of its in-flight requests (not
     /// once per plan: costing every endpoint of a large fleet must not walk each one's
     /// in-flight blocks), halves over them, and allocates nothing.
-    pub(super) fn room_wait_s(&self, asked: &RoomAsked<'_>) -> f64 {
+    pub(super) fn room_wait_s(&self, asked: &RoomAsked<'_>) -> RoomWaitTime {
         self.room_wait(asked, false)
     }
 
@@ -389,18 +440,19 @@ impl PinnedBlocks {
     /// the earliest end of its prefill is counted from. The ends of requests still queued are
     /// themselves estimates counted from such waits, and a chain of them runs away (each link
     /// adds the model's error: traced at 17–45 s too long, docs/benchmarks-log.md).
-    pub(super) fn admitted_room_wait_s(&self, asked: &RoomAsked<'_>) -> f64 {
+    pub(super) fn admitted_room_wait_s(&self, asked: &RoomAsked<'_>) -> RoomWaitTime {
         self.room_wait(asked, true)
     }
 
-    fn room_wait(&self, asked: &RoomAsked<'_>, admitted_only: bool) -> f64 {
+    fn room_wait(&self, asked: &RoomAsked<'_>, admitted_only: bool) -> RoomWaitTime {
+        let none = RoomWaitTime::default();
         let pinned = self.blocks();
         if pinned == 0 || asked.capacity_blocks == 0 {
-            return 0.0;
+            return none;
         }
         let Some(decode_s) = self.decode_s.or(asked.fallback_decode_s) else {
             // No request has ended here yet: nothing says how long one runs.
-            return 0.0;
+            return none;
         };
         let blocks = self
             .footprint_blocks(asked.prompt_tokens, asked.block_size)
@@ -409,19 +461,23 @@ impl PinnedBlocks {
         let room = asked.capacity_blocks as i64 - pinned as i64;
         if blocks as i64 <= room {
             // Fits even with nothing shared: no need to look the keys up.
-            return 0.0;
+            return none;
         }
         let shared = self.pinned_prefix(asked.keys);
         let needed = (blocks - shared.min(blocks)) as i64;
         if needed <= room {
-            return 0.0;
+            return none;
         }
         let uncached;
         let releases = if admitted_only {
             uncached = self.releases_of(true, None);
             &uncached
         } else {
-            let wanted = Some((asked.capacity_blocks, decode_s));
+            let wanted = Some(Admissions {
+                capacity: asked.capacity_blocks,
+                decode_s,
+                chunk_blocks: asked.chunk_blocks(),
+            });
             let cached = self
                 .releases
                 .get_or_init(|| self.releases_of(false, wanted));
@@ -458,7 +514,17 @@ impl PinnedBlocks {
         let at = (first_possible..steps.len())
             .find(|&at| room + steps[at].freed - (shared - still_shared(at + 1)) as i64 >= needed)
             .unwrap_or(steps.len());
-        made_room(at).map_or(0.0, wait)
+        let Some(last) = made_room(at) else {
+            return none;
+        };
+        // The blocks free before the last end it waits for: vLLM admits a prompt chunk by
+        // chunk as room is made, so the whole chunks they hold are prefilled during the wait.
+        let last_at = at.min(steps.len() - 1);
+        let free_before = room + last_at.checked_sub(1).map_or(0, |i| steps[i].freed);
+        RoomWaitTime {
+            wait_s: wait(last),
+            prefilled_share: prefilled_share(free_before, needed, asked.chunk_blocks()),
+        }
     }
 
     /// The in-flight requests in the order they are expected to end, with the blocks freed by
@@ -466,11 +532,11 @@ impl PinnedBlocks {
     /// frees its keys past the longest prefix it shares with a request ending after it, found
     /// by walking the order backwards with the later chains in order. `admitted_only`: steps
     /// for the admitted requests alone, the others taken to hold their blocks past every one
-    /// of them (their keys follow the steps' in [`Releases::keys`]). `admissions`: the cache
-    /// size and decode time to simulate the queued requests' admissions with
+    /// of them (their keys follow the steps' in [`Releases::keys`]). `admissions`: what to
+    /// simulate the queued requests' admissions with
     /// ([`Self::queued_prefill_ends`]); without them a queued request is heard of at the
     /// earliest end of its prefill.
-    fn releases_of(&self, admitted_only: bool, admissions: Option<(usize, f64)>) -> Releases {
+    fn releases_of(&self, admitted_only: bool, admissions: Option<Admissions>) -> Releases {
         type Listed<'a> = Vec<(u64, &'a PinnedRequest)>;
         let (order, queued): (Listed<'_>, Listed<'_>) = self
             .requests
@@ -478,9 +544,7 @@ impl PinnedBlocks {
             .map(|(id, r)| (*id, r))
             .partition(|(_, r)| !admitted_only || r.first_token_at.is_some());
         let simulated = match admissions {
-            Some((capacity, decode_s)) if !admitted_only => {
-                self.queued_prefill_ends(capacity, decode_s)
-            }
+            Some(admissions) if !admitted_only => self.queued_prefill_ends(admissions),
             _ => HashMap::new(),
         };
         let heard_at = |id: u64, r: &PinnedRequest| {
@@ -524,8 +588,9 @@ impl PinnedBlocks {
     /// by id: vLLM admits its waiting requests first come first served, each once its blocks
     /// fit beside those of the requests running then, so a queued request is admitted no
     /// earlier than the one queued before it, and no earlier than the requests ahead of it
-    /// have ended for its blocks to fit in `capacity`. The running requests end `decode_s`
-    /// after their first token, each queued one `decode_s` after its simulated prefill. Without
+    /// have ended for its blocks to fit in the cache. The running requests end a decode time
+    /// after their first token, each queued one a decode time after its simulated prefill, of
+    /// which the whole chunks that fit before its last wait ends run during the wait. Without
     /// this a queue of requests that each fill the cache was taken to end all at once, a
     /// decode after the running request's end, and the wait behind it read several
     /// residencies short (traced: 0.76 s predicted, 6.26 s waited behind three such requests,
@@ -536,7 +601,10 @@ impl PinnedBlocks {
     /// as counted when it was sent). One pass over the ends in order, each end looked at once:
     /// a request admitted later than another finds every request the other's admission saw
     /// end already ended.
-    fn queued_prefill_ends(&self, capacity: usize, decode_s: f64) -> HashMap<u64, f64> {
+    fn queued_prefill_ends(&self, admissions: Admissions) -> HashMap<u64, f64> {
+        let Admissions {
+            capacity, decode_s, ..
+        } = admissions;
         let mut queued: Vec<(u64, &PinnedRequest)> = self
             .requests
             .iter()
@@ -568,15 +636,25 @@ impl PinnedBlocks {
         let mut simulated = HashMap::with_capacity(queued.len());
         let mut admitted_at = f64::NEG_INFINITY;
         for (id, r) in queued {
-            let mut at = admitted_at.max(r.prefill_end - r.prefill_s);
+            let start = admitted_at.max(r.prefill_end - r.prefill_s);
+            let mut at = start;
             while ends.first().is_some_and(|end| end <= at) {
                 end_first(&mut ends, &mut present, &mut at);
             }
+            // Its blocks free before the last end it waits for are prefilled during the wait.
+            let mut prefilled_share = 1.0;
             while present.blocks_with(&r.keys, r.extra_blocks) > capacity && !ends.is_empty() {
+                let own = present.blocks_with(&r.keys, r.extra_blocks) - present.blocks();
+                let free = capacity as i64 - present.blocks() as i64;
+                prefilled_share = self::prefilled_share(free, own as i64, admissions.chunk_blocks);
                 end_first(&mut ends, &mut present, &mut at);
             }
             admitted_at = at;
-            let prefill_end = at + r.prefill_s;
+            let prefill_end = if at > start {
+                (start + r.prefill_s).max(at + r.prefill_s * (1.0 - prefilled_share))
+            } else {
+                at + r.prefill_s
+            };
             present.add(&r.keys, r.extra_blocks);
             ends.push(prefill_end + decode_s, id);
             simulated.insert(id, prefill_end);
@@ -751,6 +829,9 @@ mod tests {
             block_size: 16,
             capacity_blocks: capacity,
             fallback_decode_s: None,
+            // A chunk of one block: the blocks free before the room is made are prefilled
+            // while the request waits, whatever their number.
+            chunk_tokens: 16,
             now,
         }
     }
@@ -777,7 +858,7 @@ mod tests {
         let mut pinned = decoding_for_0_4_s();
         pinned.pin(2, keys(2, 100), 100 * 16 + 8, 16, 0.6, 0.0);
         let new = keys(3, 100);
-        assert_eq!(pinned.room_wait_s(&asked(&new, 300, 0.6)), 0.0);
+        assert_eq!(pinned.room_wait_s(&asked(&new, 300, 0.6)).wait_s, 0.0);
     }
 
     #[test]
@@ -787,11 +868,38 @@ mod tests {
         running(&mut pinned, 2, keys(2, 100), 1.0);
         running(&mut pinned, 3, keys(3, 100), 1.2);
         let new = keys(4, 100);
-        let wait = pinned.room_wait_s(&asked(&new, 250, 1.3));
+        let wait = pinned.room_wait_s(&asked(&new, 250, 1.3)).wait_s;
         assert!((wait - 0.1).abs() < 1e-9, "request 2 ends at 1.4: {wait}");
         // A cache of 200 needs both to end.
-        let wait = pinned.room_wait_s(&asked(&new, 200, 1.3));
+        let wait = pinned.room_wait_s(&asked(&new, 200, 1.3)).wait_s;
         assert!((wait - 0.3).abs() < 1e-9, "request 3 ends at 1.6: {wait}");
+    }
+
+    #[test]
+    fn only_whole_chunks_that_fit_before_the_room_is_made_are_prefilled_during_the_wait() {
+        let mut pinned = decoding_for_0_4_s();
+        // One running request of 100 blocks (+1) in a cache of 150: 49 blocks free until it
+        // ends at 1.4. A new request of 101 blocks waits for that end.
+        running(&mut pinned, 2, keys(2, 100), 1.0);
+        let new = keys(4, 100);
+        let with_chunk = |chunk_tokens| {
+            let asked = RoomAsked {
+                chunk_tokens,
+                ..asked(&new, 150, 1.3)
+            };
+            pinned.room_wait_s(&asked)
+        };
+        // Chunks of 32 blocks: one fits in the 49, so 32 of its 101 blocks are prefilled while
+        // it waits; a chunk of 2,048 tokens (128 blocks) holds the whole prompt, which vLLM
+        // admits only once it fits whole: nothing is prefilled before the end.
+        for (chunk_tokens, share) in [(16, 49.0 / 101.0), (512, 32.0 / 101.0), (2_048, 0.0)] {
+            let wait = with_chunk(chunk_tokens);
+            assert!((wait.wait_s - 0.1).abs() < 1e-9, "{wait:?}");
+            assert!(
+                (wait.prefilled_share - share).abs() < 1e-9,
+                "{chunk_tokens}: {wait:?}"
+            );
+        }
     }
 
     #[test]
@@ -803,14 +911,17 @@ mod tests {
         assert_eq!(pinned.blocks(), 112, "the context counts once");
         // Another question of that tenant needs 6 blocks: it fits in 120.
         let same_tenant = chain(1, 100, 4, 5);
-        assert_eq!(pinned.room_wait_s(&asked(&same_tenant, 120, 1.2)), 0.0);
+        assert_eq!(
+            pinned.room_wait_s(&asked(&same_tenant, 120, 1.2)).wait_s,
+            0.0
+        );
         // Another tenant's 105 blocks wait for the context itself to be freed: both end.
         let other = chain(2, 100, 5, 5);
-        let wait = pinned.room_wait_s(&asked(&other, 120, 1.2));
+        let wait = pinned.room_wait_s(&asked(&other, 120, 1.2)).wait_s;
         assert!((wait - 0.3).abs() < 1e-9, "request 3 ends at 1.5: {wait}");
         // In a cache of 117 the same tenant's question waits for one question to end, whose
         // context blocks it shares free nothing for it.
-        let wait = pinned.room_wait_s(&asked(&same_tenant, 117, 1.2));
+        let wait = pinned.room_wait_s(&asked(&same_tenant, 117, 1.2)).wait_s;
         assert!((wait - 0.2).abs() < 1e-9, "request 2 ends at 1.4: {wait}");
     }
 
@@ -824,13 +935,13 @@ mod tests {
         pinned.pin(5, keys(5, 100), 100 * 16 + 8, 16, 1.3, 0.0);
         let new = keys(4, 100);
         // A cache of 310 holds the three and needs one end for a fourth: the first, at 1.4.
-        assert!((pinned.room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
-        assert!((pinned.admitted_room_wait_s(&asked(&new, 310, 1.3)) - 0.1).abs() < 1e-9);
+        assert!((pinned.room_wait_s(&asked(&new, 310, 1.3)).wait_s - 0.1).abs() < 1e-9);
+        assert!((pinned.admitted_room_wait_s(&asked(&new, 310, 1.3)).wait_s - 0.1).abs() < 1e-9);
         // A cache of 110 holds one request: the queued one is admitted once both running ones
         // have ended, at 1.6, and ends at 2.0; the new one waits for that. The admitted
         // requests' ends alone are not enough, so the admitted wait is the last of them, at 1.6.
-        assert!((pinned.room_wait_s(&asked(&new, 110, 1.3)) - 0.7).abs() < 1e-9);
-        assert!((pinned.admitted_room_wait_s(&asked(&new, 110, 1.3)) - 0.3).abs() < 1e-9);
+        assert!((pinned.room_wait_s(&asked(&new, 110, 1.3)).wait_s - 0.7).abs() < 1e-9);
+        assert!((pinned.admitted_room_wait_s(&asked(&new, 110, 1.3)).wait_s - 0.3).abs() < 1e-9);
     }
 
     #[test]
@@ -843,13 +954,21 @@ mod tests {
             pinned.pin(id, keys(id, 100), 100 * 16 + 8, 16, 1.05, 0.05);
         }
         let new = keys(9, 100);
-        // Each queued request waits for the one before it: admitted at 1.4, 1.85 and 2.3, each
-        // ending 0.45 s later; the new request waits for the last, until 2.75.
+        // Each queued request waits for the one before it to end. It is admitted chunk by
+        // chunk as room is made: the 49 of its 101 blocks free before that end are prefilled
+        // during the wait, the other 52 after it (0.05 s × 52/101). So each ends 0.4 + 0.05 ×
+        // 52/101 s after the one before, from 1.4; the new request waits for the last, until
+        // 1.4 + 3 × (0.4 + 0.05 × 52/101), and it too finds 49 of its 101 blocks free before.
         let wait = pinned.room_wait_s(&asked(&new, 150, 1.1));
-        assert!((wait - 1.65).abs() < 1e-9, "{wait}");
+        let expected = 1.4 + 3.0 * (0.4 + 0.05 * 52.0 / 101.0) - 1.1;
+        assert!((wait.wait_s - expected).abs() < 1e-9, "{wait:?}");
+        assert!(
+            (wait.prefilled_share - 49.0 / 101.0).abs() < 1e-9,
+            "{wait:?}"
+        );
         // Where the cache holds all four at once, nothing waits: the new one fits beside them
         // only once the first has ended, at 1.4.
-        let wait = pinned.room_wait_s(&asked(&new, 404, 1.1));
+        let wait = pinned.room_wait_s(&asked(&new, 404, 1.1)).wait_s;
         assert!((wait - 0.3).abs() < 1e-9, "{wait}");
         // Requests that share a context are admitted together where their own blocks fit.
         let mut pinned = decoding_for_0_4_s();
@@ -861,7 +980,7 @@ mod tests {
         // as early as they can be, at 1.0, and end at 1.45, so a request of another tenant
         // (106 blocks) waits for the context to go, at 1.45.
         let other = chain(2, 100, 9, 5);
-        let wait = pinned.room_wait_s(&asked(&other, 130, 1.1));
+        let wait = pinned.room_wait_s(&asked(&other, 130, 1.1)).wait_s;
         assert!((wait - 0.35).abs() < 1e-9, "{wait}");
     }
 
@@ -871,14 +990,14 @@ mod tests {
         running(&mut pinned, 2, keys(2, 100), 1.0);
         let new = keys(4, 100);
         // 101 of 150 pinned: the new request waits for request 2 (ends at 1.4).
-        assert!((pinned.room_wait_s(&asked(&new, 150, 1.1)) - 0.3).abs() < 1e-9);
+        assert!((pinned.room_wait_s(&asked(&new, 150, 1.1)).wait_s - 0.3).abs() < 1e-9);
         // A second request pins 61 more and ends at 1.55: the new one now waits for both.
         running(&mut pinned, 3, keys(3, 60), 1.15);
-        assert!((pinned.room_wait_s(&asked(&new, 150, 1.2)) - 0.35).abs() < 1e-9);
+        assert!((pinned.room_wait_s(&asked(&new, 150, 1.2)).wait_s - 0.35).abs() < 1e-9);
         // Request 2 ends after 0.3 s of decoding (learned: 0.8 × 0.4 + 0.2 × 0.3 = 0.38 s): the
         // new request waits for request 3 alone, until 1.15 + 0.38.
         pinned.unpin(2, 1.3, None);
-        assert!((pinned.room_wait_s(&asked(&new, 150, 1.3)) - 0.23).abs() < 1e-9);
+        assert!((pinned.room_wait_s(&asked(&new, 150, 1.3)).wait_s - 0.23).abs() < 1e-9);
     }
 
     #[test]
@@ -896,9 +1015,9 @@ mod tests {
         // not with both outputs: it waits for the running one (its decode learned: 0.4 s, then
         // 0.8 × 0.4 + 0.2 × 0.4).
         let new = keys(4, 100);
-        let wait = pinned.room_wait_s(&asked(&new, 220, 1.1));
+        let wait = pinned.room_wait_s(&asked(&new, 220, 1.1)).wait_s;
         assert!((wait - 0.3).abs() < 1e-9, "request 3 ends at 1.4: {wait}");
-        assert_eq!(pinned.room_wait_s(&asked(&new, 222, 1.1)), 0.0);
+        assert_eq!(pinned.room_wait_s(&asked(&new, 222, 1.1)).wait_s, 0.0);
     }
 
     #[test]

@@ -69,14 +69,19 @@ use crate::tiers::{TierLoad, TierLoadMode, tier_load};
 /// One candidate's cost, term by term, in seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Cost {
-    /// Waiting behind queued work: the larger of `queued_prefill_s` and `room_wait_s`, plus
-    /// `queued_requests_s`.
+    /// Waiting behind queued work: the larger of `queued_prefill_s` and `room_wait_s` less
+    /// `room_prefilled_s`, plus `queued_requests_s`.
     pub queue_s: f64,
     /// Of `queue_s`: the prefill queued ahead, at the endpoint's prefill rate.
     pub queued_prefill_s: f64,
     /// Of `queue_s`: the wait for room in its cache, until enough of the running requests are
     /// expected to end for its blocks to fit.
     pub room_wait_s: f64,
+    /// Of `room_wait_s`: the seconds of this request's own prefill that run during it. vLLM
+    /// admits a prompt chunk by chunk as room is made, so the whole chunks that fit in the
+    /// blocks free before the last end it waits for are prefilled while it waits, and only the
+    /// rest after.
+    pub room_prefilled_s: f64,
     /// Of `queue_s`: the requests queued ahead, each at the profile's `queue_wait_s`.
     pub queued_requests_s: f64,
     /// Computing the uncached part of the prompt, and what it holds that the queue ahead is
@@ -303,9 +308,11 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
     let tier_load_s = tiers.seconds;
     let queued_prefill_s = queued_prefill_s(load, request.prompt_tokens, rate);
     // The prefills queued ahead, or the requests that must end before this one's blocks fit,
-    // whichever is longer (the latter includes the former's prefills).
+    // whichever is longer (the latter includes the former's prefills), less the part of its own
+    // prefill that runs while it waits for them.
     let queued_requests_s = load.queue() * profile.queue_wait_s;
-    let queue_s = queued_prefill_s.max(load.room_wait_s) + queued_requests_s;
+    let room_prefilled_s = prefill_s * load.room_prefilled_share.clamp(0.0, 1.0);
+    let queue_s = queued_prefill_s.max(load.room_wait_s - room_prefilled_s) + queued_requests_s;
     // Who waits for this prefill: every running decode (its next token comes after the step
     // that computes it), and the requests that will queue behind it, as many, in steady state,
     // as are queued there now.
@@ -343,6 +350,7 @@ pub fn assess(profile: &Profile, request: &RequestInfo, c: &Candidate) -> (Cost,
         queue_s,
         queued_prefill_s,
         room_wait_s: load.room_wait_s,
+        room_prefilled_s,
         queued_requests_s,
         prefill_s,
         evicted_ahead_tokens: lost,

@@ -96,6 +96,11 @@ pub struct EndpointLoad {
     /// router's in-flight requests there have ended for its blocks to fit beside the ones they
     /// pin (0 when they fit, or nothing says how long a request runs there).
     pub room_wait_s: f64,
+    /// The share of this request's blocks that fit, in whole prefill chunks, in the blocks free
+    /// before the last end `room_wait_s` waits for: vLLM admits a prompt chunk by chunk as room
+    /// is made, so that share of its prefill runs during the wait (0 where it waits for
+    /// nothing, or not one chunk fits before).
+    pub room_prefilled_share: f64,
     /// Requests per second that come here and would not fit in its cache beside this one: the
     /// rate of its recent requests times the share of them that would not (0 where its
     /// capacity is unknown, or they all would).

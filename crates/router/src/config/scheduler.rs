@@ -1,6 +1,7 @@
 //! The `scheduler:` section: a named scheduling policy, optionally adjusted, and the profile it
 //! makes.
 
+use kvroute_core::fleet::FleetConfig;
 use kvroute_core::schedule::{
     BalanceTolerance, CostWeights, Filters, Picker, Profile, ProfileName, Saturation, TierCosts,
 };
@@ -41,6 +42,11 @@ pub struct SchedulerConfig {
     /// Prefill speed assumed for every endpoint until observed, tokens per second.
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_s: f64,
+    /// Most prompt tokens the engines prefill in one step: their `--max-num-batched-tokens`. A
+    /// request waiting for room in a full cache is admitted a chunk at a time, so the whole
+    /// chunks that fit before the room is made are prefilled while it waits.
+    #[serde(default = "default_prefill_chunk_tokens")]
+    pub prefill_chunk_tokens: usize,
     /// Header whose value names a session.
     #[serde(default = "default_session_header")]
     pub session_header: String,
@@ -56,6 +62,10 @@ fn default_policy() -> ProfileName {
 
 fn default_prefill_rate() -> f64 {
     20_000.0
+}
+
+fn default_prefill_chunk_tokens() -> usize {
+    FleetConfig::default().prefill_chunk_tokens
 }
 
 fn default_session_header() -> String {
@@ -79,6 +89,7 @@ impl Default for SchedulerConfig {
             queue_wait_s: None,
             session_affinity_s: None,
             prefill_tokens_per_s: default_prefill_rate(),
+            prefill_chunk_tokens: default_prefill_chunk_tokens(),
             session_header: default_session_header(),
             priority_header: default_priority_header(),
         }

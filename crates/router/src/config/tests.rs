@@ -240,6 +240,10 @@ fn bad_configs_name_the_field() {
             "scheduler.filters.max_waiting",
         ),
         (
+            "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {prefill_chunk_tokens: 0}",
+            "scheduler.prefill_chunk_tokens",
+        ),
+        (
             "models: [{name: m}]\nendpoints: [{url: 'http://a:1'}]\nscheduler: {filters: {max_kv_usage: -0.5}}",
             "scheduler.filters.max_kv_usage",
         ),

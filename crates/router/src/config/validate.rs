@@ -176,6 +176,12 @@ impl RouterConfig {
                 "must be positive",
             ));
         }
+        if s.prefill_chunk_tokens == 0 {
+            return Err(invalid(
+                "scheduler.prefill_chunk_tokens",
+                "must be at least 1",
+            ));
+        }
         let mut numbers: Vec<(&str, f64)> = vec![];
         if let Some(w) = &s.weights {
             numbers.extend([

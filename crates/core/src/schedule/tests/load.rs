@@ -53,6 +53,37 @@ fn explain_splits_the_queue_into_its_parts() {
 }
 
 #[test]
+fn the_part_of_a_prefill_that_fits_before_the_room_is_made_runs_during_the_wait() {
+    // An idle endpoint, but 200 ms until its running requests' ends make room for the whole
+    // prompt (1,000 uncached tokens, 50 ms at 20k tokens/s); 60% of its blocks fit before the
+    // last of those ends. vLLM prefills those chunks while the request waits: its first token
+    // comes 200 ms + 40% of 50 ms from now, not 200 + 50 ms.
+    let mut cands = fleet(1);
+    cands[0].load.room_wait_s = 0.2;
+    cands[0].load.room_prefilled_share = 0.6;
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 0, 0);
+    let c = &d.assessments[0].cost;
+    let prefill_s = 1_000.0 / cands[0].prefill_tokens_per_s;
+    assert!((c.prefill_s - prefill_s).abs() < 1e-12, "{c:?}");
+    assert!(
+        (c.room_prefilled_s - 0.6 * prefill_s).abs() < 1e-12,
+        "{c:?}"
+    );
+    assert!(
+        (c.predicted_ttft_s() - (0.2 + 0.4 * prefill_s)).abs() < 1e-12,
+        "{c:?}"
+    );
+    // A queued prefill longer than what is left of the wait is what it waits for.
+    busy(&mut cands[0], 1, 4_000);
+    let d = schedule(&Profile::default(), &request(1_000), &cands, 0, 0);
+    let c = &d.assessments[0].cost;
+    assert!(
+        (c.queue_s - (c.queued_prefill_s + c.queued_requests_s)).abs() < 1e-12,
+        "{c:?}"
+    );
+}
+
+#[test]
 fn the_stall_counts_running_decodes_and_the_queue_that_forms_behind() {
     let mut cands = fleet(1);
     busy(&mut cands[0], 3, 6_000);

@@ -3,7 +3,7 @@
 
 use std::cell::OnceCell;
 
-use super::pinned::RoomWaitTime;
+use super::pinned::{RoomWaitTime, prefill_done_at};
 use super::{
     Dispatch, Ejection, EndpointState, Fleet, RequestFeatures, TtftCheck, UpstreamOutcome,
 };
@@ -123,8 +123,12 @@ impl Fleet {
             let queued_s = e.inflight_prefill_tokens as f64 / rate;
             let prefill_s = uncached as f64 / rate;
             let prefill_end = now
-                + (queued_s + prefill_s)
-                    .max(room_wait.wait_s + prefill_s * (1.0 - room_wait.prefilled_share));
+                + prefill_done_at(
+                    queued_s,
+                    room_wait.wait_s,
+                    prefill_s,
+                    room_wait.prefilled_share,
+                );
             e.pinned.pin(
                 self.next_pin,
                 request.keys.clone(),

@@ -219,6 +219,19 @@ fn prefilled_share(free: i64, needed: i64, chunk_blocks: usize) -> f64 {
     in_chunks as f64 / needed as f64
 }
 
+/// When a request's prefill ends: its own `prefill_s` after the prefill queued ahead of it is
+/// done (at `queued_until`), or after the room for it is made (at `room_until`) less the share
+/// of it prefilled in the blocks free before (`prefilled_share`), whichever is later. The same
+/// expression serves any origin of time (absolute, or seconds from now).
+pub(super) fn prefill_done_at(
+    queued_until: f64,
+    room_until: f64,
+    prefill_s: f64,
+    prefilled_share: f64,
+) -> f64 {
+    (queued_until + prefill_s).max(room_until + prefill_s * (1.0 - prefilled_share))
+}
+
 impl PinnedBlocks {
     /// Request `id` was sent here with its full blocks' `keys`; its prefill can end at
     /// `prefill_end` at the earliest, the last `prefill_s` of it its own. Ids are given in the
@@ -641,20 +654,21 @@ impl PinnedBlocks {
             while ends.first().is_some_and(|end| end <= at) {
                 end_first(&mut ends, &mut present, &mut at);
             }
-            // Its blocks free before the last end it waits for are prefilled during the wait.
-            let mut prefilled_share = 1.0;
-            while present.blocks_with(&r.keys, r.extra_blocks) > capacity && !ends.is_empty() {
-                let own = present.blocks_with(&r.keys, r.extra_blocks) - present.blocks();
+            // The whole chunks that fit in the blocks free before the last end it waits for are
+            // prefilled during the wait.
+            let mut share = 0.0;
+            loop {
+                let with = present.blocks_with(&r.keys, r.extra_blocks);
+                if with <= capacity || ends.is_empty() {
+                    break;
+                }
                 let free = capacity as i64 - present.blocks() as i64;
-                prefilled_share = self::prefilled_share(free, own as i64, admissions.chunk_blocks);
+                let own = (with - present.blocks()) as i64;
+                share = prefilled_share(free, own, admissions.chunk_blocks);
                 end_first(&mut ends, &mut present, &mut at);
             }
             admitted_at = at;
-            let prefill_end = if at > start {
-                (start + r.prefill_s).max(at + r.prefill_s * (1.0 - prefilled_share))
-            } else {
-                at + r.prefill_s
-            };
+            let prefill_end = prefill_done_at(start, at, r.prefill_s, share);
             present.add(&r.keys, r.extra_blocks);
             ends.push(prefill_end + decode_s, id);
             simulated.insert(id, prefill_end);

@@ -19,6 +19,17 @@ fn minimal_config_gets_every_default() {
     assert!(c.admin.listen.ip().is_loopback() && c.admin.token.is_none());
 }
 
+/// The engines' prefill chunk reaches the fleet's cost model as written, vLLM's default when
+/// left out.
+#[test]
+fn the_prefill_chunk_reaches_the_fleet() {
+    let c = RouterConfig::from_yaml(MINIMAL).unwrap();
+    assert_eq!(c.fleet_config().prefill_chunk_tokens, 8192);
+    let yaml = format!("{MINIMAL}scheduler: {{prefill_chunk_tokens: 2048}}\n");
+    let c = RouterConfig::from_yaml(&yaml).unwrap();
+    assert_eq!(c.fleet_config().prefill_chunk_tokens, 2048);
+}
+
 /// A HuggingFace tokenizer's engine flags read as written, and as vLLM's defaults when
 /// left out.
 #[test]

@@ -213,6 +213,19 @@ fn a_queue_a_scrape_saw_full_opens_when_the_routers_own_requests_leave_it() {
     );
 }
 
+/// 150-block caches; on `busy`, a first request decoded for 0.4 s (the decode time it learns,
+/// with no output counted), and a 100-block request runs from 1.0, expected to end at 1.4 (101
+/// blocks pinned, 49 free). Returns that request.
+fn running_until_1_4_s(fleet: &mut Fleet, busy: EndpointId) -> Dispatch {
+    scrape_idle(fleet, 150);
+    let mut first = send_to(fleet, &Req::new(&prompt(160, 1)), busy, 0.0);
+    fleet.first_token(&mut first, true, 0.1);
+    fleet.finished(first, Some(0), 0.5);
+    let mut running = send_to(fleet, &Req::new(&prompt(1_600, 2)), busy, 0.9);
+    fleet.first_token(&mut running, true, 1.0);
+    running
+}
+
 /// An engine admits a request only when its blocks fit beside those its running requests
 /// pin: one whose cache a running request fills waits for that request's decode to end, and
 /// the plan says so in its queue term (and sends it where it fits).
@@ -220,14 +233,7 @@ fn a_queue_a_scrape_saw_full_opens_when_the_routers_own_requests_leave_it() {
 fn a_request_that_does_not_fit_beside_running_ones_waits_for_their_end() {
     let mut fleet = FleetBuilder::new(2).build();
     let (busy, idle) = (EndpointId(0), EndpointId(1));
-    scrape_idle(&mut fleet, 150);
-    // A first request there decodes for 0.4 s: the decode time it learns.
-    let mut first = send_to(&mut fleet, &Req::new(&prompt(160, 1)), busy, 0.0);
-    fleet.first_token(&mut first, true, 0.1);
-    fleet.finished(first, Some(0), 0.5);
-    // A 100-block request runs there from 1.0 (expected to end at 1.4).
-    let mut running = send_to(&mut fleet, &Req::new(&prompt(1_600, 2)), busy, 0.9);
-    fleet.first_token(&mut running, true, 1.0);
+    let running = running_until_1_4_s(&mut fleet, busy);
     let plan = fleet.plan(&Req::new(&prompt(1_600, 3)).features(), 7, 1.1);
     // Its first token comes a whole prefill after that end: its 1,600 tokens are one chunk
     // (the engines' default 8,192 a step), which vLLM admits only once all of it fits.
@@ -241,6 +247,26 @@ fn a_request_that_does_not_fit_beside_running_ones_waits_for_their_end() {
     fleet.finished(running, Some(0), 1.2);
     let plan = fleet.plan(&Req::new(&prompt(1_600, 3)).features(), 7, 1.2);
     assert!(plan.decision.assessment(busy).unwrap().cost.queue_s < 0.05);
+}
+
+/// The engines' chunk (`prefill_chunk_tokens`) is what the plan counts as prefilled during a
+/// wait for room: with chunks of 512 tokens (32 blocks), one of them fits in the 49 blocks a
+/// running request leaves free, so 32 of the new request's 100 blocks are prefilled before
+/// that request ends.
+#[test]
+fn the_configured_chunk_is_what_a_plan_counts_as_prefilled_during_the_wait() {
+    let mut builder = FleetBuilder::new(1);
+    builder.config.prefill_chunk_tokens = 512;
+    let mut fleet = builder.build();
+    let busy = EndpointId(0);
+    running_until_1_4_s(&mut fleet, busy);
+    let plan = fleet.plan(&Req::new(&prompt(1_600, 3)).features(), 7, 1.1);
+    let cost = &plan.decision.assessment(busy).unwrap().cost;
+    assert!((cost.room_wait_s - 0.3).abs() < 1e-9, "{cost:?}");
+    assert!(
+        (cost.room_prefilled_s - 0.32 * cost.prefill_s).abs() < 1e-9,
+        "{cost:?}"
+    );
 }
 
 #[test]
